@@ -1,0 +1,34 @@
+# Entry points for people and CI: set-up is part of every target, so a fresh machine needs only `make`.
+PYTHON ?= python3
+APT_PACKAGES := mosquitto dataset-fashion-mnist
+STAMP := .make-stamps
+
+.PHONY: demo test install system-deps python-deps clean
+
+demo: install
+	$(PYTHON) -m coordinator simulate --devices 4 --partition type1 --strategy avefl --rounds 10 \
+		--acquisitions-per-round 1 --labels-per-acquisition 400 --epochs 5 --sampler entropy \
+		--mc-passes 10 --init-samples 100 --seed 0
+
+test: install
+	$(PYTHON) -m pytest -q
+
+install: system-deps python-deps
+
+system-deps: $(STAMP)/system
+$(STAMP)/system:
+	@mkdir -p $(STAMP)
+	@if ! command -v mosquitto >/dev/null 2>&1 || ! dpkg -s dataset-fashion-mnist >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES); \
+	fi
+	@touch $@
+
+python-deps: $(STAMP)/python
+$(STAMP)/python: pyproject.toml
+	@mkdir -p $(STAMP)
+	$(PYTHON) -m pip install -q torch==2.13.0
+	$(PYTHON) -m pip install -q -e '.[test]'
+	@touch $@
+
+clean:
+	rm -rf $(STAMP) runs .pytest_cache

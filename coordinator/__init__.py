@@ -1,0 +1,1 @@
+# Coordinator: broker, round state machine, aggregation, storage and the bench simulator.

@@ -1,0 +1,1 @@
+# Edge agent: what runs on a device (no imports of coordinator/ or export/).

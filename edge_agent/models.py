@@ -1,0 +1,105 @@
+# Model zoo (the paper's Table 2 CNN first) and the conversion between torch modules and named numpy weights.
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+Weights = dict[str, np.ndarray]
+
+NUM_CLASSES = 10
+INPUT_SHAPE = (1, 28, 28)
+
+
+class PaperCNN(nn.Module):
+    """The Table 2 network of the core paper: four convolutions, no batch norm, three dropout layers.
+
+    It is split into a deterministic `prefix` (everything before the first dropout) and a stochastic
+    `tail`, so that MC-dropout scoring can run the expensive prefix once and the cheap tail r times.
+    """
+
+    dropout_rates = (0.25, 0.25, 0.5)
+
+    def __init__(self, num_classes: int = NUM_CLASSES) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 64, kernel_size=4)
+        self.conv2 = nn.Conv2d(64, 16, kernel_size=5)
+        self.conv3 = nn.Conv2d(16, 32, kernel_size=4)
+        self.conv4 = nn.Conv2d(32, 16, kernel_size=4)
+        self.fc1 = nn.Linear(16 * 2 * 2, 128)
+        self.fc2 = nn.Linear(128, num_classes)
+        self.drop1 = nn.Dropout(self.dropout_rates[0])
+        self.drop2 = nn.Dropout(self.dropout_rates[1])
+        self.drop3 = nn.Dropout(self.dropout_rates[2])
+
+    def prefix(self, x: torch.Tensor) -> torch.Tensor:
+        """Deterministic part: conv64, ReLU, conv16, ReLU, maxpool (about 95% of the multiply-adds)."""
+        return nn.functional.max_pool2d(torch.relu(self.conv2(torch.relu(self.conv1(x)))), 2)
+
+    def penultimate(self, h: torch.Tensor) -> torch.Tensor:
+        """From the prefix output to the classifier's input features (the 128-unit layer, after dropout 3)."""
+        h = self.drop1(h)
+        h = nn.functional.max_pool2d(torch.relu(self.conv4(torch.relu(self.conv3(h)))), 2)
+        h = self.drop2(h).flatten(1)
+        return self.drop3(torch.relu(self.fc1(h)))
+
+    def tail(self, h: torch.Tensor) -> torch.Tensor:
+        """Stochastic part: from the prefix output to the logits; dropout acts here only."""
+        return self.fc2(self.penultimate(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits for a batch of normalised images shaped (N, 1, 28, 28)."""
+        return self.tail(self.prefix(x))
+
+
+MODEL_ZOO: dict[str, Callable[[], nn.Module]] = {"paper-cnn": PaperCNN}
+
+
+def build_model(name: str = "paper-cnn", seed: int | None = None) -> nn.Module:
+    """A fresh model from the zoo; with a seed, its initial weights are reproducible."""
+    if name not in MODEL_ZOO:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODEL_ZOO))}")
+    if seed is None:
+        return MODEL_ZOO[name]()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return MODEL_ZOO[name]()
+
+
+def get_weights(model: nn.Module) -> Weights:
+    """The model's parameters as named float32 numpy arrays (copies), in state_dict order."""
+    return {name: tensor.detach().cpu().numpy().copy() for name, tensor in model.state_dict().items()}
+
+
+def set_weights(model: nn.Module, weights: Weights) -> None:
+    """Loads named numpy arrays into the model; names and shapes must match exactly."""
+    check_weights_match(weight_spec(model), weights)
+    state = {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in weights.items()}
+    model.load_state_dict(state, strict=True)
+
+
+WeightSpec = dict[str, tuple[tuple[int, ...], str]]
+
+
+def weight_spec(model: nn.Module) -> WeightSpec:
+    """Name -> (shape, numpy dtype string) of every parameter: what a valid update must carry."""
+    return {
+        name: (tuple(tensor.shape), str(tensor.detach().cpu().numpy().dtype))
+        for name, tensor in model.state_dict().items()
+    }
+
+
+def check_weights_match(spec: WeightSpec, weights: Weights) -> None:
+    """Raises ValueError naming the first tensor whose name, shape or dtype differs from the spec."""
+    missing = sorted(set(spec) - set(weights))
+    extra = sorted(set(weights) - set(spec))
+    if missing or extra:
+        raise ValueError(f"tensor names differ from the model: missing {missing}, unexpected {extra}")
+    for name, (shape, dtype) in spec.items():
+        array = weights[name]
+        if tuple(array.shape) != shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(array.shape)}, expected {shape}")
+        if str(array.dtype) != dtype:
+            raise ValueError(f"tensor {name!r} has dtype {array.dtype}, expected {dtype}")

@@ -1,0 +1,1 @@
+# Model export for devices (ONNX bundles).
