@@ -1,6 +1,7 @@
 # Model zoo (the paper's Table 2 CNN first) and the conversion between torch modules and named numpy weights.
 from __future__ import annotations
 
+import hashlib
 from typing import Callable
 
 import numpy as np
@@ -103,3 +104,14 @@ def check_weights_match(spec: WeightSpec, weights: Weights) -> None:
             raise ValueError(f"tensor {name!r} has shape {tuple(array.shape)}, expected {shape}")
         if str(array.dtype) != dtype:
             raise ValueError(f"tensor {name!r} has dtype {array.dtype}, expected {dtype}")
+
+
+def weights_hash(weights: Weights) -> str:
+    """SHA-256 over names, dtypes, shapes and little-endian bytes, in sorted name order: a model's identity."""
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        array = np.ascontiguousarray(weights[name])
+        little_endian = array.astype(array.dtype.newbyteorder("<"), copy=False)
+        digest.update(f"{name}|{little_endian.dtype.str}|{array.shape}|".encode())
+        digest.update(little_endian.tobytes())
+    return digest.hexdigest()
