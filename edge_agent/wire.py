@@ -1,0 +1,315 @@
+# Wire format v1: typed msgpack envelopes (no pickle), raw little-endian tensors, topic names, decode limits.
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import math
+import re
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+import numpy as np
+
+WIRE_VERSION = 1
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_TENSOR_DIMS = 8
+MAX_TENSORS = 1024
+MAX_STRING_BYTES = 64 * 1024
+IDENTIFIER = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+ALLOWED_DTYPES = frozenset(
+    np.dtype(name).newbyteorder("<").str
+    for name in (
+        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+        "float16", "float32", "float64",
+    )
+) | {"|b1", "|i1", "|u1"}
+
+Tensors = dict[str, np.ndarray]
+
+
+class WireError(ValueError):
+    """Any message that cannot be decoded or does not fit its schema; the text says exactly what is wrong."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a device does in one round: how to acquire labels and how to train on them."""
+
+    sampler: str = "entropy"
+    labels_per_acquisition: int = 400
+    acquisitions_per_round: int = 1
+    local_rule: str = "online-replay"
+    epochs: int = 5
+    batch_size: int = 32
+    learning_rate: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 5e-4
+    mc_passes: int = 10
+    seed: int = 0
+    options: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RoundAnnouncement:
+    """Published retained on the round topic: the current round, its base model and recipe."""
+
+    KIND: ClassVar[str] = "round"
+    run_id: str
+    round_id: int
+    model_hash: str
+    recipe: Recipe
+    deadline: float
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class ModelMessage:
+    """Published retained on the model topic named by its hash: the global weights themselves."""
+
+    KIND: ClassVar[str] = "model"
+    model_hash: str
+    model_name: str
+    tensors: Tensors
+
+
+@dataclass(frozen=True)
+class Update:
+    """A device's result for one round: full weights plus the counts and metrics strategies need."""
+
+    KIND: ClassVar[str] = "update"
+    device_id: str
+    round_id: int
+    update_id: str
+    base_hash: str
+    num_samples: int
+    class_counts: list[int]
+    metrics: dict[str, float]
+    tensors: Tensors
+    nonce: bytes = b""
+    signature: bytes = b""
+
+
+@dataclass(frozen=True)
+class Ack:
+    """The coordinator's answer to one update: accepted, or rejected with the reason."""
+
+    KIND: ClassVar[str] = "ack"
+    device_id: str
+    round_id: int
+    update_id: str
+    accepted: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Status:
+    """A device's retained presence and progress; the broker publishes the 'offline' one as its last will."""
+
+    KIND: ClassVar[str] = "status"
+    device_id: str
+    state: str
+    timestamp: float
+    round_id: int = 0
+    labelled: int = 0
+    profile: str = ""
+
+
+Message = RoundAnnouncement | ModelMessage | Update | Ack | Status
+MESSAGE_TYPES: dict[str, type] = {cls.KIND: cls for cls in (RoundAnnouncement, ModelMessage, Update, Ack, Status)}
+M = TypeVar("M", RoundAnnouncement, ModelMessage, Update, Ack, Status)
+
+
+def encode_tensor(array: np.ndarray) -> dict[str, Any]:
+    """A tensor as {dtype, shape, data} with little-endian bytes, whatever the host's byte order."""
+    array = np.asarray(array)
+    little = array.astype(array.dtype.newbyteorder("<"), copy=False)
+    if little.dtype.str not in ALLOWED_DTYPES:
+        raise WireError(f"dtype {array.dtype} cannot go on the wire")
+    return {"dtype": little.dtype.str, "shape": list(array.shape), "data": np.ascontiguousarray(little).tobytes()}
+
+
+def decode_tensor(name: str, raw: Any) -> np.ndarray:
+    """The inverse of encode_tensor, checking dtype, shape and byte length before touching the data."""
+    if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "data"}:
+        raise WireError(f"tensor {name!r} must be a map with exactly dtype, shape and data")
+    dtype_str, shape, data = raw["dtype"], raw["shape"], raw["data"]
+    if not isinstance(dtype_str, str) or dtype_str not in ALLOWED_DTYPES:
+        raise WireError(f"tensor {name!r} has unsupported dtype {dtype_str!r}")
+    if not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
+        raise WireError(f"tensor {name!r} has an invalid shape {shape!r}")
+    if not isinstance(data, bytes):
+        raise WireError(f"tensor {name!r} data must be bytes")
+    dtype = np.dtype(dtype_str)
+    expected = math.prod(shape) * dtype.itemsize
+    if len(data) != expected:
+        raise WireError(f"tensor {name!r} has {len(data)} bytes, shape {shape} of {dtype} needs {expected}")
+    return np.frombuffer(data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="), copy=True)
+
+
+def encode(message: Message) -> bytes:
+    """Serialises a message into a versioned msgpack envelope."""
+    return msgpack.packb({"v": WIRE_VERSION, "kind": message.KIND, **_to_wire(message)}, use_bin_type=True)
+
+
+def decode(data: bytes, expected: type[M], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> M:
+    """Parses and validates a message of the expected type; every failure is a WireError saying why."""
+    if not isinstance(data, (bytes, bytearray)):
+        raise WireError("payload must be bytes")
+    if len(data) > max_bytes:
+        raise WireError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
+    envelope = _unpack(bytes(data), max_bytes)
+    version = envelope.pop("v", None)
+    if version != WIRE_VERSION:
+        raise WireError(f"wire version {version!r} is not supported (this side speaks {WIRE_VERSION})")
+    kind = envelope.pop("kind", None)
+    if kind != expected.KIND:
+        raise WireError(f"expected a {expected.KIND!r} message, got kind {kind!r}")
+    return _from_fields(expected, envelope)
+
+
+def _unpack(data: bytes, max_bytes: int) -> dict[str, Any]:
+    try:
+        envelope = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, use_list=True,
+            max_str_len=MAX_STRING_BYTES, max_bin_len=max_bytes, max_array_len=1 << 20,
+            max_map_len=MAX_TENSORS + 64, max_ext_len=0,
+        )
+    except (ValueError, TypeError, msgpack.UnpackException, msgpack.ExtraData) as error:
+        detail = f": {error}" if str(error) else ""
+        raise WireError(f"undecodable msgpack ({type(error).__name__}{detail})") from None
+    if not isinstance(envelope, dict):
+        raise WireError(f"message must be a map, got {type(envelope).__name__}")
+    return envelope
+
+
+def _from_fields(cls: type, raw: dict[str, Any]) -> Any:
+    label = getattr(cls, "KIND", cls.__name__.lower())
+    hints = typing.get_type_hints(cls)
+    fields = dataclasses.fields(cls)
+    unknown = sorted(set(raw) - {f.name for f in fields})
+    if unknown:
+        raise WireError(f"{label} message has unknown fields {unknown}")
+    values: dict[str, Any] = {}
+    for f in fields:
+        if f.name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise WireError(f"{label} message is missing field {f.name!r}")
+            continue
+        values[f.name] = _check_value(f"{label}.{f.name}", hints[f.name], raw[f.name])
+    return cls(**values)
+
+
+def _check_value(where: str, hint: Any, value: Any) -> Any:
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise WireError(f"{where} must be a boolean")
+        return value
+    if hint is int:
+        if not _is_int(value):
+            raise WireError(f"{where} must be an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise WireError(f"{where} must be a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise WireError(f"{where} must be a string")
+        return value
+    if hint is bytes:
+        if not isinstance(value, bytes):
+            raise WireError(f"{where} must be bytes")
+        return value
+    if hint == list[int]:
+        if not isinstance(value, list) or not all(_is_int(v) for v in value):
+            raise WireError(f"{where} must be a list of integers")
+        return value
+    if hint == dict[str, float]:
+        if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in value.items()
+        ):
+            raise WireError(f"{where} must be a map of names to numbers")
+        return {k: float(v) for k, v in value.items()}
+    if hint == Tensors:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise WireError(f"{where} must be a map of tensor names to tensors")
+        if len(value) > MAX_TENSORS:
+            raise WireError(f"{where} has {len(value)} tensors, more than {MAX_TENSORS}")
+        return {name: decode_tensor(name, raw) for name, raw in value.items()}
+    if hint is Recipe:
+        if not isinstance(value, dict):
+            raise WireError(f"{where} must be a map")
+        return _from_fields(Recipe, value)
+    raise TypeError(f"no wire rule for {hint!r}")
+
+
+def _to_wire(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, np.ndarray):
+        return encode_tensor(value)
+    if isinstance(value, dict):
+        return {key: _to_wire(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_wire(item) for item in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_identifier(kind: str, value: str) -> str:
+    """Fleet and device ids become topic levels and file names: letters, digits, '_', '.', '-' only."""
+    if not isinstance(value, str) or not IDENTIFIER.match(value):
+        raise WireError(f"{kind} {value!r} must match {IDENTIFIER.pattern}")
+    return value
+
+
+def round_topic(fleet: str) -> str:
+    """Retained current round announcement."""
+    return f"fl/{check_identifier('fleet', fleet)}/round"
+
+
+def model_topic(fleet: str, model_hash: str) -> str:
+    """Retained global weights, addressed by their hash."""
+    return f"fl/{check_identifier('fleet', fleet)}/model/{model_hash}"
+
+
+def device_topic(fleet: str, device_id: str, leaf: str) -> str:
+    """A device's own topic: leaf is update, ack or status."""
+    return f"fl/{check_identifier('fleet', fleet)}/devices/{check_identifier('device id', device_id)}/{leaf}"
+
+
+def all_devices_topic(fleet: str, leaf: str) -> str:
+    """Subscription pattern for one leaf of every device."""
+    return f"fl/{check_identifier('fleet', fleet)}/devices/+/{leaf}"
+
+
+def device_from_topic(topic: str) -> str:
+    """The device id in fl/<fleet>/devices/<device>/<leaf>; WireError if the topic is not of that form."""
+    parts = topic.split("/")
+    if len(parts) != 5 or parts[0] != "fl" or parts[2] != "devices":
+        raise WireError(f"topic {topic!r} is not a device topic")
+    return check_identifier("device id", parts[3])
+
+
+def signing_bytes(update: Update) -> bytes:
+    """The bytes an update's HMAC covers: the whole encoded update with an empty signature."""
+    return encode(dataclasses.replace(update, signature=b""))
+
+
+def sign_update(update: Update, key: bytes) -> Update:
+    """The update with an HMAC-SHA256 signature over its payload (device, round, nonce and weights included)."""
+    return dataclasses.replace(update, signature=hmac.new(key, signing_bytes(update), hashlib.sha256).digest())
+
+
+def signature_valid(update: Update, key: bytes) -> bool:
+    """Constant-time check of an update's HMAC."""
+    expected = hmac.new(key, signing_bytes(update), hashlib.sha256).digest()
+    return hmac.compare_digest(expected, update.signature)
