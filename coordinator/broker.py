@@ -1,0 +1,107 @@
+# The embedded default broker: a private mosquitto on a free loopback port, with persistence, stopped on exit.
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from edge_agent.mqtt import BrokerAddress
+
+log = logging.getLogger(__name__)
+
+
+class BrokerError(RuntimeError):
+    """The embedded broker could not be started (mosquitto missing, or it exited)."""
+
+
+def free_loopback_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def mosquitto_config(port: int, work_dir: Path, extra_lines: tuple[str, ...] = ()) -> str:
+    """A mosquitto.conf for one loopback listener with on-disk persistence (QoS 1 survives a broker restart)."""
+    lines = [
+        f"listener {port} 127.0.0.1",
+        "allow_anonymous true",
+        "persistence true",
+        f"persistence_location {work_dir}/",
+        "autosave_interval 1",
+        "max_queued_messages 100000",
+        f"log_dest file {work_dir / 'mosquitto.log'}",
+        "log_type error",
+        "log_type warning",
+        "log_type notice",
+        *extra_lines,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def wait_for_port(host: str, port: int, timeout: float) -> bool:
+    """Whether a TCP connect to host:port succeeds within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+class EmbeddedBroker:
+    """Starts mosquitto on a free loopback port in `work_dir`; a context manager that always stops it."""
+
+    def __init__(self, work_dir: Path, port: int | None = None, extra_config: tuple[str, ...] = ()) -> None:
+        self.work_dir = Path(work_dir)
+        self.port = port or free_loopback_port()
+        self.extra_config = extra_config
+        self._process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> BrokerAddress:
+        """The broker's address for clients."""
+        return BrokerAddress(host="127.0.0.1", port=self.port)
+
+    def start(self, timeout: float = 10.0) -> "EmbeddedBroker":
+        """Writes the config and launches mosquitto; raises BrokerError if it does not listen in time."""
+        binary = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
+        if binary is None:
+            raise BrokerError("mosquitto is not installed: run `apt-get install mosquitto` (or `make install`)")
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        config_path = self.work_dir / "mosquitto.conf"
+        config_path.write_text(mosquitto_config(self.port, self.work_dir, self.extra_config))
+        self._process = subprocess.Popen(
+            [binary, "-c", str(config_path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        if not wait_for_port("127.0.0.1", self.port, timeout):
+            self.stop()
+            raise BrokerError(f"mosquitto did not start on port {self.port}; see {self.work_dir / 'mosquitto.log'}")
+        log.info("broker started url=%s pid=%s", self.address.url, self._process.pid)
+        return self
+
+    def stop(self) -> None:
+        """Terminates mosquitto (it saves its persistence file on a clean exit)."""
+        if self._process is None:
+            return
+        if self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        if self._process.stderr is not None:
+            self._process.stderr.close()
+        self._process = None
+
+    def __enter__(self) -> "EmbeddedBroker":
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
