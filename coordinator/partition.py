@@ -1,0 +1,164 @@
+# Bench partitions of a labelled data set over simulated devices (type1, type2/iid, dirichlet) and the server holdout.
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from edge_agent.data import CLASS_NAMES
+
+NUM_CLASSES = len(CLASS_NAMES)
+MIN_DIRICHLET_SAMPLES = 10
+DIRICHLET_MAX_DRAWS = 100
+_UNKNOWN = "unknown partition {!r}; expected type1, type2, iid or dirichlet:ALPHA"
+
+
+@dataclass(frozen=True)
+class PartitionSpec:
+    """A parsed partition: its kind ("type1", "type2", "iid" or "dirichlet") and, for dirichlet, alpha."""
+
+    kind: str
+    alpha: float | None = None
+
+
+def parse_partition(spec: str) -> PartitionSpec:
+    """Parses "type1", "type2", "iid" or "dirichlet:ALPHA" (ALPHA a finite float > 0)."""
+    if spec in ("type1", "type2", "iid"):
+        return PartitionSpec(spec)
+    kind, sep, alpha_text = spec.partition(":")
+    if kind != "dirichlet" or not sep:
+        raise ValueError(_UNKNOWN.format(spec))
+    try:
+        alpha = float(alpha_text)
+    except ValueError:
+        raise ValueError(f"partition {spec!r}: ALPHA must be a number > 0, got {alpha_text!r}") from None
+    if not math.isfinite(alpha) or alpha <= 0:
+        raise ValueError(f"partition {spec!r}: ALPHA must be a finite number > 0")
+    return PartitionSpec("dirichlet", alpha)
+
+
+def type1_class_groups(num_devices: int) -> list[list[int]]:
+    """Contiguous class groups, one per device, as even as possible with the larger groups last.
+
+    With 4 devices this is the paper's {0,1}, {2,3}, {4,5,6}, {7,8,9}.
+    """
+    if not 1 <= num_devices <= NUM_CLASSES:
+        raise ValueError(f"type1 gives each device its own classes: needs 1..{NUM_CLASSES} devices, not {num_devices}")
+    small, larger_count = divmod(NUM_CLASSES, num_devices)
+    sizes = [small] * (num_devices - larger_count) + [small + 1] * larger_count
+    bounds = np.cumsum([0, *sizes])
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(num_devices)]
+
+
+def _checked_indices(labels: np.ndarray, indices: np.ndarray | None) -> np.ndarray:
+    """The subset to partition (default all), validated as unique in-range integers; labels must be 0..9."""
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(f"labels must be a 1-D integer array, got {labels.dtype} {labels.shape}")
+    if labels.size and (labels.min() < 0 or labels.max() >= NUM_CLASSES):
+        raise ValueError(f"labels must lie in [0, {NUM_CLASSES})")
+    if indices is None:
+        return np.arange(len(labels), dtype=np.int64)
+    indices = np.asarray(indices)
+    if indices.ndim != 1 or (indices.size and not np.issubdtype(indices.dtype, np.integer)):
+        raise ValueError(f"indices must be a 1-D integer array, got {indices.dtype} {indices.shape}")
+    indices = indices.astype(np.int64)
+    if indices.size and (indices.min() < 0 or indices.max() >= len(labels)):
+        raise ValueError(f"indices must lie in [0, {len(labels)})")
+    if len(np.unique(indices)) != len(indices):
+        raise ValueError("indices must not repeat")
+    return indices
+
+
+def _type1(labels: np.ndarray, indices: np.ndarray, num_devices: int) -> list[np.ndarray]:
+    """Disjoint classes: device d gets every sample whose class is in its contiguous class group."""
+    subset_labels = labels[indices]
+    return [np.sort(indices[np.isin(subset_labels, group)]) for group in type1_class_groups(num_devices)]
+
+
+def _iid(indices: np.ndarray, num_devices: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """A uniform random split into near-equal parts (sizes differ by at most one)."""
+    return [np.sort(part) for part in np.array_split(rng.permutation(indices), num_devices)]
+
+
+def _dirichlet_draw(
+    labels: np.ndarray, indices: np.ndarray, num_devices: int, alpha: float, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """One draw: each class's samples split over devices in proportions drawn from Dir(alpha)."""
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_devices)]
+    subset_labels = labels[indices]
+    for cls in range(NUM_CLASSES):
+        members = rng.permutation(indices[subset_labels == cls])
+        proportions = rng.dirichlet(np.full(num_devices, alpha))
+        cuts = (np.cumsum(proportions)[:-1] * len(members)).astype(np.int64)
+        for device, chunk in enumerate(np.split(members, cuts)):
+            parts[device].append(chunk)
+    return [np.sort(np.concatenate(chunks)) for chunks in parts]
+
+
+def _dirichlet(
+    labels: np.ndarray, indices: np.ndarray, num_devices: int, alpha: float, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Dirichlet label skew, re-drawn until every device holds at least MIN_DIRICHLET_SAMPLES samples."""
+    if len(indices) < MIN_DIRICHLET_SAMPLES * num_devices:
+        raise ValueError(
+            f"dirichlet needs at least {MIN_DIRICHLET_SAMPLES} samples per device: "
+            f"{len(indices)} samples cannot cover {num_devices} devices"
+        )
+    for _ in range(DIRICHLET_MAX_DRAWS):
+        parts = _dirichlet_draw(labels, indices, num_devices, alpha, rng)
+        if min(len(part) for part in parts) >= MIN_DIRICHLET_SAMPLES:
+            return parts
+    raise ValueError(
+        f"dirichlet:{alpha} left some device with fewer than {MIN_DIRICHLET_SAMPLES} samples in "
+        f"{DIRICHLET_MAX_DRAWS} draws; use a larger alpha, fewer devices or more samples"
+    )
+
+
+def partition_indices(
+    labels: np.ndarray, spec: str, num_devices: int, rng: np.random.Generator, indices: np.ndarray | None = None
+) -> list[np.ndarray]:
+    """Splits `indices` (default all samples) over num_devices; the parts are disjoint, sorted and cover them.
+
+    type1: disjoint contiguous class groups. type2 and iid: the same uniform random IID split; type2's
+    class bias is not made here but arises later from each device's active-learning sampler.
+    dirichlet:ALPHA: per-class proportions over devices drawn from Dir(ALPHA); small ALPHA means strong skew.
+    """
+    parsed = parse_partition(spec)
+    if num_devices < 1:
+        raise ValueError(f"num_devices must be at least 1, got {num_devices}")
+    subset = _checked_indices(np.asarray(labels), indices)
+    if parsed.kind == "type1":
+        return _type1(np.asarray(labels), subset, num_devices)
+    if parsed.kind == "dirichlet":
+        return _dirichlet(np.asarray(labels), subset, num_devices, parsed.alpha, rng)
+    return _iid(subset, num_devices, rng)
+
+
+def server_holdout(
+    labels: np.ndarray, init_samples: int, validation_samples: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Splits all samples into (init, validation, rest), each sorted and all disjoint.
+
+    The init set (the server's initial training data) is class-balanced: init_samples // 10 per class,
+    the remainder one each to the first classes. Validation is a uniform random draw from what is left.
+    """
+    labels = np.asarray(labels)
+    all_indices = _checked_indices(labels, None)
+    if init_samples < 0 or validation_samples < 0:
+        raise ValueError(f"sample counts must be >= 0, got init {init_samples}, validation {validation_samples}")
+    per_class, remainder = divmod(init_samples, NUM_CLASSES)
+    init_parts = []
+    for cls in range(NUM_CLASSES):
+        wanted = per_class + (1 if cls < remainder else 0)
+        members = all_indices[labels == cls]
+        if len(members) < wanted:
+            raise ValueError(f"class {cls} has {len(members)} samples, fewer than the {wanted} the init set needs")
+        init_parts.append(rng.choice(members, size=wanted, replace=False))
+    init_idx = np.sort(np.concatenate(init_parts))
+    remaining = np.setdiff1d(all_indices, init_idx)
+    if len(remaining) < validation_samples:
+        raise ValueError(f"only {len(remaining)} samples remain after the init set, {validation_samples} requested")
+    val_idx = np.sort(rng.choice(remaining, size=validation_samples, replace=False))
+    rest_idx = np.setdiff1d(remaining, val_idx)
+    return init_idx, val_idx, rest_idx

@@ -1,0 +1,316 @@
+# Run state in SQLite (rounds, per-device records, rejections, config) plus model checkpoints and the update spool.
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from edge_agent.data import atomic_write_bytes, load_arrays, save_arrays
+from edge_agent.models import Weights, weights_hash
+
+DEVICE_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+SPOOL_SUFFIX = ".msgpack"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS config (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    body TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    round_id INTEGER PRIMARY KEY,
+    model_hash TEXT NOT NULL,
+    file_name TEXT NOT NULL,
+    saved_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS rounds (
+    round_id INTEGER PRIMARY KEY,
+    started_at REAL NOT NULL,
+    closed_at REAL NOT NULL,
+    model_hash TEXT NOT NULL,
+    accuracy REAL,
+    labels INTEGER NOT NULL,
+    accepted INTEGER NOT NULL,
+    rejected INTEGER NOT NULL,
+    report TEXT NOT NULL,
+    metrics TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS device_rounds (
+    round_id INTEGER NOT NULL REFERENCES rounds (round_id),
+    device_id TEXT NOT NULL,
+    accepted INTEGER NOT NULL,
+    reason TEXT NOT NULL,
+    num_samples INTEGER NOT NULL,
+    class_counts TEXT NOT NULL,
+    local_accuracy REAL,
+    divergence TEXT NOT NULL,
+    update_bytes INTEGER NOT NULL,
+    received_at REAL NOT NULL,
+    PRIMARY KEY (round_id, device_id)
+);
+CREATE TABLE IF NOT EXISTS rejections (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    round_id INTEGER NOT NULL,
+    device_id TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    update_bytes INTEGER NOT NULL,
+    recorded_at REAL NOT NULL
+);
+"""
+
+
+@dataclass
+class RoundRecord:
+    """One committed round: its timing, the new global model's hash, accuracy, counts and the strategy's report."""
+
+    round_id: int
+    started_at: float
+    closed_at: float
+    model_hash: str
+    accuracy: float | None
+    labels: int
+    accepted: int
+    rejected: int
+    report: dict
+    metrics: dict
+
+
+@dataclass
+class DeviceRoundRecord:
+    """One device's update in a committed round: accepted or why not, its counts, metrics and divergence."""
+
+    round_id: int
+    device_id: str
+    accepted: bool
+    reason: str
+    num_samples: int
+    class_counts: list[int]
+    local_accuracy: float | None
+    divergence: dict[str, float]
+    update_bytes: int
+    received_at: float
+
+
+def check_device_id(device_id: str) -> str:
+    """Returns device_id if it is safe to use in a file name (^[A-Za-z0-9_.-]{1,64}$), else ValueError."""
+    if not isinstance(device_id, str) or not DEVICE_ID_PATTERN.fullmatch(device_id):
+        raise ValueError(f"invalid device id {device_id!r}: use 1-64 characters from A-Z a-z 0-9 _ . -")
+    return device_id
+
+
+def check_round_id(round_id: int) -> int:
+    """Returns round_id as an int if it is an integer >= 0, else ValueError."""
+    if not isinstance(round_id, (int, np.integer)) or isinstance(round_id, bool) or round_id < 0:
+        raise ValueError(f"round ids are integers >= 0, got {round_id!r}")
+    return int(round_id)
+
+
+def round_name(round_id: int) -> str:
+    """The file-name form of a round id, e.g. round_0003."""
+    return f"round_{check_round_id(round_id):04d}"
+
+
+def _optional_float(value: float | None) -> float | None:
+    """value as a Python float, keeping None (SQLite cannot bind numpy scalars)."""
+    return None if value is None else float(value)
+
+
+def _to_json(value: Any, what: str) -> str:
+    """JSON text for a record field; a value JSON cannot hold is a ValueError naming the field."""
+    try:
+        return json.dumps(value, sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{what} is not JSON-serialisable: {exc}") from exc
+
+
+def _round_row(record: RoundRecord) -> tuple:
+    """A RoundRecord as a rounds-table row, with numpy scalars made plain and dicts as JSON."""
+    return (
+        int(record.round_id), float(record.started_at), float(record.closed_at), str(record.model_hash),
+        _optional_float(record.accuracy), int(record.labels), int(record.accepted), int(record.rejected),
+        _to_json(record.report, f"round {record.round_id} report"),
+        _to_json(record.metrics, f"round {record.round_id} metrics"),
+    )
+
+
+def _device_row(record: DeviceRoundRecord) -> tuple:
+    """A DeviceRoundRecord as a device_rounds-table row, with numpy scalars made plain and lists/dicts as JSON."""
+    divergence = {str(layer): float(value) for layer, value in record.divergence.items()}
+    return (
+        int(record.round_id), record.device_id, int(bool(record.accepted)), str(record.reason),
+        int(record.num_samples), json.dumps([int(c) for c in record.class_counts]),
+        _optional_float(record.local_accuracy), json.dumps(divergence, sort_keys=True),
+        int(record.update_bytes), float(record.received_at),
+    )
+
+
+class RunStore:
+    """A run's durable state in run_dir: run.sqlite (WAL), checkpoints/ and spool/, so a restart resumes."""
+
+    def __init__(self, run_dir: Path | str) -> None:
+        """Opens (creating if missing) the run directory, its database schema and the checkpoint folder."""
+        self.run_dir = Path(run_dir)
+        self.checkpoint_dir = self.run_dir / "checkpoints"
+        self.spool_dir = self.run_dir / "spool"
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(self.run_dir / "run.sqlite", check_same_thread=False, isolation_level=None)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.execute("PRAGMA foreign_keys=ON")
+        self._conn.executescript(_SCHEMA)
+
+    def __enter__(self) -> RunStore:
+        """The store itself; closed on leaving the with-block."""
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Closes the database connection."""
+        self.close()
+
+    def close(self) -> None:
+        """Closes the database connection."""
+        with self._lock:
+            self._conn.close()
+
+    def _write(self, statements: Sequence[tuple[str, tuple]]) -> None:
+        """Runs statements in one transaction: all are applied or none."""
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                for sql, params in statements:
+                    self._conn.execute(sql, params)
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
+        """All rows of one query."""
+        with self._lock:
+            return self._conn.execute(sql, params).fetchall()
+
+    def set_config(self, config: dict) -> None:
+        """Stores the run's configuration (JSON), replacing any earlier one."""
+        body = _to_json(config, "run config")
+        self._write([("INSERT OR REPLACE INTO config (id, body) VALUES (1, ?)", (body,))])
+
+    def config(self) -> dict | None:
+        """The stored run configuration, or None before set_config."""
+        rows = self._read("SELECT body FROM config WHERE id = 1")
+        return json.loads(rows[0][0]) if rows else None
+
+    def checkpoint_path(self, round_id: int) -> Path:
+        """Where the global model after round_id is stored, e.g. checkpoints/round_0003.npz."""
+        return self.checkpoint_dir / f"{round_name(round_id)}.npz"
+
+    def save_checkpoint(self, round_id: int, weights: Weights) -> str:
+        """Writes the model after round_id atomically and records its hash; returns that hash.
+
+        Re-saving an uncommitted round replaces it; a committed round's checkpoint may only be re-saved unchanged.
+        """
+        round_id = check_round_id(round_id)
+        path = self.checkpoint_path(round_id)
+        model_hash = weights_hash(weights)
+        committed = self._read(
+            "SELECT model_hash FROM checkpoints WHERE round_id = ? AND round_id IN (SELECT round_id FROM rounds)",
+            (round_id,),
+        )
+        if committed and committed[0][0] != model_hash:
+            raise ValueError(f"round {round_id} is committed; its checkpoint {path} cannot be replaced")
+        save_arrays(path, weights)
+        self._write([(
+            "INSERT OR REPLACE INTO checkpoints (round_id, model_hash, file_name, saved_at) VALUES (?, ?, ?, ?)",
+            (round_id, model_hash, path.name, time.time()),
+        )])
+        return model_hash
+
+    def load_checkpoint(self, round_id: int) -> Weights:
+        """The model saved for round_id, verified against the hash recorded at save time."""
+        round_id = check_round_id(round_id)
+        path = self.checkpoint_path(round_id)
+        rows = self._read("SELECT model_hash FROM checkpoints WHERE round_id = ?", (round_id,))
+        if not rows:
+            raise FileNotFoundError(f"no checkpoint recorded for round {round_id} in {self.run_dir}")
+        weights = load_arrays(path)
+        actual = weights_hash(weights)
+        if actual != rows[0][0]:
+            raise ValueError(f"{path}: checkpoint hash {actual[:16]} differs from the recorded {rows[0][0][:16]}")
+        return weights
+
+    def latest_checkpoint_round(self) -> int | None:
+        """The highest round with a recorded checkpoint, or None."""
+        return self._read("SELECT MAX(round_id) FROM checkpoints")[0][0]
+
+    def commit_round(self, record: RoundRecord, devices: Sequence[DeviceRoundRecord]) -> None:
+        """Records a closed round and its per-device records in one transaction; a round commits only once."""
+        round_id = check_round_id(record.round_id)
+        for device in devices:
+            check_device_id(device.device_id)
+            if device.round_id != round_id:
+                raise ValueError(f"device {device.device_id} record is for round {device.round_id}, not {round_id}")
+        insert_round = "INSERT INTO rounds VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        insert_device = "INSERT INTO device_rounds VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        statements = [(insert_round, _round_row(record))] + [(insert_device, _device_row(d)) for d in devices]
+        try:
+            self._write(statements)
+        except sqlite3.IntegrityError as exc:
+            if self._read("SELECT 1 FROM rounds WHERE round_id = ?", (round_id,)):
+                raise ValueError(f"round {round_id} is already committed") from exc
+            raise ValueError(f"round {round_id} records conflict (a device listed twice?): {exc}") from exc
+
+    def last_committed_round(self) -> int | None:
+        """The highest committed round id, or None if none is committed yet."""
+        return self._read("SELECT MAX(round_id) FROM rounds")[0][0]
+
+    def rounds(self) -> list[RoundRecord]:
+        """Every committed round, in round order."""
+        rows = self._read("SELECT * FROM rounds ORDER BY round_id")
+        return [
+            RoundRecord(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], json.loads(r[8]), json.loads(r[9]))
+            for r in rows
+        ]
+
+    def device_rounds(self, round_id: int | None = None) -> list[DeviceRoundRecord]:
+        """Per-device records of one committed round (or of all), ordered by round then device id."""
+        where, params = ("WHERE round_id = ?", (round_id,)) if round_id is not None else ("", ())
+        rows = self._read(f"SELECT * FROM device_rounds {where} ORDER BY round_id, device_id", params)
+        return [
+            DeviceRoundRecord(r[0], r[1], bool(r[2]), r[3], r[4], json.loads(r[5]), r[6], json.loads(r[7]), r[8], r[9])
+            for r in rows
+        ]
+
+    def record_rejection(self, round_id: int, device_id: str, reason: str, update_bytes: int) -> None:
+        """Counts a rejected update at once, so the tally survives even if its round never commits."""
+        self._write([(
+            "INSERT INTO rejections (round_id, device_id, reason, update_bytes, recorded_at) VALUES (?, ?, ?, ?, ?)",
+            (check_round_id(round_id), str(device_id), str(reason), int(update_bytes), time.time()),
+        )])
+
+    def rejection_counts(self) -> dict[str, int]:
+        """How many updates were rejected for each reason, over the whole run."""
+        return dict(self._read("SELECT reason, COUNT(*) FROM rejections GROUP BY reason ORDER BY reason"))
+
+    def spool_update(self, round_id: int, device_id: str, payload: bytes) -> Path:
+        """Writes an accepted update's raw payload to spool/round_NNNN/<device>.msgpack atomically."""
+        path = self.spool_dir / round_name(round_id) / f"{check_device_id(device_id)}{SPOOL_SUFFIX}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, payload)
+        return path
+
+    def spooled_updates(self, round_id: int) -> dict[str, bytes]:
+        """The spooled payloads of a round by device id (empty if none)."""
+        folder = self.spool_dir / round_name(round_id)
+        if not folder.is_dir():
+            return {}
+        return {
+            path.name[: -len(SPOOL_SUFFIX)]: path.read_bytes()
+            for path in sorted(folder.glob(f"*{SPOOL_SUFFIX}"))
+            if DEVICE_ID_PATTERN.fullmatch(path.name[: -len(SPOOL_SUFFIX)])
+        }
