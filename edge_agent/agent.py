@@ -1,0 +1,240 @@
+# The device loop: model in -> acquire labels -> train -> update out, all on the main thread.
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from edge_agent import wire
+from edge_agent.data import DeviceData, normalise
+from edge_agent.mc_dropout import TorchMCDropout
+from edge_agent.models import Weights, build_model, get_weights, set_weights, weights_hash
+from edge_agent.mqtt import IncomingMessage, LastWill, MqttSession
+from edge_agent.oracle import Oracle
+from edge_agent.sampling import Heuristic, make_heuristic, top_k
+from edge_agent.training import LocalData, make_local_rule
+
+log = logging.getLogger(__name__)
+
+LAST_ROUND_KEY = "last_finished_round"
+PUBLISH_WAIT_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """Who the device is, where its broker is and how hard it may work."""
+
+    fleet: str
+    device_id: str
+    model_name: str = "paper-cnn"
+    profile: str = "simulated"
+    inference_batch: int = 256
+    torch_threads: int = 1
+    exit_on_final: bool = False
+    max_update_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
+
+
+def acquisition_scores(
+    heuristic: Heuristic, model: torch.nn.Module, images: np.ndarray, passes: int, seed: int,
+    rng: np.random.Generator, inference_batch: int,
+) -> np.ndarray:
+    """Per-sample scores of the pool (higher = ask first); MC-dropout passes only when the heuristic needs them."""
+    probabilities = None
+    if heuristic.needs_probabilities:
+        probabilities = TorchMCDropout(model, inference_batch).probabilities(normalise(images), passes, seed)
+    return heuristic.scores(probabilities, len(images), rng)
+
+
+def device_seed(device_id: str) -> int:
+    """A stable per-device number, so that devices with the same recipe seed still draw differently."""
+    return int.from_bytes(hashlib.sha256(device_id.encode()).digest()[:4], "little")
+
+
+class Agent:
+    """One device: follows the retained round announcements of its fleet and answers each with one update."""
+
+    def __init__(self, settings: AgentSettings, session: MqttSession, data: DeviceData, oracle: Oracle) -> None:
+        self.settings = settings
+        self.session = session
+        self.data = data
+        self.oracle = oracle
+        self.stop_event = threading.Event()
+        self._pending: wire.RoundAnnouncement | None = None
+        self._models: dict[str, Weights] = {}
+        self._model_topic: str | None = None
+
+    @staticmethod
+    def last_will(settings: AgentSettings) -> LastWill:
+        """The retained 'offline' status the broker publishes if the device disappears."""
+        offline = wire.Status(settings.device_id, "offline", 0.0, profile=settings.profile)
+        return LastWill(wire.device_topic(settings.fleet, settings.device_id, "status"), wire.encode(offline))
+
+    @property
+    def last_finished_round(self) -> int:
+        """The last round this device published an update for (persisted, so a restart does not redo it)."""
+        return int(self.data.get_state(LAST_ROUND_KEY, 0))
+
+    def run(self) -> None:
+        """Serves rounds until stopped, or until the final announcement when exit_on_final is set."""
+        torch.set_num_threads(self.settings.torch_threads)
+        fleet, device = self.settings.fleet, self.settings.device_id
+        self.session.subscribe(wire.round_topic(fleet))
+        self.session.subscribe(wire.device_topic(fleet, device, "ack"))
+        self.publish_status("online")
+        log.info("agent ready device=%s pool=%d labelled=%d last_round=%d",
+                 device, len(self.data.pool_indices()), self.data.num_labelled, self.last_finished_round)
+        try:
+            while not self.stop_event.is_set():
+                message = self.session.next_message(timeout=0.5)
+                if message is not None and self.handle(message):
+                    return
+                self.maybe_run_round()
+        finally:
+            self.publish_status("offline")
+
+    def handle(self, message: IncomingMessage) -> bool:
+        """Routes one message; True when the run is over for this agent."""
+        fleet = self.settings.fleet
+        try:
+            if message.topic == wire.round_topic(fleet):
+                return self.on_announcement(wire.decode(message.payload, wire.RoundAnnouncement))
+            if message.topic == self._model_topic:
+                self.on_model(wire.decode(message.payload, wire.ModelMessage))
+            elif message.topic.endswith("/ack"):
+                self.on_ack(wire.decode(message.payload, wire.Ack))
+        except wire.WireError as error:
+            if message.payload:
+                log.warning("ignored bad message topic=%s error=%s", message.topic, error)
+        return False
+
+    def on_announcement(self, announcement: wire.RoundAnnouncement) -> bool:
+        """Remembers the newest unfinished round and asks for its model; True on the final announcement."""
+        if announcement.final:
+            log.info("run finished run=%s round=%d", announcement.run_id, announcement.round_id)
+            return self.settings.exit_on_final
+        if announcement.round_id <= self.last_finished_round:
+            log.debug("ignoring finished round %d", announcement.round_id)
+            return False
+        self._pending = announcement
+        topic = wire.model_topic(self.settings.fleet, announcement.model_hash)
+        if topic != self._model_topic:
+            if self._model_topic is not None:
+                self.session.unsubscribe(self._model_topic)
+            self._model_topic = topic
+            self.session.subscribe(topic)
+        return False
+
+    def on_model(self, message: wire.ModelMessage) -> None:
+        """Keeps the announced model once its content matches its hash."""
+        actual = weights_hash(message.tensors)
+        if actual != message.model_hash:
+            log.warning("model hash mismatch announced=%s actual=%s", message.model_hash, actual)
+            return
+        self._models = {message.model_hash: message.tensors}
+
+    def on_ack(self, ack: wire.Ack) -> None:
+        """Logs the coordinator's verdict on an update."""
+        if ack.accepted:
+            log.info("update accepted round=%d update=%s", ack.round_id, ack.update_id)
+        else:
+            log.warning("update rejected round=%d update=%s reason=%s", ack.round_id, ack.update_id, ack.reason)
+
+    def maybe_run_round(self) -> None:
+        """Runs the pending round once its model has arrived."""
+        announcement = self._pending
+        if announcement is None or announcement.model_hash not in self._models:
+            return
+        self._pending = None
+        update = self.run_round(announcement, self._models[announcement.model_hash])
+        self.publish_update(update)
+        self.data.set_state(LAST_ROUND_KEY, announcement.round_id)
+        self.publish_status("idle", announcement.round_id)
+
+    def run_round(self, announcement: wire.RoundAnnouncement, global_weights: Weights) -> wire.Update:
+        """Acquires, labels and trains for every acquisition of the round; returns the update to publish."""
+        recipe = announcement.recipe
+        self.publish_status("training", announcement.round_id)
+        model = build_model(self.settings.model_name)
+        set_weights(model, global_weights)
+        global_model = copy.deepcopy(model).eval()
+        heuristic = make_heuristic(recipe.sampler)
+        rule = make_local_rule(recipe.local_rule)
+        metrics: dict[str, float] = {}
+        for acquisition in range(recipe.acquisitions_per_round):
+            seed = int(np.random.SeedSequence([recipe.seed, device_seed(self.settings.device_id),
+                                               announcement.round_id, acquisition]).generate_state(1)[0])
+            started = time.monotonic()
+            new_indices, new_labels = self.acquire(model, heuristic, recipe, seed)
+            if len(new_indices) == 0:
+                log.warning("pool exhausted device=%s round=%d", self.settings.device_id, announcement.round_id)
+                break
+            metrics = rule.train(model, self.local_data(new_indices, new_labels), global_model, recipe, seed)
+            log.info("acquisition done device=%s round=%d acquisition=%d/%d new=%d labelled=%d seconds=%.1f",
+                     self.settings.device_id, announcement.round_id, acquisition + 1,
+                     recipe.acquisitions_per_round, len(new_indices), self.data.num_labelled,
+                     time.monotonic() - started)
+        return wire.Update(
+            device_id=self.settings.device_id,
+            round_id=announcement.round_id,
+            update_id=uuid.uuid4().hex,
+            base_hash=announcement.model_hash,
+            num_samples=self.data.num_labelled,
+            class_counts=[int(c) for c in self.data.class_counts()],
+            metrics=metrics,
+            tensors=get_weights(model),
+            nonce=os.urandom(16),
+        )
+
+    def acquire(
+        self, model: torch.nn.Module, heuristic: Heuristic, recipe: wire.Recipe, seed: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Scores the pool, asks the oracle for the top k and stores the answers; returns them (indices, labels)."""
+        pool = self.data.pool_indices()
+        if len(pool) == 0:
+            return pool, pool
+        rng = np.random.default_rng(seed)
+        scores = acquisition_scores(heuristic, model, self.data.images(pool), recipe.mc_passes, seed, rng,
+                                    self.settings.inference_batch)
+        queried = pool[top_k(scores, recipe.labels_per_acquisition)]
+        answered, labels = self.oracle.label(queried)
+        self.data.add_labels(answered, labels)
+        return answered, labels
+
+    def local_data(self, new_indices: np.ndarray, new_labels: np.ndarray) -> LocalData:
+        """The training view of the device's data after an acquisition (replay excludes the new batch)."""
+        labelled_indices, labelled_labels = self.data.labelled()
+        replay_indices, replay_labels = self.data.replay()
+        keep = ~np.isin(replay_indices, new_indices)
+        return LocalData(
+            new_images=self.data.images(new_indices), new_labels=new_labels,
+            replay_images=self.data.images(replay_indices[keep]), replay_labels=replay_labels[keep],
+            labelled_images=self.data.images(labelled_indices), labelled_labels=labelled_labels,
+            unlabelled_images=self.data.images(self.data.pool_indices()),
+        )
+
+    def publish_update(self, update: wire.Update) -> None:
+        """Encodes, checks the size before paho sees it, and publishes the update at QoS 1."""
+        payload = wire.encode(update)
+        if len(payload) > self.settings.max_update_bytes:
+            raise wire.WireError(f"update of {len(payload)} bytes exceeds the limit of {self.settings.max_update_bytes}")
+        topic = wire.device_topic(self.settings.fleet, self.settings.device_id, "update")
+        self.session.publish(topic, payload, wait=PUBLISH_WAIT_SECONDS)
+        log.info("update published device=%s round=%d bytes=%d", update.device_id, update.round_id, len(payload))
+
+    def publish_status(self, state: str, round_id: int | None = None) -> None:
+        """Retained presence and progress for the coordinator and its dashboard."""
+        status = wire.Status(
+            device_id=self.settings.device_id, state=state, timestamp=time.time(),
+            round_id=self.last_finished_round if round_id is None else round_id,
+            labelled=self.data.num_labelled, profile=self.settings.profile,
+        )
+        self.session.publish(wire.device_topic(self.settings.fleet, self.settings.device_id, "status"),
+                             wire.encode(status), retain=True)
