@@ -1,0 +1,228 @@
+# The fl-coordinator command line: `run` (field), `simulate` (bench with real agents), `partition` (shards).
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from edge_agent import wire
+from edge_agent.data import DatasetMissingError
+from edge_agent.logs import configure_logging
+from edge_agent.mqtt import BrokerUnavailableError, parse_broker_url
+from edge_agent.sampling import make_heuristic
+from edge_agent.training import make_local_rule
+from coordinator.broker import BrokerError, EmbeddedBroker
+from coordinator.rounds import RoundPolicy, RoundResult
+from coordinator.server import InitSettings, ServerSettings, load_server_data, run_server
+from coordinator.simulate import BenchSettings, simulate, write_shards
+from coordinator.strategies import make_strategy
+
+log = logging.getLogger("coordinator")
+
+
+def add_round_options(parser: argparse.ArgumentParser) -> None:
+    """Options shared by `run` and `simulate`: the run, the round policy, the recipe, the server data."""
+    run = parser.add_argument_group("run")
+    run.add_argument("--fleet", help="fleet name (topic prefix fl/<fleet>/)")
+    run.add_argument("--run-dir", type=Path, help="where the store, checkpoints and logs go (default runs/<time>)")
+    run.add_argument("--strategy", default="avefl", help="avefl, optfl, mixfl or fedavg")
+    run.add_argument("--rounds", type=int, default=10)
+    run.add_argument("--min-devices", type=int, default=1, help="fewest updates a round may aggregate")
+    run.add_argument("--quorum", type=int, help="updates that close a round early (default: every online device)")
+    run.add_argument("--round-timeout", type=float, default=600.0, help="seconds before a round closes with what it has")
+    run.add_argument("--broker", help="mqtt://HOST:PORT of an external broker (default: an embedded mosquitto)")
+    run.add_argument("--json", action="store_true", help="one JSON object per round on stdout, then a summary")
+    run.add_argument("--log-level", default="warning")
+    run.add_argument("--torch-threads", type=int, help="torch threads of the coordinator process")
+    recipe = parser.add_argument_group("round recipe (sent to devices)")
+    recipe.add_argument("--sampler", default="entropy", help="random, entropy, bald, margin or least-confidence")
+    recipe.add_argument("--labels-per-acquisition", type=int, default=400)
+    recipe.add_argument("--acquisitions-per-round", type=int, default=1)
+    recipe.add_argument("--local-rule", default="online-replay")
+    recipe.add_argument("--epochs", type=int, default=5)
+    recipe.add_argument("--batch-size", type=int, default=wire.Recipe.batch_size)
+    recipe.add_argument("--lr", type=float, default=wire.Recipe.learning_rate)
+    recipe.add_argument("--momentum", type=float, default=wire.Recipe.momentum)
+    recipe.add_argument("--weight-decay", type=float, default=wire.Recipe.weight_decay)
+    recipe.add_argument("--mc-passes", type=int, default=10)
+    recipe.add_argument("--seed", type=int, default=0)
+    server = parser.add_argument_group("server data")
+    server.add_argument("--data-dir", type=Path, help="Fashion-MNIST IDX files (default: the Debian package's)")
+    server.add_argument("--init-samples", type=int, default=InitSettings.samples, help="balanced samples for W0")
+    server.add_argument("--init-epochs", type=int, default=InitSettings.epochs)
+    server.add_argument("--init-lr", type=float, default=InitSettings.learning_rate)
+    server.add_argument("--validation-samples", type=int, default=1000, help="OptFL/MixFL selection split size")
+    server.add_argument("--selection-passes", type=int, default=10, help="MC passes of the BNN selection accuracy")
+    server.add_argument("--test-samples", type=int, help="evaluate on the first N test images (default: all 10k)")
+    server.add_argument("--no-device-eval", action="store_true", help="skip the test accuracy of each device model")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Arguments of every fl-coordinator subcommand."""
+    parser = argparse.ArgumentParser(prog="fl-coordinator", description="Federated active-learning coordinator.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="coordinate a fleet of field devices")
+    add_round_options(run)
+    run.add_argument("--wait-devices", type=int, default=0, help="wait until this many devices are online")
+    simulate_parser = commands.add_parser("simulate", help="bench: N real agents on this machine")
+    add_round_options(simulate_parser)
+    add_bench_options(simulate_parser)
+    partition = commands.add_parser("partition", help="write per-device pool shards for separate agents")
+    add_bench_options(partition)
+    partition.add_argument("--out", type=Path, required=True)
+    partition.add_argument("--data-dir", type=Path)
+    partition.add_argument("--init-samples", type=int, default=InitSettings.samples)
+    partition.add_argument("--validation-samples", type=int, default=1000)
+    partition.add_argument("--seed", type=int, default=0)
+    partition.add_argument("--log-level", default="warning")
+    return parser
+
+
+def add_bench_options(parser: argparse.ArgumentParser) -> None:
+    """How a simulated fleet's data is split."""
+    bench = parser.add_argument_group("bench")
+    bench.add_argument("--devices", type=int, default=4)
+    bench.add_argument("--partition", default="type1", help="type1, type2, iid or dirichlet:ALPHA")
+    bench.add_argument("--pool-size", type=int, default=BenchSettings.pool_size, help="unlabelled pool per device")
+    bench.add_argument("--agent-threads", type=int, default=1, help="torch threads per simulated agent")
+
+
+def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSettings:
+    """ServerSettings from parsed arguments."""
+    fleet = wire.check_identifier("fleet", args.fleet or default_fleet)
+    run_dir = args.run_dir or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{fleet}-{args.strategy}"
+    recipe = wire.Recipe(
+        sampler=args.sampler, labels_per_acquisition=args.labels_per_acquisition,
+        acquisitions_per_round=args.acquisitions_per_round, local_rule=args.local_rule, epochs=args.epochs,
+        batch_size=args.batch_size, learning_rate=args.lr, momentum=args.momentum,
+        weight_decay=args.weight_decay, mc_passes=args.mc_passes, seed=args.seed,
+    )
+    return ServerSettings(
+        run_dir=run_dir, fleet=fleet, strategy=args.strategy, recipe=recipe,
+        policy=RoundPolicy(args.rounds, args.min_devices, args.quorum, args.round_timeout),
+        init=InitSettings(samples=args.init_samples, epochs=args.init_epochs, learning_rate=args.init_lr,
+                          seed=args.seed),
+        validation_samples=args.validation_samples, selection_passes=args.selection_passes,
+        test_samples=args.test_samples, evaluate_devices=not args.no_device_eval, data_dir=args.data_dir,
+        torch_threads=args.torch_threads,
+    )
+
+
+def validate_recipe_names(settings: ServerSettings) -> None:
+    """Fails fast, before any process starts, on a sampler, rule or strategy nobody knows."""
+    make_heuristic(settings.recipe.sampler)
+    make_local_rule(settings.recipe.local_rule)
+    make_strategy(settings.strategy)
+
+
+class RoundPrinter:
+    """Prints each round as it closes (a JSON line, or a human progress line) and the summary at the end."""
+
+    def __init__(self, as_json: bool, total_rounds: int) -> None:
+        self.as_json = as_json
+        self.total_rounds = total_rounds
+        self.results: list[RoundResult] = []
+        self.started = time.monotonic()
+
+    def __call__(self, result: RoundResult) -> None:
+        self.results.append(result)
+        devices = sorted(result.device_accuracy)
+        if self.as_json:
+            print(json.dumps({
+                "round": result.round_id, "accuracy": result.accuracy,
+                "device_accuracy": [result.device_accuracy[d] for d in devices], "devices": devices,
+                "labels": result.labels,
+                "divergence": {d: list(layers.values()) for d, layers in sorted(result.divergence.items())},
+                "seconds": round(result.seconds, 3), "rejected": result.rejected,
+            }), flush=True)
+        else:
+            local = " ".join(f"{result.device_accuracy[d]:.3f}" for d in devices)
+            print(f"round {result.round_id:>3}/{self.total_rounds}  global acc {result.accuracy:.4f}  "
+                  f"devices [{local}]  labels {result.labels}  {result.seconds:.1f}s"
+                  + (f"  rejected {len(result.rejected)}" if result.rejected else ""), flush=True)
+
+    def summary(self, run_dir: Path) -> None:
+        """The closing line (JSON) or table (human)."""
+        if not self.results:
+            return
+        last = self.results[-1]
+        summary = {
+            "final_accuracy": last.accuracy,
+            "best_device_accuracy": max(last.device_accuracy.values(), default=None),
+            "rounds": len(self.results), "labels": last.labels,
+            "seconds": round(time.monotonic() - self.started, 3), "run_dir": str(run_dir),
+        }
+        if self.as_json:
+            print(json.dumps({"summary": summary}), flush=True)
+            return
+        devices = sorted({d for r in self.results for d in r.device_accuracy})
+        print()
+        print("round  global  " + "  ".join(f"{d:>7}" for d in devices) + "   labels  seconds")
+        for r in self.results:
+            cells = "  ".join(f"{r.device_accuracy[d]:7.4f}" if d in r.device_accuracy else "      -"
+                              for d in devices)
+            print(f"{r.round_id:>5}  {r.accuracy:.4f}  {cells}  {r.labels:>7}  {r.seconds:7.1f}")
+        print(f"\nfinal global accuracy {summary['final_accuracy']:.4f}; {summary['labels']} labels; "
+              f"{summary['seconds']:.0f}s; run stored in {run_dir}")
+
+
+def command_run(args: argparse.Namespace) -> int:
+    """Coordinates a field fleet through an external or embedded broker."""
+    settings = server_settings(args, default_fleet="fleet")
+    validate_recipe_names(settings)
+    printer = RoundPrinter(args.json, settings.policy.rounds)
+    if args.broker:
+        run_server(settings, parse_broker_url(args.broker), printer, wait_for_devices=args.wait_devices)
+    else:
+        with EmbeddedBroker(settings.run_dir / "broker") as broker:
+            print(f"embedded broker listening at {broker.address.url}", file=sys.stderr, flush=True)
+            run_server(settings, broker.address, printer, wait_for_devices=args.wait_devices)
+    printer.summary(settings.run_dir)
+    return 0
+
+
+def command_simulate(args: argparse.Namespace) -> int:
+    """The bench: shards, an embedded (or given) broker, N agent processes and the coordinator."""
+    settings = server_settings(args, default_fleet="bench")
+    validate_recipe_names(settings)
+    if args.quorum is None:
+        settings = dataclasses.replace(settings, policy=dataclasses.replace(settings.policy, quorum=args.devices))
+    bench = BenchSettings(args.devices, args.partition, args.pool_size, args.agent_threads, args.seed)
+    printer = RoundPrinter(args.json, settings.policy.rounds)
+    address = parse_broker_url(args.broker) if args.broker else None
+    simulate(settings, bench, printer, address)
+    printer.summary(settings.run_dir)
+    return 0
+
+
+def command_partition(args: argparse.Namespace) -> int:
+    """Writes the bench's per-device shards to a folder, for agents started by hand."""
+    settings = ServerSettings(run_dir=args.out, init=InitSettings(samples=args.init_samples, seed=args.seed),
+                              validation_samples=args.validation_samples, data_dir=args.data_dir)
+    bench = BenchSettings(args.devices, args.partition, args.pool_size, args.agent_threads, args.seed)
+    for launch in write_shards(load_server_data(settings), bench, args.out):
+        print(f"{launch.device_id} {launch.shard}")
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": command_run, "simulate": command_simulate, "partition": command_partition,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the fl-coordinator console script."""
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        return COMMANDS[args.command](args)
+    except (DatasetMissingError, BrokerError, BrokerUnavailableError, ValueError) as error:
+        print(f"fl-coordinator: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

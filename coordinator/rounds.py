@@ -1,0 +1,282 @@
+# The round state machine: announce, collect and validate updates, aggregate, measure, evaluate, persist.
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from edge_agent import wire
+from edge_agent.models import NUM_CLASSES, Weights, build_model, weight_spec, weights_hash
+from edge_agent.mqtt import IncomingMessage, MqttSession
+from coordinator.divergence import fleet_divergence
+from coordinator.evaluation import Evaluator
+from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
+from coordinator.strategies import ClientUpdate, Strategy
+from coordinator.validation import Expectation, Rejection, validate_update
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoundPolicy:
+    """When a round may close: the quorum, the minimum and the deadline."""
+
+    rounds: int
+    min_devices: int = 1
+    quorum: int | None = None
+    round_timeout: float = 600.0
+    max_update_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise ValueError(f"--rounds must be at least 1, got {self.rounds}")
+        if self.min_devices < 1:
+            raise ValueError(f"--min-devices must be at least 1, got {self.min_devices}")
+        if self.quorum is not None and self.quorum < self.min_devices:
+            raise ValueError(f"--quorum {self.quorum} is below --min-devices {self.min_devices}")
+        if self.round_timeout <= 0:
+            raise ValueError(f"--round-timeout must be positive, got {self.round_timeout}")
+
+
+@dataclass
+class RoundResult:
+    """What one closed round produced, for progress lines, JSON output and summaries."""
+
+    round_id: int
+    accuracy: float
+    device_accuracy: dict[str, float]
+    labels: int
+    divergence: dict[str, dict[str, float]]
+    seconds: float
+    rejected: dict[str, str]
+    report: dict
+
+
+@dataclass
+class RoundCollector:
+    """The updates of one round as they arrive: accepted once per device, duplicates answered idempotently."""
+
+    expectation: Expectation
+    accepted: dict[str, wire.Update] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
+
+    def offer(self, device_id: str, payload: bytes) -> tuple[wire.Update | None, bool]:
+        """(update, is_new): a valid first update is new; a redelivery of the accepted one is not; else Rejection."""
+        update = validate_update(device_id, payload, self.expectation)
+        previous = self.accepted.get(device_id)
+        if previous is not None:
+            if previous.update_id == update.update_id:
+                return previous, False
+            raise Rejection(f"duplicate: {device_id} already has an accepted update for round "
+                            f"{self.expectation.round_id}")
+        self.accepted[device_id] = update
+        self.sizes[device_id] = len(payload)
+        return update, True
+
+
+class Coordinator:
+    """Runs a fleet's rounds over one MQTT session, persisting each round before announcing the next."""
+
+    def __init__(
+        self, fleet: str, run_id: str, session: MqttSession, store: RunStore, strategy: Strategy,
+        evaluator: Evaluator, recipe: wire.Recipe, policy: RoundPolicy, model_name: str = "paper-cnn",
+        base_labels: int = 0, evaluate_devices: bool = True,
+    ) -> None:
+        self.fleet = fleet
+        self.run_id = run_id
+        self.session = session
+        self.store = store
+        self.strategy = strategy
+        self.evaluator = evaluator
+        self.recipe = recipe
+        self.policy = policy
+        self.model_name = model_name
+        self.base_labels = base_labels
+        self.evaluate_devices = evaluate_devices
+        self.spec = weight_spec(build_model(model_name))
+        self.online: dict[str, wire.Status] = {}
+        self.device_labels: dict[str, int] = {}
+        self._announced_model_topic: str | None = None
+
+    def start(self) -> None:
+        """Subscribes to every device's updates and status."""
+        self.session.subscribe(wire.all_devices_topic(self.fleet, "update"))
+        self.session.subscribe(wire.all_devices_topic(self.fleet, "status"))
+
+    def wait_for_devices(self, count: int, timeout: float) -> int:
+        """Processes status messages until `count` devices are online or the timeout passes; returns how many are."""
+        deadline = time.monotonic() + timeout
+        while len(self.online_devices()) < count and time.monotonic() < deadline:
+            message = self.session.next_message(timeout=0.2)
+            if message is not None:
+                self.dispatch(message, collector=None)
+        return len(self.online_devices())
+
+    def online_devices(self) -> set[str]:
+        """Devices whose last status is anything but 'offline'."""
+        return {device for device, status in self.online.items() if status.state != "offline"}
+
+    def run(self, global_weights: Weights, first_round: int, on_round: Callable[[RoundResult], None]) -> Weights:
+        """Runs rounds first_round..policy.rounds from `global_weights`; returns the final global model."""
+        for round_id in range(first_round, self.policy.rounds + 1):
+            global_weights, result = self.run_round(round_id, global_weights)
+            on_round(result)
+        self.announce(self.policy.rounds, weights_hash(global_weights), final=True)
+        return global_weights
+
+    def run_round(self, round_id: int, global_weights: Weights) -> tuple[Weights, RoundResult]:
+        """One full round: announce, collect until quorum or deadline, aggregate, evaluate, persist."""
+        started_wall, started = time.time(), time.monotonic()
+        base_hash = weights_hash(global_weights)
+        collector = RoundCollector(Expectation(round_id, base_hash, self.spec, NUM_CLASSES, self.policy.max_update_bytes))
+        self.resume_spooled(collector)
+        self.publish_model(global_weights, base_hash)
+        self.announce(round_id, base_hash)
+        self.collect(collector, started)
+        updates = [self.client_update(update) for update in collector.accepted.values()]
+        evaluate = self.evaluator.selection_accuracy if self.strategy.needs_evaluation else None
+        aggregation_started = time.monotonic()
+        new_weights, report = self.strategy.aggregate(global_weights, updates, evaluate)
+        report["aggregation_seconds"] = time.monotonic() - aggregation_started
+        divergence = fleet_divergence({u.device_id: u.weights for u in updates}, new_weights)
+        accuracy = self.evaluator.test_accuracy(new_weights)
+        device_accuracy = {u.device_id: self.evaluator.test_accuracy(u.weights) for u in updates} \
+            if self.evaluate_devices else {}
+        for update in collector.accepted.values():
+            self.device_labels[update.device_id] = update.num_samples
+        labels = self.base_labels + sum(self.device_labels.values())
+        model_hash = self.store.save_checkpoint(round_id, new_weights)
+        self.store.commit_round(
+            RoundRecord(round_id, started_wall, time.time(), model_hash, accuracy, labels,
+                        len(collector.accepted), len(collector.rejected), report, {"quorum": self.needed(collector)}),
+            [DeviceRoundRecord(round_id, device, True, "", update.num_samples, list(update.class_counts),
+                               device_accuracy.get(device), divergence[device], collector.sizes.get(device, 0),
+                               time.time())
+             for device, update in collector.accepted.items()],
+        )
+        result = RoundResult(round_id, accuracy, device_accuracy, labels, divergence,
+                             time.monotonic() - started, dict(collector.rejected), report)
+        log.info("round closed round=%d accepted=%d rejected=%d accuracy=%.4f seconds=%.1f",
+                 round_id, len(updates), len(collector.rejected), accuracy, result.seconds)
+        return new_weights, result
+
+    def client_update(self, update: wire.Update) -> ClientUpdate:
+        """The strategy's view of a validated update."""
+        return ClientUpdate(update.device_id, update.tensors, update.num_samples, dict(update.metrics))
+
+    def needed(self, collector: RoundCollector) -> int:
+        """How many accepted updates close the round early: the quorum, else every online device (at least the minimum)."""
+        if self.policy.quorum is not None:
+            return self.policy.quorum
+        return max(self.policy.min_devices, len(self.online_devices() | set(collector.accepted)))
+
+    def collect(self, collector: RoundCollector, started: float) -> None:
+        """Handles messages until the quorum is in, or the deadline passes with at least the minimum."""
+        deadline = started + self.policy.round_timeout
+        while True:
+            have = len(collector.accepted)
+            if have >= self.needed(collector):
+                return
+            if time.monotonic() >= deadline:
+                if have >= self.policy.min_devices:
+                    log.warning("round deadline passed round=%d accepted=%d needed=%d stragglers=%s",
+                                collector.expectation.round_id, have, self.needed(collector),
+                                sorted(self.online_devices() - set(collector.accepted)))
+                    return
+                log.warning("round deadline passed below the minimum round=%d accepted=%d min=%d; waiting longer",
+                            collector.expectation.round_id, have, self.policy.min_devices)
+                deadline = time.monotonic() + self.policy.round_timeout
+            message = self.session.next_message(timeout=0.2)
+            if message is not None:
+                self.dispatch(message, collector)
+
+    def dispatch(self, message: IncomingMessage, collector: RoundCollector | None) -> None:
+        """Routes a status or update message; nothing a device sends can raise out of here."""
+        try:
+            device_id = wire.device_from_topic(message.topic)
+        except wire.WireError as error:
+            log.warning("message on an unexpected topic topic=%s error=%s", message.topic, error)
+            return
+        if message.topic.endswith("/status"):
+            self.on_status(device_id, message.payload)
+        elif message.topic.endswith("/update"):
+            self.on_update(device_id, message.payload, collector)
+
+    def on_status(self, device_id: str, payload: bytes) -> None:
+        """Tracks presence from retained status messages and last wills."""
+        if not payload:
+            self.online.pop(device_id, None)
+            return
+        try:
+            status = wire.decode(payload, wire.Status)
+        except wire.WireError as error:
+            log.warning("bad status device=%s error=%s", device_id, error)
+            return
+        previous = self.online.get(device_id)
+        if previous is None or previous.state != status.state:
+            log.info("device status device=%s state=%s", device_id, status.state)
+        self.online[device_id] = status
+
+    def on_update(self, device_id: str, payload: bytes, collector: RoundCollector | None) -> None:
+        """Validates, spools and acks an update; a rejection is acked with its reason, logged and counted."""
+        if collector is None:
+            self.reject(device_id, 0, "", "no round is open", len(payload))
+            return
+        try:
+            update, is_new = collector.offer(device_id, payload)
+        except Rejection as rejection:
+            collector.rejected[device_id] = rejection.reason
+            self.reject(device_id, collector.expectation.round_id, self.update_id_of(payload), rejection.reason,
+                        len(payload))
+            return
+        if is_new:
+            self.store.spool_update(update.round_id, device_id, payload)
+            log.info("update accepted device=%s round=%d samples=%d", device_id, update.round_id, update.num_samples)
+        self.ack(wire.Ack(device_id, update.round_id, update.update_id, True))
+
+    def resume_spooled(self, collector: RoundCollector) -> None:
+        """Takes back the updates a previous coordinator process accepted for this round before it died."""
+        for device_id, payload in self.store.spooled_updates(collector.expectation.round_id).items():
+            try:
+                collector.offer(device_id, payload)
+                log.info("resumed spooled update device=%s round=%d", device_id, collector.expectation.round_id)
+            except Rejection as rejection:
+                log.warning("spooled update no longer valid device=%s reason=%s", device_id, rejection.reason)
+
+    @staticmethod
+    def update_id_of(payload: bytes) -> str:
+        """The update id of a payload if it can be read at all, for the rejection ack."""
+        try:
+            return wire.decode(payload, wire.Update).update_id
+        except wire.WireError:
+            return ""
+
+    def reject(self, device_id: str, round_id: int, update_id: str, reason: str, size: int) -> None:
+        """Acks a rejection, counts it in the store and logs it once."""
+        log.warning("update rejected device=%s round=%d reason=%s", device_id, round_id, reason)
+        self.store.record_rejection(round_id, device_id, reason, size)
+        self.ack(wire.Ack(device_id, round_id, update_id, False, reason))
+
+    def ack(self, ack: wire.Ack) -> None:
+        """Publishes an ack on the device's ack topic."""
+        self.session.publish(wire.device_topic(self.fleet, ack.device_id, "ack"), wire.encode(ack))
+
+    def publish_model(self, weights: Weights, model_hash: str) -> None:
+        """Retains the weights on their hash topic and clears the previous model's retained copy."""
+        topic = wire.model_topic(self.fleet, model_hash)
+        if topic == self._announced_model_topic:
+            return
+        message = wire.ModelMessage(model_hash, self.model_name, weights)
+        self.session.publish(topic, wire.encode(message), retain=True, wait=30.0)
+        if self._announced_model_topic is not None:
+            self.session.publish(self._announced_model_topic, b"", retain=True)
+        self._announced_model_topic = topic
+
+    def announce(self, round_id: int, model_hash: str, final: bool = False) -> None:
+        """Retains the round announcement: round id, base model hash, recipe, deadline."""
+        announcement = wire.RoundAnnouncement(self.run_id, round_id, model_hash, self.recipe,
+                                              time.time() + self.policy.round_timeout, final)
+        self.session.publish(wire.round_topic(self.fleet), wire.encode(announcement), retain=True, wait=30.0)
+        log.info("round announced round=%d model=%s final=%s", round_id, model_hash[:12], final)

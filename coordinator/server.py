@@ -1,0 +1,154 @@
+# Assembles a coordinator from settings: server data, the initial model W0, resume from the store, the session.
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from edge_agent import wire
+from edge_agent.data import FashionMNIST, load_fashion_mnist
+from edge_agent.models import Weights, build_model, get_weights
+from edge_agent.mqtt import BrokerAddress, MqttSession
+from edge_agent.training import SgdSettings, sgd_train
+from coordinator.evaluation import Evaluator, LabelledSplit
+from coordinator.partition import server_holdout
+from coordinator.rounds import Coordinator, RoundPolicy, RoundResult
+from coordinator.store import RunStore
+from coordinator.strategies import make_strategy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class InitSettings:
+    """How the server trains W0 from its few balanced labelled samples (Alg. 4/5, t = 0)."""
+
+    samples: int = 100
+    epochs: int = 30
+    learning_rate: float = 0.05
+    batch_size: int = 32
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Everything the coordinator needs to run a fleet's rounds."""
+
+    run_dir: Path
+    fleet: str = "fleet"
+    strategy: str = "avefl"
+    recipe: wire.Recipe = field(default_factory=wire.Recipe)
+    policy: RoundPolicy = field(default_factory=lambda: RoundPolicy(rounds=10))
+    init: InitSettings = field(default_factory=InitSettings)
+    model_name: str = "paper-cnn"
+    validation_samples: int = 1000
+    selection_passes: int = 10
+    test_samples: int | None = None
+    evaluate_devices: bool = True
+    data_dir: Path | None = None
+    torch_threads: int | None = None
+
+
+@dataclass(frozen=True)
+class ServerData:
+    """The dataset and the server's share of it: W0 samples, the selection split, and what is left for devices."""
+
+    dataset: FashionMNIST
+    init_indices: np.ndarray
+    validation_indices: np.ndarray
+    device_indices: np.ndarray
+
+
+def load_server_data(settings: ServerSettings) -> ServerData:
+    """Loads Fashion-MNIST and reserves the server's init and validation samples from the training split."""
+    dataset = load_fashion_mnist(settings.data_dir)
+    rng = np.random.default_rng(settings.init.seed)
+    init, validation, rest = server_holdout(dataset.train_labels, settings.init.samples,
+                                            settings.validation_samples, rng)
+    return ServerData(dataset, init, validation, rest)
+
+
+def initial_weights(settings: ServerSettings, data: ServerData) -> Weights:
+    """W0: a seeded model trained on the balanced init samples (no training when there are none)."""
+    model = build_model(settings.model_name, seed=settings.init.seed)
+    if len(data.init_indices):
+        init = settings.init
+        sgd_train(model, data.dataset.train_images[data.init_indices], data.dataset.train_labels[data.init_indices],
+                  SgdSettings(init.epochs, init.batch_size, init.learning_rate, 0.0, 0.0, init.seed))
+    return get_weights(model)
+
+
+def build_evaluator(settings: ServerSettings, data: ServerData) -> Evaluator:
+    """Test split (all of it unless test_samples says otherwise) and the BNN selection split."""
+    test_count = settings.test_samples or len(data.dataset.test_labels)
+    test = LabelledSplit.from_uint8(data.dataset.test_images[:test_count], data.dataset.test_labels[:test_count])
+    selection = LabelledSplit.from_uint8(data.dataset.train_images[data.validation_indices],
+                                         data.dataset.train_labels[data.validation_indices])
+    return Evaluator(settings.model_name, test, selection, settings.selection_passes, settings.init.seed)
+
+
+def starting_point(store: RunStore, settings: ServerSettings, data: ServerData) -> tuple[Weights, int, str]:
+    """(global weights, first round to run, run id): a fresh W0, or where a previous process left the run."""
+    config = store.config()
+    last = store.last_committed_round()
+    if config is not None and last is not None:
+        log.info("resuming run=%s after round=%d", config["run_id"], last)
+        return store.load_checkpoint(last), last + 1, config["run_id"]
+    run_id = config["run_id"] if config else f"{settings.fleet}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    if store.latest_checkpoint_round() == 0:
+        weights = store.load_checkpoint(0)
+    else:
+        weights = initial_weights(settings, data)
+        store.save_checkpoint(0, weights)
+    store.set_config({"run_id": run_id, "settings": settings_as_dict(settings)})
+    return weights, 1, run_id
+
+
+def settings_as_dict(settings: ServerSettings) -> dict:
+    """JSON-able settings for the store (paths as strings)."""
+    return {key: str(value) if isinstance(value, Path) else value for key, value in asdict(settings).items()}
+
+
+def run_server(
+    settings: ServerSettings, address: BrokerAddress, on_round: Callable[[RoundResult], None],
+    data: ServerData | None = None, wait_for_devices: int = 0, device_wait_timeout: float = 60.0,
+) -> Weights:
+    """Runs (or resumes) the whole run against the broker at `address`; returns the final global model."""
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    data = data or load_server_data(settings)
+    strategy = make_strategy(settings.strategy)
+    store = RunStore(settings.run_dir)
+    session = MqttSession(address, client_id=f"coordinator-{settings.fleet}")
+    try:
+        weights, first_round, run_id = starting_point(store, settings, data)
+        coordinator = Coordinator(
+            settings.fleet, run_id, session, store, strategy, build_evaluator(settings, data), settings.recipe,
+            settings.policy, settings.model_name, base_labels=len(data.init_indices),
+            evaluate_devices=settings.evaluate_devices,
+        )
+        coordinator.device_labels = latest_device_labels(store)
+        session.connect()
+        coordinator.start()
+        if wait_for_devices:
+            online = coordinator.wait_for_devices(wait_for_devices, device_wait_timeout)
+            log.info("devices online=%d wanted=%d", online, wait_for_devices)
+        return coordinator.run(weights, first_round, on_round)
+    finally:
+        session.close()
+        store.close()
+
+
+def latest_device_labels(store: RunStore) -> dict[str, int]:
+    """Each device's labelled count as of its last accepted update, so a resumed run counts labels right."""
+    labels: dict[str, int] = {}
+    for record in store.device_rounds():
+        if record.accepted:
+            labels[record.device_id] = record.num_samples
+    return labels

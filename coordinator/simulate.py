@@ -1,0 +1,132 @@
+# Bench runs: N real agent processes (own MQTT clients, own data shards) against a real broker and coordinator.
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from edge_agent.data import save_shard
+from edge_agent.mqtt import BrokerAddress
+from coordinator.broker import EmbeddedBroker
+from coordinator.partition import partition_indices
+from coordinator.rounds import RoundResult
+from coordinator.server import ServerData, ServerSettings, load_server_data, run_server
+
+log = logging.getLogger(__name__)
+
+AGENT_EXIT_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """The simulated fleet: how many devices, how their data is split, how big each pool is."""
+
+    devices: int = 4
+    partition: str = "type1"
+    pool_size: int = 4000
+    agent_threads: int = 1
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class DeviceLaunch:
+    """Where one simulated device's shard, state and log live."""
+
+    device_id: str
+    shard: Path
+    state_dir: Path
+    log_file: Path
+
+
+def device_ids(count: int) -> list[str]:
+    """dev-00, dev-01, ...: stable names that sort in order."""
+    return [f"dev-{index:02d}" for index in range(count)]
+
+
+def write_shards(data: ServerData, bench: BenchSettings, run_dir: Path) -> list[DeviceLaunch]:
+    """Partitions the devices' share of the training set and writes one pool shard per device."""
+    rng = np.random.default_rng(bench.seed)
+    labels = data.dataset.train_labels
+    parts = partition_indices(labels, bench.partition, bench.devices, rng, indices=data.device_indices)
+    launches = []
+    for device_id, part in zip(device_ids(bench.devices), parts):
+        pool = rng.permutation(part)[:bench.pool_size]
+        device_dir = run_dir / "devices" / device_id
+        shard = device_dir / "shard.npz"
+        if not shard.exists():
+            device_dir.mkdir(parents=True, exist_ok=True)
+            save_shard(shard, data.dataset.train_images[pool], labels[pool])
+        launches.append(DeviceLaunch(device_id, shard, device_dir / "state", device_dir / "agent.log"))
+    return launches
+
+
+def agent_command(launch: DeviceLaunch, address: BrokerAddress, fleet: str, threads: int) -> list[str]:
+    """The exact command a field device would run, pointed at a simulated shard."""
+    return [
+        sys.executable, "-m", "edge_agent", "run", "--broker", address.url, "--fleet", fleet,
+        "--device-id", launch.device_id, "--data", str(launch.shard), "--state-dir", str(launch.state_dir),
+        "--torch-threads", str(threads), "--exit-on-final",
+    ]
+
+
+def spawn_agent(launch: DeviceLaunch, address: BrokerAddress, fleet: str, threads: int) -> subprocess.Popen:
+    """Starts one agent process with its own log file and one BLAS thread (2 cores shared by many agents)."""
+    environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    launch.log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(launch.log_file, "ab") as log_stream:
+        return subprocess.Popen(agent_command(launch, address, fleet, threads), stdout=log_stream,
+                                stderr=subprocess.STDOUT, env=environment)
+
+
+def stop_agents(processes: list[subprocess.Popen], timeout: float) -> None:
+    """Waits for agents to leave after the final announcement, then terminates any that linger."""
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@contextlib.contextmanager
+def broker_for(run_dir: Path, address: BrokerAddress | None) -> Iterator[BrokerAddress]:
+    """The given broker, or an embedded mosquitto in the run directory for the duration of the run."""
+    if address is not None:
+        yield address
+        return
+    with EmbeddedBroker(run_dir / "broker") as broker:
+        yield broker.address
+
+
+def simulate(
+    settings: ServerSettings, bench: BenchSettings, on_round: Callable[[RoundResult], None],
+    address: BrokerAddress | None = None,
+) -> None:
+    """Runs the whole bench: shards, broker, N agent processes and the coordinator, and cleans up after."""
+    data = load_server_data(settings)
+    launches = write_shards(data, bench, settings.run_dir)
+    with broker_for(settings.run_dir, address) as broker_address:
+        processes = [spawn_agent(launch, broker_address, settings.fleet, bench.agent_threads) for launch in launches]
+        try:
+            run_server(settings, broker_address, on_round, data=data, wait_for_devices=bench.devices)
+        except BaseException:
+            stop_agents(processes, timeout=0.0)
+            raise
+        stop_agents(processes, AGENT_EXIT_SECONDS)
+    failed = [launch.device_id for launch, process in zip(launches, processes) if process.returncode not in (0, -15)]
+    if failed:
+        log.warning("agents exited with errors devices=%s (see their agent.log)", failed)
