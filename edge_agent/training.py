@@ -68,7 +68,7 @@ def sgd_train(model: nn.Module, images: np.ndarray, labels: np.ndarray, settings
                 loss = nn.functional.cross_entropy(model(inputs[batch]), targets[batch])
                 loss.backward()
                 optimizer.step()
-                total += float(loss) * len(batch)
+                total += loss.item() * len(batch)
                 seen += len(batch)
             epoch_loss = total / seen
     model.eval()
