@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import socket
 import subprocess
@@ -37,8 +38,12 @@ def mosquitto_config(port: int, work_dir: Path, extra_lines: tuple[str, ...] = (
         "log_type error",
         "log_type warning",
         "log_type notice",
-        *extra_lines,
     ]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        # Started as root, mosquitto switches to the 'mosquitto' user, which cannot write work_dir: it then runs
+        # without its log and, silently, without persistence. Stay the user that owns work_dir.
+        lines.append("user root")
+    lines.extend(extra_lines)
     return "\n".join(lines) + "\n"
 
 

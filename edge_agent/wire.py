@@ -266,7 +266,7 @@ def _is_int(value: Any) -> bool:
 
 def check_identifier(kind: str, value: str) -> str:
     """Fleet and device ids become topic levels and file names: letters, digits, '_', '.', '-' only."""
-    if not isinstance(value, str) or not IDENTIFIER.match(value):
+    if not isinstance(value, str) or not IDENTIFIER.fullmatch(value):
         raise WireError(f"{kind} {value!r} must match {IDENTIFIER.pattern}")
     return value
 

@@ -1,0 +1,338 @@
+# Tests for edge_agent.wire: message and tensor round trips, every decode failure, HMAC, topics, identifiers.
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import numpy as np
+import pytest
+
+from edge_agent import wire
+
+KEY = b"fleet-secret-key"
+
+
+def tensors() -> dict[str, np.ndarray]:
+    """Two small tensors with distinct, non-trivial values."""
+    return {
+        "conv.weight": np.arange(24, dtype=np.float32).reshape(2, 3, 4) / 7,
+        "fc.bias": np.array([-1.5, 0.0, 2.25], dtype=np.float32),
+    }
+
+
+def make_update(**changes) -> wire.Update:
+    """A plausible update; keyword arguments replace fields."""
+    update = wire.Update(
+        device_id="dev-1", round_id=3, update_id="u-3-a", base_hash="ab" * 32, num_samples=400,
+        class_counts=[40] * 10, metrics={"loss": 0.25, "seconds": 3.0}, tensors=tensors(), nonce=b"\x00\x01nonce",
+    )
+    return dataclasses.replace(update, **changes)
+
+
+def envelope(kind: str = "ack", **fields) -> dict:
+    """A raw v1 envelope for an Ack, with fields overridden or removed (value None removes)."""
+    raw = {"v": 1, "kind": kind, "device_id": "dev-1", "round_id": 2, "update_id": "u", "accepted": True, "reason": ""}
+    raw.update(fields)
+    return {k: v for k, v in raw.items() if v is not None}
+
+
+def pack(raw) -> bytes:
+    return msgpack.packb(raw, use_bin_type=True)
+
+
+def assert_tensors_equal(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype.newbyteorder("="), name
+        assert got[name].shape == want[name].shape, name
+        np.testing.assert_array_equal(got[name], want[name])
+
+
+# --- message round trips ---------------------------------------------------------------------------------------
+
+
+def test_round_announcement_round_trip_with_recipe_options():
+    recipe = wire.Recipe(sampler="bald", labels_per_acquisition=123, epochs=2, learning_rate=0.01, seed=7,
+                         options={"temperature": 0.5, "mix": 2.0})
+    message = wire.RoundAnnouncement("run-1", 4, "cd" * 32, recipe, deadline=1700000000.5, final=True)
+    decoded = wire.decode(wire.encode(message), wire.RoundAnnouncement)
+    assert decoded == message
+    assert isinstance(decoded.recipe, wire.Recipe)
+    assert decoded.recipe.options == {"temperature": 0.5, "mix": 2.0}
+
+
+def test_model_message_round_trip():
+    message = wire.ModelMessage("ef" * 32, "paper-cnn", tensors())
+    decoded = wire.decode(wire.encode(message), wire.ModelMessage)
+    assert (decoded.model_hash, decoded.model_name) == (message.model_hash, message.model_name)
+    assert_tensors_equal(decoded.tensors, message.tensors)
+
+
+def test_update_round_trip():
+    message = make_update(signature=b"\xffsig")
+    decoded = wire.decode(wire.encode(message), wire.Update)
+    for f in dataclasses.fields(wire.Update):
+        if f.name != "tensors":
+            assert getattr(decoded, f.name) == getattr(message, f.name), f.name
+    assert isinstance(decoded.nonce, bytes) and isinstance(decoded.signature, bytes)
+    assert_tensors_equal(decoded.tensors, message.tensors)
+
+
+@pytest.mark.parametrize("message", [
+    wire.Ack("dev-1", 5, "u-5", True),
+    wire.Ack("dev-2", 6, "u-6", False, "stale round: nope"),
+    wire.Status("dev-1", "training", 1700000001.25, round_id=5, labelled=800, profile="pi-zero"),
+    wire.Status("dev-3", "offline", 0.0),
+])
+def test_small_messages_round_trip(message):
+    assert wire.decode(wire.encode(message), type(message)) == message
+
+
+# --- tensors -----------------------------------------------------------------------------------------------------
+
+ALL_DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+              "float16", "float32", "float64"]
+
+
+def extreme_values(dtype: np.dtype) -> np.ndarray:
+    """Values that exercise every byte of the type: extremes, sign, fractions."""
+    if dtype.kind == "b":
+        return np.array([True, False, True, True, False], dtype=dtype)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return np.array([info.min, info.max, 0, 1, info.max // 3], dtype=dtype)
+    info = np.finfo(dtype)
+    return np.array([info.min, info.max, -0.0, info.tiny, 1 / 3, -2.5], dtype=dtype)
+
+
+@pytest.mark.parametrize("name", ALL_DTYPES)
+@pytest.mark.parametrize("order", ["<", ">"])
+def test_tensor_round_trip_every_dtype_and_byte_order(name, order):
+    dtype = np.dtype(name).newbyteorder(order)
+    array = extreme_values(dtype)
+    assert array.dtype == dtype
+    raw = wire.encode_tensor(array)
+    assert raw["dtype"] in wire.ALLOWED_DTYPES
+    assert raw["dtype"][0] in "<|"  # always little-endian (or byte-order free) on the wire
+    decoded = wire.decode_tensor("t", raw)
+    assert decoded.dtype == np.dtype(name)
+    np.testing.assert_array_equal(decoded, array)
+    assert decoded.tobytes() == array.astype(np.dtype(name)).tobytes()  # bit-exact, -0.0 included
+    # and through a whole message, too
+    message = wire.decode(wire.encode(wire.ModelMessage("h", "m", {"t": array})), wire.ModelMessage)
+    np.testing.assert_array_equal(message.tensors["t"], array)
+
+
+def test_big_endian_bytes_are_swapped_on_the_wire():
+    array = np.array([1.0, -2.0], dtype=">f4")
+    raw = wire.encode_tensor(array)
+    assert raw["dtype"] == "<f4"
+    assert raw["data"] == np.array([1.0, -2.0], dtype="<f4").tobytes() != array.tobytes()
+
+
+@pytest.mark.parametrize("shape", [(0,), (3, 0, 2), (), (1, 1, 1, 7), (5, 3, 1)])
+def test_tensor_round_trip_odd_shapes(shape):
+    array = (np.arange(int(np.prod(shape)), dtype=np.int32) - 3).reshape(shape)
+    decoded = wire.decode_tensor("t", wire.encode_tensor(array))
+    assert decoded.shape == shape
+    assert decoded.dtype == np.int32
+    np.testing.assert_array_equal(decoded, array)
+
+
+def test_non_contiguous_tensor_round_trip():
+    array = np.arange(30, dtype=np.float64).reshape(5, 6)[::2, 1::2].T
+    decoded = wire.decode_tensor("t", wire.encode_tensor(array))
+    np.testing.assert_array_equal(decoded, array)
+
+
+def test_decoded_tensor_is_writable_copy():
+    decoded = wire.decode_tensor("t", wire.encode_tensor(np.zeros(3, dtype=np.float32)))
+    decoded[0] = 1.0  # would raise on a read-only frombuffer view
+    assert decoded[0] == 1.0
+
+
+@pytest.mark.parametrize("dtype", ["complex64", "object", "<U3"])
+def test_encode_tensor_rejects_unsupported_dtype(dtype):
+    array = np.array([1, 2], dtype=dtype)
+    with pytest.raises(wire.WireError, match="cannot go on the wire"):
+        wire.encode_tensor(array)
+
+
+# --- decode errors -----------------------------------------------------------------------------------------------
+
+
+def model_with_tensor(raw_tensor) -> bytes:
+    """A ModelMessage envelope carrying one hand-made tensor map."""
+    return pack({"v": 1, "kind": "model", "model_hash": "h", "model_name": "m", "tensors": {"w": raw_tensor}})
+
+
+def good_tensor(**fields) -> dict:
+    raw = {"dtype": "<f4", "shape": [2, 3], "data": bytes(24)}
+    raw.update(fields)
+    return raw
+
+
+def test_good_hand_made_envelopes_decode():
+    # the baselines the error cases below are mutations of
+    assert wire.decode(pack(envelope()), wire.Ack) == wire.Ack("dev-1", 2, "u", True, "")
+    assert wire.decode(model_with_tensor(good_tensor()), wire.ModelMessage).tensors["w"].shape == (2, 3)
+
+
+@pytest.mark.parametrize("payload, expected, fragment", [
+    (wire.encode(wire.Ack("dev-1", 1, "u", True))[:-3], wire.Ack, "undecodable msgpack"),
+    (b"\xc1", wire.Ack, "undecodable msgpack"),
+    (b"", wire.Ack, "undecodable msgpack"),
+    (wire.encode(wire.Ack("d", 1, "u", True)) + b"\x00", wire.Ack, "undecodable msgpack"),
+    (pack(envelope(v=2)), wire.Ack, "wire version 2 is not supported"),
+    (pack(envelope(v=None)), wire.Ack, "wire version None is not supported"),
+    (pack(envelope(kind="status")), wire.Ack, "expected a 'ack' message, got kind 'status'"),
+    (wire.encode(wire.Status("d", "idle", 1.0)), wire.Update, "expected a 'update' message, got kind 'status'"),
+    (pack([1, "ack"]), wire.Ack, "message must be a map, got list"),
+    (pack(5), wire.Ack, "message must be a map, got int"),
+    (pack(envelope(update_id=None)), wire.Ack, "missing field 'update_id'"),
+    (pack(envelope(extra=1)), wire.Ack, "unknown fields ['extra']"),
+    (pack(envelope(round_id="2")), wire.Ack, "ack.round_id must be an integer"),
+    (pack(envelope(round_id=True)), wire.Ack, "ack.round_id must be an integer"),
+    (pack(envelope(round_id=2.0)), wire.Ack, "ack.round_id must be an integer"),
+    (pack(envelope(accepted=1)), wire.Ack, "ack.accepted must be a boolean"),
+    (pack(envelope(reason=b"bytes")), wire.Ack, "ack.reason must be a string"),
+    (pack({**envelope(), 1: "x"}), wire.Ack, "undecodable msgpack"),  # non-string map key
+    (model_with_tensor(good_tensor(data=bytes(23))), wire.ModelMessage, "has 23 bytes, shape [2, 3] of float32 needs 24"),
+    (model_with_tensor(good_tensor(data=bytes(28))), wire.ModelMessage, "has 28 bytes"),
+    (model_with_tensor(good_tensor(dtype="<c8", data=bytes(48))), wire.ModelMessage, "unsupported dtype '<c8'"),
+    (model_with_tensor(good_tensor(dtype="O")), wire.ModelMessage, "unsupported dtype 'O'"),
+    (model_with_tensor(good_tensor(dtype=">f4")), wire.ModelMessage, "unsupported dtype '>f4'"),
+    (model_with_tensor(good_tensor(shape=[-2, -3])), wire.ModelMessage, "invalid shape [-2, -3]"),
+    (model_with_tensor(good_tensor(shape=[2, True])), wire.ModelMessage, "invalid shape"),
+    (model_with_tensor(good_tensor(shape=[1] * 9, data=bytes(4))), wire.ModelMessage, "invalid shape"),
+    (model_with_tensor(good_tensor(data="text")), wire.ModelMessage, "data must be bytes"),
+    (model_with_tensor({"dtype": "<f4", "shape": [0]}), wire.ModelMessage, "exactly dtype, shape and data"),
+    (model_with_tensor([1, 2]), wire.ModelMessage, "exactly dtype, shape and data"),
+])
+def test_decode_errors_say_what_is_wrong(payload, expected, fragment):
+    with pytest.raises(wire.WireError) as info:
+        wire.decode(payload, expected)
+    assert fragment in str(info.value)
+
+
+def test_decode_rejects_payload_over_max_bytes_before_parsing():
+    payload = wire.encode(wire.Ack("dev-1", 1, "u", True))
+    assert wire.decode(payload, wire.Ack, max_bytes=len(payload)).round_id == 1  # exactly at the limit is fine
+    with pytest.raises(wire.WireError, match=f"message of {len(payload)} bytes exceeds the limit of {len(payload) - 1}"):
+        wire.decode(payload, wire.Ack, max_bytes=len(payload) - 1)
+
+
+def test_decode_rejects_non_bytes():
+    with pytest.raises(wire.WireError, match="payload must be bytes"):
+        wire.decode("not bytes", wire.Ack)  # type: ignore[arg-type]
+
+
+def test_decode_error_in_nested_recipe_names_the_field():
+    raw = msgpack.unpackb(wire.encode(wire.RoundAnnouncement("r", 1, "h", wire.Recipe(), 1.0)))
+    raw["recipe"]["epochs"] = "five"
+    with pytest.raises(wire.WireError, match="epochs must be an integer"):
+        wire.decode(pack(raw), wire.RoundAnnouncement)
+    raw["recipe"]["epochs"] = 5
+    raw["recipe"]["options"] = {"a": "b"}
+    with pytest.raises(wire.WireError, match="options must be a map of names to numbers"):
+        wire.decode(pack(raw), wire.RoundAnnouncement)
+
+
+def test_decode_error_in_update_lists():
+    raw = msgpack.unpackb(wire.encode(make_update()))
+    raw["class_counts"] = [1, 2.5]
+    with pytest.raises(wire.WireError, match="update.class_counts must be a list of integers"):
+        wire.decode(pack(raw), wire.Update)
+
+
+def test_wire_error_is_a_value_error():
+    assert issubclass(wire.WireError, ValueError)
+
+
+# --- HMAC --------------------------------------------------------------------------------------------------------
+
+
+def test_signed_update_verifies_and_survives_the_wire():
+    signed = wire.sign_update(make_update(), KEY)
+    assert len(signed.signature) == 32
+    assert wire.signature_valid(signed, KEY)
+    assert wire.signature_valid(wire.decode(wire.encode(signed), wire.Update), KEY)
+
+
+def changed_tensor() -> dict[str, np.ndarray]:
+    changed = {name: array.copy() for name, array in tensors().items()}
+    changed["fc.bias"][1] = np.nextafter(np.float32(0.0), np.float32(1.0))  # the smallest possible change
+    return changed
+
+
+@pytest.mark.parametrize("change", [
+    {"round_id": 4},
+    {"device_id": "dev-2"},
+    {"nonce": b"\x00\x01nonce!"},
+    {"update_id": "u-3-b"},
+    {"num_samples": 401},
+    {"tensors": "changed"},
+])
+def test_any_change_invalidates_the_signature(change):
+    signed = wire.sign_update(make_update(), KEY)
+    if change.get("tensors") == "changed":
+        change = {"tensors": changed_tensor()}
+    tampered = dataclasses.replace(signed, **change)
+    assert not wire.signature_valid(tampered, KEY)
+
+
+def test_wrong_key_and_missing_signature_are_invalid():
+    signed = wire.sign_update(make_update(), KEY)
+    assert not wire.signature_valid(signed, b"another-key")
+    assert not wire.signature_valid(make_update(), KEY)
+
+
+# --- topics and identifiers --------------------------------------------------------------------------------------
+
+
+def test_topic_strings():
+    assert wire.round_topic("fleet-1") == "fl/fleet-1/round"
+    assert wire.model_topic("fleet-1", "abc123") == "fl/fleet-1/model/abc123"
+    assert wire.device_topic("fleet-1", "dev_7.a", "update") == "fl/fleet-1/devices/dev_7.a/update"
+    assert wire.device_topic("fleet-1", "dev_7.a", "ack") == "fl/fleet-1/devices/dev_7.a/ack"
+    assert wire.all_devices_topic("fleet-1", "status") == "fl/fleet-1/devices/+/status"
+
+
+@pytest.mark.parametrize("leaf", ["update", "ack", "status"])
+def test_device_from_topic_inverts_device_topic(leaf):
+    assert wire.device_from_topic(wire.device_topic("f", "Dev-42.x_y", leaf)) == "Dev-42.x_y"
+
+
+@pytest.mark.parametrize("topic", [
+    "fl/f/round", "fl/f/devices/d", "fl/f/devices/d/update/extra", "xx/f/devices/d/update",
+    "fl/f/nodes/d/update", "fl/f/devices/+/update", "fl/f/devices//update",
+])
+def test_device_from_topic_rejects_other_topics(topic):
+    with pytest.raises(wire.WireError):
+        wire.device_from_topic(topic)
+
+
+def test_identifier_of_64_characters_is_accepted():
+    assert wire.check_identifier("device id", "a" * 64) == "a" * 64
+
+
+BAD_IDENTIFIERS = ["a/b", "dev+", "dev#", "#", "+", "", "a" * 65, "dev 1", "dév", "dev\n", "a" * 64 + "\n", None]
+
+
+@pytest.mark.parametrize("bad", BAD_IDENTIFIERS)
+def test_bad_identifiers_are_rejected_everywhere(bad):
+    with pytest.raises(wire.WireError, match="must match"):
+        wire.check_identifier("device id", bad)
+    with pytest.raises(wire.WireError):
+        wire.round_topic(bad)
+    with pytest.raises(wire.WireError):
+        wire.model_topic(bad, "h")
+    with pytest.raises(wire.WireError):
+        wire.device_topic("fleet", bad, "update")
+    with pytest.raises(wire.WireError):
+        wire.device_topic(bad, "dev", "update")
+    with pytest.raises(wire.WireError):
+        wire.all_devices_topic(bad, "status")
+    if isinstance(bad, str) and "/" not in bad:
+        with pytest.raises(wire.WireError):
+            wire.device_from_topic(f"fl/f/devices/{bad}/update")
