@@ -15,7 +15,7 @@ from edge_agent.data import DatasetMissingError
 from edge_agent.logs import configure_logging
 from edge_agent.mqtt import BrokerUnavailableError, parse_broker_url
 from edge_agent.sampling import make_heuristic
-from edge_agent.training import make_local_rule
+from edge_agent.training import OPTIMIZERS, make_local_rule
 from coordinator.broker import BrokerError, EmbeddedBroker
 from coordinator.rounds import RoundPolicy, RoundResult
 from coordinator.server import InitSettings, ServerSettings, load_server_data, run_server
@@ -56,6 +56,7 @@ def add_round_options(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--init-samples", type=int, default=InitSettings.samples, help="balanced samples for W0")
     server.add_argument("--init-epochs", type=int, default=InitSettings.epochs)
     server.add_argument("--init-lr", type=float, default=InitSettings.learning_rate)
+    server.add_argument("--init-optimizer", default=InitSettings.optimizer, choices=OPTIMIZERS)
     server.add_argument("--validation-samples", type=int, default=1000, help="OptFL/MixFL selection split size")
     server.add_argument("--selection-passes", type=int, default=10, help="MC passes of the BNN selection accuracy")
     server.add_argument("--test-samples", type=int, help="evaluate on the first N test images (default: all 10k)")
@@ -90,6 +91,15 @@ def add_bench_options(parser: argparse.ArgumentParser) -> None:
     bench.add_argument("--partition", default="type1", help="type1, type2, iid or dirichlet:ALPHA")
     bench.add_argument("--pool-size", type=int, default=BenchSettings.pool_size, help="unlabelled pool per device")
     bench.add_argument("--agent-threads", type=int, default=1, help="torch threads per simulated agent")
+    bench.add_argument("--seed-per-class", type=int, default=BenchSettings.seed_per_class,
+                       help="labelled seeds per class from the server's W0 samples given to every device "
+                            "(its initial replay set; 0 for none)")
+
+
+def bench_settings(args: argparse.Namespace) -> BenchSettings:
+    """BenchSettings from parsed arguments."""
+    return BenchSettings(args.devices, args.partition, args.pool_size, args.agent_threads, args.seed,
+                         args.seed_per_class)
 
 
 def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSettings:
@@ -106,7 +116,7 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
         run_dir=run_dir, fleet=fleet, strategy=args.strategy, recipe=recipe,
         policy=RoundPolicy(args.rounds, args.min_devices, args.quorum, args.round_timeout),
         init=InitSettings(samples=args.init_samples, epochs=args.init_epochs, learning_rate=args.init_lr,
-                          seed=args.seed),
+                          optimizer=args.init_optimizer, seed=args.seed),
         validation_samples=args.validation_samples, selection_passes=args.selection_passes,
         test_samples=args.test_samples, evaluate_devices=not args.no_device_eval, data_dir=args.data_dir,
         torch_threads=args.torch_threads,
@@ -192,7 +202,7 @@ def command_simulate(args: argparse.Namespace) -> int:
     validate_recipe_names(settings)
     if args.quorum is None:
         settings = dataclasses.replace(settings, policy=dataclasses.replace(settings.policy, quorum=args.devices))
-    bench = BenchSettings(args.devices, args.partition, args.pool_size, args.agent_threads, args.seed)
+    bench = bench_settings(args)
     printer = RoundPrinter(args.json, settings.policy.rounds)
     address = parse_broker_url(args.broker) if args.broker else None
     simulate(settings, bench, printer, address)
@@ -204,7 +214,7 @@ def command_partition(args: argparse.Namespace) -> int:
     """Writes the bench's per-device shards to a folder, for agents started by hand."""
     settings = ServerSettings(run_dir=args.out, init=InitSettings(samples=args.init_samples, seed=args.seed),
                               validation_samples=args.validation_samples, data_dir=args.data_dir)
-    bench = BenchSettings(args.devices, args.partition, args.pool_size, args.agent_threads, args.seed)
+    bench = bench_settings(args)
     for launch in write_shards(load_server_data(settings), bench, args.out):
         print(f"{launch.device_id} {launch.shard}")
     return 0

@@ -145,7 +145,7 @@ class Coordinator:
         device_accuracy = {u.device_id: self.evaluator.test_accuracy(u.weights) for u in updates} \
             if self.evaluate_devices else {}
         for update in collector.accepted.values():
-            self.device_labels[update.device_id] = update.num_samples
+            self.device_labels[update.device_id] = update.acquired_labels
         labels = self.base_labels + sum(self.device_labels.values())
         model_hash = self.store.save_checkpoint(round_id, new_weights)
         self.store.commit_round(
@@ -153,7 +153,7 @@ class Coordinator:
                         len(collector.accepted), len(collector.rejected), report, {"quorum": self.needed(collector)}),
             [DeviceRoundRecord(round_id, device, True, "", update.num_samples, list(update.class_counts),
                                device_accuracy.get(device), divergence[device], collector.sizes.get(device, 0),
-                               time.time())
+                               time.time(), update.acquired_labels)
              for device, update in collector.accepted.items()],
         )
         result = RoundResult(round_id, accuracy, device_accuracy, labels, divergence,

@@ -15,7 +15,7 @@ from edge_agent import wire
 from edge_agent.data import FashionMNIST, load_fashion_mnist
 from edge_agent.models import Weights, build_model, get_weights
 from edge_agent.mqtt import BrokerAddress, MqttSession
-from edge_agent.training import SgdSettings, sgd_train
+from edge_agent.training import TrainSettings, train_supervised
 from coordinator.evaluation import Evaluator, LabelledSplit
 from coordinator.partition import server_holdout
 from coordinator.rounds import Coordinator, RoundPolicy, RoundResult
@@ -30,9 +30,11 @@ class InitSettings:
     """How the server trains W0 from its few balanced labelled samples (Alg. 4/5, t = 0)."""
 
     samples: int = 100
-    epochs: int = 30
-    learning_rate: float = 0.05
+    epochs: int = 50
+    learning_rate: float = 1e-3
     batch_size: int = 32
+    weight_decay: float = 5e-4
+    optimizer: str = "adam"
     seed: int = 0
 
 
@@ -79,8 +81,11 @@ def initial_weights(settings: ServerSettings, data: ServerData) -> Weights:
     model = build_model(settings.model_name, seed=settings.init.seed)
     if len(data.init_indices):
         init = settings.init
-        sgd_train(model, data.dataset.train_images[data.init_indices], data.dataset.train_labels[data.init_indices],
-                  SgdSettings(init.epochs, init.batch_size, init.learning_rate, 0.0, 0.0, init.seed))
+        train_supervised(
+            model, data.dataset.train_images[data.init_indices], data.dataset.train_labels[data.init_indices],
+            TrainSettings(init.epochs, init.batch_size, init.learning_rate, 0.0, init.weight_decay, init.seed,
+                          init.optimizer),
+        )
     return get_weights(model)
 
 
@@ -146,9 +151,9 @@ def run_server(
 
 
 def latest_device_labels(store: RunStore) -> dict[str, int]:
-    """Each device's labelled count as of its last accepted update, so a resumed run counts labels right."""
+    """Each device's oracle-label count as of its last accepted update, so a resumed run counts labels right."""
     labels: dict[str, int] = {}
     for record in store.device_rounds():
         if record.accepted:
-            labels[record.device_id] = record.num_samples
+            labels[record.device_id] = record.acquired_labels
     return labels

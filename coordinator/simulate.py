@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from edge_agent.data import save_shard
+from edge_agent.data import Shard, save_shard
 from edge_agent.mqtt import BrokerAddress
 from coordinator.broker import EmbeddedBroker
 from coordinator.partition import partition_indices
@@ -34,6 +34,7 @@ class BenchSettings:
     pool_size: int = 4000
     agent_threads: int = 1
     seed: int = 0
+    seed_per_class: int = 5
 
 
 @dataclass(frozen=True)
@@ -51,11 +52,19 @@ def device_ids(count: int) -> list[str]:
     return [f"dev-{index:02d}" for index in range(count)]
 
 
+def seed_indices(labels: np.ndarray, init_indices: np.ndarray, per_class: int) -> np.ndarray:
+    """The first `per_class` of each class among the server's W0 samples: every device's labelled seed set."""
+    init_labels = labels[init_indices]
+    return np.concatenate([init_indices[init_labels == c][:per_class] for c in np.unique(init_labels)]) \
+        if per_class and len(init_indices) else np.zeros(0, dtype=np.int64)
+
+
 def write_shards(data: ServerData, bench: BenchSettings, run_dir: Path) -> list[DeviceLaunch]:
-    """Partitions the devices' share of the training set and writes one pool shard per device."""
+    """Partitions the devices' share of the training set and writes one pool shard (plus the seeds) per device."""
     rng = np.random.default_rng(bench.seed)
-    labels = data.dataset.train_labels
+    images, labels = data.dataset.train_images, data.dataset.train_labels
     parts = partition_indices(labels, bench.partition, bench.devices, rng, indices=data.device_indices)
+    seeds = seed_indices(labels, data.init_indices, bench.seed_per_class)
     launches = []
     for device_id, part in zip(device_ids(bench.devices), parts):
         pool = rng.permutation(part)[:bench.pool_size]
@@ -63,7 +72,7 @@ def write_shards(data: ServerData, bench: BenchSettings, run_dir: Path) -> list[
         shard = device_dir / "shard.npz"
         if not shard.exists():
             device_dir.mkdir(parents=True, exist_ok=True)
-            save_shard(shard, data.dataset.train_images[pool], labels[pool])
+            save_shard(shard, Shard(images[pool], labels[pool], images[seeds], labels[seeds]))
         launches.append(DeviceLaunch(device_id, shard, device_dir / "state", device_dir / "agent.log"))
     return launches
 

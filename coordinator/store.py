@@ -1,6 +1,7 @@
 # Run state in SQLite (rounds, per-device records, rejections, config) plus model checkpoints and the update spool.
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sqlite3
@@ -52,6 +53,7 @@ CREATE TABLE IF NOT EXISTS device_rounds (
     divergence TEXT NOT NULL,
     update_bytes INTEGER NOT NULL,
     received_at REAL NOT NULL,
+    acquired_labels INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (round_id, device_id)
 );
 CREATE TABLE IF NOT EXISTS rejections (
@@ -95,6 +97,7 @@ class DeviceRoundRecord:
     divergence: dict[str, float]
     update_bytes: int
     received_at: float
+    acquired_labels: int = 0
 
 
 def check_device_id(device_id: str) -> str:
@@ -146,7 +149,7 @@ def _device_row(record: DeviceRoundRecord) -> tuple:
         int(record.round_id), record.device_id, int(bool(record.accepted)), str(record.reason),
         int(record.num_samples), json.dumps([int(c) for c in record.class_counts]),
         _optional_float(record.local_accuracy), json.dumps(divergence, sort_keys=True),
-        int(record.update_bytes), float(record.received_at),
+        int(record.update_bytes), float(record.received_at), int(record.acquired_labels),
     )
 
 
@@ -256,7 +259,8 @@ class RunStore:
             if device.round_id != round_id:
                 raise ValueError(f"device {device.device_id} record is for round {device.round_id}, not {round_id}")
         insert_round = "INSERT INTO rounds VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-        insert_device = "INSERT INTO device_rounds VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        placeholders = ", ".join("?" * len(dataclasses.fields(DeviceRoundRecord)))
+        insert_device = f"INSERT INTO device_rounds VALUES ({placeholders})"
         statements = [(insert_round, _round_row(record))] + [(insert_device, _device_row(d)) for d in devices]
         try:
             self._write(statements)
@@ -282,7 +286,8 @@ class RunStore:
         where, params = ("WHERE round_id = ?", (round_id,)) if round_id is not None else ("", ())
         rows = self._read(f"SELECT * FROM device_rounds {where} ORDER BY round_id, device_id", params)
         return [
-            DeviceRoundRecord(r[0], r[1], bool(r[2]), r[3], r[4], json.loads(r[5]), r[6], json.loads(r[7]), r[8], r[9])
+            DeviceRoundRecord(r[0], r[1], bool(r[2]), r[3], r[4], json.loads(r[5]), r[6], json.loads(r[7]), r[8], r[9],
+                              r[10])
             for r in rows
         ]
 

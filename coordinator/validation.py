@@ -52,6 +52,8 @@ def validate_update(device_id: str, payload: bytes, expected: Expectation) -> wi
             raise Rejection(f"non-finite values in tensor {name!r}")
     if update.num_samples < 0:
         raise Rejection(f"negative sample count {update.num_samples}")
+    if not 0 <= update.acquired_labels <= update.num_samples:
+        raise Rejection(f"acquired_labels {update.acquired_labels} must lie in [0, num_samples={update.num_samples}]")
     if len(update.class_counts) != expected.num_classes or min(update.class_counts, default=0) < 0:
         raise Rejection(f"class_counts must be {expected.num_classes} non-negative integers")
     return update

@@ -188,6 +188,7 @@ class Agent:
             base_hash=announcement.model_hash,
             num_samples=self.data.num_labelled,
             class_counts=[int(c) for c in self.data.class_counts()],
+            acquired_labels=self.data.count_labels("oracle"),
             metrics=metrics,
             tensors=get_weights(model),
             nonce=os.urandom(16),

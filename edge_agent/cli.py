@@ -9,7 +9,7 @@ from pathlib import Path
 
 from edge_agent import wire
 from edge_agent.agent import Agent, AgentSettings
-from edge_agent.data import DeviceData, load_shard
+from edge_agent.data import load_shard, open_device_data
 from edge_agent.logs import configure_logging
 from edge_agent.mqtt import BrokerUnavailableError, MqttSession, parse_broker_url
 from edge_agent.oracle import SimulatedOracle
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fleet", required=True)
     run.add_argument("--device-id", required=True)
     run.add_argument("--data", required=True, type=Path,
-                     help="pool shard (.npz with images and the simulated oracle's labels)")
+                     help="pool shard (.npz: images, the simulated oracle's labels, optional seeds)")
     run.add_argument("--state-dir", type=Path, help="where labels and progress persist (default ./agent-state/ID)")
     run.add_argument("--torch-threads", type=int, default=1)
     run.add_argument("--inference-batch", type=int, default=256)
@@ -39,13 +39,13 @@ def run_agent(args: argparse.Namespace) -> int:
     """Opens the device's data, connects, and serves rounds until the run ends or a signal arrives."""
     wire.check_identifier("device id", args.device_id)
     wire.check_identifier("fleet", args.fleet)
-    images, labels = load_shard(args.data)
-    data = DeviceData.open_or_create(args.state_dir or Path("agent-state") / args.device_id, images)
+    shard = load_shard(args.data)
+    data = open_device_data(args.state_dir or Path("agent-state") / args.device_id, shard)
     settings = AgentSettings(fleet=args.fleet, device_id=args.device_id, torch_threads=args.torch_threads,
                              inference_batch=args.inference_batch, exit_on_final=args.exit_on_final)
     session = MqttSession(parse_broker_url(args.broker), client_id=args.device_id,
                           last_will=Agent.last_will(settings), max_payload_bytes=settings.max_update_bytes)
-    agent = Agent(settings, session, data, SimulatedOracle(labels))
+    agent = Agent(settings, session, data, SimulatedOracle(shard.all_labels))
     signal.signal(signal.SIGTERM, lambda *_: agent.stop_event.set())
     session.connect()
     try:

@@ -9,7 +9,8 @@ import os
 import tempfile
 import zipfile
 import zlib
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -206,22 +207,60 @@ def load_arrays(path: Path | str) -> dict[str, np.ndarray]:
         raise ValueError(f"{path}: corrupt or unreadable array archive ({exc})") from exc
 
 
-def save_shard(path: Path | str, images: np.ndarray, labels: np.ndarray) -> None:
-    """Writes a simulated device's data file: uint8 images and their ground-truth labels."""
-    _check_images(images, str(path))
-    _check_labels(labels, len(images), len(CLASS_NAMES), str(path))
-    save_arrays(path, {"images": images, "labels": labels.astype(np.int64)})
+@dataclass(frozen=True)
+class Shard:
+    """A simulated device's data: pool images with the ground truth its oracle reveals, and pre-labelled seeds.
+
+    The seeds are the few balanced samples the coordinator hands every device (from its own W0 samples), so
+    that the replay set can hold every class even where the device's own data holds only some (Type i).
+    """
+
+    images: np.ndarray
+    labels: np.ndarray
+    seed_images: np.ndarray = field(default_factory=lambda: np.zeros((0, *IMAGE_SHAPE), dtype=np.uint8))
+    seed_labels: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    @property
+    def all_images(self) -> np.ndarray:
+        """Pool images followed by seed images: the device's index space."""
+        return np.concatenate([self.images, self.seed_images])
+
+    @property
+    def all_labels(self) -> np.ndarray:
+        """Ground truth over the same index space as all_images."""
+        return np.concatenate([self.labels, self.seed_labels]).astype(np.int64)
+
+    @property
+    def seed_indices(self) -> np.ndarray:
+        """Where the seeds sit in the device's index space."""
+        return np.arange(len(self.images), len(self.images) + len(self.seed_images), dtype=np.int64)
 
 
-def load_shard(path: Path | str) -> tuple[np.ndarray, np.ndarray]:
-    """Reads a shard: (uint8 images (N, 28, 28), int64 labels (N,)); labels are what the simulated oracle reveals."""
+SHARD_ARRAYS = ("images", "labels", "seed_images", "seed_labels")
+
+
+def save_shard(path: Path | str, shard: Shard) -> None:
+    """Writes a shard file after checking every array's shape and dtype."""
+    _check_shard(shard, str(path))
+    save_arrays(path, {name: getattr(shard, name) for name in SHARD_ARRAYS})
+
+
+def load_shard(path: Path | str) -> Shard:
+    """Reads a shard written by save_shard (a file without seeds is a shard without seeds)."""
     arrays = load_arrays(path)
-    if set(arrays) != {"images", "labels"}:
-        raise ValueError(f"{path}: a shard holds 'images' and 'labels', found {sorted(arrays)}")
-    images, labels = arrays["images"], arrays["labels"]
-    _check_images(images, str(path))
-    _check_labels(labels, len(images), len(CLASS_NAMES), str(path))
-    return images, labels.astype(np.int64)
+    if not {"images", "labels"} <= set(arrays) <= set(SHARD_ARRAYS):
+        raise ValueError(f"{path}: a shard holds {', '.join(SHARD_ARRAYS)}, found {sorted(arrays)}")
+    shard = Shard(**{name: arrays[name] for name in arrays})
+    _check_shard(shard, str(path))
+    return dataclasses.replace(shard, labels=shard.labels.astype(np.int64), seed_labels=shard.seed_labels.astype(np.int64))
+
+
+def _check_shard(shard: Shard, where: str) -> None:
+    """Pool and seed arrays are uint8 images with one valid label each."""
+    _check_images(shard.images, where)
+    _check_labels(shard.labels, len(shard.images), len(CLASS_NAMES), where)
+    _check_images(shard.seed_images, f"{where} (seeds)")
+    _check_labels(shard.seed_labels, len(shard.seed_images), len(CLASS_NAMES), f"{where} (seeds)")
 
 
 def _as_index_array(values: Any, what: str) -> np.ndarray:
@@ -234,13 +273,25 @@ def _as_index_array(values: Any, what: str) -> np.ndarray:
     return array.astype(np.int64)
 
 
+LABEL_SOURCES = ("oracle", "seed")
+
+
+def source_code(source: str) -> int:
+    """The stored code of a label source; ValueError for an unknown one."""
+    if source not in LABEL_SOURCES:
+        raise ValueError(f"unknown label source {source!r}; known: {', '.join(LABEL_SOURCES)}")
+    return LABEL_SOURCES.index(source)
+
+
 def _write_labelled(
-    path: Path, indices: np.ndarray, labels: np.ndarray, replay: np.ndarray, num_classes: int, replay_per_class: int
+    path: Path, indices: np.ndarray, labels: np.ndarray, sources: np.ndarray, replay: np.ndarray, num_classes: int,
+    replay_per_class: int,
 ) -> None:
-    """Writes a device's labelled indices, labels, replay indices and settings as one atomic file."""
+    """Writes a device's labelled indices, labels, their sources, replay indices and settings as one atomic file."""
     record = {
         "indices": indices,
         "labels": labels,
+        "sources": sources,
         "replay": replay,
         "num_classes": np.int64(num_classes),
         "replay_per_class": np.int64(replay_per_class),
@@ -267,6 +318,7 @@ class DeviceData:
         self.replay_per_class = int(labelled["replay_per_class"])
         self._indices = labelled["indices"]
         self._labels = labelled["labels"]
+        self._sources = labelled["sources"]
         self._replay = labelled["replay"]
         self._label_at = np.full(len(images), -1, dtype=np.int64)
         self._label_at[self._indices] = self._labels
@@ -289,7 +341,8 @@ class DeviceData:
         atomic_write_bytes(state_dir / cls.IMAGES_FILE, buffer.getvalue())
         atomic_write_bytes(state_dir / cls.STATE_FILE, b"{}")
         empty = np.zeros(0, dtype=np.int64)
-        _write_labelled(state_dir / cls.LABELS_FILE, empty, empty, empty, num_classes, replay_per_class)
+        _write_labelled(state_dir / cls.LABELS_FILE, empty, empty, empty.astype(np.int8), empty, num_classes,
+                        replay_per_class)
         return cls.open(state_dir)
 
     @classmethod
@@ -333,11 +386,12 @@ class DeviceData:
     def _load_labelled(path: Path, num_samples: int) -> dict[str, np.ndarray]:
         """The persisted labelled/replay record, checked for consistency with the image count."""
         arrays = load_arrays(path)
-        expected = {"indices", "labels", "replay", "num_classes", "replay_per_class"}
+        expected = {"indices", "labels", "sources", "replay", "num_classes", "replay_per_class"}
         if set(arrays) != expected:
             raise ValueError(f"{path}: expected arrays {sorted(expected)}, found {sorted(arrays)}")
         indices, labels, replay = arrays["indices"], arrays["labels"], arrays["replay"]
         _check_labels(labels, len(indices), int(arrays["num_classes"]), str(path))
+        _check_labels(arrays["sources"], len(indices), len(LABEL_SOURCES), f"{path} (label sources)")
         in_range = indices.size == 0 or (indices.min() >= 0 and indices.max() < num_samples)
         if not in_range or len(np.unique(indices)) != len(indices) or not np.isin(replay, indices).all():
             raise ValueError(f"{path}: labelled or replay indices are inconsistent with {num_samples} images")
@@ -388,8 +442,13 @@ class DeviceData:
         """Number of labelled samples per class, shape (num_classes,)."""
         return np.bincount(self._labels, minlength=self.num_classes)
 
-    def add_labels(self, indices: np.ndarray, labels: np.ndarray) -> None:
+    def count_labels(self, source: str) -> int:
+        """How many labels came from this source (the oracle's are the ones a person was asked for)."""
+        return int(np.count_nonzero(self._sources == source_code(source)))
+
+    def add_labels(self, indices: np.ndarray, labels: np.ndarray, source: str = "oracle") -> None:
         """Moves samples from the pool to the labelled set and updates the replay set, all or nothing."""
+        code = source_code(source)
         indices = _as_index_array(indices, "indices")
         labels = _as_index_array(labels, "labels")
         if len(labels) != len(indices):
@@ -403,9 +462,11 @@ class DeviceData:
             raise ValueError(f"samples already labelled: {already[:10].tolist()}")
         new_indices = np.concatenate([self._indices, indices])
         new_labels = np.concatenate([self._labels, labels])
+        new_sources = np.concatenate([self._sources, np.full(len(indices), code, dtype=np.int8)])
         new_replay = np.concatenate([self._replay, self._replay_additions(indices, labels)])
-        self._persist_labelled(new_indices, new_labels, new_replay)
-        self._indices, self._labels, self._replay = new_indices, new_labels, new_replay
+        _write_labelled(self.state_dir / self.LABELS_FILE, new_indices, new_labels, new_sources, new_replay,
+                        self.num_classes, self.replay_per_class)
+        self._indices, self._labels, self._sources, self._replay = new_indices, new_labels, new_sources, new_replay
         self._label_at[indices] = labels
 
     def _replay_additions(self, indices: np.ndarray, labels: np.ndarray) -> np.ndarray:
@@ -418,12 +479,6 @@ class DeviceData:
                 room[label] -= 1
                 joined.append(index)
         return np.asarray(joined, dtype=np.int64)
-
-    def _persist_labelled(self, indices: np.ndarray, labels: np.ndarray, replay: np.ndarray) -> None:
-        """Writes the labelled set, labels, replay set and settings in one atomic file write."""
-        _write_labelled(
-            self.state_dir / self.LABELS_FILE, indices, labels, replay, self.num_classes, self.replay_per_class
-        )
 
     def _check_in_range(self, indices: np.ndarray) -> None:
         """Raises ValueError naming the first index outside [0, num_samples)."""
@@ -446,3 +501,11 @@ class DeviceData:
             raise ValueError(f"state value for {key!r} is not JSON-serialisable: {exc}") from exc
         atomic_write_bytes(self.state_dir / self.STATE_FILE, encoded)
         self._state = json.loads(encoded)
+
+
+def open_device_data(state_dir: Path | str, shard: Shard) -> DeviceData:
+    """A device's persisted data for this shard: resumed if it exists, else created with its seeds labelled once."""
+    data = DeviceData.open_or_create(state_dir, shard.all_images)
+    if len(shard.seed_labels) and data.count_labels("seed") == 0:
+        data.add_labels(shard.seed_indices, shard.seed_labels, source="seed")
+    return data

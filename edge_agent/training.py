@@ -1,4 +1,4 @@
-# Local update rules behind one interface; the SGD loop they share also trains the coordinator's initial model.
+# Local update rules behind one interface; the training loop they share also trains the coordinator's W0.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -25,9 +25,12 @@ class LocalData:
     unlabelled_images: np.ndarray
 
 
+OPTIMIZERS = ("sgd", "adam")
+
+
 @dataclass(frozen=True)
-class SgdSettings:
-    """Plain mini-batch SGD hyperparameters (weight decay is the paper's Eq. 5 regulariser)."""
+class TrainSettings:
+    """Mini-batch training hyperparameters (weight decay is the paper's Eq. 5 regulariser)."""
 
     epochs: int
     batch_size: int
@@ -35,14 +38,26 @@ class SgdSettings:
     momentum: float = 0.0
     weight_decay: float = 0.0
     seed: int = 0
+    optimizer: str = "sgd"
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; known: {', '.join(OPTIMIZERS)}")
 
     @classmethod
-    def from_recipe(cls, recipe: Recipe, seed: int) -> "SgdSettings":
+    def from_recipe(cls, recipe: Recipe, seed: int) -> "TrainSettings":
         """The SGD part of a round recipe, with a per-device, per-acquisition seed."""
         return cls(recipe.epochs, recipe.batch_size, recipe.learning_rate, recipe.momentum, recipe.weight_decay, seed)
 
+    def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """A fresh optimizer over the model's parameters."""
+        if self.optimizer == "adam":
+            return torch.optim.Adam(model.parameters(), lr=self.learning_rate, weight_decay=self.weight_decay)
+        return torch.optim.SGD(model.parameters(), lr=self.learning_rate, momentum=self.momentum,
+                               weight_decay=self.weight_decay)
 
-def sgd_train(model: nn.Module, images: np.ndarray, labels: np.ndarray, settings: SgdSettings) -> float:
+
+def train_supervised(model: nn.Module, images: np.ndarray, labels: np.ndarray, settings: TrainSettings) -> float:
     """Trains in place with dropout on, shuffled mini-batches, a fresh optimizer; returns the last epoch's mean loss."""
     if len(images) != len(labels):
         raise ValueError(f"{len(images)} images but {len(labels)} labels")
@@ -50,10 +65,7 @@ def sgd_train(model: nn.Module, images: np.ndarray, labels: np.ndarray, settings
         return float("nan")
     inputs = torch.from_numpy(normalise(images))
     targets = torch.from_numpy(np.asarray(labels, dtype=np.int64))
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=settings.learning_rate, momentum=settings.momentum,
-        weight_decay=settings.weight_decay,
-    )
+    optimizer = settings.make_optimizer(model)
     generator = torch.Generator().manual_seed(settings.seed)
     model.train()
     epoch_loss = float("nan")
@@ -94,7 +106,7 @@ class OnlineReplaySGD(LocalRule):
         """Trains on new ∪ replay only; older labels stay in the store but are not revisited (online learning)."""
         images = np.concatenate([data.new_images, data.replay_images])
         labels = np.concatenate([data.new_labels, data.replay_labels])
-        loss = sgd_train(model, images, labels, SgdSettings.from_recipe(recipe, seed))
+        loss = train_supervised(model, images, labels, TrainSettings.from_recipe(recipe, seed))
         return {"train_loss": loss, "train_samples": float(len(images))}
 
 

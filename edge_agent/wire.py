@@ -44,8 +44,8 @@ class Recipe:
     local_rule: str = "online-replay"
     epochs: int = 5
     batch_size: int = 32
-    learning_rate: float = 0.05
-    momentum: float = 0.0
+    learning_rate: float = 0.01
+    momentum: float = 0.9
     weight_decay: float = 5e-4
     mc_passes: int = 10
     seed: int = 0
@@ -86,6 +86,7 @@ class Update:
     base_hash: str
     num_samples: int
     class_counts: list[int]
+    acquired_labels: int
     metrics: dict[str, float]
     tensors: Tensors
     nonce: bytes = b""

@@ -21,6 +21,8 @@ from edge_agent.data import (
     read_idx,
     save_arrays,
     save_shard,
+    Shard,
+    open_device_data,
 )
 
 TEST_IMAGES = DEFAULT_DATA_DIR / "t10k-images-idx3-ubyte.gz"
@@ -170,13 +172,16 @@ def test_load_arrays_corrupt_file_names_it(tmp_path):
 
 def test_shard_round_trip_and_validation(tmp_path, test_split):
     images, labels = test_split[0][:50], test_split[1][:50]
-    save_shard(tmp_path / "device-0.npz", images, labels)
-    loaded_images, loaded_labels = load_shard(tmp_path / "device-0.npz")
-    assert np.array_equal(loaded_images, images) and np.array_equal(loaded_labels, labels)
+    save_shard(tmp_path / "device-0.npz", Shard(images, labels))
+    loaded = load_shard(tmp_path / "device-0.npz")
+    assert np.array_equal(loaded.images, images) and np.array_equal(loaded.labels, labels)
+    assert loaded.seed_images.shape == (0, 28, 28) and len(loaded.seed_labels) == 0
     with pytest.raises(ValueError, match="labels"):
-        save_shard(tmp_path / "bad.npz", images, labels[:49])
+        save_shard(tmp_path / "bad.npz", Shard(images, labels[:49]))
     with pytest.raises(ValueError, match="images"):
-        save_shard(tmp_path / "bad.npz", images.astype(np.float32), labels)
+        save_shard(tmp_path / "bad.npz", Shard(images.astype(np.float32), labels))
+    with pytest.raises(ValueError, match="seeds"):
+        save_shard(tmp_path / "bad.npz", Shard(images, labels, images[:3], labels[:2]))
     save_arrays(tmp_path / "odd.npz", {"images": images})
     with pytest.raises(ValueError, match="odd.npz"):
         load_shard(tmp_path / "odd.npz")
@@ -283,3 +288,23 @@ def test_corrupt_state_files_are_named(tmp_path, test_split):
     with pytest.raises(ValueError, match="state.json"):
         DeviceData.open(tmp_path / "state")
 
+
+
+def test_seeds_are_labelled_once_as_seed_and_fill_the_replay_set(tmp_path, test_split):
+    images, labels = test_split[0], test_split[1]
+    seed_at = np.concatenate([np.flatnonzero(labels == c)[:2] for c in range(10)])
+    pool = np.setdiff1d(np.arange(60), seed_at)
+    shard = Shard(images[pool], labels[pool], images[seed_at], labels[seed_at])
+    device = open_device_data(tmp_path / "state", shard)
+    assert device.num_labelled == 20 and device.count_labels("seed") == 20 and device.count_labels("oracle") == 0
+    assert len(device.pool_indices()) == len(pool)
+    replay_indices, replay_labels = device.replay()
+    assert np.bincount(replay_labels, minlength=10).tolist() == [2] * 10
+    assert set(replay_indices.tolist()) == set(shard.seed_indices.tolist())
+    device.add_labels(device.pool_indices()[:5], shard.labels[:5])
+    reopened = open_device_data(tmp_path / "state", shard)
+    assert reopened.count_labels("seed") == 20 and reopened.count_labels("oracle") == 5
+    assert reopened.num_labelled == 25
+    with pytest.raises(ValueError, match="unknown label source"):
+        reopened.add_labels(reopened.pool_indices()[:1], shard.labels[5:6], source="guess")
+    assert reopened.num_labelled == 25

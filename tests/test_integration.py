@@ -80,5 +80,6 @@ def test_three_devices_two_rounds_over_a_real_broker(tmp_path: Path) -> None:
         assert any(not np.array_equal(first[k], second[k]) for k in first)
         devices = store.device_rounds(2)
         assert sorted(d.device_id for d in devices) == ["dev-00", "dev-01", "dev-02"]
-        assert all(sum(d.class_counts) == d.num_samples == 80 for d in devices)
+        assert all(d.acquired_labels == 80 for d in devices)
+        assert all(sum(d.class_counts) == d.num_samples == 80 + 50 for d in devices)
         assert sum(store.rejection_counts().values()) >= 1

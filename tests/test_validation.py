@@ -35,7 +35,7 @@ def trained_weights() -> dict[str, np.ndarray]:
 def make_update(**changes) -> wire.Update:
     update = wire.Update(
         device_id=DEVICE, round_id=ROUND, update_id="u-7-1", base_hash=BASE_HASH, num_samples=400,
-        class_counts=[40] * NUM_CLASSES, metrics={"loss": 0.3}, tensors=trained_weights(),
+        class_counts=[40] * NUM_CLASSES, acquired_labels=350, metrics={"loss": 0.3}, tensors=trained_weights(),
     )
     return dataclasses.replace(update, **changes)
 
@@ -77,7 +77,7 @@ def test_valid_update_passes_and_returns_the_same_tensors():
 
 
 def test_zero_samples_and_zero_counts_are_valid():
-    update = validate_update(DEVICE, wire.encode(make_update(num_samples=0, class_counts=[0] * NUM_CLASSES)),
+    update = validate_update(DEVICE, wire.encode(make_update(num_samples=0, acquired_labels=0, class_counts=[0] * NUM_CLASSES)),
                              expectation())
     assert update.num_samples == 0
 
@@ -207,3 +207,8 @@ def test_collector_keeps_devices_apart_and_does_not_record_invalid_ones():
     with pytest.raises(Rejection, match="stale round"):
         collector.offer("dev-3", wire.encode(make_update(device_id="dev-3", round_id=ROUND - 1)))
     assert sorted(collector.accepted) == ["dev-1", "dev-2"]
+
+
+def test_acquired_labels_beyond_the_sample_count_is_rejected():
+    reason = reason_for(wire.encode(make_update(acquired_labels=401)))
+    assert "acquired_labels 401 must lie in [0, num_samples=400]" in reason

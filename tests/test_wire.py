@@ -24,7 +24,8 @@ def make_update(**changes) -> wire.Update:
     """A plausible update; keyword arguments replace fields."""
     update = wire.Update(
         device_id="dev-1", round_id=3, update_id="u-3-a", base_hash="ab" * 32, num_samples=400,
-        class_counts=[40] * 10, metrics={"loss": 0.25, "seconds": 3.0}, tensors=tensors(), nonce=b"\x00\x01nonce",
+        class_counts=[40] * 10, acquired_labels=350, metrics={"loss": 0.25, "seconds": 3.0}, tensors=tensors(),
+        nonce=b"\x00\x01nonce",
     )
     return dataclasses.replace(update, **changes)
 
