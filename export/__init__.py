@@ -1,1 +1,0 @@
-# Model export for devices (ONNX bundles).
