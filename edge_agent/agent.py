@@ -17,7 +17,7 @@ from edge_agent import wire
 from edge_agent.data import DeviceData, normalise
 from edge_agent.mc_dropout import TorchMCDropout
 from edge_agent.models import Weights, build_model, get_weights, set_weights, weights_hash
-from edge_agent.mqtt import IncomingMessage, LastWill, MqttSession
+from edge_agent.mqtt import IncomingMessage, LastWill, MqttSession, PayloadTooLargeError
 from edge_agent.oracle import Oracle
 from edge_agent.sampling import Heuristic, make_heuristic, top_k
 from edge_agent.training import LocalData, make_local_rule
@@ -154,7 +154,12 @@ class Agent:
             return
         self._pending = None
         update = self.run_round(announcement, self._models[announcement.model_hash])
-        self.publish_update(update)
+        try:
+            self.publish_update(update)
+        except (wire.WireError, PayloadTooLargeError) as error:
+            log.error("update not sent device=%s round=%d error=%s", update.device_id, update.round_id, error)
+            self.publish_status("error", announcement.round_id)
+            return
         self.data.set_state(LAST_ROUND_KEY, announcement.round_id)
         self.publish_status("idle", announcement.round_id)
 
@@ -222,10 +227,8 @@ class Agent:
         )
 
     def publish_update(self, update: wire.Update) -> None:
-        """Encodes, checks the size before paho sees it, and publishes the update at QoS 1."""
+        """Encodes and publishes the update at QoS 1; the session refuses it before paho sees it if it is too large."""
         payload = wire.encode(update)
-        if len(payload) > self.settings.max_update_bytes:
-            raise wire.WireError(f"update of {len(payload)} bytes exceeds the limit of {self.settings.max_update_bytes}")
         topic = wire.device_topic(self.settings.fleet, self.settings.device_id, "update")
         self.session.publish(topic, payload, wait=PUBLISH_WAIT_SECONDS)
         log.info("update published device=%s round=%d bytes=%d", update.device_id, update.round_id, len(payload))

@@ -1,0 +1,152 @@
+# The device loop against a real mosquitto, with the test playing the coordinator's part.
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_agent import wire
+from edge_agent.agent import LAST_ROUND_KEY, Agent, AgentSettings
+from edge_agent.data import DeviceData, Shard, load_fashion_mnist, open_device_data
+from edge_agent.models import build_model, get_weights, weights_hash
+from edge_agent.mqtt import MqttSession
+from edge_agent.oracle import SimulatedOracle
+from coordinator.broker import EmbeddedBroker
+
+FLEET = "agent-test"
+DEVICE = "dev-a"
+RECIPE = wire.Recipe(sampler="entropy", labels_per_acquisition=12, acquisitions_per_round=2, epochs=1,
+                     batch_size=8, mc_passes=3)
+
+
+@pytest.fixture(scope="module")
+def shard() -> Shard:
+    dataset = load_fashion_mnist()
+    seeds = np.concatenate([np.flatnonzero(dataset.test_labels == c)[:1] for c in range(10)])
+    pool = np.arange(1000, 1080)
+    return Shard(dataset.test_images[pool], dataset.test_labels[pool].astype(np.int64),
+                 dataset.test_images[seeds], dataset.test_labels[seeds].astype(np.int64))
+
+
+@pytest.fixture()
+def broker(tmp_path: Path):
+    with EmbeddedBroker(tmp_path / "broker") as running:
+        yield running
+
+
+class FakeCoordinator:
+    """Publishes a round and its model like the coordinator does, and collects what the device sends back."""
+
+    def __init__(self, broker: EmbeddedBroker) -> None:
+        self.session = MqttSession(broker.address, client_id="fake-coordinator")
+        self.session.connect(timeout=10)
+        self.session.subscribe(wire.all_devices_topic(FLEET, "update"))
+        self.session.subscribe(wire.all_devices_topic(FLEET, "status"))
+
+    def start_round(self, round_id: int, weights: dict, model_hash: str | None = None) -> str:
+        model_hash = model_hash or weights_hash(weights)
+        message = wire.ModelMessage(model_hash, "paper-cnn", weights)
+        self.session.publish(wire.model_topic(FLEET, model_hash), wire.encode(message), retain=True, wait=10)
+        announcement = wire.RoundAnnouncement("run-1", round_id, model_hash, RECIPE, time.time() + 60)
+        self.session.publish(wire.round_topic(FLEET), wire.encode(announcement), retain=True, wait=10)
+        return model_hash
+
+    def next_on(self, leaf: str, timeout: float, accept=lambda message: True):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            message = self.session.next_message(timeout=0.2)
+            if message is not None and message.topic.endswith(f"/{leaf}") and accept(message):
+                return message
+        return None
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def start_agent(broker: EmbeddedBroker, state_dir: Path, shard: Shard, max_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES):
+    settings = AgentSettings(fleet=FLEET, device_id=DEVICE, max_update_bytes=max_bytes)
+    session = MqttSession(broker.address, client_id=DEVICE, last_will=Agent.last_will(settings),
+                          max_payload_bytes=max_bytes)
+    agent = Agent(settings, session, open_device_data(state_dir, shard), SimulatedOracle(shard.all_labels))
+    session.connect(timeout=10)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    return agent, thread
+
+
+def stop_agent(agent: Agent, thread: threading.Thread) -> None:
+    agent.stop_event.set()
+    thread.join(timeout=20)
+    agent.session.close()
+
+
+def test_agent_answers_a_round_with_one_update_and_keeps_its_labels(broker, tmp_path, shard):
+    coordinator = FakeCoordinator(broker)
+    agent, thread = start_agent(broker, tmp_path / "state", shard)
+    try:
+        base = get_weights(build_model(seed=3))
+        base_hash = coordinator.start_round(1, base)
+        message = coordinator.next_on("update", timeout=60)
+        assert message is not None, "no update within 60 s"
+        update = wire.decode(message.payload, wire.Update)
+        assert (update.device_id, update.round_id, update.base_hash) == (DEVICE, 1, base_hash)
+        assert update.acquired_labels == 2 * 12
+        assert update.num_samples == 24 + 10 and sum(update.class_counts) == 34
+        assert any(not np.array_equal(update.tensors[k], base[k]) for k in base)
+    finally:
+        stop_agent(agent, thread)
+        coordinator.close()
+    on_disk = DeviceData.open(tmp_path / "state")
+    assert on_disk.count_labels("oracle") == 24 and on_disk.get_state(LAST_ROUND_KEY) == 1
+    labelled_indices, labels = on_disk.labelled()
+    assert np.array_equal(labels, shard.all_labels[labelled_indices])
+
+
+def test_restarted_agent_does_not_redo_a_finished_round(broker, tmp_path, shard):
+    coordinator = FakeCoordinator(broker)
+    agent, thread = start_agent(broker, tmp_path / "state", shard)
+    weights = get_weights(build_model(seed=4))
+    coordinator.start_round(1, weights)
+    assert coordinator.next_on("update", timeout=60) is not None
+    stop_agent(agent, thread)
+    agent, thread = start_agent(broker, tmp_path / "state", shard)
+    try:
+        assert coordinator.next_on("status", 10, lambda m: wire.decode(m.payload, wire.Status).state == "online")
+        assert coordinator.next_on("update", timeout=5) is None
+        assert DeviceData.open(tmp_path / "state").count_labels("oracle") == 24
+        coordinator.start_round(2, weights)
+        second = coordinator.next_on("update", timeout=60)
+        assert second is not None and wire.decode(second.payload, wire.Update).acquired_labels == 48
+    finally:
+        stop_agent(agent, thread)
+        coordinator.close()
+
+
+def test_oversize_update_is_refused_before_sending_and_the_agent_lives_on(broker, tmp_path, shard):
+    coordinator = FakeCoordinator(broker)
+    agent, thread = start_agent(broker, tmp_path / "state", shard, max_bytes=50_000)
+    try:
+        coordinator.start_round(1, get_weights(build_model(seed=5)))
+        error = coordinator.next_on("status", 60, lambda m: wire.decode(m.payload, wire.Status).state == "error")
+        assert error is not None
+        assert coordinator.next_on("update", timeout=2) is None
+        assert thread.is_alive()
+        assert DeviceData.open(tmp_path / "state").count_labels("oracle") == 24
+    finally:
+        stop_agent(agent, thread)
+        coordinator.close()
+
+
+def test_model_whose_content_does_not_match_its_hash_is_not_trained_on(broker, tmp_path, shard):
+    coordinator = FakeCoordinator(broker)
+    agent, thread = start_agent(broker, tmp_path / "state", shard)
+    try:
+        coordinator.start_round(1, get_weights(build_model(seed=6)), model_hash="0" * 64)
+        assert coordinator.next_on("update", timeout=5) is None
+        assert DeviceData.open(tmp_path / "state").count_labels("oracle") == 0
+    finally:
+        stop_agent(agent, thread)
+        coordinator.close()
