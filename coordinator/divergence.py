@@ -1,13 +1,16 @@
-# Per-layer weight divergence of each device model from the aggregate: ||W_i^l - W_agg^l|| / ||W_i^l||.
+# Per-layer divergence of device models from the aggregate, ||W_i^l - W_agg^l|| / ||W_i^l||, and outlier scores on it.
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from edge_agent.models import Weights
 
 NORM_ORDERS: dict[str, int] = {"l2": 2, "l1": 1}
+MAD_SCALE = 1.4826  # 1 / Phi^-1(3/4): makes 1.4826 * MAD estimate the standard deviation of normal data
+MAD_FLOOR = 1e-12  # the MAD is taken as at least MAD_FLOOR * |median| (MAD_FLOOR itself when the median is 0)
+MIN_DEVICES_TO_JUDGE = 3  # with fewer devices there is no majority to call one of them an outlier
 
 
 def check_norm(norm: str) -> None:
@@ -53,3 +56,61 @@ def fleet_divergence(
     """Device id -> tensor name -> relative divergence, for every device model of a round."""
     check_norm(norm)
     return {device: layer_divergence(weights, aggregate, norm) for device, weights in updates.items()}
+
+
+def robust_z_scores(values: Sequence[float]) -> np.ndarray:
+    """(x - median) / (1.4826 * MAD) per value, MAD = median(|x - median|), floored at MAD_FLOOR (see above).
+
+    All zeros for fewer than MIN_DEVICES_TO_JUDGE values. An infinite value (an all-zero device layer, see
+    relative_divergence) scores +inf and is left out of the median and the MAD. Raises ValueError for a
+    negative or NaN value: a divergence is neither.
+    """
+    x = np.asarray(values, dtype=np.float64)
+    if x.ndim != 1 or np.any(np.isnan(x)) or np.any(x < 0.0):
+        raise ValueError(f"divergences must be a flat list of non-negative numbers, got {values!r}")
+    if x.size < MIN_DEVICES_TO_JUDGE:
+        return np.zeros(x.size)
+    scores = np.full(x.size, np.inf)
+    finite = np.isfinite(x)
+    if finite.any():
+        center = float(np.median(x[finite]))
+        mad = float(np.median(np.abs(x[finite] - center)))
+        scores[finite] = (x[finite] - center) / (MAD_SCALE * max(mad, MAD_FLOOR * (abs(center) or 1.0)))
+    return scores
+
+
+def suspect_scores(fleet: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
+    """Device id -> layer -> robust z-score of that device's divergence among all devices' on the layer.
+
+    Every device must report the same layers (as fleet_divergence gives); see robust_z_scores for the score.
+    """
+    devices = list(fleet)
+    if not devices:
+        return {}
+    layers = list(fleet[devices[0]])
+    for device in devices[1:]:
+        if set(fleet[device]) != set(layers):
+            missing = sorted(set(layers) - set(fleet[device]))
+            extra = sorted(set(fleet[device]) - set(layers))
+            raise ValueError(
+                f"device {device!r} differs in layers from {devices[0]!r}: missing {missing}, unexpected {extra}"
+            )
+    scores: dict[str, dict[str, float]] = {device: {} for device in devices}
+    for layer in layers:
+        for device, z in zip(devices, robust_z_scores([fleet[device][layer] for device in devices])):
+            scores[device][layer] = float(z)
+    return scores
+
+
+def flag_suspects(fleet: Mapping[str, Mapping[str, float]], threshold: float = 3.5) -> dict[str, list[str]]:
+    """Device id -> the layers whose z-score exceeds threshold, for the devices with any such layer.
+
+    One-sided: a divergence unusually close to the aggregate is not suspicious.
+    """
+    if not np.isfinite(threshold):
+        raise ValueError(f"threshold must be a finite number, got {threshold!r}")
+    flagged = {
+        device: [layer for layer, z in layers.items() if z > threshold]
+        for device, layers in suspect_scores(fleet).items()
+    }
+    return {device: layers for device, layers in flagged.items() if layers}

@@ -1,6 +1,9 @@
-# Aggregation strategies behind one interface (AveFL, FedAvg, OptFL, MixFL) and the averaging math they share.
+# Aggregation strategies behind one interface (AveFL, FedAvg, OptFL, MixFL, Median, TrimmedMean) and their math.
 from __future__ import annotations
 
+import inspect
+import math
+import numbers
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
@@ -71,6 +74,42 @@ def _combine(arrays: Sequence[np.ndarray], coefficients: np.ndarray) -> np.ndarr
     for a, array in zip(coefficients, arrays):
         total += a * array.astype(np.float64)
     return total.astype(arrays[0].dtype)
+
+
+def _per_coordinate(weight_sets: Sequence[Weights], statistic: Callable[[np.ndarray], np.ndarray]) -> Weights:
+    """statistic(stack) per tensor, the stack's axis 0 running over the weight sets, in float64, cast back."""
+    if not weight_sets:
+        raise ValueError("a per-coordinate statistic needs at least one weight set")
+    _check_same_layout(weight_sets)
+    return {
+        name: statistic(np.stack([weights[name].astype(np.float64) for weights in weight_sets])).astype(array.dtype)
+        for name, array in weight_sets[0].items()
+    }
+
+
+def coordinate_median(weight_sets: Sequence[Weights]) -> Weights:
+    """The median of the n values of every coordinate (the mean of the middle two for even n)."""
+    return _per_coordinate(weight_sets, lambda stack: np.median(stack, axis=0))
+
+
+def check_trim(trim: float) -> None:
+    """Raises ValueError unless trim is a number in [0, 0.5)."""
+    if isinstance(trim, bool) or not isinstance(trim, numbers.Real) or not 0.0 <= trim < 0.5:
+        raise ValueError(f"trim must be a number in [0, 0.5), got {trim!r}")
+
+
+def trimmed_count(n: int, trim: float) -> int:
+    """floor(trim * n), the values dropped from each end; trim < 0.5 always leaves at least one of n >= 1 values."""
+    check_trim(trim)
+    if n < 1:
+        raise ValueError(f"need at least one value to trim, got {n}")
+    return math.floor(trim * n)
+
+
+def trimmed_mean(weight_sets: Sequence[Weights], trim: float) -> Weights:
+    """Per coordinate: sort the n values, drop floor(trim * n) from each end and average the rest."""
+    cut = trimmed_count(len(weight_sets), trim)
+    return _per_coordinate(weight_sets, lambda stack: np.sort(stack, axis=0)[cut : len(stack) - cut].mean(axis=0))
 
 
 def uniform_coefficients(n: int) -> np.ndarray:
@@ -204,11 +243,51 @@ class MixFL(Strategy):
         return (averaged if use_average else best), report
 
 
-STRATEGIES: dict[str, type[Strategy]] = {strategy.name: strategy for strategy in (AveFL, FedAvg, OptFL, MixFL)}
+class Median(Strategy):
+    """Coordinate-wise median of the client models: robust while fewer than half the devices are outliers."""
+
+    name = "median"
+
+    def aggregate(
+        self, global_weights: Weights, updates: Sequence[ClientUpdate], evaluate: Evaluate | None
+    ) -> tuple[Weights, dict[str, Any]]:
+        """The coordinate-wise median of the updates."""
+        _check_updates(updates)
+        return coordinate_median([update.weights for update in updates]), {"method": self.name}
 
 
-def make_strategy(name: str) -> Strategy:
-    """A fresh strategy by its registry name."""
+class TrimmedMean(Strategy):
+    """Coordinate-wise trimmed mean: drop the floor(trim * n) lowest and highest values, average the rest."""
+
+    name = "trimmed-mean"
+
+    def __init__(self, trim: float = 0.2) -> None:
+        check_trim(trim)
+        self.trim = trim
+
+    def aggregate(
+        self, global_weights: Weights, updates: Sequence[ClientUpdate], evaluate: Evaluate | None
+    ) -> tuple[Weights, dict[str, Any]]:
+        """The trimmed mean of the updates; the report gives trim and the count dropped from each end."""
+        _check_updates(updates)
+        trimmed = trimmed_mean([update.weights for update in updates], self.trim)
+        dropped = trimmed_count(len(updates), self.trim)
+        return trimmed, {"method": self.name, "trim": float(self.trim), "dropped_per_end": dropped}
+
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    strategy.name: strategy for strategy in (AveFL, FedAvg, OptFL, MixFL, Median, TrimmedMean)
+}
+
+
+def make_strategy(name: str, **options: Any) -> Strategy:
+    """A fresh strategy by its registry name, built with the constructor options it takes (e.g. trim=0.2)."""
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; known: {', '.join(sorted(STRATEGIES))}")
-    return STRATEGIES[name]()
+    strategy = STRATEGIES[name]
+    accepted = list(inspect.signature(strategy).parameters)
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        takes = ", ".join(accepted) or "no options"
+        raise ValueError(f"strategy {name!r} does not take option(s) {unknown}; it takes: {takes}")
+    return strategy(**options)

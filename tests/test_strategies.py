@@ -229,9 +229,11 @@ def test_duplicate_devices_are_rejected() -> None:
 
 
 def test_registry_names_and_unknown_name() -> None:
-    assert sorted(STRATEGIES) == ["avefl", "fedavg", "mixfl", "optfl"]
-    assert [isinstance(make_strategy(n), STRATEGIES[n]) and make_strategy(n).name == n for n in STRATEGIES] == [True] * 4
+    assert sorted(STRATEGIES) == ["avefl", "fedavg", "median", "mixfl", "optfl", "trimmed-mean"]
+    assert all(isinstance(make_strategy(n), STRATEGIES[n]) and make_strategy(n).name == n for n in STRATEGIES)
     assert not AveFL.needs_evaluation and not FedAvg.needs_evaluation
     assert OptFL.needs_evaluation and MixFL.needs_evaluation
-    with pytest.raises(ValueError, match="unknown strategy 'krum'; known: avefl, fedavg, mixfl, optfl"):
+    with pytest.raises(ValueError, match="'krum'; known: avefl, fedavg, median, mixfl, optfl, trimmed-mean$"):
         make_strategy("krum")
+    with pytest.raises(ValueError, match="'avefl' does not take option\\(s\\) \\['trim'\\]; it takes: no options"):
+        make_strategy("avefl", trim=0.2)
