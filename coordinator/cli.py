@@ -17,7 +17,7 @@ from edge_agent.mqtt import BrokerUnavailableError, parse_broker_url
 from edge_agent.sampling import make_heuristic
 from edge_agent.training import OPTIMIZERS, make_local_rule
 from coordinator.broker import BrokerError, EmbeddedBroker
-from coordinator.rounds import RoundPolicy, RoundResult
+from coordinator.rounds import RoundPolicy, RoundResult, SuspectPolicy
 from coordinator.server import InitSettings, ServerSettings, load_server_data, run_server
 from coordinator.simulate import BenchSettings, simulate, write_shards
 from coordinator.strategies import make_strategy
@@ -30,7 +30,11 @@ def add_round_options(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("run")
     run.add_argument("--fleet", help="fleet name (topic prefix fl/<fleet>/)")
     run.add_argument("--run-dir", type=Path, help="where the store, checkpoints and logs go (default runs/<time>)")
-    run.add_argument("--strategy", default="avefl", help="avefl, optfl, mixfl or fedavg")
+    run.add_argument("--strategy", default="avefl", help="avefl, optfl, mixfl, fedavg, median or trimmed-mean")
+    run.add_argument("--trim", type=float, help="fraction trimmed from each end per coordinate (trimmed-mean; 0.2)")
+    run.add_argument("--suspect-threshold", type=float, default=SuspectPolicy.threshold,
+                     help="robust z-score of a layer's divergence above which an update is flagged as suspect")
+    run.add_argument("--exclude-suspects", action="store_true", help="leave flagged updates out of the aggregate")
     run.add_argument("--rounds", type=int, default=10)
     run.add_argument("--min-devices", type=int, default=1, help="fewest updates a round may aggregate")
     run.add_argument("--quorum", type=int, help="updates that close a round early (default: every online device)")
@@ -119,7 +123,8 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
                           optimizer=args.init_optimizer, seed=args.seed),
         validation_samples=args.validation_samples, selection_passes=args.selection_passes,
         test_samples=args.test_samples, evaluate_devices=not args.no_device_eval, data_dir=args.data_dir,
-        torch_threads=args.torch_threads,
+        torch_threads=args.torch_threads, strategy_options={} if args.trim is None else {"trim": args.trim},
+        suspects=SuspectPolicy(args.suspect_threshold, args.exclude_suspects),
     )
 
 
@@ -127,7 +132,7 @@ def validate_recipe_names(settings: ServerSettings) -> None:
     """Fails fast, before any process starts, on a sampler, rule or strategy nobody knows."""
     make_heuristic(settings.recipe.sampler)
     make_local_rule(settings.recipe.local_rule)
-    make_strategy(settings.strategy)
+    make_strategy(settings.strategy, **settings.strategy_options)
 
 
 class RoundPrinter:
@@ -148,13 +153,14 @@ class RoundPrinter:
                 "device_accuracy": [result.device_accuracy[d] for d in devices], "devices": devices,
                 "labels": result.labels,
                 "divergence": {d: list(layers.values()) for d, layers in sorted(result.divergence.items())},
-                "seconds": round(result.seconds, 3), "rejected": result.rejected,
+                "seconds": round(result.seconds, 3), "rejected": result.rejected, "suspects": result.suspects,
             }), flush=True)
         else:
             local = " ".join(f"{result.device_accuracy[d]:.3f}" for d in devices)
             print(f"round {result.round_id:>3}/{self.total_rounds}  global acc {result.accuracy:.4f}  "
                   f"devices [{local}]  labels {result.labels}  {result.seconds:.1f}s"
-                  + (f"  rejected {len(result.rejected)}" if result.rejected else ""), flush=True)
+                  + (f"  rejected {len(result.rejected)}" if result.rejected else "")
+                  + (f"  suspects {','.join(sorted(result.suspects))}" if result.suspects else ""), flush=True)
 
     def summary(self, run_dir: Path) -> None:
         """The closing line (JSON) or table (human)."""

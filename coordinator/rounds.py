@@ -9,10 +9,10 @@ from typing import Callable
 from edge_agent import wire
 from edge_agent.models import NUM_CLASSES, Weights, build_model, weight_spec, weights_hash
 from edge_agent.mqtt import IncomingMessage, MqttSession
-from coordinator.divergence import fleet_divergence
+from coordinator.divergence import flag_suspects, fleet_divergence
 from coordinator.evaluation import Evaluator
 from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
-from coordinator.strategies import ClientUpdate, Strategy
+from coordinator.strategies import ClientUpdate, Evaluate, Strategy, coordinate_median
 from coordinator.validation import Expectation, Rejection, validate_update
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,30 @@ class RoundPolicy:
             raise ValueError(f"--round-timeout must be positive, got {self.round_timeout}")
 
 
+@dataclass(frozen=True)
+class SuspectPolicy:
+    """How updates whose per-layer divergence is an outlier across devices are treated.
+
+    Suspicion is judged against the coordinate median of the round's updates, not against the aggregate: a
+    poisoned aggregate makes every honest device look far away. A device is a suspect when at least
+    `min_layer_fraction` of its layers have a robust z-score above `threshold` (single layers of a few devices
+    cross it by chance).
+    """
+
+    threshold: float = 3.5
+    min_layer_fraction: float = 0.5
+    exclude: bool = False
+
+
+def find_suspects(updates: list[ClientUpdate], policy: SuspectPolicy) -> dict[str, list[str]]:
+    """Device -> its outlier layers, for the devices whose updates stand apart from the others."""
+    reference = coordinate_median([u.weights for u in updates])
+    flagged = flag_suspects(fleet_divergence({u.device_id: u.weights for u in updates}, reference), policy.threshold)
+    layer_count = len(reference)
+    return {device: layers for device, layers in flagged.items()
+            if len(layers) >= policy.min_layer_fraction * layer_count}
+
+
 @dataclass
 class RoundResult:
     """What one closed round produced, for progress lines, JSON output and summaries."""
@@ -51,6 +75,7 @@ class RoundResult:
     seconds: float
     rejected: dict[str, str]
     report: dict
+    suspects: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,13 +101,30 @@ class RoundCollector:
         return update, True
 
 
+def aggregate_with_suspects(
+    strategy: Strategy, global_weights: Weights, updates: list[ClientUpdate], evaluate: Evaluate | None,
+    policy: SuspectPolicy,
+) -> tuple[Weights, dict, dict[str, dict[str, float]], dict[str, list[str]]]:
+    """(aggregate, report, divergence, suspects): flags outlier updates and, if the policy says so, leaves them
+    out of the aggregate; divergence is measured for every update against the final aggregate."""
+    suspects = find_suspects(updates, policy)
+    trusted = [u for u in updates if u.device_id not in suspects]
+    excluded = policy.exclude and bool(suspects) and bool(trusted)
+    new_weights, report = strategy.aggregate(global_weights, trusted if excluded else updates, evaluate)
+    divergence = fleet_divergence({u.device_id: u.weights for u in updates}, new_weights)
+    if excluded:
+        report["excluded"] = sorted(suspects)
+    report["suspects"] = suspects
+    return new_weights, report, divergence, suspects
+
+
 class Coordinator:
     """Runs a fleet's rounds over one MQTT session, persisting each round before announcing the next."""
 
     def __init__(
         self, fleet: str, run_id: str, session: MqttSession, store: RunStore, strategy: Strategy,
         evaluator: Evaluator, recipe: wire.Recipe, policy: RoundPolicy, model_name: str = "paper-cnn",
-        base_labels: int = 0, evaluate_devices: bool = True,
+        base_labels: int = 0, evaluate_devices: bool = True, suspect_policy: SuspectPolicy = SuspectPolicy(),
     ) -> None:
         self.fleet = fleet
         self.run_id = run_id
@@ -95,6 +137,7 @@ class Coordinator:
         self.model_name = model_name
         self.base_labels = base_labels
         self.evaluate_devices = evaluate_devices
+        self.suspect_policy = suspect_policy
         self.spec = weight_spec(build_model(model_name))
         self.online: dict[str, wire.Status] = {}
         self.device_labels: dict[str, int] = {}
@@ -136,11 +179,13 @@ class Coordinator:
         self.announce(round_id, base_hash)
         self.collect(collector, started)
         updates = [self.client_update(update) for update in collector.accepted.values()]
-        evaluate = self.evaluator.selection_accuracy if self.strategy.needs_evaluation else None
         aggregation_started = time.monotonic()
-        new_weights, report = self.strategy.aggregate(global_weights, updates, evaluate)
+        evaluate = self.evaluator.selection_accuracy if self.strategy.needs_evaluation else None
+        new_weights, report, divergence, suspects = aggregate_with_suspects(
+            self.strategy, global_weights, updates, evaluate, self.suspect_policy)
+        for device, layers in suspects.items():
+            log.warning("suspect update round=%d device=%s layers=%s", round_id, device, ",".join(layers))
         report["aggregation_seconds"] = time.monotonic() - aggregation_started
-        divergence = fleet_divergence({u.device_id: u.weights for u in updates}, new_weights)
         accuracy = self.evaluator.test_accuracy(new_weights)
         device_accuracy = {u.device_id: self.evaluator.test_accuracy(u.weights) for u in updates} \
             if self.evaluate_devices else {}
@@ -157,7 +202,7 @@ class Coordinator:
              for device, update in collector.accepted.items()],
         )
         result = RoundResult(round_id, accuracy, device_accuracy, labels, divergence,
-                             time.monotonic() - started, dict(collector.rejected), report)
+                             time.monotonic() - started, dict(collector.rejected), report, suspects)
         log.info("round closed round=%d accepted=%d rejected=%d accuracy=%.4f seconds=%.1f",
                  round_id, len(updates), len(collector.rejected), accuracy, result.seconds)
         return new_weights, result

@@ -18,7 +18,7 @@ from edge_agent.mqtt import BrokerAddress, MqttSession
 from edge_agent.training import TrainSettings, train_supervised
 from coordinator.evaluation import Evaluator, LabelledSplit
 from coordinator.partition import server_holdout
-from coordinator.rounds import Coordinator, RoundPolicy, RoundResult
+from coordinator.rounds import Coordinator, RoundPolicy, RoundResult, SuspectPolicy
 from coordinator.store import RunStore
 from coordinator.strategies import make_strategy
 
@@ -53,6 +53,8 @@ class ServerSettings:
     selection_passes: int = 10
     test_samples: int | None = None
     evaluate_devices: bool = True
+    strategy_options: dict[str, float] = field(default_factory=dict)
+    suspects: SuspectPolicy = field(default_factory=SuspectPolicy)
     data_dir: Path | None = None
     torch_threads: int | None = None
 
@@ -128,7 +130,7 @@ def run_server(
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     data = data or load_server_data(settings)
-    strategy = make_strategy(settings.strategy)
+    strategy = make_strategy(settings.strategy, **settings.strategy_options)
     store = RunStore(settings.run_dir)
     session = MqttSession(address, client_id=f"coordinator-{settings.fleet}")
     try:
@@ -136,7 +138,7 @@ def run_server(
         coordinator = Coordinator(
             settings.fleet, run_id, session, store, strategy, build_evaluator(settings, data), settings.recipe,
             settings.policy, settings.model_name, base_labels=len(data.init_indices),
-            evaluate_devices=settings.evaluate_devices,
+            evaluate_devices=settings.evaluate_devices, suspect_policy=settings.suspects,
         )
         coordinator.device_labels = latest_device_labels(store)
         session.connect()
