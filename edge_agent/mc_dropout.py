@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 from torch import nn
+
+from edge_agent.mc_scorer import DropoutSpec, mc_probabilities
 
 
 @contextmanager
@@ -24,11 +26,43 @@ def dropout_only(model: nn.Module) -> Iterator[nn.Module]:
             module.train(mode)
 
 
+def dropout_spec(model: nn.Module) -> DropoutSpec:
+    """The rates and mask shapes of a model's dropout layers (the model must offer tail_with_masks)."""
+    if not hasattr(model, "tail_with_masks"):
+        raise ValueError(f"{type(model).__name__} has no tail_with_masks, so it cannot score with explicit masks")
+    return DropoutSpec(tuple(model.dropout_rates), tuple(tuple(shape) for shape in model.dropout_mask_shapes))
+
+
+class PrefixGraph(nn.Module):
+    """The deterministic prefix as a module of its own: what the torch back end runs and export traces."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """Prefix features of normalised images."""
+        return self.model.prefix(images)
+
+
+class MaskedTailGraph(nn.Module):
+    """The stochastic tail with explicit scaled masks, ending in softmax: what the torch back end runs and export traces."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, features: torch.Tensor, *masks: torch.Tensor) -> torch.Tensor:
+        """Class probabilities of prefix features under the given dropout masks."""
+        return torch.softmax(self.model.tail_with_masks(features, masks), dim=-1)
+
+
 class TorchMCDropout:
     """Torch back end: probabilities of r stochastic passes, shaped (r, N, C), reproducible for a seed.
 
     Only the layers after the first dropout are repeated, on a batch replicated r times, which cuts the work
-    of the paper CNN from r full passes to one prefix plus r cheap tails per image.
+    of the paper CNN from r full passes to one prefix plus r cheap tails per image. The dropout masks come
+    from the shared numpy generator, so the onnxruntime back end gives the same probabilities for the same seed.
     """
 
     name = "torch"
@@ -36,22 +70,28 @@ class TorchMCDropout:
     def __init__(self, model: nn.Module, batch_size: int = 256) -> None:
         self.model = model
         self.batch_size = batch_size
+        self.spec = dropout_spec(model)
+        self._prefix = PrefixGraph(model)
+        self._tail = MaskedTailGraph(model)
 
     def probabilities(self, images: np.ndarray, passes: int, seed: int) -> np.ndarray:
         """MC-dropout softmax outputs for normalised images (N, 1, 28, 28) over `passes` passes."""
-        if passes < 1:
-            raise ValueError(f"MC passes must be at least 1, got {passes}")
-        count = len(images)
-        inputs = torch.from_numpy(np.ascontiguousarray(images, dtype=np.float32))
-        chunks = [np.empty((passes, 0, 0), dtype=np.float32)]
-        with torch.random.fork_rng(devices=[]), torch.inference_mode(), dropout_only(self.model):
-            torch.manual_seed(seed)
-            for start in range(0, count, self.batch_size):
-                prefix = self.model.prefix(inputs[start:start + self.batch_size])
-                replicated = prefix.repeat(passes, 1, 1, 1)
-                logits = self.model.tail(replicated).reshape(passes, len(prefix), -1)
-                chunks.append(torch.softmax(logits, dim=-1).numpy())
-        return np.concatenate(chunks[1:], axis=1) if count else chunks[0]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                return mc_probabilities(self._run_prefix, self._run_tail, self.spec, images, passes, seed,
+                                        self.batch_size)
+        finally:
+            self.model.train(was_training)
+
+    def _run_prefix(self, images: np.ndarray) -> np.ndarray:
+        """Prefix features of a numpy batch, as numpy."""
+        return self._prefix(torch.from_numpy(images)).numpy()
+
+    def _run_tail(self, features: np.ndarray, masks: Sequence[np.ndarray]) -> np.ndarray:
+        """Tail probabilities of numpy features under numpy masks, as numpy."""
+        return self._tail(torch.from_numpy(features), *(torch.from_numpy(mask) for mask in masks)).numpy()
 
 
 def predict_probabilities(model: nn.Module, images: np.ndarray, batch_size: int = 1000) -> np.ndarray:

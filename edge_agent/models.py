@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ class PaperCNN(nn.Module):
     """
 
     dropout_rates = (0.25, 0.25, 0.5)
+    dropout_mask_shapes = ((16, 10, 10), (16, 2, 2), (128,))
 
     def __init__(self, num_classes: int = NUM_CLASSES) -> None:
         super().__init__()
@@ -41,14 +42,34 @@ class PaperCNN(nn.Module):
 
     def penultimate(self, h: torch.Tensor) -> torch.Tensor:
         """From the prefix output to the classifier's input features (the 128-unit layer, after dropout 3)."""
-        h = self.drop1(h)
-        h = nn.functional.max_pool2d(torch.relu(self.conv4(torch.relu(self.conv3(h)))), 2)
-        h = self.drop2(h).flatten(1)
-        return self.drop3(torch.relu(self.fc1(h)))
+        return self._penultimate(h, None)
 
     def tail(self, h: torch.Tensor) -> torch.Tensor:
         """Stochastic part: from the prefix output to the logits; dropout acts here only."""
-        return self.fc2(self.penultimate(h))
+        return self.fc2(self._penultimate(h, None))
+
+    def tail_with_masks(self, h: torch.Tensor, masks: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The tail with each dropout replaced by a product with an explicit, already scaled mask.
+
+        masks[i] has shape (len(h), *dropout_mask_shapes[i]) and holds 0 or 1/(1-p_i); masks of ones give the
+        deterministic (eval-mode) tail. Explicit masks make MC passes reproducible across torch and ONNX.
+        """
+        if len(masks) != len(self.dropout_rates):
+            raise ValueError(f"tail_with_masks needs {len(self.dropout_rates)} masks, got {len(masks)}")
+        return self.fc2(self._penultimate(h, masks))
+
+    def _dropout(self, index: int, h: torch.Tensor, masks: Sequence[torch.Tensor] | None) -> torch.Tensor:
+        """Dropout layer `index`: the module's own random dropout without masks, else the product with masks[index]."""
+        if masks is None:
+            return (self.drop1, self.drop2, self.drop3)[index](h)
+        return h * masks[index]
+
+    def _penultimate(self, h: torch.Tensor, masks: Sequence[torch.Tensor] | None) -> torch.Tensor:
+        """The one layer sequence behind penultimate, tail and tail_with_masks."""
+        h = self._dropout(0, h, masks)
+        h = nn.functional.max_pool2d(torch.relu(self.conv4(torch.relu(self.conv3(h)))), 2)
+        h = self._dropout(1, h, masks).flatten(1)
+        return self._dropout(2, torch.relu(self.fc1(h)), masks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits for a batch of normalised images shaped (N, 1, 28, 28)."""
