@@ -1,18 +1,20 @@
-# The edge-agent command line: `edge-agent run` connects a device to its fleet and serves rounds.
+# The edge-agent command line: `edge-agent run` serves a fleet's rounds; `edge-agent score` scores a pool file.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
 from pathlib import Path
 
 from edge_agent import wire
-from edge_agent.agent import Agent, AgentSettings
 from edge_agent.data import load_shard, open_device_data
 from edge_agent.logs import configure_logging
 from edge_agent.mqtt import BrokerUnavailableError, MqttSession, parse_broker_url
 from edge_agent.oracle import SimulatedOracle
+from edge_agent.profile import load_profile
+from edge_agent.score_command import BACKENDS, score_pool
 
 log = logging.getLogger("edge_agent")
 
@@ -32,11 +34,46 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--inference-batch", type=int, default=256)
     run.add_argument("--exit-on-final", action="store_true", help="exit when the coordinator ends the run")
     run.add_argument("--log-level", default="info")
+    score = commands.add_parser("score", help="score a pool file with a model bundle and print one JSON line")
+    score.add_argument("--bundle", required=True, type=Path, help="a model bundle folder written by fl-export")
+    score.add_argument("--pool", required=True, type=Path, help="an IDX images file (.gz ok) or a shard .npz")
+    score.add_argument("--passes", type=int, default=20, help="MC-dropout passes (capped by --profile)")
+    score.add_argument("--top", type=int, default=400, help="how many samples to select")
+    score.add_argument("--sampler", default="entropy")
+    score.add_argument("--backend", choices=BACKENDS, help="default: the profile's, else onnxruntime")
+    score.add_argument("--precision", choices=("fp32", "int8"), default="fp32", help="onnxruntime graphs to run")
+    score.add_argument("--batch", type=int, help="images per inference batch (default: the profile's, else 256)")
+    score.add_argument("--threads", type=int, help="intra-op threads (default: the profile's, else the runtime's)")
+    score.add_argument("--limit", type=int, help="score only the first N pool images (capped by --profile)")
+    score.add_argument("--profile", type=Path, help="a firmware_configs/*.toml device profile")
+    score.add_argument("--seed", type=int, default=0, help="seed of the dropout masks")
+    score.add_argument("--json", action="store_true", help="print the result as one JSON line (the only format)")
+    score.add_argument("--log-level", default="warning")
     return parser
+
+
+def run_score(args: argparse.Namespace) -> int:
+    """Scores a pool with a bundle, honouring a device profile's caps, and prints the JSON result."""
+    passes, limit = args.passes, args.limit
+    settings = {"backend": "onnxruntime", "batch": 256, "threads": 0, "providers": ("CPUExecutionProvider",)}
+    if args.profile is not None:
+        profile = load_profile(args.profile)
+        settings = {"backend": profile.backend, "batch": profile.inference_batch, "threads": profile.threads,
+                    "providers": profile.execution_providers}
+        passes = min(passes, profile.mc_passes_cap)
+        limit = min(limit or profile.pool_size_cap, profile.pool_size_cap)
+    result = score_pool(args.bundle, args.pool, passes, args.top, args.sampler,
+                        backend=args.backend or settings["backend"], batch_size=args.batch or settings["batch"],
+                        limit=limit, seed=args.seed, threads=args.threads or settings["threads"],
+                        precision=args.precision, providers=settings["providers"])
+    print(json.dumps(result))
+    return 0
 
 
 def run_agent(args: argparse.Namespace) -> int:
     """Opens the device's data, connects, and serves rounds until the run ends or a signal arrives."""
+    from edge_agent.agent import Agent, AgentSettings
+
     wire.check_identifier("device id", args.device_id)
     wire.check_identifier("fleet", args.fleet)
     shard = load_shard(args.data)
@@ -60,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
     try:
-        return run_agent(args)
+        return run_score(args) if args.command == "score" else run_agent(args)
     except (ValueError, FileNotFoundError, BrokerUnavailableError) as error:
         print(f"edge-agent: {error}", file=sys.stderr)
         return 2

@@ -1,0 +1,113 @@
+# Model bundles on the device: read a bundle's manifest.json and verify every file it lists before use (no torch).
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MANIFEST_NAME = "manifest.json"
+BUNDLE_FORMAT = "edge-fal-model-bundle"
+BUNDLE_VERSION = 1
+PRECISIONS = ("fp32", "int8")
+
+
+class BundleError(ValueError):
+    """A bundle is missing, incomplete, corrupted or inconsistent; the message names the file."""
+
+
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """A verified model bundle: its folder and manifest; every file the manifest lists matched its sha256."""
+
+    path: Path
+    manifest: dict[str, Any]
+
+    def graph_path(self, precision: str, part: str) -> Path:
+        """The ONNX file of a graph part ('prefix' or 'tail') at a precision ('fp32' or 'int8')."""
+        graphs = self.manifest["graphs"]
+        if precision not in graphs:
+            raise BundleError(f"{self.path / MANIFEST_NAME}: no {precision} graphs (has {', '.join(sorted(graphs))})")
+        return self.path / graphs[precision][part]
+
+    @property
+    def weights_path(self) -> Path:
+        """The float32 weights (.npz) the graphs were exported from."""
+        return self.path / self.manifest["weights_file"]
+
+    @property
+    def dropout_rates(self) -> tuple[float, ...]:
+        """Rates of the tail's dropout layers, in order."""
+        return tuple(float(rate) for rate in self.manifest["dropout"]["rates"])
+
+    @property
+    def mask_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per-sample shape of each dropout mask input, in order."""
+        return tuple(tuple(int(d) for d in shape) for shape in self.manifest["dropout"]["mask_shapes"])
+
+    @property
+    def mask_inputs(self) -> tuple[str, ...]:
+        """Names of the tail graph's mask inputs, in dropout order."""
+        return tuple(self.manifest["dropout"]["mask_inputs"])
+
+
+_REQUIRED_KEYS = ("format", "format_version", "model", "input_shape", "normalisation", "class_names", "weights_hash",
+                  "weights_file", "graphs", "files", "opset", "exporter", "dropout")
+
+
+def _read_manifest(manifest_path: Path) -> dict[str, Any]:
+    """The manifest as a dict, after checking it exists, parses and carries every required key."""
+    if not manifest_path.is_file():
+        raise BundleError(f"{manifest_path} is missing: not a model bundle (export one with fl-export)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BundleError(f"{manifest_path}: corrupt manifest ({exc})") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
+        raise BundleError(f"{manifest_path}: not a {BUNDLE_FORMAT} manifest")
+    missing = [key for key in _REQUIRED_KEYS if key not in manifest]
+    if missing:
+        raise BundleError(f"{manifest_path}: manifest lacks {', '.join(missing)}")
+    if manifest["format_version"] != BUNDLE_VERSION:
+        raise BundleError(f"{manifest_path}: bundle format version {manifest['format_version']}, "
+                          f"this agent reads version {BUNDLE_VERSION}")
+    return manifest
+
+
+def _check_listed_files(bundle_dir: Path, manifest: dict[str, Any]) -> None:
+    """Every file the manifest uses is listed with a sha256, and every listed file exists and matches it."""
+    files: dict[str, str] = manifest["files"]
+    used = [manifest["weights_file"]] + [name for parts in manifest["graphs"].values() for name in parts.values()]
+    unlisted = [name for name in used if name not in files]
+    if unlisted:
+        raise BundleError(f"{bundle_dir / MANIFEST_NAME}: {', '.join(unlisted)} not listed with a sha256")
+    for name, expected in files.items():
+        path = bundle_dir / name
+        if Path(name).name != name:
+            raise BundleError(f"{bundle_dir / MANIFEST_NAME}: file name {name!r} must not contain a folder")
+        if not path.is_file():
+            raise BundleError(f"{path} is missing from the bundle")
+        actual = file_sha256(path)
+        if actual != expected:
+            raise BundleError(f"{path}: sha256 {actual[:16]}... does not match the manifest's {expected[:16]}... "
+                              "(corrupted or tampered)")
+
+
+def load_bundle(path: Path | str) -> Bundle:
+    """Opens a bundle folder and verifies the sha256 of every file before anything is loaded from it."""
+    bundle_dir = Path(path)
+    if not bundle_dir.is_dir():
+        raise BundleError(f"{bundle_dir} is not a bundle folder")
+    manifest = _read_manifest(bundle_dir / MANIFEST_NAME)
+    _check_listed_files(bundle_dir, manifest)
+    return Bundle(bundle_dir, manifest)

@@ -1,0 +1,4 @@
+# `python -m export` is the fl-export console script.
+from export.cli import main
+
+raise SystemExit(main())

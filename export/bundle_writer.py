@@ -1,0 +1,95 @@
+# Writes a model bundle: fp32 (and optionally int8) ONNX graphs, the weights, and a manifest with every hash.
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+
+from edge_agent.bundle import BUNDLE_FORMAT, BUNDLE_VERSION, MANIFEST_NAME, file_sha256
+from edge_agent.data import CLASS_NAMES, FASHION_MNIST_MEAN, FASHION_MNIST_STD, atomic_write_bytes, save_arrays
+from edge_agent.mc_dropout import dropout_spec
+from edge_agent.models import INPUT_SHAPE, Weights, build_model, set_weights, weights_hash
+from export import quantize
+from export.onnx_graphs import DEFAULT_OPSET, EXPORTER, FEATURES_NAME, IMAGES_INPUT, PROBABILITIES_OUTPUT, \
+    export_graphs, mask_input_names
+
+WEIGHTS_FILE = "weights.npz"
+FP32_GRAPHS = {"prefix": "prefix.onnx", "tail": "tail.onnx"}
+INT8_GRAPHS = {"prefix": "prefix.int8.onnx", "tail": "tail.onnx"}
+
+
+def _int8_section(work: Path, calibration: np.ndarray, test_images: np.ndarray, test_labels: np.ndarray,
+                  mask_shapes: Any) -> dict[str, Any]:
+    """Quantizes the prefix and returns the manifest's record of the method and the test accuracy change."""
+    quantize.quantize_prefix(work / FP32_GRAPHS["prefix"], work / INT8_GRAPHS["prefix"], calibration)
+    accuracy = {
+        precision: quantize.deterministic_accuracy(work / graphs["prefix"], work / graphs["tail"], mask_shapes,
+                                                   test_images, test_labels)
+        for precision, graphs in (("fp32", FP32_GRAPHS), ("int8", INT8_GRAPHS))
+    }
+    return {"method": quantize.METHOD, "calibration_images": len(calibration), "test_images": len(test_images),
+            "test_accuracy_fp32": accuracy["fp32"], "test_accuracy_int8": accuracy["int8"],
+            "test_accuracy_change": accuracy["int8"] - accuracy["fp32"]}
+
+
+def write_bundle(weights: Weights, out_dir: Path, model_name: str = "paper-cnn", opset: int = DEFAULT_OPSET,
+                 int8_data: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> dict[str, Any]:
+    """Exports weights as a bundle in out_dir (created; must not hold a bundle yet) and returns its manifest.
+
+    int8_data = (normalised calibration images, normalised test images, test labels) adds the int8 prefix.
+    Files go to a temporary folder first, so a failed export leaves no half bundle behind.
+    """
+    out_dir = Path(out_dir)
+    if (out_dir / MANIFEST_NAME).exists():
+        raise FileExistsError(f"{out_dir} already holds a bundle; choose another --out")
+    model = build_model(model_name)
+    set_weights(model, weights)
+    spec = dropout_spec(model)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".export-") as temp:
+        work = Path(temp)
+        export_graphs(model, work / FP32_GRAPHS["prefix"], work / FP32_GRAPHS["tail"], opset)
+        save_arrays(work / WEIGHTS_FILE, weights)
+        graphs = {"fp32": FP32_GRAPHS}
+        quantization = None
+        if int8_data is not None:
+            quantization = _int8_section(work, *int8_data, spec.mask_shapes)
+            graphs["int8"] = INT8_GRAPHS
+        names = sorted({WEIGHTS_FILE, *FP32_GRAPHS.values(), *(INT8_GRAPHS.values() if quantization else ())})
+        for name in (name for name in names if name.endswith(".onnx")):
+            onnx.checker.check_model(str(work / name))
+        manifest = {
+            "format": BUNDLE_FORMAT,
+            "format_version": BUNDLE_VERSION,
+            "model": model_name,
+            "input_name": IMAGES_INPUT,
+            "input_shape": list(INPUT_SHAPE),
+            "normalisation": {"scale": 1.0 / 255.0, "mean": FASHION_MNIST_MEAN, "std": FASHION_MNIST_STD,
+                              "formula": "(pixel / 255 - mean) / std"},
+            "class_names": list(CLASS_NAMES),
+            "weights_hash": weights_hash(weights),
+            "weights_file": WEIGHTS_FILE,
+            "graphs": graphs,
+            "outputs": {"prefix": FEATURES_NAME, "tail": PROBABILITIES_OUTPUT},
+            "files": {name: file_sha256(work / name) for name in names},
+            "opset": opset,
+            "exporter": {"tool": EXPORTER, "torch": torch.__version__, "onnx": onnx.__version__},
+            "dropout": {
+                "rates": list(spec.rates),
+                "mask_inputs": list(mask_input_names(model)),
+                "mask_shapes": [list(shape) for shape in spec.mask_shapes],
+                "mask_encoding": "float32, pre-scaled: 0 with probability p, else 1/(1-p); shape (rows, *mask_shape); "
+                                 "all ones = dropout off",
+            },
+            "quantization": quantization,
+        }
+        for name in names:
+            shutil.move(str(work / name), out_dir / name)
+    atomic_write_bytes(out_dir / MANIFEST_NAME, (json.dumps(manifest, indent=2) + "\n").encode())
+    return manifest

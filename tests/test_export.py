@@ -1,0 +1,75 @@
+# fl-export: bundles with hashes that loading verifies, from a weights file or a run's checkpoint, int8 included.
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from coordinator.store import RunStore
+from edge_agent.bundle import BundleError, load_bundle
+from edge_agent.data import save_arrays
+from edge_agent.models import build_model, get_weights, weights_hash
+from export.bundle_writer import write_bundle
+
+
+@pytest.fixture()
+def bundle_dir(tmp_path: Path) -> Path:
+    out = tmp_path / "bundle"
+    write_bundle(get_weights(build_model(seed=4)), out)
+    return out
+
+
+def test_manifest_records_what_a_device_needs(bundle_dir: Path) -> None:
+    bundle = load_bundle(bundle_dir)
+    manifest = bundle.manifest
+    assert manifest["weights_hash"] == weights_hash(get_weights(build_model(seed=4)))
+    assert manifest["input_shape"] == [1, 28, 28] and len(manifest["class_names"]) == 10
+    assert bundle.mask_shapes == ((16, 10, 10), (16, 2, 2), (128,)) and bundle.dropout_rates == (0.25, 0.25, 0.5)
+    tail = onnx.load(str(bundle.graph_path("fp32", "tail")))
+    assert [graph_input.name for graph_input in tail.graph.input] == ["features", "mask1", "mask2", "mask3"]
+    assert not any(node.op_type == "Dropout" for node in tail.graph.node)
+
+
+def test_a_tampered_onnx_byte_is_named(bundle_dir: Path) -> None:
+    target = bundle_dir / "tail.onnx"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    target.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="tail.onnx.*does not match"):
+        load_bundle(bundle_dir)
+
+
+def test_missing_manifest_and_missing_file_are_clear(bundle_dir: Path) -> None:
+    (bundle_dir / "prefix.onnx").unlink()
+    with pytest.raises(BundleError, match="prefix.onnx is missing"):
+        load_bundle(bundle_dir)
+    (bundle_dir / "manifest.json").unlink()
+    with pytest.raises(BundleError, match="manifest.json is missing"):
+        load_bundle(bundle_dir)
+
+
+def test_export_cli_from_a_run_checkpoint_with_int8(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    with RunStore(run_dir) as store:
+        store.save_checkpoint(0, get_weights(build_model(seed=1)))
+        expected = store.save_checkpoint(1, get_weights(build_model(seed=2)))
+    result = subprocess.run([sys.executable, "-m", "export", "--run-dir", str(run_dir), "--out", str(tmp_path / "b"),
+                             "--int8"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "round 1" in result.stdout and "int8 prefix: test accuracy" in result.stdout
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert manifest["weights_hash"] == expected and "int8" in manifest["graphs"]
+    assert -1.0 <= manifest["quantization"]["test_accuracy_change"] <= 1.0
+
+
+def test_export_cli_bad_input_is_one_line(tmp_path: Path) -> None:
+    save_arrays(tmp_path / "w.npz", {"conv1.weight": np.zeros((2, 2), np.float32)})
+    result = subprocess.run([sys.executable, "-m", "export", "--weights", str(tmp_path / "w.npz"), "--out",
+                             str(tmp_path / "b")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "tensor names differ" in result.stderr

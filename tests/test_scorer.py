@@ -1,0 +1,128 @@
+# The two MC-dropout back ends: same seed -> same masks -> same probabilities; the score command and its JSON.
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from edge_agent.bundle import load_bundle
+from edge_agent.data import Shard, load_fashion_mnist, normalise, save_shard
+from edge_agent.mc_dropout import TorchMCDropout
+from edge_agent.mc_scorer import DropoutSpec, dropout_masks
+from edge_agent.models import build_model, get_weights
+from edge_agent.ort_scorer import OrtMCDropout
+from edge_agent.sampling import entropy_scores, top_k
+from export.bundle_writer import write_bundle
+
+
+@pytest.fixture(scope="module")
+def images() -> np.ndarray:
+    return load_fashion_mnist().test_images[:300]
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return build_model(seed=3)
+
+
+@pytest.fixture(scope="module")
+def bundle_dir(tmp_path_factory: pytest.TempPathFactory, model: torch.nn.Module) -> Path:
+    out = tmp_path_factory.mktemp("bundle")
+    write_bundle(get_weights(model), out)
+    return out
+
+
+def test_masks_are_scaled_binary_and_seeded() -> None:
+    spec = DropoutSpec((0.25, 0.5), ((4, 3), (7,)))
+    first = dropout_masks(np.random.default_rng(5), 2000, spec)
+    again = dropout_masks(np.random.default_rng(5), 2000, spec)
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    assert set(np.unique(first[0])) == {0.0, np.float32(1 / 0.75)} and first[1].shape == (2000, 7)
+    assert abs(float(np.mean(first[1] == 0)) - 0.5) < 0.02
+
+
+def test_all_ones_masks_give_the_eval_mode_tail(model: torch.nn.Module, images: np.ndarray) -> None:
+    model.eval()
+    with torch.no_grad():
+        features = model.prefix(torch.from_numpy(normalise(images[:16])))
+        ones = [torch.ones(16, *shape) for shape in model.dropout_mask_shapes]
+        assert torch.equal(model.tail_with_masks(features, ones), model.tail(features))
+
+
+def test_torch_and_onnxruntime_agree_under_the_same_masks(model, bundle_dir: Path, images: np.ndarray) -> None:
+    normalised = normalise(images)
+    torch_probs = TorchMCDropout(model, batch_size=64).probabilities(normalised, 8, seed=11)
+    ort_probs = OrtMCDropout(load_bundle(bundle_dir), batch_size=64).probabilities(normalised, 8, seed=11)
+    assert torch_probs.shape == ort_probs.shape == (8, 300, 10)
+    assert float(np.max(np.abs(torch_probs - ort_probs))) <= 1e-5
+    assert np.array_equal(top_k(entropy_scores(torch_probs), 50), top_k(entropy_scores(ort_probs), 50))
+
+
+def test_onnxruntime_passes_differ_so_dropout_survived(bundle_dir: Path, images: np.ndarray) -> None:
+    scorer = OrtMCDropout(load_bundle(bundle_dir), batch_size=100)
+    normalised = normalise(images[:100])
+    probs = scorer.probabilities(normalised, 4, seed=1)
+    other_seed = scorer.probabilities(normalised, 4, seed=2)
+    assert float(np.max(np.abs(probs[0] - probs[1]))) > 1e-3
+    assert float(np.max(np.abs(probs - other_seed))) > 1e-3
+    assert np.array_equal(probs, scorer.probabilities(normalised, 4, seed=1))
+
+
+def test_bad_pass_count_is_one_clear_error(model) -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        TorchMCDropout(model).probabilities(np.zeros((2, 1, 28, 28), np.float32), 0, seed=0)
+
+
+@pytest.fixture(scope="module")
+def pool_file(tmp_path_factory: pytest.TempPathFactory, images: np.ndarray) -> Path:
+    path = tmp_path_factory.mktemp("pool") / "pool.npz"
+    save_shard(path, Shard(images, np.zeros(len(images), dtype=np.int64)))
+    return path
+
+
+def _score(bundle_dir: Path, pool: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edge_agent", "score", "--bundle", str(bundle_dir), "--pool", str(pool),
+                           "--passes", "5", "--top", "30", "--json", *extra], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
+def test_score_command_prints_the_json_keys(bundle_dir: Path, pool_file: Path, backend: str) -> None:
+    result = _score(bundle_dir, pool_file, "--backend", backend, "--batch", "64", "--limit", "200")
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert {"images_per_second", "peak_rss_mb", "selected", "backend", "passes", "images"} <= set(record)
+    assert (record["backend"], record["passes"], record["images"], record["selected"]) == (backend, 5, 200, 30)
+    assert record["images_per_second"] > 0 and record["peak_rss_mb"] > 0
+
+
+def test_score_command_rejects_a_folder_in_one_line(bundle_dir: Path, tmp_path: Path) -> None:
+    result = _score(bundle_dir, tmp_path)
+    assert result.returncode == 2
+    assert "is a folder" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_onnxruntime_scoring_never_imports_torch(bundle_dir: Path, pool_file: Path) -> None:
+    code = (
+        "import sys\n"
+        "from edge_agent.cli import main\n"
+        f"assert main(['score', '--bundle', {str(bundle_dir)!r}, '--pool', {str(pool_file)!r}, '--passes', '3',"
+        " '--top', '10', '--json', '--backend', 'onnxruntime']) == 0\n"
+        "print('TORCH_LOADED' if 'torch' in sys.modules else 'NO_TORCH')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "NO_TORCH"
+    assert json.loads(result.stdout.splitlines()[0])["backend"] == "onnxruntime"
+
+
+def test_missing_execution_provider_falls_back_to_cpu_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    from edge_agent.ort_scorer import select_providers
+
+    with caplog.at_level("WARNING"):
+        assert select_providers(["NoSuchExecutionProvider"]) == ["CPUExecutionProvider"]
+    assert "NoSuchExecutionProvider is not available" in caplog.text
