@@ -1,0 +1,137 @@
+# MC-dropout scoring speed and memory: a naive torch loop against the project's torch and onnxruntime back ends.
+"""Prints one JSON object. Every row runs in its own subprocess (so peak RSS is per row) on the same pool,
+bundle and settings: 4000 Fashion-MNIST training images, the paper CNN with a briefly trained W0 (one Adam
+epoch over 10000 training images disjoint from the pool), T=20 passes, entropy, top-400, 2 threads.
+The onnxruntime rows run through `edge-agent score`'s code path in a process that never imports torch."""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+POOL_SIZE = 4000
+PASSES = 20
+TOP = 400
+THREADS = 2
+NAIVE_BATCH = 256
+
+
+def train_w0(out: Path) -> str:
+    """Trains W0 briefly, exports it as a bundle with an int8 prefix, writes the pool shard; returns the hash."""
+    import numpy as np
+    import torch
+
+    from edge_agent.data import Shard, load_fashion_mnist, normalise, save_shard
+    from edge_agent.models import build_model, get_weights
+    from export.bundle_writer import write_bundle
+
+    torch.manual_seed(0)
+    torch.set_num_threads(THREADS)
+    data = load_fashion_mnist()
+    model = build_model(seed=0)
+    optimiser = torch.optim.Adam(model.parameters(), lr=1e-3)
+    images = torch.from_numpy(normalise(data.train_images[POOL_SIZE:POOL_SIZE + 10000]))
+    labels = torch.from_numpy(data.train_labels[POOL_SIZE:POOL_SIZE + 10000].astype(np.int64))
+    model.train()
+    for start in range(0, len(images), 64):
+        optimiser.zero_grad()
+        torch.nn.functional.cross_entropy(model(images[start:start + 64]), labels[start:start + 64]).backward()
+        optimiser.step()
+    save_shard(out / "pool.npz", Shard(data.train_images[:POOL_SIZE], data.train_labels[:POOL_SIZE].astype(np.int64)))
+    int8_data = (normalise(data.train_images[POOL_SIZE:POOL_SIZE + 512]), normalise(data.test_images),
+                 data.test_labels.astype(np.int64))
+    return write_bundle(get_weights(model), out / "bundle", int8_data=int8_data)
+
+
+def naive_row(out: Path) -> dict:
+    """model.train() and T full forward passes over the pool in batches of 256, mean softmax, entropy, top-k."""
+    import resource
+    import time
+
+    import numpy as np
+    import torch
+
+    from edge_agent.data import load_arrays, load_shard, normalise
+    from edge_agent.models import build_model, set_weights
+    from edge_agent.sampling import entropy_scores, top_k
+
+    torch.set_num_threads(THREADS)
+    torch.manual_seed(0)
+    model = build_model()
+    set_weights(model, load_arrays(out / "bundle" / "weights.npz"))
+    images = torch.from_numpy(normalise(load_shard(out / "pool.npz").images))
+    started = time.perf_counter()
+    model.train()
+    passes = []
+    with torch.no_grad():
+        for _ in range(PASSES):
+            passes.append(torch.cat([torch.softmax(model(images[i:i + NAIVE_BATCH]), -1)
+                                     for i in range(0, len(images), NAIVE_BATCH)]).numpy())
+    selected = top_k(entropy_scores(np.stack(passes)), TOP)
+    seconds = time.perf_counter() - started
+    return {"backend": "naive-torch", "images": len(images), "seconds": round(seconds, 3),
+            "images_per_second": round(len(images) / seconds, 2),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "indices": selected.tolist()}
+
+
+def scorer_row(out: Path, backend: str, precision: str, batch: int) -> dict:
+    """The project's scorer exactly as `edge-agent score` runs it."""
+    from edge_agent.score_command import score_pool
+
+    return score_pool(out / "bundle", out / "pool.npz", PASSES, TOP, "entropy", backend=backend, batch_size=batch,
+                      threads=THREADS, precision=precision)
+
+
+ROWS = {
+    "naive-torch": ("naive", "", 0),
+    "torch": ("scorer", "torch fp32", 256),
+    "onnxruntime-fp32": ("scorer", "onnxruntime fp32", 32),
+    "onnxruntime-int8": ("scorer", "onnxruntime int8", 32),
+}
+
+
+def run_row(out: Path, name: str) -> dict:
+    """Measures one row in a fresh interpreter and returns its JSON record (with torch_imported)."""
+    result = subprocess.run([sys.executable, __file__, "--row", name, "--dir", str(out)], capture_output=True,
+                            text=True, check=True)
+    return json.loads(result.stdout)
+
+
+def main() -> None:
+    """Builds the shared inputs once, then measures every row side by side and prints the comparison."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--row", choices=ROWS)
+    parser.add_argument("--dir", type=Path)
+    args = parser.parse_args()
+    if args.row:
+        kind, spec, batch = ROWS[args.row]
+        record = naive_row(args.dir) if kind == "naive" else scorer_row(args.dir, *spec.split(), batch)
+        record.update(row=args.row, batch=batch or NAIVE_BATCH, torch_imported="torch" in sys.modules)
+        print(json.dumps(record))
+        return
+    with tempfile.TemporaryDirectory() as temp:
+        out = Path(temp)
+        manifest = subprocess.run([sys.executable, "-c", f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                                   f"from mc_dropout import train_w0; from pathlib import Path; "
+                                   f"print(json.dumps(train_w0(Path({str(out)!r}))))"],
+                                  capture_output=True, text=True, check=True)
+        quantization = json.loads(manifest.stdout)["quantization"]
+        rows = {name: run_row(out, name) for name in ROWS}
+    naive = rows["naive-torch"]["images_per_second"]
+    selections = {name: set(row.pop("indices")) for name, row in rows.items()}
+    for row in rows.values():
+        row["speedup_vs_naive"] = round(row["images_per_second"] / naive, 2)
+    names = list(rows)
+    overlap = {f"{a} vs {b}": len(selections[a] & selections[b]) for i, a in enumerate(names) for b in names[i + 1:]}
+    print(json.dumps({"pool": POOL_SIZE, "passes": PASSES, "top": TOP, "sampler": "entropy", "threads": THREADS,
+                      "weights": "W0: 1 Adam epoch (lr 1e-3, batch 64) on 10000 training images not in the pool",
+                      "int8": quantization, "rows": list(rows.values()), "top400_overlap": overlap,
+                      "best_speedup": max(row["speedup_vs_naive"] for row in rows.values())}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
