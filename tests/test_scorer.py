@@ -17,6 +17,7 @@ from edge_agent.mc_scorer import DropoutSpec, dropout_masks
 from edge_agent.models import build_model, get_weights
 from edge_agent.ort_scorer import OrtMCDropout
 from edge_agent.sampling import entropy_scores, top_k
+from edge_agent.training import TrainSettings, train_supervised
 from export.bundle_writer import write_bundle
 
 
@@ -27,7 +28,12 @@ def images() -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
-    return build_model(seed=3)
+    """Briefly trained, so that entropies are spread out and a top-k is not decided by float rounding."""
+    dataset = load_fashion_mnist()
+    trained = build_model(seed=3)
+    train_supervised(trained, dataset.train_images[:1000], dataset.train_labels[:1000],
+                     TrainSettings(epochs=2, batch_size=32, learning_rate=1e-3, optimizer="adam", seed=3))
+    return trained
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +67,15 @@ def test_torch_and_onnxruntime_agree_under_the_same_masks(model, bundle_dir: Pat
     assert torch_probs.shape == ort_probs.shape == (8, 300, 10)
     assert float(np.max(np.abs(torch_probs - ort_probs))) <= 1e-5
     assert np.array_equal(top_k(entropy_scores(torch_probs), 50), top_k(entropy_scores(ort_probs), 50))
+
+
+def test_the_batch_size_does_not_change_the_passes(model, bundle_dir: Path, images: np.ndarray) -> None:
+    """Masks are drawn per image, so torch at batch 256 and onnxruntime at batch 7 give the same passes."""
+    inputs = normalise(images[:40])
+    torch_probs = TorchMCDropout(model, 256).probabilities(inputs, 5, seed=11)
+    ort_probs = OrtMCDropout(load_bundle(bundle_dir), batch_size=7).probabilities(inputs, 5, seed=11)
+    assert np.abs(torch_probs - ort_probs).max() <= 1e-5
+    assert np.abs(torch_probs - TorchMCDropout(model, 3).probabilities(inputs, 5, seed=11)).max() <= 1e-6
 
 
 def test_onnxruntime_passes_differ_so_dropout_survived(bundle_dir: Path, images: np.ndarray) -> None:
