@@ -192,20 +192,27 @@ class Coordinator:
         for update in collector.accepted.values():
             self.device_labels[update.device_id] = update.acquired_labels
         labels = self.base_labels + sum(self.device_labels.values())
-        model_hash = self.store.save_checkpoint(round_id, new_weights)
-        self.store.commit_round(
-            RoundRecord(round_id, started_wall, time.time(), model_hash, accuracy, labels,
-                        len(collector.accepted), len(collector.rejected), report, {"quorum": self.needed(collector)}),
-            [DeviceRoundRecord(round_id, device, True, "", update.num_samples, list(update.class_counts),
-                               device_accuracy.get(device), divergence[device], collector.sizes.get(device, 0),
-                               time.time(), update.acquired_labels)
-             for device, update in collector.accepted.items()],
-        )
+        self.persist(collector, new_weights, RoundRecord(
+            round_id, started_wall, time.time(), "", accuracy, labels, len(collector.accepted),
+            len(collector.rejected), report, {"quorum": self.needed(collector)}), device_accuracy, divergence)
         result = RoundResult(round_id, accuracy, device_accuracy, labels, divergence,
                              time.monotonic() - started, dict(collector.rejected), report, suspects)
         log.info("round closed round=%d accepted=%d rejected=%d accuracy=%.4f seconds=%.1f",
                  round_id, len(updates), len(collector.rejected), accuracy, result.seconds)
         return new_weights, result
+
+    def persist(
+        self, collector: RoundCollector, weights: Weights, record: RoundRecord, device_accuracy: dict[str, float],
+        divergence: dict[str, dict[str, float]],
+    ) -> None:
+        """Checkpoints the new global model, then commits the round and its per-device records in one transaction."""
+        record.model_hash = self.store.save_checkpoint(record.round_id, weights)
+        self.store.commit_round(record, [
+            DeviceRoundRecord(record.round_id, device, True, "", update.num_samples, list(update.class_counts),
+                              device_accuracy.get(device), divergence[device], collector.sizes.get(device, 0),
+                              time.time(), update.acquired_labels)
+            for device, update in collector.accepted.items()
+        ])
 
     def client_update(self, update: wire.Update) -> ClientUpdate:
         """The strategy's view of a validated update."""
