@@ -6,6 +6,8 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
+from edge_agent.data import normalise
+
 PrefixFunction = Callable[[np.ndarray], np.ndarray]
 TailFunction = Callable[[np.ndarray, Sequence[np.ndarray]], np.ndarray]
 
@@ -16,7 +18,7 @@ class MCScorer(Protocol):
     name: str
 
     def probabilities(self, images: np.ndarray, passes: int, seed: int) -> np.ndarray:
-        """Softmax outputs shaped (passes, N, C) for normalised images shaped (N, 1, 28, 28)."""
+        """Softmax outputs (passes, N, C) for normalised float32 images (N, 1, 28, 28) or raw uint8 (N, 28, 28)."""
 
 
 MASK_LEVELS = 1 << 16
@@ -50,16 +52,26 @@ def dropout_masks(rng: np.random.Generator, rows: int, spec: DropoutSpec) -> lis
     return masks
 
 
-def batch_masks(seed: int, first_image: int, count: int, passes: int, spec: DropoutSpec) -> list[np.ndarray]:
+def batch_masks(seed: int, first_image: int, count: int, passes: int, spec: DropoutSpec,
+                out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
     """Masks for `count` images starting at `first_image`, pass-major rows (passes * count, *shape).
 
     Each image's masks come from a generator seeded with (seed, image index), so they depend neither on the
-    batch size nor on the back end: the same seed gives the same passes everywhere.
+    batch size nor on the back end: the same seed gives the same passes everywhere. `out` (from an earlier
+    call with at least as many rows) is reused instead of allocating; the masks are its leading rows.
     """
-    per_image = [dropout_masks(np.random.default_rng([seed, first_image + offset]), passes, spec)
-                 for offset in range(count)]
-    return [np.stack([masks[layer] for masks in per_image], axis=1).reshape(passes * count, *shape)
-            for layer, shape in enumerate(spec.mask_shapes)]
+    rows = passes * count
+    if out is None or any(len(buffer) < rows for buffer in out):
+        out = [np.empty((rows, *shape), dtype=np.float32) for shape in spec.mask_shapes]
+    views = [buffer[:rows].reshape(passes, count, *shape) for buffer, shape in zip(out, spec.mask_shapes)]
+    thresholds = [round(rate * MASK_LEVELS) for rate in spec.rates]
+    scales = [np.float32(1.0 / (1.0 - rate)) for rate in spec.rates]
+    for offset in range(count):
+        rng = np.random.default_rng([seed, first_image + offset])
+        for view, shape, threshold, scale in zip(views, spec.mask_shapes, thresholds, scales):
+            keep = rng.integers(0, MASK_LEVELS, (passes, *shape), dtype=np.uint16) >= threshold
+            np.multiply(keep, scale, out=view[:, offset], dtype=np.float32)
+    return [buffer[:rows] for buffer in out]
 
 
 def check_pass_request(images: np.ndarray, passes: int, batch_size: int) -> None:
@@ -68,27 +80,50 @@ def check_pass_request(images: np.ndarray, passes: int, batch_size: int) -> None
         raise ValueError(f"MC passes must be at least 1, got {passes}")
     if batch_size < 1:
         raise ValueError(f"inference batch size must be at least 1, got {batch_size}")
-    if images.ndim != 4 or images.dtype != np.float32:
-        raise ValueError(f"images must be normalised float32 shaped (N, 1, H, W), got {images.dtype} {images.shape}")
+    normalised = images.ndim == 4 and images.dtype == np.float32
+    raw = images.ndim == 3 and images.dtype == np.uint8
+    if not (normalised or raw):
+        raise ValueError("images must be normalised float32 shaped (N, 1, H, W) or raw uint8 shaped (N, H, W), "
+                         f"got {images.dtype} {images.shape}")
 
 
 def mc_probabilities(
-    prefix: PrefixFunction, tail: TailFunction, spec: DropoutSpec, images: np.ndarray, passes: int, seed: int, batch_size: int,
+    prefix: PrefixFunction, tail: TailFunction, spec: DropoutSpec, images: np.ndarray, passes: int, seed: int,
+    batch_size: int, tail_rows: int | None = None,
 ) -> np.ndarray:
-    """(passes, N, C) probabilities ((passes, 0, 0) for no images): the prefix once per image, the tail on each batch replicated `passes` times.
+    """(passes, N, C) float32 probabilities ((passes, 0, 0) for no images): the prefix once per image, the tail r times.
 
-    Rows of a replicated batch are pass-major (pass 0's images first); masks come from batch_masks, so the
-    same seed gives the same passes whatever the batch size.
+    Images are normalised float32 (N, 1, H, W) or raw uint8 (N, H, W); raw images are normalised a batch at a
+    time, so a pool is never held as float32 (it may be a read-only memory map). Each batch of `batch_size`
+    images runs through the prefix once; the tail then runs on the batch's features replicated for as many
+    passes as fit in `tail_rows` rows per call (at least one pass; None: all passes in one call). Rows of a
+    call are pass-major; masks come from batch_masks, so the same seed gives the same passes whatever the
+    batch size and tail_rows. Mask and replication buffers are reused from batch to batch.
     """
-    images = np.ascontiguousarray(images)
     check_pass_request(images, passes, batch_size)
+    if tail_rows is not None and tail_rows < 1:
+        raise ValueError(f"tail rows per call must be at least 1, got {tail_rows}")
     result = np.empty((passes, 0, 0), dtype=np.float32)
+    mask_buffers: list[np.ndarray] | None = None
+    replication_buffer: np.ndarray | None = None
     for start in range(0, len(images), batch_size):
-        features = prefix(images[start:start + batch_size])
+        batch = images[start:start + batch_size]
+        features = prefix(normalise(batch) if batch.dtype == np.uint8 else np.ascontiguousarray(batch))
         count = len(features)
-        replicated = np.broadcast_to(features, (passes, *features.shape)).reshape(passes * count, *features.shape[1:])
-        probs = tail(replicated, batch_masks(seed, start, count, passes, spec)).reshape(passes, count, -1)
-        if start == 0:
-            result = np.empty((passes, len(images), probs.shape[-1]), dtype=np.float32)
-        result[:, start:start + count] = probs
+        masks = mask_buffers = batch_masks(seed, start, count, passes, spec, mask_buffers)
+        per_call = passes if tail_rows is None else max(1, min(passes, tail_rows // count))
+        if per_call > 1 and (replication_buffer is None or len(replication_buffer) < per_call * count):
+            replication_buffer = np.empty((per_call * count, *features.shape[1:]), dtype=features.dtype)
+        for first_pass in range(0, passes, per_call):
+            calls = min(per_call, passes - first_pass)
+            rows = slice(first_pass * count, (first_pass + calls) * count)
+            if calls == 1:
+                replicated = features
+            else:
+                replicated = replication_buffer[:calls * count]
+                replicated.reshape(calls, *features.shape)[...] = features
+            probs = tail(replicated, [mask[rows] for mask in masks]).reshape(calls, count, -1)
+            if start == 0 and first_pass == 0:
+                result = np.empty((passes, len(images), probs.shape[-1]), dtype=np.float32)
+            result[first_pass:first_pass + calls, start:start + count] = probs
     return result

@@ -4,28 +4,53 @@ from __future__ import annotations
 import resource
 import sys
 import time
+import zipfile
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
 from edge_agent.bundle import Bundle, load_bundle
-from edge_agent.data import load_shard, normalise, read_idx
+from edge_agent.data import read_idx
 from edge_agent.mc_scorer import MCScorer
-from edge_agent.ort_scorer import CPU_PROVIDER, OrtMCDropout
 from edge_agent.sampling import make_heuristic, top_k
 
 BACKENDS = ("onnxruntime", "torch")
+CPU_PROVIDER = "CPUExecutionProvider"
+# Images per inference batch when none is given: onnxruntime's peak RSS grows ~0.33 MB per image of batch at
+# flat throughput from 64 up (see ort_scorer); torch's fixed cost dwarfs its batch and it is faster at 256.
+DEFAULT_BATCHES = {"onnxruntime": 64, "torch": 256}
+
+
+def _read_npz_images(path: Path) -> np.ndarray:
+    """The `images` array of a shard .npz, read alone (labels and seeds are not needed to score)."""
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            if not isinstance(archive, np.lib.npyio.NpzFile) or "images" not in archive.files:
+                raise ValueError("not a shard archive with an images array")
+            return archive["images"]
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"{path}: corrupt or unreadable array archive ({exc})") from exc
 
 
 def load_pool_images(path: Path) -> np.ndarray:
-    """uint8 images (N, 28, 28) from an IDX images file (.gz ok) or the pool of a shard .npz."""
+    """uint8 images (N, 28, 28) from an IDX images file (.gz ok), the pool of a shard .npz, or an .npy array.
+
+    An .npy file is memory-mapped read-only, so only the pages a batch touches are resident; IDX and .npz
+    pools are read once as uint8. Images are normalised a batch at a time while scoring.
+    """
     if path.is_dir():
-        raise ValueError(f"{path} is a folder; image folders are not supported yet: pass an IDX images file or a "
-                         "shard .npz")
+        raise ValueError(f"{path} is a folder; image folders are not supported yet: pass an IDX images file, a "
+                         "shard .npz or an .npy array")
     if not path.is_file():
         raise FileNotFoundError(f"pool file {path} does not exist")
-    images = load_shard(path).images if path.suffix == ".npz" else read_idx(path)
+    if path.suffix == ".npy":
+        try:
+            images = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError, EOFError) as exc:
+            raise ValueError(f"{path}: corrupt or unreadable .npy array ({exc})") from exc
+    else:
+        images = _read_npz_images(path) if path.suffix == ".npz" else read_idx(path)
     if images.dtype != np.uint8 or images.ndim != 3 or images.shape[1:] != (28, 28):
         raise ValueError(f"{path}: pool images are {images.dtype} {images.shape}, expected uint8 (N, 28, 28)")
     return images
@@ -33,8 +58,10 @@ def load_pool_images(path: Path) -> np.ndarray:
 
 def make_scorer(backend: str, bundle: Bundle, batch_size: int, threads: int = 0, precision: str = "fp32",
                 providers: Sequence[str] = (CPU_PROVIDER,)) -> MCScorer:
-    """The bundle's model behind one back end; torch is imported only when the torch back end is chosen."""
+    """The bundle's model behind one back end; each back end's runtime is imported only when it is chosen."""
     if backend == "onnxruntime":
+        from edge_agent.ort_scorer import OrtMCDropout
+
         return OrtMCDropout(bundle, batch_size, precision, threads, providers)
     if backend != "torch":
         raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
@@ -52,20 +79,25 @@ def peak_rss_mb() -> float:
 
 
 def score_pool(bundle_path: Path, pool_path: Path, passes: int, top: int, sampler: str, backend: str = "onnxruntime",
-               batch_size: int = 256, limit: int | None = None, seed: int = 0, threads: int = 0,
+               batch_size: int | None = None, limit: int | None = None, seed: int = 0, threads: int = 0,
                precision: str = "fp32", providers: Sequence[str] = (CPU_PROVIDER,)) -> dict[str, Any]:
-    """Scores a pool and returns the selection with images_per_second and peak_rss_mb (the command's JSON)."""
+    """Scores a pool and returns the selection with images_per_second and peak_rss_mb (the command's JSON).
+
+    The pool stays uint8 (memory-mapped for .npy) and is normalised a batch at a time; batch_size None is the
+    back end's DEFAULT_BATCHES entry.
+    """
     heuristic = make_heuristic(sampler)
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be at least 1, got {limit}")
     images = load_pool_images(pool_path)[:limit]
+    batch_size = batch_size if batch_size is not None else DEFAULT_BATCHES.get(backend, DEFAULT_BATCHES["onnxruntime"])
     scorer = make_scorer(backend, load_bundle(bundle_path), batch_size, threads, precision, providers)
     started = time.perf_counter()
-    probabilities = scorer.probabilities(normalise(images), passes, seed) if heuristic.needs_probabilities else None
+    probabilities = scorer.probabilities(images, passes, seed) if heuristic.needs_probabilities else None
     scores = heuristic.scores(probabilities, len(images), np.random.default_rng(seed))
     selected = top_k(scores, top)
     seconds = time.perf_counter() - started
     return {"backend": scorer.name, "precision": precision, "passes": passes, "sampler": sampler,
-            "images": len(images), "selected": len(selected), "seconds": round(seconds, 4),
+            "images": len(images), "batch": batch_size, "selected": len(selected), "seconds": round(seconds, 4),
             "images_per_second": round(len(images) / seconds, 2) if seconds > 0 else None,
             "peak_rss_mb": round(peak_rss_mb(), 1), "indices": selected.tolist()}

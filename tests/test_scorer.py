@@ -13,10 +13,11 @@ import torch
 from edge_agent.bundle import load_bundle
 from edge_agent.data import Shard, load_fashion_mnist, normalise, save_shard
 from edge_agent.mc_dropout import TorchMCDropout
-from edge_agent.mc_scorer import DropoutSpec, dropout_masks
+from edge_agent.mc_scorer import DropoutSpec, batch_masks, dropout_masks
 from edge_agent.models import build_model, get_weights
-from edge_agent.ort_scorer import OrtMCDropout
+from edge_agent.ort_scorer import OrtMCDropout, session_options
 from edge_agent.sampling import entropy_scores, top_k
+from edge_agent.score_command import load_pool_images
 from edge_agent.training import TrainSettings, train_supervised
 from export.bundle_writer import write_bundle
 
@@ -141,3 +142,73 @@ def test_missing_execution_provider_falls_back_to_cpu_with_a_warning(caplog: pyt
     with caplog.at_level("WARNING"):
         assert select_providers(["NoSuchExecutionProvider"]) == ["CPUExecutionProvider"]
     assert "NoSuchExecutionProvider is not available" in caplog.text
+
+
+def test_batch_masks_are_the_per_image_draws_stacked_pass_major_and_reuse_buffers() -> None:
+    spec = DropoutSpec((0.25, 0.5), ((4, 3), (7,)))
+    per_image = [dropout_masks(np.random.default_rng([9, 10 + offset]), 6, spec) for offset in range(5)]
+    expected = [np.stack([masks[layer] for masks in per_image], axis=1).reshape(30, *shape)
+                for layer, shape in enumerate(spec.mask_shapes)]
+    fresh = batch_masks(9, 10, 5, 6, spec)
+    buffers = batch_masks(0, 0, 8, 6, spec)
+    reused = batch_masks(9, 10, 5, 6, spec, out=buffers)
+    for want, got, again, buffer in zip(expected, fresh, reused, buffers):
+        assert got.dtype == np.float32 and np.array_equal(want, got) and np.array_equal(want, again)
+        assert np.shares_memory(again, buffer)
+
+
+def test_raw_images_and_any_tail_rows_give_the_same_passes(bundle_dir: Path, images: np.ndarray) -> None:
+    """uint8 images are normalised per batch; splitting a batch's passes over tail calls changes nothing."""
+    bundle = load_bundle(bundle_dir)
+    reference = OrtMCDropout(bundle, batch_size=16, tail_rows=None).probabilities(normalise(images[:50]), 7, seed=4)
+    for tail_rows in (1, 40, 1000):
+        probs = OrtMCDropout(bundle, batch_size=16, tail_rows=tail_rows).probabilities(images[:50], 7, seed=4)
+        assert probs.shape == (7, 50, 10) and probs.dtype == np.float32
+        assert np.abs(probs - reference).max() <= 1e-6
+
+
+def test_raw_images_give_the_torch_back_end_the_same_passes(model, images: np.ndarray) -> None:
+    scorer = TorchMCDropout(model, batch_size=32)
+    assert np.abs(scorer.probabilities(images[:40], 3, seed=2)
+                  - scorer.probabilities(normalise(images[:40]), 3, seed=2)).max() <= 1e-6
+
+
+def test_scorer_rejects_images_that_are_neither_raw_nor_normalised(bundle_dir: Path) -> None:
+    with pytest.raises(ValueError, match="raw uint8"):
+        OrtMCDropout(load_bundle(bundle_dir)).probabilities(np.zeros((2, 28, 28), np.float32), 2, seed=0)
+
+
+def test_onnxruntime_sessions_share_one_arena_without_memory_patterns() -> None:
+    options = session_options(2)
+    assert options.get_session_config_entry("session.use_env_allocators") == "1"
+    assert not options.enable_mem_pattern and options.enable_cpu_mem_arena and options.intra_op_num_threads == 2
+
+
+def test_pools_load_as_uint8_and_npy_is_memory_mapped(pool_file: Path, images: np.ndarray, tmp_path: Path) -> None:
+    assert np.array_equal(load_pool_images(pool_file), images)
+    np.save(tmp_path / "pool.npy", images)
+    mapped = load_pool_images(tmp_path / "pool.npy")
+    assert isinstance(mapped, np.memmap) and not mapped.flags.writeable and np.array_equal(mapped, images)
+    np.save(tmp_path / "floats.npy", images.astype(np.float32))
+    with pytest.raises(ValueError, match="expected uint8"):
+        load_pool_images(tmp_path / "floats.npy")
+    (tmp_path / "broken.npz").write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="broken.npz"):
+        load_pool_images(tmp_path / "broken.npz")
+
+
+def test_score_command_scores_an_npy_pool(bundle_dir: Path, images: np.ndarray, tmp_path: Path) -> None:
+    np.save(tmp_path / "pool.npy", images[:100])
+    result = _score(bundle_dir, tmp_path / "pool.npy", "--backend", "onnxruntime")
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert (record["images"], record["selected"]) == (100, 30)
+
+
+def test_importing_the_score_command_loads_no_runtime() -> None:
+    """Each back end's runtime is imported when it is chosen, so `edge-agent run` never pays for onnxruntime."""
+    code = ("import sys, edge_agent.score_command\n"
+            "print(sorted(name for name in ('torch', 'onnxruntime') if name in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
