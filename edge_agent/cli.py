@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--sampler", default="entropy")
     score.add_argument("--backend", choices=BACKENDS, help="default: the profile's, else onnxruntime")
     score.add_argument("--precision", choices=("fp32", "int8"), default="fp32", help="onnxruntime graphs to run")
-    score.add_argument("--batch", type=int, help="images per inference batch (default: the profile's, else 256)")
+    score.add_argument("--batch", type=int,
+                       help="images per inference batch (default: the profile's, else 64 for onnxruntime, 256 for torch)")
     score.add_argument("--threads", type=int, help="intra-op threads (default: the profile's, else the runtime's)")
     score.add_argument("--limit", type=int, help="score only the first N pool images (capped by --profile)")
     score.add_argument("--profile", type=Path, help="a firmware_configs/*.toml device profile")
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run_score(args: argparse.Namespace) -> int:
     """Scores a pool with a bundle, honouring a device profile's caps, and prints the JSON result."""
     passes, limit = args.passes, args.limit
-    settings = {"backend": "onnxruntime", "batch": 256, "threads": 0, "providers": ("CPUExecutionProvider",)}
+    settings = {"backend": "onnxruntime", "batch": None, "threads": 0, "providers": ("CPUExecutionProvider",)}
     if args.profile is not None:
         profile = load_profile(args.profile)
         settings = {"backend": profile.backend, "batch": profile.inference_batch, "threads": profile.threads,
