@@ -124,7 +124,7 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
         validation_samples=args.validation_samples, selection_passes=args.selection_passes,
         test_samples=args.test_samples, evaluate_devices=not args.no_device_eval, data_dir=args.data_dir,
         torch_threads=args.torch_threads, strategy_options={} if args.trim is None else {"trim": args.trim},
-        suspects=SuspectPolicy(args.suspect_threshold, args.exclude_suspects),
+        suspects=SuspectPolicy(threshold=args.suspect_threshold, exclude=args.exclude_suspects),
     )
 
 

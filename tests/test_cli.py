@@ -44,3 +44,15 @@ def test_agent_with_missing_shard_fails_cleanly(tmp_path: Path) -> None:
                      "--data", str(tmp_path / "missing.npz"), "--state-dir", str(tmp_path / "state"))
     assert result.returncode == 2
     assert "missing.npz" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_suspect_options_reach_the_policy_by_name(tmp_path: Path) -> None:
+    from coordinator.cli import build_parser, server_settings
+    from coordinator.rounds import SuspectPolicy
+
+    args = build_parser().parse_args(["simulate", "--run-dir", str(tmp_path), "--suspect-threshold", "4.5",
+                                      "--exclude-suspects"])
+    policy = server_settings(args, default_fleet="bench").suspects
+    assert policy == SuspectPolicy(threshold=4.5, min_layer_fraction=SuspectPolicy.min_layer_fraction, exclude=True)
+    default = server_settings(build_parser().parse_args(["simulate", "--run-dir", str(tmp_path)]), "bench").suspects
+    assert default == SuspectPolicy()
