@@ -29,12 +29,6 @@ def accuracy_of(predictions: np.ndarray, labels: np.ndarray) -> float:
     return float(np.mean(predictions.argmax(axis=-1) == labels)) if len(labels) else float("nan")
 
 
-def per_class_accuracy(predictions: np.ndarray, labels: np.ndarray, num_classes: int) -> list[float | None]:
-    """Accuracy within each true class (None for a class absent from the split)."""
-    hits = predictions.argmax(axis=-1) == labels
-    return [float(hits[labels == c].mean()) if np.any(labels == c) else None for c in range(num_classes)]
-
-
 class Evaluator:
     """Evaluates weight sets on the test split (dropout off) and on the selection split (BNN, r passes)."""
 

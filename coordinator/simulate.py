@@ -71,7 +71,6 @@ def write_shards(data: ServerData, bench: BenchSettings, run_dir: Path) -> list[
         device_dir = run_dir / "devices" / device_id
         shard = device_dir / "shard.npz"
         if not shard.exists():
-            device_dir.mkdir(parents=True, exist_ok=True)
             save_shard(shard, Shard(images[pool], labels[pool], images[seeds], labels[seeds]))
         launches.append(DeviceLaunch(device_id, shard, device_dir / "state", device_dir / "agent.log"))
     return launches

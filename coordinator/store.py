@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import sqlite3
 import threading
 import time
@@ -15,8 +14,8 @@ import numpy as np
 
 from edge_agent.data import atomic_write_bytes, load_arrays, save_arrays
 from edge_agent.models import Weights, weights_hash
+from edge_agent.wire import IDENTIFIER, WireError, check_identifier
 
-DEVICE_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 SPOOL_SUFFIX = ".msgpack"
 
 _SCHEMA = """
@@ -101,10 +100,11 @@ class DeviceRoundRecord:
 
 
 def check_device_id(device_id: str) -> str:
-    """Returns device_id if it is safe to use in a file name (^[A-Za-z0-9_.-]{1,64}$), else ValueError."""
-    if not isinstance(device_id, str) or not DEVICE_ID_PATTERN.fullmatch(device_id):
-        raise ValueError(f"invalid device id {device_id!r}: use 1-64 characters from A-Z a-z 0-9 _ . -")
-    return device_id
+    """Returns device_id if it is safe to use in a file name (the wire's identifier rule), else ValueError."""
+    try:
+        return check_identifier("device id", device_id)
+    except WireError as error:
+        raise ValueError(f"invalid device id: {error}") from None
 
 
 def check_round_id(round_id: int) -> int:
@@ -305,7 +305,6 @@ class RunStore:
     def spool_update(self, round_id: int, device_id: str, payload: bytes) -> Path:
         """Writes an accepted update's raw payload to spool/round_NNNN/<device>.msgpack atomically."""
         path = self.spool_dir / round_name(round_id) / f"{check_device_id(device_id)}{SPOOL_SUFFIX}"
-        path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, payload)
         return path
 
@@ -317,5 +316,5 @@ class RunStore:
         return {
             path.name[: -len(SPOOL_SUFFIX)]: path.read_bytes()
             for path in sorted(folder.glob(f"*{SPOOL_SUFFIX}"))
-            if DEVICE_ID_PATTERN.fullmatch(path.name[: -len(SPOOL_SUFFIX)])
+            if IDENTIFIER.fullmatch(path.name[: -len(SPOOL_SUFFIX)])
         }

@@ -163,8 +163,12 @@ def _fsync_directory(directory: Path) -> None:
 
 
 def atomic_write_bytes(path: Path | str, data: bytes) -> None:
-    """Replaces path with data so that a crash leaves either the old file or the new one, never a mix."""
+    """Replaces path with data so that a crash leaves either the old file or the new one, never a mix.
+
+    The parent folder is created if missing, so callers need not prepare it.
+    """
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:

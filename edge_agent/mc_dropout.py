@@ -1,29 +1,13 @@
 # MC-dropout class probabilities: the deterministic prefix runs once per sample, the dropout tail r times.
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from edge_agent.mc_scorer import DropoutSpec, mc_probabilities
-
-
-@contextmanager
-def dropout_only(model: nn.Module) -> Iterator[nn.Module]:
-    """Eval mode for everything except Dropout layers, restored afterwards: a Bayesian approximation (Alg. 6)."""
-    modes = {module: module.training for module in model.modules()}
-    model.eval()
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.train()
-    try:
-        yield model
-    finally:
-        for module, mode in modes.items():
-            module.train(mode)
 
 
 def dropout_spec(model: nn.Module) -> DropoutSpec:
