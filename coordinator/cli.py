@@ -43,6 +43,8 @@ def add_round_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--json", action="store_true", help="one JSON object per round on stdout, then a summary")
     run.add_argument("--log-level", default="warning")
     run.add_argument("--torch-threads", type=int, help="torch threads of the coordinator process")
+    run.add_argument("--no-bundles", action="store_true",
+                     help="do not ship an ONNX bundle with each global model (no device scores with onnxruntime)")
     recipe = parser.add_argument_group("round recipe (sent to devices)")
     recipe.add_argument("--sampler", default="entropy", help="random, entropy, bald, margin or least-confidence")
     recipe.add_argument("--labels-per-acquisition", type=int, default=400)
@@ -95,6 +97,8 @@ def add_bench_options(parser: argparse.ArgumentParser) -> None:
     bench.add_argument("--partition", default="type1", help="type1, type2, iid or dirichlet:ALPHA")
     bench.add_argument("--pool-size", type=int, default=BenchSettings.pool_size, help="unlabelled pool per device")
     bench.add_argument("--agent-threads", type=int, default=1, help="torch threads per simulated agent")
+    bench.add_argument("--agent-profile", type=Path,
+                       help="device profile every simulated agent runs with (firmware_configs/*.toml)")
     bench.add_argument("--seed-per-class", type=int, default=BenchSettings.seed_per_class,
                        help="labelled seeds per class from the server's W0 samples given to every device "
                             "(its initial replay set; 0 for none)")
@@ -103,7 +107,7 @@ def add_bench_options(parser: argparse.ArgumentParser) -> None:
 def bench_settings(args: argparse.Namespace) -> BenchSettings:
     """BenchSettings from parsed arguments."""
     return BenchSettings(args.devices, args.partition, args.pool_size, args.agent_threads, args.seed,
-                         args.seed_per_class)
+                         args.seed_per_class, args.agent_profile)
 
 
 def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSettings:
@@ -125,6 +129,7 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
         test_samples=args.test_samples, evaluate_devices=not args.no_device_eval, data_dir=args.data_dir,
         torch_threads=args.torch_threads, strategy_options={} if args.trim is None else {"trim": args.trim},
         suspects=SuspectPolicy(threshold=args.suspect_threshold, exclude=args.exclude_suspects),
+        ship_bundles=not args.no_bundles,
     )
 
 

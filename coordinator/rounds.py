@@ -125,7 +125,9 @@ class Coordinator:
         self, fleet: str, run_id: str, session: MqttSession, store: RunStore, strategy: Strategy,
         evaluator: Evaluator, recipe: wire.Recipe, policy: RoundPolicy, model_name: str = "paper-cnn",
         base_labels: int = 0, evaluate_devices: bool = True, suspect_policy: SuspectPolicy = SuspectPolicy(),
+        bundle_files: Callable[[Weights, str], dict[str, bytes]] | None = None,
     ) -> None:
+        """`bundle_files(weights, hash)` gives the ONNX bundle shipped beside each global model (None: none)."""
         self.fleet = fleet
         self.run_id = run_id
         self.session = session
@@ -141,7 +143,8 @@ class Coordinator:
         self.spec = weight_spec(build_model(model_name))
         self.online: dict[str, wire.Status] = {}
         self.device_labels: dict[str, int] = {}
-        self._announced_model_topic: str | None = None
+        self.bundle_files = bundle_files
+        self._retained: dict[str, str] = {}
 
     def start(self) -> None:
         """Subscribes to every device's updates and status."""
@@ -316,15 +319,23 @@ class Coordinator:
         self.session.publish(wire.device_topic(self.fleet, ack.device_id, "ack"), wire.encode(ack))
 
     def publish_model(self, weights: Weights, model_hash: str) -> None:
-        """Retains the weights on their hash topic and clears the previous model's retained copy."""
-        topic = wire.model_topic(self.fleet, model_hash)
-        if topic == self._announced_model_topic:
+        """Retains the weights (and their ONNX bundle) on hash topics, clearing the previous model's copies."""
+        self.retain_current("model", wire.model_topic(self.fleet, model_hash),
+                            lambda: wire.ModelMessage(model_hash, self.model_name, weights))
+        if self.bundle_files is not None:
+            self.retain_current("bundle", wire.bundle_topic(self.fleet, model_hash),
+                                lambda: wire.BundleMessage(model_hash, self.bundle_files(weights, model_hash)))
+
+    def retain_current(self, kind: str, topic: str, message: Callable[[], wire.Message]) -> None:
+        """Retains one message of a kind on its topic unless it is already there, then clears the kind's previous
+        topic, so a new subscriber finds only the current model (retained messages replay to everyone)."""
+        previous = self._retained.get(kind)
+        if topic == previous:
             return
-        message = wire.ModelMessage(model_hash, self.model_name, weights)
-        self.session.publish(topic, wire.encode(message), retain=True, wait=30.0)
-        if self._announced_model_topic is not None:
-            self.session.publish(self._announced_model_topic, b"", retain=True)
-        self._announced_model_topic = topic
+        self.session.publish(topic, wire.encode(message()), retain=True, wait=30.0)
+        if previous is not None:
+            self.session.publish(previous, b"", retain=True)
+        self._retained[kind] = topic
 
     def announce(self, round_id: int, model_hash: str, final: bool = False) -> None:
         """Retains the round announcement: round id, base model hash, recipe, deadline."""

@@ -35,6 +35,7 @@ class BenchSettings:
     agent_threads: int = 1
     seed: int = 0
     seed_per_class: int = 5
+    agent_profile: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -76,21 +77,23 @@ def write_shards(data: ServerData, bench: BenchSettings, run_dir: Path) -> list[
     return launches
 
 
-def agent_command(launch: DeviceLaunch, address: BrokerAddress, fleet: str, threads: int) -> list[str]:
+def agent_command(launch: DeviceLaunch, address: BrokerAddress, fleet: str, bench: BenchSettings) -> list[str]:
     """The exact command a field device would run, pointed at a simulated shard."""
+    profile = [] if bench.agent_profile is None else ["--profile", str(bench.agent_profile)]
     return [
         sys.executable, "-m", "edge_agent", "run", "--broker", address.url, "--fleet", fleet,
         "--device-id", launch.device_id, "--data", str(launch.shard), "--state-dir", str(launch.state_dir),
-        "--torch-threads", str(threads), "--exit-on-final",
+        "--torch-threads", str(bench.agent_threads), "--exit-on-final", *profile,
     ]
 
 
-def spawn_agent(launch: DeviceLaunch, address: BrokerAddress, fleet: str, threads: int) -> subprocess.Popen:
-    """Starts one agent process with its own log file and one BLAS thread (2 cores shared by many agents)."""
-    environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+def spawn_agent(launch: DeviceLaunch, address: BrokerAddress, fleet: str, bench: BenchSettings) -> subprocess.Popen:
+    """Starts one agent process with its own log file and its BLAS threads (2 cores shared by many agents)."""
+    threads = str(bench.agent_threads)
+    environment = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     launch.log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(launch.log_file, "ab") as log_stream:
-        return subprocess.Popen(agent_command(launch, address, fleet, threads), stdout=log_stream,
+        return subprocess.Popen(agent_command(launch, address, fleet, bench), stdout=log_stream,
                                 stderr=subprocess.STDOUT, env=environment)
 
 
@@ -128,7 +131,7 @@ def simulate(
     data = load_server_data(settings)
     launches = write_shards(data, bench, settings.run_dir)
     with broker_for(settings.run_dir, address) as broker_address:
-        processes = [spawn_agent(launch, broker_address, settings.fleet, bench.agent_threads) for launch in launches]
+        processes = [spawn_agent(launch, broker_address, settings.fleet, bench) for launch in launches]
         try:
             run_server(settings, broker_address, on_round, data=data, wait_for_devices=bench.devices)
         except BaseException:

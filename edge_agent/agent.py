@@ -9,16 +9,20 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
 from edge_agent import wire
-from edge_agent.data import DeviceData, normalise
+from edge_agent.bundle import Bundle, BundleError, remove_other_bundles, store_bundle
+from edge_agent.data import DeviceData
 from edge_agent.mc_dropout import TorchMCDropout
+from edge_agent.mc_scorer import MCScorer
 from edge_agent.models import Weights, build_model, get_weights, set_weights, weights_hash
 from edge_agent.mqtt import IncomingMessage, LastWill, MqttSession, PayloadTooLargeError
 from edge_agent.oracle import Oracle
+from edge_agent.ort_scorer import OrtMCDropout
 from edge_agent.sampling import Heuristic, make_heuristic, top_k
 from edge_agent.training import LocalData, make_local_rule
 
@@ -26,6 +30,7 @@ log = logging.getLogger(__name__)
 
 LAST_ROUND_KEY = "last_finished_round"
 PUBLISH_WAIT_SECONDS = 30.0
+BUNDLES_FOLDER = "bundles"
 
 
 @dataclass(frozen=True)
@@ -40,16 +45,25 @@ class AgentSettings:
     torch_threads: int = 1
     exit_on_final: bool = False
     max_update_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
+    backend: str = "torch"
+    inference_threads: int = 0
+    execution_providers: tuple[str, ...] = ("CPUExecutionProvider",)
+    mc_passes_cap: int | None = None
+
+    @property
+    def scores_with_onnxruntime(self) -> bool:
+        """True when the device scores its pool with the coordinator's ONNX bundle rather than with torch."""
+        return self.backend == "onnxruntime"
 
 
 def acquisition_scores(
-    heuristic: Heuristic, model: torch.nn.Module, images: np.ndarray, passes: int, seed: int,
-    rng: np.random.Generator, inference_batch: int,
+    heuristic: Heuristic, make_scorer: Callable[[], MCScorer], images: np.ndarray, passes: int, seed: int,
+    rng: np.random.Generator,
 ) -> np.ndarray:
     """Per-sample scores of the pool (higher = ask first); MC-dropout passes only when the heuristic needs them."""
     probabilities = None
     if heuristic.needs_probabilities:
-        probabilities = TorchMCDropout(model, inference_batch).probabilities(normalise(images), passes, seed)
+        probabilities = make_scorer().probabilities(images, passes, seed)
     return heuristic.scores(probabilities, len(images), rng)
 
 
@@ -69,7 +83,8 @@ class Agent:
         self.stop_event = threading.Event()
         self._pending: wire.RoundAnnouncement | None = None
         self._models: dict[str, Weights] = {}
-        self._model_topic: str | None = None
+        self._bundles: dict[str, Bundle] = {}
+        self._subscribed: dict[str, str] = {}
 
     @staticmethod
     def last_will(settings: AgentSettings) -> LastWill:
@@ -106,8 +121,10 @@ class Agent:
         try:
             if message.topic == wire.round_topic(fleet):
                 return self.on_announcement(wire.decode(message.payload, wire.RoundAnnouncement))
-            if message.topic == self._model_topic:
+            if message.topic == self._subscribed.get("model"):
                 self.on_model(wire.decode(message.payload, wire.ModelMessage))
+            elif message.topic == self._subscribed.get("bundle"):
+                self.on_bundle(wire.decode(message.payload, wire.BundleMessage))
             elif message.topic.endswith("/ack"):
                 self.on_ack(wire.decode(message.payload, wire.Ack))
         except wire.WireError as error:
@@ -124,13 +141,20 @@ class Agent:
             log.debug("ignoring finished round %d", announcement.round_id)
             return False
         self._pending = announcement
-        topic = wire.model_topic(self.settings.fleet, announcement.model_hash)
-        if topic != self._model_topic:
-            if self._model_topic is not None:
-                self.session.unsubscribe(self._model_topic)
-            self._model_topic = topic
-            self.session.subscribe(topic)
+        self.follow("model", wire.model_topic(self.settings.fleet, announcement.model_hash))
+        if self.settings.scores_with_onnxruntime:
+            self.follow("bundle", wire.bundle_topic(self.settings.fleet, announcement.model_hash))
         return False
+
+    def follow(self, kind: str, topic: str) -> None:
+        """Subscribes to the current topic of a kind (model, bundle), leaving the kind's previous one."""
+        previous = self._subscribed.get(kind)
+        if topic == previous:
+            return
+        if previous is not None:
+            self.session.unsubscribe(previous)
+        self._subscribed[kind] = topic
+        self.session.subscribe(topic)
 
     def on_model(self, message: wire.ModelMessage) -> None:
         """Keeps the announced model once its content matches its hash."""
@@ -139,6 +163,21 @@ class Agent:
             log.warning("model hash mismatch announced=%s actual=%s", message.model_hash, actual)
             return
         self._models = {message.model_hash: message.tensors}
+
+    def on_bundle(self, message: wire.BundleMessage) -> None:
+        """Stores the announced model's ONNX bundle under the state folder once every file verifies."""
+        folder = self.data.state_dir / BUNDLES_FOLDER / message.model_hash
+        try:
+            bundle = store_bundle(folder, message.files)
+            if bundle.manifest["weights_hash"] != message.model_hash:
+                raise BundleError(f"{folder}: bundle holds model {bundle.manifest['weights_hash'][:12]}, "
+                                  f"announced {message.model_hash[:12]}")
+        except (BundleError, OSError) as error:
+            log.warning("bundle rejected model=%s error=%s", message.model_hash[:12], error)
+            return
+        remove_other_bundles(folder)
+        self._bundles = {message.model_hash: bundle}
+        log.info("bundle stored model=%s files=%d", message.model_hash[:12], len(message.files))
 
     def on_ack(self, ack: wire.Ack) -> None:
         """Logs the coordinator's verdict on an update."""
@@ -151,6 +190,8 @@ class Agent:
         """Runs the pending round once its model has arrived."""
         announcement = self._pending
         if announcement is None or announcement.model_hash not in self._models:
+            return
+        if self.settings.scores_with_onnxruntime and announcement.model_hash not in self._bundles:
             return
         self._pending = None
         update = self.run_round(announcement, self._models[announcement.model_hash])
@@ -177,7 +218,7 @@ class Agent:
             seed = int(np.random.SeedSequence([recipe.seed, device_seed(self.settings.device_id),
                                                announcement.round_id, acquisition]).generate_state(1)[0])
             started = time.monotonic()
-            new_indices, new_labels = self.acquire(model, heuristic, recipe, seed)
+            new_indices, new_labels = self.acquire(model, announcement.model_hash, heuristic, recipe, seed)
             if len(new_indices) == 0:
                 log.warning("pool exhausted device=%s round=%d", self.settings.device_id, announcement.round_id)
                 break
@@ -200,19 +241,30 @@ class Agent:
         )
 
     def acquire(
-        self, model: torch.nn.Module, heuristic: Heuristic, recipe: wire.Recipe, seed: int,
+        self, model: torch.nn.Module, base_hash: str, heuristic: Heuristic, recipe: wire.Recipe, seed: int,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Scores the pool, asks the oracle for the top k and stores the answers; returns them (indices, labels)."""
         pool = self.data.pool_indices()
         if len(pool) == 0:
             return pool, pool
         rng = np.random.default_rng(seed)
-        scores = acquisition_scores(heuristic, model, self.data.images(pool), recipe.mc_passes, seed, rng,
-                                    self.settings.inference_batch)
+        passes = min(recipe.mc_passes, self.settings.mc_passes_cap or recipe.mc_passes)
+        if heuristic.needs_probabilities:
+            log.info("scoring backend=%s passes=%d images=%d", self.settings.backend, passes, len(pool))
+        scores = acquisition_scores(heuristic, lambda: self.mc_scorer(model, base_hash), self.data.images(pool),
+                                    passes, seed, rng)
         queried = pool[top_k(scores, recipe.labels_per_acquisition)]
         answered, labels = self.oracle.label(queried)
         self.data.add_labels(answered, labels)
         return answered, labels
+
+    def mc_scorer(self, model: torch.nn.Module, base_hash: str) -> MCScorer:
+        """The profile's MC-dropout back end over the model as it is now (after any local training this round)."""
+        if self.settings.scores_with_onnxruntime:
+            return OrtMCDropout(self._bundles[base_hash], self.settings.inference_batch,
+                                threads=self.settings.inference_threads,
+                                providers=self.settings.execution_providers, weights=get_weights(model))
+        return TorchMCDropout(model, self.settings.inference_batch)
 
     def local_data(self, new_indices: np.ndarray, new_labels: np.ndarray) -> LocalData:
         """The training view of the device's data after an acquisition (replay excludes the new batch)."""

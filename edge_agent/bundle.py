@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from edge_agent.data import atomic_write_bytes
 
 MANIFEST_NAME = "manifest.json"
 BUNDLE_FORMAT = "edge-fal-model-bundle"
@@ -54,6 +57,14 @@ class Bundle:
     def mask_shapes(self) -> tuple[tuple[int, ...], ...]:
         """Per-sample shape of each dropout mask input, in order."""
         return tuple(tuple(int(d) for d in shape) for shape in self.manifest["dropout"]["mask_shapes"])
+
+    def initializers(self, part: str) -> dict[str, str]:
+        """The fp32 graph part's initializer names mapped to the model weights they hold."""
+        mapping = self.manifest.get("initializers", {}).get(part)
+        if not mapping:
+            raise BundleError(f"{self.path / MANIFEST_NAME}: no initializer map for the {part} graph "
+                              "(re-export the bundle with this version of fl-export)")
+        return dict(mapping)
 
     @property
     def mask_inputs(self) -> tuple[str, ...]:
@@ -111,3 +122,32 @@ def load_bundle(path: Path | str) -> Bundle:
     manifest = _read_manifest(bundle_dir / MANIFEST_NAME)
     _check_listed_files(bundle_dir, manifest)
     return Bundle(bundle_dir, manifest)
+
+
+def bundle_files(bundle: Bundle) -> dict[str, bytes]:
+    """Every file of a verified bundle by name, the manifest included: what goes on the wire."""
+    names = [MANIFEST_NAME, *bundle.manifest["files"]]
+    return {name: (bundle.path / name).read_bytes() for name in names}
+
+
+def store_bundle(folder: Path | str, files: dict[str, bytes]) -> Bundle:
+    """Writes received bundle files into folder (each atomically; the manifest last) and verifies them.
+
+    A name with a folder in it, or a set of files that does not verify, raises BundleError naming the file.
+    """
+    folder = Path(folder)
+    if MANIFEST_NAME not in files:
+        raise BundleError(f"{folder}: received bundle has no {MANIFEST_NAME}")
+    for name in files:
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise BundleError(f"{folder}: received bundle file name {name!r} must be a plain file name")
+    for name, data in sorted(files.items(), key=lambda item: item[0] == MANIFEST_NAME):
+        atomic_write_bytes(folder / name, data)
+    return load_bundle(folder)
+
+
+def remove_other_bundles(keep: Path) -> None:
+    """Deletes the bundle folders beside `keep` (earlier global models'), so a device stores only the current one."""
+    for folder in Path(keep).parent.iterdir():
+        if folder.is_dir() and folder != Path(keep) and (folder / MANIFEST_NAME).exists():
+            shutil.rmtree(folder, ignore_errors=True)

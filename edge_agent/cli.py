@@ -2,19 +2,25 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edge_agent import wire
 from edge_agent.data import load_shard, open_device_data
 from edge_agent.logs import configure_logging
-from edge_agent.mqtt import BrokerUnavailableError, MqttSession, parse_broker_url
+from edge_agent.mqtt import DEFAULT_KEEPALIVE_SECONDS, BrokerAddress, BrokerUnavailableError, MqttSession, \
+    parse_broker_url
 from edge_agent.oracle import SimulatedOracle
-from edge_agent.profile import load_profile
+from edge_agent.profile import DeviceProfile, load_profile
 from edge_agent.score_command import BACKENDS, score_pool
+
+if TYPE_CHECKING:  # the agent imports torch; `edge-agent score` must not
+    from edge_agent.agent import AgentSettings
 
 log = logging.getLogger("edge_agent")
 
@@ -30,8 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--data", required=True, type=Path,
                      help="pool shard (.npz: images, the simulated oracle's labels, optional seeds)")
     run.add_argument("--state-dir", type=Path, help="where labels and progress persist (default ./agent-state/ID)")
-    run.add_argument("--torch-threads", type=int, default=1)
-    run.add_argument("--inference-batch", type=int, default=256)
+    run.add_argument("--profile", type=Path,
+                     help="device profile (firmware_configs/*.toml): back end, threads, batch, MC cap, MQTT")
+    run.add_argument("--torch-threads", type=int, help="torch threads (default: the profile's, else 1)")
+    run.add_argument("--inference-batch", type=int, help="images per scoring batch (default: the profile's, else 256)")
     run.add_argument("--exit-on-final", action="store_true", help="exit when the coordinator ends the run")
     run.add_argument("--log-level", default="info")
     score = commands.add_parser("score", help="score a pool file with a model bundle and print one JSON line")
@@ -71,18 +79,43 @@ def run_score(args: argparse.Namespace) -> int:
     return 0
 
 
+def agent_settings(args: argparse.Namespace, profile: DeviceProfile | None) -> "AgentSettings":
+    """The agent's settings: command-line values first, then the profile's, then the bench defaults."""
+    from edge_agent.agent import AgentSettings
+
+    common = {"fleet": args.fleet, "device_id": args.device_id, "exit_on_final": args.exit_on_final}
+    if profile is None:
+        return AgentSettings(**common, torch_threads=args.torch_threads or 1,
+                             inference_batch=args.inference_batch or AgentSettings.inference_batch)
+    return AgentSettings(**common, profile=profile.name, backend=profile.backend,
+                         torch_threads=args.torch_threads or profile.threads,
+                         inference_batch=args.inference_batch or profile.inference_batch,
+                         inference_threads=profile.threads, execution_providers=profile.execution_providers,
+                         mc_passes_cap=profile.mc_passes_cap)
+
+
+def broker_address(url: str, profile: DeviceProfile | None) -> BrokerAddress:
+    """The broker URL, with the profile's TLS files when the URL is mqtts://."""
+    address = parse_broker_url(url)
+    if profile is None or not address.tls:
+        return address
+    return dataclasses.replace(address, ca_file=profile.mqtt.tls_ca, cert_file=profile.mqtt.tls_cert,
+                               key_file=profile.mqtt.tls_key)
+
+
 def run_agent(args: argparse.Namespace) -> int:
     """Opens the device's data, connects, and serves rounds until the run ends or a signal arrives."""
-    from edge_agent.agent import Agent, AgentSettings
+    from edge_agent.agent import Agent
 
     wire.check_identifier("device id", args.device_id)
     wire.check_identifier("fleet", args.fleet)
     shard = load_shard(args.data)
     data = open_device_data(args.state_dir or Path("agent-state") / args.device_id, shard)
-    settings = AgentSettings(fleet=args.fleet, device_id=args.device_id, torch_threads=args.torch_threads,
-                             inference_batch=args.inference_batch, exit_on_final=args.exit_on_final)
-    session = MqttSession(parse_broker_url(args.broker), client_id=args.device_id,
-                          last_will=Agent.last_will(settings), max_payload_bytes=settings.max_update_bytes)
+    profile = load_profile(args.profile) if args.profile is not None else None
+    settings = agent_settings(args, profile)
+    session = MqttSession(broker_address(args.broker, profile), client_id=args.device_id,
+                          last_will=Agent.last_will(settings), max_payload_bytes=settings.max_update_bytes,
+                          keepalive=profile.mqtt.keepalive if profile else DEFAULT_KEEPALIVE_SECONDS)
     agent = Agent(settings, session, data, SimulatedOracle(shard.all_labels))
     signal.signal(signal.SIGTERM, lambda *_: agent.stop_event.set())
     session.connect()

@@ -59,7 +59,7 @@ class TorchMCDropout:
         self._tail = MaskedTailGraph(model)
 
     def probabilities(self, images: np.ndarray, passes: int, seed: int) -> np.ndarray:
-        """MC-dropout softmax outputs for normalised images (N, 1, 28, 28) over `passes` passes."""
+        """MC-dropout softmax outputs over `passes` passes for normalised (N, 1, 28, 28) or raw uint8 (N, 28, 28) images."""
         was_training = self.model.training
         self.model.eval()
         try:

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from pathlib import Path
+from typing import Mapping, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -79,9 +80,47 @@ def session_options(threads: int) -> ort.SessionOptions:
     return options
 
 
-def _session(path: str, threads: int, providers: Sequence[str]) -> ort.InferenceSession:
-    """An inference session with session_options(threads) on these providers."""
-    return ort.InferenceSession(path, sess_options=session_options(threads), providers=list(providers))
+def graph_with_weights(path: Path, overrides: Mapping[str, np.ndarray]) -> bytes:
+    """The ONNX graph at path, serialised with these initializers replaced (names and shapes must match).
+
+    Replacing them in the model itself, rather than with SessionOptions.add_initializer, keeps every graph
+    optimisation: onnxruntime's layout transformations pre-pack convolution weights from the file's own
+    initializers and silently ignore added ones (measured: wrong features at ORT_ENABLE_ALL).
+    """
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    replaced = set()
+    for initializer in model.graph.initializer:
+        if initializer.name in overrides:
+            array = np.ascontiguousarray(overrides[initializer.name], dtype=np.float32)
+            if tuple(initializer.dims) != array.shape:
+                raise ValueError(f"{path.name}: {initializer.name} has shape {tuple(initializer.dims)}, "
+                                 f"the replacement {array.shape}")
+            initializer.CopyFrom(numpy_helper.from_array(array, initializer.name))
+            replaced.add(initializer.name)
+    missing = sorted(set(overrides) - replaced)
+    if missing:
+        raise ValueError(f"{path.name} has no initializers {missing}")
+    return model.SerializeToString()
+
+
+def _session(path: Path, threads: int, providers: Sequence[str],
+             overrides: Mapping[str, np.ndarray] | None = None) -> ort.InferenceSession:
+    """An inference session with session_options(threads) on these providers; `overrides` replace the graph's
+    initializers of those names."""
+    model = str(path) if overrides is None else graph_with_weights(path, overrides)
+    return ort.InferenceSession(model, sess_options=session_options(threads), providers=list(providers))
+
+
+def initializer_overrides(bundle: Bundle, part: str, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The arrays that make a bundle's fp32 graph part compute with `weights` instead of its exported ones."""
+    mapping = bundle.initializers(part)
+    missing = sorted(weight for weight in mapping.values() if weight not in weights)
+    if missing:
+        raise ValueError(f"weights lack {missing}, which the {part} graph needs")
+    return {initializer: weights[weight] for initializer, weight in mapping.items()}
 
 
 class OrtMCDropout:
@@ -94,13 +133,19 @@ class OrtMCDropout:
     name = "onnxruntime"
 
     def __init__(self, bundle: Bundle, batch_size: int = DEFAULT_BATCH, precision: str = "fp32", threads: int = 0,
-                 providers: Sequence[str] = (CPU_PROVIDER,), tail_rows: int | None = TAIL_ROWS) -> None:
+                 providers: Sequence[str] = (CPU_PROVIDER,), tail_rows: int | None = TAIL_ROWS,
+                 weights: Mapping[str, np.ndarray] | None = None) -> None:
+        """`weights` (fp32 only) replace the bundle's own, e.g. a device's model after local training."""
+        if weights is not None and precision != "fp32":
+            raise ValueError(f"only fp32 graphs take replacement weights, not {precision} ones")
         self.batch_size = batch_size
         self.tail_rows = tail_rows
         self.precision = precision
         chosen = select_providers(providers)
-        self._prefix = _session(str(bundle.graph_path(precision, "prefix")), threads, chosen)
-        self._tail = _session(str(bundle.graph_path(precision, "tail")), threads, chosen)
+        self._prefix, self._tail = (
+            _session(bundle.graph_path(precision, part), threads, chosen,
+                     None if weights is None else initializer_overrides(bundle, part, weights))
+            for part in ("prefix", "tail"))
         self._prefix_input = self._prefix.get_inputs()[0].name
         self._feature_input = self._tail.get_inputs()[0].name
         self._mask_inputs = bundle.mask_inputs

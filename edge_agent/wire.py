@@ -75,6 +75,22 @@ class ModelMessage:
     tensors: Tensors
 
 
+BundleFiles = dict[str, bytes]
+MAX_BUNDLE_FILES = 16
+
+
+@dataclass(frozen=True)
+class BundleMessage:
+    """Published retained on the bundle topic of a model hash: that model's ONNX bundle, file by file.
+
+    Devices that score with onnxruntime store the files, verify them against the manifest and run the graphs.
+    """
+
+    KIND: ClassVar[str] = "bundle"
+    model_hash: str
+    files: BundleFiles
+
+
 @dataclass(frozen=True)
 class Update:
     """A device's result for one round: full weights plus the counts and metrics strategies need."""
@@ -118,9 +134,11 @@ class Status:
     profile: str = ""
 
 
-Message = RoundAnnouncement | ModelMessage | Update | Ack | Status
-MESSAGE_TYPES: dict[str, type] = {cls.KIND: cls for cls in (RoundAnnouncement, ModelMessage, Update, Ack, Status)}
-M = TypeVar("M", RoundAnnouncement, ModelMessage, Update, Ack, Status)
+Message = RoundAnnouncement | ModelMessage | BundleMessage | Update | Ack | Status
+MESSAGE_TYPES: dict[str, type] = {
+    cls.KIND: cls for cls in (RoundAnnouncement, ModelMessage, BundleMessage, Update, Ack, Status)
+}
+M = TypeVar("M", RoundAnnouncement, ModelMessage, BundleMessage, Update, Ack, Status)
 
 
 def encode_tensor(array: np.ndarray) -> dict[str, Any]:
@@ -240,6 +258,16 @@ def _check_value(where: str, hint: Any, value: Any) -> Any:
         if len(value) > MAX_TENSORS:
             raise WireError(f"{where} has {len(value)} tensors, more than {MAX_TENSORS}")
         return {name: decode_tensor(name, raw) for name, raw in value.items()}
+    if hint == BundleFiles:
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, bytes) for k, v in value.items()):
+            raise WireError(f"{where} must be a map of file names to bytes")
+        if len(value) > MAX_BUNDLE_FILES:
+            raise WireError(f"{where} has {len(value)} files, more than {MAX_BUNDLE_FILES}")
+        for name in value:
+            check_identifier("bundle file name", name)
+            if name in (".", ".."):
+                raise WireError(f"{where}: {name!r} is not a file name")
+        return value
     if hint is Recipe:
         if not isinstance(value, dict):
             raise WireError(f"{where} must be a map")
@@ -280,6 +308,11 @@ def round_topic(fleet: str) -> str:
 def model_topic(fleet: str, model_hash: str) -> str:
     """Retained global weights, addressed by their hash."""
     return f"fl/{check_identifier('fleet', fleet)}/model/{model_hash}"
+
+
+def bundle_topic(fleet: str, model_hash: str) -> str:
+    """Retained ONNX bundle of the global model with this hash (for devices that score with onnxruntime)."""
+    return f"fl/{check_identifier('fleet', fleet)}/bundle/{model_hash}"
 
 
 def device_topic(fleet: str, device_id: str, leaf: str) -> str:

@@ -11,7 +11,8 @@ import numpy as np
 import onnx
 import torch
 
-from edge_agent.bundle import BUNDLE_FORMAT, BUNDLE_VERSION, MANIFEST_NAME, file_sha256
+from edge_agent.bundle import BUNDLE_FORMAT, BUNDLE_VERSION, MANIFEST_NAME, BundleError, bundle_files, \
+    file_sha256, load_bundle
 from edge_agent.data import CLASS_NAMES, FASHION_MNIST_MEAN, FASHION_MNIST_STD, atomic_write_bytes, save_arrays
 from edge_agent.mc_dropout import dropout_spec
 from edge_agent.models import INPUT_SHAPE, Weights, build_model, set_weights, weights_hash
@@ -38,6 +39,27 @@ def _int8_section(work: Path, calibration: np.ndarray, test_images: np.ndarray, 
             "test_accuracy_change": accuracy["int8"] - accuracy["fp32"]}
 
 
+def initializer_map(graph_path: Path, weights: Weights) -> dict[str, str]:
+    """Which model weight each initializer of an ONNX graph holds (the exporter names them `model.<weight>`).
+
+    A device scoring its locally trained model overrides these initializers with its own weights, so the
+    graph shipped once per round also serves every later acquisition of that round.
+    """
+    graph = onnx.load(str(graph_path)).graph
+    mapping = {init.name: init.name.removeprefix("model.") for init in graph.initializer}
+    unknown = sorted(name for name, weight in mapping.items() if weight not in weights)
+    if unknown:
+        raise ValueError(f"{graph_path.name}: initializers {unknown} are not model weights")
+    return mapping
+
+
+def _check_every_weight_mapped(initializers: dict[str, dict[str, str]], weights: Weights) -> None:
+    """Every weight must be an initializer of exactly one fp32 graph, or overriding would leave some stale."""
+    mapped = [weight for part in initializers.values() for weight in part.values()]
+    if sorted(mapped) != sorted(weights):
+        raise ValueError(f"fp32 graphs hold weights {sorted(mapped)}, the model has {sorted(weights)}")
+
+
 def write_bundle(weights: Weights, out_dir: Path, model_name: str = "paper-cnn", opset: int = DEFAULT_OPSET,
                  int8_data: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> dict[str, Any]:
     """Exports weights as a bundle in out_dir (created; must not hold a bundle yet) and returns its manifest.
@@ -56,6 +78,8 @@ def write_bundle(weights: Weights, out_dir: Path, model_name: str = "paper-cnn",
         work = Path(temp)
         export_graphs(model, work / FP32_GRAPHS["prefix"], work / FP32_GRAPHS["tail"], opset)
         save_arrays(work / WEIGHTS_FILE, weights)
+        initializers = {part: initializer_map(work / name, weights) for part, name in FP32_GRAPHS.items()}
+        _check_every_weight_mapped(initializers, weights)
         graphs = {"fp32": FP32_GRAPHS}
         quantization = None
         if int8_data is not None:
@@ -77,6 +101,7 @@ def write_bundle(weights: Weights, out_dir: Path, model_name: str = "paper-cnn",
             "weights_file": WEIGHTS_FILE,
             "graphs": graphs,
             "outputs": {"prefix": FEATURES_NAME, "tail": PROBABILITIES_OUTPUT},
+            "initializers": initializers,
             "files": {name: file_sha256(work / name) for name in names},
             "opset": opset,
             "exporter": {"tool": EXPORTER, "torch": torch.__version__, "onnx": onnx.__version__},
@@ -93,3 +118,18 @@ def write_bundle(weights: Weights, out_dir: Path, model_name: str = "paper-cnn",
             shutil.move(str(work / name), out_dir / name)
     atomic_write_bytes(out_dir / MANIFEST_NAME, (json.dumps(manifest, indent=2) + "\n").encode())
     return manifest
+
+
+def ensure_bundle_files(weights: Weights, out_dir: Path, model_name: str = "paper-cnn") -> dict[str, bytes]:
+    """The files of weights' fp32 bundle in out_dir, exported first unless a valid one is already there.
+
+    The coordinator calls this once per global model to ship the bundle beside the weights.
+    """
+    out_dir = Path(out_dir)
+    if not (out_dir / MANIFEST_NAME).exists():
+        write_bundle(weights, out_dir, model_name)
+    bundle = load_bundle(out_dir)
+    if bundle.manifest["weights_hash"] != weights_hash(weights):
+        raise BundleError(f"{out_dir / MANIFEST_NAME}: holds weights {bundle.manifest['weights_hash'][:12]}, "
+                          f"expected {weights_hash(weights)[:12]}")
+    return bundle_files(bundle)

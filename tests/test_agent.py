@@ -15,6 +15,7 @@ from edge_agent.models import build_model, get_weights, weights_hash
 from edge_agent.mqtt import MqttSession
 from edge_agent.oracle import SimulatedOracle
 from coordinator.broker import EmbeddedBroker
+from export.bundle_writer import ensure_bundle_files
 
 FLEET = "agent-test"
 DEVICE = "dev-a"
@@ -54,6 +55,14 @@ class FakeCoordinator:
         self.session.publish(wire.round_topic(FLEET), wire.encode(announcement), retain=True, wait=10)
         return model_hash
 
+    def ship_bundle(self, weights: dict, folder: Path, tamper: bool = False) -> None:
+        """Publishes the weights' ONNX bundle as the coordinator does; `tamper` flips a byte of the tail graph."""
+        files = ensure_bundle_files(weights, folder)
+        if tamper:
+            files["tail.onnx"] = files["tail.onnx"][:-1] + bytes([files["tail.onnx"][-1] ^ 1])
+        message = wire.BundleMessage(weights_hash(weights), files)
+        self.session.publish(wire.bundle_topic(FLEET, message.model_hash), wire.encode(message), retain=True, wait=10)
+
     def next_on(self, leaf: str, timeout: float, accept=lambda message: True):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -66,8 +75,9 @@ class FakeCoordinator:
         self.session.close()
 
 
-def start_agent(broker: EmbeddedBroker, state_dir: Path, shard: Shard, max_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES):
-    settings = AgentSettings(fleet=FLEET, device_id=DEVICE, max_update_bytes=max_bytes)
+def start_agent(broker: EmbeddedBroker, state_dir: Path, shard: Shard, max_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
+                **options):
+    settings = AgentSettings(fleet=FLEET, device_id=DEVICE, max_update_bytes=max_bytes, **options)
     session = MqttSession(broker.address, client_id=DEVICE, last_will=Agent.last_will(settings),
                           max_payload_bytes=max_bytes)
     agent = Agent(settings, session, open_device_data(state_dir, shard), SimulatedOracle(shard.all_labels))
@@ -147,6 +157,48 @@ def test_model_whose_content_does_not_match_its_hash_is_not_trained_on(broker, t
         coordinator.start_round(1, get_weights(build_model(seed=6)), model_hash="0" * 64)
         assert coordinator.next_on("update", timeout=5) is None
         assert DeviceData.open(tmp_path / "state").count_labels("oracle") == 0
+    finally:
+        stop_agent(agent, thread)
+        coordinator.close()
+
+
+def labelled_after_one_round(broker: EmbeddedBroker, state_dir: Path, shard: Shard, weights: dict, **options):
+    """Runs one round on a fresh agent and returns the pool indices it had labelled, in order."""
+    coordinator = FakeCoordinator(broker)
+    agent, thread = start_agent(broker, state_dir, shard, **options)
+    try:
+        if options.get("backend") == "onnxruntime":
+            coordinator.ship_bundle(weights, state_dir.parent / "bundle")
+        coordinator.start_round(1, weights)
+        assert coordinator.next_on("update", timeout=60) is not None, "no update within 60 s"
+    finally:
+        stop_agent(agent, thread)
+        coordinator.close()
+    return DeviceData.open(state_dir).labelled()[0]
+
+
+def test_onnxruntime_agent_scores_with_the_shipped_bundle_and_picks_what_torch_picks(broker, tmp_path, shard):
+    weights = get_weights(build_model(seed=6))
+    by_torch = labelled_after_one_round(broker, tmp_path / "torch" / "state", shard, weights)
+    by_onnx = labelled_after_one_round(broker, tmp_path / "onnx" / "state", shard, weights, backend="onnxruntime")
+    oracle_labels = 2 * RECIPE.labels_per_acquisition
+    assert len(by_onnx) == len(by_torch) == oracle_labels + 10
+    assert np.array_equal(by_onnx, by_torch), "the second acquisition scores the locally trained model in both"
+    assert (tmp_path / "onnx" / "state" / "bundles" / weights_hash(weights) / "manifest.json").is_file()
+
+
+def test_onnxruntime_agent_waits_for_a_bundle_that_verifies(broker, tmp_path, shard):
+    coordinator = FakeCoordinator(broker)
+    agent, thread = start_agent(broker, tmp_path / "state", shard, backend="onnxruntime")
+    weights = get_weights(build_model(seed=7))
+    try:
+        coordinator.ship_bundle(weights, tmp_path / "bundle", tamper=True)
+        coordinator.start_round(1, weights)
+        assert coordinator.next_on("update", timeout=5) is None, "a tampered bundle must not be used"
+        assert DeviceData.open(tmp_path / "state").count_labels("oracle") == 0
+        coordinator.ship_bundle(weights, tmp_path / "bundle")
+        update = coordinator.next_on("update", timeout=60)
+        assert update is not None and wire.decode(update.payload, wire.Update).acquired_labels == 24
     finally:
         stop_agent(agent, thread)
         coordinator.close()

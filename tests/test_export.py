@@ -11,10 +11,12 @@ import onnx
 import pytest
 
 from coordinator.store import RunStore
-from edge_agent.bundle import BundleError, load_bundle
+from edge_agent.bundle import BundleError, bundle_files, load_bundle, store_bundle
 from edge_agent.data import save_arrays
 from edge_agent.models import build_model, get_weights, weights_hash
-from export.bundle_writer import write_bundle
+from edge_agent.mc_dropout import TorchMCDropout
+from edge_agent.ort_scorer import OrtMCDropout
+from export.bundle_writer import ensure_bundle_files, write_bundle
 
 
 @pytest.fixture()
@@ -73,3 +75,56 @@ def test_export_cli_bad_input_is_one_line(tmp_path: Path) -> None:
                              str(tmp_path / "b")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "tensor names differ" in result.stderr
+
+
+def test_manifest_maps_every_weight_to_one_fp32_initializer(bundle_dir: Path) -> None:
+    bundle = load_bundle(bundle_dir)
+    mapped = [*bundle.initializers("prefix").values(), *bundle.initializers("tail").values()]
+    assert sorted(mapped) == sorted(get_weights(build_model(seed=4)))
+    assert bundle.initializers("prefix")["model.conv1.weight"] == "conv1.weight"
+
+
+def test_replacement_weights_make_onnxruntime_compute_that_model(bundle_dir: Path) -> None:
+    bundle = load_bundle(bundle_dir)
+    trained = build_model(seed=9)
+    images = np.random.default_rng(1).integers(0, 256, (40, 28, 28), dtype=np.uint8)
+    replaced = OrtMCDropout(bundle, weights=get_weights(trained)).probabilities(images, 4, seed=2)
+    exported = OrtMCDropout(bundle).probabilities(images, 4, seed=2)
+    assert np.abs(replaced - TorchMCDropout(trained).probabilities(images, 4, seed=2)).max() <= 1e-5
+    assert np.abs(replaced - exported).max() > 1e-2
+
+
+def test_replacement_weights_of_the_wrong_shape_or_precision_are_refused(bundle_dir: Path) -> None:
+    bundle = load_bundle(bundle_dir)
+    weights = get_weights(build_model(seed=9))
+    with pytest.raises(ValueError, match=r"tail.onnx: model.fc2.weight has shape \(10, 128\), the replacement \(3, 3\)"):
+        OrtMCDropout(bundle, weights={**weights, "fc2.weight": np.zeros((3, 3), np.float32)})
+    with pytest.raises(ValueError, match=r"weights lack \['conv1.bias'\]"):
+        OrtMCDropout(bundle, weights={k: v for k, v in weights.items() if k != "conv1.bias"})
+    with pytest.raises(ValueError, match="only fp32 graphs take replacement weights"):
+        OrtMCDropout(bundle, precision="int8", weights=weights)
+
+
+def test_shipped_files_stored_on_a_device_verify_and_bad_ones_are_named(bundle_dir: Path, tmp_path: Path) -> None:
+    files = bundle_files(load_bundle(bundle_dir))
+    assert set(files) == {"manifest.json", "prefix.onnx", "tail.onnx", "weights.npz"}
+    stored = store_bundle(tmp_path / "device", files)
+    assert stored.manifest == load_bundle(bundle_dir).manifest
+    tampered = {**files, "prefix.onnx": files["prefix.onnx"][:-1] + b"\x00"}
+    with pytest.raises(BundleError, match=r"prefix.onnx: sha256 .* does not match"):
+        store_bundle(tmp_path / "device2", tampered)
+    with pytest.raises(BundleError, match="has no manifest.json"):
+        store_bundle(tmp_path / "device3", {"tail.onnx": files["tail.onnx"]})
+    with pytest.raises(BundleError, match="must be a plain file name"):
+        store_bundle(tmp_path / "device4", {**files, "../x": b""})
+    assert not (tmp_path / "x").exists()
+
+
+def test_ensure_bundle_files_exports_once_and_reuses(tmp_path: Path) -> None:
+    weights = get_weights(build_model(seed=4))
+    first = ensure_bundle_files(weights, tmp_path / "b")
+    stamp = (tmp_path / "b" / "tail.onnx").stat().st_mtime_ns
+    assert ensure_bundle_files(weights, tmp_path / "b") == first
+    assert (tmp_path / "b" / "tail.onnx").stat().st_mtime_ns == stamp
+    with pytest.raises(BundleError, match="expected"):
+        ensure_bundle_files(get_weights(build_model(seed=5)), tmp_path / "b")

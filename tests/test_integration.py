@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from edge_agent import wire
+from edge_agent.models import weights_hash
 from edge_agent.mqtt import MqttSession
 from coordinator.broker import EmbeddedBroker
 from coordinator.rounds import RoundPolicy, RoundResult
@@ -83,3 +84,28 @@ def test_three_devices_two_rounds_over_a_real_broker(tmp_path: Path) -> None:
         assert all(d.acquired_labels == 80 for d in devices)
         assert all(sum(d.class_counts) == d.num_samples == 80 + 50 for d in devices)
         assert sum(store.rejection_counts().values()) >= 1
+
+
+def test_devices_with_an_onnxruntime_profile_score_with_the_shipped_bundle(tmp_path: Path) -> None:
+    """2 agents on the Pi Zero 2 W profile: each round's bundle is exported once, shipped, verified and used."""
+    settings = ServerSettings(
+        run_dir=tmp_path / "run", fleet="ortfleet", strategy="avefl",
+        recipe=wire.Recipe(sampler="entropy", labels_per_acquisition=20, epochs=1, mc_passes=30, batch_size=20),
+        policy=RoundPolicy(rounds=2, min_devices=2, quorum=2, round_timeout=120),
+        init=InitSettings(samples=50, epochs=2), validation_samples=100, test_samples=300, evaluate_devices=False,
+    )
+    profile = Path(__file__).parent.parent / "firmware_configs" / "raspberry-pi-zero-2w.toml"
+    bench = BenchSettings(devices=2, partition="type1", pool_size=100, agent_profile=profile)
+    results: list[RoundResult] = []
+    with EmbeddedBroker(tmp_path / "broker") as broker:
+        simulate(settings, bench, results.append, broker.address)
+    assert [r.round_id for r in results] == [1, 2]
+    with RunStore(settings.run_dir) as store:
+        hashes = [weights_hash(store.load_checkpoint(0)), store.rounds()[0].model_hash]
+    assert sorted(p.name for p in (settings.run_dir / "bundles").iterdir()) == sorted(hashes)
+    for device in ("dev-00", "dev-01"):
+        log = next(settings.run_dir.rglob(f"{device}/agent.log")).read_text()
+        assert all(f"bundle stored model={h[:12]}" in log for h in hashes)
+        assert "scoring backend=onnxruntime passes=10" in log, "the profile caps MC passes at 10"
+        stored = [p.name for p in next(settings.run_dir.rglob(f"{device}/state")).joinpath("bundles").iterdir()]
+        assert stored == [hashes[1]], "a device keeps only the current model's bundle"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import msgpack
 import numpy as np
@@ -67,6 +68,24 @@ def test_model_message_round_trip():
     decoded = wire.decode(wire.encode(message), wire.ModelMessage)
     assert (decoded.model_hash, decoded.model_name) == (message.model_hash, message.model_name)
     assert_tensors_equal(decoded.tensors, message.tensors)
+
+
+def test_bundle_message_round_trip():
+    message = wire.BundleMessage("ab" * 32, {"manifest.json": b"{}", "tail.onnx": bytes(range(256))})
+    assert wire.decode(wire.encode(message), wire.BundleMessage) == message
+
+
+@pytest.mark.parametrize("files, fragment", [
+    ({"../evil.onnx": b"x"}, "bundle file name '../evil.onnx'"),
+    ({"sub/tail.onnx": b"x"}, "bundle file name 'sub/tail.onnx'"),
+    ({"..": b"x"}, "'..' is not a file name"),
+    ({"tail.onnx": "text"}, "map of file names to bytes"),
+    ({f"f{i}": b"" for i in range(17)}, "17 files, more than 16"),
+])
+def test_bundle_message_refuses_paths_and_wrong_types(files, fragment):
+    payload = pack({"v": 1, "kind": "bundle", "model_hash": "ab" * 32, "files": files})
+    with pytest.raises(wire.WireError, match=re.escape(fragment)):
+        wire.decode(payload, wire.BundleMessage)
 
 
 def test_update_round_trip():
@@ -294,6 +313,7 @@ def test_wrong_key_and_missing_signature_are_invalid():
 def test_topic_strings():
     assert wire.round_topic("fleet-1") == "fl/fleet-1/round"
     assert wire.model_topic("fleet-1", "abc123") == "fl/fleet-1/model/abc123"
+    assert wire.bundle_topic("fleet-1", "abc123") == "fl/fleet-1/bundle/abc123"
     assert wire.device_topic("fleet-1", "dev_7.a", "update") == "fl/fleet-1/devices/dev_7.a/update"
     assert wire.device_topic("fleet-1", "dev_7.a", "ack") == "fl/fleet-1/devices/dev_7.a/ack"
     assert wire.all_devices_topic("fleet-1", "status") == "fl/fleet-1/devices/+/status"
