@@ -12,7 +12,7 @@ import zlib
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, BinaryIO, Mapping
 
 import numpy as np
 
@@ -60,39 +60,44 @@ class DatasetMissingError(FileNotFoundError):
         self.path = path
 
 
-def _read_file_bytes(path: Path) -> bytes:
-    """The file's bytes, gunzipped when the name ends in .gz; a broken gzip stream is a ValueError."""
-    if path.suffix != ".gz":
-        return path.read_bytes()
+def _read_exactly(handle: BinaryIO, size: int, path: Path) -> bytes:
+    """Up to `size` bytes of an open (possibly gzip) file; a broken gzip stream is a ValueError naming it."""
     try:
-        with gzip.open(path, "rb") as handle:
-            return handle.read()
+        return handle.read(size)
     except (OSError, EOFError, zlib.error) as exc:
         raise ValueError(f"{path}: corrupt gzip stream ({exc})") from exc
 
 
-def read_idx(path: Path | str) -> np.ndarray:
-    """Reads an IDX file (gzip or plain by suffix), checking the header against the data length."""
+def read_idx(path: Path | str, limit: int | None = None) -> np.ndarray:
+    """Reads an IDX file (gzip or plain by suffix), checking the header against the data length.
+
+    With `limit`, only the first `limit` items are decompressed and read (the dry run of a big pool file
+    then holds only what it scores); the rest of the file is not checked.
+    """
     path = Path(path)
-    raw = _read_file_bytes(path)
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
-        raise ValueError(f"{path}: not an IDX file (bad magic number)")
-    dtype_code, ndim = raw[2], raw[3]
-    if dtype_code not in _IDX_DTYPES:
-        raise ValueError(f"{path}: unknown IDX data type code 0x{dtype_code:02x}")
-    if ndim == 0:
-        raise ValueError(f"{path}: IDX header declares zero dimensions")
-    header_size = 4 + 4 * ndim
-    if len(raw) < header_size:
-        raise ValueError(f"{path}: truncated IDX header ({len(raw)} bytes, need {header_size})")
-    shape = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
-    dtype = _IDX_DTYPES[dtype_code]
-    expected = math.prod(shape) * dtype.itemsize
-    actual = len(raw) - header_size
-    if actual != expected:
-        state = "truncated" if actual < expected else "has trailing bytes"
-        raise ValueError(f"{path}: IDX data {state}: header {shape} needs {expected} bytes, file has {actual}")
-    data = np.frombuffer(raw, dtype=dtype, offset=header_size).reshape(shape)
+    with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as handle:
+        magic = _read_exactly(handle, 4, path)
+        if len(magic) < 4 or magic[0] != 0 or magic[1] != 0:
+            raise ValueError(f"{path}: not an IDX file (bad magic number)")
+        dtype_code, ndim = magic[2], magic[3]
+        if dtype_code not in _IDX_DTYPES:
+            raise ValueError(f"{path}: unknown IDX data type code 0x{dtype_code:02x}")
+        if ndim == 0:
+            raise ValueError(f"{path}: IDX header declares zero dimensions")
+        dims = _read_exactly(handle, 4 * ndim, path)
+        if len(dims) < 4 * ndim:
+            raise ValueError(f"{path}: truncated IDX header ({4 + len(dims)} bytes, need {4 + 4 * ndim})")
+        shape = tuple(int(d) for d in np.frombuffer(dims, dtype=">u4"))
+        count = shape[0] if limit is None else min(limit, shape[0])
+        dtype = _IDX_DTYPES[dtype_code]
+        expected = count * math.prod(shape[1:]) * dtype.itemsize
+        raw = _read_exactly(handle, expected, path)
+        trailing = limit is None and len(_read_exactly(handle, 1, path)) > 0
+    if len(raw) != expected or trailing:
+        state = "truncated" if len(raw) < expected else "has trailing bytes"
+        raise ValueError(f"{path}: IDX data {state}: header {shape} needs {expected} bytes, file has "
+                         f"{len(raw)}{'+' if trailing else ''}")
+    data = np.frombuffer(raw, dtype=dtype).reshape((count, *shape[1:]))
     return data.astype(dtype.newbyteorder("="))
 
 

@@ -33,11 +33,11 @@ def _read_npz_images(path: Path) -> np.ndarray:
         raise ValueError(f"{path}: corrupt or unreadable array archive ({exc})") from exc
 
 
-def load_pool_images(path: Path) -> np.ndarray:
+def load_pool_images(path: Path, limit: int | None = None) -> np.ndarray:
     """uint8 images (N, 28, 28) from an IDX images file (.gz ok), the pool of a shard .npz, or an .npy array.
 
     An .npy file is memory-mapped read-only, so only the pages a batch touches are resident; IDX and .npz
-    pools are read once as uint8. Images are normalised a batch at a time while scoring.
+    pools are read once as uint8 (an IDX file only up to `limit` images). Images are normalised a batch at a time while scoring.
     """
     if path.is_dir():
         raise ValueError(f"{path} is a folder; image folders are not supported yet: pass an IDX images file, a "
@@ -50,7 +50,7 @@ def load_pool_images(path: Path) -> np.ndarray:
         except (ValueError, OSError, EOFError) as exc:
             raise ValueError(f"{path}: corrupt or unreadable .npy array ({exc})") from exc
     else:
-        images = _read_npz_images(path) if path.suffix == ".npz" else read_idx(path)
+        images = _read_npz_images(path) if path.suffix == ".npz" else read_idx(path, limit)
     if images.dtype != np.uint8 or images.ndim != 3 or images.shape[1:] != (28, 28):
         raise ValueError(f"{path}: pool images are {images.dtype} {images.shape}, expected uint8 (N, 28, 28)")
     return images
@@ -89,7 +89,7 @@ def score_pool(bundle_path: Path, pool_path: Path, passes: int, top: int, sample
     heuristic = make_heuristic(sampler)
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be at least 1, got {limit}")
-    images = load_pool_images(pool_path)[:limit]
+    images = load_pool_images(pool_path, limit)[:limit]
     batch_size = batch_size if batch_size is not None else DEFAULT_BATCHES.get(backend, DEFAULT_BATCHES["onnxruntime"])
     scorer = make_scorer(backend, load_bundle(bundle_path), batch_size, threads, precision, providers)
     started = time.perf_counter()

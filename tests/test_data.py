@@ -308,3 +308,15 @@ def test_seeds_are_labelled_once_as_seed_and_fill_the_replay_set(tmp_path, test_
     with pytest.raises(ValueError, match="unknown label source"):
         reopened.add_labels(reopened.pool_indices()[:1], shard.labels[5:6], source="guess")
     assert reopened.num_labelled == 25
+
+
+def test_read_idx_with_a_limit_reads_only_the_first_items(tmp_path, test_split):
+    images = test_split[0][:6]
+    path = tmp_path / "cut-images-idx3-ubyte.gz"
+    path.write_bytes(gzip.compress(idx_bytes(images)[:-100]))
+    assert np.array_equal(read_idx(path, limit=4), images[:4]), "the cut beyond the limit is never read"
+    with pytest.raises(ValueError, match="truncated"):
+        read_idx(path, limit=6)
+    whole = tmp_path / "whole-idx3.gz"
+    whole.write_bytes(gzip.compress(idx_bytes(images)))
+    assert np.array_equal(read_idx(whole, limit=100), images)

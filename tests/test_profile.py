@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from edge_agent.cli import agent_settings, broker_address, build_parser
 from edge_agent.profile import ProfileError, load_profile
 
 CONFIGS = Path(__file__).resolve().parent.parent / "firmware_configs"
@@ -53,3 +54,23 @@ def test_wrong_type_names_file_key_and_expectation(tmp_path: Path, old: str, new
 def test_missing_key_is_named(tmp_path: Path) -> None:
     with pytest.raises(ProfileError, match="missing key 'threads'"):
         load_profile(_variant(tmp_path, "threads = 4\n", ""))
+
+
+def test_agent_run_takes_its_settings_from_the_profile_and_the_command_line_wins() -> None:
+    pi_zero = CONFIGS / "raspberry-pi-zero-2w.toml"
+    base = ["run", "--broker", "mqtts://broker.example:8883", "--fleet", "f", "--device-id", "d", "--data", "x.npz"]
+    args = build_parser().parse_args([*base, "--profile", str(pi_zero)])
+    profile = load_profile(pi_zero)
+    settings = agent_settings(args, profile)
+    assert (settings.backend, settings.inference_batch, settings.mc_passes_cap, settings.torch_threads) == \
+        ("onnxruntime", 32, 10, 2)
+    assert settings.profile == "raspberry-pi-zero-2w" and settings.scores_with_onnxruntime
+    overridden = agent_settings(build_parser().parse_args([*base, "--inference-batch", "8", "--torch-threads", "1"]),
+                                profile)
+    assert (overridden.inference_batch, overridden.torch_threads) == (8, 1)
+    address = broker_address(args.broker, profile)
+    assert (address.tls, address.ca_file, address.key_file) == \
+        (True, "/etc/edge-agent/tls/ca.crt", "/etc/edge-agent/tls/device.key")
+    assert broker_address("mqtt://h:1883", profile).ca_file is None
+    bare = agent_settings(build_parser().parse_args(base), None)
+    assert (bare.backend, bare.torch_threads, bare.inference_batch, bare.mc_passes_cap) == ("torch", 1, 256, None)
