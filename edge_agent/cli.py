@@ -10,6 +10,7 @@ from pathlib import Path
 
 from edge_agent import wire
 from edge_agent.data import load_shard, open_device_data
+from edge_agent.field import add_field_arguments, open_field
 from edge_agent.logs import configure_logging
 from edge_agent.mqtt import BrokerUnavailableError, MqttSession, parse_broker_url
 from edge_agent.oracle import SimulatedOracle
@@ -27,13 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--broker", required=True, help="mqtt://HOST:PORT or mqtts://HOST:PORT")
     run.add_argument("--fleet", required=True)
     run.add_argument("--device-id", required=True)
-    run.add_argument("--data", required=True, type=Path,
-                     help="pool shard (.npz: images, the simulated oracle's labels, optional seeds)")
+    run.add_argument("--data", type=Path,
+                     help="pool shard (.npz: images, the simulated oracle's labels, optional seeds); or --pool-dir")
     run.add_argument("--state-dir", type=Path, help="where labels and progress persist (default ./agent-state/ID)")
     run.add_argument("--torch-threads", type=int, default=1)
     run.add_argument("--inference-batch", type=int, default=256)
     run.add_argument("--exit-on-final", action="store_true", help="exit when the coordinator ends the run")
     run.add_argument("--log-level", default="info")
+    add_field_arguments(run)
     score = commands.add_parser("score", help="score a pool file with a model bundle and print one JSON line")
     score.add_argument("--bundle", required=True, type=Path, help="a model bundle folder written by fl-export")
     score.add_argument("--pool", required=True, type=Path, help="an IDX images file (.gz ok) or a shard .npz")
@@ -77,19 +79,29 @@ def run_agent(args: argparse.Namespace) -> int:
 
     wire.check_identifier("device id", args.device_id)
     wire.check_identifier("fleet", args.fleet)
-    shard = load_shard(args.data)
-    data = open_device_data(args.state_dir or Path("agent-state") / args.device_id, shard)
+    if (args.data is None) == (args.pool_dir is None):
+        raise ValueError("give exactly one of --data (a bench shard) or --pool-dir (a folder of images)")
+    state_dir = args.state_dir or Path("agent-state") / args.device_id
     settings = AgentSettings(fleet=args.fleet, device_id=args.device_id, torch_threads=args.torch_threads,
                              inference_batch=args.inference_batch, exit_on_final=args.exit_on_final)
     session = MqttSession(parse_broker_url(args.broker), client_id=args.device_id,
                           last_will=Agent.last_will(settings), max_payload_bytes=settings.max_update_bytes)
-    agent = Agent(settings, session, data, SimulatedOracle(shard.all_labels))
+    field = None
+    if args.pool_dir is not None:
+        field = open_field(args, state_dir)
+        agent = Agent(settings, session, field.data, field.oracle, field.work)
+        field.oracle.stop_event = agent.stop_event
+    else:
+        shard = load_shard(args.data)
+        agent = Agent(settings, session, open_device_data(state_dir, shard), SimulatedOracle(shard.all_labels))
     signal.signal(signal.SIGTERM, lambda *_: agent.stop_event.set())
-    session.connect()
     try:
+        session.connect()
         agent.run()
     finally:
         session.close()
+        if field is not None and field.label_server is not None:
+            field.label_server.stop()
     return 0
 
 
