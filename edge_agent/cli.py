@@ -10,7 +10,7 @@ from pathlib import Path
 
 from edge_agent import wire
 from edge_agent.data import load_shard, open_device_data
-from edge_agent.field import add_field_arguments, open_field
+from edge_agent.field_options import add_field_arguments
 from edge_agent.logs import configure_logging
 from edge_agent.mqtt import BrokerUnavailableError, MqttSession, parse_broker_url
 from edge_agent.oracle import SimulatedOracle
@@ -76,19 +76,23 @@ def run_score(args: argparse.Namespace) -> int:
 def run_agent(args: argparse.Namespace) -> int:
     """Opens the device's data, connects, and serves rounds until the run ends or a signal arrives."""
     from edge_agent.agent import Agent, AgentSettings
+    from edge_agent.field import open_field
 
     wire.check_identifier("device id", args.device_id)
     wire.check_identifier("fleet", args.fleet)
     if (args.data is None) == (args.pool_dir is None):
         raise ValueError("give exactly one of --data (a bench shard) or --pool-dir (a folder of images)")
+    if args.pool_dir is None and (args.stream or args.label_ui):
+        raise ValueError("--stream and --label-ui need --pool-dir (a folder pool with the folder oracle)")
     state_dir = args.state_dir or Path("agent-state") / args.device_id
     settings = AgentSettings(fleet=args.fleet, device_id=args.device_id, torch_threads=args.torch_threads,
-                             inference_batch=args.inference_batch, exit_on_final=args.exit_on_final)
+                             inference_batch=args.inference_batch, exit_on_final=args.exit_on_final,
+                             stream=args.stream)
     session = MqttSession(parse_broker_url(args.broker), client_id=args.device_id,
                           last_will=Agent.last_will(settings), max_payload_bytes=settings.max_update_bytes)
     field = None
     if args.pool_dir is not None:
-        field = open_field(args, state_dir)
+        field = open_field(args, state_dir, settings.model_name)
         agent = Agent(settings, session, field.data, field.oracle, field.work)
         field.oracle.stop_event = agent.stop_event
     else:

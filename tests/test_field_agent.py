@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -135,3 +136,37 @@ def test_a_round_with_unanswered_queries_trains_on_nothing_new_and_carries_them_
             agent.send_signal(signal.SIGTERM)
             assert agent.wait(timeout=20) == 0
             coordinator.close()
+
+
+def test_stream_acquisition_stays_within_its_labelling_budget(tmp_path):
+    images = load_fashion_mnist().test_images[3000:3040]
+    pool_dir, state_dir = tmp_path / "camera", tmp_path / "state"
+    pool_dir.mkdir()
+    book = QueryBook(state_dir / "labelling")
+    labels_per_second, burst = 1.0, 2
+    with EmbeddedBroker(tmp_path / "broker") as broker:
+        coordinator = FakeCoordinator(broker)
+        agent = start_agent(broker, pool_dir, state_dir, "--answer-wait", "0", "--stream",
+                            "--labels-per-hour", str(labels_per_second * 3600), "--label-burst", str(burst))
+        try:
+            coordinator.start_round(1, get_weights(build_model(seed=9)), recipe=RECIPE)
+            first = coordinator.next_on("update", timeout=60)
+            assert first is not None and wire.decode(first.payload, wire.Update).acquired_labels == 0
+            started = time.monotonic()
+            for wave in range(10):
+                for i in range(4):
+                    write_png(pool_dir / f"{wave:02d}-{i}.png", images[4 * wave + i], age_seconds=1)
+                time.sleep(1.0)
+            state_file = state_dir / "state.json"
+            wait_for(lambda: json.loads(state_file.read_text()).get("stream", {}).get("scored_upto") == 40, 60,
+                     "every arrival scored")
+            elapsed = time.monotonic() - started
+        finally:
+            agent.send_signal(signal.SIGTERM)
+            assert agent.wait(timeout=20) == 0
+            coordinator.close()
+    asked = book.queries()
+    budget = burst + labels_per_second * elapsed
+    assert 3 <= len(asked) <= budget, (len(asked), budget)
+    assert len(asked) <= 40 // 2, "arrivals come 4x faster than the budget: most are not asked"
+    assert len({q.index for q in asked}) == len(asked)
