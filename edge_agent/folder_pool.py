@@ -260,9 +260,9 @@ class FolderDeviceData(DeviceData):
             raise ValueError(f"the pool size cap must be positive, got {pool_cap}")
         if (state_dir / cls.IMAGES_FILE).exists():
             raise ValueError(f"{state_dir} holds a shard's device data; use a fresh state directory for a folder pool")
+        pool = FolderPool(pool_dir, state_dir / cls.POOL_STORE, spec, settle_seconds, skip_dirs=(state_dir, *skip_dirs))
         if not (state_dir / cls.LABELS_FILE).is_file():
             cls.initialise_store(state_dir, 5, len(CLASS_NAMES), {})
-        pool = FolderPool(pool_dir, state_dir / cls.POOL_STORE, spec, settle_seconds, skip_dirs=(state_dir, *skip_dirs))
         labelled = cls._load_labelled(state_dir / cls.LABELS_FILE, len(pool))
         data = cls(state_dir, pool, labelled, cls._load_state(state_dir / cls.STATE_FILE), pool_cap)
         data.refresh()

@@ -170,3 +170,19 @@ def test_stream_acquisition_stays_within_its_labelling_budget(tmp_path):
     assert 3 <= len(asked) <= budget, (len(asked), budget)
     assert len(asked) <= 40 // 2, "arrivals come 4x faster than the budget: most are not asked"
     assert len({q.index for q in asked}) == len(asked)
+
+
+@pytest.mark.parametrize("options, message", [
+    ((), "give exactly one of --data (a bench shard) or --pool-dir"),
+    (("--data", "x.npz", "--stream"), "--stream and --label-ui need --pool-dir"),
+    (("--pool-dir", "{tmp}/none"), "does not exist"),
+    (("--pool-dir", "{tmp}", "--label-ui", "host:port"), "--label-ui expects [HOST:]PORT"),
+])
+def test_bad_field_options_get_one_clear_line_and_exit_2(tmp_path, options, message):
+    options = [option.replace("{tmp}", str(tmp_path)) for option in options]
+    result = subprocess.run([sys.executable, "-m", "edge_agent", "run", "--broker", "mqtt://127.0.0.1:1", "--fleet",
+                             "f", "--device-id", "d", "--state-dir", str(tmp_path / "state"), *options],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("edge-agent: ") and message in lines[0], result.stderr
