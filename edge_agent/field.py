@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from edge_agent.data import normalise
 from edge_agent.folder_oracle import FolderOracle, QueryBook
