@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -49,11 +49,19 @@ class AgentSettings:
     inference_threads: int = 0
     execution_providers: tuple[str, ...] = ("CPUExecutionProvider",)
     mc_passes_cap: int | None = None
+    stream: bool = False
 
     @property
     def scores_with_onnxruntime(self) -> bool:
         """True when the device scores its pool with the coordinator's ONNX bundle rather than with torch."""
         return self.backend == "onnxruntime"
+
+
+class BackgroundWork(Protocol):
+    """Work the main loop does between messages (a field device's folder scans and stream scoring)."""
+
+    def tick(self, weights: Weights | None, round_id: int) -> None:
+        """Called every loop turn with the newest global weights (None before the first) and the round worked toward."""
 
 
 def acquisition_scores(
@@ -75,11 +83,13 @@ def device_seed(device_id: str) -> int:
 class Agent:
     """One device: follows the retained round announcements of its fleet and answers each with one update."""
 
-    def __init__(self, settings: AgentSettings, session: MqttSession, data: DeviceData, oracle: Oracle) -> None:
+    def __init__(self, settings: AgentSettings, session: MqttSession, data: DeviceData, oracle: Oracle,
+                 background: BackgroundWork | None = None) -> None:
         self.settings = settings
         self.session = session
         self.data = data
         self.oracle = oracle
+        self.background = background
         self.stop_event = threading.Event()
         self._pending: wire.RoundAnnouncement | None = None
         self._models: dict[str, Weights] = {}
@@ -111,6 +121,8 @@ class Agent:
                 message = self.session.next_message(timeout=0.5)
                 if message is not None and self.handle(message):
                     return
+                if self.background is not None:
+                    self.background.tick(next(iter(self._models.values()), None), self.last_finished_round + 1)
                 self.maybe_run_round()
         finally:
             self.publish_status("offline")
@@ -213,6 +225,7 @@ class Agent:
         global_model = copy.deepcopy(model).eval()
         heuristic = make_heuristic(recipe.sampler)
         rule = make_local_rule(recipe.local_rule)
+        self.oracle.start_round(announcement.round_id)
         metrics: dict[str, float] = {}
         for acquisition in range(recipe.acquisitions_per_round):
             seed = int(np.random.SeedSequence([recipe.seed, device_seed(self.settings.device_id),
@@ -220,7 +233,7 @@ class Agent:
             started = time.monotonic()
             new_indices, new_labels = self.acquire(model, announcement.model_hash, heuristic, recipe, seed)
             if len(new_indices) == 0:
-                log.warning("pool exhausted device=%s round=%d", self.settings.device_id, announcement.round_id)
+                log.warning("no new labels device=%s round=%d", self.settings.device_id, announcement.round_id)
                 break
             metrics = rule.train(model, self.local_data(new_indices, new_labels), global_model, recipe, seed)
             log.info("acquisition done device=%s round=%d acquisition=%d/%d new=%d labelled=%d seconds=%.1f",
@@ -243,17 +256,20 @@ class Agent:
     def acquire(
         self, model: torch.nn.Module, base_hash: str, heuristic: Heuristic, recipe: wire.Recipe, seed: int,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Scores the pool, asks the oracle for the top k and stores the answers; returns them (indices, labels)."""
-        pool = self.data.pool_indices()
-        if len(pool) == 0:
-            return pool, pool
-        rng = np.random.default_rng(seed)
-        passes = min(recipe.mc_passes, self.settings.mc_passes_cap or recipe.mc_passes)
-        if heuristic.needs_probabilities:
-            log.info("scoring backend=%s passes=%d images=%d", self.settings.backend, passes, len(pool))
-        scores = acquisition_scores(heuristic, lambda: self.mc_scorer(model, base_hash), self.data.images(pool),
-                                    passes, seed, rng)
-        queried = pool[top_k(scores, recipe.labels_per_acquisition)]
+        """Scores the pool, asks the oracle for the top k and stores the answers; returns them (indices, labels).
+
+        Pending queries are not asked again. When streaming, the stream has asked already: only answers are collected.
+        """
+        pool = np.setdiff1d(self.data.pool_indices(), self.oracle.pending())
+        queried = pool[:0]
+        if len(pool) and not self.settings.stream:
+            rng = np.random.default_rng(seed)
+            passes = min(recipe.mc_passes, self.settings.mc_passes_cap or recipe.mc_passes)
+            if heuristic.needs_probabilities:
+                log.info("scoring backend=%s passes=%d images=%d", self.settings.backend, passes, len(pool))
+            scores = acquisition_scores(heuristic, lambda: self.mc_scorer(model, base_hash), self.data.images(pool),
+                                        passes, seed, rng)
+            queried = pool[top_k(scores, recipe.labels_per_acquisition)]
         answered, labels = self.oracle.label(queried)
         self.data.add_labels(answered, labels)
         return answered, labels

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from edge_agent import wire
 from edge_agent.data import load_shard, open_device_data
+from edge_agent.field_options import add_field_arguments
 from edge_agent.logs import configure_logging
 from edge_agent.mqtt import DEFAULT_KEEPALIVE_SECONDS, BrokerAddress, BrokerUnavailableError, MqttSession, \
     parse_broker_url
@@ -33,8 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--broker", required=True, help="mqtt://HOST:PORT or mqtts://HOST:PORT")
     run.add_argument("--fleet", required=True)
     run.add_argument("--device-id", required=True)
-    run.add_argument("--data", required=True, type=Path,
-                     help="pool shard (.npz: images, the simulated oracle's labels, optional seeds)")
+    run.add_argument("--data", type=Path,
+                     help="pool shard (.npz: images, the simulated oracle's labels, optional seeds); or --pool-dir")
     run.add_argument("--state-dir", type=Path, help="where labels and progress persist (default ./agent-state/ID)")
     run.add_argument("--profile", type=Path,
                      help="device profile (firmware_configs/*.toml): back end, threads, batch, MC cap, MQTT")
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--inference-batch", type=int, help="images per scoring batch (default: the profile's, else 256)")
     run.add_argument("--exit-on-final", action="store_true", help="exit when the coordinator ends the run")
     run.add_argument("--log-level", default="info")
+    add_field_arguments(run)
     score = commands.add_parser("score", help="score a pool file with a model bundle and print one JSON line")
     score.add_argument("--bundle", required=True, type=Path, help="a model bundle folder written by fl-export")
     score.add_argument("--pool", required=True, type=Path, help="an IDX images file (.gz ok) or a shard .npz")
@@ -83,7 +85,8 @@ def agent_settings(args: argparse.Namespace, profile: DeviceProfile | None) -> "
     """The agent's settings: command-line values first, then the profile's, then the bench defaults."""
     from edge_agent.agent import AgentSettings
 
-    common = {"fleet": args.fleet, "device_id": args.device_id, "exit_on_final": args.exit_on_final}
+    common = {"fleet": args.fleet, "device_id": args.device_id, "exit_on_final": args.exit_on_final,
+              "stream": args.stream}
     if profile is None:
         return AgentSettings(**common, torch_threads=args.torch_threads or 1,
                              inference_batch=args.inference_batch or AgentSettings.inference_batch)
@@ -106,23 +109,36 @@ def broker_address(url: str, profile: DeviceProfile | None) -> BrokerAddress:
 def run_agent(args: argparse.Namespace) -> int:
     """Opens the device's data, connects, and serves rounds until the run ends or a signal arrives."""
     from edge_agent.agent import Agent
+    from edge_agent.field import open_field
 
     wire.check_identifier("device id", args.device_id)
     wire.check_identifier("fleet", args.fleet)
-    shard = load_shard(args.data)
-    data = open_device_data(args.state_dir or Path("agent-state") / args.device_id, shard)
+    if (args.data is None) == (args.pool_dir is None):
+        raise ValueError("give exactly one of --data (a bench shard) or --pool-dir (a folder of images)")
+    if args.pool_dir is None and (args.stream or args.label_ui):
+        raise ValueError("--stream and --label-ui need --pool-dir (a folder pool with the folder oracle)")
+    state_dir = args.state_dir or Path("agent-state") / args.device_id
     profile = load_profile(args.profile) if args.profile is not None else None
     settings = agent_settings(args, profile)
     session = MqttSession(broker_address(args.broker, profile), client_id=args.device_id,
                           last_will=Agent.last_will(settings), max_payload_bytes=settings.max_update_bytes,
                           keepalive=profile.mqtt.keepalive if profile else DEFAULT_KEEPALIVE_SECONDS)
-    agent = Agent(settings, session, data, SimulatedOracle(shard.all_labels))
+    field = None
+    if args.pool_dir is not None:
+        field = open_field(args, state_dir, settings.model_name, settings.inference_batch, profile)
+        agent = Agent(settings, session, field.data, field.oracle, field.work)
+        field.oracle.stop_event = agent.stop_event
+    else:
+        shard = load_shard(args.data)
+        agent = Agent(settings, session, open_device_data(state_dir, shard), SimulatedOracle(shard.all_labels))
     signal.signal(signal.SIGTERM, lambda *_: agent.stop_event.set())
-    session.connect()
     try:
+        session.connect()
         agent.run()
     finally:
         session.close()
+        if field is not None and field.label_server is not None:
+            field.label_server.stop()
     return 0
 
 

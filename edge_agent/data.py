@@ -340,19 +340,26 @@ class DeviceData:
         """Initialises a state directory with these images, nothing labelled and an empty state."""
         state_dir = Path(state_dir)
         _check_images(images, "DeviceData.create")
+        buffer = io.BytesIO()
+        np.save(buffer, np.ascontiguousarray(images), allow_pickle=False)
+        cls.initialise_store(state_dir, replay_per_class, num_classes, {cls.IMAGES_FILE: buffer.getvalue()})
+        return cls.open(state_dir)
+
+    @classmethod
+    def initialise_store(
+        cls, state_dir: Path, replay_per_class: int, num_classes: int, pool_files: Mapping[str, bytes],
+    ) -> None:
+        """Writes the pool's files, an empty state and an empty labelled record (last: it marks a finished store)."""
         if replay_per_class < 0 or num_classes < 1:
             raise ValueError(f"need replay_per_class >= 0 and num_classes >= 1, got {replay_per_class}, {num_classes}")
         if (state_dir / cls.LABELS_FILE).exists():
             raise FileExistsError(f"{state_dir} already holds device data; open it instead of creating it")
-        state_dir.mkdir(parents=True, exist_ok=True)
-        buffer = io.BytesIO()
-        np.save(buffer, np.ascontiguousarray(images), allow_pickle=False)
-        atomic_write_bytes(state_dir / cls.IMAGES_FILE, buffer.getvalue())
+        for name, content in pool_files.items():
+            atomic_write_bytes(state_dir / name, content)
         atomic_write_bytes(state_dir / cls.STATE_FILE, b"{}")
         empty = np.zeros(0, dtype=np.int64)
         _write_labelled(state_dir / cls.LABELS_FILE, empty, empty, empty.astype(np.int8), empty, num_classes,
                         replay_per_class)
-        return cls.open(state_dir)
 
     @classmethod
     def open(cls, state_dir: Path | str) -> DeviceData:

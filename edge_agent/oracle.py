@@ -1,4 +1,4 @@
-# Where labels come from: the bench's simulated oracle reveals ground truth it was given with the shard.
+# Where labels come from: the Oracle interface, and the bench's simulated oracle that reveals the shard's ground truth.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -14,6 +14,13 @@ class Oracle(ABC):
     @abstractmethod
     def label(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(answered indices, their labels) for the queried pool indices."""
+
+    def start_round(self, round_id: int) -> None:
+        """Told when a round starts, so queries can be grouped by round; nothing to do for an immediate oracle."""
+
+    def pending(self) -> np.ndarray:
+        """Pool indices asked but not answered yet (they must not be asked again); none for an immediate oracle."""
+        return np.zeros(0, dtype=np.int64)
 
 
 class SimulatedOracle(Oracle):

@@ -47,11 +47,12 @@ class FakeCoordinator:
         self.session.subscribe(wire.all_devices_topic(FLEET, "update"))
         self.session.subscribe(wire.all_devices_topic(FLEET, "status"))
 
-    def start_round(self, round_id: int, weights: dict, model_hash: str | None = None) -> str:
+    def start_round(self, round_id: int, weights: dict, model_hash: str | None = None,
+                    recipe: wire.Recipe = RECIPE) -> str:
         model_hash = model_hash or weights_hash(weights)
         message = wire.ModelMessage(model_hash, "paper-cnn", weights)
         self.session.publish(wire.model_topic(FLEET, model_hash), wire.encode(message), retain=True, wait=10)
-        announcement = wire.RoundAnnouncement("run-1", round_id, model_hash, RECIPE, time.time() + 60)
+        announcement = wire.RoundAnnouncement("run-1", round_id, model_hash, recipe, time.time() + 60)
         self.session.publish(wire.round_topic(FLEET), wire.encode(announcement), retain=True, wait=10)
         return model_hash
 

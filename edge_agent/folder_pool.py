@@ -1,0 +1,285 @@
+# Field pools: images a camera writes to a folder -> decoded model inputs in an append-only item store, with quarantine.
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from edge_agent.bundle import file_sha256
+from edge_agent.data import CLASS_NAMES, FASHION_MNIST_MEAN, FASHION_MNIST_STD, IMAGE_SHAPE, DeviceData
+
+log = logging.getLogger(__name__)
+
+IMAGE_FORMATS = ("JPEG", "PNG")
+SKIPPED_SUFFIXES = (".tmp", ".part", ".partial", ".crdownload")
+QUARANTINE_DIR = "quarantine"
+DEFAULT_SETTLE_SECONDS = 2.0
+
+
+class UnreadableImageError(ValueError):
+    """A pool file is not a complete JPEG or PNG image; the message names the file and the reason."""
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What the model takes: channels (1 = grayscale, 3 = RGB), height and width of one uint8 image."""
+
+    channels: int
+    height: int
+    width: int
+
+    @property
+    def record_shape(self) -> tuple[int, ...]:
+        """Shape of one stored image: (H, W) for grayscale, (H, W, 3) for colour."""
+        return (self.height, self.width) if self.channels == 1 else (self.height, self.width, self.channels)
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes of one stored image."""
+        return math.prod(self.record_shape)
+
+    @classmethod
+    def from_manifest(cls, manifest: Mapping[str, Any], where: str = "manifest") -> InputSpec:
+        """The input shape of a model bundle's manifest, after checking its normalisation is the agent's own."""
+        shape = manifest.get("input_shape")
+        if (not isinstance(shape, list) or len(shape) != 3 or not all(isinstance(d, int) and d > 0 for d in shape)
+                or shape[0] not in (1, 3)):
+            raise ValueError(f"{where}: input_shape must be [channels (1 or 3), height, width], got {shape!r}")
+        norm = manifest.get("normalisation") or {}
+        expected = {"scale": 1.0 / 255.0, "mean": FASHION_MNIST_MEAN, "std": FASHION_MNIST_STD}
+        if not all(isinstance(norm.get(k), (int, float)) and math.isclose(norm[k], v) for k, v in expected.items()):
+            raise ValueError(f"{where}: normalisation {norm!r} differs from the agent's (pixel/255 - "
+                             f"{FASHION_MNIST_MEAN}) / {FASHION_MNIST_STD}")
+        return cls(*shape)
+
+
+MODEL_INPUT = InputSpec(1, *IMAGE_SHAPE)
+
+
+def decode_image(path: Path, spec: InputSpec) -> np.ndarray:
+    """A JPEG or PNG file -> uint8 array of spec.record_shape (converted to the channels, resized bilinearly)."""
+    try:
+        with Image.open(path) as image:
+            image_format = image.format
+            if image_format in IMAGE_FORMATS:
+                mode = "L" if spec.channels == 1 else "RGB"
+                image.draft(mode, (spec.width, spec.height))
+                converted = image.convert(mode).resize((spec.width, spec.height), Image.Resampling.BILINEAR)
+                return np.asarray(converted, dtype=np.uint8)
+    except UnidentifiedImageError:
+        raise UnreadableImageError(f"{path}: not an image") from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        raise UnreadableImageError(f"{path}: unreadable or truncated image ({exc})") from exc
+    raise UnreadableImageError(f"{path}: {image_format} is not JPEG or PNG")
+
+
+@dataclass(frozen=True)
+class PoolItem:
+    """One image of the pool: where it was found (relative path), its content hash and the file's size/mtime."""
+
+    path: str
+    sha256: str
+    size: int
+    mtime_ns: int
+
+
+class FolderPool:
+    """Images found in a folder, decoded once into an append-only store; an item's index never changes.
+
+    Store files: items.jsonl (one PoolItem per line) and images.u8 (the decoded images, back to back). Images are
+    appended and synced before their lines, so a crash leaves at most a tail that the next open cuts off.
+    Files still being written (modified less than settle_seconds ago) wait for a later scan; files that do not
+    decode move to the quarantine folder. Nothing in the folder is ever deleted.
+    """
+
+    ITEMS_FILE = "items.jsonl"
+    IMAGES_FILE = "images.u8"
+
+    def __init__(self, pool_dir: Path | str, store_dir: Path | str, spec: InputSpec = MODEL_INPUT,
+                 settle_seconds: float = DEFAULT_SETTLE_SECONDS, quarantine_dir: Path | str | None = None,
+                 skip_dirs: tuple[Path, ...] = ()) -> None:
+        self.pool_dir = Path(pool_dir)
+        if not self.pool_dir.is_dir():
+            raise FileNotFoundError(f"pool folder {self.pool_dir} does not exist")
+        self.store_dir = Path(store_dir)
+        self.spec = spec
+        self.settle_seconds = settle_seconds
+        self.quarantine_dir = Path(quarantine_dir) if quarantine_dir else self.pool_dir / QUARANTINE_DIR
+        self._skip_dirs = {path.resolve() for path in (self.quarantine_dir, self.store_dir, *skip_dirs)}
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self.items = self._load_items()
+        self._images = self._map_images()
+        self._seen = {item.path: (item.size, item.mtime_ns) for item in self.items}
+        self._hashes = {item.sha256 for item in self.items}
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def images(self) -> np.ndarray:
+        """Every stored image, (N, *record_shape) uint8, memory-mapped read-only."""
+        return self._images
+
+    def scan(self, now: float | None = None) -> int:
+        """Adds the folder's new, settled JPEG/PNG files to the store (oldest first); returns how many joined."""
+        now = time.time() if now is None else now
+        new_items: list[PoolItem] = []
+        records: list[np.ndarray] = []
+        for path, rel, stat in self._candidates():
+            signature = (stat.st_size, stat.st_mtime_ns)
+            if self._seen.get(rel) == signature or now - stat.st_mtime < self.settle_seconds:
+                continue
+            self._seen[rel] = signature
+            try:
+                record = decode_image(path, self.spec)
+            except UnreadableImageError as error:
+                self._quarantine(path, rel, error)
+                continue
+            digest = file_sha256(path)
+            if digest in self._hashes:
+                log.debug("duplicate image file=%s", rel)
+                continue
+            self._hashes.add(digest)
+            new_items.append(PoolItem(rel, digest, *signature))
+            records.append(record)
+        if new_items:
+            self._append(new_items, records)
+            log.info("pool grew new=%d items=%d", len(new_items), len(self.items))
+        return len(new_items)
+
+    def _candidates(self) -> Iterator[tuple[Path, str, os.stat_result]]:
+        """(path, relative POSIX path, stat) of every visible regular file, oldest modification first."""
+        found = []
+        for root, dirs, files in os.walk(self.pool_dir):
+            root_path = Path(root)
+            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and (root_path / d).resolve() not in self._skip_dirs)
+            for name in files:
+                if name.startswith(".") or name.lower().endswith(SKIPPED_SUFFIXES):
+                    continue
+                path = root_path / name
+                try:
+                    stat = path.stat()
+                except FileNotFoundError:
+                    continue
+                found.append((path, path.relative_to(self.pool_dir).as_posix(), stat))
+        return iter(sorted(found, key=lambda entry: (entry[2].st_mtime_ns, entry[1])))
+
+    def _quarantine(self, path: Path, rel: str, error: UnreadableImageError) -> None:
+        """Moves an undecodable file to the quarantine folder (never deleting it) and logs why."""
+        target = self.quarantine_dir / rel
+        suffix = 0
+        while target.exists():
+            suffix += 1
+            target = self.quarantine_dir / f"{rel}.{suffix}"
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(path), str(target))
+        except OSError as exc:
+            log.error("could not quarantine file=%s reason=%s error=%s", rel, error, exc)
+            return
+        log.warning("quarantined file=%s to=%s reason=%s", rel, target, error)
+
+    def _append(self, items: list[PoolItem], records: list[np.ndarray]) -> None:
+        """Appends images, then their index lines, each synced, and remaps the store."""
+        _append_synced(self.store_dir / self.IMAGES_FILE, b"".join(record.tobytes() for record in records))
+        lines = "".join(json.dumps(dataclasses.asdict(item), sort_keys=True) + "\n" for item in items)
+        _append_synced(self.store_dir / self.ITEMS_FILE, lines.encode())
+        self.items.extend(items)
+        self._images = self._map_images()
+
+    def _load_items(self) -> list[PoolItem]:
+        """The stored items; an unfinished last line (a crash mid-append) is cut off."""
+        path = self.store_dir / self.ITEMS_FILE
+        raw = path.read_bytes() if path.is_file() else b""
+        complete = raw[:raw.rfind(b"\n") + 1]
+        if len(complete) != len(raw):
+            os.truncate(path, len(complete))
+        items = []
+        for number, line in enumerate(complete.decode().splitlines(), start=1):
+            try:
+                items.append(PoolItem(**json.loads(line)))
+            except (json.JSONDecodeError, TypeError) as exc:
+                raise ValueError(f"{path}: line {number} is not a pool item ({exc})") from exc
+        return items
+
+    def _map_images(self) -> np.ndarray:
+        """The decoded images of the stored items, after cutting off images appended without their index line."""
+        path = self.store_dir / self.IMAGES_FILE
+        needed = len(self.items) * self.spec.record_bytes
+        size = path.stat().st_size if path.is_file() else 0
+        if size < needed:
+            raise ValueError(f"{path}: {size} bytes, but {len(self.items)} items need {needed}; the store is damaged")
+        if size > needed:
+            os.truncate(path, needed)
+        if not self.items:
+            return np.zeros((0, *self.spec.record_shape), dtype=np.uint8)
+        return np.memmap(path, dtype=np.uint8, mode="r", shape=(len(self.items), *self.spec.record_shape))
+
+
+def _append_synced(path: Path, data: bytes) -> None:
+    """Appends bytes to a file and flushes them to disk."""
+    with open(path, "ab") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+class FolderDeviceData(DeviceData):
+    """A device's labelled store over a folder pool: indices are the pool's stable item indices.
+
+    The unlabelled pool is capped at pool_cap items, the newest ones: older unlabelled items leave the pool index
+    (their files stay where they are). refresh() adds files that appeared since the last scan.
+    """
+
+    POOL_STORE = "pool"
+
+    def __init__(self, state_dir: Path, pool: FolderPool, labelled: dict[str, np.ndarray], state: dict,
+                 pool_cap: int) -> None:
+        super().__init__(state_dir, pool.images(), labelled, state)
+        self.pool = pool
+        self.pool_cap = pool_cap
+
+    @classmethod
+    def open_folder(cls, state_dir: Path | str, pool_dir: Path | str, pool_cap: int, spec: InputSpec = MODEL_INPUT,
+                    settle_seconds: float = DEFAULT_SETTLE_SECONDS, skip_dirs: tuple[Path, ...] = ()) -> FolderDeviceData:
+        """Resumes (or starts) the device's store for this folder and scans the folder once."""
+        state_dir = Path(state_dir)
+        if spec.record_shape != IMAGE_SHAPE:
+            raise ValueError(f"the agent's models take 1x{IMAGE_SHAPE[0]}x{IMAGE_SHAPE[1]} images, the manifest says "
+                             f"{spec.channels}x{spec.height}x{spec.width}")
+        if pool_cap < 1:
+            raise ValueError(f"the pool size cap must be positive, got {pool_cap}")
+        if (state_dir / cls.IMAGES_FILE).exists():
+            raise ValueError(f"{state_dir} holds a shard's device data; use a fresh state directory for a folder pool")
+        pool = FolderPool(pool_dir, state_dir / cls.POOL_STORE, spec, settle_seconds, skip_dirs=(state_dir, *skip_dirs))
+        if not (state_dir / cls.LABELS_FILE).is_file():
+            cls.initialise_store(state_dir, 5, len(CLASS_NAMES), {})
+        labelled = cls._load_labelled(state_dir / cls.LABELS_FILE, len(pool))
+        data = cls(state_dir, pool, labelled, cls._load_state(state_dir / cls.STATE_FILE), pool_cap)
+        data.refresh()
+        return data
+
+    def refresh(self) -> int:
+        """Scans the folder; returns how many new items joined."""
+        added = self.pool.scan()
+        if added:
+            self._images = self.pool.images()
+            self._label_at = np.concatenate([self._label_at, np.full(added, -1, dtype=np.int64)])
+        return added
+
+    def pool_indices(self) -> np.ndarray:
+        """The newest pool_cap unlabelled items, ascending (oldest out first)."""
+        return super().pool_indices()[-self.pool_cap:]
+
+    def item(self, index: int) -> PoolItem:
+        """The pool item at an index."""
+        return self.pool.items[index]

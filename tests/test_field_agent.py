@@ -1,0 +1,192 @@
+# A field agent process (folder pool + folder oracle) against a real mosquitto: rounds, pending answers, SIGKILL.
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from coordinator.broker import EmbeddedBroker
+from edge_agent import wire
+from edge_agent.data import CLASS_NAMES, load_fashion_mnist
+from edge_agent.folder_oracle import QueryBook
+from edge_agent.folder_pool import FolderDeviceData
+from edge_agent.models import build_model, get_weights
+from test_agent import FLEET, FakeCoordinator
+from test_folder_pool import write_png
+
+DEVICE = "cam-1"
+RECIPE = wire.Recipe(sampler="entropy", labels_per_acquisition=5, acquisitions_per_round=1, epochs=1,
+                     batch_size=4, mc_passes=3)
+
+
+@pytest.fixture()
+def camera(tmp_path: Path) -> tuple[Path, dict[str, int]]:
+    """A folder of 30 real Fashion-MNIST PNGs and the true label of each file name."""
+    dataset = load_fashion_mnist()
+    truth = {}
+    for i in range(30):
+        name = f"{i:03d}.png"
+        write_png(tmp_path / "camera" / name, dataset.test_images[2000 + i], age_seconds=60 - i)
+        truth[name] = int(dataset.test_labels[2000 + i])
+    return tmp_path / "camera", truth
+
+
+def start_agent(broker: EmbeddedBroker, pool_dir: Path, state_dir: Path, *extra: str) -> subprocess.Popen:
+    """`python -m edge_agent run --pool-dir` as a real process, logging to state_dir/../agent.log."""
+    command = [sys.executable, "-m", "edge_agent", "run", "--broker", f"mqtt://127.0.0.1:{broker.port}",
+               "--fleet", FLEET, "--device-id", DEVICE, "--pool-dir", str(pool_dir), "--state-dir", str(state_dir),
+               "--scan-interval", "0.5", "--settle-seconds", "0", "--log-level", "info", *extra]
+    with open(state_dir.parent / "agent.log", "ab") as log:
+        return subprocess.Popen(command, stdout=log, stderr=log)
+
+
+def wait_for(condition, timeout: float, what: str):
+    """Polls condition() until it returns something truthy; fails naming what was awaited."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def answer(book: QueryBook, truth: dict[str, int], queries: list) -> None:
+    """Appends the true labels of queries to labels.csv as a person would (class names, one bad row)."""
+    with open(book.labels_path, "a", newline="") as handle:
+        writer = csv.writer(handle)
+        for query in queries:
+            writer.writerow([f"{query.round_id}/{query.name}", CLASS_NAMES[truth[query.source]]])
+        writer.writerow(["no-such-file.png", "Bag"])
+
+
+def kill(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def field_run(tmp_path: Path, pool_dir: Path):
+    """A real broker, a fake coordinator, a launcher of agent processes (all killed at the end), the query book."""
+    with EmbeddedBroker(tmp_path / "broker") as broker:
+        coordinator = FakeCoordinator(broker)
+        agents: list[subprocess.Popen] = []
+
+        def launch(*extra: str) -> subprocess.Popen:
+            agents.append(start_agent(broker, pool_dir, tmp_path / "state", *extra))
+            return agents[-1]
+
+        try:
+            yield coordinator, launch, QueryBook(tmp_path / "state" / "labelling")
+        finally:
+            for agent in agents:
+                if agent.poll() is None:
+                    kill(agent)
+            coordinator.close()
+
+
+def stop(agent: subprocess.Popen) -> None:
+    """SIGTERM, and the agent must exit cleanly."""
+    agent.send_signal(signal.SIGTERM)
+    assert agent.wait(timeout=20) == 0
+
+
+def test_folder_oracle_end_to_end_with_pending_answers_surviving_sigkill(tmp_path, camera):
+    pool_dir, truth = camera
+    with field_run(tmp_path, pool_dir) as (coordinator, launch, book):
+        agent = launch("--answer-wait", "120")
+        coordinator.start_round(1, get_weights(build_model(seed=7)), recipe=RECIPE)
+        first = wait_for(lambda: len(book.queries()) == 5 and book.queries(), 60, "5 queries in the index")
+        for query in first:
+            assert book.image_path(query).read_bytes() == (pool_dir / query.source).read_bytes()
+            assert query.round_id == 1 and book.image_path(query).parent.name == "1"
+        answer(book, truth, first[:3])
+        time.sleep(1.0)
+        kill(agent)
+        assert len(book.pending()) == 2, "answers written before the kill stay on disk"
+
+        agent = launch("--answer-wait", "120")
+        queries = wait_for(lambda: len(book.queries()) == 10 and book.queries(), 60, "5 more queries")
+        assert len({q.index for q in queries}) == 10, "a pending query is never asked again"
+        answer(book, truth, book.pending())
+        message = coordinator.next_on("update", timeout=60)
+        assert message is not None, "no update after every query was answered"
+        update = wire.decode(message.payload, wire.Update)
+        assert (update.round_id, update.acquired_labels, update.num_samples) == (1, 10, 10)
+        kill(agent)
+    data = FolderDeviceData.open_folder(tmp_path / "state", pool_dir, pool_cap=100, settle_seconds=0)
+    indices, labels = data.labelled()
+    assert data.count_labels("oracle") == 10
+    assert [truth[data.item(i).path] for i in indices.tolist()] == labels.tolist()
+    assert sorted(indices.tolist()) == sorted(q.index for q in book.queries())
+    assert sorted(p.name for p in pool_dir.iterdir()) == sorted(truth), "no user file deleted"
+
+
+def test_a_round_with_unanswered_queries_trains_on_nothing_new_and_carries_them_over(tmp_path, camera):
+    pool_dir, truth = camera
+    with field_run(tmp_path, pool_dir) as (coordinator, launch, book):
+        agent = launch("--answer-wait", "1")
+        weights = get_weights(build_model(seed=8))
+        coordinator.start_round(1, weights, recipe=RECIPE)
+        first = coordinator.next_on("update", timeout=60)
+        assert first is not None and wire.decode(first.payload, wire.Update).acquired_labels == 0
+        assert len(book.pending()) == 5
+        answer(book, truth, book.pending()[:4])
+        coordinator.start_round(2, weights, recipe=RECIPE)
+        second = coordinator.next_on("update", timeout=60,
+                                     accept=lambda m: wire.decode(m.payload, wire.Update).round_id == 2)
+        assert second is not None and wire.decode(second.payload, wire.Update).acquired_labels == 4
+        assert len(book.queries()) == 10 and len(book.pending()) == 6
+        assert {q.round_id for q in book.queries()} == {1, 2}
+        stop(agent)
+
+
+def test_stream_acquisition_stays_within_its_labelling_budget(tmp_path):
+    images = load_fashion_mnist().test_images[3000:3040]
+    pool_dir = tmp_path / "camera"
+    pool_dir.mkdir()
+    labels_per_second, burst = 1.0, 2
+    with field_run(tmp_path, pool_dir) as (coordinator, launch, book):
+        agent = launch("--answer-wait", "0", "--stream", "--labels-per-hour", str(labels_per_second * 3600),
+                       "--label-burst", str(burst))
+        coordinator.start_round(1, get_weights(build_model(seed=9)), recipe=RECIPE)
+        first = coordinator.next_on("update", timeout=60)
+        assert first is not None and wire.decode(first.payload, wire.Update).acquired_labels == 0
+        started = time.monotonic()
+        for wave in range(10):
+            for i in range(4):
+                write_png(pool_dir / f"{wave:02d}-{i}.png", images[4 * wave + i], age_seconds=1)
+            time.sleep(1.0)
+        state_file = tmp_path / "state" / "state.json"
+        wait_for(lambda: json.loads(state_file.read_text()).get("stream", {}).get("scored_upto") == 40, 60,
+                 "every arrival scored")
+        elapsed = time.monotonic() - started
+        stop(agent)
+    asked = book.queries()
+    budget = burst + labels_per_second * elapsed
+    assert 3 <= len(asked) <= budget, (len(asked), budget)
+    assert len(asked) <= 40 // 2, "arrivals come 4x faster than the budget: most are not asked"
+    assert len({q.index for q in asked}) == len(asked)
+
+
+@pytest.mark.parametrize("options, message", [
+    ((), "give exactly one of --data (a bench shard) or --pool-dir"),
+    (("--data", "x.npz", "--stream"), "--stream and --label-ui need --pool-dir"),
+    (("--pool-dir", "{tmp}/none"), "does not exist"),
+    (("--pool-dir", "{tmp}", "--label-ui", "host:port"), "--label-ui expects [HOST:]PORT"),
+])
+def test_bad_field_options_get_one_clear_line_and_exit_2(tmp_path, options, message):
+    options = [option.replace("{tmp}", str(tmp_path)) for option in options]
+    result = subprocess.run([sys.executable, "-m", "edge_agent", "run", "--broker", "mqtt://127.0.0.1:1", "--fleet",
+                             "f", "--device-id", "d", "--state-dir", str(tmp_path / "state"), *options],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("edge-agent: ") and message in lines[0], result.stderr

@@ -1,0 +1,169 @@
+# The folder pool on real PNG/JPEG files written here: decoding, quarantine, stable indices, the size cap, crash cuts.
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from edge_agent.data import load_fashion_mnist
+from edge_agent.folder_pool import (
+    MODEL_INPUT, FolderDeviceData, FolderPool, InputSpec, UnreadableImageError, decode_image,
+)
+
+
+@pytest.fixture(scope="module")
+def fashion():
+    dataset = load_fashion_mnist()
+    return dataset.test_images[:40], dataset.test_labels[:40].astype(np.int64)
+
+
+def write_png(path: Path, image: np.ndarray, age_seconds: float = 10.0) -> Path:
+    """A real PNG of a uint8 image, dated age_seconds ago (so it counts as settled)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(image).save(path, format="PNG")
+    stamp = time.time() - age_seconds
+    os.utime(path, (stamp, stamp))
+    return path
+
+
+def write_jpeg(path: Path, image: np.ndarray) -> Path:
+    """A real colour JPEG, twice the size of the grayscale image, as a camera would write it."""
+    big = Image.fromarray(image).resize((56, 56), Image.Resampling.BILINEAR).convert("RGB")
+    big.save(path, format="JPEG", quality=95)
+    stamp = time.time() - 10
+    os.utime(path, (stamp, stamp))
+    return path
+
+
+def test_png_decodes_exactly_and_a_colour_jpeg_decodes_to_a_close_grayscale_28x28(tmp_path, fashion):
+    images, _ = fashion
+    png = decode_image(write_png(tmp_path / "a.png", images[0]), MODEL_INPUT)
+    assert png.dtype == np.uint8 and png.shape == (28, 28) and np.array_equal(png, images[0])
+    jpeg = decode_image(write_jpeg(tmp_path / "b.jpg", images[1]), MODEL_INPUT)
+    assert jpeg.shape == (28, 28)
+    error = np.abs(jpeg.astype(int) - images[1].astype(int)).mean()
+    assert error < 16, error
+    other = np.abs(jpeg.astype(int) - images[2].astype(int)).mean()
+    assert other > 4 * error
+
+
+def test_truncated_png_and_non_image_are_unreadable_and_gif_is_refused(tmp_path, fashion):
+    good = write_png(tmp_path / "good.png", fashion[0][0]).read_bytes()
+    (tmp_path / "cut.png").write_bytes(good[: len(good) // 2])
+    (tmp_path / "notes.txt").write_text("not an image\n")
+    Image.fromarray(fashion[0][0]).save(tmp_path / "x.gif", format="GIF")
+    with pytest.raises(UnreadableImageError, match="truncated"):
+        decode_image(tmp_path / "cut.png", MODEL_INPUT)
+    with pytest.raises(UnreadableImageError, match="not an image"):
+        decode_image(tmp_path / "notes.txt", MODEL_INPUT)
+    with pytest.raises(UnreadableImageError, match="GIF is not JPEG or PNG"):
+        decode_image(tmp_path / "x.gif", MODEL_INPUT)
+
+
+def test_bad_files_are_quarantined_with_a_log_line_and_never_deleted(tmp_path, fashion, caplog):
+    images, _ = fashion
+    pool_dir = tmp_path / "camera"
+    write_png(pool_dir / "0.png", images[0])
+    write_jpeg(pool_dir / "1.jpg", images[1])
+    (pool_dir / "day2").mkdir()
+    truncated = write_jpeg(pool_dir / "day2" / "2.jpg", images[2])
+    whole = truncated.read_bytes()
+    truncated.write_bytes(whole[: len(whole) // 3])
+    (pool_dir / "readme.txt").write_bytes(b"camera notes")
+    for path in (truncated, pool_dir / "readme.txt"):
+        os.utime(path, (time.time() - 10, time.time() - 10))
+    with caplog.at_level(logging.WARNING, logger="edge_agent.folder_pool"):
+        pool = FolderPool(pool_dir, tmp_path / "store")
+        assert pool.scan() == 2
+    assert [item.path for item in pool.items] == ["0.png", "1.jpg"]
+    quarantine = pool_dir / "quarantine"
+    assert (quarantine / "day2" / "2.jpg").read_bytes() == whole[: len(whole) // 3]
+    assert (quarantine / "readme.txt").read_bytes() == b"camera notes"
+    assert not truncated.exists() and (pool_dir / "0.png").is_file() and (pool_dir / "1.jpg").is_file()
+    quarantined = [r.getMessage() for r in caplog.records if "quarantined" in r.getMessage()]
+    assert len(quarantined) == 2 and any("day2/2.jpg" in line and "truncated" in line for line in quarantined)
+    assert pool.scan() == 0, "the quarantine folder is not scanned again"
+
+
+def test_new_files_join_with_stable_indices_duplicates_and_unsettled_files_wait(tmp_path, fashion):
+    images, _ = fashion
+    pool_dir = tmp_path / "camera"
+    for i in range(3):
+        write_png(pool_dir / f"{i}.png", images[i], age_seconds=30 - i)
+    pool = FolderPool(pool_dir, tmp_path / "store", settle_seconds=5)
+    assert pool.scan() == 3
+    write_png(pool_dir / "copy-of-0.png", images[0])
+    fresh = write_png(pool_dir / "fresh.png", images[3], age_seconds=0)
+    assert pool.scan() == 0, "a duplicate adds nothing and a file written just now waits"
+    os.utime(fresh, (time.time() - 10, time.time() - 10))
+    assert pool.scan() == 1
+    reopened = FolderPool(pool_dir, tmp_path / "store", settle_seconds=5)
+    assert [item.path for item in reopened.items] == ["0.png", "1.png", "2.png", "fresh.png"]
+    assert np.array_equal(reopened.images(), images[[0, 1, 2, 3]])
+    assert reopened.scan() == 0
+
+
+def test_a_crash_mid_append_is_cut_off_on_open(tmp_path, fashion):
+    images, _ = fashion
+    pool_dir = tmp_path / "camera"
+    for i in range(2):
+        write_png(pool_dir / f"{i}.png", images[i])
+    store = tmp_path / "store"
+    FolderPool(pool_dir, store, settle_seconds=0).scan()
+    with open(store / FolderPool.IMAGES_FILE, "ab") as handle:
+        handle.write(images[5].tobytes())
+    with open(store / FolderPool.ITEMS_FILE, "ab") as handle:
+        handle.write(b'{"path": "5.png", "sha')
+    pool = FolderPool(pool_dir, store, settle_seconds=0)
+    assert len(pool) == 2 and np.array_equal(pool.images(), images[:2])
+    assert (store / FolderPool.IMAGES_FILE).stat().st_size == 2 * 28 * 28
+    (store / FolderPool.IMAGES_FILE).write_bytes(b"")
+    with pytest.raises(ValueError, match="damaged"):
+        FolderPool(pool_dir, store)
+
+
+def test_device_data_over_a_folder_caps_the_pool_oldest_out_and_keeps_labels(tmp_path, fashion):
+    images, labels = fashion
+    pool_dir = tmp_path / "camera"
+    for i in range(5):
+        write_png(pool_dir / f"{i:02d}.png", images[i], age_seconds=50 - i)
+    data = FolderDeviceData.open_folder(tmp_path / "state", pool_dir, pool_cap=3, settle_seconds=0)
+    assert data.num_samples == 5 and data.pool_indices().tolist() == [2, 3, 4]
+    data.add_labels(np.array([4]), labels[[4]])
+    assert data.pool_indices().tolist() == [1, 2, 3]
+    for i in range(5, 8):
+        write_png(pool_dir / f"{i:02d}.png", images[i], age_seconds=10 - i)
+    assert data.refresh() == 3
+    assert data.pool_indices().tolist() == [5, 6, 7]
+    assert np.array_equal(data.images(np.array([6])), images[[6]])
+    assert sorted(p.name for p in pool_dir.glob("*.png")) == [f"{i:02d}.png" for i in range(8)]
+    reopened = FolderDeviceData.open_folder(tmp_path / "state", pool_dir, pool_cap=3, settle_seconds=0)
+    assert reopened.labelled()[0].tolist() == [4] and reopened.labelled()[1].tolist() == [labels[4]]
+    assert reopened.item(4).path == "04.png"
+
+
+def test_folder_store_refuses_shard_state_and_foreign_input_shapes(tmp_path, fashion):
+    from edge_agent.data import DeviceData
+    (tmp_path / "camera").mkdir()
+    DeviceData.create(tmp_path / "bench", fashion[0][:3])
+    with pytest.raises(ValueError, match="shard's device data"):
+        FolderDeviceData.open_folder(tmp_path / "bench", tmp_path / "camera", pool_cap=10)
+    with pytest.raises(ValueError, match="3x32x32"):
+        FolderDeviceData.open_folder(tmp_path / "s", tmp_path / "camera", 10, InputSpec(3, 32, 32))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        FolderDeviceData.open_folder(tmp_path / "s", tmp_path / "missing", pool_cap=10)
+
+
+def test_input_spec_comes_from_a_bundle_manifest_and_a_foreign_normalisation_is_refused():
+    manifest = {"input_shape": [1, 28, 28],
+                "normalisation": {"scale": 1 / 255, "mean": 0.2860, "std": 0.3530}}
+    assert InputSpec.from_manifest(manifest) == MODEL_INPUT
+    with pytest.raises(ValueError, match="normalisation"):
+        InputSpec.from_manifest({**manifest, "normalisation": {"scale": 1 / 255, "mean": 0.5, "std": 0.5}})
+    with pytest.raises(ValueError, match="input_shape"):
+        InputSpec.from_manifest({**manifest, "input_shape": [2, 28, 28]})
