@@ -9,6 +9,7 @@ from typing import Callable
 from edge_agent import wire
 from edge_agent.models import NUM_CLASSES, Weights, build_model, weight_spec, weights_hash
 from edge_agent.mqtt import IncomingMessage, MqttSession
+from coordinator.authentication import UpdateAuthenticator
 from coordinator.divergence import flag_suspects, fleet_divergence
 from coordinator.evaluation import Evaluator
 from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
@@ -125,6 +126,7 @@ class Coordinator:
         self, fleet: str, run_id: str, session: MqttSession, store: RunStore, strategy: Strategy,
         evaluator: Evaluator, recipe: wire.Recipe, policy: RoundPolicy, model_name: str = "paper-cnn",
         base_labels: int = 0, evaluate_devices: bool = True, suspect_policy: SuspectPolicy = SuspectPolicy(),
+        authenticator: UpdateAuthenticator | None = None,
     ) -> None:
         self.fleet = fleet
         self.run_id = run_id
@@ -138,6 +140,7 @@ class Coordinator:
         self.base_labels = base_labels
         self.evaluate_devices = evaluate_devices
         self.suspect_policy = suspect_policy
+        self.authenticator = authenticator
         self.spec = weight_spec(build_model(model_name))
         self.online: dict[str, wire.Status] = {}
         self.device_labels: dict[str, int] = {}
@@ -173,7 +176,8 @@ class Coordinator:
         """One full round: announce, collect until quorum or deadline, aggregate, evaluate, persist."""
         started_wall, started = time.time(), time.monotonic()
         base_hash = weights_hash(global_weights)
-        collector = RoundCollector(Expectation(round_id, base_hash, self.spec, NUM_CLASSES, self.policy.max_update_bytes))
+        collector = RoundCollector(Expectation(round_id, base_hash, self.spec, NUM_CLASSES, self.policy.max_update_bytes,
+                                               self.authenticator.check if self.authenticator else None))
         self.resume_spooled(collector)
         self.publish_model(global_weights, base_hash)
         self.announce(round_id, base_hash)

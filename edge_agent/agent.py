@@ -40,6 +40,7 @@ class AgentSettings:
     torch_threads: int = 1
     exit_on_final: bool = False
     max_update_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
+    signing_key: bytes = b""
 
 
 def acquisition_scores(
@@ -227,7 +228,10 @@ class Agent:
         )
 
     def publish_update(self, update: wire.Update) -> None:
-        """Encodes and publishes the update at QoS 1; the session refuses it before paho sees it if it is too large."""
+        """Signs (with a provisioned key), encodes and publishes the update at QoS 1; the session refuses it
+        before paho sees it if it is too large."""
+        if self.settings.signing_key:
+            update = wire.sign_update(update, self.settings.signing_key)
         payload = wire.encode(update)
         topic = wire.device_topic(self.settings.fleet, self.settings.device_id, "update")
         self.session.publish(topic, payload, wait=PUBLISH_WAIT_SECONDS)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from edge_agent import wire
+from edge_agent.credentials import load_credentials
 from edge_agent.data import load_shard, open_device_data
 from edge_agent.logs import configure_logging
 from edge_agent.mqtt import BrokerUnavailableError, MqttSession, parse_broker_url
@@ -25,8 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="join a fleet and serve its rounds")
     run.add_argument("--broker", required=True, help="mqtt://HOST:PORT or mqtts://HOST:PORT")
-    run.add_argument("--fleet", required=True)
-    run.add_argument("--device-id", required=True)
+    run.add_argument("--fleet", help="fleet name (default: the credential file's)")
+    run.add_argument("--device-id", help="this device's id (default: the credential file's)")
+    run.add_argument("--credentials", type=Path,
+                     help="credential file from `fl-coordinator provision`: broker login, TLS files, signing key")
     run.add_argument("--data", required=True, type=Path,
                      help="pool shard (.npz: images, the simulated oracle's labels, optional seeds)")
     run.add_argument("--state-dir", type=Path, help="where labels and progress persist (default ./agent-state/ID)")
@@ -75,13 +78,25 @@ def run_agent(args: argparse.Namespace) -> int:
     """Opens the device's data, connects, and serves rounds until the run ends or a signal arrives."""
     from edge_agent.agent import Agent, AgentSettings
 
-    wire.check_identifier("device id", args.device_id)
-    wire.check_identifier("fleet", args.fleet)
+    address = parse_broker_url(args.broker)
+    credentials = load_credentials(args.credentials) if args.credentials else None
+    device_id = args.device_id or (credentials.device_id if credentials else None)
+    fleet = args.fleet or (credentials.fleet if credentials else None)
+    if not device_id or not fleet:
+        raise ValueError("--device-id and --fleet are required without --credentials")
+    if credentials is not None:
+        if (device_id, fleet) != (credentials.device_id, credentials.fleet):
+            raise ValueError(f"{args.credentials} belongs to device {credentials.device_id!r} of fleet "
+                             f"{credentials.fleet!r}, not {device_id!r} of {fleet!r}")
+        address = credentials.apply_to(address)
+    wire.check_identifier("device id", device_id)
+    wire.check_identifier("fleet", fleet)
     shard = load_shard(args.data)
-    data = open_device_data(args.state_dir or Path("agent-state") / args.device_id, shard)
-    settings = AgentSettings(fleet=args.fleet, device_id=args.device_id, torch_threads=args.torch_threads,
-                             inference_batch=args.inference_batch, exit_on_final=args.exit_on_final)
-    session = MqttSession(parse_broker_url(args.broker), client_id=args.device_id,
+    data = open_device_data(args.state_dir or Path("agent-state") / device_id, shard)
+    settings = AgentSettings(fleet=fleet, device_id=device_id, torch_threads=args.torch_threads,
+                             inference_batch=args.inference_batch, exit_on_final=args.exit_on_final,
+                             signing_key=credentials.hmac_key if credentials else b"")
+    session = MqttSession(address, client_id=device_id,
                           last_will=Agent.last_will(settings), max_payload_bytes=settings.max_update_bytes)
     agent = Agent(settings, session, data, SimulatedOracle(shard.all_labels))
     signal.signal(signal.SIGTERM, lambda *_: agent.stop_event.set())
