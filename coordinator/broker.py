@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from edge_agent.mqtt import BrokerAddress
+from coordinator.provision import SecureFleet, broker_config_lines
 
 log = logging.getLogger(__name__)
 
@@ -62,16 +63,19 @@ def wait_for_port(host: str, port: int, timeout: float) -> bool:
 class EmbeddedBroker:
     """Starts mosquitto on a free loopback port in `work_dir`; a context manager that always stops it."""
 
-    def __init__(self, work_dir: Path, port: int | None = None, extra_config: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, work_dir: Path, port: int | None = None, extra_config: tuple[str, ...] = (), tls: bool = False,
+    ) -> None:
         self.work_dir = Path(work_dir)
         self.port = port or free_loopback_port()
         self.extra_config = extra_config
+        self.tls = tls
         self._process: subprocess.Popen | None = None
 
     @property
     def address(self) -> BrokerAddress:
         """The broker's address for clients."""
-        return BrokerAddress(host="127.0.0.1", port=self.port)
+        return BrokerAddress(host="127.0.0.1", port=self.port, tls=self.tls)
 
     def start(self, timeout: float = 10.0) -> "EmbeddedBroker":
         """Writes the config and launches mosquitto; raises BrokerError if it does not listen in time."""
@@ -110,3 +114,10 @@ class EmbeddedBroker:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def embedded_broker(work_dir: Path, secure: SecureFleet | None = None) -> EmbeddedBroker:
+    """The embedded broker, locked to a provisioned fleet's passwords, ACL (and TLS) when `secure` is given."""
+    if secure is None:
+        return EmbeddedBroker(work_dir)
+    return EmbeddedBroker(work_dir, extra_config=broker_config_lines(secure), tls=secure.tls)

@@ -1,4 +1,4 @@
-# The fl-coordinator command line: `run` (field), `simulate` (bench with real agents), `partition` (shards).
+# The fl-coordinator command line: `run` (field), `simulate` (bench), `partition` (shards), `provision` (security).
 from __future__ import annotations
 
 import argparse
@@ -16,7 +16,8 @@ from edge_agent.logs import configure_logging
 from edge_agent.mqtt import BrokerUnavailableError, parse_broker_url
 from edge_agent.sampling import make_heuristic
 from edge_agent.training import OPTIMIZERS, make_local_rule
-from coordinator.broker import BrokerError, EmbeddedBroker
+from coordinator.broker import BrokerError, embedded_broker
+from coordinator.provision import DEFAULT_TLS_HOSTS, load_secure_fleet, provision
 from coordinator.rounds import RoundPolicy, RoundResult, SuspectPolicy
 from coordinator.server import InitSettings, ServerSettings, load_server_data, run_server
 from coordinator.simulate import BenchSettings, simulate, write_shards
@@ -76,9 +77,26 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="coordinate a fleet of field devices")
     add_round_options(run)
     run.add_argument("--wait-devices", type=int, default=0, help="wait until this many devices are online")
+    run.add_argument("--secure", type=Path, metavar="DIR",
+                     help="a folder from `provision`: broker login, ACL (and TLS), signed updates only")
     simulate_parser = commands.add_parser("simulate", help="bench: N real agents on this machine")
     add_round_options(simulate_parser)
     add_bench_options(simulate_parser)
+    simulate_parser.add_argument("--secure", action="store_true",
+                                 help="provision the bench fleet into RUN_DIR/secure and run it secured")
+    simulate_parser.add_argument("--tls", action="store_true", help="with --secure: TLS between every client and "
+                                                                    "the broker")
+    provision_parser = commands.add_parser("provision", help="write a fleet's broker passwords, ACL, device "
+                                                             "credentials, HMAC keys (and TLS files)")
+    provision_parser.add_argument("--fleet", required=True)
+    provision_parser.add_argument("--devices", type=int, required=True)
+    provision_parser.add_argument("--out", type=Path, required=True, help="a new folder")
+    provision_parser.add_argument("--prefix", default="dev", help="device names are PREFIX-00, PREFIX-01, ...")
+    provision_parser.add_argument("--tls", action="store_true", help="also a CA, a broker and client certificates")
+    provision_parser.add_argument("--tls-host", action="append", dest="tls_hosts",
+                                  help="a name or IP the broker certificate is valid for (repeatable; default "
+                                       "localhost and 127.0.0.1)")
+    provision_parser.add_argument("--log-level", default="warning")
     partition = commands.add_parser("partition", help="write per-device pool shards for separate agents")
     add_bench_options(partition)
     partition.add_argument("--out", type=Path, required=True)
@@ -107,7 +125,8 @@ def add_bench_options(parser: argparse.ArgumentParser) -> None:
 def bench_settings(args: argparse.Namespace) -> BenchSettings:
     """BenchSettings from parsed arguments."""
     return BenchSettings(args.devices, args.partition, args.pool_size, args.agent_threads, args.seed,
-                         args.seed_per_class, args.agent_profile)
+                         args.seed_per_class, args.agent_profile, getattr(args, "secure", False),
+                         getattr(args, "tls", False))
 
 
 def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSettings:
@@ -194,13 +213,14 @@ class RoundPrinter:
 
 def command_run(args: argparse.Namespace) -> int:
     """Coordinates a field fleet through an external or embedded broker."""
-    settings = server_settings(args, default_fleet="fleet")
+    settings = dataclasses.replace(server_settings(args, default_fleet="fleet"), secure_dir=args.secure)
     validate_recipe_names(settings)
+    secure = load_secure_fleet(args.secure) if args.secure else None
     printer = RoundPrinter(args.json, settings.policy.rounds)
     if args.broker:
         run_server(settings, parse_broker_url(args.broker), printer, wait_for_devices=args.wait_devices)
     else:
-        with EmbeddedBroker(settings.run_dir / "broker") as broker:
+        with embedded_broker(settings.run_dir / "broker", secure) as broker:
             print(f"embedded broker listening at {broker.address.url}", file=sys.stderr, flush=True)
             run_server(settings, broker.address, printer, wait_for_devices=args.wait_devices)
     printer.summary(settings.run_dir)
@@ -214,10 +234,22 @@ def command_simulate(args: argparse.Namespace) -> int:
     if args.quorum is None:
         settings = dataclasses.replace(settings, policy=dataclasses.replace(settings.policy, quorum=args.devices))
     bench = bench_settings(args)
+    if bench.secure and args.broker:
+        raise ValueError("simulate --secure provisions a fresh fleet and runs its own broker: drop --broker")
     printer = RoundPrinter(args.json, settings.policy.rounds)
     address = parse_broker_url(args.broker) if args.broker else None
     simulate(settings, bench, printer, address)
     printer.summary(settings.run_dir)
+    return 0
+
+
+def command_provision(args: argparse.Namespace) -> int:
+    """Writes a fleet's security files and prints where each device's credential file is."""
+    secure = provision(args.fleet, args.devices, args.out, tls=args.tls, prefix=args.prefix,
+                       tls_hosts=tuple(args.tls_hosts or DEFAULT_TLS_HOSTS))
+    for device in sorted(secure.device_keys):
+        print(f"{device} {secure.device_credentials(device)}")
+    print(f"coordinator: fl-coordinator run --fleet {secure.fleet} --secure {secure.folder}", file=sys.stderr)
     return 0
 
 
@@ -233,6 +265,7 @@ def command_partition(args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": command_run, "simulate": command_simulate, "partition": command_partition,
+    "provision": command_provision,
 }
 
 

@@ -1,18 +1,22 @@
 # The round state machine: announce, collect and validate updates, aggregate, measure, evaluate, persist.
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 from edge_agent import wire
 from edge_agent.models import NUM_CLASSES, Weights, build_model, weight_spec, weights_hash
 from edge_agent.mqtt import IncomingMessage, MqttSession
-from coordinator.divergence import flag_suspects, fleet_divergence
+from coordinator.authentication import UpdateAuthenticator
+from coordinator.divergence import flag_suspects, fleet_divergence, layer_divergence
 from coordinator.evaluation import Evaluator
 from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
-from coordinator.strategies import ClientUpdate, Evaluate, Strategy, coordinate_median
+from coordinator.strategies import (
+    ClientUpdate, Evaluate, RunningSum, Strategy, StreamingWeightedAverage, coordinate_median,
+)
 from coordinator.validation import Expectation, Rejection, validate_update
 
 log = logging.getLogger(__name__)
@@ -57,10 +61,43 @@ class SuspectPolicy:
 def find_suspects(updates: list[ClientUpdate], policy: SuspectPolicy) -> dict[str, list[str]]:
     """Device -> its outlier layers, for the devices whose updates stand apart from the others."""
     reference = coordinate_median([u.weights for u in updates])
-    flagged = flag_suspects(fleet_divergence({u.device_id: u.weights for u in updates}, reference), policy.threshold)
-    layer_count = len(reference)
+    return suspects_by_divergence(fleet_divergence({u.device_id: u.weights for u in updates}, reference), policy)
+
+
+def suspects_by_divergence(divergence: dict[str, dict[str, float]], policy: SuspectPolicy) -> dict[str, list[str]]:
+    """Device -> outlier layers, for devices with at least policy.min_layer_fraction of their layers flagged."""
+    flagged = flag_suspects(divergence, policy.threshold)
+    layer_count = len(next(iter(divergence.values()), {}))
     return {device: layers for device, layers in flagged.items()
             if len(layers) >= policy.min_layer_fraction * layer_count}
+
+
+@dataclass
+class StreamedRound:
+    """A streaming strategy's round in progress: the running aggregate and each device's per-layer divergence from
+    the round's base model, so accepted tensors need not stay in memory (they are in the spool).
+
+    Suspects are judged on the divergence from the base model (the last trusted global model) rather than from the
+    coordinate median, which would need every update at once.
+    """
+
+    strategy: StreamingWeightedAverage
+    base: Weights
+    running: RunningSum
+    from_base: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def absorb(self, update: ClientUpdate) -> None:
+        """Adds an accepted update to the aggregate and notes how far it moved from the base model."""
+        self.strategy.accumulate(self.running, update)
+        self.from_base[update.device_id] = layer_divergence(update.weights, self.base)
+
+    def finish(self, policy: SuspectPolicy) -> tuple[Weights, dict, dict[str, list[str]]]:
+        """(aggregate, report, suspects) once the round's updates are in."""
+        new_weights, report = self.strategy.finish(self.running)
+        suspects = suspects_by_divergence(self.from_base, policy)
+        report["suspects"] = suspects
+        report["streamed"] = True
+        return new_weights, report, suspects
 
 
 @dataclass
@@ -80,12 +117,17 @@ class RoundResult:
 
 @dataclass
 class RoundCollector:
-    """The updates of one round as they arrive: accepted once per device, duplicates answered idempotently."""
+    """The updates of one round as they arrive: accepted once per device, duplicates answered idempotently.
+
+    With `absorb` set, each accepted update's tensors go into it (a streaming aggregate) and only the update's
+    metadata is kept.
+    """
 
     expectation: Expectation
     accepted: dict[str, wire.Update] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
+    absorb: Callable[[wire.Update], None] | None = None
 
     def offer(self, device_id: str, payload: bytes) -> tuple[wire.Update | None, bool]:
         """(update, is_new): a valid first update is new; a redelivery of the accepted one is not; else Rejection."""
@@ -96,6 +138,9 @@ class RoundCollector:
                 return previous, False
             raise Rejection(f"duplicate: {device_id} already has an accepted update for round "
                             f"{self.expectation.round_id}")
+        if self.absorb is not None:
+            self.absorb(update)
+            update = dataclasses.replace(update, tensors={})
         self.accepted[device_id] = update
         self.sizes[device_id] = len(payload)
         return update, True
@@ -126,6 +171,7 @@ class Coordinator:
         evaluator: Evaluator, recipe: wire.Recipe, policy: RoundPolicy, model_name: str = "paper-cnn",
         base_labels: int = 0, evaluate_devices: bool = True, suspect_policy: SuspectPolicy = SuspectPolicy(),
         bundle_files: Callable[[Weights, str], dict[str, bytes]] | None = None,
+        authenticator: UpdateAuthenticator | None = None,
     ) -> None:
         """`bundle_files(weights, hash)` gives the ONNX bundle shipped beside each global model (None: none)."""
         self.fleet = fleet
@@ -140,6 +186,7 @@ class Coordinator:
         self.base_labels = base_labels
         self.evaluate_devices = evaluate_devices
         self.suspect_policy = suspect_policy
+        self.authenticator = authenticator
         self.spec = weight_spec(build_model(model_name))
         self.online: dict[str, wire.Status] = {}
         self.device_labels: dict[str, int] = {}
@@ -176,22 +223,35 @@ class Coordinator:
         """One full round: announce, collect until quorum or deadline, aggregate, evaluate, persist."""
         started_wall, started = time.time(), time.monotonic()
         base_hash = weights_hash(global_weights)
-        collector = RoundCollector(Expectation(round_id, base_hash, self.spec, NUM_CLASSES, self.policy.max_update_bytes))
+        streamed = StreamedRound(self.strategy, global_weights, self.strategy.begin()) if self.streams() else None
+        collector = RoundCollector(
+            Expectation(round_id, base_hash, self.spec, NUM_CLASSES, self.policy.max_update_bytes,
+                        self.authenticator.check if self.authenticator else None),
+            absorb=(lambda update: streamed.absorb(self.client_update(update))) if streamed else None)
         self.resume_spooled(collector)
         self.publish_model(global_weights, base_hash)
         self.announce(round_id, base_hash)
         self.collect(collector, started)
-        updates = [self.client_update(update) for update in collector.accepted.values()]
         aggregation_started = time.monotonic()
-        evaluate = self.evaluator.selection_accuracy if self.strategy.needs_evaluation else None
-        new_weights, report, divergence, suspects = aggregate_with_suspects(
-            self.strategy, global_weights, updates, evaluate, self.suspect_policy)
+        if streamed is None:
+            updates = [self.client_update(update) for update in collector.accepted.values()]
+            evaluate = self.evaluator.selection_accuracy if self.strategy.needs_evaluation else None
+            new_weights, report, divergence, suspects = aggregate_with_suspects(
+                self.strategy, global_weights, updates, evaluate, self.suspect_policy)
+            models: Iterable[ClientUpdate] = updates
+        else:
+            new_weights, report, suspects = streamed.finish(self.suspect_policy)
+            divergence, models = {}, self.spooled_models(collector)
         for device, layers in suspects.items():
             log.warning("suspect update round=%d device=%s layers=%s", round_id, device, ",".join(layers))
         report["aggregation_seconds"] = time.monotonic() - aggregation_started
         accuracy = self.evaluator.test_accuracy(new_weights)
-        device_accuracy = {u.device_id: self.evaluator.test_accuracy(u.weights) for u in updates} \
-            if self.evaluate_devices else {}
+        device_accuracy: dict[str, float] = {}
+        for update in models:
+            if streamed is not None:
+                divergence[update.device_id] = layer_divergence(update.weights, new_weights)
+            if self.evaluate_devices:
+                device_accuracy[update.device_id] = self.evaluator.test_accuracy(update.weights)
         for update in collector.accepted.values():
             self.device_labels[update.device_id] = update.acquired_labels
         labels = self.base_labels + sum(self.device_labels.values())
@@ -201,7 +261,7 @@ class Coordinator:
         result = RoundResult(round_id, accuracy, device_accuracy, labels, divergence,
                              time.monotonic() - started, dict(collector.rejected), report, suspects)
         log.info("round closed round=%d accepted=%d rejected=%d accuracy=%.4f seconds=%.1f",
-                 round_id, len(updates), len(collector.rejected), accuracy, result.seconds)
+                 round_id, len(collector.accepted), len(collector.rejected), accuracy, result.seconds)
         return new_weights, result
 
     def persist(
@@ -216,6 +276,16 @@ class Coordinator:
                               time.time(), update.acquired_labels)
             for device, update in collector.accepted.items()
         ])
+
+    def streams(self) -> bool:
+        """Whether rounds aggregate as updates arrive: a streaming strategy, and no suspect to leave out first."""
+        return self.strategy.streaming and not self.suspect_policy.exclude
+
+    def spooled_models(self, collector: RoundCollector) -> Iterator[ClientUpdate]:
+        """The round's accepted updates read back from the spool one at a time (a streamed round keeps none)."""
+        for device_id, payload in self.store.iter_spooled_updates(collector.expectation.round_id):
+            if device_id in collector.accepted:
+                yield self.client_update(wire.decode(payload, wire.Update, max_bytes=self.policy.max_update_bytes))
 
     def client_update(self, update: wire.Update) -> ClientUpdate:
         """The strategy's view of a validated update."""
@@ -293,7 +363,7 @@ class Coordinator:
 
     def resume_spooled(self, collector: RoundCollector) -> None:
         """Takes back the updates a previous coordinator process accepted for this round before it died."""
-        for device_id, payload in self.store.spooled_updates(collector.expectation.round_id).items():
+        for device_id, payload in self.store.iter_spooled_updates(collector.expectation.round_id):
             try:
                 collector.offer(device_id, payload)
                 log.info("resumed spooled update device=%s round=%d", device_id, collector.expectation.round_id)

@@ -17,7 +17,9 @@ from edge_agent.models import Weights, build_model, get_weights
 from edge_agent.mqtt import BrokerAddress, MqttSession
 from edge_agent.training import TrainSettings, train_supervised
 from coordinator.evaluation import Evaluator, LabelledSplit
+from coordinator.authentication import UpdateAuthenticator
 from coordinator.partition import server_holdout
+from coordinator.provision import load_secure_fleet
 from coordinator.rounds import Coordinator, RoundPolicy, RoundResult, SuspectPolicy
 from coordinator.store import RunStore
 from coordinator.strategies import make_strategy
@@ -59,6 +61,7 @@ class ServerSettings:
     data_dir: Path | None = None
     torch_threads: int | None = None
     ship_bundles: bool = True
+    secure_dir: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,13 @@ def run_server(
         torch.set_num_threads(settings.torch_threads)
     data = data or load_server_data(settings)
     strategy = make_strategy(settings.strategy, **settings.strategy_options)
+    authenticator = None
+    if settings.secure_dir is not None:
+        secure = load_secure_fleet(settings.secure_dir)
+        if secure.fleet != settings.fleet:
+            raise ValueError(f"{settings.secure_dir} was provisioned for fleet {secure.fleet!r}, not {settings.fleet!r}")
+        address = secure.coordinator.apply_to(address)
+        authenticator = UpdateAuthenticator(secure.device_keys)
     store = RunStore(settings.run_dir)
     session = MqttSession(address, client_id=f"coordinator-{settings.fleet}")
     try:
@@ -140,7 +150,7 @@ def run_server(
         coordinator = Coordinator(
             settings.fleet, run_id, session, store, strategy, build_evaluator(settings, data), settings.recipe,
             settings.policy, settings.model_name, base_labels=len(data.init_indices),
-            evaluate_devices=settings.evaluate_devices, suspect_policy=settings.suspects,
+            evaluate_devices=settings.evaluate_devices, suspect_policy=settings.suspects, authenticator=authenticator,
             bundle_files=bundle_exporter(settings) if settings.ship_bundles else None,
         )
         coordinator.device_labels = latest_device_labels(store)

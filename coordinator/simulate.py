@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import subprocess
@@ -15,8 +16,9 @@ import numpy as np
 
 from edge_agent.data import Shard, save_shard
 from edge_agent.mqtt import BrokerAddress
-from coordinator.broker import EmbeddedBroker
+from coordinator.broker import embedded_broker
 from coordinator.partition import partition_indices
+from coordinator.provision import SecureFleet, device_names, load_secure_fleet, provision
 from coordinator.rounds import RoundResult
 from coordinator.server import ServerData, ServerSettings, load_server_data, run_server
 
@@ -36,6 +38,8 @@ class BenchSettings:
     seed: int = 0
     seed_per_class: int = 5
     agent_profile: Path | None = None
+    secure: bool = False
+    tls: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,11 +50,7 @@ class DeviceLaunch:
     shard: Path
     state_dir: Path
     log_file: Path
-
-
-def device_ids(count: int) -> list[str]:
-    """dev-00, dev-01, ...: stable names that sort in order."""
-    return [f"dev-{index:02d}" for index in range(count)]
+    credentials: Path | None = None
 
 
 def seed_indices(labels: np.ndarray, init_indices: np.ndarray, per_class: int) -> np.ndarray:
@@ -67,7 +67,7 @@ def write_shards(data: ServerData, bench: BenchSettings, run_dir: Path) -> list[
     parts = partition_indices(labels, bench.partition, bench.devices, rng, indices=data.device_indices)
     seeds = seed_indices(labels, data.init_indices, bench.seed_per_class)
     launches = []
-    for device_id, part in zip(device_ids(bench.devices), parts):
+    for device_id, part in zip(device_names(bench.devices), parts):
         pool = rng.permutation(part)[:bench.pool_size]
         device_dir = run_dir / "devices" / device_id
         shard = device_dir / "shard.npz"
@@ -84,7 +84,7 @@ def agent_command(launch: DeviceLaunch, address: BrokerAddress, fleet: str, benc
         sys.executable, "-m", "edge_agent", "run", "--broker", address.url, "--fleet", fleet,
         "--device-id", launch.device_id, "--data", str(launch.shard), "--state-dir", str(launch.state_dir),
         "--torch-threads", str(bench.agent_threads), "--exit-on-final", *profile,
-    ]
+    ] + (["--credentials", str(launch.credentials)] if launch.credentials else [])
 
 
 def spawn_agent(launch: DeviceLaunch, address: BrokerAddress, fleet: str, bench: BenchSettings) -> subprocess.Popen:
@@ -114,23 +114,40 @@ def stop_agents(processes: list[subprocess.Popen], timeout: float) -> None:
 
 
 @contextlib.contextmanager
-def broker_for(run_dir: Path, address: BrokerAddress | None) -> Iterator[BrokerAddress]:
-    """The given broker, or an embedded mosquitto in the run directory for the duration of the run."""
+def broker_for(run_dir: Path, address: BrokerAddress | None, secure: SecureFleet | None = None,
+               ) -> Iterator[BrokerAddress]:
+    """The given broker, or an embedded mosquitto (locked to `secure`'s fleet if given) for the run's duration."""
     if address is not None:
         yield address
         return
-    with EmbeddedBroker(run_dir / "broker") as broker:
+    with embedded_broker(run_dir / "broker", secure) as broker:
         yield broker.address
+
+
+def secure_bench(settings: ServerSettings, bench: BenchSettings) -> SecureFleet:
+    """The bench's provisioned fleet in run_dir/secure: made on the first run, reused when the run resumes."""
+    folder = settings.secure_dir or settings.run_dir / "secure"
+    if not (folder / "keys.json").exists():
+        provision(settings.fleet, bench.devices, folder, tls=bench.tls)
+    return load_secure_fleet(folder)
 
 
 def simulate(
     settings: ServerSettings, bench: BenchSettings, on_round: Callable[[RoundResult], None],
     address: BrokerAddress | None = None,
 ) -> None:
-    """Runs the whole bench: shards, broker, N agent processes and the coordinator, and cleans up after."""
+    """Runs the whole bench: shards, broker, N agent processes and the coordinator, and cleans up after.
+
+    Secured (bench.secure), a given broker must already use the fleet provisioned in settings.secure_dir.
+    """
+    secure = None
+    if bench.secure:
+        secure = secure_bench(settings, bench)
+        settings = dataclasses.replace(settings, secure_dir=secure.folder)
     data = load_server_data(settings)
-    launches = write_shards(data, bench, settings.run_dir)
-    with broker_for(settings.run_dir, address) as broker_address:
+    launches = [dataclasses.replace(launch, credentials=secure.device_credentials(launch.device_id) if secure else None)
+                for launch in write_shards(data, bench, settings.run_dir)]
+    with broker_for(settings.run_dir, address, secure) as broker_address:
         processes = [spawn_agent(launch, broker_address, settings.fleet, bench) for launch in launches]
         try:
             run_server(settings, broker_address, on_round, data=data, wait_for_devices=bench.devices)

@@ -8,7 +8,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -310,11 +310,14 @@ class RunStore:
 
     def spooled_updates(self, round_id: int) -> dict[str, bytes]:
         """The spooled payloads of a round by device id (empty if none)."""
+        return dict(self.iter_spooled_updates(round_id))
+
+    def iter_spooled_updates(self, round_id: int) -> Iterator[tuple[str, bytes]]:
+        """(device id, payload) of a round's spooled updates in device order, one file in memory at a time."""
         folder = self.spool_dir / round_name(round_id)
         if not folder.is_dir():
-            return {}
-        return {
-            path.name[: -len(SPOOL_SUFFIX)]: path.read_bytes()
-            for path in sorted(folder.glob(f"*{SPOOL_SUFFIX}"))
-            if IDENTIFIER.fullmatch(path.name[: -len(SPOOL_SUFFIX)])
-        }
+            return
+        for path in sorted(folder.glob(f"*{SPOOL_SUFFIX}")):
+            device_id = path.name[: -len(SPOOL_SUFFIX)]
+            if IDENTIFIER.fullmatch(device_id):
+                yield device_id, path.read_bytes()

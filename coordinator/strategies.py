@@ -76,6 +76,43 @@ def _combine(arrays: Sequence[np.ndarray], coefficients: np.ndarray) -> np.ndarr
     return total.astype(arrays[0].dtype)
 
 
+@dataclass
+class RunningSum:
+    """sum_i c_i W_i per tensor (float64) and each c_i, over the updates added so far: one model's worth of memory."""
+
+    totals: dict[str, np.ndarray] = field(default_factory=dict)
+    dtypes: dict[str, np.dtype] = field(default_factory=dict)
+    coefficients: dict[str, float] = field(default_factory=dict)
+
+
+def add_to_running_sum(running: RunningSum, device_id: str, weights: Weights, coefficient: float) -> None:
+    """Adds c * W in place (float64); the first weight set fixes the layout every later one must match."""
+    if device_id in running.coefficients:
+        raise ValueError(f"more than one update from device(s) {[device_id]}")
+    if not np.isfinite(coefficient) or coefficient < 0.0:
+        raise ValueError(f"coefficients must be finite and non-negative, got {coefficient!r} for {device_id}")
+    if running.totals:
+        expected = {name: (total.shape, running.dtypes[name]) for name, total in running.totals.items()}
+        if {name: (array.shape, array.dtype) for name, array in weights.items()} != expected:
+            raise ValueError(f"the update of {device_id} differs in tensor names, shapes or dtypes from the first one")
+    else:
+        running.totals = {name: np.zeros(array.shape, dtype=np.float64) for name, array in weights.items()}
+        running.dtypes = {name: array.dtype for name, array in weights.items()}
+    for name, array in weights.items():
+        running.totals[name] += coefficient * array.astype(np.float64)
+    running.coefficients[device_id] = float(coefficient)
+
+
+def running_mean(running: RunningSum) -> Weights:
+    """sum_i c_i W_i / sum_i c_i, cast back to the input dtypes; the coefficients must have a positive sum."""
+    if not running.coefficients:
+        raise ValueError("cannot aggregate zero updates")
+    total = sum(running.coefficients.values())
+    if total <= 0.0:
+        raise ValueError(f"coefficients must have a positive sum, got {list(running.coefficients.values())!r}")
+    return {name: (summed / total).astype(running.dtypes[name]) for name, summed in running.totals.items()}
+
+
 def _per_coordinate(weight_sets: Sequence[Weights], statistic: Callable[[np.ndarray], np.ndarray]) -> Weights:
     """statistic(stack) per tensor, the stack's axis 0 running over the weight sets, in float64, cast back."""
     if not weight_sets:
@@ -146,6 +183,7 @@ class Strategy(ABC):
 
     name: ClassVar[str]
     needs_evaluation: ClassVar[bool] = False
+    streaming: ClassVar[bool] = False
 
     @abstractmethod
     def aggregate(
@@ -172,24 +210,63 @@ class WeightedAverageStrategy(Strategy):
         return averaged, {"coefficients": report}
 
 
-class AveFL(WeightedAverageStrategy):
+class StreamingWeightedAverage(WeightedAverageStrategy):
+    """A weighted average whose coefficient depends on one update alone, so it can be summed as updates arrive:
+    begin() -> accumulate() per update -> finish(); the batch aggregate() is the same fold over a list."""
+
+    streaming = True
+
+    @abstractmethod
+    def update_weight(self, update: ClientUpdate) -> float:
+        """The update's unnormalised, non-negative coefficient."""
+
+    def coefficients(self, updates: Sequence[ClientUpdate]) -> np.ndarray:
+        """Each update's own weight (normalised by the caller)."""
+        return np.array([self.update_weight(update) for update in updates], dtype=np.float64)
+
+    def begin(self) -> RunningSum:
+        """An empty running sum for one round."""
+        return RunningSum()
+
+    def accumulate(self, running: RunningSum, update: ClientUpdate) -> None:
+        """Adds one update; after this the update's tensors are no longer needed."""
+        add_to_running_sum(running, update.device_id, update.weights, self.update_weight(update))
+
+    def finish(self, running: RunningSum) -> tuple[Weights, dict[str, Any]]:
+        """The weighted average and, as in the batch report, each device's normalised coefficient."""
+        averaged = running_mean(running)
+        total = sum(running.coefficients.values())
+        return averaged, {"coefficients": {device: c / total for device, c in running.coefficients.items()}}
+
+    def aggregate(
+        self, global_weights: Weights, updates: Sequence[ClientUpdate], evaluate: Evaluate | None
+    ) -> tuple[Weights, dict[str, Any]]:
+        """The streaming fold over a list of updates."""
+        _check_updates(updates)
+        running = self.begin()
+        for update in updates:
+            self.accumulate(running, update)
+        return self.finish(running)
+
+
+class AveFL(StreamingWeightedAverage):
     """The core paper's Algorithm 1: the plain mean of the client models."""
 
     name = "avefl"
 
-    def coefficients(self, updates: Sequence[ClientUpdate]) -> np.ndarray:
-        """a_i = 1/n."""
-        return uniform_coefficients(len(updates))
+    def update_weight(self, update: ClientUpdate) -> float:
+        """a_i = 1 (1/n once normalised)."""
+        return 1.0
 
 
-class FedAvg(WeightedAverageStrategy):
+class FedAvg(StreamingWeightedAverage):
     """McMahan et al.'s FedAvg: the mean of the client models weighted by their sample counts."""
 
     name = "fedavg"
 
-    def coefficients(self, updates: Sequence[ClientUpdate]) -> np.ndarray:
-        """a_i = n_i / sum_j n_j."""
-        return sample_count_coefficients([update.num_samples for update in updates])
+    def update_weight(self, update: ClientUpdate) -> float:
+        """a_i = n_i (n_i / sum_j n_j once normalised)."""
+        return float(update.num_samples)
 
 
 class OptFL(Strategy):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -26,6 +27,7 @@ class Expectation:
     spec: WeightSpec
     num_classes: int
     max_bytes: int
+    authenticate: Callable[[wire.Update, int], None] | None = None
 
 
 def validate_update(device_id: str, payload: bytes, expected: Expectation) -> wire.Update:
@@ -38,6 +40,8 @@ def validate_update(device_id: str, payload: bytes, expected: Expectation) -> wi
         raise Rejection(f"undecodable: {error}") from None
     if update.device_id != device_id:
         raise Rejection(f"device id {update.device_id!r} does not match the topic's {device_id!r}")
+    if expected.authenticate is not None:
+        expected.authenticate(update, expected.round_id)
     if update.round_id != expected.round_id:
         raise Rejection(f"stale round: update is for round {update.round_id}, the current round is {expected.round_id}")
     if update.base_hash != expected.base_hash:

@@ -62,6 +62,7 @@ class BackgroundWork(Protocol):
 
     def tick(self, weights: Weights | None, round_id: int) -> None:
         """Called every loop turn with the newest global weights (None before the first) and the round worked toward."""
+    signing_key: bytes = b""
 
 
 def acquisition_scores(
@@ -295,7 +296,10 @@ class Agent:
         )
 
     def publish_update(self, update: wire.Update) -> None:
-        """Encodes and publishes the update at QoS 1; the session refuses it before paho sees it if it is too large."""
+        """Signs (with a provisioned key), encodes and publishes the update at QoS 1; the session refuses it
+        before paho sees it if it is too large."""
+        if self.settings.signing_key:
+            update = wire.sign_update(update, self.settings.signing_key)
         payload = wire.encode(update)
         topic = wire.device_topic(self.settings.fleet, self.settings.device_id, "update")
         self.session.publish(topic, payload, wait=PUBLISH_WAIT_SECONDS)

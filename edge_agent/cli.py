@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edge_agent import wire
+from edge_agent.credentials import Credentials, load_credentials
 from edge_agent.data import load_shard, open_device_data
 from edge_agent.field_options import add_field_arguments
 from edge_agent.logs import configure_logging
@@ -32,8 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="join a fleet and serve its rounds")
     run.add_argument("--broker", required=True, help="mqtt://HOST:PORT or mqtts://HOST:PORT")
-    run.add_argument("--fleet", required=True)
-    run.add_argument("--device-id", required=True)
+    run.add_argument("--fleet", help="fleet name (default: the credential file's)")
+    run.add_argument("--device-id", help="this device's id (default: the credential file's)")
+    run.add_argument("--credentials", type=Path,
+                     help="credential file from `fl-coordinator provision`: broker login, TLS files, signing key")
     run.add_argument("--data", type=Path,
                      help="pool shard (.npz: images, the simulated oracle's labels, optional seeds); or --pool-dir")
     run.add_argument("--state-dir", type=Path, help="where labels and progress persist (default ./agent-state/ID)")
@@ -81,12 +84,22 @@ def run_score(args: argparse.Namespace) -> int:
     return 0
 
 
-def agent_settings(args: argparse.Namespace, profile: DeviceProfile | None) -> "AgentSettings":
-    """The agent's settings: command-line values first, then the profile's, then the bench defaults."""
+def agent_settings(args: argparse.Namespace, profile: DeviceProfile | None,
+                   credentials: Credentials | None = None) -> "AgentSettings":
+    """The agent's settings: command-line values first, then the credential file's and the profile's, then the
+    bench defaults. A credential file for another device or fleet than the command line names is an error."""
     from edge_agent.agent import AgentSettings
 
-    common = {"fleet": args.fleet, "device_id": args.device_id, "exit_on_final": args.exit_on_final,
-              "stream": args.stream}
+    device_id = args.device_id or (credentials.device_id if credentials else None)
+    fleet = args.fleet or (credentials.fleet if credentials else None)
+    if not device_id or not fleet:
+        raise ValueError("--device-id and --fleet are required without --credentials")
+    if credentials is not None and (device_id, fleet) != (credentials.device_id, credentials.fleet):
+        raise ValueError(f"{args.credentials} belongs to device {credentials.device_id!r} of fleet "
+                         f"{credentials.fleet!r}, not {device_id!r} of {fleet!r}")
+    common = {"fleet": wire.check_identifier("fleet", fleet), "device_id": wire.check_identifier("device id", device_id),
+              "exit_on_final": args.exit_on_final, "stream": args.stream,
+              "signing_key": credentials.hmac_key if credentials else b""}
     if profile is None:
         return AgentSettings(**common, torch_threads=args.torch_threads or 1,
                              inference_batch=args.inference_batch or AgentSettings.inference_batch)
@@ -97,13 +110,14 @@ def agent_settings(args: argparse.Namespace, profile: DeviceProfile | None) -> "
                          mc_passes_cap=profile.mc_passes_cap)
 
 
-def broker_address(url: str, profile: DeviceProfile | None) -> BrokerAddress:
-    """The broker URL, with the profile's TLS files when the URL is mqtts://."""
+def broker_address(url: str, profile: DeviceProfile | None, credentials: Credentials | None = None) -> BrokerAddress:
+    """The broker URL with the profile's TLS files when it is mqtts://, and the credential file's login and TLS
+    files (which win) when one is given."""
     address = parse_broker_url(url)
-    if profile is None or not address.tls:
-        return address
-    return dataclasses.replace(address, ca_file=profile.mqtt.tls_ca, cert_file=profile.mqtt.tls_cert,
-                               key_file=profile.mqtt.tls_key)
+    if profile is not None and address.tls:
+        address = dataclasses.replace(address, ca_file=profile.mqtt.tls_ca, cert_file=profile.mqtt.tls_cert,
+                                      key_file=profile.mqtt.tls_key)
+    return credentials.apply_to(address) if credentials is not None else address
 
 
 def run_agent(args: argparse.Namespace) -> int:
@@ -111,16 +125,15 @@ def run_agent(args: argparse.Namespace) -> int:
     from edge_agent.agent import Agent
     from edge_agent.field import open_field
 
-    wire.check_identifier("device id", args.device_id)
-    wire.check_identifier("fleet", args.fleet)
     if (args.data is None) == (args.pool_dir is None):
         raise ValueError("give exactly one of --data (a bench shard) or --pool-dir (a folder of images)")
     if args.pool_dir is None and (args.stream or args.label_ui):
         raise ValueError("--stream and --label-ui need --pool-dir (a folder pool with the folder oracle)")
-    state_dir = args.state_dir or Path("agent-state") / args.device_id
+    credentials = load_credentials(args.credentials) if args.credentials else None
     profile = load_profile(args.profile) if args.profile is not None else None
-    settings = agent_settings(args, profile)
-    session = MqttSession(broker_address(args.broker, profile), client_id=args.device_id,
+    settings = agent_settings(args, profile, credentials)
+    state_dir = args.state_dir or Path("agent-state") / settings.device_id
+    session = MqttSession(broker_address(args.broker, profile, credentials), client_id=settings.device_id,
                           last_will=Agent.last_will(settings), max_payload_bytes=settings.max_update_bytes,
                           keepalive=profile.mqtt.keepalive if profile else DEFAULT_KEEPALIVE_SECONDS)
     field = None

@@ -1,0 +1,165 @@
+# Coordinator under load: K fake devices (real paho clients, pre-made valid updates) publish to one real coordinator.
+"""Prints one JSON object. For each K, a real `python -m coordinator run` process (embedded mosquitto, W0 without
+training, no per-device evaluation) opens round 1 with quorum K; worker processes host the K devices' MQTT clients,
+build one valid update per device from the announced model (its weights plus noise) before a shared start signal,
+then all publish at once. Reported per K: updates accepted per second (first publish to last ack), seconds from
+the last update's ack to the round's close (the store's closed_at), and the coordinator's peak RSS (VmHWM, read
+while it waits in round 2) against its RSS once the round was announced. Must hold: every update accepted."""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import queue
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+FLEET = "load"
+CONNECT_SECONDS = 120.0
+ROUND_SECONDS = 600.0
+
+
+def worker(address: tuple[str, int], device_ids: list[str], ready: multiprocessing.Event, go: multiprocessing.Event,
+           results: multiprocessing.Queue) -> None:
+    """Hosts many devices: connects them, waits for round 1 and its model, pre-encodes their updates, publishes on
+    `go`, and reports (first publish, last ack, accepted count, rejection reasons) in wall-clock seconds."""
+    import numpy as np
+    import paho.mqtt.client as paho
+
+    from edge_agent import wire
+    from edge_agent.models import NUM_CLASSES
+
+    acks: queue.Queue = queue.Queue()
+    inbox: queue.Queue = queue.Queue()
+    clients = []
+    for device_id in device_ids:
+        client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=device_id, protocol=paho.MQTTv5)
+        client.on_message = lambda c, u, m: (acks if m.topic.endswith("/ack") else inbox).put(
+            (time.time(), m.topic, bytes(m.payload)))
+        client.connect(*address)
+        client.loop_start()
+        client.subscribe(wire.device_topic(FLEET, device_id, "ack"), qos=1)
+        clients.append(client)
+    clients[0].subscribe(wire.round_topic(FLEET), qos=1)
+    announcement = model = None
+    while model is None:
+        _, topic, payload = inbox.get(timeout=CONNECT_SECONDS)
+        if topic == wire.round_topic(FLEET):
+            announcement = wire.decode(payload, wire.RoundAnnouncement)
+            clients[0].subscribe(wire.model_topic(FLEET, announcement.model_hash), qos=1)
+        elif announcement is not None and topic == wire.model_topic(FLEET, announcement.model_hash):
+            model = wire.decode(payload, wire.ModelMessage)
+    rng = np.random.default_rng(abs(hash(device_ids[0])) % 2**32)
+    payloads = [wire.encode(wire.Update(
+        device_id, announcement.round_id, f"load-{device_id}", announcement.model_hash, 100, [10] * NUM_CLASSES, 0,
+        {}, {name: (array + rng.normal(0, 0.01, array.shape)).astype(array.dtype)
+             for name, array in model.tensors.items()})) for device_id in device_ids]
+    update_bytes = len(payloads[0])
+    ready.set()
+    go.wait()
+    first_publish = time.time()
+    for client, device_id, payload in zip(clients, device_ids, payloads):
+        client.publish(wire.device_topic(FLEET, device_id, "update"), payload, qos=1)
+    del payloads
+    verdicts = {}
+    while len(verdicts) < len(device_ids):
+        received, _, payload = acks.get(timeout=ROUND_SECONDS)
+        ack = wire.decode(payload, wire.Ack)
+        verdicts.setdefault(ack.device_id, (received, ack.accepted, ack.reason))
+    for client in clients:
+        client.disconnect()
+        client.loop_stop()
+    results.put({"update_bytes": update_bytes, "first_publish": first_publish, "last_ack": max(v[0] for v in verdicts.values()),
+                 "accepted": sum(v[1] for v in verdicts.values()),
+                 "reasons": sorted({v[2] for v in verdicts.values() if not v[1]})})
+
+
+def memory_kb(pid: int, field: str) -> int:
+    """VmHWM (peak) or VmRSS (now) of a process, in kB, from /proc/<pid>/status."""
+    text = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE).group(1))
+
+
+def start_coordinator(run_dir: Path, devices: int, strategy: str) -> tuple[subprocess.Popen, tuple[str, int]]:
+    """The coordinator process with its embedded broker; returns it and the broker's (host, port)."""
+    command = [sys.executable, "-m", "coordinator", "run", "--fleet", FLEET, "--run-dir", str(run_dir),
+               "--strategy", strategy, "--rounds", "2", "--quorum", str(devices), "--min-devices", str(devices),
+               "--round-timeout", str(ROUND_SECONDS), "--init-samples", "0", "--validation-samples", "10",
+               "--test-samples", "100", "--no-device-eval", "--torch-threads", "1", "--json"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = process.stderr.readline()
+    match = re.search(r"mqtt://([\d.]+):(\d+)", line)
+    if match is None:
+        process.kill()
+        raise RuntimeError(f"coordinator did not report its broker: {line!r}{process.stderr.read()}")
+    return process, (match.group(1), int(match.group(2)))
+
+
+def run_load(devices: int, workers: int, strategy: str) -> dict:
+    """One load run with `devices` fake devices spread over `workers` processes."""
+    with tempfile.TemporaryDirectory(prefix="load-") as folder:
+        run_dir = Path(folder) / "run"
+        coordinator, address = start_coordinator(run_dir, devices, strategy)
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in coordinator.stdout], daemon=True).start()
+        try:
+            ids = [f"dev-{index:03d}" for index in range(devices)]
+            context = multiprocessing.get_context("spawn")
+            ready = [context.Event() for _ in range(workers)]
+            go, results = context.Event(), context.Queue()
+            processes = [context.Process(target=worker, args=(address, ids[index::workers], ready[index], go, results))
+                         for index in range(workers)]
+            for process in processes:
+                process.start()
+            for event in ready:
+                if not event.wait(CONNECT_SECONDS):
+                    raise RuntimeError("fake devices did not get ready in time")
+            rss_before = memory_kb(coordinator.pid, "VmRSS")
+            go.set()
+            reports = [results.get(timeout=ROUND_SECONDS) for _ in processes]
+            round_line = json.loads(lines.get(timeout=ROUND_SECONDS))
+            peak = memory_kb(coordinator.pid, "VmHWM")
+            for process in processes:
+                process.join()
+        finally:
+            coordinator.send_signal(signal.SIGINT)
+            coordinator.wait(timeout=60)
+        with sqlite3.connect(run_dir / "run.sqlite") as db:
+            closed_at, accepted = db.execute("SELECT closed_at, accepted FROM rounds WHERE round_id = 1").fetchone()
+    first = min(r["first_publish"] for r in reports)
+    last_ack = max(r["last_ack"] for r in reports)
+    return {
+        "devices": devices, "strategy": strategy, "update_mb": round(reports[0]["update_bytes"] / 2**20, 3), "accepted_acks": sum(r["accepted"] for r in reports),
+        "accepted_in_store": accepted, "rejections": sorted({x for r in reports for x in r["reasons"]}),
+        "updates_per_second": round(devices / (last_ack - first), 1),
+        "seconds_last_update_to_close": round(closed_at - last_ack, 3),
+        "coordinator_rss_before_mb": round(rss_before / 1024, 1), "coordinator_peak_rss_mb": round(peak / 1024, 1),
+        "round_seconds_reported": round_line.get("seconds"),
+    }
+
+
+def main() -> int:
+    """Runs every K and prints the JSON summary; exit status 1 if any update was lost or rejected."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--devices", type=int, nargs="+", default=[10, 100, 500])
+    parser.add_argument("--workers", type=int, default=4, help="processes hosting the fake devices")
+    parser.add_argument("--strategy", nargs="+", default=["avefl"],
+                        help="avefl/fedavg stream; median keeps every update (for contrast)")
+    args = parser.parse_args()
+    os.environ.setdefault("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
+    rows = [run_load(k, min(args.workers, k), strategy) for strategy in args.strategy for k in args.devices]
+    print(json.dumps({"cores": os.cpu_count(), "rows": rows}, indent=2))
+    lost = [r for r in rows if r["accepted_acks"] != r["devices"] or r["accepted_in_store"] != r["devices"]]
+    return 1 if lost else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+# Streaming aggregation: AveFL/FedAvg summed as updates arrive equal the batch formula; no tensors stay in memory.
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge_agent import wire
+from edge_agent.models import NUM_CLASSES, build_model, get_weights, weight_spec, weights_hash
+from coordinator.rounds import RoundCollector, StreamedRound, SuspectPolicy
+from coordinator.strategies import AveFL, ClientUpdate, FedAvg, Median, make_strategy, weighted_average
+from coordinator.validation import Expectation
+
+MODEL = build_model("paper-cnn", seed=0)
+BASE = get_weights(MODEL)
+
+
+def device_updates(count: int, scaled: int | None = None) -> list[ClientUpdate]:
+    """Devices near the base model with different sample counts; device `scaled` sends its weights x50."""
+    rng = np.random.default_rng(3)
+    updates = []
+    for index in range(count):
+        weights = {name: (array + rng.normal(0, 0.01, array.shape)).astype(array.dtype) for name, array in BASE.items()}
+        if index == scaled:
+            weights = {name: array * np.float32(50) for name, array in weights.items()}
+        updates.append(ClientUpdate(f"dev-{index:02d}", weights, int(rng.integers(1, 500))))
+    return updates
+
+
+@pytest.mark.parametrize("name", ["avefl", "fedavg"])
+def test_streamed_aggregate_equals_the_batch_weighted_average(name: str) -> None:
+    strategy = make_strategy(name)
+    updates = device_updates(7)
+    running = strategy.begin()
+    for index in np.random.default_rng(0).permutation(len(updates)):
+        strategy.accumulate(running, updates[index])
+    streamed, report = strategy.finish(running)
+    counts = [u.num_samples for u in updates] if name == "fedavg" else [1] * len(updates)
+    batch = weighted_average([u.weights for u in updates], counts)
+    for tensor, expected in batch.items():
+        assert streamed[tensor].dtype == expected.dtype
+        np.testing.assert_array_max_ulp(streamed[tensor], expected, maxulp=1)
+    assert report["coefficients"] == pytest.approx({u.device_id: c / sum(counts) for u, c in zip(updates, counts)})
+    assert strategy.streaming and not Median.streaming
+
+
+def test_streaming_rejects_what_the_batch_path_rejects() -> None:
+    strategy = FedAvg()
+    running = strategy.begin()
+    update = device_updates(1)[0]
+    strategy.accumulate(running, update)
+    with pytest.raises(ValueError, match="more than one update"):
+        strategy.accumulate(running, update)
+    with pytest.raises(ValueError, match="differs in tensor names, shapes or dtypes"):
+        strategy.accumulate(running, ClientUpdate("dev-99", {"fc2.bias": np.zeros(10, np.float32)}, 5))
+    empty = strategy.begin()
+    strategy.accumulate(empty, ClientUpdate("dev-00", BASE, 0))
+    with pytest.raises(ValueError, match="positive sum"):
+        strategy.finish(empty)
+
+
+def test_a_streamed_round_keeps_only_metadata_and_flags_the_scaled_device() -> None:
+    updates = device_updates(5, scaled=4)
+    base_hash = weights_hash(BASE)
+    streamed = StreamedRound(AveFL(), BASE, AveFL().begin())
+    collector = RoundCollector(
+        Expectation(1, base_hash, weight_spec(MODEL), NUM_CLASSES, 1 << 22),
+        absorb=lambda u: streamed.absorb(ClientUpdate(u.device_id, u.tensors, u.num_samples)))
+    for update in updates:
+        payload = wire.encode(wire.Update(update.device_id, 1, "u", base_hash, update.num_samples,
+                                          [1] * NUM_CLASSES, 0, {}, update.weights))
+        assert collector.offer(update.device_id, payload)[1] is True
+    assert all(accepted.tensors == {} for accepted in collector.accepted.values())
+    aggregate, report, suspects = streamed.finish(SuspectPolicy())
+    batch, _ = AveFL().aggregate(BASE, updates, None)
+    assert all(np.array_equal(aggregate[name], batch[name]) for name in batch)
+    assert list(suspects) == ["dev-04"] and report["suspects"] == suspects and report["streamed"] is True
