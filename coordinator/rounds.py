@@ -11,7 +11,7 @@ from edge_agent.models import NUM_CLASSES, Weights, build_model, weight_spec, we
 from edge_agent.mqtt import IncomingMessage, MqttSession
 from coordinator.divergence import flag_suspects, fleet_divergence
 from coordinator.evaluation import Evaluator
-from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
+from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore, StrategyState
 from coordinator.strategies import ClientUpdate, Evaluate, Strategy, coordinate_median
 from coordinator.validation import Expectation, Rejection, validate_update
 
@@ -142,6 +142,18 @@ class Coordinator:
         self.online: dict[str, wire.Status] = {}
         self.device_labels: dict[str, int] = {}
         self._announced_model_topic: str | None = None
+        self.restore_strategy_state()
+
+    def restore_strategy_state(self) -> None:
+        """Gives a stateful strategy the state committed with the last round, so a restart continues it."""
+        stored = self.store.latest_strategy_state()
+        if stored is None:
+            return
+        if stored.strategy != self.strategy.name:
+            raise ValueError(f"the run in {self.store.run_dir} holds state of strategy {stored.strategy!r}; "
+                             f"it cannot resume with {self.strategy.name!r}")
+        self.strategy.load_state(stored.state)
+        log.info("strategy state restored strategy=%s", stored.strategy)
 
     def start(self) -> None:
         """Subscribes to every device's updates and status."""
@@ -173,7 +185,8 @@ class Coordinator:
         """One full round: announce, collect until quorum or deadline, aggregate, evaluate, persist."""
         started_wall, started = time.time(), time.monotonic()
         base_hash = weights_hash(global_weights)
-        collector = RoundCollector(Expectation(round_id, base_hash, self.spec, NUM_CLASSES, self.policy.max_update_bytes))
+        collector = RoundCollector(Expectation(round_id, base_hash, self.spec, NUM_CLASSES, self.policy.max_update_bytes,
+                                               self.strategy.required_metrics))
         self.resume_spooled(collector)
         self.publish_model(global_weights, base_hash)
         self.announce(round_id, base_hash)
@@ -205,14 +218,17 @@ class Coordinator:
         self, collector: RoundCollector, weights: Weights, record: RoundRecord, device_accuracy: dict[str, float],
         divergence: dict[str, dict[str, float]],
     ) -> None:
-        """Checkpoints the new global model, then commits the round and its per-device records in one transaction."""
+        """Checkpoints the new global model, then commits the round, its per-device records and the strategy's
+        state in one transaction."""
         record.model_hash = self.store.save_checkpoint(record.round_id, weights)
+        state = self.strategy.state()
+        strategy_state = None if state is None else StrategyState(self.strategy.name, state)
         self.store.commit_round(record, [
             DeviceRoundRecord(record.round_id, device, True, "", update.num_samples, list(update.class_counts),
                               device_accuracy.get(device), divergence[device], collector.sizes.get(device, 0),
                               time.time(), update.acquired_labels)
             for device, update in collector.accepted.items()
-        ])
+        ], strategy_state)
 
     def client_update(self, update: wire.Update) -> ClientUpdate:
         """The strategy's view of a validated update."""
