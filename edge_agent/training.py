@@ -132,6 +132,7 @@ class LocalRule(ABC):
     """A device's local update: trains the model in place on its data and returns metrics for the update."""
 
     name: str
+    reported_metrics: tuple[str, ...] = ()
 
     @abstractmethod
     def train(self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int) -> dict[str, float]:
@@ -231,6 +232,7 @@ class DMLU(LocalRule):
     """
 
     name = "dmlu"
+    reported_metrics = (METRIC_MEME_ENTROPY,)
 
     def train(self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int) -> dict[str, float]:
         """Trains meme and L^c together for E epochs on all labelled data; returns {meme_entropy: H_c}."""
