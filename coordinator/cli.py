@@ -15,7 +15,9 @@ from edge_agent.data import DatasetMissingError
 from edge_agent.logs import configure_logging
 from edge_agent.mqtt import BrokerUnavailableError, parse_broker_url
 from edge_agent.sampling import make_heuristic
-from edge_agent.training import OPTIMIZERS, make_local_rule
+from edge_agent.training import (
+    DEFAULT_KD_WEIGHT, KD_WEIGHT_OPTION, LOCAL_RULES, OPTIMIZERS, make_local_rule, recipe_option,
+)
 from coordinator.broker import BrokerError, embedded_broker
 from coordinator.provision import DEFAULT_TLS_HOSTS, load_secure_fleet, provision
 from coordinator.rounds import RoundPolicy, RoundResult, SuspectPolicy
@@ -31,7 +33,8 @@ def add_round_options(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("run")
     run.add_argument("--fleet", help="fleet name (topic prefix fl/<fleet>/)")
     run.add_argument("--run-dir", type=Path, help="where the store, checkpoints and logs go (default runs/<time>)")
-    run.add_argument("--strategy", default="avefl", help="avefl, optfl, mixfl, fedavg, median or trimmed-mean")
+    run.add_argument("--strategy", default="avefl",
+                     help="avefl, optfl, mixfl, fedavg, median, trimmed-mean, cadis or fmlu")
     run.add_argument("--trim", type=float, help="fraction trimmed from each end per coordinate (trimmed-mean; 0.2)")
     run.add_argument("--suspect-threshold", type=float, default=SuspectPolicy.threshold,
                      help="robust z-score of a layer's divergence above which an update is flagged as suspect")
@@ -50,7 +53,7 @@ def add_round_options(parser: argparse.ArgumentParser) -> None:
     recipe.add_argument("--sampler", default="entropy", help="random, entropy, bald, margin or least-confidence")
     recipe.add_argument("--labels-per-acquisition", type=int, default=400)
     recipe.add_argument("--acquisitions-per-round", type=int, default=1)
-    recipe.add_argument("--local-rule", default="online-replay")
+    recipe.add_argument("--local-rule", default="online-replay", help="online-replay, cadis-kd or dmlu")
     recipe.add_argument("--epochs", type=int, default=5)
     recipe.add_argument("--batch-size", type=int, default=wire.Recipe.batch_size)
     recipe.add_argument("--lr", type=float, default=wire.Recipe.learning_rate)
@@ -58,6 +61,8 @@ def add_round_options(parser: argparse.ArgumentParser) -> None:
     recipe.add_argument("--weight-decay", type=float, default=wire.Recipe.weight_decay)
     recipe.add_argument("--mc-passes", type=int, default=10)
     recipe.add_argument("--seed", type=int, default=0)
+    recipe.add_argument("--kd-weight", type=float,
+                        help=f"cadis-kd: weight of the relational distillation term (default {DEFAULT_KD_WEIGHT})")
     server = parser.add_argument_group("server data")
     server.add_argument("--data-dir", type=Path, help="Fashion-MNIST IDX files (default: the Debian package's)")
     server.add_argument("--init-samples", type=int, default=InitSettings.samples, help="balanced samples for W0")
@@ -112,7 +117,7 @@ def add_bench_options(parser: argparse.ArgumentParser) -> None:
     """How a simulated fleet's data is split."""
     bench = parser.add_argument_group("bench")
     bench.add_argument("--devices", type=int, default=4)
-    bench.add_argument("--partition", default="type1", help="type1, type2, iid or dirichlet:ALPHA")
+    bench.add_argument("--partition", default="type1", help="type1, type2, iid, dirichlet:ALPHA or clusters:K")
     bench.add_argument("--pool-size", type=int, default=BenchSettings.pool_size, help="unlabelled pool per device")
     bench.add_argument("--agent-threads", type=int, default=1, help="torch threads per simulated agent")
     bench.add_argument("--agent-profile", type=Path,
@@ -137,7 +142,7 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
         sampler=args.sampler, labels_per_acquisition=args.labels_per_acquisition,
         acquisitions_per_round=args.acquisitions_per_round, local_rule=args.local_rule, epochs=args.epochs,
         batch_size=args.batch_size, learning_rate=args.lr, momentum=args.momentum,
-        weight_decay=args.weight_decay, mc_passes=args.mc_passes, seed=args.seed,
+        weight_decay=args.weight_decay, mc_passes=args.mc_passes, seed=args.seed, options=recipe_options(args),
     )
     return ServerSettings(
         run_dir=run_dir, fleet=fleet, strategy=args.strategy, recipe=recipe,
@@ -152,11 +157,25 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
     )
 
 
+def recipe_options(args: argparse.Namespace) -> dict[str, float]:
+    """The method parameters given on the command line, sent to devices in the recipe's options."""
+    given = {KD_WEIGHT_OPTION: args.kd_weight}
+    return {name: value for name, value in given.items() if value is not None}
+
+
 def validate_recipe_names(settings: ServerSettings) -> None:
-    """Fails fast, before any process starts, on a sampler, rule or strategy nobody knows."""
+    """Fails fast, before any process starts, on a sampler, rule or strategy nobody knows, a bad method
+    parameter, or a strategy that weighs updates by a metric the local rule does not report."""
     make_heuristic(settings.recipe.sampler)
-    make_local_rule(settings.recipe.local_rule)
-    make_strategy(settings.strategy, **settings.strategy_options)
+    rule = make_local_rule(settings.recipe.local_rule)
+    strategy = make_strategy(settings.strategy, **settings.strategy_options)
+    for name in settings.recipe.options:
+        recipe_option(settings.recipe, name, 0.0)
+    missing = sorted(set(strategy.required_metrics) - set(rule.reported_metrics))
+    if missing:
+        fitting = sorted(name for name, known in LOCAL_RULES.items() if set(missing) <= set(known.reported_metrics))
+        raise ValueError(f"strategy {strategy.name!r} weighs updates by {', '.join(missing)}, which local rule "
+                         f"{rule.name!r} does not report; use --local-rule {' or '.join(fitting)}")
 
 
 class RoundPrinter:

@@ -13,7 +13,7 @@ from edge_agent.mqtt import IncomingMessage, MqttSession
 from coordinator.authentication import UpdateAuthenticator
 from coordinator.divergence import flag_suspects, fleet_divergence, layer_divergence
 from coordinator.evaluation import Evaluator
-from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
+from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore, StrategyState
 from coordinator.strategies import (
     ClientUpdate, Evaluate, RunningSum, Strategy, StreamingWeightedAverage, coordinate_median,
 )
@@ -192,6 +192,18 @@ class Coordinator:
         self.device_labels: dict[str, int] = {}
         self.bundle_files = bundle_files
         self._retained: dict[str, str] = {}
+        self.restore_strategy_state()
+
+    def restore_strategy_state(self) -> None:
+        """Gives a stateful strategy the state committed with the last round, so a restart continues it."""
+        stored = self.store.latest_strategy_state()
+        if stored is None:
+            return
+        if stored.strategy != self.strategy.name:
+            raise ValueError(f"the run in {self.store.run_dir} holds state of strategy {stored.strategy!r}; "
+                             f"it cannot resume with {self.strategy.name!r}")
+        self.strategy.load_state(stored.state)
+        log.info("strategy state restored strategy=%s", stored.strategy)
 
     def start(self) -> None:
         """Subscribes to every device's updates and status."""
@@ -226,7 +238,7 @@ class Coordinator:
         streamed = StreamedRound(self.strategy, global_weights, self.strategy.begin()) if self.streams() else None
         collector = RoundCollector(
             Expectation(round_id, base_hash, self.spec, NUM_CLASSES, self.policy.max_update_bytes,
-                        self.authenticator.check if self.authenticator else None),
+                        self.authenticator.check if self.authenticator else None, self.strategy.required_metrics),
             absorb=(lambda update: streamed.absorb(self.client_update(update))) if streamed else None)
         self.resume_spooled(collector)
         self.publish_model(global_weights, base_hash)
@@ -268,14 +280,17 @@ class Coordinator:
         self, collector: RoundCollector, weights: Weights, record: RoundRecord, device_accuracy: dict[str, float],
         divergence: dict[str, dict[str, float]],
     ) -> None:
-        """Checkpoints the new global model, then commits the round and its per-device records in one transaction."""
+        """Checkpoints the new global model, then commits the round, its per-device records and the strategy's
+        state in one transaction."""
         record.model_hash = self.store.save_checkpoint(record.round_id, weights)
+        state = self.strategy.state()
+        strategy_state = None if state is None else StrategyState(self.strategy.name, state)
         self.store.commit_round(record, [
             DeviceRoundRecord(record.round_id, device, True, "", update.num_samples, list(update.class_counts),
                               device_accuracy.get(device), divergence[device], collector.sizes.get(device, 0),
                               time.time(), update.acquired_labels)
             for device, update in collector.accepted.items()
-        ])
+        ], strategy_state)
 
     def streams(self) -> bool:
         """Whether rounds aggregate as updates arrive: a streaming strategy, and no suspect to leave out first."""

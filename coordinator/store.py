@@ -1,4 +1,4 @@
-# Run state in SQLite (rounds, per-device records, rejections, config) plus model checkpoints and the update spool.
+# Run state in SQLite (rounds, per-device records, strategy state, rejections, config) plus model checkpoints and the update spool.
 from __future__ import annotations
 
 import dataclasses
@@ -55,6 +55,11 @@ CREATE TABLE IF NOT EXISTS device_rounds (
     acquired_labels INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (round_id, device_id)
 );
+CREATE TABLE IF NOT EXISTS strategy_state (
+    round_id INTEGER PRIMARY KEY REFERENCES rounds (round_id),
+    strategy TEXT NOT NULL,
+    body TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS rejections (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     round_id INTEGER NOT NULL,
@@ -97,6 +102,14 @@ class DeviceRoundRecord:
     update_bytes: int
     received_at: float
     acquired_labels: int = 0
+
+
+@dataclass(frozen=True)
+class StrategyState:
+    """A stateful strategy's state after a round (e.g. CADIS's similarity sums), tagged with the strategy's name."""
+
+    strategy: str
+    state: dict
 
 
 def check_device_id(device_id: str) -> str:
@@ -251,8 +264,11 @@ class RunStore:
         """The highest round with a recorded checkpoint, or None."""
         return self._read("SELECT MAX(round_id) FROM checkpoints")[0][0]
 
-    def commit_round(self, record: RoundRecord, devices: Sequence[DeviceRoundRecord]) -> None:
-        """Records a closed round and its per-device records in one transaction; a round commits only once."""
+    def commit_round(
+        self, record: RoundRecord, devices: Sequence[DeviceRoundRecord], strategy_state: StrategyState | None = None,
+    ) -> None:
+        """Records a closed round, its per-device records and the strategy's state after it in one transaction;
+        a round commits only once."""
         round_id = check_round_id(record.round_id)
         for device in devices:
             check_device_id(device.device_id)
@@ -262,12 +278,21 @@ class RunStore:
         placeholders = ", ".join("?" * len(dataclasses.fields(DeviceRoundRecord)))
         insert_device = f"INSERT INTO device_rounds VALUES ({placeholders})"
         statements = [(insert_round, _round_row(record))] + [(insert_device, _device_row(d)) for d in devices]
+        if strategy_state is not None:
+            statements.append(("INSERT INTO strategy_state VALUES (?, ?, ?)", (
+                round_id, str(strategy_state.strategy), _to_json(strategy_state.state, f"round {round_id} strategy state"),
+            )))
         try:
             self._write(statements)
         except sqlite3.IntegrityError as exc:
             if self._read("SELECT 1 FROM rounds WHERE round_id = ?", (round_id,)):
                 raise ValueError(f"round {round_id} is already committed") from exc
             raise ValueError(f"round {round_id} records conflict (a device listed twice?): {exc}") from exc
+
+    def latest_strategy_state(self) -> StrategyState | None:
+        """The strategy state committed with the latest round that has one, or None."""
+        rows = self._read("SELECT strategy, body FROM strategy_state ORDER BY round_id DESC LIMIT 1")
+        return StrategyState(rows[0][0], json.loads(rows[0][1])) if rows else None
 
     def last_committed_round(self) -> int | None:
         """The highest committed round id, or None if none is committed yet."""

@@ -1,4 +1,4 @@
-# Aggregation strategies behind one interface (AveFL, FedAvg, OptFL, MixFL, Median, TrimmedMean) and their math.
+# Aggregation strategies behind one interface (AveFL, FedAvg, OptFL, MixFL, Median, TrimmedMean, FMLU, CADIS) and their math.
 from __future__ import annotations
 
 import inspect
@@ -11,7 +11,8 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import numpy as np
 
-from edge_agent.models import Weights
+from edge_agent.models import NUM_CLASSES, Weights
+from edge_agent.wire import METRIC_MEME_ENTROPY
 
 Evaluate = Callable[[Weights], float]
 
@@ -184,12 +185,22 @@ class Strategy(ABC):
     name: ClassVar[str]
     needs_evaluation: ClassVar[bool] = False
     streaming: ClassVar[bool] = False
+    required_metrics: ClassVar[Mapping[str, tuple[float, float]]] = {}
 
     @abstractmethod
     def aggregate(
         self, global_weights: Weights, updates: Sequence[ClientUpdate], evaluate: Evaluate | None
     ) -> tuple[Weights, dict[str, Any]]:
         """The new global weights and a report; `evaluate` scores a candidate's accuracy on the server's split."""
+
+    def state(self) -> dict[str, Any] | None:
+        """JSON-able state carried from round to round (None for a stateless strategy); the round machinery
+        commits it with each round, so a restarted coordinator continues from the last committed round."""
+        return None
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restores what state() returned; a stateless strategy has nothing to restore."""
+        raise ValueError(f"strategy {self.name!r} keeps no state, but a stored state was given")
 
 
 class WeightedAverageStrategy(Strategy):
@@ -352,8 +363,189 @@ class TrimmedMean(Strategy):
         return trimmed, {"method": self.name, "trim": float(self.trim), "dropped_per_end": dropped}
 
 
+def entropy_coefficients(entropies: Sequence[float]) -> np.ndarray:
+    """FMLU's w_c = exp(-H_c) / sum_c' exp(-H_c'), computed stably; every H_c must be finite."""
+    values = np.asarray(entropies, dtype=np.float64)
+    if values.ndim != 1 or values.size == 0 or not np.all(np.isfinite(values)):
+        raise ValueError(f"entropies must be a non-empty list of finite numbers, got {entropies!r}")
+    scaled = np.exp(-(values - values.min()))
+    return scaled / scaled.sum()
+
+
+def metric_of(update: ClientUpdate, metric: str) -> float:
+    """A finite metric of an update, or ValueError naming the device (the validator rejects such updates first)."""
+    value = update.metrics.get(metric)
+    if value is None or not math.isfinite(value):
+        raise ValueError(f"update of {update.device_id} has no finite {metric!r} metric (got {value!r})")
+    return float(value)
+
+
+class FMLU(WeightedAverageStrategy):
+    """FMLU's server side: the memes averaged with weights exp(-H_c), H_c each meme's mean prediction entropy."""
+
+    name = "fmlu"
+    required_metrics = {METRIC_MEME_ENTROPY: (0.0, math.log(NUM_CLASSES))}
+
+    def coefficients(self, updates: Sequence[ClientUpdate]) -> np.ndarray:
+        """w_c = exp(-H_c) / sum exp(-H_c')."""
+        return entropy_coefficients([metric_of(update, METRIC_MEME_ENTROPY) for update in updates])
+
+
+CADIS_INITIAL_THRESHOLD = 0.975
+CADIS_THRESHOLD_CAP = 0.985
+CADIS_THRESHOLD_GROWTH = 1.0005
+
+
+def classifier_tensor(weights: Weights) -> str:
+    """The final dense classifier's weight ("penultimate layer" in CADIS): the last 2-D tensor named *weight."""
+    names = [name for name, array in weights.items() if array.ndim == 2 and name.endswith("weight")]
+    if not names:
+        raise ValueError("the model has no 2-D weight tensor to serve as the classifier layer")
+    return names[-1]
+
+
+def pairwise_cosine(vectors: np.ndarray) -> np.ndarray:
+    """s_ij = cos(v_i, v_j) for the rows of vectors, s_ii = 1; a pair with a zero vector has similarity 0."""
+    vectors = np.asarray(vectors, dtype=np.float64)
+    norms = np.linalg.norm(vectors, axis=1)
+    safe = np.where(norms > 0.0, norms, 1.0)
+    unit = vectors / safe[:, None]
+    similarity = np.clip(unit @ unit.T, -1.0, 1.0)
+    np.fill_diagonal(similarity, 1.0)
+    return similarity
+
+
+def classifier_similarity(global_weights: Weights, client_weights: Sequence[Weights], layer: str) -> np.ndarray:
+    """CADIS's Eq. 11: cosine similarity of the clients' classifier-weight changes vec(W_i - W_g)."""
+    reference = global_weights[layer].astype(np.float64).ravel()
+    return pairwise_cosine(np.stack([weights[layer].astype(np.float64).ravel() - reference
+                                     for weights in client_weights]))
+
+
+def accumulate_similarity(
+    sums: np.ndarray, counts: np.ndarray, members: Sequence[int], similarity: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Eq. 12 as sums and counts: every pair (i, j) of this round's members gains s_ij and one observation."""
+    index = np.ix_(members, members)
+    sums, counts = sums.copy(), counts.copy()
+    sums[index] += similarity
+    counts[index] += 1
+    return sums, counts
+
+
+def with_devices(
+    devices: Sequence[str], sums: np.ndarray, counts: np.ndarray, device_ids: Sequence[str]
+) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """The device list and matrices grown (zero rows and columns) for the devices not seen before."""
+    new = [device for device in dict.fromkeys(device_ids) if device not in devices]
+    pad = ((0, len(new)), (0, len(new)))
+    return list(devices) + new, np.pad(sums, pad), np.pad(counts, pad)
+
+
+def running_similarity(sums: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """S_ij = sum_ij / T_ij on observed pairs (T_ij > 0), 0 elsewhere."""
+    return np.divide(sums, counts, out=np.zeros_like(sums, dtype=np.float64), where=counts > 0)
+
+
+def q_matrix(similarity: np.ndarray, observed: np.ndarray) -> np.ndarray:
+    """Q_ij = (S_ij - m) / (M - m) on observed pairs, clipped to [0, 1], 0 elsewhere; m, M the observed min, max.
+
+    With every observed value equal (M = m) the observed pairs get Q = 1. No abs(): strongly negative
+    similarities stay at the bottom (the reference code's abs() lifts them).
+    """
+    values = similarity[observed]
+    if values.size == 0:
+        return np.zeros_like(similarity, dtype=np.float64)
+    low, high = float(values.min()), float(values.max())
+    scaled = np.ones_like(similarity, dtype=np.float64) if high <= low else (similarity - low) / (high - low)
+    return np.where(observed, np.clip(scaled, 0.0, 1.0), 0.0)
+
+
+def cluster_sizes(q: np.ndarray, threshold: float) -> np.ndarray:
+    """|C(k)| = #{j : Q_kj >= tau} over every client seen so far (Eq. 13; k itself counts, Q_kk = 1)."""
+    return (np.asarray(q) >= threshold).sum(axis=1)
+
+
+def cadis_coefficients(num_samples: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
+    """w_k = (n_k / |C(k)|) / sum_j (n_j / |C(j)|): each cluster weighs by its mass, not by its head count."""
+    counts = np.asarray(num_samples, dtype=np.float64)
+    sizes = np.asarray(sizes, dtype=np.float64)
+    if counts.shape != sizes.shape or np.any(sizes < 1):
+        raise ValueError(f"need one cluster size >= 1 per client, got {list(sizes)} for {len(counts)} clients")
+    return _normalised(counts / sizes)
+
+
+def next_threshold(threshold: float, step: int) -> float:
+    """tau_{t+1} = min(tau_t * 1.0005^t, 0.985): the clustering threshold rises every round up to the cap."""
+    return min(threshold * CADIS_THRESHOLD_GROWTH ** step, CADIS_THRESHOLD_CAP)
+
+
+class CADIS(Strategy):
+    """CADIS: clusters clients by the running similarity of their classifier updates and gives each cluster
+    the weight of its data rather than of its size. State (similarity sums, counts, tau, step) survives restarts.
+    Transitive learning (estimating unobserved pairs) is not implemented: unobserved pairs count as dissimilar.
+    """
+
+    name = "cadis"
+
+    def __init__(self, threshold: float = CADIS_INITIAL_THRESHOLD) -> None:
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"threshold must lie in [0, 1], got {threshold!r}")
+        self.threshold = float(threshold)
+        self.step = 0
+        self.devices: list[str] = []
+        self.sums = np.zeros((0, 0))
+        self.counts = np.zeros((0, 0), dtype=np.int64)
+
+    def aggregate(
+        self, global_weights: Weights, updates: Sequence[ClientUpdate], evaluate: Evaluate | None
+    ) -> tuple[Weights, dict[str, Any]]:
+        """Eq. 11-13 and 1-2: similarity against the global model sent this round, clustered weights, then tau rises.
+
+        The state changes only once the aggregate exists, so a failing round leaves it as it was.
+        """
+        _check_updates(updates)
+        layer = classifier_tensor(global_weights)
+        similarity = classifier_similarity(global_weights, [update.weights for update in updates], layer)
+        device_ids = [update.device_id for update in updates]
+        devices, sums, counts = with_devices(self.devices, self.sums, self.counts, device_ids)
+        members = [devices.index(device) for device in device_ids]
+        sums, counts = accumulate_similarity(sums, counts, members, similarity)
+        q = q_matrix(running_similarity(sums, counts), counts > 0)
+        sizes = cluster_sizes(q, self.threshold)[members]
+        coefficients = cadis_coefficients([update.num_samples for update in updates], sizes)
+        averaged = weighted_average([update.weights for update in updates], coefficients)
+        report = {
+            "coefficients": {device: float(a) for device, a in zip(device_ids, coefficients)},
+            "cluster_sizes": {device: int(size) for device, size in zip(device_ids, sizes)},
+            "threshold": self.threshold, "layer": layer,
+        }
+        self.devices, self.sums, self.counts = devices, sums, counts
+        self.threshold = next_threshold(self.threshold, self.step)
+        self.step += 1
+        return averaged, report
+
+    def state(self) -> dict[str, Any]:
+        """Devices in matrix order, similarity sums and counts, the current tau and step."""
+        return {"devices": list(self.devices), "sums": self.sums.tolist(), "counts": self.counts.tolist(),
+                "threshold": self.threshold, "step": self.step}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restores state(); a malformed state is a ValueError that says what is wrong."""
+        try:
+            devices = [str(device) for device in state["devices"]]
+            sums = np.asarray(state["sums"], dtype=np.float64).reshape(len(devices), len(devices))
+            counts = np.asarray(state["counts"], dtype=np.int64).reshape(len(devices), len(devices))
+            threshold, step = float(state["threshold"]), int(state["step"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"stored cadis state is malformed: {error}") from None
+        if len(set(devices)) != len(devices) or np.any(counts < 0) or step < 0:
+            raise ValueError("stored cadis state is malformed: repeated devices or negative counts")
+        self.devices, self.sums, self.counts, self.threshold, self.step = devices, sums, counts, threshold, step
+
+
 STRATEGIES: dict[str, type[Strategy]] = {
-    strategy.name: strategy for strategy in (AveFL, FedAvg, OptFL, MixFL, Median, TrimmedMean)
+    strategy.name: strategy for strategy in (AveFL, FedAvg, OptFL, MixFL, Median, TrimmedMean, FMLU, CADIS)
 }
 
 

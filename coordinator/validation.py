@@ -1,13 +1,17 @@
 # Checks every incoming update before it may touch the aggregate: schema, round, base model, tensors, values.
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
 
 import numpy as np
 
 from edge_agent import wire
 from edge_agent.models import WeightSpec, check_weights_match
+
+
+METRIC_TOLERANCE = 1e-4
 
 
 class Rejection(Exception):
@@ -28,6 +32,7 @@ class Expectation:
     num_classes: int
     max_bytes: int
     authenticate: Callable[[wire.Update, int], None] | None = None
+    required_metrics: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def validate_update(device_id: str, payload: bytes, expected: Expectation) -> wire.Update:
@@ -60,4 +65,17 @@ def validate_update(device_id: str, payload: bytes, expected: Expectation) -> wi
         raise Rejection(f"acquired_labels {update.acquired_labels} must lie in [0, num_samples={update.num_samples}]")
     if len(update.class_counts) != expected.num_classes or min(update.class_counts, default=0) < 0:
         raise Rejection(f"class_counts must be {expected.num_classes} non-negative integers")
+    check_required_metrics(update.metrics, expected.required_metrics)
     return update
+
+
+def check_required_metrics(metrics: Mapping[str, float], required: Mapping[str, tuple[float, float]]) -> None:
+    """Rejection unless every metric the strategy needs is present, finite and within its [low, high] bounds."""
+    for name, (low, high) in required.items():
+        if name not in metrics:
+            raise Rejection(f"missing metric {name!r}: the strategy weighs updates by it")
+        value = metrics[name]
+        if not math.isfinite(value):
+            raise Rejection(f"metric {name!r} is not finite: {value!r}")
+        if not low - METRIC_TOLERANCE <= value <= high + METRIC_TOLERANCE:
+            raise Rejection(f"metric {name!r} = {value!r} lies outside [{low:.6g}, {high:.6g}]")

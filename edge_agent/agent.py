@@ -293,6 +293,7 @@ class Agent:
             replay_images=self.data.images(replay_indices[keep]), replay_labels=replay_labels[keep],
             labelled_images=self.data.images(labelled_indices), labelled_labels=labelled_labels,
             unlabelled_images=self.data.images(self.data.pool_indices()),
+            state_dir=self.data.state_dir,
         )
 
     def publish_update(self, update: wire.Update) -> None:

@@ -75,6 +75,11 @@ class PaperCNN(nn.Module):
         """Logits for a batch of normalised images shaped (N, 1, 28, 28)."""
         return self.tail(self.prefix(x))
 
+    def features_and_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(penultimate features, logits) from one pass, so both see the same dropout masks (distillation)."""
+        features = self.penultimate(self.prefix(x))
+        return features, self.fc2(features)
+
 
 MODEL_ZOO: dict[str, Callable[[], nn.Module]] = {"paper-cnn": PaperCNN}
 

@@ -1,20 +1,36 @@
 # Local update rules behind one interface; the training loop they share also trains the coordinator's W0.
 from __future__ import annotations
 
+import copy
+import logging
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from edge_agent.data import normalise
-from edge_agent.wire import Recipe
+from edge_agent.data import load_arrays, normalise, save_arrays
+from edge_agent.models import get_weights, set_weights
+from edge_agent.wire import METRIC_MEME_ENTROPY, Recipe
+
+log = logging.getLogger(__name__)
+
+PRIVATE_MODEL_FILE = "dmlu_private.npz"
+KD_WEIGHT_OPTION = "kd_weight"
+DEFAULT_KD_WEIGHT = 1.0
+MIN_KD_BATCH = 3
 
 
 @dataclass(frozen=True)
 class LocalData:
-    """What a local rule may train on: this acquisition's new labels, the replay set, all labels, the pool."""
+    """What a local rule may train on: this acquisition's new labels, the replay set, all labels, the pool.
+
+    state_dir is the device's private folder, for rules that keep state between rounds (DMLU's personalised model).
+    """
 
     new_images: np.ndarray
     new_labels: np.ndarray
@@ -23,6 +39,7 @@ class LocalData:
     labelled_images: np.ndarray
     labelled_labels: np.ndarray
     unlabelled_images: np.ndarray
+    state_dir: Path | None = None
 
 
 OPTIMIZERS = ("sgd", "adam")
@@ -59,15 +76,34 @@ class TrainSettings:
 
 def train_supervised(model: nn.Module, images: np.ndarray, labels: np.ndarray, settings: TrainSettings) -> float:
     """Trains in place with dropout on, shuffled mini-batches, a fresh optimizer; returns the last epoch's mean loss."""
+    return run_epochs([model], images, labels, settings,
+                      lambda inputs, targets: nn.functional.cross_entropy(model(inputs), targets))
+
+
+BatchLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def run_epochs(
+    models: Sequence[nn.Module], images: np.ndarray, labels: np.ndarray, settings: TrainSettings,
+    batch_loss: BatchLoss, min_batch: int = 1,
+) -> float:
+    """The training loop every rule shares: E seeded epochs of shuffled mini-batches, one fresh optimizer per model.
+
+    batch_loss(inputs, targets) gives the scalar to minimise; all models train (dropout on) and step together.
+    A last batch smaller than min_batch is dropped. Returns the last epoch's mean loss (nan without data).
+    """
     if len(images) != len(labels):
         raise ValueError(f"{len(images)} images but {len(labels)} labels")
-    if len(images) == 0:
+    if settings.batch_size < min_batch:
+        raise ValueError(f"this rule needs batches of at least {min_batch} samples, got batch size {settings.batch_size}")
+    if len(images) < min_batch:
         return float("nan")
     inputs = torch.from_numpy(normalise(images))
     targets = torch.from_numpy(np.asarray(labels, dtype=np.int64))
-    optimizer = settings.make_optimizer(model)
+    optimizers = [settings.make_optimizer(model) for model in models]
     generator = torch.Generator().manual_seed(settings.seed)
-    model.train()
+    for model in models:
+        model.train()
     epoch_loss = float("nan")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
@@ -76,14 +112,19 @@ def train_supervised(model: nn.Module, images: np.ndarray, labels: np.ndarray, s
             total, seen = 0.0, 0
             for start in range(0, len(order), settings.batch_size):
                 batch = order[start:start + settings.batch_size]
-                optimizer.zero_grad(set_to_none=True)
-                loss = nn.functional.cross_entropy(model(inputs[batch]), targets[batch])
+                if len(batch) < min_batch:
+                    continue
+                for optimizer in optimizers:
+                    optimizer.zero_grad(set_to_none=True)
+                loss = batch_loss(inputs[batch], targets[batch])
                 loss.backward()
-                optimizer.step()
+                for optimizer in optimizers:
+                    optimizer.step()
                 total += loss.item() * len(batch)
                 seen += len(batch)
             epoch_loss = total / seen
-    model.eval()
+    for model in models:
+        model.eval()
     return epoch_loss
 
 
@@ -91,6 +132,7 @@ class LocalRule(ABC):
     """A device's local update: trains the model in place on its data and returns metrics for the update."""
 
     name: str
+    reported_metrics: tuple[str, ...] = ()
 
     @abstractmethod
     def train(self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int) -> dict[str, float]:
@@ -110,7 +152,149 @@ class OnlineReplaySGD(LocalRule):
         return {"train_loss": loss, "train_samples": float(len(images))}
 
 
-LOCAL_RULES: dict[str, type[LocalRule]] = {rule.name: rule for rule in (OnlineReplaySGD,)}
+def recipe_option(recipe: Recipe, name: str, default: float) -> float:
+    """A method parameter from the recipe's options (default when absent); it must be finite and >= 0."""
+    value = float(recipe.options.get(name, default))
+    if not math.isfinite(value) or value < 0.0:
+        raise ValueError(f"recipe option {name!r} must be a finite number >= 0, got {value!r}")
+    return value
+
+
+def prediction_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """H(softmax(logits)) per sample, in nats."""
+    log_p = nn.functional.log_softmax(logits, dim=1)
+    return -(log_p.exp() * log_p).sum(dim=1)
+
+
+def distillation_kl(target_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(softmax(target) || softmax(logits)) per sample; the target distribution is detached (no gradient)."""
+    log_target = nn.functional.log_softmax(target_logits.detach(), dim=1)
+    return (log_target.exp() * (log_target - nn.functional.log_softmax(logits, dim=1))).sum(dim=1)
+
+
+def confidence_coefficients(logits: torch.Tensor) -> torch.Tensor:
+    """DMLU's per-sample coefficient e^{-H(p)}, detached; it lies in [1/C, 1]."""
+    return torch.exp(-prediction_entropy(logits.detach()))
+
+
+def mutual_losses(
+    local_logits: torch.Tensor, meme_logits: torch.Tensor, targets: torch.Tensor,
+    local_coefficients: torch.Tensor, meme_coefficients: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L_local, L_meme) of deep mutual learning: each model's CE plus its per-sample weighted, batch-mean KL
+    towards the other model's detached prediction."""
+    local_loss = nn.functional.cross_entropy(local_logits, targets) \
+        + (local_coefficients * distillation_kl(meme_logits, local_logits)).mean()
+    meme_loss = nn.functional.cross_entropy(meme_logits, targets) \
+        + (meme_coefficients * distillation_kl(local_logits, meme_logits)).mean()
+    return local_loss, meme_loss
+
+
+def dmlu_losses(local_logits: torch.Tensor, meme_logits: torch.Tensor, targets: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """FMLU's Eq. 3-4: L_local = CE + e^{-H(p_meme)} KL(p_meme||p_local), L_meme = CE + e^{-H(p_local)} KL(p_local||p_meme)."""
+    return mutual_losses(local_logits, meme_logits, targets,
+                         confidence_coefficients(meme_logits), confidence_coefficients(local_logits))
+
+
+def mean_prediction_entropy(model: nn.Module, images: np.ndarray, batch_size: int = 256) -> float:
+    """The model's mean H(p) over images with dropout off (FMLU's H_c); nan for no images."""
+    if len(images) == 0:
+        return float("nan")
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, len(images), batch_size):
+            inputs = torch.from_numpy(normalise(images[start:start + batch_size]))
+            total += float(prediction_entropy(model(inputs)).sum())
+    return total / len(images)
+
+
+def private_model_path(state_dir: Path) -> Path:
+    """Where DMLU keeps the device's personalised model L^c."""
+    return Path(state_dir) / PRIVATE_MODEL_FILE
+
+
+def load_private_model(state_dir: Path, first_global: nn.Module) -> nn.Module:
+    """L^c from the device's state dir, or a copy of the global model when the device has none yet."""
+    private = copy.deepcopy(first_global)
+    path = private_model_path(state_dir)
+    if path.is_file():
+        set_weights(private, load_arrays(path))
+    return private
+
+
+class DMLU(LocalRule):
+    """FMLU's device side: trains the meme (the model that is uploaded) and the private L^c with DMLU losses.
+
+    L^c never leaves the device: it lives in state_dir (atomic writes) and only this rule reads or writes it.
+    The only metric reported is the meme's mean prediction entropy on the labelled data after training (H_c).
+    """
+
+    name = "dmlu"
+    reported_metrics = (METRIC_MEME_ENTROPY,)
+
+    def train(self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int) -> dict[str, float]:
+        """Trains meme and L^c together for E epochs on all labelled data; returns {meme_entropy: H_c}."""
+        if data.state_dir is None:
+            raise ValueError("the dmlu rule keeps a private model and needs the device's state_dir")
+        private = load_private_model(data.state_dir, global_model)
+
+        def batch_loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            local_loss, meme_loss = dmlu_losses(private(inputs), model(inputs), targets)
+            return local_loss + meme_loss
+
+        loss = run_epochs([private, model], data.labelled_images, data.labelled_labels,
+                          TrainSettings.from_recipe(recipe, seed), batch_loss)
+        save_arrays(private_model_path(data.state_dir), get_weights(private))
+        entropy = mean_prediction_entropy(model, data.labelled_images)
+        log.info("dmlu trained samples=%d loss=%.4f meme_entropy=%.4f", len(data.labelled_labels), loss, entropy)
+        return {METRIC_MEME_ENTROPY: entropy}
+
+
+def kernel_neighbour_distribution(features: torch.Tensor) -> torch.Tensor:
+    """p_{j|i} over a batch's other samples (B x (B-1)), with the CADIS code's kernel on pairwise distances:
+    K_ij = exp(-(d_ij - mean d)^2 / (2 (std(d)^2 + 1e-3))), d the off-diagonal Euclidean distances."""
+    count = len(features)
+    if count < MIN_KD_BATCH:
+        raise ValueError(f"relational distillation needs at least {MIN_KD_BATCH} samples per batch, got {count}")
+    distances = torch.cdist(features, features)
+    off_diagonal = ~torch.eye(count, dtype=torch.bool)
+    d = distances[off_diagonal].reshape(count, count - 1)
+    kernel = torch.exp(-0.5 * (d - d.mean()) ** 2 / (d.std() ** 2 + 1e-3))
+    return kernel / kernel.sum(dim=1, keepdim=True)
+
+
+def relational_kd_loss(student_features: torch.Tensor, teacher_features: torch.Tensor) -> torch.Tensor:
+    """CADIS's Eq. 18-19: sum_i sum_{j!=i} p_{j|i} ln(p_{j|i} / q_{j|i}), p from the teacher, q from the student."""
+    teacher = kernel_neighbour_distribution(teacher_features.detach())
+    student = kernel_neighbour_distribution(student_features)
+    return (teacher * (teacher.log() - student.log())).sum()
+
+
+class CadisKD(LocalRule):
+    """CADIS's device side (Eq. 20): CE + kd_weight * L_KD on all labelled data; the teacher is the frozen
+    global model received this round, compared on penultimate features; batches of fewer than 3 are dropped."""
+
+    name = "cadis-kd"
+
+    def train(self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int) -> dict[str, float]:
+        """Trains `model` in place; the recipe option kd_weight (default 1.0) scales the distillation term."""
+        kd_weight = recipe_option(recipe, KD_WEIGHT_OPTION, DEFAULT_KD_WEIGHT)
+        teacher = copy.deepcopy(global_model).eval()
+
+        def batch_loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            features, logits = model.features_and_logits(inputs)
+            with torch.no_grad():
+                teacher_features, _ = teacher.features_and_logits(inputs)
+            return nn.functional.cross_entropy(logits, targets) + kd_weight * relational_kd_loss(features, teacher_features)
+
+        loss = run_epochs([model], data.labelled_images, data.labelled_labels, TrainSettings.from_recipe(recipe, seed),
+                          batch_loss, min_batch=MIN_KD_BATCH)
+        return {"train_loss": loss, "train_samples": float(len(data.labelled_labels))}
+
+
+LOCAL_RULES: dict[str, type[LocalRule]] = {rule.name: rule for rule in (OnlineReplaySGD, DMLU, CadisKD)}
 
 
 def make_local_rule(name: str) -> LocalRule:

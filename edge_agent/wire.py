@@ -29,6 +29,8 @@ ALLOWED_DTYPES = frozenset(
 
 Tensors = dict[str, np.ndarray]
 
+METRIC_MEME_ENTROPY = "meme_entropy"
+
 
 class WireError(ValueError):
     """Any message that cannot be decoded or does not fit its schema; the text says exactly what is wrong."""

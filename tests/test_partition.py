@@ -32,11 +32,48 @@ def test_parse_partition_accepts_the_four_forms():
     assert parse_partition("type2") == PartitionSpec("type2")
     assert parse_partition("iid") == PartitionSpec("iid")
     assert parse_partition("dirichlet:0.3") == PartitionSpec("dirichlet", 0.3)
+    assert parse_partition("clusters:3") == PartitionSpec("clusters", clusters=3)
 
 
-@pytest.mark.parametrize("spec", ["type3", "", "Type1", "dirichlet", "dirichlet0.5", "clusters:2"])
+@pytest.mark.parametrize("spec", ["clusters:0", "clusters:-1", "clusters:1.5", "clusters:", "clusters:x"])
+def test_parse_partition_bad_cluster_count(spec):
+    with pytest.raises(ValueError, match="K must be an integer >= 1"):
+        parse_partition(spec)
+
+
+def test_clusters_give_each_device_group_its_own_fifth_of_the_classes(train_labels):
+    indices = np.arange(0, len(train_labels), 7)
+    parts = partition_indices(train_labels, "clusters:3", 6, np.random.default_rng(0), indices=indices)
+    classes = [set(np.unique(train_labels[part]).tolist()) for part in parts]
+    assert classes == [{0, 1}, {0, 1}, {2, 3}, {2, 3}, {4, 5}, {4, 5}]
+    joined = np.concatenate(parts)
+    assert len(np.unique(joined)) == len(joined)
+    held = indices[np.isin(train_labels[indices], [0, 1, 2, 3, 4, 5])]
+    assert np.array_equal(np.sort(joined), held)
+    sizes = [len(part) for part in parts]
+    assert max(sizes) - min(sizes) <= 0.05 * max(sizes)
+
+
+def test_five_clusters_cover_every_class_and_more_wrap_around(train_labels):
+    indices = np.arange(0, len(train_labels), 11)
+    five = partition_indices(train_labels, "clusters:5", 5, np.random.default_rng(1), indices=indices)
+    assert_disjoint_cover(five, indices)
+    assert [sorted(np.unique(train_labels[part]).tolist()) for part in five] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    six = partition_indices(train_labels, "clusters:6", 6, np.random.default_rng(1), indices=indices)
+    assert_disjoint_cover(six, indices)
+    assert sorted(np.unique(train_labels[six[5]]).tolist()) == [0, 1]
+    shared = np.isin(train_labels[indices], [0, 1]).sum()
+    assert abs(len(six[0]) - len(six[5])) <= 2 and len(six[0]) + len(six[5]) == shared
+
+
+def test_clusters_need_a_device_per_cluster(train_labels):
+    with pytest.raises(ValueError, match="clusters:4 needs at least 4 devices, got 3"):
+        partition_indices(train_labels, "clusters:4", 3, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("spec", ["type3", "", "Type1", "dirichlet", "dirichlet0.5", "clusters", "cluster:2"])
 def test_parse_partition_unknown(spec):
-    expected = f"unknown partition '{spec}'; expected type1, type2, iid or dirichlet:ALPHA"
+    expected = f"unknown partition '{spec}'; expected type1, type2, iid, dirichlet:ALPHA or clusters:K"
     with pytest.raises(ValueError) as caught:
         parse_partition(spec)
     assert str(caught.value) == expected

@@ -1,4 +1,5 @@
 # Unit tests for the aggregation strategies and the averaging math: hand values and the core paper's properties.
+import dataclasses
 import json
 
 import numpy as np
@@ -209,7 +210,9 @@ def test_every_strategy_rejects_zero_updates_and_reports_json(name: str) -> None
     evaluate = accuracy_towards(constant_weights(1.0))
     with pytest.raises(ValueError, match="zero updates"):
         strategy.aggregate(constant_weights(0.0), [], evaluate)
-    updates = updates_for([constant_weights(0.0), constant_weights(2.0)], counts=[1, 2])
+    metrics = {metric: (low + high) / 2 for metric, (low, high) in strategy.required_metrics.items()}
+    updates = [dataclasses.replace(update, metrics=metrics)
+               for update in updates_for([constant_weights(0.0), constant_weights(2.0)], counts=[1, 2])]
     _, report = strategy.aggregate(constant_weights(0.0), updates, evaluate)
     assert json.loads(json.dumps(report)) == report
 
@@ -229,11 +232,11 @@ def test_duplicate_devices_are_rejected() -> None:
 
 
 def test_registry_names_and_unknown_name() -> None:
-    assert sorted(STRATEGIES) == ["avefl", "fedavg", "median", "mixfl", "optfl", "trimmed-mean"]
+    assert sorted(STRATEGIES) == ["avefl", "cadis", "fedavg", "fmlu", "median", "mixfl", "optfl", "trimmed-mean"]
     assert all(isinstance(make_strategy(n), STRATEGIES[n]) and make_strategy(n).name == n for n in STRATEGIES)
     assert not AveFL.needs_evaluation and not FedAvg.needs_evaluation
     assert OptFL.needs_evaluation and MixFL.needs_evaluation
-    with pytest.raises(ValueError, match="'krum'; known: avefl, fedavg, median, mixfl, optfl, trimmed-mean$"):
+    with pytest.raises(ValueError, match="'krum'; known: avefl, cadis, fedavg, fmlu, median, mixfl, optfl, trimmed-mean$"):
         make_strategy("krum")
     with pytest.raises(ValueError, match="'avefl' does not take option\\(s\\) \\['trim'\\]; it takes: no options"):
         make_strategy("avefl", trim=0.2)
