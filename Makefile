@@ -1,6 +1,6 @@
 # Entry points for people and CI: set-up is part of every target, so a fresh machine needs only `make`.
 PYTHON ?= python3
-APT_PACKAGES := mosquitto dataset-fashion-mnist
+APT_PACKAGES := mosquitto dataset-fashion-mnist chromium chromium-driver
 STAMP := .make-stamps
 
 .PHONY: demo test install system-deps python-deps clean
@@ -18,7 +18,8 @@ install: system-deps python-deps
 system-deps: $(STAMP)/system
 $(STAMP)/system:
 	@mkdir -p $(STAMP)
-	@if ! command -v mosquitto >/dev/null 2>&1 || ! dpkg -s dataset-fashion-mnist >/dev/null 2>&1; then \
+	@if ! command -v mosquitto >/dev/null 2>&1 || ! dpkg -s dataset-fashion-mnist >/dev/null 2>&1 \
+		|| ! test -x /usr/bin/chromium || ! test -x /usr/bin/chromedriver; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES); \
 	fi
 	@touch $@

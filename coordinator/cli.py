@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from edge_agent import wire
 from edge_agent.data import DatasetMissingError
@@ -17,6 +18,8 @@ from edge_agent.mqtt import BrokerUnavailableError, parse_broker_url
 from edge_agent.sampling import make_heuristic
 from edge_agent.training import OPTIMIZERS, make_local_rule
 from coordinator.broker import BrokerError, EmbeddedBroker
+from coordinator.dashboard.live import LiveState
+from coordinator.dashboard.server import Dashboard, dashboard_token, parse_listen_address
 from coordinator.rounds import RoundPolicy, RoundResult, SuspectPolicy
 from coordinator.server import InitSettings, ServerSettings, load_server_data, run_server
 from coordinator.simulate import BenchSettings, simulate, write_shards
@@ -43,6 +46,10 @@ def add_round_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--json", action="store_true", help="one JSON object per round on stdout, then a summary")
     run.add_argument("--log-level", default="warning")
     run.add_argument("--torch-threads", type=int, help="torch threads of the coordinator process")
+    run.add_argument("--dashboard", metavar="[HOST:]PORT",
+                     help="serve the live dashboard, JSON API and /metrics here (host 127.0.0.1 unless given)")
+    run.add_argument("--dashboard-token", help="bearer token the API requires (default: none on loopback, "
+                                               "else generated into RUN_DIR/dashboard-token)")
     recipe = parser.add_argument_group("round recipe (sent to devices)")
     recipe.add_argument("--sampler", default="entropy", help="random, entropy, bald, margin or least-confidence")
     recipe.add_argument("--labels-per-acquisition", type=int, default=400)
@@ -187,17 +194,36 @@ class RoundPrinter:
               f"{summary['seconds']:.0f}s; run stored in {run_dir}")
 
 
+@contextlib.contextmanager
+def dashboard_for(args: argparse.Namespace, settings: ServerSettings) -> Iterator[LiveState | None]:
+    """The live state of a dashboard served for the run's duration if --dashboard asks for one, else None."""
+    if args.dashboard is None:
+        if args.dashboard_token is not None:
+            raise ValueError("--dashboard-token needs --dashboard")
+        yield None
+        return
+    address = parse_listen_address(args.dashboard)
+    token = dashboard_token(address, args.dashboard_token, settings.run_dir)
+    live = LiveState(settings.policy.rounds)
+    with Dashboard(address, settings.run_dir, live, token) as dashboard:
+        where = f"{dashboard.url}#token={token}" if token and args.dashboard_token is None else dashboard.url
+        print(f"dashboard at {where}", file=sys.stderr, flush=True)
+        yield live
+
+
 def command_run(args: argparse.Namespace) -> int:
     """Coordinates a field fleet through an external or embedded broker."""
     settings = server_settings(args, default_fleet="fleet")
     validate_recipe_names(settings)
     printer = RoundPrinter(args.json, settings.policy.rounds)
-    if args.broker:
-        run_server(settings, parse_broker_url(args.broker), printer, wait_for_devices=args.wait_devices)
-    else:
-        with EmbeddedBroker(settings.run_dir / "broker") as broker:
-            print(f"embedded broker listening at {broker.address.url}", file=sys.stderr, flush=True)
-            run_server(settings, broker.address, printer, wait_for_devices=args.wait_devices)
+    with dashboard_for(args, settings) as live:
+        if args.broker:
+            run_server(settings, parse_broker_url(args.broker), printer, wait_for_devices=args.wait_devices,
+                       observer=live)
+        else:
+            with EmbeddedBroker(settings.run_dir / "broker") as broker:
+                print(f"embedded broker listening at {broker.address.url}", file=sys.stderr, flush=True)
+                run_server(settings, broker.address, printer, wait_for_devices=args.wait_devices, observer=live)
     printer.summary(settings.run_dir)
     return 0
 
@@ -211,7 +237,8 @@ def command_simulate(args: argparse.Namespace) -> int:
     bench = bench_settings(args)
     printer = RoundPrinter(args.json, settings.policy.rounds)
     address = parse_broker_url(args.broker) if args.broker else None
-    simulate(settings, bench, printer, address)
+    with dashboard_for(args, settings) as live:
+        simulate(settings, bench, printer, address, observer=live)
     printer.summary(settings.run_dir)
     return 0
 

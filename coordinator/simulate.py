@@ -17,7 +17,7 @@ from edge_agent.data import Shard, save_shard
 from edge_agent.mqtt import BrokerAddress
 from coordinator.broker import EmbeddedBroker
 from coordinator.partition import partition_indices
-from coordinator.rounds import RoundResult
+from coordinator.rounds import RoundObserver, RoundResult
 from coordinator.server import ServerData, ServerSettings, load_server_data, run_server
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ def broker_for(run_dir: Path, address: BrokerAddress | None) -> Iterator[BrokerA
 
 def simulate(
     settings: ServerSettings, bench: BenchSettings, on_round: Callable[[RoundResult], None],
-    address: BrokerAddress | None = None,
+    address: BrokerAddress | None = None, observer: RoundObserver | None = None,
 ) -> None:
     """Runs the whole bench: shards, broker, N agent processes and the coordinator, and cleans up after."""
     data = load_server_data(settings)
@@ -130,7 +130,8 @@ def simulate(
     with broker_for(settings.run_dir, address) as broker_address:
         processes = [spawn_agent(launch, broker_address, settings.fleet, bench.agent_threads) for launch in launches]
         try:
-            run_server(settings, broker_address, on_round, data=data, wait_for_devices=bench.devices)
+            run_server(settings, broker_address, on_round, data=data, wait_for_devices=bench.devices,
+                       observer=observer)
         except BaseException:
             stop_agents(processes, timeout=0.0)
             raise
