@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     partition.add_argument("--validation-samples", type=int, default=1000)
     partition.add_argument("--seed", type=int, default=0)
     partition.add_argument("--log-level", default="warning")
+    report = commands.add_parser("report", help="write a run's self-contained HTML report")
+    report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    report.add_argument("--out", type=Path, help="where to write it (default RUN_DIR/report.html)")
+    report.add_argument("--log-level", default="warning")
     return parser
 
 
@@ -169,8 +173,8 @@ class RoundPrinter:
                   + (f"  rejected {len(result.rejected)}" if result.rejected else "")
                   + (f"  suspects {','.join(sorted(result.suspects))}" if result.suspects else ""), flush=True)
 
-    def summary(self, run_dir: Path) -> None:
-        """The closing line (JSON) or table (human)."""
+    def summary(self, run_dir: Path, report: Path | None = None) -> None:
+        """The closing line (JSON) or table (human), naming the run's HTML report when one was written."""
         if not self.results:
             return
         last = self.results[-1]
@@ -179,6 +183,7 @@ class RoundPrinter:
             "best_device_accuracy": max(last.device_accuracy.values(), default=None),
             "rounds": len(self.results), "labels": last.labels,
             "seconds": round(time.monotonic() - self.started, 3), "run_dir": str(run_dir),
+            "report": None if report is None else str(report),
         }
         if self.as_json:
             print(json.dumps({"summary": summary}), flush=True)
@@ -192,6 +197,8 @@ class RoundPrinter:
             print(f"{r.round_id:>5}  {r.accuracy:.4f}  {cells}  {r.labels:>7}  {r.seconds:7.1f}")
         print(f"\nfinal global accuracy {summary['final_accuracy']:.4f}; {summary['labels']} labels; "
               f"{summary['seconds']:.0f}s; run stored in {run_dir}")
+        if report is not None:
+            print(f"report: {report}")
 
 
 @contextlib.contextmanager
@@ -239,7 +246,20 @@ def command_simulate(args: argparse.Namespace) -> int:
     address = parse_broker_url(args.broker) if args.broker else None
     with dashboard_for(args, settings) as live:
         simulate(settings, bench, printer, address, observer=live)
-    printer.summary(settings.run_dir)
+    printer.summary(settings.run_dir, write_report(settings.run_dir))
+    return 0
+
+
+def write_report(run_dir: Path, out: Path | None = None) -> Path:
+    """Writes the run's HTML report (matplotlib is imported here, so other commands start without it)."""
+    from coordinator.dashboard.report import write_report as write_html_report
+
+    return write_html_report(run_dir, out)
+
+
+def command_report(args: argparse.Namespace) -> int:
+    """Writes the self-contained HTML report of a run directory and prints its path."""
+    print(write_report(args.run_dir, args.out))
     return 0
 
 
@@ -254,7 +274,7 @@ def command_partition(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "run": command_run, "simulate": command_simulate, "partition": command_partition,
+    "run": command_run, "simulate": command_simulate, "partition": command_partition, "report": command_report,
 }
 
 
