@@ -308,6 +308,12 @@ class RunStore:
             (check_round_id(round_id), str(device_id), str(reason), int(update_bytes), time.time()),
         )])
 
+    def revision(self) -> tuple:
+        """Changes whenever the config is set, a round commits or a rejection is recorded: readers that cache what
+        they read compare it instead of re-reading every record."""
+        return self._read("SELECT (SELECT body FROM config WHERE id = 1), (SELECT MAX(round_id) FROM rounds), "
+                          "(SELECT MAX(id) FROM rejections)")[0]
+
     def rejections(self) -> list[tuple[int, str, str, int, float]]:
         """Every rejected update as (round id, device id, reason, bytes, recorded at), in the order they came."""
         return self._read("SELECT round_id, device_id, reason, update_bytes, recorded_at FROM rejections ORDER BY id")

@@ -16,7 +16,7 @@ from edge_agent import wire
 from coordinator.dashboard.live import LiveState, reason_kind
 from coordinator.dashboard.server import Dashboard, ListenAddress, dashboard_token, parse_listen_address
 from coordinator.rounds import RoundResult
-from coordinator.store import RunStore
+from coordinator.store import RoundRecord, RunStore
 from run_records import DEVICES, LAYERS, LOCAL_ACCURACY, STALE, fill_store
 
 def get(url: str, token: str | None = None) -> tuple[int, str, str]:
@@ -131,6 +131,19 @@ def test_metrics_in_prometheus_text_format(served: str) -> None:
     }
     for family in ("fl_rounds_completed_total", "fl_updates_rejected_total", "fl_aggregation_seconds"):
         assert f"# HELP {family} " in body and f"# TYPE {family} " in body
+
+
+def test_api_follows_the_store_as_rounds_commit(tmp_path: Path) -> None:
+    fill_store(tmp_path / "run")
+    with Dashboard(ListenAddress("127.0.0.1", 0), tmp_path / "run", None, None) as dashboard:
+        assert [r["round"] for r in get_json(dashboard.url + "api/rounds")[1]["rounds"]] == [1, 2]
+        with RunStore(tmp_path / "run") as writer:
+            writer.commit_round(RoundRecord(3, 300.0, 305.0, "cd" * 32, 0.8, 400, 0, 0, {}, {}), [])
+            assert [r["round"] for r in get_json(dashboard.url + "api/rounds")[1]["rounds"]] == [1, 2, 3]
+            writer.record_rejection(3, "dev-01", "too large: 9 bytes exceeds the limit of 8", 9)
+            devices = {d["device_id"]: d for d in get_json(dashboard.url + "api/devices")[1]["devices"]}
+        assert devices["dev-01"]["last_update"]["reason"].startswith("too large")
+        assert get_json(dashboard.url + "api/run")[1]["phase"] == "stored"  # no live state: from the store alone
 
 
 def test_api_answers_before_the_store_exists(tmp_path: Path) -> None:

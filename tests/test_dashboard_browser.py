@@ -63,7 +63,7 @@ class Simulation:
 def test_browser_watches_a_running_simulation(tmp_path: Path) -> None:
     """Device table lists every device, the round counter advances between two looks, the heatmap has a row per
     device; a screenshot is kept in test-artifacts/."""
-    simulation = Simulation(tmp_path / "run", rounds=4)
+    simulation = Simulation(tmp_path / "run", rounds=4)  # the first look may land as late as round 3
     try:
         url = wait_for(simulation.dashboard_url, 60, "the dashboard URL on stderr")
         with headless_chromium(tmp_path / "chromium-profile") as browser:

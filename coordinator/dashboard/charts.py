@@ -25,6 +25,12 @@ def new_figure(width: float, height: float) -> Figure:
     return Figure(figsize=(width, height), dpi=DPI, layout="tight")
 
 
+def round_axis(axis, round_ids: list[int]) -> None:
+    """Whole-number round ticks with half a round of margin, also for a single round."""
+    axis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    axis.set_view_interval(min(round_ids) - 0.5, max(round_ids) + 0.5, ignore=True)
+
+
 def accuracy_chart(rounds: list[dict]) -> bytes:
     """Global test accuracy per round (solid) with each device's local accuracy before aggregation (dashed)."""
     figure = new_figure(7, 3.6)
@@ -36,7 +42,7 @@ def accuracy_chart(rounds: list[dict]) -> bytes:
         points = [(r["round"], r["device_accuracy"][device]) for r in rounds if device in r["device_accuracy"]]
         axes.plot(*zip(*points), "--", marker=".", label=device)
     axes.set(xlabel="round", ylabel="test accuracy", ylim=(0, 1), title="Accuracy per round")
-    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    round_axis(axes.xaxis, [r["round"] for r in rounds])
     axes.legend(fontsize="small", ncol=4)
     axes.grid(alpha=0.3)
     return png_bytes(figure)
@@ -79,7 +85,7 @@ def divergence_heatmap(view: dict) -> bytes:
 
 def timeline_chart(rounds: list[dict]) -> bytes:
     """One bar per round from its start to its close, annotated with accepted/quorum, stragglers and rejections."""
-    figure = new_figure(7, 1.2 + 0.35 * len(rounds))
+    figure = new_figure(7, 2.0 + 0.35 * len(rounds))
     axes = figure.add_subplot()
     origin = rounds[0]["started_at"] if rounds else 0.0
     for r in rounds:
@@ -90,9 +96,9 @@ def timeline_chart(rounds: list[dict]) -> bytes:
             + ([f"rejected {r['rejected']}"] if r["rejected"] else [])
         axes.text(r["closed_at"] - origin, r["round"], "  " + "  ".join(notes), va="center", fontsize="small")
     axes.set(xlabel="seconds since the first round opened", ylabel="round", title="Round timeline")
-    axes.yaxis.set_major_locator(MaxNLocator(integer=True))
-    axes.invert_yaxis()
     axes.margins(x=0.25)
+    round_axis(axes.yaxis, [r["round"] for r in rounds])
+    axes.invert_yaxis()
     return png_bytes(figure)
 
 

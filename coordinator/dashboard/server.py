@@ -19,7 +19,7 @@ from edge_agent.data import atomic_write_bytes
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, render_metrics
 from coordinator.dashboard.views import (
-    class_accuracy_view, devices_view, divergence_view, json_safe, load_snapshot, rounds_view, run_view,
+    SnapshotCache, class_accuracy_view, devices_view, divergence_view, json_safe, rounds_view, run_view,
 )
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class DashboardHTTPServer(ThreadingHTTPServer):
         except OSError as error:
             raise ValueError(f"--dashboard {address.host}:{address.port}: cannot listen ({error.strerror or error})") \
                 from None
-        self.run_dir = run_dir
+        self.snapshots = SnapshotCache(run_dir)
         self.live = live
         self.token = token
 
@@ -124,19 +124,19 @@ class DashboardHandler(BaseHTTPRequestHandler):
 
     def api(self, path: str) -> tuple[HTTPStatus, dict]:
         """(status, body) of a JSON API path, read from a fresh store snapshot and the live state."""
-        live = self.server.live
+        live, snapshot = self.server.live, self.server.snapshots.get()
         if path == "/api/run":
-            return HTTPStatus.OK, run_view(load_snapshot(self.server.run_dir), live)
+            return HTTPStatus.OK, run_view(snapshot, live)
         if path == "/api/devices":
-            return HTTPStatus.OK, {"devices": devices_view(load_snapshot(self.server.run_dir), live)}
+            return HTTPStatus.OK, {"devices": devices_view(snapshot, live)}
         if path == "/api/rounds":
-            return HTTPStatus.OK, {"rounds": rounds_view(load_snapshot(self.server.run_dir))}
+            return HTTPStatus.OK, {"rounds": rounds_view(snapshot)}
         match = ROUND_PATH.fullmatch(path)
         if match is None:
             return HTTPStatus.NOT_FOUND, {"error": f"no such path {path!r}"}
         round_id, what = int(match[1]), match[2]
         view = divergence_view if what == "divergence" else class_accuracy_view
-        body = view(load_snapshot(self.server.run_dir), round_id)
+        body = view(snapshot, round_id)
         if body is None:
             return HTTPStatus.NOT_FOUND, {"error": f"round {round_id} is not committed"}
         return HTTPStatus.OK, body

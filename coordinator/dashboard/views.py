@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 import math
+import threading
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable, TypeVar
 
 from coordinator.dashboard.live import LiveState
 from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
+
+T = TypeVar("T")
+Rejection = tuple[int, str, str, int, float]  # round id, device id, reason, bytes, recorded at
 
 
 @dataclass(frozen=True)
@@ -17,7 +22,12 @@ class RunSnapshot:
     config: dict = field(default_factory=dict)
     rounds: list[RoundRecord] = field(default_factory=list)
     device_rounds: list[DeviceRoundRecord] = field(default_factory=list)
-    rejections: list[tuple[int, str, str, int, float]] = field(default_factory=list)
+    rejections: list[Rejection] = field(default_factory=list)
+
+
+def snapshot_of(store: RunStore) -> RunSnapshot:
+    """Everything committed in the store."""
+    return RunSnapshot(store.config() or {}, store.rounds(), store.device_rounds(), store.rejections())
 
 
 def load_snapshot(run_dir: Path) -> RunSnapshot:
@@ -27,7 +37,30 @@ def load_snapshot(run_dir: Path) -> RunSnapshot:
     except FileNotFoundError:
         return RunSnapshot()
     with store:
-        return RunSnapshot(store.config() or {}, store.rounds(), store.device_rounds(), store.rejections())
+        return snapshot_of(store)
+
+
+class SnapshotCache:
+    """The run's latest snapshot, re-read only when the store's revision changes (a round commits, a rejection is
+    recorded), so a dashboard polling every second costs one small query per request between rounds."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self._lock = threading.Lock()
+        self._revision: tuple | None = None
+        self._snapshot = RunSnapshot()
+
+    def get(self) -> RunSnapshot:
+        """The current snapshot, through a fresh read-only connection of this request's own."""
+        try:
+            store = RunStore(self.run_dir, read_only=True)
+        except FileNotFoundError:
+            return RunSnapshot()
+        with store, self._lock:
+            revision = store.revision()
+            if revision != self._revision:
+                self._snapshot, self._revision = snapshot_of(store), revision
+            return self._snapshot
 
 
 def json_safe(value: Any) -> Any:
@@ -57,14 +90,22 @@ def run_view(snapshot: RunSnapshot, live: LiveState | None) -> dict:
     }
 
 
-def last_answer_from_store(device_id: str, snapshot: RunSnapshot) -> dict | None:
+def grouped(items: Iterable[T], key: Callable[[T], Any]) -> dict[Any, list[T]]:
+    """items in lists by key, each list in the items' order (one pass, so views stay linear in the run's size)."""
+    groups: dict[Any, list[T]] = defaultdict(list)
+    for item in items:
+        groups[key(item)].append(item)
+    return groups
+
+
+def last_answer_from_store(accepted: list[DeviceRoundRecord], rejections: list[Rejection]) -> dict | None:
     """A device's last update as the store knows it: its latest accepted record or rejection, whichever is newer."""
     candidates = [
         {"round_id": r.round_id, "size": r.update_bytes, "accepted": True, "reason": "", "answered_at": r.received_at}
-        for r in snapshot.device_rounds if r.device_id == device_id and r.accepted
+        for r in accepted
     ] + [
         {"round_id": round_id, "size": size, "accepted": False, "reason": reason, "answered_at": at}
-        for round_id, device, reason, size, at in snapshot.rejections if device == device_id
+        for round_id, _, reason, size, at in rejections
     ]
     return max(candidates, key=lambda answer: answer["answered_at"], default=None)
 
@@ -73,10 +114,11 @@ def devices_view(snapshot: RunSnapshot, live: LiveState | None) -> list[dict]:
     """One row per device: presence, last seen, profile, rounds joined, labelled count and class histogram of its
     latest accepted update, its latest local accuracy, and its last update's size and ack."""
     present = live.devices() if live else {}
-    known = {r.device_id for r in snapshot.device_rounds} | {device for _, device, *_ in snapshot.rejections}
+    accepted_by_device = grouped((r for r in snapshot.device_rounds if r.accepted), lambda r: r.device_id)
+    rejections_by_device = grouped(snapshot.rejections, lambda rejection: rejection[1])
     rows = []
-    for device in sorted(known | set(present)):
-        records = [r for r in snapshot.device_rounds if r.device_id == device and r.accepted]
+    for device in sorted(set(accepted_by_device) | set(rejections_by_device) | set(present)):
+        records = accepted_by_device.get(device, [])
         latest = records[-1] if records else None
         presence = present.get(device, {})
         rows.append({
@@ -88,7 +130,8 @@ def devices_view(snapshot: RunSnapshot, live: LiveState | None) -> list[dict]:
             "acquired_labels": latest.acquired_labels if latest else 0,
             "class_counts": latest.class_counts if latest else [],
             "local_accuracy": latest.local_accuracy if latest else None,
-            "last_update": presence.get("last_update") or last_answer_from_store(device, snapshot),
+            "last_update": presence.get("last_update")
+            or last_answer_from_store(records, rejections_by_device.get(device, [])),
         })
     return rows
 
@@ -96,16 +139,18 @@ def devices_view(snapshot: RunSnapshot, live: LiveState | None) -> list[dict]:
 def rounds_view(snapshot: RunSnapshot) -> list[dict]:
     """One row per committed round: timing, accuracy, labels, quorum, stragglers, rejections, suspects and each
     device's local accuracy."""
+    devices_by_round = grouped(snapshot.device_rounds, lambda r: r.round_id)
+    rejections_by_round = grouped(snapshot.rejections, lambda rejection: rejection[0])
     rows = []
     for record in snapshot.rounds:
-        devices = [r for r in snapshot.device_rounds if r.round_id == record.round_id]
+        devices = devices_by_round.get(record.round_id, [])
         rows.append({
             "round": record.round_id, "started_at": record.started_at, "closed_at": record.closed_at,
             "seconds": record.closed_at - record.started_at, "accuracy": record.accuracy, "labels": record.labels,
             "accepted": record.accepted, "rejected": record.rejected, "quorum": record.metrics.get("quorum"),
             "stragglers": record.metrics.get("stragglers", []),
             "rejections": [{"device_id": device, "reason": reason}
-                           for round_id, device, reason, *_ in snapshot.rejections if round_id == record.round_id],
+                           for _, device, reason, *_ in rejections_by_round.get(record.round_id, [])],
             "suspects": record.report.get("suspects", {}), "excluded": record.report.get("excluded", []),
             "aggregation_seconds": record.report.get("aggregation_seconds"),
             "device_accuracy": {r.device_id: r.local_accuracy for r in devices if r.local_accuracy is not None},
