@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,10 @@ def watch_dashboard(browser: WebDriver, url: str) -> None:
         browser.evaluate(rows_script)), 180, "every device in the table")
     assert first_devices == [f"dev-{i:02d}" for i in range(DEVICES)]
     first_round = wait_for(lambda: browser.evaluate(round_script), 180, "a round number")
+    with urllib.request.urlopen(url + "metrics", timeout=30) as response:
+        metrics = dict(line.rsplit(" ", 1) for line in response.read().decode().splitlines() if line[0] != "#")
+    assert int(metrics["fl_devices_online"]) == DEVICES and int(metrics["fl_current_round"]) >= first_round
+    assert int(metrics["fl_updates_accepted_total"]) >= DEVICES * (first_round - 1)
     later_round = wait_for(lambda: (lambda r: r if r > first_round else None)(browser.evaluate(round_script)),
                            180, f"the round counter to pass {first_round}")
     assert later_round > first_round >= 1
