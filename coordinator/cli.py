@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from edge_agent import wire
 from edge_agent.data import DatasetMissingError
@@ -19,6 +20,8 @@ from edge_agent.training import (
     DEFAULT_KD_WEIGHT, KD_WEIGHT_OPTION, LOCAL_RULES, OPTIMIZERS, make_local_rule, recipe_option,
 )
 from coordinator.broker import BrokerError, embedded_broker
+from coordinator.dashboard.live import LiveState
+from coordinator.dashboard.server import Dashboard, dashboard_token, parse_listen_address
 from coordinator.provision import DEFAULT_TLS_HOSTS, load_secure_fleet, provision
 from coordinator.rounds import RoundPolicy, RoundResult, SuspectPolicy
 from coordinator.server import InitSettings, ServerSettings, load_server_data, run_server
@@ -49,6 +52,10 @@ def add_round_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--torch-threads", type=int, help="torch threads of the coordinator process")
     run.add_argument("--no-bundles", action="store_true",
                      help="do not ship an ONNX bundle with each global model (no device scores with onnxruntime)")
+    run.add_argument("--dashboard", metavar="[HOST:]PORT",
+                     help="serve the live dashboard, JSON API and /metrics here (host 127.0.0.1 unless given)")
+    run.add_argument("--dashboard-token", help="bearer token the API requires (default: none on loopback, "
+                                               "else generated into RUN_DIR/dashboard-token)")
     recipe = parser.add_argument_group("round recipe (sent to devices)")
     recipe.add_argument("--sampler", default="entropy", help="random, entropy, bald, margin or least-confidence")
     recipe.add_argument("--labels-per-acquisition", type=int, default=400)
@@ -110,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     partition.add_argument("--validation-samples", type=int, default=1000)
     partition.add_argument("--seed", type=int, default=0)
     partition.add_argument("--log-level", default="warning")
+    report = commands.add_parser("report", help="write a run's self-contained HTML report")
+    report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    report.add_argument("--out", type=Path, help="where to write it (default RUN_DIR/report.html)")
+    report.add_argument("--log-level", default="warning")
     return parser
 
 
@@ -205,8 +216,8 @@ class RoundPrinter:
                   + (f"  rejected {len(result.rejected)}" if result.rejected else "")
                   + (f"  suspects {','.join(sorted(result.suspects))}" if result.suspects else ""), flush=True)
 
-    def summary(self, run_dir: Path) -> None:
-        """The closing line (JSON) or table (human)."""
+    def summary(self, run_dir: Path, report: Path | None = None) -> None:
+        """The closing line (JSON) or table (human), naming the run's HTML report when one was written."""
         if not self.results:
             return
         last = self.results[-1]
@@ -215,6 +226,7 @@ class RoundPrinter:
             "best_device_accuracy": max(last.device_accuracy.values(), default=None),
             "rounds": len(self.results), "labels": last.labels,
             "seconds": round(time.monotonic() - self.started, 3), "run_dir": str(run_dir),
+            "report": None if report is None else str(report),
         }
         if self.as_json:
             print(json.dumps({"summary": summary}), flush=True)
@@ -228,6 +240,25 @@ class RoundPrinter:
             print(f"{r.round_id:>5}  {r.accuracy:.4f}  {cells}  {r.labels:>7}  {r.seconds:7.1f}")
         print(f"\nfinal global accuracy {summary['final_accuracy']:.4f}; {summary['labels']} labels; "
               f"{summary['seconds']:.0f}s; run stored in {run_dir}")
+        if report is not None:
+            print(f"report: {report}")
+
+
+@contextlib.contextmanager
+def dashboard_for(args: argparse.Namespace, settings: ServerSettings) -> Iterator[LiveState | None]:
+    """The live state of a dashboard served for the run's duration if --dashboard asks for one, else None."""
+    if args.dashboard is None:
+        if args.dashboard_token is not None:
+            raise ValueError("--dashboard-token needs --dashboard")
+        yield None
+        return
+    address = parse_listen_address(args.dashboard)
+    token = dashboard_token(address, args.dashboard_token, settings.run_dir)
+    live = LiveState(settings.policy.rounds)
+    with Dashboard(address, settings.run_dir, live, token) as dashboard:
+        where = f"{dashboard.url}#token={token}" if token and args.dashboard_token is None else dashboard.url
+        print(f"dashboard at {where}", file=sys.stderr, flush=True)
+        yield live
 
 
 def command_run(args: argparse.Namespace) -> int:
@@ -236,12 +267,14 @@ def command_run(args: argparse.Namespace) -> int:
     validate_recipe_names(settings)
     secure = load_secure_fleet(args.secure) if args.secure else None
     printer = RoundPrinter(args.json, settings.policy.rounds)
-    if args.broker:
-        run_server(settings, parse_broker_url(args.broker), printer, wait_for_devices=args.wait_devices)
-    else:
-        with embedded_broker(settings.run_dir / "broker", secure) as broker:
-            print(f"embedded broker listening at {broker.address.url}", file=sys.stderr, flush=True)
-            run_server(settings, broker.address, printer, wait_for_devices=args.wait_devices)
+    with dashboard_for(args, settings) as live:
+        if args.broker:
+            run_server(settings, parse_broker_url(args.broker), printer, wait_for_devices=args.wait_devices,
+                       observer=live)
+        else:
+            with embedded_broker(settings.run_dir / "broker", secure) as broker:
+                print(f"embedded broker listening at {broker.address.url}", file=sys.stderr, flush=True)
+                run_server(settings, broker.address, printer, wait_for_devices=args.wait_devices, observer=live)
     printer.summary(settings.run_dir)
     return 0
 
@@ -257,8 +290,22 @@ def command_simulate(args: argparse.Namespace) -> int:
         raise ValueError("simulate --secure provisions a fresh fleet and runs its own broker: drop --broker")
     printer = RoundPrinter(args.json, settings.policy.rounds)
     address = parse_broker_url(args.broker) if args.broker else None
-    simulate(settings, bench, printer, address)
-    printer.summary(settings.run_dir)
+    with dashboard_for(args, settings) as live:
+        simulate(settings, bench, printer, address, observer=live)
+    printer.summary(settings.run_dir, write_report(settings.run_dir))
+    return 0
+
+
+def write_report(run_dir: Path, out: Path | None = None) -> Path:
+    """Writes the run's HTML report (matplotlib is imported here, so other commands start without it)."""
+    from coordinator.dashboard.report import write_report as write_html_report
+
+    return write_html_report(run_dir, out)
+
+
+def command_report(args: argparse.Namespace) -> int:
+    """Writes the self-contained HTML report of a run directory and prints its path."""
+    print(write_report(args.run_dir, args.out))
     return 0
 
 
@@ -284,7 +331,7 @@ def command_partition(args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": command_run, "simulate": command_simulate, "partition": command_partition,
-    "provision": command_provision,
+    "provision": command_provision, "report": command_report,
 }
 
 

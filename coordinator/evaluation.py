@@ -1,7 +1,7 @@
 # Server-side evaluation: plain test accuracy, BNN (MC-dropout) accuracy for OptFL/MixFL selection, per class.
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from torch import nn
@@ -29,6 +29,20 @@ def accuracy_of(predictions: np.ndarray, labels: np.ndarray) -> float:
     return float(np.mean(predictions.argmax(axis=-1) == labels)) if len(labels) else float("nan")
 
 
+def class_accuracies(predictions: np.ndarray, labels: np.ndarray, num_classes: int) -> list[float | None]:
+    """Accuracy on each class's test images (None for a class with none), for the per-class view (Figure 11)."""
+    correct = predictions.argmax(axis=-1) == labels
+    return [float(np.mean(correct[labels == c])) if np.any(labels == c) else None for c in range(num_classes)]
+
+
+@dataclass(frozen=True)
+class TestScores:
+    """A model's accuracy on the test split, overall and per class."""
+
+    accuracy: float
+    per_class: list[float | None] = field(default_factory=list)
+
+
 class Evaluator:
     """Evaluates weight sets on the test split (dropout off) and on the selection split (BNN, r passes)."""
 
@@ -39,10 +53,12 @@ class Evaluator:
         self.passes = passes
         self.seed = seed
 
-    def test_accuracy(self, weights: Weights) -> float:
-        """Accuracy of the deterministic model on the whole test split."""
+    def test_scores(self, weights: Weights) -> TestScores:
+        """Accuracy of the deterministic model on the whole test split, overall and per class (one pass)."""
         set_weights(self.model, weights)
-        return accuracy_of(predict_probabilities(self.model, self.test.images), self.test.labels)
+        predictions = predict_probabilities(self.model, self.test.images)
+        return TestScores(accuracy_of(predictions, self.test.labels),
+                          class_accuracies(predictions, self.test.labels, predictions.shape[-1]))
 
     def selection_accuracy(self, weights: Weights) -> float:
         """Accuracy of BNN predictions (mean softmax of MC-dropout passes) on the selection split."""

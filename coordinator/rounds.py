@@ -115,6 +115,25 @@ class RoundResult:
     suspects: dict[str, list[str]] = field(default_factory=dict)
 
 
+class RoundObserver:
+    """Hears what the coordinator sees as it happens: device presence, answered updates, round boundaries.
+
+    This base hears nothing; the dashboard's live state overrides it. Called from the coordinator's loop only.
+    """
+
+    def device_status(self, device_id: str, status: wire.Status | None) -> None:
+        """A device's status message arrived (None: its retained status was cleared)."""
+
+    def update_answered(self, device_id: str, round_id: int, size: int, reason: str | None) -> None:
+        """An update of `size` bytes was acked: accepted when reason is None, else rejected for that reason."""
+
+    def round_opened(self, round_id: int, needed: int) -> None:
+        """A round was announced; `needed` accepted updates close it early."""
+
+    def round_closed(self, result: RoundResult) -> None:
+        """A round was aggregated, evaluated and committed."""
+
+
 @dataclass
 class RoundCollector:
     """The updates of one round as they arrive: accepted once per device, duplicates answered idempotently.
@@ -172,6 +191,7 @@ class Coordinator:
         base_labels: int = 0, evaluate_devices: bool = True, suspect_policy: SuspectPolicy = SuspectPolicy(),
         bundle_files: Callable[[Weights, str], dict[str, bytes]] | None = None,
         authenticator: UpdateAuthenticator | None = None,
+        observer: RoundObserver | None = None,
     ) -> None:
         """`bundle_files(weights, hash)` gives the ONNX bundle shipped beside each global model (None: none)."""
         self.fleet = fleet
@@ -187,6 +207,7 @@ class Coordinator:
         self.evaluate_devices = evaluate_devices
         self.suspect_policy = suspect_policy
         self.authenticator = authenticator
+        self.observer = observer or RoundObserver()
         self.spec = weight_spec(build_model(model_name))
         self.online: dict[str, wire.Status] = {}
         self.device_labels: dict[str, int] = {}
@@ -243,6 +264,7 @@ class Coordinator:
         self.resume_spooled(collector)
         self.publish_model(global_weights, base_hash)
         self.announce(round_id, base_hash)
+        self.observer.round_opened(round_id, self.needed(collector))
         self.collect(collector, started)
         aggregation_started = time.monotonic()
         if streamed is None:
@@ -257,23 +279,30 @@ class Coordinator:
         for device, layers in suspects.items():
             log.warning("suspect update round=%d device=%s layers=%s", round_id, device, ",".join(layers))
         report["aggregation_seconds"] = time.monotonic() - aggregation_started
-        accuracy = self.evaluator.test_accuracy(new_weights)
-        device_accuracy: dict[str, float] = {}
+        scores = self.evaluator.test_scores(new_weights)
+        device_scores = {}
         for update in models:
             if streamed is not None:
                 divergence[update.device_id] = layer_divergence(update.weights, new_weights)
             if self.evaluate_devices:
-                device_accuracy[update.device_id] = self.evaluator.test_accuracy(update.weights)
+                device_scores[update.device_id] = self.evaluator.test_scores(update.weights)
+        accuracy = scores.accuracy
+        device_accuracy = {device: score.accuracy for device, score in device_scores.items()}
         for update in collector.accepted.values():
             self.device_labels[update.device_id] = update.acquired_labels
         labels = self.base_labels + sum(self.device_labels.values())
         self.persist(collector, new_weights, RoundRecord(
             round_id, started_wall, time.time(), "", accuracy, labels, len(collector.accepted),
-            len(collector.rejected), report, {"quorum": self.needed(collector)}), device_accuracy, divergence)
+            len(collector.rejected), report, {
+                "quorum": self.needed(collector), "stragglers": self.stragglers(collector),
+                "class_accuracy": scores.per_class,
+                "device_class_accuracy": {device: score.per_class for device, score in device_scores.items()},
+            }), device_accuracy, divergence)
         result = RoundResult(round_id, accuracy, device_accuracy, labels, divergence,
                              time.monotonic() - started, dict(collector.rejected), report, suspects)
         log.info("round closed round=%d accepted=%d rejected=%d accuracy=%.4f seconds=%.1f",
                  round_id, len(collector.accepted), len(collector.rejected), accuracy, result.seconds)
+        self.observer.round_closed(result)
         return new_weights, result
 
     def persist(
@@ -312,6 +341,10 @@ class Coordinator:
             return self.policy.quorum
         return max(self.policy.min_devices, len(self.online_devices() | set(collector.accepted)))
 
+    def stragglers(self, collector: RoundCollector) -> list[str]:
+        """Online devices with no accepted update in this round."""
+        return sorted(self.online_devices() - set(collector.accepted))
+
     def collect(self, collector: RoundCollector, started: float) -> None:
         """Handles messages until the quorum is in, or the deadline passes with at least the minimum."""
         deadline = started + self.policy.round_timeout
@@ -323,7 +356,7 @@ class Coordinator:
                 if have >= self.policy.min_devices:
                     log.warning("round deadline passed round=%d accepted=%d needed=%d stragglers=%s",
                                 collector.expectation.round_id, have, self.needed(collector),
-                                sorted(self.online_devices() - set(collector.accepted)))
+                                self.stragglers(collector))
                     return
                 log.warning("round deadline passed below the minimum round=%d accepted=%d min=%d; waiting longer",
                             collector.expectation.round_id, have, self.policy.min_devices)
@@ -348,6 +381,7 @@ class Coordinator:
         """Tracks presence from retained status messages and last wills."""
         if not payload:
             self.online.pop(device_id, None)
+            self.observer.device_status(device_id, None)
             return
         try:
             status = wire.decode(payload, wire.Status)
@@ -358,6 +392,7 @@ class Coordinator:
         if previous is None or previous.state != status.state:
             log.info("device status device=%s state=%s", device_id, status.state)
         self.online[device_id] = status
+        self.observer.device_status(device_id, status)
 
     def on_update(self, device_id: str, payload: bytes, collector: RoundCollector | None) -> None:
         """Validates, spools and acks an update; a rejection is acked with its reason, logged and counted."""
@@ -373,6 +408,7 @@ class Coordinator:
             return
         if is_new:
             self.store.spool_update(update.round_id, device_id, payload)
+            self.observer.update_answered(device_id, update.round_id, len(payload), None)
             log.info("update accepted device=%s round=%d samples=%d", device_id, update.round_id, update.num_samples)
         self.ack(wire.Ack(device_id, update.round_id, update.update_id, True))
 
@@ -397,6 +433,7 @@ class Coordinator:
         """Acks a rejection, counts it in the store and logs it once."""
         log.warning("update rejected device=%s round=%d reason=%s", device_id, round_id, reason)
         self.store.record_rejection(round_id, device_id, reason, size)
+        self.observer.update_answered(device_id, round_id, size, reason)
         self.ack(wire.Ack(device_id, round_id, update_id, False, reason))
 
     def ack(self, ack: wire.Ack) -> None:

@@ -20,7 +20,7 @@ from coordinator.evaluation import Evaluator, LabelledSplit
 from coordinator.authentication import UpdateAuthenticator
 from coordinator.partition import server_holdout
 from coordinator.provision import load_secure_fleet
-from coordinator.rounds import Coordinator, RoundPolicy, RoundResult, SuspectPolicy
+from coordinator.rounds import Coordinator, RoundObserver, RoundPolicy, RoundResult, SuspectPolicy
 from coordinator.store import RunStore
 from coordinator.strategies import make_strategy
 from export.bundle_writer import ensure_bundle_files
@@ -130,8 +130,12 @@ def settings_as_dict(settings: ServerSettings) -> dict:
 def run_server(
     settings: ServerSettings, address: BrokerAddress, on_round: Callable[[RoundResult], None],
     data: ServerData | None = None, wait_for_devices: int = 0, device_wait_timeout: float = 60.0,
+    observer: RoundObserver | None = None,
 ) -> Weights:
-    """Runs (or resumes) the whole run against the broker at `address`; returns the final global model."""
+    """Runs (or resumes) the whole run against the broker at `address`; returns the final global model.
+
+    `observer` (e.g. the dashboard's live state) hears presence, acks and round boundaries as they happen.
+    """
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     data = data or load_server_data(settings)
@@ -151,7 +155,7 @@ def run_server(
             settings.fleet, run_id, session, store, strategy, build_evaluator(settings, data), settings.recipe,
             settings.policy, settings.model_name, base_labels=len(data.init_indices),
             evaluate_devices=settings.evaluate_devices, suspect_policy=settings.suspects, authenticator=authenticator,
-            bundle_files=bundle_exporter(settings) if settings.ship_bundles else None,
+            bundle_files=bundle_exporter(settings) if settings.ship_bundles else None, observer=observer,
         )
         coordinator.device_labels = latest_device_labels(store)
         session.connect()

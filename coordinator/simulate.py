@@ -19,7 +19,7 @@ from edge_agent.mqtt import BrokerAddress
 from coordinator.broker import embedded_broker
 from coordinator.partition import partition_indices
 from coordinator.provision import SecureFleet, device_names, load_secure_fleet, provision
-from coordinator.rounds import RoundResult
+from coordinator.rounds import RoundObserver, RoundResult
 from coordinator.server import ServerData, ServerSettings, load_server_data, run_server
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ def secure_bench(settings: ServerSettings, bench: BenchSettings) -> SecureFleet:
 
 def simulate(
     settings: ServerSettings, bench: BenchSettings, on_round: Callable[[RoundResult], None],
-    address: BrokerAddress | None = None,
+    address: BrokerAddress | None = None, observer: RoundObserver | None = None,
 ) -> None:
     """Runs the whole bench: shards, broker, N agent processes and the coordinator, and cleans up after.
 
@@ -150,7 +150,8 @@ def simulate(
     with broker_for(settings.run_dir, address, secure) as broker_address:
         processes = [spawn_agent(launch, broker_address, settings.fleet, bench) for launch in launches]
         try:
-            run_server(settings, broker_address, on_round, data=data, wait_for_devices=bench.devices)
+            run_server(settings, broker_address, on_round, data=data, wait_for_devices=bench.devices,
+                       observer=observer)
         except BaseException:
             stop_agents(processes, timeout=0.0)
             raise

@@ -169,13 +169,23 @@ def _device_row(record: DeviceRoundRecord) -> tuple:
 class RunStore:
     """A run's durable state in run_dir: run.sqlite (WAL), checkpoints/ and spool/, so a restart resumes."""
 
-    def __init__(self, run_dir: Path | str) -> None:
-        """Opens (creating if missing) the run directory, its database schema and the checkpoint folder."""
+    def __init__(self, run_dir: Path | str, read_only: bool = False) -> None:
+        """Opens (creating if missing) the run directory, its database schema and the checkpoint folder.
+
+        read_only opens an existing run's database for reading beside the process that writes it (dashboard,
+        report): nothing is created, and a missing database is a FileNotFoundError.
+        """
         self.run_dir = Path(run_dir)
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.spool_dir = self.run_dir / "spool"
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        if read_only:
+            database = self.run_dir / "run.sqlite"
+            if not database.is_file():
+                raise FileNotFoundError(f"no run database at {database}")
+            self._conn = sqlite3.connect(f"{database.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False)
+            return
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self._conn = sqlite3.connect(self.run_dir / "run.sqlite", check_same_thread=False, isolation_level=None)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")
@@ -322,6 +332,16 @@ class RunStore:
             "INSERT INTO rejections (round_id, device_id, reason, update_bytes, recorded_at) VALUES (?, ?, ?, ?, ?)",
             (check_round_id(round_id), str(device_id), str(reason), int(update_bytes), time.time()),
         )])
+
+    def revision(self) -> tuple:
+        """Changes whenever the config is set, a round commits or a rejection is recorded: readers that cache what
+        they read compare it instead of re-reading every record."""
+        return self._read("SELECT (SELECT body FROM config WHERE id = 1), (SELECT MAX(round_id) FROM rounds), "
+                          "(SELECT MAX(id) FROM rejections)")[0]
+
+    def rejections(self) -> list[tuple[int, str, str, int, float]]:
+        """Every rejected update as (round id, device id, reason, bytes, recorded at), in the order they came."""
+        return self._read("SELECT round_id, device_id, reason, update_bytes, recorded_at FROM rejections ORDER BY id")
 
     def rejection_counts(self) -> dict[str, int]:
         """How many updates were rejected for each reason, over the whole run."""

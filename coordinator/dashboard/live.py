@@ -1,0 +1,139 @@
+# What the running coordinator knows that the store does not: presence, the last ack of each device, counters.
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+from edge_agent import wire
+from coordinator.rounds import RoundObserver, RoundResult
+
+REASON_WORD = re.compile(r"[A-Za-z_-]+")
+MAX_REASON_WORDS = 3
+
+
+def reason_kind(reason: str) -> str:
+    """A short, stable label for a rejection reason (its leading words, before any ':' or value), e.g. 'stale_round'.
+
+    Reasons carry values (sizes, ids) that would make one metric series per update; the kind does not.
+    """
+    words = []
+    for word in reason.split(":", 1)[0].split():
+        if not REASON_WORD.fullmatch(word) or len(words) == MAX_REASON_WORDS:
+            break
+        words.append(word.lower().replace("-", "_"))
+    return "_".join(words) or "other"
+
+
+@dataclass
+class DevicePresence:
+    """A device as the coordinator last heard it: its status and when any message of it arrived."""
+
+    state: str = "unknown"
+    last_seen: float = 0.0
+    profile: str = ""
+    labelled: int = 0
+    status_round: int = 0
+
+
+@dataclass
+class UpdateAnswer:
+    """The last update a device sent and how it was answered."""
+
+    round_id: int
+    size: int
+    accepted: bool
+    reason: str
+    answered_at: float
+
+
+@dataclass
+class Counters:
+    """Run totals since this coordinator process started, for /metrics."""
+
+    rounds_completed: int = 0
+    updates_accepted: int = 0
+    rejected_by_kind: dict[str, int] = field(default_factory=dict)
+    bytes_received: int = 0
+    aggregation_seconds_sum: float = 0.0
+    aggregations: int = 0
+
+
+class LiveState(RoundObserver):
+    """The coordinator's live view for the dashboard; updated from the coordinator loop, read from HTTP threads."""
+
+    def __init__(self, total_rounds: int) -> None:
+        self.total_rounds = total_rounds
+        self._lock = threading.Lock()
+        self._devices: dict[str, DevicePresence] = {}
+        self._answers: dict[str, UpdateAnswer] = {}
+        self._counters = Counters()
+        self._round = 0
+        self._phase = "starting"
+        self._round_opened_at = 0.0
+        self._needed = 0
+
+    def device_status(self, device_id: str, status: wire.Status | None) -> None:
+        """Records presence: 'offline' comes from the device or from its last will; None forgets the device."""
+        with self._lock:
+            if status is None:
+                self._devices.pop(device_id, None)
+                return
+            presence = self._devices.setdefault(device_id, DevicePresence())
+            presence.state, presence.last_seen = status.state, time.time()
+            presence.profile = status.profile or presence.profile
+            presence.labelled, presence.status_round = status.labelled, status.round_id
+
+    def update_answered(self, device_id: str, round_id: int, size: int, reason: str | None) -> None:
+        """Keeps the device's last answer and counts the update by outcome and its bytes."""
+        with self._lock:
+            now = time.time()
+            self._answers[device_id] = UpdateAnswer(round_id, size, reason is None, reason or "", now)
+            if device_id in self._devices:
+                self._devices[device_id].last_seen = now
+            self._counters.bytes_received += size
+            if reason is None:
+                self._counters.updates_accepted += 1
+            else:
+                kind = reason_kind(reason)
+                self._counters.rejected_by_kind[kind] = self._counters.rejected_by_kind.get(kind, 0) + 1
+
+    def round_opened(self, round_id: int, needed: int) -> None:
+        """The round now collecting updates and how many close it."""
+        with self._lock:
+            self._round, self._phase, self._needed, self._round_opened_at = round_id, "collecting", needed, time.time()
+
+    def round_closed(self, result: RoundResult) -> None:
+        """Counts the round and its aggregation time; the last round closing finishes the run."""
+        with self._lock:
+            self._counters.rounds_completed += 1
+            self._counters.aggregation_seconds_sum += float(result.report.get("aggregation_seconds", 0.0))
+            self._counters.aggregations += 1
+            self._phase = "finished" if result.round_id >= self.total_rounds else "closed"
+
+    def devices(self) -> dict[str, dict]:
+        """Device id -> presence and last answer, as plain data."""
+        with self._lock:
+            ids = sorted(set(self._devices) | set(self._answers))
+            return {device: {
+                **asdict(self._devices.get(device, DevicePresence())),
+                "last_update": asdict(self._answers[device]) if device in self._answers else None,
+            } for device in ids}
+
+    def online_count(self) -> int:
+        """Devices whose last status is anything but 'offline'."""
+        with self._lock:
+            return sum(1 for presence in self._devices.values() if presence.state != "offline")
+
+    def progress(self) -> dict:
+        """The current round, its phase, when it opened and how many updates close it."""
+        with self._lock:
+            return {"round": self._round, "phase": self._phase, "round_opened_at": self._round_opened_at,
+                    "needed": self._needed, "total_rounds": self.total_rounds}
+
+    def counters(self) -> Counters:
+        """A copy of the run totals."""
+        with self._lock:
+            return Counters(**{**asdict(self._counters),
+                               "rejected_by_kind": dict(self._counters.rejected_by_kind)})

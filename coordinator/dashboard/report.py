@@ -1,0 +1,98 @@
+# A run's self-contained HTML report: the dashboard's charts as embedded PNGs plus per-class accuracy (Figure 11).
+from __future__ import annotations
+
+import base64
+import html
+import time
+from pathlib import Path
+
+from edge_agent.data import atomic_write_bytes
+from coordinator.dashboard import charts
+from coordinator.dashboard.views import (
+    RunSnapshot, class_accuracy_view, devices_view, divergence_view, load_snapshot, rounds_view, run_view,
+)
+
+REPORT_NAME = "report.html"
+STYLE = """
+body { font-family: sans-serif; margin: 2em; color: #1d2330; }
+table { border-collapse: collapse; margin-bottom: 1.5em; font-size: 0.9em; }
+th, td { text-align: left; padding: 0.25em 0.6em; border-bottom: 1px solid #e3e5ea; }
+img { display: block; max-width: 100%; margin-bottom: 1.5em; }
+.rejected { color: #b42318; }
+"""
+
+
+def image(png: bytes, alt: str) -> str:
+    """An <img> carrying the PNG itself as a data: URI, so the file needs nothing beside it."""
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+
+
+def table(headers: list[str], rows: list[list[object]]) -> str:
+    """An HTML table with every cell escaped."""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def number(value: float | None, digits: int = 4) -> str:
+    """value with `digits` decimals, or '-' when missing."""
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def last_update_text(update: dict | None) -> str:
+    """A device's last update as 'round N, B bytes, accepted' or '... rejected: reason'."""
+    if update is None:
+        return "-"
+    outcome = "accepted" if update["accepted"] else f"rejected: {update['reason']}"
+    return f"round {update['round_id']}, {update['size']} bytes, {outcome}"
+
+
+def report_html(snapshot: RunSnapshot) -> str:
+    """The whole report page for a run's snapshot."""
+    run = run_view(snapshot, None)
+    rounds = rounds_view(snapshot)
+    devices = devices_view(snapshot, None)
+    title = f"edge-fal run {run['run_id'] or '(unnamed)'}"
+    parts = [f"<h1>{html.escape(title)}</h1>", table(
+        ["fleet", "strategy", "rounds", "final accuracy", "labels used", "written"],
+        [[run["fleet"], run["strategy"], f"{run['rounds_completed']} of {run['total_rounds']}",
+          number(rounds[-1]["accuracy"] if rounds else None), rounds[-1]["labels"] if rounds else 0,
+          time.strftime("%Y-%m-%d %H:%M:%S")]])]
+    parts += ["<h2>Devices</h2>", table(
+        ["device", "rounds joined", "labelled", "oracle labels", "class histogram", "last local accuracy",
+         "last update"],
+        [[d["device_id"], d["rounds_joined"], d["labelled"], d["acquired_labels"],
+          " ".join(str(c) for c in d["class_counts"]), number(d["local_accuracy"]), last_update_text(d["last_update"])]
+         for d in devices])]
+    if not rounds:
+        return page(title, parts + ["<p>No round has been committed yet.</p>"])
+    last = rounds[-1]["round"]
+    parts += ["<h2>Accuracy</h2>", image(charts.accuracy_chart(rounds), "accuracy per round"),
+              image(charts.labels_chart(rounds), "accuracy against labels used")]
+    divergence = divergence_view(snapshot, last)
+    if divergence and divergence["devices"]:
+        parts += ["<h2>Per-layer divergence</h2>", image(charts.divergence_heatmap(divergence), "divergence heatmap")]
+    classes = class_accuracy_view(snapshot, last)
+    if classes and classes["aggregate"]:
+        parts += ["<h2>Per-class accuracy</h2>", image(charts.class_accuracy_chart(classes), "per-class accuracy")]
+    parts += ["<h2>Round timeline</h2>", image(charts.timeline_chart(rounds), "round timeline"), table(
+        ["round", "seconds", "quorum", "accepted", "stragglers", "rejected", "suspects", "accuracy", "labels"],
+        [[r["round"], f"{r['seconds']:.1f}", r["quorum"], r["accepted"], ", ".join(r["stragglers"]) or "-",
+          "; ".join(f"{x['device_id']}: {x['reason']}" for x in r["rejections"]) or "-",
+          ", ".join(sorted(r["suspects"])) or "-", number(r["accuracy"]), r["labels"]] for r in rounds])]
+    return page(title, parts)
+
+
+def page(title: str, parts: list[str]) -> str:
+    """The HTML document around the report's parts, with its style inline."""
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+            f"<style>{STYLE}</style></head><body>\n" + "\n".join(parts) + "\n</body></html>\n")
+
+
+def write_report(run_dir: Path, out: Path | None = None) -> Path:
+    """Writes the run's report (RUN_DIR/report.html unless `out` says otherwise) atomically; returns its path."""
+    if not (Path(run_dir) / "run.sqlite").is_file():
+        raise ValueError(f"{run_dir} holds no run (no run.sqlite)")
+    path = out or Path(run_dir) / REPORT_NAME
+    atomic_write_bytes(path, report_html(load_snapshot(Path(run_dir))).encode())
+    return path

@@ -1,0 +1,193 @@
+# The dashboard's HTTP server on a background thread: static page, JSON API and /metrics, bearer token off loopback.
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import re
+import secrets
+import socket
+import threading
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from edge_agent.data import atomic_write_bytes
+from coordinator.dashboard.live import LiveState
+from coordinator.dashboard.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, render_metrics
+from coordinator.dashboard.views import (
+    SnapshotCache, class_accuracy_view, devices_view, divergence_view, json_safe, rounds_view, run_view,
+)
+
+log = logging.getLogger(__name__)
+
+STATIC_DIR = Path(__file__).parent / "static"
+STATIC_FILES = {
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8"),
+    "/dashboard.css": ("dashboard.css", "text/css; charset=utf-8"),
+}
+ROUND_PATH = re.compile(r"/api/rounds/(\d+)/(divergence|class-accuracy)")
+TOKEN_FILE = "dashboard-token"
+LOOPBACK_NAMES = {"localhost"}
+
+
+@dataclass(frozen=True)
+class ListenAddress:
+    """Where the dashboard listens; a host beyond loopback needs a bearer token."""
+
+    host: str
+    port: int
+
+    @property
+    def loopback(self) -> bool:
+        """True for localhost, 127.0.0.0/8 and ::1."""
+        if self.host in LOOPBACK_NAMES:
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+
+def parse_listen_address(text: str) -> ListenAddress:
+    """[HOST:]PORT -> ListenAddress (loopback 127.0.0.1 without a host; [::1]:PORT for IPv6); else ValueError."""
+    match = re.fullmatch(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]:|(?P<host>[A-Za-z0-9.-]+):)?(?P<port>\d{1,5})", text)
+    if match is None or int(match["port"]) > 65535:
+        raise ValueError(f"--dashboard must look like [HOST:]PORT (e.g. 8080 or 0.0.0.0:8080), got {text!r}")
+    return ListenAddress(match["v6"] or match["host"] or "127.0.0.1", int(match["port"]))
+
+
+def dashboard_token(address: ListenAddress, given: str | None, run_dir: Path) -> str | None:
+    """The bearer token the API requires: the given one; else, off loopback, a fresh one written to
+    RUN_DIR/dashboard-token (mode 0600); else none (loopback without --dashboard-token is open)."""
+    if given is not None:
+        if len(given) < 16:
+            raise ValueError("--dashboard-token must be at least 16 characters")
+        return given
+    if address.loopback:
+        return None
+    token = secrets.token_urlsafe(24)
+    path = run_dir / TOKEN_FILE
+    atomic_write_bytes(path, token.encode())
+    os.chmod(path, 0o600)
+    return token
+
+
+class DashboardHTTPServer(ThreadingHTTPServer):
+    """A threading HTTP server that knows the run directory, the live state and the token its handlers check."""
+
+    daemon_threads = True
+
+    def __init__(self, address: ListenAddress, run_dir: Path, live: LiveState | None, token: str | None) -> None:
+        self.address_family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
+        try:
+            super().__init__((address.host, address.port), DashboardHandler)
+        except OSError as error:
+            raise ValueError(f"--dashboard {address.host}:{address.port}: cannot listen ({error.strerror or error})") \
+                from None
+        self.snapshots = SnapshotCache(run_dir)
+        self.live = live
+        self.token = token
+
+
+class DashboardHandler(BaseHTTPRequestHandler):
+    """Serves the page and its assets to anyone who can reach it, and the data only with the token."""
+
+    server: DashboardHTTPServer
+
+    def do_GET(self) -> None:  # noqa: N802 (the name http.server dispatches to)
+        """Routes one GET request; every failure becomes a JSON error with a specific status."""
+        path = self.path.split("?", 1)[0]
+        if path in STATIC_FILES:
+            name, content_type = STATIC_FILES[path]
+            self.send_body(HTTPStatus.OK, (STATIC_DIR / name).read_bytes(), content_type)
+        elif not self.authorised():
+            self.send_json(HTTPStatus.UNAUTHORIZED, {"error": "a bearer token is required (Authorization: Bearer ...)"},
+                           {"WWW-Authenticate": "Bearer"})
+        elif path == "/metrics":
+            self.send_body(HTTPStatus.OK, self.metrics().encode(), METRICS_CONTENT_TYPE)
+        else:
+            status, body = self.api(path)
+            self.send_json(status, body)
+
+    def authorised(self) -> bool:
+        """True without a token, or when the Authorization header carries it."""
+        if self.server.token is None:
+            return True
+        header = self.headers.get("Authorization", "")
+        scheme, _, given = header.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.server.token.encode())
+
+    def api(self, path: str) -> tuple[HTTPStatus, dict]:
+        """(status, body) of a JSON API path, read from a fresh store snapshot and the live state."""
+        live, snapshot = self.server.live, self.server.snapshots.get()
+        if path == "/api/run":
+            return HTTPStatus.OK, run_view(snapshot, live)
+        if path == "/api/devices":
+            return HTTPStatus.OK, {"devices": devices_view(snapshot, live)}
+        if path == "/api/rounds":
+            return HTTPStatus.OK, {"rounds": rounds_view(snapshot)}
+        match = ROUND_PATH.fullmatch(path)
+        if match is None:
+            return HTTPStatus.NOT_FOUND, {"error": f"no such path {path!r}"}
+        round_id, what = int(match[1]), match[2]
+        view = divergence_view if what == "divergence" else class_accuracy_view
+        body = view(snapshot, round_id)
+        if body is None:
+            return HTTPStatus.NOT_FOUND, {"error": f"round {round_id} is not committed"}
+        return HTTPStatus.OK, body
+
+    def metrics(self) -> str:
+        """The Prometheus body from the live state (all zero when the server runs without one)."""
+        live = self.server.live or LiveState(total_rounds=0)
+        return render_metrics(live.counters(), live.online_count(), live.progress()["round"])
+
+    def send_json(self, status: HTTPStatus, body: dict, headers: dict[str, str] | None = None) -> None:
+        """Sends body as strict JSON (non-finite numbers become null)."""
+        data = json.dumps(json_safe(body), allow_nan=False).encode()
+        self.send_body(status, data, "application/json", headers)
+
+    def send_body(self, status: HTTPStatus, data: bytes, content_type: str,
+                  headers: dict[str, str] | None = None) -> None:
+        """Sends a complete response, never cached (the data changes every round)."""
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Cache-Control", "no-store")
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (http.server's signature)
+        """Request lines go to the debug log, not to stderr."""
+        log.debug("dashboard request %s", format % args)
+
+
+class Dashboard:
+    """The dashboard server running on a background thread for the duration of a with-block."""
+
+    def __init__(self, address: ListenAddress, run_dir: Path, live: LiveState | None, token: str | None) -> None:
+        self.server = DashboardHTTPServer(address, run_dir, live, token)
+        self.thread = threading.Thread(target=self.server.serve_forever, name="dashboard", daemon=True)
+
+    @property
+    def url(self) -> str:
+        """The page's address, with the port actually bound (port 0 picks a free one)."""
+        host, port = self.server.server_address[:2]
+        return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
+
+    def __enter__(self) -> Dashboard:
+        """Starts serving."""
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Stops serving and closes the socket."""
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)

@@ -1,0 +1,189 @@
+# The dashboard's and the report's data: a run's store (read-only) plus the live state, as plain JSON-able dicts.
+from __future__ import annotations
+
+import math
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, TypeVar
+
+from coordinator.dashboard.live import LiveState
+from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
+
+T = TypeVar("T")
+Rejection = tuple[int, str, str, int, float]  # round id, device id, reason, bytes, recorded at
+
+
+@dataclass(frozen=True)
+class RunSnapshot:
+    """Everything committed so far in a run's store, read in one go (empty before the store exists)."""
+
+    config: dict = field(default_factory=dict)
+    rounds: list[RoundRecord] = field(default_factory=list)
+    device_rounds: list[DeviceRoundRecord] = field(default_factory=list)
+    rejections: list[Rejection] = field(default_factory=list)
+
+
+def snapshot_of(store: RunStore) -> RunSnapshot:
+    """Everything committed in the store."""
+    return RunSnapshot(store.config() or {}, store.rounds(), store.device_rounds(), store.rejections())
+
+
+def load_snapshot(run_dir: Path) -> RunSnapshot:
+    """Reads the run's store through its own read-only connection; an empty snapshot if there is no store yet."""
+    try:
+        store = RunStore(run_dir, read_only=True)
+    except FileNotFoundError:
+        return RunSnapshot()
+    with store:
+        return snapshot_of(store)
+
+
+class SnapshotCache:
+    """The run's latest snapshot, re-read only when the store's revision changes (a round commits, a rejection is
+    recorded), so a dashboard polling every second costs one small query per request between rounds."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self._lock = threading.Lock()
+        self._revision: tuple | None = None
+        self._snapshot = RunSnapshot()
+
+    def get(self) -> RunSnapshot:
+        """The current snapshot, through a fresh read-only connection of this request's own."""
+        try:
+            store = RunStore(self.run_dir, read_only=True)
+        except FileNotFoundError:
+            return RunSnapshot()
+        with store, self._lock:
+            revision = store.revision()
+            if revision != self._revision:
+                self._snapshot, self._revision = snapshot_of(store), revision
+            return self._snapshot
+
+
+def json_safe(value: Any) -> Any:
+    """value with every NaN or infinity replaced by None (JSON has neither; a zero layer's divergence is inf)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return value
+
+
+def run_view(snapshot: RunSnapshot, live: LiveState | None) -> dict:
+    """The run's identity and progress: id, fleet, strategy, rounds done and planned, the current round and phase."""
+    settings = snapshot.config.get("settings", {})
+    last = snapshot.rounds[-1].round_id if snapshot.rounds else 0
+    progress = live.progress() if live else {}
+    total = progress.get("total_rounds") or settings.get("policy", {}).get("rounds")
+    return {
+        "run_id": snapshot.config.get("run_id"), "fleet": settings.get("fleet"), "strategy": settings.get("strategy"),
+        "recipe": settings.get("recipe", {}), "total_rounds": total, "rounds_completed": len(snapshot.rounds),
+        "last_committed_round": last, "round": progress.get("round", last),
+        "phase": progress.get("phase", "finished" if total and last >= total else "stored"),
+        "needed": progress.get("needed"), "round_opened_at": progress.get("round_opened_at"),
+        "devices_online": live.online_count() if live else None,
+    }
+
+
+def grouped(items: Iterable[T], key: Callable[[T], Any]) -> dict[Any, list[T]]:
+    """items in lists by key, each list in the items' order (one pass, so views stay linear in the run's size)."""
+    groups: dict[Any, list[T]] = defaultdict(list)
+    for item in items:
+        groups[key(item)].append(item)
+    return groups
+
+
+def last_answer_from_store(accepted: list[DeviceRoundRecord], rejections: list[Rejection]) -> dict | None:
+    """A device's last update as the store knows it: its latest accepted record or rejection, whichever is newer."""
+    candidates = [
+        {"round_id": r.round_id, "size": r.update_bytes, "accepted": True, "reason": "", "answered_at": r.received_at}
+        for r in accepted
+    ] + [
+        {"round_id": round_id, "size": size, "accepted": False, "reason": reason, "answered_at": at}
+        for round_id, _, reason, size, at in rejections
+    ]
+    return max(candidates, key=lambda answer: answer["answered_at"], default=None)
+
+
+def devices_view(snapshot: RunSnapshot, live: LiveState | None) -> list[dict]:
+    """One row per device: presence, last seen, profile, rounds joined, labelled count and class histogram of its
+    latest accepted update, its latest local accuracy, and its last update's size and ack."""
+    present = live.devices() if live else {}
+    accepted_by_device = grouped((r for r in snapshot.device_rounds if r.accepted), lambda r: r.device_id)
+    rejections_by_device = grouped(snapshot.rejections, lambda rejection: rejection[1])
+    rows = []
+    for device in sorted(set(accepted_by_device) | set(rejections_by_device) | set(present)):
+        records = accepted_by_device.get(device, [])
+        latest = records[-1] if records else None
+        presence = present.get(device, {})
+        rows.append({
+            "device_id": device, "state": presence.get("state", "unknown"),
+            "online": presence.get("state", "offline") not in ("offline", "unknown"),
+            "last_seen": presence.get("last_seen") or (latest.received_at if latest else None),
+            "profile": presence.get("profile", ""), "rounds_joined": len(records),
+            "labelled": presence.get("labelled") or (latest.num_samples if latest else 0),
+            "acquired_labels": latest.acquired_labels if latest else 0,
+            "class_counts": latest.class_counts if latest else [],
+            "local_accuracy": latest.local_accuracy if latest else None,
+            "last_update": presence.get("last_update")
+            or last_answer_from_store(records, rejections_by_device.get(device, [])),
+        })
+    return rows
+
+
+def rounds_view(snapshot: RunSnapshot) -> list[dict]:
+    """One row per committed round: timing, accuracy, labels, quorum, stragglers, rejections, suspects and each
+    device's local accuracy."""
+    devices_by_round = grouped(snapshot.device_rounds, lambda r: r.round_id)
+    rejections_by_round = grouped(snapshot.rejections, lambda rejection: rejection[0])
+    rows = []
+    for record in snapshot.rounds:
+        devices = devices_by_round.get(record.round_id, [])
+        rows.append({
+            "round": record.round_id, "started_at": record.started_at, "closed_at": record.closed_at,
+            "seconds": record.closed_at - record.started_at, "accuracy": record.accuracy, "labels": record.labels,
+            "accepted": record.accepted, "rejected": record.rejected, "quorum": record.metrics.get("quorum"),
+            "stragglers": record.metrics.get("stragglers", []),
+            "rejections": [{"device_id": device, "reason": reason}
+                           for _, device, reason, *_ in rejections_by_round.get(record.round_id, [])],
+            "suspects": record.report.get("suspects", {}), "excluded": record.report.get("excluded", []),
+            "aggregation_seconds": record.report.get("aggregation_seconds"),
+            "device_accuracy": {r.device_id: r.local_accuracy for r in devices if r.local_accuracy is not None},
+        })
+    return rows
+
+
+def find_round(snapshot: RunSnapshot, round_id: int) -> RoundRecord | None:
+    """The committed round with that id, or None."""
+    return next((record for record in snapshot.rounds if record.round_id == round_id), None)
+
+
+def divergence_view(snapshot: RunSnapshot, round_id: int) -> dict | None:
+    """The round's per-layer divergence matrix (one row per device, one column per layer) and its suspects, or None
+    if the round is not committed."""
+    record = find_round(snapshot, round_id)
+    if record is None:
+        return None
+    devices = [r for r in snapshot.device_rounds if r.round_id == round_id and r.divergence]
+    layers = sorted({layer for r in devices for layer in r.divergence})
+    return {
+        "round": round_id, "layers": layers, "devices": [r.device_id for r in devices],
+        "values": [[r.divergence.get(layer) for layer in layers] for r in devices],
+        "suspects": record.report.get("suspects", {}),
+    }
+
+
+def class_accuracy_view(snapshot: RunSnapshot, round_id: int) -> dict | None:
+    """The round's per-class test accuracy of the aggregate and of each device model (Figure 11), or None if the
+    round is not committed."""
+    record = find_round(snapshot, round_id)
+    if record is None:
+        return None
+    aggregate = record.metrics.get("class_accuracy", [])
+    return {"round": round_id, "classes": list(range(len(aggregate))), "aggregate": aggregate,
+            "devices": record.metrics.get("device_class_accuracy", {})}

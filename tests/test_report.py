@@ -1,0 +1,79 @@
+# The run report: one self-contained HTML file (PNG charts as data: URIs) that renders with no network at all.
+from __future__ import annotations
+
+import base64
+import io
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from browser import headless_chromium, needs_chromium
+from coordinator.dashboard.report import write_report
+from coordinator.evaluation import class_accuracies
+from coordinator.store import RunStore
+from run_records import fill_store
+
+CHARTS = 5  # accuracy per round, accuracy against labels, divergence heatmap, per-class accuracy, timeline
+
+
+def embedded_pngs(page: str) -> list[Image.Image]:
+    """Every <img> of the page decoded from its data: URI."""
+    return [Image.open(io.BytesIO(base64.b64decode(data)))
+            for data in re.findall(r'<img [^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)]
+
+
+def test_report_is_self_contained(tmp_path: Path) -> None:
+    fill_store(tmp_path / "run")
+    path = write_report(tmp_path / "run")
+    assert path == tmp_path / "run" / "report.html"
+    page = path.read_text()
+    assert not re.search(r"https?://", page)
+    assert not re.search(r"<(script|link|iframe)\b", page)
+    sources = re.findall(r'\b(?:src|href)="([^"]*)"', page)
+    assert len(sources) == CHARTS and all(s.startswith("data:image/png;base64,") for s in sources)
+    images = embedded_pngs(page)
+    assert len(images) == CHARTS
+    assert all(image.format == "PNG" and image.width >= 400 and image.height >= 100 for image in images)
+    assert "intruder: stale round" in page and "dev-02" in page and "run-x" in page
+
+
+def test_report_of_a_run_without_rounds_says_so(tmp_path: Path) -> None:
+    with RunStore(tmp_path / "run") as store:
+        store.set_config({"run_id": "empty-run", "settings": {}})
+    page = write_report(tmp_path / "run", tmp_path / "elsewhere" / "r.html").read_text()
+    assert "No round has been committed yet" in page and "<img" not in page
+
+
+def test_report_command(tmp_path: Path) -> None:
+    fill_store(tmp_path / "run")
+    result = subprocess.run([sys.executable, "-m", "coordinator", "report", str(tmp_path / "run")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(tmp_path / "run" / "report.html")
+    assert len(embedded_pngs((tmp_path / "run" / "report.html").read_text())) == CHARTS
+    missing = subprocess.run([sys.executable, "-m", "coordinator", "report", str(tmp_path / "nothing")],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
+        f"fl-coordinator: {tmp_path / 'nothing'} holds no run (no run.sqlite)"]
+    assert not (tmp_path / "nothing").exists()
+
+
+@needs_chromium
+def test_report_renders_in_a_browser_without_network(tmp_path: Path) -> None:
+    fill_store(tmp_path / "run")
+    path = write_report(tmp_path / "run")
+    offline = ["--proxy-server=http://127.0.0.1:9", "--proxy-bypass-list=<-loopback>"]  # any fetch would fail
+    with headless_chromium(tmp_path / "chromium-profile", offline) as browser:
+        browser.open(path.as_uri())
+        sizes = browser.evaluate("return [...document.images].map(i => [i.complete, i.naturalWidth])")
+    assert len(sizes) == CHARTS and all(complete and width >= 400 for complete, width in sizes)
+
+
+def test_class_accuracies_per_class_and_none_for_absent_classes() -> None:
+    labels = np.array([0, 0, 1, 1, 1, 3])
+    predicted = np.array([0, 1, 1, 1, 0, 3])
+    assert class_accuracies(np.eye(4)[predicted], labels, 4) == [0.5, 2 / 3, None, 1.0]
