@@ -50,6 +50,7 @@ class AgentSettings:
     execution_providers: tuple[str, ...] = ("CPUExecutionProvider",)
     mc_passes_cap: int | None = None
     stream: bool = False
+    signing_key: bytes = b""
 
     @property
     def scores_with_onnxruntime(self) -> bool:
@@ -62,7 +63,6 @@ class BackgroundWork(Protocol):
 
     def tick(self, weights: Weights | None, round_id: int) -> None:
         """Called every loop turn with the newest global weights (None before the first) and the round worked toward."""
-    signing_key: bytes = b""
 
 
 def acquisition_scores(
