@@ -125,6 +125,7 @@ class Coordinator:
         self, fleet: str, run_id: str, session: MqttSession, store: RunStore, strategy: Strategy,
         evaluator: Evaluator, recipe: wire.Recipe, policy: RoundPolicy, model_name: str = "paper-cnn",
         base_labels: int = 0, evaluate_devices: bool = True, suspect_policy: SuspectPolicy = SuspectPolicy(),
+        dead_devices: Callable[[], set[str]] = set,
     ) -> None:
         self.fleet = fleet
         self.run_id = run_id
@@ -138,6 +139,7 @@ class Coordinator:
         self.base_labels = base_labels
         self.evaluate_devices = evaluate_devices
         self.suspect_policy = suspect_policy
+        self.dead_devices = dead_devices
         self.spec = weight_spec(build_model(model_name))
         self.online: dict[str, wire.Status] = {}
         self.device_labels: dict[str, int] = {}
@@ -152,9 +154,7 @@ class Coordinator:
         """Processes status messages until `count` devices are online or the timeout passes; returns how many are."""
         deadline = time.monotonic() + timeout
         while len(self.online_devices()) < count and time.monotonic() < deadline:
-            message = self.session.next_message(timeout=0.2)
-            if message is not None:
-                self.dispatch(message, collector=None)
+            self.handle_next(collector=None)
         return len(self.online_devices())
 
     def online_devices(self) -> set[str]:
@@ -178,7 +178,8 @@ class Coordinator:
         self.publish_model(global_weights, base_hash)
         self.announce(round_id, base_hash)
         self.collect(collector, started)
-        updates = [self.client_update(update) for update in collector.accepted.values()]
+        # in device order: float sums then do not depend on arrival order, so a resumed round gives the same model
+        updates = [self.client_update(collector.accepted[device]) for device in sorted(collector.accepted)]
         aggregation_started = time.monotonic()
         evaluate = self.evaluator.selection_accuracy if self.strategy.needs_evaluation else None
         new_weights, report, divergence, suspects = aggregate_with_suspects(
@@ -219,9 +220,11 @@ class Coordinator:
         return ClientUpdate(update.device_id, update.tensors, update.num_samples, dict(update.metrics))
 
     def needed(self, collector: RoundCollector) -> int:
-        """How many accepted updates close the round early: the quorum, else every online device (at least the minimum)."""
+        """How many accepted updates close the round early: the quorum less the devices known dead (a bench's
+        crashed agents), else every online device; never fewer than the minimum."""
         if self.policy.quorum is not None:
-            return self.policy.quorum
+            lost = len(self.dead_devices() - set(collector.accepted))
+            return max(self.policy.min_devices, self.policy.quorum - lost)
         return max(self.policy.min_devices, len(self.online_devices() | set(collector.accepted)))
 
     def collect(self, collector: RoundCollector, started: float) -> None:
@@ -240,9 +243,15 @@ class Coordinator:
                 log.warning("round deadline passed below the minimum round=%d accepted=%d min=%d; waiting longer",
                             collector.expectation.round_id, have, self.policy.min_devices)
                 deadline = time.monotonic() + self.policy.round_timeout
-            message = self.session.next_message(timeout=0.2)
-            if message is not None:
-                self.dispatch(message, collector)
+            self.handle_next(collector)
+
+    def handle_next(self, collector: RoundCollector | None) -> None:
+        """Handles the next message, if one comes within 0.2 s, and only then acknowledges it to the broker:
+        an update received but not yet spooled when the process dies is redelivered, not lost."""
+        message = self.session.next_message(timeout=0.2)
+        if message is not None:
+            self.dispatch(message, collector)
+            self.session.acknowledge(message)
 
     def dispatch(self, message: IncomingMessage, collector: RoundCollector | None) -> None:
         """Routes a status or update message; nothing a device sends can raise out of here."""

@@ -125,20 +125,22 @@ def settings_as_dict(settings: ServerSettings) -> dict:
 def run_server(
     settings: ServerSettings, address: BrokerAddress, on_round: Callable[[RoundResult], None],
     data: ServerData | None = None, wait_for_devices: int = 0, device_wait_timeout: float = 60.0,
+    dead_devices: Callable[[], set[str]] = set,
 ) -> Weights:
-    """Runs (or resumes) the whole run against the broker at `address`; returns the final global model."""
+    """Runs (or resumes) the whole run against the broker at `address`; returns the final global model.
+    `dead_devices` names devices known to be gone for good (the bench's crashed agents): no round waits for them."""
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     data = data or load_server_data(settings)
     strategy = make_strategy(settings.strategy, **settings.strategy_options)
     store = RunStore(settings.run_dir)
-    session = MqttSession(address, client_id=f"coordinator-{settings.fleet}")
+    session = MqttSession(address, client_id=f"coordinator-{settings.fleet}", manual_ack=True)
     try:
         weights, first_round, run_id = starting_point(store, settings, data)
         coordinator = Coordinator(
             settings.fleet, run_id, session, store, strategy, build_evaluator(settings, data), settings.recipe,
             settings.policy, settings.model_name, base_labels=len(data.init_indices),
-            evaluate_devices=settings.evaluate_devices, suspect_policy=settings.suspects,
+            evaluate_devices=settings.evaluate_devices, suspect_policy=settings.suspects, dead_devices=dead_devices,
         )
         coordinator.device_labels = latest_device_labels(store)
         session.connect()

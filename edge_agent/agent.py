@@ -25,6 +25,7 @@ from edge_agent.training import LocalData, make_local_rule
 log = logging.getLogger(__name__)
 
 LAST_ROUND_KEY = "last_finished_round"
+ROUND_BATCHES_KEY = "round_batches"
 PUBLISH_WAIT_SECONDS = 30.0
 
 
@@ -177,7 +178,7 @@ class Agent:
             seed = int(np.random.SeedSequence([recipe.seed, device_seed(self.settings.device_id),
                                                announcement.round_id, acquisition]).generate_state(1)[0])
             started = time.monotonic()
-            new_indices, new_labels = self.acquire(model, heuristic, recipe, seed)
+            new_indices, new_labels = self.acquire(model, heuristic, recipe, seed, announcement.round_id, acquisition)
             if len(new_indices) == 0:
                 log.warning("pool exhausted device=%s round=%d", self.settings.device_id, announcement.round_id)
                 break
@@ -200,19 +201,43 @@ class Agent:
         )
 
     def acquire(
-        self, model: torch.nn.Module, heuristic: Heuristic, recipe: wire.Recipe, seed: int,
+        self, model: torch.nn.Module, heuristic: Heuristic, recipe: wire.Recipe, seed: int, round_id: int,
+        acquisition: int,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Scores the pool, asks the oracle for the top k and stores the answers; returns them (indices, labels)."""
-        pool = self.data.pool_indices()
-        if len(pool) == 0:
-            return pool, pool
-        rng = np.random.default_rng(seed)
-        scores = acquisition_scores(heuristic, model, self.data.images(pool), recipe.mc_passes, seed, rng,
-                                    self.settings.inference_batch)
-        queried = pool[top_k(scores, recipe.labels_per_acquisition)]
-        answered, labels = self.oracle.label(queried)
-        self.data.add_labels(answered, labels)
-        return answered, labels
+        """Scores the pool, asks the oracle for the top k and stores the answers; returns the batch (indices, labels).
+
+        The queried batch is persisted before the oracle is asked: a device killed during the round reuses it on
+        restart instead of querying a fresh batch, so no label is asked twice.
+        """
+        queried = self.queried_batch(round_id, acquisition)
+        if queried is None:
+            pool = self.data.pool_indices()
+            if len(pool) == 0:
+                return pool, pool
+            rng = np.random.default_rng(seed)
+            scores = acquisition_scores(heuristic, model, self.data.images(pool), recipe.mc_passes, seed, rng,
+                                        self.settings.inference_batch)
+            queried = pool[top_k(scores, recipe.labels_per_acquisition)]
+            self.remember_batch(round_id, acquisition, queried)
+        unanswered = queried[self.data.labels_at(queried) < 0]
+        if len(unanswered):
+            answered, labels = self.oracle.label(unanswered)
+            self.data.add_labels(answered, labels)
+        known = self.data.labels_at(queried)
+        return queried[known >= 0], known[known >= 0]
+
+    def queried_batch(self, round_id: int, acquisition: int) -> np.ndarray | None:
+        """The batch this acquisition of this round already queried before the agent was stopped, if any."""
+        record = self.data.get_state(ROUND_BATCHES_KEY)
+        if not record or record.get("round") != round_id or acquisition >= len(record.get("batches", [])):
+            return None
+        return np.asarray(record["batches"][acquisition], dtype=np.int64)
+
+    def remember_batch(self, round_id: int, acquisition: int, queried: np.ndarray) -> None:
+        """Persists the batch an acquisition is about to query (earlier rounds' batches are dropped)."""
+        record = self.data.get_state(ROUND_BATCHES_KEY) or {}
+        batches = record.get("batches", [])[:acquisition] if record.get("round") == round_id else []
+        self.data.set_state(ROUND_BATCHES_KEY, {"round": round_id, "batches": batches + [queried.tolist()]})
 
     def local_data(self, new_indices: np.ndarray, new_labels: np.ndarray) -> LocalData:
         """The training view of the device's data after an acquisition (replay excludes the new batch)."""
@@ -230,8 +255,10 @@ class Agent:
         """Encodes and publishes the update at QoS 1; the session refuses it before paho sees it if it is too large."""
         payload = wire.encode(update)
         topic = wire.device_topic(self.settings.fleet, self.settings.device_id, "update")
-        self.session.publish(topic, payload, wait=PUBLISH_WAIT_SECONDS)
-        log.info("update published device=%s round=%d bytes=%d", update.device_id, update.round_id, len(payload))
+        if self.session.publish(topic, payload, wait=PUBLISH_WAIT_SECONDS):
+            log.info("update published device=%s round=%d bytes=%d", update.device_id, update.round_id, len(payload))
+        else:
+            log.warning("update queued until the broker is back device=%s round=%d", update.device_id, update.round_id)
 
     def publish_status(self, state: str, round_id: int | None = None) -> None:
         """Retained presence and progress for the coordinator and its dashboard."""

@@ -1,0 +1,155 @@
+# Faults survived (issue #5), each with real processes: mosquitto, `python -m coordinator run`, `python -m edge_agent run`.
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_agent import wire
+from edge_agent.data import DeviceData, load_arrays
+from edge_agent.models import weights_hash
+from coordinator.broker import EmbeddedBroker, free_loopback_port
+from coordinator.store import RunStore
+from coordinator.strategies import AveFL, ClientUpdate
+from fleet import (
+    LABELS, FakeDevice, committed_rounds, fleet_shards, kill, log_text, oracle_labels, perturbed, start_agent,
+    start_coordinator, stop_all, wait_exit, wait_until,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def broker(tmp_path: Path):
+    """A mosquitto on a fixed port the test knows, so that it can restart it on the same address."""
+    with EmbeddedBroker(tmp_path / "broker", port=free_loopback_port()) as embedded:
+        yield embedded
+
+
+@pytest.fixture
+def processes():
+    """Every process a test starts; whatever is still running at the end is killed."""
+    started: list = []
+    yield started
+    stop_all(started)
+
+
+def aggregate(base: dict, updates: list[wire.Update]) -> dict:
+    """The AveFL aggregate of these updates, computed here independently of the coordinator process."""
+    return AveFL().aggregate(base, [ClientUpdate(u.device_id, u.tensors, u.num_samples) for u in updates], None)[0]
+
+
+def test_a_redelivered_update_is_applied_once(tmp_path: Path, broker, processes) -> None:
+    """QoS 1 is at least once: the same encoded update arriving twice is acked twice but aggregated once."""
+    run_dir = tmp_path / "run"
+    processes.append(start_coordinator(broker.address, run_dir, "redeliver", "--rounds", "1", "--quorum", "2",
+                                       "--min-devices", "2"))
+    first, second = FakeDevice(broker.address, "redeliver", "dev-a"), FakeDevice(broker.address, "redeliver", "dev-b")
+    try:
+        announcement, base = first.current_round()
+        update_a = first.update(announcement, perturbed(base, seed=1))
+        update_b = second.update(announcement, perturbed(base, seed=2))
+        payload_a = wire.encode(update_a)
+        first.publish(payload_a)
+        first.publish(payload_a)
+        second.publish(wire.encode(update_b))
+        acks = first.acks(2)
+        assert [(a.accepted, a.update_id) for a in acks] == [(True, update_a.update_id)] * 2
+        assert second.acks(1)[0].accepted
+    finally:
+        first.close()
+        second.close()
+    assert wait_exit(processes[0], "coordinator") == 0
+
+    with RunStore(run_dir) as store:
+        [record] = store.rounds()
+        assert (record.accepted, record.rejected) == (2, 0)
+        assert store.rejection_counts() == {}
+        final = store.load_checkpoint(1)
+        assert weights_hash(store.load_checkpoint(0)) == announcement.model_hash
+    once = aggregate(base, [update_a, update_b])
+    twice = aggregate(base, [update_a, dataclasses.replace(update_a, device_id="dev-a-again"), update_b])
+    assert all(np.array_equal(final[name], once[name]) for name in once)
+    assert not all(np.allclose(final[name], twice[name]) for name in twice)
+    assert log_text(run_dir / "coordinator.log").count("update accepted device=dev-a") == 1
+
+
+def final_model_hash(run_dir: Path, round_id: int) -> str:
+    """The recorded hash of a run's checkpoint after `round_id`."""
+    with RunStore(run_dir) as store:
+        return weights_hash(store.load_checkpoint(round_id))
+
+
+def start_fleet(broker, run_dir: Path, fleet: str, devices: int, *options: str) -> list:
+    """A coordinator process and one agent process per device on `fleet`; returns [coordinator, *agents]."""
+    coordinator = start_coordinator(broker.address, run_dir, fleet, *options)
+    return [coordinator, *(start_agent(launch, broker.address, fleet) for launch in fleet_shards(run_dir, devices))]
+
+
+def test_a_killed_coordinator_resumes_its_round_from_the_spool(tmp_path: Path, broker, processes) -> None:
+    """SIGKILL after one of two updates is spooled; the restarted coordinator takes it back, waits for the other,
+    finishes, and ends with exactly the model of an uninterrupted run (agents are deterministic per device/round,
+    the aggregate sums in device order)."""
+    options = ("--rounds", "2", "--quorum", "2", "--min-devices", "2")
+    reference = start_fleet(broker, tmp_path / "reference", "reference", 2, *options)  # uninterrupted, alongside
+    processes.extend(reference)
+    run_dir = tmp_path / "resumed"
+    first, second = fleet_shards(run_dir, devices=2)
+    coordinator = start_coordinator(broker.address, run_dir, "resumed", *options)
+    agents = [start_agent(first, broker.address, "resumed")]
+    processes.extend([coordinator, *agents])
+    spooled = run_dir / "spool" / "round_0001" / f"{first.device_id}.msgpack"
+    wait_until(spooled.exists, "the first device's update in the spool")
+    kill(coordinator)
+    assert committed_rounds(run_dir) == []
+
+    agents.append(start_agent(second, broker.address, "resumed"))
+    restarted = start_coordinator(broker.address, run_dir, "resumed", *options)
+    processes.extend([agents[-1], restarted])
+    survivors = [*reference, *agents, restarted]
+    assert [wait_exit(process, "fleet process") for process in survivors] == [0] * len(survivors)
+
+    assert committed_rounds(run_dir) == [(1, 2), (2, 2)]
+    log = log_text(run_dir / "coordinator.log")
+    assert log.count(f"resumed spooled update device={first.device_id} round=1") == 1
+    with RunStore(run_dir) as store:
+        assert store.rejection_counts() == {}
+        # each device labelled 40 a round: nobody redid round 1
+        assert [d.acquired_labels for d in store.device_rounds(2)] == [2 * LABELS, 2 * LABELS]
+    for launch in (first, second):
+        assert len(oracle_labels(launch.state_dir)) == 2 * LABELS
+
+    for round_id in (0, 1, 2):
+        assert final_model_hash(run_dir, round_id) == final_model_hash(tmp_path / "reference", round_id)
+
+
+def test_the_fleet_rides_out_a_broker_restart_mid_round(tmp_path: Path, broker, processes) -> None:
+    """mosquitto stops while the devices train round 1 and comes back 2 s later on the same port: every client
+    reconnects on its own, updates published meanwhile go out on reconnect, both rounds close with both devices,
+    and nothing is counted twice."""
+    run_dir = tmp_path / "run"
+    fleet = start_fleet(broker, run_dir, "restart", 2, "--rounds", "2", "--quorum", "2", "--min-devices", "2")
+    processes.extend(fleet)
+    launches = fleet_shards(run_dir, devices=2)
+    wait_until(lambda: any(len(oracle_labels(launch.state_dir)) for launch in launches), "a device labelling round 1")
+    assert committed_rounds(run_dir) == []
+    broker.stop()
+    time.sleep(2.0)
+    broker.start()
+    assert [wait_exit(process, "fleet process") for process in fleet] == [0, 0, 0]
+
+    assert committed_rounds(run_dir) == [(1, 2), (2, 2)]
+    log = log_text(run_dir / "coordinator.log")
+    assert "mqtt disconnected client=coordinator-restart" in log
+    assert "session_present=True" in log  # the broker kept the coordinator's session across its restart
+    for launch in launches:
+        assert log.count(f"update accepted device={launch.device_id} round=1 ") == 1
+        assert len(oracle_labels(launch.state_dir)) == 2 * LABELS
+    with RunStore(run_dir) as store:
+        assert store.rejection_counts() == {}
+        assert [d.acquired_labels for d in store.device_rounds(2)] == [2 * LABELS, 2 * LABELS]
