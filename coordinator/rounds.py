@@ -195,7 +195,7 @@ class Coordinator:
         labels = self.base_labels + sum(self.device_labels.values())
         self.persist(collector, new_weights, RoundRecord(
             round_id, started_wall, time.time(), "", accuracy, labels, len(collector.accepted),
-            len(collector.rejected), report, {"quorum": self.needed(collector)}), device_accuracy, divergence)
+            len(collector.rejected), report, self.presence(collector)), device_accuracy, divergence)
         result = RoundResult(round_id, accuracy, device_accuracy, labels, divergence,
                              time.monotonic() - started, dict(collector.rejected), report, suspects)
         log.info("round closed round=%d accepted=%d rejected=%d accuracy=%.4f seconds=%.1f",
@@ -214,6 +214,13 @@ class Coordinator:
                               time.time(), update.acquired_labels)
             for device, update in collector.accepted.items()
         ])
+
+    def presence(self, collector: RoundCollector) -> dict:
+        """The round's quorum and who was missing: online devices that sent nothing, devices known offline."""
+        offline = {device for device, status in self.online.items() if status.state == "offline"}
+        return {"quorum": self.needed(collector),
+                "stragglers": sorted(self.online_devices() - set(collector.accepted)),
+                "offline": sorted((offline | self.dead_devices()) - set(collector.accepted))}
 
     def client_update(self, update: wire.Update) -> ClientUpdate:
         """The strategy's view of a validated update."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import signal
 import time
@@ -129,9 +130,9 @@ def test_a_killed_coordinator_resumes_its_round_from_the_spool(tmp_path: Path, b
 
 
 def test_the_fleet_rides_out_a_broker_restart_mid_round(tmp_path: Path, broker, processes) -> None:
-    """mosquitto stops while the devices train round 1 and comes back 2 s later on the same port: every client
-    reconnects on its own, updates published meanwhile go out on reconnect, both rounds close with both devices,
-    and nothing is counted twice."""
+    """mosquitto stops while the devices train round 1 and comes back on the same port once one of them has tried
+    to publish its update: every client reconnects on its own, the update queued meanwhile goes out on reconnect,
+    both rounds close with both devices, and nothing is counted twice."""
     run_dir = tmp_path / "run"
     fleet = start_fleet(broker, run_dir, "restart", 2, "--rounds", "2", "--quorum", "2", "--min-devices", "2")
     processes.extend(fleet)
@@ -139,7 +140,9 @@ def test_the_fleet_rides_out_a_broker_restart_mid_round(tmp_path: Path, broker, 
     wait_until(lambda: any(len(oracle_labels(launch.state_dir)) for launch in launches), "a device labelling round 1")
     assert committed_rounds(run_dir) == []
     broker.stop()
-    time.sleep(2.0)
+    wait_until(lambda: any("acquisition done" in log_text(launch.log_file) for launch in launches),
+               "a device finishing its training while the broker is down")
+    time.sleep(1.0)
     broker.start()
     assert [wait_exit(process, "fleet process") for process in fleet] == [0, 0, 0]
 
@@ -153,3 +156,93 @@ def test_the_fleet_rides_out_a_broker_restart_mid_round(tmp_path: Path, broker, 
     with RunStore(run_dir) as store:
         assert store.rejection_counts() == {}
         assert [d.acquired_labels for d in store.device_rounds(2)] == [2 * LABELS, 2 * LABELS]
+
+
+def sha256_of(path: Path) -> str:
+    """The file's SHA-256, to show it was not rewritten."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_device_killed_while_training_keeps_its_labels_and_rejoins(tmp_path: Path, broker, processes) -> None:
+    """SIGKILL once the device stored round 1's labels but before its update went out: its labelled store and pool
+    survive, and the restarted agent trains round 1 again on the same batch (no label asked twice) and rejoins."""
+    run_dir = tmp_path / "run"
+    fleet = start_fleet(broker, run_dir, "crash", 2, "--rounds", "2", "--quorum", "2", "--min-devices", "2",
+                        "--epochs", "5")
+    processes.extend(fleet)
+    victim = fleet_shards(run_dir, devices=2)[1]
+    wait_until(lambda: len(oracle_labels(victim.state_dir)) > 0, "the device storing round 1's labels")
+    kill(fleet[2])
+    assert not (run_dir / "spool" / "round_0001" / f"{victim.device_id}.msgpack").exists(), \
+        "the device was killed after publishing, not during training"
+    at_kill = load_arrays(victim.state_dir / DeviceData.LABELS_FILE)
+    images_at_kill = sha256_of(victim.state_dir / DeviceData.IMAGES_FILE)
+    batch = oracle_labels(victim.state_dir)
+    assert len(batch) == LABELS
+    state = json.loads((victim.state_dir / DeviceData.STATE_FILE).read_text())
+    assert state.get("last_finished_round", 0) == 0
+    assert state["round_batches"]["round"] == 1
+    assert sorted(state["round_batches"]["batches"][0]) == sorted(batch.tolist())
+
+    restarted = start_agent(victim, broker.address, "crash")
+    processes.append(restarted)
+    survivors = [fleet[0], fleet[1], restarted]
+    assert [wait_exit(process, "fleet process") for process in survivors] == [0, 0, 0]
+
+    assert committed_rounds(run_dir) == [(1, 2), (2, 2)]
+    after = load_arrays(victim.state_dir / DeviceData.LABELS_FILE)
+    held = len(at_kill["indices"])
+    for name in ("indices", "labels", "sources"):
+        assert np.array_equal(after[name][:held], at_kill[name]), f"labels.npz {name} changed for the labels held"
+    assert sha256_of(victim.state_dir / DeviceData.IMAGES_FILE) == images_at_kill
+    assert len(oracle_labels(victim.state_dir)) == 2 * LABELS  # round 1's batch reused, round 2's new
+    assert set(batch) <= set(oracle_labels(victim.state_dir)[:LABELS])
+    with RunStore(run_dir) as store:
+        round_one = {d.device_id: d.acquired_labels for d in store.device_rounds(1)}
+        assert round_one == {"dev-00": LABELS, victim.device_id: LABELS}
+        assert store.rejection_counts() == {}
+
+
+def test_a_device_that_hangs_then_dies_is_left_out_and_taken_back_when_it_returns(
+    tmp_path: Path, broker, processes,
+) -> None:
+    """dev-02 hangs in round 1 (SIGSTOP: still connected), so round 1 closes at its deadline with the other two;
+    then it dies (SIGKILL: the broker publishes its 'offline' last will) and round 2 closes as soon as the living
+    answer; restarted, it is counted again from the next round on."""
+    timeout = 15.0
+    run_dir = tmp_path / "run"
+    fleet = start_fleet(broker, run_dir, "absent", 3, "--rounds", "4", "--min-devices", "2",
+                        "--round-timeout", str(timeout), "--wait-devices", "3")
+    processes.extend(fleet)
+    absent = fleet_shards(run_dir, devices=3)[2]
+    wait_until(lambda: (absent.state_dir / DeviceData.STATE_FILE).exists()
+               and "round_batches" in json.loads((absent.state_dir / DeviceData.STATE_FILE).read_text()),
+               "dev-02 starting round 1")
+    fleet[3].send_signal(signal.SIGSTOP)
+    wait_until(lambda: len(committed_rounds(run_dir)) >= 1, "round 1 closing")
+    kill(fleet[3])
+    wait_until(lambda: len(committed_rounds(run_dir)) >= 2, "round 2 closing")
+    # hold the others until dev-02, restarted, has answered round 3: a fresh process's slow first round on a busy
+    # machine must not let the run end without it
+    for other in fleet[1:3]:
+        other.send_signal(signal.SIGSTOP)
+    returned = start_agent(absent, broker.address, "absent")
+    processes.append(returned)
+    wait_until(lambda: "update published device=dev-02 round=3" in log_text(absent.log_file), "dev-02 answering")
+    for other in fleet[1:3]:
+        other.send_signal(signal.SIGCONT)
+    survivors = [fleet[0], fleet[1], fleet[2], returned]
+    assert [wait_exit(process, "fleet process") for process in survivors] == [0, 0, 0, 0]
+
+    with RunStore(run_dir) as store:
+        rounds = store.rounds()
+        accepted = {r.round_id: sorted(d.device_id for d in store.device_rounds(r.round_id)) for r in rounds}
+    assert accepted[1] == accepted[2] == ["dev-00", "dev-01"]
+    assert rounds[0].closed_at - rounds[0].started_at >= timeout  # closed at its deadline, not before
+    assert rounds[0].metrics["stragglers"] == ["dev-02"]
+    assert rounds[1].closed_at - rounds[1].started_at < timeout  # did not wait for the dead device
+    assert rounds[1].metrics["offline"] == ["dev-02"]
+    assert accepted[3] == accepted[4] == ["dev-00", "dev-01", "dev-02"]
+    log = log_text(run_dir / "coordinator.log")
+    assert "round deadline passed round=1 accepted=2 needed=3 stragglers=['dev-02']" in log
+    assert "device status device=dev-02 state=offline" in log
