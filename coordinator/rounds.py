@@ -86,6 +86,12 @@ class RoundCollector:
     accepted: dict[str, wire.Update] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
+    rejection_count: int = 0
+
+    def reject(self, device_id: str, reason: str) -> None:
+        """Notes a rejected update: the device's latest reason, and one more in the round's count."""
+        self.rejected[device_id] = reason
+        self.rejection_count += 1
 
     def offer(self, device_id: str, payload: bytes) -> tuple[wire.Update | None, bool]:
         """(update, is_new): a valid first update is new; a redelivery of the accepted one is not; else Rejection."""
@@ -195,11 +201,11 @@ class Coordinator:
         labels = self.base_labels + sum(self.device_labels.values())
         self.persist(collector, new_weights, RoundRecord(
             round_id, started_wall, time.time(), "", accuracy, labels, len(collector.accepted),
-            len(collector.rejected), report, self.presence(collector)), device_accuracy, divergence)
+            collector.rejection_count, report, self.presence(collector)), device_accuracy, divergence)
         result = RoundResult(round_id, accuracy, device_accuracy, labels, divergence,
                              time.monotonic() - started, dict(collector.rejected), report, suspects)
         log.info("round closed round=%d accepted=%d rejected=%d accuracy=%.4f seconds=%.1f",
-                 round_id, len(updates), len(collector.rejected), accuracy, result.seconds)
+                 round_id, len(updates), collector.rejection_count, accuracy, result.seconds)
         return new_weights, result
 
     def persist(
@@ -295,7 +301,7 @@ class Coordinator:
         try:
             update, is_new = collector.offer(device_id, payload)
         except Rejection as rejection:
-            collector.rejected[device_id] = rejection.reason
+            collector.reject(device_id, rejection.reason)
             self.reject(device_id, collector.expectation.round_id, self.update_id_of(payload), rejection.reason,
                         len(payload))
             return
