@@ -157,9 +157,10 @@ class Coordinator:
         self.session.subscribe(wire.all_devices_topic(self.fleet, "status"))
 
     def wait_for_devices(self, count: int, timeout: float) -> int:
-        """Processes status messages until `count` devices are online or the timeout passes; returns how many are."""
+        """Processes status messages until `count` devices (less those known dead) are online or the timeout passes;
+        returns how many are."""
         deadline = time.monotonic() + timeout
-        while len(self.online_devices()) < count and time.monotonic() < deadline:
+        while len(self.online_devices()) < count - len(self.dead_devices()) and time.monotonic() < deadline:
             self.handle_next(collector=None)
         return len(self.online_devices())
 

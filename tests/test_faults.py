@@ -15,10 +15,13 @@ from edge_agent import wire
 from edge_agent.data import DeviceData, load_arrays
 from edge_agent.models import weights_hash
 from coordinator.broker import EmbeddedBroker, free_loopback_port
+from coordinator.rounds import RoundPolicy, RoundResult
+from coordinator.server import InitSettings, ServerSettings
+from coordinator.simulate import BenchSettings, simulate
 from coordinator.store import RunStore
 from coordinator.strategies import AveFL, ClientUpdate
 from fleet import (
-    LABELS, FakeDevice, committed_rounds, fleet_shards, kill, log_text, oracle_labels, perturbed, start_agent,
+    INIT_SAMPLES, LABELS, VALIDATION_SAMPLES, FakeDevice, committed_rounds, fleet_shards, kill, log_text, oracle_labels, perturbed, start_agent,
     start_coordinator, stop_all, wait_exit, wait_until,
 )
 
@@ -246,3 +249,27 @@ def test_a_device_that_hangs_then_dies_is_left_out_and_taken_back_when_it_return
     log = log_text(run_dir / "coordinator.log")
     assert "round deadline passed round=1 accepted=2 needed=3 stragglers=['dev-02']" in log
     assert "device status device=dev-02 state=offline" in log
+
+
+def test_the_bench_notices_a_dead_agent_at_once(tmp_path: Path, caplog) -> None:
+    """An agent process that dies (here: its shard is corrupt) is named with its log file and the bench goes on
+    with the living at once, instead of waiting for the 600 s round deadline."""
+    settings = ServerSettings(
+        run_dir=tmp_path / "run", fleet="dead", recipe=wire.Recipe(labels_per_acquisition=LABELS, epochs=1,
+                                                                   mc_passes=2, batch_size=20),
+        policy=RoundPolicy(rounds=1, quorum=3, round_timeout=600), init=InitSettings(samples=INIT_SAMPLES, epochs=2),
+        validation_samples=VALIDATION_SAMPLES, test_samples=500, evaluate_devices=False,
+    )
+    broken = settings.run_dir / "devices" / "dev-02" / "shard.npz"
+    broken.parent.mkdir(parents=True)
+    broken.write_bytes(b"not a shard")
+    results: list[RoundResult] = []
+    started = time.monotonic()
+    with caplog.at_level("ERROR", logger="coordinator.simulate"):
+        simulate(settings, BenchSettings(devices=3, partition="iid", pool_size=200), results.append)
+    assert time.monotonic() - started < 300
+    assert [sorted(r.divergence) for r in results] == [["dev-00", "dev-01"]]
+    [error] = [record.getMessage() for record in caplog.records if record.levelname == "ERROR"]
+    assert error.startswith("agent died device=dev-02 exit=2 log=") and error.endswith(
+        f"{broken.parent / 'agent.log'}; the run goes on with the others")
+    assert "edge-agent:" in log_text(broken.parent / "agent.log")
