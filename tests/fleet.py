@@ -46,10 +46,11 @@ def fleet_shards(directory: Path, devices: int, partition: str = "iid", pool_siz
                         directory)
 
 
-def start_coordinator(address: BrokerAddress, run_dir: Path, fleet: str, *options: str) -> subprocess.Popen:
-    """`python -m coordinator run` against the broker, logging to RUN_DIR/coordinator.log."""
+def start_coordinator(address: BrokerAddress | None, run_dir: Path, fleet: str, *options: str) -> subprocess.Popen:
+    """`python -m coordinator run` against the broker (None: its embedded one), logging to RUN_DIR/coordinator.log."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "coordinator", "run", "--broker", address.url, "--fleet", fleet,
+    broker = ["--broker", address.url] if address is not None else []
+    command = [sys.executable, "-m", "coordinator", "run", *broker, "--fleet", fleet,
                "--run-dir", str(run_dir), *TINY_RUN, *options]
     with open(run_dir / "coordinator.log", "ab") as log_stream:
         return subprocess.Popen(command, stdout=log_stream, stderr=subprocess.STDOUT,

@@ -14,7 +14,8 @@ import pytest
 from edge_agent import wire
 from edge_agent.data import DeviceData, load_arrays
 from edge_agent.models import weights_hash
-from coordinator.broker import EmbeddedBroker, free_loopback_port
+from edge_agent.mqtt import parse_broker_url
+from coordinator.broker import EmbeddedBroker, free_loopback_port, port_is_free
 from coordinator.rounds import RoundPolicy, RoundResult
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.simulate import BenchSettings, simulate
@@ -273,3 +274,34 @@ def test_the_bench_notices_a_dead_agent_at_once(tmp_path: Path, caplog) -> None:
     assert error.startswith("agent died device=dev-02 exit=2 log=") and error.endswith(
         f"{broken.parent / 'agent.log'}; the run goes on with the others")
     assert "edge-agent:" in log_text(broken.parent / "agent.log")
+
+
+def test_a_killed_coordinator_takes_its_embedded_broker_along_and_its_restart_listens_where_it_was(
+    tmp_path: Path, processes,
+) -> None:
+    """Without --broker, SIGKILL must not leave an orphaned mosquitto behind, and the restarted coordinator's broker
+    takes the same port, so that devices reconnect to the address they know and find the same round."""
+    run_dir = tmp_path / "run"
+    marker = "embedded broker listening at "
+
+    def broker_urls() -> list[str]:
+        return [line.split(marker)[1] for line in log_text(run_dir / "coordinator.log").splitlines() if marker in line]
+
+    first = start_coordinator(None, run_dir, "embedded", "--rounds", "1")
+    processes.append(first)
+    wait_until(lambda: len(broker_urls()) == 1, "the embedded broker")
+    address = parse_broker_url(broker_urls()[0])
+    device = FakeDevice(address, "embedded", "dev-a")
+    announcement, _ = device.current_round()
+    device.close()
+    kill(first)
+    wait_until(lambda: port_is_free(address.port), "the embedded broker going down with its coordinator", 30)
+
+    second = start_coordinator(None, run_dir, "embedded", "--rounds", "1")
+    processes.append(second)
+    wait_until(lambda: len(broker_urls()) == 2, "the restarted embedded broker")
+    assert broker_urls() == [address.url] * 2
+    device = FakeDevice(address, "embedded", "dev-a")
+    again, _ = device.current_round()
+    device.close()
+    assert (again.run_id, again.round_id, again.model_hash) == (announcement.run_id, 1, announcement.model_hash)
