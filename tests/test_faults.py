@@ -172,7 +172,7 @@ def test_a_device_killed_while_training_keeps_its_labels_and_rejoins(tmp_path: P
     survive, and the restarted agent trains round 1 again on the same batch (no label asked twice) and rejoins."""
     run_dir = tmp_path / "run"
     fleet = start_fleet(broker, run_dir, "crash", 2, "--rounds", "2", "--quorum", "2", "--min-devices", "2",
-                        "--epochs", "5")
+                        "--epochs", "10")
     processes.extend(fleet)
     victim = fleet_shards(run_dir, devices=2)[1]
     wait_until(lambda: len(oracle_labels(victim.state_dir)) > 0, "the device storing round 1's labels")
