@@ -153,9 +153,9 @@ class MqttSession:
         self._client.unsubscribe(topic)
 
     def publish(self, topic: str, payload: bytes, retain: bool = False, qos: int = 1, wait: float | None = None) -> bool:
-        """Publishes (QoS 1 by default) after checking the size; with `wait`, blocks up to `wait` seconds until the
-        broker has it. While the broker is away a QoS 1 message waits in paho's queue and goes out on reconnect;
-        the return value says whether the broker confirmed it in time."""
+        """Publishes (QoS 1 by default) after checking the size. With `wait`, blocks up to `wait` seconds for the
+        broker's confirmation and returns whether it came; without, returns True at once. While the broker is away
+        a QoS 1 message waits in paho's queue and goes out on reconnect."""
         if self.max_payload_bytes is not None and len(payload) > self.max_payload_bytes:
             raise PayloadTooLargeError(
                 f"payload of {len(payload)} bytes for {topic} exceeds the limit of {self.max_payload_bytes}"
