@@ -1,11 +1,14 @@
 # The embedded default broker: a private mosquitto on a free loopback port, with persistence, stopped on exit.
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,6 +16,9 @@ from edge_agent.mqtt import BrokerAddress
 from coordinator.provision import SecureFleet, broker_config_lines
 
 log = logging.getLogger(__name__)
+
+PORT_FILE = "port"
+PR_SET_PDEATHSIG = 1
 
 
 class BrokerError(RuntimeError):
@@ -48,6 +54,32 @@ def mosquitto_config(port: int, work_dir: Path, extra_lines: tuple[str, ...] = (
     return "\n".join(lines) + "\n"
 
 
+def port_is_free(port: int) -> bool:
+    """Whether 127.0.0.1:port can be bound right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def previous_port(work_dir: Path) -> int | None:
+    """The port an earlier broker of this work dir listened on, if it is free again (devices reconnect there)."""
+    try:
+        port = int((Path(work_dir) / PORT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return port if 0 < port < 65536 and port_is_free(port) else None
+
+
+def stop_with_parent() -> None:
+    """Runs in the broker's child process before exec: on Linux, SIGTERM it when its parent dies, even by SIGKILL
+    (mosquitto then saves its persistence and exits instead of lingering as an orphan on the port)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def wait_for_port(host: str, port: int, timeout: float) -> bool:
     """Whether a TCP connect to host:port succeeds within `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -61,13 +93,17 @@ def wait_for_port(host: str, port: int, timeout: float) -> bool:
 
 
 class EmbeddedBroker:
-    """Starts mosquitto on a free loopback port in `work_dir`; a context manager that always stops it."""
+    """Starts mosquitto on a loopback port in `work_dir`; a context manager that always stops it.
+
+    Without an explicit port it reuses the port an earlier broker of the same work dir had (when free), so that a
+    coordinator restarted on its run directory after a crash is found by its devices where they left it.
+    """
 
     def __init__(
         self, work_dir: Path, port: int | None = None, extra_config: tuple[str, ...] = (), tls: bool = False,
     ) -> None:
         self.work_dir = Path(work_dir)
-        self.port = port or free_loopback_port()
+        self.port = port or previous_port(self.work_dir) or free_loopback_port()
         self.extra_config = extra_config
         self.tls = tls
         self._process: subprocess.Popen | None = None
@@ -87,10 +123,12 @@ class EmbeddedBroker:
         config_path.write_text(mosquitto_config(self.port, self.work_dir, self.extra_config))
         self._process = subprocess.Popen(
             [binary, "-c", str(config_path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            preexec_fn=stop_with_parent,
         )
         if not wait_for_port("127.0.0.1", self.port, timeout):
             self.stop()
             raise BrokerError(f"mosquitto did not start on port {self.port}; see {self.work_dir / 'mosquitto.log'}")
+        (self.work_dir / PORT_FILE).write_text(str(self.port))
         log.info("broker started url=%s pid=%s", self.address.url, self._process.pid)
         return self
 

@@ -147,6 +147,12 @@ class RoundCollector:
     sizes: dict[str, int] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
     absorb: Callable[[wire.Update], None] | None = None
+    rejection_count: int = 0
+
+    def reject(self, device_id: str, reason: str) -> None:
+        """Notes a rejected update: the device's latest reason, and one more in the round's count."""
+        self.rejected[device_id] = reason
+        self.rejection_count += 1
 
     def offer(self, device_id: str, payload: bytes) -> tuple[wire.Update | None, bool]:
         """(update, is_new): a valid first update is new; a redelivery of the accepted one is not; else Rejection."""
@@ -192,6 +198,7 @@ class Coordinator:
         bundle_files: Callable[[Weights, str], dict[str, bytes]] | None = None,
         authenticator: UpdateAuthenticator | None = None,
         observer: RoundObserver | None = None,
+        dead_devices: Callable[[], set[str]] = set,
     ) -> None:
         """`bundle_files(weights, hash)` gives the ONNX bundle shipped beside each global model (None: none)."""
         self.fleet = fleet
@@ -208,6 +215,7 @@ class Coordinator:
         self.suspect_policy = suspect_policy
         self.authenticator = authenticator
         self.observer = observer or RoundObserver()
+        self.dead_devices = dead_devices
         self.spec = weight_spec(build_model(model_name))
         self.online: dict[str, wire.Status] = {}
         self.device_labels: dict[str, int] = {}
@@ -232,12 +240,11 @@ class Coordinator:
         self.session.subscribe(wire.all_devices_topic(self.fleet, "status"))
 
     def wait_for_devices(self, count: int, timeout: float) -> int:
-        """Processes status messages until `count` devices are online or the timeout passes; returns how many are."""
+        """Processes status messages until `count` devices (less those known dead) are online or the timeout passes;
+        returns how many are."""
         deadline = time.monotonic() + timeout
-        while len(self.online_devices()) < count and time.monotonic() < deadline:
-            message = self.session.next_message(timeout=0.2)
-            if message is not None:
-                self.dispatch(message, collector=None)
+        while len(self.online_devices()) < count - len(self.dead_devices()) and time.monotonic() < deadline:
+            self.handle_next(collector=None)
         return len(self.online_devices())
 
     def online_devices(self) -> set[str]:
@@ -266,6 +273,8 @@ class Coordinator:
         self.announce(round_id, base_hash)
         self.observer.round_opened(round_id, self.needed(collector))
         self.collect(collector, started)
+        # in device order: float sums then do not depend on arrival order, so a resumed round gives the same model
+        updates = [self.client_update(collector.accepted[device]) for device in sorted(collector.accepted)]
         aggregation_started = time.monotonic()
         if streamed is None:
             updates = [self.client_update(update) for update in collector.accepted.values()]
@@ -293,15 +302,14 @@ class Coordinator:
         labels = self.base_labels + sum(self.device_labels.values())
         self.persist(collector, new_weights, RoundRecord(
             round_id, started_wall, time.time(), "", accuracy, labels, len(collector.accepted),
-            len(collector.rejected), report, {
-                "quorum": self.needed(collector), "stragglers": self.stragglers(collector),
-                "class_accuracy": scores.per_class,
+            collector.rejection_count, report, {
+                **self.presence(collector), "class_accuracy": scores.per_class,
                 "device_class_accuracy": {device: score.per_class for device, score in device_scores.items()},
             }), device_accuracy, divergence)
         result = RoundResult(round_id, accuracy, device_accuracy, labels, divergence,
                              time.monotonic() - started, dict(collector.rejected), report, suspects)
         log.info("round closed round=%d accepted=%d rejected=%d accuracy=%.4f seconds=%.1f",
-                 round_id, len(collector.accepted), len(collector.rejected), accuracy, result.seconds)
+                 round_id, len(collector.accepted), collector.rejection_count, accuracy, result.seconds)
         self.observer.round_closed(result)
         return new_weights, result
 
@@ -331,19 +339,24 @@ class Coordinator:
             if device_id in collector.accepted:
                 yield self.client_update(wire.decode(payload, wire.Update, max_bytes=self.policy.max_update_bytes))
 
+    def presence(self, collector: RoundCollector) -> dict:
+        """The round's quorum and who was missing: online devices that sent nothing, devices known offline."""
+        offline = {device for device, status in self.online.items() if status.state == "offline"}
+        return {"quorum": self.needed(collector),
+                "stragglers": sorted(self.online_devices() - set(collector.accepted)),
+                "offline": sorted((offline | self.dead_devices()) - set(collector.accepted))}
+
     def client_update(self, update: wire.Update) -> ClientUpdate:
         """The strategy's view of a validated update."""
         return ClientUpdate(update.device_id, update.tensors, update.num_samples, dict(update.metrics))
 
     def needed(self, collector: RoundCollector) -> int:
-        """How many accepted updates close the round early: the quorum, else every online device (at least the minimum)."""
+        """How many accepted updates close the round early: the quorum less the devices known dead (a bench's
+        crashed agents), else every online device; never fewer than the minimum."""
         if self.policy.quorum is not None:
-            return self.policy.quorum
+            lost = len(self.dead_devices() - set(collector.accepted))
+            return max(self.policy.min_devices, self.policy.quorum - lost)
         return max(self.policy.min_devices, len(self.online_devices() | set(collector.accepted)))
-
-    def stragglers(self, collector: RoundCollector) -> list[str]:
-        """Online devices with no accepted update in this round."""
-        return sorted(self.online_devices() - set(collector.accepted))
 
     def collect(self, collector: RoundCollector, started: float) -> None:
         """Handles messages until the quorum is in, or the deadline passes with at least the minimum."""
@@ -361,9 +374,15 @@ class Coordinator:
                 log.warning("round deadline passed below the minimum round=%d accepted=%d min=%d; waiting longer",
                             collector.expectation.round_id, have, self.policy.min_devices)
                 deadline = time.monotonic() + self.policy.round_timeout
-            message = self.session.next_message(timeout=0.2)
-            if message is not None:
-                self.dispatch(message, collector)
+            self.handle_next(collector)
+
+    def handle_next(self, collector: RoundCollector | None) -> None:
+        """Handles the next message, if one comes within 0.2 s, and only then acknowledges it to the broker:
+        an update received but not yet spooled when the process dies is redelivered, not lost."""
+        message = self.session.next_message(timeout=0.2)
+        if message is not None:
+            self.dispatch(message, collector)
+            self.session.acknowledge(message)
 
     def dispatch(self, message: IncomingMessage, collector: RoundCollector | None) -> None:
         """Routes a status or update message; nothing a device sends can raise out of here."""
@@ -402,7 +421,7 @@ class Coordinator:
         try:
             update, is_new = collector.offer(device_id, payload)
         except Rejection as rejection:
-            collector.rejected[device_id] = rejection.reason
+            collector.reject(device_id, rejection.reason)
             self.reject(device_id, collector.expectation.round_id, self.update_id_of(payload), rejection.reason,
                         len(payload))
             return

@@ -131,10 +131,12 @@ def run_server(
     settings: ServerSettings, address: BrokerAddress, on_round: Callable[[RoundResult], None],
     data: ServerData | None = None, wait_for_devices: int = 0, device_wait_timeout: float = 60.0,
     observer: RoundObserver | None = None,
+    dead_devices: Callable[[], set[str]] = set,
 ) -> Weights:
     """Runs (or resumes) the whole run against the broker at `address`; returns the final global model.
 
     `observer` (e.g. the dashboard's live state) hears presence, acks and round boundaries as they happen.
+    `dead_devices` names devices known to be gone for good (the bench's crashed agents): no round waits for them.
     """
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
@@ -148,7 +150,7 @@ def run_server(
         address = secure.coordinator.apply_to(address)
         authenticator = UpdateAuthenticator(secure.device_keys)
     store = RunStore(settings.run_dir)
-    session = MqttSession(address, client_id=f"coordinator-{settings.fleet}")
+    session = MqttSession(address, client_id=f"coordinator-{settings.fleet}", manual_ack=True)
     try:
         weights, first_round, run_id = starting_point(store, settings, data)
         coordinator = Coordinator(
@@ -156,6 +158,7 @@ def run_server(
             settings.policy, settings.model_name, base_labels=len(data.init_indices),
             evaluate_devices=settings.evaluate_devices, suspect_policy=settings.suspects, authenticator=authenticator,
             bundle_files=bundle_exporter(settings) if settings.ship_bundles else None, observer=observer,
+            dead_devices=dead_devices,
         )
         coordinator.device_labels = latest_device_labels(store)
         session.connect()

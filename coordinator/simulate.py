@@ -113,6 +113,24 @@ def stop_agents(processes: list[subprocess.Popen], timeout: float) -> None:
             process.wait()
 
 
+class AgentWatch:
+    """Notices bench agents that died during the run: logs each once with its log file, and tells the coordinator
+    (which asks on every loop) so that rounds go on with the living instead of waiting for the deadline."""
+
+    def __init__(self, launches: list[DeviceLaunch], processes: list[subprocess.Popen]) -> None:
+        self.launches = launches
+        self.processes = processes
+        self.dead: set[str] = set()
+
+    def __call__(self) -> set[str]:
+        for launch, process in zip(self.launches, self.processes):
+            if launch.device_id not in self.dead and process.poll() not in (None, 0):
+                log.error("agent died device=%s exit=%s log=%s; the run goes on with the others",
+                          launch.device_id, process.returncode, launch.log_file)
+                self.dead.add(launch.device_id)
+        return set(self.dead)
+
+
 @contextlib.contextmanager
 def broker_for(run_dir: Path, address: BrokerAddress | None, secure: SecureFleet | None = None,
                ) -> Iterator[BrokerAddress]:
@@ -151,7 +169,7 @@ def simulate(
         processes = [spawn_agent(launch, broker_address, settings.fleet, bench) for launch in launches]
         try:
             run_server(settings, broker_address, on_round, data=data, wait_for_devices=bench.devices,
-                       observer=observer)
+                       observer=observer, dead_devices=AgentWatch(launches, processes))
         except BaseException:
             stop_agents(processes, timeout=0.0)
             raise

@@ -48,7 +48,8 @@ def validate_update(device_id: str, payload: bytes, expected: Expectation) -> wi
     if expected.authenticate is not None:
         expected.authenticate(update, expected.round_id)
     if update.round_id != expected.round_id:
-        raise Rejection(f"stale round: update is for round {update.round_id}, the current round is {expected.round_id}")
+        when = "stale" if update.round_id < expected.round_id else "future"
+        raise Rejection(f"{when} round: update is for round {update.round_id}, the current round is {expected.round_id}")
     if update.base_hash != expected.base_hash:
         raise Rejection(f"base model mismatch: update trained from {update.base_hash[:12]}, "
                         f"round {expected.round_id} announced {expected.base_hash[:12]}")

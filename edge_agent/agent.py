@@ -29,6 +29,7 @@ from edge_agent.training import LocalData, make_local_rule
 log = logging.getLogger(__name__)
 
 LAST_ROUND_KEY = "last_finished_round"
+ROUND_BATCHES_KEY = "round_batches"
 PUBLISH_WAIT_SECONDS = 30.0
 BUNDLES_FOLDER = "bundles"
 
@@ -232,7 +233,8 @@ class Agent:
             seed = int(np.random.SeedSequence([recipe.seed, device_seed(self.settings.device_id),
                                                announcement.round_id, acquisition]).generate_state(1)[0])
             started = time.monotonic()
-            new_indices, new_labels = self.acquire(model, announcement.model_hash, heuristic, recipe, seed)
+            new_indices, new_labels = self.acquire(model, announcement.model_hash, heuristic, recipe, seed,
+                                                   announcement.round_id, acquisition)
             if len(new_indices) == 0:
                 log.warning("no new labels device=%s round=%d", self.settings.device_id, announcement.round_id)
                 break
@@ -256,24 +258,46 @@ class Agent:
 
     def acquire(
         self, model: torch.nn.Module, base_hash: str, heuristic: Heuristic, recipe: wire.Recipe, seed: int,
+        round_id: int, acquisition: int,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Scores the pool, asks the oracle for the top k and stores the answers; returns them (indices, labels).
+        """Scores the pool, asks the oracle for the top k and stores the answers; returns the new labels.
 
-        Pending queries are not asked again. When streaming, the stream has asked already: only answers are collected.
+        The queried batch is persisted before the oracle is asked: a device killed during the round reuses it on
+        restart instead of querying a fresh batch, so no label is asked twice. Pending queries (a person has not
+        answered yet) are not asked again; the oracle may return their answers with any later acquisition. When
+        streaming, the stream has asked already: only answers are collected.
         """
-        pool = np.setdiff1d(self.data.pool_indices(), self.oracle.pending())
-        queried = pool[:0]
-        if len(pool) and not self.settings.stream:
-            rng = np.random.default_rng(seed)
-            passes = min(recipe.mc_passes, self.settings.mc_passes_cap or recipe.mc_passes)
-            if heuristic.needs_probabilities:
-                log.info("scoring backend=%s passes=%d images=%d", self.settings.backend, passes, len(pool))
-            scores = acquisition_scores(heuristic, lambda: self.mc_scorer(model, base_hash), self.data.images(pool),
-                                        passes, seed, rng)
-            queried = pool[top_k(scores, recipe.labels_per_acquisition)]
-        answered, labels = self.oracle.label(queried)
+        queried = self.queried_batch(round_id, acquisition)
+        if queried is None:
+            pool = np.setdiff1d(self.data.pool_indices(), self.oracle.pending())
+            queried = pool[:0]
+            if len(pool) and not self.settings.stream:
+                rng = np.random.default_rng(seed)
+                passes = min(recipe.mc_passes, self.settings.mc_passes_cap or recipe.mc_passes)
+                if heuristic.needs_probabilities:
+                    log.info("scoring backend=%s passes=%d images=%d", self.settings.backend, passes, len(pool))
+                scores = acquisition_scores(heuristic, lambda: self.mc_scorer(model, base_hash),
+                                            self.data.images(pool), passes, seed, rng)
+                queried = pool[top_k(scores, recipe.labels_per_acquisition)]
+            self.remember_batch(round_id, acquisition, queried)
+        labelled_before = self.data.labels_at(queried) >= 0
+        answered, labels = self.oracle.label(queried[~labelled_before])
         self.data.add_labels(answered, labels)
-        return answered, labels
+        new = np.union1d(queried[labelled_before], answered)
+        return new, self.data.labels_at(new)
+
+    def queried_batch(self, round_id: int, acquisition: int) -> np.ndarray | None:
+        """The batch this acquisition of this round already queried before the agent was stopped, if any."""
+        record = self.data.get_state(ROUND_BATCHES_KEY)
+        if not record or record.get("round") != round_id or acquisition >= len(record.get("batches", [])):
+            return None
+        return np.asarray(record["batches"][acquisition], dtype=np.int64)
+
+    def remember_batch(self, round_id: int, acquisition: int, queried: np.ndarray) -> None:
+        """Persists the batch an acquisition is about to query (earlier rounds' batches are dropped)."""
+        record = self.data.get_state(ROUND_BATCHES_KEY) or {}
+        batches = record.get("batches", [])[:acquisition] if record.get("round") == round_id else []
+        self.data.set_state(ROUND_BATCHES_KEY, {"round": round_id, "batches": batches + [queried.tolist()]})
 
     def mc_scorer(self, model: torch.nn.Module, base_hash: str) -> MCScorer:
         """The profile's MC-dropout back end over the model as it is now (after any local training this round)."""
@@ -303,8 +327,10 @@ class Agent:
             update = wire.sign_update(update, self.settings.signing_key)
         payload = wire.encode(update)
         topic = wire.device_topic(self.settings.fleet, self.settings.device_id, "update")
-        self.session.publish(topic, payload, wait=PUBLISH_WAIT_SECONDS)
-        log.info("update published device=%s round=%d bytes=%d", update.device_id, update.round_id, len(payload))
+        if self.session.publish(topic, payload, wait=PUBLISH_WAIT_SECONDS):
+            log.info("update published device=%s round=%d bytes=%d", update.device_id, update.round_id, len(payload))
+        else:
+            log.warning("update queued until the broker is back device=%s round=%d", update.device_id, update.round_id)
 
     def publish_status(self, state: str, round_id: int | None = None) -> None:
         """Retained presence and progress for the coordinator and its dashboard."""

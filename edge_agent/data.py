@@ -446,6 +446,12 @@ class DeviceData:
         self._check_in_range(indices)
         return np.asarray(self._images[indices])
 
+    def labels_at(self, indices: np.ndarray) -> np.ndarray:
+        """The label of each of these samples, -1 where a sample is still unlabelled."""
+        indices = _as_index_array(indices, "indices")
+        self._check_in_range(indices)
+        return self._label_at[indices].copy()
+
     def labelled(self) -> tuple[np.ndarray, np.ndarray]:
         """(indices, labels) of the labelled set, in the order they were labelled."""
         return self._indices.copy(), self._labels.copy()

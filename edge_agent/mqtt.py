@@ -66,6 +66,8 @@ class IncomingMessage:
     topic: str
     payload: bytes
     retain: bool
+    mid: int = 0
+    qos: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,11 @@ class LastWill:
 
 
 class MqttSession:
-    """A persistent MQTT v5 session. Callbacks only enqueue; the owner drains `next_message` on its own thread."""
+    """A persistent MQTT v5 session. Callbacks only enqueue; the owner drains `next_message` on its own thread.
+
+    With `manual_ack`, a QoS 1 message is acknowledged to the broker only when the owner calls `acknowledge`
+    after handling it: a process killed between receiving and handling a message gets it again on reconnect.
+    """
 
     def __init__(
         self,
@@ -88,6 +94,7 @@ class MqttSession:
         keepalive: int = DEFAULT_KEEPALIVE_SECONDS,
         session_expiry: int = DEFAULT_SESSION_EXPIRY_SECONDS,
         max_payload_bytes: int | None = None,
+        manual_ack: bool = False,
     ) -> None:
         self.address = address
         self.client_id = client_id
@@ -102,6 +109,7 @@ class MqttSession:
             callback_api_version=paho.CallbackAPIVersion.VERSION2,
             client_id=client_id,
             protocol=paho.MQTTv5,
+            manual_ack=manual_ack,
         )
         self._client.reconnect_delay_set(min_delay=1, max_delay=8)
         if address.username is not None:
@@ -144,15 +152,26 @@ class MqttSession:
             self._subscriptions.pop(topic, None)
         self._client.unsubscribe(topic)
 
-    def publish(self, topic: str, payload: bytes, retain: bool = False, qos: int = 1, wait: float | None = None) -> None:
-        """Publishes (QoS 1 by default) after checking the size; with `wait`, blocks until the broker has it."""
+    def publish(self, topic: str, payload: bytes, retain: bool = False, qos: int = 1, wait: float | None = None) -> bool:
+        """Publishes (QoS 1 by default) after checking the size. With `wait`, blocks up to `wait` seconds for the
+        broker's confirmation and returns whether it came; without, returns True at once. While the broker is away
+        a QoS 1 message waits in paho's queue and goes out on reconnect."""
         if self.max_payload_bytes is not None and len(payload) > self.max_payload_bytes:
             raise PayloadTooLargeError(
                 f"payload of {len(payload)} bytes for {topic} exceeds the limit of {self.max_payload_bytes}"
             )
         info = self._client.publish(topic, payload, qos=qos, retain=retain)
-        if wait is not None:
-            info.wait_for_publish(timeout=wait)
+        if qos > 0 and info.rc == paho.MQTT_ERR_NO_CONN:
+            info.rc = paho.MQTT_ERR_SUCCESS  # queued, not failed: paho sends it on reconnect (its wait would raise)
+        if wait is None:
+            return True
+        info.wait_for_publish(timeout=wait)
+        return info.is_published()
+
+    def acknowledge(self, message: IncomingMessage) -> None:
+        """Acknowledges a handled QoS 1 message to the broker (only needed, and only sent, with manual_ack)."""
+        if message.qos > 0:
+            self._client.ack(message.mid, message.qos)
 
     def next_message(self, timeout: float | None = None) -> IncomingMessage | None:
         """The next received message, or None after `timeout` seconds."""
@@ -185,4 +204,5 @@ class MqttSession:
         self._connected.clear()
 
     def _on_message(self, client, userdata, message) -> None:
-        self._messages.put(IncomingMessage(message.topic, bytes(message.payload), bool(message.retain)))
+        self._messages.put(IncomingMessage(message.topic, bytes(message.payload), bool(message.retain),
+                                           message.mid, message.qos))

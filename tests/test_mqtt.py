@@ -279,3 +279,19 @@ def test_broker_restart_keeps_sessions_and_queued_messages(tmp_path, sessions):
         publisher.publish("fl/f/devices/device-10/ack", b"queued-after-restart", qos=1, wait=WAIT)
         back = sessions(second.address, "device-10")  # same client id, no new subscription
         assert [receive(back).payload for _ in range(2)] == [b"queued-before-restart", b"queued-after-restart"]
+
+
+def test_a_publish_while_the_broker_is_away_is_queued_and_delivered_when_it_returns(tmp_path, sessions):
+    work_dir = tmp_path / "broker"
+    first = EmbeddedBroker(work_dir).start()
+    try:
+        device = sessions(first.address, "device-11")
+        coordinator = sessions(first.address, "coordinator-11")
+        subscribe(coordinator, "fl/f/devices/device-11/update")
+    finally:
+        first.stop()
+    assert wait_until(lambda: not device.connected), "the session did not notice the broker going away"
+    assert device.publish("fl/f/devices/device-11/update", b"while-away", wait=0.5) is False  # queued, no error
+    with EmbeddedBroker(work_dir, port=first.port):
+        got = receive(coordinator)
+        assert (got.topic, got.payload) == ("fl/f/devices/device-11/update", b"while-away")

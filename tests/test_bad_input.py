@@ -1,0 +1,129 @@
+# Bad input over MQTT (issue #5): a real coordinator process behind a real mosquitto answers each bad update with a
+# specific rejection on the device's ack topic, counts and logs it once, and aggregates only the valid updates.
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from edge_agent import wire
+from coordinator.broker import EmbeddedBroker
+from coordinator.store import RunStore
+from coordinator.strategies import AveFL, ClientUpdate
+from fleet import FakeDevice, log_text, perturbed, start_coordinator, stop_all, wait_exit
+
+pytestmark = pytest.mark.integration
+
+FLEET = "bad"
+
+
+def rewrite(update: wire.Update, **fields) -> bytes:
+    """The encoded update with envelope fields replaced (None removes one): what a broken encoder would send."""
+    envelope = msgpack.unpackb(wire.encode(update), raw=False)
+    for name, value in fields.items():
+        if value is None:
+            envelope.pop(name)
+        else:
+            envelope[name] = value
+    return msgpack.packb(envelope, use_bin_type=True)
+
+
+def with_tensor(tensors: dict[str, np.ndarray], name: str, array: np.ndarray) -> dict[str, np.ndarray]:
+    """The tensors with one replaced."""
+    return {**tensors, name: array}
+
+
+def bad_updates(rogue: FakeDevice, announcement: wire.RoundAnnouncement, base: dict) -> list[tuple[str, bytes, str]]:
+    """(case, payload, expected words of the reason) for every kind of bad update a device might send."""
+    good = perturbed(base, seed=99)
+    first = next(iter(good))
+    renamed = {(f"{name}.renamed" if name == first else name): array for name, array in good.items()}
+    nan, inf = good[first].copy(), good[first].copy()
+    nan.flat[0], inf.flat[-1] = np.nan, np.inf
+
+    def valid(tensors: dict[str, np.ndarray] = good, **changes) -> wire.Update:
+        return rogue.update(announcement, tensors, **changes)
+
+    return [
+        ("undecodable bytes", b"\xc1\x00not msgpack", "undecodable: undecodable msgpack"),
+        ("wrong wire version", rewrite(valid(), v=2), "wire version 2 is not supported"),
+        ("missing field", rewrite(valid(), tensors=None), "missing field 'tensors'"),
+        ("wrong field type", rewrite(valid(), num_samples="many"), "update.num_samples must be an integer"),
+        ("not the device's topic", wire.encode(valid(device_id="dev-a")), "does not match the topic's 'dev-r'"),
+        ("future round", wire.encode(valid(round_id=announcement.round_id + 5)), "future round: update is for round"),
+        ("wrong base model", wire.encode(valid(base_hash="f" * 64)), "base model mismatch"),
+        ("tensor names", wire.encode(valid(tensors=renamed)), "tensor mismatch"),
+        ("tensor shape", wire.encode(valid(tensors=with_tensor(good, first, good[first][:1]))), "tensor mismatch"),
+        ("tensor dtype", wire.encode(valid(tensors=with_tensor(good, first, good[first].astype(np.float64)))),
+         "tensor mismatch"),
+        ("NaN", wire.encode(valid(tensors=with_tensor(good, first, nan))), "non-finite values"),
+        ("infinity", wire.encode(valid(tensors=with_tensor(good, first, inf))), "non-finite values"),
+        ("over the size limit", wire.encode(valid(nonce=bytes(wire.DEFAULT_MAX_MESSAGE_BYTES))), "too large"),
+    ]
+
+
+def average(base: dict, updates: list[wire.Update]) -> dict:
+    """AveFL of the updates, computed here."""
+    return AveFL().aggregate(base, [ClientUpdate(u.device_id, u.tensors, u.num_samples) for u in updates], None)[0]
+
+
+def test_every_bad_update_is_rejected_with_its_reason_and_never_reaches_the_model(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    with EmbeddedBroker(tmp_path / "broker") as broker:
+        coordinator = start_coordinator(broker.address, run_dir, FLEET, "--rounds", "2", "--quorum", "2",
+                                        "--min-devices", "2")
+        devices = [FakeDevice(broker.address, FLEET, name) for name in ("dev-a", "dev-b", "dev-r")]
+        honest_a, honest_b, rogue = devices
+        try:
+            # round 1: the rogue's bad updates, a second distinct update from dev-a, then the two valid ones
+            announcement, base = honest_a.current_round()
+            cases = bad_updates(rogue, announcement, base)
+            for _, payload, _ in cases:
+                rogue.publish(payload)
+            first_a = honest_a.update(announcement, perturbed(base, seed=1))
+            first_b = honest_b.update(announcement, perturbed(base, seed=2))
+            honest_a.publish(wire.encode(first_a))
+            honest_a.publish(wire.encode(honest_a.update(announcement, perturbed(base, seed=3))))
+            honest_b.publish(wire.encode(first_b))
+            rogue_acks = rogue.acks(len(cases))
+            a_acks = honest_a.acks(2)
+            assert honest_b.acks(1)[0].accepted
+
+            # round 2: dev-a's round-1 update replayed, then the two valid ones
+            announcement_2, base_2 = honest_a.current_round(after=1)
+            rogue.publish(wire.encode(first_a), device_id="dev-a")
+            second_a = honest_a.update(announcement_2, perturbed(base_2, seed=4))
+            second_b = honest_b.update(announcement_2, perturbed(base_2, seed=5))
+            honest_a.publish(wire.encode(second_a))
+            honest_b.publish(wire.encode(second_b))
+            replay_ack, second_ack = honest_a.acks(2)
+            assert honest_b.acks(1)[0].accepted
+            assert wait_exit(coordinator, "coordinator") == 0
+        finally:
+            for device in devices:
+                device.close()
+            stop_all([coordinator])
+
+    for (case, _, words), ack in zip(cases, rogue_acks):
+        assert not ack.accepted and words in ack.reason, (case, ack.reason)
+    assert a_acks[0].accepted and a_acks[0].update_id == first_a.update_id
+    assert not a_acks[1].accepted and a_acks[1].reason.startswith("duplicate: dev-a already has an accepted update")
+    assert not replay_ack.accepted and replay_ack.update_id == first_a.update_id
+    assert replay_ack.reason == "stale round: update is for round 1, the current round is 2"
+    assert second_ack.accepted and second_ack.update_id == second_a.update_id
+
+    reasons = [ack.reason for ack in rogue_acks] + [a_acks[1].reason, replay_ack.reason]
+    log = log_text(run_dir / "coordinator.log")
+    assert log.count("update rejected") == len(reasons)
+    for reason, count in Counter(reasons).items():
+        assert log.count(f"reason={reason}\n") == count, reason  # logged once per rejected update
+    with RunStore(run_dir) as store:
+        assert store.rejection_counts() == dict(Counter(reasons))
+        assert [(r.accepted, r.rejected) for r in store.rounds()] == [(2, len(cases) + 1), (2, 1)]
+        first_model, second_model = store.load_checkpoint(1), store.load_checkpoint(2)
+    for model, expected in ((first_model, average(base, [first_a, first_b])),
+                            (second_model, average(base_2, [second_a, second_b]))):
+        assert all(np.array_equal(model[name], expected[name]) for name in expected)

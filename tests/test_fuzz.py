@@ -1,0 +1,138 @@
+# Property tests (issue #5): arbitrary bytes and mutated valid updates never raise anything but WireError from the
+# decoder, never anything but a Rejection from the validator, and never anything out of the coordinator's handler.
+from __future__ import annotations
+
+import os
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from edge_agent import wire
+from edge_agent.models import build_model, get_weights, weight_spec, weights_hash
+from edge_agent.mqtt import IncomingMessage, MqttSession
+from coordinator.broker import EmbeddedBroker
+from coordinator.evaluation import Evaluator, LabelledSplit
+from coordinator.rounds import Coordinator, RoundCollector, RoundPolicy
+from coordinator.store import RunStore
+from coordinator.strategies import AveFL
+from coordinator.validation import Expectation, Rejection, validate_update
+from fleet import server_data
+
+FLEET = "fuzz"
+DEVICE = "dev-1"
+BASE = get_weights(build_model("paper-cnn", seed=0))
+EXPECTATION = Expectation(3, weights_hash(BASE), weight_spec(build_model("paper-cnn")), 10,
+                          wire.DEFAULT_MAX_MESSAGE_BYTES)
+VALID = wire.encode(wire.Update(
+    device_id=DEVICE, round_id=3, update_id="u-1", base_hash=EXPECTATION.base_hash, num_samples=60,
+    class_counts=[6] * 10, acquired_labels=10, metrics={"train_loss": 0.5}, tensors=BASE, nonce=os.urandom(16),
+))
+EXAMPLES = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# Any value msgpack can carry: what a broken or hostile encoder might put in a field.
+PACKABLE = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**64 - 1) | st.floats()
+    | st.text(max_size=20) | st.binary(max_size=40),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=10,
+)
+
+
+@st.composite
+def mutated_updates(draw) -> bytes:
+    """A valid update altered at the msgpack level: fields dropped, replaced or added (any type), a tensor's
+    dtype/shape/data/whole replaced, then a few bytes of the encoding flipped."""
+    envelope = msgpack.unpackb(VALID, raw=False)
+    for _ in range(draw(st.integers(min_value=1, max_value=3))):
+        action = draw(st.sampled_from(["drop", "replace", "add", "tensor"]))
+        if action == "drop":
+            envelope.pop(draw(st.sampled_from(sorted(envelope))), None)
+        elif action in ("replace", "add"):
+            key = draw(st.sampled_from(sorted(envelope))) if action == "replace" else draw(st.text(max_size=12))
+            envelope[key] = draw(PACKABLE)
+        elif isinstance(envelope.get("tensors"), dict) and envelope["tensors"]:
+            name = draw(st.sampled_from(sorted(envelope["tensors"])))
+            part = draw(st.sampled_from(["dtype", "shape", "data", "whole"]))
+            if part == "whole" or not isinstance(envelope["tensors"][name], dict):
+                envelope["tensors"][name] = draw(PACKABLE)
+            else:
+                envelope["tensors"][name][part] = draw(PACKABLE | st.sampled_from(["<f8", "<i4", "|b1", "<f2"]))
+    payload = bytearray(msgpack.packb(envelope, use_bin_type=True))
+    for position in draw(st.lists(st.integers(min_value=0, max_value=len(payload) - 1), max_size=3)):
+        payload[position] ^= draw(st.integers(min_value=1, max_value=255))
+    return bytes(payload)
+
+
+PAYLOADS = st.binary(max_size=2048) | mutated_updates()
+
+
+def test_the_unmutated_update_is_valid() -> None:
+    """The base of every mutation passes, so rejections below come from the mutations."""
+    assert validate_update(DEVICE, VALID, EXPECTATION).update_id == "u-1"
+
+
+@EXAMPLES
+@given(data=st.binary(max_size=4096), kind=st.sampled_from(sorted(wire.MESSAGE_TYPES)))
+def test_decoding_arbitrary_bytes_raises_only_wire_errors(data: bytes, kind: str) -> None:
+    try:
+        wire.decode(data, wire.MESSAGE_TYPES[kind])
+    except wire.WireError:
+        pass
+
+
+@EXAMPLES
+@given(payload=mutated_updates())
+def test_decoding_a_mutated_update_raises_only_wire_errors(payload: bytes) -> None:
+    try:
+        wire.decode(payload, wire.Update)
+    except wire.WireError:
+        pass
+
+
+@EXAMPLES
+@given(payload=PAYLOADS)
+def test_validating_anything_returns_an_update_or_raises_a_rejection(payload: bytes) -> None:
+    try:
+        update = validate_update(DEVICE, payload, EXPECTATION)
+    except Rejection as rejection:
+        assert rejection.reason
+        return
+    assert set(update.tensors) == set(BASE)
+    assert all(np.isfinite(array).all() for array in update.tensors.values())
+
+
+@pytest.fixture(scope="module")
+def coordinator(tmp_path_factory):
+    """A real coordinator (store, MQTT session to a real broker) with round 3 open, for its message handler."""
+    work = tmp_path_factory.mktemp("fuzz")
+    data = server_data().dataset
+    split = LabelledSplit.from_uint8(data.test_images[:4], data.test_labels[:4])
+    with EmbeddedBroker(work / "broker") as broker, RunStore(work / "run") as store:
+        session = MqttSession(broker.address, client_id="fuzz-coordinator", manual_ack=True)
+        session.connect(timeout=30)
+        try:
+            yield Coordinator(FLEET, "fuzz-run", session, store, AveFL(), Evaluator("paper-cnn", split, split, 1, 0),
+                              wire.Recipe(), RoundPolicy(rounds=3))
+        finally:
+            session.close()
+
+
+TOPICS = st.one_of(
+    st.text(max_size=40),
+    st.builds(lambda device, leaf: f"fl/{FLEET}/devices/{device}/{leaf}",
+              st.text(max_size=12) | st.just(DEVICE), st.sampled_from(["update", "status", "ack", "x"])),
+)
+
+
+@EXAMPLES
+@given(topic=TOPICS, payload=PAYLOADS, open_round=st.booleans())
+def test_the_coordinator_handler_never_raises(coordinator: Coordinator, topic: str, payload: bytes,
+                                              open_round: bool) -> None:
+    collector = RoundCollector(EXPECTATION) if open_round else None
+    coordinator.dispatch(IncomingMessage(topic, payload, False), collector)
+    if collector is not None:
+        for device, update in collector.accepted.items():
+            assert validate_update(device, wire.encode(update), EXPECTATION).update_id == update.update_id
