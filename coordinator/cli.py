@@ -14,11 +14,12 @@ from edge_agent import wire
 from edge_agent.data import DatasetMissingError
 from edge_agent.logs import configure_logging
 from edge_agent.mqtt import BrokerUnavailableError, parse_broker_url
-from edge_agent.sampling import make_heuristic
+from edge_agent.sampling import make_sampler
+from edge_agent.schedule import check_schedule
 from edge_agent.training import OPTIMIZERS, make_local_rule
 from coordinator.broker import BrokerError, EmbeddedBroker
 from coordinator.rounds import RoundPolicy, RoundResult, SuspectPolicy
-from coordinator.server import InitSettings, ServerSettings, load_server_data, run_server
+from coordinator.server import InitSettings, ServerSettings, load_encoder, load_server_data, run_server
 from coordinator.simulate import BenchSettings, simulate, write_shards
 from coordinator.strategies import make_strategy
 
@@ -44,7 +45,8 @@ def add_round_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--log-level", default="warning")
     run.add_argument("--torch-threads", type=int, help="torch threads of the coordinator process")
     recipe = parser.add_argument_group("round recipe (sent to devices)")
-    recipe.add_argument("--sampler", default="entropy", help="random, entropy, bald, margin or least-confidence")
+    recipe.add_argument("--sampler", default="entropy",
+                        help="random, entropy, bald, margin, least-confidence, ksas or fast")
     recipe.add_argument("--labels-per-acquisition", type=int, default=400)
     recipe.add_argument("--acquisitions-per-round", type=int, default=1)
     recipe.add_argument("--local-rule", default="online-replay")
@@ -55,6 +57,7 @@ def add_round_options(parser: argparse.ArgumentParser) -> None:
     recipe.add_argument("--weight-decay", type=float, default=wire.Recipe.weight_decay)
     recipe.add_argument("--mc-passes", type=int, default=10)
     recipe.add_argument("--seed", type=int, default=0)
+    add_method_options(parser)
     server = parser.add_argument_group("server data")
     server.add_argument("--data-dir", type=Path, help="Fashion-MNIST IDX files (default: the Debian package's)")
     server.add_argument("--init-samples", type=int, default=InitSettings.samples, help="balanced samples for W0")
@@ -65,6 +68,41 @@ def add_round_options(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--selection-passes", type=int, default=10, help="MC passes of the BNN selection accuracy")
     server.add_argument("--test-samples", type=int, help="evaluate on the first N test images (default: all 10k)")
     server.add_argument("--no-device-eval", action="store_true", help="skip the test accuracy of each device model")
+
+
+def add_method_options(parser: argparse.ArgumentParser) -> None:
+    """Schedule and method parameters of KAFAL, FAST and FedProx (they travel in the round recipe)."""
+    methods = parser.add_argument_group("active-round schedule, participation and method parameters")
+    methods.add_argument("--participation", type=float, default=1.0,
+                         help="fraction R of online devices picked at random (seeded) to train each round")
+    methods.add_argument("--rounds-per-acquisition", type=int, default=1,
+                         help="communication rounds per active round; devices acquire in its first round")
+    methods.add_argument("--initial-label-fraction", type=float, default=0.0,
+                         help="random fraction of its own data a device has labelled before its first round")
+    methods.add_argument("--label-fraction", type=float, default=0.0,
+                         help="labels per acquisition as a fraction of the device's data (overrides the count)")
+    methods.add_argument("--ksas-lambda", type=float, help="KSAS knowledge weight lambda (default 1)")
+    methods.add_argument("--kcfu-nu", type=float, help="KCFU trade-off nu between L_client and L_comp (default 0.5)")
+    methods.add_argument("--mu", type=float, help="FedProx proximal weight mu (default 0.01)")
+    methods.add_argument("--knn-k", type=int, help="FAST: neighbours voting for a weak label (default 10)")
+    methods.add_argument("--encoder", type=Path,
+                         help="FAST: frozen encoder ONNX file (default: W0's penultimate-layer encoder)")
+
+
+METHOD_OPTIONS = {"ksas_lambda": "lambda", "kcfu_nu": "nu", "mu": "mu", "knn_k": "knn_k"}
+
+
+def method_options(args: argparse.Namespace) -> dict[str, float]:
+    """The recipe's options map: only the method parameters given on the command line, checked."""
+    options = {key: float(getattr(args, name)) for name, key in METHOD_OPTIONS.items()
+               if getattr(args, name) is not None}
+    if options.get("lambda", 0.0) < 0 or options.get("mu", 0.0) < 0:
+        raise ValueError("--ksas-lambda and --mu must be non-negative")
+    if not 0.0 <= options.get("nu", 0.5) <= 1.0:
+        raise ValueError(f"--kcfu-nu must lie in [0, 1], got {options['nu']}")
+    if options.get("knn_k", 1) < 1:
+        raise ValueError(f"--knn-k must be at least 1, got {int(options['knn_k'])}")
+    return options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,25 +152,32 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
         sampler=args.sampler, labels_per_acquisition=args.labels_per_acquisition,
         acquisitions_per_round=args.acquisitions_per_round, local_rule=args.local_rule, epochs=args.epochs,
         batch_size=args.batch_size, learning_rate=args.lr, momentum=args.momentum,
-        weight_decay=args.weight_decay, mc_passes=args.mc_passes, seed=args.seed,
+        weight_decay=args.weight_decay, mc_passes=args.mc_passes, seed=args.seed, options=method_options(args),
+        rounds_per_acquisition=args.rounds_per_acquisition, initial_label_fraction=args.initial_label_fraction,
+        label_fraction=args.label_fraction,
     )
     return ServerSettings(
         run_dir=run_dir, fleet=fleet, strategy=args.strategy, recipe=recipe,
-        policy=RoundPolicy(args.rounds, args.min_devices, args.quorum, args.round_timeout),
+        policy=RoundPolicy(args.rounds, args.min_devices, args.quorum, args.round_timeout,
+                           participation=args.participation),
         init=InitSettings(samples=args.init_samples, epochs=args.init_epochs, learning_rate=args.init_lr,
                           optimizer=args.init_optimizer, seed=args.seed),
         validation_samples=args.validation_samples, selection_passes=args.selection_passes,
         test_samples=args.test_samples, evaluate_devices=not args.no_device_eval, data_dir=args.data_dir,
         torch_threads=args.torch_threads, strategy_options={} if args.trim is None else {"trim": args.trim},
         suspects=SuspectPolicy(threshold=args.suspect_threshold, exclude=args.exclude_suspects),
+        encoder_path=args.encoder,
     )
 
 
 def validate_recipe_names(settings: ServerSettings) -> None:
     """Fails fast, before any process starts, on a sampler, rule or strategy nobody knows."""
-    make_heuristic(settings.recipe.sampler)
+    make_sampler(settings.recipe.sampler)
     make_local_rule(settings.recipe.local_rule)
     make_strategy(settings.strategy, **settings.strategy_options)
+    check_schedule(settings.recipe)
+    if settings.encoder_path is not None:
+        load_encoder(settings.encoder_path)
 
 
 class RoundPrinter:

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
+
+import numpy as np
 
 from edge_agent import wire
 from edge_agent.models import NUM_CLASSES, Weights, build_model, weight_spec, weights_hash
@@ -27,8 +30,11 @@ class RoundPolicy:
     quorum: int | None = None
     round_timeout: float = 600.0
     max_update_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
+    participation: float = 1.0
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.participation <= 1.0:
+            raise ValueError(f"--participation must lie in (0, 1], got {self.participation}")
         if self.rounds < 1:
             raise ValueError(f"--rounds must be at least 1, got {self.rounds}")
         if self.min_devices < 1:
@@ -61,6 +67,15 @@ def find_suspects(updates: list[ClientUpdate], policy: SuspectPolicy) -> dict[st
     layer_count = len(reference)
     return {device: layers for device, layers in flagged.items()
             if len(layers) >= policy.min_layer_fraction * layer_count}
+
+
+def choose_participants(online: Sequence[str], participation: float, seed: int, round_id: int) -> list[str]:
+    """KAFAL's S_t: a seeded random ceil(R*K) of the K online devices, sorted; [] (everyone) when R = 1."""
+    if participation >= 1.0 or not online:
+        return []
+    count = math.ceil(participation * len(online))
+    rng = np.random.default_rng([seed, round_id])
+    return sorted(rng.choice(sorted(online), size=count, replace=False).tolist())
 
 
 @dataclass
@@ -125,6 +140,7 @@ class Coordinator:
         self, fleet: str, run_id: str, session: MqttSession, store: RunStore, strategy: Strategy,
         evaluator: Evaluator, recipe: wire.Recipe, policy: RoundPolicy, model_name: str = "paper-cnn",
         base_labels: int = 0, evaluate_devices: bool = True, suspect_policy: SuspectPolicy = SuspectPolicy(),
+        encoder: bytes = b"",
     ) -> None:
         self.fleet = fleet
         self.run_id = run_id
@@ -141,7 +157,10 @@ class Coordinator:
         self.spec = weight_spec(build_model(model_name))
         self.online: dict[str, wire.Status] = {}
         self.device_labels: dict[str, int] = {}
+        self.encoder = encoder
+        self.participants: list[str] = []
         self._announced_model_topic: str | None = None
+        self._encoder_published = False
 
     def start(self) -> None:
         """Subscribes to every device's updates and status."""
@@ -174,8 +193,11 @@ class Coordinator:
         started_wall, started = time.time(), time.monotonic()
         base_hash = weights_hash(global_weights)
         collector = RoundCollector(Expectation(round_id, base_hash, self.spec, NUM_CLASSES, self.policy.max_update_bytes))
+        self.participants = choose_participants(sorted(self.online_devices()), self.policy.participation,
+                                                self.recipe.seed, round_id)
         self.resume_spooled(collector)
         self.publish_model(global_weights, base_hash)
+        self.publish_encoder()
         self.announce(round_id, base_hash)
         self.collect(collector, started)
         updates = [self.client_update(update) for update in collector.accepted.values()]
@@ -186,6 +208,8 @@ class Coordinator:
         for device, layers in suspects.items():
             log.warning("suspect update round=%d device=%s layers=%s", round_id, device, ",".join(layers))
         report["aggregation_seconds"] = time.monotonic() - aggregation_started
+        if self.participants:
+            report["participants"] = list(self.participants)
         accuracy = self.evaluator.test_accuracy(new_weights)
         device_accuracy = {u.device_id: self.evaluator.test_accuracy(u.weights) for u in updates} \
             if self.evaluate_devices else {}
@@ -219,7 +243,10 @@ class Coordinator:
         return ClientUpdate(update.device_id, update.tensors, update.num_samples, dict(update.metrics))
 
     def needed(self, collector: RoundCollector) -> int:
-        """How many accepted updates close the round early: the quorum, else every online device (at least the minimum)."""
+        """How many accepted updates close the round early: the quorum, else every online device (at least the minimum);
+        with a participant list, never more than its length (only participants may send)."""
+        if self.participants:
+            return min(self.policy.quorum or len(self.participants), len(self.participants))
         if self.policy.quorum is not None:
             return self.policy.quorum
         return max(self.policy.min_devices, len(self.online_devices() | set(collector.accepted)))
@@ -276,6 +303,11 @@ class Coordinator:
         if collector is None:
             self.reject(device_id, 0, "", "no round is open", len(payload))
             return
+        if self.participants and device_id not in self.participants:
+            reason = f"not selected: {device_id} is not a participant of round {collector.expectation.round_id}"
+            collector.rejected[device_id] = reason
+            self.reject(device_id, collector.expectation.round_id, self.update_id_of(payload), reason, len(payload))
+            return
         try:
             update, is_new = collector.offer(device_id, payload)
         except Rejection as rejection:
@@ -326,9 +358,18 @@ class Coordinator:
             self.session.publish(self._announced_model_topic, b"", retain=True)
         self._announced_model_topic = topic
 
+    def publish_encoder(self) -> None:
+        """Retains the recipe's frozen encoder (FAST) on its hash topic, so late devices get it too."""
+        if self.recipe.encoder and not self._encoder_published:
+            message = wire.EncoderMessage(self.recipe.encoder, self.encoder)
+            self.session.publish(wire.encoder_topic(self.fleet, self.recipe.encoder), wire.encode(message),
+                                 retain=True, wait=30.0)
+            self._encoder_published = True
+
     def announce(self, round_id: int, model_hash: str, final: bool = False) -> None:
-        """Retains the round announcement: round id, base model hash, recipe, deadline."""
+        """Retains the round announcement: round id, base model hash, recipe, deadline, participants."""
         announcement = wire.RoundAnnouncement(self.run_id, round_id, model_hash, self.recipe,
-                                              time.time() + self.policy.round_timeout, final)
+                                              time.time() + self.policy.round_timeout, final,
+                                              [] if final else list(self.participants))
         self.session.publish(wire.round_topic(self.fleet), wire.encode(announcement), retain=True, wait=30.0)
         log.info("round announced round=%d model=%s final=%s", round_id, model_hash[:12], final)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import logging
 import os
@@ -14,17 +15,21 @@ import numpy as np
 import torch
 
 from edge_agent import wire
-from edge_agent.data import DeviceData, normalise
-from edge_agent.mc_dropout import TorchMCDropout
+from edge_agent.data import DeviceData, load_arrays, normalise, save_arrays
+from edge_agent.encoder import OnnxEncoder, encoder_hash
+from edge_agent.mc_dropout import TorchMCDropout, predict_logits
 from edge_agent.models import Weights, build_model, get_weights, set_weights, weights_hash
 from edge_agent.mqtt import IncomingMessage, LastWill, MqttSession, PayloadTooLargeError
 from edge_agent.oracle import Oracle
-from edge_agent.sampling import Heuristic, make_heuristic, top_k
+from edge_agent.sampling import AcquisitionContext, Embeddings, Sampler, make_sampler, top_k
+from edge_agent.schedule import acquires_in_round, initial_label_count, labels_per_acquisition, round_in_active_round
 from edge_agent.training import LocalData, make_local_rule
 
 log = logging.getLogger(__name__)
 
 LAST_ROUND_KEY = "last_finished_round"
+INITIAL_LABELS_KEY = "initial_labels_taken"
+OWN_MODEL_FILE = "own_model.npz"
 PUBLISH_WAIT_SECONDS = 30.0
 
 
@@ -40,17 +45,6 @@ class AgentSettings:
     torch_threads: int = 1
     exit_on_final: bool = False
     max_update_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
-
-
-def acquisition_scores(
-    heuristic: Heuristic, model: torch.nn.Module, images: np.ndarray, passes: int, seed: int,
-    rng: np.random.Generator, inference_batch: int,
-) -> np.ndarray:
-    """Per-sample scores of the pool (higher = ask first); MC-dropout passes only when the heuristic needs them."""
-    probabilities = None
-    if heuristic.needs_probabilities:
-        probabilities = TorchMCDropout(model, inference_batch).probabilities(normalise(images), passes, seed)
-    return heuristic.scores(probabilities, len(images), rng)
 
 
 def device_seed(device_id: str) -> int:
@@ -70,6 +64,8 @@ class Agent:
         self._pending: wire.RoundAnnouncement | None = None
         self._models: dict[str, Weights] = {}
         self._model_topic: str | None = None
+        self._encoders: dict[str, bytes] = {}
+        self._encoder_topic: str | None = None
 
     @staticmethod
     def last_will(settings: AgentSettings) -> LastWill:
@@ -108,6 +104,8 @@ class Agent:
                 return self.on_announcement(wire.decode(message.payload, wire.RoundAnnouncement))
             if message.topic == self._model_topic:
                 self.on_model(wire.decode(message.payload, wire.ModelMessage))
+            elif message.topic == self._encoder_topic:
+                self.on_encoder(wire.decode(message.payload, wire.EncoderMessage))
             elif message.topic.endswith("/ack"):
                 self.on_ack(wire.decode(message.payload, wire.Ack))
         except wire.WireError as error:
@@ -124,13 +122,19 @@ class Agent:
             log.debug("ignoring finished round %d", announcement.round_id)
             return False
         self._pending = announcement
-        topic = wire.model_topic(self.settings.fleet, announcement.model_hash)
-        if topic != self._model_topic:
-            if self._model_topic is not None:
-                self.session.unsubscribe(self._model_topic)
-            self._model_topic = topic
-            self.session.subscribe(topic)
+        self._model_topic = self.follow(self._model_topic, wire.model_topic(self.settings.fleet, announcement.model_hash))
+        if announcement.recipe.encoder:
+            self._encoder_topic = self.follow(
+                self._encoder_topic, wire.encoder_topic(self.settings.fleet, announcement.recipe.encoder))
         return False
+
+    def follow(self, current: str | None, topic: str) -> str:
+        """Subscribes to `topic` instead of `current` (a retained model or encoder); returns the topic followed."""
+        if topic != current:
+            if current is not None:
+                self.session.unsubscribe(current)
+            self.session.subscribe(topic)
+        return topic
 
     def on_model(self, message: wire.ModelMessage) -> None:
         """Keeps the announced model once its content matches its hash."""
@@ -139,6 +143,14 @@ class Agent:
             log.warning("model hash mismatch announced=%s actual=%s", message.model_hash, actual)
             return
         self._models = {message.model_hash: message.tensors}
+
+    def on_encoder(self, message: wire.EncoderMessage) -> None:
+        """Keeps the announced frozen encoder once its bytes match their sha256."""
+        actual = encoder_hash(message.onnx)
+        if actual != message.encoder_hash:
+            log.warning("encoder hash mismatch announced=%s actual=%s", message.encoder_hash, actual)
+            return
+        self._encoders = {message.encoder_hash: message.onnx}
 
     def on_ack(self, ack: wire.Ack) -> None:
         """Logs the coordinator's verdict on an update."""
@@ -152,8 +164,14 @@ class Agent:
         announcement = self._pending
         if announcement is None or announcement.model_hash not in self._models:
             return
+        if announcement.recipe.encoder and announcement.recipe.encoder not in self._encoders:
+            return
         self._pending = None
         update = self.run_round(announcement, self._models[announcement.model_hash])
+        if update is None:
+            self.data.set_state(LAST_ROUND_KEY, announcement.round_id)
+            self.publish_status("idle", announcement.round_id)
+            return
         try:
             self.publish_update(update)
         except (wire.WireError, PayloadTooLargeError) as error:
@@ -163,32 +181,42 @@ class Agent:
         self.data.set_state(LAST_ROUND_KEY, announcement.round_id)
         self.publish_status("idle", announcement.round_id)
 
-    def run_round(self, announcement: wire.RoundAnnouncement, global_weights: Weights) -> wire.Update:
-        """Acquires, labels and trains for every acquisition of the round; returns the update to publish."""
-        recipe = announcement.recipe
-        self.publish_status("training", announcement.round_id)
+    def run_round(self, announcement: wire.RoundAnnouncement, global_weights: Weights) -> wire.Update | None:
+        """Acquires (when the schedule says so), labels and trains; returns the update, or None when the device
+        is not among the round's participants (it then only acquires, as every device does, and never trains)."""
+        recipe, round_id = announcement.recipe, announcement.round_id
+        participating = not announcement.participants or self.settings.device_id in announcement.participants
+        self.publish_status("training" if participating else "acquiring", round_id)
         model = build_model(self.settings.model_name)
         set_weights(model, global_weights)
         global_model = copy.deepcopy(model).eval()
-        heuristic = make_heuristic(recipe.sampler)
+        sampler = make_sampler(recipe.sampler)
         rule = make_local_rule(recipe.local_rule)
+        self.take_initial_labels(recipe)
+        acquisitions = recipe.acquisitions_per_round if acquires_in_round(round_id, recipe) else 0
         metrics: dict[str, float] = {}
-        for acquisition in range(recipe.acquisitions_per_round):
+        for step in range(max(acquisitions, 1 if participating else 0)):
             seed = int(np.random.SeedSequence([recipe.seed, device_seed(self.settings.device_id),
-                                               announcement.round_id, acquisition]).generate_state(1)[0])
+                                               round_id, step]).generate_state(1)[0])
             started = time.monotonic()
-            new_indices, new_labels = self.acquire(model, heuristic, recipe, seed)
-            if len(new_indices) == 0:
-                log.warning("pool exhausted device=%s round=%d", self.settings.device_id, announcement.round_id)
-                break
-            metrics = rule.train(model, self.local_data(new_indices, new_labels), global_model, recipe, seed)
-            log.info("acquisition done device=%s round=%d acquisition=%d/%d new=%d labelled=%d seconds=%.1f",
-                     self.settings.device_id, announcement.round_id, acquisition + 1,
-                     recipe.acquisitions_per_round, len(new_indices), self.data.num_labelled,
-                     time.monotonic() - started)
+            new_indices = new_labels = np.zeros(0, dtype=np.int64)
+            if step < acquisitions:
+                new_indices, new_labels = self.acquire(model, global_model, sampler, recipe, seed)
+                if len(new_indices) == 0:
+                    log.warning("pool exhausted device=%s round=%d", self.settings.device_id, round_id)
+                    break
+            if participating:
+                data = self.local_data(new_indices, new_labels, round_in_active_round(round_id, recipe))
+                metrics = rule.train(model, data, global_model, recipe, seed)
+                save_arrays(self.data.state_dir / OWN_MODEL_FILE, get_weights(model))
+            log.info("step done device=%s round=%d step=%d new=%d labelled=%d trained=%s seconds=%.1f",
+                     self.settings.device_id, round_id, step + 1, len(new_indices), self.data.num_labelled,
+                     participating, time.monotonic() - started)
+        if not participating:
+            return None
         return wire.Update(
             device_id=self.settings.device_id,
-            round_id=announcement.round_id,
+            round_id=round_id,
             update_id=uuid.uuid4().hex,
             base_hash=announcement.model_hash,
             num_samples=self.data.num_labelled,
@@ -199,31 +227,88 @@ class Agent:
             nonce=os.urandom(16),
         )
 
+    @property
+    def own_samples(self) -> int:
+        """The device's own data |D_i|: every sample but the seeds the server handed it."""
+        return self.data.num_samples - self.data.count_labels("seed")
+
+    def take_initial_labels(self, recipe: wire.Recipe) -> None:
+        """Once per device: labels a random initial_label_fraction of its own data (KAFAL's 10% start)."""
+        count = initial_label_count(recipe, self.own_samples)
+        if count == 0 or self.data.get_state(INITIAL_LABELS_KEY, False):
+            return
+        pool = self.data.pool_indices()
+        rng = np.random.default_rng([recipe.seed, device_seed(self.settings.device_id)])
+        answered, labels = self.oracle.label(np.sort(rng.choice(pool, size=min(count, len(pool)), replace=False)))
+        self.data.add_labels(answered, labels)
+        self.data.set_state(INITIAL_LABELS_KEY, True)
+        log.info("initial labels device=%s labels=%d", self.settings.device_id, len(answered))
+
+    def own_model(self, current: torch.nn.Module) -> torch.nn.Module:
+        """The device's own last trained model omega_i (kept across rounds), or `current` before it has one."""
+        path = self.data.state_dir / OWN_MODEL_FILE
+        if not path.is_file():
+            return current
+        model = build_model(self.settings.model_name)
+        set_weights(model, load_arrays(path))
+        return model
+
+    def acquisition_context(
+        self, model: torch.nn.Module, global_model: torch.nn.Module, pool: np.ndarray, recipe: wire.Recipe,
+        seed: int,
+    ) -> AcquisitionContext:
+        """What the round's sampler may look at; each expensive view is computed once, on first use."""
+        images = self.data.images(pool)
+        batch = self.settings.inference_batch
+        return AcquisitionContext(
+            num_samples=len(pool), rng=np.random.default_rng(seed), class_counts=self.data.class_counts(),
+            options=recipe.options,
+            probabilities=functools.cache(
+                lambda: TorchMCDropout(model, batch).probabilities(normalise(images), recipe.mc_passes, seed)),
+            own_logits=functools.cache(lambda: predict_logits(self.own_model(model), normalise(images), batch)),
+            global_logits=functools.cache(lambda: predict_logits(global_model, normalise(images), batch)),
+            embeddings=functools.cache(lambda: self.embeddings(recipe, images)),
+        )
+
+    def embeddings(self, recipe: wire.Recipe, pool_images: np.ndarray) -> Embeddings:
+        """The round's frozen encoder applied to the pool and to the human-labelled samples (FAST's seeds)."""
+        if recipe.encoder not in self._encoders:
+            raise ValueError(f"sampler {recipe.sampler!r} needs the round's encoder, which has not arrived")
+        encoder = OnnxEncoder(self._encoders[recipe.encoder], self.settings.torch_threads)
+        indices, labels = self.data.labelled()
+        return Embeddings(encoder.embed(pool_images), encoder.embed(self.data.images(indices)), labels)
+
     def acquire(
-        self, model: torch.nn.Module, heuristic: Heuristic, recipe: wire.Recipe, seed: int,
+        self, model: torch.nn.Module, global_model: torch.nn.Module, sampler: Sampler, recipe: wire.Recipe, seed: int,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Scores the pool, asks the oracle for the top k and stores the answers; returns them (indices, labels)."""
+        """Scores the pool, asks the oracle for the top b, stores the answers and the sampler's weak labels for
+        the rest; returns the human answers (indices, labels)."""
         pool = self.data.pool_indices()
         if len(pool) == 0:
             return pool, pool
-        rng = np.random.default_rng(seed)
-        scores = acquisition_scores(heuristic, model, self.data.images(pool), recipe.mc_passes, seed, rng,
-                                    self.settings.inference_batch)
-        queried = pool[top_k(scores, recipe.labels_per_acquisition)]
+        context = self.acquisition_context(model, global_model, pool, recipe, seed)
+        queried = pool[top_k(sampler.score_pool(context), labels_per_acquisition(recipe, self.own_samples))]
         answered, labels = self.oracle.label(queried)
         self.data.add_labels(answered, labels)
+        weak = sampler.weak_labels(context)
+        if weak is not None:
+            unanswered = ~np.isin(pool, answered)
+            self.data.set_weak_labels(pool[unanswered], weak[unanswered])
         return answered, labels
 
-    def local_data(self, new_indices: np.ndarray, new_labels: np.ndarray) -> LocalData:
+    def local_data(self, new_indices: np.ndarray, new_labels: np.ndarray, round_in_active: int = 1) -> LocalData:
         """The training view of the device's data after an acquisition (replay excludes the new batch)."""
         labelled_indices, labelled_labels = self.data.labelled()
         replay_indices, replay_labels = self.data.replay()
+        weak_indices, weak_labels = self.data.weak_labels()
         keep = ~np.isin(replay_indices, new_indices)
         return LocalData(
             new_images=self.data.images(new_indices), new_labels=new_labels,
             replay_images=self.data.images(replay_indices[keep]), replay_labels=replay_labels[keep],
             labelled_images=self.data.images(labelled_indices), labelled_labels=labelled_labels,
             unlabelled_images=self.data.images(self.data.pool_indices()),
+            weak_images=self.data.images(weak_indices), weak_labels=weak_labels,
+            round_in_active_round=round_in_active,
         )
 
     def publish_update(self, update: wire.Update) -> None:
