@@ -238,9 +238,9 @@ def ksas_scores(own_logits: np.ndarray, global_logits: np.ndarray, class_counts:
     if bias.shape != own_logits.shape[1:]:
         raise ValueError(f"{len(bias)} class counts for {own_logits.shape[1]} classes")
     possible = np.isfinite(bias)
-    log_p, log_q = _log_softmax(own_logits + bias), _log_softmax(global_logits + bias)
-    terms = (np.exp(log_p) - np.exp(log_q)) * (log_p - log_q)
-    return np.sum(np.where(possible, terms, 0.0), axis=-1)
+    log_p = np.where(possible, _log_softmax(own_logits + bias), 0.0)
+    log_q = np.where(possible, _log_softmax(global_logits + bias), 0.0)
+    return np.sum((np.exp(log_p) - np.exp(log_q)) * (log_p - log_q), axis=-1)
 
 
 class KsasSampler(Sampler):
