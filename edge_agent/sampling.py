@@ -286,7 +286,7 @@ def prototype_similarities(embeddings: np.ndarray, reference: np.ndarray, labels
 def prototype_entropy(similarities: np.ndarray, seeded: np.ndarray) -> np.ndarray:
     """FAST Eq. 8: u_i = H(softmax(s_i)) over the seeded classes only (unseeded classes are masked out)."""
     masked = np.where(seeded, np.asarray(similarities, dtype=np.float64), -np.inf)
-    log_p = _log_softmax(masked)
+    log_p = np.where(seeded, _log_softmax(masked), 0.0)
     return -np.sum(np.where(seeded, np.exp(log_p) * log_p, 0.0), axis=-1)
 
 
