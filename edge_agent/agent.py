@@ -47,6 +47,14 @@ class AgentSettings:
     max_update_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
 
 
+def content_matches(kind: str, announced: str, actual: str) -> bool:
+    """True when retained content hashes to the name it was published under; a warning otherwise."""
+    if actual != announced:
+        log.warning("%s hash mismatch announced=%s actual=%s", kind, announced, actual)
+        return False
+    return True
+
+
 def device_seed(device_id: str) -> int:
     """A stable per-device number, so that devices with the same recipe seed still draw differently."""
     return int.from_bytes(hashlib.sha256(device_id.encode()).digest()[:4], "little")
@@ -138,19 +146,13 @@ class Agent:
 
     def on_model(self, message: wire.ModelMessage) -> None:
         """Keeps the announced model once its content matches its hash."""
-        actual = weights_hash(message.tensors)
-        if actual != message.model_hash:
-            log.warning("model hash mismatch announced=%s actual=%s", message.model_hash, actual)
-            return
-        self._models = {message.model_hash: message.tensors}
+        if content_matches("model", message.model_hash, weights_hash(message.tensors)):
+            self._models = {message.model_hash: message.tensors}
 
     def on_encoder(self, message: wire.EncoderMessage) -> None:
         """Keeps the announced frozen encoder once its bytes match their sha256."""
-        actual = encoder_hash(message.onnx)
-        if actual != message.encoder_hash:
-            log.warning("encoder hash mismatch announced=%s actual=%s", message.encoder_hash, actual)
-            return
-        self._encoders = {message.encoder_hash: message.onnx}
+        if content_matches("encoder", message.encoder_hash, encoder_hash(message.onnx)):
+            self._encoders = {message.encoder_hash: message.onnx}
 
     def on_ack(self, ack: wire.Ack) -> None:
         """Logs the coordinator's verdict on an update."""
