@@ -161,3 +161,11 @@ def test_bad_encoder_files_give_one_line_errors(tmp_path) -> None:
     with pytest.raises(ValueError, match="cannot embed a 28x28 image") as error:
         load_encoder(tmp_path / "junk.onnx")
     assert "\n" not in str(error.value)
+
+
+def test_encoder_message_round_trips_and_its_topic_names_the_hash(encoder_bytes) -> None:
+    message = wire.EncoderMessage(encoder_hash(encoder_bytes), encoder_bytes)
+    assert wire.decode(wire.encode(message), wire.EncoderMessage) == message
+    assert wire.encoder_topic("f", message.encoder_hash) == f"fl/f/encoder/{message.encoder_hash}"
+    with pytest.raises(wire.WireError, match="expected a 'encoder' message"):
+        wire.decode(wire.encode(wire.Ack("d", 1, "u", True)), wire.EncoderMessage)

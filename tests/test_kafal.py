@@ -1,11 +1,13 @@
 # KAFAL (ALGORITHMS.md section 2): KSAS scores, KCFU losses, Eq. 7 weights, partial participation, the schedule.
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,7 @@ from hypothesis.extra.numpy import arrays
 from edge_agent import wire
 from edge_agent.agent import OWN_MODEL_FILE, LAST_ROUND_KEY, Agent, AgentSettings
 from edge_agent.data import DeviceData, Shard, load_fashion_mnist, open_device_data
-from edge_agent.models import build_model, get_weights, weights_hash
+from edge_agent.models import build_model, get_weights, weight_spec, weights_hash
 from edge_agent.mqtt import MqttSession
 from edge_agent.oracle import SimulatedOracle
 from edge_agent.sampling import class_prior_bias, ksas_scores
@@ -25,7 +27,10 @@ from edge_agent.training import (
     KCFU, LocalData, TrainSettings, balanced_cross_entropy, compensation_loss, compensation_weights, train_supervised,
 )
 from coordinator.broker import EmbeddedBroker
-from coordinator.rounds import choose_participants
+from coordinator.evaluation import Evaluator, LabelledSplit
+from coordinator.rounds import Coordinator, RoundCollector, RoundPolicy, choose_participants
+from coordinator.store import RunStore
+from coordinator.validation import Expectation
 from coordinator.strategies import ClientUpdate, make_strategy
 
 logits_strategy = arrays(np.float64, (6, 5), elements=st.floats(-8, 8))
@@ -235,3 +240,52 @@ def test_unselected_device_acquires_but_never_trains_nor_sends(broker, tmp_path,
         thread.join(timeout=20)
         session.close()
         coordinator.close()
+
+
+def test_only_participants_may_send_and_the_quorum_counts_them(broker, tmp_path, fashion) -> None:
+    """With participants [dev-a, dev-b] the round needs 2 updates whatever the quorum; dev-c's update is refused
+    with 'not selected', counted in the store, and never reaches the collector; the announcement names them."""
+    weights = get_weights(build_model(seed=0))
+    model_hash = weights_hash(weights)
+    split = LabelledSplit.from_uint8(fashion.test_images[:20], fashion.test_labels[:20])
+    session = MqttSession(broker.address, client_id="coordinator")
+    observer = MqttSession(broker.address, client_id="observer")
+    with RunStore(tmp_path / "run") as store:
+        coordinator = Coordinator("kafal", "run", session, store, make_strategy("fedavg"),
+                                  Evaluator("paper-cnn", split, split, 1, 0), wire.Recipe(),
+                                  RoundPolicy(rounds=1, quorum=10, participation=0.5))
+        session.connect(timeout=10)
+        observer.connect(timeout=10)
+        observer.subscribe(wire.round_topic("kafal"))
+        for device in ("dev-a", "dev-b", "dev-c", "dev-d"):
+            coordinator.online[device] = wire.Status(device, "online", time.time())
+        coordinator.participants = choose_participants(sorted(coordinator.online_devices()), 0.5, 0, 1)
+        coordinator.announce(1, model_hash)
+        announced = None
+        while announced is None:
+            message = observer.next_message(timeout=5)
+            announced = wire.decode(message.payload, wire.RoundAnnouncement)
+        assert announced.participants == coordinator.participants and len(announced.participants) == 2
+        outsider = sorted(set(coordinator.online) - set(coordinator.participants))[0]
+        collector = RoundCollector(Expectation(1, model_hash, weight_spec(build_model()), 10, 1 << 24))
+        update = wire.Update(outsider, 1, "u1", model_hash, 10, [1] * 10, 10, {}, weights)
+        coordinator.on_update(outsider, wire.encode(update), collector)
+        assert collector.accepted == {} and collector.rejected[outsider].startswith("not selected")
+        assert coordinator.needed(collector) == 2
+        insider = coordinator.participants[0]
+        coordinator.on_update(insider, wire.encode(dataclasses.replace(update, device_id=insider)), collector)
+        assert list(collector.accepted) == [insider]
+        assert any(reason.startswith("not selected") for reason in store.rejection_counts())
+    session.close()
+    observer.close()
+
+
+def test_participants_and_schedule_fields_cross_the_wire_and_bad_ones_are_refused() -> None:
+    recipe = wire.Recipe(sampler="ksas", rounds_per_acquisition=3, initial_label_fraction=0.1, label_fraction=0.05,
+                         options={"lambda": 1.0, "nu": 0.5})
+    announcement = wire.RoundAnnouncement("run", 4, "h" * 64, recipe, 1.0, participants=["dev-01", "dev-03"])
+    assert wire.decode(wire.encode(announcement), wire.RoundAnnouncement) == announcement
+    raw = msgpack.unpackb(wire.encode(announcement))
+    raw["participants"] = ["dev-01", 3]
+    with pytest.raises(wire.WireError, match="participants must be a list of strings"):
+        wire.decode(msgpack.packb(raw), wire.RoundAnnouncement)
