@@ -170,12 +170,9 @@ class Agent:
             return
         self._pending = None
         update = self.run_round(announcement, self._models[announcement.model_hash])
-        if update is None:
-            self.data.set_state(LAST_ROUND_KEY, announcement.round_id)
-            self.publish_status("idle", announcement.round_id)
-            return
         try:
-            self.publish_update(update)
+            if update is not None:
+                self.publish_update(update)
         except (wire.WireError, PayloadTooLargeError) as error:
             log.error("update not sent device=%s round=%d error=%s", update.device_id, update.round_id, error)
             self.publish_status("error", announcement.round_id)
