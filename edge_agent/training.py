@@ -178,9 +178,16 @@ def balanced_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, class_co
 
 
 def compensation_weights(class_counts: np.ndarray) -> np.ndarray:
-    """KAFAL's Gamma per pseudo-label class: N_k / n_{k,c}; a class with no label counts as one ([R], else inf)."""
+    """KAFAL's Gamma per pseudo-label class as the authors' code computes it: (1/n_c) / sum_{n_c' > 0} (1/n_c'),
+    0 for a class without labels.
+
+    On the labelled classes this is the paper's N_k / n_{k,c} divided by a per-device constant (the same relative
+    weights); the paper's scale (up to N_k) and its undefined n = 0 case made the local model collapse on the bench.
+    """
     counts = np.asarray(class_counts, dtype=np.float64)
-    return counts.sum() / np.maximum(counts, 1.0)
+    inverse = np.where(counts > 0, 1.0 / np.maximum(counts, 1.0), 0.0)
+    total = inverse.sum()
+    return inverse / total if total > 0 else inverse
 
 
 def compensation_loss(student: nn.Module, teacher: nn.Module, unlabelled: torch.Tensor, class_counts: np.ndarray,

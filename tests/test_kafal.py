@@ -99,8 +99,14 @@ def test_balanced_loss_with_an_unlabelled_class_has_finite_gradients() -> None:
     assert torch.all(logits.grad[:, 1] == 0)
 
 
-def test_compensation_weight_is_total_over_class_count() -> None:
-    np.testing.assert_allclose(compensation_weights(np.array([10, 30, 0, 60])), [10.0, 100 / 30, 100.0, 100 / 60])
+def test_compensation_weights_are_the_paper_s_total_over_count_up_to_a_constant_and_zero_without_labels() -> None:
+    counts = np.array([10, 30, 0, 60])
+    gamma = compensation_weights(counts)
+    paper = counts.sum() / counts[[0, 1, 3]]
+    np.testing.assert_allclose(gamma[[0, 1, 3]] / paper, gamma[0] / paper[0])
+    assert gamma[2] == 0.0 and gamma.sum() == pytest.approx(1.0)
+    np.testing.assert_allclose(gamma, [2 / 3, 2 / 9, 0.0, 1 / 9])
+    assert compensation_weights(np.zeros(4)).tolist() == [0.0] * 4
 
 
 def test_compensation_loss_vanishes_when_student_equals_teacher_and_grows_otherwise() -> None:
@@ -112,7 +118,19 @@ def test_compensation_loss_vanishes_when_student_equals_teacher_and_grows_otherw
     same = compensation_loss(student, teacher, batch, counts, torch.Generator().manual_seed(2))
     assert abs(same.item()) < 1e-6
     other = build_model(seed=2).eval()
-    assert compensation_loss(other, teacher, batch, counts, torch.Generator().manual_seed(2)).item() > 1e-3
+    torch.manual_seed(5)
+    loss = compensation_loss(other, teacher, batch, counts, torch.Generator().manual_seed(2)).item()
+    torch.manual_seed(5)
+    partner = torch.randperm(12, generator=torch.Generator().manual_seed(2))
+    beta = torch.distributions.Beta(2.0, 2.0).sample((12,))
+    with torch.no_grad():
+        mixed = beta.view(-1, 1, 1, 1) * batch + (1 - beta.view(-1, 1, 1, 1)) * batch[partner]
+        gamma = torch.tensor(compensation_weights(counts), dtype=torch.float32)[teacher(batch).argmax(1)]
+        gamma = beta * gamma + (1 - beta) * gamma[partner]
+        p = torch.softmax(teacher(mixed), 1)
+        q = torch.softmax(other(mixed), 1)
+        expected = torch.mean(gamma * torch.sum(p * torch.log(p / q), 1)).item()
+    assert loss == pytest.approx(expected, rel=1e-4) and loss > 0
 
 
 @pytest.fixture(scope="module")
