@@ -15,16 +15,16 @@ from edge_agent import wire
 from edge_agent.data import DatasetMissingError
 from edge_agent.logs import configure_logging
 from edge_agent.mqtt import BrokerUnavailableError, parse_broker_url
-from edge_agent.sampling import make_heuristic
-from edge_agent.training import (
-    DEFAULT_KD_WEIGHT, KD_WEIGHT_OPTION, LOCAL_RULES, OPTIMIZERS, make_local_rule, recipe_option,
-)
+from edge_agent.sampling import make_sampler
+from edge_agent.schedule import check_schedule
+from edge_agent.training import DEFAULT_KD_WEIGHT, KD_WEIGHT_OPTION, LOCAL_RULES, OPTIMIZERS, make_local_rule, \
+    recipe_option
 from coordinator.broker import BrokerError, embedded_broker
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.server import Dashboard, dashboard_token, parse_listen_address
 from coordinator.provision import DEFAULT_TLS_HOSTS, load_secure_fleet, provision
 from coordinator.rounds import RoundPolicy, RoundResult, SuspectPolicy
-from coordinator.server import InitSettings, ServerSettings, load_server_data, run_server
+from coordinator.server import InitSettings, ServerSettings, load_encoder, load_server_data, run_server
 from coordinator.simulate import BenchSettings, simulate, write_shards
 from coordinator.strategies import make_strategy
 
@@ -57,7 +57,8 @@ def add_round_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--dashboard-token", help="bearer token the API requires (default: none on loopback, "
                                                "else generated into RUN_DIR/dashboard-token)")
     recipe = parser.add_argument_group("round recipe (sent to devices)")
-    recipe.add_argument("--sampler", default="entropy", help="random, entropy, bald, margin or least-confidence")
+    recipe.add_argument("--sampler", default="entropy",
+                        help="random, entropy, bald, margin, least-confidence, ksas or fast")
     recipe.add_argument("--labels-per-acquisition", type=int, default=400)
     recipe.add_argument("--acquisitions-per-round", type=int, default=1)
     recipe.add_argument("--local-rule", default="online-replay", help="online-replay, cadis-kd or dmlu")
@@ -68,8 +69,7 @@ def add_round_options(parser: argparse.ArgumentParser) -> None:
     recipe.add_argument("--weight-decay", type=float, default=wire.Recipe.weight_decay)
     recipe.add_argument("--mc-passes", type=int, default=10)
     recipe.add_argument("--seed", type=int, default=0)
-    recipe.add_argument("--kd-weight", type=float,
-                        help=f"cadis-kd: weight of the relational distillation term (default {DEFAULT_KD_WEIGHT})")
+    add_method_options(parser)
     server = parser.add_argument_group("server data")
     server.add_argument("--data-dir", type=Path, help="Fashion-MNIST IDX files (default: the Debian package's)")
     server.add_argument("--init-samples", type=int, default=InitSettings.samples, help="balanced samples for W0")
@@ -80,6 +80,43 @@ def add_round_options(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--selection-passes", type=int, default=10, help="MC passes of the BNN selection accuracy")
     server.add_argument("--test-samples", type=int, help="evaluate on the first N test images (default: all 10k)")
     server.add_argument("--no-device-eval", action="store_true", help="skip the test accuracy of each device model")
+
+
+def add_method_options(parser: argparse.ArgumentParser) -> None:
+    """Schedule and method parameters of KAFAL, FAST and FedProx (they travel in the round recipe)."""
+    methods = parser.add_argument_group("active-round schedule, participation and method parameters")
+    methods.add_argument("--participation", type=float, default=1.0,
+                         help="fraction R of online devices picked at random (seeded) to train each round")
+    methods.add_argument("--rounds-per-acquisition", type=int, default=1,
+                         help="communication rounds per active round; devices acquire in its first round")
+    methods.add_argument("--initial-label-fraction", type=float, default=0.0,
+                         help="random fraction of its own data a device has labelled before its first round")
+    methods.add_argument("--label-fraction", type=float, default=0.0,
+                         help="labels per acquisition as a fraction of the device's data (overrides the count)")
+    methods.add_argument("--ksas-lambda", type=float, help="KSAS knowledge weight lambda (default 1)")
+    methods.add_argument("--kcfu-nu", type=float, help="KCFU trade-off nu between L_client and L_comp (default 0.5)")
+    methods.add_argument("--mu", type=float, help="FedProx proximal weight mu (default 0.01)")
+    methods.add_argument("--kd-weight", type=float,
+                         help=f"cadis-kd: weight of the relational distillation term (default {DEFAULT_KD_WEIGHT})")
+    methods.add_argument("--knn-k", type=int, help="FAST: neighbours voting for a weak label (default 10)")
+    methods.add_argument("--encoder", type=Path,
+                         help="FAST: frozen encoder ONNX file (default: W0's penultimate-layer encoder)")
+
+
+METHOD_OPTIONS = {"ksas_lambda": "lambda", "kcfu_nu": "nu", "mu": "mu", "knn_k": "knn_k", "kd_weight": KD_WEIGHT_OPTION}
+
+
+def method_options(args: argparse.Namespace) -> dict[str, float]:
+    """The recipe's options map: only the method parameters given on the command line, checked."""
+    options = {key: float(getattr(args, name)) for name, key in METHOD_OPTIONS.items()
+               if getattr(args, name) is not None}
+    if options.get("lambda", 0.0) < 0 or options.get("mu", 0.0) < 0:
+        raise ValueError("--ksas-lambda and --mu must be non-negative")
+    if not 0.0 <= options.get("nu", 0.5) <= 1.0:
+        raise ValueError(f"--kcfu-nu must lie in [0, 1], got {options['nu']}")
+    if options.get("knn_k", 1) < 1:
+        raise ValueError(f"--knn-k must be at least 1, got {int(options['knn_k'])}")
+    return options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,11 +190,14 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
         sampler=args.sampler, labels_per_acquisition=args.labels_per_acquisition,
         acquisitions_per_round=args.acquisitions_per_round, local_rule=args.local_rule, epochs=args.epochs,
         batch_size=args.batch_size, learning_rate=args.lr, momentum=args.momentum,
-        weight_decay=args.weight_decay, mc_passes=args.mc_passes, seed=args.seed, options=recipe_options(args),
+        weight_decay=args.weight_decay, mc_passes=args.mc_passes, seed=args.seed, options=method_options(args),
+        rounds_per_acquisition=args.rounds_per_acquisition, initial_label_fraction=args.initial_label_fraction,
+        label_fraction=args.label_fraction,
     )
     return ServerSettings(
         run_dir=run_dir, fleet=fleet, strategy=args.strategy, recipe=recipe,
-        policy=RoundPolicy(args.rounds, args.min_devices, args.quorum, args.round_timeout),
+        policy=RoundPolicy(args.rounds, args.min_devices, args.quorum, args.round_timeout,
+                           participation=args.participation),
         init=InitSettings(samples=args.init_samples, epochs=args.init_epochs, learning_rate=args.init_lr,
                           optimizer=args.init_optimizer, seed=args.seed),
         validation_samples=args.validation_samples, selection_passes=args.selection_passes,
@@ -165,19 +205,14 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
         torch_threads=args.torch_threads, strategy_options={} if args.trim is None else {"trim": args.trim},
         suspects=SuspectPolicy(threshold=args.suspect_threshold, exclude=args.exclude_suspects),
         ship_bundles=not args.no_bundles,
+        encoder_path=args.encoder,
     )
-
-
-def recipe_options(args: argparse.Namespace) -> dict[str, float]:
-    """The method parameters given on the command line, sent to devices in the recipe's options."""
-    given = {KD_WEIGHT_OPTION: args.kd_weight}
-    return {name: value for name, value in given.items() if value is not None}
 
 
 def validate_recipe_names(settings: ServerSettings) -> None:
     """Fails fast, before any process starts, on a sampler, rule or strategy nobody knows, a bad method
     parameter, or a strategy that weighs updates by a metric the local rule does not report."""
-    make_heuristic(settings.recipe.sampler)
+    make_sampler(settings.recipe.sampler)
     rule = make_local_rule(settings.recipe.local_rule)
     strategy = make_strategy(settings.strategy, **settings.strategy_options)
     for name in settings.recipe.options:
@@ -187,6 +222,9 @@ def validate_recipe_names(settings: ServerSettings) -> None:
         fitting = sorted(name for name, known in LOCAL_RULES.items() if set(missing) <= set(known.reported_metrics))
         raise ValueError(f"strategy {strategy.name!r} weighs updates by {', '.join(missing)}, which local rule "
                          f"{rule.name!r} does not report; use --local-rule {' or '.join(fitting)}")
+    check_schedule(settings.recipe)
+    if settings.encoder_path is not None:
+        load_encoder(settings.encoder_path)
 
 
 class RoundPrinter:

@@ -74,7 +74,7 @@ def password_hash(password: str, salt: bytes | None = None) -> str:
 
 def acl_text(fleet: str) -> str:
     """The coordinator may do anything in the fleet; a device writes only under its own topics (by username, %u,
-    never the spoofable client id) and reads only the round, the models, their ONNX bundles and its own acks."""
+    never the spoofable client id) and reads only the round, the models, their ONNX bundles, the FAST encoder and its own acks."""
     root = f"fl/{wire.check_identifier('fleet', fleet)}"
     return "\n".join([
         f"user {COORDINATOR_USERNAME}",
@@ -85,6 +85,7 @@ def acl_text(fleet: str) -> str:
         f"pattern read {root}/round",
         f"pattern read {root}/model/#",
         f"pattern read {root}/bundle/#",
+        f"pattern read {root}/encoder/#",
         "",
     ])
 

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
 
 from edge_agent import wire
 from edge_agent.models import NUM_CLASSES, Weights, build_model, weight_spec, weights_hash
@@ -31,8 +34,11 @@ class RoundPolicy:
     quorum: int | None = None
     round_timeout: float = 600.0
     max_update_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
+    participation: float = 1.0
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.participation <= 1.0:
+            raise ValueError(f"--participation must lie in (0, 1], got {self.participation}")
         if self.rounds < 1:
             raise ValueError(f"--rounds must be at least 1, got {self.rounds}")
         if self.min_devices < 1:
@@ -70,6 +76,15 @@ def suspects_by_divergence(divergence: dict[str, dict[str, float]], policy: Susp
     layer_count = len(next(iter(divergence.values()), {}))
     return {device: layers for device, layers in flagged.items()
             if len(layers) >= policy.min_layer_fraction * layer_count}
+
+
+def choose_participants(online: Sequence[str], participation: float, seed: int, round_id: int) -> list[str]:
+    """KAFAL's S_t: a seeded random ceil(R*K) of the K online devices, sorted; [] (everyone) when R = 1."""
+    if participation >= 1.0 or not online:
+        return []
+    count = math.ceil(participation * len(online))
+    rng = np.random.default_rng([seed, round_id])
+    return sorted(rng.choice(sorted(online), size=count, replace=False).tolist())
 
 
 @dataclass
@@ -199,6 +214,7 @@ class Coordinator:
         authenticator: UpdateAuthenticator | None = None,
         observer: RoundObserver | None = None,
         dead_devices: Callable[[], set[str]] = set,
+        encoder: bytes = b"",
     ) -> None:
         """`bundle_files(weights, hash)` gives the ONNX bundle shipped beside each global model (None: none)."""
         self.fleet = fleet
@@ -221,6 +237,8 @@ class Coordinator:
         self.device_labels: dict[str, int] = {}
         self.bundle_files = bundle_files
         self._retained: dict[str, str] = {}
+        self.encoder = encoder
+        self.participants: list[str] = []
         self.restore_strategy_state()
 
     def restore_strategy_state(self) -> None:
@@ -268,8 +286,11 @@ class Coordinator:
             Expectation(round_id, base_hash, self.spec, NUM_CLASSES, self.policy.max_update_bytes,
                         self.authenticator.check if self.authenticator else None, self.strategy.required_metrics),
             absorb=(lambda update: streamed.absorb(self.client_update(update))) if streamed else None)
+        self.participants = choose_participants(sorted(self.online_devices()), self.policy.participation,
+                                                self.recipe.seed, round_id)
         self.resume_spooled(collector)
         self.publish_model(global_weights, base_hash)
+        self.publish_encoder()
         self.announce(round_id, base_hash)
         self.observer.round_opened(round_id, self.needed(collector))
         self.collect(collector, started)
@@ -288,6 +309,8 @@ class Coordinator:
         for device, layers in suspects.items():
             log.warning("suspect update round=%d device=%s layers=%s", round_id, device, ",".join(layers))
         report["aggregation_seconds"] = time.monotonic() - aggregation_started
+        if self.participants:
+            report["participants"] = list(self.participants)
         scores = self.evaluator.test_scores(new_weights)
         device_scores = {}
         for update in models:
@@ -352,7 +375,10 @@ class Coordinator:
 
     def needed(self, collector: RoundCollector) -> int:
         """How many accepted updates close the round early: the quorum less the devices known dead (a bench's
-        crashed agents), else every online device; never fewer than the minimum."""
+        crashed agents), else every online device; never fewer than the minimum. With a participant list, never
+        more than its length (only participants may send)."""
+        if self.participants:
+            return min(self.policy.quorum or len(self.participants), len(self.participants))
         if self.policy.quorum is not None:
             lost = len(self.dead_devices() - set(collector.accepted))
             return max(self.policy.min_devices, self.policy.quorum - lost)
@@ -418,6 +444,11 @@ class Coordinator:
         if collector is None:
             self.reject(device_id, 0, "", "no round is open", len(payload))
             return
+        if self.participants and device_id not in self.participants:
+            reason = f"not selected: {device_id} is not a participant of round {collector.expectation.round_id}"
+            collector.rejected[device_id] = reason
+            self.reject(device_id, collector.expectation.round_id, self.update_id_of(payload), reason, len(payload))
+            return
         try:
             update, is_new = collector.offer(device_id, payload)
         except Rejection as rejection:
@@ -478,9 +509,16 @@ class Coordinator:
             self.session.publish(previous, b"", retain=True)
         self._retained[kind] = topic
 
+    def publish_encoder(self) -> None:
+        """Retains the recipe's frozen encoder (FAST) on its hash topic, so late devices get it too."""
+        if self.recipe.encoder:
+            self.retain_current("encoder", wire.encoder_topic(self.fleet, self.recipe.encoder),
+                                lambda: wire.EncoderMessage(self.recipe.encoder, self.encoder))
+
     def announce(self, round_id: int, model_hash: str, final: bool = False) -> None:
-        """Retains the round announcement: round id, base model hash, recipe, deadline."""
+        """Retains the round announcement: round id, base model hash, recipe, deadline, participants."""
         announcement = wire.RoundAnnouncement(self.run_id, round_id, model_hash, self.recipe,
-                                              time.time() + self.policy.round_timeout, final)
+                                              time.time() + self.policy.round_timeout, final,
+                                              [] if final else list(self.participants))
         self.session.publish(wire.round_topic(self.fleet), wire.encode(announcement), retain=True, wait=30.0)
         log.info("round announced round=%d model=%s final=%s", round_id, model_hash[:12], final)

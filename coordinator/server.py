@@ -1,7 +1,9 @@
 # Assembles a coordinator from settings: server data, the initial model W0, resume from the store, the session.
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -13,9 +15,12 @@ import torch
 
 from edge_agent import wire
 from edge_agent.data import FashionMNIST, load_fashion_mnist
-from edge_agent.models import Weights, build_model, get_weights
+from edge_agent.encoder import OnnxEncoder, encoder_hash
+from edge_agent.models import Weights, build_model, get_weights, set_weights
 from edge_agent.mqtt import BrokerAddress, MqttSession
+from edge_agent.sampling import make_sampler
 from edge_agent.training import TrainSettings, train_supervised
+from export.onnx_graphs import export_encoder
 from coordinator.evaluation import Evaluator, LabelledSplit
 from coordinator.authentication import UpdateAuthenticator
 from coordinator.partition import server_holdout
@@ -62,6 +67,7 @@ class ServerSettings:
     torch_threads: int | None = None
     ship_bundles: bool = True
     secure_dir: Path | None = None
+    encoder_path: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,38 @@ def starting_point(store: RunStore, settings: ServerSettings, data: ServerData) 
     return weights, 1, run_id
 
 
+ENCODER_FILE = "encoder.onnx"
+
+
+def load_encoder(path: Path) -> bytes:
+    """An encoder's ONNX bytes after checking that onnxruntime can embed an image with it (one-line errors)."""
+    if not Path(path).is_file():
+        raise ValueError(f"--encoder {path}: no such file")
+    onnx = Path(path).read_bytes()
+    try:
+        OnnxEncoder(onnx).embed(np.zeros((1, 28, 28), dtype=np.uint8))
+    except Exception as error:  # onnxruntime's errors are untyped; any failure means an unusable encoder
+        raise ValueError(f"--encoder {path}: cannot embed a 28x28 image ({str(error).splitlines()[0]})") from None
+    return onnx
+
+
+def round_encoder(settings: ServerSettings, store: RunStore) -> bytes:
+    """The frozen encoder the round's sampler needs: --encoder, else W0's penultimate layers (exported once to
+    the run directory); b"" when the sampler needs none."""
+    if settings.encoder_path is not None:
+        return load_encoder(settings.encoder_path)
+    if not make_sampler(settings.recipe.sampler).needs_encoder:
+        return b""
+    path = settings.run_dir / ENCODER_FILE
+    if not path.is_file():
+        model = build_model(settings.model_name)
+        set_weights(model, store.load_checkpoint(0))
+        temporary = path.with_suffix(".tmp")
+        export_encoder(model, temporary)
+        os.replace(temporary, path)
+    return load_encoder(path)
+
+
 def settings_as_dict(settings: ServerSettings) -> dict:
     """JSON-able settings for the store (paths as strings)."""
     return {key: str(value) if isinstance(value, Path) else value for key, value in asdict(settings).items()}
@@ -153,12 +191,14 @@ def run_server(
     session = MqttSession(address, client_id=f"coordinator-{settings.fleet}", manual_ack=True)
     try:
         weights, first_round, run_id = starting_point(store, settings, data)
+        encoder = round_encoder(settings, store)
+        recipe = dataclasses.replace(settings.recipe, encoder=encoder_hash(encoder)) if encoder else settings.recipe
         coordinator = Coordinator(
-            settings.fleet, run_id, session, store, strategy, build_evaluator(settings, data), settings.recipe,
+            settings.fleet, run_id, session, store, strategy, build_evaluator(settings, data), recipe,
             settings.policy, settings.model_name, base_labels=len(data.init_indices),
             evaluate_devices=settings.evaluate_devices, suspect_policy=settings.suspects, authenticator=authenticator,
             bundle_files=bundle_exporter(settings) if settings.ship_bundles else None, observer=observer,
-            dead_devices=dead_devices,
+            dead_devices=dead_devices, encoder=encoder,
         )
         coordinator.device_labels = latest_device_labels(store)
         session.connect()

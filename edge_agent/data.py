@@ -282,7 +282,8 @@ def _as_index_array(values: Any, what: str) -> np.ndarray:
     return array.astype(np.int64)
 
 
-LABEL_SOURCES = ("oracle", "seed")
+LABEL_SOURCES = ("oracle", "seed", "weak")
+HUMAN_SOURCES = ("oracle", "seed")
 
 
 def source_code(source: str) -> int:
@@ -330,7 +331,8 @@ class DeviceData:
         self._sources = labelled["sources"]
         self._replay = labelled["replay"]
         self._label_at = np.full(len(images), -1, dtype=np.int64)
-        self._label_at[self._indices] = self._labels
+        human = self._human_mask()
+        self._label_at[self._indices[human]] = self._labels[human]
         self._state = state
 
     @classmethod
@@ -431,13 +433,17 @@ class DeviceData:
         """How many images the device holds, labelled or not."""
         return len(self._images)
 
+    def _human_mask(self) -> np.ndarray:
+        """Which stored entries are human labels (oracle or seed), not weak machine labels."""
+        return self._sources != source_code("weak")
+
     @property
     def num_labelled(self) -> int:
-        """How many samples carry a label."""
-        return len(self._indices)
+        """How many samples carry a human label (weak labels do not count)."""
+        return int(np.count_nonzero(self._human_mask()))
 
     def pool_indices(self) -> np.ndarray:
-        """Indices of the samples still unlabelled, ascending."""
+        """Indices of the samples without a human label (unlabelled or only weakly labelled), ascending."""
         return np.flatnonzero(self._label_at < 0)
 
     def images(self, indices: np.ndarray) -> np.ndarray:
@@ -453,43 +459,70 @@ class DeviceData:
         return self._label_at[indices].copy()
 
     def labelled(self) -> tuple[np.ndarray, np.ndarray]:
-        """(indices, labels) of the labelled set, in the order they were labelled."""
-        return self._indices.copy(), self._labels.copy()
+        """(indices, labels) of the human-labelled set, in the order they were labelled."""
+        human = self._human_mask()
+        return self._indices[human], self._labels[human]
+
+    def weak_labels(self) -> tuple[np.ndarray, np.ndarray]:
+        """(indices, labels) of the weak machine labels (FAST's kNN votes), on samples no person has labelled."""
+        weak = ~self._human_mask()
+        return self._indices[weak], self._labels[weak]
 
     def replay(self) -> tuple[np.ndarray, np.ndarray]:
         """(indices, labels) of the replay set: the first replay_per_class labelled samples of each class."""
         return self._replay.copy(), self._label_at[self._replay]
 
     def class_counts(self) -> np.ndarray:
-        """Number of labelled samples per class, shape (num_classes,)."""
-        return np.bincount(self._labels, minlength=self.num_classes)
+        """Number of human-labelled samples per class, shape (num_classes,)."""
+        return np.bincount(self._labels[self._human_mask()], minlength=self.num_classes)
 
     def count_labels(self, source: str) -> int:
         """How many labels came from this source (the oracle's are the ones a person was asked for)."""
         return int(np.count_nonzero(self._sources == source_code(source)))
 
     def add_labels(self, indices: np.ndarray, labels: np.ndarray, source: str = "oracle") -> None:
-        """Moves samples from the pool to the labelled set and updates the replay set, all or nothing."""
-        code = source_code(source)
+        """Moves samples from the pool to the human-labelled set and updates the replay set, all or nothing.
+
+        A human label replaces a weak label on the same sample; a sample a person already labelled is an error.
+        """
+        if source_code(source) == source_code("weak"):
+            raise ValueError(f"add_labels takes human labels ({', '.join(HUMAN_SOURCES)}); weak labels go "
+                             "through set_weak_labels")
+        indices, labels = self._checked_new_labels(indices, labels, "add_labels")
+        keep = ~np.isin(self._indices, indices)
+        self._write(np.concatenate([self._indices[keep], indices]), np.concatenate([self._labels[keep], labels]),
+                    np.concatenate([self._sources[keep], np.full(len(indices), source_code(source), dtype=np.int8)]),
+                    np.concatenate([self._replay, self._replay_additions(indices, labels)]))
+        self._label_at[indices] = labels
+
+    def set_weak_labels(self, indices: np.ndarray, labels: np.ndarray) -> None:
+        """Replaces every weak label by these (atomically); weak labels never overwrite a human label."""
+        indices, labels = self._checked_new_labels(indices, labels, "set_weak_labels")
+        human = self._human_mask()
+        self._write(np.concatenate([self._indices[human], indices]), np.concatenate([self._labels[human], labels]),
+                    np.concatenate([self._sources[human], np.full(len(indices), source_code("weak"), dtype=np.int8)]),
+                    self._replay)
+
+    def _checked_new_labels(self, indices: np.ndarray, labels: np.ndarray, caller: str) -> tuple[np.ndarray, np.ndarray]:
+        """(indices, labels) as int64 after checking ranges, uniqueness and that no person labelled them yet."""
         indices = _as_index_array(indices, "indices")
         labels = _as_index_array(labels, "labels")
         if len(labels) != len(indices):
             raise ValueError(f"got {len(indices)} indices but {len(labels)} labels")
         self._check_in_range(indices)
-        _check_labels(labels, len(indices), self.num_classes, "add_labels")
+        _check_labels(labels, len(indices), self.num_classes, caller)
         if len(np.unique(indices)) != len(indices):
-            raise ValueError("indices repeat within one add_labels call")
+            raise ValueError(f"indices repeat within one {caller} call")
         already = indices[self._label_at[indices] >= 0]
         if already.size:
-            raise ValueError(f"samples already labelled: {already[:10].tolist()}")
-        new_indices = np.concatenate([self._indices, indices])
-        new_labels = np.concatenate([self._labels, labels])
-        new_sources = np.concatenate([self._sources, np.full(len(indices), code, dtype=np.int8)])
-        new_replay = np.concatenate([self._replay, self._replay_additions(indices, labels)])
-        _write_labelled(self.state_dir / self.LABELS_FILE, new_indices, new_labels, new_sources, new_replay,
-                        self.num_classes, self.replay_per_class)
-        self._indices, self._labels, self._sources, self._replay = new_indices, new_labels, new_sources, new_replay
-        self._label_at[indices] = labels
+            raise ValueError(f"samples already labelled by a person: {already[:10].tolist()}")
+        return indices, labels
+
+    def _write(self, indices: np.ndarray, labels: np.ndarray, sources: np.ndarray, replay: np.ndarray) -> None:
+        """Persists the whole labelled record atomically, then adopts it in memory."""
+        _write_labelled(self.state_dir / self.LABELS_FILE, indices, labels, sources, replay, self.num_classes,
+                        self.replay_per_class)
+        self._indices, self._labels, self._sources, self._replay = indices, labels, sources, replay
 
     def _replay_additions(self, indices: np.ndarray, labels: np.ndarray) -> np.ndarray:
         """The newly labelled indices that join the replay set, first come first served per class."""

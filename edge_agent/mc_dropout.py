@@ -1,7 +1,7 @@
 # MC-dropout class probabilities: the deterministic prefix runs once per sample, the dropout tail r times.
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -80,12 +80,23 @@ class TorchMCDropout:
 
 def predict_probabilities(model: nn.Module, images: np.ndarray, batch_size: int = 1000) -> np.ndarray:
     """Deterministic softmax outputs (dropout off), shaped (N, C): what a plain evaluation uses."""
+    return _predict(model, images, batch_size, lambda logits: torch.softmax(logits, dim=-1))
+
+
+def predict_logits(model: nn.Module, images: np.ndarray, batch_size: int = 1000) -> np.ndarray:
+    """Deterministic logits (dropout off), shaped (N, C): what KSAS compares between two models."""
+    return _predict(model, images, batch_size, lambda logits: logits)
+
+
+def _predict(model: nn.Module, images: np.ndarray, batch_size: int,
+             output: Callable[[torch.Tensor], torch.Tensor]) -> np.ndarray:
+    """output(model(batch)) over normalised images in batches, dropout off, the model's mode restored."""
     was_training = model.training
     model.eval()
     chunks = []
     with torch.inference_mode():
         for start in range(0, len(images), batch_size):
             batch = torch.from_numpy(np.ascontiguousarray(images[start:start + batch_size], dtype=np.float32))
-            chunks.append(torch.softmax(model(batch), dim=-1).numpy())
+            chunks.append(output(model(batch)).numpy())
     model.train(was_training)
     return np.concatenate(chunks) if chunks else np.empty((0, 0), dtype=np.float32)

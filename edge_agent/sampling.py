@@ -1,8 +1,9 @@
-# Acquisition heuristics: per-sample uncertainty scores from MC-dropout probabilities, and top-k selection.
+# Acquisition functions: per-sample scores (MC-dropout heuristics, KSAS, FAST prototype entropy) and top-k selection.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Mapping, NamedTuple
 
 import numpy as np
 
@@ -72,15 +73,60 @@ def top_k(scores: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-scores, kind="stable")[:k]
 
 
-class Heuristic(ABC):
-    """An acquisition function: one score per pool sample, higher means ask the oracle first."""
+class Embeddings(NamedTuple):
+    """Frozen-encoder features of the pool and of the device's human-labelled samples (FAST's seeds)."""
+
+    pool: np.ndarray
+    reference: np.ndarray
+    reference_labels: np.ndarray
+
+
+@dataclass(frozen=True)
+class AcquisitionContext:
+    """What a sampler may look at for one acquisition over a pool of `num_samples` samples.
+
+    The expensive views are callables, so each sampler pays only for what it uses (the agent memoises them).
+    `class_counts` counts the human labels per class (n_i of KSAS); `options` are the recipe's method parameters.
+    """
+
+    num_samples: int
+    rng: np.random.Generator
+    class_counts: np.ndarray
+    options: Mapping[str, float]
+    probabilities: Callable[[], np.ndarray]
+    own_logits: Callable[[], np.ndarray]
+    global_logits: Callable[[], np.ndarray]
+    embeddings: Callable[[], Embeddings]
+
+
+class Sampler(ABC):
+    """An acquisition function over a device's pool: one score per sample, higher means ask the oracle first."""
 
     name: ClassVar[str]
+    needs_encoder: ClassVar[bool] = False
+
+    @abstractmethod
+    def score_pool(self, context: AcquisitionContext) -> np.ndarray:
+        """Scores for the context's `num_samples` pool samples."""
+
+    def weak_labels(self, context: AcquisitionContext) -> np.ndarray | None:
+        """Machine labels for the pool samples (FAST), or None when the sampler proposes none."""
+        return None
+
+
+class Heuristic(Sampler):
+    """A baal-style acquisition function over MC-dropout probabilities (or none, for random)."""
+
     needs_probabilities: ClassVar[bool]
 
     @abstractmethod
     def scores(self, probs: np.ndarray | None, num_samples: int, rng: np.random.Generator) -> np.ndarray:
         """Scores for `num_samples` samples; `probs` is (r, N, C) when `needs_probabilities`, else may be None."""
+
+    def score_pool(self, context: AcquisitionContext) -> np.ndarray:
+        """The heuristic's scores, with MC-dropout probabilities computed only when it needs them."""
+        probs = context.probabilities() if self.needs_probabilities else None
+        return self.scores(probs, context.num_samples, context.rng)
 
 
 class RandomHeuristic(Heuristic):
@@ -150,7 +196,137 @@ HEURISTICS: dict[str, type[Heuristic]] = {
 
 
 def make_heuristic(name: str) -> Heuristic:
-    """A fresh heuristic by its registry name."""
+    """A fresh probability heuristic by its registry name (what `edge-agent score` can run from a bundle alone)."""
     if name not in HEURISTICS:
         raise ValueError(f"unknown sampler {name!r}; known: {', '.join(sorted(HEURISTICS))}")
     return HEURISTICS[name]()
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax in float64; -inf logits (impossible classes) stay -inf."""
+    logits = np.asarray(logits, dtype=np.float64)
+    shifted = logits - np.max(logits, axis=-1, keepdims=True)
+    return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+
+
+def class_prior_bias(class_counts: np.ndarray, lam: float) -> np.ndarray:
+    """lam * ln n_c per class (KAFAL's knowledge weight): -inf for a class with n_c = 0 when lam > 0.
+
+    With lam = 0, or before any label exists, the bias is 0 everywhere (no specialised knowledge yet).
+    """
+    counts = np.asarray(class_counts, dtype=np.float64)
+    if counts.ndim != 1 or np.any(counts < 0) or not np.all(np.isfinite(counts)):
+        raise ValueError(f"class counts must be a flat list of non-negative numbers, got {class_counts!r}")
+    if lam < 0 or not np.isfinite(lam):
+        raise ValueError(f"lambda must be a non-negative number, got {lam!r}")
+    if lam == 0 or counts.sum() == 0:
+        return np.zeros_like(counts)
+    return np.where(counts > 0, lam * np.log(np.where(counts > 0, counts, 1.0)), -np.inf)
+
+
+def ksas_scores(own_logits: np.ndarray, global_logits: np.ndarray, class_counts: np.ndarray, lam: float) -> np.ndarray:
+    """KSAS (KAFAL Eq. 1-3): D(x) = sum_y (P_y - Q_y)(ln P_y - ln Q_y) of the knowledge-weighted softmaxes.
+
+    P = softmax(own logits + lam ln n), Q = softmax(global logits + lam ln n); a class with n = 0 has
+    P = Q = 0 and contributes 0 (the reference code returns NaN there).
+    """
+    own_logits = np.asarray(own_logits, dtype=np.float64)
+    global_logits = np.asarray(global_logits, dtype=np.float64)
+    if own_logits.ndim != 2 or own_logits.shape != global_logits.shape:
+        raise ValueError(f"logits must be two (N, C) arrays of one shape, got {own_logits.shape} and {global_logits.shape}")
+    bias = class_prior_bias(class_counts, lam)
+    if bias.shape != own_logits.shape[1:]:
+        raise ValueError(f"{len(bias)} class counts for {own_logits.shape[1]} classes")
+    possible = np.isfinite(bias)
+    log_p = np.where(possible, _log_softmax(own_logits + bias), 0.0)
+    log_q = np.where(possible, _log_softmax(global_logits + bias), 0.0)
+    return np.sum((np.exp(log_p) - np.exp(log_q)) * (log_p - log_q), axis=-1)
+
+
+class KsasSampler(Sampler):
+    """KAFAL's knowledge-specialised sampler: largest discrepancy between the device's own and the global model."""
+
+    name = "ksas"
+
+    def score_pool(self, context: AcquisitionContext) -> np.ndarray:
+        """ksas_scores of the own model and the downloaded global model, lambda from the recipe (default 1)."""
+        return ksas_scores(context.own_logits(), context.global_logits(), context.class_counts,
+                           float(context.options.get("lambda", 1.0)))
+
+
+def _unit_rows(vectors: np.ndarray) -> np.ndarray:
+    """Rows scaled to unit L2 norm (a zero row stays zero)."""
+    vectors = np.asarray(vectors, dtype=np.float64)
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    return vectors / np.where(norms > 0, norms, 1.0)
+
+
+def _check_reference(embeddings: np.ndarray, reference: np.ndarray, labels: np.ndarray, num_classes: int) -> None:
+    """ValueError unless there is at least one labelled reference of the pool's width and labels fit num_classes."""
+    if len(reference) == 0:
+        raise ValueError("sampler 'fast' needs human-labelled seeds on the device (e.g. --initial-label-fraction)")
+    if np.ndim(embeddings) != 2 or np.ndim(reference) != 2 or np.shape(embeddings)[1] != np.shape(reference)[1]:
+        raise ValueError(f"embeddings {np.shape(embeddings)} and references {np.shape(reference)} must be (N, d)")
+    if len(labels) != len(reference) or np.min(labels) < 0 or np.max(labels) >= num_classes:
+        raise ValueError(f"need one label in [0, {num_classes}) per reference embedding")
+
+
+def prototype_similarities(embeddings: np.ndarray, reference: np.ndarray, labels: np.ndarray,
+                           num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """FAST Eq. 7: (s, seeded) with s[i, c] = mean cosine of sample i to the seeds of class c (0 where unseeded)."""
+    _check_reference(embeddings, reference, labels, num_classes)
+    cosines = _unit_rows(embeddings) @ _unit_rows(reference).T
+    one_hot = np.eye(num_classes)[np.asarray(labels, dtype=np.int64)]
+    per_class = one_hot.sum(axis=0)
+    seeded = per_class > 0
+    similarities = (cosines @ one_hot) / np.where(seeded, per_class, 1.0)
+    return np.clip(similarities, -1.0, 1.0), seeded
+
+
+def prototype_entropy(similarities: np.ndarray, seeded: np.ndarray) -> np.ndarray:
+    """FAST Eq. 8: u_i = H(softmax(s_i)) over the seeded classes only (unseeded classes are masked out)."""
+    masked = np.where(seeded, np.asarray(similarities, dtype=np.float64), -np.inf)
+    log_p = np.where(seeded, _log_softmax(masked), 0.0)
+    return -np.sum(np.where(seeded, np.exp(log_p) * log_p, 0.0), axis=-1)
+
+
+def knn_labels(embeddings: np.ndarray, reference: np.ndarray, labels: np.ndarray, k: int, num_classes: int) -> np.ndarray:
+    """FAST's weak labels: majority vote of the k nearest references in L2 (k clipped to their count); ties go
+    to the lowest class, equal distances to the earlier reference."""
+    _check_reference(embeddings, reference, labels, num_classes)
+    if k < 1:
+        raise ValueError(f"k must be at least 1, got {k}")
+    embeddings = np.asarray(embeddings, dtype=np.float64)
+    reference = np.asarray(reference, dtype=np.float64)
+    distances = (np.sum(embeddings ** 2, axis=1, keepdims=True) - 2.0 * embeddings @ reference.T
+                 + np.sum(reference ** 2, axis=1))
+    nearest = np.argsort(distances, axis=1, kind="stable")[:, :min(k, len(reference))]
+    votes = np.eye(num_classes, dtype=np.int64)[np.asarray(labels, dtype=np.int64)[nearest]].sum(axis=1)
+    return np.argmax(votes, axis=1)
+
+
+class FastSampler(Sampler):
+    """FAST: frozen-encoder prototype entropy decides what a person labels; kNN votes label the rest weakly."""
+
+    name = "fast"
+    needs_encoder = True
+
+    def score_pool(self, context: AcquisitionContext) -> np.ndarray:
+        """Prototype-cosine entropy of each pool embedding against the device's human-labelled seeds."""
+        pool, reference, labels = context.embeddings()
+        return prototype_entropy(*prototype_similarities(pool, reference, labels, len(context.class_counts)))
+
+    def weak_labels(self, context: AcquisitionContext) -> np.ndarray:
+        """kNN majority labels of every pool sample (k from the recipe, default 10)."""
+        pool, reference, labels = context.embeddings()
+        return knn_labels(pool, reference, labels, int(context.options.get("knn_k", 10)), len(context.class_counts))
+
+
+SAMPLERS: dict[str, type[Sampler]] = {**HEURISTICS, KsasSampler.name: KsasSampler, FastSampler.name: FastSampler}
+
+
+def make_sampler(name: str) -> Sampler:
+    """A fresh sampler of any kind by its registry name (what a device runs in a round)."""
+    if name not in SAMPLERS:
+        raise ValueError(f"unknown sampler {name!r}; known: {', '.join(sorted(SAMPLERS))}")
+    return SAMPLERS[name]()

@@ -5,7 +5,7 @@ import copy
 import logging
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -13,8 +13,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_agent.data import load_arrays, normalise, save_arrays
-from edge_agent.models import get_weights, set_weights
+from edge_agent.data import IMAGE_SHAPE, load_arrays, normalise, save_arrays
+from edge_agent.models import NUM_CLASSES, get_weights, set_weights
+from edge_agent.sampling import class_prior_bias
 from edge_agent.wire import METRIC_MEME_ENTROPY, Recipe
 
 log = logging.getLogger(__name__)
@@ -25,9 +26,15 @@ DEFAULT_KD_WEIGHT = 1.0
 MIN_KD_BATCH = 3
 
 
+def _no_images() -> np.ndarray:
+    """An empty uint8 image array."""
+    return np.zeros((0, *IMAGE_SHAPE), dtype=np.uint8)
+
+
 @dataclass(frozen=True)
 class LocalData:
-    """What a local rule may train on: this acquisition's new labels, the replay set, all labels, the pool.
+    """What a local rule may train on: this acquisition's new labels, the replay set, all human labels, the pool,
+    the weak (machine) labels a sampler proposed, and which communication round of the active round this is.
 
     state_dir is the device's private folder, for rules that keep state between rounds (DMLU's personalised model).
     """
@@ -40,6 +47,18 @@ class LocalData:
     labelled_labels: np.ndarray
     unlabelled_images: np.ndarray
     state_dir: Path | None = None
+    weak_images: np.ndarray = field(default_factory=_no_images)
+    weak_labels: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    round_in_active_round: int = 1
+
+    def training_set(self) -> tuple[np.ndarray, np.ndarray]:
+        """Human labels followed by weak labels: what a rule that trains on 'the labelled set' uses."""
+        return (np.concatenate([self.labelled_images, self.weak_images]),
+                np.concatenate([self.labelled_labels, self.weak_labels]).astype(np.int64))
+
+    def class_counts(self) -> np.ndarray:
+        """Human labels per class (n_k of KAFAL)."""
+        return np.bincount(np.asarray(self.labelled_labels, dtype=np.int64), minlength=NUM_CLASSES)
 
 
 OPTIMIZERS = ("sgd", "adam")
@@ -294,7 +313,103 @@ class CadisKD(LocalRule):
         return {"train_loss": loss, "train_samples": float(len(data.labelled_labels))}
 
 
-LOCAL_RULES: dict[str, type[LocalRule]] = {rule.name: rule for rule in (OnlineReplaySGD, DMLU, CadisKD)}
+def proximal_term(model: nn.Module, anchors: list[torch.Tensor], mu: float) -> torch.Tensor:
+    """FedProx's (mu/2) ||w - w^t||^2 over every parameter, w^t being the round's global model."""
+    return 0.5 * mu * sum(((parameter - anchor) ** 2).sum() for parameter, anchor in zip(model.parameters(), anchors))
+
+
+class FedProx(LocalRule):
+    """FedProx: E epochs on the labelled set (human plus weak labels) with the proximal term against w^t.
+
+    mu comes from the recipe's options (default 0.01); mu = 0 is plain FedAvg local SGD on the labelled set.
+    """
+
+    name = "fedprox"
+
+    def train(self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int) -> dict[str, float]:
+        """Minimises CE + (mu/2)||w - w^t||^2 per mini-batch."""
+        mu = recipe_option(recipe, "mu", 0.01)
+        anchors = [parameter.detach().clone() for parameter in global_model.parameters()]
+        images, labels = data.training_set()
+
+        def loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return nn.functional.cross_entropy(model(inputs), targets) + proximal_term(model, anchors, mu)
+
+        train_loss = run_epochs([model], images, labels, TrainSettings.from_recipe(recipe, seed), loss)
+        return {"train_loss": train_loss, "train_samples": float(len(images))}
+
+
+def balanced_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, class_counts: np.ndarray) -> torch.Tensor:
+    """KAFAL Eq. 4: CE(g(x) + ln n, y), the logit-adjusted loss (a class without labels gets -inf)."""
+    bias = torch.from_numpy(class_prior_bias(class_counts, 1.0)).to(logits.dtype)
+    return nn.functional.cross_entropy(logits + bias, targets)
+
+
+def compensation_weights(class_counts: np.ndarray) -> np.ndarray:
+    """KAFAL's Gamma per pseudo-label class as the authors' code computes it: (1/n_c) / sum_{n_c' > 0} (1/n_c'),
+    0 for a class without labels.
+
+    On the labelled classes this is the paper's N_k / n_{k,c} divided by a per-device constant (the same relative
+    weights); the paper's scale (up to N_k) and its undefined n = 0 case made the local model collapse on the bench.
+    """
+    counts = np.asarray(class_counts, dtype=np.float64)
+    inverse = np.where(counts > 0, 1.0 / np.maximum(counts, 1.0), 0.0)
+    total = inverse.sum()
+    return inverse / total if total > 0 else inverse
+
+
+def compensation_loss(student: nn.Module, teacher: nn.Module, unlabelled: torch.Tensor, class_counts: np.ndarray,
+                      generator: torch.Generator) -> torch.Tensor:
+    """KAFAL Eq. 5 on one unlabelled batch: Gamma-weighted KL(teacher || student) on mixup of the batch.
+
+    x~ = beta x'_1 + (1-beta) x'_2 with beta ~ Beta(2,2) per sample and the partner from a random permutation;
+    Gamma(x~) mixes the Gammas of the teacher's pseudo-labels of x'_1 and x'_2 the same way.
+    """
+    partner = torch.randperm(len(unlabelled), generator=generator)
+    beta = torch.distributions.Beta(2.0, 2.0).sample((len(unlabelled),))
+    mixed = beta.view(-1, 1, 1, 1) * unlabelled + (1 - beta.view(-1, 1, 1, 1)) * unlabelled[partner]
+    with torch.no_grad():
+        gamma = torch.from_numpy(compensation_weights(class_counts)).float()[teacher(unlabelled).argmax(dim=1)]
+        gamma = beta * gamma + (1 - beta) * gamma[partner]
+        teacher_log = torch.log_softmax(teacher(mixed), dim=1)
+    student_log = torch.log_softmax(student(mixed), dim=1)
+    divergence = torch.sum(teacher_log.exp() * (teacher_log - student_log), dim=1)
+    return torch.mean(gamma * divergence)
+
+
+class KCFU(LocalRule):
+    """KAFAL's knowledge-compensatory update (Alg. 2): balanced CE on the labelled set, plus, after the first
+    communication round of an active round, nu-weighted compensation distillation from the global model."""
+
+    name = "kcfu"
+
+    def train(self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int) -> dict[str, float]:
+        """L = L_client in round 1 of the active round, else nu L_client + (1 - nu) L_comp (Eq. 6, nu default 0.5)."""
+        nu = float(recipe.options.get("nu", 0.5))
+        if not 0.0 <= nu <= 1.0:
+            raise ValueError(f"nu must lie in [0, 1], got {nu}")
+        counts = data.class_counts()
+        unlabelled = torch.from_numpy(normalise(data.unlabelled_images)) if len(data.unlabelled_images) else None
+        compensate = data.round_in_active_round > 1 and unlabelled is not None
+        teacher = global_model.eval()
+        generator = torch.Generator().manual_seed(seed + 1)
+
+        def loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            client = balanced_cross_entropy(model(inputs), targets, counts)
+            if not compensate:
+                return client
+            batch = unlabelled[torch.randint(len(unlabelled), (len(inputs),), generator=generator)]
+            return nu * client + (1 - nu) * compensation_loss(model, teacher, batch, counts, generator)
+
+        train_loss = run_epochs([model], data.labelled_images, data.labelled_labels,
+                                TrainSettings.from_recipe(recipe, seed), loss)
+        return {"train_loss": train_loss, "train_samples": float(len(data.labelled_labels)),
+                "compensation": float(compensate)}
+
+
+LOCAL_RULES: dict[str, type[LocalRule]] = {
+    rule.name: rule for rule in (OnlineReplaySGD, DMLU, CadisKD, FedProx, KCFU)
+}
 
 
 def make_local_rule(name: str) -> LocalRule:

@@ -52,6 +52,10 @@ class Recipe:
     mc_passes: int = 10
     seed: int = 0
     options: dict[str, float] = field(default_factory=dict)
+    rounds_per_acquisition: int = 1
+    initial_label_fraction: float = 0.0
+    label_fraction: float = 0.0
+    encoder: str = ""
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ class RoundAnnouncement:
     recipe: Recipe
     deadline: float
     final: bool = False
+    participants: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,15 @@ class BundleMessage:
     KIND: ClassVar[str] = "bundle"
     model_hash: str
     files: BundleFiles
+
+
+@dataclass(frozen=True)
+class EncoderMessage:
+    """Published retained on the encoder topic named by its sha256: a frozen feature encoder as ONNX bytes."""
+
+    KIND: ClassVar[str] = "encoder"
+    encoder_hash: str
+    onnx: bytes
 
 
 @dataclass(frozen=True)
@@ -136,11 +150,11 @@ class Status:
     profile: str = ""
 
 
-Message = RoundAnnouncement | ModelMessage | BundleMessage | Update | Ack | Status
+Message = RoundAnnouncement | ModelMessage | BundleMessage | EncoderMessage | Update | Ack | Status
 MESSAGE_TYPES: dict[str, type] = {
-    cls.KIND: cls for cls in (RoundAnnouncement, ModelMessage, BundleMessage, Update, Ack, Status)
+    cls.KIND: cls for cls in (RoundAnnouncement, ModelMessage, BundleMessage, EncoderMessage, Update, Ack, Status)
 }
-M = TypeVar("M", RoundAnnouncement, ModelMessage, BundleMessage, Update, Ack, Status)
+M = TypeVar("M", RoundAnnouncement, ModelMessage, BundleMessage, EncoderMessage, Update, Ack, Status)
 
 
 def encode_tensor(array: np.ndarray) -> dict[str, Any]:
@@ -248,6 +262,10 @@ def _check_value(where: str, hint: Any, value: Any) -> Any:
         if not isinstance(value, list) or not all(_is_int(v) for v in value):
             raise WireError(f"{where} must be a list of integers")
         return value
+    if hint == list[str]:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise WireError(f"{where} must be a list of strings")
+        return value
     if hint == dict[str, float]:
         if not isinstance(value, dict) or not all(
             isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in value.items()
@@ -315,6 +333,11 @@ def model_topic(fleet: str, model_hash: str) -> str:
 def bundle_topic(fleet: str, model_hash: str) -> str:
     """Retained ONNX bundle of the global model with this hash (for devices that score with onnxruntime)."""
     return f"fl/{check_identifier('fleet', fleet)}/bundle/{model_hash}"
+
+
+def encoder_topic(fleet: str, encoder_hash: str) -> str:
+    """Retained frozen-encoder ONNX bytes (FAST), addressed by their sha256."""
+    return f"fl/{check_identifier('fleet', fleet)}/encoder/{encoder_hash}"
 
 
 def device_topic(fleet: str, device_id: str, leaf: str) -> str:

@@ -13,6 +13,7 @@ DEFAULT_OPSET = 17
 IMAGES_INPUT = "images"
 FEATURES_NAME = "features"
 PROBABILITIES_OUTPUT = "probabilities"
+EMBEDDINGS_OUTPUT = "embeddings"
 EXPORTER = "torch.onnx.export (TorchScript exporter, dynamo=False)"
 
 
@@ -42,3 +43,21 @@ def export_graphs(model: nn.Module, prefix_path: Path, tail_path: Path, opset: i
     _export(PrefixGraph(model), (images,), prefix_path, [IMAGES_INPUT], FEATURES_NAME, opset)
     _export(MaskedTailGraph(model), (features, *masks), tail_path, [FEATURES_NAME, *mask_input_names(model)],
             PROBABILITIES_OUTPUT, opset)
+
+
+class EncoderGraph(nn.Module):
+    """A model's penultimate-layer features of images (dropout off): the frozen encoder FAST embeds with."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """Classifier-input features of normalised images (N, 1, 28, 28)."""
+        return self.model.penultimate(self.model.prefix(images))
+
+
+def export_encoder(model: nn.Module, path: Path, opset: int = DEFAULT_OPSET) -> None:
+    """Writes the model's penultimate-layer encoder (images -> embeddings) as ONNX with a dynamic batch axis."""
+    model.eval()
+    _export(EncoderGraph(model), (torch.zeros(2, 1, 28, 28),), path, [IMAGES_INPUT], EMBEDDINGS_OUTPUT, opset)
