@@ -92,13 +92,14 @@ def parse_config(text: str) -> Config:
     return Config(name, *parts, partition=partition or "dirichlet:0.1")
 
 
-def unknown_part(config: Config) -> str | None:
-    """Why this checkout cannot run the configuration (an unknown name), or None when it can."""
+def unknown_part(config: Config, devices: int) -> str | None:
+    """Why this checkout cannot run the configuration with this many devices (an unknown name, a partition
+    that does not fit), or None when it can."""
     try:
         make_sampler(config.sampler)
         make_local_rule(config.local_rule)
         make_strategy(config.strategy)
-        partition_indices(np.repeat(np.arange(10), 10), config.partition, 2, np.random.default_rng(0))
+        partition_indices(np.repeat(np.arange(10), 10 * devices), config.partition, devices, np.random.default_rng(0))
     except ValueError as error:
         return str(error)
     return None
@@ -164,7 +165,7 @@ def main() -> int:
     except ValueError as error:
         print(f"methods.py: {error}", file=sys.stderr)
         return 2
-    skipped = {config.name: reason for config in configs if (reason := unknown_part(config)) is not None}
+    skipped = {config.name: reason for config in configs if (reason := unknown_part(config, scale.devices)) is not None}
     for name, reason in skipped.items():
         print(f"methods.py: skipping configuration {name!r}: {reason}", file=sys.stderr, flush=True)
     started = time.monotonic()

@@ -102,7 +102,7 @@ def test_fast_queries_exactly_min_b_pool_and_weak_labels_never_count_or_overwrit
     agent = make_agent(tmp_path, pool_size, encoder_bytes)
     recipe = wire.Recipe(sampler="fast", labels_per_acquisition=budget, encoder=encoder_hash(encoder_bytes))
     model = build_model(seed=0)
-    answered, labels = agent.acquire(model, model, make_sampler("fast"), recipe, seed=1)
+    answered, labels = agent.acquire(model, model, "base", make_sampler("fast"), recipe, 1, round_id=1, acquisition=0)
     data = agent.data
     assert len(answered) == min(budget, pool_size) == data.count_labels("oracle")
     weak_indices, weak_labels = data.weak_labels()
@@ -119,9 +119,9 @@ def test_a_second_acquisition_turns_weak_labels_into_human_ones_and_keeps_human_
     agent = make_agent(tmp_path, 80, encoder_bytes)
     recipe = wire.Recipe(sampler="fast", labels_per_acquisition=10, encoder=encoder_hash(encoder_bytes))
     model = build_model(seed=0)
-    first, _ = agent.acquire(model, model, make_sampler("fast"), recipe, seed=1)
+    first, _ = agent.acquire(model, model, "base", make_sampler("fast"), recipe, 1, round_id=1, acquisition=0)
     weak_before, _ = agent.data.weak_labels()
-    second, _ = agent.acquire(model, model, make_sampler("fast"), recipe, seed=2)
+    second, _ = agent.acquire(model, model, "base", make_sampler("fast"), recipe, 2, round_id=2, acquisition=0)
     assert np.isin(second, weak_before).all() and not np.isin(second, first).any()
     reopened = DeviceData.open(tmp_path / "state")
     assert reopened.count_labels("oracle") == 20 and reopened.count_labels("weak") == 60
@@ -142,7 +142,7 @@ def test_encoder_stays_frozen_through_acquisitions(tmp_path, encoder_bytes) -> N
     recipe = wire.Recipe(sampler="fast", labels_per_acquisition=5, encoder=digest)
     model = build_model(seed=0)
     for seed in (1, 2):
-        agent.acquire(model, model, make_sampler("fast"), recipe, seed=seed)
+        agent.acquire(model, model, "base", make_sampler("fast"), recipe, seed, round_id=seed, acquisition=0)
     kept = agent._encoders[digest]
     assert hashlib.sha256(kept).hexdigest() == digest
     np.testing.assert_array_equal(OnnxEncoder(kept).embed(probe), before)
