@@ -36,7 +36,7 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
         value = condition()
         if value:
             return value
-        time.sleep(0.5)
+        time.sleep(0.2)
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
 
 

@@ -18,6 +18,7 @@ from edge_agent.data import CLASS_NAMES, load_fashion_mnist
 from edge_agent.folder_oracle import QueryBook
 from edge_agent.folder_pool import FolderDeviceData
 from edge_agent.models import build_model, get_weights
+from browser import wait_for
 from test_agent import FLEET, FakeCoordinator
 from test_folder_pool import write_png
 
@@ -45,17 +46,6 @@ def start_agent(broker: EmbeddedBroker, pool_dir: Path, state_dir: Path, *extra:
                "--scan-interval", "0.5", "--settle-seconds", "0", "--log-level", "info", *extra]
     with open(state_dir.parent / "agent.log", "ab") as log:
         return subprocess.Popen(command, stdout=log, stderr=log)
-
-
-def wait_for(condition, timeout: float, what: str):
-    """Polls condition() until it returns something truthy; fails naming what was awaited."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}")
 
 
 def answer(book: QueryBook, truth: dict[str, int], queries: list) -> None:
