@@ -362,11 +362,15 @@ class Coordinator:
             if device_id in collector.accepted:
                 yield self.client_update(wire.decode(payload, wire.Update, max_bytes=self.policy.max_update_bytes))
 
+    def stragglers(self, collector: RoundCollector) -> list[str]:
+        """Online devices with no accepted update in this round."""
+        return sorted(self.online_devices() - set(collector.accepted))
+
     def presence(self, collector: RoundCollector) -> dict:
         """The round's quorum and who was missing: online devices that sent nothing, devices known offline."""
         offline = {device for device, status in self.online.items() if status.state == "offline"}
         return {"quorum": self.needed(collector),
-                "stragglers": sorted(self.online_devices() - set(collector.accepted)),
+                "stragglers": self.stragglers(collector),
                 "offline": sorted((offline | self.dead_devices()) - set(collector.accepted))}
 
     def client_update(self, update: wire.Update) -> ClientUpdate:

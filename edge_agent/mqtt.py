@@ -79,11 +79,16 @@ class LastWill:
     retain: bool = True
 
 
+MANUAL_ACK_WINDOW = 16
+
+
 class MqttSession:
     """A persistent MQTT v5 session. Callbacks only enqueue; the owner drains `next_message` on its own thread.
 
     With `manual_ack`, a QoS 1 message is acknowledged to the broker only when the owner calls `acknowledge`
     after handling it: a process killed between receiving and handling a message gets it again on reconnect.
+    The session then also tells the broker (MQTT v5 Receive Maximum) to have at most MANUAL_ACK_WINDOW such
+    messages in flight, so a burst of large updates waits in the broker rather than in this process's memory.
     """
 
     def __init__(
@@ -99,6 +104,7 @@ class MqttSession:
         self.address = address
         self.client_id = client_id
         self.max_payload_bytes = max_payload_bytes
+        self._manual_ack = manual_ack
         self._keepalive = keepalive
         self._session_expiry = session_expiry
         self._subscriptions: dict[str, int] = {}
@@ -126,6 +132,8 @@ class MqttSession:
         """Starts the network thread and waits for the first CONNACK; it reconnects by itself afterwards."""
         properties = Properties(PacketTypes.CONNECT)
         properties.SessionExpiryInterval = self._session_expiry
+        if self._manual_ack:
+            properties.ReceiveMaximum = MANUAL_ACK_WINDOW
         self._client.connect_async(
             self.address.host, self.address.port, keepalive=self._keepalive,
             clean_start=False, properties=properties,

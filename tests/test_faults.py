@@ -144,7 +144,7 @@ def test_the_fleet_rides_out_a_broker_restart_mid_round(tmp_path: Path, broker, 
     wait_until(lambda: any(len(oracle_labels(launch.state_dir)) for launch in launches), "a device labelling round 1")
     assert committed_rounds(run_dir) == []
     broker.stop()
-    wait_until(lambda: any("acquisition done" in log_text(launch.log_file) for launch in launches),
+    wait_until(lambda: any("step done" in log_text(launch.log_file) for launch in launches),
                "a device finishing its training while the broker is down")
     time.sleep(1.0)
     broker.start()
