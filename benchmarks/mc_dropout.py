@@ -93,6 +93,7 @@ ROWS = {
     "torch": ("scorer", "torch fp32", 256),
     "onnxruntime-fp32": ("scorer", "onnxruntime fp32", 64),
     "onnxruntime-int8": ("scorer", "onnxruntime int8", 64),
+    "onnxruntime-int8-batch256": ("scorer", "onnxruntime int8", 256),
 }
 
 
@@ -133,9 +134,13 @@ def main() -> None:
                       "weights": "W0: 1 Adam epoch (lr 1e-3, batch 64) on 10000 training images not in the pool",
                       "int8": quantization, "rows": list(rows.values()), "top400_overlap": overlap,
                       "best_speedup": max(row["speedup_vs_naive"] for row in rows.values()),
+                      "best_speedup_within_naive_rss": max(
+                          row["speedup_vs_naive"] for row in rows.values()
+                          if row["peak_rss_mb"] <= rows["naive-torch"]["peak_rss_mb"]),
                       "rss_target_mb": RSS_TARGET_MB,
-                      "onnxruntime_within_rss_target": all(row["peak_rss_mb"] <= RSS_TARGET_MB for name, row in
-                                                           rows.items() if name.startswith("onnxruntime"))},
+                      "onnxruntime_rows_within_rss_target": [name for name, row in rows.items()
+                                                             if name.startswith("onnxruntime")
+                                                             and row["peak_rss_mb"] <= RSS_TARGET_MB]},
                      indent=1))
 
 
