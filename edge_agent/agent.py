@@ -192,11 +192,10 @@ class Agent:
         folder = self.data.state_dir / BUNDLES_FOLDER / message.model_hash
         try:
             bundle = store_bundle(folder, message.files)
-            if bundle.manifest["weights_hash"] != message.model_hash:
-                raise BundleError(f"{folder}: bundle holds model {bundle.manifest['weights_hash'][:12]}, "
-                                  f"announced {message.model_hash[:12]}")
         except (BundleError, OSError) as error:
             log.warning("bundle rejected model=%s error=%s", message.model_hash[:12], error)
+            return
+        if not content_matches("bundle", message.model_hash, bundle.manifest["weights_hash"]):
             return
         remove_other_bundles(folder)
         self._bundles = {message.model_hash: bundle}
@@ -310,13 +309,14 @@ class Agent:
     ) -> AcquisitionContext:
         """What the round's sampler may look at; each expensive view is computed once, on first use."""
         images = self.data.images(pool)
+        normalised = functools.cache(lambda: normalise(images))  # KSAS needs it twice; other samplers never
         batch = self.settings.inference_batch
         return AcquisitionContext(
             num_samples=len(pool), rng=np.random.default_rng(seed), class_counts=self.data.class_counts(),
             options=recipe.options,
             probabilities=functools.cache(lambda: self.mc_probabilities(model, base_hash, images, recipe, seed)),
-            own_logits=functools.cache(lambda: predict_logits(self.own_model(model), normalise(images), batch)),
-            global_logits=functools.cache(lambda: predict_logits(global_model, normalise(images), batch)),
+            own_logits=functools.cache(lambda: predict_logits(self.own_model(model), normalised(), batch)),
+            global_logits=functools.cache(lambda: predict_logits(global_model, normalised(), batch)),
             embeddings=functools.cache(lambda: self.embeddings(recipe, images)),
         )
 

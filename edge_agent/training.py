@@ -385,8 +385,8 @@ class KCFU(LocalRule):
 
     def train(self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int) -> dict[str, float]:
         """L = L_client in round 1 of the active round, else nu L_client + (1 - nu) L_comp (Eq. 6, nu default 0.5)."""
-        nu = float(recipe.options.get("nu", 0.5))
-        if not 0.0 <= nu <= 1.0:
+        nu = recipe_option(recipe, "nu", 0.5)
+        if nu > 1.0:
             raise ValueError(f"nu must lie in [0, 1], got {nu}")
         counts = data.class_counts()
         unlabelled = torch.from_numpy(normalise(data.unlabelled_images)) if len(data.unlabelled_images) else None
