@@ -3,7 +3,7 @@ PYTHON ?= python3
 APT_PACKAGES := mosquitto dataset-fashion-mnist chromium chromium-driver
 STAMP := .make-stamps
 
-.PHONY: demo test install system-deps python-deps clean
+.PHONY: demo test lint install system-deps python-deps clean
 
 demo: install
 	$(PYTHON) -m coordinator simulate --devices 4 --partition type1 --strategy avefl --rounds 10 \
@@ -12,6 +12,11 @@ demo: install
 
 test: install
 	$(PYTHON) -m pytest -q
+
+lint: python-deps
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m mypy
 
 install: system-deps python-deps
 

@@ -2,6 +2,7 @@
 """Prints one JSON object: the median and worst milliseconds of each dashboard endpoint over --requests GETs
 against a store of --rounds rounds x --devices devices (the paper CNN's 12 layers per divergence row), and the
 seconds `fl-coordinator report` takes to write that run's HTML report."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,25 +18,54 @@ from coordinator.dashboard.report import write_report
 from coordinator.dashboard.server import Dashboard, ListenAddress
 from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
 
-LAYERS = [f"{block}.{kind}" for block in ("conv1", "conv2", "conv3", "conv4", "fc1", "fc2")
-          for kind in ("weight", "bias")]
+LAYERS = [
+    f"{block}.{kind}" for block in ("conv1", "conv2", "conv3", "conv4", "fc1", "fc2") for kind in ("weight", "bias")
+]
 
 
 def fill(run_dir: Path, rounds: int, devices: int) -> None:
     """A run store of `rounds` committed rounds, each with `devices` accepted updates and per-class accuracies."""
     names = [f"dev-{index:03d}" for index in range(devices)]
     with RunStore(run_dir) as store:
-        store.set_config({"run_id": "bench", "settings": {"fleet": "bench", "strategy": "avefl",
-                                                          "policy": {"rounds": rounds}}})
+        store.set_config(
+            {"run_id": "bench", "settings": {"fleet": "bench", "strategy": "avefl", "policy": {"rounds": rounds}}}
+        )
         for round_id in range(1, rounds + 1):
             store.commit_round(
-                RoundRecord(round_id, 10.0 * round_id, 10.0 * round_id + 8, "ab" * 32, 0.5, 100 * round_id,
-                            devices, 0, {"suspects": {}, "aggregation_seconds": 0.1},
-                            {"quorum": devices, "stragglers": [], "class_accuracy": [0.5] * 10,
-                             "device_class_accuracy": {name: [0.4] * 10 for name in names}}),
-                [DeviceRoundRecord(round_id, name, True, "", 100, [10] * 10, 0.4,
-                                   {layer: 0.01 * (i + 1) for i, layer in enumerate(LAYERS)}, 212000,
-                                   10.0 * round_id + 5, 20 * round_id) for name in names])
+                RoundRecord(
+                    round_id,
+                    10.0 * round_id,
+                    10.0 * round_id + 8,
+                    "ab" * 32,
+                    0.5,
+                    100 * round_id,
+                    devices,
+                    0,
+                    {"suspects": {}, "aggregation_seconds": 0.1},
+                    {
+                        "quorum": devices,
+                        "stragglers": [],
+                        "class_accuracy": [0.5] * 10,
+                        "device_class_accuracy": {name: [0.4] * 10 for name in names},
+                    },
+                ),
+                [
+                    DeviceRoundRecord(
+                        round_id,
+                        name,
+                        True,
+                        "",
+                        100,
+                        [10] * 10,
+                        0.4,
+                        {layer: 0.01 * (i + 1) for i, layer in enumerate(LAYERS)},
+                        212000,
+                        10.0 * round_id + 5,
+                        20 * round_id,
+                    )
+                    for name in names
+                ],
+            )
 
 
 def time_get(url: str, requests: int) -> dict[str, float]:
@@ -65,8 +95,17 @@ def main() -> None:
         started = time.perf_counter()
         write_report(run_dir)
         report_seconds = time.perf_counter() - started
-    print(json.dumps({"rounds": args.rounds, "devices": args.devices, "requests": args.requests,
-                      "endpoints": endpoints, "report_seconds": round(report_seconds, 2)}))
+    print(
+        json.dumps(
+            {
+                "rounds": args.rounds,
+                "devices": args.devices,
+                "requests": args.requests,
+                "endpoints": endpoints,
+                "report_seconds": round(report_seconds, 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

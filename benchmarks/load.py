@@ -5,6 +5,7 @@ build one valid update per device from the announced model (its weights plus noi
 then all publish at once. Reported per K: updates accepted per second (first publish to last ack), seconds from
 the last update's ack to the round's close (the store's closed_at), and the coordinator's peak RSS (VmHWM, read
 while it waits in round 2) against its RSS once the round was announced. Must hold: every update accepted."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,13 @@ CONNECT_SECONDS = 120.0
 ROUND_SECONDS = 600.0
 
 
-def worker(address: tuple[str, int], device_ids: list[str], ready: multiprocessing.Event, go: multiprocessing.Event,
-           results: multiprocessing.Queue) -> None:
+def worker(
+    address: tuple[str, int],
+    device_ids: list[str],
+    ready: multiprocessing.Event,
+    go: multiprocessing.Event,
+    results: multiprocessing.Queue,
+) -> None:
     """Hosts many devices: connects them, waits for round 1 and its model, pre-encodes their updates, publishes on
     `go`, and reports (first publish, last ack, accepted count, rejection reasons) in wall-clock seconds."""
     import numpy as np
@@ -43,7 +49,8 @@ def worker(address: tuple[str, int], device_ids: list[str], ready: multiprocessi
     for device_id in device_ids:
         client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=device_id, protocol=paho.MQTTv5)
         client.on_message = lambda c, u, m: (acks if m.topic.endswith("/ack") else inbox).put(
-            (time.time(), m.topic, bytes(m.payload)))
+            (time.time(), m.topic, bytes(m.payload))
+        )
         client.connect(*address)
         client.loop_start()
         client.subscribe(wire.device_topic(FLEET, device_id, "ack"), qos=1)
@@ -58,10 +65,25 @@ def worker(address: tuple[str, int], device_ids: list[str], ready: multiprocessi
         elif announcement is not None and topic == wire.model_topic(FLEET, announcement.model_hash):
             model = wire.decode(payload, wire.ModelMessage)
     rng = np.random.default_rng(abs(hash(device_ids[0])) % 2**32)
-    payloads = [wire.encode(wire.Update(
-        device_id, announcement.round_id, f"load-{device_id}", announcement.model_hash, 100, [10] * NUM_CLASSES, 0,
-        {}, {name: (array + rng.normal(0, 0.01, array.shape)).astype(array.dtype)
-             for name, array in model.tensors.items()})) for device_id in device_ids]
+    payloads = [
+        wire.encode(
+            wire.Update(
+                device_id,
+                announcement.round_id,
+                f"load-{device_id}",
+                announcement.model_hash,
+                100,
+                [10] * NUM_CLASSES,
+                0,
+                {},
+                {
+                    name: (array + rng.normal(0, 0.01, array.shape)).astype(array.dtype)
+                    for name, array in model.tensors.items()
+                },
+            )
+        )
+        for device_id in device_ids
+    ]
     update_bytes = len(payloads[0])
     ready.set()
     go.wait()
@@ -77,9 +99,15 @@ def worker(address: tuple[str, int], device_ids: list[str], ready: multiprocessi
     for client in clients:
         client.disconnect()
         client.loop_stop()
-    results.put({"update_bytes": update_bytes, "first_publish": first_publish, "last_ack": max(v[0] for v in verdicts.values()),
-                 "accepted": sum(v[1] for v in verdicts.values()),
-                 "reasons": sorted({v[2] for v in verdicts.values() if not v[1]})})
+    results.put(
+        {
+            "update_bytes": update_bytes,
+            "first_publish": first_publish,
+            "last_ack": max(v[0] for v in verdicts.values()),
+            "accepted": sum(v[1] for v in verdicts.values()),
+            "reasons": sorted({v[2] for v in verdicts.values() if not v[1]}),
+        }
+    )
 
 
 def memory_kb(pid: int, field: str) -> int:
@@ -90,10 +118,36 @@ def memory_kb(pid: int, field: str) -> int:
 
 def start_coordinator(run_dir: Path, devices: int, strategy: str) -> tuple[subprocess.Popen, tuple[str, int]]:
     """The coordinator process with its embedded broker; returns it and the broker's (host, port)."""
-    command = [sys.executable, "-m", "coordinator", "run", "--fleet", FLEET, "--run-dir", str(run_dir),
-               "--strategy", strategy, "--rounds", "2", "--quorum", str(devices), "--min-devices", str(devices),
-               "--round-timeout", str(ROUND_SECONDS), "--init-samples", "0", "--validation-samples", "10",
-               "--test-samples", "100", "--no-device-eval", "--torch-threads", "1", "--json"]
+    command = [
+        sys.executable,
+        "-m",
+        "coordinator",
+        "run",
+        "--fleet",
+        FLEET,
+        "--run-dir",
+        str(run_dir),
+        "--strategy",
+        strategy,
+        "--rounds",
+        "2",
+        "--quorum",
+        str(devices),
+        "--min-devices",
+        str(devices),
+        "--round-timeout",
+        str(ROUND_SECONDS),
+        "--init-samples",
+        "0",
+        "--validation-samples",
+        "10",
+        "--test-samples",
+        "100",
+        "--no-device-eval",
+        "--torch-threads",
+        "1",
+        "--json",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = process.stderr.readline()
     match = re.search(r"mqtt://([\d.]+):(\d+)", line)
@@ -115,8 +169,10 @@ def run_load(devices: int, workers: int, strategy: str) -> dict:
             context = multiprocessing.get_context("spawn")
             ready = [context.Event() for _ in range(workers)]
             go, results = context.Event(), context.Queue()
-            processes = [context.Process(target=worker, args=(address, ids[index::workers], ready[index], go, results))
-                         for index in range(workers)]
+            processes = [
+                context.Process(target=worker, args=(address, ids[index::workers], ready[index], go, results))
+                for index in range(workers)
+            ]
             for process in processes:
                 process.start()
             for event in ready:
@@ -137,11 +193,16 @@ def run_load(devices: int, workers: int, strategy: str) -> dict:
     first = min(r["first_publish"] for r in reports)
     last_ack = max(r["last_ack"] for r in reports)
     return {
-        "devices": devices, "strategy": strategy, "update_mb": round(reports[0]["update_bytes"] / 2**20, 3), "accepted_acks": sum(r["accepted"] for r in reports),
-        "accepted_in_store": accepted, "rejections": sorted({x for r in reports for x in r["reasons"]}),
+        "devices": devices,
+        "strategy": strategy,
+        "update_mb": round(reports[0]["update_bytes"] / 2**20, 3),
+        "accepted_acks": sum(r["accepted"] for r in reports),
+        "accepted_in_store": accepted,
+        "rejections": sorted({x for r in reports for x in r["reasons"]}),
         "updates_per_second": round(devices / (last_ack - first), 1),
         "seconds_last_update_to_close": round(closed_at - last_ack, 3),
-        "coordinator_rss_before_mb": round(rss_before / 1024, 1), "coordinator_peak_rss_mb": round(peak / 1024, 1),
+        "coordinator_rss_before_mb": round(rss_before / 1024, 1),
+        "coordinator_peak_rss_mb": round(peak / 1024, 1),
         "round_seconds_reported": round_line.get("seconds"),
     }
 
@@ -151,8 +212,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--devices", type=int, nargs="+", default=[10, 100, 500])
     parser.add_argument("--workers", type=int, default=4, help="processes hosting the fake devices")
-    parser.add_argument("--strategy", nargs="+", default=["avefl"],
-                        help="avefl/fedavg stream; median keeps every update (for contrast)")
+    parser.add_argument(
+        "--strategy", nargs="+", default=["avefl"], help="avefl/fedavg stream; median keeps every update (for contrast)"
+    )
     args = parser.parse_args()
     os.environ.setdefault("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
     rows = [run_load(k, min(args.workers, k), strategy) for strategy in args.strategy for k in args.devices]

@@ -4,6 +4,7 @@ bundle and settings: 4000 Fashion-MNIST training images, the paper CNN with a br
 epoch over 10000 training images disjoint from the pool), T=20 passes, entropy, top-400, 2 threads.
 The onnxruntime rows run through `edge-agent score`'s code path in a process that never imports torch, at the
 back end's default batch; their peak RSS is checked against issue #3's target (RSS_TARGET_MB)."""
+
 from __future__ import annotations
 
 import argparse
@@ -35,16 +36,19 @@ def train_w0(out: Path) -> str:
     data = load_fashion_mnist()
     model = build_model(seed=0)
     optimiser = torch.optim.Adam(model.parameters(), lr=1e-3)
-    images = torch.from_numpy(normalise(data.train_images[POOL_SIZE:POOL_SIZE + 10000]))
-    labels = torch.from_numpy(data.train_labels[POOL_SIZE:POOL_SIZE + 10000].astype(np.int64))
+    images = torch.from_numpy(normalise(data.train_images[POOL_SIZE : POOL_SIZE + 10000]))
+    labels = torch.from_numpy(data.train_labels[POOL_SIZE : POOL_SIZE + 10000].astype(np.int64))
     model.train()
     for start in range(0, len(images), 64):
         optimiser.zero_grad()
-        torch.nn.functional.cross_entropy(model(images[start:start + 64]), labels[start:start + 64]).backward()
+        torch.nn.functional.cross_entropy(model(images[start : start + 64]), labels[start : start + 64]).backward()
         optimiser.step()
     save_shard(out / "pool.npz", Shard(data.train_images[:POOL_SIZE], data.train_labels[:POOL_SIZE].astype(np.int64)))
-    int8_data = (normalise(data.train_images[POOL_SIZE:POOL_SIZE + 512]), normalise(data.test_images),
-                 data.test_labels.astype(np.int64))
+    int8_data = (
+        normalise(data.train_images[POOL_SIZE : POOL_SIZE + 512]),
+        normalise(data.test_images),
+        data.test_labels.astype(np.int64),
+    )
     return write_bundle(get_weights(model), out / "bundle", int8_data=int8_data)
 
 
@@ -70,22 +74,38 @@ def naive_row(out: Path) -> dict:
     passes = []
     with torch.no_grad():
         for _ in range(PASSES):
-            passes.append(torch.cat([torch.softmax(model(images[i:i + NAIVE_BATCH]), -1)
-                                     for i in range(0, len(images), NAIVE_BATCH)]).numpy())
+            passes.append(
+                torch.cat(
+                    [torch.softmax(model(images[i : i + NAIVE_BATCH]), -1) for i in range(0, len(images), NAIVE_BATCH)]
+                ).numpy()
+            )
     selected = top_k(entropy_scores(np.stack(passes)), TOP)
     seconds = time.perf_counter() - started
-    return {"backend": "naive-torch", "images": len(images), "seconds": round(seconds, 3),
-            "images_per_second": round(len(images) / seconds, 2),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-            "indices": selected.tolist()}
+    return {
+        "backend": "naive-torch",
+        "images": len(images),
+        "seconds": round(seconds, 3),
+        "images_per_second": round(len(images) / seconds, 2),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "indices": selected.tolist(),
+    }
 
 
 def scorer_row(out: Path, backend: str, precision: str, batch: int) -> dict:
     """The project's scorer exactly as `edge-agent score` runs it."""
     from edge_agent.score_command import score_pool
 
-    return score_pool(out / "bundle", out / "pool.npz", PASSES, TOP, "entropy", backend=backend, batch_size=batch,
-                      threads=THREADS, precision=precision)
+    return score_pool(
+        out / "bundle",
+        out / "pool.npz",
+        PASSES,
+        TOP,
+        "entropy",
+        backend=backend,
+        batch_size=batch,
+        threads=THREADS,
+        precision=precision,
+    )
 
 
 ROWS = {
@@ -99,8 +119,9 @@ ROWS = {
 
 def run_row(out: Path, name: str) -> dict:
     """Measures one row in a fresh interpreter and returns its JSON record (with torch_imported)."""
-    result = subprocess.run([sys.executable, __file__, "--row", name, "--dir", str(out)], capture_output=True,
-                            text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, __file__, "--row", name, "--dir", str(out)], capture_output=True, text=True, check=True
+    )
     return json.loads(result.stdout)
 
 
@@ -118,10 +139,18 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as temp:
         out = Path(temp)
-        manifest = subprocess.run([sys.executable, "-c", f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-                                   f"from mc_dropout import train_w0; from pathlib import Path; "
-                                   f"print(json.dumps(train_w0(Path({str(out)!r}))))"],
-                                  capture_output=True, text=True, check=True)
+        manifest = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                f"from mc_dropout import train_w0; from pathlib import Path; "
+                f"print(json.dumps(train_w0(Path({str(out)!r}))))",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         quantization = json.loads(manifest.stdout)["quantization"]
         rows = {name: run_row(out, name) for name in ROWS}
     naive = rows["naive-torch"]["images_per_second"]
@@ -129,19 +158,35 @@ def main() -> None:
     for row in rows.values():
         row["speedup_vs_naive"] = round(row["images_per_second"] / naive, 2)
     names = list(rows)
-    overlap = {f"{a} vs {b}": len(selections[a] & selections[b]) for i, a in enumerate(names) for b in names[i + 1:]}
-    print(json.dumps({"pool": POOL_SIZE, "passes": PASSES, "top": TOP, "sampler": "entropy", "threads": THREADS,
-                      "weights": "W0: 1 Adam epoch (lr 1e-3, batch 64) on 10000 training images not in the pool",
-                      "int8": quantization, "rows": list(rows.values()), "top400_overlap": overlap,
-                      "best_speedup": max(row["speedup_vs_naive"] for row in rows.values()),
-                      "best_speedup_within_naive_rss": max(
-                          row["speedup_vs_naive"] for row in rows.values()
-                          if row["peak_rss_mb"] <= rows["naive-torch"]["peak_rss_mb"]),
-                      "rss_target_mb": RSS_TARGET_MB,
-                      "onnxruntime_rows_within_rss_target": [name for name, row in rows.items()
-                                                             if name.startswith("onnxruntime")
-                                                             and row["peak_rss_mb"] <= RSS_TARGET_MB]},
-                     indent=1))
+    overlap = {f"{a} vs {b}": len(selections[a] & selections[b]) for i, a in enumerate(names) for b in names[i + 1 :]}
+    print(
+        json.dumps(
+            {
+                "pool": POOL_SIZE,
+                "passes": PASSES,
+                "top": TOP,
+                "sampler": "entropy",
+                "threads": THREADS,
+                "weights": "W0: 1 Adam epoch (lr 1e-3, batch 64) on 10000 training images not in the pool",
+                "int8": quantization,
+                "rows": list(rows.values()),
+                "top400_overlap": overlap,
+                "best_speedup": max(row["speedup_vs_naive"] for row in rows.values()),
+                "best_speedup_within_naive_rss": max(
+                    row["speedup_vs_naive"]
+                    for row in rows.values()
+                    if row["peak_rss_mb"] <= rows["naive-torch"]["peak_rss_mb"]
+                ),
+                "rss_target_mb": RSS_TARGET_MB,
+                "onnxruntime_rows_within_rss_target": [
+                    name
+                    for name, row in rows.items()
+                    if name.startswith("onnxruntime") and row["peak_rss_mb"] <= RSS_TARGET_MB
+                ],
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

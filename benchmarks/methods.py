@@ -15,6 +15,7 @@ paper's; the JSON's "settings" says what was used): --pool-size per device, --ro
 
 Usage: python benchmarks/methods.py [--configs NAME=... ...] [--seeds 0 1 2] [--out runs/bench-methods]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,14 +27,14 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_agent import wire
-from edge_agent.sampling import make_sampler
-from edge_agent.training import make_local_rule
 from coordinator.partition import partition_indices
 from coordinator.rounds import RoundPolicy, RoundResult
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.simulate import BenchSettings, simulate
 from coordinator.strategies import make_strategy
+from edge_agent import wire
+from edge_agent.sampling import make_sampler
+from edge_agent.training import make_local_rule
 
 DEFAULT_CONFIGS = (
     "random=random:fedprox:fedavg",
@@ -108,29 +109,47 @@ def unknown_part(config: Config, devices: int) -> str | None:
 def run_one(config: Config, scale: Scale, seed: int, out: Path) -> dict:
     """One bench run of a configuration; accuracy and the labelled fraction after every round."""
     recipe = wire.Recipe(
-        sampler=config.sampler, local_rule=config.local_rule, labels_per_acquisition=0, epochs=scale.epochs,
-        batch_size=scale.batch_size, learning_rate=scale.learning_rate, mc_passes=scale.mc_passes, seed=seed,
+        sampler=config.sampler,
+        local_rule=config.local_rule,
+        labels_per_acquisition=0,
+        epochs=scale.epochs,
+        batch_size=scale.batch_size,
+        learning_rate=scale.learning_rate,
+        mc_passes=scale.mc_passes,
+        seed=seed,
         options={"mu": 0.0} if config.local_rule == "fedprox" else {},
         rounds_per_acquisition=scale.rounds_per_active_round,
-        initial_label_fraction=scale.initial_label_fraction, label_fraction=scale.label_fraction,
+        initial_label_fraction=scale.initial_label_fraction,
+        label_fraction=scale.label_fraction,
     )
     settings = ServerSettings(
-        run_dir=out / f"{config.name}-seed{seed}", fleet=f"methods-{seed}", strategy=config.strategy, recipe=recipe,
-        policy=RoundPolicy(rounds=scale.rounds, min_devices=1, round_timeout=1800,
-                           participation=scale.participation),
-        init=InitSettings(samples=scale.init_samples, seed=seed), validation_samples=0,
-        test_samples=scale.test_samples, evaluate_devices=False, torch_threads=1,
+        run_dir=out / f"{config.name}-seed{seed}",
+        fleet=f"methods-{seed}",
+        strategy=config.strategy,
+        recipe=recipe,
+        policy=RoundPolicy(rounds=scale.rounds, min_devices=1, round_timeout=1800, participation=scale.participation),
+        init=InitSettings(samples=scale.init_samples, seed=seed),
+        validation_samples=0,
+        test_samples=scale.test_samples,
+        evaluate_devices=False,
+        torch_threads=1,
     )
     results: list[RoundResult] = []
     started = time.monotonic()
-    simulate(settings, BenchSettings(devices=scale.devices, partition=config.partition, pool_size=scale.pool_size,
-                                     seed=seed, seed_per_class=0), results.append)
+    simulate(
+        settings,
+        BenchSettings(
+            devices=scale.devices, partition=config.partition, pool_size=scale.pool_size, seed=seed, seed_per_class=0
+        ),
+        results.append,
+    )
     active = [r for r in results if r.round_id % scale.rounds_per_active_round == 0]
     return {
         "accuracy_per_round": [r.accuracy for r in results],
         "accuracy_per_active_round": [r.accuracy for r in active],
         "label_fraction_per_active_round": [
-            round(scale.initial_label_fraction + index * scale.label_fraction, 4) for index in range(len(active))],
+            round(scale.initial_label_fraction + index * scale.label_fraction, 4) for index in range(len(active))
+        ],
         "labels_reported": [r.labels for r in active],
         "final_accuracy": results[-1].accuracy,
         "seconds": round(time.monotonic() - started, 1),
@@ -145,7 +164,8 @@ def summarise(runs: list[dict]) -> dict:
         "label_fraction": runs[0]["label_fraction_per_active_round"],
         "accuracy_mean": per_active.mean(axis=0).round(4).tolist(),
         "accuracy_std": per_active.std(axis=0).round(4).tolist(),
-        "final_mean": round(float(finals.mean()), 4), "final_std": round(float(finals.std()), 4),
+        "final_mean": round(float(finals.mean()), 4),
+        "final_std": round(float(finals.std()), 4),
         "seconds": round(sum(run["seconds"] for run in runs), 1),
     }
 
@@ -153,7 +173,9 @@ def summarise(runs: list[dict]) -> dict:
 def main() -> int:
     """Runs every runnable configuration for every seed and prints one JSON document (progress lines first)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), help="NAME=SAMPLER:RULE:STRATEGY[@PARTITION]")
+    parser.add_argument(
+        "--configs", nargs="+", default=list(DEFAULT_CONFIGS), help="NAME=SAMPLER:RULE:STRATEGY[@PARTITION]"
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--out", type=Path, default=Path("runs") / f"bench-methods-{time.strftime('%Y%m%d-%H%M%S')}")
     for field_name, default in asdict(Scale()).items():
@@ -174,12 +196,29 @@ def main() -> int:
         runs = []
         for seed in args.seeds:
             runs.append(run_one(config, scale, seed, args.out))
-            print(json.dumps({"progress": config.name, "seed": seed, "final_accuracy": runs[-1]["final_accuracy"],
-                              "seconds": runs[-1]["seconds"]}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "progress": config.name,
+                        "seed": seed,
+                        "final_accuracy": runs[-1]["final_accuracy"],
+                        "seconds": runs[-1]["seconds"],
+                    }
+                ),
+                flush=True,
+            )
         results[config.name] = {"config": asdict(config), **summarise(runs), "runs": runs}
-    print(json.dumps({"settings": {**asdict(scale), "rounds": scale.rounds, "seeds": args.seeds},
-                      "results": results, "skipped": skipped,
-                      "seconds": round(time.monotonic() - started, 1)}, indent=1))
+    print(
+        json.dumps(
+            {
+                "settings": {**asdict(scale), "rounds": scale.rounds, "seeds": args.seeds},
+                "results": results,
+                "skipped": skipped,
+                "seconds": round(time.monotonic() - started, 1),
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

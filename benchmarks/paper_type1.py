@@ -11,6 +11,7 @@ Experiments (each one full `simulate` run with real agent processes and an embed
 
 Usage: python benchmarks/paper_type1.py [--only NAME ...] [--seed 0] [--out runs/bench-type1]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,10 +20,10 @@ import json
 import time
 from pathlib import Path
 
-from edge_agent import wire
 from coordinator.rounds import RoundPolicy, RoundResult
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.simulate import BenchSettings, simulate
+from edge_agent import wire
 
 EVERY = dict(strategy="avefl", rounds=10, acquisitions=1, sampler="random", seeds=5)
 ONCE = dict(EVERY, rounds=1, acquisitions=10)
@@ -41,20 +42,31 @@ def run_experiment(name: str, seed: int, out: Path) -> dict:
     """One bench run; returns its per-round results and summary."""
     spec = EXPERIMENTS[name]
     settings = ServerSettings(
-        run_dir=out / f"{name}-seed{seed}", fleet=f"type1-{name.replace('_', '-')}",
+        run_dir=out / f"{name}-seed{seed}",
+        fleet=f"type1-{name.replace('_', '-')}",
         strategy=spec["strategy"],
-        recipe=dataclasses.replace(wire.Recipe(), sampler=spec["sampler"], labels_per_acquisition=400,
-                                   acquisitions_per_round=spec["acquisitions"], epochs=5, mc_passes=10, seed=seed),
+        recipe=dataclasses.replace(
+            wire.Recipe(),
+            sampler=spec["sampler"],
+            labels_per_acquisition=400,
+            acquisitions_per_round=spec["acquisitions"],
+            epochs=5,
+            mc_passes=10,
+            seed=seed,
+        ),
         policy=RoundPolicy(rounds=spec["rounds"], min_devices=4, quorum=4, round_timeout=1800),
         init=InitSettings(samples=100, seed=seed),
     )
     results: list[RoundResult] = []
     started = time.monotonic()
-    simulate(settings, BenchSettings(devices=4, partition="type1", seed=seed, seed_per_class=spec["seeds"]),
-             results.append)
+    simulate(
+        settings, BenchSettings(devices=4, partition="type1", seed=seed, seed_per_class=spec["seeds"]), results.append
+    )
     last = results[-1]
     record = {
-        "experiment": name, "seed": seed, **spec,
+        "experiment": name,
+        "seed": seed,
+        **spec,
         "final_accuracy": last.accuracy,
         "device_accuracy_final": last.device_accuracy,
         "best_device_accuracy": max(last.device_accuracy.values()),
@@ -64,14 +76,16 @@ def run_experiment(name: str, seed: int, out: Path) -> dict:
     }
     if spec["strategy"] == "mixfl":
         record["selection"] = [
-            {"round": r.round_id, "chosen": r.report["chosen"],
-             "mixfl": r.report["acc_average"] if r.report["chosen"] == "average" else r.report["acc_best"],
-             "avefl": r.report["acc_average"], "optfl": r.report["acc_best"]}
+            {
+                "round": r.round_id,
+                "chosen": r.report["chosen"],
+                "mixfl": r.report["acc_average"] if r.report["chosen"] == "average" else r.report["acc_best"],
+                "avefl": r.report["acc_average"],
+                "optfl": r.report["acc_best"],
+            }
             for r in results
         ]
-        record["mixfl_never_below_best"] = all(
-            s["mixfl"] >= max(s["avefl"], s["optfl"]) for s in record["selection"]
-        )
+        record["mixfl_never_below_best"] = all(s["mixfl"] >= max(s["avefl"], s["optfl"]) for s in record["selection"])
     return record
 
 
@@ -87,7 +101,8 @@ def findings(records: dict[str, dict]) -> dict:
             checks[f"{once_name}_aggregate_above_every_local"] = once["final_accuracy"] > once["best_device_accuracy"]
             if every_name in records:
                 checks[f"{every_name}_beats_{once_name}"] = (
-                    records[every_name]["final_accuracy"] > once["final_accuracy"])
+                    records[every_name]["final_accuracy"] > once["final_accuracy"]
+                )
     if "mixfl" in records:
         checks["mixfl_never_below_best_on_selection"] = records["mixfl"]["mixfl_never_below_best"]
     return checks
@@ -103,8 +118,16 @@ def main() -> None:
     records = {}
     for name in args.only:
         records[name] = run_experiment(name, args.seed, args.out)
-        print(json.dumps({"progress": name, "final_accuracy": records[name]["final_accuracy"],
-                          "seconds": records[name]["seconds"]}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "progress": name,
+                    "final_accuracy": records[name]["final_accuracy"],
+                    "seconds": records[name]["seconds"],
+                }
+            ),
+            flush=True,
+        )
     print(json.dumps({"experiments": records, "findings": findings(records)}, indent=1))
 
 

@@ -1,10 +1,10 @@
 # Who sent an update: a provisioned device's HMAC over the payload, bound to device, round and a never-reused nonce.
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
-from edge_agent import wire
 from coordinator.validation import Rejection
+from edge_agent import wire
 
 
 class UpdateAuthenticator:

@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from edge_agent.mqtt import BrokerAddress
 from coordinator.provision import SecureFleet, broker_config_lines
+from edge_agent.mqtt import BrokerAddress
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,11 @@ class EmbeddedBroker:
     """
 
     def __init__(
-        self, work_dir: Path, port: int | None = None, extra_config: tuple[str, ...] = (), tls: bool = False,
+        self,
+        work_dir: Path,
+        port: int | None = None,
+        extra_config: tuple[str, ...] = (),
+        tls: bool = False,
     ) -> None:
         self.work_dir = Path(work_dir)
         self.port = port or previous_port(self.work_dir) or free_loopback_port()
@@ -113,7 +117,7 @@ class EmbeddedBroker:
         """The broker's address for clients."""
         return BrokerAddress(host="127.0.0.1", port=self.port, tls=self.tls)
 
-    def start(self, timeout: float = 10.0) -> "EmbeddedBroker":
+    def start(self, timeout: float = 10.0) -> EmbeddedBroker:
         """Writes the config and launches mosquitto; raises BrokerError if it does not listen in time."""
         binary = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
         if binary is None:
@@ -122,7 +126,9 @@ class EmbeddedBroker:
         config_path = self.work_dir / "mosquitto.conf"
         config_path.write_text(mosquitto_config(self.port, self.work_dir, self.extra_config))
         self._process = subprocess.Popen(
-            [binary, "-c", str(config_path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            [binary, "-c", str(config_path)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
             preexec_fn=stop_with_parent,
         )
         if not wait_for_port("127.0.0.1", self.port, timeout):
@@ -147,7 +153,7 @@ class EmbeddedBroker:
             self._process.stderr.close()
         self._process = None
 
-    def __enter__(self) -> "EmbeddedBroker":
+    def __enter__(self) -> EmbeddedBroker:
         return self.start()
 
     def __exit__(self, *exc_info) -> None:

@@ -8,17 +8,9 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
-from edge_agent import wire
-from edge_agent.data import DatasetMissingError
-from edge_agent.logs import configure_logging
-from edge_agent.mqtt import BrokerUnavailableError, parse_broker_url
-from edge_agent.sampling import make_sampler
-from edge_agent.schedule import check_schedule
-from edge_agent.training import DEFAULT_KD_WEIGHT, KD_WEIGHT_OPTION, LOCAL_RULES, OPTIMIZERS, make_local_rule, \
-    recipe_option
 from coordinator.broker import BrokerError, embedded_broker
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.server import Dashboard, dashboard_token, parse_listen_address
@@ -27,6 +19,20 @@ from coordinator.rounds import RoundPolicy, RoundResult, SuspectPolicy
 from coordinator.server import InitSettings, ServerSettings, load_encoder, load_server_data, run_server
 from coordinator.simulate import BenchSettings, simulate, write_shards
 from coordinator.strategies import make_strategy
+from edge_agent import wire
+from edge_agent.data import DatasetMissingError
+from edge_agent.logs import configure_logging
+from edge_agent.mqtt import BrokerUnavailableError, parse_broker_url
+from edge_agent.sampling import make_sampler
+from edge_agent.schedule import check_schedule
+from edge_agent.training import (
+    DEFAULT_KD_WEIGHT,
+    KD_WEIGHT_OPTION,
+    LOCAL_RULES,
+    OPTIMIZERS,
+    make_local_rule,
+    recipe_option,
+)
 
 log = logging.getLogger("coordinator")
 
@@ -36,29 +42,45 @@ def add_round_options(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("run")
     run.add_argument("--fleet", help="fleet name (topic prefix fl/<fleet>/)")
     run.add_argument("--run-dir", type=Path, help="where the store, checkpoints and logs go (default runs/<time>)")
-    run.add_argument("--strategy", default="avefl",
-                     help="avefl, optfl, mixfl, fedavg, median, trimmed-mean, cadis or fmlu")
+    run.add_argument(
+        "--strategy", default="avefl", help="avefl, optfl, mixfl, fedavg, median, trimmed-mean, cadis or fmlu"
+    )
     run.add_argument("--trim", type=float, help="fraction trimmed from each end per coordinate (trimmed-mean; 0.2)")
-    run.add_argument("--suspect-threshold", type=float, default=SuspectPolicy.threshold,
-                     help="robust z-score of a layer's divergence above which an update is flagged as suspect")
+    run.add_argument(
+        "--suspect-threshold",
+        type=float,
+        default=SuspectPolicy.threshold,
+        help="robust z-score of a layer's divergence above which an update is flagged as suspect",
+    )
     run.add_argument("--exclude-suspects", action="store_true", help="leave flagged updates out of the aggregate")
     run.add_argument("--rounds", type=int, default=10)
     run.add_argument("--min-devices", type=int, default=1, help="fewest updates a round may aggregate")
     run.add_argument("--quorum", type=int, help="updates that close a round early (default: every online device)")
-    run.add_argument("--round-timeout", type=float, default=600.0, help="seconds before a round closes with what it has")
+    run.add_argument(
+        "--round-timeout", type=float, default=600.0, help="seconds before a round closes with what it has"
+    )
     run.add_argument("--broker", help="mqtt://HOST:PORT of an external broker (default: an embedded mosquitto)")
     run.add_argument("--json", action="store_true", help="one JSON object per round on stdout, then a summary")
     run.add_argument("--log-level", default="warning")
     run.add_argument("--torch-threads", type=int, help="torch threads of the coordinator process")
-    run.add_argument("--no-bundles", action="store_true",
-                     help="do not ship an ONNX bundle with each global model (no device scores with onnxruntime)")
-    run.add_argument("--dashboard", metavar="[HOST:]PORT",
-                     help="serve the live dashboard, JSON API and /metrics here (host 127.0.0.1 unless given)")
-    run.add_argument("--dashboard-token", help="bearer token the API requires (default: none on loopback, "
-                                               "else generated into RUN_DIR/dashboard-token)")
+    run.add_argument(
+        "--no-bundles",
+        action="store_true",
+        help="do not ship an ONNX bundle with each global model (no device scores with onnxruntime)",
+    )
+    run.add_argument(
+        "--dashboard",
+        metavar="[HOST:]PORT",
+        help="serve the live dashboard, JSON API and /metrics here (host 127.0.0.1 unless given)",
+    )
+    run.add_argument(
+        "--dashboard-token",
+        help="bearer token the API requires (default: none on loopback, else generated into RUN_DIR/dashboard-token)",
+    )
     recipe = parser.add_argument_group("round recipe (sent to devices)")
-    recipe.add_argument("--sampler", default="entropy",
-                        help="random, entropy, bald, margin, least-confidence, ksas or fast")
+    recipe.add_argument(
+        "--sampler", default="entropy", help="random, entropy, bald, margin, least-confidence, ksas or fast"
+    )
     recipe.add_argument("--labels-per-acquisition", type=int, default=400)
     recipe.add_argument("--acquisitions-per-round", type=int, default=1)
     recipe.add_argument("--local-rule", default="online-replay", help="online-replay, cadis-kd or dmlu")
@@ -85,22 +107,42 @@ def add_round_options(parser: argparse.ArgumentParser) -> None:
 def add_method_options(parser: argparse.ArgumentParser) -> None:
     """Schedule and method parameters of KAFAL, FAST and FedProx (they travel in the round recipe)."""
     methods = parser.add_argument_group("active-round schedule, participation and method parameters")
-    methods.add_argument("--participation", type=float, default=1.0,
-                         help="fraction R of online devices picked at random (seeded) to train each round")
-    methods.add_argument("--rounds-per-acquisition", type=int, default=1,
-                         help="communication rounds per active round; devices acquire in its first round")
-    methods.add_argument("--initial-label-fraction", type=float, default=0.0,
-                         help="random fraction of its own data a device has labelled before its first round")
-    methods.add_argument("--label-fraction", type=float, default=0.0,
-                         help="labels per acquisition as a fraction of the device's data (overrides the count)")
+    methods.add_argument(
+        "--participation",
+        type=float,
+        default=1.0,
+        help="fraction R of online devices picked at random (seeded) to train each round",
+    )
+    methods.add_argument(
+        "--rounds-per-acquisition",
+        type=int,
+        default=1,
+        help="communication rounds per active round; devices acquire in its first round",
+    )
+    methods.add_argument(
+        "--initial-label-fraction",
+        type=float,
+        default=0.0,
+        help="random fraction of its own data a device has labelled before its first round",
+    )
+    methods.add_argument(
+        "--label-fraction",
+        type=float,
+        default=0.0,
+        help="labels per acquisition as a fraction of the device's data (overrides the count)",
+    )
     methods.add_argument("--ksas-lambda", type=float, help="KSAS knowledge weight lambda (default 1)")
     methods.add_argument("--kcfu-nu", type=float, help="KCFU trade-off nu between L_client and L_comp (default 0.5)")
     methods.add_argument("--mu", type=float, help="FedProx proximal weight mu (default 0.01)")
-    methods.add_argument("--kd-weight", type=float,
-                         help=f"cadis-kd: weight of the relational distillation term (default {DEFAULT_KD_WEIGHT})")
+    methods.add_argument(
+        "--kd-weight",
+        type=float,
+        help=f"cadis-kd: weight of the relational distillation term (default {DEFAULT_KD_WEIGHT})",
+    )
     methods.add_argument("--knn-k", type=int, help="FAST: neighbours voting for a weak label (default 10)")
-    methods.add_argument("--encoder", type=Path,
-                         help="FAST: frozen encoder ONNX file (default: W0's penultimate-layer encoder)")
+    methods.add_argument(
+        "--encoder", type=Path, help="FAST: frozen encoder ONNX file (default: W0's penultimate-layer encoder)"
+    )
 
 
 METHOD_OPTIONS = {"ksas_lambda": "lambda", "kcfu_nu": "nu", "mu": "mu", "knn_k": "knn_k", "kd_weight": KD_WEIGHT_OPTION}
@@ -108,8 +150,9 @@ METHOD_OPTIONS = {"ksas_lambda": "lambda", "kcfu_nu": "nu", "mu": "mu", "knn_k":
 
 def method_options(args: argparse.Namespace) -> dict[str, float]:
     """The recipe's options map: only the method parameters given on the command line, checked."""
-    options = {key: float(getattr(args, name)) for name, key in METHOD_OPTIONS.items()
-               if getattr(args, name) is not None}
+    options = {
+        key: float(getattr(args, name)) for name, key in METHOD_OPTIONS.items() if getattr(args, name) is not None
+    }
     if options.get("lambda", 0.0) < 0 or options.get("mu", 0.0) < 0:
         raise ValueError("--ksas-lambda and --mu must be non-negative")
     if not 0.0 <= options.get("nu", 0.5) <= 1.0:
@@ -126,25 +169,35 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="coordinate a fleet of field devices")
     add_round_options(run)
     run.add_argument("--wait-devices", type=int, default=0, help="wait until this many devices are online")
-    run.add_argument("--secure", type=Path, metavar="DIR",
-                     help="a folder from `provision`: broker login, ACL (and TLS), signed updates only")
+    run.add_argument(
+        "--secure",
+        type=Path,
+        metavar="DIR",
+        help="a folder from `provision`: broker login, ACL (and TLS), signed updates only",
+    )
     simulate_parser = commands.add_parser("simulate", help="bench: N real agents on this machine")
     add_round_options(simulate_parser)
     add_bench_options(simulate_parser)
-    simulate_parser.add_argument("--secure", action="store_true",
-                                 help="provision the bench fleet into RUN_DIR/secure and run it secured")
-    simulate_parser.add_argument("--tls", action="store_true", help="with --secure: TLS between every client and "
-                                                                    "the broker")
-    provision_parser = commands.add_parser("provision", help="write a fleet's broker passwords, ACL, device "
-                                                             "credentials, HMAC keys (and TLS files)")
+    simulate_parser.add_argument(
+        "--secure", action="store_true", help="provision the bench fleet into RUN_DIR/secure and run it secured"
+    )
+    simulate_parser.add_argument(
+        "--tls", action="store_true", help="with --secure: TLS between every client and the broker"
+    )
+    provision_parser = commands.add_parser(
+        "provision", help="write a fleet's broker passwords, ACL, device credentials, HMAC keys (and TLS files)"
+    )
     provision_parser.add_argument("--fleet", required=True)
     provision_parser.add_argument("--devices", type=int, required=True)
     provision_parser.add_argument("--out", type=Path, required=True, help="a new folder")
     provision_parser.add_argument("--prefix", default="dev", help="device names are PREFIX-00, PREFIX-01, ...")
     provision_parser.add_argument("--tls", action="store_true", help="also a CA, a broker and client certificates")
-    provision_parser.add_argument("--tls-host", action="append", dest="tls_hosts",
-                                  help="a name or IP the broker certificate is valid for (repeatable; default "
-                                       "localhost and 127.0.0.1)")
+    provision_parser.add_argument(
+        "--tls-host",
+        action="append",
+        dest="tls_hosts",
+        help="a name or IP the broker certificate is valid for (repeatable; default localhost and 127.0.0.1)",
+    )
     provision_parser.add_argument("--log-level", default="warning")
     partition = commands.add_parser("partition", help="write per-device pool shards for separate agents")
     add_bench_options(partition)
@@ -168,18 +221,31 @@ def add_bench_options(parser: argparse.ArgumentParser) -> None:
     bench.add_argument("--partition", default="type1", help="type1, type2, iid, dirichlet:ALPHA or clusters:K")
     bench.add_argument("--pool-size", type=int, default=BenchSettings.pool_size, help="unlabelled pool per device")
     bench.add_argument("--agent-threads", type=int, default=1, help="torch threads per simulated agent")
-    bench.add_argument("--agent-profile", type=Path,
-                       help="device profile every simulated agent runs with (firmware_configs/*.toml)")
-    bench.add_argument("--seed-per-class", type=int, default=BenchSettings.seed_per_class,
-                       help="labelled seeds per class from the server's W0 samples given to every device "
-                            "(its initial replay set; 0 for none)")
+    bench.add_argument(
+        "--agent-profile", type=Path, help="device profile every simulated agent runs with (firmware_configs/*.toml)"
+    )
+    bench.add_argument(
+        "--seed-per-class",
+        type=int,
+        default=BenchSettings.seed_per_class,
+        help="labelled seeds per class from the server's W0 samples given to every device "
+        "(its initial replay set; 0 for none)",
+    )
 
 
 def bench_settings(args: argparse.Namespace) -> BenchSettings:
     """BenchSettings from parsed arguments."""
-    return BenchSettings(args.devices, args.partition, args.pool_size, args.agent_threads, args.seed,
-                         args.seed_per_class, args.agent_profile, getattr(args, "secure", False),
-                         getattr(args, "tls", False))
+    return BenchSettings(
+        args.devices,
+        args.partition,
+        args.pool_size,
+        args.agent_threads,
+        args.seed,
+        args.seed_per_class,
+        args.agent_profile,
+        getattr(args, "secure", False),
+        getattr(args, "tls", False),
+    )
 
 
 def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSettings:
@@ -187,22 +253,44 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
     fleet = wire.check_identifier("fleet", args.fleet or default_fleet)
     run_dir = args.run_dir or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{fleet}-{args.strategy}"
     recipe = wire.Recipe(
-        sampler=args.sampler, labels_per_acquisition=args.labels_per_acquisition,
-        acquisitions_per_round=args.acquisitions_per_round, local_rule=args.local_rule, epochs=args.epochs,
-        batch_size=args.batch_size, learning_rate=args.lr, momentum=args.momentum,
-        weight_decay=args.weight_decay, mc_passes=args.mc_passes, seed=args.seed, options=method_options(args),
-        rounds_per_acquisition=args.rounds_per_acquisition, initial_label_fraction=args.initial_label_fraction,
+        sampler=args.sampler,
+        labels_per_acquisition=args.labels_per_acquisition,
+        acquisitions_per_round=args.acquisitions_per_round,
+        local_rule=args.local_rule,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        learning_rate=args.lr,
+        momentum=args.momentum,
+        weight_decay=args.weight_decay,
+        mc_passes=args.mc_passes,
+        seed=args.seed,
+        options=method_options(args),
+        rounds_per_acquisition=args.rounds_per_acquisition,
+        initial_label_fraction=args.initial_label_fraction,
         label_fraction=args.label_fraction,
     )
     return ServerSettings(
-        run_dir=run_dir, fleet=fleet, strategy=args.strategy, recipe=recipe,
-        policy=RoundPolicy(args.rounds, args.min_devices, args.quorum, args.round_timeout,
-                           participation=args.participation),
-        init=InitSettings(samples=args.init_samples, epochs=args.init_epochs, learning_rate=args.init_lr,
-                          optimizer=args.init_optimizer, seed=args.seed),
-        validation_samples=args.validation_samples, selection_passes=args.selection_passes,
-        test_samples=args.test_samples, evaluate_devices=not args.no_device_eval, data_dir=args.data_dir,
-        torch_threads=args.torch_threads, strategy_options={} if args.trim is None else {"trim": args.trim},
+        run_dir=run_dir,
+        fleet=fleet,
+        strategy=args.strategy,
+        recipe=recipe,
+        policy=RoundPolicy(
+            args.rounds, args.min_devices, args.quorum, args.round_timeout, participation=args.participation
+        ),
+        init=InitSettings(
+            samples=args.init_samples,
+            epochs=args.init_epochs,
+            learning_rate=args.init_lr,
+            optimizer=args.init_optimizer,
+            seed=args.seed,
+        ),
+        validation_samples=args.validation_samples,
+        selection_passes=args.selection_passes,
+        test_samples=args.test_samples,
+        evaluate_devices=not args.no_device_eval,
+        data_dir=args.data_dir,
+        torch_threads=args.torch_threads,
+        strategy_options={} if args.trim is None else {"trim": args.trim},
         suspects=SuspectPolicy(threshold=args.suspect_threshold, exclude=args.exclude_suspects),
         ship_bundles=not args.no_bundles,
         encoder_path=args.encoder,
@@ -220,8 +308,10 @@ def validate_recipe_names(settings: ServerSettings) -> None:
     missing = sorted(set(strategy.required_metrics) - set(rule.reported_metrics))
     if missing:
         fitting = sorted(name for name, known in LOCAL_RULES.items() if set(missing) <= set(known.reported_metrics))
-        raise ValueError(f"strategy {strategy.name!r} weighs updates by {', '.join(missing)}, which local rule "
-                         f"{rule.name!r} does not report; use --local-rule {' or '.join(fitting)}")
+        raise ValueError(
+            f"strategy {strategy.name!r} weighs updates by {', '.join(missing)}, which local rule "
+            f"{rule.name!r} does not report; use --local-rule {' or '.join(fitting)}"
+        )
     check_schedule(settings.recipe)
     if settings.encoder_path is not None:
         load_encoder(settings.encoder_path)
@@ -240,19 +330,31 @@ class RoundPrinter:
         self.results.append(result)
         devices = sorted(result.device_accuracy)
         if self.as_json:
-            print(json.dumps({
-                "round": result.round_id, "accuracy": result.accuracy,
-                "device_accuracy": [result.device_accuracy[d] for d in devices], "devices": devices,
-                "labels": result.labels,
-                "divergence": {d: list(layers.values()) for d, layers in sorted(result.divergence.items())},
-                "seconds": round(result.seconds, 3), "rejected": result.rejected, "suspects": result.suspects,
-            }), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "round": result.round_id,
+                        "accuracy": result.accuracy,
+                        "device_accuracy": [result.device_accuracy[d] for d in devices],
+                        "devices": devices,
+                        "labels": result.labels,
+                        "divergence": {d: list(layers.values()) for d, layers in sorted(result.divergence.items())},
+                        "seconds": round(result.seconds, 3),
+                        "rejected": result.rejected,
+                        "suspects": result.suspects,
+                    }
+                ),
+                flush=True,
+            )
         else:
             local = " ".join(f"{result.device_accuracy[d]:.3f}" for d in devices)
-            print(f"round {result.round_id:>3}/{self.total_rounds}  global acc {result.accuracy:.4f}  "
-                  f"devices [{local}]  labels {result.labels}  {result.seconds:.1f}s"
-                  + (f"  rejected {len(result.rejected)}" if result.rejected else "")
-                  + (f"  suspects {','.join(sorted(result.suspects))}" if result.suspects else ""), flush=True)
+            print(
+                f"round {result.round_id:>3}/{self.total_rounds}  global acc {result.accuracy:.4f}  "
+                f"devices [{local}]  labels {result.labels}  {result.seconds:.1f}s"
+                + (f"  rejected {len(result.rejected)}" if result.rejected else "")
+                + (f"  suspects {','.join(sorted(result.suspects))}" if result.suspects else ""),
+                flush=True,
+            )
 
     def summary(self, run_dir: Path, report: Path | None = None) -> None:
         """The closing line (JSON) or table (human), naming the run's HTML report when one was written."""
@@ -262,8 +364,10 @@ class RoundPrinter:
         summary = {
             "final_accuracy": last.accuracy,
             "best_device_accuracy": max(last.device_accuracy.values(), default=None),
-            "rounds": len(self.results), "labels": last.labels,
-            "seconds": round(time.monotonic() - self.started, 3), "run_dir": str(run_dir),
+            "rounds": len(self.results),
+            "labels": last.labels,
+            "seconds": round(time.monotonic() - self.started, 3),
+            "run_dir": str(run_dir),
             "report": None if report is None else str(report),
         }
         if self.as_json:
@@ -273,11 +377,12 @@ class RoundPrinter:
         print()
         print("round  global  " + "  ".join(f"{d:>7}" for d in devices) + "   labels  seconds")
         for r in self.results:
-            cells = "  ".join(f"{r.device_accuracy[d]:7.4f}" if d in r.device_accuracy else "      -"
-                              for d in devices)
+            cells = "  ".join(f"{r.device_accuracy[d]:7.4f}" if d in r.device_accuracy else "      -" for d in devices)
             print(f"{r.round_id:>5}  {r.accuracy:.4f}  {cells}  {r.labels:>7}  {r.seconds:7.1f}")
-        print(f"\nfinal global accuracy {summary['final_accuracy']:.4f}; {summary['labels']} labels; "
-              f"{summary['seconds']:.0f}s; run stored in {run_dir}")
+        print(
+            f"\nfinal global accuracy {summary['final_accuracy']:.4f}; {summary['labels']} labels; "
+            f"{summary['seconds']:.0f}s; run stored in {run_dir}"
+        )
         if report is not None:
             print(f"report: {report}")
 
@@ -307,8 +412,9 @@ def command_run(args: argparse.Namespace) -> int:
     printer = RoundPrinter(args.json, settings.policy.rounds)
     with dashboard_for(args, settings) as live:
         if args.broker:
-            run_server(settings, parse_broker_url(args.broker), printer, wait_for_devices=args.wait_devices,
-                       observer=live)
+            run_server(
+                settings, parse_broker_url(args.broker), printer, wait_for_devices=args.wait_devices, observer=live
+            )
         else:
             with embedded_broker(settings.run_dir / "broker", secure) as broker:
                 print(f"embedded broker listening at {broker.address.url}", file=sys.stderr, flush=True)
@@ -349,8 +455,14 @@ def command_report(args: argparse.Namespace) -> int:
 
 def command_provision(args: argparse.Namespace) -> int:
     """Writes a fleet's security files and prints where each device's credential file is."""
-    secure = provision(args.fleet, args.devices, args.out, tls=args.tls, prefix=args.prefix,
-                       tls_hosts=tuple(args.tls_hosts or DEFAULT_TLS_HOSTS))
+    secure = provision(
+        args.fleet,
+        args.devices,
+        args.out,
+        tls=args.tls,
+        prefix=args.prefix,
+        tls_hosts=tuple(args.tls_hosts or DEFAULT_TLS_HOSTS),
+    )
     for device in sorted(secure.device_keys):
         print(f"{device} {secure.device_credentials(device)}")
     print(f"coordinator: fl-coordinator run --fleet {secure.fleet} --secure {secure.folder}", file=sys.stderr)
@@ -359,8 +471,12 @@ def command_provision(args: argparse.Namespace) -> int:
 
 def command_partition(args: argparse.Namespace) -> int:
     """Writes the bench's per-device shards to a folder, for agents started by hand."""
-    settings = ServerSettings(run_dir=args.out, init=InitSettings(samples=args.init_samples, seed=args.seed),
-                              validation_samples=args.validation_samples, data_dir=args.data_dir)
+    settings = ServerSettings(
+        run_dir=args.out,
+        init=InitSettings(samples=args.init_samples, seed=args.seed),
+        validation_samples=args.validation_samples,
+        data_dir=args.data_dir,
+    )
     bench = bench_settings(args)
     for launch in write_shards(load_server_data(settings), bench, args.out):
         print(f"{launch.device_id} {launch.shard}")
@@ -368,8 +484,11 @@ def command_partition(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "run": command_run, "simulate": command_simulate, "partition": command_partition,
-    "provision": command_provision, "report": command_report,
+    "run": command_run,
+    "simulate": command_simulate,
+    "partition": command_partition,
+    "provision": command_provision,
+    "report": command_report,
 }
 
 

@@ -1,7 +1,7 @@
 # Per-layer divergence of device models from the aggregate, ||W_i^l - W_agg^l|| / ||W_i^l||, and outlier scores on it.
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 

@@ -19,7 +19,7 @@ class LabelledSplit:
     labels: np.ndarray
 
     @classmethod
-    def from_uint8(cls, images: np.ndarray, labels: np.ndarray) -> "LabelledSplit":
+    def from_uint8(cls, images: np.ndarray, labels: np.ndarray) -> LabelledSplit:
         """Normalises raw uint8 images once, so repeated evaluations do not redo it."""
         return cls(normalise(images), np.asarray(labels, dtype=np.int64))
 
@@ -57,8 +57,10 @@ class Evaluator:
         """Accuracy of the deterministic model on the whole test split, overall and per class (one pass)."""
         set_weights(self.model, weights)
         predictions = predict_probabilities(self.model, self.test.images)
-        return TestScores(accuracy_of(predictions, self.test.labels),
-                          class_accuracies(predictions, self.test.labels, predictions.shape[-1]))
+        return TestScores(
+            accuracy_of(predictions, self.test.labels),
+            class_accuracies(predictions, self.test.labels, predictions.shape[-1]),
+        )
 
     def selection_accuracy(self, weights: Weights) -> float:
         """Accuracy of BNN predictions (mean softmax of MC-dropout passes) on the selection split."""

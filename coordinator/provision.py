@@ -76,18 +76,20 @@ def acl_text(fleet: str) -> str:
     """The coordinator may do anything in the fleet; a device writes only under its own topics (by username, %u,
     never the spoofable client id) and reads only the round, the models, their ONNX bundles, the FAST encoder and its own acks."""
     root = f"fl/{wire.check_identifier('fleet', fleet)}"
-    return "\n".join([
-        f"user {COORDINATOR_USERNAME}",
-        f"topic readwrite {root}/#",
-        "",
-        f"pattern write {root}/devices/%u/#",
-        f"pattern read {root}/devices/%u/ack",
-        f"pattern read {root}/round",
-        f"pattern read {root}/model/#",
-        f"pattern read {root}/bundle/#",
-        f"pattern read {root}/encoder/#",
-        "",
-    ])
+    return "\n".join(
+        [
+            f"user {COORDINATOR_USERNAME}",
+            f"topic readwrite {root}/#",
+            "",
+            f"pattern write {root}/devices/%u/#",
+            f"pattern read {root}/devices/%u/ack",
+            f"pattern read {root}/round",
+            f"pattern read {root}/model/#",
+            f"pattern read {root}/bundle/#",
+            f"pattern read {root}/encoder/#",
+            "",
+        ]
+    )
 
 
 def broker_config_lines(secure: SecureFleet) -> tuple[str, ...]:
@@ -95,13 +97,22 @@ def broker_config_lines(secure: SecureFleet) -> tuple[str, ...]:
     lines = ["allow_anonymous false", f"password_file {secure.password_file}", f"acl_file {secure.acl_file}"]
     if secure.tls:
         tls = secure.tls_dir
-        lines += [f"cafile {tls / 'ca.crt'}", f"certfile {tls / 'broker.crt'}", f"keyfile {tls / 'broker.key'}",
-                  "require_certificate true", "tls_version tlsv1.2"]
+        lines += [
+            f"cafile {tls / 'ca.crt'}",
+            f"certfile {tls / 'broker.crt'}",
+            f"keyfile {tls / 'broker.key'}",
+            "require_certificate true",
+            "tls_version tlsv1.2",
+        ]
     return tuple(lines)
 
 
 def provision(
-    fleet: str, devices: int, out: Path, tls: bool = False, prefix: str = "dev",
+    fleet: str,
+    devices: int,
+    out: Path,
+    tls: bool = False,
+    prefix: str = "dev",
     tls_hosts: tuple[str, ...] = DEFAULT_TLS_HOSTS,
 ) -> SecureFleet:
     """Writes passwd, acl, keys.json, coordinator.json, devices/<id>.json, broker.conf and (with tls) tls/ into out.
@@ -120,14 +131,24 @@ def provision(
     write_secret(out / "passwd", "".join(f"{user}:{password_hash(pw)}\n" for user, pw in passwords.items()))
     write_public(out / "acl", acl_text(fleet))
     write_secret(out / "keys.json", json.dumps({name: key.hex() for name, key in keys.items()}, indent=2) + "\n")
-    save_credentials(out / "coordinator.json", Credentials(
-        fleet, COORDINATOR_USERNAME, passwords[COORDINATOR_USERNAME], **tls_files.get(COORDINATOR_USERNAME, {})))
+    save_credentials(
+        out / "coordinator.json",
+        Credentials(
+            fleet, COORDINATOR_USERNAME, passwords[COORDINATOR_USERNAME], **tls_files.get(COORDINATOR_USERNAME, {})
+        ),
+    )
     for name in names:
-        save_credentials(out / "devices" / f"{name}.json", Credentials(
-            fleet, name, passwords[name], device_id=name, hmac_key=keys[name], **tls_files.get(name, {})))
+        save_credentials(
+            out / "devices" / f"{name}.json",
+            Credentials(fleet, name, passwords[name], device_id=name, hmac_key=keys[name], **tls_files.get(name, {})),
+        )
     secure = load_secure_fleet(out)
-    write_public(out / "broker.conf", "\n".join(["# Add to an external mosquitto's config (after its listener line)",
-                                                 *broker_config_lines(secure), ""]))
+    write_public(
+        out / "broker.conf",
+        "\n".join(
+            ["# Add to an external mosquitto's config (after its listener line)", *broker_config_lines(secure), ""]
+        ),
+    )
     return secure
 
 
@@ -136,8 +157,10 @@ def load_secure_fleet(folder: Path) -> SecureFleet:
     folder = Path(folder)
     for name in ("passwd", "acl", "keys.json", "coordinator.json"):
         if not (folder / name).is_file():
-            raise ValueError(f"{folder} is not a provisioned fleet: {name} is missing "
-                             f"(run `fl-coordinator provision --out {folder}` first)")
+            raise ValueError(
+                f"{folder} is not a provisioned fleet: {name} is missing "
+                f"(run `fl-coordinator provision --out {folder}` first)"
+            )
     try:
         raw_keys = json.loads((folder / "keys.json").read_text())
         keys = {wire.check_identifier("device id", device): bytes.fromhex(key) for device, key in raw_keys.items()}
@@ -171,8 +194,12 @@ def write_tls_files(folder: Path, names: list[str], hosts: tuple[str, ...]) -> d
 
     def save(stem: str, key, cert) -> None:
         write_public(folder / f"{stem}.crt", cert.public_bytes(serialization.Encoding.PEM).decode())
-        write_secret(folder / f"{stem}.key", key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode())
+        write_secret(
+            folder / f"{stem}.key",
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            ).decode(),
+        )
 
     save("ca", ca_key, ca_cert)
     save("broker", broker_key, broker_cert)
@@ -180,31 +207,55 @@ def write_tls_files(folder: Path, names: list[str], hosts: tuple[str, ...]) -> d
     for user in [COORDINATOR_USERNAME, *names]:
         key = ec.generate_private_key(ec.SECP256R1())
         save(f"clients/{user}", key, _certificate(key, user, ca_key, ca_cert, client=True))
-        files[user] = {"ca_file": str(folder / "ca.crt"), "cert_file": str(folder / "clients" / f"{user}.crt"),
-                       "key_file": str(folder / "clients" / f"{user}.key")}
+        files[user] = {
+            "ca_file": str(folder / "ca.crt"),
+            "cert_file": str(folder / "clients" / f"{user}.crt"),
+            "key_file": str(folder / "clients" / f"{user}.key"),
+        }
     return files
 
 
-def _certificate(key, common_name: str, issuer_key, issuer_cert, is_ca: bool = False, hosts: tuple[str, ...] = (),
-                 client: bool = False):
+def _certificate(
+    key,
+    common_name: str,
+    issuer_key,
+    issuer_cert,
+    is_ca: bool = False,
+    hosts: tuple[str, ...] = (),
+    client: bool = False,
+):
     """One X.509 certificate: a self-signed CA, a server certificate with SANs, or a client certificate."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (x509.CertificateBuilder()
-               .subject_name(name).issuer_name(issuer_cert.subject if issuer_cert else name)
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5))
-               .not_valid_after(now + datetime.timedelta(days=CERT_DAYS))
-               .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True))
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(issuer_cert.subject if issuer_cert else name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=CERT_DAYS))
+        .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True)
+    )
     if is_ca:
-        builder = builder.add_extension(x509.KeyUsage(
-            digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-            key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False,
-            decipher_only=False), critical=True)
+        builder = builder.add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
     if hosts:
         builder = builder.add_extension(x509.SubjectAlternativeName([_san(host) for host in hosts]), critical=False)
         builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)

@@ -5,22 +5,27 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from edge_agent import wire
-from edge_agent.models import NUM_CLASSES, Weights, build_model, weight_spec, weights_hash
-from edge_agent.mqtt import IncomingMessage, MqttSession
 from coordinator.authentication import UpdateAuthenticator
 from coordinator.divergence import flag_suspects, fleet_divergence, layer_divergence
 from coordinator.evaluation import Evaluator
 from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore, StrategyState
 from coordinator.strategies import (
-    ClientUpdate, Evaluate, RunningSum, Strategy, StreamingWeightedAverage, coordinate_median,
+    ClientUpdate,
+    Evaluate,
+    RunningSum,
+    Strategy,
+    StreamingWeightedAverage,
+    coordinate_median,
 )
 from coordinator.validation import Expectation, Rejection, validate_update
+from edge_agent import wire
+from edge_agent.models import NUM_CLASSES, Weights, build_model, weight_spec, weights_hash
+from edge_agent.mqtt import IncomingMessage, MqttSession
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +79,9 @@ def suspects_by_divergence(divergence: dict[str, dict[str, float]], policy: Susp
     """Device -> outlier layers, for devices with at least policy.min_layer_fraction of their layers flagged."""
     flagged = flag_suspects(divergence, policy.threshold)
     layer_count = len(next(iter(divergence.values()), {}))
-    return {device: layers for device, layers in flagged.items()
-            if len(layers) >= policy.min_layer_fraction * layer_count}
+    return {
+        device: layers for device, layers in flagged.items() if len(layers) >= policy.min_layer_fraction * layer_count
+    }
 
 
 def choose_participants(online: Sequence[str], participation: float, seed: int, round_id: int) -> list[str]:
@@ -176,8 +182,9 @@ class RoundCollector:
         if previous is not None:
             if previous.update_id == update.update_id:
                 return previous, False
-            raise Rejection(f"duplicate: {device_id} already has an accepted update for round "
-                            f"{self.expectation.round_id}")
+            raise Rejection(
+                f"duplicate: {device_id} already has an accepted update for round {self.expectation.round_id}"
+            )
         if self.absorb is not None:
             self.absorb(update)
             update = dataclasses.replace(update, tensors={})
@@ -187,7 +194,10 @@ class RoundCollector:
 
 
 def aggregate_with_suspects(
-    strategy: Strategy, global_weights: Weights, updates: list[ClientUpdate], evaluate: Evaluate | None,
+    strategy: Strategy,
+    global_weights: Weights,
+    updates: list[ClientUpdate],
+    evaluate: Evaluate | None,
     policy: SuspectPolicy,
 ) -> tuple[Weights, dict, dict[str, dict[str, float]], dict[str, list[str]]]:
     """(aggregate, report, divergence, suspects): flags outlier updates and, if the policy says so, leaves them
@@ -207,9 +217,19 @@ class Coordinator:
     """Runs a fleet's rounds over one MQTT session, persisting each round before announcing the next."""
 
     def __init__(
-        self, fleet: str, run_id: str, session: MqttSession, store: RunStore, strategy: Strategy,
-        evaluator: Evaluator, recipe: wire.Recipe, policy: RoundPolicy, model_name: str = "paper-cnn",
-        base_labels: int = 0, evaluate_devices: bool = True, suspect_policy: SuspectPolicy = SuspectPolicy(),
+        self,
+        fleet: str,
+        run_id: str,
+        session: MqttSession,
+        store: RunStore,
+        strategy: Strategy,
+        evaluator: Evaluator,
+        recipe: wire.Recipe,
+        policy: RoundPolicy,
+        model_name: str = "paper-cnn",
+        base_labels: int = 0,
+        evaluate_devices: bool = True,
+        suspect_policy: SuspectPolicy = SuspectPolicy(),
         bundle_files: Callable[[Weights, str], dict[str, bytes]] | None = None,
         authenticator: UpdateAuthenticator | None = None,
         observer: RoundObserver | None = None,
@@ -247,8 +267,10 @@ class Coordinator:
         if stored is None:
             return
         if stored.strategy != self.strategy.name:
-            raise ValueError(f"the run in {self.store.run_dir} holds state of strategy {stored.strategy!r}; "
-                             f"it cannot resume with {self.strategy.name!r}")
+            raise ValueError(
+                f"the run in {self.store.run_dir} holds state of strategy {stored.strategy!r}; "
+                f"it cannot resume with {self.strategy.name!r}"
+            )
         self.strategy.load_state(stored.state)
         log.info("strategy state restored strategy=%s", stored.strategy)
 
@@ -283,11 +305,20 @@ class Coordinator:
         base_hash = weights_hash(global_weights)
         streamed = StreamedRound(self.strategy, global_weights, self.strategy.begin()) if self.streams() else None
         collector = RoundCollector(
-            Expectation(round_id, base_hash, self.spec, NUM_CLASSES, self.policy.max_update_bytes,
-                        self.authenticator.check if self.authenticator else None, self.strategy.required_metrics),
-            absorb=(lambda update: streamed.absorb(self.client_update(update))) if streamed else None)
-        self.participants = choose_participants(sorted(self.online_devices()), self.policy.participation,
-                                                self.recipe.seed, round_id)
+            Expectation(
+                round_id,
+                base_hash,
+                self.spec,
+                NUM_CLASSES,
+                self.policy.max_update_bytes,
+                self.authenticator.check if self.authenticator else None,
+                self.strategy.required_metrics,
+            ),
+            absorb=(lambda update: streamed.absorb(self.client_update(update))) if streamed else None,
+        )
+        self.participants = choose_participants(
+            sorted(self.online_devices()), self.policy.participation, self.recipe.seed, round_id
+        )
         self.resume_spooled(collector)
         self.publish_model(global_weights, base_hash)
         self.publish_encoder()
@@ -301,7 +332,8 @@ class Coordinator:
             updates = [self.client_update(update) for update in collector.accepted.values()]
             evaluate = self.evaluator.selection_accuracy if self.strategy.needs_evaluation else None
             new_weights, report, divergence, suspects = aggregate_with_suspects(
-                self.strategy, global_weights, updates, evaluate, self.suspect_policy)
+                self.strategy, global_weights, updates, evaluate, self.suspect_policy
+            )
             models: Iterable[ClientUpdate] = updates
         else:
             new_weights, report, suspects = streamed.finish(self.suspect_policy)
@@ -323,21 +355,56 @@ class Coordinator:
         for update in collector.accepted.values():
             self.device_labels[update.device_id] = update.acquired_labels
         labels = self.base_labels + sum(self.device_labels.values())
-        self.persist(collector, new_weights, RoundRecord(
-            round_id, started_wall, time.time(), "", accuracy, labels, len(collector.accepted),
-            collector.rejection_count, report, {
-                **self.presence(collector), "class_accuracy": scores.per_class,
-                "device_class_accuracy": {device: score.per_class for device, score in device_scores.items()},
-            }), device_accuracy, divergence)
-        result = RoundResult(round_id, accuracy, device_accuracy, labels, divergence,
-                             time.monotonic() - started, dict(collector.rejected), report, suspects)
-        log.info("round closed round=%d accepted=%d rejected=%d accuracy=%.4f seconds=%.1f",
-                 round_id, len(collector.accepted), collector.rejection_count, accuracy, result.seconds)
+        self.persist(
+            collector,
+            new_weights,
+            RoundRecord(
+                round_id,
+                started_wall,
+                time.time(),
+                "",
+                accuracy,
+                labels,
+                len(collector.accepted),
+                collector.rejection_count,
+                report,
+                {
+                    **self.presence(collector),
+                    "class_accuracy": scores.per_class,
+                    "device_class_accuracy": {device: score.per_class for device, score in device_scores.items()},
+                },
+            ),
+            device_accuracy,
+            divergence,
+        )
+        result = RoundResult(
+            round_id,
+            accuracy,
+            device_accuracy,
+            labels,
+            divergence,
+            time.monotonic() - started,
+            dict(collector.rejected),
+            report,
+            suspects,
+        )
+        log.info(
+            "round closed round=%d accepted=%d rejected=%d accuracy=%.4f seconds=%.1f",
+            round_id,
+            len(collector.accepted),
+            collector.rejection_count,
+            accuracy,
+            result.seconds,
+        )
         self.observer.round_closed(result)
         return new_weights, result
 
     def persist(
-        self, collector: RoundCollector, weights: Weights, record: RoundRecord, device_accuracy: dict[str, float],
+        self,
+        collector: RoundCollector,
+        weights: Weights,
+        record: RoundRecord,
+        device_accuracy: dict[str, float],
         divergence: dict[str, dict[str, float]],
     ) -> None:
         """Checkpoints the new global model, then commits the round, its per-device records and the strategy's
@@ -345,12 +412,26 @@ class Coordinator:
         record.model_hash = self.store.save_checkpoint(record.round_id, weights)
         state = self.strategy.state()
         strategy_state = None if state is None else StrategyState(self.strategy.name, state)
-        self.store.commit_round(record, [
-            DeviceRoundRecord(record.round_id, device, True, "", update.num_samples, list(update.class_counts),
-                              device_accuracy.get(device), divergence[device], collector.sizes.get(device, 0),
-                              time.time(), update.acquired_labels)
-            for device, update in collector.accepted.items()
-        ], strategy_state)
+        self.store.commit_round(
+            record,
+            [
+                DeviceRoundRecord(
+                    record.round_id,
+                    device,
+                    True,
+                    "",
+                    update.num_samples,
+                    list(update.class_counts),
+                    device_accuracy.get(device),
+                    divergence[device],
+                    collector.sizes.get(device, 0),
+                    time.time(),
+                    update.acquired_labels,
+                )
+                for device, update in collector.accepted.items()
+            ],
+            strategy_state,
+        )
 
     def streams(self) -> bool:
         """Whether rounds aggregate as updates arrive: a streaming strategy, and no suspect to leave out first."""
@@ -369,9 +450,11 @@ class Coordinator:
     def presence(self, collector: RoundCollector) -> dict:
         """The round's quorum and who was missing: online devices that sent nothing, devices known offline."""
         offline = {device for device, status in self.online.items() if status.state == "offline"}
-        return {"quorum": self.needed(collector),
-                "stragglers": self.stragglers(collector),
-                "offline": sorted((offline | self.dead_devices()) - set(collector.accepted))}
+        return {
+            "quorum": self.needed(collector),
+            "stragglers": self.stragglers(collector),
+            "offline": sorted((offline | self.dead_devices()) - set(collector.accepted)),
+        }
 
     def client_update(self, update: wire.Update) -> ClientUpdate:
         """The strategy's view of a validated update."""
@@ -397,12 +480,20 @@ class Coordinator:
                 return
             if time.monotonic() >= deadline:
                 if have >= self.policy.min_devices:
-                    log.warning("round deadline passed round=%d accepted=%d needed=%d stragglers=%s",
-                                collector.expectation.round_id, have, self.needed(collector),
-                                self.stragglers(collector))
+                    log.warning(
+                        "round deadline passed round=%d accepted=%d needed=%d stragglers=%s",
+                        collector.expectation.round_id,
+                        have,
+                        self.needed(collector),
+                        self.stragglers(collector),
+                    )
                     return
-                log.warning("round deadline passed below the minimum round=%d accepted=%d min=%d; waiting longer",
-                            collector.expectation.round_id, have, self.policy.min_devices)
+                log.warning(
+                    "round deadline passed below the minimum round=%d accepted=%d min=%d; waiting longer",
+                    collector.expectation.round_id,
+                    have,
+                    self.policy.min_devices,
+                )
                 deadline = time.monotonic() + self.policy.round_timeout
             self.handle_next(collector)
 
@@ -457,8 +548,9 @@ class Coordinator:
             update, is_new = collector.offer(device_id, payload)
         except Rejection as rejection:
             collector.reject(device_id, rejection.reason)
-            self.reject(device_id, collector.expectation.round_id, self.update_id_of(payload), rejection.reason,
-                        len(payload))
+            self.reject(
+                device_id, collector.expectation.round_id, self.update_id_of(payload), rejection.reason, len(payload)
+            )
             return
         if is_new:
             self.store.spool_update(update.round_id, device_id, payload)
@@ -496,11 +588,17 @@ class Coordinator:
 
     def publish_model(self, weights: Weights, model_hash: str) -> None:
         """Retains the weights (and their ONNX bundle) on hash topics, clearing the previous model's copies."""
-        self.retain_current("model", wire.model_topic(self.fleet, model_hash),
-                            lambda: wire.ModelMessage(model_hash, self.model_name, weights))
+        self.retain_current(
+            "model",
+            wire.model_topic(self.fleet, model_hash),
+            lambda: wire.ModelMessage(model_hash, self.model_name, weights),
+        )
         if self.bundle_files is not None:
-            self.retain_current("bundle", wire.bundle_topic(self.fleet, model_hash),
-                                lambda: wire.BundleMessage(model_hash, self.bundle_files(weights, model_hash)))
+            self.retain_current(
+                "bundle",
+                wire.bundle_topic(self.fleet, model_hash),
+                lambda: wire.BundleMessage(model_hash, self.bundle_files(weights, model_hash)),
+            )
 
     def retain_current(self, kind: str, topic: str, message: Callable[[], wire.Message]) -> None:
         """Retains one message of a kind on its topic unless it is already there, then clears the kind's previous
@@ -516,13 +614,22 @@ class Coordinator:
     def publish_encoder(self) -> None:
         """Retains the recipe's frozen encoder (FAST) on its hash topic, so late devices get it too."""
         if self.recipe.encoder:
-            self.retain_current("encoder", wire.encoder_topic(self.fleet, self.recipe.encoder),
-                                lambda: wire.EncoderMessage(self.recipe.encoder, self.encoder))
+            self.retain_current(
+                "encoder",
+                wire.encoder_topic(self.fleet, self.recipe.encoder),
+                lambda: wire.EncoderMessage(self.recipe.encoder, self.encoder),
+            )
 
     def announce(self, round_id: int, model_hash: str, final: bool = False) -> None:
         """Retains the round announcement: round id, base model hash, recipe, deadline, participants."""
-        announcement = wire.RoundAnnouncement(self.run_id, round_id, model_hash, self.recipe,
-                                              time.time() + self.policy.round_timeout, final,
-                                              [] if final else list(self.participants))
+        announcement = wire.RoundAnnouncement(
+            self.run_id,
+            round_id,
+            model_hash,
+            self.recipe,
+            time.time() + self.policy.round_timeout,
+            final,
+            [] if final else list(self.participants),
+        )
         self.session.publish(wire.round_topic(self.fleet), wire.encode(announcement), retain=True, wait=30.0)
         log.info("round announced round=%d model=%s final=%s", round_id, model_hash[:12], final)

@@ -6,13 +6,20 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 
+from coordinator.authentication import UpdateAuthenticator
+from coordinator.evaluation import Evaluator, LabelledSplit
+from coordinator.partition import server_holdout
+from coordinator.provision import load_secure_fleet
+from coordinator.rounds import Coordinator, RoundObserver, RoundPolicy, RoundResult, SuspectPolicy
+from coordinator.store import RunStore
+from coordinator.strategies import make_strategy
 from edge_agent import wire
 from edge_agent.data import FashionMNIST, load_fashion_mnist
 from edge_agent.encoder import OnnxEncoder, encoder_hash
@@ -20,15 +27,8 @@ from edge_agent.models import Weights, build_model, get_weights, set_weights
 from edge_agent.mqtt import BrokerAddress, MqttSession
 from edge_agent.sampling import make_sampler
 from edge_agent.training import TrainSettings, train_supervised
-from export.onnx_graphs import export_encoder
-from coordinator.evaluation import Evaluator, LabelledSplit
-from coordinator.authentication import UpdateAuthenticator
-from coordinator.partition import server_holdout
-from coordinator.provision import load_secure_fleet
-from coordinator.rounds import Coordinator, RoundObserver, RoundPolicy, RoundResult, SuspectPolicy
-from coordinator.store import RunStore
-from coordinator.strategies import make_strategy
 from export.bundle_writer import ensure_bundle_files
+from export.onnx_graphs import export_encoder
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,9 @@ def load_server_data(settings: ServerSettings) -> ServerData:
     """Loads Fashion-MNIST and reserves the server's init and validation samples from the training split."""
     dataset = load_fashion_mnist(settings.data_dir)
     rng = np.random.default_rng(settings.init.seed)
-    init, validation, rest = server_holdout(dataset.train_labels, settings.init.samples,
-                                            settings.validation_samples, rng)
+    init, validation, rest = server_holdout(
+        dataset.train_labels, settings.init.samples, settings.validation_samples, rng
+    )
     return ServerData(dataset, init, validation, rest)
 
 
@@ -95,9 +96,12 @@ def initial_weights(settings: ServerSettings, data: ServerData) -> Weights:
     if len(data.init_indices):
         init = settings.init
         train_supervised(
-            model, data.dataset.train_images[data.init_indices], data.dataset.train_labels[data.init_indices],
-            TrainSettings(init.epochs, init.batch_size, init.learning_rate, 0.0, init.weight_decay, init.seed,
-                          init.optimizer),
+            model,
+            data.dataset.train_images[data.init_indices],
+            data.dataset.train_labels[data.init_indices],
+            TrainSettings(
+                init.epochs, init.batch_size, init.learning_rate, 0.0, init.weight_decay, init.seed, init.optimizer
+            ),
         )
     return get_weights(model)
 
@@ -106,8 +110,9 @@ def build_evaluator(settings: ServerSettings, data: ServerData) -> Evaluator:
     """Test split (all of it unless test_samples says otherwise) and the BNN selection split."""
     test_count = settings.test_samples or len(data.dataset.test_labels)
     test = LabelledSplit.from_uint8(data.dataset.test_images[:test_count], data.dataset.test_labels[:test_count])
-    selection = LabelledSplit.from_uint8(data.dataset.train_images[data.validation_indices],
-                                         data.dataset.train_labels[data.validation_indices])
+    selection = LabelledSplit.from_uint8(
+        data.dataset.train_images[data.validation_indices], data.dataset.train_labels[data.validation_indices]
+    )
     return Evaluator(settings.model_name, test, selection, settings.selection_passes, settings.init.seed)
 
 
@@ -166,8 +171,12 @@ def settings_as_dict(settings: ServerSettings) -> dict:
 
 
 def run_server(
-    settings: ServerSettings, address: BrokerAddress, on_round: Callable[[RoundResult], None],
-    data: ServerData | None = None, wait_for_devices: int = 0, device_wait_timeout: float = 60.0,
+    settings: ServerSettings,
+    address: BrokerAddress,
+    on_round: Callable[[RoundResult], None],
+    data: ServerData | None = None,
+    wait_for_devices: int = 0,
+    device_wait_timeout: float = 60.0,
     observer: RoundObserver | None = None,
     dead_devices: Callable[[], set[str]] = set,
 ) -> Weights:
@@ -184,7 +193,9 @@ def run_server(
     if settings.secure_dir is not None:
         secure = load_secure_fleet(settings.secure_dir)
         if secure.fleet != settings.fleet:
-            raise ValueError(f"{settings.secure_dir} was provisioned for fleet {secure.fleet!r}, not {settings.fleet!r}")
+            raise ValueError(
+                f"{settings.secure_dir} was provisioned for fleet {secure.fleet!r}, not {settings.fleet!r}"
+            )
         address = secure.coordinator.apply_to(address)
         authenticator = UpdateAuthenticator(secure.device_keys)
     store = RunStore(settings.run_dir)
@@ -194,11 +205,23 @@ def run_server(
         encoder = round_encoder(settings, store)
         recipe = dataclasses.replace(settings.recipe, encoder=encoder_hash(encoder)) if encoder else settings.recipe
         coordinator = Coordinator(
-            settings.fleet, run_id, session, store, strategy, build_evaluator(settings, data), recipe,
-            settings.policy, settings.model_name, base_labels=len(data.init_indices),
-            evaluate_devices=settings.evaluate_devices, suspect_policy=settings.suspects, authenticator=authenticator,
-            bundle_files=bundle_exporter(settings) if settings.ship_bundles else None, observer=observer,
-            dead_devices=dead_devices, encoder=encoder,
+            settings.fleet,
+            run_id,
+            session,
+            store,
+            strategy,
+            build_evaluator(settings, data),
+            recipe,
+            settings.policy,
+            settings.model_name,
+            base_labels=len(data.init_indices),
+            evaluate_devices=settings.evaluate_devices,
+            suspect_policy=settings.suspects,
+            authenticator=authenticator,
+            bundle_files=bundle_exporter(settings) if settings.ship_bundles else None,
+            observer=observer,
+            dead_devices=dead_devices,
+            encoder=encoder,
         )
         coordinator.device_labels = latest_device_labels(store)
         session.connect()
@@ -218,8 +241,10 @@ def bundle_exporter(settings: ServerSettings) -> Callable[[Weights, str], dict[s
     The coordinator exports rather than the devices: torch.onnx and onnx stay off the devices, the export
     (about 0.1 s) happens once instead of once per device, and every device verifies the same hashed files.
     """
+
     def files(weights: Weights, model_hash: str) -> dict[str, bytes]:
         return ensure_bundle_files(weights, settings.run_dir / "bundles" / model_hash, settings.model_name)
+
     return files
 
 

@@ -8,19 +8,19 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 
-from edge_agent.data import Shard, save_shard
-from edge_agent.mqtt import BrokerAddress
 from coordinator.broker import embedded_broker
 from coordinator.partition import partition_indices
 from coordinator.provision import SecureFleet, device_names, load_secure_fleet, provision
 from coordinator.rounds import RoundObserver, RoundResult
 from coordinator.server import ServerData, ServerSettings, load_server_data, run_server
+from edge_agent.data import Shard, save_shard
+from edge_agent.mqtt import BrokerAddress
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,11 @@ class DeviceLaunch:
 def seed_indices(labels: np.ndarray, init_indices: np.ndarray, per_class: int) -> np.ndarray:
     """The first `per_class` of each class among the server's W0 samples: every device's labelled seed set."""
     init_labels = labels[init_indices]
-    return np.concatenate([init_indices[init_labels == c][:per_class] for c in np.unique(init_labels)]) \
-        if per_class and len(init_indices) else np.zeros(0, dtype=np.int64)
+    return (
+        np.concatenate([init_indices[init_labels == c][:per_class] for c in np.unique(init_labels)])
+        if per_class and len(init_indices)
+        else np.zeros(0, dtype=np.int64)
+    )
 
 
 def write_shards(data: ServerData, bench: BenchSettings, run_dir: Path) -> list[DeviceLaunch]:
@@ -68,7 +71,7 @@ def write_shards(data: ServerData, bench: BenchSettings, run_dir: Path) -> list[
     seeds = seed_indices(labels, data.init_indices, bench.seed_per_class)
     launches = []
     for device_id, part in zip(device_names(bench.devices), parts):
-        pool = rng.permutation(part)[:bench.pool_size]
+        pool = rng.permutation(part)[: bench.pool_size]
         device_dir = run_dir / "devices" / device_id
         shard = device_dir / "shard.npz"
         if not shard.exists():
@@ -81,9 +84,24 @@ def agent_command(launch: DeviceLaunch, address: BrokerAddress, fleet: str, benc
     """The exact command a field device would run, pointed at a simulated shard."""
     profile = [] if bench.agent_profile is None else ["--profile", str(bench.agent_profile)]
     return [
-        sys.executable, "-m", "edge_agent", "run", "--broker", address.url, "--fleet", fleet,
-        "--device-id", launch.device_id, "--data", str(launch.shard), "--state-dir", str(launch.state_dir),
-        "--torch-threads", str(bench.agent_threads), "--exit-on-final", *profile,
+        sys.executable,
+        "-m",
+        "edge_agent",
+        "run",
+        "--broker",
+        address.url,
+        "--fleet",
+        fleet,
+        "--device-id",
+        launch.device_id,
+        "--data",
+        str(launch.shard),
+        "--state-dir",
+        str(launch.state_dir),
+        "--torch-threads",
+        str(bench.agent_threads),
+        "--exit-on-final",
+        *profile,
     ] + (["--credentials", str(launch.credentials)] if launch.credentials else [])
 
 
@@ -93,8 +111,9 @@ def spawn_agent(launch: DeviceLaunch, address: BrokerAddress, fleet: str, bench:
     environment = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     launch.log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(launch.log_file, "ab") as log_stream:
-        return subprocess.Popen(agent_command(launch, address, fleet, bench), stdout=log_stream,
-                                stderr=subprocess.STDOUT, env=environment)
+        return subprocess.Popen(
+            agent_command(launch, address, fleet, bench), stdout=log_stream, stderr=subprocess.STDOUT, env=environment
+        )
 
 
 def stop_agents(processes: list[subprocess.Popen], timeout: float) -> None:
@@ -125,15 +144,22 @@ class AgentWatch:
     def __call__(self) -> set[str]:
         for launch, process in zip(self.launches, self.processes):
             if launch.device_id not in self.dead and process.poll() not in (None, 0):
-                log.error("agent died device=%s exit=%s log=%s; the run goes on with the others",
-                          launch.device_id, process.returncode, launch.log_file)
+                log.error(
+                    "agent died device=%s exit=%s log=%s; the run goes on with the others",
+                    launch.device_id,
+                    process.returncode,
+                    launch.log_file,
+                )
                 self.dead.add(launch.device_id)
         return set(self.dead)
 
 
 @contextlib.contextmanager
-def broker_for(run_dir: Path, address: BrokerAddress | None, secure: SecureFleet | None = None,
-               ) -> Iterator[BrokerAddress]:
+def broker_for(
+    run_dir: Path,
+    address: BrokerAddress | None,
+    secure: SecureFleet | None = None,
+) -> Iterator[BrokerAddress]:
     """The given broker, or an embedded mosquitto (locked to `secure`'s fleet if given) for the run's duration."""
     if address is not None:
         yield address
@@ -151,8 +177,11 @@ def secure_bench(settings: ServerSettings, bench: BenchSettings) -> SecureFleet:
 
 
 def simulate(
-    settings: ServerSettings, bench: BenchSettings, on_round: Callable[[RoundResult], None],
-    address: BrokerAddress | None = None, observer: RoundObserver | None = None,
+    settings: ServerSettings,
+    bench: BenchSettings,
+    on_round: Callable[[RoundResult], None],
+    address: BrokerAddress | None = None,
+    observer: RoundObserver | None = None,
 ) -> None:
     """Runs the whole bench: shards, broker, N agent processes and the coordinator, and cleans up after.
 
@@ -163,13 +192,22 @@ def simulate(
         secure = secure_bench(settings, bench)
         settings = dataclasses.replace(settings, secure_dir=secure.folder)
     data = load_server_data(settings)
-    launches = [dataclasses.replace(launch, credentials=secure.device_credentials(launch.device_id) if secure else None)
-                for launch in write_shards(data, bench, settings.run_dir)]
+    launches = [
+        dataclasses.replace(launch, credentials=secure.device_credentials(launch.device_id) if secure else None)
+        for launch in write_shards(data, bench, settings.run_dir)
+    ]
     with broker_for(settings.run_dir, address, secure) as broker_address:
         processes = [spawn_agent(launch, broker_address, settings.fleet, bench) for launch in launches]
         try:
-            run_server(settings, broker_address, on_round, data=data, wait_for_devices=bench.devices,
-                       observer=observer, dead_devices=AgentWatch(launches, processes))
+            run_server(
+                settings,
+                broker_address,
+                on_round,
+                data=data,
+                wait_for_devices=bench.devices,
+                observer=observer,
+                dead_devices=AgentWatch(launches, processes),
+            )
         except BaseException:
             stop_agents(processes, timeout=0.0)
             raise

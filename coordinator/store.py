@@ -6,9 +6,10 @@ import json
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -148,8 +149,14 @@ def _to_json(value: Any, what: str) -> str:
 def _round_row(record: RoundRecord) -> tuple:
     """A RoundRecord as a rounds-table row, with numpy scalars made plain and dicts as JSON."""
     return (
-        int(record.round_id), float(record.started_at), float(record.closed_at), str(record.model_hash),
-        _optional_float(record.accuracy), int(record.labels), int(record.accepted), int(record.rejected),
+        int(record.round_id),
+        float(record.started_at),
+        float(record.closed_at),
+        str(record.model_hash),
+        _optional_float(record.accuracy),
+        int(record.labels),
+        int(record.accepted),
+        int(record.rejected),
         _to_json(record.report, f"round {record.round_id} report"),
         _to_json(record.metrics, f"round {record.round_id} metrics"),
     )
@@ -159,10 +166,17 @@ def _device_row(record: DeviceRoundRecord) -> tuple:
     """A DeviceRoundRecord as a device_rounds-table row, with numpy scalars made plain and lists/dicts as JSON."""
     divergence = {str(layer): float(value) for layer, value in record.divergence.items()}
     return (
-        int(record.round_id), record.device_id, int(bool(record.accepted)), str(record.reason),
-        int(record.num_samples), json.dumps([int(c) for c in record.class_counts]),
-        _optional_float(record.local_accuracy), json.dumps(divergence, sort_keys=True),
-        int(record.update_bytes), float(record.received_at), int(record.acquired_labels),
+        int(record.round_id),
+        record.device_id,
+        int(bool(record.accepted)),
+        str(record.reason),
+        int(record.num_samples),
+        json.dumps([int(c) for c in record.class_counts]),
+        _optional_float(record.local_accuracy),
+        json.dumps(divergence, sort_keys=True),
+        int(record.update_bytes),
+        float(record.received_at),
+        int(record.acquired_labels),
     )
 
 
@@ -251,10 +265,14 @@ class RunStore:
         if committed and committed[0][0] != model_hash:
             raise ValueError(f"round {round_id} is committed; its checkpoint {path} cannot be replaced")
         save_arrays(path, weights)
-        self._write([(
-            "INSERT OR REPLACE INTO checkpoints (round_id, model_hash, file_name, saved_at) VALUES (?, ?, ?, ?)",
-            (round_id, model_hash, path.name, time.time()),
-        )])
+        self._write(
+            [
+                (
+                    "INSERT OR REPLACE INTO checkpoints (round_id, model_hash, file_name, saved_at) VALUES (?, ?, ?, ?)",
+                    (round_id, model_hash, path.name, time.time()),
+                )
+            ]
+        )
         return model_hash
 
     def load_checkpoint(self, round_id: int) -> Weights:
@@ -275,7 +293,10 @@ class RunStore:
         return self._read("SELECT MAX(round_id) FROM checkpoints")[0][0]
 
     def commit_round(
-        self, record: RoundRecord, devices: Sequence[DeviceRoundRecord], strategy_state: StrategyState | None = None,
+        self,
+        record: RoundRecord,
+        devices: Sequence[DeviceRoundRecord],
+        strategy_state: StrategyState | None = None,
     ) -> None:
         """Records a closed round, its per-device records and the strategy's state after it in one transaction;
         a round commits only once."""
@@ -289,9 +310,16 @@ class RunStore:
         insert_device = f"INSERT INTO device_rounds VALUES ({placeholders})"
         statements = [(insert_round, _round_row(record))] + [(insert_device, _device_row(d)) for d in devices]
         if strategy_state is not None:
-            statements.append(("INSERT INTO strategy_state VALUES (?, ?, ?)", (
-                round_id, str(strategy_state.strategy), _to_json(strategy_state.state, f"round {round_id} strategy state"),
-            )))
+            statements.append(
+                (
+                    "INSERT INTO strategy_state VALUES (?, ?, ?)",
+                    (
+                        round_id,
+                        str(strategy_state.strategy),
+                        _to_json(strategy_state.state, f"round {round_id} strategy state"),
+                    ),
+                )
+            )
         try:
             self._write(statements)
         except sqlite3.IntegrityError as exc:
@@ -321,23 +349,30 @@ class RunStore:
         where, params = ("WHERE round_id = ?", (round_id,)) if round_id is not None else ("", ())
         rows = self._read(f"SELECT * FROM device_rounds {where} ORDER BY round_id, device_id", params)
         return [
-            DeviceRoundRecord(r[0], r[1], bool(r[2]), r[3], r[4], json.loads(r[5]), r[6], json.loads(r[7]), r[8], r[9],
-                              r[10])
+            DeviceRoundRecord(
+                r[0], r[1], bool(r[2]), r[3], r[4], json.loads(r[5]), r[6], json.loads(r[7]), r[8], r[9], r[10]
+            )
             for r in rows
         ]
 
     def record_rejection(self, round_id: int, device_id: str, reason: str, update_bytes: int) -> None:
         """Counts a rejected update at once, so the tally survives even if its round never commits."""
-        self._write([(
-            "INSERT INTO rejections (round_id, device_id, reason, update_bytes, recorded_at) VALUES (?, ?, ?, ?, ?)",
-            (check_round_id(round_id), str(device_id), str(reason), int(update_bytes), time.time()),
-        )])
+        self._write(
+            [
+                (
+                    "INSERT INTO rejections (round_id, device_id, reason, update_bytes, recorded_at) VALUES (?, ?, ?, ?, ?)",
+                    (check_round_id(round_id), str(device_id), str(reason), int(update_bytes), time.time()),
+                )
+            ]
+        )
 
     def revision(self) -> tuple:
         """Changes whenever the config is set, a round commits or a rejection is recorded: readers that cache what
         they read compare it instead of re-reading every record."""
-        return self._read("SELECT (SELECT body FROM config WHERE id = 1), (SELECT MAX(round_id) FROM rounds), "
-                          "(SELECT MAX(id) FROM rejections)")[0]
+        return self._read(
+            "SELECT (SELECT body FROM config WHERE id = 1), (SELECT MAX(round_id) FROM rounds), "
+            "(SELECT MAX(id) FROM rejections)"
+        )[0]
 
     def rejections(self) -> list[tuple[int, str, str, int, float]]:
         """Every rejected update as (round id, device id, reason, bytes, recorded at), in the order they came."""

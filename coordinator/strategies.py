@@ -6,8 +6,9 @@ import math
 import numbers
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -63,10 +64,7 @@ def weighted_average(weight_sets: Sequence[Weights], coefficients: Sequence[floa
         raise ValueError(f"got {len(coefficients)} coefficients for {len(weight_sets)} weight sets")
     _check_same_layout(weight_sets)
     normalised = _normalised(coefficients)
-    return {
-        name: _combine([weights[name] for weights in weight_sets], normalised)
-        for name in weight_sets[0]
-    }
+    return {name: _combine([weights[name] for weights in weight_sets], normalised) for name in weight_sets[0]}
 
 
 def _combine(arrays: Sequence[np.ndarray], coefficients: np.ndarray) -> np.ndarray:
@@ -384,7 +382,7 @@ class FMLU(WeightedAverageStrategy):
     """FMLU's server side: the memes averaged with weights exp(-H_c), H_c each meme's mean prediction entropy."""
 
     name = "fmlu"
-    required_metrics = {METRIC_MEME_ENTROPY: (0.0, math.log(NUM_CLASSES))}
+    required_metrics: ClassVar[Mapping[str, tuple[float, float]]] = {METRIC_MEME_ENTROPY: (0.0, math.log(NUM_CLASSES))}
 
     def coefficients(self, updates: Sequence[ClientUpdate]) -> np.ndarray:
         """w_c = exp(-H_c) / sum exp(-H_c')."""
@@ -418,8 +416,9 @@ def pairwise_cosine(vectors: np.ndarray) -> np.ndarray:
 def classifier_similarity(global_weights: Weights, client_weights: Sequence[Weights], layer: str) -> np.ndarray:
     """CADIS's Eq. 11: cosine similarity of the clients' classifier-weight changes vec(W_i - W_g)."""
     reference = global_weights[layer].astype(np.float64).ravel()
-    return pairwise_cosine(np.stack([weights[layer].astype(np.float64).ravel() - reference
-                                     for weights in client_weights]))
+    return pairwise_cosine(
+        np.stack([weights[layer].astype(np.float64).ravel() - reference for weights in client_weights])
+    )
 
 
 def accumulate_similarity(
@@ -477,7 +476,7 @@ def cadis_coefficients(num_samples: Sequence[int], sizes: Sequence[int]) -> np.n
 
 def next_threshold(threshold: float, step: int) -> float:
     """tau_{t+1} = min(tau_t * 1.0005^t, 0.985): the clustering threshold rises every round up to the cap."""
-    return min(threshold * CADIS_THRESHOLD_GROWTH ** step, CADIS_THRESHOLD_CAP)
+    return min(threshold * CADIS_THRESHOLD_GROWTH**step, CADIS_THRESHOLD_CAP)
 
 
 class CADIS(Strategy):
@@ -518,7 +517,8 @@ class CADIS(Strategy):
         report = {
             "coefficients": {device: float(a) for device, a in zip(device_ids, coefficients)},
             "cluster_sizes": {device: int(size) for device, size in zip(device_ids, sizes)},
-            "threshold": self.threshold, "layer": layer,
+            "threshold": self.threshold,
+            "layer": layer,
         }
         self.devices, self.sums, self.counts = devices, sums, counts
         self.threshold = next_threshold(self.threshold, self.step)
@@ -527,8 +527,13 @@ class CADIS(Strategy):
 
     def state(self) -> dict[str, Any]:
         """Devices in matrix order, similarity sums and counts, the current tau and step."""
-        return {"devices": list(self.devices), "sums": self.sums.tolist(), "counts": self.counts.tolist(),
-                "threshold": self.threshold, "step": self.step}
+        return {
+            "devices": list(self.devices),
+            "sums": self.sums.tolist(),
+            "counts": self.counts.tolist(),
+            "threshold": self.threshold,
+            "step": self.step,
+        }
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Restores state(); a malformed state is a ValueError that says what is wrong."""

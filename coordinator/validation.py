@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
 
 import numpy as np
 
 from edge_agent import wire
 from edge_agent.models import WeightSpec, check_weights_match
-
 
 METRIC_TOLERANCE = 1e-4
 
@@ -49,10 +48,14 @@ def validate_update(device_id: str, payload: bytes, expected: Expectation) -> wi
         expected.authenticate(update, expected.round_id)
     if update.round_id != expected.round_id:
         when = "stale" if update.round_id < expected.round_id else "future"
-        raise Rejection(f"{when} round: update is for round {update.round_id}, the current round is {expected.round_id}")
+        raise Rejection(
+            f"{when} round: update is for round {update.round_id}, the current round is {expected.round_id}"
+        )
     if update.base_hash != expected.base_hash:
-        raise Rejection(f"base model mismatch: update trained from {update.base_hash[:12]}, "
-                        f"round {expected.round_id} announced {expected.base_hash[:12]}")
+        raise Rejection(
+            f"base model mismatch: update trained from {update.base_hash[:12]}, "
+            f"round {expected.round_id} announced {expected.base_hash[:12]}"
+        )
     try:
         check_weights_match(expected.spec, update.tensors)
     except ValueError as error:

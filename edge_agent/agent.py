@@ -87,8 +87,14 @@ def device_seed(device_id: str) -> int:
 class Agent:
     """One device: follows the retained round announcements of its fleet and answers each with one update."""
 
-    def __init__(self, settings: AgentSettings, session: MqttSession, data: DeviceData, oracle: Oracle,
-                 background: BackgroundWork | None = None) -> None:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        session: MqttSession,
+        data: DeviceData,
+        oracle: Oracle,
+        background: BackgroundWork | None = None,
+    ) -> None:
         self.settings = settings
         self.session = session
         self.data = data
@@ -119,8 +125,13 @@ class Agent:
         self.session.subscribe(wire.round_topic(fleet))
         self.session.subscribe(wire.device_topic(fleet, device, "ack"))
         self.publish_status("online")
-        log.info("agent ready device=%s pool=%d labelled=%d last_round=%d",
-                 device, len(self.data.pool_indices()), self.data.num_labelled, self.last_finished_round)
+        log.info(
+            "agent ready device=%s pool=%d labelled=%d last_round=%d",
+            device,
+            len(self.data.pool_indices()),
+            self.data.num_labelled,
+            self.last_finished_round,
+        )
         try:
             while not self.stop_event.is_set():
                 message = self.session.next_message(timeout=0.5)
@@ -245,13 +256,17 @@ class Agent:
         acquisitions = recipe.acquisitions_per_round if acquires_in_round(round_id, recipe) else 0
         metrics: dict[str, float] = {}
         for step in range(max(acquisitions, 1 if participating else 0)):
-            seed = int(np.random.SeedSequence([recipe.seed, device_seed(self.settings.device_id),
-                                               round_id, step]).generate_state(1)[0])
+            seed = int(
+                np.random.SeedSequence(
+                    [recipe.seed, device_seed(self.settings.device_id), round_id, step]
+                ).generate_state(1)[0]
+            )
             started = time.monotonic()
             new_indices = new_labels = np.zeros(0, dtype=np.int64)
             if step < acquisitions:
-                new_indices, new_labels = self.acquire(model, global_model, announcement.model_hash, sampler, recipe,
-                                                       seed, round_id, step)
+                new_indices, new_labels = self.acquire(
+                    model, global_model, announcement.model_hash, sampler, recipe, seed, round_id, step
+                )
                 if len(new_indices) == 0:
                     log.warning("no new labels device=%s round=%d", self.settings.device_id, round_id)
                     break
@@ -259,9 +274,16 @@ class Agent:
                 data = self.local_data(new_indices, new_labels, round_in_active_round(round_id, recipe))
                 metrics = rule.train(model, data, global_model, recipe, seed)
                 save_arrays(self.data.state_dir / OWN_MODEL_FILE, get_weights(model))
-            log.info("step done device=%s round=%d step=%d new=%d labelled=%d trained=%s seconds=%.1f",
-                     self.settings.device_id, round_id, step + 1, len(new_indices), self.data.num_labelled,
-                     participating, time.monotonic() - started)
+            log.info(
+                "step done device=%s round=%d step=%d new=%d labelled=%d trained=%s seconds=%.1f",
+                self.settings.device_id,
+                round_id,
+                step + 1,
+                len(new_indices),
+                self.data.num_labelled,
+                participating,
+                time.monotonic() - started,
+            )
         if not participating:
             return None
         return wire.Update(
@@ -304,15 +326,22 @@ class Agent:
         return model
 
     def acquisition_context(
-        self, model: torch.nn.Module, global_model: torch.nn.Module, base_hash: str, pool: np.ndarray,
-        recipe: wire.Recipe, seed: int,
+        self,
+        model: torch.nn.Module,
+        global_model: torch.nn.Module,
+        base_hash: str,
+        pool: np.ndarray,
+        recipe: wire.Recipe,
+        seed: int,
     ) -> AcquisitionContext:
         """What the round's sampler may look at; each expensive view is computed once, on first use."""
         images = self.data.images(pool)
         normalised = functools.cache(lambda: normalise(images))  # KSAS needs it twice; other samplers never
         batch = self.settings.inference_batch
         return AcquisitionContext(
-            num_samples=len(pool), rng=np.random.default_rng(seed), class_counts=self.data.class_counts(),
+            num_samples=len(pool),
+            rng=np.random.default_rng(seed),
+            class_counts=self.data.class_counts(),
             options=recipe.options,
             probabilities=functools.cache(lambda: self.mc_probabilities(model, base_hash, images, recipe, seed)),
             own_logits=functools.cache(lambda: predict_logits(self.own_model(model), normalised(), batch)),
@@ -329,8 +358,15 @@ class Agent:
         return Embeddings(encoder.embed(pool_images), encoder.embed(self.data.images(indices)), labels)
 
     def acquire(
-        self, model: torch.nn.Module, global_model: torch.nn.Module, base_hash: str, sampler: Sampler,
-        recipe: wire.Recipe, seed: int, round_id: int, acquisition: int,
+        self,
+        model: torch.nn.Module,
+        global_model: torch.nn.Module,
+        base_hash: str,
+        sampler: Sampler,
+        recipe: wire.Recipe,
+        seed: int,
+        round_id: int,
+        acquisition: int,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Scores the pool, asks the oracle for the top b, stores the answers (and the sampler's weak labels for
         the rest); returns the new human labels (indices, labels).
@@ -376,13 +412,18 @@ class Agent:
     def mc_scorer(self, model: torch.nn.Module, base_hash: str) -> MCScorer:
         """The profile's MC-dropout back end over the model as it is now (after any local training this round)."""
         if self.settings.scores_with_onnxruntime:
-            return OrtMCDropout(self._bundles[base_hash], self.settings.inference_batch,
-                                threads=self.settings.inference_threads,
-                                providers=self.settings.execution_providers, weights=get_weights(model))
+            return OrtMCDropout(
+                self._bundles[base_hash],
+                self.settings.inference_batch,
+                threads=self.settings.inference_threads,
+                providers=self.settings.execution_providers,
+                weights=get_weights(model),
+            )
         return TorchMCDropout(model, self.settings.inference_batch)
 
-    def mc_probabilities(self, model: torch.nn.Module, base_hash: str, images: np.ndarray, recipe: wire.Recipe,
-                         seed: int) -> np.ndarray:
+    def mc_probabilities(
+        self, model: torch.nn.Module, base_hash: str, images: np.ndarray, recipe: wire.Recipe, seed: int
+    ) -> np.ndarray:
         """MC-dropout probabilities of raw pool images with the recipe's passes, capped by the profile."""
         passes = min(recipe.mc_passes, self.settings.mc_passes_cap or recipe.mc_passes)
         log.info("scoring backend=%s passes=%d images=%d", self.settings.backend, passes, len(images))
@@ -395,12 +436,16 @@ class Agent:
         weak_indices, weak_labels = self.data.weak_labels()
         keep = ~np.isin(replay_indices, new_indices)
         return LocalData(
-            new_images=self.data.images(new_indices), new_labels=new_labels,
-            replay_images=self.data.images(replay_indices[keep]), replay_labels=replay_labels[keep],
-            labelled_images=self.data.images(labelled_indices), labelled_labels=labelled_labels,
+            new_images=self.data.images(new_indices),
+            new_labels=new_labels,
+            replay_images=self.data.images(replay_indices[keep]),
+            replay_labels=replay_labels[keep],
+            labelled_images=self.data.images(labelled_indices),
+            labelled_labels=labelled_labels,
             unlabelled_images=self.data.images(self.data.pool_indices()),
             state_dir=self.data.state_dir,
-            weak_images=self.data.images(weak_indices), weak_labels=weak_labels,
+            weak_images=self.data.images(weak_indices),
+            weak_labels=weak_labels,
             round_in_active_round=round_in_active,
         )
 
@@ -419,9 +464,13 @@ class Agent:
     def publish_status(self, state: str, round_id: int | None = None) -> None:
         """Retained presence and progress for the coordinator and its dashboard."""
         status = wire.Status(
-            device_id=self.settings.device_id, state=state, timestamp=time.time(),
+            device_id=self.settings.device_id,
+            state=state,
+            timestamp=time.time(),
             round_id=self.last_finished_round if round_id is None else round_id,
-            labelled=self.data.num_labelled, profile=self.settings.profile,
+            labelled=self.data.num_labelled,
+            profile=self.settings.profile,
         )
-        self.session.publish(wire.device_topic(self.settings.fleet, self.settings.device_id, "status"),
-                             wire.encode(status), retain=True)
+        self.session.publish(
+            wire.device_topic(self.settings.fleet, self.settings.device_id, "status"), wire.encode(status), retain=True
+        )

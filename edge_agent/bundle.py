@@ -62,8 +62,10 @@ class Bundle:
         """The fp32 graph part's initializer names mapped to the model weights they hold."""
         mapping = self.manifest.get("initializers", {}).get(part)
         if not mapping:
-            raise BundleError(f"{self.path / MANIFEST_NAME}: no initializer map for the {part} graph "
-                              "(re-export the bundle with this version of fl-export)")
+            raise BundleError(
+                f"{self.path / MANIFEST_NAME}: no initializer map for the {part} graph "
+                "(re-export the bundle with this version of fl-export)"
+            )
         return dict(mapping)
 
     @property
@@ -72,8 +74,21 @@ class Bundle:
         return tuple(self.manifest["dropout"]["mask_inputs"])
 
 
-_REQUIRED_KEYS = ("format", "format_version", "model", "input_shape", "normalisation", "class_names", "weights_hash",
-                  "weights_file", "graphs", "files", "opset", "exporter", "dropout")
+_REQUIRED_KEYS = (
+    "format",
+    "format_version",
+    "model",
+    "input_shape",
+    "normalisation",
+    "class_names",
+    "weights_hash",
+    "weights_file",
+    "graphs",
+    "files",
+    "opset",
+    "exporter",
+    "dropout",
+)
 
 
 def _read_manifest(manifest_path: Path) -> dict[str, Any]:
@@ -90,8 +105,10 @@ def _read_manifest(manifest_path: Path) -> dict[str, Any]:
     if missing:
         raise BundleError(f"{manifest_path}: manifest lacks {', '.join(missing)}")
     if manifest["format_version"] != BUNDLE_VERSION:
-        raise BundleError(f"{manifest_path}: bundle format version {manifest['format_version']}, "
-                          f"this agent reads version {BUNDLE_VERSION}")
+        raise BundleError(
+            f"{manifest_path}: bundle format version {manifest['format_version']}, "
+            f"this agent reads version {BUNDLE_VERSION}"
+        )
     return manifest
 
 
@@ -110,8 +127,10 @@ def _check_listed_files(bundle_dir: Path, manifest: dict[str, Any]) -> None:
             raise BundleError(f"{path} is missing from the bundle")
         actual = file_sha256(path)
         if actual != expected:
-            raise BundleError(f"{path}: sha256 {actual[:16]}... does not match the manifest's {expected[:16]}... "
-                              "(corrupted or tampered)")
+            raise BundleError(
+                f"{path}: sha256 {actual[:16]}... does not match the manifest's {expected[:16]}... "
+                "(corrupted or tampered)"
+            )
 
 
 def load_bundle(path: Path | str) -> Bundle:

@@ -15,8 +15,13 @@ from edge_agent.credentials import Credentials, load_credentials
 from edge_agent.data import load_shard, open_device_data
 from edge_agent.field_options import add_field_arguments
 from edge_agent.logs import configure_logging
-from edge_agent.mqtt import DEFAULT_KEEPALIVE_SECONDS, BrokerAddress, BrokerUnavailableError, MqttSession, \
-    parse_broker_url
+from edge_agent.mqtt import (
+    DEFAULT_KEEPALIVE_SECONDS,
+    BrokerAddress,
+    BrokerUnavailableError,
+    MqttSession,
+    parse_broker_url,
+)
 from edge_agent.oracle import SimulatedOracle
 from edge_agent.profile import DeviceProfile, load_profile
 from edge_agent.score_command import BACKENDS, score_pool
@@ -35,13 +40,20 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--broker", required=True, help="mqtt://HOST:PORT or mqtts://HOST:PORT")
     run.add_argument("--fleet", help="fleet name (default: the credential file's)")
     run.add_argument("--device-id", help="this device's id (default: the credential file's)")
-    run.add_argument("--credentials", type=Path,
-                     help="credential file from `fl-coordinator provision`: broker login, TLS files, signing key")
-    run.add_argument("--data", type=Path,
-                     help="pool shard (.npz: images, the simulated oracle's labels, optional seeds); or --pool-dir")
+    run.add_argument(
+        "--credentials",
+        type=Path,
+        help="credential file from `fl-coordinator provision`: broker login, TLS files, signing key",
+    )
+    run.add_argument(
+        "--data",
+        type=Path,
+        help="pool shard (.npz: images, the simulated oracle's labels, optional seeds); or --pool-dir",
+    )
     run.add_argument("--state-dir", type=Path, help="where labels and progress persist (default ./agent-state/ID)")
-    run.add_argument("--profile", type=Path,
-                     help="device profile (firmware_configs/*.toml): back end, threads, batch, MC cap, MQTT")
+    run.add_argument(
+        "--profile", type=Path, help="device profile (firmware_configs/*.toml): back end, threads, batch, MC cap, MQTT"
+    )
     run.add_argument("--torch-threads", type=int, help="torch threads (default: the profile's, else 1)")
     run.add_argument("--inference-batch", type=int, help="images per scoring batch (default: the profile's, else 256)")
     run.add_argument("--exit-on-final", action="store_true", help="exit when the coordinator ends the run")
@@ -55,8 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--sampler", default="entropy")
     score.add_argument("--backend", choices=BACKENDS, help="default: the profile's, else onnxruntime")
     score.add_argument("--precision", choices=("fp32", "int8"), default="fp32", help="onnxruntime graphs to run")
-    score.add_argument("--batch", type=int,
-                       help="images per inference batch (default: the profile's, else 64 for onnxruntime, 256 for torch)")
+    score.add_argument(
+        "--batch",
+        type=int,
+        help="images per inference batch (default: the profile's, else 64 for onnxruntime, 256 for torch)",
+    )
     score.add_argument("--threads", type=int, help="intra-op threads (default: the profile's, else the runtime's)")
     score.add_argument("--limit", type=int, help="score only the first N pool images (capped by --profile)")
     score.add_argument("--profile", type=Path, help="a firmware_configs/*.toml device profile")
@@ -72,20 +87,35 @@ def run_score(args: argparse.Namespace) -> int:
     settings = {"backend": "onnxruntime", "batch": None, "threads": 0, "providers": ("CPUExecutionProvider",)}
     if args.profile is not None:
         profile = load_profile(args.profile)
-        settings = {"backend": profile.backend, "batch": profile.inference_batch, "threads": profile.threads,
-                    "providers": profile.execution_providers}
+        settings = {
+            "backend": profile.backend,
+            "batch": profile.inference_batch,
+            "threads": profile.threads,
+            "providers": profile.execution_providers,
+        }
         passes = min(passes, profile.mc_passes_cap)
         limit = min(limit or profile.pool_size_cap, profile.pool_size_cap)
-    result = score_pool(args.bundle, args.pool, passes, args.top, args.sampler,
-                        backend=args.backend or settings["backend"], batch_size=args.batch or settings["batch"],
-                        limit=limit, seed=args.seed, threads=args.threads or settings["threads"],
-                        precision=args.precision, providers=settings["providers"])
+    result = score_pool(
+        args.bundle,
+        args.pool,
+        passes,
+        args.top,
+        args.sampler,
+        backend=args.backend or settings["backend"],
+        batch_size=args.batch or settings["batch"],
+        limit=limit,
+        seed=args.seed,
+        threads=args.threads or settings["threads"],
+        precision=args.precision,
+        providers=settings["providers"],
+    )
     print(json.dumps(result))
     return 0
 
 
-def agent_settings(args: argparse.Namespace, profile: DeviceProfile | None,
-                   credentials: Credentials | None = None) -> "AgentSettings":
+def agent_settings(
+    args: argparse.Namespace, profile: DeviceProfile | None, credentials: Credentials | None = None
+) -> AgentSettings:
     """The agent's settings: command-line values first, then the credential file's and the profile's, then the
     bench defaults. A credential file for another device or fleet than the command line names is an error."""
     from edge_agent.agent import AgentSettings
@@ -95,19 +125,33 @@ def agent_settings(args: argparse.Namespace, profile: DeviceProfile | None,
     if not device_id or not fleet:
         raise ValueError("--device-id and --fleet are required without --credentials")
     if credentials is not None and (device_id, fleet) != (credentials.device_id, credentials.fleet):
-        raise ValueError(f"{args.credentials} belongs to device {credentials.device_id!r} of fleet "
-                         f"{credentials.fleet!r}, not {device_id!r} of {fleet!r}")
-    common = {"fleet": wire.check_identifier("fleet", fleet), "device_id": wire.check_identifier("device id", device_id),
-              "exit_on_final": args.exit_on_final, "stream": args.stream,
-              "signing_key": credentials.hmac_key if credentials else b""}
+        raise ValueError(
+            f"{args.credentials} belongs to device {credentials.device_id!r} of fleet "
+            f"{credentials.fleet!r}, not {device_id!r} of {fleet!r}"
+        )
+    common = {
+        "fleet": wire.check_identifier("fleet", fleet),
+        "device_id": wire.check_identifier("device id", device_id),
+        "exit_on_final": args.exit_on_final,
+        "stream": args.stream,
+        "signing_key": credentials.hmac_key if credentials else b"",
+    }
     if profile is None:
-        return AgentSettings(**common, torch_threads=args.torch_threads or 1,
-                             inference_batch=args.inference_batch or AgentSettings.inference_batch)
-    return AgentSettings(**common, profile=profile.name, backend=profile.backend,
-                         torch_threads=args.torch_threads or profile.threads,
-                         inference_batch=args.inference_batch or profile.inference_batch,
-                         inference_threads=profile.threads, execution_providers=profile.execution_providers,
-                         mc_passes_cap=profile.mc_passes_cap)
+        return AgentSettings(
+            **common,
+            torch_threads=args.torch_threads or 1,
+            inference_batch=args.inference_batch or AgentSettings.inference_batch,
+        )
+    return AgentSettings(
+        **common,
+        profile=profile.name,
+        backend=profile.backend,
+        torch_threads=args.torch_threads or profile.threads,
+        inference_batch=args.inference_batch or profile.inference_batch,
+        inference_threads=profile.threads,
+        execution_providers=profile.execution_providers,
+        mc_passes_cap=profile.mc_passes_cap,
+    )
 
 
 def broker_address(url: str, profile: DeviceProfile | None, credentials: Credentials | None = None) -> BrokerAddress:
@@ -115,8 +159,9 @@ def broker_address(url: str, profile: DeviceProfile | None, credentials: Credent
     files (which win) when one is given."""
     address = parse_broker_url(url)
     if profile is not None and address.tls:
-        address = dataclasses.replace(address, ca_file=profile.mqtt.tls_ca, cert_file=profile.mqtt.tls_cert,
-                                      key_file=profile.mqtt.tls_key)
+        address = dataclasses.replace(
+            address, ca_file=profile.mqtt.tls_ca, cert_file=profile.mqtt.tls_cert, key_file=profile.mqtt.tls_key
+        )
     return credentials.apply_to(address) if credentials is not None else address
 
 
@@ -133,9 +178,13 @@ def run_agent(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile) if args.profile is not None else None
     settings = agent_settings(args, profile, credentials)
     state_dir = args.state_dir or Path("agent-state") / settings.device_id
-    session = MqttSession(broker_address(args.broker, profile, credentials), client_id=settings.device_id,
-                          last_will=Agent.last_will(settings), max_payload_bytes=settings.max_update_bytes,
-                          keepalive=profile.mqtt.keepalive if profile else DEFAULT_KEEPALIVE_SECONDS)
+    session = MqttSession(
+        broker_address(args.broker, profile, credentials),
+        client_id=settings.device_id,
+        last_will=Agent.last_will(settings),
+        max_payload_bytes=settings.max_update_bytes,
+        keepalive=profile.mqtt.keepalive if profile else DEFAULT_KEEPALIVE_SECONDS,
+    )
     field = None
     if args.pool_dir is not None:
         field = open_field(args, state_dir, settings.model_name, settings.inference_batch, profile)

@@ -30,8 +30,14 @@ class Credentials:
 
     def apply_to(self, address: BrokerAddress) -> BrokerAddress:
         """The broker address with this client's username, password and TLS files filled in."""
-        return dataclasses.replace(address, username=self.username, password=self.password, ca_file=self.ca_file,
-                                   cert_file=self.cert_file, key_file=self.key_file)
+        return dataclasses.replace(
+            address,
+            username=self.username,
+            password=self.password,
+            ca_file=self.ca_file,
+            cert_file=self.cert_file,
+            key_file=self.key_file,
+        )
 
 
 def save_credentials(path: Path, credentials: Credentials) -> None:

@@ -1,6 +1,7 @@
 # Datasets (Fashion-MNIST IDX files), atomic file I/O, shards, and a device's persisted pool/labels/replay set.
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import io
 import json
@@ -9,10 +10,10 @@ import os
 import tempfile
 import zipfile
 import zlib
-import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Mapping
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -75,7 +76,7 @@ def read_idx(path: Path | str, limit: int | None = None) -> np.ndarray:
     then holds only what it scores); the rest of the file is not checked.
     """
     path = Path(path)
-    with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as handle:
+    with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as handle:
         magic = _read_exactly(handle, 4, path)
         if len(magic) < 4 or magic[0] != 0 or magic[1] != 0:
             raise ValueError(f"{path}: not an IDX file (bad magic number)")
@@ -95,8 +96,10 @@ def read_idx(path: Path | str, limit: int | None = None) -> np.ndarray:
         trailing = limit is None and len(_read_exactly(handle, 1, path)) > 0
     if len(raw) != expected or trailing:
         state = "truncated" if len(raw) < expected else "has trailing bytes"
-        raise ValueError(f"{path}: IDX data {state}: header {shape} needs {expected} bytes, file has "
-                         f"{len(raw)}{'+' if trailing else ''}")
+        raise ValueError(
+            f"{path}: IDX data {state}: header {shape} needs {expected} bytes, file has "
+            f"{len(raw)}{'+' if trailing else ''}"
+        )
     data = np.frombuffer(raw, dtype=dtype).reshape((count, *shape[1:]))
     return data.astype(dtype.newbyteorder("="))
 
@@ -261,7 +264,9 @@ def load_shard(path: Path | str) -> Shard:
         raise ValueError(f"{path}: a shard holds {', '.join(SHARD_ARRAYS)}, found {sorted(arrays)}")
     shard = Shard(**{name: arrays[name] for name in arrays})
     _check_shard(shard, str(path))
-    return dataclasses.replace(shard, labels=shard.labels.astype(np.int64), seed_labels=shard.seed_labels.astype(np.int64))
+    return dataclasses.replace(
+        shard, labels=shard.labels.astype(np.int64), seed_labels=shard.seed_labels.astype(np.int64)
+    )
 
 
 def _check_shard(shard: Shard, where: str) -> None:
@@ -294,7 +299,12 @@ def source_code(source: str) -> int:
 
 
 def _write_labelled(
-    path: Path, indices: np.ndarray, labels: np.ndarray, sources: np.ndarray, replay: np.ndarray, num_classes: int,
+    path: Path,
+    indices: np.ndarray,
+    labels: np.ndarray,
+    sources: np.ndarray,
+    replay: np.ndarray,
+    num_classes: int,
     replay_per_class: int,
 ) -> None:
     """Writes a device's labelled indices, labels, their sources, replay indices and settings as one atomic file."""
@@ -349,7 +359,11 @@ class DeviceData:
 
     @classmethod
     def initialise_store(
-        cls, state_dir: Path, replay_per_class: int, num_classes: int, pool_files: Mapping[str, bytes],
+        cls,
+        state_dir: Path,
+        replay_per_class: int,
+        num_classes: int,
+        pool_files: Mapping[str, bytes],
     ) -> None:
         """Writes the pool's files, an empty state and an empty labelled record (last: it marks a finished store)."""
         if replay_per_class < 0 or num_classes < 1:
@@ -360,8 +374,9 @@ class DeviceData:
             atomic_write_bytes(state_dir / name, content)
         atomic_write_bytes(state_dir / cls.STATE_FILE, b"{}")
         empty = np.zeros(0, dtype=np.int64)
-        _write_labelled(state_dir / cls.LABELS_FILE, empty, empty, empty.astype(np.int8), empty, num_classes,
-                        replay_per_class)
+        _write_labelled(
+            state_dir / cls.LABELS_FILE, empty, empty, empty.astype(np.int8), empty, num_classes, replay_per_class
+        )
 
     @classmethod
     def open(cls, state_dir: Path | str) -> DeviceData:
@@ -486,24 +501,33 @@ class DeviceData:
         A human label replaces a weak label on the same sample; a sample a person already labelled is an error.
         """
         if source_code(source) == source_code("weak"):
-            raise ValueError(f"add_labels takes human labels ({', '.join(HUMAN_SOURCES)}); weak labels go "
-                             "through set_weak_labels")
+            raise ValueError(
+                f"add_labels takes human labels ({', '.join(HUMAN_SOURCES)}); weak labels go through set_weak_labels"
+            )
         indices, labels = self._checked_new_labels(indices, labels, "add_labels")
         keep = ~np.isin(self._indices, indices)
-        self._write(np.concatenate([self._indices[keep], indices]), np.concatenate([self._labels[keep], labels]),
-                    np.concatenate([self._sources[keep], np.full(len(indices), source_code(source), dtype=np.int8)]),
-                    np.concatenate([self._replay, self._replay_additions(indices, labels)]))
+        self._write(
+            np.concatenate([self._indices[keep], indices]),
+            np.concatenate([self._labels[keep], labels]),
+            np.concatenate([self._sources[keep], np.full(len(indices), source_code(source), dtype=np.int8)]),
+            np.concatenate([self._replay, self._replay_additions(indices, labels)]),
+        )
         self._label_at[indices] = labels
 
     def set_weak_labels(self, indices: np.ndarray, labels: np.ndarray) -> None:
         """Replaces every weak label by these (atomically); weak labels never overwrite a human label."""
         indices, labels = self._checked_new_labels(indices, labels, "set_weak_labels")
         human = self._human_mask()
-        self._write(np.concatenate([self._indices[human], indices]), np.concatenate([self._labels[human], labels]),
-                    np.concatenate([self._sources[human], np.full(len(indices), source_code("weak"), dtype=np.int8)]),
-                    self._replay)
+        self._write(
+            np.concatenate([self._indices[human], indices]),
+            np.concatenate([self._labels[human], labels]),
+            np.concatenate([self._sources[human], np.full(len(indices), source_code("weak"), dtype=np.int8)]),
+            self._replay,
+        )
 
-    def _checked_new_labels(self, indices: np.ndarray, labels: np.ndarray, caller: str) -> tuple[np.ndarray, np.ndarray]:
+    def _checked_new_labels(
+        self, indices: np.ndarray, labels: np.ndarray, caller: str
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(indices, labels) as int64 after checking ranges, uniqueness and that no person labelled them yet."""
         indices = _as_index_array(indices, "indices")
         labels = _as_index_array(labels, "labels")
@@ -520,8 +544,9 @@ class DeviceData:
 
     def _write(self, indices: np.ndarray, labels: np.ndarray, sources: np.ndarray, replay: np.ndarray) -> None:
         """Persists the whole labelled record atomically, then adopts it in memory."""
-        _write_labelled(self.state_dir / self.LABELS_FILE, indices, labels, sources, replay, self.num_classes,
-                        self.replay_per_class)
+        _write_labelled(
+            self.state_dir / self.LABELS_FILE, indices, labels, sources, replay, self.num_classes, self.replay_per_class
+        )
         self._indices, self._labels, self._sources, self._replay = indices, labels, sources, replay
 
     def _replay_additions(self, indices: np.ndarray, labels: np.ndarray) -> np.ndarray:

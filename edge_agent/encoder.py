@@ -30,8 +30,10 @@ class OnnxEncoder:
 
     def embed(self, images: np.ndarray) -> np.ndarray:
         """(N, d) float32 embeddings of uint8 images (N, 28, 28), in batches."""
-        chunks = [self.session.run(None, {self.input_name: normalise(images[start:start + ENCODER_BATCH])})[0]
-                  for start in range(0, len(images), ENCODER_BATCH)]
+        chunks = [
+            self.session.run(None, {self.input_name: normalise(images[start : start + ENCODER_BATCH])})[0]
+            for start in range(0, len(images), ENCODER_BATCH)
+        ]
         if not chunks:
             return np.zeros((0, 0), dtype=np.float32)
         return np.concatenate(chunks).reshape(len(images), -1).astype(np.float32)

@@ -34,8 +34,15 @@ class StreamAcquirer:
     queries are written, so a crash can only under-spend the budget, never exceed it.
     """
 
-    def __init__(self, data: FolderDeviceData, oracle: FolderOracle, budget: BudgetSettings,
-                 model_name: str = "paper-cnn", passes: int = STREAM_PASSES, inference_batch: int = 256) -> None:
+    def __init__(
+        self,
+        data: FolderDeviceData,
+        oracle: FolderOracle,
+        budget: BudgetSettings,
+        model_name: str = "paper-cnn",
+        passes: int = STREAM_PASSES,
+        inference_batch: int = 256,
+    ) -> None:
         self.data = data
         self.oracle = oracle
         self.budget = budget
@@ -55,7 +62,8 @@ class StreamAcquirer:
             self._loaded = weights
         new = np.arange(first, end)
         probabilities = TorchMCDropout(self._model, self.inference_batch).probabilities(
-            normalise(self.data.images(new)), self.passes, seed=first)
+            normalise(self.data.images(new)), self.passes, seed=first
+        )
         scores = entropy_scores(probabilities)
         now = time.time()
         state = BudgetState.from_json(saved["budget"]) if "budget" in saved else start_state(self.budget, now)
@@ -67,8 +75,13 @@ class StreamAcquirer:
         self.data.set_state(STREAM_STATE_KEY, {"scored_upto": end, "budget": state.to_json()})
         self.oracle.start_round(round_id)
         self.oracle.ask(np.array(asked, dtype=np.int64))
-        log.info("stream scored new=%d asked=%d tokens=%.2f max_entropy=%.3f", len(new), len(asked), state.tokens,
-                 float(scores.max()))
+        log.info(
+            "stream scored new=%d asked=%d tokens=%.2f max_entropy=%.3f",
+            len(new),
+            len(asked),
+            state.tokens,
+            float(scores.max()),
+        )
 
 
 class FieldWork:
@@ -111,8 +124,9 @@ def _input_spec(manifest_path: Path | None) -> InputSpec:
     return InputSpec.from_manifest(manifest, str(manifest_path))
 
 
-def open_field(args: argparse.Namespace, state_dir: Path, model_name: str, inference_batch: int,
-               profile: DeviceProfile | None) -> FieldParts:
+def open_field(
+    args: argparse.Namespace, state_dir: Path, model_name: str, inference_batch: int, profile: DeviceProfile | None
+) -> FieldParts:
     """Opens the folder pool and the folder oracle for `edge-agent run --pool-dir`; starts the label page if asked."""
     pool_cap = profile.pool_size_cap if profile else DEFAULT_POOL_CAP
     oracle_dir = args.oracle_dir or state_dir / "labelling"
@@ -120,8 +134,9 @@ def open_field(args: argparse.Namespace, state_dir: Path, model_name: str, infer
     budget = None
     if args.stream:
         budget = BudgetSettings(args.labels_per_hour, args.label_burst or default_burst(args.labels_per_hour))
-    data = FolderDeviceData.open_folder(state_dir, args.pool_dir, pool_cap, _input_spec(args.manifest),
-                                        args.settle_seconds, skip_dirs=(oracle_dir,))
+    data = FolderDeviceData.open_folder(
+        state_dir, args.pool_dir, pool_cap, _input_spec(args.manifest), args.settle_seconds, skip_dirs=(oracle_dir,)
+    )
     book = QueryBook(oracle_dir)
     oracle = FolderOracle(book, data, args.answer_wait)
     stream = StreamAcquirer(data, oracle, budget, model_name, inference_batch=inference_batch) if budget else None

@@ -11,18 +11,36 @@ def add_field_arguments(run: argparse.ArgumentParser) -> None:
     """The options of a field device (a folder pool, the folder oracle, the label page, stream acquisition)."""
     field = run.add_argument_group("field device")
     field.add_argument("--pool-dir", type=Path, help="folder of JPEG/PNG images (a camera's); new files join the pool")
-    field.add_argument("--manifest", type=Path,
-                       help="a model bundle's manifest.json giving the input shape (default: the paper CNN's 1x28x28)")
-    field.add_argument("--oracle-dir", type=Path,
-                       help="where queries are copied and labels.csv is read (default STATE_DIR/labelling)")
-    field.add_argument("--answer-wait", type=float, default=120.0,
-                       help="seconds an acquisition waits for answers before training on what is answered")
+    field.add_argument(
+        "--manifest",
+        type=Path,
+        help="a model bundle's manifest.json giving the input shape (default: the paper CNN's 1x28x28)",
+    )
+    field.add_argument(
+        "--oracle-dir", type=Path, help="where queries are copied and labels.csv is read (default STATE_DIR/labelling)"
+    )
+    field.add_argument(
+        "--answer-wait",
+        type=float,
+        default=120.0,
+        help="seconds an acquisition waits for answers before training on what is answered",
+    )
     field.add_argument("--label-ui", metavar="[HOST:]PORT", help="serve the labelling page (loopback by default)")
     field.add_argument("--scan-interval", type=float, default=5.0, help="seconds between scans of the pool folder")
-    field.add_argument("--settle-seconds", type=float, default=DEFAULT_SETTLE_SECONDS,
-                       help="a file joins once unmodified this long (cameras may still be writing it)")
-    field.add_argument("--stream", action="store_true",
-                       help="score each new image on arrival and ask for it when its entropy passes the budget's threshold")
+    field.add_argument(
+        "--settle-seconds",
+        type=float,
+        default=DEFAULT_SETTLE_SECONDS,
+        help="a file joins once unmodified this long (cameras may still be writing it)",
+    )
+    field.add_argument(
+        "--stream",
+        action="store_true",
+        help="score each new image on arrival and ask for it when its entropy passes the budget's threshold",
+    )
     field.add_argument("--labels-per-hour", type=float, default=30.0, help="--stream's labelling budget")
-    field.add_argument("--label-burst", type=float,
-                       help="--stream: most labels asked at once (default: a quarter hour's budget, at least 1)")
+    field.add_argument(
+        "--label-burst",
+        type=float,
+        help="--stream: most labels asked at once (default: a quarter hour's budget, at least 1)",
+    )

@@ -88,8 +88,17 @@ class QueryBook:
             return []
         rows = list(csv.DictReader(io.StringIO(path.read_text())))
         try:
-            return [Query(row["file"], int(row["round_id"]), int(row["index"]), row["sha256"], row["source"],
-                          float(row["asked_at"])) for row in rows]
+            return [
+                Query(
+                    row["file"],
+                    int(row["round_id"]),
+                    int(row["index"]),
+                    row["sha256"],
+                    row["source"],
+                    float(row["asked_at"]),
+                )
+                for row in rows
+            ]
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}: not a query index ({exc})") from exc
 
@@ -120,8 +129,11 @@ class QueryBook:
         if not self.labels_path.is_file():
             return []
         rows = csv.reader(io.StringIO(self.labels_path.read_text(errors="replace")))
-        return [(number, row) for number, row in enumerate(rows, 1)
-                if row and tuple(cell.strip().lower() for cell in row) != LABELS_HEADER]
+        return [
+            (number, row)
+            for number, row in enumerate(rows, 1)
+            if row and tuple(cell.strip().lower() for cell in row) != LABELS_HEADER
+        ]
 
     def pending(self) -> list[Query]:
         """Queries with no answer in labels.csv yet."""
@@ -155,8 +167,14 @@ class FolderOracle(Oracle):
 
     name = "folder"
 
-    def __init__(self, book: QueryBook, data: FolderDeviceData, wait_seconds: float,
-                 stop_event: threading.Event | None = None, poll_seconds: float = 0.5) -> None:
+    def __init__(
+        self,
+        book: QueryBook,
+        data: FolderDeviceData,
+        wait_seconds: float,
+        stop_event: threading.Event | None = None,
+        poll_seconds: float = 0.5,
+    ) -> None:
         self.book = book
         self.data = data
         self.wait_seconds = wait_seconds
@@ -174,8 +192,12 @@ class FolderOracle(Oracle):
         new_queries = [self._copy(int(index)) for index in indices if int(index) not in asked]
         self.book.add(new_queries)
         if new_queries:
-            log.info("queries written round=%d new=%d folder=%s", self.round_id, len(new_queries),
-                     self.book.queries_dir / str(self.round_id))
+            log.info(
+                "queries written round=%d new=%d folder=%s",
+                self.round_id,
+                len(new_queries),
+                self.book.queries_dir / str(self.round_id),
+            )
         return new_queries
 
     def pending(self) -> np.ndarray:
@@ -199,8 +221,12 @@ class FolderOracle(Oracle):
             if self.stop_event.wait(self.poll_seconds):
                 break
         answered = self.collect()
-        log.info("answers collected round=%d answered=%d pending=%d", self.round_id, len(answered[0]),
-                 len(self.pending()) - len(answered[0]))
+        log.info(
+            "answers collected round=%d answered=%d pending=%d",
+            self.round_id,
+            len(answered[0]),
+            len(self.pending()) - len(answered[0]),
+        )
         return answered
 
     def _copy(self, index: int) -> Query:

@@ -8,9 +8,10 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -52,14 +53,20 @@ class InputSpec:
     def from_manifest(cls, manifest: Mapping[str, Any], where: str = "manifest") -> InputSpec:
         """The input shape of a model bundle's manifest, after checking its normalisation is the agent's own."""
         shape = manifest.get("input_shape")
-        if (not isinstance(shape, list) or len(shape) != 3 or not all(isinstance(d, int) and d > 0 for d in shape)
-                or shape[0] not in (1, 3)):
+        if (
+            not isinstance(shape, list)
+            or len(shape) != 3
+            or not all(isinstance(d, int) and d > 0 for d in shape)
+            or shape[0] not in (1, 3)
+        ):
             raise ValueError(f"{where}: input_shape must be [channels (1 or 3), height, width], got {shape!r}")
         norm = manifest.get("normalisation") or {}
         expected = {"scale": 1.0 / 255.0, "mean": FASHION_MNIST_MEAN, "std": FASHION_MNIST_STD}
         if not all(isinstance(norm.get(k), (int, float)) and math.isclose(norm[k], v) for k, v in expected.items()):
-            raise ValueError(f"{where}: normalisation {norm!r} differs from the agent's (pixel/255 - "
-                             f"{FASHION_MNIST_MEAN}) / {FASHION_MNIST_STD}")
+            raise ValueError(
+                f"{where}: normalisation {norm!r} differs from the agent's (pixel/255 - "
+                f"{FASHION_MNIST_MEAN}) / {FASHION_MNIST_STD}"
+            )
         return cls(*shape)
 
 
@@ -105,9 +112,15 @@ class FolderPool:
     ITEMS_FILE = "items.jsonl"
     IMAGES_FILE = "images.u8"
 
-    def __init__(self, pool_dir: Path | str, store_dir: Path | str, spec: InputSpec = MODEL_INPUT,
-                 settle_seconds: float = DEFAULT_SETTLE_SECONDS, quarantine_dir: Path | str | None = None,
-                 skip_dirs: tuple[Path, ...] = ()) -> None:
+    def __init__(
+        self,
+        pool_dir: Path | str,
+        store_dir: Path | str,
+        spec: InputSpec = MODEL_INPUT,
+        settle_seconds: float = DEFAULT_SETTLE_SECONDS,
+        quarantine_dir: Path | str | None = None,
+        skip_dirs: tuple[Path, ...] = (),
+    ) -> None:
         self.pool_dir = Path(pool_dir)
         if not self.pool_dir.is_dir():
             raise FileNotFoundError(f"pool folder {self.pool_dir} does not exist")
@@ -161,7 +174,9 @@ class FolderPool:
         found = []
         for root, dirs, files in os.walk(self.pool_dir):
             root_path = Path(root)
-            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and (root_path / d).resolve() not in self._skip_dirs)
+            dirs[:] = sorted(
+                d for d in dirs if not d.startswith(".") and (root_path / d).resolve() not in self._skip_dirs
+            )
             for name in files:
                 if name.startswith(".") or name.lower().endswith(SKIPPED_SUFFIXES):
                     continue
@@ -200,7 +215,7 @@ class FolderPool:
         """The stored items; an unfinished last line (a crash mid-append) is cut off."""
         path = self.store_dir / self.ITEMS_FILE
         raw = path.read_bytes() if path.is_file() else b""
-        complete = raw[:raw.rfind(b"\n") + 1]
+        complete = raw[: raw.rfind(b"\n") + 1]
         if len(complete) != len(raw):
             os.truncate(path, len(complete))
         items = []
@@ -242,20 +257,30 @@ class FolderDeviceData(DeviceData):
 
     POOL_STORE = "pool"
 
-    def __init__(self, state_dir: Path, pool: FolderPool, labelled: dict[str, np.ndarray], state: dict,
-                 pool_cap: int) -> None:
+    def __init__(
+        self, state_dir: Path, pool: FolderPool, labelled: dict[str, np.ndarray], state: dict, pool_cap: int
+    ) -> None:
         super().__init__(state_dir, pool.images(), labelled, state)
         self.pool = pool
         self.pool_cap = pool_cap
 
     @classmethod
-    def open_folder(cls, state_dir: Path | str, pool_dir: Path | str, pool_cap: int, spec: InputSpec = MODEL_INPUT,
-                    settle_seconds: float = DEFAULT_SETTLE_SECONDS, skip_dirs: tuple[Path, ...] = ()) -> FolderDeviceData:
+    def open_folder(
+        cls,
+        state_dir: Path | str,
+        pool_dir: Path | str,
+        pool_cap: int,
+        spec: InputSpec = MODEL_INPUT,
+        settle_seconds: float = DEFAULT_SETTLE_SECONDS,
+        skip_dirs: tuple[Path, ...] = (),
+    ) -> FolderDeviceData:
         """Resumes (or starts) the device's store for this folder and scans the folder once."""
         state_dir = Path(state_dir)
         if spec.record_shape != IMAGE_SHAPE:
-            raise ValueError(f"the agent's models take 1x{IMAGE_SHAPE[0]}x{IMAGE_SHAPE[1]} images, the manifest says "
-                             f"{spec.channels}x{spec.height}x{spec.width}")
+            raise ValueError(
+                f"the agent's models take 1x{IMAGE_SHAPE[0]}x{IMAGE_SHAPE[1]} images, the manifest says "
+                f"{spec.channels}x{spec.height}x{spec.width}"
+            )
         if pool_cap < 1:
             raise ValueError(f"the pool size cap must be positive, got {pool_cap}")
         if (state_dir / cls.IMAGES_FILE).exists():
@@ -278,7 +303,7 @@ class FolderDeviceData(DeviceData):
 
     def pool_indices(self) -> np.ndarray:
         """The newest pool_cap unlabelled items, ascending (oldest out first)."""
-        return super().pool_indices()[-self.pool_cap:]
+        return super().pool_indices()[-self.pool_cap :]
 
     def item(self, index: int) -> PoolItem:
         """The pool item at an index."""

@@ -15,9 +15,11 @@ log = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
 MAX_FORM_BYTES = 4096
 IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}
-PAGE_STYLE = ("body{font-family:sans-serif;margin:1em}.query{display:inline-block;border:1px solid #ccc;"
-              "margin:.5em;padding:.5em;width:15em;vertical-align:top}.query img{width:112px;height:112px;"
-              "image-rendering:pixelated;display:block;margin-bottom:.5em}button{margin:.1em}")
+PAGE_STYLE = (
+    "body{font-family:sans-serif;margin:1em}.query{display:inline-block;border:1px solid #ccc;"
+    "margin:.5em;padding:.5em;width:15em;vertical-align:top}.query img{width:112px;height:112px;"
+    "image-rendering:pixelated;display:block;margin-bottom:.5em}button{margin:.1em}"
+)
 
 
 def parse_listen_address(value: str) -> tuple[str, int]:
@@ -35,13 +37,18 @@ def render_page(book: QueryBook) -> str:
         name = html.escape(query.name, quote=True)
         buttons = "".join(
             f'<button type="submit" name="label" value="{number}" data-query="{name}">{html.escape(label)}</button>'
-            for number, label in enumerate(book.class_names))
-        cards.append(f'<div class="query" id="q-{name}"><img src="/image/{urllib.parse.quote(query.name)}" '
-                     f'alt="{name}"><form method="post" action="/label"><input type="hidden" name="query" '
-                     f'value="{name}">{buttons}</form><small>round {query.round_id} &middot; {name}</small></div>')
-    body = "".join(cards) or "<p id=\"empty\">Nothing to label.</p>"
-    return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>Label queries</title>"
-            f"<style>{PAGE_STYLE}</style></head><body><h1>Pending queries: {len(cards)}</h1>{body}</body></html>")
+            for number, label in enumerate(book.class_names)
+        )
+        cards.append(
+            f'<div class="query" id="q-{name}"><img src="/image/{urllib.parse.quote(query.name)}" '
+            f'alt="{name}"><form method="post" action="/label"><input type="hidden" name="query" '
+            f'value="{name}">{buttons}</form><small>round {query.round_id} &middot; {name}</small></div>'
+        )
+    body = "".join(cards) or '<p id="empty">Nothing to label.</p>'
+    return (
+        f'<!doctype html><html><head><meta charset="utf-8"><title>Label queries</title>'
+        f"<style>{PAGE_STYLE}</style></head><body><h1>Pending queries: {len(cards)}</h1>{body}</body></html>"
+    )
 
 
 def make_handler(book: QueryBook) -> type[BaseHTTPRequestHandler]:
@@ -57,7 +64,7 @@ def make_handler(book: QueryBook) -> type[BaseHTTPRequestHandler]:
                 self._send(HTTPStatus.OK, "text/html; charset=utf-8", render_page(book).encode())
                 return
             if path.startswith("/image/"):
-                name = urllib.parse.unquote(path[len("/image/"):])
+                name = urllib.parse.unquote(path[len("/image/") :])
                 query = next((q for q in book.queries() if q.name == name), None)
                 kind = IMAGE_TYPES.get(book.image_path(query).suffix.lower()) if query else None
                 if query is not None and kind is not None and book.image_path(query).is_file():

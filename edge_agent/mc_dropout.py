@@ -1,7 +1,7 @@
 # MC-dropout class probabilities: the deterministic prefix runs once per sample, the dropout tail r times.
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -64,8 +64,9 @@ class TorchMCDropout:
         self.model.eval()
         try:
             with torch.inference_mode():
-                return mc_probabilities(self._run_prefix, self._run_tail, self.spec, images, passes, seed,
-                                        self.batch_size)
+                return mc_probabilities(
+                    self._run_prefix, self._run_tail, self.spec, images, passes, seed, self.batch_size
+                )
         finally:
             self.model.train(was_training)
 
@@ -88,15 +89,16 @@ def predict_logits(model: nn.Module, images: np.ndarray, batch_size: int = 1000)
     return _predict(model, images, batch_size, lambda logits: logits)
 
 
-def _predict(model: nn.Module, images: np.ndarray, batch_size: int,
-             output: Callable[[torch.Tensor], torch.Tensor]) -> np.ndarray:
+def _predict(
+    model: nn.Module, images: np.ndarray, batch_size: int, output: Callable[[torch.Tensor], torch.Tensor]
+) -> np.ndarray:
     """output(model(batch)) over normalised images in batches, dropout off, the model's mode restored."""
     was_training = model.training
     model.eval()
     chunks = []
     with torch.inference_mode():
         for start in range(0, len(images), batch_size):
-            batch = torch.from_numpy(np.ascontiguousarray(images[start:start + batch_size], dtype=np.float32))
+            batch = torch.from_numpy(np.ascontiguousarray(images[start : start + batch_size], dtype=np.float32))
             chunks.append(output(model(batch)).numpy())
     model.train(was_training)
     return np.concatenate(chunks) if chunks else np.empty((0, 0), dtype=np.float32)

@@ -1,8 +1,9 @@
 # The MC-dropout scorer interface, seeded dropout masks, and the batching loop every back end shares (no torch).
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -52,8 +53,9 @@ def dropout_masks(rng: np.random.Generator, rows: int, spec: DropoutSpec) -> lis
     return masks
 
 
-def batch_masks(seed: int, first_image: int, count: int, passes: int, spec: DropoutSpec,
-                out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+def batch_masks(
+    seed: int, first_image: int, count: int, passes: int, spec: DropoutSpec, out: Sequence[np.ndarray] | None = None
+) -> list[np.ndarray]:
     """Masks for `count` images starting at `first_image`, pass-major rows (passes * count, *shape).
 
     Each image's masks come from a generator seeded with (seed, image index), so they depend neither on the
@@ -83,13 +85,21 @@ def check_pass_request(images: np.ndarray, passes: int, batch_size: int) -> None
     normalised = images.ndim == 4 and images.dtype == np.float32
     raw = images.ndim == 3 and images.dtype == np.uint8
     if not (normalised or raw):
-        raise ValueError("images must be normalised float32 shaped (N, 1, H, W) or raw uint8 shaped (N, H, W), "
-                         f"got {images.dtype} {images.shape}")
+        raise ValueError(
+            "images must be normalised float32 shaped (N, 1, H, W) or raw uint8 shaped (N, H, W), "
+            f"got {images.dtype} {images.shape}"
+        )
 
 
 def mc_probabilities(
-    prefix: PrefixFunction, tail: TailFunction, spec: DropoutSpec, images: np.ndarray, passes: int, seed: int,
-    batch_size: int, tail_rows: int | None = None,
+    prefix: PrefixFunction,
+    tail: TailFunction,
+    spec: DropoutSpec,
+    images: np.ndarray,
+    passes: int,
+    seed: int,
+    batch_size: int,
+    tail_rows: int | None = None,
 ) -> np.ndarray:
     """(passes, N, C) float32 probabilities ((passes, 0, 0) for no images): the prefix once per image, the tail r times.
 
@@ -107,7 +117,7 @@ def mc_probabilities(
     mask_buffers: list[np.ndarray] | None = None
     replication_buffer: np.ndarray | None = None
     for start in range(0, len(images), batch_size):
-        batch = images[start:start + batch_size]
+        batch = images[start : start + batch_size]
         features = prefix(normalise(batch) if batch.dtype == np.uint8 else np.ascontiguousarray(batch))
         count = len(features)
         masks = mask_buffers = batch_masks(seed, start, count, passes, spec, mask_buffers)
@@ -120,10 +130,10 @@ def mc_probabilities(
             if calls == 1:
                 replicated = features
             else:
-                replicated = replication_buffer[:calls * count]
+                replicated = replication_buffer[: calls * count]
                 replicated.reshape(calls, *features.shape)[...] = features
             probs = tail(replicated, [mask[rows] for mask in masks]).reshape(calls, count, -1)
             if start == 0 and first_pass == 0:
                 result = np.empty((passes, len(images), probs.shape[-1]), dtype=np.float32)
-            result[first_pass:first_pass + calls, start:start + count] = probs
+            result[first_pass : first_pass + calls, start : start + count] = probs
     return result

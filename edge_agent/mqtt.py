@@ -54,8 +54,11 @@ def parse_broker_url(url: str) -> BrokerAddress:
     except ValueError:
         raise ValueError(f"broker URL {url!r} has an invalid port") from None
     return BrokerAddress(
-        host=parsed.hostname, port=port, tls=parsed.scheme == "mqtts",
-        username=parsed.username, password=parsed.password,
+        host=parsed.hostname,
+        port=port,
+        tls=parsed.scheme == "mqtts",
+        username=parsed.username,
+        password=parsed.password,
     )
 
 
@@ -135,8 +138,11 @@ class MqttSession:
         if self._manual_ack:
             properties.ReceiveMaximum = MANUAL_ACK_WINDOW
         self._client.connect_async(
-            self.address.host, self.address.port, keepalive=self._keepalive,
-            clean_start=False, properties=properties,
+            self.address.host,
+            self.address.port,
+            keepalive=self._keepalive,
+            clean_start=False,
+            properties=properties,
         )
         self._client.loop_start()
         if not self._connected.wait(timeout):
@@ -160,7 +166,9 @@ class MqttSession:
             self._subscriptions.pop(topic, None)
         self._client.unsubscribe(topic)
 
-    def publish(self, topic: str, payload: bytes, retain: bool = False, qos: int = 1, wait: float | None = None) -> bool:
+    def publish(
+        self, topic: str, payload: bytes, retain: bool = False, qos: int = 1, wait: float | None = None
+    ) -> bool:
         """Publishes (QoS 1 by default) after checking the size. With `wait`, blocks up to `wait` seconds for the
         broker's confirmation and returns whether it came; without, returns True at once. While the broker is away
         a QoS 1 message waits in paho's queue and goes out on reconnect."""
@@ -202,8 +210,12 @@ class MqttSession:
             subscriptions = list(self._subscriptions.items())
         for topic, qos in subscriptions:
             client.subscribe(topic, qos=qos)
-        log.info("mqtt connected client=%s broker=%s session_present=%s",
-                 self.client_id, self.address.url, flags.session_present)
+        log.info(
+            "mqtt connected client=%s broker=%s session_present=%s",
+            self.client_id,
+            self.address.url,
+            flags.session_present,
+        )
         self._connected.set()
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
@@ -212,5 +224,6 @@ class MqttSession:
         self._connected.clear()
 
     def _on_message(self, client, userdata, message) -> None:
-        self._messages.put(IncomingMessage(message.topic, bytes(message.payload), bool(message.retain),
-                                           message.mid, message.qos))
+        self._messages.put(
+            IncomingMessage(message.topic, bytes(message.payload), bool(message.retain), message.mid, message.qos)
+        )

@@ -17,6 +17,7 @@ class Oracle(ABC):
 
     def start_round(self, round_id: int) -> None:
         """Told when a round starts, so queries can be grouped by round; nothing to do for an immediate oracle."""
+        return None
 
     def pending(self) -> np.ndarray:
         """Pool indices asked but not answered yet (they must not be asked again); none for an immediate oracle."""

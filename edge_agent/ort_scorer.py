@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -56,7 +56,8 @@ def shared_cpu_arena() -> bool:
         try:
             ort.create_and_register_allocator(
                 ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT),
-                ort.OrtArenaCfg(0, _ARENA_EXTEND_AS_REQUESTED, -1, -1))
+                ort.OrtArenaCfg(0, _ARENA_EXTEND_AS_REQUESTED, -1, -1),
+            )
             _shared_arena = True
         except (AttributeError, RuntimeError, ValueError) as error:  # older builds, or registered elsewhere
             log.debug("shared CPU arena not registered (%s); each session keeps its own", error)
@@ -96,8 +97,10 @@ def graph_with_weights(path: Path, overrides: Mapping[str, np.ndarray]) -> bytes
         if initializer.name in overrides:
             array = np.ascontiguousarray(overrides[initializer.name], dtype=np.float32)
             if tuple(initializer.dims) != array.shape:
-                raise ValueError(f"{path.name}: {initializer.name} has shape {tuple(initializer.dims)}, "
-                                 f"the replacement {array.shape}")
+                raise ValueError(
+                    f"{path.name}: {initializer.name} has shape {tuple(initializer.dims)}, "
+                    f"the replacement {array.shape}"
+                )
             initializer.CopyFrom(numpy_helper.from_array(array, initializer.name))
             replaced.add(initializer.name)
     missing = sorted(set(overrides) - replaced)
@@ -106,8 +109,9 @@ def graph_with_weights(path: Path, overrides: Mapping[str, np.ndarray]) -> bytes
     return model.SerializeToString()
 
 
-def _session(path: Path, threads: int, providers: Sequence[str],
-             overrides: Mapping[str, np.ndarray] | None = None) -> ort.InferenceSession:
+def _session(
+    path: Path, threads: int, providers: Sequence[str], overrides: Mapping[str, np.ndarray] | None = None
+) -> ort.InferenceSession:
     """An inference session with session_options(threads) on these providers; `overrides` replace the graph's
     initializers of those names."""
     model = str(path) if overrides is None else graph_with_weights(path, overrides)
@@ -132,9 +136,16 @@ class OrtMCDropout:
 
     name = "onnxruntime"
 
-    def __init__(self, bundle: Bundle, batch_size: int = DEFAULT_BATCH, precision: str = "fp32", threads: int = 0,
-                 providers: Sequence[str] = (CPU_PROVIDER,), tail_rows: int | None = TAIL_ROWS,
-                 weights: Mapping[str, np.ndarray] | None = None) -> None:
+    def __init__(
+        self,
+        bundle: Bundle,
+        batch_size: int = DEFAULT_BATCH,
+        precision: str = "fp32",
+        threads: int = 0,
+        providers: Sequence[str] = (CPU_PROVIDER,),
+        tail_rows: int | None = TAIL_ROWS,
+        weights: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
         """`weights` (fp32 only) replace the bundle's own, e.g. a device's model after local training."""
         if weights is not None and precision != "fp32":
             raise ValueError(f"only fp32 graphs take replacement weights, not {precision} ones")
@@ -143,9 +154,14 @@ class OrtMCDropout:
         self.precision = precision
         chosen = select_providers(providers)
         self._prefix, self._tail = (
-            _session(bundle.graph_path(precision, part), threads, chosen,
-                     None if weights is None else initializer_overrides(bundle, part, weights))
-            for part in ("prefix", "tail"))
+            _session(
+                bundle.graph_path(precision, part),
+                threads,
+                chosen,
+                None if weights is None else initializer_overrides(bundle, part, weights),
+            )
+            for part in ("prefix", "tail")
+        )
         self._prefix_input = self._prefix.get_inputs()[0].name
         self._feature_input = self._tail.get_inputs()[0].name
         self._mask_inputs = bundle.mask_inputs
@@ -154,8 +170,9 @@ class OrtMCDropout:
     def probabilities(self, images: np.ndarray, passes: int, seed: int) -> np.ndarray:
         """MC-dropout softmax outputs (passes, N, C) for normalised float32 (N, 1, 28, 28) or raw uint8 (N, 28, 28)
         images; raw images are normalised one batch at a time."""
-        return mc_probabilities(self._run_prefix, self._run_tail, self.spec, images, passes, seed, self.batch_size,
-                                self.tail_rows)
+        return mc_probabilities(
+            self._run_prefix, self._run_tail, self.spec, images, passes, seed, self.batch_size, self.tail_rows
+        )
 
     def _run_prefix(self, images: np.ndarray) -> np.ndarray:
         """Prefix features of a batch."""

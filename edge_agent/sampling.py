@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Mapping, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
@@ -233,7 +234,9 @@ def ksas_scores(own_logits: np.ndarray, global_logits: np.ndarray, class_counts:
     own_logits = np.asarray(own_logits, dtype=np.float64)
     global_logits = np.asarray(global_logits, dtype=np.float64)
     if own_logits.ndim != 2 or own_logits.shape != global_logits.shape:
-        raise ValueError(f"logits must be two (N, C) arrays of one shape, got {own_logits.shape} and {global_logits.shape}")
+        raise ValueError(
+            f"logits must be two (N, C) arrays of one shape, got {own_logits.shape} and {global_logits.shape}"
+        )
     bias = class_prior_bias(class_counts, lam)
     if bias.shape != own_logits.shape[1:]:
         raise ValueError(f"{len(bias)} class counts for {own_logits.shape[1]} classes")
@@ -250,8 +253,12 @@ class KsasSampler(Sampler):
 
     def score_pool(self, context: AcquisitionContext) -> np.ndarray:
         """ksas_scores of the own model and the downloaded global model, lambda from the recipe (default 1)."""
-        return ksas_scores(context.own_logits(), context.global_logits(), context.class_counts,
-                           float(context.options.get("lambda", 1.0)))
+        return ksas_scores(
+            context.own_logits(),
+            context.global_logits(),
+            context.class_counts,
+            float(context.options.get("lambda", 1.0)),
+        )
 
 
 def _unit_rows(vectors: np.ndarray) -> np.ndarray:
@@ -271,8 +278,9 @@ def _check_reference(embeddings: np.ndarray, reference: np.ndarray, labels: np.n
         raise ValueError(f"need one label in [0, {num_classes}) per reference embedding")
 
 
-def prototype_similarities(embeddings: np.ndarray, reference: np.ndarray, labels: np.ndarray,
-                           num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+def prototype_similarities(
+    embeddings: np.ndarray, reference: np.ndarray, labels: np.ndarray, num_classes: int
+) -> tuple[np.ndarray, np.ndarray]:
     """FAST Eq. 7: (s, seeded) with s[i, c] = mean cosine of sample i to the seeds of class c (0 where unseeded)."""
     _check_reference(embeddings, reference, labels, num_classes)
     cosines = _unit_rows(embeddings) @ _unit_rows(reference).T
@@ -290,7 +298,9 @@ def prototype_entropy(similarities: np.ndarray, seeded: np.ndarray) -> np.ndarra
     return -np.sum(np.where(seeded, np.exp(log_p) * log_p, 0.0), axis=-1)
 
 
-def knn_labels(embeddings: np.ndarray, reference: np.ndarray, labels: np.ndarray, k: int, num_classes: int) -> np.ndarray:
+def knn_labels(
+    embeddings: np.ndarray, reference: np.ndarray, labels: np.ndarray, k: int, num_classes: int
+) -> np.ndarray:
     """FAST's weak labels: majority vote of the k nearest references in L2 (k clipped to their count); ties go
     to the lowest class, equal distances to the earlier reference."""
     _check_reference(embeddings, reference, labels, num_classes)
@@ -298,9 +308,10 @@ def knn_labels(embeddings: np.ndarray, reference: np.ndarray, labels: np.ndarray
         raise ValueError(f"k must be at least 1, got {k}")
     embeddings = np.asarray(embeddings, dtype=np.float64)
     reference = np.asarray(reference, dtype=np.float64)
-    distances = (np.sum(embeddings ** 2, axis=1, keepdims=True) - 2.0 * embeddings @ reference.T
-                 + np.sum(reference ** 2, axis=1))
-    nearest = np.argsort(distances, axis=1, kind="stable")[:, :min(k, len(reference))]
+    distances = (
+        np.sum(embeddings**2, axis=1, keepdims=True) - 2.0 * embeddings @ reference.T + np.sum(reference**2, axis=1)
+    )
+    nearest = np.argsort(distances, axis=1, kind="stable")[:, : min(k, len(reference))]
     votes = np.eye(num_classes, dtype=np.int64)[np.asarray(labels, dtype=np.int64)[nearest]].sum(axis=1)
     return np.argmax(votes, axis=1)
 

@@ -5,8 +5,9 @@ import resource
 import sys
 import time
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -40,8 +41,10 @@ def load_pool_images(path: Path, limit: int | None = None) -> np.ndarray:
     pools are read once as uint8 (an IDX file only up to `limit` images). Images are normalised a batch at a time while scoring.
     """
     if path.is_dir():
-        raise ValueError(f"{path} is a folder; image folders are not supported yet: pass an IDX images file, a "
-                         "shard .npz or an .npy array")
+        raise ValueError(
+            f"{path} is a folder; image folders are not supported yet: pass an IDX images file, a "
+            "shard .npz or an .npy array"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"pool file {path} does not exist")
     if path.suffix == ".npy":
@@ -56,8 +59,14 @@ def load_pool_images(path: Path, limit: int | None = None) -> np.ndarray:
     return images
 
 
-def make_scorer(backend: str, bundle: Bundle, batch_size: int, threads: int = 0, precision: str = "fp32",
-                providers: Sequence[str] = (CPU_PROVIDER,)) -> MCScorer:
+def make_scorer(
+    backend: str,
+    bundle: Bundle,
+    batch_size: int,
+    threads: int = 0,
+    precision: str = "fp32",
+    providers: Sequence[str] = (CPU_PROVIDER,),
+) -> MCScorer:
     """The bundle's model behind one back end; each back end's runtime is imported only when it is chosen."""
     if backend == "onnxruntime":
         from edge_agent.ort_scorer import OrtMCDropout
@@ -78,9 +87,20 @@ def peak_rss_mb() -> float:
     return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
 
 
-def score_pool(bundle_path: Path, pool_path: Path, passes: int, top: int, sampler: str, backend: str = "onnxruntime",
-               batch_size: int | None = None, limit: int | None = None, seed: int = 0, threads: int = 0,
-               precision: str = "fp32", providers: Sequence[str] = (CPU_PROVIDER,)) -> dict[str, Any]:
+def score_pool(
+    bundle_path: Path,
+    pool_path: Path,
+    passes: int,
+    top: int,
+    sampler: str,
+    backend: str = "onnxruntime",
+    batch_size: int | None = None,
+    limit: int | None = None,
+    seed: int = 0,
+    threads: int = 0,
+    precision: str = "fp32",
+    providers: Sequence[str] = (CPU_PROVIDER,),
+) -> dict[str, Any]:
     """Scores a pool and returns the selection with images_per_second and peak_rss_mb (the command's JSON).
 
     The pool stays uint8 (memory-mapped for .npy) and is normalised a batch at a time; batch_size None is the
@@ -97,7 +117,16 @@ def score_pool(bundle_path: Path, pool_path: Path, passes: int, top: int, sample
     scores = heuristic.scores(probabilities, len(images), np.random.default_rng(seed))
     selected = top_k(scores, top)
     seconds = time.perf_counter() - started
-    return {"backend": scorer.name, "precision": precision, "passes": passes, "sampler": sampler,
-            "images": len(images), "batch": batch_size, "selected": len(selected), "seconds": round(seconds, 4),
-            "images_per_second": round(len(images) / seconds, 2) if seconds > 0 else None,
-            "peak_rss_mb": round(peak_rss_mb(), 1), "indices": selected.tolist()}
+    return {
+        "backend": scorer.name,
+        "precision": precision,
+        "passes": passes,
+        "sampler": sampler,
+        "images": len(images),
+        "batch": batch_size,
+        "selected": len(selected),
+        "seconds": round(seconds, 4),
+        "images_per_second": round(len(images) / seconds, 2) if seconds > 0 else None,
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "indices": selected.tolist(),
+    }

@@ -47,15 +47,23 @@ class BudgetState:
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able form, for the agent's persisted state."""
-        return {"tokens": self.tokens, "updated_at": self.updated_at, "scores": list(self.scores),
-                "times": list(self.times)}
+        return {
+            "tokens": self.tokens,
+            "updated_at": self.updated_at,
+            "scores": list(self.scores),
+            "times": list(self.times),
+        }
 
     @classmethod
     def from_json(cls, value: Any) -> BudgetState:
         """Reads to_json's form back; ValueError if it is not that."""
         try:
-            state = cls(float(value["tokens"]), float(value["updated_at"]),
-                        tuple(float(s) for s in value["scores"]), tuple(float(t) for t in value["times"]))
+            state = cls(
+                float(value["tokens"]),
+                float(value["updated_at"]),
+                tuple(float(s) for s in value["scores"]),
+                tuple(float(t) for t in value["times"]),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a stream budget state: {value!r} ({exc})") from exc
         if len(state.scores) != len(state.times):
@@ -96,6 +104,10 @@ def decide(state: BudgetState, score: float, now: float, settings: BudgetSetting
     tokens = refill(state.tokens, now - state.updated_at, settings)
     threshold = score_threshold(np.asarray(state.scores), np.asarray(state.times), settings)
     query = score >= threshold and tokens >= 1.0
-    after = BudgetState(tokens - (1.0 if query else 0.0), max(now, state.updated_at),
-                        (state.scores + (float(score),))[-settings.window:], (state.times + (now,))[-settings.window:])
+    after = BudgetState(
+        tokens - (1.0 if query else 0.0),
+        max(now, state.updated_at),
+        (state.scores + (float(score),))[-settings.window :],
+        (state.times + (now,))[-settings.window :],
+    )
     return query, after

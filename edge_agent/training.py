@@ -5,9 +5,9 @@ import copy
 import logging
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -53,8 +53,10 @@ class LocalData:
 
     def training_set(self) -> tuple[np.ndarray, np.ndarray]:
         """Human labels followed by weak labels: what a rule that trains on 'the labelled set' uses."""
-        return (np.concatenate([self.labelled_images, self.weak_images]),
-                np.concatenate([self.labelled_labels, self.weak_labels]).astype(np.int64))
+        return (
+            np.concatenate([self.labelled_images, self.weak_images]),
+            np.concatenate([self.labelled_labels, self.weak_labels]).astype(np.int64),
+        )
 
     def class_counts(self) -> np.ndarray:
         """Human labels per class (n_k of KAFAL)."""
@@ -81,7 +83,7 @@ class TrainSettings:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; known: {', '.join(OPTIMIZERS)}")
 
     @classmethod
-    def from_recipe(cls, recipe: Recipe, seed: int) -> "TrainSettings":
+    def from_recipe(cls, recipe: Recipe, seed: int) -> TrainSettings:
         """The SGD part of a round recipe, with a per-device, per-acquisition seed."""
         return cls(recipe.epochs, recipe.batch_size, recipe.learning_rate, recipe.momentum, recipe.weight_decay, seed)
 
@@ -89,22 +91,28 @@ class TrainSettings:
         """A fresh optimizer over the model's parameters."""
         if self.optimizer == "adam":
             return torch.optim.Adam(model.parameters(), lr=self.learning_rate, weight_decay=self.weight_decay)
-        return torch.optim.SGD(model.parameters(), lr=self.learning_rate, momentum=self.momentum,
-                               weight_decay=self.weight_decay)
+        return torch.optim.SGD(
+            model.parameters(), lr=self.learning_rate, momentum=self.momentum, weight_decay=self.weight_decay
+        )
 
 
 def train_supervised(model: nn.Module, images: np.ndarray, labels: np.ndarray, settings: TrainSettings) -> float:
     """Trains in place with dropout on, shuffled mini-batches, a fresh optimizer; returns the last epoch's mean loss."""
-    return run_epochs([model], images, labels, settings,
-                      lambda inputs, targets: nn.functional.cross_entropy(model(inputs), targets))
+    return run_epochs(
+        [model], images, labels, settings, lambda inputs, targets: nn.functional.cross_entropy(model(inputs), targets)
+    )
 
 
 BatchLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def run_epochs(
-    models: Sequence[nn.Module], images: np.ndarray, labels: np.ndarray, settings: TrainSettings,
-    batch_loss: BatchLoss, min_batch: int = 1,
+    models: Sequence[nn.Module],
+    images: np.ndarray,
+    labels: np.ndarray,
+    settings: TrainSettings,
+    batch_loss: BatchLoss,
+    min_batch: int = 1,
 ) -> float:
     """The training loop every rule shares: E seeded epochs of shuffled mini-batches, one fresh optimizer per model.
 
@@ -114,7 +122,9 @@ def run_epochs(
     if len(images) != len(labels):
         raise ValueError(f"{len(images)} images but {len(labels)} labels")
     if settings.batch_size < min_batch:
-        raise ValueError(f"this rule needs batches of at least {min_batch} samples, got batch size {settings.batch_size}")
+        raise ValueError(
+            f"this rule needs batches of at least {min_batch} samples, got batch size {settings.batch_size}"
+        )
     if len(images) < min_batch:
         return float("nan")
     inputs = torch.from_numpy(normalise(images))
@@ -130,7 +140,7 @@ def run_epochs(
             order = torch.randperm(len(inputs), generator=generator)
             total, seen = 0.0, 0
             for start in range(0, len(order), settings.batch_size):
-                batch = order[start:start + settings.batch_size]
+                batch = order[start : start + settings.batch_size]
                 if len(batch) < min_batch:
                     continue
                 for optimizer in optimizers:
@@ -154,7 +164,9 @@ class LocalRule(ABC):
     reported_metrics: tuple[str, ...] = ()
 
     @abstractmethod
-    def train(self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int) -> dict[str, float]:
+    def train(
+        self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int
+    ) -> dict[str, float]:
         """Trains `model` (which starts as a copy of `global_model`) and returns scalar metrics."""
 
 
@@ -163,7 +175,9 @@ class OnlineReplaySGD(LocalRule):
 
     name = "online-replay"
 
-    def train(self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int) -> dict[str, float]:
+    def train(
+        self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int
+    ) -> dict[str, float]:
         """Trains on new ∪ replay only; older labels stay in the store but are not revisited (online learning)."""
         images = np.concatenate([data.new_images, data.replay_images])
         labels = np.concatenate([data.new_labels, data.replay_labels])
@@ -197,23 +211,32 @@ def confidence_coefficients(logits: torch.Tensor) -> torch.Tensor:
 
 
 def mutual_losses(
-    local_logits: torch.Tensor, meme_logits: torch.Tensor, targets: torch.Tensor,
-    local_coefficients: torch.Tensor, meme_coefficients: torch.Tensor,
+    local_logits: torch.Tensor,
+    meme_logits: torch.Tensor,
+    targets: torch.Tensor,
+    local_coefficients: torch.Tensor,
+    meme_coefficients: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(L_local, L_meme) of deep mutual learning: each model's CE plus its per-sample weighted, batch-mean KL
     towards the other model's detached prediction."""
-    local_loss = nn.functional.cross_entropy(local_logits, targets) \
+    local_loss = (
+        nn.functional.cross_entropy(local_logits, targets)
         + (local_coefficients * distillation_kl(meme_logits, local_logits)).mean()
-    meme_loss = nn.functional.cross_entropy(meme_logits, targets) \
+    )
+    meme_loss = (
+        nn.functional.cross_entropy(meme_logits, targets)
         + (meme_coefficients * distillation_kl(local_logits, meme_logits)).mean()
+    )
     return local_loss, meme_loss
 
 
-def dmlu_losses(local_logits: torch.Tensor, meme_logits: torch.Tensor, targets: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def dmlu_losses(
+    local_logits: torch.Tensor, meme_logits: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """FMLU's Eq. 3-4: L_local = CE + e^{-H(p_meme)} KL(p_meme||p_local), L_meme = CE + e^{-H(p_local)} KL(p_local||p_meme)."""
-    return mutual_losses(local_logits, meme_logits, targets,
-                         confidence_coefficients(meme_logits), confidence_coefficients(local_logits))
+    return mutual_losses(
+        local_logits, meme_logits, targets, confidence_coefficients(meme_logits), confidence_coefficients(local_logits)
+    )
 
 
 def mean_prediction_entropy(model: nn.Module, images: np.ndarray, batch_size: int = 256) -> float:
@@ -224,7 +247,7 @@ def mean_prediction_entropy(model: nn.Module, images: np.ndarray, batch_size: in
     total = 0.0
     with torch.no_grad():
         for start in range(0, len(images), batch_size):
-            inputs = torch.from_numpy(normalise(images[start:start + batch_size]))
+            inputs = torch.from_numpy(normalise(images[start : start + batch_size]))
             total += float(prediction_entropy(model(inputs)).sum())
     return total / len(images)
 
@@ -253,7 +276,9 @@ class DMLU(LocalRule):
     name = "dmlu"
     reported_metrics = (METRIC_MEME_ENTROPY,)
 
-    def train(self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int) -> dict[str, float]:
+    def train(
+        self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int
+    ) -> dict[str, float]:
         """Trains meme and L^c together for E epochs on all labelled data; returns {meme_entropy: H_c}."""
         if data.state_dir is None:
             raise ValueError("the dmlu rule keeps a private model and needs the device's state_dir")
@@ -263,8 +288,13 @@ class DMLU(LocalRule):
             local_loss, meme_loss = dmlu_losses(private(inputs), model(inputs), targets)
             return local_loss + meme_loss
 
-        loss = run_epochs([private, model], data.labelled_images, data.labelled_labels,
-                          TrainSettings.from_recipe(recipe, seed), batch_loss)
+        loss = run_epochs(
+            [private, model],
+            data.labelled_images,
+            data.labelled_labels,
+            TrainSettings.from_recipe(recipe, seed),
+            batch_loss,
+        )
         save_arrays(private_model_path(data.state_dir), get_weights(private))
         entropy = mean_prediction_entropy(model, data.labelled_images)
         log.info("dmlu trained samples=%d loss=%.4f meme_entropy=%.4f", len(data.labelled_labels), loss, entropy)
@@ -297,7 +327,9 @@ class CadisKD(LocalRule):
 
     name = "cadis-kd"
 
-    def train(self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int) -> dict[str, float]:
+    def train(
+        self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int
+    ) -> dict[str, float]:
         """Trains `model` in place; the recipe option kd_weight (default 1.0) scales the distillation term."""
         kd_weight = recipe_option(recipe, KD_WEIGHT_OPTION, DEFAULT_KD_WEIGHT)
         teacher = copy.deepcopy(global_model).eval()
@@ -306,10 +338,18 @@ class CadisKD(LocalRule):
             features, logits = model.features_and_logits(inputs)
             with torch.no_grad():
                 teacher_features, _ = teacher.features_and_logits(inputs)
-            return nn.functional.cross_entropy(logits, targets) + kd_weight * relational_kd_loss(features, teacher_features)
+            return nn.functional.cross_entropy(logits, targets) + kd_weight * relational_kd_loss(
+                features, teacher_features
+            )
 
-        loss = run_epochs([model], data.labelled_images, data.labelled_labels, TrainSettings.from_recipe(recipe, seed),
-                          batch_loss, min_batch=MIN_KD_BATCH)
+        loss = run_epochs(
+            [model],
+            data.labelled_images,
+            data.labelled_labels,
+            TrainSettings.from_recipe(recipe, seed),
+            batch_loss,
+            min_batch=MIN_KD_BATCH,
+        )
         return {"train_loss": loss, "train_samples": float(len(data.labelled_labels))}
 
 
@@ -326,7 +366,9 @@ class FedProx(LocalRule):
 
     name = "fedprox"
 
-    def train(self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int) -> dict[str, float]:
+    def train(
+        self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int
+    ) -> dict[str, float]:
         """Minimises CE + (mu/2)||w - w^t||^2 per mini-batch."""
         mu = recipe_option(recipe, "mu", 0.01)
         anchors = [parameter.detach().clone() for parameter in global_model.parameters()]
@@ -358,8 +400,13 @@ def compensation_weights(class_counts: np.ndarray) -> np.ndarray:
     return inverse / total if total > 0 else inverse
 
 
-def compensation_loss(student: nn.Module, teacher: nn.Module, unlabelled: torch.Tensor, class_counts: np.ndarray,
-                      generator: torch.Generator) -> torch.Tensor:
+def compensation_loss(
+    student: nn.Module,
+    teacher: nn.Module,
+    unlabelled: torch.Tensor,
+    class_counts: np.ndarray,
+    generator: torch.Generator,
+) -> torch.Tensor:
     """KAFAL Eq. 5 on one unlabelled batch: Gamma-weighted KL(teacher || student) on mixup of the batch.
 
     x~ = beta x'_1 + (1-beta) x'_2 with beta ~ Beta(2,2) per sample and the partner from a random permutation;
@@ -383,7 +430,9 @@ class KCFU(LocalRule):
 
     name = "kcfu"
 
-    def train(self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int) -> dict[str, float]:
+    def train(
+        self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int
+    ) -> dict[str, float]:
         """L = L_client in round 1 of the active round, else nu L_client + (1 - nu) L_comp (Eq. 6, nu default 0.5)."""
         nu = recipe_option(recipe, "nu", 0.5)
         if nu > 1.0:
@@ -401,15 +450,17 @@ class KCFU(LocalRule):
             batch = unlabelled[torch.randint(len(unlabelled), (len(inputs),), generator=generator)]
             return nu * client + (1 - nu) * compensation_loss(model, teacher, batch, counts, generator)
 
-        train_loss = run_epochs([model], data.labelled_images, data.labelled_labels,
-                                TrainSettings.from_recipe(recipe, seed), loss)
-        return {"train_loss": train_loss, "train_samples": float(len(data.labelled_labels)),
-                "compensation": float(compensate)}
+        train_loss = run_epochs(
+            [model], data.labelled_images, data.labelled_labels, TrainSettings.from_recipe(recipe, seed), loss
+        )
+        return {
+            "train_loss": train_loss,
+            "train_samples": float(len(data.labelled_labels)),
+            "compensation": float(compensate),
+        }
 
 
-LOCAL_RULES: dict[str, type[LocalRule]] = {
-    rule.name: rule for rule in (OnlineReplaySGD, DMLU, CadisKD, FedProx, KCFU)
-}
+LOCAL_RULES: dict[str, type[LocalRule]] = {rule.name: rule for rule in (OnlineReplaySGD, DMLU, CadisKD, FedProx, KCFU)}
 
 
 def make_local_rule(name: str) -> LocalRule:

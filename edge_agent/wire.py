@@ -22,8 +22,18 @@ IDENTIFIER = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 ALLOWED_DTYPES = frozenset(
     np.dtype(name).newbyteorder("<").str
     for name in (
-        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-        "float16", "float32", "float64",
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
     )
 ) | {"|b1", "|i1", "|u1"}
 
@@ -208,9 +218,15 @@ def decode(data: bytes, expected: type[M], max_bytes: int = DEFAULT_MAX_MESSAGE_
 def _unpack(data: bytes, max_bytes: int) -> dict[str, Any]:
     try:
         envelope = msgpack.unpackb(
-            data, raw=False, strict_map_key=True, use_list=True,
-            max_str_len=MAX_STRING_BYTES, max_bin_len=max_bytes, max_array_len=1 << 20,
-            max_map_len=MAX_TENSORS + 64, max_ext_len=0,
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=MAX_STRING_BYTES,
+            max_bin_len=max_bytes,
+            max_array_len=1 << 20,
+            max_map_len=MAX_TENSORS + 64,
+            max_ext_len=0,
         )
     except (ValueError, TypeError, msgpack.UnpackException, msgpack.ExtraData) as error:
         detail = f": {error}" if str(error) else ""
@@ -279,7 +295,9 @@ def _check_value(where: str, hint: Any, value: Any) -> Any:
             raise WireError(f"{where} has {len(value)} tensors, more than {MAX_TENSORS}")
         return {name: decode_tensor(name, raw) for name, raw in value.items()}
     if hint == BundleFiles:
-        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, bytes) for k, v in value.items()):
+        if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, bytes) for k, v in value.items()
+        ):
             raise WireError(f"{where} must be a map of file names to bytes")
         if len(value) > MAX_BUNDLE_FILES:
             raise WireError(f"{where} has {len(value)} files, more than {MAX_BUNDLE_FILES}")

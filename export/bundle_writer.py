@@ -11,32 +11,53 @@ import numpy as np
 import onnx
 import torch
 
-from edge_agent.bundle import BUNDLE_FORMAT, BUNDLE_VERSION, MANIFEST_NAME, BundleError, bundle_files, \
-    file_sha256, load_bundle
+from edge_agent.bundle import (
+    BUNDLE_FORMAT,
+    BUNDLE_VERSION,
+    MANIFEST_NAME,
+    BundleError,
+    bundle_files,
+    file_sha256,
+    load_bundle,
+)
 from edge_agent.data import CLASS_NAMES, FASHION_MNIST_MEAN, FASHION_MNIST_STD, atomic_write_bytes, save_arrays
 from edge_agent.mc_dropout import dropout_spec
 from edge_agent.models import INPUT_SHAPE, Weights, build_model, set_weights, weights_hash
 from export import quantize
-from export.onnx_graphs import DEFAULT_OPSET, EXPORTER, FEATURES_NAME, IMAGES_INPUT, PROBABILITIES_OUTPUT, \
-    export_graphs, mask_input_names
+from export.onnx_graphs import (
+    DEFAULT_OPSET,
+    EXPORTER,
+    FEATURES_NAME,
+    IMAGES_INPUT,
+    PROBABILITIES_OUTPUT,
+    export_graphs,
+    mask_input_names,
+)
 
 WEIGHTS_FILE = "weights.npz"
 FP32_GRAPHS = {"prefix": "prefix.onnx", "tail": "tail.onnx"}
 INT8_GRAPHS = {"prefix": "prefix.int8.onnx", "tail": "tail.onnx"}
 
 
-def _int8_section(work: Path, calibration: np.ndarray, test_images: np.ndarray, test_labels: np.ndarray,
-                  mask_shapes: Any) -> dict[str, Any]:
+def _int8_section(
+    work: Path, calibration: np.ndarray, test_images: np.ndarray, test_labels: np.ndarray, mask_shapes: Any
+) -> dict[str, Any]:
     """Quantizes the prefix and returns the manifest's record of the method and the test accuracy change."""
     quantize.quantize_prefix(work / FP32_GRAPHS["prefix"], work / INT8_GRAPHS["prefix"], calibration)
     accuracy = {
-        precision: quantize.deterministic_accuracy(work / graphs["prefix"], work / graphs["tail"], mask_shapes,
-                                                   test_images, test_labels)
+        precision: quantize.deterministic_accuracy(
+            work / graphs["prefix"], work / graphs["tail"], mask_shapes, test_images, test_labels
+        )
         for precision, graphs in (("fp32", FP32_GRAPHS), ("int8", INT8_GRAPHS))
     }
-    return {"method": quantize.METHOD, "calibration_images": len(calibration), "test_images": len(test_images),
-            "test_accuracy_fp32": accuracy["fp32"], "test_accuracy_int8": accuracy["int8"],
-            "test_accuracy_change": accuracy["int8"] - accuracy["fp32"]}
+    return {
+        "method": quantize.METHOD,
+        "calibration_images": len(calibration),
+        "test_images": len(test_images),
+        "test_accuracy_fp32": accuracy["fp32"],
+        "test_accuracy_int8": accuracy["int8"],
+        "test_accuracy_change": accuracy["int8"] - accuracy["fp32"],
+    }
 
 
 def initializer_map(graph_path: Path, weights: Weights) -> dict[str, str]:
@@ -60,8 +81,13 @@ def _check_every_weight_mapped(initializers: dict[str, dict[str, str]], weights:
         raise ValueError(f"fp32 graphs hold weights {sorted(mapped)}, the model has {sorted(weights)}")
 
 
-def write_bundle(weights: Weights, out_dir: Path, model_name: str = "paper-cnn", opset: int = DEFAULT_OPSET,
-                 int8_data: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> dict[str, Any]:
+def write_bundle(
+    weights: Weights,
+    out_dir: Path,
+    model_name: str = "paper-cnn",
+    opset: int = DEFAULT_OPSET,
+    int8_data: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+) -> dict[str, Any]:
     """Exports weights as a bundle in out_dir (created; must not hold a bundle yet) and returns its manifest.
 
     int8_data = (normalised calibration images, normalised test images, test labels) adds the int8 prefix.
@@ -94,8 +120,12 @@ def write_bundle(weights: Weights, out_dir: Path, model_name: str = "paper-cnn",
             "model": model_name,
             "input_name": IMAGES_INPUT,
             "input_shape": list(INPUT_SHAPE),
-            "normalisation": {"scale": 1.0 / 255.0, "mean": FASHION_MNIST_MEAN, "std": FASHION_MNIST_STD,
-                              "formula": "(pixel / 255 - mean) / std"},
+            "normalisation": {
+                "scale": 1.0 / 255.0,
+                "mean": FASHION_MNIST_MEAN,
+                "std": FASHION_MNIST_STD,
+                "formula": "(pixel / 255 - mean) / std",
+            },
             "class_names": list(CLASS_NAMES),
             "weights_hash": weights_hash(weights),
             "weights_file": WEIGHTS_FILE,
@@ -110,7 +140,7 @@ def write_bundle(weights: Weights, out_dir: Path, model_name: str = "paper-cnn",
                 "mask_inputs": list(mask_input_names(model)),
                 "mask_shapes": [list(shape) for shape in spec.mask_shapes],
                 "mask_encoding": "float32, pre-scaled: 0 with probability p, else 1/(1-p); shape (rows, *mask_shape); "
-                                 "all ones = dropout off",
+                "all ones = dropout off",
             },
             "quantization": quantization,
         }
@@ -130,6 +160,8 @@ def ensure_bundle_files(weights: Weights, out_dir: Path, model_name: str = "pape
         write_bundle(weights, out_dir, model_name)
     bundle = load_bundle(out_dir)
     if bundle.manifest["weights_hash"] != weights_hash(weights):
-        raise BundleError(f"{out_dir / MANIFEST_NAME}: holds weights {bundle.manifest['weights_hash'][:12]}, "
-                          f"expected {weights_hash(weights)[:12]}")
+        raise BundleError(
+            f"{out_dir / MANIFEST_NAME}: holds weights {bundle.manifest['weights_hash'][:12]}, "
+            f"expected {weights_hash(weights)[:12]}"
+        )
     return bundle_files(bundle)

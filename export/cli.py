@@ -19,8 +19,9 @@ CALIBRATION_IMAGES = 512
 
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of fl-export."""
-    parser = argparse.ArgumentParser(prog="fl-export", description="Export a model as an ONNX bundle that keeps "
-                                     "MC dropout (explicit mask inputs).")
+    parser = argparse.ArgumentParser(
+        prog="fl-export", description="Export a model as an ONNX bundle that keeps MC dropout (explicit mask inputs)."
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--run-dir", type=Path, help="a coordinator run directory (its checkpoints)")
     source.add_argument("--weights", type=Path, help="a weights .npz (named float32 arrays)")
@@ -58,8 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         int8_data = None
         if args.int8:
             dataset = load_fashion_mnist(args.data_dir)
-            int8_data = (normalise(dataset.train_images[:CALIBRATION_IMAGES]), normalise(dataset.test_images),
-                         dataset.test_labels.astype(np.int64))
+            int8_data = (
+                normalise(dataset.train_images[:CALIBRATION_IMAGES]),
+                normalise(dataset.test_images),
+                dataset.test_labels.astype(np.int64),
+            )
         manifest = write_bundle(weights, args.out, args.model, args.opset, int8_data)
         load_bundle(args.out)
     except (ValueError, FileNotFoundError, FileExistsError, DatasetMissingError) as error:
@@ -68,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"exported {origin} (weights {manifest['weights_hash'][:16]}) to {args.out}")
     quantization = manifest["quantization"]
     if quantization:
-        print(f"int8 prefix: test accuracy {quantization['test_accuracy_fp32']:.4f} -> "
-              f"{quantization['test_accuracy_int8']:.4f} ({quantization['test_accuracy_change']:+.4f})")
+        print(
+            f"int8 prefix: test accuracy {quantization['test_accuracy_fp32']:.4f} -> "
+            f"{quantization['test_accuracy_int8']:.4f} ({quantization['test_accuracy_change']:+.4f})"
+        )
     return 0

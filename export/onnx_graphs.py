@@ -22,14 +22,23 @@ def mask_input_names(model: nn.Module) -> tuple[str, ...]:
     return tuple(f"mask{index + 1}" for index in range(len(dropout_spec(model).rates)))
 
 
-def _export(module: nn.Module, args: tuple[torch.Tensor, ...], path: Path, inputs: list[str], output: str,
-            opset: int) -> None:
+def _export(
+    module: nn.Module, args: tuple[torch.Tensor, ...], path: Path, inputs: list[str], output: str, opset: int
+) -> None:
     """Exports one module with every input's and the output's first axis dynamic."""
     dynamic_axes = {name: {0: "batch"} for name in (*inputs, output)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(module, args, str(path), input_names=inputs, output_names=[output], opset_version=opset,
-                          dynamic_axes=dynamic_axes, dynamo=False)
+        torch.onnx.export(
+            module,
+            args,
+            str(path),
+            input_names=inputs,
+            output_names=[output],
+            opset_version=opset,
+            dynamic_axes=dynamic_axes,
+            dynamo=False,
+        )
 
 
 def export_graphs(model: nn.Module, prefix_path: Path, tail_path: Path, opset: int = DEFAULT_OPSET) -> None:
@@ -41,8 +50,14 @@ def export_graphs(model: nn.Module, prefix_path: Path, tail_path: Path, opset: i
         features = model.prefix(images)
     masks = tuple(torch.ones(2, *shape) for shape in spec.mask_shapes)
     _export(PrefixGraph(model), (images,), prefix_path, [IMAGES_INPUT], FEATURES_NAME, opset)
-    _export(MaskedTailGraph(model), (features, *masks), tail_path, [FEATURES_NAME, *mask_input_names(model)],
-            PROBABILITIES_OUTPUT, opset)
+    _export(
+        MaskedTailGraph(model),
+        (features, *masks),
+        tail_path,
+        [FEATURES_NAME, *mask_input_names(model)],
+        PROBABILITIES_OUTPUT,
+        opset,
+    )
 
 
 class EncoderGraph(nn.Module):

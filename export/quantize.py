@@ -25,7 +25,7 @@ class _ImageBatches(CalibrationDataReader):
     def get_next(self) -> dict[str, np.ndarray] | None:
         """The next calibration batch, or None at the end."""
         start = next(self._batches, None)
-        return None if start is None else {IMAGES_INPUT: self._images[start:start + CALIBRATION_BATCH]}
+        return None if start is None else {IMAGES_INPUT: self._images[start : start + CALIBRATION_BATCH]}
 
 
 def quantize_prefix(fp32_path: Path, int8_path: Path, calibration_images: np.ndarray) -> None:
@@ -35,23 +35,30 @@ def quantize_prefix(fp32_path: Path, int8_path: Path, calibration_images: np.nda
     quiet = logging.getLogger().level
     logging.getLogger().setLevel(logging.ERROR)
     try:
-        quantize_static(str(fp32_path), str(int8_path), _ImageBatches(calibration_images),
-                        quant_format=QuantFormat.QDQ, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                        op_types_to_quantize=["Conv"])
+        quantize_static(
+            str(fp32_path),
+            str(int8_path),
+            _ImageBatches(calibration_images),
+            quant_format=QuantFormat.QDQ,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+            op_types_to_quantize=["Conv"],
+        )
     finally:
         logging.getLogger().setLevel(quiet)
 
 
-def deterministic_accuracy(prefix_path: Path, tail_path: Path, mask_shapes: Any, images: np.ndarray,
-                           labels: np.ndarray, batch_size: int = 1000) -> float:
+def deterministic_accuracy(
+    prefix_path: Path, tail_path: Path, mask_shapes: Any, images: np.ndarray, labels: np.ndarray, batch_size: int = 1000
+) -> float:
     """Test accuracy of a prefix/tail graph pair with dropout off (masks of ones)."""
     prefix = ort.InferenceSession(str(prefix_path), providers=["CPUExecutionProvider"])
     tail = ort.InferenceSession(str(tail_path), providers=["CPUExecutionProvider"])
     names = [graph_input.name for graph_input in tail.get_inputs()]
     hits = 0
     for start in range(0, len(images), batch_size):
-        features = prefix.run(None, {IMAGES_INPUT: images[start:start + batch_size]})[0]
+        features = prefix.run(None, {IMAGES_INPUT: images[start : start + batch_size]})[0]
         masks = [np.ones((len(features), *shape), dtype=np.float32) for shape in mask_shapes]
         probabilities = tail.run(None, dict(zip(names, (features, *masks))))[0]
-        hits += int(np.sum(probabilities.argmax(axis=1) == labels[start:start + batch_size]))
+        hits += int(np.sum(probabilities.argmax(axis=1) == labels[start : start + batch_size]))
     return hits / len(images)

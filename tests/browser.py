@@ -8,18 +8,29 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1400,1800"]
-needs_chromium = pytest.mark.skipif(not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
-                                    reason="needs Debian's chromium and chromium-driver (make system-deps installs them)")
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--window-size=1400,1800",
+]
+needs_chromium = pytest.mark.skipif(
+    not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
+    reason="needs Debian's chromium and chromium-driver (make system-deps installs them)",
+)
 
 
 def free_port() -> int:
@@ -50,17 +61,20 @@ class WebDriver:
     def call(self, method: str, path: str, body: dict | None = None) -> Any:
         """One WebDriver command; returns its 'value'."""
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.base + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.base + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=60) as response:
             return json.loads(response.read())["value"]
 
     def start(self, user_data_dir: Path, extra_flags: list[str]) -> None:
         """Opens a headless chromium with a fresh profile and any extra command-line flags."""
-        options = {"binary": str(CHROMIUM),
-                   "args": CHROMIUM_FLAGS + extra_flags + [f"--user-data-dir={user_data_dir}"]}
-        value = self.call("POST", "/session", {"capabilities": {"alwaysMatch": {
-            "browserName": "chrome", "goog:chromeOptions": options}}})
+        options = {"binary": str(CHROMIUM), "args": CHROMIUM_FLAGS + extra_flags + [f"--user-data-dir={user_data_dir}"]}
+        value = self.call(
+            "POST",
+            "/session",
+            {"capabilities": {"alwaysMatch": {"browserName": "chrome", "goog:chromeOptions": options}}},
+        )
         self.session = value["sessionId"]
 
     def open(self, url: str) -> None:
@@ -96,8 +110,9 @@ def answers(url: str) -> bool:
 def headless_chromium(user_data_dir: Path, extra_flags: list[str] | None = None) -> Iterator[WebDriver]:
     """A chromedriver on a free port with one headless chromium session; both are closed on leaving."""
     port = free_port()
-    chromedriver = subprocess.Popen([str(CHROMEDRIVER), f"--port={port}"], stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL)
+    chromedriver = subprocess.Popen(
+        [str(CHROMEDRIVER), f"--port={port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     browser = WebDriver(port)
     try:
         wait_for(lambda: answers(browser.base + "/status"), 30, "chromedriver")

@@ -8,16 +8,16 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
+from coordinator.server import InitSettings, ServerData, ServerSettings, load_server_data
+from coordinator.simulate import BenchSettings, DeviceLaunch, spawn_agent, write_shards
 from edge_agent import wire
 from edge_agent.data import DeviceData, load_arrays, source_code
 from edge_agent.mqtt import BrokerAddress, MqttSession
-from coordinator.server import InitSettings, ServerData, ServerSettings, load_server_data
-from coordinator.simulate import BenchSettings, DeviceLaunch, spawn_agent, write_shards
 
 INIT_SAMPLES = 50
 VALIDATION_SAMPLES = 100
@@ -26,35 +26,69 @@ WAIT = 120.0  # upper bound for a fleet event; every wait returns as soon as the
 
 # The coordinator's tiny run: W0 from 50 images, 40 labels a round, 1 epoch, 500 test images.
 TINY_RUN = [
-    "--init-samples", str(INIT_SAMPLES), "--init-epochs", "2", "--validation-samples", str(VALIDATION_SAMPLES),
-    "--test-samples", "500", "--no-device-eval", "--labels-per-acquisition", str(LABELS), "--epochs", "1",
-    "--mc-passes", "2", "--batch-size", "20", "--torch-threads", "1", "--log-level", "info", "--seed", "0",
+    "--init-samples",
+    str(INIT_SAMPLES),
+    "--init-epochs",
+    "2",
+    "--validation-samples",
+    str(VALIDATION_SAMPLES),
+    "--test-samples",
+    "500",
+    "--no-device-eval",
+    "--labels-per-acquisition",
+    str(LABELS),
+    "--epochs",
+    "1",
+    "--mc-passes",
+    "2",
+    "--batch-size",
+    "20",
+    "--torch-threads",
+    "1",
+    "--log-level",
+    "info",
+    "--seed",
+    "0",
 ]
 
 
 @functools.lru_cache(maxsize=1)
 def server_data() -> ServerData:
     """Fashion-MNIST with the server's share reserved exactly as the coordinator processes reserve it."""
-    settings = ServerSettings(run_dir=Path("unused"), init=InitSettings(samples=INIT_SAMPLES),
-                              validation_samples=VALIDATION_SAMPLES)
+    settings = ServerSettings(
+        run_dir=Path("unused"), init=InitSettings(samples=INIT_SAMPLES), validation_samples=VALIDATION_SAMPLES
+    )
     return load_server_data(settings)
 
 
 def fleet_shards(directory: Path, devices: int, partition: str = "iid", pool_size: int = 200) -> list[DeviceLaunch]:
     """The bench's per-device shards (deterministic for a seed), with state and log paths under `directory`."""
-    return write_shards(server_data(), BenchSettings(devices=devices, partition=partition, pool_size=pool_size),
-                        directory)
+    return write_shards(
+        server_data(), BenchSettings(devices=devices, partition=partition, pool_size=pool_size), directory
+    )
 
 
 def start_coordinator(address: BrokerAddress | None, run_dir: Path, fleet: str, *options: str) -> subprocess.Popen:
     """`python -m coordinator run` against the broker (None: its embedded one), logging to RUN_DIR/coordinator.log."""
     run_dir.mkdir(parents=True, exist_ok=True)
     broker = ["--broker", address.url] if address is not None else []
-    command = [sys.executable, "-m", "coordinator", "run", *broker, "--fleet", fleet,
-               "--run-dir", str(run_dir), *TINY_RUN, *options]
+    command = [
+        sys.executable,
+        "-m",
+        "coordinator",
+        "run",
+        *broker,
+        "--fleet",
+        fleet,
+        "--run-dir",
+        str(run_dir),
+        *TINY_RUN,
+        *options,
+    ]
     with open(run_dir / "coordinator.log", "ab") as log_stream:
-        return subprocess.Popen(command, stdout=log_stream, stderr=subprocess.STDOUT,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        return subprocess.Popen(
+            command, stdout=log_stream, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
 
 
 def start_agent(launch: DeviceLaunch, address: BrokerAddress, fleet: str) -> subprocess.Popen:
@@ -150,9 +184,18 @@ class FakeDevice:
 
     def update(self, announcement: wire.RoundAnnouncement, tensors: dict[str, np.ndarray], **changes) -> wire.Update:
         """A valid update for the announced round carrying these tensors (fields overridable)."""
-        fields = dict(device_id=self.device_id, round_id=announcement.round_id, update_id=os.urandom(8).hex(),
-                      base_hash=announcement.model_hash, num_samples=100, class_counts=[10] * 10,
-                      acquired_labels=50, metrics={}, tensors=tensors, nonce=os.urandom(16))
+        fields = dict(
+            device_id=self.device_id,
+            round_id=announcement.round_id,
+            update_id=os.urandom(8).hex(),
+            base_hash=announcement.model_hash,
+            num_samples=100,
+            class_counts=[10] * 10,
+            acquired_labels=50,
+            metrics={},
+            tensors=tensors,
+            nonce=os.urandom(16),
+        )
         return wire.Update(**{**fields, **changes})
 
     def publish(self, payload: bytes, device_id: str | None = None) -> None:
@@ -179,5 +222,6 @@ class FakeDevice:
 def perturbed(tensors: dict[str, np.ndarray], seed: int, scale: float = 0.01) -> dict[str, np.ndarray]:
     """The tensors plus small seeded noise, same dtypes: a plausible trained model."""
     rng = np.random.default_rng(seed)
-    return {name: (array + scale * rng.standard_normal(array.shape)).astype(array.dtype)
-            for name, array in tensors.items()}
+    return {
+        name: (array + scale * rng.standard_normal(array.shape)).astype(array.dtype) for name, array in tensors.items()
+    }

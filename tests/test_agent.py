@@ -8,19 +8,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from coordinator.broker import EmbeddedBroker
 from edge_agent import wire
 from edge_agent.agent import LAST_ROUND_KEY, Agent, AgentSettings
 from edge_agent.data import DeviceData, Shard, load_fashion_mnist, open_device_data
 from edge_agent.models import build_model, get_weights, weights_hash
 from edge_agent.mqtt import MqttSession
 from edge_agent.oracle import SimulatedOracle
-from coordinator.broker import EmbeddedBroker
 from export.bundle_writer import ensure_bundle_files
 
 FLEET = "agent-test"
 DEVICE = "dev-a"
-RECIPE = wire.Recipe(sampler="entropy", labels_per_acquisition=12, acquisitions_per_round=2, epochs=1,
-                     batch_size=8, mc_passes=3)
+RECIPE = wire.Recipe(
+    sampler="entropy", labels_per_acquisition=12, acquisitions_per_round=2, epochs=1, batch_size=8, mc_passes=3
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +29,12 @@ def shard() -> Shard:
     dataset = load_fashion_mnist()
     seeds = np.concatenate([np.flatnonzero(dataset.test_labels == c)[:1] for c in range(10)])
     pool = np.arange(1000, 1080)
-    return Shard(dataset.test_images[pool], dataset.test_labels[pool].astype(np.int64),
-                 dataset.test_images[seeds], dataset.test_labels[seeds].astype(np.int64))
+    return Shard(
+        dataset.test_images[pool],
+        dataset.test_labels[pool].astype(np.int64),
+        dataset.test_images[seeds],
+        dataset.test_labels[seeds].astype(np.int64),
+    )
 
 
 @pytest.fixture()
@@ -47,8 +52,9 @@ class FakeCoordinator:
         self.session.subscribe(wire.all_devices_topic(FLEET, "update"))
         self.session.subscribe(wire.all_devices_topic(FLEET, "status"))
 
-    def start_round(self, round_id: int, weights: dict, model_hash: str | None = None,
-                    recipe: wire.Recipe = RECIPE) -> str:
+    def start_round(
+        self, round_id: int, weights: dict, model_hash: str | None = None, recipe: wire.Recipe = RECIPE
+    ) -> str:
         model_hash = model_hash or weights_hash(weights)
         message = wire.ModelMessage(model_hash, "paper-cnn", weights)
         self.session.publish(wire.model_topic(FLEET, model_hash), wire.encode(message), retain=True, wait=10)
@@ -76,11 +82,13 @@ class FakeCoordinator:
         self.session.close()
 
 
-def start_agent(broker: EmbeddedBroker, state_dir: Path, shard: Shard, max_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
-                **options):
+def start_agent(
+    broker: EmbeddedBroker, state_dir: Path, shard: Shard, max_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, **options
+):
     settings = AgentSettings(fleet=FLEET, device_id=DEVICE, max_update_bytes=max_bytes, **options)
-    session = MqttSession(broker.address, client_id=DEVICE, last_will=Agent.last_will(settings),
-                          max_payload_bytes=max_bytes)
+    session = MqttSession(
+        broker.address, client_id=DEVICE, last_will=Agent.last_will(settings), max_payload_bytes=max_bytes
+    )
     agent = Agent(settings, session, open_device_data(state_dir, shard), SimulatedOracle(shard.all_labels))
     session.connect(timeout=10)
     thread = threading.Thread(target=agent.run, daemon=True)

@@ -7,11 +7,11 @@ import os
 import numpy as np
 import pytest
 
-from edge_agent import wire
-from edge_agent.models import NUM_CLASSES, build_model, get_weights, weight_spec, weights_hash
 from coordinator.authentication import UpdateAuthenticator
 from coordinator.rounds import RoundCollector
 from coordinator.validation import Expectation, Rejection
+from edge_agent import wire
+from edge_agent.models import NUM_CLASSES, build_model, get_weights, weight_spec, weights_hash
 
 MODEL = build_model("paper-cnn", seed=0)
 WEIGHTS = get_weights(MODEL)
@@ -20,14 +20,25 @@ KEYS = {"dev-00": b"k" * 32, "dev-01": b"q" * 32}
 
 
 def signed_update(device: str = "dev-00", round_id: int = 1, key: bytes | None = None, **changes) -> wire.Update:
-    update = wire.Update(device, round_id, os.urandom(8).hex(), BASE_HASH, 40, [4] * NUM_CLASSES, 20, {},
-                         {name: array + np.float32(0.01) for name, array in WEIGHTS.items()}, nonce=os.urandom(16))
+    update = wire.Update(
+        device,
+        round_id,
+        os.urandom(8).hex(),
+        BASE_HASH,
+        40,
+        [4] * NUM_CLASSES,
+        20,
+        {},
+        {name: array + np.float32(0.01) for name, array in WEIGHTS.items()},
+        nonce=os.urandom(16),
+    )
     return wire.sign_update(dataclasses.replace(update, **changes), KEYS.get(device, b"x") if key is None else key)
 
 
 def collector(authenticator: UpdateAuthenticator, round_id: int = 1) -> RoundCollector:
-    return RoundCollector(Expectation(round_id, BASE_HASH, weight_spec(MODEL), NUM_CLASSES, 1 << 22,
-                                      authenticator.check))
+    return RoundCollector(
+        Expectation(round_id, BASE_HASH, weight_spec(MODEL), NUM_CLASSES, 1 << 22, authenticator.check)
+    )
 
 
 def rejection(round_collector: RoundCollector, update: wire.Update) -> str:
@@ -62,5 +73,6 @@ def test_a_replayed_update_from_an_earlier_round_is_rejected() -> None:
     assert rejection(collector(authenticator, 2), original).startswith("replay: nonce")
     reused_nonce = signed_update(round_id=2, nonce=original.nonce)
     assert rejection(collector(authenticator, 2), reused_nonce) == (
-        f"replay: nonce {original.nonce.hex()[:16]} was already used in round 1")
+        f"replay: nonce {original.nonce.hex()[:16]} was already used in round 1"
+    )
     assert collector(authenticator, 2).offer("dev-00", wire.encode(signed_update(round_id=2)))[1] is True

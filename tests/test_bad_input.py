@@ -8,12 +8,12 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+from fleet import FakeDevice, log_text, perturbed, start_coordinator, stop_all, wait_exit
 
-from edge_agent import wire
 from coordinator.broker import EmbeddedBroker
 from coordinator.store import RunStore
 from coordinator.strategies import AveFL, ClientUpdate
-from fleet import FakeDevice, log_text, perturbed, start_coordinator, stop_all, wait_exit
+from edge_agent import wire
 
 pytestmark = pytest.mark.integration
 
@@ -57,8 +57,11 @@ def bad_updates(rogue: FakeDevice, announcement: wire.RoundAnnouncement, base: d
         ("wrong base model", wire.encode(valid(base_hash="f" * 64)), "base model mismatch"),
         ("tensor names", wire.encode(valid(tensors=renamed)), "tensor mismatch"),
         ("tensor shape", wire.encode(valid(tensors=with_tensor(good, first, good[first][:1]))), "tensor mismatch"),
-        ("tensor dtype", wire.encode(valid(tensors=with_tensor(good, first, good[first].astype(np.float64)))),
-         "tensor mismatch"),
+        (
+            "tensor dtype",
+            wire.encode(valid(tensors=with_tensor(good, first, good[first].astype(np.float64)))),
+            "tensor mismatch",
+        ),
         ("NaN", wire.encode(valid(tensors=with_tensor(good, first, nan))), "non-finite values"),
         ("infinity", wire.encode(valid(tensors=with_tensor(good, first, inf))), "non-finite values"),
         ("over the size limit", wire.encode(valid(nonce=bytes(wire.DEFAULT_MAX_MESSAGE_BYTES))), "too large"),
@@ -73,8 +76,9 @@ def average(base: dict, updates: list[wire.Update]) -> dict:
 def test_every_bad_update_is_rejected_with_its_reason_and_never_reaches_the_model(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     with EmbeddedBroker(tmp_path / "broker") as broker:
-        coordinator = start_coordinator(broker.address, run_dir, FLEET, "--rounds", "2", "--quorum", "2",
-                                        "--min-devices", "2")
+        coordinator = start_coordinator(
+            broker.address, run_dir, FLEET, "--rounds", "2", "--quorum", "2", "--min-devices", "2"
+        )
         devices = [FakeDevice(broker.address, FLEET, name) for name in ("dev-a", "dev-b", "dev-r")]
         honest_a, honest_b, rogue = devices
         try:
@@ -124,6 +128,8 @@ def test_every_bad_update_is_rejected_with_its_reason_and_never_reaches_the_mode
         assert store.rejection_counts() == dict(Counter(reasons))
         assert [(r.accepted, r.rejected) for r in store.rounds()] == [(2, len(cases) + 1), (2, 1)]
         first_model, second_model = store.load_checkpoint(1), store.load_checkpoint(2)
-    for model, expected in ((first_model, average(base, [first_a, first_b])),
-                            (second_model, average(base_2, [second_a, second_b]))):
+    for model, expected in (
+        (first_model, average(base, [first_a, first_b])),
+        (second_model, average(base_2, [second_a, second_b])),
+    ):
         assert all(np.array_equal(model[name], expected[name]) for name in expected)

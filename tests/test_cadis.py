@@ -14,8 +14,18 @@ from coordinator.evaluation import Evaluator, LabelledSplit
 from coordinator.rounds import Coordinator, RoundCollector, RoundPolicy
 from coordinator.store import RoundRecord, RunStore, StrategyState
 from coordinator.strategies import (
-    CADIS, CADIS_INITIAL_THRESHOLD, CADIS_THRESHOLD_CAP, ClientUpdate, FedAvg, cadis_coefficients, classifier_tensor,
-    cluster_sizes, make_strategy, next_threshold, pairwise_cosine, q_matrix,
+    CADIS,
+    CADIS_INITIAL_THRESHOLD,
+    CADIS_THRESHOLD_CAP,
+    ClientUpdate,
+    FedAvg,
+    cadis_coefficients,
+    classifier_tensor,
+    cluster_sizes,
+    make_strategy,
+    next_threshold,
+    pairwise_cosine,
+    q_matrix,
 )
 from coordinator.validation import Expectation
 from edge_agent import wire
@@ -59,15 +69,19 @@ def test_one_client_per_cluster_gives_fedavg_weights() -> None:
 
 
 def test_a_single_cluster_gives_fedavg_weights() -> None:
-    updates = [client(f"d{i}", basis(0, scale), samples, i) for i, (scale, samples) in
-               enumerate([(0.1, 10), (0.2, 30), (0.05, 60)])]
+    updates = [
+        client(f"d{i}", basis(0, scale), samples, i)
+        for i, (scale, samples) in enumerate([(0.1, 10), (0.2, 30), (0.05, 60)])
+    ]
     _, report = CADIS().aggregate(GLOBAL, updates, None)
     assert report["cluster_sizes"] == {"d0": 3, "d1": 3, "d2": 3}
     assert report["coefficients"] == pytest.approx({"d0": 0.1, "d1": 0.3, "d2": 0.6})
 
 
 def test_clusters_of_three_and_one_get_equal_mass() -> None:
-    updates = [client(f"d{i}", basis(0) + basis(1, 0.001 * i), 50, i) for i in range(3)] + [client("d3", basis(7), 50, 3)]
+    updates = [client(f"d{i}", basis(0) + basis(1, 0.001 * i), 50, i) for i in range(3)] + [
+        client("d3", basis(7), 50, 3)
+    ]
     _, report = CADIS().aggregate(GLOBAL, updates, None)
     assert report["cluster_sizes"] == {"d0": 3, "d1": 3, "d2": 3, "d3": 1}
     assert report["coefficients"] == pytest.approx({"d0": 1 / 6, "d1": 1 / 6, "d2": 1 / 6, "d3": 1 / 2})
@@ -153,8 +167,16 @@ def coordinator_on(store: RunStore, strategy) -> Coordinator:
     images = np.zeros((2, 28, 28), dtype=np.uint8)
     split = LabelledSplit.from_uint8(images, np.zeros(2, dtype=np.int64))
     session = MqttSession(BrokerAddress("127.0.0.1", 1), client_id="never-connects")
-    return Coordinator("fleet", "run", session, store, strategy, Evaluator("paper-cnn", split, split, 1, 0),
-                       wire.Recipe(), RoundPolicy(rounds=3))
+    return Coordinator(
+        "fleet",
+        "run",
+        session,
+        store,
+        strategy,
+        Evaluator("paper-cnn", split, split, 1, 0),
+        wire.Recipe(),
+        RoundPolicy(rounds=3),
+    )
 
 
 def commit(coordinator: Coordinator, round_id: int, weights: dict) -> None:
@@ -250,15 +272,29 @@ def test_cadis_kd_trains_towards_the_labels_and_zero_kd_weight_is_plain_cross_en
     empty, none = images[:0], labels[:0]
     data = LocalData(empty, none, empty, none, images, labels, empty)
     global_model = build_model(seed=3).eval()
-    recipe = wire.Recipe(local_rule="cadis-kd", epochs=2, batch_size=8, learning_rate=0.05, momentum=0.0,
-                         weight_decay=0.0, options={"kd_weight": 1.0})
+    recipe = wire.Recipe(
+        local_rule="cadis-kd",
+        epochs=2,
+        batch_size=8,
+        learning_rate=0.05,
+        momentum=0.0,
+        weight_decay=0.0,
+        options={"kd_weight": 1.0},
+    )
     with_kd, without_kd = copy.deepcopy(global_model), copy.deepcopy(global_model)
     metrics = CadisKD().train(with_kd, data, global_model, recipe, seed=2)
-    CadisKD().train(without_kd, data, global_model, wire.Recipe(**{**recipe.__dict__, "options": {"kd_weight": 0.0}}),
-                    seed=2)
+    CadisKD().train(
+        without_kd, data, global_model, wire.Recipe(**{**recipe.__dict__, "options": {"kd_weight": 0.0}}), seed=2
+    )
     plain = copy.deepcopy(global_model)
-    run_epochs([plain], images, labels, TrainSettings(2, 8, 0.05, seed=2),
-               lambda x, y: torch.nn.functional.cross_entropy(plain.features_and_logits(x)[1], y), min_batch=3)
+    run_epochs(
+        [plain],
+        images,
+        labels,
+        TrainSettings(2, 8, 0.05, seed=2),
+        lambda x, y: torch.nn.functional.cross_entropy(plain.features_and_logits(x)[1], y),
+        min_batch=3,
+    )
     assert metrics["train_samples"] == 40 and np.isfinite(metrics["train_loss"])
     assert weights_hash(get_weights(without_kd)) == weights_hash(get_weights(plain))
     assert weights_hash(get_weights(with_kd)) != weights_hash(get_weights(plain))

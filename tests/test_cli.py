@@ -14,25 +14,39 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_missing_dataset_says_how_to_install_it(tmp_path: Path) -> None:
-    result = run_cli("coordinator", "simulate", "--devices", "2", "--rounds", "1", "--data-dir", str(tmp_path / "none"),
-                     "--run-dir", str(tmp_path / "run"))
+    result = run_cli(
+        "coordinator",
+        "simulate",
+        "--devices",
+        "2",
+        "--rounds",
+        "1",
+        "--data-dir",
+        str(tmp_path / "none"),
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1
     assert "apt-get install dataset-fashion-mnist" in lines[0] and "--data-dir" in lines[0]
 
 
-@pytest.mark.parametrize(("option", "value", "message"), [
-    ("--sampler", "psychic", "unknown sampler 'psychic'"),
-    ("--strategy", "vote", "unknown strategy 'vote'"),
-    ("--local-rule", "magic", "unknown local rule 'magic'"),
-    ("--partition", "type9", "unknown partition 'type9'"),
-    ("--broker", "http://x", "must look like mqtt://HOST:PORT"),
-    ("--fleet", "a/b", "fleet 'a/b' must match"),
-])
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--sampler", "psychic", "unknown sampler 'psychic'"),
+        ("--strategy", "vote", "unknown strategy 'vote'"),
+        ("--local-rule", "magic", "unknown local rule 'magic'"),
+        ("--partition", "type9", "unknown partition 'type9'"),
+        ("--broker", "http://x", "must look like mqtt://HOST:PORT"),
+        ("--fleet", "a/b", "fleet 'a/b' must match"),
+    ],
+)
 def test_bad_option_values_give_one_line(tmp_path: Path, option: str, value: str, message: str) -> None:
-    result = run_cli("coordinator", "simulate", "--devices", "2", "--rounds", "1", "--run-dir", str(tmp_path / "run"),
-                     option, value)
+    result = run_cli(
+        "coordinator", "simulate", "--devices", "2", "--rounds", "1", "--run-dir", str(tmp_path / "run"), option, value
+    )
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
@@ -40,8 +54,20 @@ def test_bad_option_values_give_one_line(tmp_path: Path, option: str, value: str
 
 
 def test_agent_with_missing_shard_fails_cleanly(tmp_path: Path) -> None:
-    result = run_cli("edge_agent", "run", "--broker", "mqtt://127.0.0.1:1", "--fleet", "f", "--device-id", "d1",
-                     "--data", str(tmp_path / "missing.npz"), "--state-dir", str(tmp_path / "state"))
+    result = run_cli(
+        "edge_agent",
+        "run",
+        "--broker",
+        "mqtt://127.0.0.1:1",
+        "--fleet",
+        "f",
+        "--device-id",
+        "d1",
+        "--data",
+        str(tmp_path / "missing.npz"),
+        "--state-dir",
+        str(tmp_path / "state"),
+    )
     assert result.returncode == 2
     assert "missing.npz" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
@@ -50,8 +76,9 @@ def test_suspect_options_reach_the_policy_by_name(tmp_path: Path) -> None:
     from coordinator.cli import build_parser, server_settings
     from coordinator.rounds import SuspectPolicy
 
-    args = build_parser().parse_args(["simulate", "--run-dir", str(tmp_path), "--suspect-threshold", "4.5",
-                                      "--exclude-suspects"])
+    args = build_parser().parse_args(
+        ["simulate", "--run-dir", str(tmp_path), "--suspect-threshold", "4.5", "--exclude-suspects"]
+    )
     policy = server_settings(args, default_fleet="bench").suspects
     assert policy == SuspectPolicy(threshold=4.5, min_layer_fraction=SuspectPolicy.min_layer_fraction, exclude=True)
     default = server_settings(build_parser().parse_args(["simulate", "--run-dir", str(tmp_path)]), "bench").suspects

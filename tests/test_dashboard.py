@@ -11,13 +11,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from run_records import DEVICES, LAYERS, LOCAL_ACCURACY, STALE, fill_store
 
-from edge_agent import wire
 from coordinator.dashboard.live import LiveState, reason_kind
 from coordinator.dashboard.server import Dashboard, ListenAddress, dashboard_token, parse_listen_address
 from coordinator.rounds import RoundResult
 from coordinator.store import RoundRecord, RunStore
-from run_records import DEVICES, LAYERS, LOCAL_ACCURACY, STALE, fill_store
+from edge_agent import wire
+
 
 def get(url: str, token: str | None = None) -> tuple[int, str, str]:
     """(status, content type, body) of a GET, HTTP errors included."""
@@ -96,11 +97,14 @@ def test_rounds_divergence_and_class_accuracy(served: str) -> None:
     assert classes["aggregate"] == [0.5] * 10 and classes["devices"]["dev-02"] == [0.2] * 10
 
 
-@pytest.mark.parametrize(("path", "message"), [
-    ("api/rounds/7/divergence", "round 7 is not committed"),
-    ("api/rounds/x/divergence", "no such path"),
-    ("api/nothing", "no such path"),
-])
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("api/rounds/7/divergence", "round 7 is not committed"),
+        ("api/rounds/x/divergence", "no such path"),
+        ("api/nothing", "no such path"),
+    ],
+)
 def test_unknown_paths_and_rounds_are_json_404s(served: str, path: str, message: str) -> None:
     status, body = get_json(served + path)
     assert status == 404 and message in body["error"]
@@ -124,9 +128,14 @@ def test_metrics_in_prometheus_text_format(served: str) -> None:
     assert status == 200 and content_type.startswith("text/plain; version=0.0.4")
     samples = metric_lines(body)
     assert samples == {
-        "fl_rounds_completed_total": 1, "fl_current_round": 2, "fl_updates_accepted_total": 3,
-        'fl_updates_rejected_total{reason="stale_round"}': 1, 'fl_updates_rejected_total{reason="undecodable"}': 1,
-        "fl_devices_online": 2, "fl_aggregation_seconds_sum": 0.25, "fl_aggregation_seconds_count": 1,
+        "fl_rounds_completed_total": 1,
+        "fl_current_round": 2,
+        "fl_updates_accepted_total": 3,
+        'fl_updates_rejected_total{reason="stale_round"}': 1,
+        'fl_updates_rejected_total{reason="undecodable"}': 1,
+        "fl_devices_online": 2,
+        "fl_aggregation_seconds_sum": 0.25,
+        "fl_aggregation_seconds_count": 1,
         "fl_update_bytes_received_total": 1000 + 1001 + 1002 + 77 + 5,
     }
     for family in ("fl_rounds_completed_total", "fl_updates_rejected_total", "fl_aggregation_seconds"):
@@ -178,10 +187,16 @@ def test_token_rules() -> None:
         dashboard_token(loopback, "short", Path("/nonexistent"))
 
 
-@pytest.mark.parametrize(("text", "host", "port", "loopback"), [
-    ("8080", "127.0.0.1", 8080, True), ("0.0.0.0:9000", "0.0.0.0", 9000, False),
-    ("localhost:0", "localhost", 0, True), ("[::1]:8080", "::1", 8080, True), ("10.1.2.3:80", "10.1.2.3", 80, False),
-])
+@pytest.mark.parametrize(
+    ("text", "host", "port", "loopback"),
+    [
+        ("8080", "127.0.0.1", 8080, True),
+        ("0.0.0.0:9000", "0.0.0.0", 9000, False),
+        ("localhost:0", "localhost", 0, True),
+        ("[::1]:8080", "::1", 8080, True),
+        ("10.1.2.3:80", "10.1.2.3", 80, False),
+    ],
+)
 def test_listen_addresses(text: str, host: str, port: int, loopback: bool) -> None:
     address = parse_listen_address(text)
     assert (address.host, address.port, address.loopback) == (host, port, loopback)
@@ -201,26 +216,47 @@ def test_port_in_use_is_one_clear_error(tmp_path: Path) -> None:
             Dashboard(ListenAddress("127.0.0.1", taken.getsockname()[1]), tmp_path, None, None)
 
 
-@pytest.mark.parametrize(("arguments", "message"), [
-    (["--dashboard", "nowhere:port"], "--dashboard must look like"),
-    (["--dashboard-token", "0123456789abcdef"], "--dashboard-token needs --dashboard"),
-])
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--dashboard", "nowhere:port"], "--dashboard must look like"),
+        (["--dashboard-token", "0123456789abcdef"], "--dashboard-token needs --dashboard"),
+    ],
+)
 def test_bad_dashboard_options_give_one_line(tmp_path: Path, arguments: list[str], message: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "coordinator", "simulate", "--devices", "2", "--rounds", "1",
-                             "--run-dir", str(tmp_path / "run"), *arguments], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coordinator",
+            "simulate",
+            "--devices",
+            "2",
+            "--rounds",
+            "1",
+            "--run-dir",
+            str(tmp_path / "run"),
+            *arguments,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run" / "devices").exists()
 
 
-@pytest.mark.parametrize(("reason", "kind"), [
-    ("too large: 9 bytes exceeds the limit of 8", "too_large"),
-    ("device id 'a' does not match the topic's 'b'", "device_id"),
-    ("non-finite values in tensor 'fc1.weight'", "non_finite_values_in"),
-    ("acquired_labels 5 must lie in [0, num_samples=2]", "acquired_labels"),
-    ("12 is not a reason", "other"),
-])
+@pytest.mark.parametrize(
+    ("reason", "kind"),
+    [
+        ("too large: 9 bytes exceeds the limit of 8", "too_large"),
+        ("device id 'a' does not match the topic's 'b'", "device_id"),
+        ("non-finite values in tensor 'fc1.weight'", "non_finite_values_in"),
+        ("acquired_labels 5 must lie in [0, num_samples=2]", "acquired_labels"),
+        ("12 is not a reason", "other"),
+    ],
+)
 def test_reason_kinds_drop_values(reason: str, kind: str) -> None:
     assert reason_kind(reason) == kind
 

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from browser import ARTIFACTS, WebDriver, headless_chromium, needs_chromium, wait_for
 
 DEVICES = 3
@@ -23,16 +22,49 @@ class Simulation:
     """`fl-coordinator simulate --dashboard 127.0.0.1:0` as a user runs it; collects its output lines."""
 
     def __init__(self, run_dir: Path, rounds: int) -> None:
-        self.process = subprocess.Popen([
-            sys.executable, "-m", "coordinator", "simulate", "--devices", str(DEVICES), "--rounds", str(rounds),
-            "--pool-size", "200", "--labels-per-acquisition", "20", "--epochs", "1", "--test-samples", "500",
-            "--no-device-eval", "--sampler", "random", "--init-samples", "50", "--init-epochs", "5",
-            "--validation-samples", "100", "--run-dir", str(run_dir), "--dashboard", "127.0.0.1:0", "--json",
-        ], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "coordinator",
+                "simulate",
+                "--devices",
+                str(DEVICES),
+                "--rounds",
+                str(rounds),
+                "--pool-size",
+                "200",
+                "--labels-per-acquisition",
+                "20",
+                "--epochs",
+                "1",
+                "--test-samples",
+                "500",
+                "--no-device-eval",
+                "--sampler",
+                "random",
+                "--init-samples",
+                "50",
+                "--init-epochs",
+                "5",
+                "--validation-samples",
+                "100",
+                "--run-dir",
+                str(run_dir),
+                "--dashboard",
+                "127.0.0.1:0",
+                "--json",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.stdout: list[str] = []
         self.stderr: list[str] = []
-        self.readers = [threading.Thread(target=self.read, args=(stream, lines), daemon=True)
-                        for stream, lines in ((self.process.stdout, self.stdout), (self.process.stderr, self.stderr))]
+        self.readers = [
+            threading.Thread(target=self.read, args=(stream, lines), daemon=True)
+            for stream, lines in ((self.process.stdout, self.stdout), (self.process.stderr, self.stderr))
+        ]
         for reader in self.readers:
             reader.start()
 
@@ -84,20 +116,30 @@ def watch_dashboard(browser: WebDriver, url: str) -> None:
     browser.open(url)
     rows_script = "return [...document.querySelectorAll('#devices tbody tr')].map(r => r.dataset.device)"
     round_script = "return Number(document.getElementById('round-counter').textContent)"
-    first_devices = wait_for(lambda: (lambda ids: ids if len(ids) == DEVICES else None)(
-        browser.evaluate(rows_script)), 180, "every device in the table")
+    first_devices = wait_for(
+        lambda: (lambda ids: ids if len(ids) == DEVICES else None)(browser.evaluate(rows_script)),
+        180,
+        "every device in the table",
+    )
     assert first_devices == [f"dev-{i:02d}" for i in range(DEVICES)]
     first_round = wait_for(lambda: browser.evaluate(round_script), 180, "a round number")
     with urllib.request.urlopen(url + "metrics", timeout=30) as response:
         metrics = dict(line.rsplit(" ", 1) for line in response.read().decode().splitlines() if line[0] != "#")
     assert int(metrics["fl_devices_online"]) == DEVICES and int(metrics["fl_current_round"]) >= first_round
     assert int(metrics["fl_updates_accepted_total"]) >= DEVICES * (first_round - 1)
-    later_round = wait_for(lambda: (lambda r: r if r > first_round else None)(browser.evaluate(round_script)),
-                           180, f"the round counter to pass {first_round}")
+    later_round = wait_for(
+        lambda: (lambda r: r if r > first_round else None)(browser.evaluate(round_script)),
+        180,
+        f"the round counter to pass {first_round}",
+    )
     assert later_round > first_round >= 1
-    heat_rows = wait_for(lambda: browser.evaluate(
-        "return [...document.querySelectorAll('#divergence-heatmap g.heat-row')].map(g => g.dataset.device)"),
-        120, "the divergence heatmap")
+    heat_rows = wait_for(
+        lambda: browser.evaluate(
+            "return [...document.querySelectorAll('#divergence-heatmap g.heat-row')].map(g => g.dataset.device)"
+        ),
+        120,
+        "the divergence heatmap",
+    )
     assert heat_rows == first_devices
     cells = browser.evaluate("return document.querySelectorAll('#divergence-heatmap g.heat-row rect').length")
     assert cells == DEVICES * 12  # the paper CNN's 12 tensors

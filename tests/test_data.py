@@ -14,16 +14,16 @@ from edge_agent.data import (
     DEFAULT_DATA_DIR,
     DatasetMissingError,
     DeviceData,
+    Shard,
     atomic_write_bytes,
     load_arrays,
     load_fashion_mnist,
     load_shard,
     normalise,
+    open_device_data,
     read_idx,
     save_arrays,
     save_shard,
-    Shard,
-    open_device_data,
 )
 
 TEST_IMAGES = DEFAULT_DATA_DIR / "t10k-images-idx3-ubyte.gz"
@@ -261,6 +261,7 @@ def test_replay_set_is_first_come_five_per_class(tmp_path, test_split):
 
 def test_add_labels_is_one_atomic_write(tmp_path, test_split, monkeypatch):
     device = DeviceData.create(tmp_path / "state", test_split[0][:40])
+
     def failing_replace(source: str, target: Path) -> None:
         raise OSError("disk gone")
 
@@ -288,7 +289,6 @@ def test_corrupt_state_files_are_named(tmp_path, test_split):
     (tmp_path / "state" / DeviceData.STATE_FILE).write_text("{not json")
     with pytest.raises(ValueError, match="state.json"):
         DeviceData.open(tmp_path / "state")
-
 
 
 def test_seeds_are_labelled_once_as_seed_and_fill_the_replay_set(tmp_path, test_split):

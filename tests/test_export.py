@@ -13,8 +13,8 @@ import pytest
 from coordinator.store import RunStore
 from edge_agent.bundle import BundleError, bundle_files, load_bundle, store_bundle
 from edge_agent.data import save_arrays
-from edge_agent.models import build_model, get_weights, weights_hash
 from edge_agent.mc_dropout import TorchMCDropout
+from edge_agent.models import build_model, get_weights, weights_hash
 from edge_agent.ort_scorer import OrtMCDropout
 from export.bundle_writer import ensure_bundle_files, write_bundle
 
@@ -60,8 +60,12 @@ def test_export_cli_from_a_run_checkpoint_with_int8(tmp_path: Path) -> None:
     with RunStore(run_dir) as store:
         store.save_checkpoint(0, get_weights(build_model(seed=1)))
         expected = store.save_checkpoint(1, get_weights(build_model(seed=2)))
-    result = subprocess.run([sys.executable, "-m", "export", "--run-dir", str(run_dir), "--out", str(tmp_path / "b"),
-                             "--int8"], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "export", "--run-dir", str(run_dir), "--out", str(tmp_path / "b"), "--int8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert "round 1" in result.stdout and "int8 prefix: test accuracy" in result.stdout
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
@@ -71,8 +75,12 @@ def test_export_cli_from_a_run_checkpoint_with_int8(tmp_path: Path) -> None:
 
 def test_export_cli_bad_input_is_one_line(tmp_path: Path) -> None:
     save_arrays(tmp_path / "w.npz", {"conv1.weight": np.zeros((2, 2), np.float32)})
-    result = subprocess.run([sys.executable, "-m", "export", "--weights", str(tmp_path / "w.npz"), "--out",
-                             str(tmp_path / "b")], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "export", "--weights", str(tmp_path / "w.npz"), "--out", str(tmp_path / "b")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "tensor names differ" in result.stderr
 
@@ -97,7 +105,9 @@ def test_replacement_weights_make_onnxruntime_compute_that_model(bundle_dir: Pat
 def test_replacement_weights_of_the_wrong_shape_or_precision_are_refused(bundle_dir: Path) -> None:
     bundle = load_bundle(bundle_dir)
     weights = get_weights(build_model(seed=9))
-    with pytest.raises(ValueError, match=r"tail.onnx: model.fc2.weight has shape \(10, 128\), the replacement \(3, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"tail.onnx: model.fc2.weight has shape \(10, 128\), the replacement \(3, 3\)"
+    ):
         OrtMCDropout(bundle, weights={**weights, "fc2.weight": np.zeros((3, 3), np.float32)})
     with pytest.raises(ValueError, match=r"weights lack \['conv1.bias'\]"):
         OrtMCDropout(bundle, weights={k: v for k, v in weights.items() if k != "conv1.bias"})

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from coordinator.server import load_encoder
 from edge_agent import wire
 from edge_agent.agent import Agent, AgentSettings
 from edge_agent.data import DeviceData, Shard, load_fashion_mnist, normalise, open_device_data
@@ -20,14 +21,13 @@ from edge_agent.models import build_model
 from edge_agent.mqtt import BrokerAddress, MqttSession
 from edge_agent.oracle import SimulatedOracle
 from edge_agent.sampling import knn_labels, make_sampler, prototype_entropy, prototype_similarities
-from coordinator.server import load_encoder
 from export.onnx_graphs import export_encoder
 
 embedding_sets = arrays(np.float64, st.tuples(st.integers(1, 8), st.just(4)), elements=st.floats(-5, 5))
 
 
 @settings(max_examples=60, deadline=None)
-@given(embedding_sets, embedding_sets, st.integers(0, 2 ** 31))
+@given(embedding_sets, embedding_sets, st.integers(0, 2**31))
 def test_similarities_lie_in_minus_one_one_and_entropy_is_at_most_ln_c(pool, reference, seed) -> None:
     labels = np.random.default_rng(seed).integers(0, 5, len(reference))
     similarities, seeded = prototype_similarities(pool, reference, labels, num_classes=5)
@@ -87,25 +87,34 @@ def make_agent(tmp_path: Path, pool_size: int, encoder: bytes) -> Agent:
     fashion = load_fashion_mnist()
     pool = np.arange(3000, 3000 + pool_size)
     seeds = np.concatenate([np.flatnonzero(fashion.test_labels == c)[:2] for c in range(10)])
-    shard = Shard(fashion.test_images[pool], fashion.test_labels[pool].astype(np.int64),
-                  fashion.test_images[seeds], fashion.test_labels[seeds].astype(np.int64))
+    shard = Shard(
+        fashion.test_images[pool],
+        fashion.test_labels[pool].astype(np.int64),
+        fashion.test_images[seeds],
+        fashion.test_labels[seeds].astype(np.int64),
+    )
     settings = AgentSettings(fleet="fast", device_id="dev-f")
-    agent = Agent(settings, MqttSession(BrokerAddress("127.0.0.1", 1), "dev-f"),
-                  open_device_data(tmp_path / "state", shard), SimulatedOracle(shard.all_labels))
+    agent = Agent(
+        settings,
+        MqttSession(BrokerAddress("127.0.0.1", 1), "dev-f"),
+        open_device_data(tmp_path / "state", shard),
+        SimulatedOracle(shard.all_labels),
+    )
     agent.on_encoder(wire.EncoderMessage(encoder_hash(encoder), encoder))
     return agent
 
 
 @pytest.mark.parametrize(("pool_size", "budget"), [(60, 25), (15, 25)])
 def test_fast_queries_exactly_min_b_pool_and_weak_labels_never_count_or_overwrite(
-        tmp_path, encoder_bytes, pool_size, budget) -> None:
+    tmp_path, encoder_bytes, pool_size, budget
+) -> None:
     agent = make_agent(tmp_path, pool_size, encoder_bytes)
     recipe = wire.Recipe(sampler="fast", labels_per_acquisition=budget, encoder=encoder_hash(encoder_bytes))
     model = build_model(seed=0)
-    answered, labels = agent.acquire(model, model, "base", make_sampler("fast"), recipe, 1, round_id=1, acquisition=0)
+    answered, _labels = agent.acquire(model, model, "base", make_sampler("fast"), recipe, 1, round_id=1, acquisition=0)
     data = agent.data
     assert len(answered) == min(budget, pool_size) == data.count_labels("oracle")
-    weak_indices, weak_labels = data.weak_labels()
+    weak_indices, _weak_labels = data.weak_labels()
     assert len(weak_indices) == pool_size - len(answered) == data.count_labels("weak")
     assert data.num_labelled == len(answered) + 20
     human_indices, human_labels = data.labelled()

@@ -10,21 +10,34 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fleet import (
+    INIT_SAMPLES,
+    LABELS,
+    VALIDATION_SAMPLES,
+    FakeDevice,
+    committed_rounds,
+    fleet_shards,
+    kill,
+    log_text,
+    oracle_labels,
+    perturbed,
+    start_agent,
+    start_coordinator,
+    stop_all,
+    wait_exit,
+    wait_until,
+)
 
-from edge_agent import wire
-from edge_agent.data import DeviceData, load_arrays
-from edge_agent.models import weights_hash
-from edge_agent.mqtt import parse_broker_url
 from coordinator.broker import EmbeddedBroker, free_loopback_port, port_is_free
 from coordinator.rounds import RoundPolicy, RoundResult
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.simulate import BenchSettings, simulate
 from coordinator.store import RunStore
 from coordinator.strategies import AveFL, ClientUpdate
-from fleet import (
-    INIT_SAMPLES, LABELS, VALIDATION_SAMPLES, FakeDevice, committed_rounds, fleet_shards, kill, log_text, oracle_labels, perturbed, start_agent,
-    start_coordinator, stop_all, wait_exit, wait_until,
-)
+from edge_agent import wire
+from edge_agent.data import DeviceData, load_arrays
+from edge_agent.models import weights_hash
+from edge_agent.mqtt import parse_broker_url
 
 pytestmark = pytest.mark.integration
 
@@ -52,8 +65,9 @@ def aggregate(base: dict, updates: list[wire.Update]) -> dict:
 def test_a_redelivered_update_is_applied_once(tmp_path: Path, broker, processes) -> None:
     """QoS 1 is at least once: the same encoded update arriving twice is acked twice but aggregated once."""
     run_dir = tmp_path / "run"
-    processes.append(start_coordinator(broker.address, run_dir, "redeliver", "--rounds", "1", "--quorum", "2",
-                                       "--min-devices", "2"))
+    processes.append(
+        start_coordinator(broker.address, run_dir, "redeliver", "--rounds", "1", "--quorum", "2", "--min-devices", "2")
+    )
     first, second = FakeDevice(broker.address, "redeliver", "dev-a"), FakeDevice(broker.address, "redeliver", "dev-b")
     try:
         announcement, base = first.current_round()
@@ -144,8 +158,10 @@ def test_the_fleet_rides_out_a_broker_restart_mid_round(tmp_path: Path, broker, 
     wait_until(lambda: any(len(oracle_labels(launch.state_dir)) for launch in launches), "a device labelling round 1")
     assert committed_rounds(run_dir) == []
     broker.stop()
-    wait_until(lambda: any("step done" in log_text(launch.log_file) for launch in launches),
-               "a device finishing its training while the broker is down")
+    wait_until(
+        lambda: any("step done" in log_text(launch.log_file) for launch in launches),
+        "a device finishing its training while the broker is down",
+    )
     time.sleep(1.0)
     broker.start()
     assert [wait_exit(process, "fleet process") for process in fleet] == [0, 0, 0]
@@ -171,14 +187,16 @@ def test_a_device_killed_while_training_keeps_its_labels_and_rejoins(tmp_path: P
     """SIGKILL once the device stored round 1's labels but before its update went out: its labelled store and pool
     survive, and the restarted agent trains round 1 again on the same batch (no label asked twice) and rejoins."""
     run_dir = tmp_path / "run"
-    fleet = start_fleet(broker, run_dir, "crash", 2, "--rounds", "2", "--quorum", "2", "--min-devices", "2",
-                        "--epochs", "10")
+    fleet = start_fleet(
+        broker, run_dir, "crash", 2, "--rounds", "2", "--quorum", "2", "--min-devices", "2", "--epochs", "10"
+    )
     processes.extend(fleet)
     victim = fleet_shards(run_dir, devices=2)[1]
     wait_until(lambda: len(oracle_labels(victim.state_dir)) > 0, "the device storing round 1's labels")
     kill(fleet[2])
-    assert not (run_dir / "spool" / "round_0001" / f"{victim.device_id}.msgpack").exists(), \
+    assert not (run_dir / "spool" / "round_0001" / f"{victim.device_id}.msgpack").exists(), (
         "the device was killed after publishing, not during training"
+    )
     at_kill = load_arrays(victim.state_dir / DeviceData.LABELS_FILE)
     images_at_kill = sha256_of(victim.state_dir / DeviceData.IMAGES_FILE)
     batch = oracle_labels(victim.state_dir)
@@ -208,20 +226,38 @@ def test_a_device_killed_while_training_keeps_its_labels_and_rejoins(tmp_path: P
 
 
 def test_a_device_that_hangs_then_dies_is_left_out_and_taken_back_when_it_returns(
-    tmp_path: Path, broker, processes,
+    tmp_path: Path,
+    broker,
+    processes,
 ) -> None:
     """dev-02 hangs in round 1 (SIGSTOP: still connected), so round 1 closes at its deadline with the other two;
     then it dies (SIGKILL: the broker publishes its 'offline' last will) and round 2 closes as soon as the living
     answer; restarted, it is counted again from the next round on."""
     timeout = 15.0
     run_dir = tmp_path / "run"
-    fleet = start_fleet(broker, run_dir, "absent", 3, "--rounds", "4", "--min-devices", "2",
-                        "--round-timeout", str(timeout), "--wait-devices", "3")
+    fleet = start_fleet(
+        broker,
+        run_dir,
+        "absent",
+        3,
+        "--rounds",
+        "4",
+        "--min-devices",
+        "2",
+        "--round-timeout",
+        str(timeout),
+        "--wait-devices",
+        "3",
+    )
     processes.extend(fleet)
     absent = fleet_shards(run_dir, devices=3)[2]
-    wait_until(lambda: (absent.state_dir / DeviceData.STATE_FILE).exists()
-               and "round_batches" in json.loads((absent.state_dir / DeviceData.STATE_FILE).read_text()),
-               "dev-02 starting round 1")
+    wait_until(
+        lambda: (
+            (absent.state_dir / DeviceData.STATE_FILE).exists()
+            and "round_batches" in json.loads((absent.state_dir / DeviceData.STATE_FILE).read_text())
+        ),
+        "dev-02 starting round 1",
+    )
     fleet[3].send_signal(signal.SIGSTOP)
     wait_until(lambda: len(committed_rounds(run_dir)) >= 1, "round 1 closing")
     kill(fleet[3])
@@ -256,10 +292,14 @@ def test_the_bench_notices_a_dead_agent_at_once(tmp_path: Path, caplog) -> None:
     """An agent process that dies (here: its shard is corrupt) is named with its log file and the bench goes on
     with the living at once, instead of waiting for the 600 s round deadline."""
     settings = ServerSettings(
-        run_dir=tmp_path / "run", fleet="dead", recipe=wire.Recipe(labels_per_acquisition=LABELS, epochs=1,
-                                                                   mc_passes=2, batch_size=20),
-        policy=RoundPolicy(rounds=1, quorum=3, round_timeout=600), init=InitSettings(samples=INIT_SAMPLES, epochs=2),
-        validation_samples=VALIDATION_SAMPLES, test_samples=500, evaluate_devices=False,
+        run_dir=tmp_path / "run",
+        fleet="dead",
+        recipe=wire.Recipe(labels_per_acquisition=LABELS, epochs=1, mc_passes=2, batch_size=20),
+        policy=RoundPolicy(rounds=1, quorum=3, round_timeout=600),
+        init=InitSettings(samples=INIT_SAMPLES, epochs=2),
+        validation_samples=VALIDATION_SAMPLES,
+        test_samples=500,
+        evaluate_devices=False,
     )
     broken = settings.run_dir / "devices" / "dev-02" / "shard.npz"
     broken.parent.mkdir(parents=True)
@@ -272,12 +312,14 @@ def test_the_bench_notices_a_dead_agent_at_once(tmp_path: Path, caplog) -> None:
     assert [sorted(r.divergence) for r in results] == [["dev-00", "dev-01"]]
     [error] = [record.getMessage() for record in caplog.records if record.levelname == "ERROR"]
     assert error.startswith("agent died device=dev-02 exit=2 log=") and error.endswith(
-        f"{broken.parent / 'agent.log'}; the run goes on with the others")
+        f"{broken.parent / 'agent.log'}; the run goes on with the others"
+    )
     assert "edge-agent:" in log_text(broken.parent / "agent.log")
 
 
 def test_a_killed_coordinator_takes_its_embedded_broker_along_and_its_restart_listens_where_it_was(
-    tmp_path: Path, processes,
+    tmp_path: Path,
+    processes,
 ) -> None:
     """Without --broker, SIGKILL must not leave an orphaned mosquitto behind, and the restarted coordinator's broker
     takes the same port, so that devices reconnect to the address they know and find the same round."""

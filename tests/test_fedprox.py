@@ -15,8 +15,17 @@ from edge_agent.training import FedProx, LocalData, TrainSettings, proximal_term
 def data() -> LocalData:
     fashion = load_fashion_mnist()
     images, labels = fashion.test_images[:48], fashion.test_labels[:48].astype(np.int64)
-    return LocalData(images[:0], labels[:0], images[:0], labels[:0], images[:32], labels[:32], images[:0],
-                     weak_images=images[32:], weak_labels=labels[32:])
+    return LocalData(
+        images[:0],
+        labels[:0],
+        images[:0],
+        labels[:0],
+        images[:32],
+        labels[:32],
+        images[:0],
+        weak_images=images[32:],
+        weak_labels=labels[32:],
+    )
 
 
 def distance(weights: dict, reference: dict) -> float:

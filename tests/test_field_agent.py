@@ -11,6 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from browser import wait_for
+from test_agent import FLEET, FakeCoordinator
+from test_folder_pool import write_png
 
 from coordinator.broker import EmbeddedBroker
 from edge_agent import wire
@@ -18,13 +21,11 @@ from edge_agent.data import CLASS_NAMES, load_fashion_mnist
 from edge_agent.folder_oracle import QueryBook
 from edge_agent.folder_pool import FolderDeviceData
 from edge_agent.models import build_model, get_weights
-from browser import wait_for
-from test_agent import FLEET, FakeCoordinator
-from test_folder_pool import write_png
 
 DEVICE = "cam-1"
-RECIPE = wire.Recipe(sampler="entropy", labels_per_acquisition=5, acquisitions_per_round=1, epochs=1,
-                     batch_size=4, mc_passes=3)
+RECIPE = wire.Recipe(
+    sampler="entropy", labels_per_acquisition=5, acquisitions_per_round=1, epochs=1, batch_size=4, mc_passes=3
+)
 
 
 @pytest.fixture()
@@ -41,9 +42,29 @@ def camera(tmp_path: Path) -> tuple[Path, dict[str, int]]:
 
 def start_agent(broker: EmbeddedBroker, pool_dir: Path, state_dir: Path, *extra: str) -> subprocess.Popen:
     """`python -m edge_agent run --pool-dir` as a real process, logging to state_dir/../agent.log."""
-    command = [sys.executable, "-m", "edge_agent", "run", "--broker", f"mqtt://127.0.0.1:{broker.port}",
-               "--fleet", FLEET, "--device-id", DEVICE, "--pool-dir", str(pool_dir), "--state-dir", str(state_dir),
-               "--scan-interval", "0.5", "--settle-seconds", "0", "--log-level", "info", *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "edge_agent",
+        "run",
+        "--broker",
+        f"mqtt://127.0.0.1:{broker.port}",
+        "--fleet",
+        FLEET,
+        "--device-id",
+        DEVICE,
+        "--pool-dir",
+        str(pool_dir),
+        "--state-dir",
+        str(state_dir),
+        "--scan-interval",
+        "0.5",
+        "--settle-seconds",
+        "0",
+        "--log-level",
+        "info",
+        *extra,
+    ]
     with open(state_dir.parent / "agent.log", "ab") as log:
         return subprocess.Popen(command, stdout=log, stderr=log)
 
@@ -109,8 +130,9 @@ def test_folder_oracle_end_to_end_with_pending_answers_surviving_sigkill(tmp_pat
         message = coordinator.next_on("update", timeout=60)
         assert message is not None, "no update after every query was answered"
         update = wire.decode(message.payload, wire.Update)
-        assert (update.round_id, update.acquired_labels, update.num_samples) == (1, 5, 5), \
+        assert (update.round_id, update.acquired_labels, update.num_samples) == (1, 5, 5), (
             "the restarted agent finishes the round with the batch it had queried"
+        )
         assert [q.index for q in book.queries()] == [q.index for q in first], "nothing is asked twice"
         kill(agent)
     data = FolderDeviceData.open_folder(tmp_path / "state", pool_dir, pool_cap=100, settle_seconds=0)
@@ -132,8 +154,9 @@ def test_a_round_with_unanswered_queries_trains_on_nothing_new_and_carries_them_
         assert len(book.pending()) == 5
         answer(book, truth, book.pending()[:4])
         coordinator.start_round(2, weights, recipe=RECIPE)
-        second = coordinator.next_on("update", timeout=60,
-                                     accept=lambda m: wire.decode(m.payload, wire.Update).round_id == 2)
+        second = coordinator.next_on(
+            "update", timeout=60, accept=lambda m: wire.decode(m.payload, wire.Update).round_id == 2
+        )
         assert second is not None and wire.decode(second.payload, wire.Update).acquired_labels == 4
         assert len(book.queries()) == 10 and len(book.pending()) == 6
         assert {q.round_id for q in book.queries()} == {1, 2}
@@ -146,8 +169,15 @@ def test_stream_acquisition_stays_within_its_labelling_budget(tmp_path):
     pool_dir.mkdir()
     labels_per_second, burst = 1.0, 2
     with field_run(tmp_path, pool_dir) as (coordinator, launch, book):
-        agent = launch("--answer-wait", "0", "--stream", "--labels-per-hour", str(labels_per_second * 3600),
-                       "--label-burst", str(burst))
+        agent = launch(
+            "--answer-wait",
+            "0",
+            "--stream",
+            "--labels-per-hour",
+            str(labels_per_second * 3600),
+            "--label-burst",
+            str(burst),
+        )
         coordinator.start_round(1, get_weights(build_model(seed=9)), recipe=RECIPE)
         first = coordinator.next_on("update", timeout=60)
         assert first is not None and wire.decode(first.payload, wire.Update).acquired_labels == 0
@@ -157,8 +187,11 @@ def test_stream_acquisition_stays_within_its_labelling_budget(tmp_path):
                 write_png(pool_dir / f"{wave:02d}-{i}.png", images[4 * wave + i], age_seconds=1)
             time.sleep(1.0)
         state_file = tmp_path / "state" / "state.json"
-        wait_for(lambda: json.loads(state_file.read_text()).get("stream", {}).get("scored_upto") == 40, 60,
-                 "every arrival scored")
+        wait_for(
+            lambda: json.loads(state_file.read_text()).get("stream", {}).get("scored_upto") == 40,
+            60,
+            "every arrival scored",
+        )
         elapsed = time.monotonic() - started
         stop(agent)
     asked = book.queries()
@@ -168,17 +201,37 @@ def test_stream_acquisition_stays_within_its_labelling_budget(tmp_path):
     assert len({q.index for q in asked}) == len(asked)
 
 
-@pytest.mark.parametrize("options, message", [
-    ((), "give exactly one of --data (a bench shard) or --pool-dir"),
-    (("--data", "x.npz", "--stream"), "--stream and --label-ui need --pool-dir"),
-    (("--pool-dir", "{tmp}/none"), "does not exist"),
-    (("--pool-dir", "{tmp}", "--label-ui", "host:port"), "--label-ui expects [HOST:]PORT"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ((), "give exactly one of --data (a bench shard) or --pool-dir"),
+        (("--data", "x.npz", "--stream"), "--stream and --label-ui need --pool-dir"),
+        (("--pool-dir", "{tmp}/none"), "does not exist"),
+        (("--pool-dir", "{tmp}", "--label-ui", "host:port"), "--label-ui expects [HOST:]PORT"),
+    ],
+)
 def test_bad_field_options_get_one_clear_line_and_exit_2(tmp_path, options, message):
     options = [option.replace("{tmp}", str(tmp_path)) for option in options]
-    result = subprocess.run([sys.executable, "-m", "edge_agent", "run", "--broker", "mqtt://127.0.0.1:1", "--fleet",
-                             "f", "--device-id", "d", "--state-dir", str(tmp_path / "state"), *options],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "edge_agent",
+            "run",
+            "--broker",
+            "mqtt://127.0.0.1:1",
+            "--fleet",
+            "f",
+            "--device-id",
+            "d",
+            "--state-dir",
+            str(tmp_path / "state"),
+            *options,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("edge-agent: ") and message in lines[0], result.stderr

@@ -12,13 +12,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.strategies import AveFL, ClientUpdate, FMLU, entropy_coefficients, make_strategy
+from coordinator.strategies import FMLU, AveFL, ClientUpdate, entropy_coefficients, make_strategy
 from coordinator.validation import Expectation, Rejection, validate_update
 from edge_agent import wire
 from edge_agent.data import load_arrays, load_fashion_mnist
 from edge_agent.models import NUM_CLASSES, build_model, get_weights, set_weights, weight_spec, weights_hash
 from edge_agent.training import (
-    DMLU, LocalData, confidence_coefficients, dmlu_losses, mean_prediction_entropy, mutual_losses,
+    DMLU,
+    LocalData,
+    confidence_coefficients,
+    dmlu_losses,
+    mean_prediction_entropy,
+    mutual_losses,
     private_model_path,
 )
 
@@ -67,8 +72,15 @@ def softmax(x: np.ndarray) -> np.ndarray:
 def test_equal_entropies_give_the_uniform_fml_mean() -> None:
     rng = np.random.default_rng(0)
     base = get_weights(build_model(seed=0))
-    updates = [ClientUpdate(f"dev-{i}", {k: (v + rng.normal(0, 0.1, v.shape)).astype(v.dtype) for k, v in base.items()},
-                            num_samples=10 * (i + 1), metrics={wire.METRIC_MEME_ENTROPY: 0.7}) for i in range(3)]
+    updates = [
+        ClientUpdate(
+            f"dev-{i}",
+            {k: (v + rng.normal(0, 0.1, v.shape)).astype(v.dtype) for k, v in base.items()},
+            num_samples=10 * (i + 1),
+            metrics={wire.METRIC_MEME_ENTROPY: 0.7},
+        )
+        for i in range(3)
+    ]
     fmlu, report = FMLU().aggregate(base, updates, None)
     uniform, _ = AveFL().aggregate(base, updates, None)
     assert report["coefficients"] == pytest.approx({"dev-0": 1 / 3, "dev-1": 1 / 3, "dev-2": 1 / 3})
@@ -106,9 +118,11 @@ def test_dmlu_with_both_coefficients_one_is_twice_fml_at_one_half() -> None:
     dmlu_local, dmlu_meme = mutual_losses(local, meme, targets, ones, ones)
     kl = torch.nn.functional.kl_div  # kl_div(log q, p) = KL(p || q), batch mean
     fml_local = 0.5 * torch.nn.functional.cross_entropy(local, targets) + 0.5 * kl(
-        torch.log_softmax(local, 1), torch.softmax(meme, 1), reduction="batchmean")
+        torch.log_softmax(local, 1), torch.softmax(meme, 1), reduction="batchmean"
+    )
     fml_meme = 0.5 * torch.nn.functional.cross_entropy(meme, targets) + 0.5 * kl(
-        torch.log_softmax(meme, 1), torch.softmax(local, 1), reduction="batchmean")
+        torch.log_softmax(meme, 1), torch.softmax(local, 1), reduction="batchmean"
+    )
     assert dmlu_local.item() == pytest.approx(2 * fml_local.item(), rel=1e-5)
     assert dmlu_meme.item() == pytest.approx(2 * fml_meme.item(), rel=1e-5)
 
@@ -167,7 +181,9 @@ def test_update_metrics_are_only_the_memes_entropy_on_its_training_data(labelled
     images, labels = labelled
     meme, metrics = run_dmlu(get_weights(build_model(seed=1)), local_data(images, labels, tmp_path))
     assert set(metrics) == {wire.METRIC_MEME_ENTROPY}
-    assert metrics[wire.METRIC_MEME_ENTROPY] == pytest.approx(mean_prediction_entropy(model_from(meme), images), rel=1e-6)
+    assert metrics[wire.METRIC_MEME_ENTROPY] == pytest.approx(
+        mean_prediction_entropy(model_from(meme), images), rel=1e-6
+    )
     private = model_from(load_arrays(private_model_path(tmp_path)))
     assert metrics[wire.METRIC_MEME_ENTROPY] != pytest.approx(mean_prediction_entropy(private, images), rel=1e-6)
 
@@ -182,22 +198,41 @@ WEIGHTS = get_weights(build_model(seed=0))
 
 
 def fmlu_update(metrics: dict[str, float]) -> bytes:
-    return wire.encode(wire.Update(
-        device_id="dev-1", round_id=3, update_id="u", base_hash=weights_hash(WEIGHTS), num_samples=20,
-        class_counts=[2] * NUM_CLASSES, acquired_labels=10, metrics=metrics, tensors=WEIGHTS))
+    return wire.encode(
+        wire.Update(
+            device_id="dev-1",
+            round_id=3,
+            update_id="u",
+            base_hash=weights_hash(WEIGHTS),
+            num_samples=20,
+            class_counts=[2] * NUM_CLASSES,
+            acquired_labels=10,
+            metrics=metrics,
+            tensors=WEIGHTS,
+        )
+    )
 
 
-FMLU_EXPECTATION = Expectation(3, weights_hash(WEIGHTS), weight_spec(build_model()), NUM_CLASSES, 1 << 24,
-                               required_metrics=make_strategy("fmlu").required_metrics)
+FMLU_EXPECTATION = Expectation(
+    3,
+    weights_hash(WEIGHTS),
+    weight_spec(build_model()),
+    NUM_CLASSES,
+    1 << 24,
+    required_metrics=make_strategy("fmlu").required_metrics,
+)
 
 
-@pytest.mark.parametrize(("metrics", "reason"), [
-    ({}, "missing metric 'meme_entropy'"),
-    ({"meme_entropy": float("nan")}, "metric 'meme_entropy' is not finite"),
-    ({"meme_entropy": float("inf")}, "metric 'meme_entropy' is not finite"),
-    ({"meme_entropy": -3.0}, "metric 'meme_entropy' = -3.0 lies outside [0, 2.30259]"),
-    ({"meme_entropy": 9.0}, "lies outside"),
-])
+@pytest.mark.parametrize(
+    ("metrics", "reason"),
+    [
+        ({}, "missing metric 'meme_entropy'"),
+        ({"meme_entropy": float("nan")}, "metric 'meme_entropy' is not finite"),
+        ({"meme_entropy": float("inf")}, "metric 'meme_entropy' is not finite"),
+        ({"meme_entropy": -3.0}, "metric 'meme_entropy' = -3.0 lies outside [0, 2.30259]"),
+        ({"meme_entropy": 9.0}, "lies outside"),
+    ],
+)
 def test_fmlu_rejects_a_missing_or_impossible_entropy(metrics: dict, reason: str) -> None:
     with pytest.raises(Rejection) as info:
         validate_update("dev-1", fmlu_update(metrics), FMLU_EXPECTATION)

@@ -8,11 +8,11 @@ import time
 import numpy as np
 import pytest
 from PIL import Image
+from test_folder_pool import write_png
 
 from edge_agent.data import load_fashion_mnist
 from edge_agent.folder_oracle import FolderOracle, QueryBook, parse_label
 from edge_agent.folder_pool import FolderDeviceData
-from test_folder_pool import write_png
 
 
 @pytest.fixture()
@@ -43,7 +43,10 @@ def test_label_waits_for_its_queries_and_returns_early_once_answered(oracle):
     indices, _ = oracle.label(np.array([1]))
     assert indices.size == 0 and time.monotonic() - started >= 0.5
     oracle.wait_seconds = 30
-    answer_all = lambda: [oracle.book.record_answer(q.name, 5 + q.index) for q in oracle.book.pending()]
+
+    def answer_all():
+        return [oracle.book.record_answer(q.name, 5 + q.index) for q in oracle.book.pending()]
+
     threading.Timer(0.5, answer_all).start()
     started = time.monotonic()
     indices, labels = oracle.label(np.array([4]))

@@ -12,7 +12,12 @@ from PIL import Image
 
 from edge_agent.data import load_fashion_mnist
 from edge_agent.folder_pool import (
-    MODEL_INPUT, FolderDeviceData, FolderPool, InputSpec, UnreadableImageError, decode_image,
+    MODEL_INPUT,
+    FolderDeviceData,
+    FolderPool,
+    InputSpec,
+    UnreadableImageError,
+    decode_image,
 )
 
 
@@ -149,6 +154,7 @@ def test_device_data_over_a_folder_caps_the_pool_oldest_out_and_keeps_labels(tmp
 
 def test_folder_store_refuses_shard_state_and_foreign_input_shapes(tmp_path, fashion):
     from edge_agent.data import DeviceData
+
     (tmp_path / "camera").mkdir()
     DeviceData.create(tmp_path / "bench", fashion[0][:3])
     with pytest.raises(ValueError, match="shard's device data"):
@@ -160,8 +166,7 @@ def test_folder_store_refuses_shard_state_and_foreign_input_shapes(tmp_path, fas
 
 
 def test_input_spec_comes_from_a_bundle_manifest_and_a_foreign_normalisation_is_refused():
-    manifest = {"input_shape": [1, 28, 28],
-                "normalisation": {"scale": 1 / 255, "mean": 0.2860, "std": 0.3530}}
+    manifest = {"input_shape": [1, 28, 28], "normalisation": {"scale": 1 / 255, "mean": 0.2860, "std": 0.3530}}
     assert InputSpec.from_manifest(manifest) == MODEL_INPUT
     with pytest.raises(ValueError, match="normalisation"):
         InputSpec.from_manifest({**manifest, "normalisation": {"scale": 1 / 255, "mean": 0.5, "std": 0.5}})

@@ -7,14 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent import wire
-from edge_agent.models import weights_hash
-from edge_agent.mqtt import MqttSession
 from coordinator.broker import EmbeddedBroker
 from coordinator.rounds import RoundPolicy, RoundResult
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.simulate import BenchSettings, simulate
 from coordinator.store import RunStore
+from edge_agent import wire
+from edge_agent.models import weights_hash
+from edge_agent.mqtt import MqttSession
 
 pytestmark = pytest.mark.integration
 
@@ -50,10 +50,14 @@ class GarbageSender:
 def test_three_devices_two_rounds_over_a_real_broker(tmp_path: Path) -> None:
     """3 agents x 2 rounds: the global model changes, the store holds 2 rounds, checkpoints load, garbage is rejected."""
     settings = ServerSettings(
-        run_dir=tmp_path / "run", fleet="itest", strategy="avefl",
+        run_dir=tmp_path / "run",
+        fleet="itest",
+        strategy="avefl",
         recipe=wire.Recipe(sampler="entropy", labels_per_acquisition=40, epochs=2, mc_passes=4, batch_size=20),
         policy=RoundPolicy(rounds=2, min_devices=3, quorum=3, round_timeout=120),
-        init=InitSettings(samples=50, epochs=3), validation_samples=100, test_samples=500,
+        init=InitSettings(samples=50, epochs=3),
+        validation_samples=100,
+        test_samples=500,
     )
     bench = BenchSettings(devices=3, partition="type1", pool_size=200)
     results: list[RoundResult] = []
@@ -89,10 +93,15 @@ def test_three_devices_two_rounds_over_a_real_broker(tmp_path: Path) -> None:
 def test_devices_with_an_onnxruntime_profile_score_with_the_shipped_bundle(tmp_path: Path) -> None:
     """2 agents on the Pi Zero 2 W profile: each round's bundle is exported once, shipped, verified and used."""
     settings = ServerSettings(
-        run_dir=tmp_path / "run", fleet="ortfleet", strategy="avefl",
+        run_dir=tmp_path / "run",
+        fleet="ortfleet",
+        strategy="avefl",
         recipe=wire.Recipe(sampler="entropy", labels_per_acquisition=20, epochs=1, mc_passes=30, batch_size=20),
         policy=RoundPolicy(rounds=2, min_devices=2, quorum=2, round_timeout=120),
-        init=InitSettings(samples=50, epochs=2), validation_samples=100, test_samples=300, evaluate_devices=False,
+        init=InitSettings(samples=50, epochs=2),
+        validation_samples=100,
+        test_samples=300,
+        evaluate_devices=False,
     )
     profile = Path(__file__).parent.parent / "firmware_configs" / "raspberry-pi-zero-2w.toml"
     bench = BenchSettings(devices=2, partition="type1", pool_size=100, agent_profile=profile)

@@ -15,8 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from coordinator.broker import EmbeddedBroker
+from coordinator.evaluation import Evaluator, LabelledSplit
+from coordinator.rounds import Coordinator, RoundCollector, RoundPolicy, choose_participants
+from coordinator.store import RunStore
+from coordinator.strategies import ClientUpdate, make_strategy
+from coordinator.validation import Expectation
 from edge_agent import wire
-from edge_agent.agent import OWN_MODEL_FILE, LAST_ROUND_KEY, Agent, AgentSettings
+from edge_agent.agent import LAST_ROUND_KEY, OWN_MODEL_FILE, Agent, AgentSettings
 from edge_agent.data import DeviceData, Shard, load_fashion_mnist, open_device_data
 from edge_agent.models import build_model, get_weights, weight_spec, weights_hash
 from edge_agent.mqtt import MqttSession
@@ -24,14 +30,14 @@ from edge_agent.oracle import SimulatedOracle
 from edge_agent.sampling import class_prior_bias, ksas_scores
 from edge_agent.schedule import acquires_in_round, check_schedule, labels_per_acquisition, round_in_active_round
 from edge_agent.training import (
-    KCFU, LocalData, TrainSettings, balanced_cross_entropy, compensation_loss, compensation_weights, run_epochs,
+    KCFU,
+    LocalData,
+    TrainSettings,
+    balanced_cross_entropy,
+    compensation_loss,
+    compensation_weights,
+    run_epochs,
 )
-from coordinator.broker import EmbeddedBroker
-from coordinator.evaluation import Evaluator, LabelledSplit
-from coordinator.rounds import Coordinator, RoundCollector, RoundPolicy, choose_participants
-from coordinator.store import RunStore
-from coordinator.validation import Expectation
-from coordinator.strategies import ClientUpdate, make_strategy
 
 logits_strategy = arrays(np.float64, (6, 5), elements=st.floats(-8, 8))
 counts_strategy = arrays(np.int64, (5,), elements=st.integers(0, 50))
@@ -55,8 +61,9 @@ def test_lambda_zero_gives_the_symmetric_kl_of_the_plain_softmaxes() -> None:
 @settings(max_examples=60, deadline=None)
 @given(logits_strategy, logits_strategy, counts_strategy, st.floats(1.5, 1000), st.floats(0, 3))
 def test_scaling_every_count_by_a_constant_leaves_d_unchanged(own, glob, counts, scale, lam) -> None:
-    np.testing.assert_allclose(ksas_scores(own, glob, counts, lam), ksas_scores(own, glob, counts * scale, lam),
-                               rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(
+        ksas_scores(own, glob, counts, lam), ksas_scores(own, glob, counts * scale, lam), rtol=1e-7, atol=1e-9
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -140,8 +147,16 @@ def fashion():
 
 def local_data(fashion, round_in_active: int) -> LocalData:
     images, labels = fashion.test_images[:64], fashion.test_labels[:64].astype(np.int64)
-    return LocalData(images[:0], labels[:0], images[:0], labels[:0], images, labels, fashion.test_images[100:228],
-                     round_in_active_round=round_in_active)
+    return LocalData(
+        images[:0],
+        labels[:0],
+        images[:0],
+        labels[:0],
+        images,
+        labels,
+        fashion.test_images[100:228],
+        round_in_active_round=round_in_active,
+    )
 
 
 def test_kcfu_uses_only_the_balanced_loss_in_the_first_round_of_an_active_round(fashion) -> None:
@@ -155,8 +170,13 @@ def test_kcfu_uses_only_the_balanced_loss_in_the_first_round_of_an_active_round(
         runs[round_in_active] = (get_weights(model), metrics)
     reference = build_model(seed=3)
     counts = np.bincount(fashion.test_labels[:64], minlength=10)
-    run_epochs([reference], fashion.test_images[:64], fashion.test_labels[:64].astype(np.int64),
-               TrainSettings.from_recipe(recipe, 7), lambda x, y: balanced_cross_entropy(reference(x), y, counts))
+    run_epochs(
+        [reference],
+        fashion.test_images[:64],
+        fashion.test_labels[:64].astype(np.int64),
+        TrainSettings.from_recipe(recipe, 7),
+        lambda x, y: balanced_cross_entropy(reference(x), y, counts),
+    )
     first, second = runs[1][0], runs[2][0]
     assert all(np.array_equal(first[k], v) for k, v in get_weights(reference).items())
     assert any(not np.array_equal(first[k], second[k]) for k in first)
@@ -187,8 +207,17 @@ def test_participants_are_a_seeded_ceil_r_k_subset_of_the_online_devices() -> No
 
 def test_schedule_acquires_at_the_start_of_each_active_round_after_the_initial_one() -> None:
     kafal = wire.Recipe(rounds_per_acquisition=3, initial_label_fraction=0.1, label_fraction=0.05)
-    assert [acquires_in_round(r, kafal) for r in range(1, 10)] == [False, False, False, True, False, False,
-                                                                    True, False, False]
+    assert [acquires_in_round(r, kafal) for r in range(1, 10)] == [
+        False,
+        False,
+        False,
+        True,
+        False,
+        False,
+        True,
+        False,
+        False,
+    ]
     assert [round_in_active_round(r, kafal) for r in range(1, 8)] == [1, 2, 3, 1, 2, 3, 1]
     assert all(acquires_in_round(r, wire.Recipe()) for r in range(1, 5))
     assert labels_per_acquisition(kafal, 301) == 16 and labels_per_acquisition(wire.Recipe(), 301) == 400
@@ -215,16 +244,29 @@ def test_unselected_device_acquires_but_never_trains_nor_sends(broker, tmp_path,
     coordinator = MqttSession(broker.address, client_id="coordinator")
     coordinator.connect(timeout=10)
     coordinator.subscribe(wire.all_devices_topic("kafal", "update"))
-    recipe = wire.Recipe(sampler="ksas", local_rule="kcfu", epochs=1, batch_size=16, rounds_per_acquisition=1,
-                         initial_label_fraction=0.1, label_fraction=0.05)
+    recipe = wire.Recipe(
+        sampler="ksas",
+        local_rule="kcfu",
+        epochs=1,
+        batch_size=16,
+        rounds_per_acquisition=1,
+        initial_label_fraction=0.1,
+        label_fraction=0.05,
+    )
     weights = get_weights(build_model(seed=0))
 
     def announce(round_id: int, participants: list[str]) -> None:
         model_hash = weights_hash(weights)
         model = wire.ModelMessage(model_hash, "paper-cnn", weights)
         coordinator.publish(wire.model_topic("kafal", model_hash), wire.encode(model), retain=True, wait=10)
-        coordinator.publish(wire.round_topic("kafal"), wire.encode(wire.RoundAnnouncement(
-            "run", round_id, model_hash, recipe, time.time() + 60, participants=participants)), retain=True, wait=10)
+        coordinator.publish(
+            wire.round_topic("kafal"),
+            wire.encode(
+                wire.RoundAnnouncement("run", round_id, model_hash, recipe, time.time() + 60, participants=participants)
+            ),
+            retain=True,
+            wait=10,
+        )
 
     def next_update(timeout: float):
         deadline = time.monotonic() + timeout
@@ -268,9 +310,16 @@ def test_only_participants_may_send_and_the_quorum_counts_them(broker, tmp_path,
     session = MqttSession(broker.address, client_id="coordinator")
     observer = MqttSession(broker.address, client_id="observer")
     with RunStore(tmp_path / "run") as store:
-        coordinator = Coordinator("kafal", "run", session, store, make_strategy("fedavg"),
-                                  Evaluator("paper-cnn", split, split, 1, 0), wire.Recipe(),
-                                  RoundPolicy(rounds=1, quorum=10, participation=0.5))
+        coordinator = Coordinator(
+            "kafal",
+            "run",
+            session,
+            store,
+            make_strategy("fedavg"),
+            Evaluator("paper-cnn", split, split, 1, 0),
+            wire.Recipe(),
+            RoundPolicy(rounds=1, quorum=10, participation=0.5),
+        )
         session.connect(timeout=10)
         observer.connect(timeout=10)
         observer.subscribe(wire.round_topic("kafal"))
@@ -298,8 +347,13 @@ def test_only_participants_may_send_and_the_quorum_counts_them(broker, tmp_path,
 
 
 def test_participants_and_schedule_fields_cross_the_wire_and_bad_ones_are_refused() -> None:
-    recipe = wire.Recipe(sampler="ksas", rounds_per_acquisition=3, initial_label_fraction=0.1, label_fraction=0.05,
-                         options={"lambda": 1.0, "nu": 0.5})
+    recipe = wire.Recipe(
+        sampler="ksas",
+        rounds_per_acquisition=3,
+        initial_label_fraction=0.1,
+        label_fraction=0.05,
+        options={"lambda": 1.0, "nu": 0.5},
+    )
     announcement = wire.RoundAnnouncement("run", 4, "h" * 64, recipe, 1.0, participants=["dev-01", "dev-03"])
     assert wire.decode(wire.encode(announcement), wire.RoundAnnouncement) == announcement
     raw = msgpack.unpackb(wire.encode(announcement))

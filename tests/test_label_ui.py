@@ -11,17 +11,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_folder_pool import write_png
 
 from edge_agent.data import load_fashion_mnist
 from edge_agent.folder_oracle import FolderOracle, QueryBook
 from edge_agent.folder_pool import FolderDeviceData
 from edge_agent.label_ui import LabelServer, parse_listen_address
-from test_folder_pool import write_png
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
-CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROME_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 ELEMENT_KEY = "element-6066-11e4-a52e-4f735466cecf"
 
 
@@ -68,8 +75,9 @@ class WebDriver:
 
     def __init__(self, profile_dir: Path) -> None:
         self.port = free_port()
-        self.process = subprocess.Popen([CHROMEDRIVER, f"--port={self.port}"], stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            [CHROMEDRIVER, f"--port={self.port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         self.base = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 20
         while not self._ready():
@@ -77,8 +85,11 @@ class WebDriver:
                 raise RuntimeError("chromedriver did not start")
             time.sleep(0.1)
         options = {"binary": CHROMIUM, "args": CHROME_FLAGS + [f"--user-data-dir={profile_dir}"]}
-        created = self.call("POST", "/session", {"capabilities": {"alwaysMatch": {
-            "browserName": "chrome", "goog:chromeOptions": options}}})
+        created = self.call(
+            "POST",
+            "/session",
+            {"capabilities": {"alwaysMatch": {"browserName": "chrome", "goog:chromeOptions": options}}},
+        )
         self.session = created["sessionId"]
 
     def _ready(self) -> bool:
@@ -139,8 +150,12 @@ def test_bad_posts_are_refused_and_lose_nothing_and_only_query_images_are_served
     name = book.queries()[0].name
     assert http("POST", server.url + "label", f"query={name}&label=4".encode())[0] == 200
     before = book.labels_path.read_bytes()
-    for form in (b"query=nope.png&label=1", f"query={name}&label=10".encode(), f"query={name}&label=x".encode(),
-                 f"query={name}".encode()):
+    for form in (
+        b"query=nope.png&label=1",
+        f"query={name}&label=10".encode(),
+        f"query={name}&label=x".encode(),
+        f"query={name}".encode(),
+    ):
         status, body = http("POST", server.url + "label", form)
         assert status == 400 and body.startswith(b"label not saved"), form
     assert book.labels_path.read_bytes() == before

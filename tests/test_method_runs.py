@@ -10,30 +10,59 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from coordinator.store import RunStore
 from edge_agent import wire
 from edge_agent.data import load_arrays
 from edge_agent.models import weights_hash
 from edge_agent.training import PRIVATE_MODEL_FILE
-from coordinator.store import RunStore
 
 pytestmark = pytest.mark.integration
 
-TINY = ["--devices", "2", "--rounds", "2", "--pool-size", "200", "--labels-per-acquisition", "20", "--epochs", "1",
-        "--batch-size", "16", "--test-samples", "500", "--no-device-eval", "--sampler", "random",
-        "--init-samples", "50", "--init-epochs", "2", "--validation-samples", "100", "--json"]
+TINY = [
+    "--devices",
+    "2",
+    "--rounds",
+    "2",
+    "--pool-size",
+    "200",
+    "--labels-per-acquisition",
+    "20",
+    "--epochs",
+    "1",
+    "--batch-size",
+    "16",
+    "--test-samples",
+    "500",
+    "--no-device-eval",
+    "--sampler",
+    "random",
+    "--init-samples",
+    "50",
+    "--init-epochs",
+    "2",
+    "--validation-samples",
+    "100",
+    "--json",
+]
 
 
 def simulate(run_dir: Path, *method: str) -> list[dict]:
     """Runs `python -m coordinator simulate` as a user does; returns its JSON lines (rounds, then the summary)."""
-    result = subprocess.run([sys.executable, "-m", "coordinator", "simulate", *TINY, "--run-dir", str(run_dir), *method],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator", "simulate", *TINY, "--run-dir", str(run_dir), *method],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return [json.loads(line) for line in result.stdout.strip().splitlines()]
 
 
 def spooled_updates(run_dir: Path, round_id: int) -> dict[str, wire.Update]:
     with RunStore(run_dir) as store:
-        return {device: wire.decode(payload, wire.Update) for device, payload in store.spooled_updates(round_id).items()}
+        return {
+            device: wire.decode(payload, wire.Update) for device, payload in store.spooled_updates(round_id).items()
+        }
 
 
 def test_fmlu_with_dmlu_uploads_only_memes_and_their_entropy(tmp_path: Path) -> None:
@@ -58,8 +87,9 @@ def test_fmlu_with_dmlu_uploads_only_memes_and_their_entropy(tmp_path: Path) -> 
 
 def test_cadis_with_cadis_kd_on_cluster_skew_keeps_its_state_in_the_store(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    lines = simulate(run_dir, "--partition", "clusters:2", "--local-rule", "cadis-kd", "--strategy", "cadis",
-                     "--kd-weight", "0.5")
+    lines = simulate(
+        run_dir, "--partition", "clusters:2", "--local-rule", "cadis-kd", "--strategy", "cadis", "--kd-weight", "0.5"
+    )
     assert [line.get("round") for line in lines[:-1]] == [1, 2] and "summary" in lines[-1]
     with RunStore(run_dir) as store:
         rounds = store.rounds()

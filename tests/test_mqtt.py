@@ -12,7 +12,12 @@ import pytest
 
 from coordinator.broker import EmbeddedBroker
 from edge_agent.mqtt import (
-    BrokerAddress, IncomingMessage, LastWill, MqttSession, PayloadTooLargeError, parse_broker_url,
+    BrokerAddress,
+    IncomingMessage,
+    LastWill,
+    MqttSession,
+    PayloadTooLargeError,
+    parse_broker_url,
 )
 
 pytestmark = pytest.mark.integration
@@ -137,8 +142,11 @@ def test_last_will_is_published_when_the_client_process_dies(broker, sessions):
     watcher = sessions(broker.address, "watcher")
     subscribe(watcher, topic)
     child = subprocess.Popen(
-        [sys.executable, "-c", DOOMED_CLIENT, str(broker.port)], cwd=REPO,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [sys.executable, "-c", DOOMED_CLIENT, str(broker.port)],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     try:
         assert child.stdout.readline() == b"connected\n", child.stderr.read().decode()
@@ -176,14 +184,20 @@ def test_clean_close_does_not_publish_the_last_will(broker, sessions):
 # --- broker URLs -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("url, expected", [
-    ("mqtt://h:1", BrokerAddress("h", 1, tls=False)),
-    ("mqtt://broker.local", BrokerAddress("broker.local", 1883, tls=False)),
-    ("mqtts://h", BrokerAddress("h", 8883, tls=True)),
-    ("mqtts://h:9999", BrokerAddress("h", 9999, tls=True)),
-    ("mqtt://user:pass@h:1884", BrokerAddress("h", 1884, username="user", password="pass")),
-    ("mqtts://dev-1:s3cret@10.0.0.2", BrokerAddress("10.0.0.2", 8883, tls=True, username="dev-1", password="s3cret")),
-])
+@pytest.mark.parametrize(
+    "url, expected",
+    [
+        ("mqtt://h:1", BrokerAddress("h", 1, tls=False)),
+        ("mqtt://broker.local", BrokerAddress("broker.local", 1883, tls=False)),
+        ("mqtts://h", BrokerAddress("h", 8883, tls=True)),
+        ("mqtts://h:9999", BrokerAddress("h", 9999, tls=True)),
+        ("mqtt://user:pass@h:1884", BrokerAddress("h", 1884, username="user", password="pass")),
+        (
+            "mqtts://dev-1:s3cret@10.0.0.2",
+            BrokerAddress("10.0.0.2", 8883, tls=True, username="dev-1", password="s3cret"),
+        ),
+    ],
+)
 def test_parse_broker_url_accepts(url, expected):
     assert parse_broker_url(url) == expected
 
@@ -192,13 +206,16 @@ def test_address_url_drops_credentials():
     assert parse_broker_url("mqtts://user:pass@h:1884").url == "mqtts://h:1884"
 
 
-@pytest.mark.parametrize("url, fragment", [
-    ("http://x", "must look like mqtt://HOST:PORT"),
-    ("mqtt://", "must look like mqtt://HOST:PORT"),
-    ("h:1883", "must look like mqtt://HOST:PORT"),
-    ("mqtt://h:notaport", "invalid port"),
-    ("mqtt://h:70000", "invalid port"),
-])
+@pytest.mark.parametrize(
+    "url, fragment",
+    [
+        ("http://x", "must look like mqtt://HOST:PORT"),
+        ("mqtt://", "must look like mqtt://HOST:PORT"),
+        ("h:1883", "must look like mqtt://HOST:PORT"),
+        ("mqtt://h:notaport", "invalid port"),
+        ("mqtt://h:70000", "invalid port"),
+    ],
+)
 def test_parse_broker_url_rejects(url, fragment):
     with pytest.raises(ValueError, match=fragment):
         parse_broker_url(url)

@@ -9,18 +9,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fleet import FakeDevice, fleet_shards, server_data
 
+from coordinator.broker import EmbeddedBroker
+from coordinator.rounds import RoundPolicy, RoundResult, SuspectPolicy
+from coordinator.server import InitSettings, ServerSettings, initial_weights, run_server
+from coordinator.store import RunStore
 from edge_agent import wire
 from edge_agent.agent import Agent, AgentSettings
 from edge_agent.data import load_shard, open_device_data
 from edge_agent.models import weights_hash
 from edge_agent.mqtt import BrokerAddress, MqttSession
 from edge_agent.oracle import SimulatedOracle
-from coordinator.broker import EmbeddedBroker
-from coordinator.rounds import RoundPolicy, RoundResult, SuspectPolicy
-from coordinator.server import InitSettings, ServerSettings, initial_weights, run_server
-from coordinator.store import RunStore
-from fleet import FakeDevice, fleet_shards, server_data
 
 pytestmark = pytest.mark.integration
 
@@ -49,8 +49,12 @@ def round_one(tmp_path_factory, broker) -> tuple[dict, dict[str, bytes]]:
     try:
         for launch in fleet_shards(work, devices=4):
             shard = load_shard(launch.shard)
-            agent = Agent(AgentSettings(FLEET, launch.device_id), session, open_device_data(launch.state_dir, shard),
-                          SimulatedOracle(shard.all_labels))
+            agent = Agent(
+                AgentSettings(FLEET, launch.device_id),
+                session,
+                open_device_data(launch.state_dir, shard),
+                SimulatedOracle(shard.all_labels),
+            )
             payloads[launch.device_id] = wire.encode(agent.run_round(announcement, base))
     finally:
         session.close()
@@ -65,21 +69,34 @@ def random_at_fifty_times_the_scale(payload: bytes) -> bytes:
     """
     honest = wire.decode(payload, wire.Update)
     rng = np.random.default_rng(50)
-    tensors = {name: (50.0 * array.std() * rng.standard_normal(array.shape)).astype(array.dtype)
-               for name, array in honest.tensors.items()}
+    tensors = {
+        name: (50.0 * array.std() * rng.standard_normal(array.shape)).astype(array.dtype)
+        for name, array in honest.tensors.items()
+    }
     return wire.encode(dataclasses.replace(honest, device_id=ATTACKER, update_id="attack", tensors=tensors))
 
 
-def run_round_one(run_dir: Path, address: BrokerAddress, base: dict, payloads: dict[str, bytes], strategy: str,
-                  exclude_suspects: bool = False) -> RoundResult:
+def run_round_one(
+    run_dir: Path,
+    address: BrokerAddress,
+    base: dict,
+    payloads: dict[str, bytes],
+    strategy: str,
+    exclude_suspects: bool = False,
+) -> RoundResult:
     """A real coordinator (thread) runs round 1 from W0 while a raw client publishes the given device payloads."""
     fleet = run_dir.name
     with RunStore(run_dir) as store:
         store.save_checkpoint(0, base)  # the coordinator resumes from this W0 instead of training its own
     settings = ServerSettings(
-        run_dir=run_dir, fleet=fleet, strategy=strategy, recipe=RECIPE,
+        run_dir=run_dir,
+        fleet=fleet,
+        strategy=strategy,
+        recipe=RECIPE,
         policy=RoundPolicy(rounds=1, min_devices=len(payloads), quorum=len(payloads), round_timeout=120),
-        test_samples=TEST_SAMPLES, evaluate_devices=False, suspects=SuspectPolicy(exclude=exclude_suspects),
+        test_samples=TEST_SAMPLES,
+        evaluate_devices=False,
+        suspects=SuspectPolicy(exclude=exclude_suspects),
         torch_threads=1,
     )
     results: list[RoundResult] = []
@@ -99,7 +116,9 @@ def run_round_one(run_dir: Path, address: BrokerAddress, base: dict, payloads: d
 
 
 def test_median_and_excluding_suspects_survive_a_device_sending_random_weights_at_fifty_times_the_scale(
-    tmp_path: Path, broker, round_one,
+    tmp_path: Path,
+    broker,
+    round_one,
 ) -> None:
     base, honest = round_one
     attacked = {**honest, ATTACKER: random_at_fifty_times_the_scale(honest["dev-00"])}
@@ -107,8 +126,10 @@ def test_median_and_excluding_suspects_survive_a_device_sending_random_weights_a
     plain = run_round_one(tmp_path / "plain", broker.address, base, attacked, "avefl")
     median = run_round_one(tmp_path / "median", broker.address, base, attacked, "median")
     excluded = run_round_one(tmp_path / "excluded", broker.address, base, attacked, "avefl", exclude_suspects=True)
-    print(f"accuracy clean={clean.accuracy:.4f} avefl={plain.accuracy:.4f} median={median.accuracy:.4f} "
-          f"excluded={excluded.accuracy:.4f}")
+    print(
+        f"accuracy clean={clean.accuracy:.4f} avefl={plain.accuracy:.4f} median={median.accuracy:.4f} "
+        f"excluded={excluded.accuracy:.4f}"
+    )
 
     assert clean.accuracy > 0.4  # a real model, so that a collapse is visible
     assert plain.accuracy < clean.accuracy - 0.2

@@ -37,14 +37,20 @@ def test_unknown_key_names_file_and_key(tmp_path: Path) -> None:
         load_profile(path)
 
 
-@pytest.mark.parametrize(("old", "new", "message"), [
-    ("threads = 4", 'threads = "four"', "key 'threads': expected integer, got str"),
-    ("threads = 4", "threads = true", "key 'threads': expected integer, got bool"),
-    ("keepalive = 60", "keepalive = 1.5", "key 'keepalive': expected integer, got float"),
-    ('execution_providers = ["CPUExecutionProvider"]', 'execution_providers = "CPUExecutionProvider"',
-     "key 'execution_providers': expected list of strings"),
-    ('backend = "onnxruntime"', 'backend = "tflite"', "key 'backend': expected one of torch, onnxruntime"),
-])
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ("threads = 4", 'threads = "four"', "key 'threads': expected integer, got str"),
+        ("threads = 4", "threads = true", "key 'threads': expected integer, got bool"),
+        ("keepalive = 60", "keepalive = 1.5", "key 'keepalive': expected integer, got float"),
+        (
+            'execution_providers = ["CPUExecutionProvider"]',
+            'execution_providers = "CPUExecutionProvider"',
+            "key 'execution_providers': expected list of strings",
+        ),
+        ('backend = "onnxruntime"', 'backend = "tflite"', "key 'backend': expected one of torch, onnxruntime"),
+    ],
+)
 def test_wrong_type_names_file_key_and_expectation(tmp_path: Path, old: str, new: str, message: str) -> None:
     with pytest.raises(ProfileError, match="device.toml") as error:
         load_profile(_variant(tmp_path, old, new))
@@ -62,15 +68,23 @@ def test_agent_run_takes_its_settings_from_the_profile_and_the_command_line_wins
     args = build_parser().parse_args([*base, "--profile", str(pi_zero)])
     profile = load_profile(pi_zero)
     settings = agent_settings(args, profile)
-    assert (settings.backend, settings.inference_batch, settings.mc_passes_cap, settings.torch_threads) == \
-        ("onnxruntime", 32, 10, 2)
+    assert (settings.backend, settings.inference_batch, settings.mc_passes_cap, settings.torch_threads) == (
+        "onnxruntime",
+        32,
+        10,
+        2,
+    )
     assert settings.profile == "raspberry-pi-zero-2w" and settings.scores_with_onnxruntime
-    overridden = agent_settings(build_parser().parse_args([*base, "--inference-batch", "8", "--torch-threads", "1"]),
-                                profile)
+    overridden = agent_settings(
+        build_parser().parse_args([*base, "--inference-batch", "8", "--torch-threads", "1"]), profile
+    )
     assert (overridden.inference_batch, overridden.torch_threads) == (8, 1)
     address = broker_address(args.broker, profile)
-    assert (address.tls, address.ca_file, address.key_file) == \
-        (True, "/etc/edge-agent/tls/ca.crt", "/etc/edge-agent/tls/device.key")
+    assert (address.tls, address.ca_file, address.key_file) == (
+        True,
+        "/etc/edge-agent/tls/ca.crt",
+        "/etc/edge-agent/tls/device.key",
+    )
     assert broker_address("mqtt://h:1883", profile).ca_file is None
     bare = agent_settings(build_parser().parse_args(base), None)
     assert (bare.backend, bare.torch_threads, bare.inference_batch, bare.mc_passes_cap) == ("torch", 1, 256, None)

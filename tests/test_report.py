@@ -9,21 +9,23 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
-
 from browser import headless_chromium, needs_chromium
+from PIL import Image
+from run_records import fill_store
+
 from coordinator.dashboard.report import write_report
 from coordinator.evaluation import class_accuracies
 from coordinator.store import RunStore
-from run_records import fill_store
 
 CHARTS = 5  # accuracy per round, accuracy against labels, divergence heatmap, per-class accuracy, timeline
 
 
 def embedded_pngs(page: str) -> list[Image.Image]:
     """Every <img> of the page decoded from its data: URI."""
-    return [Image.open(io.BytesIO(base64.b64decode(data)))
-            for data in re.findall(r'<img [^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)]
+    return [
+        Image.open(io.BytesIO(base64.b64decode(data)))
+        for data in re.findall(r'<img [^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    ]
 
 
 def test_report_is_self_contained(tmp_path: Path) -> None:
@@ -50,15 +52,24 @@ def test_report_of_a_run_without_rounds_says_so(tmp_path: Path) -> None:
 
 def test_report_command(tmp_path: Path) -> None:
     fill_store(tmp_path / "run")
-    result = subprocess.run([sys.executable, "-m", "coordinator", "report", str(tmp_path / "run")],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator", "report", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(tmp_path / "run" / "report.html")
     assert len(embedded_pngs((tmp_path / "run" / "report.html").read_text())) == CHARTS
-    missing = subprocess.run([sys.executable, "-m", "coordinator", "report", str(tmp_path / "nothing")],
-                             capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        [sys.executable, "-m", "coordinator", "report", str(tmp_path / "nothing")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
-        f"fl-coordinator: {tmp_path / 'nothing'} holds no run (no run.sqlite)"]
+        f"fl-coordinator: {tmp_path / 'nothing'} holds no run (no run.sqlite)"
+    ]
     assert not (tmp_path / "nothing").exists()
 
 

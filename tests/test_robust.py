@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from coordinator.divergence import fleet_divergence, flag_suspects, robust_z_scores, suspect_scores
+from coordinator.divergence import flag_suspects, fleet_divergence, robust_z_scores, suspect_scores
 from coordinator.strategies import (
     AveFL,
     ClientUpdate,

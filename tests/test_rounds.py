@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_agent.models import build_model, get_weights
 from coordinator.rounds import SuspectPolicy, aggregate_with_suspects
 from coordinator.strategies import AveFL, ClientUpdate, Median, weighted_average
+from edge_agent.models import build_model, get_weights
 
 
 def honest_and_scaled_updates(scale: float = 50.0) -> list[ClientUpdate]:
@@ -25,7 +25,8 @@ def test_a_scaled_update_is_flagged_and_excluded_when_asked() -> None:
     updates = honest_and_scaled_updates()
     base = updates[0].weights
     kept, report, divergence, suspects = aggregate_with_suspects(
-        AveFL(), base, updates, None, SuspectPolicy(exclude=True))
+        AveFL(), base, updates, None, SuspectPolicy(exclude=True)
+    )
     assert list(suspects) == ["dev-4"]
     assert report["excluded"] == ["dev-4"]
     honest_mean = weighted_average([u.weights for u in updates[:4]], [1, 1, 1, 1])
@@ -55,6 +56,7 @@ def test_median_resists_the_scaled_update_on_its_own() -> None:
 
 def test_honest_updates_raise_no_suspect() -> None:
     updates = honest_and_scaled_updates(scale=1.0)
-    _, report, _, suspects = aggregate_with_suspects(AveFL(), updates[0].weights, updates, None,
-                                                     SuspectPolicy(exclude=True))
+    _, report, _, suspects = aggregate_with_suspects(
+        AveFL(), updates[0].weights, updates, None, SuspectPolicy(exclude=True)
+    )
     assert suspects == {} and "excluded" not in report

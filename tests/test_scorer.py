@@ -32,8 +32,12 @@ def model() -> torch.nn.Module:
     """Briefly trained, so that entropies are spread out and a top-k is not decided by float rounding."""
     dataset = load_fashion_mnist()
     trained = build_model(seed=3)
-    train_supervised(trained, dataset.train_images[:1000], dataset.train_labels[:1000],
-                     TrainSettings(epochs=2, batch_size=32, learning_rate=1e-3, optimizer="adam", seed=3))
+    train_supervised(
+        trained,
+        dataset.train_images[:1000],
+        dataset.train_labels[:1000],
+        TrainSettings(epochs=2, batch_size=32, learning_rate=1e-3, optimizer="adam", seed=3),
+    )
     return trained
 
 
@@ -102,8 +106,27 @@ def pool_file(tmp_path_factory: pytest.TempPathFactory, images: np.ndarray) -> P
 
 
 def _score(bundle_dir: Path, pool: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "edge_agent", "score", "--bundle", str(bundle_dir), "--pool", str(pool),
-                           "--passes", "5", "--top", "30", "--json", *extra], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "edge_agent",
+            "score",
+            "--bundle",
+            str(bundle_dir),
+            "--pool",
+            str(pool),
+            "--passes",
+            "5",
+            "--top",
+            "30",
+            "--json",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
@@ -147,8 +170,10 @@ def test_missing_execution_provider_falls_back_to_cpu_with_a_warning(caplog: pyt
 def test_batch_masks_are_the_per_image_draws_stacked_pass_major_and_reuse_buffers() -> None:
     spec = DropoutSpec((0.25, 0.5), ((4, 3), (7,)))
     per_image = [dropout_masks(np.random.default_rng([9, 10 + offset]), 6, spec) for offset in range(5)]
-    expected = [np.stack([masks[layer] for masks in per_image], axis=1).reshape(30, *shape)
-                for layer, shape in enumerate(spec.mask_shapes)]
+    expected = [
+        np.stack([masks[layer] for masks in per_image], axis=1).reshape(30, *shape)
+        for layer, shape in enumerate(spec.mask_shapes)
+    ]
     fresh = batch_masks(9, 10, 5, 6, spec)
     buffers = batch_masks(0, 0, 8, 6, spec)
     reused = batch_masks(9, 10, 5, 6, spec, out=buffers)
@@ -169,8 +194,12 @@ def test_raw_images_and_any_tail_rows_give_the_same_passes(bundle_dir: Path, ima
 
 def test_raw_images_give_the_torch_back_end_the_same_passes(model, images: np.ndarray) -> None:
     scorer = TorchMCDropout(model, batch_size=32)
-    assert np.abs(scorer.probabilities(images[:40], 3, seed=2)
-                  - scorer.probabilities(normalise(images[:40]), 3, seed=2)).max() <= 1e-6
+    assert (
+        np.abs(
+            scorer.probabilities(images[:40], 3, seed=2) - scorer.probabilities(normalise(images[:40]), 3, seed=2)
+        ).max()
+        <= 1e-6
+    )
 
 
 def test_scorer_rejects_images_that_are_neither_raw_nor_normalised(bundle_dir: Path) -> None:
@@ -207,8 +236,10 @@ def test_score_command_scores_an_npy_pool(bundle_dir: Path, images: np.ndarray, 
 
 def test_importing_the_score_command_loads_no_runtime() -> None:
     """Each back end's runtime is imported when it is chosen, so `edge-agent run` never pays for onnxruntime."""
-    code = ("import sys, edge_agent.score_command\n"
-            "print(sorted(name for name in ('torch', 'onnxruntime') if name in sys.modules))")
+    code = (
+        "import sys, edge_agent.score_command\n"
+        "print(sorted(name for name in ('torch', 'onnxruntime') if name in sys.modules))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

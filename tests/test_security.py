@@ -10,16 +10,16 @@ from pathlib import Path
 import paho.mqtt.client as paho
 import pytest
 
-from edge_agent import wire
-from edge_agent.credentials import load_credentials
-from edge_agent.models import NUM_CLASSES, build_model, get_weights
-from edge_agent.mqtt import BrokerAddress
 from coordinator.broker import EmbeddedBroker, embedded_broker
 from coordinator.provision import broker_config_lines, device_names, load_secure_fleet, password_hash, provision
 from coordinator.rounds import RoundPolicy, RoundResult
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.simulate import BenchSettings, secure_bench, simulate
 from coordinator.store import RunStore
+from edge_agent import wire
+from edge_agent.credentials import load_credentials
+from edge_agent.models import NUM_CLASSES, build_model, get_weights
+from edge_agent.mqtt import BrokerAddress
 
 pytestmark = pytest.mark.integration
 
@@ -55,8 +55,14 @@ def tls_broker(tmp_path, fleet_dir):
 class Client:
     """A raw paho MQTT v5 client that records CONNACK, SUBACK and PUBACK reason codes and received messages."""
 
-    def __init__(self, address: BrokerAddress, client_id: str, username: str | None = None,
-                 password: str | None = None, tls_files: dict | None = None) -> None:
+    def __init__(
+        self,
+        address: BrokerAddress,
+        client_id: str,
+        username: str | None = None,
+        password: str | None = None,
+        tls_files: dict | None = None,
+    ) -> None:
         self.events: queue.Queue = queue.Queue()
         self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv5)
         if username is not None:
@@ -105,8 +111,11 @@ def login(address: BrokerAddress, fleet_dir: Path, who: str, tls: bool = False, 
     """A connected client with the credentials from the provisioned folder ('coordinator' or a device id)."""
     path = fleet_dir / ("coordinator.json" if who == "coordinator" else f"devices/{who}.json")
     credentials = load_credentials(path)
-    tls_files = {"ca_certs": credentials.ca_file, "certfile": credentials.cert_file,
-                 "keyfile": credentials.key_file} if tls else None
+    tls_files = (
+        {"ca_certs": credentials.ca_file, "certfile": credentials.cert_file, "keyfile": credentials.key_file}
+        if tls
+        else None
+    )
     client = Client(address, client_id or f"client-{who}", credentials.username, credentials.password, tls_files)
     assert client.connect() == 0
     return client
@@ -155,8 +164,11 @@ def test_a_device_cannot_publish_as_another_device_even_with_its_client_id(plain
 
 def test_a_device_reads_its_own_acks_and_the_round_but_not_another_device_acks(plain_broker, fleet_dir) -> None:
     snoop = login(plain_broker.address, fleet_dir, "dev-00")
-    for topic in (wire.device_topic(FLEET, "dev-01", "ack"), wire.device_topic(FLEET, "dev-00", "ack"),
-                  wire.round_topic(FLEET)):
+    for topic in (
+        wire.device_topic(FLEET, "dev-01", "ack"),
+        wire.device_topic(FLEET, "dev-00", "ack"),
+        wire.round_topic(FLEET),
+    ):
         snoop.client.subscribe(topic, qos=1)
     granted = [snoop.expect("suback")[1] for _ in range(3)]
     assert granted == [1, 1, 1]  # mosquitto 2.0 grants the subscription but never delivers what the ACL forbids
@@ -176,8 +188,13 @@ def test_tls_with_the_generated_ca_works_and_without_it_fails(tls_broker, fleet_
     assert device.expect("puback")[1] == 0x10  # accepted, no matching subscribers
     device.close()
     credentials = load_credentials(fleet_dir / "devices" / "dev-02.json")
-    system_cas_only = Client(tls_broker.address, "dev-02", credentials.username, credentials.password,
-                             {"certfile": credentials.cert_file, "keyfile": credentials.key_file})
+    system_cas_only = Client(
+        tls_broker.address,
+        "dev-02",
+        credentials.username,
+        credentials.password,
+        {"certfile": credentials.cert_file, "keyfile": credentials.key_file},
+    )
     with pytest.raises(ssl.SSLCertVerificationError):
         system_cas_only.client.connect(tls_broker.address.host, tls_broker.address.port)
     plain = Client(tls_broker.address, "dev-02", credentials.username, credentials.password)
@@ -193,9 +210,13 @@ class Forger:
 
     def __init__(self, address: BrokerAddress, fleet_dir: Path) -> None:
         credentials = load_credentials(fleet_dir / "devices" / "dev-01.json")
-        self.client = Client(address, "dev-01-forger", credentials.username, credentials.password,
-                             {"ca_certs": credentials.ca_file, "certfile": credentials.cert_file,
-                              "keyfile": credentials.key_file})
+        self.client = Client(
+            address,
+            "dev-01-forger",
+            credentials.username,
+            credentials.password,
+            {"ca_certs": credentials.ca_file, "certfile": credentials.cert_file, "keyfile": credentials.key_file},
+        )
         self.client.client.on_message = self.on_message
         self.acks: queue.Queue = queue.Queue()
 
@@ -209,8 +230,18 @@ class Forger:
             announcement = wire.decode(message.payload, wire.RoundAnnouncement)
             if announcement.final:
                 return
-            forged = wire.Update("dev-01", announcement.round_id, "forged", announcement.model_hash, 10,
-                                 [1] * NUM_CLASSES, 0, {}, get_weights(build_model()), nonce=b"n" * 16)
+            forged = wire.Update(
+                "dev-01",
+                announcement.round_id,
+                "forged",
+                announcement.model_hash,
+                10,
+                [1] * NUM_CLASSES,
+                0,
+                {},
+                get_weights(build_model()),
+                nonce=b"n" * 16,
+            )
             payload = wire.encode(wire.sign_update(forged, b"guessed key"))
             client.publish(wire.device_topic(FLEET, "dev-01", "update"), payload, qos=1)
         elif message.topic.endswith("/ack"):
@@ -220,10 +251,14 @@ class Forger:
 def test_a_secured_bench_run_completes_and_rejects_a_forged_update(tmp_path) -> None:
     """2 agents over TLS with passwords, ACL and signed updates; a forger with dev-01's login is turned away."""
     settings = ServerSettings(
-        run_dir=tmp_path / "run", fleet=FLEET, strategy="avefl",
+        run_dir=tmp_path / "run",
+        fleet=FLEET,
+        strategy="avefl",
         recipe=wire.Recipe(sampler="entropy", labels_per_acquisition=20, epochs=1, mc_passes=2, batch_size=10),
         policy=RoundPolicy(rounds=1, min_devices=2, quorum=2, round_timeout=120),
-        init=InitSettings(samples=20, epochs=1), validation_samples=50, test_samples=200,
+        init=InitSettings(samples=20, epochs=1),
+        validation_samples=50,
+        test_samples=200,
     )
     bench = BenchSettings(devices=2, partition="iid", pool_size=60, secure=True, tls=True)
     secure = secure_bench(settings, bench)

@@ -110,8 +110,9 @@ def test_checkpoint_round_trip_with_real_model(store):
     assert (store.run_dir / "checkpoints" / "round_0003.npz").is_file()
     loaded = store.load_checkpoint(3)
     assert set(loaded) == set(weights)
-    assert all(np.array_equal(loaded[name], weights[name]) and loaded[name].dtype == weights[name].dtype
-               for name in weights)
+    assert all(
+        np.array_equal(loaded[name], weights[name]) and loaded[name].dtype == weights[name].dtype for name in weights
+    )
     assert store.latest_checkpoint_round() == 3
     store.save_checkpoint(1, weights)
     assert store.latest_checkpoint_round() == 3

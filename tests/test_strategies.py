@@ -83,7 +83,12 @@ def test_weighted_average_rejects_mismatched_shapes_and_names() -> None:
 
 @pytest.mark.parametrize(
     ("coefficients", "message"),
-    [([1.0, -1.0], "non-negative"), ([0.0, 0.0], "positive sum"), ([1.0], "1 coefficients for 2"), ([np.nan, 1], "finite")],
+    [
+        ([1.0, -1.0], "non-negative"),
+        ([0.0, 0.0], "positive sum"),
+        ([1.0], "1 coefficients for 2"),
+        ([np.nan, 1], "finite"),
+    ],
 )
 def test_weighted_average_rejects_bad_coefficients(coefficients: list[float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -103,7 +108,9 @@ def test_avefl_of_identical_models_returns_that_model() -> None:
     model = random_weights(np.random.default_rng(0))
     averaged, report = AveFL().aggregate(model, updates_for([model, model, model]), None)
     assert_weights_equal(averaged, model)
-    assert report == {"coefficients": {"d0": pytest.approx(1 / 3), "d1": pytest.approx(1 / 3), "d2": pytest.approx(1 / 3)}}
+    assert report == {
+        "coefficients": {"d0": pytest.approx(1 / 3), "d1": pytest.approx(1 / 3), "d2": pytest.approx(1 / 3)}
+    }
 
 
 def test_avefl_is_order_invariant() -> None:
@@ -211,8 +218,10 @@ def test_every_strategy_rejects_zero_updates_and_reports_json(name: str) -> None
     with pytest.raises(ValueError, match="zero updates"):
         strategy.aggregate(constant_weights(0.0), [], evaluate)
     metrics = {metric: (low + high) / 2 for metric, (low, high) in strategy.required_metrics.items()}
-    updates = [dataclasses.replace(update, metrics=metrics)
-               for update in updates_for([constant_weights(0.0), constant_weights(2.0)], counts=[1, 2])]
+    updates = [
+        dataclasses.replace(update, metrics=metrics)
+        for update in updates_for([constant_weights(0.0), constant_weights(2.0)], counts=[1, 2])
+    ]
     _, report = strategy.aggregate(constant_weights(0.0), updates, evaluate)
     assert json.loads(json.dumps(report)) == report
 
@@ -236,7 +245,9 @@ def test_registry_names_and_unknown_name() -> None:
     assert all(isinstance(make_strategy(n), STRATEGIES[n]) and make_strategy(n).name == n for n in STRATEGIES)
     assert not AveFL.needs_evaluation and not FedAvg.needs_evaluation
     assert OptFL.needs_evaluation and MixFL.needs_evaluation
-    with pytest.raises(ValueError, match="'krum'; known: avefl, cadis, fedavg, fmlu, median, mixfl, optfl, trimmed-mean$"):
+    with pytest.raises(
+        ValueError, match="'krum'; known: avefl, cadis, fedavg, fmlu, median, mixfl, optfl, trimmed-mean$"
+    ):
         make_strategy("krum")
     with pytest.raises(ValueError, match="'avefl' does not take option\\(s\\) \\['trim'\\]; it takes: no options"):
         make_strategy("avefl", trim=0.2)

@@ -5,7 +5,14 @@ import numpy as np
 import pytest
 
 from edge_agent.stream import (
-    BudgetSettings, BudgetState, decide, default_burst, query_fraction, refill, score_threshold, start_state,
+    BudgetSettings,
+    BudgetState,
+    decide,
+    default_burst,
+    query_fraction,
+    refill,
+    score_threshold,
+    start_state,
 )
 
 
@@ -74,14 +81,20 @@ def test_state_round_trips_through_json_and_garbage_is_refused():
     settings = BudgetSettings(labels_per_hour=10, burst=2)
     _, state = decide(start_state(settings, 100.0), 0.5, 130.0, settings)
     assert BudgetState.from_json(state.to_json()) == state and state.tokens == 1.0
-    for bad in ({}, {"tokens": "x", "updated_at": 0, "scores": [], "times": []},
-                {"tokens": 1, "updated_at": 0, "scores": [1.0], "times": []}):
+    for bad in (
+        {},
+        {"tokens": "x", "updated_at": 0, "scores": [], "times": []},
+        {"tokens": 1, "updated_at": 0, "scores": [1.0], "times": []},
+    ):
         with pytest.raises(ValueError, match="stream budget state"):
             BudgetState.from_json(bad)
 
 
 def test_settings_are_checked():
-    for kwargs in ({"labels_per_hour": 0, "burst": 1}, {"labels_per_hour": 10, "burst": 0.5},
-                   {"labels_per_hour": 10, "burst": 1, "window": 5, "min_history": 6}):
+    for kwargs in (
+        {"labels_per_hour": 0, "burst": 1},
+        {"labels_per_hour": 10, "burst": 0.5},
+        {"labels_per_hour": 10, "burst": 1, "window": 5, "min_history": 6},
+    ):
         with pytest.raises(ValueError):
             BudgetSettings(**kwargs)

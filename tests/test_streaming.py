@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_agent import wire
-from edge_agent.models import NUM_CLASSES, build_model, get_weights, weight_spec, weights_hash
 from coordinator.rounds import RoundCollector, StreamedRound, SuspectPolicy
 from coordinator.strategies import AveFL, ClientUpdate, FedAvg, Median, make_strategy, weighted_average
 from coordinator.validation import Expectation
+from edge_agent import wire
+from edge_agent.models import NUM_CLASSES, build_model, get_weights, weight_spec, weights_hash
 
 MODEL = build_model("paper-cnn", seed=0)
 BASE = get_weights(MODEL)
@@ -64,10 +64,14 @@ def test_a_streamed_round_keeps_only_metadata_and_flags_the_scaled_device() -> N
     streamed = StreamedRound(AveFL(), BASE, AveFL().begin())
     collector = RoundCollector(
         Expectation(1, base_hash, weight_spec(MODEL), NUM_CLASSES, 1 << 22),
-        absorb=lambda u: streamed.absorb(ClientUpdate(u.device_id, u.tensors, u.num_samples)))
+        absorb=lambda u: streamed.absorb(ClientUpdate(u.device_id, u.tensors, u.num_samples)),
+    )
     for update in updates:
-        payload = wire.encode(wire.Update(update.device_id, 1, "u", base_hash, update.num_samples,
-                                          [1] * NUM_CLASSES, 0, {}, update.weights))
+        payload = wire.encode(
+            wire.Update(
+                update.device_id, 1, "u", base_hash, update.num_samples, [1] * NUM_CLASSES, 0, {}, update.weights
+            )
+        )
         assert collector.offer(update.device_id, payload)[1] is True
     assert all(accepted.tensors == {} for accepted in collector.accepted.values())
     aggregate, report, suspects = streamed.finish(SuspectPolicy())

@@ -34,8 +34,15 @@ def trained_weights() -> dict[str, np.ndarray]:
 
 def make_update(**changes) -> wire.Update:
     update = wire.Update(
-        device_id=DEVICE, round_id=ROUND, update_id="u-7-1", base_hash=BASE_HASH, num_samples=400,
-        class_counts=[40] * NUM_CLASSES, acquired_labels=350, metrics={"loss": 0.3}, tensors=trained_weights(),
+        device_id=DEVICE,
+        round_id=ROUND,
+        update_id="u-7-1",
+        base_hash=BASE_HASH,
+        num_samples=400,
+        class_counts=[40] * NUM_CLASSES,
+        acquired_labels=350,
+        metrics={"loss": 0.3},
+        tensors=trained_weights(),
     )
     return dataclasses.replace(update, **changes)
 
@@ -77,8 +84,11 @@ def test_valid_update_passes_and_returns_the_same_tensors():
 
 
 def test_zero_samples_and_zero_counts_are_valid():
-    update = validate_update(DEVICE, wire.encode(make_update(num_samples=0, acquired_labels=0, class_counts=[0] * NUM_CLASSES)),
-                             expectation())
+    update = validate_update(
+        DEVICE,
+        wire.encode(make_update(num_samples=0, acquired_labels=0, class_counts=[0] * NUM_CLASSES)),
+        expectation(),
+    )
     assert update.num_samples == 0
 
 

@@ -24,8 +24,15 @@ def tensors() -> dict[str, np.ndarray]:
 def make_update(**changes) -> wire.Update:
     """A plausible update; keyword arguments replace fields."""
     update = wire.Update(
-        device_id="dev-1", round_id=3, update_id="u-3-a", base_hash="ab" * 32, num_samples=400,
-        class_counts=[40] * 10, acquired_labels=350, metrics={"loss": 0.25, "seconds": 3.0}, tensors=tensors(),
+        device_id="dev-1",
+        round_id=3,
+        update_id="u-3-a",
+        base_hash="ab" * 32,
+        num_samples=400,
+        class_counts=[40] * 10,
+        acquired_labels=350,
+        metrics={"loss": 0.25, "seconds": 3.0},
+        tensors=tensors(),
         nonce=b"\x00\x01nonce",
     )
     return dataclasses.replace(update, **changes)
@@ -54,8 +61,14 @@ def assert_tensors_equal(got: dict[str, np.ndarray], want: dict[str, np.ndarray]
 
 
 def test_round_announcement_round_trip_with_recipe_options():
-    recipe = wire.Recipe(sampler="bald", labels_per_acquisition=123, epochs=2, learning_rate=0.01, seed=7,
-                         options={"temperature": 0.5, "mix": 2.0})
+    recipe = wire.Recipe(
+        sampler="bald",
+        labels_per_acquisition=123,
+        epochs=2,
+        learning_rate=0.01,
+        seed=7,
+        options={"temperature": 0.5, "mix": 2.0},
+    )
     message = wire.RoundAnnouncement("run-1", 4, "cd" * 32, recipe, deadline=1700000000.5, final=True)
     decoded = wire.decode(wire.encode(message), wire.RoundAnnouncement)
     assert decoded == message
@@ -75,13 +88,16 @@ def test_bundle_message_round_trip():
     assert wire.decode(wire.encode(message), wire.BundleMessage) == message
 
 
-@pytest.mark.parametrize("files, fragment", [
-    ({"../evil.onnx": b"x"}, "bundle file name '../evil.onnx'"),
-    ({"sub/tail.onnx": b"x"}, "bundle file name 'sub/tail.onnx'"),
-    ({"..": b"x"}, "'..' is not a file name"),
-    ({"tail.onnx": "text"}, "map of file names to bytes"),
-    ({f"f{i}": b"" for i in range(17)}, "17 files, more than 16"),
-])
+@pytest.mark.parametrize(
+    "files, fragment",
+    [
+        ({"../evil.onnx": b"x"}, "bundle file name '../evil.onnx'"),
+        ({"sub/tail.onnx": b"x"}, "bundle file name 'sub/tail.onnx'"),
+        ({"..": b"x"}, "'..' is not a file name"),
+        ({"tail.onnx": "text"}, "map of file names to bytes"),
+        ({f"f{i}": b"" for i in range(17)}, "17 files, more than 16"),
+    ],
+)
 def test_bundle_message_refuses_paths_and_wrong_types(files, fragment):
     payload = pack({"v": 1, "kind": "bundle", "model_hash": "ab" * 32, "files": files})
     with pytest.raises(wire.WireError, match=re.escape(fragment)):
@@ -98,20 +114,35 @@ def test_update_round_trip():
     assert_tensors_equal(decoded.tensors, message.tensors)
 
 
-@pytest.mark.parametrize("message", [
-    wire.Ack("dev-1", 5, "u-5", True),
-    wire.Ack("dev-2", 6, "u-6", False, "stale round: nope"),
-    wire.Status("dev-1", "training", 1700000001.25, round_id=5, labelled=800, profile="pi-zero"),
-    wire.Status("dev-3", "offline", 0.0),
-])
+@pytest.mark.parametrize(
+    "message",
+    [
+        wire.Ack("dev-1", 5, "u-5", True),
+        wire.Ack("dev-2", 6, "u-6", False, "stale round: nope"),
+        wire.Status("dev-1", "training", 1700000001.25, round_id=5, labelled=800, profile="pi-zero"),
+        wire.Status("dev-3", "offline", 0.0),
+    ],
+)
 def test_small_messages_round_trip(message):
     assert wire.decode(wire.encode(message), type(message)) == message
 
 
 # --- tensors -----------------------------------------------------------------------------------------------------
 
-ALL_DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-              "float16", "float32", "float64"]
+ALL_DTYPES = [
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+]
 
 
 def extreme_values(dtype: np.dtype) -> np.ndarray:
@@ -198,37 +229,44 @@ def test_good_hand_made_envelopes_decode():
     assert wire.decode(model_with_tensor(good_tensor()), wire.ModelMessage).tensors["w"].shape == (2, 3)
 
 
-@pytest.mark.parametrize("payload, expected, fragment", [
-    (wire.encode(wire.Ack("dev-1", 1, "u", True))[:-3], wire.Ack, "undecodable msgpack"),
-    (b"\xc1", wire.Ack, "undecodable msgpack"),
-    (b"", wire.Ack, "undecodable msgpack"),
-    (wire.encode(wire.Ack("d", 1, "u", True)) + b"\x00", wire.Ack, "undecodable msgpack"),
-    (pack(envelope(v=2)), wire.Ack, "wire version 2 is not supported"),
-    (pack(envelope(v=None)), wire.Ack, "wire version None is not supported"),
-    (pack(envelope(kind="status")), wire.Ack, "expected a 'ack' message, got kind 'status'"),
-    (wire.encode(wire.Status("d", "idle", 1.0)), wire.Update, "expected a 'update' message, got kind 'status'"),
-    (pack([1, "ack"]), wire.Ack, "message must be a map, got list"),
-    (pack(5), wire.Ack, "message must be a map, got int"),
-    (pack(envelope(update_id=None)), wire.Ack, "missing field 'update_id'"),
-    (pack(envelope(extra=1)), wire.Ack, "unknown fields ['extra']"),
-    (pack(envelope(round_id="2")), wire.Ack, "ack.round_id must be an integer"),
-    (pack(envelope(round_id=True)), wire.Ack, "ack.round_id must be an integer"),
-    (pack(envelope(round_id=2.0)), wire.Ack, "ack.round_id must be an integer"),
-    (pack(envelope(accepted=1)), wire.Ack, "ack.accepted must be a boolean"),
-    (pack(envelope(reason=b"bytes")), wire.Ack, "ack.reason must be a string"),
-    (pack({**envelope(), 1: "x"}), wire.Ack, "undecodable msgpack"),  # non-string map key
-    (model_with_tensor(good_tensor(data=bytes(23))), wire.ModelMessage, "has 23 bytes, shape [2, 3] of float32 needs 24"),
-    (model_with_tensor(good_tensor(data=bytes(28))), wire.ModelMessage, "has 28 bytes"),
-    (model_with_tensor(good_tensor(dtype="<c8", data=bytes(48))), wire.ModelMessage, "unsupported dtype '<c8'"),
-    (model_with_tensor(good_tensor(dtype="O")), wire.ModelMessage, "unsupported dtype 'O'"),
-    (model_with_tensor(good_tensor(dtype=">f4")), wire.ModelMessage, "unsupported dtype '>f4'"),
-    (model_with_tensor(good_tensor(shape=[-2, -3])), wire.ModelMessage, "invalid shape [-2, -3]"),
-    (model_with_tensor(good_tensor(shape=[2, True])), wire.ModelMessage, "invalid shape"),
-    (model_with_tensor(good_tensor(shape=[1] * 9, data=bytes(4))), wire.ModelMessage, "invalid shape"),
-    (model_with_tensor(good_tensor(data="text")), wire.ModelMessage, "data must be bytes"),
-    (model_with_tensor({"dtype": "<f4", "shape": [0]}), wire.ModelMessage, "exactly dtype, shape and data"),
-    (model_with_tensor([1, 2]), wire.ModelMessage, "exactly dtype, shape and data"),
-])
+@pytest.mark.parametrize(
+    "payload, expected, fragment",
+    [
+        (wire.encode(wire.Ack("dev-1", 1, "u", True))[:-3], wire.Ack, "undecodable msgpack"),
+        (b"\xc1", wire.Ack, "undecodable msgpack"),
+        (b"", wire.Ack, "undecodable msgpack"),
+        (wire.encode(wire.Ack("d", 1, "u", True)) + b"\x00", wire.Ack, "undecodable msgpack"),
+        (pack(envelope(v=2)), wire.Ack, "wire version 2 is not supported"),
+        (pack(envelope(v=None)), wire.Ack, "wire version None is not supported"),
+        (pack(envelope(kind="status")), wire.Ack, "expected a 'ack' message, got kind 'status'"),
+        (wire.encode(wire.Status("d", "idle", 1.0)), wire.Update, "expected a 'update' message, got kind 'status'"),
+        (pack([1, "ack"]), wire.Ack, "message must be a map, got list"),
+        (pack(5), wire.Ack, "message must be a map, got int"),
+        (pack(envelope(update_id=None)), wire.Ack, "missing field 'update_id'"),
+        (pack(envelope(extra=1)), wire.Ack, "unknown fields ['extra']"),
+        (pack(envelope(round_id="2")), wire.Ack, "ack.round_id must be an integer"),
+        (pack(envelope(round_id=True)), wire.Ack, "ack.round_id must be an integer"),
+        (pack(envelope(round_id=2.0)), wire.Ack, "ack.round_id must be an integer"),
+        (pack(envelope(accepted=1)), wire.Ack, "ack.accepted must be a boolean"),
+        (pack(envelope(reason=b"bytes")), wire.Ack, "ack.reason must be a string"),
+        (pack({**envelope(), 1: "x"}), wire.Ack, "undecodable msgpack"),  # non-string map key
+        (
+            model_with_tensor(good_tensor(data=bytes(23))),
+            wire.ModelMessage,
+            "has 23 bytes, shape [2, 3] of float32 needs 24",
+        ),
+        (model_with_tensor(good_tensor(data=bytes(28))), wire.ModelMessage, "has 28 bytes"),
+        (model_with_tensor(good_tensor(dtype="<c8", data=bytes(48))), wire.ModelMessage, "unsupported dtype '<c8'"),
+        (model_with_tensor(good_tensor(dtype="O")), wire.ModelMessage, "unsupported dtype 'O'"),
+        (model_with_tensor(good_tensor(dtype=">f4")), wire.ModelMessage, "unsupported dtype '>f4'"),
+        (model_with_tensor(good_tensor(shape=[-2, -3])), wire.ModelMessage, "invalid shape [-2, -3]"),
+        (model_with_tensor(good_tensor(shape=[2, True])), wire.ModelMessage, "invalid shape"),
+        (model_with_tensor(good_tensor(shape=[1] * 9, data=bytes(4))), wire.ModelMessage, "invalid shape"),
+        (model_with_tensor(good_tensor(data="text")), wire.ModelMessage, "data must be bytes"),
+        (model_with_tensor({"dtype": "<f4", "shape": [0]}), wire.ModelMessage, "exactly dtype, shape and data"),
+        (model_with_tensor([1, 2]), wire.ModelMessage, "exactly dtype, shape and data"),
+    ],
+)
 def test_decode_errors_say_what_is_wrong(payload, expected, fragment):
     with pytest.raises(wire.WireError) as info:
         wire.decode(payload, expected)
@@ -238,7 +276,9 @@ def test_decode_errors_say_what_is_wrong(payload, expected, fragment):
 def test_decode_rejects_payload_over_max_bytes_before_parsing():
     payload = wire.encode(wire.Ack("dev-1", 1, "u", True))
     assert wire.decode(payload, wire.Ack, max_bytes=len(payload)).round_id == 1  # exactly at the limit is fine
-    with pytest.raises(wire.WireError, match=f"message of {len(payload)} bytes exceeds the limit of {len(payload) - 1}"):
+    with pytest.raises(
+        wire.WireError, match=f"message of {len(payload)} bytes exceeds the limit of {len(payload) - 1}"
+    ):
         wire.decode(payload, wire.Ack, max_bytes=len(payload) - 1)
 
 
@@ -285,14 +325,17 @@ def changed_tensor() -> dict[str, np.ndarray]:
     return changed
 
 
-@pytest.mark.parametrize("change", [
-    {"round_id": 4},
-    {"device_id": "dev-2"},
-    {"nonce": b"\x00\x01nonce!"},
-    {"update_id": "u-3-b"},
-    {"num_samples": 401},
-    {"tensors": "changed"},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"round_id": 4},
+        {"device_id": "dev-2"},
+        {"nonce": b"\x00\x01nonce!"},
+        {"update_id": "u-3-b"},
+        {"num_samples": 401},
+        {"tensors": "changed"},
+    ],
+)
 def test_any_change_invalidates_the_signature(change):
     signed = wire.sign_update(make_update(), KEY)
     if change.get("tensors") == "changed":
@@ -324,10 +367,18 @@ def test_device_from_topic_inverts_device_topic(leaf):
     assert wire.device_from_topic(wire.device_topic("f", "Dev-42.x_y", leaf)) == "Dev-42.x_y"
 
 
-@pytest.mark.parametrize("topic", [
-    "fl/f/round", "fl/f/devices/d", "fl/f/devices/d/update/extra", "xx/f/devices/d/update",
-    "fl/f/nodes/d/update", "fl/f/devices/+/update", "fl/f/devices//update",
-])
+@pytest.mark.parametrize(
+    "topic",
+    [
+        "fl/f/round",
+        "fl/f/devices/d",
+        "fl/f/devices/d/update/extra",
+        "xx/f/devices/d/update",
+        "fl/f/nodes/d/update",
+        "fl/f/devices/+/update",
+        "fl/f/devices//update",
+    ],
+)
 def test_device_from_topic_rejects_other_topics(topic):
     with pytest.raises(wire.WireError):
         wire.device_from_topic(topic)

@@ -36,8 +36,7 @@ def accuracy_chart(rounds: list[dict]) -> bytes:
     figure = new_figure(7, 3.6)
     axes = figure.add_subplot()
     scored = [r for r in rounds if r["accuracy"] is not None]
-    axes.plot([r["round"] for r in scored], [r["accuracy"] for r in scored], "o-", color="black", lw=2,
-              label="global")
+    axes.plot([r["round"] for r in scored], [r["accuracy"] for r in scored], "o-", color="black", lw=2, label="global")
     for device in sorted({d for r in rounds for d in r["device_accuracy"]}):
         points = [(r["round"], r["device_accuracy"][device]) for r in rounds if device in r["device_accuracy"]]
         axes.plot(*zip(*points), "--", marker=".", label=device)
@@ -69,16 +68,16 @@ def divergence_heatmap(view: dict) -> bytes:
     image = axes.imshow(finite, aspect="auto", cmap="Blues")
     figure.colorbar(image, ax=axes, label="||W_i - W_agg|| / ||W_i||")
     axes.set_xticks(range(len(layers)), layers, rotation=60, ha="right", fontsize="small")
-    axes.set_yticks(range(len(devices)),
-                    [f"{d} (suspect)" if d in view["suspects"] else d for d in devices])
+    axes.set_yticks(range(len(devices)), [f"{d} (suspect)" if d in view["suspects"] else d for d in devices])
     for label, device in zip(axes.get_yticklabels(), devices):
         if device in view["suspects"]:
             label.set_color(SUSPECT_COLOUR)
     for row, device in enumerate(devices):
         for layer in view["suspects"].get(device, []):
             if layer in layers:
-                axes.add_patch(Rectangle((layers.index(layer) - 0.5, row - 0.5), 1, 1, fill=False,
-                                         edgecolor=SUSPECT_COLOUR, lw=2))
+                axes.add_patch(
+                    Rectangle((layers.index(layer) - 0.5, row - 0.5), 1, 1, fill=False, edgecolor=SUSPECT_COLOUR, lw=2)
+                )
     axes.set_title(f"Per-layer divergence, round {view['round']}")
     return png_bytes(figure)
 
@@ -91,9 +90,11 @@ def timeline_chart(rounds: list[dict]) -> bytes:
     for r in rounds:
         colour = SUSPECT_COLOUR if r["rejected"] or r["stragglers"] else "#3b6fd8"
         axes.barh(r["round"], r["seconds"], left=r["started_at"] - origin, color=colour, height=0.6)
-        notes = [f"{r['accepted']}/{r['quorum']}"] + ([f"stragglers {','.join(r['stragglers'])}"]
-                                                       if r["stragglers"] else []) \
+        notes = (
+            [f"{r['accepted']}/{r['quorum']}"]
+            + ([f"stragglers {','.join(r['stragglers'])}"] if r["stragglers"] else [])
             + ([f"rejected {r['rejected']}"] if r["rejected"] else [])
+        )
         axes.text(r["closed_at"] - origin, r["round"], "  " + "  ".join(notes), va="center", fontsize="small")
     axes.set(xlabel="seconds since the first round opened", ylabel="round", title="Round timeline")
     axes.margins(x=0.25)
@@ -111,10 +112,19 @@ def class_accuracy_chart(view: dict) -> bytes:
     width = 0.8 / max(1, len(series))
     for index, (name, accuracies) in enumerate(series.items()):
         heights = [np.nan if a is None else a for a in accuracies]
-        axes.bar(np.arange(len(classes)) + index * width - 0.4 + width / 2, heights, width, label=name,
-                 color="black" if name == "aggregate" else None)
+        axes.bar(
+            np.arange(len(classes)) + index * width - 0.4 + width / 2,
+            heights,
+            width,
+            label=name,
+            color="black" if name == "aggregate" else None,
+        )
     axes.set_xticks(range(len(classes)), [str(c) for c in classes])
-    axes.set(xlabel="class", ylabel="test accuracy", ylim=(0, 1),
-             title=f"Per-class accuracy, round {view['round']}: devices against the aggregate")
+    axes.set(
+        xlabel="class",
+        ylabel="test accuracy",
+        ylim=(0, 1),
+        title=f"Per-class accuracy, round {view['round']}: devices against the aggregate",
+    )
     axes.legend(fontsize="small", ncol=4)
     return png_bytes(figure)

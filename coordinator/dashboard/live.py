@@ -6,8 +6,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from edge_agent import wire
 from coordinator.rounds import RoundObserver, RoundResult
+from edge_agent import wire
 
 REASON_WORD = re.compile(r"[A-Za-z_-]+")
 MAX_REASON_WORDS = 3
@@ -116,10 +116,13 @@ class LiveState(RoundObserver):
         """Device id -> presence and last answer, as plain data."""
         with self._lock:
             ids = sorted(set(self._devices) | set(self._answers))
-            return {device: {
-                **asdict(self._devices.get(device, DevicePresence())),
-                "last_update": asdict(self._answers[device]) if device in self._answers else None,
-            } for device in ids}
+            return {
+                device: {
+                    **asdict(self._devices.get(device, DevicePresence())),
+                    "last_update": asdict(self._answers[device]) if device in self._answers else None,
+                }
+                for device in ids
+            }
 
     def online_count(self) -> int:
         """Devices whose last status is anything but 'offline'."""
@@ -129,11 +132,15 @@ class LiveState(RoundObserver):
     def progress(self) -> dict:
         """The current round, its phase, when it opened and how many updates close it."""
         with self._lock:
-            return {"round": self._round, "phase": self._phase, "round_opened_at": self._round_opened_at,
-                    "needed": self._needed, "total_rounds": self.total_rounds}
+            return {
+                "round": self._round,
+                "phase": self._phase,
+                "round_opened_at": self._round_opened_at,
+                "needed": self._needed,
+                "total_rounds": self.total_rounds,
+            }
 
     def counters(self) -> Counters:
         """A copy of the run totals."""
         with self._lock:
-            return Counters(**{**asdict(self._counters),
-                               "rejected_by_kind": dict(self._counters.rejected_by_kind)})
+            return Counters(**{**asdict(self._counters), "rejected_by_kind": dict(self._counters.rejected_by_kind)})

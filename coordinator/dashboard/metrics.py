@@ -22,17 +22,31 @@ def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]
 
 def render_metrics(counters: Counters, devices_online: int, current_round: int) -> str:
     """The /metrics body: rounds, updates by outcome (rejections by reason), devices online, aggregation, bytes."""
-    rejected = [(f'{{reason="{escape_label(kind)}"}}', count) for kind, count in sorted(counters.rejected_by_kind.items())]
+    rejected = [
+        (f'{{reason="{escape_label(kind)}"}}', count) for kind, count in sorted(counters.rejected_by_kind.items())
+    ]
     lines = (
-        metric("fl_rounds_completed_total", "counter", "Rounds aggregated and committed by this coordinator process.",
-               [("", counters.rounds_completed)])
+        metric(
+            "fl_rounds_completed_total",
+            "counter",
+            "Rounds aggregated and committed by this coordinator process.",
+            [("", counters.rounds_completed)],
+        )
         + metric("fl_current_round", "gauge", "The round being collected (0 before the first).", [("", current_round)])
         + metric("fl_updates_accepted_total", "counter", "Device updates accepted.", [("", counters.updates_accepted)])
         + metric("fl_updates_rejected_total", "counter", "Device updates rejected, by the kind of reason.", rejected)
         + metric("fl_devices_online", "gauge", "Devices whose last status is not offline.", [("", devices_online)])
-        + metric("fl_aggregation_seconds", "summary", "Seconds spent aggregating a round.",
-                 [("_sum", float(counters.aggregation_seconds_sum)), ("_count", counters.aggregations)])
-        + metric("fl_update_bytes_received_total", "counter", "Bytes of device updates received (accepted or not).",
-                 [("", counters.bytes_received)])
+        + metric(
+            "fl_aggregation_seconds",
+            "summary",
+            "Seconds spent aggregating a round.",
+            [("_sum", float(counters.aggregation_seconds_sum)), ("_count", counters.aggregations)],
+        )
+        + metric(
+            "fl_update_bytes_received_total",
+            "counter",
+            "Bytes of device updates received (accepted or not).",
+            [("", counters.bytes_received)],
+        )
     )
     return "\n".join(lines) + "\n"

@@ -6,11 +6,17 @@ import html
 import time
 from pathlib import Path
 
-from edge_agent.data import atomic_write_bytes
 from coordinator.dashboard import charts
 from coordinator.dashboard.views import (
-    RunSnapshot, class_accuracy_view, devices_view, divergence_view, load_snapshot, rounds_view, run_view,
+    RunSnapshot,
+    class_accuracy_view,
+    devices_view,
+    divergence_view,
+    load_snapshot,
+    rounds_view,
+    run_view,
 )
+from edge_agent.data import atomic_write_bytes
 
 REPORT_NAME = "report.html"
 STYLE = """
@@ -53,40 +59,92 @@ def report_html(snapshot: RunSnapshot) -> str:
     rounds = rounds_view(snapshot)
     devices = devices_view(snapshot, None)
     title = f"edge-fal run {run['run_id'] or '(unnamed)'}"
-    parts = [f"<h1>{html.escape(title)}</h1>", table(
-        ["fleet", "strategy", "rounds", "final accuracy", "labels used", "written"],
-        [[run["fleet"], run["strategy"], f"{run['rounds_completed']} of {run['total_rounds']}",
-          number(rounds[-1]["accuracy"] if rounds else None), rounds[-1]["labels"] if rounds else 0,
-          time.strftime("%Y-%m-%d %H:%M:%S")]])]
-    parts += ["<h2>Devices</h2>", table(
-        ["device", "rounds joined", "labelled", "oracle labels", "class histogram", "last local accuracy",
-         "last update"],
-        [[d["device_id"], d["rounds_joined"], d["labelled"], d["acquired_labels"],
-          " ".join(str(c) for c in d["class_counts"]), number(d["local_accuracy"]), last_update_text(d["last_update"])]
-         for d in devices])]
+    parts = [
+        f"<h1>{html.escape(title)}</h1>",
+        table(
+            ["fleet", "strategy", "rounds", "final accuracy", "labels used", "written"],
+            [
+                [
+                    run["fleet"],
+                    run["strategy"],
+                    f"{run['rounds_completed']} of {run['total_rounds']}",
+                    number(rounds[-1]["accuracy"] if rounds else None),
+                    rounds[-1]["labels"] if rounds else 0,
+                    time.strftime("%Y-%m-%d %H:%M:%S"),
+                ]
+            ],
+        ),
+    ]
+    parts += [
+        "<h2>Devices</h2>",
+        table(
+            [
+                "device",
+                "rounds joined",
+                "labelled",
+                "oracle labels",
+                "class histogram",
+                "last local accuracy",
+                "last update",
+            ],
+            [
+                [
+                    d["device_id"],
+                    d["rounds_joined"],
+                    d["labelled"],
+                    d["acquired_labels"],
+                    " ".join(str(c) for c in d["class_counts"]),
+                    number(d["local_accuracy"]),
+                    last_update_text(d["last_update"]),
+                ]
+                for d in devices
+            ],
+        ),
+    ]
     if not rounds:
         return page(title, parts + ["<p>No round has been committed yet.</p>"])
     last = rounds[-1]["round"]
-    parts += ["<h2>Accuracy</h2>", image(charts.accuracy_chart(rounds), "accuracy per round"),
-              image(charts.labels_chart(rounds), "accuracy against labels used")]
+    parts += [
+        "<h2>Accuracy</h2>",
+        image(charts.accuracy_chart(rounds), "accuracy per round"),
+        image(charts.labels_chart(rounds), "accuracy against labels used"),
+    ]
     divergence = divergence_view(snapshot, last)
     if divergence and divergence["devices"]:
         parts += ["<h2>Per-layer divergence</h2>", image(charts.divergence_heatmap(divergence), "divergence heatmap")]
     classes = class_accuracy_view(snapshot, last)
     if classes and classes["aggregate"]:
         parts += ["<h2>Per-class accuracy</h2>", image(charts.class_accuracy_chart(classes), "per-class accuracy")]
-    parts += ["<h2>Round timeline</h2>", image(charts.timeline_chart(rounds), "round timeline"), table(
-        ["round", "seconds", "quorum", "accepted", "stragglers", "rejected", "suspects", "accuracy", "labels"],
-        [[r["round"], f"{r['seconds']:.1f}", r["quorum"], r["accepted"], ", ".join(r["stragglers"]) or "-",
-          "; ".join(f"{x['device_id']}: {x['reason']}" for x in r["rejections"]) or "-",
-          ", ".join(sorted(r["suspects"])) or "-", number(r["accuracy"]), r["labels"]] for r in rounds])]
+    parts += [
+        "<h2>Round timeline</h2>",
+        image(charts.timeline_chart(rounds), "round timeline"),
+        table(
+            ["round", "seconds", "quorum", "accepted", "stragglers", "rejected", "suspects", "accuracy", "labels"],
+            [
+                [
+                    r["round"],
+                    f"{r['seconds']:.1f}",
+                    r["quorum"],
+                    r["accepted"],
+                    ", ".join(r["stragglers"]) or "-",
+                    "; ".join(f"{x['device_id']}: {x['reason']}" for x in r["rejections"]) or "-",
+                    ", ".join(sorted(r["suspects"])) or "-",
+                    number(r["accuracy"]),
+                    r["labels"],
+                ]
+                for r in rounds
+            ],
+        ),
+    ]
     return page(title, parts)
 
 
 def page(title: str, parts: list[str]) -> str:
     """The HTML document around the report's parts, with its style inline."""
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-            f"<style>{STYLE}</style></head><body>\n" + "\n".join(parts) + "\n</body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f"<style>{STYLE}</style></head><body>\n" + "\n".join(parts) + "\n</body></html>\n"
+    )
 
 
 def write_report(run_dir: Path, out: Path | None = None) -> Path:

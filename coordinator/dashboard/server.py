@@ -15,12 +15,19 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from edge_agent.data import atomic_write_bytes
 from coordinator.dashboard.live import LiveState
-from coordinator.dashboard.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, render_metrics
+from coordinator.dashboard.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from coordinator.dashboard.metrics import render_metrics
 from coordinator.dashboard.views import (
-    SnapshotCache, class_accuracy_view, devices_view, divergence_view, json_safe, rounds_view, run_view,
+    SnapshotCache,
+    class_accuracy_view,
+    devices_view,
+    divergence_view,
+    json_safe,
+    rounds_view,
+    run_view,
 )
+from edge_agent.data import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +94,9 @@ class DashboardHTTPServer(ThreadingHTTPServer):
         try:
             super().__init__((address.host, address.port), DashboardHandler)
         except OSError as error:
-            raise ValueError(f"--dashboard {address.host}:{address.port}: cannot listen ({error.strerror or error})") \
-                from None
+            raise ValueError(
+                f"--dashboard {address.host}:{address.port}: cannot listen ({error.strerror or error})"
+            ) from None
         self.snapshots = SnapshotCache(run_dir)
         self.live = live
         self.token = token
@@ -99,15 +107,18 @@ class DashboardHandler(BaseHTTPRequestHandler):
 
     server: DashboardHTTPServer
 
-    def do_GET(self) -> None:  # noqa: N802 (the name http.server dispatches to)
+    def do_GET(self) -> None:
         """Routes one GET request; every failure becomes a JSON error with a specific status."""
         path = self.path.split("?", 1)[0]
         if path in STATIC_FILES:
             name, content_type = STATIC_FILES[path]
             self.send_body(HTTPStatus.OK, (STATIC_DIR / name).read_bytes(), content_type)
         elif not self.authorised():
-            self.send_json(HTTPStatus.UNAUTHORIZED, {"error": "a bearer token is required (Authorization: Bearer ...)"},
-                           {"WWW-Authenticate": "Bearer"})
+            self.send_json(
+                HTTPStatus.UNAUTHORIZED,
+                {"error": "a bearer token is required (Authorization: Bearer ...)"},
+                {"WWW-Authenticate": "Bearer"},
+            )
         elif path == "/metrics":
             self.send_body(HTTPStatus.OK, self.metrics().encode(), METRICS_CONTENT_TYPE)
         else:
@@ -151,8 +162,9 @@ class DashboardHandler(BaseHTTPRequestHandler):
         data = json.dumps(json_safe(body), allow_nan=False).encode()
         self.send_body(status, data, "application/json", headers)
 
-    def send_body(self, status: HTTPStatus, data: bytes, content_type: str,
-                  headers: dict[str, str] | None = None) -> None:
+    def send_body(
+        self, status: HTTPStatus, data: bytes, content_type: str, headers: dict[str, str] | None = None
+    ) -> None:
         """Sends a complete response, never cached (the data changes every round)."""
         self.send_response(status)
         self.send_header("Content-Type", content_type)
@@ -163,7 +175,7 @@ class DashboardHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (http.server's signature)
+    def log_message(self, format: str, *args: object) -> None:
         """Request lines go to the debug log, not to stderr."""
         log.debug("dashboard request %s", format % args)
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 import math
 import threading
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, TypeVar
 
 from coordinator.dashboard.live import LiveState
 from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
@@ -81,11 +82,17 @@ def run_view(snapshot: RunSnapshot, live: LiveState | None) -> dict:
     progress = live.progress() if live else {}
     total = progress.get("total_rounds") or settings.get("policy", {}).get("rounds")
     return {
-        "run_id": snapshot.config.get("run_id"), "fleet": settings.get("fleet"), "strategy": settings.get("strategy"),
-        "recipe": settings.get("recipe", {}), "total_rounds": total, "rounds_completed": len(snapshot.rounds),
-        "last_committed_round": last, "round": progress.get("round", last),
+        "run_id": snapshot.config.get("run_id"),
+        "fleet": settings.get("fleet"),
+        "strategy": settings.get("strategy"),
+        "recipe": settings.get("recipe", {}),
+        "total_rounds": total,
+        "rounds_completed": len(snapshot.rounds),
+        "last_committed_round": last,
+        "round": progress.get("round", last),
         "phase": progress.get("phase", "finished" if total and last >= total else "stored"),
-        "needed": progress.get("needed"), "round_opened_at": progress.get("round_opened_at"),
+        "needed": progress.get("needed"),
+        "round_opened_at": progress.get("round_opened_at"),
         "devices_online": live.online_count() if live else None,
     }
 
@@ -121,18 +128,22 @@ def devices_view(snapshot: RunSnapshot, live: LiveState | None) -> list[dict]:
         records = accepted_by_device.get(device, [])
         latest = records[-1] if records else None
         presence = present.get(device, {})
-        rows.append({
-            "device_id": device, "state": presence.get("state", "unknown"),
-            "online": presence.get("state", "offline") not in ("offline", "unknown"),
-            "last_seen": presence.get("last_seen") or (latest.received_at if latest else None),
-            "profile": presence.get("profile", ""), "rounds_joined": len(records),
-            "labelled": presence.get("labelled") or (latest.num_samples if latest else 0),
-            "acquired_labels": latest.acquired_labels if latest else 0,
-            "class_counts": latest.class_counts if latest else [],
-            "local_accuracy": latest.local_accuracy if latest else None,
-            "last_update": presence.get("last_update")
-            or last_answer_from_store(records, rejections_by_device.get(device, [])),
-        })
+        rows.append(
+            {
+                "device_id": device,
+                "state": presence.get("state", "unknown"),
+                "online": presence.get("state", "offline") not in ("offline", "unknown"),
+                "last_seen": presence.get("last_seen") or (latest.received_at if latest else None),
+                "profile": presence.get("profile", ""),
+                "rounds_joined": len(records),
+                "labelled": presence.get("labelled") or (latest.num_samples if latest else 0),
+                "acquired_labels": latest.acquired_labels if latest else 0,
+                "class_counts": latest.class_counts if latest else [],
+                "local_accuracy": latest.local_accuracy if latest else None,
+                "last_update": presence.get("last_update")
+                or last_answer_from_store(records, rejections_by_device.get(device, [])),
+            }
+        )
     return rows
 
 
@@ -144,17 +155,28 @@ def rounds_view(snapshot: RunSnapshot) -> list[dict]:
     rows = []
     for record in snapshot.rounds:
         devices = devices_by_round.get(record.round_id, [])
-        rows.append({
-            "round": record.round_id, "started_at": record.started_at, "closed_at": record.closed_at,
-            "seconds": record.closed_at - record.started_at, "accuracy": record.accuracy, "labels": record.labels,
-            "accepted": record.accepted, "rejected": record.rejected, "quorum": record.metrics.get("quorum"),
-            "stragglers": record.metrics.get("stragglers", []),
-            "rejections": [{"device_id": device, "reason": reason}
-                           for _, device, reason, *_ in rejections_by_round.get(record.round_id, [])],
-            "suspects": record.report.get("suspects", {}), "excluded": record.report.get("excluded", []),
-            "aggregation_seconds": record.report.get("aggregation_seconds"),
-            "device_accuracy": {r.device_id: r.local_accuracy for r in devices if r.local_accuracy is not None},
-        })
+        rows.append(
+            {
+                "round": record.round_id,
+                "started_at": record.started_at,
+                "closed_at": record.closed_at,
+                "seconds": record.closed_at - record.started_at,
+                "accuracy": record.accuracy,
+                "labels": record.labels,
+                "accepted": record.accepted,
+                "rejected": record.rejected,
+                "quorum": record.metrics.get("quorum"),
+                "stragglers": record.metrics.get("stragglers", []),
+                "rejections": [
+                    {"device_id": device, "reason": reason}
+                    for _, device, reason, *_ in rejections_by_round.get(record.round_id, [])
+                ],
+                "suspects": record.report.get("suspects", {}),
+                "excluded": record.report.get("excluded", []),
+                "aggregation_seconds": record.report.get("aggregation_seconds"),
+                "device_accuracy": {r.device_id: r.local_accuracy for r in devices if r.local_accuracy is not None},
+            }
+        )
     return rows
 
 
@@ -172,7 +194,9 @@ def divergence_view(snapshot: RunSnapshot, round_id: int) -> dict | None:
     devices = [r for r in snapshot.device_rounds if r.round_id == round_id and r.divergence]
     layers = sorted({layer for r in devices for layer in r.divergence})
     return {
-        "round": round_id, "layers": layers, "devices": [r.device_id for r in devices],
+        "round": round_id,
+        "layers": layers,
+        "devices": [r.device_id for r in devices],
         "values": [[r.divergence.get(layer) for layer in layers] for r in devices],
         "suspects": record.report.get("suspects", {}),
     }
@@ -185,5 +209,9 @@ def class_accuracy_view(snapshot: RunSnapshot, round_id: int) -> dict | None:
     if record is None:
         return None
     aggregate = record.metrics.get("class_accuracy", [])
-    return {"round": round_id, "classes": list(range(len(aggregate))), "aggregate": aggregate,
-            "devices": record.metrics.get("device_class_accuracy", {})}
+    return {
+        "round": round_id,
+        "classes": list(range(len(aggregate))),
+        "aggregate": aggregate,
+        "devices": record.metrics.get("device_class_accuracy", {}),
+    }
