@@ -8,7 +8,8 @@ from torch import nn
 
 from edge_agent.data import normalise
 from edge_agent.mc_dropout import TorchMCDropout, predict_probabilities
-from edge_agent.models import Weights, build_model, set_weights
+from edge_agent.models import build_model, set_weights
+from edge_agent.tensors import Weights
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,9 @@ from coordinator.strategies import (
 )
 from coordinator.validation import Expectation, Rejection, validate_update
 from edge_agent import wire
-from edge_agent.models import NUM_CLASSES, Weights, build_model, weight_spec, weights_hash
+from edge_agent.models import NUM_CLASSES, build_model, weight_spec
 from edge_agent.mqtt import IncomingMessage, MqttSession
+from edge_agent.tensors import Weights, weights_hash
 
 log = logging.getLogger(__name__)
 

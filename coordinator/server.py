@@ -23,9 +23,10 @@ from coordinator.strategies import make_strategy
 from edge_agent import wire
 from edge_agent.data import FashionMNIST, load_fashion_mnist
 from edge_agent.encoder import OnnxEncoder, encoder_hash
-from edge_agent.models import Weights, build_model, get_weights, set_weights
+from edge_agent.models import build_model, get_weights, set_weights
 from edge_agent.mqtt import BrokerAddress, MqttSession
 from edge_agent.sampling import make_sampler
+from edge_agent.tensors import Weights
 from edge_agent.training import TrainSettings, train_supervised
 from export.bundle_writer import ensure_bundle_files
 from export.onnx_graphs import export_encoder

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from edge_agent.data import atomic_write_bytes, load_arrays, save_arrays
-from edge_agent.models import Weights, weights_hash
+from edge_agent.tensors import Weights, weights_hash
 from edge_agent.wire import IDENTIFIER, WireError, check_identifier
 
 SPOOL_SUFFIX = ".msgpack"

@@ -12,7 +12,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from edge_agent.models import NUM_CLASSES, Weights
+from edge_agent.models import NUM_CLASSES
+from edge_agent.tensors import Weights
 from edge_agent.wire import METRIC_MEME_ENTROPY
 
 Evaluate = Callable[[Weights], float]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edge_agent import wire
-from edge_agent.models import WeightSpec, check_weights_match
+from edge_agent.tensors import WeightSpec, check_layout
 
 METRIC_TOLERANCE = 1e-4
 
@@ -57,7 +57,7 @@ def validate_update(device_id: str, payload: bytes, expected: Expectation) -> wi
             f"round {expected.round_id} announced {expected.base_hash[:12]}"
         )
     try:
-        check_weights_match(expected.spec, update.tensors)
+        check_layout(expected.spec, update.tensors)
     except ValueError as error:
         raise Rejection(f"tensor mismatch: {error}") from None
     for name, array in update.tensors.items():

@@ -21,12 +21,13 @@ from edge_agent.data import DeviceData, load_arrays, normalise, save_arrays
 from edge_agent.encoder import OnnxEncoder, encoder_hash
 from edge_agent.mc_dropout import TorchMCDropout, predict_logits
 from edge_agent.mc_scorer import MCScorer
-from edge_agent.models import Weights, build_model, get_weights, set_weights, weights_hash
+from edge_agent.models import build_model, get_weights, set_weights
 from edge_agent.mqtt import IncomingMessage, LastWill, MqttSession, PayloadTooLargeError
 from edge_agent.oracle import Oracle
 from edge_agent.ort_scorer import OrtMCDropout
 from edge_agent.sampling import AcquisitionContext, Embeddings, Sampler, make_sampler, top_k
 from edge_agent.schedule import acquires_in_round, initial_label_count, labels_per_acquisition, round_in_active_round
+from edge_agent.tensors import Weights, weights_hash
 from edge_agent.training import LocalData, make_local_rule
 
 log = logging.getLogger(__name__)

@@ -15,10 +15,11 @@ from edge_agent.folder_oracle import FolderOracle, QueryBook
 from edge_agent.folder_pool import MODEL_INPUT, FolderDeviceData, InputSpec
 from edge_agent.label_ui import LabelServer, parse_listen_address
 from edge_agent.mc_dropout import TorchMCDropout
-from edge_agent.models import Weights, build_model, set_weights
+from edge_agent.models import build_model, set_weights
 from edge_agent.profile import DeviceProfile
 from edge_agent.sampling import entropy_scores
 from edge_agent.stream import BudgetSettings, BudgetState, decide, default_burst, start_state
+from edge_agent.tensors import Weights
 
 log = logging.getLogger(__name__)
 

@@ -1,14 +1,13 @@
 # Model zoo (the paper's Table 2 CNN first) and the conversion between torch modules and named numpy weights.
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-Weights = dict[str, np.ndarray]
+from edge_agent.tensors import Weights, WeightSpec, check_layout, spec_of
 
 NUM_CLASSES = 10
 INPUT_SHAPE = (1, 28, 28)
@@ -102,42 +101,11 @@ def get_weights(model: nn.Module) -> Weights:
 
 def set_weights(model: nn.Module, weights: Weights) -> None:
     """Loads named numpy arrays into the model; names and shapes must match exactly."""
-    check_weights_match(weight_spec(model), weights)
+    check_layout(weight_spec(model), weights)
     state = {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in weights.items()}
     model.load_state_dict(state, strict=True)
 
 
-WeightSpec = dict[str, tuple[tuple[int, ...], str]]
-
-
 def weight_spec(model: nn.Module) -> WeightSpec:
     """Name -> (shape, numpy dtype string) of every parameter: what a valid update must carry."""
-    return {
-        name: (tuple(tensor.shape), str(tensor.detach().cpu().numpy().dtype))
-        for name, tensor in model.state_dict().items()
-    }
-
-
-def check_weights_match(spec: WeightSpec, weights: Weights) -> None:
-    """Raises ValueError naming the first tensor whose name, shape or dtype differs from the spec."""
-    missing = sorted(set(spec) - set(weights))
-    extra = sorted(set(weights) - set(spec))
-    if missing or extra:
-        raise ValueError(f"tensor names differ from the model: missing {missing}, unexpected {extra}")
-    for name, (shape, dtype) in spec.items():
-        array = weights[name]
-        if tuple(array.shape) != shape:
-            raise ValueError(f"tensor {name!r} has shape {tuple(array.shape)}, expected {shape}")
-        if str(array.dtype) != dtype:
-            raise ValueError(f"tensor {name!r} has dtype {array.dtype}, expected {dtype}")
-
-
-def weights_hash(weights: Weights) -> str:
-    """SHA-256 over names, dtypes, shapes and little-endian bytes, in sorted name order: a model's identity."""
-    digest = hashlib.sha256()
-    for name in sorted(weights):
-        array = np.ascontiguousarray(weights[name])
-        little_endian = array.astype(array.dtype.newbyteorder("<"), copy=False)
-        digest.update(f"{name}|{little_endian.dtype.str}|{array.shape}|".encode())
-        digest.update(little_endian.tobytes())
-    return digest.hexdigest()
+    return spec_of(get_weights(model))

@@ -6,7 +6,8 @@ import torch
 from edge_agent.bundle import Bundle, BundleError
 from edge_agent.data import load_arrays
 from edge_agent.mc_dropout import TorchMCDropout
-from edge_agent.models import build_model, set_weights, weights_hash
+from edge_agent.models import build_model, set_weights
+from edge_agent.tensors import weights_hash
 
 
 def torch_scorer_from_bundle(bundle: Bundle, batch_size: int, threads: int = 0) -> TorchMCDropout:

@@ -22,7 +22,8 @@ from edge_agent.bundle import (
 )
 from edge_agent.data import CLASS_NAMES, FASHION_MNIST_MEAN, FASHION_MNIST_STD, atomic_write_bytes, save_arrays
 from edge_agent.mc_dropout import dropout_spec
-from edge_agent.models import INPUT_SHAPE, Weights, build_model, set_weights, weights_hash
+from edge_agent.models import INPUT_SHAPE, build_model, set_weights
+from edge_agent.tensors import Weights, weights_hash
 from export import quantize
 from export.onnx_graphs import (
     DEFAULT_OPSET,

@@ -10,7 +10,7 @@ import numpy as np
 from coordinator.store import RunStore
 from edge_agent.bundle import load_bundle
 from edge_agent.data import DatasetMissingError, load_arrays, load_fashion_mnist, normalise
-from edge_agent.models import Weights
+from edge_agent.tensors import Weights
 from export.bundle_writer import write_bundle
 from export.onnx_graphs import DEFAULT_OPSET
 

@@ -11,7 +11,8 @@ from coordinator.authentication import UpdateAuthenticator
 from coordinator.rounds import RoundCollector
 from coordinator.validation import Expectation, Rejection
 from edge_agent import wire
-from edge_agent.models import NUM_CLASSES, build_model, get_weights, weight_spec, weights_hash
+from edge_agent.models import NUM_CLASSES, build_model, get_weights, weight_spec
+from edge_agent.tensors import weights_hash
 
 MODEL = build_model("paper-cnn", seed=0)
 WEIGHTS = get_weights(MODEL)

@@ -30,8 +30,9 @@ from coordinator.strategies import (
 from coordinator.validation import Expectation
 from edge_agent import wire
 from edge_agent.data import load_fashion_mnist
-from edge_agent.models import NUM_CLASSES, build_model, get_weights, weight_spec, weights_hash
+from edge_agent.models import NUM_CLASSES, build_model, get_weights, weight_spec
 from edge_agent.mqtt import BrokerAddress, MqttSession
+from edge_agent.tensors import weights_hash
 from edge_agent.training import CadisKD, LocalData, TrainSettings, relational_kd_loss, run_epochs
 
 GLOBAL = get_weights(build_model(seed=0))

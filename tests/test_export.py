@@ -14,8 +14,9 @@ from coordinator.store import RunStore
 from edge_agent.bundle import BundleError, bundle_files, load_bundle, store_bundle
 from edge_agent.data import save_arrays
 from edge_agent.mc_dropout import TorchMCDropout
-from edge_agent.models import build_model, get_weights, weights_hash
+from edge_agent.models import build_model, get_weights
 from edge_agent.ort_scorer import OrtMCDropout
+from edge_agent.tensors import weights_hash
 from export.bundle_writer import ensure_bundle_files, write_bundle
 
 

@@ -36,8 +36,8 @@ from coordinator.store import RunStore
 from coordinator.strategies import AveFL, ClientUpdate
 from edge_agent import wire
 from edge_agent.data import DeviceData, load_arrays
-from edge_agent.models import weights_hash
 from edge_agent.mqtt import parse_broker_url
+from edge_agent.tensors import weights_hash
 
 pytestmark = pytest.mark.integration
 

@@ -19,8 +19,9 @@ from coordinator.store import RunStore
 from coordinator.strategies import AveFL
 from coordinator.validation import Expectation, Rejection, validate_update
 from edge_agent import wire
-from edge_agent.models import build_model, get_weights, weight_spec, weights_hash
+from edge_agent.models import build_model, get_weights, weight_spec
 from edge_agent.mqtt import IncomingMessage, MqttSession
+from edge_agent.tensors import weights_hash
 
 FLEET = "fuzz"
 DEVICE = "dev-1"

@@ -13,8 +13,8 @@ from coordinator.server import InitSettings, ServerSettings
 from coordinator.simulate import BenchSettings, simulate
 from coordinator.store import RunStore
 from edge_agent import wire
-from edge_agent.models import weights_hash
 from edge_agent.mqtt import MqttSession
+from edge_agent.tensors import weights_hash
 
 pytestmark = pytest.mark.integration
 

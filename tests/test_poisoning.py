@@ -18,9 +18,9 @@ from coordinator.store import RunStore
 from edge_agent import wire
 from edge_agent.agent import Agent, AgentSettings
 from edge_agent.data import load_shard, open_device_data
-from edge_agent.models import weights_hash
 from edge_agent.mqtt import BrokerAddress, MqttSession
 from edge_agent.oracle import SimulatedOracle
+from edge_agent.tensors import weights_hash
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ from coordinator.strategies import (
     trimmed_count,
     trimmed_mean,
 )
-from edge_agent.models import Weights
+from edge_agent.tensors import Weights
 
 SHAPES = {"conv.weight": (4, 1, 3, 3), "conv.bias": (4,), "fc.weight": (2, 4)}
 

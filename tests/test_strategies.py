@@ -18,7 +18,8 @@ from coordinator.strategies import (
     uniform_coefficients,
     weighted_average,
 )
-from edge_agent.models import Weights, build_model, get_weights, set_weights
+from edge_agent.models import build_model, get_weights, set_weights
+from edge_agent.tensors import Weights
 
 SHAPES = {"conv.weight": (4, 1, 3, 3), "conv.bias": (4,), "fc.weight": (2, 4)}
 

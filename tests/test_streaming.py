@@ -8,7 +8,8 @@ from coordinator.rounds import RoundCollector, StreamedRound, SuspectPolicy
 from coordinator.strategies import AveFL, ClientUpdate, FedAvg, Median, make_strategy, weighted_average
 from coordinator.validation import Expectation
 from edge_agent import wire
-from edge_agent.models import NUM_CLASSES, build_model, get_weights, weight_spec, weights_hash
+from edge_agent.models import NUM_CLASSES, build_model, get_weights, weight_spec
+from edge_agent.tensors import weights_hash
 
 MODEL = build_model("paper-cnn", seed=0)
 BASE = get_weights(MODEL)
