@@ -175,9 +175,9 @@ def partition_indices(
     subset = _checked_indices(np.asarray(labels), indices)
     if parsed.kind == "type1":
         return _type1(np.asarray(labels), subset, num_devices)
-    if parsed.kind == "dirichlet":
+    if parsed.kind == "dirichlet" and parsed.alpha is not None:
         return _dirichlet(np.asarray(labels), subset, num_devices, parsed.alpha, rng)
-    if parsed.kind == "clusters":
+    if parsed.kind == "clusters" and parsed.clusters is not None:
         return _clusters(np.asarray(labels), subset, num_devices, parsed.clusters, rng)
     return _iid(subset, num_devices, rng)
 

@@ -10,6 +10,7 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 from edge_agent import wire
 from edge_agent.credentials import Credentials, load_credentials, save_credentials
@@ -53,6 +54,14 @@ class SecureFleet:
     def device_credentials(self, device_id: str) -> Path:
         """The credential file of one device, to hand to its agent."""
         return self.folder / "devices" / f"{wire.check_identifier('device id', device_id)}.json"
+
+
+class TlsPaths(TypedDict, total=False):
+    """A client's TLS files, as keyword arguments of Credentials."""
+
+    ca_file: str
+    cert_file: str
+    key_file: str
 
 
 def device_names(count: int, prefix: str = "dev") -> list[str]:
@@ -181,7 +190,7 @@ def write_public(path: Path, text: str) -> None:
     os.chmod(path, 0o644)
 
 
-def write_tls_files(folder: Path, names: list[str], hosts: tuple[str, ...]) -> dict[str, dict[str, str]]:
+def write_tls_files(folder: Path, names: list[str], hosts: tuple[str, ...]) -> dict[str, TlsPaths]:
     """A CA, a broker certificate for `hosts` and one client certificate per user (CN = username), all signed by
     the CA; returns username -> the ca_file/cert_file/key_file paths for its credential file."""
     from cryptography.hazmat.primitives import serialization
@@ -203,15 +212,15 @@ def write_tls_files(folder: Path, names: list[str], hosts: tuple[str, ...]) -> d
 
     save("ca", ca_key, ca_cert)
     save("broker", broker_key, broker_cert)
-    files = {}
+    files: dict[str, TlsPaths] = {}
     for user in [COORDINATOR_USERNAME, *names]:
         key = ec.generate_private_key(ec.SECP256R1())
         save(f"clients/{user}", key, _certificate(key, user, ca_key, ca_cert, client=True))
-        files[user] = {
-            "ca_file": str(folder / "ca.crt"),
-            "cert_file": str(folder / "clients" / f"{user}.crt"),
-            "key_file": str(folder / "clients" / f"{user}.key"),
-        }
+        files[user] = TlsPaths(
+            ca_file=str(folder / "ca.crt"),
+            cert_file=str(folder / "clients" / f"{user}.crt"),
+            key_file=str(folder / "clients" / f"{user}.key"),
+        )
     return files
 
 

@@ -79,7 +79,7 @@ def _string(value: object, name: str) -> str:
 
 
 def _optional_identifier(value: object, kind: str) -> str:
-    return "" if value == "" else wire.check_identifier(kind, value)
+    return "" if value == "" else wire.check_identifier(kind, _string(value, kind))
 
 
 def _tls_path(credential_file: Path, value: object, name: str) -> str | None:

@@ -8,19 +8,26 @@ import torch
 from torch import nn
 
 from edge_agent.mc_scorer import DropoutSpec, mc_probabilities
+from edge_agent.models import SplitDropoutModel
+
+
+def as_split_model(model: nn.Module) -> SplitDropoutModel:
+    """The model as a prefix/masked-tail model; ValueError for a model that cannot score with explicit masks."""
+    if not isinstance(model, SplitDropoutModel):
+        raise ValueError(f"{type(model).__name__} has no tail_with_masks, so it cannot score with explicit masks")
+    return model
 
 
 def dropout_spec(model: nn.Module) -> DropoutSpec:
     """The rates and mask shapes of a model's dropout layers (the model must offer tail_with_masks)."""
-    if not hasattr(model, "tail_with_masks"):
-        raise ValueError(f"{type(model).__name__} has no tail_with_masks, so it cannot score with explicit masks")
+    model = as_split_model(model)
     return DropoutSpec(tuple(model.dropout_rates), tuple(tuple(shape) for shape in model.dropout_mask_shapes))
 
 
 class PrefixGraph(nn.Module):
     """The deterministic prefix as a module of its own: what the torch back end runs and export traces."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: SplitDropoutModel) -> None:
         super().__init__()
         self.model = model
 
@@ -32,7 +39,7 @@ class PrefixGraph(nn.Module):
 class MaskedTailGraph(nn.Module):
     """The stochastic tail with explicit scaled masks, ending in softmax: what the torch back end runs and export traces."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: SplitDropoutModel) -> None:
         super().__init__()
         self.model = model
 
@@ -55,8 +62,8 @@ class TorchMCDropout:
         self.model = model
         self.batch_size = batch_size
         self.spec = dropout_spec(model)
-        self._prefix = PrefixGraph(model)
-        self._tail = MaskedTailGraph(model)
+        self._prefix = PrefixGraph(as_split_model(model))
+        self._tail = MaskedTailGraph(as_split_model(model))
 
     def probabilities(self, images: np.ndarray, passes: int, seed: int) -> np.ndarray:
         """MC-dropout softmax outputs over `passes` passes for normalised (N, 1, 28, 28) or raw uint8 (N, 28, 28) images."""

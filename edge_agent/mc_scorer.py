@@ -127,7 +127,7 @@ def mc_probabilities(
         for first_pass in range(0, passes, per_call):
             calls = min(per_call, passes - first_pass)
             rows = slice(first_pass * count, (first_pass + calls) * count)
-            if calls == 1:
+            if calls == 1 or replication_buffer is None:
                 replicated = features
             else:
                 replicated = replication_buffer[: calls * count]

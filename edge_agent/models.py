@@ -1,7 +1,9 @@
 # Model zoo (the paper's Table 2 CNN first) and the conversion between torch modules and named numpy weights.
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -13,15 +15,35 @@ NUM_CLASSES = 10
 INPUT_SHAPE = (1, 28, 28)
 
 
-class PaperCNN(nn.Module):
+class SplitDropoutModel(nn.Module):
+    """A model whose MC-dropout scoring is fast: a deterministic prefix run once per image, and a stochastic tail
+    that takes explicit dropout masks (run r times, in torch or as the exported ONNX tail)."""
+
+    dropout_rates: ClassVar[tuple[float, ...]]
+    dropout_mask_shapes: ClassVar[tuple[tuple[int, ...], ...]]
+
+    @abstractmethod
+    def prefix(self, x: torch.Tensor) -> torch.Tensor:
+        """Everything before the first dropout layer."""
+
+    @abstractmethod
+    def penultimate(self, h: torch.Tensor) -> torch.Tensor:
+        """From the prefix output to the classifier's input features."""
+
+    @abstractmethod
+    def tail_with_masks(self, h: torch.Tensor, masks: Sequence[torch.Tensor]) -> torch.Tensor:
+        """From the prefix output to the logits, each dropout replaced by a product with an explicit scaled mask."""
+
+
+class PaperCNN(SplitDropoutModel):
     """The Table 2 network of the core paper: four convolutions, no batch norm, three dropout layers.
 
     It is split into a deterministic `prefix` (everything before the first dropout) and a stochastic
     `tail`, so that MC-dropout scoring can run the expensive prefix once and the cheap tail r times.
     """
 
-    dropout_rates = (0.25, 0.25, 0.5)
-    dropout_mask_shapes = ((16, 10, 10), (16, 2, 2), (128,))
+    dropout_rates: ClassVar[tuple[float, ...]] = (0.25, 0.25, 0.5)
+    dropout_mask_shapes: ClassVar[tuple[tuple[int, ...], ...]] = ((16, 10, 10), (16, 2, 2), (128,))
 
     def __init__(self, num_classes: int = NUM_CLASSES) -> None:
         super().__init__()
@@ -80,10 +102,10 @@ class PaperCNN(nn.Module):
         return features, self.fc2(features)
 
 
-MODEL_ZOO: dict[str, Callable[[], nn.Module]] = {"paper-cnn": PaperCNN}
+MODEL_ZOO: dict[str, Callable[[], SplitDropoutModel]] = {"paper-cnn": PaperCNN}
 
 
-def build_model(name: str = "paper-cnn", seed: int | None = None) -> nn.Module:
+def build_model(name: str = "paper-cnn", seed: int | None = None) -> SplitDropoutModel:
     """A fresh model from the zoo; with a seed, its initial weights are reproducible."""
     if name not in MODEL_ZOO:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODEL_ZOO))}")

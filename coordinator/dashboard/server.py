@@ -191,6 +191,7 @@ class Dashboard:
     def url(self) -> str:
         """The page's address, with the port actually bound (port 0 picks a free one)."""
         host, port = self.server.server_address[:2]
+        host = host.decode() if isinstance(host, bytes) else str(host)
         return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
 
     def __enter__(self) -> Dashboard:
