@@ -138,23 +138,34 @@ def run_epochs(
         torch.manual_seed(settings.seed)
         for _ in range(settings.epochs):
             order = torch.randperm(len(inputs), generator=generator)
-            total, seen = 0.0, 0
-            for start in range(0, len(order), settings.batch_size):
-                batch = order[start : start + settings.batch_size]
-                if len(batch) < min_batch:
-                    continue
-                for optimizer in optimizers:
-                    optimizer.zero_grad(set_to_none=True)
-                loss = batch_loss(inputs[batch], targets[batch])
-                loss.backward()
-                for optimizer in optimizers:
-                    optimizer.step()
-                total += loss.item() * len(batch)
-                seen += len(batch)
-            epoch_loss = total / seen
+            batches = [
+                order[start : start + settings.batch_size] for start in range(0, len(order), settings.batch_size)
+            ]
+            epoch_loss = run_epoch(inputs, targets, [b for b in batches if len(b) >= min_batch], optimizers, batch_loss)
     for model in models:
         model.eval()
     return epoch_loss
+
+
+def run_epoch(
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    batches: Sequence[torch.Tensor],
+    optimizers: Sequence[torch.optim.Optimizer],
+    batch_loss: BatchLoss,
+) -> float:
+    """One pass over the given index batches, every optimizer stepping on each; the mean loss per sample."""
+    total, seen = 0.0, 0
+    for batch in batches:
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        loss = batch_loss(inputs[batch], targets[batch])
+        loss.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+        total += loss.item() * len(batch)
+        seen += len(batch)
+    return total / seen
 
 
 class LocalRule(ABC):
