@@ -27,8 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from coordinator.closing import RoundResult
 from coordinator.partition import partition_indices
-from coordinator.rounds import RoundPolicy, RoundResult
+from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.simulate import BenchSettings, simulate
 from coordinator.strategies import make_strategy

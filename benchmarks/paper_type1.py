@@ -20,7 +20,8 @@ import json
 import time
 from pathlib import Path
 
-from coordinator.rounds import RoundPolicy, RoundResult
+from coordinator.closing import RoundResult
+from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.simulate import BenchSettings, simulate
 from edge_agent import wire

@@ -12,10 +12,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from coordinator.broker import BrokerError, embedded_broker
+from coordinator.closing import RoundResult
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.server import Dashboard, dashboard_token, parse_listen_address
 from coordinator.provision import DEFAULT_TLS_HOSTS, load_secure_fleet, provision
-from coordinator.rounds import RoundPolicy, RoundResult, SuspectPolicy
+from coordinator.round_aggregator import SuspectPolicy
+from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings, load_encoder, load_server_data, run_server
 from coordinator.simulate import BenchSettings, simulate, write_shards
 from coordinator.strategies import make_strategy

@@ -14,10 +14,15 @@ import numpy as np
 import torch
 
 from coordinator.authentication import UpdateAuthenticator
+from coordinator.closing import RoundCloser, RoundResult
 from coordinator.evaluation import Evaluator, LabelledSplit
+from coordinator.intake import RoundObserver, UpdateIntake
 from coordinator.partition import server_holdout
+from coordinator.presence import Presence
 from coordinator.provision import load_secure_fleet
-from coordinator.rounds import Coordinator, RoundObserver, RoundPolicy, RoundResult, SuspectPolicy
+from coordinator.publisher import Artefacts, RetainedPublisher
+from coordinator.round_aggregator import SuspectPolicy
+from coordinator.rounds import Coordinator, RoundParts, RoundPolicy, RoundRules
 from coordinator.store import RunStore
 from coordinator.strategies import make_strategy
 from edge_agent import wire
@@ -189,42 +194,16 @@ def run_server(
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     data = data or load_server_data(settings)
-    strategy = make_strategy(settings.strategy, **settings.strategy_options)
-    authenticator = None
-    if settings.secure_dir is not None:
-        secure = load_secure_fleet(settings.secure_dir)
-        if secure.fleet != settings.fleet:
-            raise ValueError(
-                f"{settings.secure_dir} was provisioned for fleet {secure.fleet!r}, not {settings.fleet!r}"
-            )
-        address = secure.coordinator.apply_to(address)
-        authenticator = UpdateAuthenticator(secure.device_keys)
+    address, authenticator = secured(settings, address)
     store = RunStore(settings.run_dir)
     session = MqttSession(address, client_id=f"coordinator-{settings.fleet}", manual_ack=True)
     try:
         weights, first_round, run_id = starting_point(store, settings, data)
         encoder = round_encoder(settings, store)
         recipe = dataclasses.replace(settings.recipe, encoder=encoder_hash(encoder)) if encoder else settings.recipe
-        coordinator = Coordinator(
-            settings.fleet,
-            run_id,
-            session,
-            store,
-            strategy,
-            build_evaluator(settings, data),
-            recipe,
-            settings.policy,
-            settings.model_name,
-            base_labels=len(data.init_indices),
-            evaluate_devices=settings.evaluate_devices,
-            suspect_policy=settings.suspects,
-            authenticator=authenticator,
-            bundle_files=bundle_exporter(settings) if settings.ship_bundles else None,
-            observer=observer,
-            dead_devices=dead_devices,
-            encoder=encoder,
-        )
-        coordinator.device_labels = latest_device_labels(store)
+        rules = RoundRules(recipe, settings.policy, settings.suspects, authenticator)
+        parts = round_parts(settings, data, store, session, run_id, encoder, observer or RoundObserver(), dead_devices)
+        coordinator = Coordinator(settings.fleet, session, rules, parts)
         session.connect()
         coordinator.start()
         if wait_for_devices:
@@ -234,6 +213,39 @@ def run_server(
     finally:
         session.close()
         store.close()
+
+
+def secured(settings: ServerSettings, address: BrokerAddress) -> tuple[BrokerAddress, UpdateAuthenticator | None]:
+    """The broker address with the coordinator's login and the update authenticator of a secured fleet (else as is)."""
+    if settings.secure_dir is None:
+        return address, None
+    secure = load_secure_fleet(settings.secure_dir)
+    if secure.fleet != settings.fleet:
+        raise ValueError(f"{settings.secure_dir} was provisioned for fleet {secure.fleet!r}, not {settings.fleet!r}")
+    return secure.coordinator.apply_to(address), UpdateAuthenticator(secure.device_keys)
+
+
+def round_parts(
+    settings: ServerSettings,
+    data: ServerData,
+    store: RunStore,
+    session: MqttSession,
+    run_id: str,
+    encoder: bytes,
+    observer: RoundObserver,
+    dead_devices: Callable[[], set[str]],
+) -> RoundParts:
+    """The coordinator's collaborators, built from the settings."""
+    strategy = make_strategy(settings.strategy, **settings.strategy_options)
+    evaluator = build_evaluator(settings, data)
+    bundles = bundle_exporter(settings) if settings.ship_bundles else None
+    return RoundParts(
+        presence=Presence(observer, dead_devices),
+        intake=UpdateIntake(settings.fleet, session, store, observer),
+        publisher=RetainedPublisher(session, settings.fleet, run_id, Artefacts(settings.model_name, bundles, encoder)),
+        closer=RoundCloser(store, strategy, evaluator, settings.evaluate_devices, len(data.init_indices)),
+        observer=observer,
+    )
 
 
 def bundle_exporter(settings: ServerSettings) -> Callable[[Weights, str], dict[str, bytes]]:
@@ -247,12 +259,3 @@ def bundle_exporter(settings: ServerSettings) -> Callable[[Weights, str], dict[s
         return ensure_bundle_files(weights, settings.run_dir / "bundles" / model_hash, settings.model_name)
 
     return files
-
-
-def latest_device_labels(store: RunStore) -> dict[str, int]:
-    """Each device's oracle-label count as of its last accepted update, so a resumed run counts labels right."""
-    labels: dict[str, int] = {}
-    for record in store.device_rounds():
-        if record.accepted:
-            labels[record.device_id] = record.acquired_labels
-    return labels

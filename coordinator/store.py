@@ -6,18 +6,14 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from edge_agent.data import atomic_write_bytes, load_arrays, save_arrays
+from coordinator.spool import Spool, check_device_id, check_round_id, round_name
+from edge_agent.data import load_arrays, save_arrays
 from edge_agent.tensors import Weights, weights_hash
-from edge_agent.wire import IDENTIFIER, WireError, check_identifier
-
-SPOOL_SUFFIX = ".msgpack"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS config (
@@ -72,7 +68,7 @@ CREATE TABLE IF NOT EXISTS rejections (
 """
 
 
-@dataclass
+@dataclass(frozen=True)
 class RoundRecord:
     """One committed round: its timing, the new global model's hash, accuracy, counts and the strategy's report."""
 
@@ -88,7 +84,7 @@ class RoundRecord:
     metrics: dict
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeviceRoundRecord:
     """One device's update in a committed round: accepted or why not, its counts, metrics and divergence."""
 
@@ -111,26 +107,6 @@ class StrategyState:
 
     strategy: str
     state: dict
-
-
-def check_device_id(device_id: str) -> str:
-    """Returns device_id if it is safe to use in a file name (the wire's identifier rule), else ValueError."""
-    try:
-        return check_identifier("device id", device_id)
-    except WireError as error:
-        raise ValueError(f"invalid device id: {error}") from None
-
-
-def check_round_id(round_id: int) -> int:
-    """Returns round_id as an int if it is an integer >= 0, else ValueError."""
-    if not isinstance(round_id, (int, np.integer)) or isinstance(round_id, bool) or round_id < 0:
-        raise ValueError(f"round ids are integers >= 0, got {round_id!r}")
-    return int(round_id)
-
-
-def round_name(round_id: int) -> str:
-    """The file-name form of a round id, e.g. round_0003."""
-    return f"round_{check_round_id(round_id):04d}"
 
 
 def _optional_float(value: float | None) -> float | None:
@@ -180,46 +156,59 @@ def _device_row(record: DeviceRoundRecord) -> tuple:
     )
 
 
-class RunStore:
-    """A run's durable state in run_dir: run.sqlite (WAL), checkpoints/ and spool/, so a restart resumes."""
+def _round_from_row(r: tuple) -> RoundRecord:
+    """A rounds-table row as a RoundRecord."""
+    return RoundRecord(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], json.loads(r[8]), json.loads(r[9]))
 
-    def __init__(self, run_dir: Path | str, read_only: bool = False) -> None:
-        """Opens (creating if missing) the run directory, its database schema and the checkpoint folder.
 
-        read_only opens an existing run's database for reading beside the process that writes it (dashboard,
-        report): nothing is created, and a missing database is a FileNotFoundError.
-        """
-        self.run_dir = Path(run_dir)
-        self.checkpoint_dir = self.run_dir / "checkpoints"
-        self.spool_dir = self.run_dir / "spool"
+def _device_from_row(r: tuple) -> DeviceRoundRecord:
+    """A device_rounds-table row as a DeviceRoundRecord."""
+    return DeviceRoundRecord(
+        r[0], r[1], bool(r[2]), r[3], r[4], json.loads(r[5]), r[6], json.loads(r[7]), r[8], r[9], r[10]
+    )
+
+
+def commit_statements(
+    record: RoundRecord, devices: Sequence[DeviceRoundRecord], strategy_state: StrategyState | None
+) -> list[tuple[str, tuple]]:
+    """The inserts that commit one round: its row, one row per device record, the strategy's state if any."""
+    round_id = check_round_id(record.round_id)
+    for device in devices:
+        check_device_id(device.device_id)
+        if device.round_id != round_id:
+            raise ValueError(f"device {device.device_id} record is for round {device.round_id}, not {round_id}")
+    placeholders = ", ".join("?" * len(dataclasses.fields(DeviceRoundRecord)))
+    statements = [("INSERT INTO rounds VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", _round_row(record))]
+    statements += [(f"INSERT INTO device_rounds VALUES ({placeholders})", _device_row(d)) for d in devices]
+    if strategy_state is not None:
+        body = _to_json(strategy_state.state, f"round {round_id} strategy state")
+        statements.append(("INSERT INTO strategy_state VALUES (?, ?, ?)", (round_id, strategy_state.strategy, body)))
+    return statements
+
+
+class Database:
+    """One SQLite connection shared by threads: writes in one transaction each, reads under the same lock."""
+
+    def __init__(self, path: Path, read_only: bool) -> None:
+        """Opens (creating the schema) the database; read_only opens an existing one beside its writer."""
         self._lock = threading.Lock()
         if read_only:
-            database = self.run_dir / "run.sqlite"
-            if not database.is_file():
-                raise FileNotFoundError(f"no run database at {database}")
-            self._conn = sqlite3.connect(f"{database.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False)
+            if not path.is_file():
+                raise FileNotFoundError(f"no run database at {path}")
+            self._conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False)
             return
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        self._conn = sqlite3.connect(self.run_dir / "run.sqlite", check_same_thread=False, isolation_level=None)
+        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")
         self._conn.execute("PRAGMA foreign_keys=ON")
         self._conn.executescript(_SCHEMA)
 
-    def __enter__(self) -> RunStore:
-        """The store itself; closed on leaving the with-block."""
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        """Closes the database connection."""
-        self.close()
-
     def close(self) -> None:
-        """Closes the database connection."""
+        """Closes the connection."""
         with self._lock:
             self._conn.close()
 
-    def _write(self, statements: Sequence[tuple[str, tuple]]) -> None:
+    def write(self, statements: Sequence[tuple[str, tuple]]) -> None:
         """Runs statements in one transaction: all are applied or none."""
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")
@@ -231,10 +220,41 @@ class RunStore:
                 raise
             self._conn.execute("COMMIT")
 
-    def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
+    def read(self, sql: str, params: tuple = ()) -> list[tuple]:
         """All rows of one query."""
         with self._lock:
             return self._conn.execute(sql, params).fetchall()
+
+
+class RunStore:
+    """A run's durable state in run_dir: run.sqlite (WAL), checkpoints/ and spool/, so a restart resumes."""
+
+    def __init__(self, run_dir: Path | str, read_only: bool = False) -> None:
+        """Opens (creating if missing) the run directory, its database schema and the checkpoint folder.
+
+        read_only opens an existing run's database for reading beside the process that writes it (dashboard,
+        report): nothing is created, and a missing database is a FileNotFoundError.
+        """
+        self.run_dir = Path(run_dir)
+        self.checkpoint_dir = self.run_dir / "checkpoints"
+        self.spool = Spool(self.run_dir / "spool")
+        if not read_only:
+            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self.database = Database(self.run_dir / "run.sqlite", read_only)
+        self._write = self.database.write
+        self._read = self.database.read
+
+    def __enter__(self) -> RunStore:
+        """The store itself; closed on leaving the with-block."""
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Closes the database connection."""
+        self.close()
+
+    def close(self) -> None:
+        """Closes the database connection."""
+        self.database.close()
 
     def set_config(self, config: dict) -> None:
         """Stores the run's configuration (JSON), replacing any earlier one."""
@@ -301,25 +321,7 @@ class RunStore:
         """Records a closed round, its per-device records and the strategy's state after it in one transaction;
         a round commits only once."""
         round_id = check_round_id(record.round_id)
-        for device in devices:
-            check_device_id(device.device_id)
-            if device.round_id != round_id:
-                raise ValueError(f"device {device.device_id} record is for round {device.round_id}, not {round_id}")
-        insert_round = "INSERT INTO rounds VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-        placeholders = ", ".join("?" * len(dataclasses.fields(DeviceRoundRecord)))
-        insert_device = f"INSERT INTO device_rounds VALUES ({placeholders})"
-        statements = [(insert_round, _round_row(record))] + [(insert_device, _device_row(d)) for d in devices]
-        if strategy_state is not None:
-            statements.append(
-                (
-                    "INSERT INTO strategy_state VALUES (?, ?, ?)",
-                    (
-                        round_id,
-                        str(strategy_state.strategy),
-                        _to_json(strategy_state.state, f"round {round_id} strategy state"),
-                    ),
-                )
-            )
+        statements = commit_statements(record, devices, strategy_state)
         try:
             self._write(statements)
         except sqlite3.IntegrityError as exc:
@@ -338,22 +340,13 @@ class RunStore:
 
     def rounds(self) -> list[RoundRecord]:
         """Every committed round, in round order."""
-        rows = self._read("SELECT * FROM rounds ORDER BY round_id")
-        return [
-            RoundRecord(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], json.loads(r[8]), json.loads(r[9]))
-            for r in rows
-        ]
+        return [_round_from_row(row) for row in self._read("SELECT * FROM rounds ORDER BY round_id")]
 
     def device_rounds(self, round_id: int | None = None) -> list[DeviceRoundRecord]:
         """Per-device records of one committed round (or of all), ordered by round then device id."""
         where, params = ("WHERE round_id = ?", (round_id,)) if round_id is not None else ("", ())
         rows = self._read(f"SELECT * FROM device_rounds {where} ORDER BY round_id, device_id", params)
-        return [
-            DeviceRoundRecord(
-                r[0], r[1], bool(r[2]), r[3], r[4], json.loads(r[5]), r[6], json.loads(r[7]), r[8], r[9], r[10]
-            )
-            for r in rows
-        ]
+        return [_device_from_row(row) for row in rows]
 
     def record_rejection(self, round_id: int, device_id: str, reason: str, update_bytes: int) -> None:
         """Counts a rejected update at once, so the tally survives even if its round never commits."""
@@ -381,23 +374,3 @@ class RunStore:
     def rejection_counts(self) -> dict[str, int]:
         """How many updates were rejected for each reason, over the whole run."""
         return dict(self._read("SELECT reason, COUNT(*) FROM rejections GROUP BY reason ORDER BY reason"))
-
-    def spool_update(self, round_id: int, device_id: str, payload: bytes) -> Path:
-        """Writes an accepted update's raw payload to spool/round_NNNN/<device>.msgpack atomically."""
-        path = self.spool_dir / round_name(round_id) / f"{check_device_id(device_id)}{SPOOL_SUFFIX}"
-        atomic_write_bytes(path, payload)
-        return path
-
-    def spooled_updates(self, round_id: int) -> dict[str, bytes]:
-        """The spooled payloads of a round by device id (empty if none)."""
-        return dict(self.iter_spooled_updates(round_id))
-
-    def iter_spooled_updates(self, round_id: int) -> Iterator[tuple[str, bytes]]:
-        """(device id, payload) of a round's spooled updates in device order, one file in memory at a time."""
-        folder = self.spool_dir / round_name(round_id)
-        if not folder.is_dir():
-            return
-        for path in sorted(folder.glob(f"*{SPOOL_SUFFIX}")):
-            device_id = path.name[: -len(SPOOL_SUFFIX)]
-            if IDENTIFIER.fullmatch(device_id):
-                yield device_id, path.read_bytes()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from abc import ABC
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
@@ -24,6 +25,7 @@ class Option:
     low: float | None = None
     high: float | None = None
     flag: str = ""
+    high_open: bool = False
 
     @property
     def cli_flag(self) -> str:
@@ -33,12 +35,13 @@ class Option:
     @property
     def range_text(self) -> str:
         """The accepted range as a person reads it: [low, high], >= low, <= high, or any."""
+        close = ")" if self.high_open else "]"
         if self.low is not None and self.high is not None:
-            return f"[{self.low:g}, {self.high:g}]"
+            return f"[{self.low:g}, {self.high:g}{close}"
         if self.low is not None:
             return f">= {self.low:g}"
         if self.high is not None:
-            return f"<= {self.high:g}"
+            return f"{'<' if self.high_open else '<='} {self.high:g}"
         return "any"
 
     def check(self, value: Any) -> float:
@@ -50,7 +53,8 @@ class Option:
         if self.kind is int and not float(value).is_integer():
             raise ValueError(f"{self.cli_flag} must be an integer, got {shown}")
         number = float(value)
-        if (self.low is not None and number < self.low) or (self.high is not None and number > self.high):
+        above = self.high is not None and (number >= self.high if self.high_open else number > self.high)
+        if (self.low is not None and number < self.low) or above:
             raise ValueError(f"{self.cli_flag} must lie in {self.range_text}, got {shown}")
         return number
 
@@ -59,7 +63,7 @@ class Option:
         return self.check(options.get(self.key, self.default))
 
 
-class Method:
+class Method(ABC):
     """A method with declared options; subclasses list them in `options` and read them with `option_value`."""
 
     name: ClassVar[str]
@@ -101,6 +105,9 @@ class Registry(Generic[MethodType]):
     def unregister(self, name: str) -> None:
         """Removes a method by name (tests that register a toy method clean up with it)."""
         self._methods.pop(name, None)
+
+    def __getitem__(self, name: str) -> MethodType:
+        return self.get(name)
 
     def __contains__(self, name: object) -> bool:
         return name in self._methods

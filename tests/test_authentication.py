@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from coordinator.authentication import UpdateAuthenticator
-from coordinator.rounds import RoundCollector
+from coordinator.intake import RoundCollector
 from coordinator.validation import Expectation, Rejection
 from edge_agent import wire
 from edge_agent.models import NUM_CLASSES, build_model, get_weights, weight_spec

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from fleet import FakeDevice, log_text, perturbed, start_coordinator, stop_all, wait_exit
 
+from coordinator.aggregation import ClientUpdate
 from coordinator.broker import EmbeddedBroker
 from coordinator.store import RunStore
-from coordinator.strategies import AveFL, ClientUpdate
+from coordinator.strategies import AveFL
 from edge_agent import wire
 
 pytestmark = pytest.mark.integration

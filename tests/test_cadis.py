@@ -7,26 +7,27 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from coordinators import local_coordinator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.evaluation import Evaluator, LabelledSplit
-from coordinator.rounds import Coordinator, RoundCollector, RoundPolicy
-from coordinator.store import RoundRecord, RunStore, StrategyState
-from coordinator.strategies import (
-    CADIS,
+from coordinator.aggregation import ClientUpdate
+from coordinator.cadis import (
     CADIS_INITIAL_THRESHOLD,
     CADIS_THRESHOLD_CAP,
-    ClientUpdate,
-    FedAvg,
     cadis_coefficients,
     classifier_tensor,
     cluster_sizes,
-    make_strategy,
     next_threshold,
     pairwise_cosine,
     q_matrix,
 )
+from coordinator.evaluation import Evaluator, LabelledSplit
+from coordinator.intake import RoundCollector
+from coordinator.round_aggregator import Aggregate
+from coordinator.rounds import Coordinator, RoundPolicy
+from coordinator.store import RoundRecord, RunStore, StrategyState
+from coordinator.strategies import CADIS, FedAvg, make_strategy
 from coordinator.validation import Expectation
 from edge_agent import wire
 from edge_agent.data import load_fashion_mnist
@@ -168,38 +169,31 @@ def coordinator_on(store: RunStore, strategy) -> Coordinator:
     images = np.zeros((2, 28, 28), dtype=np.uint8)
     split = LabelledSplit.from_uint8(images, np.zeros(2, dtype=np.int64))
     session = MqttSession(BrokerAddress("127.0.0.1", 1), client_id="never-connects")
-    return Coordinator(
-        "fleet",
-        "run",
-        session,
-        store,
-        strategy,
-        Evaluator("paper-cnn", split, split, 1, 0),
-        wire.Recipe(),
-        RoundPolicy(rounds=3),
+    return local_coordinator(
+        "fleet", session, store, strategy, Evaluator("paper-cnn", split, split, 1, 0), RoundPolicy(3)
     )
 
 
 def commit(coordinator: Coordinator, round_id: int, weights: dict) -> None:
-    """Commits a round through the coordinator's own persist step (checkpoint, records, strategy state)."""
+    """Commits a round through the coordinator's own commit step (checkpoint, records, strategy state)."""
     collector = RoundCollector(Expectation(round_id, weights_hash(GLOBAL), weight_spec(build_model()), NUM_CLASSES, 1))
     record = RoundRecord(round_id, 0.0, 1.0, "", None, 0, 0, 0, {}, {})
-    coordinator.persist(collector, weights, record, {}, {})
+    coordinator.parts.closer.commit(collector, Aggregate(weights, {}, {}, {}), record, {})
 
 
 def test_cadis_state_survives_a_coordinator_restart(tmp_path: Path) -> None:
     first_round, second_round = history_rounds()
     with RunStore(tmp_path) as store:
         before = coordinator_on(store, make_strategy("cadis"))
-        weights, _ = before.strategy.aggregate(GLOBAL, first_round, None)
+        weights, _ = before.parts.closer.strategy.aggregate(GLOBAL, first_round, None)
         commit(before, 1, weights)
-        state_after_round_1 = before.strategy.state()
+        state_after_round_1 = before.parts.closer.strategy.state()
     with RunStore(tmp_path) as store:
         after = coordinator_on(store, make_strategy("cadis"))
-        assert after.strategy.state() == state_after_round_1
-        assert after.strategy.state()["threshold"] == next_threshold(CADIS_INITIAL_THRESHOLD, 0)
-        _, resumed = after.strategy.aggregate(GLOBAL, second_round, None)
-    _, continued = before.strategy.aggregate(GLOBAL, second_round, None)
+        assert after.parts.closer.strategy.state() == state_after_round_1
+        assert after.parts.closer.strategy.state()["threshold"] == next_threshold(CADIS_INITIAL_THRESHOLD, 0)
+        _, resumed = after.parts.closer.strategy.aggregate(GLOBAL, second_round, None)
+    _, continued = before.parts.closer.strategy.aggregate(GLOBAL, second_round, None)
     _, forgetful = CADIS().aggregate(GLOBAL, second_round, None)
     assert resumed == continued
     assert resumed["cluster_sizes"] == {"a": 2, "c": 1}
@@ -210,7 +204,7 @@ def test_cadis_state_survives_a_coordinator_restart(tmp_path: Path) -> None:
 def test_a_run_with_cadis_state_cannot_resume_under_another_strategy(tmp_path: Path) -> None:
     with RunStore(tmp_path) as store:
         coordinator = coordinator_on(store, CADIS())
-        weights, _ = coordinator.strategy.aggregate(GLOBAL, history_rounds()[0], None)
+        weights, _ = coordinator.parts.closer.strategy.aggregate(GLOBAL, history_rounds()[0], None)
         commit(coordinator, 1, weights)
         with pytest.raises(ValueError, match="holds state of strategy 'cadis'; it cannot resume with 'fedavg'"):
             coordinator_on(store, make_strategy("fedavg"))

@@ -74,7 +74,7 @@ def test_agent_with_missing_shard_fails_cleanly(tmp_path: Path) -> None:
 
 def test_suspect_options_reach_the_policy_by_name(tmp_path: Path) -> None:
     from coordinator.cli import build_parser, server_settings
-    from coordinator.rounds import SuspectPolicy
+    from coordinator.round_aggregator import SuspectPolicy
 
     args = build_parser().parse_args(
         ["simulate", "--run-dir", str(tmp_path), "--suspect-threshold", "4.5", "--exclude-suspects"]

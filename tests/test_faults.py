@@ -28,12 +28,14 @@ from fleet import (
     wait_until,
 )
 
+from coordinator.aggregation import ClientUpdate
 from coordinator.broker import EmbeddedBroker, free_loopback_port, port_is_free
-from coordinator.rounds import RoundPolicy, RoundResult
+from coordinator.closing import RoundResult
+from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.simulate import BenchSettings, simulate
 from coordinator.store import RunStore
-from coordinator.strategies import AveFL, ClientUpdate
+from coordinator.strategies import AveFL
 from edge_agent import wire
 from edge_agent.data import DeviceData, load_arrays
 from edge_agent.mqtt import parse_broker_url
@@ -111,14 +113,14 @@ def start_fleet(broker, run_dir: Path, fleet: str, devices: int, *options: str) 
 
 
 def test_a_killed_coordinator_resumes_its_round_from_the_spool(tmp_path: Path, broker, processes) -> None:
-    """SIGKILL after one of two updates is spooled; the restarted coordinator takes it back, waits for the other,
-    finishes, and ends with exactly the model of an uninterrupted run (agents are deterministic per device/round,
-    the aggregate sums in device order)."""
-    options = ("--rounds", "2", "--quorum", "2", "--min-devices", "2")
-    reference = start_fleet(broker, tmp_path / "reference", "reference", 2, *options)  # uninterrupted, alongside
+    """SIGKILL after one of four updates is spooled; the restarted coordinator takes it back, waits for the others,
+    finishes, and ends with exactly the model of an uninterrupted run: agents are deterministic per device and round,
+    and the aggregate does not depend on the order the four updates arrive in."""
+    options = ("--rounds", "2", "--quorum", "4", "--min-devices", "4")
+    reference = start_fleet(broker, tmp_path / "reference", "reference", 4, *options)  # uninterrupted, alongside
     processes.extend(reference)
     run_dir = tmp_path / "resumed"
-    first, second = fleet_shards(run_dir, devices=2)
+    first, *others = fleet_shards(run_dir, devices=4)
     coordinator = start_coordinator(broker.address, run_dir, "resumed", *options)
     agents = [start_agent(first, broker.address, "resumed")]
     processes.extend([coordinator, *agents])
@@ -127,20 +129,20 @@ def test_a_killed_coordinator_resumes_its_round_from_the_spool(tmp_path: Path, b
     kill(coordinator)
     assert committed_rounds(run_dir) == []
 
-    agents.append(start_agent(second, broker.address, "resumed"))
+    agents.extend(start_agent(launch, broker.address, "resumed") for launch in others)
     restarted = start_coordinator(broker.address, run_dir, "resumed", *options)
-    processes.extend([agents[-1], restarted])
+    processes.extend([*agents[1:], restarted])
     survivors = [*reference, *agents, restarted]
     assert [wait_exit(process, "fleet process") for process in survivors] == [0] * len(survivors)
 
-    assert committed_rounds(run_dir) == [(1, 2), (2, 2)]
+    assert committed_rounds(run_dir) == [(1, 4), (2, 4)]
     log = log_text(run_dir / "coordinator.log")
     assert log.count(f"resumed spooled update device={first.device_id} round=1") == 1
     with RunStore(run_dir) as store:
         assert store.rejection_counts() == {}
         # each device labelled 40 a round: nobody redid round 1
-        assert [d.acquired_labels for d in store.device_rounds(2)] == [2 * LABELS, 2 * LABELS]
-    for launch in (first, second):
+        assert [d.acquired_labels for d in store.device_rounds(2)] == [2 * LABELS] * 4
+    for launch in (first, *others):
         assert len(oracle_labels(launch.state_dir)) == 2 * LABELS
 
     for round_id in (0, 1, 2):

@@ -12,7 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.strategies import FMLU, AveFL, ClientUpdate, entropy_coefficients, make_strategy
+from coordinator.aggregation import ClientUpdate, entropy_coefficients
+from coordinator.strategies import FMLU, AveFL, make_strategy
 from coordinator.validation import Expectation, Rejection, validate_update
 from edge_agent import wire
 from edge_agent.data import load_arrays, load_fashion_mnist
@@ -220,7 +221,7 @@ FMLU_EXPECTATION = Expectation(
     weight_spec(build_model()),
     NUM_CLASSES,
     1 << 24,
-    required_metrics=make_strategy("fmlu").required_metrics,
+    required_metrics=make_strategy("fmlu").metric_bounds(NUM_CLASSES),
 )
 
 
@@ -242,5 +243,5 @@ def test_fmlu_rejects_a_missing_or_impossible_entropy(metrics: dict, reason: str
 
 def test_fmlu_accepts_an_entropy_in_range_and_other_strategies_do_not_ask_for_it() -> None:
     assert validate_update("dev-1", fmlu_update({"meme_entropy": 1.2}), FMLU_EXPECTATION).metrics["meme_entropy"] == 1.2
-    plain = dataclasses.replace(FMLU_EXPECTATION, required_metrics=make_strategy("fedavg").required_metrics)
+    plain = dataclasses.replace(FMLU_EXPECTATION, required_metrics=make_strategy("fedavg").metric_bounds(NUM_CLASSES))
     assert validate_update("dev-1", fmlu_update({}), plain).metrics == {}

@@ -8,13 +8,16 @@ import os
 import msgpack
 import numpy as np
 import pytest
+from coordinators import local_coordinator
 from fleet import server_data
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator.broker import EmbeddedBroker
 from coordinator.evaluation import Evaluator, LabelledSplit
-from coordinator.rounds import Coordinator, RoundCollector, RoundPolicy
+from coordinator.intake import RoundCollector
+from coordinator.round_aggregator import BatchAggregator, SuspectPolicy
+from coordinator.rounds import Coordinator, OpenRound, RoundPolicy
 from coordinator.store import RunStore
 from coordinator.strategies import AveFL
 from coordinator.validation import Expectation, Rejection, validate_update
@@ -127,15 +130,8 @@ def coordinator(tmp_path_factory):
         session = MqttSession(broker.address, client_id="fuzz-coordinator", manual_ack=True)
         session.connect(timeout=30)
         try:
-            yield Coordinator(
-                FLEET,
-                "fuzz-run",
-                session,
-                store,
-                AveFL(),
-                Evaluator("paper-cnn", split, split, 1, 0),
-                wire.Recipe(),
-                RoundPolicy(rounds=3),
+            yield local_coordinator(
+                FLEET, session, store, AveFL(), Evaluator("paper-cnn", split, split, 1, 0), RoundPolicy(rounds=3)
             )
         finally:
             session.close()
@@ -156,8 +152,9 @@ TOPICS = st.one_of(
 def test_the_coordinator_handler_never_raises(
     coordinator: Coordinator, topic: str, payload: bytes, open_round: bool
 ) -> None:
-    collector = RoundCollector(EXPECTATION) if open_round else None
-    coordinator.dispatch(IncomingMessage(topic, payload, False), collector)
-    if collector is not None:
+    collector = RoundCollector(EXPECTATION)
+    opened = OpenRound(collector, BatchAggregator(AveFL(), BASE, SuspectPolicy()), []) if open_round else None
+    coordinator.dispatch(IncomingMessage(topic, payload, False), opened)
+    if opened is not None:
         for device, update in collector.accepted.items():
             assert validate_update(device, wire.encode(update), EXPECTATION).update_id == update.update_id

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from coordinator.broker import EmbeddedBroker
-from coordinator.rounds import RoundPolicy, RoundResult
+from coordinator.closing import RoundResult
+from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.simulate import BenchSettings, simulate
 from coordinator.store import RunStore

@@ -11,15 +11,18 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+from coordinators import local_coordinator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from coordinator.aggregation import ClientUpdate
 from coordinator.broker import EmbeddedBroker
 from coordinator.evaluation import Evaluator, LabelledSplit
-from coordinator.rounds import Coordinator, RoundCollector, RoundPolicy, choose_participants
+from coordinator.intake import RoundCollector
+from coordinator.rounds import RoundPolicy, choose_participants
 from coordinator.store import RunStore
-from coordinator.strategies import ClientUpdate, make_strategy
+from coordinator.strategies import make_strategy
 from coordinator.validation import Expectation
 from edge_agent import wire
 from edge_agent.agent import LAST_ROUND_KEY, OWN_MODEL_FILE, Agent, AgentSettings
@@ -311,36 +314,30 @@ def test_only_participants_may_send_and_the_quorum_counts_them(broker, tmp_path,
     session = MqttSession(broker.address, client_id="coordinator")
     observer = MqttSession(broker.address, client_id="observer")
     with RunStore(tmp_path / "run") as store:
-        coordinator = Coordinator(
-            "kafal",
-            "run",
-            session,
-            store,
-            make_strategy("fedavg"),
-            Evaluator("paper-cnn", split, split, 1, 0),
-            wire.Recipe(),
-            RoundPolicy(rounds=1, quorum=10, participation=0.5),
-        )
+        policy = RoundPolicy(rounds=1, quorum=10, participation=0.5)
+        evaluator = Evaluator("paper-cnn", split, split, 1, 0)
+        coordinator = local_coordinator("kafal", session, store, make_strategy("fedavg"), evaluator, policy)
         session.connect(timeout=10)
         observer.connect(timeout=10)
         observer.subscribe(wire.round_topic("kafal"))
+        presence, intake = coordinator.parts.presence, coordinator.parts.intake
         for device in ("dev-a", "dev-b", "dev-c", "dev-d"):
-            coordinator.online[device] = wire.Status(device, "online", time.time())
-        coordinator.participants = choose_participants(sorted(coordinator.online_devices()), 0.5, 0, 1)
-        coordinator.announce(1, model_hash)
+            presence.statuses[device] = wire.Status(device, "online", time.time())
+        participants = choose_participants(sorted(presence.online()), 0.5, 0, 1)
+        coordinator.parts.publisher.announce(1, model_hash, wire.Recipe(), time.time() + 60, participants)
         announced = None
         while announced is None:
             message = observer.next_message(timeout=5)
             announced = wire.decode(message.payload, wire.RoundAnnouncement)
-        assert announced.participants == coordinator.participants and len(announced.participants) == 2
-        outsider = sorted(set(coordinator.online) - set(coordinator.participants))[0]
+        assert announced.participants == participants and len(announced.participants) == 2
+        outsider = sorted(set(presence.statuses) - set(participants))[0]
         collector = RoundCollector(Expectation(1, model_hash, weight_spec(build_model()), 10, 1 << 24))
         update = wire.Update(outsider, 1, "u1", model_hash, 10, [1] * 10, 10, {}, weights)
-        coordinator.on_update(outsider, wire.encode(update), collector)
+        intake.on_update(outsider, wire.encode(update), collector, participants)
         assert collector.accepted == {} and collector.rejected[outsider].startswith("not selected")
-        assert coordinator.needed(collector) == 2
-        insider = coordinator.participants[0]
-        coordinator.on_update(insider, wire.encode(dataclasses.replace(update, device_id=insider)), collector)
+        assert presence.needed(policy.quorum, policy.min_devices, participants, collector.accepted) == 2
+        insider = participants[0]
+        intake.on_update(insider, wire.encode(dataclasses.replace(update, device_id=insider)), collector, participants)
         assert list(collector.accepted) == [insider]
         assert any(reason.startswith("not selected") for reason in store.rejection_counts())
     session.close()

@@ -60,9 +60,7 @@ def simulate(run_dir: Path, *method: str) -> list[dict]:
 
 def spooled_updates(run_dir: Path, round_id: int) -> dict[str, wire.Update]:
     with RunStore(run_dir) as store:
-        return {
-            device: wire.decode(payload, wire.Update) for device, payload in store.spooled_updates(round_id).items()
-        }
+        return {device: wire.decode(payload, wire.Update) for device, payload in store.spool.payloads(round_id).items()}
 
 
 def test_fmlu_with_dmlu_uploads_only_memes_and_their_entropy(tmp_path: Path) -> None:

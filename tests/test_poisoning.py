@@ -12,7 +12,9 @@ import pytest
 from fleet import FakeDevice, fleet_shards, server_data
 
 from coordinator.broker import EmbeddedBroker
-from coordinator.rounds import RoundPolicy, RoundResult, SuspectPolicy
+from coordinator.closing import RoundResult
+from coordinator.round_aggregator import SuspectPolicy
+from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings, initial_weights, run_server
 from coordinator.store import RunStore
 from edge_agent import wire

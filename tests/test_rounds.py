@@ -1,11 +1,29 @@
-# The round machinery's pure parts: suspect-aware aggregation.
+# The round seam's pure parts: suspect-aware aggregation, and aggregates that do not depend on arrival order.
 from __future__ import annotations
 
-import numpy as np
+import itertools
+import math
+from collections.abc import Iterator
 
-from coordinator.rounds import SuspectPolicy, aggregate_with_suspects
-from coordinator.strategies import AveFL, ClientUpdate, Median, weighted_average
+import numpy as np
+import pytest
+
+from coordinator.aggregation import ClientUpdate, ExactSum, weighted_average
+from coordinator.round_aggregator import BatchAggregator, RoundAggregator, StreamingAggregator, SuspectPolicy
+from coordinator.strategies import AveFL, Median, Strategy, StreamingWeightedAverage, make_strategy
 from edge_agent.models import build_model, get_weights
+from edge_agent.tensors import Weights
+
+
+def aggregate_with_suspects(
+    strategy: Strategy, base: Weights, updates: list[ClientUpdate], evaluate: None, policy: SuspectPolicy
+) -> tuple[Weights, dict, dict, dict]:
+    """(weights, report, divergence, suspects) of the batch aggregator fed these updates in this order."""
+    aggregator = BatchAggregator(strategy, base, policy)
+    for update in updates:
+        aggregator.absorb(update)
+    aggregate = aggregator.finish(evaluate)
+    return aggregate.weights, aggregate.report, aggregate.divergence, aggregate.suspects
 
 
 def honest_and_scaled_updates(scale: float = 50.0) -> list[ClientUpdate]:
@@ -60,3 +78,63 @@ def test_honest_updates_raise_no_suspect() -> None:
         AveFL(), updates[0].weights, updates, None, SuspectPolicy(exclude=True)
     )
     assert suspects == {} and "excluded" not in report
+
+
+def spread_updates(count: int) -> list[ClientUpdate]:
+    """Devices far apart in scale and sample count, so float sums in different orders round differently."""
+    base = get_weights(build_model(seed=0))
+    rng = np.random.default_rng(7)
+    updates = []
+    for index in range(count):
+        scale = np.float32(10.0 ** rng.integers(-3, 3))
+        weights = {k: (v * scale + rng.normal(0, 0.05, v.shape)).astype(v.dtype) for k, v in base.items()}
+        updates.append(ClientUpdate(f"dev-{index}", weights, int(rng.integers(1, 5000))))
+    return updates
+
+
+def aggregator_for(kind: str, strategy: Strategy, base: Weights, updates: list[ClientUpdate]) -> RoundAggregator:
+    """A batch or streaming aggregator; the streaming one reads the round's models back from this list."""
+    if kind == "batch":
+        return BatchAggregator(strategy, base, SuspectPolicy())
+    by_device = {update.device_id: update for update in updates}
+
+    def reread(devices: list[str]) -> Iterator[ClientUpdate]:
+        return iter([by_device[device] for device in devices])
+
+    assert isinstance(strategy, StreamingWeightedAverage)
+    return StreamingAggregator(strategy, base, SuspectPolicy(), reread)
+
+
+@pytest.mark.parametrize("name", ["avefl", "fedavg"])
+def test_every_arrival_order_gives_the_same_bits_batch_and_streaming(name: str) -> None:
+    updates = spread_updates(5)
+    base = updates[0].weights
+    seen: dict[str, set[bytes]] = {"batch": set(), "streaming": set()}
+    for order in itertools.permutations(range(5)):
+        for kind in seen:
+            aggregator = aggregator_for(kind, make_strategy(name), base, updates)
+            for index in order:
+                aggregator.absorb(updates[index])
+            weights = aggregator.finish(None).weights
+            seen[kind].add(b"".join(weights[tensor].tobytes() for tensor in sorted(weights)))
+    assert len(seen["batch"]) == 1 and seen["batch"] == seen["streaming"]
+    share = 1.0 / sum(update.num_samples for update in updates)
+    plain_sums = set()
+    for order in itertools.permutations(range(5)):
+        total = np.zeros_like(updates[0].weights["fc2.weight"], dtype=np.float64)
+        for index in order:
+            total += updates[index].num_samples * share * updates[index].weights["fc2.weight"].astype(np.float64)
+        plain_sums.add(total.tobytes())
+    assert len(plain_sums) > 1  # the former float64 sum of normalised terms did depend on the order
+
+
+def test_the_exact_sum_is_within_its_grid_of_the_exactly_rounded_sum() -> None:
+    rng = np.random.default_rng(0)
+    terms = [rng.normal(0, 1, 500) * 10.0 ** rng.integers(-6, 6) for _ in range(8)]
+    exact = ExactSum((500,))
+    for term in terms:
+        exact.add(term)
+    reference = np.array([math.fsum(column) for column in zip(*terms)])
+    assert np.max(np.abs(exact.total() - reference)) <= len(terms) * 2.0**-49 + np.max(np.abs(reference)) * 2.0**-52
+    with pytest.raises(ValueError, match="beyond"):
+        exact.add(np.array([2.0**47] * 500))

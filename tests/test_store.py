@@ -158,18 +158,18 @@ def test_rejections_counted_immediately(store):
 
 
 def test_spool_round_trip(store):
-    path = store.spool_update(3, "dev-a", b"\x81\xa1a\x01")
-    store.spool_update(3, "dev.b_2", b"payload-b")
-    store.spool_update(4, "dev-a", b"next round")
+    path = store.spool.add(3, "dev-a", b"\x81\xa1a\x01")
+    store.spool.add(3, "dev.b_2", b"payload-b")
+    store.spool.add(4, "dev-a", b"next round")
     assert path == store.run_dir / "spool" / "round_0003" / "dev-a.msgpack"
-    assert store.spooled_updates(3) == {"dev-a": b"\x81\xa1a\x01", "dev.b_2": b"payload-b"}
-    assert store.spooled_updates(7) == {}
+    assert store.spool.payloads(3) == {"dev-a": b"\x81\xa1a\x01", "dev.b_2": b"payload-b"}
+    assert store.spool.payloads(7) == {}
 
 
 @pytest.mark.parametrize("device_id", ["../escape", "a/b", "", "x" * 65, "dev a", "dev\n"])
 def test_spool_rejects_unsafe_device_ids(store, device_id):
     with pytest.raises(ValueError, match="invalid device id"):
-        store.spool_update(1, device_id, b"x")
+        store.spool.add(1, device_id, b"x")
     assert not (store.run_dir / "spool").exists() or not any((store.run_dir / "spool").rglob("*"))
     assert not (store.run_dir / "escape.msgpack").exists()
 
@@ -181,7 +181,7 @@ def test_reopened_store_resumes(tmp_path):
         model_hash = first.save_checkpoint(0, weights)
         first.commit_round(round_record(0, model_hash), [device_record(0, "dev-a")])
         first.record_rejection(1, "dev-b", "too large", 10**7)
-        first.spool_update(1, "dev-a", b"pending")
+        first.spool.add(1, "dev-a", b"pending")
     with RunStore(tmp_path / "run") as second:
         assert second.config() == {"rounds": 10}
         assert second.last_committed_round() == 0
@@ -190,4 +190,4 @@ def test_reopened_store_resumes(tmp_path):
         assert second.latest_checkpoint_round() == 0
         assert weights_hash(second.load_checkpoint(0)) == model_hash
         assert second.rejection_counts() == {"too large": 1}
-        assert second.spooled_updates(1) == {"dev-a": b"pending"}
+        assert second.spool.payloads(1) == {"dev-a": b"pending"}

@@ -4,8 +4,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.rounds import RoundCollector, StreamedRound, SuspectPolicy
-from coordinator.strategies import AveFL, ClientUpdate, FedAvg, Median, make_strategy, weighted_average
+from coordinator.aggregation import ClientUpdate, weighted_average
+from coordinator.intake import RoundCollector
+from coordinator.round_aggregator import StreamingAggregator, SuspectPolicy
+from coordinator.strategies import AveFL, FedAvg, Median, make_strategy
 from coordinator.validation import Expectation
 from edge_agent import wire
 from edge_agent.models import NUM_CLASSES, build_model, get_weights, weight_spec
@@ -39,7 +41,7 @@ def test_streamed_aggregate_equals_the_batch_weighted_average(name: str) -> None
     batch = weighted_average([u.weights for u in updates], counts)
     for tensor, expected in batch.items():
         assert streamed[tensor].dtype == expected.dtype
-        np.testing.assert_array_max_ulp(streamed[tensor], expected, maxulp=1)
+        np.testing.assert_array_equal(streamed[tensor], expected)
     assert report["coefficients"] == pytest.approx({u.device_id: c / sum(counts) for u, c in zip(updates, counts)})
     assert strategy.streaming and not Median.streaming
 
@@ -61,12 +63,10 @@ def test_streaming_rejects_what_the_batch_path_rejects() -> None:
 
 def test_a_streamed_round_keeps_only_metadata_and_flags_the_scaled_device() -> None:
     updates = device_updates(5, scaled=4)
+    by_device = {update.device_id: update for update in updates}
     base_hash = weights_hash(BASE)
-    streamed = StreamedRound(AveFL(), BASE, AveFL().begin())
-    collector = RoundCollector(
-        Expectation(1, base_hash, weight_spec(MODEL), NUM_CLASSES, 1 << 22),
-        absorb=lambda u: streamed.absorb(ClientUpdate(u.device_id, u.tensors, u.num_samples)),
-    )
+    streamed = StreamingAggregator(AveFL(), BASE, SuspectPolicy(), lambda devices: (by_device[d] for d in devices))
+    collector = RoundCollector(Expectation(1, base_hash, weight_spec(MODEL), NUM_CLASSES, 1 << 22), streamed.absorb)
     for update in updates:
         payload = wire.encode(
             wire.Update(
@@ -75,7 +75,8 @@ def test_a_streamed_round_keeps_only_metadata_and_flags_the_scaled_device() -> N
         )
         assert collector.offer(update.device_id, payload)[1] is True
     assert all(accepted.tensors == {} for accepted in collector.accepted.values())
-    aggregate, report, suspects = streamed.finish(SuspectPolicy())
+    aggregate = streamed.finish(None)
     batch, _ = AveFL().aggregate(BASE, updates, None)
-    assert all(np.array_equal(aggregate[name], batch[name]) for name in batch)
-    assert list(suspects) == ["dev-04"] and report["suspects"] == suspects and report["streamed"] is True
+    assert all(np.array_equal(aggregate.weights[name], batch[name]) for name in batch)
+    assert list(aggregate.suspects) == ["dev-04"] and aggregate.report["suspects"] == aggregate.suspects
+    assert aggregate.report["streamed"] is True and set(aggregate.divergence) == set(by_device)

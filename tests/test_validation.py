@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from coordinator.rounds import RoundCollector
+from coordinator.intake import RoundCollector
 from coordinator.validation import Expectation, Rejection, validate_update
 from edge_agent import wire
 from edge_agent.models import NUM_CLASSES, build_model, get_weights, weight_spec

@@ -6,7 +6,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from coordinator.rounds import RoundObserver, RoundResult
+from coordinator.closing import RoundResult
+from coordinator.intake import RoundObserver
 from edge_agent import wire
 
 REASON_WORD = re.compile(r"[A-Za-z_-]+")

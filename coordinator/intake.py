@@ -1,0 +1,144 @@
+# Update intake: validate each update once, hand it to the round's aggregator, spool it, and ack or reject it.
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from coordinator.aggregation import ClientUpdate
+from coordinator.store import RunStore
+from coordinator.validation import Expectation, Rejection, validate_update
+from edge_agent import wire
+from edge_agent.mqtt import MqttSession
+
+log = logging.getLogger(__name__)
+
+
+def client_update(update: wire.Update) -> ClientUpdate:
+    """The strategy's view of a validated update."""
+    return ClientUpdate(update.device_id, update.tensors, update.num_samples, dict(update.metrics))
+
+
+@dataclass
+class RoundCollector:
+    """The updates of one round as they arrive: accepted once per device, duplicates answered idempotently.
+
+    Each accepted update's tensors go into `absorb` (the round's aggregator; by default nowhere, for a collector
+    that only validates) and only its metadata stays here.
+    """
+
+    expectation: Expectation
+    absorb: Callable[[ClientUpdate], None] = field(default=lambda update: None)
+    accepted: dict[str, wire.Update] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
+    rejection_count: int = 0
+
+    @property
+    def round_id(self) -> int:
+        """The round being collected."""
+        return self.expectation.round_id
+
+    def reject(self, device_id: str, reason: str) -> None:
+        """Notes a rejected update: the device's latest reason, and one more in the round's count."""
+        self.rejected[device_id] = reason
+        self.rejection_count += 1
+
+    def offer(self, device_id: str, payload: bytes) -> tuple[wire.Update, bool]:
+        """(update, is_new): a valid first update is new; a redelivery of the accepted one is not; else Rejection."""
+        update = validate_update(device_id, payload, self.expectation)
+        previous = self.accepted.get(device_id)
+        if previous is not None:
+            if previous.update_id == update.update_id:
+                return previous, False
+            raise Rejection(f"duplicate: {device_id} already has an accepted update for round {self.round_id}")
+        try:
+            self.absorb(client_update(update))
+        except ValueError as error:
+            raise Rejection(f"out of range: {str(error)[:200]}") from None
+        update = dataclasses.replace(update, tensors={})
+        self.accepted[device_id] = update
+        self.sizes[device_id] = len(payload)
+        return update, True
+
+
+class RoundObserver:
+    """Hears what the coordinator sees as it happens: device presence, answered updates, round boundaries.
+
+    This base hears nothing; the dashboard's live state overrides it. Called from the coordinator's loop only.
+    """
+
+    def device_status(self, device_id: str, status: wire.Status | None) -> None:
+        """A device's status message arrived (None: its retained status was cleared)."""
+
+    def update_answered(self, device_id: str, round_id: int, size: int, reason: str | None) -> None:
+        """An update of `size` bytes was acked: accepted when reason is None, else rejected for that reason."""
+
+    def round_opened(self, round_id: int, needed: int) -> None:
+        """A round was announced; `needed` accepted updates close it early."""
+
+    def round_closed(self, result: object) -> None:
+        """A round was aggregated, evaluated and committed (result: the round's RoundResult)."""
+
+
+class UpdateIntake:
+    """Answers every update message: validated, absorbed and spooled before its ack, or rejected with a reason."""
+
+    def __init__(self, fleet: str, session: MqttSession, store: RunStore, observer: RoundObserver) -> None:
+        self.fleet = fleet
+        self.session = session
+        self.store = store
+        self.observer = observer
+
+    def on_update(
+        self, device_id: str, payload: bytes, collector: RoundCollector | None, participants: list[str]
+    ) -> None:
+        """Validates, spools and acks an update; a rejection is acked with its reason, logged and counted."""
+        if collector is None:
+            self.reject(device_id, 0, payload, "no round is open")
+            return
+        if participants and device_id not in participants:
+            reason = f"not selected: {device_id} is not a participant of round {collector.round_id}"
+            collector.rejected[device_id] = reason
+            self.reject(device_id, collector.round_id, payload, reason)
+            return
+        try:
+            update, is_new = collector.offer(device_id, payload)
+        except Rejection as rejection:
+            collector.reject(device_id, rejection.reason)
+            self.reject(device_id, collector.round_id, payload, rejection.reason)
+            return
+        if is_new:
+            self.store.spool.add(update.round_id, device_id, payload)
+            self.observer.update_answered(device_id, update.round_id, len(payload), None)
+            log.info("update accepted device=%s round=%d samples=%d", device_id, update.round_id, update.num_samples)
+        self.ack(wire.Ack(device_id, update.round_id, update.update_id, True))
+
+    def resume_spooled(self, collector: RoundCollector) -> None:
+        """Takes back the updates a previous coordinator process accepted for this round before it died."""
+        for device_id, payload in self.store.spool.items(collector.round_id):
+            try:
+                collector.offer(device_id, payload)
+                log.info("resumed spooled update device=%s round=%d", device_id, collector.round_id)
+            except Rejection as rejection:
+                log.warning("spooled update no longer valid device=%s reason=%s", device_id, rejection.reason)
+
+    def reject(self, device_id: str, round_id: int, payload: bytes, reason: str) -> None:
+        """Acks a rejection, counts it in the store and logs it once."""
+        log.warning("update rejected device=%s round=%d reason=%s", device_id, round_id, reason)
+        self.store.record_rejection(round_id, device_id, reason, len(payload))
+        self.observer.update_answered(device_id, round_id, len(payload), reason)
+        self.ack(wire.Ack(device_id, round_id, update_id_of(payload), False, reason))
+
+    def ack(self, ack: wire.Ack) -> None:
+        """Publishes an ack on the device's ack topic."""
+        self.session.publish(wire.device_topic(self.fleet, ack.device_id, "ack"), wire.encode(ack))
+
+
+def update_id_of(payload: bytes) -> str:
+    """The update id of a payload if it can be read at all, for the rejection ack."""
+    try:
+        return wire.decode(payload, wire.Update).update_id
+    except wire.WireError:
+        return ""

@@ -1,0 +1,91 @@
+# Retained messages a late device needs: the round announcement, the current model, its bundle and encoder.
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from edge_agent import wire
+from edge_agent.mqtt import MqttSession
+from edge_agent.tensors import Weights
+
+log = logging.getLogger(__name__)
+
+RETAIN_WAIT_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class Artefacts:
+    """What travels beside each global model: the model's name, its ONNX bundle (None: none shipped) and the
+    recipe's frozen encoder bytes (b"": none)."""
+
+    model_name: str = "paper-cnn"
+    bundle_files: Callable[[Weights, str], dict[str, bytes]] | None = None
+    encoder: bytes = b""
+
+
+class RetainedPublisher:
+    """Keeps exactly the current model, bundle, encoder and announcement retained on the fleet's topics."""
+
+    def __init__(self, session: MqttSession, fleet: str, run_id: str, artefacts: Artefacts) -> None:
+        self.session = session
+        self.fleet = fleet
+        self.run_id = run_id
+        self.artefacts = artefacts
+        self._retained: dict[str, str] = {}
+
+    def publish_model(self, weights: Weights, model_hash: str) -> None:
+        """Retains the weights (and their ONNX bundle) on hash topics, clearing the previous model's copies."""
+        name = self.artefacts.model_name
+        self.retain_current(
+            "model", wire.model_topic(self.fleet, model_hash), lambda: wire.ModelMessage(model_hash, name, weights)
+        )
+        bundle_files = self.artefacts.bundle_files
+        if bundle_files is not None:
+            self.retain_current(
+                "bundle",
+                wire.bundle_topic(self.fleet, model_hash),
+                lambda: wire.BundleMessage(model_hash, bundle_files(weights, model_hash)),
+            )
+
+    def publish_encoder(self, encoder_hash: str) -> None:
+        """Retains the recipe's frozen encoder (FAST) on its hash topic, so late devices get it too."""
+        if encoder_hash:
+            self.retain_current(
+                "encoder",
+                wire.encoder_topic(self.fleet, encoder_hash),
+                lambda: wire.EncoderMessage(encoder_hash, self.artefacts.encoder),
+            )
+
+    def retain_current(self, kind: str, topic: str, message: Callable[[], wire.Message]) -> None:
+        """Retains one message of a kind on its topic unless it is already there, then clears the kind's previous
+        topic, so a new subscriber finds only the current model (retained messages replay to everyone)."""
+        previous = self._retained.get(kind)
+        if topic == previous:
+            return
+        self.session.publish(topic, wire.encode(message()), retain=True, wait=RETAIN_WAIT_SECONDS)
+        if previous is not None:
+            self.session.publish(previous, b"", retain=True)
+        self._retained[kind] = topic
+
+    def announce(
+        self, round_id: int, model_hash: str, recipe: wire.Recipe, deadline: float, participants: list[str]
+    ) -> None:
+        """Retains the round announcement: round id, base model hash, recipe, deadline, participants."""
+        self._announce(wire.RoundAnnouncement(self.run_id, round_id, model_hash, recipe, deadline, False, participants))
+
+    def announce_final(self, round_id: int, model_hash: str, recipe: wire.Recipe) -> None:
+        """Retains the final announcement: the run is over, devices may stop."""
+        self._announce(wire.RoundAnnouncement(self.run_id, round_id, model_hash, recipe, time.time(), True, []))
+
+    def _announce(self, announcement: wire.RoundAnnouncement) -> None:
+        """Publishes an announcement retained and waits for the broker to take it."""
+        topic = wire.round_topic(self.fleet)
+        self.session.publish(topic, wire.encode(announcement), retain=True, wait=RETAIN_WAIT_SECONDS)
+        log.info(
+            "round announced round=%d model=%s final=%s",
+            announcement.round_id,
+            announcement.model_hash[:12],
+            announcement.final,
+        )

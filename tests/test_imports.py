@@ -1,0 +1,54 @@
+# The house rules on imports: which rooms may import which, and which modules stay free of torch.
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FORBIDDEN = {"edge_agent": ("coordinator", "export"), "export": ("coordinator",)}
+TORCH_FREE = (
+    "coordinator.aggregation",
+    "coordinator.cadis",
+    "coordinator.strategies",
+    "coordinator.round_aggregator",
+    "coordinator.divergence",
+    "coordinator.validation",
+    "edge_agent.tensors",
+    "edge_agent.options",
+)
+
+
+def imported_packages(path: Path) -> set[str]:
+    """The top-level package of every import statement in a module, function-level imports included."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("room", sorted(FORBIDDEN))
+def test_a_room_imports_none_of_the_rooms_it_must_not(room: str) -> None:
+    offences = {
+        str(path.relative_to(ROOT)): sorted(imported_packages(path) & set(FORBIDDEN[room]))
+        for path in sorted((ROOT / room).rglob("*.py"))
+    }
+    assert {path: found for path, found in offences.items() if found} == {}
+
+
+def test_the_import_rule_sees_function_level_imports(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from coordinator.store import RunStore\n    import export.cli\n")
+    assert imported_packages(module) == {"coordinator", "export"}
+
+
+def test_the_pure_numpy_modules_do_not_import_torch() -> None:
+    code = f"import sys\nfor name in {TORCH_FREE!r}:\n    __import__(name)\nprint('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
