@@ -20,6 +20,7 @@ from coordinator.round_aggregator import SuspectPolicy
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings, load_encoder, load_server_data, run_server
 from coordinator.simulate import BenchSettings, simulate, write_shards
+from coordinator.store import RunStore
 from coordinator.strategies import make_strategy
 from edge_agent import wire
 from edge_agent.data import DatasetMissingError
@@ -35,6 +36,7 @@ from edge_agent.training import (
     make_local_rule,
     recipe_option,
 )
+from export.cli import add_bundle_options, export_weights
 
 log = logging.getLogger("coordinator")
 
@@ -213,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     report.add_argument("--out", type=Path, help="where to write it (default RUN_DIR/report.html)")
     report.add_argument("--log-level", default="warning")
+    export = commands.add_parser("export", help="write a device bundle (ONNX, MC dropout kept) of a run's checkpoint")
+    export.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    export.add_argument("--round", type=int, help="checkpoint round to export (default: the latest)")
+    add_bundle_options(export)
+    export.add_argument("--log-level", default="warning")
     return parser
 
 
@@ -455,6 +462,19 @@ def command_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_export(args: argparse.Namespace) -> int:
+    """Exports a run's checkpoint (the latest, or --round N) as a verified device bundle."""
+    if not (args.run_dir / "run.sqlite").is_file():
+        raise ValueError(f"{args.run_dir} is not a run directory (no run.sqlite)")
+    with RunStore(args.run_dir) as store:
+        round_id = store.latest_checkpoint_round() if args.round is None else args.round
+        if round_id is None:
+            raise ValueError(f"{args.run_dir} holds no checkpoints yet")
+        weights = store.load_checkpoint(round_id)
+    export_weights(weights, f"{args.run_dir} round {round_id}", args)
+    return 0
+
+
 def command_provision(args: argparse.Namespace) -> int:
     """Writes a fleet's security files and prints where each device's credential file is."""
     secure = provision(
@@ -491,6 +511,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "partition": command_partition,
     "provision": command_provision,
     "report": command_report,
+    "export": command_export,
 }
 
 
@@ -500,7 +521,14 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level)
     try:
         return COMMANDS[args.command](args)
-    except (DatasetMissingError, BrokerError, BrokerUnavailableError, ValueError) as error:
+    except (
+        DatasetMissingError,
+        BrokerError,
+        BrokerUnavailableError,
+        ValueError,
+        FileNotFoundError,
+        FileExistsError,
+    ) as error:
         print(f"fl-coordinator: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
