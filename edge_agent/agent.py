@@ -207,7 +207,7 @@ class Agent:
         except (BundleError, OSError) as error:
             log.warning("bundle rejected model=%s error=%s", message.model_hash[:12], error)
             return
-        if not content_matches("bundle", message.model_hash, bundle.manifest["weights_hash"]):
+        if not content_matches("bundle", message.model_hash, bundle.manifest.weights_hash):
             return
         remove_other_bundles(folder)
         self._bundles = {message.model_hash: bundle}

@@ -6,13 +6,11 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from edge_agent.data import atomic_write_bytes
+from edge_agent.manifest import BundleManifest, ManifestError
 
 MANIFEST_NAME = "manifest.json"
-BUNDLE_FORMAT = "edge-fal-model-bundle"
-BUNDLE_VERSION = 1
 PRECISIONS = ("fp32", "int8")
 
 
@@ -34,11 +32,11 @@ class Bundle:
     """A verified model bundle: its folder and manifest; every file the manifest lists matched its sha256."""
 
     path: Path
-    manifest: dict[str, Any]
+    manifest: BundleManifest
 
     def graph_path(self, precision: str, part: str) -> Path:
         """The ONNX file of a graph part ('prefix' or 'tail') at a precision ('fp32' or 'int8')."""
-        graphs = self.manifest["graphs"]
+        graphs = self.manifest.graphs
         if precision not in graphs:
             raise BundleError(f"{self.path / MANIFEST_NAME}: no {precision} graphs (has {', '.join(sorted(graphs))})")
         return self.path / graphs[precision][part]
@@ -46,21 +44,21 @@ class Bundle:
     @property
     def weights_path(self) -> Path:
         """The float32 weights (.npz) the graphs were exported from."""
-        return self.path / self.manifest["weights_file"]
+        return self.path / self.manifest.weights_file
 
     @property
     def dropout_rates(self) -> tuple[float, ...]:
         """Rates of the tail's dropout layers, in order."""
-        return tuple(float(rate) for rate in self.manifest["dropout"]["rates"])
+        return tuple(float(rate) for rate in self.manifest.dropout.rates)
 
     @property
     def mask_shapes(self) -> tuple[tuple[int, ...], ...]:
         """Per-sample shape of each dropout mask input, in order."""
-        return tuple(tuple(int(d) for d in shape) for shape in self.manifest["dropout"]["mask_shapes"])
+        return tuple(tuple(int(d) for d in shape) for shape in self.manifest.dropout.mask_shapes)
 
     def initializers(self, part: str) -> dict[str, str]:
         """The fp32 graph part's initializer names mapped to the model weights they hold."""
-        mapping = self.manifest.get("initializers", {}).get(part)
+        mapping = self.manifest.initializers.get(part)
         if not mapping:
             raise BundleError(
                 f"{self.path / MANIFEST_NAME}: no initializer map for the {part} graph "
@@ -71,51 +69,25 @@ class Bundle:
     @property
     def mask_inputs(self) -> tuple[str, ...]:
         """Names of the tail graph's mask inputs, in dropout order."""
-        return tuple(self.manifest["dropout"]["mask_inputs"])
+        return tuple(self.manifest.dropout.mask_inputs)
 
 
-_REQUIRED_KEYS = (
-    "format",
-    "format_version",
-    "model",
-    "input_shape",
-    "normalisation",
-    "class_names",
-    "weights_hash",
-    "weights_file",
-    "graphs",
-    "files",
-    "opset",
-    "exporter",
-    "dropout",
-)
-
-
-def _read_manifest(manifest_path: Path) -> dict[str, Any]:
-    """The manifest as a dict, after checking it exists, parses and carries every required key."""
+def _read_manifest(manifest_path: Path) -> BundleManifest:
+    """The typed manifest, after checking it exists, parses and carries every key of the right kind."""
     if not manifest_path.is_file():
         raise BundleError(f"{manifest_path} is missing: not a model bundle (export one with fl-export)")
     try:
-        manifest = json.loads(manifest_path.read_text())
+        return BundleManifest.from_json(json.loads(manifest_path.read_text()), str(manifest_path))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BundleError(f"{manifest_path}: corrupt manifest ({exc})") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
-        raise BundleError(f"{manifest_path}: not a {BUNDLE_FORMAT} manifest")
-    missing = [key for key in _REQUIRED_KEYS if key not in manifest]
-    if missing:
-        raise BundleError(f"{manifest_path}: manifest lacks {', '.join(missing)}")
-    if manifest["format_version"] != BUNDLE_VERSION:
-        raise BundleError(
-            f"{manifest_path}: bundle format version {manifest['format_version']}, "
-            f"this agent reads version {BUNDLE_VERSION}"
-        )
-    return manifest
+        raise BundleError(f"{manifest_path}: corrupt manifest ({str(exc)[:200]})") from exc
+    except ManifestError as exc:
+        raise BundleError(str(exc)) from None
 
 
-def _check_listed_files(bundle_dir: Path, manifest: dict[str, Any]) -> None:
+def _check_listed_files(bundle_dir: Path, manifest: BundleManifest) -> None:
     """Every file the manifest uses is listed with a sha256, and every listed file exists and matches it."""
-    files: dict[str, str] = manifest["files"]
-    used = [manifest["weights_file"]] + [name for parts in manifest["graphs"].values() for name in parts.values()]
+    files = manifest.files
+    used = [manifest.weights_file] + [name for parts in manifest.graphs.values() for name in parts.values()]
     unlisted = [name for name in used if name not in files]
     if unlisted:
         raise BundleError(f"{bundle_dir / MANIFEST_NAME}: {', '.join(unlisted)} not listed with a sha256")
@@ -145,7 +117,7 @@ def load_bundle(path: Path | str) -> Bundle:
 
 def bundle_files(bundle: Bundle) -> dict[str, bytes]:
     """Every file of a verified bundle by name, the manifest included: what goes on the wire."""
-    names = [MANIFEST_NAME, *bundle.manifest["files"]]
+    names = [MANIFEST_NAME, *bundle.manifest.files]
     return {name: (bundle.path / name).read_bytes() for name in names}
 
 

@@ -13,10 +13,10 @@ from edge_agent.tensors import weights_hash
 def torch_scorer_from_bundle(bundle: Bundle, batch_size: int, threads: int = 0) -> TorchMCDropout:
     """A TorchMCDropout over the bundle's weights; threads > 0 sets torch's intra-op thread count."""
     weights = load_arrays(bundle.weights_path)
-    if weights_hash(weights) != bundle.manifest["weights_hash"]:
+    if weights_hash(weights) != bundle.manifest.weights_hash:
         raise BundleError(f"{bundle.weights_path}: weights hash differs from the manifest's weights_hash")
     if threads > 0:
         torch.set_num_threads(threads)
-    model = build_model(bundle.manifest["model"])
+    model = build_model(bundle.manifest.model)
     set_weights(model, weights)
     return TorchMCDropout(model, batch_size)

@@ -12,8 +12,6 @@ import onnx
 import torch
 
 from edge_agent.bundle import (
-    BUNDLE_FORMAT,
-    BUNDLE_VERSION,
     MANIFEST_NAME,
     BundleError,
     bundle_files,
@@ -21,8 +19,9 @@ from edge_agent.bundle import (
     load_bundle,
 )
 from edge_agent.data import CLASS_NAMES, FASHION_MNIST_MEAN, FASHION_MNIST_STD, atomic_write_bytes, save_arrays
+from edge_agent.manifest import BundleManifest, DropoutSection, Normalisation
 from edge_agent.mc_dropout import dropout_spec
-from edge_agent.models import INPUT_SHAPE, build_model, set_weights
+from edge_agent.models import INPUT_SHAPE, SplitDropoutModel, build_model, set_weights
 from edge_agent.tensors import Weights, weights_hash
 from export import quantize
 from export.onnx_graphs import (
@@ -88,7 +87,7 @@ def write_bundle(
     model_name: str = "paper-cnn",
     opset: int = DEFAULT_OPSET,
     int8_data: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-) -> dict[str, Any]:
+) -> BundleManifest:
     """Exports weights as a bundle in out_dir (created; must not hold a bundle yet) and returns its manifest.
 
     int8_data = (normalised calibration images, normalised test images, test labels) adds the int8 prefix.
@@ -99,56 +98,57 @@ def write_bundle(
         raise FileExistsError(f"{out_dir} already holds a bundle; choose another --out")
     model = build_model(model_name)
     set_weights(model, weights)
-    spec = dropout_spec(model)
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".export-") as temp:
         work = Path(temp)
-        export_graphs(model, work / FP32_GRAPHS["prefix"], work / FP32_GRAPHS["tail"], opset)
-        save_arrays(work / WEIGHTS_FILE, weights)
-        initializers = {part: initializer_map(work / name, weights) for part, name in FP32_GRAPHS.items()}
-        _check_every_weight_mapped(initializers, weights)
-        graphs = {"fp32": FP32_GRAPHS}
-        quantization = None
-        if int8_data is not None:
-            quantization = _int8_section(work, *int8_data, spec.mask_shapes)
-            graphs["int8"] = INT8_GRAPHS
-        names = sorted({WEIGHTS_FILE, *FP32_GRAPHS.values(), *(INT8_GRAPHS.values() if quantization else ())})
-        for name in (name for name in names if name.endswith(".onnx")):
-            onnx.checker.check_model(str(work / name))
-        manifest = {
-            "format": BUNDLE_FORMAT,
-            "format_version": BUNDLE_VERSION,
-            "model": model_name,
-            "input_name": IMAGES_INPUT,
-            "input_shape": list(INPUT_SHAPE),
-            "normalisation": {
-                "scale": 1.0 / 255.0,
-                "mean": FASHION_MNIST_MEAN,
-                "std": FASHION_MNIST_STD,
-                "formula": "(pixel / 255 - mean) / std",
-            },
-            "class_names": list(CLASS_NAMES),
-            "weights_hash": weights_hash(weights),
-            "weights_file": WEIGHTS_FILE,
-            "graphs": graphs,
-            "outputs": {"prefix": FEATURES_NAME, "tail": PROBABILITIES_OUTPUT},
-            "initializers": initializers,
-            "files": {name: file_sha256(work / name) for name in names},
-            "opset": opset,
-            "exporter": {"tool": EXPORTER, "torch": torch.__version__, "onnx": onnx.__version__},
-            "dropout": {
-                "rates": list(spec.rates),
-                "mask_inputs": list(mask_input_names(model)),
-                "mask_shapes": [list(shape) for shape in spec.mask_shapes],
-                "mask_encoding": "float32, pre-scaled: 0 with probability p, else 1/(1-p); shape (rows, *mask_shape); "
-                "all ones = dropout off",
-            },
-            "quantization": quantization,
-        }
-        for name in names:
+        manifest = write_files(model, model_name, weights, work, opset, int8_data)
+        for name in manifest.files:
             shutil.move(str(work / name), out_dir / name)
-    atomic_write_bytes(out_dir / MANIFEST_NAME, (json.dumps(manifest, indent=2) + "\n").encode())
+    atomic_write_bytes(out_dir / MANIFEST_NAME, (json.dumps(manifest.to_json(), indent=2) + "\n").encode())
     return manifest
+
+
+def write_files(
+    model: SplitDropoutModel,
+    model_name: str,
+    weights: Weights,
+    work: Path,
+    opset: int,
+    int8_data: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+) -> BundleManifest:
+    """Writes the graphs and weights into `work`, checks them, and returns the manifest that lists them."""
+    export_graphs(model, work / FP32_GRAPHS["prefix"], work / FP32_GRAPHS["tail"], opset)
+    save_arrays(work / WEIGHTS_FILE, weights)
+    initializers = {part: initializer_map(work / name, weights) for part, name in FP32_GRAPHS.items()}
+    _check_every_weight_mapped(initializers, weights)
+    graphs = {"fp32": FP32_GRAPHS}
+    spec = dropout_spec(model)
+    quantization = None
+    if int8_data is not None:
+        quantization = _int8_section(work, *int8_data, spec.mask_shapes)
+        graphs["int8"] = INT8_GRAPHS
+    names = sorted({WEIGHTS_FILE, *(name for parts in graphs.values() for name in parts.values())})
+    for name in (name for name in names if name.endswith(".onnx")):
+        onnx.checker.check_model(str(work / name))
+    return BundleManifest(
+        model=model_name,
+        input_name=IMAGES_INPUT,
+        input_shape=list(INPUT_SHAPE),
+        normalisation=Normalisation(1.0 / 255.0, FASHION_MNIST_MEAN, FASHION_MNIST_STD),
+        class_names=list(CLASS_NAMES),
+        weights_hash=weights_hash(weights),
+        weights_file=WEIGHTS_FILE,
+        graphs=graphs,
+        outputs={"prefix": FEATURES_NAME, "tail": PROBABILITIES_OUTPUT},
+        initializers=initializers,
+        files={name: file_sha256(work / name) for name in names},
+        opset=opset,
+        exporter={"tool": EXPORTER, "torch": torch.__version__, "onnx": onnx.__version__},
+        dropout=DropoutSection(
+            [float(rate) for rate in spec.rates], list(mask_input_names(model)), [list(s) for s in spec.mask_shapes]
+        ),
+        quantization=quantization,
+    )
 
 
 def ensure_bundle_files(weights: Weights, out_dir: Path, model_name: str = "paper-cnn") -> dict[str, bytes]:
@@ -160,9 +160,9 @@ def ensure_bundle_files(weights: Weights, out_dir: Path, model_name: str = "pape
     if not (out_dir / MANIFEST_NAME).exists():
         write_bundle(weights, out_dir, model_name)
     bundle = load_bundle(out_dir)
-    if bundle.manifest["weights_hash"] != weights_hash(weights):
+    if bundle.manifest.weights_hash != weights_hash(weights):
         raise BundleError(
-            f"{out_dir / MANIFEST_NAME}: holds weights {bundle.manifest['weights_hash'][:12]}, "
+            f"{out_dir / MANIFEST_NAME}: holds weights {bundle.manifest.weights_hash[:12]}, "
             f"expected {weights_hash(weights)[:12]}"
         )
     return bundle_files(bundle)

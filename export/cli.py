@@ -47,8 +47,8 @@ def export_weights(weights: Weights, origin: str, args: argparse.Namespace) -> N
         )
     manifest = write_bundle(weights, args.out, args.model, args.opset, int8_data)
     load_bundle(args.out)
-    print(f"exported {origin} (weights {manifest['weights_hash'][:16]}) to {args.out}")
-    quantization = manifest["quantization"]
+    print(f"exported {origin} (weights {manifest.weights_hash[:16]}) to {args.out}")
+    quantization = manifest.quantization
     if quantization:
         print(
             f"int8 prefix: test accuracy {quantization['test_accuracy_fp32']:.4f} -> "

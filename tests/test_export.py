@@ -13,6 +13,7 @@ import pytest
 from coordinator.store import RunStore
 from edge_agent.bundle import BundleError, bundle_files, load_bundle, store_bundle
 from edge_agent.data import save_arrays
+from edge_agent.manifest import BundleManifest, ManifestError
 from edge_agent.mc_dropout import TorchMCDropout
 from edge_agent.models import build_model, get_weights
 from edge_agent.ort_scorer import OrtMCDropout
@@ -29,7 +30,7 @@ def bundle_dir(tmp_path: Path) -> Path:
 
 def test_manifest_records_what_a_device_needs(bundle_dir: Path) -> None:
     bundle = load_bundle(bundle_dir)
-    manifest = bundle.manifest
+    manifest = bundle.manifest.to_json()
     assert manifest["weights_hash"] == weights_hash(get_weights(build_model(seed=4)))
     assert manifest["input_shape"] == [1, 28, 28] and len(manifest["class_names"]) == 10
     assert bundle.mask_shapes == ((16, 10, 10), (16, 2, 2), (128,)) and bundle.dropout_rates == (0.25, 0.25, 0.5)
@@ -139,3 +140,15 @@ def test_ensure_bundle_files_exports_once_and_reuses(tmp_path: Path) -> None:
     assert (tmp_path / "b" / "tail.onnx").stat().st_mtime_ns == stamp
     with pytest.raises(BundleError, match="expected"):
         ensure_bundle_files(get_weights(build_model(seed=5)), tmp_path / "b")
+
+
+def test_the_typed_manifest_round_trips_and_names_a_missing_or_mistyped_key(bundle_dir: Path) -> None:
+    manifest = load_bundle(bundle_dir).manifest
+    raw = json.loads((bundle_dir / "manifest.json").read_text())
+    assert BundleManifest.from_json(raw, "m") == manifest and manifest.to_json() == raw
+    with pytest.raises(ManifestError, match="^m: manifest lacks opset$"):
+        BundleManifest.from_json({key: value for key, value in raw.items() if key != "opset"}, "m")
+    with pytest.raises(ManifestError, match="manifest key 'files' has the wrong kind \\(list\\)"):
+        BundleManifest.from_json({**raw, "files": ["prefix.onnx"]}, "m")
+    with pytest.raises(ManifestError, match="dropout has unknown keys \\['extra'\\]"):
+        BundleManifest.from_json({**raw, "dropout": {**raw["dropout"], "extra": 1}}, "m")
