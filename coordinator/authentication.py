@@ -5,6 +5,7 @@ from collections.abc import Mapping
 
 from coordinator.validation import Rejection
 from edge_agent import wire
+from edge_agent.wire import RejectionKind
 
 
 class UpdateAuthenticator:
@@ -23,11 +24,19 @@ class UpdateAuthenticator:
         """
         key = self.device_keys.get(update.device_id)
         if key is None:
-            raise Rejection(f"unknown device: {update.device_id!r} has no provisioned key")
+            raise Rejection(
+                RejectionKind.UNKNOWN_DEVICE, f"unknown device: {update.device_id!r} has no provisioned key"
+            )
         if not update.nonce or not update.signature:
-            raise Rejection("bad signature: the update is not signed (no nonce or no signature)")
+            raise Rejection(
+                RejectionKind.BAD_SIGNATURE, "bad signature: the update is not signed (no nonce or no signature)"
+            )
         if not wire.signature_valid(update, key):
-            raise Rejection(f"bad signature: the HMAC does not match {update.device_id!r}'s key")
+            raise Rejection(
+                RejectionKind.BAD_SIGNATURE, f"bad signature: the HMAC does not match {update.device_id!r}'s key"
+            )
         first_round = self._nonce_rounds.setdefault((update.device_id, update.nonce), current_round)
         if first_round != current_round:
-            raise Rejection(f"replay: nonce {update.nonce.hex()[:16]} was already used in round {first_round}")
+            raise Rejection(
+                RejectionKind.REPLAY, f"replay: nonce {update.nonce.hex()[:16]} was already used in round {first_round}"
+            )

@@ -11,6 +11,7 @@ from coordinator.store import RunStore
 from coordinator.validation import Expectation, Rejection, validate_update
 from edge_agent import wire
 from edge_agent.mqtt import MqttSession
+from edge_agent.wire import RejectionKind
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +53,14 @@ class RoundCollector:
         if previous is not None:
             if previous.update_id == update.update_id:
                 return previous, False
-            raise Rejection(f"duplicate: {device_id} already has an accepted update for round {self.round_id}")
+            raise Rejection(
+                RejectionKind.DUPLICATE,
+                f"duplicate: {device_id} already has an accepted update for round {self.round_id}",
+            )
         try:
             self.absorb(client_update(update))
         except ValueError as error:
-            raise Rejection(f"out of range: {str(error)[:200]}") from None
+            raise Rejection(RejectionKind.OUT_OF_RANGE, f"out of range: {error}") from None
         update = dataclasses.replace(update, tensors={})
         self.accepted[device_id] = update
         self.sizes[device_id] = len(payload)
@@ -72,8 +76,8 @@ class RoundObserver:
     def device_status(self, device_id: str, status: wire.Status | None) -> None:
         """A device's status message arrived (None: its retained status was cleared)."""
 
-    def update_answered(self, device_id: str, round_id: int, size: int, reason: str | None) -> None:
-        """An update of `size` bytes was acked: accepted when reason is None, else rejected for that reason."""
+    def update_answered(self, device_id: str, round_id: int, size: int, rejection: Rejection | None) -> None:
+        """An update of `size` bytes was acked: accepted when rejection is None, else rejected for that reason."""
 
     def round_opened(self, round_id: int, needed: int) -> None:
         """A round was announced; `needed` accepted updates close it early."""
@@ -96,18 +100,16 @@ class UpdateIntake:
     ) -> None:
         """Validates, spools and acks an update; a rejection is acked with its reason, logged and counted."""
         if collector is None:
-            self.reject(device_id, 0, payload, "no round is open")
-            return
-        if participants and device_id not in participants:
-            reason = f"not selected: {device_id} is not a participant of round {collector.round_id}"
-            collector.rejected[device_id] = reason
-            self.reject(device_id, collector.round_id, payload, reason)
+            self.reject(device_id, 0, payload, Rejection(RejectionKind.NO_ROUND, "no round is open"))
             return
         try:
+            if participants and device_id not in participants:
+                reason = f"not selected: {device_id} is not a participant of round {collector.round_id}"
+                raise Rejection(RejectionKind.NOT_SELECTED, reason)
             update, is_new = collector.offer(device_id, payload)
         except Rejection as rejection:
             collector.reject(device_id, rejection.reason)
-            self.reject(device_id, collector.round_id, payload, rejection.reason)
+            self.reject(device_id, collector.round_id, payload, rejection)
             return
         if is_new:
             self.store.spool.add(update.round_id, device_id, payload)
@@ -124,12 +126,19 @@ class UpdateIntake:
             except Rejection as rejection:
                 log.warning("spooled update no longer valid device=%s reason=%s", device_id, rejection.reason)
 
-    def reject(self, device_id: str, round_id: int, payload: bytes, reason: str) -> None:
-        """Acks a rejection, counts it in the store and logs it once."""
-        log.warning("update rejected device=%s round=%d reason=%s", device_id, round_id, reason)
-        self.store.record_rejection(round_id, device_id, reason, len(payload))
-        self.observer.update_answered(device_id, round_id, len(payload), reason)
-        self.ack(wire.Ack(device_id, round_id, update_id_of(payload), False, reason))
+    def reject(self, device_id: str, round_id: int, payload: bytes, rejection: Rejection) -> None:
+        """Acks a rejection with its reason and kind, counts it in the store and logs it once."""
+        log.warning(
+            "update rejected device=%s round=%d kind=%s reason=%s",
+            device_id,
+            round_id,
+            rejection.kind,
+            rejection.reason,
+        )
+        self.store.record_rejection(round_id, device_id, rejection.reason, len(payload), rejection.kind)
+        self.observer.update_answered(device_id, round_id, len(payload), rejection)
+        ack = wire.Ack(device_id, round_id, update_id_of(payload), False, rejection.reason, rejection.kind)
+        self.ack(ack)
 
     def ack(self, ack: wire.Ack) -> None:
         """Publishes an ack on the device's ack topic."""
@@ -137,8 +146,8 @@ class UpdateIntake:
 
 
 def update_id_of(payload: bytes) -> str:
-    """The update id of a payload if it can be read at all, for the rejection ack."""
+    """The update id of a payload if it can be read at all (cut to 128 characters), for the rejection ack."""
     try:
-        return wire.decode(payload, wire.Update).update_id
+        return wire.decode(payload, wire.Update).update_id[:128]
     except wire.WireError:
         return ""

@@ -63,7 +63,8 @@ CREATE TABLE IF NOT EXISTS rejections (
     device_id TEXT NOT NULL,
     reason TEXT NOT NULL,
     update_bytes INTEGER NOT NULL,
-    recorded_at REAL NOT NULL
+    recorded_at REAL NOT NULL,
+    kind TEXT NOT NULL DEFAULT ''
 );
 """
 
@@ -202,6 +203,9 @@ class Database:
         self._conn.execute("PRAGMA synchronous=FULL")
         self._conn.execute("PRAGMA foreign_keys=ON")
         self._conn.executescript(_SCHEMA)
+        columns = [row[1] for row in self._conn.execute("PRAGMA table_info(rejections)")]
+        if "kind" not in columns:  # a run directory written before rejections had kinds
+            self._conn.execute("ALTER TABLE rejections ADD COLUMN kind TEXT NOT NULL DEFAULT ''")
 
     def close(self) -> None:
         """Closes the connection."""
@@ -348,16 +352,11 @@ class RunStore:
         rows = self._read(f"SELECT * FROM device_rounds {where} ORDER BY round_id, device_id", params)
         return [_device_from_row(row) for row in rows]
 
-    def record_rejection(self, round_id: int, device_id: str, reason: str, update_bytes: int) -> None:
-        """Counts a rejected update at once, so the tally survives even if its round never commits."""
-        self._write(
-            [
-                (
-                    "INSERT INTO rejections (round_id, device_id, reason, update_bytes, recorded_at) VALUES (?, ?, ?, ?, ?)",
-                    (check_round_id(round_id), str(device_id), str(reason), int(update_bytes), time.time()),
-                )
-            ]
-        )
+    def record_rejection(self, round_id: int, device_id: str, reason: str, update_bytes: int, kind: str = "") -> None:
+        """Counts a rejected update (its reason and kind) at once, so the tally survives if its round never commits."""
+        insert = "INSERT INTO rejections (round_id, device_id, reason, update_bytes, recorded_at, kind) VALUES (?, ?, ?, ?, ?, ?)"
+        row = (check_round_id(round_id), str(device_id)[:128], str(reason), int(update_bytes), time.time(), str(kind))
+        self._write([(insert, row)])
 
     def revision(self) -> tuple:
         """Changes whenever the config is set, a round commits or a rejection is recorded: readers that cache what
@@ -370,6 +369,10 @@ class RunStore:
     def rejections(self) -> list[tuple[int, str, str, int, float]]:
         """Every rejected update as (round id, device id, reason, bytes, recorded at), in the order they came."""
         return self._read("SELECT round_id, device_id, reason, update_bytes, recorded_at FROM rejections ORDER BY id")
+
+    def rejection_kinds(self) -> dict[str, int]:
+        """How many updates were rejected for each kind, over the whole run."""
+        return dict(self._read("SELECT kind, COUNT(*) FROM rejections GROUP BY kind ORDER BY kind"))
 
     def rejection_counts(self) -> dict[str, int]:
         """How many updates were rejected for each reason, over the whole run."""

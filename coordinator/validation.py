@@ -9,16 +9,28 @@ import numpy as np
 
 from edge_agent import wire
 from edge_agent.tensors import WeightSpec, check_layout
+from edge_agent.wire import RejectionKind
 
 METRIC_TOLERANCE = 1e-4
 
 
-class Rejection(Exception):
-    """An update that must not be aggregated; `reason` is what the device is told on its ack topic."""
+MAX_REASON_CHARS = 300
 
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+
+def capped(text: str, limit: int = MAX_REASON_CHARS) -> str:
+    """The text cut to `limit` characters (with a marker), so no stored reason grows with the input."""
+    marker = " ... [truncated]"
+    return text if len(text) <= limit else text[: limit - len(marker)] + marker
+
+
+class Rejection(Exception):
+    """An update that must not be aggregated: its kind (a stable label for acks, the store and metrics) and the
+    reason the device is told on its ack topic, capped at MAX_REASON_CHARS."""
+
+    def __init__(self, kind: RejectionKind, reason: str) -> None:
+        self.kind = kind
+        self.reason = capped(reason)
+        super().__init__(self.reason)
 
 
 @dataclass(frozen=True)
@@ -37,38 +49,47 @@ class Expectation:
 def validate_update(device_id: str, payload: bytes, expected: Expectation) -> wire.Update:
     """The decoded update if it is valid for this round and device; Rejection with a specific reason otherwise."""
     if len(payload) > expected.max_bytes:
-        raise Rejection(f"too large: {len(payload)} bytes exceeds the limit of {expected.max_bytes}")
+        raise Rejection(
+            RejectionKind.TOO_LARGE, f"too large: {len(payload)} bytes exceeds the limit of {expected.max_bytes}"
+        )
     try:
         update = wire.decode(payload, wire.Update, max_bytes=expected.max_bytes)
     except wire.WireError as error:
-        raise Rejection(f"undecodable: {error}") from None
+        raise Rejection(RejectionKind.UNDECODABLE, f"undecodable: {error}") from None
     if update.device_id != device_id:
-        raise Rejection(f"device id {update.device_id!r} does not match the topic's {device_id!r}")
+        raise Rejection(
+            RejectionKind.DEVICE_MISMATCH, f"device id {update.device_id!r} does not match the topic's {device_id!r}"
+        )
     if expected.authenticate is not None:
         expected.authenticate(update, expected.round_id)
     if update.round_id != expected.round_id:
-        when = "stale" if update.round_id < expected.round_id else "future"
+        stale = update.round_id < expected.round_id
         raise Rejection(
-            f"{when} round: update is for round {update.round_id}, the current round is {expected.round_id}"
+            RejectionKind.STALE_ROUND if stale else RejectionKind.FUTURE_ROUND,
+            f"{'stale' if stale else 'future'} round: update is for round {update.round_id}, the current round is {expected.round_id}",
         )
     if update.base_hash != expected.base_hash:
         raise Rejection(
+            RejectionKind.BASE_MISMATCH,
             f"base model mismatch: update trained from {update.base_hash[:12]}, "
-            f"round {expected.round_id} announced {expected.base_hash[:12]}"
+            f"round {expected.round_id} announced {expected.base_hash[:12]}",
         )
     try:
         check_layout(expected.spec, update.tensors)
     except ValueError as error:
-        raise Rejection(f"tensor mismatch: {error}") from None
+        raise Rejection(RejectionKind.TENSOR_MISMATCH, f"tensor mismatch: {error}") from None
     for name, array in update.tensors.items():
         if not np.all(np.isfinite(array)):
-            raise Rejection(f"non-finite values in tensor {name!r}")
+            raise Rejection(RejectionKind.NON_FINITE, f"non-finite values in tensor {name!r}")
     if update.num_samples < 0:
-        raise Rejection(f"negative sample count {update.num_samples}")
+        raise Rejection(RejectionKind.BAD_COUNTS, f"negative sample count {update.num_samples}")
     if not 0 <= update.acquired_labels <= update.num_samples:
-        raise Rejection(f"acquired_labels {update.acquired_labels} must lie in [0, num_samples={update.num_samples}]")
+        raise Rejection(
+            RejectionKind.BAD_COUNTS,
+            f"acquired_labels {update.acquired_labels} must lie in [0, num_samples={update.num_samples}]",
+        )
     if len(update.class_counts) != expected.num_classes or min(update.class_counts, default=0) < 0:
-        raise Rejection(f"class_counts must be {expected.num_classes} non-negative integers")
+        raise Rejection(RejectionKind.BAD_COUNTS, f"class_counts must be {expected.num_classes} non-negative integers")
     check_required_metrics(update.metrics, expected.required_metrics)
     return update
 
@@ -77,9 +98,11 @@ def check_required_metrics(metrics: Mapping[str, float], required: Mapping[str, 
     """Rejection unless every metric the strategy needs is present, finite and within its [low, high] bounds."""
     for name, (low, high) in required.items():
         if name not in metrics:
-            raise Rejection(f"missing metric {name!r}: the strategy weighs updates by it")
+            raise Rejection(RejectionKind.MISSING_METRIC, f"missing metric {name!r}: the strategy weighs updates by it")
         value = metrics[name]
         if not math.isfinite(value):
-            raise Rejection(f"metric {name!r} is not finite: {value!r}")
+            raise Rejection(RejectionKind.BAD_METRIC, f"metric {name!r} is not finite: {value!r}")
         if not low - METRIC_TOLERANCE <= value <= high + METRIC_TOLERANCE:
-            raise Rejection(f"metric {name!r} = {value!r} lies outside [{low:.6g}, {high:.6g}]")
+            raise Rejection(
+                RejectionKind.BAD_METRIC, f"metric {name!r} = {value!r} lies outside [{low:.6g}, {high:.6g}]"
+            )

@@ -218,7 +218,10 @@ class Agent:
         if ack.accepted:
             log.info("update accepted round=%d update=%s", ack.round_id, ack.update_id)
         else:
-            log.warning("update rejected round=%d update=%s reason=%s", ack.round_id, ack.update_id, ack.reason)
+            log.warning(
+                "update rejected round=%d update=%s kind=%s reason=%s",
+                *(ack.round_id, ack.update_id, ack.rejection, ack.reason),
+            )
 
     def maybe_run_round(self) -> None:
         """Runs the pending round once its model has arrived."""

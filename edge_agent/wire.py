@@ -7,7 +7,9 @@ import hmac
 import math
 import re
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, ClassVar, TypeVar
 
 import msgpack
@@ -40,6 +42,29 @@ ALLOWED_DTYPES = frozenset(
 Tensors = dict[str, np.ndarray]
 
 METRIC_MEME_ENTROPY = "meme_entropy"
+
+
+class RejectionKind(StrEnum):
+    """Why an update was refused, as a stable label for acks, the store and metrics (the reason text says more)."""
+
+    TOO_LARGE = "too_large"
+    UNDECODABLE = "undecodable"
+    DEVICE_MISMATCH = "device_mismatch"
+    STALE_ROUND = "stale_round"
+    FUTURE_ROUND = "future_round"
+    BASE_MISMATCH = "base_mismatch"
+    TENSOR_MISMATCH = "tensor_mismatch"
+    NON_FINITE = "non_finite"
+    OUT_OF_RANGE = "out_of_range"
+    BAD_COUNTS = "bad_counts"
+    MISSING_METRIC = "missing_metric"
+    BAD_METRIC = "bad_metric"
+    DUPLICATE = "duplicate"
+    NOT_SELECTED = "not_selected"
+    NO_ROUND = "no_round"
+    UNKNOWN_DEVICE = "unknown_device"
+    BAD_SIGNATURE = "bad_signature"
+    REPLAY = "replay"
 
 
 class WireError(ValueError):
@@ -137,7 +162,8 @@ class Update:
 
 @dataclass(frozen=True)
 class Ack:
-    """The coordinator's answer to one update: accepted, or rejected with the reason."""
+    """The coordinator's answer to one update: accepted, or rejected with the reason and the rejection's kind (a
+    RejectionKind value; "" when accepted)."""
 
     KIND: ClassVar[str] = "ack"
     device_id: str
@@ -145,6 +171,7 @@ class Ack:
     update_id: str
     accepted: bool
     reason: str = ""
+    rejection: str = ""
 
 
 @dataclass(frozen=True)
@@ -179,18 +206,18 @@ def encode_tensor(array: np.ndarray) -> dict[str, Any]:
 def decode_tensor(name: str, raw: Any) -> np.ndarray:
     """The inverse of encode_tensor, checking dtype, shape and byte length before touching the data."""
     if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "data"}:
-        raise WireError(f"tensor {name!r} must be a map with exactly dtype, shape and data")
+        raise WireError(f"tensor {shown(name)} must be a map with exactly dtype, shape and data")
     dtype_str, shape, data = raw["dtype"], raw["shape"], raw["data"]
     if not isinstance(dtype_str, str) or dtype_str not in ALLOWED_DTYPES:
-        raise WireError(f"tensor {name!r} has unsupported dtype {dtype_str!r}")
+        raise WireError(f"tensor {shown(name)} has unsupported dtype {shown(dtype_str)}")
     if not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
-        raise WireError(f"tensor {name!r} has an invalid shape {shape!r}")
+        raise WireError(f"tensor {shown(name)} has an invalid shape {shown(shape)}")
     if not isinstance(data, bytes):
-        raise WireError(f"tensor {name!r} data must be bytes")
+        raise WireError(f"tensor {shown(name)} data must be bytes")
     dtype = np.dtype(dtype_str)
     expected = math.prod(shape) * dtype.itemsize
     if len(data) != expected:
-        raise WireError(f"tensor {name!r} has {len(data)} bytes, shape {shape} of {dtype} needs {expected}")
+        raise WireError(f"tensor {shown(name)} has {len(data)} bytes, shape {shape} of {dtype} needs {expected}")
     return np.frombuffer(data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="), copy=True)
 
 
@@ -208,10 +235,10 @@ def decode(data: bytes, expected: type[M], max_bytes: int = DEFAULT_MAX_MESSAGE_
     envelope = _unpack(bytes(data), max_bytes)
     version = envelope.pop("v", None)
     if version != WIRE_VERSION:
-        raise WireError(f"wire version {version!r} is not supported (this side speaks {WIRE_VERSION})")
+        raise WireError(f"wire version {shown(version)} is not supported (this side speaks {WIRE_VERSION})")
     kind = envelope.pop("kind", None)
     if kind != expected.KIND:
-        raise WireError(f"expected a {expected.KIND!r} message, got kind {kind!r}")
+        raise WireError(f"expected a {expected.KIND!r} message, got kind {shown(kind)}")
     return _from_fields(expected, envelope)
 
 
@@ -229,11 +256,23 @@ def _unpack(data: bytes, max_bytes: int) -> dict[str, Any]:
             max_ext_len=0,
         )
     except (ValueError, TypeError, msgpack.UnpackException, msgpack.ExtraData) as error:
-        detail = f": {error}" if str(error) else ""
+        detail = f": {str(error)[:200]}" if str(error) else ""
         raise WireError(f"undecodable msgpack ({type(error).__name__}{detail})") from None
     if not isinstance(envelope, dict):
         raise WireError(f"message must be a map, got {type(envelope).__name__}")
     return envelope
+
+
+def shown(value: Any, limit: int = 64) -> str:
+    """repr(value) cut to `limit` characters, so no error message grows with what a sender put in a field."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def shown_names(names: list[str], count: int = 5) -> str:
+    """The first few names of a list and how many more there are."""
+    head = ", ".join(shown(name, 40) for name in names[:count])
+    return f"[{head}" + (f", ... and {len(names) - count} more]" if len(names) > count else "]")
 
 
 def _from_fields(cls: type, raw: dict[str, Any]) -> Any:
@@ -242,7 +281,7 @@ def _from_fields(cls: type, raw: dict[str, Any]) -> Any:
     fields = dataclasses.fields(cls)
     unknown = sorted(set(raw) - {f.name for f in fields})
     if unknown:
-        raise WireError(f"{label} message has unknown fields {unknown}")
+        raise WireError(f"{label} message has unknown fields {shown_names(unknown)}")
     values: dict[str, Any] = {}
     for f in fields:
         if f.name not in raw:
@@ -253,64 +292,91 @@ def _from_fields(cls: type, raw: dict[str, Any]) -> Any:
     return cls(**values)
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _plain(kind: type, what: str) -> Callable[[str, Any], Any]:
+    """A checker for a plain value of one Python type."""
+
+    def check(where: str, value: Any) -> Any:
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise WireError(f"{where} must be {what}")
+        return value
+
+    return check
+
+
+def _number(where: str, value: Any) -> float:
+    if not _is_number(value):
+        raise WireError(f"{where} must be a number")
+    return float(value)
+
+
+def _int_list(where: str, value: Any) -> list[int]:
+    if not isinstance(value, list) or not all(_is_int(v) for v in value):
+        raise WireError(f"{where} must be a list of integers")
+    return value
+
+
+def _str_list(where: str, value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise WireError(f"{where} must be a list of strings")
+    return value
+
+
+def _number_map(where: str, value: Any) -> dict[str, float]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) and _is_number(v) for k, v in value.items()):
+        raise WireError(f"{where} must be a map of names to numbers")
+    return {k: float(v) for k, v in value.items()}
+
+
+def _tensors(where: str, value: Any) -> Tensors:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise WireError(f"{where} must be a map of tensor names to tensors")
+    if len(value) > MAX_TENSORS:
+        raise WireError(f"{where} has {len(value)} tensors, more than {MAX_TENSORS}")
+    return {name: decode_tensor(name, raw) for name, raw in value.items()}
+
+
+def _bundle_files(where: str, value: Any) -> BundleFiles:
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, bytes) for k, v in value.items()):
+        raise WireError(f"{where} must be a map of file names to bytes")
+    if len(value) > MAX_BUNDLE_FILES:
+        raise WireError(f"{where} has {len(value)} files, more than {MAX_BUNDLE_FILES}")
+    for name in value:
+        check_identifier("bundle file name", name)
+        if name in (".", ".."):
+            raise WireError(f"{where}: {shown(name)} is not a file name")
+    return value
+
+
+def _recipe(where: str, value: Any) -> Recipe:
+    if not isinstance(value, dict):
+        raise WireError(f"{where} must be a map")
+    return _from_fields(Recipe, value)
+
+
+CHECKERS: dict[Any, Callable[[str, Any], Any]] = {
+    bool: _plain(bool, "a boolean"),
+    int: _plain(int, "an integer"),
+    float: _number,
+    str: _plain(str, "a string"),
+    bytes: _plain(bytes, "bytes"),
+    list[int]: _int_list,
+    list[str]: _str_list,
+    dict[str, float]: _number_map,
+    Tensors: _tensors,
+    BundleFiles: _bundle_files,
+    Recipe: _recipe,
+}
+
+
 def _check_value(where: str, hint: Any, value: Any) -> Any:
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise WireError(f"{where} must be a boolean")
-        return value
-    if hint is int:
-        if not _is_int(value):
-            raise WireError(f"{where} must be an integer")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise WireError(f"{where} must be a number")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise WireError(f"{where} must be a string")
-        return value
-    if hint is bytes:
-        if not isinstance(value, bytes):
-            raise WireError(f"{where} must be bytes")
-        return value
-    if hint == list[int]:
-        if not isinstance(value, list) or not all(_is_int(v) for v in value):
-            raise WireError(f"{where} must be a list of integers")
-        return value
-    if hint == list[str]:
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise WireError(f"{where} must be a list of strings")
-        return value
-    if hint == dict[str, float]:
-        if not isinstance(value, dict) or not all(
-            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in value.items()
-        ):
-            raise WireError(f"{where} must be a map of names to numbers")
-        return {k: float(v) for k, v in value.items()}
-    if hint == Tensors:
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise WireError(f"{where} must be a map of tensor names to tensors")
-        if len(value) > MAX_TENSORS:
-            raise WireError(f"{where} has {len(value)} tensors, more than {MAX_TENSORS}")
-        return {name: decode_tensor(name, raw) for name, raw in value.items()}
-    if hint == BundleFiles:
-        if not isinstance(value, dict) or not all(
-            isinstance(k, str) and isinstance(v, bytes) for k, v in value.items()
-        ):
-            raise WireError(f"{where} must be a map of file names to bytes")
-        if len(value) > MAX_BUNDLE_FILES:
-            raise WireError(f"{where} has {len(value)} files, more than {MAX_BUNDLE_FILES}")
-        for name in value:
-            check_identifier("bundle file name", name)
-            if name in (".", ".."):
-                raise WireError(f"{where}: {name!r} is not a file name")
-        return value
-    if hint is Recipe:
-        if not isinstance(value, dict):
-            raise WireError(f"{where} must be a map")
-        return _from_fields(Recipe, value)
-    raise TypeError(f"no wire rule for {hint!r}")
+    """The field's value after the check its type hint calls for (a TypeError for a hint with no rule)."""
+    if hint not in CHECKERS:
+        raise TypeError(f"no wire rule for {hint!r}")
+    return CHECKERS[hint](where, value)
 
 
 def _to_wire(value: Any) -> Any:
@@ -334,7 +400,7 @@ def _is_int(value: Any) -> bool:
 def check_identifier(kind: str, value: str) -> str:
     """Fleet and device ids become topic levels and file names: letters, digits, '_', '.', '-' only."""
     if not isinstance(value, str) or not IDENTIFIER.fullmatch(value):
-        raise WireError(f"{kind} {value!r} must match {IDENTIFIER.pattern}")
+        raise WireError(f"{kind} {shown(value)} must match {IDENTIFIER.pattern}")
     return value
 
 
@@ -372,7 +438,7 @@ def device_from_topic(topic: str) -> str:
     """The device id in fl/<fleet>/devices/<device>/<leaf>; WireError if the topic is not of that form."""
     parts = topic.split("/")
     if len(parts) != 5 or parts[0] != "fl" or parts[2] != "devices":
-        raise WireError(f"topic {topic!r} is not a device topic")
+        raise WireError(f"topic {shown(topic)} is not a device topic")
     return check_identifier("device id", parts[3])
 
 

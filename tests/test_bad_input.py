@@ -134,3 +134,35 @@ def test_every_bad_update_is_rejected_with_its_reason_and_never_reaches_the_mode
         (second_model, average(base_2, [second_a, second_b])),
     ):
         assert all(np.array_equal(model[name], expected[name]) for name in expected)
+
+
+def test_a_huge_update_with_many_unknown_fields_gets_a_short_reason_everywhere(tmp_path: Path) -> None:
+    """4 MB of unknown field names: the reason in the ack, the store and the log stays under 1 KB, and the device
+    decodes the ack with its kind."""
+    run_dir = tmp_path / "run"
+    with EmbeddedBroker(tmp_path / "broker") as broker:
+        coordinator = start_coordinator(broker.address, run_dir, FLEET, "--rounds", "1", "--quorum", "1")
+        rogue, honest = FakeDevice(broker.address, FLEET, "dev-r"), FakeDevice(broker.address, FLEET, "dev-a")
+        try:
+            announcement, base = rogue.current_round()
+            envelope = msgpack.unpackb(wire.encode(rogue.update(announcement, perturbed(base, seed=5))), raw=False)
+            envelope.update({f"field-{index:04d}-" + "x" * 4000: index for index in range(1000)})
+            payload = msgpack.packb(envelope, use_bin_type=True)
+            assert len(payload) > 4_000_000
+            rogue.publish(payload)
+            [ack] = rogue.acks(1)
+            honest.publish(wire.encode(honest.update(announcement, perturbed(base, seed=6))))
+            assert honest.acks(1)[0].accepted
+            assert wait_exit(coordinator, "coordinator") == 0
+        finally:
+            rogue.close()
+            honest.close()
+            stop_all([coordinator])
+    assert not ack.accepted and ack.rejection == "undecodable" and len(ack.reason.encode()) < 1024
+    assert ack.reason.startswith("undecodable: update message has unknown fields [") and "and 995 more]" in ack.reason
+    with RunStore(run_dir) as store:
+        [(_, device, reason, size, _)] = store.rejections()
+        assert device == "dev-r" and reason == ack.reason and size == len(payload)
+        assert store.rejection_kinds() == {"undecodable": 1}
+    [line] = [line for line in log_text(run_dir / "coordinator.log").splitlines() if "update rejected" in line]
+    assert len(line.encode()) < 1024 and "kind=undecodable" in line

@@ -14,9 +14,10 @@ import pytest
 from run_records import DEVICES, LAYERS, LOCAL_ACCURACY, STALE, fill_store
 
 from coordinator.closing import RoundResult
-from coordinator.dashboard.live import LiveState, reason_kind
+from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.server import Dashboard, ListenAddress, dashboard_token, parse_listen_address
 from coordinator.store import RoundRecord, RunStore
+from coordinator.validation import Rejection
 from edge_agent import wire
 
 
@@ -45,8 +46,9 @@ def feed_live(live: LiveState) -> None:
     live.round_opened(2, needed=3)
     for size, device in enumerate(DEVICES, start=1000):
         live.update_answered(device, 2, size, None)
-    live.update_answered("intruder", 2, 77, STALE)
-    live.update_answered("intruder", 2, 5, "undecodable: undecodable msgpack (ExtraData)")
+    live.update_answered("intruder", 2, 77, Rejection(wire.RejectionKind.STALE_ROUND, STALE))
+    undecodable = "undecodable: undecodable msgpack (ExtraData)"
+    live.update_answered("intruder", 2, 5, Rejection(wire.RejectionKind.UNDECODABLE, undecodable))
     live.round_closed(RoundResult(2, 0.7, {}, 220, {}, 12.5, {}, {"aggregation_seconds": 0.25}))
 
 
@@ -247,18 +249,10 @@ def test_bad_dashboard_options_give_one_line(tmp_path: Path, arguments: list[str
     assert not (tmp_path / "run" / "devices").exists()
 
 
-@pytest.mark.parametrize(
-    ("reason", "kind"),
-    [
-        ("too large: 9 bytes exceeds the limit of 8", "too_large"),
-        ("device id 'a' does not match the topic's 'b'", "device_id"),
-        ("non-finite values in tensor 'fc1.weight'", "non_finite_values_in"),
-        ("acquired_labels 5 must lie in [0, num_samples=2]", "acquired_labels"),
-        ("12 is not a reason", "other"),
-    ],
-)
-def test_reason_kinds_drop_values(reason: str, kind: str) -> None:
-    assert reason_kind(reason) == kind
+def test_a_rejection_keeps_its_kind_and_caps_its_reason() -> None:
+    rejection = Rejection(wire.RejectionKind.UNDECODABLE, "undecodable: " + "x" * 5000)
+    assert rejection.kind == "undecodable" and len(rejection.reason) == 300
+    assert rejection.reason.startswith("undecodable: xxx") and rejection.reason.endswith("[truncated]")
 
 
 def test_read_only_store_cannot_write_or_create(tmp_path: Path) -> None:

@@ -1,30 +1,14 @@
 # What the running coordinator knows that the store does not: presence, the last ack of each device, counters.
 from __future__ import annotations
 
-import re
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 
 from coordinator.closing import RoundResult
 from coordinator.intake import RoundObserver
+from coordinator.validation import Rejection
 from edge_agent import wire
-
-REASON_WORD = re.compile(r"[A-Za-z_-]+")
-MAX_REASON_WORDS = 3
-
-
-def reason_kind(reason: str) -> str:
-    """A short, stable label for a rejection reason (its leading words, before any ':' or value), e.g. 'stale_round'.
-
-    Reasons carry values (sizes, ids) that would make one metric series per update; the kind does not.
-    """
-    words = []
-    for word in reason.split(":", 1)[0].split():
-        if not REASON_WORD.fullmatch(word) or len(words) == MAX_REASON_WORDS:
-            break
-        words.append(word.lower().replace("-", "_"))
-    return "_".join(words) or "other"
 
 
 @dataclass
@@ -86,18 +70,19 @@ class LiveState(RoundObserver):
             presence.profile = status.profile or presence.profile
             presence.labelled, presence.status_round = status.labelled, status.round_id
 
-    def update_answered(self, device_id: str, round_id: int, size: int, reason: str | None) -> None:
-        """Keeps the device's last answer and counts the update by outcome and its bytes."""
+    def update_answered(self, device_id: str, round_id: int, size: int, rejection: Rejection | None) -> None:
+        """Keeps the device's last answer and counts the update by outcome (rejections by kind) and its bytes."""
         with self._lock:
             now = time.time()
-            self._answers[device_id] = UpdateAnswer(round_id, size, reason is None, reason or "", now)
+            reason = "" if rejection is None else rejection.reason
+            self._answers[device_id] = UpdateAnswer(round_id, size, rejection is None, reason, now)
             if device_id in self._devices:
                 self._devices[device_id].last_seen = now
             self._counters.bytes_received += size
-            if reason is None:
+            if rejection is None:
                 self._counters.updates_accepted += 1
             else:
-                kind = reason_kind(reason)
+                kind = str(rejection.kind)
                 self._counters.rejected_by_kind[kind] = self._counters.rejected_by_kind.get(kind, 0) + 1
 
     def round_opened(self, round_id: int, needed: int) -> None:
