@@ -38,12 +38,6 @@ def shard() -> Shard:
     )
 
 
-@pytest.fixture()
-def broker(tmp_path: Path):
-    with EmbeddedBroker(tmp_path / "broker") as running:
-        yield running
-
-
 class FakeCoordinator:
     """Publishes a round and its model like the coordinator does, and collects what the device sends back."""
 

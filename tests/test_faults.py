@@ -23,13 +23,12 @@ from fleet import (
     perturbed,
     start_agent,
     start_coordinator,
-    stop_all,
     wait_exit,
     wait_until,
 )
 
 from coordinator.aggregation import ClientUpdate
-from coordinator.broker import EmbeddedBroker, free_loopback_port, port_is_free
+from coordinator.broker import port_is_free
 from coordinator.closing import RoundResult
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
@@ -42,21 +41,6 @@ from edge_agent.mqtt import parse_broker_url
 from edge_agent.tensors import weights_hash
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def broker(tmp_path: Path):
-    """A mosquitto on a fixed port the test knows, so that it can restart it on the same address."""
-    with EmbeddedBroker(tmp_path / "broker", port=free_loopback_port()) as embedded:
-        yield embedded
-
-
-@pytest.fixture
-def processes():
-    """Every process a test starts; whatever is still running at the end is killed."""
-    started: list = []
-    yield started
-    stop_all(started)
 
 
 def aggregate(base: dict, updates: list[wire.Update]) -> dict:

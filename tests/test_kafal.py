@@ -5,7 +5,6 @@ import dataclasses
 import math
 import threading
 import time
-from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -17,7 +16,6 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from coordinator.aggregation import ClientUpdate
-from coordinator.broker import EmbeddedBroker
 from coordinator.evaluation import Evaluator, LabelledSplit
 from coordinator.intake import RoundCollector
 from coordinator.rounds import RoundPolicy, choose_participants
@@ -26,7 +24,7 @@ from coordinator.strategies import make_strategy
 from coordinator.validation import Expectation
 from edge_agent import wire
 from edge_agent.agent import LAST_ROUND_KEY, OWN_MODEL_FILE, Agent, AgentSettings
-from edge_agent.data import DeviceData, Shard, load_fashion_mnist, open_device_data
+from edge_agent.data import DeviceData, Shard, open_device_data
 from edge_agent.models import build_model, get_weights, weight_spec
 from edge_agent.mqtt import MqttSession
 from edge_agent.oracle import SimulatedOracle
@@ -144,11 +142,6 @@ def test_compensation_loss_vanishes_when_student_equals_teacher_and_grows_otherw
     assert loss == pytest.approx(expected, rel=1e-4) and loss > 0
 
 
-@pytest.fixture(scope="module")
-def fashion():
-    return load_fashion_mnist()
-
-
 def local_data(fashion, round_in_active: int) -> LocalData:
     images, labels = fashion.test_images[:64], fashion.test_labels[:64].astype(np.int64)
     return LocalData(
@@ -229,12 +222,6 @@ def test_schedule_acquires_at_the_start_of_each_active_round_after_the_initial_o
         check_schedule(wire.Recipe(rounds_per_acquisition=0))
     with pytest.raises(ValueError, match="--label-fraction"):
         check_schedule(wire.Recipe(label_fraction=1.5))
-
-
-@pytest.fixture()
-def broker(tmp_path: Path):
-    with EmbeddedBroker(tmp_path / "broker") as running:
-        yield running
 
 
 def test_unselected_device_acquires_but_never_trains_nor_sends(broker, tmp_path, fashion) -> None:

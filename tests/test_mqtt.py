@@ -27,13 +27,6 @@ WAIT = 10.0  # upper bound for anything to arrive; the tests return as soon as i
 
 
 @pytest.fixture
-def broker(tmp_path):
-    """A private mosquitto for this test only."""
-    with EmbeddedBroker(tmp_path / "broker") as embedded:
-        yield embedded
-
-
-@pytest.fixture
 def sessions():
     """Opens sessions and closes every one of them after the test."""
     opened: list[MqttSession] = []

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from fleet import FakeDevice, fleet_shards, server_data
 
-from coordinator.broker import EmbeddedBroker
 from coordinator.closing import RoundResult
 from coordinator.round_aggregator import SuspectPolicy
 from coordinator.rounds import RoundPolicy
@@ -33,19 +32,12 @@ TEST_SAMPLES = 1000
 
 
 @pytest.fixture(scope="module")
-def broker(tmp_path_factory):
-    """One mosquitto for the module's runs (each run its own fleet)."""
-    with EmbeddedBroker(tmp_path_factory.mktemp("broker")) as embedded:
-        yield embedded
-
-
-@pytest.fixture(scope="module")
-def round_one(tmp_path_factory, broker) -> tuple[dict, dict[str, bytes]]:
+def round_one(tmp_path_factory, module_broker) -> tuple[dict, dict[str, bytes]]:
     """W0 and the encoded round-1 updates of 4 honest devices (IID shards), trained by the agent's own code."""
     work = tmp_path_factory.mktemp("honest")
     base = initial_weights(ServerSettings(run_dir=work, init=InitSettings(epochs=30)), server_data())
     announcement = wire.RoundAnnouncement("poison-run", 1, weights_hash(base), RECIPE, time.time() + 600)
-    session = MqttSession(broker.address, client_id="honest-devices", session_expiry=0)
+    session = MqttSession(module_broker.address, client_id="honest-devices", session_expiry=0)
     session.connect(timeout=30)
     payloads = {}
     try:
@@ -119,15 +111,17 @@ def run_round_one(
 
 def test_median_and_excluding_suspects_survive_a_device_sending_random_weights_at_fifty_times_the_scale(
     tmp_path: Path,
-    broker,
+    module_broker,
     round_one,
 ) -> None:
     base, honest = round_one
     attacked = {**honest, ATTACKER: random_at_fifty_times_the_scale(honest["dev-00"])}
-    clean = run_round_one(tmp_path / "clean", broker.address, base, honest, "avefl")
-    plain = run_round_one(tmp_path / "plain", broker.address, base, attacked, "avefl")
-    median = run_round_one(tmp_path / "median", broker.address, base, attacked, "median")
-    excluded = run_round_one(tmp_path / "excluded", broker.address, base, attacked, "avefl", exclude_suspects=True)
+    clean = run_round_one(tmp_path / "clean", module_broker.address, base, honest, "avefl")
+    plain = run_round_one(tmp_path / "plain", module_broker.address, base, attacked, "avefl")
+    median = run_round_one(tmp_path / "median", module_broker.address, base, attacked, "median")
+    excluded = run_round_one(
+        tmp_path / "excluded", module_broker.address, base, attacked, "avefl", exclude_suspects=True
+    )
     print(
         f"accuracy clean={clean.accuracy:.4f} avefl={plain.accuracy:.4f} median={median.accuracy:.4f} "
         f"excluded={excluded.accuracy:.4f}"

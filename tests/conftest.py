@@ -1,0 +1,39 @@
+# Shared fixtures: a private mosquitto per test (or per module), Fashion-MNIST once per module, process cleanup.
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fleet import stop_all
+
+from coordinator.broker import EmbeddedBroker, free_loopback_port
+from edge_agent.data import FashionMNIST, load_fashion_mnist
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[EmbeddedBroker]:
+    """A private mosquitto for this test on a free loopback port it keeps, so a test can restart it there."""
+    with EmbeddedBroker(tmp_path / "broker", port=free_loopback_port()) as embedded:
+        yield embedded
+
+
+@pytest.fixture(scope="module")
+def module_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedBroker]:
+    """One mosquitto for a module's tests (each test its own fleet)."""
+    with EmbeddedBroker(tmp_path_factory.mktemp("broker")) as embedded:
+        yield embedded
+
+
+@pytest.fixture(scope="module")
+def fashion() -> FashionMNIST:
+    """The Fashion-MNIST files, read once per module."""
+    return load_fashion_mnist()
+
+
+@pytest.fixture
+def processes() -> Iterator[list]:
+    """Every process a test starts; whatever is still running at the end is killed."""
+    started: list = []
+    yield started
+    stop_all(started)
