@@ -15,6 +15,14 @@ from coordinator.broker import BrokerError, embedded_broker
 from coordinator.closing import RoundResult
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.server import Dashboard, dashboard_token, parse_listen_address
+from coordinator.method_flags import (
+    add_method_choice,
+    add_method_flags,
+    check_recipe_options,
+    chosen_options,
+    method_kinds,
+    options_table,
+)
 from coordinator.provision import DEFAULT_TLS_HOSTS, load_secure_fleet, provision
 from coordinator.round_aggregator import SuspectPolicy
 from coordinator.rounds import RoundPolicy
@@ -28,14 +36,7 @@ from edge_agent.logs import configure_logging
 from edge_agent.mqtt import BrokerUnavailableError, parse_broker_url
 from edge_agent.sampling import make_sampler
 from edge_agent.schedule import check_schedule
-from edge_agent.training import (
-    DEFAULT_KD_WEIGHT,
-    KD_WEIGHT_OPTION,
-    LOCAL_RULES,
-    OPTIMIZERS,
-    make_local_rule,
-    recipe_option,
-)
+from edge_agent.training import LOCAL_RULES, OPTIMIZERS, make_local_rule
 from export.cli import add_bundle_options, export_weights
 
 log = logging.getLogger("coordinator")
@@ -43,13 +44,18 @@ log = logging.getLogger("coordinator")
 
 def add_round_options(parser: argparse.ArgumentParser) -> None:
     """Options shared by `run` and `simulate`: the run, the round policy, the recipe, the server data."""
+    add_run_options(parser)
+    add_recipe_options(parser)
+    add_method_options(parser)
+    add_server_data_options(parser)
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The run itself: where it lives, its strategy, when rounds close, its broker, output and dashboard."""
     run = parser.add_argument_group("run")
     run.add_argument("--fleet", help="fleet name (topic prefix fl/<fleet>/)")
     run.add_argument("--run-dir", type=Path, help="where the store, checkpoints and logs go (default runs/<time>)")
-    run.add_argument(
-        "--strategy", default="avefl", help="avefl, optfl, mixfl, fedavg, median, trimmed-mean, cadis or fmlu"
-    )
-    run.add_argument("--trim", type=float, help="fraction trimmed from each end per coordinate (trimmed-mean; 0.2)")
+    add_method_choice(run, method_kinds()[2])
     run.add_argument(
         "--suspect-threshold",
         type=float,
@@ -60,34 +66,26 @@ def add_round_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--rounds", type=int, default=10)
     run.add_argument("--min-devices", type=int, default=1, help="fewest updates a round may aggregate")
     run.add_argument("--quorum", type=int, help="updates that close a round early (default: every online device)")
-    run.add_argument(
-        "--round-timeout", type=float, default=600.0, help="seconds before a round closes with what it has"
-    )
+    run.add_argument("--round-timeout", type=float, default=600.0, help="seconds before a round closes anyway")
     run.add_argument("--broker", help="mqtt://HOST:PORT of an external broker (default: an embedded mosquitto)")
     run.add_argument("--json", action="store_true", help="one JSON object per round on stdout, then a summary")
     run.add_argument("--log-level", default="warning")
     run.add_argument("--torch-threads", type=int, help="torch threads of the coordinator process")
-    run.add_argument(
-        "--no-bundles",
-        action="store_true",
-        help="do not ship an ONNX bundle with each global model (no device scores with onnxruntime)",
-    )
-    run.add_argument(
-        "--dashboard",
-        metavar="[HOST:]PORT",
-        help="serve the live dashboard, JSON API and /metrics here (host 127.0.0.1 unless given)",
-    )
+    run.add_argument("--no-bundles", action="store_true", help="ship no ONNX bundle with each global model")
+    run.add_argument("--dashboard", metavar="[HOST:]PORT", help="serve the live dashboard, JSON API and /metrics")
     run.add_argument(
         "--dashboard-token",
         help="bearer token the API requires (default: none on loopback, else generated into RUN_DIR/dashboard-token)",
     )
+
+
+def add_recipe_options(parser: argparse.ArgumentParser) -> None:
+    """The round recipe every device follows: sampler, budget, local rule and its training settings."""
     recipe = parser.add_argument_group("round recipe (sent to devices)")
-    recipe.add_argument(
-        "--sampler", default="entropy", help="random, entropy, bald, margin, least-confidence, ksas or fast"
-    )
+    add_method_choice(recipe, method_kinds()[0])
     recipe.add_argument("--labels-per-acquisition", type=int, default=400)
     recipe.add_argument("--acquisitions-per-round", type=int, default=1)
-    recipe.add_argument("--local-rule", default="online-replay", help="online-replay, cadis-kd or dmlu")
+    add_method_choice(recipe, method_kinds()[1])
     recipe.add_argument("--epochs", type=int, default=5)
     recipe.add_argument("--batch-size", type=int, default=wire.Recipe.batch_size)
     recipe.add_argument("--lr", type=float, default=wire.Recipe.learning_rate)
@@ -95,7 +93,10 @@ def add_round_options(parser: argparse.ArgumentParser) -> None:
     recipe.add_argument("--weight-decay", type=float, default=wire.Recipe.weight_decay)
     recipe.add_argument("--mc-passes", type=int, default=10)
     recipe.add_argument("--seed", type=int, default=0)
-    add_method_options(parser)
+
+
+def add_server_data_options(parser: argparse.ArgumentParser) -> None:
+    """The server's own data: W0's samples and training, the selection split, the test split."""
     server = parser.add_argument_group("server data")
     server.add_argument("--data-dir", type=Path, help="Fashion-MNIST IDX files (default: the Debian package's)")
     server.add_argument("--init-samples", type=int, default=InitSettings.samples, help="balanced samples for W0")
@@ -109,61 +110,22 @@ def add_round_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_method_options(parser: argparse.ArgumentParser) -> None:
-    """Schedule and method parameters of KAFAL, FAST and FedProx (they travel in the round recipe)."""
-    methods = parser.add_argument_group("active-round schedule, participation and method parameters")
+    """The active-round schedule and participation, then one flag per option the registered methods declare."""
+    methods = parser.add_argument_group("active-round schedule and participation")
     methods.add_argument(
-        "--participation",
-        type=float,
-        default=1.0,
-        help="fraction R of online devices picked at random (seeded) to train each round",
+        "--participation", type=float, default=1.0, help="fraction R of online devices picked (seeded) to train"
+    )
+    methods.add_argument("--rounds-per-acquisition", type=int, default=1, help="communication rounds per active round")
+    methods.add_argument(
+        "--initial-label-fraction", type=float, default=0.0, help="fraction of its data a device labels at first"
     )
     methods.add_argument(
-        "--rounds-per-acquisition",
-        type=int,
-        default=1,
-        help="communication rounds per active round; devices acquire in its first round",
+        "--label-fraction", type=float, default=0.0, help="labels per acquisition as a fraction of the device's data"
     )
-    methods.add_argument(
-        "--initial-label-fraction",
-        type=float,
-        default=0.0,
-        help="random fraction of its own data a device has labelled before its first round",
-    )
-    methods.add_argument(
-        "--label-fraction",
-        type=float,
-        default=0.0,
-        help="labels per acquisition as a fraction of the device's data (overrides the count)",
-    )
-    methods.add_argument("--ksas-lambda", type=float, help="KSAS knowledge weight lambda (default 1)")
-    methods.add_argument("--kcfu-nu", type=float, help="KCFU trade-off nu between L_client and L_comp (default 0.5)")
-    methods.add_argument("--mu", type=float, help="FedProx proximal weight mu (default 0.01)")
-    methods.add_argument(
-        "--kd-weight",
-        type=float,
-        help=f"cadis-kd: weight of the relational distillation term (default {DEFAULT_KD_WEIGHT})",
-    )
-    methods.add_argument("--knn-k", type=int, help="FAST: neighbours voting for a weak label (default 10)")
     methods.add_argument(
         "--encoder", type=Path, help="FAST: frozen encoder ONNX file (default: W0's penultimate-layer encoder)"
     )
-
-
-METHOD_OPTIONS = {"ksas_lambda": "lambda", "kcfu_nu": "nu", "mu": "mu", "knn_k": "knn_k", "kd_weight": KD_WEIGHT_OPTION}
-
-
-def method_options(args: argparse.Namespace) -> dict[str, float]:
-    """The recipe's options map: only the method parameters given on the command line, checked."""
-    options = {
-        key: float(getattr(args, name)) for name, key in METHOD_OPTIONS.items() if getattr(args, name) is not None
-    }
-    if options.get("lambda", 0.0) < 0 or options.get("mu", 0.0) < 0:
-        raise ValueError("--ksas-lambda and --mu must be non-negative")
-    if not 0.0 <= options.get("nu", 0.5) <= 1.0:
-        raise ValueError(f"--kcfu-nu must lie in [0, 1], got {options['nu']}")
-    if options.get("knn_k", 1) < 1:
-        raise ValueError(f"--knn-k must be at least 1, got {int(options['knn_k'])}")
-    return options
+    add_method_flags(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -215,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     report.add_argument("--out", type=Path, help="where to write it (default RUN_DIR/report.html)")
     report.add_argument("--log-level", default="warning")
+    methods = commands.add_parser("methods", help="list the samplers, local rules and strategies with their options")
+    methods.add_argument("--markdown", action="store_true", help="the README's table (default: plain text)")
+    methods.add_argument("--log-level", default="warning")
     export = commands.add_parser("export", help="write a device bundle (ONNX, MC dropout kept) of a run's checkpoint")
     export.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     export.add_argument("--round", type=int, help="checkpoint round to export (default: the latest)")
@@ -260,6 +225,7 @@ def bench_settings(args: argparse.Namespace) -> BenchSettings:
 def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSettings:
     """ServerSettings from parsed arguments."""
     fleet = wire.check_identifier("fleet", args.fleet or default_fleet)
+    recipe_options, strategy_options = chosen_options(args)
     run_dir = args.run_dir or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{fleet}-{args.strategy}"
     recipe = wire.Recipe(
         sampler=args.sampler,
@@ -273,7 +239,7 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
         weight_decay=args.weight_decay,
         mc_passes=args.mc_passes,
         seed=args.seed,
-        options=method_options(args),
+        options=recipe_options,
         rounds_per_acquisition=args.rounds_per_acquisition,
         initial_label_fraction=args.initial_label_fraction,
         label_fraction=args.label_fraction,
@@ -299,7 +265,7 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
         evaluate_devices=not args.no_device_eval,
         data_dir=args.data_dir,
         torch_threads=args.torch_threads,
-        strategy_options={} if args.trim is None else {"trim": args.trim},
+        strategy_options=strategy_options,
         suspects=SuspectPolicy(threshold=args.suspect_threshold, exclude=args.exclude_suspects),
         ship_bundles=not args.no_bundles,
         encoder_path=args.encoder,
@@ -312,14 +278,13 @@ def validate_recipe_names(settings: ServerSettings) -> None:
     make_sampler(settings.recipe.sampler)
     rule = make_local_rule(settings.recipe.local_rule)
     strategy = make_strategy(settings.strategy, **settings.strategy_options)
-    for name in settings.recipe.options:
-        recipe_option(settings.recipe, name, 0.0)
+    check_recipe_options(settings.recipe.sampler, settings.recipe.local_rule, settings.recipe.options)
     missing = sorted(set(strategy.required_metrics) - set(rule.reported_metrics))
     if missing:
-        fitting = sorted(name for name, known in LOCAL_RULES.items() if set(missing) <= set(known.reported_metrics))
+        fitting = LOCAL_RULES.select(lambda known: set(missing) <= set(known.reported_metrics))
         raise ValueError(
             f"strategy {strategy.name!r} weighs updates by {', '.join(missing)}, which local rule "
-            f"{rule.name!r} does not report; use --local-rule {' or '.join(fitting)}"
+            f"{rule.name!r} does not report; use --local-rule {' or '.join(sorted(fitting))}"
         )
     check_schedule(settings.recipe)
     if settings.encoder_path is not None:
@@ -462,6 +427,20 @@ def command_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_methods(args: argparse.Namespace) -> int:
+    """Prints every registered method with its options: the README's markdown table, or plain lines."""
+    if args.markdown:
+        print(options_table())
+        return 0
+    for kind in method_kinds():
+        for name, method in kind.registry.items():
+            flags = ", ".join(
+                f"{o.cli_flag} {o.kind.__name__} = {o.default:g} ({o.range_text})" for o in method.options
+            )
+            print(f"{kind.label:<11} {name:<17} {method.summary}" + (f"  [{flags}]" if flags else ""))
+    return 0
+
+
 def command_export(args: argparse.Namespace) -> int:
     """Exports a run's checkpoint (the latest, or --round N) as a verified device bundle."""
     if not (args.run_dir / "run.sqlite").is_file():
@@ -512,6 +491,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "provision": command_provision,
     "report": command_report,
     "export": command_export,
+    "methods": command_methods,
 }
 
 

@@ -55,8 +55,17 @@ class Option:
         number = float(value)
         above = self.high is not None and (number >= self.high if self.high_open else number > self.high)
         if (self.low is not None and number < self.low) or above:
-            raise ValueError(f"{self.cli_flag} must lie in {self.range_text}, got {shown}")
+            raise ValueError(f"{self.cli_flag} must {self.requirement}, got {shown}")
         return number
+
+    @property
+    def requirement(self) -> str:
+        """What a value must do, in words: 'lie in [0, 1]', 'be at least 1'."""
+        if self.high is None and self.low is not None:
+            return f"be at least {self.low:g}"
+        if self.low is None and self.high is not None:
+            return f"be {'below' if self.high_open else 'at most'} {self.high:g}"
+        return f"lie in {self.range_text}"
 
     def read(self, options: Mapping[str, float]) -> float:
         """This option's checked value in an options map, or its default when the map does not set it."""

@@ -1,12 +1,14 @@
 # Acquisition functions: per-sample scores (MC-dropout heuristics, KSAS, FAST prototype entropy) and top-k selection.
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 import numpy as np
+
+from edge_agent.options import Method, Option, Registry
 
 ROW_SUM_TOLERANCE = 1e-3
 
@@ -100,10 +102,12 @@ class AcquisitionContext:
     embeddings: Callable[[], Embeddings]
 
 
-class Sampler(ABC):
+SAMPLERS: Registry[type[Sampler]] = Registry("sampler")
+
+
+class Sampler(Method):
     """An acquisition function over a device's pool: one score per sample, higher means ask the oracle first."""
 
-    name: ClassVar[str]
     needs_encoder: ClassVar[bool] = False
 
     @abstractmethod
@@ -134,6 +138,7 @@ class RandomHeuristic(Heuristic):
     """Uniform random scores, so that top-k is a uniform draw without replacement (the passive baseline)."""
 
     name = "random"
+    summary = "uniform random draw (the passive baseline)"
     needs_probabilities = False
 
     def scores(self, probs: np.ndarray | None, num_samples: int, rng: np.random.Generator) -> np.ndarray:
@@ -160,6 +165,7 @@ class EntropyHeuristic(ProbabilityHeuristic):
     """Largest predictive entropy first (the core paper's sampler)."""
 
     name = "entropy"
+    summary = "largest MC-dropout predictive entropy (the core paper's sampler)"
     score_function = staticmethod(entropy_scores)
 
 
@@ -167,6 +173,7 @@ class BaldHeuristic(ProbabilityHeuristic):
     """Largest BALD mutual information first."""
 
     name = "bald"
+    summary = "largest BALD mutual information over MC-dropout passes"
     score_function = staticmethod(bald_scores)
 
 
@@ -174,6 +181,7 @@ class MarginHeuristic(ProbabilityHeuristic):
     """Smallest top-two margin first."""
 
     name = "margin"
+    summary = "smallest gap between the two most likely classes"
     score_function = staticmethod(margin_scores)
 
 
@@ -181,26 +189,23 @@ class LeastConfidenceHeuristic(ProbabilityHeuristic):
     """Lowest top-class probability first."""
 
     name = "least-confidence"
+    summary = "lowest probability of the most likely class"
     score_function = staticmethod(least_confidence_scores)
-
-
-HEURISTICS: dict[str, type[Heuristic]] = {
-    heuristic.name: heuristic
-    for heuristic in (
-        RandomHeuristic,
-        EntropyHeuristic,
-        BaldHeuristic,
-        MarginHeuristic,
-        LeastConfidenceHeuristic,
-    )
-}
 
 
 def make_heuristic(name: str) -> Heuristic:
     """A fresh probability heuristic by its registry name (what `edge-agent score` can run from a bundle alone)."""
-    if name not in HEURISTICS:
-        raise ValueError(f"unknown sampler {name!r}; known: {', '.join(sorted(HEURISTICS))}")
-    return HEURISTICS[name]()
+    heuristics = heuristic_names()
+    if name not in heuristics:
+        raise ValueError(f"unknown sampler {name!r}; known: {', '.join(sorted(heuristics))}")
+    heuristic = SAMPLERS.get(name)()
+    assert isinstance(heuristic, Heuristic)
+    return heuristic
+
+
+def heuristic_names() -> list[str]:
+    """The registered samplers that need nothing but MC-dropout probabilities (what a bundle alone can run)."""
+    return SAMPLERS.select(lambda method: issubclass(method, Heuristic))
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -250,6 +255,8 @@ class KsasSampler(Sampler):
     """KAFAL's knowledge-specialised sampler: largest discrepancy between the device's own and the global model."""
 
     name = "ksas"
+    summary = "KAFAL: discrepancy between the device's own and the global model, class-count weighted"
+    options = (Option("lambda", float, 1.0, "KSAS knowledge weight lambda", low=0.0, flag="--ksas-lambda"),)
 
     def score_pool(self, context: AcquisitionContext) -> np.ndarray:
         """ksas_scores of the own model and the downloaded global model, lambda from the recipe (default 1)."""
@@ -257,7 +264,7 @@ class KsasSampler(Sampler):
             context.own_logits(),
             context.global_logits(),
             context.class_counts,
-            float(context.options.get("lambda", 1.0)),
+            self.option_value(context.options, "lambda"),
         )
 
 
@@ -320,7 +327,9 @@ class FastSampler(Sampler):
     """FAST: frozen-encoder prototype entropy decides what a person labels; kNN votes label the rest weakly."""
 
     name = "fast"
+    summary = "FAST: frozen-encoder prototype entropy asks people; kNN votes label the rest weakly"
     needs_encoder = True
+    options = (Option("knn_k", int, 10, "FAST: neighbours voting for a weak label", low=1.0, flag="--knn-k"),)
 
     def score_pool(self, context: AcquisitionContext) -> np.ndarray:
         """Prototype-cosine entropy of each pool embedding against the device's human-labelled seeds."""
@@ -330,14 +339,23 @@ class FastSampler(Sampler):
     def weak_labels(self, context: AcquisitionContext) -> np.ndarray:
         """kNN majority labels of every pool sample (k from the recipe, default 10)."""
         pool, reference, labels = context.embeddings()
-        return knn_labels(pool, reference, labels, int(context.options.get("knn_k", 10)), len(context.class_counts))
+        return knn_labels(
+            pool, reference, labels, int(self.option_value(context.options, "knn_k")), len(context.class_counts)
+        )
 
 
-SAMPLERS: dict[str, type[Sampler]] = {**HEURISTICS, KsasSampler.name: KsasSampler, FastSampler.name: FastSampler}
+for registered in (
+    RandomHeuristic,
+    EntropyHeuristic,
+    BaldHeuristic,
+    MarginHeuristic,
+    LeastConfidenceHeuristic,
+    KsasSampler,
+    FastSampler,
+):
+    SAMPLERS.register(registered)
 
 
 def make_sampler(name: str) -> Sampler:
     """A fresh sampler of any kind by its registry name (what a device runs in a round)."""
-    if name not in SAMPLERS:
-        raise ValueError(f"unknown sampler {name!r}; known: {', '.join(sorted(SAMPLERS))}")
-    return SAMPLERS[name]()
+    return SAMPLERS.get(name)()

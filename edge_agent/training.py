@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -15,14 +15,13 @@ from torch import nn
 
 from edge_agent.data import IMAGE_SHAPE, load_arrays, normalise, save_arrays
 from edge_agent.models import NUM_CLASSES, get_weights, set_weights
+from edge_agent.options import Method, Option, Registry
 from edge_agent.sampling import class_prior_bias
 from edge_agent.wire import METRIC_MEME_ENTROPY, Recipe
 
 log = logging.getLogger(__name__)
 
 PRIVATE_MODEL_FILE = "dmlu_private.npz"
-KD_WEIGHT_OPTION = "kd_weight"
-DEFAULT_KD_WEIGHT = 1.0
 MIN_KD_BATCH = 3
 
 
@@ -168,11 +167,13 @@ def run_epoch(
     return total / seen
 
 
-class LocalRule(ABC):
+LOCAL_RULES: Registry[type[LocalRule]] = Registry("local rule")
+
+
+class LocalRule(Method):
     """A device's local update: trains the model in place on its data and returns metrics for the update."""
 
-    name: str
-    reported_metrics: tuple[str, ...] = ()
+    reported_metrics: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def train(
@@ -185,6 +186,7 @@ class OnlineReplaySGD(LocalRule):
     """The core paper's online AL rule: E epochs on the new batch plus the balanced replay set, weight decay."""
 
     name = "online-replay"
+    summary = "the core paper's online AL: new batch + 50-image balanced replay set, weight decay"
 
     def train(
         self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int
@@ -194,14 +196,6 @@ class OnlineReplaySGD(LocalRule):
         labels = np.concatenate([data.new_labels, data.replay_labels])
         loss = train_supervised(model, images, labels, TrainSettings.from_recipe(recipe, seed))
         return {"train_loss": loss, "train_samples": float(len(images))}
-
-
-def recipe_option(recipe: Recipe, name: str, default: float) -> float:
-    """A method parameter from the recipe's options (default when absent); it must be finite and >= 0."""
-    value = float(recipe.options.get(name, default))
-    if not math.isfinite(value) or value < 0.0:
-        raise ValueError(f"recipe option {name!r} must be a finite number >= 0, got {value!r}")
-    return value
 
 
 def prediction_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -285,6 +279,7 @@ class DMLU(LocalRule):
     """
 
     name = "dmlu"
+    summary = "FMLU's device side: uploaded meme and private model train each other on all labels"
     reported_metrics = (METRIC_MEME_ENTROPY,)
 
     def train(
@@ -337,12 +332,14 @@ class CadisKD(LocalRule):
     global model received this round, compared on penultimate features; batches of fewer than 3 are dropped."""
 
     name = "cadis-kd"
+    summary = "all labels: CE + kd-weight x relational distillation towards the received global model"
+    options = (Option("kd_weight", float, 1.0, "cadis-kd: weight of the relational distillation term", low=0.0),)
 
     def train(
         self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int
     ) -> dict[str, float]:
         """Trains `model` in place; the recipe option kd_weight (default 1.0) scales the distillation term."""
-        kd_weight = recipe_option(recipe, KD_WEIGHT_OPTION, DEFAULT_KD_WEIGHT)
+        kd_weight = self.option_value(recipe.options, "kd_weight")
         teacher = copy.deepcopy(global_model).eval()
 
         def batch_loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -376,12 +373,14 @@ class FedProx(LocalRule):
     """
 
     name = "fedprox"
+    summary = "all labels with the proximal term (mu/2)||w - w_global||^2 (mu 0: plain local SGD)"
+    options = (Option("mu", float, 0.01, "FedProx proximal weight mu", low=0.0),)
 
     def train(
         self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int
     ) -> dict[str, float]:
         """Minimises CE + (mu/2)||w - w^t||^2 per mini-batch."""
-        mu = recipe_option(recipe, "mu", 0.01)
+        mu = self.option_value(recipe.options, "mu")
         anchors = [parameter.detach().clone() for parameter in global_model.parameters()]
         images, labels = data.training_set()
 
@@ -440,14 +439,14 @@ class KCFU(LocalRule):
     communication round of an active round, nu-weighted compensation distillation from the global model."""
 
     name = "kcfu"
+    summary = "KAFAL: balanced CE on all labels + Gamma-weighted distillation on mixup of unlabelled samples"
+    options = (Option("nu", float, 0.5, "KCFU trade-off nu between L_client and L_comp", 0.0, 1.0, flag="--kcfu-nu"),)
 
     def train(
         self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int
     ) -> dict[str, float]:
         """L = L_client in round 1 of the active round, else nu L_client + (1 - nu) L_comp (Eq. 6, nu default 0.5)."""
-        nu = recipe_option(recipe, "nu", 0.5)
-        if nu > 1.0:
-            raise ValueError(f"nu must lie in [0, 1], got {nu}")
+        nu = self.option_value(recipe.options, "nu")
         counts = data.class_counts()
         unlabelled = torch.from_numpy(normalise(data.unlabelled_images)) if len(data.unlabelled_images) else None
         compensate = data.round_in_active_round > 1 and unlabelled is not None
@@ -471,11 +470,10 @@ class KCFU(LocalRule):
         }
 
 
-LOCAL_RULES: dict[str, type[LocalRule]] = {rule.name: rule for rule in (OnlineReplaySGD, DMLU, CadisKD, FedProx, KCFU)}
+for registered in (OnlineReplaySGD, DMLU, CadisKD, FedProx, KCFU):
+    LOCAL_RULES.register(registered)
 
 
 def make_local_rule(name: str) -> LocalRule:
     """The local rule registered under `name`; ValueError listing the known ones otherwise."""
-    if name not in LOCAL_RULES:
-        raise ValueError(f"unknown local rule {name!r}; known: {', '.join(sorted(LOCAL_RULES))}")
-    return LOCAL_RULES[name]()
+    return LOCAL_RULES.get(name)()

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from edge_agent.sampling import (
-    HEURISTICS,
+    SAMPLERS,
     BaldHeuristic,
     EntropyHeuristic,
     Heuristic,
@@ -14,6 +14,7 @@ from edge_agent.sampling import (
     RandomHeuristic,
     bald_scores,
     entropy_scores,
+    heuristic_names,
     least_confidence_scores,
     make_heuristic,
     margin_scores,
@@ -167,8 +168,8 @@ def test_probability_heuristics_apply_their_score_function(heuristic: type[Heuri
 
 
 def test_registry_names_and_unknown_name() -> None:
-    assert sorted(HEURISTICS) == ["bald", "entropy", "least-confidence", "margin", "random"]
-    for name, heuristic in HEURISTICS.items():
+    assert sorted(heuristic_names()) == ["bald", "entropy", "least-confidence", "margin", "random"]
+    for name, heuristic in ((name, SAMPLERS[name]) for name in heuristic_names()):
         made = make_heuristic(name)
         assert isinstance(made, heuristic) and made.name == name
     assert not RandomHeuristic.needs_probabilities

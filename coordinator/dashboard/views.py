@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from coordinator.dashboard.live import LiveState
+from coordinator.method_flags import recipe_view
 from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
 
 T = TypeVar("T")
@@ -81,11 +82,16 @@ def run_view(snapshot: RunSnapshot, live: LiveState | None) -> dict:
     last = snapshot.rounds[-1].round_id if snapshot.rounds else 0
     progress = live.progress() if live else {}
     total = progress.get("total_rounds") or settings.get("policy", {}).get("rounds")
+    recipe = settings.get("recipe", {})
+    options = {**recipe.get("options", {}), **settings.get("strategy_options", {})}
     return {
         "run_id": snapshot.config.get("run_id"),
         "fleet": settings.get("fleet"),
         "strategy": settings.get("strategy"),
-        "recipe": settings.get("recipe", {}),
+        "recipe": recipe,
+        "methods": recipe_view(
+            recipe.get("sampler", ""), recipe.get("local_rule", ""), settings.get("strategy", ""), options
+        ),
         "total_rounds": total,
         "rounds_completed": len(snapshot.rounds),
         "last_committed_round": last,

@@ -183,6 +183,19 @@ function drawDivergence(view) {
   });
 }
 
+function drawMethods(methods) {
+  const rows = (methods || []).map(method => {
+    const row = element("tr");
+    cell(row, method.kind);
+    cell(row, method.method);
+    cell(row, method.summary);
+    const options = method.options.map(o => `${o.flag} ${o.value} (default ${o.default}): ${o.help}`);
+    cell(row, options.length ? options.join("; ") : "none");
+    return row;
+  });
+  document.querySelector("#methods tbody").replaceChildren(...rows);
+}
+
 function fillRoundChoice(rounds) {
   const select = document.getElementById("divergence-round");
   const ids = rounds.map(r => String(r.round));
@@ -206,6 +219,7 @@ async function refresh() {
     document.getElementById("round-total").textContent = run.total_rounds === null ? "-" : String(run.total_rounds);
     document.getElementById("run-phase").textContent = run.phase;
     document.getElementById("devices-online").textContent = run.devices_online === null ? "-" : run.devices_online;
+    drawMethods(run.methods);
     drawDevices(devices.devices);
     drawAccuracy(rounds.rounds);
     drawTimeline(rounds.rounds);
