@@ -27,8 +27,9 @@ def train_w0(out: Path) -> str:
     import numpy as np
     import torch
 
-    from edge_agent.data import Shard, load_fashion_mnist, normalise, save_shard
+    from edge_agent.fashion_mnist import load_fashion_mnist, normalise
     from edge_agent.models import build_model, get_weights
+    from edge_agent.shard import Shard, save_shard
     from export.bundle_writer import write_bundle
 
     torch.manual_seed(0)
@@ -60,9 +61,11 @@ def naive_row(out: Path) -> dict:
     import numpy as np
     import torch
 
-    from edge_agent.data import load_arrays, load_shard, normalise
+    from edge_agent.fashion_mnist import normalise
+    from edge_agent.files import load_arrays
     from edge_agent.models import build_model, set_weights
     from edge_agent.sampling import entropy_scores, top_k
+    from edge_agent.shard import load_shard
 
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)

@@ -31,7 +31,7 @@ from coordinator.simulate import BenchSettings, simulate, write_shards
 from coordinator.store import RunStore
 from coordinator.strategies import make_strategy
 from edge_agent import wire
-from edge_agent.data import DatasetMissingError
+from edge_agent.fashion_mnist import DatasetMissingError
 from edge_agent.logs import configure_logging
 from edge_agent.mqtt import BrokerUnavailableError, parse_broker_url
 from edge_agent.sampling import make_sampler

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from torch import nn
 
-from edge_agent.data import normalise
+from edge_agent.fashion_mnist import normalise
 from edge_agent.mc_dropout import TorchMCDropout, predict_probabilities
 from edge_agent.models import build_model, set_weights
 from edge_agent.tensors import Weights

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge_agent.data import CLASS_NAMES
+from edge_agent.fashion_mnist import CLASS_NAMES
 
 NUM_CLASSES = len(CLASS_NAMES)
 MIN_DIRICHLET_SAMPLES = 10

@@ -14,7 +14,7 @@ from typing import TypedDict
 
 from edge_agent import wire
 from edge_agent.credentials import Credentials, load_credentials, save_credentials
-from edge_agent.data import atomic_write_bytes
+from edge_agent.files import atomic_write_bytes
 
 COORDINATOR_USERNAME = "coordinator"
 PASSWORD_ITERATIONS = 101  # what mosquitto_passwd 2.0 writes for its $7$ (PBKDF2-SHA512) hashes

@@ -26,8 +26,8 @@ from coordinator.rounds import Coordinator, RoundParts, RoundPolicy, RoundRules
 from coordinator.store import RunStore
 from coordinator.strategies import make_strategy
 from edge_agent import wire
-from edge_agent.data import FashionMNIST, load_fashion_mnist
 from edge_agent.encoder import OnnxEncoder, encoder_hash
+from edge_agent.fashion_mnist import FashionMNIST, load_fashion_mnist
 from edge_agent.models import build_model, get_weights, set_weights
 from edge_agent.mqtt import BrokerAddress, MqttSession
 from edge_agent.sampling import make_sampler

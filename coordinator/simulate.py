@@ -20,8 +20,8 @@ from coordinator.intake import RoundObserver
 from coordinator.partition import partition_indices
 from coordinator.provision import SecureFleet, device_names, load_secure_fleet, provision
 from coordinator.server import ServerData, ServerSettings, load_server_data, run_server
-from edge_agent.data import Shard, save_shard
 from edge_agent.mqtt import BrokerAddress
+from edge_agent.shard import Shard, save_shard
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_agent.data import atomic_write_bytes
+from edge_agent.files import atomic_write_bytes
 from edge_agent.wire import IDENTIFIER, WireError, check_identifier
 
 SPOOL_SUFFIX = ".msgpack"

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.spool import Spool, check_device_id, check_round_id, round_name
-from edge_agent.data import load_arrays, save_arrays
+from edge_agent.files import load_arrays, save_arrays
 from edge_agent.tensors import Weights, weights_hash
 
 _SCHEMA = """

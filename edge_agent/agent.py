@@ -17,8 +17,10 @@ import torch
 
 from edge_agent import wire
 from edge_agent.bundle import Bundle, BundleError, remove_other_bundles, store_bundle
-from edge_agent.data import DeviceData, load_arrays, normalise, save_arrays
+from edge_agent.device_data import DeviceData
 from edge_agent.encoder import OnnxEncoder, encoder_hash
+from edge_agent.fashion_mnist import normalise
+from edge_agent.files import load_arrays, save_arrays
 from edge_agent.mc_dropout import TorchMCDropout, predict_logits
 from edge_agent.mc_scorer import MCScorer
 from edge_agent.models import build_model, get_weights, set_weights

@@ -7,7 +7,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from edge_agent.data import atomic_write_bytes
+from edge_agent.files import atomic_write_bytes
 from edge_agent.manifest import BundleManifest, ManifestError
 
 MANIFEST_NAME = "manifest.json"

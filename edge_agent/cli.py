@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 from edge_agent import wire
 from edge_agent.credentials import Credentials, load_credentials
-from edge_agent.data import load_shard, open_device_data
 from edge_agent.field_options import add_field_arguments
 from edge_agent.logs import configure_logging
 from edge_agent.mqtt import (
@@ -25,6 +24,7 @@ from edge_agent.mqtt import (
 from edge_agent.oracle import SimulatedOracle
 from edge_agent.profile import DeviceProfile, load_profile
 from edge_agent.score_command import BACKENDS, score_pool
+from edge_agent.shard import load_shard, open_device_data
 
 if TYPE_CHECKING:  # the agent imports torch; `edge-agent score` must not
     from edge_agent.agent import AgentSettings

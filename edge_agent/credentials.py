@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge_agent import wire
-from edge_agent.data import atomic_write_bytes
+from edge_agent.files import atomic_write_bytes
 from edge_agent.mqtt import BrokerAddress
 
 CREDENTIALS_VERSION = 1

@@ -6,7 +6,7 @@ import hashlib
 import numpy as np
 import onnxruntime as ort
 
-from edge_agent.data import normalise
+from edge_agent.fashion_mnist import normalise
 
 ENCODER_BATCH = 256
 

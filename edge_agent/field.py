@@ -10,9 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_agent.data import normalise
+from edge_agent.device_data import DeviceData
+from edge_agent.fashion_mnist import normalise
 from edge_agent.folder_oracle import FolderOracle, QueryBook
-from edge_agent.folder_pool import MODEL_INPUT, FolderDeviceData, InputSpec
+from edge_agent.folder_pool import MODEL_INPUT, InputSpec, open_folder_data
 from edge_agent.label_ui import LabelServer, parse_listen_address
 from edge_agent.mc_dropout import TorchMCDropout
 from edge_agent.models import build_model, set_weights
@@ -37,7 +38,7 @@ class StreamAcquirer:
 
     def __init__(
         self,
-        data: FolderDeviceData,
+        data: DeviceData,
         oracle: FolderOracle,
         budget: BudgetSettings,
         model_name: str = "paper-cnn",
@@ -88,7 +89,7 @@ class StreamAcquirer:
 class FieldWork:
     """Rescans the pool folder every scan_interval seconds and, with a stream, scores what arrived."""
 
-    def __init__(self, data: FolderDeviceData, scan_interval: float, stream: StreamAcquirer | None = None) -> None:
+    def __init__(self, data: DeviceData, scan_interval: float, stream: StreamAcquirer | None = None) -> None:
         self.data = data
         self.scan_interval = scan_interval
         self.stream = stream
@@ -108,7 +109,7 @@ class FieldWork:
 class FieldParts:
     """What a field agent runs with: its data, oracle, between-round work and (optional) label page."""
 
-    data: FolderDeviceData
+    data: DeviceData
     oracle: FolderOracle
     work: FieldWork
     label_server: LabelServer | None
@@ -135,7 +136,7 @@ def open_field(
     budget = None
     if args.stream:
         budget = BudgetSettings(args.labels_per_hour, args.label_burst or default_burst(args.labels_per_hour))
-    data = FolderDeviceData.open_folder(
+    data = open_folder_data(
         state_dir, args.pool_dir, pool_cap, _input_spec(args.manifest), args.settle_seconds, skip_dirs=(oracle_dir,)
     )
     book = QueryBook(oracle_dir)

@@ -14,8 +14,10 @@ import numpy as np
 from PIL import Image
 
 from edge_agent.bundle import file_sha256
-from edge_agent.data import CLASS_NAMES, atomic_write_bytes
-from edge_agent.folder_pool import FolderDeviceData
+from edge_agent.device_data import DeviceData
+from edge_agent.fashion_mnist import CLASS_NAMES
+from edge_agent.files import atomic_write_bytes
+from edge_agent.folder_pool import folder_pool_of
 from edge_agent.oracle import Oracle
 
 log = logging.getLogger(__name__)
@@ -170,13 +172,14 @@ class FolderOracle(Oracle):
     def __init__(
         self,
         book: QueryBook,
-        data: FolderDeviceData,
+        data: DeviceData,
         wait_seconds: float,
         stop_event: threading.Event | None = None,
         poll_seconds: float = 0.5,
     ) -> None:
         self.book = book
         self.data = data
+        self.pool = folder_pool_of(data)
         self.wait_seconds = wait_seconds
         self.stop_event = stop_event or threading.Event()
         self.poll_seconds = poll_seconds
@@ -231,8 +234,8 @@ class FolderOracle(Oracle):
 
     def _copy(self, index: int) -> Query:
         """Copies the original file of a pool item (or, if it changed or vanished, its decoded image as PNG)."""
-        item = self.data.item(index)
-        source = self.data.pool.pool_dir / item.path
+        item = self.pool.item(index)
+        source = self.pool.pool_dir / item.path
         intact = source.is_file() and file_sha256(source) == item.sha256
         suffix = Path(item.path).suffix.lower() if intact else ".png"
         file = f"{self.round_id}/{index:06d}-{item.sha256[:12]}{suffix}"

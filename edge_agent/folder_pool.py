@@ -17,7 +17,9 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from edge_agent.bundle import file_sha256
-from edge_agent.data import CLASS_NAMES, FASHION_MNIST_MEAN, FASHION_MNIST_STD, IMAGE_SHAPE, DeviceData
+from edge_agent.device_data import IMAGES_FILE, LABELS_FILE, DeviceData, initialise_store
+from edge_agent.fashion_mnist import FASHION_MNIST_MEAN, FASHION_MNIST_STD
+from edge_agent.image_arrays import IMAGE_SHAPE
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +144,14 @@ class FolderPool:
         """Every stored image, (N, *record_shape) uint8, memory-mapped read-only."""
         return self._images
 
+    def refresh(self) -> int:
+        """Scans the folder now (the image-source view of scan); returns how many items joined."""
+        return self.scan()
+
+    def item(self, index: int) -> PoolItem:
+        """The pool item at an index."""
+        return self.items[index]
+
     def scan(self, now: float | None = None) -> int:
         """Adds the folder's new, settled JPEG/PNG files to the store (oldest first); returns how many joined."""
         now = time.time() if now is None else now
@@ -248,63 +258,40 @@ def _append_synced(path: Path, data: bytes) -> None:
         os.fsync(handle.fileno())
 
 
-class FolderDeviceData(DeviceData):
-    """A device's labelled store over a folder pool: indices are the pool's stable item indices.
+POOL_STORE = "pool"
 
-    The unlabelled pool is capped at pool_cap items, the newest ones: older unlabelled items leave the pool index
-    (their files stay where they are). refresh() adds files that appeared since the last scan.
-    """
 
-    POOL_STORE = "pool"
+def open_folder_data(
+    state_dir: Path | str,
+    pool_dir: Path | str,
+    pool_cap: int,
+    spec: InputSpec = MODEL_INPUT,
+    settle_seconds: float = DEFAULT_SETTLE_SECONDS,
+    skip_dirs: tuple[Path, ...] = (),
+) -> DeviceData:
+    """A device's store over a camera folder (its indices are the pool's stable item indices), resumed or started,
+    after one scan. The unlabelled pool is the newest pool_cap items; older unlabelled ones leave the pool index
+    (their files stay where they are)."""
+    state_dir = Path(state_dir)
+    if spec.record_shape != IMAGE_SHAPE:
+        raise ValueError(
+            f"the agent's models take 1x{IMAGE_SHAPE[0]}x{IMAGE_SHAPE[1]} images, the manifest says "
+            f"{spec.channels}x{spec.height}x{spec.width}"
+        )
+    if pool_cap < 1:
+        raise ValueError(f"the pool size cap must be positive, got {pool_cap}")
+    if (state_dir / IMAGES_FILE).exists():
+        raise ValueError(f"{state_dir} holds a shard's device data; use a fresh state directory for a folder pool")
+    pool = FolderPool(pool_dir, state_dir / POOL_STORE, spec, settle_seconds, skip_dirs=(state_dir, *skip_dirs))
+    if not (state_dir / LABELS_FILE).is_file():
+        initialise_store(state_dir)
+    data = DeviceData(state_dir, pool, pool_cap)
+    data.refresh()
+    return data
 
-    def __init__(
-        self, state_dir: Path, pool: FolderPool, labelled: dict[str, np.ndarray], state: dict, pool_cap: int
-    ) -> None:
-        super().__init__(state_dir, pool.images(), labelled, state)
-        self.pool = pool
-        self.pool_cap = pool_cap
 
-    @classmethod
-    def open_folder(
-        cls,
-        state_dir: Path | str,
-        pool_dir: Path | str,
-        pool_cap: int,
-        spec: InputSpec = MODEL_INPUT,
-        settle_seconds: float = DEFAULT_SETTLE_SECONDS,
-        skip_dirs: tuple[Path, ...] = (),
-    ) -> FolderDeviceData:
-        """Resumes (or starts) the device's store for this folder and scans the folder once."""
-        state_dir = Path(state_dir)
-        if spec.record_shape != IMAGE_SHAPE:
-            raise ValueError(
-                f"the agent's models take 1x{IMAGE_SHAPE[0]}x{IMAGE_SHAPE[1]} images, the manifest says "
-                f"{spec.channels}x{spec.height}x{spec.width}"
-            )
-        if pool_cap < 1:
-            raise ValueError(f"the pool size cap must be positive, got {pool_cap}")
-        if (state_dir / cls.IMAGES_FILE).exists():
-            raise ValueError(f"{state_dir} holds a shard's device data; use a fresh state directory for a folder pool")
-        pool = FolderPool(pool_dir, state_dir / cls.POOL_STORE, spec, settle_seconds, skip_dirs=(state_dir, *skip_dirs))
-        if not (state_dir / cls.LABELS_FILE).is_file():
-            cls.initialise_store(state_dir, 5, len(CLASS_NAMES), {})
-        labelled = cls._load_labelled(state_dir / cls.LABELS_FILE, len(pool))
-        data = cls(state_dir, pool, labelled, cls._load_state(state_dir / cls.STATE_FILE), pool_cap)
-        data.refresh()
-        return data
-
-    def refresh(self) -> int:
-        """Scans the folder; returns how many new items joined."""
-        added = self.pool.scan()
-        if added:
-            self._images = self.pool.images()
-            self._label_at = np.concatenate([self._label_at, np.full(added, -1, dtype=np.int64)])
-        return added
-
-    def pool_indices(self) -> np.ndarray:
-        """The newest pool_cap unlabelled items, ascending (oldest out first)."""
-        return super().pool_indices()[-self.pool_cap :]
-
-    def item(self, index: int) -> PoolItem:
-        """The pool item at an index."""
-        return self.pool.items[index]
+def folder_pool_of(data: DeviceData) -> FolderPool:
+    """The folder pool a device's store reads its images from (ValueError for a shard device)."""
+    if not isinstance(data.source, FolderPool):
+        raise ValueError(f"{data.state_dir} is a shard device, not a folder pool")
+    return data.source

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import numpy as np
 
-from edge_agent.data import normalise
+from edge_agent.fashion_mnist import normalise
 
 PrefixFunction = Callable[[np.ndarray], np.ndarray]
 TailFunction = Callable[[np.ndarray, Sequence[np.ndarray]], np.ndarray]

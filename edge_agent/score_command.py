@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from edge_agent.bundle import Bundle, load_bundle
-from edge_agent.data import read_idx
+from edge_agent.fashion_mnist import read_idx
 from edge_agent.mc_scorer import MCScorer
 from edge_agent.sampling import make_heuristic, top_k
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from edge_agent.bundle import Bundle, BundleError
-from edge_agent.data import load_arrays
+from edge_agent.files import load_arrays
 from edge_agent.mc_dropout import TorchMCDropout
 from edge_agent.models import build_model, set_weights
 from edge_agent.tensors import weights_hash

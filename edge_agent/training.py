@@ -13,7 +13,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_agent.data import IMAGE_SHAPE, load_arrays, normalise, save_arrays
+from edge_agent.fashion_mnist import normalise
+from edge_agent.files import load_arrays, save_arrays
+from edge_agent.image_arrays import IMAGE_SHAPE
 from edge_agent.models import NUM_CLASSES, get_weights, set_weights
 from edge_agent.options import Method, Option, Registry
 from edge_agent.sampling import class_prior_bias

@@ -18,7 +18,8 @@ from edge_agent.bundle import (
     file_sha256,
     load_bundle,
 )
-from edge_agent.data import CLASS_NAMES, FASHION_MNIST_MEAN, FASHION_MNIST_STD, atomic_write_bytes, save_arrays
+from edge_agent.fashion_mnist import CLASS_NAMES, FASHION_MNIST_MEAN, FASHION_MNIST_STD
+from edge_agent.files import atomic_write_bytes, save_arrays
 from edge_agent.manifest import BundleManifest, DropoutSection, Normalisation
 from edge_agent.mc_dropout import dropout_spec
 from edge_agent.models import INPUT_SHAPE, SplitDropoutModel, build_model, set_weights

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from edge_agent.bundle import load_bundle
-from edge_agent.data import DatasetMissingError, load_arrays, load_fashion_mnist, normalise
+from edge_agent.fashion_mnist import DatasetMissingError, load_fashion_mnist, normalise
+from edge_agent.files import load_arrays
 from edge_agent.tensors import Weights
 from export.bundle_writer import write_bundle
 from export.onnx_graphs import DEFAULT_OPSET

@@ -8,7 +8,7 @@ import pytest
 from fleet import stop_all
 
 from coordinator.broker import EmbeddedBroker, free_loopback_port
-from edge_agent.data import FashionMNIST, load_fashion_mnist
+from edge_agent.fashion_mnist import FashionMNIST, load_fashion_mnist
 
 
 @pytest.fixture

@@ -16,7 +16,9 @@ import numpy as np
 from coordinator.server import InitSettings, ServerData, ServerSettings, load_server_data
 from coordinator.simulate import BenchSettings, DeviceLaunch, spawn_agent, write_shards
 from edge_agent import wire
-from edge_agent.data import DeviceData, load_arrays, source_code
+from edge_agent.device_data import LABELS_FILE
+from edge_agent.files import load_arrays
+from edge_agent.labelled_record import source_code
 from edge_agent.mqtt import BrokerAddress, MqttSession
 
 INIT_SAMPLES = 50
@@ -140,7 +142,7 @@ def committed_rounds(run_dir: Path) -> list[tuple[int, int]]:
 
 def oracle_labels(state_dir: Path) -> np.ndarray:
     """The indices a device's labelled store holds from the oracle, read from its file (no agent needed)."""
-    path = state_dir / DeviceData.LABELS_FILE
+    path = state_dir / LABELS_FILE
     if not path.exists():
         return np.zeros(0, dtype=np.int64)
     arrays = load_arrays(path)

@@ -11,10 +11,12 @@ import pytest
 from coordinator.broker import EmbeddedBroker
 from edge_agent import wire
 from edge_agent.agent import LAST_ROUND_KEY, Agent, AgentSettings
-from edge_agent.data import DeviceData, Shard, load_fashion_mnist, open_device_data
+from edge_agent.device_data import DeviceData
+from edge_agent.fashion_mnist import load_fashion_mnist
 from edge_agent.models import build_model, get_weights
 from edge_agent.mqtt import MqttSession
 from edge_agent.oracle import SimulatedOracle
+from edge_agent.shard import Shard, open_device_data
 from edge_agent.tensors import weights_hash
 from export.bundle_writer import ensure_bundle_files
 

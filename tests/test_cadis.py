@@ -30,7 +30,7 @@ from coordinator.store import RoundRecord, RunStore, StrategyState
 from coordinator.strategies import CADIS, FedAvg, make_strategy
 from coordinator.validation import Expectation
 from edge_agent import wire
-from edge_agent.data import load_fashion_mnist
+from edge_agent.fashion_mnist import load_fashion_mnist
 from edge_agent.models import NUM_CLASSES, build_model, get_weights, weight_spec
 from edge_agent.mqtt import BrokerAddress, MqttSession
 from edge_agent.tensors import weights_hash

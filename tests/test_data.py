@@ -8,23 +8,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_agent import data
-from edge_agent.data import (
+from edge_agent import files
+from edge_agent.device_data import LABELS_FILE, STATE_FILE, DeviceData
+from edge_agent.fashion_mnist import (
     CLASS_NAMES,
     DEFAULT_DATA_DIR,
     DatasetMissingError,
-    DeviceData,
-    Shard,
-    atomic_write_bytes,
-    load_arrays,
     load_fashion_mnist,
-    load_shard,
     normalise,
-    open_device_data,
     read_idx,
-    save_arrays,
-    save_shard,
 )
+from edge_agent.files import atomic_write_bytes, load_arrays, save_arrays
+from edge_agent.shard import Shard, load_shard, open_device_data, save_shard
 
 TEST_IMAGES = DEFAULT_DATA_DIR / "t10k-images-idx3-ubyte.gz"
 TEST_LABELS = DEFAULT_DATA_DIR / "t10k-labels-idx1-ubyte.gz"
@@ -131,7 +126,7 @@ def test_atomic_write_failure_midway_keeps_old_file(tmp_path, monkeypatch):
         seen_temp_contents.extend(p.read_bytes() for p in temps)
         raise OSError(5, "simulated I/O error while writing")
 
-    monkeypatch.setattr(data.os, "fsync", failing_fsync)
+    monkeypatch.setattr(files.os, "fsync", failing_fsync)
     with pytest.raises(OSError, match="simulated"):
         atomic_write_bytes(path, b"new data that never lands")
     monkeypatch.undo()
@@ -234,7 +229,7 @@ def test_device_data_open_or_create(tmp_path, test_split):
 def test_add_labels_bad_input_changes_nothing(tmp_path, test_split, indices, labels, message):
     device = DeviceData.create(tmp_path / "state", test_split[0][:200])
     device.add_labels(np.array([2, 3]), np.array([4, 4]))
-    labels_file = tmp_path / "state" / DeviceData.LABELS_FILE
+    labels_file = tmp_path / "state" / LABELS_FILE
     before = labels_file.read_bytes()
     with pytest.raises(ValueError, match=message):
         device.add_labels(np.array(indices), np.array(labels))
@@ -265,7 +260,7 @@ def test_add_labels_is_one_atomic_write(tmp_path, test_split, monkeypatch):
     def failing_replace(source: str, target: Path) -> None:
         raise OSError("disk gone")
 
-    monkeypatch.setattr(data.os, "replace", failing_replace)
+    monkeypatch.setattr(files.os, "replace", failing_replace)
     with pytest.raises(OSError, match="disk gone"):
         device.add_labels(np.array([1, 2]), np.array([0, 1]))
     monkeypatch.undo()
@@ -286,7 +281,7 @@ def test_set_state_rejects_non_json_and_keeps_state(tmp_path, test_split):
 
 def test_corrupt_state_files_are_named(tmp_path, test_split):
     DeviceData.create(tmp_path / "state", test_split[0][:10])
-    (tmp_path / "state" / DeviceData.STATE_FILE).write_text("{not json")
+    (tmp_path / "state" / STATE_FILE).write_text("{not json")
     with pytest.raises(ValueError, match="state.json"):
         DeviceData.open(tmp_path / "state")
 

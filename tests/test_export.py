@@ -12,7 +12,7 @@ import pytest
 
 from coordinator.store import RunStore
 from edge_agent.bundle import BundleError, bundle_files, load_bundle, store_bundle
-from edge_agent.data import save_arrays
+from edge_agent.files import save_arrays
 from edge_agent.manifest import BundleManifest, ManifestError
 from edge_agent.mc_dropout import TorchMCDropout
 from edge_agent.models import build_model, get_weights

@@ -15,12 +15,14 @@ from hypothesis.extra.numpy import arrays
 from coordinator.server import load_encoder
 from edge_agent import wire
 from edge_agent.agent import Agent, AgentSettings
-from edge_agent.data import DeviceData, Shard, load_fashion_mnist, normalise, open_device_data
+from edge_agent.device_data import DeviceData
 from edge_agent.encoder import OnnxEncoder, encoder_hash
+from edge_agent.fashion_mnist import load_fashion_mnist, normalise
 from edge_agent.models import build_model
 from edge_agent.mqtt import BrokerAddress, MqttSession
 from edge_agent.oracle import SimulatedOracle
 from edge_agent.sampling import knn_labels, make_sampler, prototype_entropy, prototype_similarities
+from edge_agent.shard import Shard, open_device_data
 from export.onnx_graphs import export_encoder
 
 embedding_sets = arrays(np.float64, st.tuples(st.integers(1, 8), st.just(4)), elements=st.floats(-5, 5))

@@ -36,7 +36,8 @@ from coordinator.simulate import BenchSettings, simulate
 from coordinator.store import RunStore
 from coordinator.strategies import AveFL
 from edge_agent import wire
-from edge_agent.data import DeviceData, load_arrays
+from edge_agent.device_data import IMAGES_FILE, LABELS_FILE, STATE_FILE
+from edge_agent.files import load_arrays
 from edge_agent.mqtt import parse_broker_url
 from edge_agent.tensors import weights_hash
 
@@ -183,11 +184,11 @@ def test_a_device_killed_while_training_keeps_its_labels_and_rejoins(tmp_path: P
     assert not (run_dir / "spool" / "round_0001" / f"{victim.device_id}.msgpack").exists(), (
         "the device was killed after publishing, not during training"
     )
-    at_kill = load_arrays(victim.state_dir / DeviceData.LABELS_FILE)
-    images_at_kill = sha256_of(victim.state_dir / DeviceData.IMAGES_FILE)
+    at_kill = load_arrays(victim.state_dir / LABELS_FILE)
+    images_at_kill = sha256_of(victim.state_dir / IMAGES_FILE)
     batch = oracle_labels(victim.state_dir)
     assert len(batch) == LABELS
-    state = json.loads((victim.state_dir / DeviceData.STATE_FILE).read_text())
+    state = json.loads((victim.state_dir / STATE_FILE).read_text())
     assert state.get("last_finished_round", 0) == 0
     assert state["round_batches"]["round"] == 1
     assert sorted(state["round_batches"]["batches"][0]) == sorted(batch.tolist())
@@ -198,11 +199,11 @@ def test_a_device_killed_while_training_keeps_its_labels_and_rejoins(tmp_path: P
     assert [wait_exit(process, "fleet process") for process in survivors] == [0, 0, 0]
 
     assert committed_rounds(run_dir) == [(1, 2), (2, 2)]
-    after = load_arrays(victim.state_dir / DeviceData.LABELS_FILE)
+    after = load_arrays(victim.state_dir / LABELS_FILE)
     held = len(at_kill["indices"])
     for name in ("indices", "labels", "sources"):
         assert np.array_equal(after[name][:held], at_kill[name]), f"labels.npz {name} changed for the labels held"
-    assert sha256_of(victim.state_dir / DeviceData.IMAGES_FILE) == images_at_kill
+    assert sha256_of(victim.state_dir / IMAGES_FILE) == images_at_kill
     assert len(oracle_labels(victim.state_dir)) == 2 * LABELS  # round 1's batch reused, round 2's new
     assert set(batch) <= set(oracle_labels(victim.state_dir)[:LABELS])
     with RunStore(run_dir) as store:
@@ -239,8 +240,8 @@ def test_a_device_that_hangs_then_dies_is_left_out_and_taken_back_when_it_return
     absent = fleet_shards(run_dir, devices=3)[2]
     wait_until(
         lambda: (
-            (absent.state_dir / DeviceData.STATE_FILE).exists()
-            and "round_batches" in json.loads((absent.state_dir / DeviceData.STATE_FILE).read_text())
+            (absent.state_dir / STATE_FILE).exists()
+            and "round_batches" in json.loads((absent.state_dir / STATE_FILE).read_text())
         ),
         "dev-02 starting round 1",
     )

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from edge_agent import wire
-from edge_agent.data import load_fashion_mnist
+from edge_agent.fashion_mnist import load_fashion_mnist
 from edge_agent.models import build_model, get_weights
 from edge_agent.training import FedProx, LocalData, TrainSettings, proximal_term, train_supervised
 

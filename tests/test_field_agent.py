@@ -17,9 +17,9 @@ from test_folder_pool import write_png
 
 from coordinator.broker import EmbeddedBroker
 from edge_agent import wire
-from edge_agent.data import CLASS_NAMES, load_fashion_mnist
+from edge_agent.fashion_mnist import CLASS_NAMES, load_fashion_mnist
 from edge_agent.folder_oracle import QueryBook
-from edge_agent.folder_pool import FolderDeviceData
+from edge_agent.folder_pool import folder_pool_of, open_folder_data
 from edge_agent.models import build_model, get_weights
 
 DEVICE = "cam-1"
@@ -135,10 +135,10 @@ def test_folder_oracle_end_to_end_with_pending_answers_surviving_sigkill(tmp_pat
         )
         assert [q.index for q in book.queries()] == [q.index for q in first], "nothing is asked twice"
         kill(agent)
-    data = FolderDeviceData.open_folder(tmp_path / "state", pool_dir, pool_cap=100, settle_seconds=0)
+    data = open_folder_data(tmp_path / "state", pool_dir, pool_cap=100, settle_seconds=0)
     indices, labels = data.labelled()
     assert data.count_labels("oracle") == 5
-    assert [truth[data.item(i).path] for i in indices.tolist()] == labels.tolist()
+    assert [truth[folder_pool_of(data).item(i).path] for i in indices.tolist()] == labels.tolist()
     assert sorted(indices.tolist()) == sorted(q.index for q in book.queries())
     assert sorted(p.name for p in pool_dir.iterdir()) == sorted(truth), "no user file deleted"
 

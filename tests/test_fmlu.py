@@ -16,7 +16,8 @@ from coordinator.aggregation import ClientUpdate, entropy_coefficients
 from coordinator.strategies import FMLU, AveFL, make_strategy
 from coordinator.validation import Expectation, Rejection, validate_update
 from edge_agent import wire
-from edge_agent.data import load_arrays, load_fashion_mnist
+from edge_agent.fashion_mnist import load_fashion_mnist
+from edge_agent.files import load_arrays
 from edge_agent.models import NUM_CLASSES, build_model, get_weights, set_weights, weight_spec
 from edge_agent.tensors import weights_hash
 from edge_agent.training import (

@@ -10,9 +10,9 @@ import pytest
 from PIL import Image
 from test_folder_pool import write_png
 
-from edge_agent.data import load_fashion_mnist
+from edge_agent.fashion_mnist import load_fashion_mnist
 from edge_agent.folder_oracle import FolderOracle, QueryBook, parse_label
-from edge_agent.folder_pool import FolderDeviceData
+from edge_agent.folder_pool import open_folder_data
 
 
 @pytest.fixture()
@@ -20,7 +20,7 @@ def oracle(tmp_path) -> FolderOracle:
     images = load_fashion_mnist().test_images
     for i in range(6):
         write_png(tmp_path / "camera" / f"{i}.png", images[i], age_seconds=30 - i)
-    data = FolderDeviceData.open_folder(tmp_path / "state", tmp_path / "camera", pool_cap=10, settle_seconds=0)
+    data = open_folder_data(tmp_path / "state", tmp_path / "camera", pool_cap=10, settle_seconds=0)
     oracle = FolderOracle(QueryBook(tmp_path / "labelling"), data, wait_seconds=0.5, poll_seconds=0.05)
     oracle.start_round(4)
     return oracle
@@ -28,7 +28,7 @@ def oracle(tmp_path) -> FolderOracle:
 
 def test_queries_are_copied_once_and_answers_are_collected_once(oracle):
     first = oracle.ask(np.array([0, 2]))
-    assert [q.file for q in first] == [f"4/{i:06d}-{oracle.data.item(i).sha256[:12]}.png" for i in (0, 2)]
+    assert [q.file for q in first] == [f"4/{i:06d}-{oracle.pool.item(i).sha256[:12]}.png" for i in (0, 2)]
     assert oracle.ask(np.array([2, 3])) and [q.index for q in oracle.book.queries()] == [0, 2, 3]
     assert oracle.pending().tolist() == [0, 2, 3]
     oracle.book.labels_path.write_text(f"file,label\n4/{first[0].name},Trouser\n{first[1].name},7\n")
@@ -74,7 +74,7 @@ def test_bad_label_rows_are_logged_once_and_skipped_and_the_last_row_wins(oracle
 
 
 def test_a_changed_or_vanished_original_is_shown_as_the_stored_image(oracle):
-    original = oracle.data.pool.pool_dir / oracle.data.item(3).path
+    original = oracle.pool.pool_dir / oracle.pool.item(3).path
     original.rename(original.with_suffix(".moved"))
     query = oracle.ask(np.array([3]))[0]
     assert query.file.endswith(".png")

@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from edge_agent.data import load_fashion_mnist
+from edge_agent.fashion_mnist import load_fashion_mnist
 from edge_agent.folder_pool import (
     MODEL_INPUT,
-    FolderDeviceData,
     FolderPool,
     InputSpec,
     UnreadableImageError,
     decode_image,
+    folder_pool_of,
+    open_folder_data,
 )
 
 
@@ -137,7 +138,7 @@ def test_device_data_over_a_folder_caps_the_pool_oldest_out_and_keeps_labels(tmp
     pool_dir = tmp_path / "camera"
     for i in range(5):
         write_png(pool_dir / f"{i:02d}.png", images[i], age_seconds=50 - i)
-    data = FolderDeviceData.open_folder(tmp_path / "state", pool_dir, pool_cap=3, settle_seconds=0)
+    data = open_folder_data(tmp_path / "state", pool_dir, pool_cap=3, settle_seconds=0)
     assert data.num_samples == 5 and data.pool_indices().tolist() == [2, 3, 4]
     data.add_labels(np.array([4]), labels[[4]])
     assert data.pool_indices().tolist() == [1, 2, 3]
@@ -147,22 +148,22 @@ def test_device_data_over_a_folder_caps_the_pool_oldest_out_and_keeps_labels(tmp
     assert data.pool_indices().tolist() == [5, 6, 7]
     assert np.array_equal(data.images(np.array([6])), images[[6]])
     assert sorted(p.name for p in pool_dir.glob("*.png")) == [f"{i:02d}.png" for i in range(8)]
-    reopened = FolderDeviceData.open_folder(tmp_path / "state", pool_dir, pool_cap=3, settle_seconds=0)
+    reopened = open_folder_data(tmp_path / "state", pool_dir, pool_cap=3, settle_seconds=0)
     assert reopened.labelled()[0].tolist() == [4] and reopened.labelled()[1].tolist() == [labels[4]]
-    assert reopened.item(4).path == "04.png"
+    assert folder_pool_of(reopened).item(4).path == "04.png"
 
 
 def test_folder_store_refuses_shard_state_and_foreign_input_shapes(tmp_path, fashion):
-    from edge_agent.data import DeviceData
+    from edge_agent.device_data import DeviceData
 
     (tmp_path / "camera").mkdir()
     DeviceData.create(tmp_path / "bench", fashion[0][:3])
     with pytest.raises(ValueError, match="shard's device data"):
-        FolderDeviceData.open_folder(tmp_path / "bench", tmp_path / "camera", pool_cap=10)
+        open_folder_data(tmp_path / "bench", tmp_path / "camera", pool_cap=10)
     with pytest.raises(ValueError, match="3x32x32"):
-        FolderDeviceData.open_folder(tmp_path / "s", tmp_path / "camera", 10, InputSpec(3, 32, 32))
+        open_folder_data(tmp_path / "s", tmp_path / "camera", 10, InputSpec(3, 32, 32))
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        FolderDeviceData.open_folder(tmp_path / "s", tmp_path / "missing", pool_cap=10)
+        open_folder_data(tmp_path / "s", tmp_path / "missing", pool_cap=10)
 
 
 def test_input_spec_comes_from_a_bundle_manifest_and_a_foreign_normalisation_is_refused():

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from test_folder_pool import write_png
 
-from edge_agent.data import load_fashion_mnist
+from edge_agent.fashion_mnist import load_fashion_mnist
 from edge_agent.folder_oracle import FolderOracle, QueryBook
-from edge_agent.folder_pool import FolderDeviceData
+from edge_agent.folder_pool import open_folder_data
 from edge_agent.label_ui import LabelServer, parse_listen_address
 
 CHROMIUM = "/usr/bin/chromium"
@@ -38,7 +38,7 @@ def book(tmp_path: Path) -> QueryBook:
     images = load_fashion_mnist().test_images
     for i in range(3):
         write_png(tmp_path / "camera" / f"{i}.png", images[i], age_seconds=30 - i)
-    data = FolderDeviceData.open_folder(tmp_path / "state", tmp_path / "camera", pool_cap=10, settle_seconds=0)
+    data = open_folder_data(tmp_path / "state", tmp_path / "camera", pool_cap=10, settle_seconds=0)
     oracle = FolderOracle(QueryBook(tmp_path / "labelling"), data, wait_seconds=0)
     oracle.start_round(1)
     oracle.ask(np.arange(3))

@@ -12,7 +12,7 @@ import pytest
 
 from coordinator.store import RunStore
 from edge_agent import wire
-from edge_agent.data import load_arrays
+from edge_agent.files import load_arrays
 from edge_agent.tensors import weights_hash
 from edge_agent.training import PRIVATE_MODEL_FILE
 

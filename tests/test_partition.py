@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from coordinator.partition import PartitionSpec, parse_partition, partition_indices, server_holdout
-from edge_agent.data import DEFAULT_DATA_DIR, read_idx
+from edge_agent.fashion_mnist import DEFAULT_DATA_DIR, read_idx
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,9 @@ from coordinator.server import InitSettings, ServerSettings, initial_weights, ru
 from coordinator.store import RunStore
 from edge_agent import wire
 from edge_agent.agent import Agent, AgentSettings
-from edge_agent.data import load_shard, open_device_data
 from edge_agent.mqtt import BrokerAddress, MqttSession
 from edge_agent.oracle import SimulatedOracle
+from edge_agent.shard import load_shard, open_device_data
 from edge_agent.tensors import weights_hash
 
 pytestmark = pytest.mark.integration

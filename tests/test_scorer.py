@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from edge_agent.bundle import load_bundle
-from edge_agent.data import Shard, load_fashion_mnist, normalise, save_shard
+from edge_agent.fashion_mnist import load_fashion_mnist, normalise
 from edge_agent.mc_dropout import TorchMCDropout
 from edge_agent.mc_scorer import DropoutSpec, batch_masks, dropout_masks
 from edge_agent.models import build_model, get_weights
 from edge_agent.ort_scorer import OrtMCDropout, session_options
 from edge_agent.sampling import entropy_scores, top_k
 from edge_agent.score_command import load_pool_images
+from edge_agent.shard import Shard, save_shard
 from edge_agent.training import TrainSettings, train_supervised
 from export.bundle_writer import write_bundle
 

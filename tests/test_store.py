@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
-from edge_agent.data import save_arrays
+from edge_agent.files import save_arrays
 from edge_agent.models import build_model, get_weights
 from edge_agent.tensors import weights_hash
 

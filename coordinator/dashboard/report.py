@@ -16,7 +16,7 @@ from coordinator.dashboard.views import (
     rounds_view,
     run_view,
 )
-from edge_agent.data import atomic_write_bytes
+from edge_agent.files import atomic_write_bytes
 
 REPORT_NAME = "report.html"
 STYLE = """
