@@ -68,5 +68,5 @@ def test_larger_mu_keeps_the_local_model_closer_to_the_global_one(data: LocalDat
 
 
 def test_negative_mu_is_refused(data: LocalData) -> None:
-    with pytest.raises(ValueError, match="recipe option .mu. must be a finite number >= 0"):
+    with pytest.raises(ValueError, match="--mu must be at least 0, got -1.0"):
         FedProx().train(build_model(seed=0), data, build_model(seed=0), wire.Recipe(options={"mu": -1.0}), seed=0)
