@@ -27,7 +27,7 @@ from edge_agent.score_command import BACKENDS, score_pool
 from edge_agent.shard import load_shard, open_device_data
 
 if TYPE_CHECKING:  # the agent imports torch; `edge-agent score` must not
-    from edge_agent.agent import AgentSettings
+    from edge_agent.agent_settings import AgentSettings
 
 log = logging.getLogger("edge_agent")
 
@@ -118,7 +118,7 @@ def agent_settings(
 ) -> AgentSettings:
     """The agent's settings: command-line values first, then the credential file's and the profile's, then the
     bench defaults. A credential file for another device or fleet than the command line names is an error."""
-    from edge_agent.agent import AgentSettings
+    from edge_agent.agent_settings import AgentSettings
 
     device_id = args.device_id or (credentials.device_id if credentials else None)
     fleet = args.fleet or (credentials.fleet if credentials else None)
@@ -169,6 +169,7 @@ def run_agent(args: argparse.Namespace) -> int:
     """Opens the device's data, connects, and serves rounds until the run ends or a signal arrives."""
     from edge_agent.agent import Agent
     from edge_agent.field import open_field
+    from edge_agent.field_options import field_settings
 
     if (args.data is None) == (args.pool_dir is None):
         raise ValueError("give exactly one of --data (a bench shard) or --pool-dir (a folder of images)")
@@ -187,7 +188,7 @@ def run_agent(args: argparse.Namespace) -> int:
     )
     field = None
     if args.pool_dir is not None:
-        field = open_field(args, state_dir, settings.model_name, settings.inference_batch, profile)
+        field = open_field(field_settings(args), state_dir, settings, profile)
         agent = Agent(settings, session, field.data, field.oracle, field.work)
         field.oracle.stop_event = agent.stop_event
     else:

@@ -1,7 +1,6 @@
 # A field device's parts: the folder pool, the folder oracle, the label page, and the work between rounds.
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import time
@@ -10,15 +9,17 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_agent.agent import LatestModel
+from edge_agent.agent_settings import AgentSettings
 from edge_agent.device_data import DeviceData
-from edge_agent.fashion_mnist import normalise
+from edge_agent.field_options import FieldSettings
 from edge_agent.folder_oracle import FolderOracle, QueryBook
 from edge_agent.folder_pool import MODEL_INPUT, InputSpec, open_folder_data
 from edge_agent.label_ui import LabelServer, parse_listen_address
-from edge_agent.mc_dropout import TorchMCDropout
 from edge_agent.models import build_model, set_weights
 from edge_agent.profile import DeviceProfile
-from edge_agent.sampling import entropy_scores
+from edge_agent.round_inputs import RoundModels, mc_probabilities
+from edge_agent.sampling import Heuristic, Sampler, make_sampler
 from edge_agent.stream import BudgetSettings, BudgetState, decide, default_burst, start_state
 from edge_agent.tensors import Weights
 
@@ -30,43 +31,35 @@ STREAM_PASSES = 10
 
 
 class StreamAcquirer:
-    """Scores each new pool item once (MC-dropout entropy, newest global model) and asks for it within the budget.
+    """Scores each new pool item once (the recipe's sampler over the newest global model, through the agent's
+    configured back end) and asks for it within the budget.
 
-    The bucket, recent scores and how far the pool has been scored persist in the agent's state before the
-    queries are written, so a crash can only under-spend the budget, never exceed it.
+    The bucket, recent scores and how far the pool has been scored persist in the agent's journal before the
+    queries are written, so a crash can only under-spend the budget, never exceed it. A sampler that needs more
+    than MC-dropout probabilities of the new items (KSAS, FAST) cannot score a stream: it is refused in one line.
     """
 
     def __init__(
-        self,
-        data: DeviceData,
-        oracle: FolderOracle,
-        budget: BudgetSettings,
-        model_name: str = "paper-cnn",
-        passes: int = STREAM_PASSES,
-        inference_batch: int = 256,
+        self, data: DeviceData, oracle: FolderOracle, budget: BudgetSettings, settings: AgentSettings, passes: int
     ) -> None:
         self.data = data
         self.oracle = oracle
         self.budget = budget
+        self.settings = settings
         self.passes = passes
-        self.inference_batch = inference_batch
-        self._model = build_model(model_name)
+        self._model = build_model(settings.model_name)
         self._loaded: Weights | None = None
+        self._refused: set[str] = set()
 
-    def score_new(self, weights: Weights, round_id: int) -> None:
+    def score_new(self, latest: LatestModel, round_id: int) -> None:
         """Scores the items that arrived since the last call and asks for those the controller picks."""
         saved = self.data.get_state(STREAM_STATE_KEY) or {}
         first, end = int(saved.get("scored_upto", 0)), self.data.num_samples
-        if first >= end:
+        sampler = make_sampler(latest.recipe.sampler)
+        if first >= end or not self.can_stream(sampler):
             return
-        if weights is not self._loaded:
-            set_weights(self._model, weights)
-            self._loaded = weights
         new = np.arange(first, end)
-        probabilities = TorchMCDropout(self._model, self.inference_batch).probabilities(
-            normalise(self.data.images(new)), self.passes, seed=first
-        )
-        scores = entropy_scores(probabilities)
+        scores = self.scores(sampler, latest, new, seed=first)
         now = time.time()
         state = BudgetState.from_json(saved["budget"]) if "budget" in saved else start_state(self.budget, now)
         asked = []
@@ -78,12 +71,33 @@ class StreamAcquirer:
         self.oracle.start_round(round_id)
         self.oracle.ask(np.array(asked, dtype=np.int64))
         log.info(
-            "stream scored new=%d asked=%d tokens=%.2f max_entropy=%.3f",
-            len(new),
-            len(asked),
-            state.tokens,
-            float(scores.max()),
+            "stream scored sampler=%s new=%d asked=%d tokens=%.2f max_score=%.3f",
+            *(sampler.name, len(new), len(asked), state.tokens, float(scores.max())),
         )
+
+    def can_stream(self, sampler: Sampler) -> bool:
+        """True for a sampler that scores from MC-dropout probabilities alone; else an error, logged once."""
+        if isinstance(sampler, Heuristic):
+            return True
+        if sampler.name not in self._refused:
+            self._refused.add(sampler.name)
+            log.error(
+                "stream acquisition refused sampler=%s reason=it needs more than the new items' probabilities",
+                sampler.name,
+            )
+        return False
+
+    def scores(self, sampler: Heuristic, latest: LatestModel, new: np.ndarray, seed: int) -> np.ndarray:
+        """The sampler's scores of the new items under the newest global model, on the agent's back end."""
+        if latest.weights is not self._loaded:
+            set_weights(self._model, latest.weights)
+            self._loaded = latest.weights
+        models = RoundModels(self._model, self._model, "", latest.recipe, latest.bundle)
+        images = self.data.images(new)
+        probabilities = (
+            mc_probabilities(self.settings, models, images, self.passes, seed) if sampler.needs_probabilities else None
+        )
+        return sampler.scores(probabilities, len(new), np.random.default_rng(seed))
 
 
 class FieldWork:
@@ -95,14 +109,14 @@ class FieldWork:
         self.stream = stream
         self._next_scan = 0.0
 
-    def tick(self, weights: Weights | None, round_id: int) -> None:
+    def tick(self, latest: LatestModel | None, round_id: int) -> None:
         """Scans the folder when the interval has passed; scores new items once a global model has arrived."""
         if time.monotonic() < self._next_scan:
             return
         self._next_scan = time.monotonic() + self.scan_interval
         self.data.refresh()
-        if self.stream is not None and weights is not None:
-            self.stream.score_new(weights, round_id)
+        if self.stream is not None and latest is not None:
+            self.stream.score_new(latest, round_id)
 
 
 @dataclass
@@ -127,20 +141,20 @@ def _input_spec(manifest_path: Path | None) -> InputSpec:
 
 
 def open_field(
-    args: argparse.Namespace, state_dir: Path, model_name: str, inference_batch: int, profile: DeviceProfile | None
+    field: FieldSettings, state_dir: Path, settings: AgentSettings, profile: DeviceProfile | None
 ) -> FieldParts:
-    """Opens the folder pool and the folder oracle for `edge-agent run --pool-dir`; starts the label page if asked."""
+    """Opens the folder pool and the folder oracle of a field device; starts the label page if asked."""
     pool_cap = profile.pool_size_cap if profile else DEFAULT_POOL_CAP
-    oracle_dir = args.oracle_dir or state_dir / "labelling"
-    listen = parse_listen_address(args.label_ui) if args.label_ui else None
-    budget = None
-    if args.stream:
-        budget = BudgetSettings(args.labels_per_hour, args.label_burst or default_burst(args.labels_per_hour))
+    oracle_dir = field.oracle_dir or state_dir / "labelling"
+    listen = parse_listen_address(field.label_ui) if field.label_ui else None
     data = open_folder_data(
-        state_dir, args.pool_dir, pool_cap, _input_spec(args.manifest), args.settle_seconds, skip_dirs=(oracle_dir,)
+        state_dir, field.pool_dir, pool_cap, _input_spec(field.manifest), field.settle_seconds, skip_dirs=(oracle_dir,)
     )
     book = QueryBook(oracle_dir)
-    oracle = FolderOracle(book, data, args.answer_wait)
-    stream = StreamAcquirer(data, oracle, budget, model_name, inference_batch=inference_batch) if budget else None
+    oracle = FolderOracle(book, data, field.answer_wait)
+    stream = None
+    if field.stream:
+        budget = BudgetSettings(field.labels_per_hour, field.label_burst or default_burst(field.labels_per_hour))
+        stream = StreamAcquirer(data, oracle, budget, settings, STREAM_PASSES)
     server = LabelServer(book, *listen).start() if listen else None
-    return FieldParts(data, oracle, FieldWork(data, args.scan_interval, stream), server)
+    return FieldParts(data, oracle, FieldWork(data, field.scan_interval, stream), server)

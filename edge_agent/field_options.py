@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 from edge_agent.folder_pool import DEFAULT_SETTLE_SECONDS
@@ -43,4 +44,36 @@ def add_field_arguments(run: argparse.ArgumentParser) -> None:
         "--label-burst",
         type=float,
         help="--stream: most labels asked at once (default: a quarter hour's budget, at least 1)",
+    )
+
+
+@dataclass(frozen=True)
+class FieldSettings:
+    """A field device's folder pool, folder oracle, label page and stream acquisition, as the command line set them."""
+
+    pool_dir: Path
+    manifest: Path | None = None
+    oracle_dir: Path | None = None
+    answer_wait: float = 120.0
+    label_ui: str | None = None
+    scan_interval: float = 5.0
+    settle_seconds: float = DEFAULT_SETTLE_SECONDS
+    stream: bool = False
+    labels_per_hour: float = 30.0
+    label_burst: float | None = None
+
+
+def field_settings(args: argparse.Namespace) -> FieldSettings:
+    """FieldSettings from parsed `edge-agent run` arguments (with --pool-dir)."""
+    return FieldSettings(
+        pool_dir=args.pool_dir,
+        manifest=args.manifest,
+        oracle_dir=args.oracle_dir,
+        answer_wait=args.answer_wait,
+        label_ui=args.label_ui,
+        scan_interval=args.scan_interval,
+        settle_seconds=args.settle_seconds,
+        stream=args.stream,
+        labels_per_hour=args.labels_per_hour,
+        label_burst=args.label_burst,
     )

@@ -34,8 +34,9 @@ def _no_images() -> np.ndarray:
 
 @dataclass(frozen=True)
 class LocalData:
-    """What a local rule may train on: this acquisition's new labels, the replay set, all human labels, the pool,
-    the weak (machine) labels a sampler proposed, and which communication round of the active round this is.
+    """What a local rule may train on: this acquisition's new labels, the replay set, all human labels, the pool
+    (read on demand: only KCFU asks for it), the weak (machine) labels a sampler proposed, and which communication
+    round of the active round this is.
 
     state_dir is the device's private folder, for rules that keep state between rounds (DMLU's personalised model).
     """
@@ -46,7 +47,7 @@ class LocalData:
     replay_labels: np.ndarray
     labelled_images: np.ndarray
     labelled_labels: np.ndarray
-    unlabelled_images: np.ndarray
+    unlabelled: Callable[[], np.ndarray]
     state_dir: Path | None = None
     weak_images: np.ndarray = field(default_factory=_no_images)
     weak_labels: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -450,7 +451,8 @@ class KCFU(LocalRule):
         """L = L_client in round 1 of the active round, else nu L_client + (1 - nu) L_comp (Eq. 6, nu default 0.5)."""
         nu = self.option_value(recipe.options, "nu")
         counts = data.class_counts()
-        unlabelled = torch.from_numpy(normalise(data.unlabelled_images)) if len(data.unlabelled_images) else None
+        pool = data.unlabelled()
+        unlabelled = torch.from_numpy(normalise(pool)) if len(pool) else None
         compensate = data.round_in_active_round > 1 and unlabelled is not None
         teacher = global_model.eval()
         generator = torch.Generator().manual_seed(seed + 1)

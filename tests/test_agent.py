@@ -10,7 +10,8 @@ import pytest
 
 from coordinator.broker import EmbeddedBroker
 from edge_agent import wire
-from edge_agent.agent import LAST_ROUND_KEY, Agent, AgentSettings
+from edge_agent.agent import LAST_ROUND_KEY, Agent
+from edge_agent.agent_settings import AgentSettings
 from edge_agent.device_data import DeviceData
 from edge_agent.fashion_mnist import load_fashion_mnist
 from edge_agent.models import build_model, get_weights

@@ -265,7 +265,7 @@ def test_cadis_kd_trains_towards_the_labels_and_zero_kd_weight_is_plain_cross_en
     dataset = load_fashion_mnist()
     images, labels = dataset.test_images[:40], dataset.test_labels[:40].astype(np.int64)
     empty, none = images[:0], labels[:0]
-    data = LocalData(empty, none, empty, none, images, labels, empty)
+    data = LocalData(empty, none, empty, none, images, labels, lambda: empty)
     global_model = build_model(seed=3).eval()
     recipe = wire.Recipe(
         local_rule="cadis-kd",
@@ -299,6 +299,6 @@ def test_cadis_kd_trains_towards_the_labels_and_zero_kd_weight_is_plain_cross_en
 def test_cadis_kd_refuses_a_negative_kd_weight() -> None:
     model = build_model(seed=0)
     images, labels = np.zeros((4, 28, 28), dtype=np.uint8), np.zeros(4, dtype=np.int64)
-    data = LocalData(images, labels, images, labels, images, labels, images)
+    data = LocalData(images, labels, images, labels, images, labels, lambda: images)
     with pytest.raises(ValueError, match="--kd-weight must be at least 0, got -1.0"):
         CadisKD().train(model, data, model, wire.Recipe(options={"kd_weight": -1.0}), seed=0)

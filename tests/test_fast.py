@@ -14,13 +14,15 @@ from hypothesis.extra.numpy import arrays
 
 from coordinator.server import load_encoder
 from edge_agent import wire
-from edge_agent.agent import Agent, AgentSettings
+from edge_agent.agent import Agent
+from edge_agent.agent_settings import AgentSettings
 from edge_agent.device_data import DeviceData
 from edge_agent.encoder import OnnxEncoder, encoder_hash
 from edge_agent.fashion_mnist import load_fashion_mnist, normalise
 from edge_agent.models import build_model
 from edge_agent.mqtt import BrokerAddress, MqttSession
 from edge_agent.oracle import SimulatedOracle
+from edge_agent.round_inputs import RoundModels
 from edge_agent.sampling import knn_labels, make_sampler, prototype_entropy, prototype_similarities
 from edge_agent.shard import Shard, open_device_data
 from export.onnx_graphs import export_encoder
@@ -102,8 +104,13 @@ def make_agent(tmp_path: Path, pool_size: int, encoder: bytes) -> Agent:
         open_device_data(tmp_path / "state", shard),
         SimulatedOracle(shard.all_labels),
     )
-    agent.on_encoder(wire.EncoderMessage(encoder_hash(encoder), encoder))
+    agent.artefacts.on_encoder(wire.EncoderMessage(encoder_hash(encoder), encoder))
     return agent
+
+
+def round_models(agent: Agent, model, recipe: wire.Recipe) -> RoundModels:
+    """The round's models as the agent builds them: the model as current and global, the held encoder."""
+    return RoundModels(model, model, "base", recipe, encoder=agent.artefacts.encoders.get(recipe.encoder))
 
 
 @pytest.mark.parametrize(("pool_size", "budget"), [(60, 25), (15, 25)])
@@ -113,7 +120,9 @@ def test_fast_queries_exactly_min_b_pool_and_weak_labels_never_count_or_overwrit
     agent = make_agent(tmp_path, pool_size, encoder_bytes)
     recipe = wire.Recipe(sampler="fast", labels_per_acquisition=budget, encoder=encoder_hash(encoder_bytes))
     model = build_model(seed=0)
-    answered, _labels = agent.acquire(model, model, "base", make_sampler("fast"), recipe, 1, round_id=1, acquisition=0)
+    answered, _labels = agent.acquirer.acquire(
+        round_models(agent, model, recipe), make_sampler("fast"), 1, round_id=1, acquisition=0
+    )
     data = agent.data
     assert len(answered) == min(budget, pool_size) == data.count_labels("oracle")
     weak_indices, _weak_labels = data.weak_labels()
@@ -130,9 +139,13 @@ def test_a_second_acquisition_turns_weak_labels_into_human_ones_and_keeps_human_
     agent = make_agent(tmp_path, 80, encoder_bytes)
     recipe = wire.Recipe(sampler="fast", labels_per_acquisition=10, encoder=encoder_hash(encoder_bytes))
     model = build_model(seed=0)
-    first, _ = agent.acquire(model, model, "base", make_sampler("fast"), recipe, 1, round_id=1, acquisition=0)
+    first, _ = agent.acquirer.acquire(
+        round_models(agent, model, recipe), make_sampler("fast"), 1, round_id=1, acquisition=0
+    )
     weak_before, _ = agent.data.weak_labels()
-    second, _ = agent.acquire(model, model, "base", make_sampler("fast"), recipe, 2, round_id=2, acquisition=0)
+    second, _ = agent.acquirer.acquire(
+        round_models(agent, model, recipe), make_sampler("fast"), 2, round_id=2, acquisition=0
+    )
     assert np.isin(second, weak_before).all() and not np.isin(second, first).any()
     reopened = DeviceData.open(tmp_path / "state")
     assert reopened.count_labels("oracle") == 20 and reopened.count_labels("weak") == 60
@@ -153,16 +166,18 @@ def test_encoder_stays_frozen_through_acquisitions(tmp_path, encoder_bytes) -> N
     recipe = wire.Recipe(sampler="fast", labels_per_acquisition=5, encoder=digest)
     model = build_model(seed=0)
     for seed in (1, 2):
-        agent.acquire(model, model, "base", make_sampler("fast"), recipe, seed, round_id=seed, acquisition=0)
-    kept = agent._encoders[digest]
+        agent.acquirer.acquire(
+            round_models(agent, model, recipe), make_sampler("fast"), seed, round_id=seed, acquisition=0
+        )
+    kept = agent.artefacts.encoders[digest]
     assert hashlib.sha256(kept).hexdigest() == digest
     np.testing.assert_array_equal(OnnxEncoder(kept).embed(probe), before)
 
 
 def test_an_encoder_with_the_wrong_hash_is_ignored(tmp_path, encoder_bytes) -> None:
     agent = make_agent(tmp_path, 10, encoder_bytes)
-    agent.on_encoder(wire.EncoderMessage("0" * 64, encoder_bytes))
-    assert "0" * 64 not in agent._encoders
+    agent.artefacts.on_encoder(wire.EncoderMessage("0" * 64, encoder_bytes))
+    assert "0" * 64 not in agent.artefacts.encoders
 
 
 def test_bad_encoder_files_give_one_line_errors(tmp_path) -> None:

@@ -22,7 +22,7 @@ def data() -> LocalData:
         labels[:0],
         images[:32],
         labels[:32],
-        images[:0],
+        lambda: images[:0],
         weak_images=images[32:],
         weak_labels=labels[32:],
     )

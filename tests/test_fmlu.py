@@ -42,7 +42,7 @@ def labelled() -> tuple[np.ndarray, np.ndarray]:
 def local_data(images: np.ndarray, labels: np.ndarray, state_dir: Path | None) -> LocalData:
     empty = np.zeros((0, 28, 28), dtype=np.uint8)
     none = np.zeros(0, dtype=np.int64)
-    return LocalData(images[:0], none, empty, none, images, labels, empty, state_dir=state_dir)
+    return LocalData(images[:0], none, empty, none, images, labels, lambda: empty, state_dir=state_dir)
 
 
 def model_from(weights: dict) -> torch.nn.Module:

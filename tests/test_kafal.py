@@ -23,11 +23,13 @@ from coordinator.store import RunStore
 from coordinator.strategies import make_strategy
 from coordinator.validation import Expectation
 from edge_agent import wire
-from edge_agent.agent import LAST_ROUND_KEY, OWN_MODEL_FILE, Agent, AgentSettings
+from edge_agent.agent import LAST_ROUND_KEY, Agent
+from edge_agent.agent_settings import AgentSettings
 from edge_agent.device_data import DeviceData
 from edge_agent.models import build_model, get_weights, weight_spec
 from edge_agent.mqtt import MqttSession
 from edge_agent.oracle import SimulatedOracle
+from edge_agent.round_inputs import OWN_MODEL_FILE
 from edge_agent.sampling import class_prior_bias, ksas_scores
 from edge_agent.schedule import acquires_in_round, check_schedule, labels_per_acquisition, round_in_active_round
 from edge_agent.shard import Shard, open_device_data
@@ -152,7 +154,7 @@ def local_data(fashion, round_in_active: int) -> LocalData:
         labels[:0],
         images,
         labels,
-        fashion.test_images[100:228],
+        lambda: fashion.test_images[100:228],
         round_in_active_round=round_in_active,
     )
 

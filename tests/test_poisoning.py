@@ -17,7 +17,8 @@ from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings, initial_weights, run_server
 from coordinator.store import RunStore
 from edge_agent import wire
-from edge_agent.agent import Agent, AgentSettings
+from edge_agent.agent import Agent
+from edge_agent.agent_settings import AgentSettings
 from edge_agent.mqtt import BrokerAddress, MqttSession
 from edge_agent.oracle import SimulatedOracle
 from edge_agent.shard import load_shard, open_device_data
