@@ -1,33 +1,23 @@
 # The device loop: model in -> acquire labels -> train -> update out, all on the main thread.
 from __future__ import annotations
 
-import copy
 import logging
-import os
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from edge_agent import wire
-from edge_agent.acquisition import Acquirer
-from edge_agent.agent_settings import AgentSettings, device_seed
+from edge_agent.agent_settings import AgentSettings
 from edge_agent.artefacts import BUNDLES_FOLDER, RoundArtefacts
 from edge_agent.bundle import Bundle
 from edge_agent.device_data import DeviceData
-from edge_agent.files import save_arrays
-from edge_agent.models import build_model, get_weights, set_weights
 from edge_agent.mqtt import IncomingMessage, LastWill, MqttSession, PayloadTooLargeError
 from edge_agent.oracle import Oracle
-from edge_agent.round_inputs import OWN_MODEL_FILE, RoundModels, training_view
-from edge_agent.sampling import make_sampler
-from edge_agent.schedule import acquires_in_round, round_in_active_round
+from edge_agent.round_runner import RoundRunner
 from edge_agent.tensors import Weights
-from edge_agent.training import make_local_rule
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +41,6 @@ class BackgroundWork(Protocol):
         """Called every loop turn with the newest global model (None before the first) and the round worked toward."""
 
 
-def step_seed(recipe: wire.Recipe, device_id: str, round_id: int, step: int) -> int:
-    """The seed of one acquisition step: the recipe's seed, the device, the round and the step."""
-    return int(np.random.SeedSequence([recipe.seed, device_seed(device_id), round_id, step]).generate_state(1)[0])
-
-
 class Agent:
     """One device: follows the retained round announcements of its fleet and answers each with one update."""
 
@@ -74,7 +59,7 @@ class Agent:
         self.background = background
         self.stop_event = threading.Event()
         self.artefacts = RoundArtefacts(session, data.state_dir / BUNDLES_FOLDER)
-        self.acquirer = Acquirer(settings, data, oracle)
+        self.rounds = RoundRunner(settings, data, oracle, self.artefacts, self.publish_status)
         self._pending: wire.RoundAnnouncement | None = None
         self._recipe: wire.Recipe | None = None
 
@@ -170,7 +155,7 @@ class Agent:
         if announcement is None or not self.artefacts.ready(announcement, self.settings.scores_with_onnxruntime):
             return
         self._pending = None
-        update = self.run_round(announcement, self.artefacts.models[announcement.model_hash])
+        update = self.rounds.run(announcement, self.artefacts.models[announcement.model_hash])
         try:
             if update is not None:
                 self.publish_update(update)
@@ -182,76 +167,6 @@ class Agent:
             return
         self.data.set_state(LAST_ROUND_KEY, announcement.round_id)
         self.publish_status("idle", announcement.round_id)
-
-    def round_models(self, announcement: wire.RoundAnnouncement, global_weights: Weights) -> RoundModels:
-        """A fresh model loaded with the global weights, a frozen copy of it, and the round's artefacts."""
-        model = build_model(self.settings.model_name)
-        set_weights(model, global_weights)
-        bundle = self.artefacts.bundles.get(announcement.model_hash)
-        encoder = self.artefacts.encoders.get(announcement.recipe.encoder)
-        frozen = copy.deepcopy(model).eval()
-        return RoundModels(model, frozen, announcement.model_hash, announcement.recipe, bundle, encoder)
-
-    def run_round(self, announcement: wire.RoundAnnouncement, global_weights: Weights) -> wire.Update | None:
-        """Acquires (when the schedule says so), labels and trains; returns the update, or None when the device
-        is not among the round's participants (it then only acquires, as every device does, and never trains)."""
-        recipe, round_id = announcement.recipe, announcement.round_id
-        participating = not announcement.participants or self.settings.device_id in announcement.participants
-        self.publish_status("training" if participating else "acquiring", round_id)
-        models = self.round_models(announcement, global_weights)
-        self.oracle.start_round(round_id)
-        self.acquirer.take_initial_labels(recipe)
-        acquisitions = recipe.acquisitions_per_round if acquires_in_round(round_id, recipe) else 0
-        metrics: dict[str, float] = {}
-        for step in range(max(acquisitions, 1 if participating else 0)):
-            done = self.run_step(models, round_id, step, step < acquisitions, participating)
-            if done is None:
-                break
-            metrics = done
-        return self.update_of(announcement, models, metrics) if participating else None
-
-    def run_step(
-        self, models: RoundModels, round_id: int, step: int, acquires: bool, trains: bool
-    ) -> dict[str, float] | None:
-        """One acquisition (if the schedule has one) and one local training (if the device participates);
-        the training metrics, or None when an acquisition found nothing new to label."""
-        started, recipe = time.monotonic(), models.recipe
-        seed = step_seed(recipe, self.settings.device_id, round_id, step)
-        new_indices = new_labels = np.zeros(0, dtype=np.int64)
-        if acquires:
-            sampler = make_sampler(recipe.sampler)
-            new_indices, new_labels = self.acquirer.acquire(models, sampler, seed, round_id, step)
-            if len(new_indices) == 0:
-                log.warning("no new labels device=%s round=%d", self.settings.device_id, round_id)
-                return None
-        metrics: dict[str, float] = {}
-        if trains:
-            data = training_view(self.data, new_indices, new_labels, round_in_active_round(round_id, recipe))
-            metrics = make_local_rule(recipe.local_rule).train(models.current, data, models.global_model, recipe, seed)
-            save_arrays(self.data.state_dir / OWN_MODEL_FILE, get_weights(models.current))
-        log.info(
-            "step done device=%s round=%d step=%d new=%d labelled=%d trained=%s seconds=%.1f",
-            *(self.settings.device_id, round_id, step + 1, len(new_indices), self.data.num_labelled, trains),
-            time.monotonic() - started,
-        )
-        return metrics
-
-    def update_of(
-        self, announcement: wire.RoundAnnouncement, models: RoundModels, metrics: dict[str, float]
-    ) -> wire.Update:
-        """The round's update: the trained weights with the counts and metrics strategies need."""
-        return wire.Update(
-            device_id=self.settings.device_id,
-            round_id=announcement.round_id,
-            update_id=uuid.uuid4().hex,
-            base_hash=announcement.model_hash,
-            num_samples=self.data.num_labelled,
-            class_counts=[int(c) for c in self.data.class_counts()],
-            acquired_labels=self.data.count_labels("oracle"),
-            metrics=metrics,
-            tensors=get_weights(models.current),
-            nonce=os.urandom(16),
-        )
 
     def publish_update(self, update: wire.Update) -> None:
         """Signs (with a provisioned key), encodes and publishes the update at QoS 1; the session refuses it

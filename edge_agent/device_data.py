@@ -151,12 +151,12 @@ class DeviceData:
 
     def images(self, indices: np.ndarray) -> np.ndarray:
         """A uint8 copy of the images at these indices."""
-        indices = self._checked(indices)
+        indices = checked_indices(indices, self.num_samples)
         return np.asarray(self.source.images()[indices])
 
     def labels_at(self, indices: np.ndarray) -> np.ndarray:
         """The label of each of these samples, -1 where a sample is still unlabelled."""
-        return self._label_at[self._checked(indices)].copy()
+        return self._label_at[checked_indices(indices, self.num_samples)].copy()
 
     def labelled(self) -> tuple[np.ndarray, np.ndarray]:
         """(indices, labels) of the human-labelled set, in the order they were labelled."""
@@ -189,13 +189,13 @@ class DeviceData:
             raise ValueError(
                 f"add_labels takes human labels ({', '.join(HUMAN_SOURCES)}); weak labels go through set_weak_labels"
             )
-        indices, labels = self._checked_new_labels(indices, labels, "add_labels")
+        indices, labels = checked_new_labels(indices, labels, self._label_at, self.num_classes, "add_labels")
         self._adopt(self.record.with_human_labels(indices, labels, source))
         self._label_at[indices] = labels
 
     def set_weak_labels(self, indices: np.ndarray, labels: np.ndarray) -> None:
         """Replaces every weak label by these (atomically); weak labels never overwrite a human label."""
-        indices, labels = self._checked_new_labels(indices, labels, "set_weak_labels")
+        indices, labels = checked_new_labels(indices, labels, self._label_at, self.num_classes, "set_weak_labels")
         self._adopt(self.record.with_weak_labels(indices, labels))
 
     def get_state(self, key: str, default: Any = None) -> Any:
@@ -211,26 +211,29 @@ class DeviceData:
         record.save(self.state_dir / LABELS_FILE)
         self.record = record
 
-    def _checked_new_labels(
-        self, indices: np.ndarray, labels: np.ndarray, caller: str
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(indices, labels) as int64 after checking ranges, uniqueness and that no person labelled them yet."""
-        indices = self._checked(indices)
-        labels = as_index_array(labels, "labels")
-        if len(labels) != len(indices):
-            raise ValueError(f"got {len(indices)} indices but {len(labels)} labels")
-        check_labels(labels, len(indices), self.num_classes, caller)
-        if len(np.unique(indices)) != len(indices):
-            raise ValueError(f"indices repeat within one {caller} call")
-        already = indices[self._label_at[indices] >= 0]
-        if already.size:
-            raise ValueError(f"samples already labelled by a person: {already[:10].tolist()}")
-        return indices, labels
 
-    def _checked(self, indices: np.ndarray) -> np.ndarray:
-        """The indices as int64, ValueError naming the first outside [0, num_samples)."""
-        indices = as_index_array(indices, "indices")
-        bad = indices[(indices < 0) | (indices >= self.num_samples)]
-        if bad.size:
-            raise ValueError(f"index {int(bad[0])} out of range for {self.num_samples} samples")
-        return indices
+def checked_indices(indices: np.ndarray, num_samples: int) -> np.ndarray:
+    """The indices as int64, ValueError naming the first outside [0, num_samples)."""
+    indices = as_index_array(indices, "indices")
+    bad = indices[(indices < 0) | (indices >= num_samples)]
+    if bad.size:
+        raise ValueError(f"index {int(bad[0])} out of range for {num_samples} samples")
+    return indices
+
+
+def checked_new_labels(
+    indices: np.ndarray, labels: np.ndarray, label_at: np.ndarray, num_classes: int, caller: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """(indices, labels) as int64 after checking ranges, uniqueness and that no person labelled them yet
+    (label_at holds each sample's human label, -1 where none)."""
+    indices = checked_indices(indices, len(label_at))
+    labels = as_index_array(labels, "labels")
+    if len(labels) != len(indices):
+        raise ValueError(f"got {len(indices)} indices but {len(labels)} labels")
+    check_labels(labels, len(indices), num_classes, caller)
+    if len(np.unique(indices)) != len(indices):
+        raise ValueError(f"indices repeat within one {caller} call")
+    already = indices[label_at[indices] >= 0]
+    if already.size:
+        raise ValueError(f"samples already labelled by a person: {already[:10].tolist()}")
+    return indices, labels

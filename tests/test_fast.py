@@ -120,7 +120,7 @@ def test_fast_queries_exactly_min_b_pool_and_weak_labels_never_count_or_overwrit
     agent = make_agent(tmp_path, pool_size, encoder_bytes)
     recipe = wire.Recipe(sampler="fast", labels_per_acquisition=budget, encoder=encoder_hash(encoder_bytes))
     model = build_model(seed=0)
-    answered, _labels = agent.acquirer.acquire(
+    answered, _labels = agent.rounds.acquirer.acquire(
         round_models(agent, model, recipe), make_sampler("fast"), 1, round_id=1, acquisition=0
     )
     data = agent.data
@@ -139,11 +139,11 @@ def test_a_second_acquisition_turns_weak_labels_into_human_ones_and_keeps_human_
     agent = make_agent(tmp_path, 80, encoder_bytes)
     recipe = wire.Recipe(sampler="fast", labels_per_acquisition=10, encoder=encoder_hash(encoder_bytes))
     model = build_model(seed=0)
-    first, _ = agent.acquirer.acquire(
+    first, _ = agent.rounds.acquirer.acquire(
         round_models(agent, model, recipe), make_sampler("fast"), 1, round_id=1, acquisition=0
     )
     weak_before, _ = agent.data.weak_labels()
-    second, _ = agent.acquirer.acquire(
+    second, _ = agent.rounds.acquirer.acquire(
         round_models(agent, model, recipe), make_sampler("fast"), 2, round_id=2, acquisition=0
     )
     assert np.isin(second, weak_before).all() and not np.isin(second, first).any()
@@ -166,7 +166,7 @@ def test_encoder_stays_frozen_through_acquisitions(tmp_path, encoder_bytes) -> N
     recipe = wire.Recipe(sampler="fast", labels_per_acquisition=5, encoder=digest)
     model = build_model(seed=0)
     for seed in (1, 2):
-        agent.acquirer.acquire(
+        agent.rounds.acquirer.acquire(
             round_models(agent, model, recipe), make_sampler("fast"), seed, round_id=seed, acquisition=0
         )
     kept = agent.artefacts.encoders[digest]

@@ -50,7 +50,7 @@ def round_one(tmp_path_factory, module_broker) -> tuple[dict, dict[str, bytes]]:
                 open_device_data(launch.state_dir, shard),
                 SimulatedOracle(shard.all_labels),
             )
-            payloads[launch.device_id] = wire.encode(agent.run_round(announcement, base))
+            payloads[launch.device_id] = wire.encode(agent.rounds.run(announcement, base))
     finally:
         session.close()
     return base, payloads
