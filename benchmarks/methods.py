@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.closing import RoundResult
+from coordinator.observer import RoundResult
 from coordinator.partition import partition_indices
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings

@@ -20,7 +20,7 @@ import json
 import time
 from pathlib import Path
 
-from coordinator.closing import RoundResult
+from coordinator.observer import RoundResult
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.simulate import BenchSettings, simulate

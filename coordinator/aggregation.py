@@ -113,7 +113,7 @@ def check_magnitude(weights: Weights) -> None:
             raise ValueError(f"tensor {name[:64]!r} has values up to {largest:.3g}, beyond {MAX_ABS_WEIGHT:.3g}")
 
 
-def normalised(coefficients: Sequence[float]) -> np.ndarray:
+def normalised(coefficients: Sequence[float] | np.ndarray) -> np.ndarray:
     """The coefficients scaled to sum 1; they must be finite, non-negative and have a positive sum."""
     values = np.asarray(coefficients, dtype=np.float64)
     if values.ndim != 1 or not np.all(np.isfinite(values)) or np.any(values < 0.0):
@@ -124,7 +124,7 @@ def normalised(coefficients: Sequence[float]) -> np.ndarray:
     return values / total
 
 
-def weighted_average(weight_sets: Sequence[Weights], coefficients: Sequence[float]) -> Weights:
+def weighted_average(weight_sets: Sequence[Weights], coefficients: Sequence[float] | np.ndarray) -> Weights:
     """sum_i a_i W_i / sum_i a_i per tensor (Eq. 1-2) through the same RunningSum the streaming path uses."""
     if not weight_sets:
         raise ValueError("weighted_average needs at least one weight set")
@@ -132,7 +132,7 @@ def weighted_average(weight_sets: Sequence[Weights], coefficients: Sequence[floa
         raise ValueError(f"got {len(coefficients)} coefficients for {len(weight_sets)} weight sets")
     normalised(coefficients)
     running = RunningSum()
-    for index, (weights, coefficient) in enumerate(zip(weight_sets, coefficients)):
+    for index, (weights, coefficient) in enumerate(zip(weight_sets, np.asarray(coefficients, dtype=np.float64))):
         running.add(f"weight set {index}", weights, float(coefficient))
     return running.mean()
 

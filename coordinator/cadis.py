@@ -86,13 +86,13 @@ def cluster_sizes(q: np.ndarray, threshold: float) -> np.ndarray:
     return (np.asarray(q) >= threshold).sum(axis=1)
 
 
-def cadis_coefficients(num_samples: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
+def cadis_coefficients(num_samples: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.ndarray) -> np.ndarray:
     """w_k = (n_k / |C(k)|) / sum_j (n_j / |C(j)|): each cluster weighs by its mass, not by its head count."""
     counts = np.asarray(num_samples, dtype=np.float64)
-    sizes = np.asarray(sizes, dtype=np.float64)
-    if counts.shape != sizes.shape or np.any(sizes < 1):
-        raise ValueError(f"need one cluster size >= 1 per client, got {list(sizes)} for {len(counts)} clients")
-    return normalised(counts / sizes)
+    members = np.asarray(sizes, dtype=np.float64)
+    if counts.shape != members.shape or np.any(members < 1):
+        raise ValueError(f"need one cluster size >= 1 per client, got {list(members)} for {len(counts)} clients")
+    return normalised(counts / members)
 
 
 def next_threshold(threshold: float, step: int) -> float:

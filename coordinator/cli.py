@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from coordinator.broker import BrokerError, embedded_broker
-from coordinator.closing import RoundResult
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.server import Dashboard, dashboard_token, parse_listen_address
 from coordinator.method_flags import (
@@ -23,6 +22,7 @@ from coordinator.method_flags import (
     method_kinds,
     options_table,
 )
+from coordinator.observer import RoundResult
 from coordinator.provision import DEFAULT_TLS_HOSTS, load_secure_fleet, provision
 from coordinator.round_aggregator import SuspectPolicy
 from coordinator.rounds import RoundPolicy

@@ -4,33 +4,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from coordinator.aggregation import ClientUpdate
 from coordinator.evaluation import Evaluator, TestScores
 from coordinator.intake import RoundCollector
+from coordinator.observer import RoundResult
 from coordinator.round_aggregator import Aggregate, RoundAggregator
 from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore, StrategyState
 from coordinator.strategies import Strategy
 from edge_agent.tensors import Weights
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RoundResult:
-    """What one closed round produced, for progress lines, JSON output and summaries."""
-
-    round_id: int
-    accuracy: float
-    device_accuracy: dict[str, float]
-    labels: int
-    divergence: dict[str, dict[str, float]]
-    seconds: float
-    rejected: dict[str, str]
-    report: dict
-    suspects: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coordinator.aggregation import ClientUpdate
+from coordinator.observer import RoundObserver
 from coordinator.store import RunStore
 from coordinator.validation import Expectation, Rejection, validate_update
 from edge_agent import wire
@@ -65,25 +66,6 @@ class RoundCollector:
         self.accepted[device_id] = update
         self.sizes[device_id] = len(payload)
         return update, True
-
-
-class RoundObserver:
-    """Hears what the coordinator sees as it happens: device presence, answered updates, round boundaries.
-
-    This base hears nothing; the dashboard's live state overrides it. Called from the coordinator's loop only.
-    """
-
-    def device_status(self, device_id: str, status: wire.Status | None) -> None:
-        """A device's status message arrived (None: its retained status was cleared)."""
-
-    def update_answered(self, device_id: str, round_id: int, size: int, rejection: Rejection | None) -> None:
-        """An update of `size` bytes was acked: accepted when rejection is None, else rejected for that reason."""
-
-    def round_opened(self, round_id: int, needed: int) -> None:
-        """A round was announced; `needed` accepted updates close it early."""
-
-    def round_closed(self, result: object) -> None:
-        """A round was aggregated, evaluated and committed (result: the round's RoundResult)."""
 
 
 class UpdateIntake:

@@ -133,7 +133,7 @@ def method_rows(kind: MethodKind, name: str, method: type[Method]) -> list[str]:
 def recipe_view(sampler: str, local_rule: str, strategy: str, options: dict[str, float]) -> list[dict[str, Any]]:
     """Each chosen method with its options (value, default, help): what the dashboard's recipe view shows."""
     chosen = {"sampler": sampler, "local rule": local_rule, "strategy": strategy}
-    view = []
+    view: list[dict[str, Any]] = []
     for kind in method_kinds():
         name = chosen[kind.label]
         if name not in kind.registry:

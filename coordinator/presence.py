@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection
 
-from coordinator.intake import RoundObserver
+from coordinator.observer import RoundObserver
 from edge_agent import wire
 
 log = logging.getLogger(__name__)

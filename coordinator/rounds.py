@@ -11,8 +11,9 @@ import numpy as np
 
 from coordinator.aggregation import ClientUpdate
 from coordinator.authentication import UpdateAuthenticator
-from coordinator.closing import RoundCloser, RoundResult, RoundTiming
-from coordinator.intake import RoundCollector, RoundObserver, UpdateIntake, client_update
+from coordinator.closing import RoundCloser, RoundTiming
+from coordinator.intake import RoundCollector, UpdateIntake, client_update
+from coordinator.observer import RoundObserver, RoundResult
 from coordinator.presence import Presence
 from coordinator.publisher import RetainedPublisher
 from coordinator.round_aggregator import RoundAggregator, SuspectPolicy, make_aggregator

@@ -14,9 +14,10 @@ import numpy as np
 import torch
 
 from coordinator.authentication import UpdateAuthenticator
-from coordinator.closing import RoundCloser, RoundResult
+from coordinator.closing import RoundCloser
 from coordinator.evaluation import Evaluator, LabelledSplit
-from coordinator.intake import RoundObserver, UpdateIntake
+from coordinator.intake import UpdateIntake
+from coordinator.observer import RoundObserver, RoundResult
 from coordinator.partition import server_holdout
 from coordinator.presence import Presence
 from coordinator.provision import load_secure_fleet

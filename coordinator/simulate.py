@@ -15,8 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from coordinator.broker import embedded_broker
-from coordinator.closing import RoundResult
-from coordinator.intake import RoundObserver
+from coordinator.observer import RoundObserver, RoundResult
 from coordinator.partition import partition_indices
 from coordinator.provision import SecureFleet, device_names, load_secure_fleet, provision
 from coordinator.server import ServerData, ServerSettings, load_server_data, run_server

@@ -8,7 +8,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from edge_agent import wire
 from edge_agent.credentials import Credentials, load_credentials
@@ -84,7 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
 def run_score(args: argparse.Namespace) -> int:
     """Scores a pool with a bundle, honouring a device profile's caps, and prints the JSON result."""
     passes, limit = args.passes, args.limit
-    settings = {"backend": "onnxruntime", "batch": None, "threads": 0, "providers": ("CPUExecutionProvider",)}
+    settings: dict[str, Any] = {
+        "backend": "onnxruntime",
+        "batch": None,
+        "threads": 0,
+        "providers": ("CPUExecutionProvider",),
+    }
     if args.profile is not None:
         profile = load_profile(args.profile)
         settings = {

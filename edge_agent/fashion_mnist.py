@@ -6,7 +6,7 @@ import math
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO, cast
 
 import numpy as np
 
@@ -28,7 +28,7 @@ CLASS_NAMES = (
 FASHION_MNIST_MEAN = 0.2860
 FASHION_MNIST_STD = 0.3530
 
-_IDX_DTYPES = {
+_IDX_DTYPES: dict[int, np.dtype] = {
     0x08: np.dtype(">u1"),
     0x09: np.dtype(">i1"),
     0x0B: np.dtype(">i2"),
@@ -55,7 +55,7 @@ class DatasetMissingError(FileNotFoundError):
         self.path = path
 
 
-def _read_exactly(handle: BinaryIO, size: int, path: Path) -> bytes:
+def _read_exactly(handle: IO[bytes], size: int, path: Path) -> bytes:
     """Up to `size` bytes of an open (possibly gzip) file; a broken gzip stream is a ValueError naming it."""
     try:
         return handle.read(size)
@@ -70,7 +70,8 @@ def read_idx(path: Path | str, limit: int | None = None) -> np.ndarray:
     then holds only what it scores); the rest of the file is not checked.
     """
     path = Path(path)
-    with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as handle:
+    opened = cast(IO[bytes], gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb"))  # noqa: SIM115
+    with opened as handle:
         magic = _read_exactly(handle, 4, path)
         if len(magic) < 4 or magic[0] != 0 or magic[1] != 0:
             raise ValueError(f"{path}: not an IDX file (bad magic number)")

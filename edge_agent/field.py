@@ -19,7 +19,7 @@ from edge_agent.label_ui import LabelServer, parse_listen_address
 from edge_agent.models import build_model, set_weights
 from edge_agent.profile import DeviceProfile
 from edge_agent.round_inputs import RoundModels, mc_probabilities
-from edge_agent.sampling import Heuristic, Sampler, make_sampler
+from edge_agent.sampling import Heuristic, make_sampler
 from edge_agent.stream import BudgetSettings, BudgetState, decide, default_burst, start_state
 from edge_agent.tensors import Weights
 
@@ -56,7 +56,10 @@ class StreamAcquirer:
         saved = self.data.get_state(STREAM_STATE_KEY) or {}
         first, end = int(saved.get("scored_upto", 0)), self.data.num_samples
         sampler = make_sampler(latest.recipe.sampler)
-        if first >= end or not self.can_stream(sampler):
+        if not isinstance(sampler, Heuristic):
+            self.refuse(sampler.name)
+            return
+        if first >= end:
             return
         new = np.arange(first, end)
         scores = self.scores(sampler, latest, new, seed=first)
@@ -75,17 +78,13 @@ class StreamAcquirer:
             *(sampler.name, len(new), len(asked), state.tokens, float(scores.max())),
         )
 
-    def can_stream(self, sampler: Sampler) -> bool:
-        """True for a sampler that scores from MC-dropout probabilities alone; else an error, logged once."""
-        if isinstance(sampler, Heuristic):
-            return True
-        if sampler.name not in self._refused:
-            self._refused.add(sampler.name)
+    def refuse(self, sampler: str) -> None:
+        """Logs once per sampler that it cannot score a stream (it needs more than MC-dropout probabilities)."""
+        if sampler not in self._refused:
+            self._refused.add(sampler)
             log.error(
-                "stream acquisition refused sampler=%s reason=it needs more than the new items' probabilities",
-                sampler.name,
+                "stream acquisition refused sampler=%s reason=it needs more than MC-dropout probabilities", sampler
             )
-        return False
 
     def scores(self, sampler: Heuristic, latest: LatestModel, new: np.ndarray, seed: int) -> np.ndarray:
         """The sampler's scores of the new items under the newest global model, on the agent's back end."""

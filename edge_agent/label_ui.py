@@ -119,7 +119,7 @@ class LabelServer:
     def url(self) -> str:
         """Where the page is served."""
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}/"
+        return f"http://{host!s}:{port}/" if isinstance(host, str) else f"http://{host.decode()}:{port}/"
 
     def start(self) -> LabelServer:
         """Starts serving on the background thread."""

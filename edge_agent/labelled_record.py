@@ -60,7 +60,11 @@ class LabelledRecord:
         arrays = {"indices": self.indices, "labels": self.labels, "sources": self.sources, "replay": self.replay}
         save_arrays(
             path,
-            {**arrays, "num_classes": np.int64(self.num_classes), "replay_per_class": np.int64(self.replay_per_class)},
+            {
+                **arrays,
+                "num_classes": np.asarray(self.num_classes, dtype=np.int64),
+                "replay_per_class": np.asarray(self.replay_per_class, dtype=np.int64),
+            },
         )
 
     @property

@@ -34,6 +34,10 @@ class SplitDropoutModel(nn.Module):
     def tail_with_masks(self, h: torch.Tensor, masks: Sequence[torch.Tensor]) -> torch.Tensor:
         """From the prefix output to the logits, each dropout replaced by a product with an explicit scaled mask."""
 
+    @abstractmethod
+    def features_and_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(classifier-input features, logits) from one pass, so both see the same dropout masks."""
+
 
 class PaperCNN(SplitDropoutModel):
     """The Table 2 network of the core paper: four convolutions, no batch norm, three dropout layers.

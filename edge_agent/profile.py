@@ -65,7 +65,7 @@ def _convert(value: Any, expected: Any, where: str) -> Any:
             return tuple(value)
     elif dataclasses.is_dataclass(expected):
         if isinstance(value, dict):
-            return _build(expected, value, where)
+            return _build(typing.cast(type, expected), value, where)
     elif isinstance(value, expected) and not isinstance(value, bool):
         return value
     raise ProfileError(f"{where}: expected {_type_name(expected)}, got {type(value).__name__} {value!r}")

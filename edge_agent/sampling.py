@@ -150,7 +150,10 @@ class ProbabilityHeuristic(Heuristic):
     """A heuristic that is a pure function of the MC-dropout probabilities."""
 
     needs_probabilities = True
-    score_function: ClassVar[Callable[[np.ndarray], np.ndarray]]
+
+    @abstractmethod
+    def score(self, probs: np.ndarray) -> np.ndarray:
+        """The per-sample score of (r, N, C) MC-dropout probabilities."""
 
     def scores(self, probs: np.ndarray | None, num_samples: int, rng: np.random.Generator) -> np.ndarray:
         """Applies the score function after checking that probabilities for `num_samples` samples are given."""
@@ -158,7 +161,7 @@ class ProbabilityHeuristic(Heuristic):
             raise ValueError(f"sampler {self.name!r} needs MC-dropout probabilities, got None")
         if np.ndim(probs) == 3 and np.shape(probs)[1] != num_samples:
             raise ValueError(f"probs cover {np.shape(probs)[1]} samples, expected {num_samples}")
-        return self.score_function(probs)
+        return self.score(probs)
 
 
 class EntropyHeuristic(ProbabilityHeuristic):
@@ -166,7 +169,10 @@ class EntropyHeuristic(ProbabilityHeuristic):
 
     name = "entropy"
     summary = "largest MC-dropout predictive entropy (the core paper's sampler)"
-    score_function = staticmethod(entropy_scores)
+
+    def score(self, probs: np.ndarray) -> np.ndarray:
+        """entropy_scores(probs)."""
+        return entropy_scores(probs)
 
 
 class BaldHeuristic(ProbabilityHeuristic):
@@ -174,7 +180,10 @@ class BaldHeuristic(ProbabilityHeuristic):
 
     name = "bald"
     summary = "largest BALD mutual information over MC-dropout passes"
-    score_function = staticmethod(bald_scores)
+
+    def score(self, probs: np.ndarray) -> np.ndarray:
+        """bald_scores(probs)."""
+        return bald_scores(probs)
 
 
 class MarginHeuristic(ProbabilityHeuristic):
@@ -182,7 +191,10 @@ class MarginHeuristic(ProbabilityHeuristic):
 
     name = "margin"
     summary = "smallest gap between the two most likely classes"
-    score_function = staticmethod(margin_scores)
+
+    def score(self, probs: np.ndarray) -> np.ndarray:
+        """margin_scores(probs)."""
+        return margin_scores(probs)
 
 
 class LeastConfidenceHeuristic(ProbabilityHeuristic):
@@ -190,7 +202,10 @@ class LeastConfidenceHeuristic(ProbabilityHeuristic):
 
     name = "least-confidence"
     summary = "lowest probability of the most likely class"
-    score_function = staticmethod(least_confidence_scores)
+
+    def score(self, probs: np.ndarray) -> np.ndarray:
+        """least_confidence_scores(probs)."""
+        return least_confidence_scores(probs)
 
 
 def make_heuristic(name: str) -> Heuristic:

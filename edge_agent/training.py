@@ -16,6 +16,7 @@ from torch import nn
 from edge_agent.fashion_mnist import normalise
 from edge_agent.files import load_arrays, save_arrays
 from edge_agent.image_arrays import IMAGE_SHAPE
+from edge_agent.mc_dropout import as_split_model
 from edge_agent.models import NUM_CLASSES, get_weights, set_weights
 from edge_agent.options import Method, Option, Registry
 from edge_agent.sampling import class_prior_bias
@@ -343,10 +344,10 @@ class CadisKD(LocalRule):
     ) -> dict[str, float]:
         """Trains `model` in place; the recipe option kd_weight (default 1.0) scales the distillation term."""
         kd_weight = self.option_value(recipe.options, "kd_weight")
-        teacher = copy.deepcopy(global_model).eval()
+        student, teacher = as_split_model(model), as_split_model(copy.deepcopy(global_model).eval())
 
         def batch_loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            features, logits = model.features_and_logits(inputs)
+            features, logits = student.features_and_logits(inputs)
             with torch.no_grad():
                 teacher_features, _ = teacher.features_and_logits(inputs)
             return nn.functional.cross_entropy(logits, targets) + kd_weight * relational_kd_loss(
@@ -366,7 +367,8 @@ class CadisKD(LocalRule):
 
 def proximal_term(model: nn.Module, anchors: list[torch.Tensor], mu: float) -> torch.Tensor:
     """FedProx's (mu/2) ||w - w^t||^2 over every parameter, w^t being the round's global model."""
-    return 0.5 * mu * sum(((parameter - anchor) ** 2).sum() for parameter, anchor in zip(model.parameters(), anchors))
+    squares = (((parameter - anchor) ** 2).sum() for parameter, anchor in zip(model.parameters(), anchors))
+    return 0.5 * mu * sum(squares, torch.zeros(()))
 
 
 class FedProx(LocalRule):
@@ -459,7 +461,7 @@ class KCFU(LocalRule):
 
         def loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             client = balanced_cross_entropy(model(inputs), targets, counts)
-            if not compensate:
+            if not compensate or unlabelled is None:
                 return client
             batch = unlabelled[torch.randint(len(unlabelled), (len(inputs),), generator=generator)]
             return nu * client + (1 - nu) * compensation_loss(model, teacher, batch, counts, generator)

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from edge_agent.mc_dropout import MaskedTailGraph, PrefixGraph, dropout_spec
+from edge_agent.mc_dropout import MaskedTailGraph, PrefixGraph, as_split_model, dropout_spec
 
 DEFAULT_OPSET = 17
 IMAGES_INPUT = "images"
@@ -43,15 +43,15 @@ def _export(
 
 def export_graphs(model: nn.Module, prefix_path: Path, tail_path: Path, opset: int = DEFAULT_OPSET) -> None:
     """Writes model's prefix (images -> features) and masked tail (features, masks -> probabilities) as ONNX."""
-    model.eval()
-    spec = dropout_spec(model)
+    split = as_split_model(model.eval())
+    spec = dropout_spec(split)
     images = torch.zeros(2, 1, 28, 28)
     with torch.no_grad():
-        features = model.prefix(images)
+        features = split.prefix(images)
     masks = tuple(torch.ones(2, *shape) for shape in spec.mask_shapes)
-    _export(PrefixGraph(model), (images,), prefix_path, [IMAGES_INPUT], FEATURES_NAME, opset)
+    _export(PrefixGraph(split), (images,), prefix_path, [IMAGES_INPUT], FEATURES_NAME, opset)
     _export(
-        MaskedTailGraph(model),
+        MaskedTailGraph(split),
         (features, *masks),
         tail_path,
         [FEATURES_NAME, *mask_input_names(model)],
@@ -65,7 +65,7 @@ class EncoderGraph(nn.Module):
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.model = model
+        self.model = as_split_model(model)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """Classifier-input features of normalised images (N, 1, 28, 28)."""

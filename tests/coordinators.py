@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from coordinator.closing import RoundCloser
 from coordinator.evaluation import Evaluator
-from coordinator.intake import RoundObserver, UpdateIntake
+from coordinator.intake import UpdateIntake
+from coordinator.observer import RoundObserver
 from coordinator.presence import Presence
 from coordinator.publisher import Artefacts, RetainedPublisher
 from coordinator.rounds import Coordinator, RoundParts, RoundPolicy, RoundRules

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from run_records import DEVICES, LAYERS, LOCAL_ACCURACY, STALE, fill_store
 
-from coordinator.closing import RoundResult
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.server import Dashboard, ListenAddress, dashboard_token, parse_listen_address
+from coordinator.observer import RoundResult
 from coordinator.store import RoundRecord, RunStore
 from coordinator.validation import Rejection
 from edge_agent import wire

@@ -29,7 +29,7 @@ from fleet import (
 
 from coordinator.aggregation import ClientUpdate
 from coordinator.broker import port_is_free
-from coordinator.closing import RoundResult
+from coordinator.observer import RoundResult
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.simulate import BenchSettings, simulate

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from coordinator.broker import EmbeddedBroker
-from coordinator.closing import RoundResult
+from coordinator.observer import RoundResult
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.simulate import BenchSettings, simulate

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from fleet import FakeDevice, fleet_shards, server_data
 
-from coordinator.closing import RoundResult
+from coordinator.observer import RoundResult
 from coordinator.round_aggregator import SuspectPolicy
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings, initial_weights, run_server

@@ -11,7 +11,7 @@ import paho.mqtt.client as paho
 import pytest
 
 from coordinator.broker import EmbeddedBroker, embedded_broker
-from coordinator.closing import RoundResult
+from coordinator.observer import RoundResult
 from coordinator.provision import broker_config_lines, device_names, load_secure_fleet, password_hash, provision
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings

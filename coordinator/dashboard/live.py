@@ -5,8 +5,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from coordinator.closing import RoundResult
-from coordinator.intake import RoundObserver
+from coordinator.observer import RoundObserver, RoundResult
 from coordinator.validation import Rejection
 from edge_agent import wire
 

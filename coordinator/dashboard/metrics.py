@@ -1,6 +1,8 @@
 # The coordinator's counters and gauges in the Prometheus text exposition format (version 0.0.4).
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from coordinator.dashboard.live import Counters
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -11,7 +13,7 @@ def escape_label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> list[str]:
+def metric(name: str, kind: str, help_text: str, samples: Sequence[tuple[str, float]]) -> list[str]:
     """One metric family: its HELP and TYPE lines, then one line per (suffix, value) sample, where the suffix
     follows the name: a label set like {reason="x"}, a summary's _sum or _count, or nothing."""
     return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"] + [

@@ -120,7 +120,7 @@ def last_answer_from_store(accepted: list[DeviceRoundRecord], rejections: list[R
         {"round_id": round_id, "size": size, "accepted": False, "reason": reason, "answered_at": at}
         for round_id, _, reason, size, at in rejections
     ]
-    return max(candidates, key=lambda answer: answer["answered_at"], default=None)
+    return max(candidates, key=lambda answer: float(answer["answered_at"]), default=None)  # type: ignore[arg-type]
 
 
 def devices_view(snapshot: RunSnapshot, live: LiveState | None) -> list[dict]:
