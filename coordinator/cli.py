@@ -129,19 +129,32 @@ def add_method_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Arguments of every fl-coordinator subcommand."""
+    """Arguments of every fl-coordinator subcommand (the method flags come from the registries as they are now)."""
     parser = argparse.ArgumentParser(prog="fl-coordinator", description="Federated active-learning coordinator.")
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="coordinate a fleet of field devices")
+    add_run_command(commands.add_parser("run", help="coordinate a fleet of field devices"))
+    add_simulate_command(commands.add_parser("simulate", help="bench: N real agents on this machine"))
+    add_provision_command(
+        commands.add_parser(
+            "provision", help="write a fleet's broker passwords, ACL, device credentials, HMAC keys (and TLS files)"
+        )
+    )
+    add_partition_command(commands.add_parser("partition", help="write per-device pool shards for separate agents"))
+    add_run_dir_commands(commands)
+    return parser
+
+
+def add_run_command(run: argparse.ArgumentParser) -> None:
+    """`run`: the round options, waiting for devices, a provisioned (secured) fleet."""
     add_round_options(run)
     run.add_argument("--wait-devices", type=int, default=0, help="wait until this many devices are online")
     run.add_argument(
-        "--secure",
-        type=Path,
-        metavar="DIR",
-        help="a folder from `provision`: broker login, ACL (and TLS), signed updates only",
+        "--secure", type=Path, metavar="DIR", help="a folder from `provision`: broker login, ACL, signed updates only"
     )
-    simulate_parser = commands.add_parser("simulate", help="bench: N real agents on this machine")
+
+
+def add_simulate_command(simulate_parser: argparse.ArgumentParser) -> None:
+    """`simulate`: the round options, the bench's split, and a secured bench."""
     add_round_options(simulate_parser)
     add_bench_options(simulate_parser)
     simulate_parser.add_argument(
@@ -150,9 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     simulate_parser.add_argument(
         "--tls", action="store_true", help="with --secure: TLS between every client and the broker"
     )
-    provision_parser = commands.add_parser(
-        "provision", help="write a fleet's broker passwords, ACL, device credentials, HMAC keys (and TLS files)"
-    )
+
+
+def add_provision_command(provision_parser: argparse.ArgumentParser) -> None:
+    """`provision`: a fleet's names, where its files go, and TLS."""
     provision_parser.add_argument("--fleet", required=True)
     provision_parser.add_argument("--devices", type=int, required=True)
     provision_parser.add_argument("--out", type=Path, required=True, help="a new folder")
@@ -165,7 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a name or IP the broker certificate is valid for (repeatable; default localhost and 127.0.0.1)",
     )
     provision_parser.add_argument("--log-level", default="warning")
-    partition = commands.add_parser("partition", help="write per-device pool shards for separate agents")
+
+
+def add_partition_command(partition: argparse.ArgumentParser) -> None:
+    """`partition`: the bench's split written as shard files."""
     add_bench_options(partition)
     partition.add_argument("--out", type=Path, required=True)
     partition.add_argument("--data-dir", type=Path)
@@ -173,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     partition.add_argument("--validation-samples", type=int, default=1000)
     partition.add_argument("--seed", type=int, default=0)
     partition.add_argument("--log-level", default="warning")
+
+
+def add_run_dir_commands(commands: argparse._SubParsersAction) -> None:
+    """`report`, `export` (both read a run directory) and `methods`."""
     report = commands.add_parser("report", help="write a run's self-contained HTML report")
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     report.add_argument("--out", type=Path, help="where to write it (default RUN_DIR/report.html)")
@@ -185,7 +206,6 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--round", type=int, help="checkpoint round to export (default: the latest)")
     add_bundle_options(export)
     export.add_argument("--log-level", default="warning")
-    return parser
 
 
 def add_bench_options(parser: argparse.ArgumentParser) -> None:
@@ -227,28 +247,11 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
     fleet = wire.check_identifier("fleet", args.fleet or default_fleet)
     recipe_options, strategy_options = chosen_options(args)
     run_dir = args.run_dir or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{fleet}-{args.strategy}"
-    recipe = wire.Recipe(
-        sampler=args.sampler,
-        labels_per_acquisition=args.labels_per_acquisition,
-        acquisitions_per_round=args.acquisitions_per_round,
-        local_rule=args.local_rule,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        learning_rate=args.lr,
-        momentum=args.momentum,
-        weight_decay=args.weight_decay,
-        mc_passes=args.mc_passes,
-        seed=args.seed,
-        options=recipe_options,
-        rounds_per_acquisition=args.rounds_per_acquisition,
-        initial_label_fraction=args.initial_label_fraction,
-        label_fraction=args.label_fraction,
-    )
     return ServerSettings(
         run_dir=run_dir,
         fleet=fleet,
         strategy=args.strategy,
-        recipe=recipe,
+        recipe=recipe_from(args, recipe_options),
         policy=RoundPolicy(
             args.rounds, args.min_devices, args.quorum, args.round_timeout, participation=args.participation
         ),
@@ -269,6 +272,27 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
         suspects=SuspectPolicy(threshold=args.suspect_threshold, exclude=args.exclude_suspects),
         ship_bundles=not args.no_bundles,
         encoder_path=args.encoder,
+    )
+
+
+def recipe_from(args: argparse.Namespace, options: dict[str, float]) -> wire.Recipe:
+    """The round recipe devices get, from parsed arguments and the checked method options."""
+    return wire.Recipe(
+        sampler=args.sampler,
+        labels_per_acquisition=args.labels_per_acquisition,
+        acquisitions_per_round=args.acquisitions_per_round,
+        local_rule=args.local_rule,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        learning_rate=args.lr,
+        momentum=args.momentum,
+        weight_decay=args.weight_decay,
+        mc_passes=args.mc_passes,
+        seed=args.seed,
+        options=options,
+        rounds_per_acquisition=args.rounds_per_acquisition,
+        initial_label_fraction=args.initial_label_fraction,
+        label_fraction=args.label_fraction,
     )
 
 

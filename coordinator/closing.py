@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,52 +66,52 @@ class RoundCloser:
         """Aggregates, evaluates and commits the round; `extra` goes into the round's report (participants) and
         metrics (presence)."""
         device_scores: dict[str, TestScores] = {}
-
-        def score(update: ClientUpdate) -> None:
-            if self.evaluate_devices:
-                device_scores[update.device_id] = self.evaluator.test_scores(update.weights)
-
         aggregation_started = time.monotonic()
-        aggregate = aggregator.finish(self.evaluator.selection_accuracy, score)
+        aggregate = aggregator.finish(self.evaluator.selection_accuracy, self.device_scorer(device_scores))
         report = {**aggregate.report, **extra.get("report", {})}
         report["aggregation_seconds"] = time.monotonic() - aggregation_started
         for device, layers in aggregate.suspects.items():
             log.warning("suspect update round=%d device=%s layers=%s", collector.round_id, device, ",".join(layers))
         scores = self.evaluator.test_scores(aggregate.weights)
-        for update in collector.accepted.values():
-            self.device_labels[update.device_id] = update.acquired_labels
-        metrics = {
-            **extra.get("metrics", {}),
-            "class_accuracy": scores.per_class,
-            "device_class_accuracy": {device: score.per_class for device, score in device_scores.items()},
-        }
+        record = self.round_record(collector, timing, scores, report, {**extra.get("metrics", {})}, device_scores)
         device_accuracy = {device: score.accuracy for device, score in device_scores.items()}
-        labels = self.base_labels + sum(self.device_labels.values())
-        record = RoundRecord(
-            collector.round_id,
-            timing.wall,
-            time.time(),
-            "",
-            scores.accuracy,
-            labels,
-            len(collector.accepted),
-            collector.rejection_count,
-            report,
-            metrics,
-        )
         self.commit(collector, aggregate, record, device_accuracy)
+        seconds = time.monotonic() - timing.monotonic
         result = RoundResult(
-            collector.round_id,
-            scores.accuracy,
-            device_accuracy,
-            labels,
-            aggregate.divergence,
-            time.monotonic() - timing.monotonic,
-            dict(collector.rejected),
-            report,
-            aggregate.suspects,
+            *(collector.round_id, scores.accuracy, device_accuracy, record.labels, aggregate.divergence, seconds),
+            *(dict(collector.rejected), report, aggregate.suspects),
         )
         return aggregate.weights, result
+
+    def device_scorer(self, into: dict[str, TestScores]) -> Callable[[ClientUpdate], None]:
+        """What the aggregator calls for each device model once the round closes: its test scores, if asked."""
+
+        def score(update: ClientUpdate) -> None:
+            if self.evaluate_devices:
+                into[update.device_id] = self.evaluator.test_scores(update.weights)
+
+        return score
+
+    def round_record(
+        self,
+        collector: RoundCollector,
+        timing: RoundTiming,
+        scores: TestScores,
+        report: dict[str, Any],
+        metrics: dict[str, Any],
+        device_scores: dict[str, TestScores],
+    ) -> RoundRecord:
+        """The round's record (its checkpoint hash is filled in at commit), counting every label used so far."""
+        for update in collector.accepted.values():
+            self.device_labels[update.device_id] = update.acquired_labels
+        metrics["class_accuracy"] = scores.per_class
+        metrics["device_class_accuracy"] = {device: score.per_class for device, score in device_scores.items()}
+        labels = self.base_labels + sum(self.device_labels.values())
+        accepted, rejected = len(collector.accepted), collector.rejection_count
+        return RoundRecord(
+            *(collector.round_id, timing.wall, time.time(), "", scores.accuracy, labels, accepted, rejected),
+            *(report, metrics),
+        )
 
     def commit(
         self, collector: RoundCollector, aggregate: Aggregate, record: RoundRecord, device_accuracy: dict[str, float]

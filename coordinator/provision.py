@@ -140,17 +140,7 @@ def provision(
     write_secret(out / "passwd", "".join(f"{user}:{password_hash(pw)}\n" for user, pw in passwords.items()))
     write_public(out / "acl", acl_text(fleet))
     write_secret(out / "keys.json", json.dumps({name: key.hex() for name, key in keys.items()}, indent=2) + "\n")
-    save_credentials(
-        out / "coordinator.json",
-        Credentials(
-            fleet, COORDINATOR_USERNAME, passwords[COORDINATOR_USERNAME], **tls_files.get(COORDINATOR_USERNAME, {})
-        ),
-    )
-    for name in names:
-        save_credentials(
-            out / "devices" / f"{name}.json",
-            Credentials(fleet, name, passwords[name], device_id=name, hmac_key=keys[name], **tls_files.get(name, {})),
-        )
+    write_credentials(out, fleet, names, passwords, keys, tls_files)
     secure = load_secure_fleet(out)
     write_public(
         out / "broker.conf",
@@ -159,6 +149,27 @@ def provision(
         ),
     )
     return secure
+
+
+def write_credentials(
+    out: Path,
+    fleet: str,
+    names: list[str],
+    passwords: dict[str, str],
+    keys: dict[str, bytes],
+    tls_files: dict[str, TlsPaths],
+) -> None:
+    """coordinator.json and one devices/<id>.json per device: login, signing key (devices) and TLS files."""
+    coordinator = COORDINATOR_USERNAME
+    tls_of = {name: tls_files.get(name, TlsPaths()) for name in [coordinator, *names]}
+    save_credentials(
+        out / "coordinator.json", Credentials(fleet, coordinator, passwords[coordinator], **tls_of[coordinator])
+    )
+    for name in names:
+        save_credentials(
+            out / "devices" / f"{name}.json",
+            Credentials(fleet, name, passwords[name], device_id=name, hmac_key=keys[name], **tls_of[name]),
+        )
 
 
 def load_secure_fleet(folder: Path) -> SecureFleet:
@@ -251,26 +262,30 @@ def _certificate(
         .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True)
     )
     if is_ca:
-        builder = builder.add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                key_cert_sign=True,
-                crl_sign=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        builder = builder.add_extension(_ca_key_usage(), critical=True)
     if hosts:
         builder = builder.add_extension(x509.SubjectAlternativeName([_san(host) for host in hosts]), critical=False)
         builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
     if client:
         builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
     return builder.sign(issuer_key, hashes.SHA256())
+
+
+def _ca_key_usage():
+    """A CA's key usage: it signs certificates and revocation lists, nothing else."""
+    from cryptography import x509
+
+    return x509.KeyUsage(
+        digital_signature=True,
+        key_cert_sign=True,
+        crl_sign=True,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        encipher_only=False,
+        decipher_only=False,
+    )
 
 
 def _san(host: str):

@@ -48,6 +48,18 @@ class Expectation:
 
 def validate_update(device_id: str, payload: bytes, expected: Expectation) -> wire.Update:
     """The decoded update if it is valid for this round and device; Rejection with a specific reason otherwise."""
+    update = decoded(device_id, payload, expected)
+    if expected.authenticate is not None:
+        expected.authenticate(update, expected.round_id)
+    check_round(update, expected)
+    check_tensors(update, expected)
+    check_counts(update, expected.num_classes)
+    check_required_metrics(update.metrics, expected.required_metrics)
+    return update
+
+
+def decoded(device_id: str, payload: bytes, expected: Expectation) -> wire.Update:
+    """The payload decoded within the size limit, sent by the device whose topic it came on."""
     if len(payload) > expected.max_bytes:
         raise Rejection(
             RejectionKind.TOO_LARGE, f"too large: {len(payload)} bytes exceeds the limit of {expected.max_bytes}"
@@ -60,13 +72,17 @@ def validate_update(device_id: str, payload: bytes, expected: Expectation) -> wi
         raise Rejection(
             RejectionKind.DEVICE_MISMATCH, f"device id {update.device_id!r} does not match the topic's {device_id!r}"
         )
-    if expected.authenticate is not None:
-        expected.authenticate(update, expected.round_id)
+    return update
+
+
+def check_round(update: wire.Update, expected: Expectation) -> None:
+    """Rejection unless the update is for this round and was trained from this round's base model."""
     if update.round_id != expected.round_id:
         stale = update.round_id < expected.round_id
         raise Rejection(
             RejectionKind.STALE_ROUND if stale else RejectionKind.FUTURE_ROUND,
-            f"{'stale' if stale else 'future'} round: update is for round {update.round_id}, the current round is {expected.round_id}",
+            f"{'stale' if stale else 'future'} round: update is for round {update.round_id}, "
+            f"the current round is {expected.round_id}",
         )
     if update.base_hash != expected.base_hash:
         raise Rejection(
@@ -74,6 +90,10 @@ def validate_update(device_id: str, payload: bytes, expected: Expectation) -> wi
             f"base model mismatch: update trained from {update.base_hash[:12]}, "
             f"round {expected.round_id} announced {expected.base_hash[:12]}",
         )
+
+
+def check_tensors(update: wire.Update, expected: Expectation) -> None:
+    """Rejection unless the tensors have the model's layout and only finite values."""
     try:
         check_layout(expected.spec, update.tensors)
     except ValueError as error:
@@ -81,6 +101,10 @@ def validate_update(device_id: str, payload: bytes, expected: Expectation) -> wi
     for name, array in update.tensors.items():
         if not np.all(np.isfinite(array)):
             raise Rejection(RejectionKind.NON_FINITE, f"non-finite values in tensor {name!r}")
+
+
+def check_counts(update: wire.Update, num_classes: int) -> None:
+    """Rejection unless sample, label and class counts are non-negative and consistent."""
     if update.num_samples < 0:
         raise Rejection(RejectionKind.BAD_COUNTS, f"negative sample count {update.num_samples}")
     if not 0 <= update.acquired_labels <= update.num_samples:
@@ -88,10 +112,8 @@ def validate_update(device_id: str, payload: bytes, expected: Expectation) -> wi
             RejectionKind.BAD_COUNTS,
             f"acquired_labels {update.acquired_labels} must lie in [0, num_samples={update.num_samples}]",
         )
-    if len(update.class_counts) != expected.num_classes or min(update.class_counts, default=0) < 0:
-        raise Rejection(RejectionKind.BAD_COUNTS, f"class_counts must be {expected.num_classes} non-negative integers")
-    check_required_metrics(update.metrics, expected.required_metrics)
-    return update
+    if len(update.class_counts) != num_classes or min(update.class_counts, default=0) < 0:
+        raise Rejection(RejectionKind.BAD_COUNTS, f"class_counts must be {num_classes} non-negative integers")
 
 
 def check_required_metrics(metrics: Mapping[str, float], required: Mapping[str, tuple[float, float]]) -> None:

@@ -36,7 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
     """Arguments of every edge-agent subcommand."""
     parser = argparse.ArgumentParser(prog="edge-agent", description="Federated active-learning device agent.")
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="join a fleet and serve its rounds")
+    add_run_arguments(commands.add_parser("run", help="join a fleet and serve its rounds"))
+    add_score_arguments(
+        commands.add_parser("score", help="score a pool file with a model bundle and print one JSON line")
+    )
+    return parser
+
+
+def add_run_arguments(run: argparse.ArgumentParser) -> None:
+    """`edge-agent run`: the broker and identity, the data (a shard or a folder), the profile and its overrides."""
     run.add_argument("--broker", required=True, help="mqtt://HOST:PORT or mqtts://HOST:PORT")
     run.add_argument("--fleet", help="fleet name (default: the credential file's)")
     run.add_argument("--device-id", help="this device's id (default: the credential file's)")
@@ -59,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--exit-on-final", action="store_true", help="exit when the coordinator ends the run")
     run.add_argument("--log-level", default="info")
     add_field_arguments(run)
-    score = commands.add_parser("score", help="score a pool file with a model bundle and print one JSON line")
+
+
+def add_score_arguments(score: argparse.ArgumentParser) -> None:
+    """`edge-agent score`: a bundle, a pool, the sampler and how to run it."""
     score.add_argument("--bundle", required=True, type=Path, help="a model bundle folder written by fl-export")
     score.add_argument("--pool", required=True, type=Path, help="an IDX images file (.gz ok) or a shard .npz")
     score.add_argument("--passes", type=int, default=20, help="MC-dropout passes (capped by --profile)")
@@ -78,7 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--seed", type=int, default=0, help="seed of the dropout masks")
     score.add_argument("--json", action="store_true", help="print the result as one JSON line (the only format)")
     score.add_argument("--log-level", default="warning")
-    return parser
 
 
 def run_score(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ import threading
 import urllib.parse
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 from edge_agent.folder_oracle import QueryBook
 
@@ -51,60 +52,62 @@ def render_page(book: QueryBook) -> str:
     )
 
 
+class LabelHandler(BaseHTTPRequestHandler):
+    """GET / (the page), GET /image/<name> (a query's copy), POST /label (query, label) -> 303 back to /."""
+
+    book: ClassVar[QueryBook]
+
+    def do_GET(self) -> None:
+        """Serves the page or one query image; nothing else on the device is reachable."""
+        path = urllib.parse.urlsplit(self.path).path
+        if path == "/":
+            self._send(HTTPStatus.OK, "text/html; charset=utf-8", render_page(self.book).encode())
+            return
+        if path.startswith("/image/"):
+            name = urllib.parse.unquote(path[len("/image/") :])
+            query = next((q for q in self.book.queries() if q.name == name), None)
+            kind = IMAGE_TYPES.get(self.book.image_path(query).suffix.lower()) if query else None
+            if query is not None and kind is not None and self.book.image_path(query).is_file():
+                self._send(HTTPStatus.OK, kind, self.book.image_path(query).read_bytes())
+                return
+        self._send(HTTPStatus.NOT_FOUND, "text/plain", b"not found\n")
+
+    def do_POST(self) -> None:
+        """Saves one answer, then sends the browser back to the page."""
+        length = int(self.headers.get("Content-Length") or 0)
+        if urllib.parse.urlsplit(self.path).path != "/label" or not 0 < length <= MAX_FORM_BYTES:
+            self._send(HTTPStatus.BAD_REQUEST, "text/plain", b"expected a small form posted to /label\n")
+            return
+        form = urllib.parse.parse_qs(self.rfile.read(length).decode(errors="replace"))
+        try:
+            name, label = form["query"][0], int(form["label"][0])
+            self.book.record_answer(name, label)
+        except (KeyError, ValueError) as error:
+            self._send(HTTPStatus.BAD_REQUEST, "text/plain", f"label not saved: {str(error)[:200]}\n".encode())
+            return
+        log.info("label saved query=%s label=%d", name[:200], label)
+        self.send_response(HTTPStatus.SEE_OTHER)
+        self.send_header("Location", "/")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def _send(self, status: HTTPStatus, kind: str, body: bytes) -> None:
+        """One complete response."""
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        """Requests go to the debug log, not stderr."""
+        log.debug("http %s", format % args)
+
+
 def make_handler(book: QueryBook) -> type[BaseHTTPRequestHandler]:
-    """A request handler class bound to one QueryBook."""
-
-    class LabelHandler(BaseHTTPRequestHandler):
-        """GET / (the page), GET /image/<name> (a query's copy), POST /label (query, label) -> 303 back to /."""
-
-        def do_GET(self) -> None:
-            """Serves the page or one query image; nothing else on the device is reachable."""
-            path = urllib.parse.urlsplit(self.path).path
-            if path == "/":
-                self._send(HTTPStatus.OK, "text/html; charset=utf-8", render_page(book).encode())
-                return
-            if path.startswith("/image/"):
-                name = urllib.parse.unquote(path[len("/image/") :])
-                query = next((q for q in book.queries() if q.name == name), None)
-                kind = IMAGE_TYPES.get(book.image_path(query).suffix.lower()) if query else None
-                if query is not None and kind is not None and book.image_path(query).is_file():
-                    self._send(HTTPStatus.OK, kind, book.image_path(query).read_bytes())
-                    return
-            self._send(HTTPStatus.NOT_FOUND, "text/plain", b"not found\n")
-
-        def do_POST(self) -> None:
-            """Saves one answer, then sends the browser back to the page."""
-            length = int(self.headers.get("Content-Length") or 0)
-            if urllib.parse.urlsplit(self.path).path != "/label" or not 0 < length <= MAX_FORM_BYTES:
-                self._send(HTTPStatus.BAD_REQUEST, "text/plain", b"expected a small form posted to /label\n")
-                return
-            form = urllib.parse.parse_qs(self.rfile.read(length).decode(errors="replace"))
-            try:
-                name, label = form["query"][0], int(form["label"][0])
-                book.record_answer(name, label)
-            except (KeyError, ValueError) as error:
-                self._send(HTTPStatus.BAD_REQUEST, "text/plain", f"label not saved: {error}\n".encode())
-                return
-            log.info("label saved query=%s label=%d", name, label)
-            self.send_response(HTTPStatus.SEE_OTHER)
-            self.send_header("Location", "/")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def _send(self, status: HTTPStatus, kind: str, body: bytes) -> None:
-            """One complete response."""
-            self.send_response(status)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Cache-Control", "no-store")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:
-            """Requests go to the debug log, not stderr."""
-            log.debug("http %s", format % args)
-
-    return LabelHandler
+    """The request handler class bound to one QueryBook."""
+    return type("BoundLabelHandler", (LabelHandler,), {"book": book})
 
 
 class LabelServer:

@@ -91,6 +91,34 @@ def check_pass_request(images: np.ndarray, passes: int, batch_size: int) -> None
         )
 
 
+def tail_passes(
+    tail: TailFunction,
+    features: np.ndarray,
+    masks: list[np.ndarray],
+    passes: int,
+    per_call: int,
+    replication_buffer: np.ndarray | None,
+) -> np.ndarray:
+    """(passes, count, C) probabilities of one batch's features: the tail run on `per_call` passes at a time,
+    the features replicated into the reused buffer (rows pass-major, masks row-aligned)."""
+    count = len(features)
+    out: np.ndarray | None = None
+    for first_pass in range(0, passes, per_call):
+        calls = min(per_call, passes - first_pass)
+        rows = slice(first_pass * count, (first_pass + calls) * count)
+        if calls == 1 or replication_buffer is None:
+            replicated = features
+        else:
+            replicated = replication_buffer[: calls * count]
+            replicated.reshape(calls, *features.shape)[...] = features
+        probs = tail(replicated, [mask[rows] for mask in masks]).reshape(calls, count, -1)
+        if out is None:
+            out = np.empty((passes, count, probs.shape[-1]), dtype=np.float32)
+        out[first_pass : first_pass + calls] = probs
+    assert out is not None
+    return out
+
+
 def mc_probabilities(
     prefix: PrefixFunction,
     tail: TailFunction,
@@ -124,16 +152,8 @@ def mc_probabilities(
         per_call = passes if tail_rows is None else max(1, min(passes, tail_rows // count))
         if per_call > 1 and (replication_buffer is None or len(replication_buffer) < per_call * count):
             replication_buffer = np.empty((per_call * count, *features.shape[1:]), dtype=features.dtype)
-        for first_pass in range(0, passes, per_call):
-            calls = min(per_call, passes - first_pass)
-            rows = slice(first_pass * count, (first_pass + calls) * count)
-            if calls == 1 or replication_buffer is None:
-                replicated = features
-            else:
-                replicated = replication_buffer[: calls * count]
-                replicated.reshape(calls, *features.shape)[...] = features
-            probs = tail(replicated, [mask[rows] for mask in masks]).reshape(calls, count, -1)
-            if start == 0 and first_pass == 0:
-                result = np.empty((passes, len(images), probs.shape[-1]), dtype=np.float32)
-            result[first_pass : first_pass + calls, start : start + count] = probs
+        probs = tail_passes(tail, features, masks, passes, per_call, replication_buffer)
+        if start == 0:
+            result = np.empty((passes, len(images), probs.shape[-1]), dtype=np.float32)
+        result[:, start : start + count] = probs
     return result

@@ -57,54 +57,58 @@ def report_html(snapshot: RunSnapshot) -> str:
     """The whole report page for a run's snapshot."""
     run = run_view(snapshot, None)
     rounds = rounds_view(snapshot)
-    devices = devices_view(snapshot, None)
     title = f"edge-fal run {run['run_id'] or '(unnamed)'}"
-    parts = [
-        f"<h1>{html.escape(title)}</h1>",
-        table(
-            ["fleet", "strategy", "rounds", "final accuracy", "labels used", "written"],
-            [
-                [
-                    run["fleet"],
-                    run["strategy"],
-                    f"{run['rounds_completed']} of {run['total_rounds']}",
-                    number(rounds[-1]["accuracy"] if rounds else None),
-                    rounds[-1]["labels"] if rounds else 0,
-                    time.strftime("%Y-%m-%d %H:%M:%S"),
-                ]
-            ],
-        ),
-    ]
-    parts += [
-        "<h2>Devices</h2>",
-        table(
-            [
-                "device",
-                "rounds joined",
-                "labelled",
-                "oracle labels",
-                "class histogram",
-                "last local accuracy",
-                "last update",
-            ],
-            [
-                [
-                    d["device_id"],
-                    d["rounds_joined"],
-                    d["labelled"],
-                    d["acquired_labels"],
-                    " ".join(str(c) for c in d["class_counts"]),
-                    number(d["local_accuracy"]),
-                    last_update_text(d["last_update"]),
-                ]
-                for d in devices
-            ],
-        ),
-    ]
+    parts = [f"<h1>{html.escape(title)}</h1>", run_table(run, rounds), *devices_section(devices_view(snapshot, None))]
     if not rounds:
-        return page(title, parts + ["<p>No round has been committed yet.</p>"])
+        return page(title, [*parts, "<p>No round has been committed yet.</p>"])
+    return page(title, parts + charts_section(snapshot, rounds) + timeline_section(rounds))
+
+
+def run_table(run: dict, rounds: list[dict]) -> str:
+    """The run's one-line summary: fleet, strategy, progress, final accuracy, labels, when written."""
+    final = rounds[-1] if rounds else {"accuracy": None, "labels": 0}
+    progress = f"{run['rounds_completed']} of {run['total_rounds']}"
+    row = [
+        run["fleet"],
+        run["strategy"],
+        progress,
+        number(final["accuracy"]),
+        final["labels"],
+        time.strftime("%Y-%m-%d %H:%M:%S"),
+    ]
+    return table(["fleet", "strategy", "rounds", "final accuracy", "labels used", "written"], [row])
+
+
+def devices_section(devices: list[dict]) -> list[str]:
+    """The device table: rounds joined, labels, class histogram, last local accuracy and last update."""
+    header = [
+        "device",
+        "rounds joined",
+        "labelled",
+        "oracle labels",
+        "class histogram",
+        "last local accuracy",
+        "last update",
+    ]
+    rows = [
+        [
+            d["device_id"],
+            d["rounds_joined"],
+            d["labelled"],
+            d["acquired_labels"],
+            " ".join(str(c) for c in d["class_counts"]),
+            number(d["local_accuracy"]),
+            last_update_text(d["last_update"]),
+        ]
+        for d in devices
+    ]
+    return ["<h2>Devices</h2>", table(header, rows)]
+
+
+def charts_section(snapshot: RunSnapshot, rounds: list[dict]) -> list[str]:
+    """Accuracy per round and against labels; the last round's divergence heatmap and per-class accuracy."""
     last = rounds[-1]["round"]
-    parts += [
+    parts = [
         "<h2>Accuracy</h2>",
         image(charts.accuracy_chart(rounds), "accuracy per round"),
         image(charts.labels_chart(rounds), "accuracy against labels used"),
@@ -115,28 +119,27 @@ def report_html(snapshot: RunSnapshot) -> str:
     classes = class_accuracy_view(snapshot, last)
     if classes and classes["aggregate"]:
         parts += ["<h2>Per-class accuracy</h2>", image(charts.class_accuracy_chart(classes), "per-class accuracy")]
-    parts += [
-        "<h2>Round timeline</h2>",
-        image(charts.timeline_chart(rounds), "round timeline"),
-        table(
-            ["round", "seconds", "quorum", "accepted", "stragglers", "rejected", "suspects", "accuracy", "labels"],
-            [
-                [
-                    r["round"],
-                    f"{r['seconds']:.1f}",
-                    r["quorum"],
-                    r["accepted"],
-                    ", ".join(r["stragglers"]) or "-",
-                    "; ".join(f"{x['device_id']}: {x['reason']}" for x in r["rejections"]) or "-",
-                    ", ".join(sorted(r["suspects"])) or "-",
-                    number(r["accuracy"]),
-                    r["labels"],
-                ]
-                for r in rounds
-            ],
-        ),
+    return parts
+
+
+def timeline_section(rounds: list[dict]) -> list[str]:
+    """The round timeline chart and table: duration, quorum, accepted, stragglers, rejections, suspects."""
+    header = ["round", "seconds", "quorum", "accepted", "stragglers", "rejected", "suspects", "accuracy", "labels"]
+    rows = [
+        [
+            r["round"],
+            f"{r['seconds']:.1f}",
+            r["quorum"],
+            r["accepted"],
+            ", ".join(r["stragglers"]) or "-",
+            "; ".join(f"{x['device_id']}: {x['reason']}" for x in r["rejections"]) or "-",
+            ", ".join(sorted(r["suspects"])) or "-",
+            number(r["accuracy"]),
+            r["labels"],
+        ]
+        for r in rounds
     ]
-    return page(title, parts)
+    return ["<h2>Round timeline</h2>", image(charts.timeline_chart(rounds), "round timeline"), table(header, rows)]
 
 
 def page(title: str, parts: list[str]) -> str:
