@@ -17,10 +17,14 @@ from test_folder_pool import write_png
 
 from coordinator.broker import EmbeddedBroker
 from edge_agent import wire
+from edge_agent.agent import LatestModel
+from edge_agent.agent_settings import AgentSettings
 from edge_agent.fashion_mnist import CLASS_NAMES, load_fashion_mnist
-from edge_agent.folder_oracle import QueryBook
+from edge_agent.field import StreamAcquirer
+from edge_agent.folder_oracle import FolderOracle, QueryBook
 from edge_agent.folder_pool import folder_pool_of, open_folder_data
 from edge_agent.models import build_model, get_weights
+from edge_agent.stream import BudgetSettings
 
 DEVICE = "cam-1"
 RECIPE = wire.Recipe(
@@ -235,3 +239,36 @@ def test_bad_field_options_get_one_clear_line_and_exit_2(tmp_path, options, mess
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("edge-agent: ") and message in lines[0], result.stderr
+
+
+def stream_on(tmp_path: Path, settings: AgentSettings) -> tuple[StreamAcquirer, QueryBook]:
+    """A stream acquirer over a folder device holding six real images, with a burst of two labels."""
+    images = load_fashion_mnist().test_images[4000:4006]
+    for i, image in enumerate(images):
+        write_png(tmp_path / "camera" / f"{i}.png", image, age_seconds=60 - i)
+    data = open_folder_data(tmp_path / "state", tmp_path / "camera", pool_cap=100, settle_seconds=0)
+    book = QueryBook(tmp_path / "labelling")
+    oracle = FolderOracle(book, data, wait_seconds=0)
+    return StreamAcquirer(data, oracle, BudgetSettings(3600.0, 2.0), settings, passes=2), book
+
+
+def test_stream_scores_with_the_recipes_sampler_and_refuses_one_that_needs_more(tmp_path, caplog) -> None:
+    stream, book = stream_on(tmp_path, AgentSettings(FLEET, DEVICE))
+    weights = get_weights(build_model(seed=9))
+    with caplog.at_level("INFO", logger="edge_agent.field"):
+        stream.score_new(LatestModel(weights, wire.Recipe(sampler="ksas"), None), round_id=1)
+        stream.score_new(LatestModel(weights, wire.Recipe(sampler="ksas"), None), round_id=1)
+        assert stream.data.get_state("stream") is None and book.queries() == []
+        stream.score_new(LatestModel(weights, wire.Recipe(sampler="margin"), None), round_id=1)
+    refused = [r for r in caplog.records if "stream acquisition refused sampler=ksas" in r.getMessage()]
+    assert len(refused) == 1 and refused[0].levelname == "ERROR"
+    assert stream.data.get_state("stream")["scored_upto"] == 6 and 1 <= len(book.queries()) <= 2
+    assert any("stream scored sampler=margin new=6" in r.getMessage() for r in caplog.records)
+
+
+def test_stream_scores_through_the_agents_back_end(tmp_path) -> None:
+    settings = AgentSettings(FLEET, DEVICE, backend="onnxruntime")
+    stream, _ = stream_on(tmp_path, settings)
+    latest = LatestModel(get_weights(build_model(seed=9)), wire.Recipe(sampler="entropy"), None)
+    with pytest.raises(ValueError, match="the onnxruntime back end needs the round's bundle"):
+        stream.score_new(latest, round_id=1)

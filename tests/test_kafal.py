@@ -29,7 +29,7 @@ from edge_agent.device_data import DeviceData
 from edge_agent.models import build_model, get_weights, weight_spec
 from edge_agent.mqtt import MqttSession
 from edge_agent.oracle import SimulatedOracle
-from edge_agent.round_inputs import OWN_MODEL_FILE
+from edge_agent.round_inputs import OWN_MODEL_FILE, training_view
 from edge_agent.sampling import class_prior_bias, ksas_scores
 from edge_agent.schedule import acquires_in_round, check_schedule, labels_per_acquisition, round_in_active_round
 from edge_agent.shard import Shard, open_device_data
@@ -41,6 +41,7 @@ from edge_agent.training import (
     balanced_cross_entropy,
     compensation_loss,
     compensation_weights,
+    make_local_rule,
     run_epochs,
 )
 
@@ -348,3 +349,16 @@ def test_participants_and_schedule_fields_cross_the_wire_and_bad_ones_are_refuse
     raw["participants"] = ["dev-01", 3]
     with pytest.raises(wire.WireError, match="participants must be a list of strings"):
         wire.decode(msgpack.packb(raw), wire.RoundAnnouncement)
+
+
+def test_the_training_view_reads_the_pool_only_for_the_rule_that_asks(tmp_path, fashion) -> None:
+    data = DeviceData.create(tmp_path / "state", fashion.test_images[:80])
+    data.add_labels(np.arange(16), fashion.test_labels[:16].astype(np.int64))
+    recipe = wire.Recipe(epochs=1, batch_size=8)
+    model = build_model(seed=1)
+    view = training_view(data, np.arange(8), fashion.test_labels[:8].astype(np.int64), round_in_active=2)
+    make_local_rule("online-replay").train(model, view, build_model(seed=1).eval(), recipe, seed=0)
+    assert view.unlabelled.cache_info().misses == 0  # type: ignore[attr-defined]
+    make_local_rule("kcfu").train(model, view, build_model(seed=1).eval(), recipe, seed=0)
+    assert view.unlabelled.cache_info().misses == 1  # type: ignore[attr-defined]
+    assert len(view.unlabelled()) == 64
