@@ -1,4 +1,4 @@
-# Tests for edge_agent.data: IDX reading on the real Fashion-MNIST files, atomic I/O, shards and DeviceData.
+# Tests for the data rooms: IDX reading on the real Fashion-MNIST files, atomic I/O, shards, the device store.
 from __future__ import annotations
 
 import gzip
