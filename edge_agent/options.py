@@ -141,14 +141,3 @@ class Registry(Generic[MethodType]):
     def select(self, keep: Callable[[MethodType], bool]) -> list[str]:
         """The names of the methods for which `keep(class)` holds."""
         return [name for name, method in self._methods.items() if keep(method)]
-
-    def check_options(self, name: str, options: Mapping[str, float], known_elsewhere: frozenset[str]) -> None:
-        """ValueError unless every option in the map is declared by this method (or by a method of another
-        kind in the same recipe: `known_elsewhere`) and every option this method declares has a valid value."""
-        method = self.get(name)
-        for option in method.options:
-            option.read(options)
-        declared = {option.key for option in method.options} | known_elsewhere
-        unknown = sorted(set(options) - declared)
-        if unknown:
-            raise ValueError(f"{self.kind} {name!r} takes no option(s) {', '.join(unknown)[:200]}")
