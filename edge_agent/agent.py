@@ -143,11 +143,9 @@ class Agent:
         """Logs the coordinator's verdict on an update."""
         if ack.accepted:
             log.info("update accepted round=%d update=%s", ack.round_id, ack.update_id)
-        else:
-            log.warning(
-                "update rejected round=%d update=%s kind=%s reason=%s",
-                *(ack.round_id, ack.update_id, ack.rejection, ack.reason),
-            )
+            return
+        rejected = (ack.round_id, ack.update_id[:64], ack.rejection[:32], ack.reason[:300])
+        log.warning("update rejected round=%d update=%s kind=%s reason=%s", *rejected)
 
     def maybe_run_round(self) -> None:
         """Runs the pending round once everything it needs has arrived, publishes its update, journals it."""
