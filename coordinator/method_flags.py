@@ -120,14 +120,19 @@ def options_table() -> str:
 
 
 def method_rows(kind: MethodKind, name: str, method: type[Method]) -> list[str]:
-    """The table rows of one method: one per option, or one without an option."""
-    lead = f"| {kind.label} | `{name}` | {method.summary} |"
+    """The table rows of one method: one per option, or one without an option (cell text with '|' escaped)."""
+    lead = f"| {kind.label} | `{name}` | {cell(method.summary)} |"
     if not method.options:
-        return [f"{lead} | | | | |"]
+        return [f"{lead} | | | |"]
     return [
-        f"{lead} `{o.cli_flag}`: {o.help} | {o.kind.__name__} | {o.default:g} | {o.range_text} |"
+        f"{lead} `{o.cli_flag}`: {cell(o.help)} | {o.kind.__name__} | {o.default:g} | {o.range_text} |"
         for o in method.options
     ]
+
+
+def cell(text: str) -> str:
+    """Text safe inside a markdown table cell."""
+    return text.replace("|", "\\|")
 
 
 def recipe_view(sampler: str, local_rule: str, strategy: str, options: dict[str, float]) -> list[dict[str, Any]]:
