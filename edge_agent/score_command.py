@@ -117,16 +117,18 @@ def score_pool(
     scores = heuristic.scores(probabilities, len(images), np.random.default_rng(seed))
     selected = top_k(scores, top)
     seconds = time.perf_counter() - started
+    run = {"backend": scorer.name, "precision": precision, "passes": passes, "sampler": sampler}
+    return {**run, **selection_report(len(images), batch_size, selected, seconds)}
+
+
+def selection_report(images: int, batch_size: int, selected: np.ndarray, seconds: float) -> dict[str, Any]:
+    """The measured part of the command's JSON: images, batch, the selection, time, speed and peak RSS."""
     return {
-        "backend": scorer.name,
-        "precision": precision,
-        "passes": passes,
-        "sampler": sampler,
-        "images": len(images),
+        "images": images,
         "batch": batch_size,
         "selected": len(selected),
         "seconds": round(seconds, 4),
-        "images_per_second": round(len(images) / seconds, 2) if seconds > 0 else None,
+        "images_per_second": round(images / seconds, 2) if seconds > 0 else None,
         "peak_rss_mb": round(peak_rss_mb(), 1),
         "indices": selected.tolist(),
     }

@@ -123,14 +123,29 @@ def write_files(
     initializers = {part: initializer_map(work / name, weights) for part, name in FP32_GRAPHS.items()}
     _check_every_weight_mapped(initializers, weights)
     graphs = {"fp32": FP32_GRAPHS}
-    spec = dropout_spec(model)
     quantization = None
     if int8_data is not None:
-        quantization = _int8_section(work, *int8_data, spec.mask_shapes)
+        quantization = _int8_section(work, *int8_data, dropout_spec(model).mask_shapes)
         graphs["int8"] = INT8_GRAPHS
     names = sorted({WEIGHTS_FILE, *(name for parts in graphs.values() for name in parts.values())})
     for name in (name for name in names if name.endswith(".onnx")):
         onnx.checker.check_model(str(work / name))
+    files = {name: file_sha256(work / name) for name in names}
+    return manifest_for(model, model_name, weights, graphs, initializers, files, opset, quantization)
+
+
+def manifest_for(
+    model: SplitDropoutModel,
+    model_name: str,
+    weights: Weights,
+    graphs: dict[str, dict[str, str]],
+    initializers: dict[str, dict[str, str]],
+    files: dict[str, str],
+    opset: int,
+    quantization: dict[str, Any] | None,
+) -> BundleManifest:
+    """The manifest of a bundle whose files are written and hashed: input, normalisation, graphs, dropout masks."""
+    spec = dropout_spec(model)
     return BundleManifest(
         model=model_name,
         input_name=IMAGES_INPUT,
@@ -142,7 +157,7 @@ def write_files(
         graphs=graphs,
         outputs={"prefix": FEATURES_NAME, "tail": PROBABILITIES_OUTPUT},
         initializers=initializers,
-        files={name: file_sha256(work / name) for name in names},
+        files=files,
         opset=opset,
         exporter={"tool": EXPORTER, "torch": torch.__version__, "onnx": onnx.__version__},
         dropout=DropoutSection(
