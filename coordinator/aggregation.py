@@ -42,9 +42,17 @@ class ExactSum:
 
     def add(self, values: np.ndarray) -> None:
         """Adds one array of the accumulator's shape."""
+        self.add_checked(values, self.check(values))
+
+    def check(self, values: np.ndarray) -> float:
+        """The largest magnitude in values; ValueError (nothing changed) if adding them would leave the range."""
         largest = float(np.max(np.abs(values), initial=0.0))
         if not largest < LIMIT or self.bound + largest >= LIMIT:
             raise ValueError(f"values up to {largest:.3g} would take the sum beyond {LIMIT:.3g}")
+        return largest
+
+    def add_checked(self, values: np.ndarray, largest: float) -> None:
+        """Adds values whose largest magnitude check() returned."""
         grid = np.rint(np.ldexp(values, FRACTION_BITS))
         high = np.floor(np.ldexp(grid, -LIMB_BITS))
         self.high += high.astype(np.int64)
@@ -69,7 +77,8 @@ class RunningSum:
     coefficients: dict[str, float] = field(default_factory=dict)
 
     def add(self, device_id: str, weights: Weights, coefficient: float) -> None:
-        """Adds c * W; the first weight set fixes the layout every later one must match."""
+        """Adds c * W, all tensors or none (every range check comes before the first addition); the first weight set
+        fixes the layout every later one must match."""
         if device_id in self.coefficients:
             raise ValueError(f"more than one update from device(s) {[device_id]}")
         if not math.isfinite(coefficient) or coefficient < 0.0:
@@ -82,8 +91,9 @@ class RunningSum:
         except ValueError as error:
             raise ValueError(f"the update of {device_id} differs in tensor names, shapes or dtypes: {error}") from None
         terms = {name: coefficient * array.astype(np.float64) for name, array in weights.items()}
+        largest = {name: self.sums[name].check(term) for name, term in terms.items()}
         for name, term in terms.items():
-            self.sums[name].add(term)
+            self.sums[name].add_checked(term, largest[name])
         self.coefficients[device_id] = float(coefficient)
 
     def total_coefficient(self) -> float:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from coordinator.aggregation import ClientUpdate, ExactSum, weighted_average
+from coordinator.aggregation import ClientUpdate, ExactSum, RunningSum, weighted_average
 from coordinator.round_aggregator import BatchAggregator, RoundAggregator, StreamingAggregator, SuspectPolicy
 from coordinator.strategies import AveFL, Median, Strategy, StreamingWeightedAverage, make_strategy
 from edge_agent.models import build_model, get_weights
@@ -138,3 +138,14 @@ def test_the_exact_sum_is_within_its_grid_of_the_exactly_rounded_sum() -> None:
     assert np.max(np.abs(exact.total() - reference)) <= len(terms) * 2.0**-49 + np.max(np.abs(reference)) * 2.0**-52
     with pytest.raises(ValueError, match="beyond"):
         exact.add(np.array([2.0**47] * 500))
+
+
+def test_an_update_that_would_leave_the_range_is_refused_whole() -> None:
+    running = RunningSum()
+    small = {"a": np.full(3, 1.0, np.float32), "b": np.full(2, 2.0, np.float32)}
+    running.add("dev-0", small, 1.0)
+    with pytest.raises(ValueError, match="beyond"):
+        running.add("dev-1", {"a": np.full(3, 5.0, np.float32), "b": np.full(2, 2.0**30, np.float32)}, 2.0**20)
+    assert list(running.coefficients) == ["dev-0"]
+    mean = running.mean()
+    assert all(np.array_equal(mean[name], small[name]) for name in small)
