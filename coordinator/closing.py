@@ -61,19 +61,24 @@ class RoundCloser:
         log.info("strategy state restored strategy=%s", stored.strategy)
 
     def close(
-        self, collector: RoundCollector, aggregator: RoundAggregator, timing: RoundTiming, extra: dict[str, Any]
+        self,
+        collector: RoundCollector,
+        aggregator: RoundAggregator,
+        timing: RoundTiming,
+        presence: dict[str, Any],
+        participants: list[str],
     ) -> tuple[Weights, RoundResult]:
-        """Aggregates, evaluates and commits the round; `extra` goes into the round's report (participants) and
-        metrics (presence)."""
+        """Aggregates, evaluates and commits the round; the presence figures go into its metrics, the
+        participants (when only some were chosen) into its report."""
         device_scores: dict[str, TestScores] = {}
         aggregation_started = time.monotonic()
         aggregate = aggregator.finish(self.evaluator.selection_accuracy, self.device_scorer(device_scores))
-        report = {**aggregate.report, **extra.get("report", {})}
+        report = {**aggregate.report, **({"participants": list(participants)} if participants else {})}
         report["aggregation_seconds"] = time.monotonic() - aggregation_started
         for device, layers in aggregate.suspects.items():
             log.warning("suspect update round=%d device=%s layers=%s", collector.round_id, device, ",".join(layers))
         scores = self.evaluator.test_scores(aggregate.weights)
-        record = self.round_record(collector, timing, scores, report, {**extra.get("metrics", {})}, device_scores)
+        record = self.round_record(collector, timing, scores, report, dict(presence), device_scores)
         device_accuracy = {device: score.accuracy for device, score in device_scores.items()}
         self.commit(collector, aggregate, record, device_accuracy)
         seconds = time.monotonic() - timing.monotonic

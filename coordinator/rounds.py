@@ -126,10 +126,10 @@ class Coordinator:
         timing = RoundTiming(time.time(), time.monotonic())
         opened = self.open(round_id, global_weights)
         self.collect(opened, timing)
-        extra = {"metrics": self.presence_metrics(opened)}
-        if opened.participants:
-            extra["report"] = {"participants": list(opened.participants)}
-        new_weights, result = self.parts.closer.close(opened.collector, opened.aggregator, timing, extra)
+        presence = self.presence_metrics(opened)
+        new_weights, result = self.parts.closer.close(
+            opened.collector, opened.aggregator, timing, presence, opened.participants
+        )
         log.info(
             "round closed round=%d accepted=%d rejected=%d accuracy=%.4f seconds=%.1f",
             round_id,

@@ -245,8 +245,6 @@ class RunStore:
         if not read_only:
             self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self.database = Database(self.run_dir / "run.sqlite", read_only)
-        self._write = self.database.write
-        self._read = self.database.read
 
     def __enter__(self) -> RunStore:
         """The store itself; closed on leaving the with-block."""
@@ -263,11 +261,11 @@ class RunStore:
     def set_config(self, config: dict) -> None:
         """Stores the run's configuration (JSON), replacing any earlier one."""
         body = _to_json(config, "run config")
-        self._write([("INSERT OR REPLACE INTO config (id, body) VALUES (1, ?)", (body,))])
+        self.database.write([("INSERT OR REPLACE INTO config (id, body) VALUES (1, ?)", (body,))])
 
     def config(self) -> dict | None:
         """The stored run configuration, or None before set_config."""
-        rows = self._read("SELECT body FROM config WHERE id = 1")
+        rows = self.database.read("SELECT body FROM config WHERE id = 1")
         return json.loads(rows[0][0]) if rows else None
 
     def checkpoint_path(self, round_id: int) -> Path:
@@ -282,14 +280,14 @@ class RunStore:
         round_id = check_round_id(round_id)
         path = self.checkpoint_path(round_id)
         model_hash = weights_hash(weights)
-        committed = self._read(
+        committed = self.database.read(
             "SELECT model_hash FROM checkpoints WHERE round_id = ? AND round_id IN (SELECT round_id FROM rounds)",
             (round_id,),
         )
         if committed and committed[0][0] != model_hash:
             raise ValueError(f"round {round_id} is committed; its checkpoint {path} cannot be replaced")
         save_arrays(path, weights)
-        self._write(
+        self.database.write(
             [
                 (
                     "INSERT OR REPLACE INTO checkpoints (round_id, model_hash, file_name, saved_at) VALUES (?, ?, ?, ?)",
@@ -303,7 +301,7 @@ class RunStore:
         """The model saved for round_id, verified against the hash recorded at save time."""
         round_id = check_round_id(round_id)
         path = self.checkpoint_path(round_id)
-        rows = self._read("SELECT model_hash FROM checkpoints WHERE round_id = ?", (round_id,))
+        rows = self.database.read("SELECT model_hash FROM checkpoints WHERE round_id = ?", (round_id,))
         if not rows:
             raise FileNotFoundError(f"no checkpoint recorded for round {round_id} in {self.run_dir}")
         weights = load_arrays(path)
@@ -314,7 +312,7 @@ class RunStore:
 
     def latest_checkpoint_round(self) -> int | None:
         """The highest round with a recorded checkpoint, or None."""
-        return self._read("SELECT MAX(round_id) FROM checkpoints")[0][0]
+        return self.database.read("SELECT MAX(round_id) FROM checkpoints")[0][0]
 
     def commit_round(
         self,
@@ -327,53 +325,55 @@ class RunStore:
         round_id = check_round_id(record.round_id)
         statements = commit_statements(record, devices, strategy_state)
         try:
-            self._write(statements)
+            self.database.write(statements)
         except sqlite3.IntegrityError as exc:
-            if self._read("SELECT 1 FROM rounds WHERE round_id = ?", (round_id,)):
+            if self.database.read("SELECT 1 FROM rounds WHERE round_id = ?", (round_id,)):
                 raise ValueError(f"round {round_id} is already committed") from exc
             raise ValueError(f"round {round_id} records conflict (a device listed twice?): {exc}") from exc
 
     def latest_strategy_state(self) -> StrategyState | None:
         """The strategy state committed with the latest round that has one, or None."""
-        rows = self._read("SELECT strategy, body FROM strategy_state ORDER BY round_id DESC LIMIT 1")
+        rows = self.database.read("SELECT strategy, body FROM strategy_state ORDER BY round_id DESC LIMIT 1")
         return StrategyState(rows[0][0], json.loads(rows[0][1])) if rows else None
 
     def last_committed_round(self) -> int | None:
         """The highest committed round id, or None if none is committed yet."""
-        return self._read("SELECT MAX(round_id) FROM rounds")[0][0]
+        return self.database.read("SELECT MAX(round_id) FROM rounds")[0][0]
 
     def rounds(self) -> list[RoundRecord]:
         """Every committed round, in round order."""
-        return [_round_from_row(row) for row in self._read("SELECT * FROM rounds ORDER BY round_id")]
+        return [_round_from_row(row) for row in self.database.read("SELECT * FROM rounds ORDER BY round_id")]
 
     def device_rounds(self, round_id: int | None = None) -> list[DeviceRoundRecord]:
         """Per-device records of one committed round (or of all), ordered by round then device id."""
         where, params = ("WHERE round_id = ?", (round_id,)) if round_id is not None else ("", ())
-        rows = self._read(f"SELECT * FROM device_rounds {where} ORDER BY round_id, device_id", params)
+        rows = self.database.read(f"SELECT * FROM device_rounds {where} ORDER BY round_id, device_id", params)
         return [_device_from_row(row) for row in rows]
 
     def record_rejection(self, round_id: int, device_id: str, reason: str, update_bytes: int, kind: str = "") -> None:
         """Counts a rejected update (its reason and kind) at once, so the tally survives if its round never commits."""
         insert = "INSERT INTO rejections (round_id, device_id, reason, update_bytes, recorded_at, kind) VALUES (?, ?, ?, ?, ?, ?)"
         row = (check_round_id(round_id), str(device_id)[:128], str(reason), int(update_bytes), time.time(), str(kind))
-        self._write([(insert, row)])
+        self.database.write([(insert, row)])
 
     def revision(self) -> tuple:
         """Changes whenever the config is set, a round commits or a rejection is recorded: readers that cache what
         they read compare it instead of re-reading every record."""
-        return self._read(
+        return self.database.read(
             "SELECT (SELECT body FROM config WHERE id = 1), (SELECT MAX(round_id) FROM rounds), "
             "(SELECT MAX(id) FROM rejections)"
         )[0]
 
     def rejections(self) -> list[tuple[int, str, str, int, float]]:
         """Every rejected update as (round id, device id, reason, bytes, recorded at), in the order they came."""
-        return self._read("SELECT round_id, device_id, reason, update_bytes, recorded_at FROM rejections ORDER BY id")
+        return self.database.read(
+            "SELECT round_id, device_id, reason, update_bytes, recorded_at FROM rejections ORDER BY id"
+        )
 
     def rejection_kinds(self) -> dict[str, int]:
         """How many updates were rejected for each kind, over the whole run."""
-        return dict(self._read("SELECT kind, COUNT(*) FROM rejections GROUP BY kind ORDER BY kind"))
+        return dict(self.database.read("SELECT kind, COUNT(*) FROM rejections GROUP BY kind ORDER BY kind"))
 
     def rejection_counts(self) -> dict[str, int]:
         """How many updates were rejected for each reason, over the whole run."""
-        return dict(self._read("SELECT reason, COUNT(*) FROM rejections GROUP BY reason ORDER BY reason"))
+        return dict(self.database.read("SELECT reason, COUNT(*) FROM rejections GROUP BY reason ORDER BY reason"))

@@ -78,9 +78,8 @@ class DeviceData:
     """
 
     def __init__(self, state_dir: Path, source: ImageSource, pool_cap: int | None = None) -> None:
-        """Opens the store of a state directory over its image source; a clear error if it was never initialised."""
-        if not (state_dir / LABELS_FILE).is_file():
-            raise FileNotFoundError(f"{state_dir} holds no device data (no {LABELS_FILE}); create it first")
+        """Opens the store of an initialised state directory over its image source (create, open and
+        open_folder_data make sure it is initialised)."""
         self.state_dir = state_dir
         self.source = source
         self.pool_cap = pool_cap
