@@ -5,6 +5,7 @@ import logging
 from functools import cache
 
 import numpy as np
+from torch import nn
 
 from edge_agent import wire
 from edge_agent.agent_settings import AgentSettings, device_seed
@@ -91,17 +92,20 @@ class Acquirer:
         images = self.data.images(pool)
         normalised = cache(lambda: normalise(images))  # KSAS needs it twice; other samplers never
         batch, recipe = self.settings.inference_batch, models.recipe
-        own = cache(lambda: own_model(self.data, self.settings.model_name, models.current))
         return AcquisitionContext(
             num_samples=len(pool),
             rng=np.random.default_rng(seed),
             class_counts=self.data.class_counts(),
             options=recipe.options,
             probabilities=cache(lambda: mc_probabilities(self.settings, models, images, recipe.mc_passes, seed)),
-            own_logits=cache(lambda: predict_logits(own(), normalised(), batch)),
+            own_logits=cache(lambda: predict_logits(self.own(models), normalised(), batch)),
             global_logits=cache(lambda: predict_logits(models.global_model, normalised(), batch)),
             embeddings=cache(lambda: self.embeddings(models, images)),
         )
+
+    def own(self, models: RoundModels) -> nn.Module:
+        """The device's own last trained model (KSAS's omega_i), or the current one before it has one."""
+        return own_model(self.data, self.settings.model_name, models.current)
 
     def embeddings(self, models: RoundModels, pool_images: np.ndarray) -> Embeddings:
         """The round's frozen encoder applied to the pool and to the human-labelled samples (FAST's seeds)."""
