@@ -55,8 +55,10 @@ def mosquitto_config(port: int, work_dir: Path, extra_lines: tuple[str, ...] = (
 
 
 def port_is_free(port: int) -> bool:
-    """Whether 127.0.0.1:port can be bound right now."""
+    """Whether a listener can bind 127.0.0.1:port right now. Like mosquitto's, the probe sets SO_REUSEADDR: a closed
+    connection of an earlier broker lingering in TIME_WAIT on the port (for a minute) does not keep a new one off it."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", port))
         except OSError:

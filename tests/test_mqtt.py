@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.broker import EmbeddedBroker
+from coordinator.broker import EmbeddedBroker, port_is_free
 from edge_agent.mqtt import (
     BrokerAddress,
     IncomingMessage,
@@ -305,3 +306,19 @@ def test_a_publish_while_the_broker_is_away_is_queued_and_delivered_when_it_retu
     with EmbeddedBroker(work_dir, port=first.port):
         got = receive(coordinator)
         assert (got.topic, got.payload) == ("fl/f/devices/device-11/update", b"while-away")
+
+
+def test_a_port_whose_last_connection_lingers_in_time_wait_is_free_and_a_listening_port_is_not():
+    """A broker that closed a client's connection itself leaves it in TIME_WAIT on its own port for a minute; a new
+    broker (SO_REUSEADDR, as mosquitto binds) can take the port at once, so the probe must say it is free."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert not port_is_free(port)
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = listener.accept()
+            accepted.close()  # the server side closes first: its end of the connection goes to TIME_WAIT
+            client.recv(1)
+    assert port_is_free(port)
