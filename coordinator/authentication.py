@@ -2,18 +2,37 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Protocol
 
 from coordinator.validation import Rejection
 from edge_agent import wire
 from edge_agent.wire import RejectionKind
 
 
+class NonceLedger(Protocol):
+    """Where the nonces already seen are kept (the run's store, so that they outlive a restart)."""
+
+    def first_round_of_nonce(self, device_id: str, nonce: bytes, round_id: int) -> int:
+        """The round a device's nonce was first seen in, recording round_id if the nonce is new."""
+
+
+class MemoryNonces:
+    """A nonce ledger in memory, for a process that keeps no run store (tests, one-off checks)."""
+
+    def __init__(self) -> None:
+        self._rounds: dict[tuple[str, bytes], int] = {}
+
+    def first_round_of_nonce(self, device_id: str, nonce: bytes, round_id: int) -> int:
+        """The round a device's nonce was first seen in, recording round_id if the nonce is new."""
+        return self._rounds.setdefault((device_id, nonce), round_id)
+
+
 class UpdateAuthenticator:
     """Accepts only updates signed with their device's provisioned key, each nonce in one round only."""
 
-    def __init__(self, device_keys: Mapping[str, bytes]) -> None:
+    def __init__(self, device_keys: Mapping[str, bytes], nonces: NonceLedger | None = None) -> None:
         self.device_keys = dict(device_keys)
-        self._nonce_rounds: dict[tuple[str, bytes], int] = {}
+        self.nonces = nonces if nonces is not None else MemoryNonces()
 
     def check(self, update: wire.Update, current_round: int) -> None:
         """Raises Rejection for an unknown device, a missing or wrong signature, or a nonce first seen while an
@@ -35,7 +54,7 @@ class UpdateAuthenticator:
             raise Rejection(
                 RejectionKind.BAD_SIGNATURE, f"bad signature: the HMAC does not match {update.device_id!r}'s key"
             )
-        first_round = self._nonce_rounds.setdefault((update.device_id, update.nonce), current_round)
+        first_round = self.nonces.first_round_of_nonce(update.device_id, update.nonce, current_round)
         if first_round != current_round:
             raise Rejection(
                 RejectionKind.REPLAY, f"replay: nonce {update.nonce.hex()[:16]} was already used in round {first_round}"

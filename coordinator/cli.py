@@ -36,6 +36,7 @@ from edge_agent.logs import configure_logging
 from edge_agent.mqtt import BrokerUnavailableError, parse_broker_url
 from edge_agent.sampling import make_sampler
 from edge_agent.schedule import check_schedule
+from edge_agent.shutdown import Terminated, raise_on_sigterm
 from edge_agent.training import LOCAL_RULES, OPTIMIZERS, make_local_rule
 from export.cli import add_bundle_options, export_weights
 
@@ -107,6 +108,11 @@ def add_server_data_options(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--selection-passes", type=int, default=10, help="MC passes of the BNN selection accuracy")
     server.add_argument("--test-samples", type=int, help="evaluate on the first N test images (default: all 10k)")
     server.add_argument("--no-device-eval", action="store_true", help="skip the test accuracy of each device model")
+    server.add_argument(
+        "--keep-updates",
+        action="store_true",
+        help="keep every round's accepted updates in RUN_DIR/spool after it commits (default: deleted then)",
+    )
 
 
 def add_method_options(parser: argparse.ArgumentParser) -> None:
@@ -272,6 +278,7 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
         suspects=SuspectPolicy(threshold=args.suspect_threshold, exclude=args.exclude_suspects),
         ship_bundles=not args.no_bundles,
         encoder_path=args.encoder,
+        keep_updates=args.keep_updates,
     )
 
 
@@ -523,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the fl-coordinator console script."""
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
+    raise_on_sigterm()
     try:
         return COMMANDS[args.command](args)
     except (
@@ -537,3 +545,5 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Terminated:
+        return 143

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ class RoundCollector:
     expectation: Expectation
     absorb: Callable[[ClientUpdate], None] = field(default=lambda update: None)
     accepted: dict[str, wire.Update] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
     rejection_count: int = 0
@@ -48,24 +50,31 @@ class RoundCollector:
         self.rejection_count += 1
 
     def offer(self, device_id: str, payload: bytes) -> tuple[wire.Update, bool]:
-        """(update, is_new): a valid first update is new; a redelivery of the accepted one is not; else Rejection."""
+        """(update, is_new): a valid first update is new; a byte-identical redelivery of the accepted one is not;
+        anything else from a device that already has an accepted update is a duplicate Rejection."""
         update = validate_update(device_id, payload, self.expectation)
+        digest = hashlib.sha256(payload).hexdigest()
         previous = self.accepted.get(device_id)
         if previous is not None:
-            if previous.update_id == update.update_id:
+            if previous.update_id == update.update_id and self.digests[device_id] == digest:
                 return previous, False
-            raise Rejection(
-                RejectionKind.DUPLICATE,
-                f"duplicate: {device_id} already has an accepted update for round {self.round_id}",
-            )
+            raise Rejection(RejectionKind.DUPLICATE, duplicate_reason(device_id, previous, update, self.round_id))
         try:
             self.absorb(client_update(update))
         except ValueError as error:
             raise Rejection(RejectionKind.OUT_OF_RANGE, f"out of range: {error}") from None
         update = dataclasses.replace(update, tensors={})
         self.accepted[device_id] = update
+        self.digests[device_id] = digest
         self.sizes[device_id] = len(payload)
         return update, True
+
+
+def duplicate_reason(device_id: str, previous: wire.Update, update: wire.Update, round_id: int) -> str:
+    """Why a second update of a device is refused: a reused id with other content, or a second id."""
+    if previous.update_id == update.update_id:
+        return f"duplicate: update {update.update_id[:64]!r} was already accepted with different content"
+    return f"duplicate: {device_id} already has an accepted update for round {round_id}"
 
 
 class UpdateIntake:

@@ -102,8 +102,16 @@ def acl_text(fleet: str) -> str:
 
 
 def broker_config_lines(secure: SecureFleet) -> tuple[str, ...]:
-    """mosquitto.conf lines that lock the broker to the fleet's passwords and ACL, and TLS on the last listener."""
-    lines = ["allow_anonymous false", f"password_file {secure.password_file}", f"acl_file {secure.acl_file}"]
+    """mosquitto.conf lines that lock the broker to the fleet's passwords and ACL, and TLS on the last listener.
+
+    Every client's id is its login (use_username_as_clientid): a device's valid login connecting under the
+    coordinator's or another device's client id gets its own session, so it cannot take theirs over."""
+    lines = [
+        "allow_anonymous false",
+        "use_username_as_clientid true",
+        f"password_file {secure.password_file}",
+        f"acl_file {secure.acl_file}",
+    ]
     if secure.tls:
         tls = secure.tls_dir
         lines += [

@@ -75,6 +75,7 @@ class ServerSettings:
     ship_bundles: bool = True
     secure_dir: Path | None = None
     encoder_path: Path | None = None
+    keep_updates: bool = False
 
 
 @dataclass(frozen=True)
@@ -195,8 +196,8 @@ def run_server(
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     data = data or load_server_data(settings)
-    address, authenticator = secured(settings, address)
-    store = RunStore(settings.run_dir)
+    store = RunStore(settings.run_dir, keep_updates=settings.keep_updates)
+    address, authenticator = secured(settings, address, store)
     session = MqttSession(address, client_id=f"coordinator-{settings.fleet}", manual_ack=True)
     try:
         weights, first_round, run_id = starting_point(store, settings, data)
@@ -216,14 +217,17 @@ def run_server(
         store.close()
 
 
-def secured(settings: ServerSettings, address: BrokerAddress) -> tuple[BrokerAddress, UpdateAuthenticator | None]:
-    """The broker address with the coordinator's login and the update authenticator of a secured fleet (else as is)."""
+def secured(
+    settings: ServerSettings, address: BrokerAddress, store: RunStore
+) -> tuple[BrokerAddress, UpdateAuthenticator | None]:
+    """The broker address with the coordinator's login and the update authenticator of a secured fleet (else as is);
+    the authenticator keeps its nonces in the run's store."""
     if settings.secure_dir is None:
         return address, None
     secure = load_secure_fleet(settings.secure_dir)
     if secure.fleet != settings.fleet:
         raise ValueError(f"{settings.secure_dir} was provisioned for fleet {secure.fleet!r}, not {settings.fleet!r}")
-    return secure.coordinator.apply_to(address), UpdateAuthenticator(secure.device_keys)
+    return secure.coordinator.apply_to(address), UpdateAuthenticator(secure.device_keys, store)
 
 
 def round_parts(

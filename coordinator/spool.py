@@ -1,6 +1,8 @@
 # The spool of accepted updates: each one's raw payload on disk until its round commits, so a restart resumes.
 from __future__ import annotations
 
+import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +12,7 @@ from edge_agent.files import atomic_write_bytes
 from edge_agent.wire import IDENTIFIER, WireError, check_identifier
 
 SPOOL_SUFFIX = ".msgpack"
+ROUND_FOLDER = re.compile(r"round_(\d{4,})")
 
 
 def check_device_id(device_id: str) -> str:
@@ -61,3 +64,12 @@ class Spool:
     def payload(self, round_id: int, device_id: str) -> bytes:
         """One device's spooled payload of a round (FileNotFoundError if it has none)."""
         return (self.folder / round_name(round_id) / f"{check_device_id(device_id)}{SPOOL_SUFFIX}").read_bytes()
+
+    def discard_through(self, round_id: int) -> None:
+        """Deletes the spooled updates of every round up to round_id (committed rounds need them no more)."""
+        if not self.folder.is_dir():
+            return
+        for folder in self.folder.iterdir():
+            match = ROUND_FOLDER.fullmatch(folder.name)
+            if match and int(match.group(1)) <= check_round_id(round_id):
+                shutil.rmtree(folder, ignore_errors=True)

@@ -66,6 +66,12 @@ CREATE TABLE IF NOT EXISTS rejections (
     recorded_at REAL NOT NULL,
     kind TEXT NOT NULL DEFAULT ''
 );
+CREATE TABLE IF NOT EXISTS nonces (
+    device_id TEXT NOT NULL,
+    nonce BLOB NOT NULL,
+    round_id INTEGER NOT NULL,
+    PRIMARY KEY (device_id, nonce)
+);
 """
 
 
@@ -233,13 +239,15 @@ class Database:
 class RunStore:
     """A run's durable state in run_dir: run.sqlite (WAL), checkpoints/ and spool/, so a restart resumes."""
 
-    def __init__(self, run_dir: Path | str, read_only: bool = False) -> None:
+    def __init__(self, run_dir: Path | str, read_only: bool = False, keep_updates: bool = False) -> None:
         """Opens (creating if missing) the run directory, its database schema and the checkpoint folder.
 
         read_only opens an existing run's database for reading beside the process that writes it (dashboard,
-        report): nothing is created, and a missing database is a FileNotFoundError.
+        report): nothing is created, and a missing database is a FileNotFoundError. keep_updates keeps every
+        round's spooled updates after it commits (by default they are deleted then).
         """
         self.run_dir = Path(run_dir)
+        self.keep_updates = keep_updates
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.spool = Spool(self.run_dir / "spool")
         if not read_only:
@@ -321,7 +329,7 @@ class RunStore:
         strategy_state: StrategyState | None = None,
     ) -> None:
         """Records a closed round, its per-device records and the strategy's state after it in one transaction;
-        a round commits only once."""
+        a round commits only once. Then the spool of this and earlier rounds goes, unless keep_updates."""
         round_id = check_round_id(record.round_id)
         statements = commit_statements(record, devices, strategy_state)
         try:
@@ -330,6 +338,8 @@ class RunStore:
             if self.database.read("SELECT 1 FROM rounds WHERE round_id = ?", (round_id,)):
                 raise ValueError(f"round {round_id} is already committed") from exc
             raise ValueError(f"round {round_id} records conflict (a device listed twice?): {exc}") from exc
+        if not self.keep_updates:
+            self.spool.discard_through(round_id)
 
     def latest_strategy_state(self) -> StrategyState | None:
         """The strategy state committed with the latest round that has one, or None."""
@@ -355,6 +365,14 @@ class RunStore:
         insert = "INSERT INTO rejections (round_id, device_id, reason, update_bytes, recorded_at, kind) VALUES (?, ?, ?, ?, ?, ?)"
         row = (check_round_id(round_id), str(device_id)[:128], str(reason), int(update_bytes), time.time(), str(kind))
         self.database.write([(insert, row)])
+
+    def first_round_of_nonce(self, device_id: str, nonce: bytes, round_id: int) -> int:
+        """The round in which a device's nonce was first seen, recording round_id if it is new: a nonce outlives
+        a coordinator restart, so a replay after one is still refused."""
+        insert = "INSERT OR IGNORE INTO nonces (device_id, nonce, round_id) VALUES (?, ?, ?)"
+        self.database.write([(insert, (str(device_id), bytes(nonce), check_round_id(round_id)))])
+        query = "SELECT round_id FROM nonces WHERE device_id = ? AND nonce = ?"
+        return int(self.database.read(query, (str(device_id), bytes(nonce)))[0][0])
 
     def revision(self) -> tuple:
         """Changes whenever the config is set, a round commits or a rejection is recorded: readers that cache what

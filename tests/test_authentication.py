@@ -9,6 +9,7 @@ import pytest
 
 from coordinator.authentication import UpdateAuthenticator
 from coordinator.intake import RoundCollector
+from coordinator.store import RunStore
 from coordinator.validation import Expectation, Rejection
 from edge_agent import wire
 from edge_agent.models import NUM_CLASSES, build_model, get_weights, weight_spec
@@ -77,3 +78,16 @@ def test_a_replayed_update_from_an_earlier_round_is_rejected() -> None:
         f"replay: nonce {original.nonce.hex()[:16]} was already used in round 1"
     )
     assert collector(authenticator, 2).offer("dev-00", wire.encode(signed_update(round_id=2)))[1] is True
+
+
+def test_a_replay_after_a_coordinator_restart_is_still_refused(tmp_path) -> None:
+    original = signed_update(round_id=1)
+    with RunStore(tmp_path / "run") as store:
+        assert collector(UpdateAuthenticator(KEYS, store), 1).offer("dev-00", wire.encode(original))[1] is True
+    with RunStore(tmp_path / "run") as restarted:
+        after_restart = UpdateAuthenticator(KEYS, restarted)
+        assert collector(after_restart, 1).offer("dev-00", wire.encode(original))[1] is True
+        with pytest.raises(Rejection) as info:
+            collector(after_restart, 2).offer("dev-00", wire.encode(original))
+    assert info.value.kind == wire.RejectionKind.REPLAY
+    assert info.value.reason == f"replay: nonce {original.nonce.hex()[:16]} was already used in round 1"

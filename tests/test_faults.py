@@ -30,12 +30,14 @@ from fleet import (
 from coordinator.aggregation import ClientUpdate
 from coordinator.broker import port_is_free
 from coordinator.observer import RoundResult
+from coordinator.provision import provision
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.simulate import BenchSettings, simulate
 from coordinator.store import RunStore
 from coordinator.strategies import AveFL
 from edge_agent import wire
+from edge_agent.credentials import load_credentials
 from edge_agent.device_data import IMAGES_FILE, LABELS_FILE, STATE_FILE
 from edge_agent.files import load_arrays
 from edge_agent.mqtt import parse_broker_url
@@ -50,7 +52,8 @@ def aggregate(base: dict, updates: list[wire.Update]) -> dict:
 
 
 def test_a_redelivered_update_is_applied_once(tmp_path: Path, broker, processes) -> None:
-    """QoS 1 is at least once: the same encoded update arriving twice is acked twice but aggregated once."""
+    """QoS 1 is at least once: the same encoded update arriving twice is acked twice but aggregated once; the same
+    update id with other content is a duplicate; the committed round's spool is deleted."""
     run_dir = tmp_path / "run"
     processes.append(
         start_coordinator(broker.address, run_dir, "redeliver", "--rounds", "1", "--quorum", "2", "--min-devices", "2")
@@ -63,9 +66,13 @@ def test_a_redelivered_update_is_applied_once(tmp_path: Path, broker, processes)
         payload_a = wire.encode(update_a)
         first.publish(payload_a)
         first.publish(payload_a)
+        first.publish(wire.encode(dataclasses.replace(update_a, tensors=perturbed(base, seed=9))))
         second.publish(wire.encode(update_b))
-        acks = first.acks(2)
-        assert [(a.accepted, a.update_id) for a in acks] == [(True, update_a.update_id)] * 2
+        acks = first.acks(3)
+        assert [(a.accepted, a.update_id) for a in acks] == [(True, update_a.update_id)] * 2 + [
+            (False, update_a.update_id)
+        ]
+        assert acks[2].rejection == "duplicate" and "already accepted with different content" in acks[2].reason
         assert second.acks(1)[0].accepted
     finally:
         first.close()
@@ -74,8 +81,9 @@ def test_a_redelivered_update_is_applied_once(tmp_path: Path, broker, processes)
 
     with RunStore(run_dir) as store:
         [record] = store.rounds()
-        assert (record.accepted, record.rejected) == (2, 0)
-        assert store.rejection_counts() == {}
+        assert (record.accepted, record.rejected) == (2, 1)
+        assert store.rejection_kinds() == {"duplicate": 1}
+        assert list((run_dir / "spool").iterdir()) == []
         final = store.load_checkpoint(1)
         assert weights_hash(store.load_checkpoint(0)) == announcement.model_hash
     once = aggregate(base, [update_a, update_b])
@@ -334,3 +342,31 @@ def test_a_killed_coordinator_takes_its_embedded_broker_along_and_its_restart_li
     again, _ = device.current_round()
     device.close()
     assert (again.run_id, again.round_id, again.model_hash) == (announcement.run_id, 1, announcement.model_hash)
+
+
+def test_a_replay_after_a_coordinator_restart_is_refused_as_a_replay(tmp_path: Path, broker, processes) -> None:
+    """The nonces of accepted updates live in run.sqlite: a signed round-1 update sent again after the coordinator
+    was killed and restarted in round 2 is a `replay` (with nonces in memory only it would pass the signature
+    check and be a mere `stale_round`)."""
+    run_dir, secure = tmp_path / "run", tmp_path / "secure"
+    provision("replay", 1, secure)
+    key = load_credentials(secure / "devices" / "dev-00.json").hmac_key
+    options = ("--secure", str(secure), "--rounds", "2", "--quorum", "1", "--min-devices", "1")
+    processes.append(start_coordinator(broker.address, run_dir, "replay", *options))
+    device = FakeDevice(broker.address, "replay", "dev-00")
+    try:
+        announcement, base = device.current_round()
+        original = wire.encode(wire.sign_update(device.update(announcement, perturbed(base, seed=1)), key))
+        device.publish(original)
+        assert device.acks(1)[0].accepted
+        second, base = device.current_round(after=1)
+        kill(processes[-1])
+        processes.append(start_coordinator(broker.address, run_dir, "replay", *options))
+        device.publish(original)
+        [replayed] = device.acks(1)
+        assert (replayed.accepted, replayed.rejection) == (False, "replay"), replayed.reason
+        device.publish(wire.encode(wire.sign_update(device.update(second, perturbed(base, seed=2)), key)))
+        assert device.acks(1)[0].accepted
+    finally:
+        device.close()
+    assert wait_exit(processes[-1], "the restarted coordinator") == 0

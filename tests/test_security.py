@@ -40,7 +40,9 @@ def fleet_dir(tmp_path_factory) -> Path:
 def plain_broker(tmp_path, fleet_dir):
     """mosquitto with the fleet's password file and ACL on a plain TCP listener."""
     secure = load_secure_fleet(fleet_dir)
-    lines = tuple(line for line in broker_config_lines(secure) if line.startswith(("allow_", "password_", "acl_")))
+    lines = tuple(
+        line for line in broker_config_lines(secure) if line.startswith(("allow_", "use_", "password_", "acl_"))
+    )
     with EmbeddedBroker(tmp_path / "broker", extra_config=lines) as broker:
         yield broker
 
@@ -74,6 +76,7 @@ class Client:
         self.client.on_subscribe = lambda c, u, mid, reasons, p: self.events.put(("suback", reasons[0].value))
         self.client.on_publish = lambda c, u, mid, reason, p: self.events.put(("puback", reason.value))
         self.client.on_message = lambda c, u, m: self.events.put(("message", m.topic, bytes(m.payload)))
+        self.client.on_disconnect = lambda c, u, f, reason, p: self.events.put(("disconnect", reason.value))
         self.address = address
 
     def connect(self) -> int:
@@ -92,16 +95,18 @@ class Client:
             if event[0] == kind:
                 return event
 
-    def messages(self, wait: float = 1.0) -> list[tuple]:
-        """Every message received within `wait` seconds."""
+    def drain(self, wait: float = 1.0) -> list[tuple]:
+        """Every event until none comes for `wait` seconds."""
         received = []
         try:
             while True:
-                event = self.events.get(timeout=wait)
-                if event[0] == "message":
-                    received.append(event)
+                received.append(self.events.get(timeout=wait))
         except queue.Empty:
             return received
+
+    def messages(self, wait: float = 1.0) -> list[tuple]:
+        """Every message received within `wait` seconds."""
+        return [event for event in self.drain(wait) if event[0] == "message"]
 
     def close(self) -> None:
         self.client.disconnect()
@@ -163,6 +168,28 @@ def test_a_device_cannot_publish_as_another_device_even_with_its_client_id(plain
         client.close()
 
 
+def test_a_device_login_cannot_take_over_the_coordinators_or_another_devices_session(plain_broker, fleet_dir) -> None:
+    coordinator = login(plain_broker.address, fleet_dir, "coordinator", client_id=f"coordinator-{FLEET}")
+    coordinator.client.subscribe(wire.all_devices_topic(FLEET, "update"), qos=1)
+    assert coordinator.expect("suback")[1] == 1
+    device = login(plain_broker.address, fleet_dir, "dev-00", client_id="dev-00")
+    update_topic = wire.device_topic(FLEET, "dev-00", "update")
+    for stolen_id in (f"coordinator-{FLEET}", "dev-00"):
+        intruder = login(plain_broker.address, fleet_dir, "dev-01", client_id=stolen_id)
+        device.client.publish(update_topic, f"sent while dev-01 posed as {stolen_id}".encode(), qos=1)
+        assert device.expect("puback")[1] == 0
+        intruder.close()
+    heard = coordinator.drain()
+    assert [event for event in heard if event[0] == "disconnect"] == []
+    assert [event[2] for event in heard if event[0] == "message"] == [
+        f"sent while dev-01 posed as coordinator-{FLEET}".encode(),
+        b"sent while dev-01 posed as dev-00",
+    ]
+    assert [event for event in device.drain(0.2) if event[0] == "disconnect"] == []
+    for client in (coordinator, device):
+        client.close()
+
+
 def test_a_device_reads_its_own_acks_and_the_round_but_not_another_device_acks(plain_broker, fleet_dir) -> None:
     snoop = login(plain_broker.address, fleet_dir, "dev-00")
     for topic in (
@@ -207,13 +234,14 @@ def test_tls_with_the_generated_ca_works_and_without_it_fails(tls_broker, fleet_
 
 
 class Forger:
-    """Holds dev-01's broker login but not its HMAC key: answers round 1 with a well-formed, wrongly signed update."""
+    """Holds a provisioned device's broker login (dev-02, which runs no agent: the broker gives one login one
+    session) but not its HMAC key: answers round 1 with a well-formed, wrongly signed update."""
 
     def __init__(self, address: BrokerAddress, fleet_dir: Path) -> None:
-        credentials = load_credentials(fleet_dir / "devices" / "dev-01.json")
+        credentials = load_credentials(fleet_dir / "devices" / "dev-02.json")
         self.client = Client(
             address,
-            "dev-01-forger",
+            "dev-02-forger",
             credentials.username,
             credentials.password,
             {"ca_certs": credentials.ca_file, "certfile": credentials.cert_file, "keyfile": credentials.key_file},
@@ -224,7 +252,7 @@ class Forger:
     def start(self) -> None:
         assert self.client.connect() == 0
         self.client.client.subscribe(wire.round_topic(FLEET), qos=1)
-        self.client.client.subscribe(wire.device_topic(FLEET, "dev-01", "ack"), qos=1)
+        self.client.client.subscribe(wire.device_topic(FLEET, "dev-02", "ack"), qos=1)
 
     def on_message(self, client, userdata, message) -> None:
         if message.topic == wire.round_topic(FLEET) and message.payload:
@@ -232,7 +260,7 @@ class Forger:
             if announcement.final:
                 return
             forged = wire.Update(
-                "dev-01",
+                "dev-02",
                 announcement.round_id,
                 "forged",
                 announcement.model_hash,
@@ -244,13 +272,13 @@ class Forger:
                 nonce=b"n" * 16,
             )
             payload = wire.encode(wire.sign_update(forged, b"guessed key"))
-            client.publish(wire.device_topic(FLEET, "dev-01", "update"), payload, qos=1)
+            client.publish(wire.device_topic(FLEET, "dev-02", "update"), payload, qos=1)
         elif message.topic.endswith("/ack"):
             self.acks.put(wire.decode(message.payload, wire.Ack))
 
 
 def test_a_secured_bench_run_completes_and_rejects_a_forged_update(tmp_path) -> None:
-    """2 agents over TLS with passwords, ACL and signed updates; a forger with dev-01's login is turned away."""
+    """2 agents over TLS with passwords, ACL and signed updates; a forger with dev-02's login is turned away."""
     settings = ServerSettings(
         run_dir=tmp_path / "run",
         fleet=FLEET,
@@ -260,7 +288,9 @@ def test_a_secured_bench_run_completes_and_rejects_a_forged_update(tmp_path) -> 
         init=InitSettings(samples=20, epochs=1),
         validation_samples=50,
         test_samples=200,
+        secure_dir=tmp_path / "secure",
     )
+    provision(FLEET, 3, tmp_path / "secure", tls=True)
     bench = BenchSettings(devices=2, partition="iid", pool_size=60, secure=True, tls=True)
     secure = secure_bench(settings, bench)
     results: list[RoundResult] = []
@@ -271,7 +301,7 @@ def test_a_secured_bench_run_completes_and_rejects_a_forged_update(tmp_path) -> 
         forged_ack = forger.acks.get(timeout=WAIT)
         forger.client.close()
     assert not forged_ack.accepted and forged_ack.update_id == "forged"
-    assert forged_ack.reason == "bad signature: the HMAC does not match 'dev-01''s key"
+    assert forged_ack.reason == "bad signature: the HMAC does not match 'dev-02''s key"
     assert [r.round_id for r in results] == [1] and sorted(results[0].device_accuracy) == ["dev-00", "dev-01"]
     with RunStore(settings.run_dir) as store:
         assert store.rounds()[0].accepted == 2

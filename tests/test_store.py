@@ -191,3 +191,18 @@ def test_reopened_store_resumes(tmp_path):
         assert weights_hash(second.load_checkpoint(0)) == model_hash
         assert second.rejection_counts() == {"too large": 1}
         assert second.spool.payloads(1) == {"dev-a": b"pending"}
+
+
+def test_committing_a_round_deletes_its_spool_and_earlier_ones_but_not_later_ones(store):
+    for round_id in (1, 2, 3):
+        store.spool.add(round_id, "dev-a", b"payload")
+    store.commit_round(round_record(2), [device_record(2, "dev-a")])
+    assert [path.name for path in (store.run_dir / "spool").iterdir()] == ["round_0003"]
+    assert store.spool.payloads(3) == {"dev-a": b"payload"}
+
+
+def test_keep_updates_keeps_the_spool_of_committed_rounds(tmp_path):
+    with RunStore(tmp_path / "run", keep_updates=True) as kept:
+        kept.spool.add(1, "dev-a", b"payload")
+        kept.commit_round(round_record(1), [device_record(1, "dev-a")])
+        assert kept.spool.payloads(1) == {"dev-a": b"payload"}
