@@ -33,7 +33,7 @@ python-deps: $(STAMP)/python
 $(STAMP)/python: pyproject.toml
 	@mkdir -p $(STAMP)
 	$(PYTHON) -m pip install -q torch==2.13.0
-	$(PYTHON) -m pip install -q -e '.[test]'
+	$(PYTHON) -m pip install -q -e '.[coordinator,test]'
 	@touch $@
 
 clean:

@@ -5,16 +5,14 @@ import logging
 from functools import cache
 
 import numpy as np
-from torch import nn
 
 from edge_agent import wire
 from edge_agent.agent_settings import AgentSettings, device_seed
 from edge_agent.device_data import DeviceData
 from edge_agent.encoder import OnnxEncoder
-from edge_agent.fashion_mnist import normalise
-from edge_agent.mc_dropout import predict_logits
+from edge_agent.footprint import PhaseMeter
 from edge_agent.oracle import Oracle
-from edge_agent.round_inputs import RoundModels, mc_probabilities, own_model
+from edge_agent.round_inputs import RoundModels, mc_probabilities
 from edge_agent.sampling import AcquisitionContext, Embeddings, Sampler, top_k
 from edge_agent.schedule import initial_label_count, labels_per_acquisition
 
@@ -28,10 +26,11 @@ class Acquirer:
     """Picks what a person labels and stores the answers; the queried batch is journaled before the oracle is
     asked, so a device killed mid-round asks no label twice."""
 
-    def __init__(self, settings: AgentSettings, data: DeviceData, oracle: Oracle) -> None:
+    def __init__(self, settings: AgentSettings, data: DeviceData, oracle: Oracle, meter: PhaseMeter) -> None:
         self.settings = settings
         self.data = data
         self.oracle = oracle
+        self.meter = meter
 
     @property
     def own_samples(self) -> int:
@@ -45,8 +44,9 @@ class Acquirer:
             return
         pool = self.data.pool_indices()
         rng = np.random.default_rng([recipe.seed, device_seed(self.settings.device_id)])
-        answered, labels = self.oracle.label(np.sort(rng.choice(pool, size=min(count, len(pool)), replace=False)))
-        self.data.add_labels(answered, labels)
+        with self.meter.phase("label"):
+            answered, labels = self.oracle.label(np.sort(rng.choice(pool, size=min(count, len(pool)), replace=False)))
+            self.data.add_labels(answered, labels)
         self.data.set_state(INITIAL_LABELS_KEY, True)
         log.info("initial labels device=%s labels=%d", self.settings.device_id, len(answered))
 
@@ -67,11 +67,13 @@ class Acquirer:
             if len(pool) and not self.settings.stream:
                 context = self.context(models, pool, seed)
                 budget = labels_per_acquisition(models.recipe, self.own_samples)
-                queried = pool[top_k(sampler.score_pool(context), budget)]
-                proposed = sampler.weak_labels(context)
+                with self.meter.phase("score"):
+                    queried = pool[top_k(sampler.score_pool(context), budget)]
+                    proposed = sampler.weak_labels(context)
                 weak = None if proposed is None else (pool, proposed)
             self.remember_batch(round_id, acquisition, queried)
-        return self.store_answers(queried, weak)
+        with self.meter.phase("label"):
+            return self.store_answers(queried, weak)
 
     def store_answers(
         self, queried: np.ndarray, weak: tuple[np.ndarray, np.ndarray] | None
@@ -90,22 +92,17 @@ class Acquirer:
     def context(self, models: RoundModels, pool: np.ndarray, seed: int) -> AcquisitionContext:
         """What the round's sampler may look at; each expensive view is computed once, on first use."""
         images = self.data.images(pool)
-        normalised = cache(lambda: normalise(images))  # KSAS needs it twice; other samplers never
-        batch, recipe = self.settings.inference_batch, models.recipe
+        recipe, learner = models.recipe, models.learner
         return AcquisitionContext(
             num_samples=len(pool),
             rng=np.random.default_rng(seed),
             class_counts=self.data.class_counts(),
             options=recipe.options,
             probabilities=cache(lambda: mc_probabilities(self.settings, models, images, recipe.mc_passes, seed)),
-            own_logits=cache(lambda: predict_logits(self.own(models), normalised(), batch)),
-            global_logits=cache(lambda: predict_logits(models.global_model, normalised(), batch)),
+            own_logits=cache(lambda: learner.logits("own", images)),
+            global_logits=cache(lambda: learner.logits("global", images)),
             embeddings=cache(lambda: self.embeddings(models, images)),
         )
-
-    def own(self, models: RoundModels) -> nn.Module:
-        """The device's own last trained model (KSAS's omega_i), or the current one before it has one."""
-        return own_model(self.data, self.settings.model_name, models.current)
 
     def embeddings(self, models: RoundModels, pool_images: np.ndarray) -> Embeddings:
         """The round's frozen encoder applied to the pool and to the human-labelled samples (FAST's seeds)."""

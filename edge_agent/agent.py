@@ -7,22 +7,21 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
 from edge_agent import wire
 from edge_agent.agent_settings import AgentSettings
 from edge_agent.artefacts import BUNDLES_FOLDER, RoundArtefacts
 from edge_agent.bundle import Bundle
 from edge_agent.device_data import DeviceData
+from edge_agent.footprint import PhaseMeter
 from edge_agent.mqtt import IncomingMessage, LastWill, MqttSession, PayloadTooLargeError
 from edge_agent.oracle import Oracle
+from edge_agent.outbox import OUTBOX_FOLDER, UpdateSender
 from edge_agent.round_runner import RoundRunner
 from edge_agent.tensors import Weights
 
 log = logging.getLogger(__name__)
 
 LAST_ROUND_KEY = "last_finished_round"
-PUBLISH_WAIT_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,9 @@ class Agent:
         self.background = background
         self.stop_event = threading.Event()
         self.artefacts = RoundArtefacts(session, data.state_dir / BUNDLES_FOLDER)
-        self.rounds = RoundRunner(settings, data, oracle, self.artefacts, self.publish_status)
+        self.meter = PhaseMeter()
+        self.rounds = RoundRunner(settings, data, oracle, self.artefacts, self.publish_status, self.meter)
+        self.sender = UpdateSender(settings, session, data.state_dir / OUTBOX_FOLDER)
         self._pending: wire.RoundAnnouncement | None = None
         self._recipe: wire.Recipe | None = None
 
@@ -71,12 +72,12 @@ class Agent:
 
     @property
     def last_finished_round(self) -> int:
-        """The last round this device published an update for (persisted, so a restart does not redo it)."""
-        return int(self.data.get_state(LAST_ROUND_KEY, 0))
+        """The last round this device finished (persisted, so a restart does not redo it; an update in the outbox
+        counts as finished even if the process died before noting it)."""
+        return max(int(self.data.get_state(LAST_ROUND_KEY, 0)), self.sender.outbox.last_round())
 
     def run(self) -> None:
         """Serves rounds until stopped, or until the final announcement when exit_on_final is set."""
-        torch.set_num_threads(self.settings.torch_threads)
         fleet, device = self.settings.fleet, self.settings.device_id
         self.session.subscribe(wire.round_topic(fleet))
         self.session.subscribe(wire.device_topic(fleet, device, "ack"))
@@ -87,7 +88,9 @@ class Agent:
         )
         try:
             while not self.stop_event.is_set():
+                self.sender.resend_due()
                 message = self.session.next_message(timeout=0.5)
+                self.meter.note("idle")
                 if message is not None and self.handle(message):
                     return
                 if self.background is not None:
@@ -109,18 +112,24 @@ class Agent:
         try:
             if message.topic == wire.round_topic(self.settings.fleet):
                 return self.on_announcement(wire.decode(message.payload, wire.RoundAnnouncement))
-            if kind == "model":
-                self.artefacts.on_model(wire.decode(message.payload, wire.ModelMessage))
-            elif kind == "bundle":
-                self.artefacts.on_bundle(wire.decode(message.payload, wire.BundleMessage))
-            elif kind == "encoder":
-                self.artefacts.on_encoder(wire.decode(message.payload, wire.EncoderMessage))
+            if kind in ("model", "bundle", "encoder"):
+                with self.meter.phase("receive"):
+                    self.receive(kind, message.payload)
             elif message.topic.endswith("/ack"):
-                self.on_ack(wire.decode(message.payload, wire.Ack))
+                self.sender.on_ack(wire.decode(message.payload, wire.Ack))
         except wire.WireError as error:
             if message.payload:
                 log.warning("ignored bad message topic=%s error=%s", message.topic[:200], error)
         return False
+
+    def receive(self, kind: str, payload: bytes) -> None:
+        """Decodes and keeps a model, bundle or encoder the device follows (WireError if it is malformed)."""
+        if kind == "model":
+            self.artefacts.on_model(wire.decode(payload, wire.ModelMessage))
+        elif kind == "bundle":
+            self.artefacts.on_bundle(wire.decode(payload, wire.BundleMessage))
+        else:
+            self.artefacts.on_encoder(wire.decode(payload, wire.EncoderMessage))
 
     def on_announcement(self, announcement: wire.RoundAnnouncement) -> bool:
         """Remembers the newest unfinished round and asks for its model; True on the final announcement."""
@@ -139,14 +148,6 @@ class Agent:
             self.artefacts.follow("encoder", wire.encoder_topic(fleet, announcement.recipe.encoder))
         return False
 
-    def on_ack(self, ack: wire.Ack) -> None:
-        """Logs the coordinator's verdict on an update."""
-        if ack.accepted:
-            log.info("update accepted round=%d update=%s", ack.round_id, ack.update_id)
-            return
-        rejected = (ack.round_id, ack.update_id[:64], ack.rejection[:32], ack.reason[:300])
-        log.warning("update rejected round=%d update=%s kind=%s reason=%s", *rejected)
-
     def maybe_run_round(self) -> None:
         """Runs the pending round once everything it needs has arrived, publishes its update, journals it."""
         announcement = self._pending
@@ -156,7 +157,8 @@ class Agent:
         update = self.rounds.run(announcement, self.artefacts.models[announcement.model_hash])
         try:
             if update is not None:
-                self.publish_update(update)
+                with self.meter.phase("publish"):
+                    self.sender.send(update)
         except (wire.WireError, PayloadTooLargeError) as error:
             log.error(
                 "update not sent device=%s round=%d error=%s", self.settings.device_id, announcement.round_id, error
@@ -164,19 +166,11 @@ class Agent:
             self.publish_status("error", announcement.round_id)
             return
         self.data.set_state(LAST_ROUND_KEY, announcement.round_id)
+        self.meter.log(announcement.round_id)
+        budget = self.settings.memory_budget_mb
+        if budget is not None and self.meter.overall > budget:
+            log.warning("footprint above the memory budget peak_mb=%.1f budget_mb=%d", self.meter.overall, budget)
         self.publish_status("idle", announcement.round_id)
-
-    def publish_update(self, update: wire.Update) -> None:
-        """Signs (with a provisioned key), encodes and publishes the update at QoS 1; the session refuses it
-        before paho sees it if it is too large."""
-        if self.settings.signing_key:
-            update = wire.sign_update(update, self.settings.signing_key)
-        payload = wire.encode(update)
-        topic = wire.device_topic(self.settings.fleet, self.settings.device_id, "update")
-        if self.session.publish(topic, payload, wait=PUBLISH_WAIT_SECONDS):
-            log.info("update published device=%s round=%d bytes=%d", update.device_id, update.round_id, len(payload))
-        else:
-            log.warning("update queued until the broker is back device=%s round=%d", update.device_id, update.round_id)
 
     def publish_status(self, state: str, round_id: int | None = None) -> None:
         """Retained presence and progress for the coordinator and its dashboard."""
@@ -187,6 +181,7 @@ class Agent:
             round_id=self.last_finished_round if round_id is None else round_id,
             labelled=self.data.num_labelled,
             profile=self.settings.profile,
+            peak_rss_mb=round(self.meter.overall, 1),
         )
         topic = wire.device_topic(self.settings.fleet, self.settings.device_id, "status")
         self.session.publish(topic, wire.encode(status), retain=True)

@@ -20,6 +20,8 @@ class AgentSettings:
     exit_on_final: bool = False
     max_update_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
     backend: str = "torch"
+    trainer: str = "full"
+    memory_budget_mb: int | None = None
     inference_threads: int = 0
     execution_providers: tuple[str, ...] = ("CPUExecutionProvider",)
     mc_passes_cap: int | None = None

@@ -5,7 +5,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,6 +13,7 @@ from edge_agent import wire
 from edge_agent.credentials import Credentials, load_credentials
 from edge_agent.field_options import add_field_arguments
 from edge_agent.logs import configure_logging
+from edge_agent.memory_budget import fit_to_budget
 from edge_agent.mqtt import (
     DEFAULT_KEEPALIVE_SECONDS,
     BrokerAddress,
@@ -25,6 +25,7 @@ from edge_agent.oracle import SimulatedOracle
 from edge_agent.profile import DeviceProfile, load_profile
 from edge_agent.score_command import BACKENDS, score_pool
 from edge_agent.shard import load_shard, open_device_data
+from edge_agent.shutdown import Terminated, raise_on_sigterm
 
 if TYPE_CHECKING:  # the agent imports torch; `edge-agent score` must not
     from edge_agent.agent_settings import AgentSettings
@@ -161,11 +162,13 @@ def agent_settings(
         **common,
         profile=profile.name,
         backend=profile.backend,
+        trainer=profile.trainer,
         torch_threads=args.torch_threads or profile.threads,
         inference_batch=args.inference_batch or profile.inference_batch,
         inference_threads=profile.threads,
         execution_providers=profile.execution_providers,
         mc_passes_cap=profile.mc_passes_cap,
+        memory_budget_mb=profile.memory_budget_mb,
     )
 
 
@@ -203,13 +206,18 @@ def run_agent(args: argparse.Namespace) -> int:
     )
     field = None
     if args.pool_dir is not None:
+        if profile is not None:
+            settings = fit_to_budget(settings, profile.memory_budget_mb, profile.pool_size_cap)
         field = open_field(field_settings(args), state_dir, settings, profile)
         agent = Agent(settings, session, field.data, field.oracle, field.work)
         field.oracle.stop_event = agent.stop_event
     else:
         shard = load_shard(args.data)
-        agent = Agent(settings, session, open_device_data(state_dir, shard), SimulatedOracle(shard.all_labels))
-    signal.signal(signal.SIGTERM, lambda *_: agent.stop_event.set())
+        data = open_device_data(state_dir, shard)
+        if profile is not None:
+            settings = fit_to_budget(settings, profile.memory_budget_mb, data.num_samples)
+        agent = Agent(settings, session, data, SimulatedOracle(shard.all_labels))
+    raise_on_sigterm()
     try:
         session.connect()
         agent.run()
@@ -231,3 +239,5 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Terminated:
+        return 0

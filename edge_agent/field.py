@@ -16,7 +16,7 @@ from edge_agent.field_options import FieldSettings
 from edge_agent.folder_oracle import FolderOracle, QueryBook
 from edge_agent.folder_pool import MODEL_INPUT, InputSpec, open_folder_data
 from edge_agent.label_ui import LabelServer, parse_listen_address
-from edge_agent.models import build_model, set_weights
+from edge_agent.learner import Learner, make_learner
 from edge_agent.profile import DeviceProfile
 from edge_agent.round_inputs import RoundModels, mc_probabilities
 from edge_agent.sampling import Heuristic, make_sampler
@@ -47,8 +47,7 @@ class StreamAcquirer:
         self.budget = budget
         self.settings = settings
         self.passes = passes
-        self._model = build_model(settings.model_name)
-        self._loaded: Weights | None = None
+        self._learner: tuple[Weights, Learner] | None = None
         self._refused: set[str] = set()
 
     def score_new(self, latest: LatestModel, round_id: int) -> None:
@@ -88,10 +87,10 @@ class StreamAcquirer:
 
     def scores(self, sampler: Heuristic, latest: LatestModel, new: np.ndarray, seed: int) -> np.ndarray:
         """The sampler's scores of the new items under the newest global model, on the agent's back end."""
-        if latest.weights is not self._loaded:
-            set_weights(self._model, latest.weights)
-            self._loaded = latest.weights
-        models = RoundModels(self._model, self._model, "", latest.recipe, latest.bundle)
+        if self._learner is None or self._learner[0] is not latest.weights:
+            learner = make_learner(self.settings, self.data.state_dir, latest.weights, latest.bundle)
+            self._learner = (latest.weights, learner)
+        models = RoundModels(self._learner[1], "", latest.recipe, latest.bundle)
         images = self.data.images(new)
         probabilities = (
             mc_probabilities(self.settings, models, images, self.passes, seed) if sampler.needs_probabilities else None

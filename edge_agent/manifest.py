@@ -37,6 +37,19 @@ class DropoutSection:
 
 
 @dataclass(frozen=True)
+class HeadSection:
+    """What a device that trains only the classifier needs: the graph from prefix features to the classifier's
+    input (dropout off), the classifier's weight names, and the dropout rate on its input."""
+
+    graph: str
+    input_name: str
+    output_name: str
+    weight: str
+    bias: str
+    dropout: float
+
+
+@dataclass(frozen=True)
 class BundleManifest:
     """manifest.json of a model bundle: what the graphs compute, from which weights, and every file's sha256."""
 
@@ -55,6 +68,7 @@ class BundleManifest:
     exporter: dict[str, str]
     dropout: DropoutSection
     quantization: dict[str, Any] | None = None
+    head: HeadSection | None = None
     format: str = BUNDLE_FORMAT
     format_version: int = BUNDLE_VERSION
 
@@ -78,6 +92,8 @@ class BundleManifest:
             raise ManifestError(f"{where}: manifest lacks {', '.join(missing)}")
         values["normalisation"] = _section(Normalisation, raw["normalisation"], f"{where}: normalisation")
         values["dropout"] = _section(DropoutSection, raw["dropout"], f"{where}: dropout")
+        if raw.get("head") is not None:
+            values["head"] = _section(HeadSection, raw["head"], f"{where}: head")
         return cls(**values)
 
 
@@ -104,6 +120,7 @@ KINDS: dict[str, type | tuple[type, ...]] = {
     "format_version": int,
     "normalisation": dict,
     "dropout": dict,
+    "head": (dict, type(None)),
 }
 
 

@@ -48,6 +48,18 @@ class MaskedTailGraph(nn.Module):
         return torch.softmax(self.model.tail_with_masks(features, masks), dim=-1)
 
 
+class PenultimateGraph(nn.Module):
+    """The classifier's input features of prefix features, dropout off: what a head-only device trains on."""
+
+    def __init__(self, model: SplitDropoutModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """Penultimate features of prefix features (eval mode)."""
+        return self.model.penultimate(features)
+
+
 class TorchMCDropout:
     """Torch back end: probabilities of r stochastic passes, shaped (r, N, C), reproducible for a seed.
 

@@ -21,6 +21,8 @@ class SplitDropoutModel(nn.Module):
 
     dropout_rates: ClassVar[tuple[float, ...]]
     dropout_mask_shapes: ClassVar[tuple[tuple[int, ...], ...]]
+    classifier_layer: ClassVar[str]
+    """The final linear layer, fed by `penultimate` through the last dropout: what head-only training trains."""
 
     @abstractmethod
     def prefix(self, x: torch.Tensor) -> torch.Tensor:
@@ -48,6 +50,7 @@ class PaperCNN(SplitDropoutModel):
 
     dropout_rates: ClassVar[tuple[float, ...]] = (0.25, 0.25, 0.5)
     dropout_mask_shapes: ClassVar[tuple[tuple[int, ...], ...]] = ((16, 10, 10), (16, 2, 2), (128,))
+    classifier_layer: ClassVar[str] = "fc2"
 
     def __init__(self, num_classes: int = NUM_CLASSES) -> None:
         super().__init__()

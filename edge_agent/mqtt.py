@@ -15,6 +15,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SESSION_EXPIRY_SECONDS = 3600
 DEFAULT_KEEPALIVE_SECONDS = 30
+CLOSE_WAIT_SECONDS = 1.0
 
 
 class PayloadTooLargeError(ValueError):
@@ -145,6 +146,7 @@ class MqttSession:
             properties=properties,
         )
         self._client.loop_start()
+        log.info("mqtt connecting client=%s broker=%s", self.client_id, self.address.url)
         if not self._connected.wait(timeout):
             self._client.loop_stop()
             raise BrokerUnavailableError(f"no connection to the broker at {self.address.url} within {timeout:.0f}s")
@@ -172,10 +174,7 @@ class MqttSession:
         """Publishes (QoS 1 by default) after checking the size. With `wait`, blocks up to `wait` seconds for the
         broker's confirmation and returns whether it came; without, returns True at once. While the broker is away
         a QoS 1 message waits in paho's queue and goes out on reconnect."""
-        if self.max_payload_bytes is not None and len(payload) > self.max_payload_bytes:
-            raise PayloadTooLargeError(
-                f"payload of {len(payload)} bytes for {topic} exceeds the limit of {self.max_payload_bytes}"
-            )
+        self.check_size(topic, payload)
         info = self._client.publish(topic, payload, qos=qos, retain=retain)
         if qos > 0 and info.rc == paho.MQTT_ERR_NO_CONN:
             info.rc = paho.MQTT_ERR_SUCCESS  # queued, not failed: paho sends it on reconnect (its wait would raise)
@@ -183,6 +182,13 @@ class MqttSession:
             return True
         info.wait_for_publish(timeout=wait)
         return info.is_published()
+
+    def check_size(self, topic: str, payload: bytes) -> None:
+        """PayloadTooLargeError if the payload exceeds this session's limit (checked before anything keeps it)."""
+        if self.max_payload_bytes is not None and len(payload) > self.max_payload_bytes:
+            raise PayloadTooLargeError(
+                f"payload of {len(payload)} bytes for {topic} exceeds the limit of {self.max_payload_bytes}"
+            )
 
     def acknowledge(self, message: IncomingMessage) -> None:
         """Acknowledges a handled QoS 1 message to the broker (only needed, and only sent, with manual_ack)."""
@@ -196,11 +202,14 @@ class MqttSession:
         except queue.Empty:
             return None
 
-    def close(self) -> None:
-        """Disconnects cleanly (no last will) and stops the network thread."""
+    def close(self, timeout: float = CLOSE_WAIT_SECONDS) -> None:
+        """Disconnects cleanly (no last will) and stops the network thread, waiting at most `timeout` seconds for it:
+        a thread in the middle of a reconnect attempt is left to end with the process, so a stop is never held up."""
         self._connected.clear()
         self._client.disconnect()
-        self._client.loop_stop()
+        stopper = threading.Thread(target=self._client.loop_stop, daemon=True)
+        stopper.start()
+        stopper.join(timeout)
 
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:

@@ -9,6 +9,7 @@ import numpy as np
 import onnxruntime as ort
 
 from edge_agent.bundle import Bundle
+from edge_agent.fashion_mnist import normalise
 from edge_agent.mc_scorer import DropoutSpec, mc_probabilities
 
 log = logging.getLogger(__name__)
@@ -182,3 +183,22 @@ class OrtMCDropout:
         """Tail probabilities of features under masks (first graph input: features; masks by manifest name)."""
         feeds = {self._feature_input: features, **dict(zip(self._mask_inputs, masks))}
         return self._tail.run(None, feeds)[0]
+
+
+def penultimate_features(
+    bundle: Bundle, images: np.ndarray, batch_size: int, threads: int = 0, providers: Sequence[str] = (CPU_PROVIDER,)
+) -> np.ndarray:
+    """The classifier's input features (N, D) of raw uint8 images (N, 28, 28) under the bundle's own weights,
+    dropout off: the prefix graph, then the manifest's penultimate graph, one batch at a time."""
+    head = bundle.manifest.head
+    if head is None:
+        raise ValueError(f"the bundle in {bundle.path} has no penultimate graph (exported before head-only training)")
+    chosen = select_providers(providers)
+    prefix = _session(bundle.graph_path("fp32", "prefix"), threads, chosen)
+    penultimate = _session(bundle.path / head.graph, threads, chosen)
+    prefix_input = prefix.get_inputs()[0].name
+    batches = []
+    for start in range(0, len(images), batch_size):
+        features = prefix.run(None, {prefix_input: normalise(images[start : start + batch_size])})[0]
+        batches.append(penultimate.run(None, {head.input_name: features})[0])
+    return np.concatenate(batches) if batches else np.zeros((0, 0), dtype=np.float32)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 BACKENDS = ("torch", "onnxruntime")
+TRAINERS = ("full", "head")
 
 
 class ProfileError(ValueError):
@@ -40,6 +41,7 @@ class DeviceProfile:
     pool_size_cap: int
     storage_path: str
     mqtt: MqttProfile
+    trainer: str = "full"
 
 
 def _type_name(expected: Any) -> str:
@@ -94,6 +96,12 @@ def _check_values(profile: DeviceProfile, where: str) -> None:
     for key in ("threads", "inference_batch", "mc_passes_cap", "memory_budget_mb", "pool_size_cap"):
         if getattr(profile, key) < 1:
             raise ProfileError(f"{where}: key {key!r}: expected a positive integer, got {getattr(profile, key)}")
+    if profile.trainer not in TRAINERS:
+        raise ProfileError(f"{where}: key 'trainer': expected one of {', '.join(TRAINERS)}, got {profile.trainer!r}")
+    if profile.trainer == "head" and profile.backend != "onnxruntime":
+        raise ProfileError(
+            f"{where}: key 'trainer': 'head' scores and trains with onnxruntime; set backend = 'onnxruntime'"
+        )
     if not profile.execution_providers:
         raise ProfileError(f"{where}: key 'execution_providers': expected at least one provider")
     if profile.mqtt.keepalive < 5:

@@ -1,7 +1,6 @@
 # One round on a device: acquire labels as the schedule says, train with the round's local rule, build the update.
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import time
@@ -15,14 +14,14 @@ from edge_agent.acquisition import Acquirer
 from edge_agent.agent_settings import AgentSettings, device_seed
 from edge_agent.artefacts import RoundArtefacts
 from edge_agent.device_data import DeviceData
-from edge_agent.files import save_arrays
-from edge_agent.models import build_model, get_weights, set_weights
+from edge_agent.footprint import PhaseMeter
+from edge_agent.learner import make_learner, round_problem
+from edge_agent.local_data import training_view
 from edge_agent.oracle import Oracle
-from edge_agent.round_inputs import OWN_MODEL_FILE, RoundModels, training_view
+from edge_agent.round_inputs import RoundModels
 from edge_agent.sampling import make_sampler
 from edge_agent.schedule import acquires_in_round, round_in_active_round
 from edge_agent.tensors import Weights
-from edge_agent.training import make_local_rule
 
 log = logging.getLogger(__name__)
 
@@ -42,28 +41,33 @@ class RoundRunner:
         oracle: Oracle,
         artefacts: RoundArtefacts,
         report: Callable[[str, int], None],
+        meter: PhaseMeter,
     ) -> None:
         self.settings = settings
         self.data = data
         self.oracle = oracle
         self.artefacts = artefacts
         self.report = report
-        self.acquirer = Acquirer(settings, data, oracle)
+        self.meter = meter
+        self.acquirer = Acquirer(settings, data, oracle, meter)
 
     def round_models(self, announcement: wire.RoundAnnouncement, global_weights: Weights) -> RoundModels:
-        """A fresh model loaded with the global weights, a frozen copy of it, and the round's artefacts."""
-        model = build_model(self.settings.model_name)
-        set_weights(model, global_weights)
+        """The profile's learner over the global weights, and the round's artefacts."""
         bundle = self.artefacts.bundles.get(announcement.model_hash)
         encoder = self.artefacts.encoders.get(announcement.recipe.encoder)
-        frozen = copy.deepcopy(model).eval()
-        return RoundModels(model, frozen, announcement.model_hash, announcement.recipe, bundle, encoder)
+        learner = make_learner(self.settings, self.data.state_dir, global_weights, bundle)
+        return RoundModels(learner, announcement.model_hash, announcement.recipe, bundle, encoder)
 
     def run(self, announcement: wire.RoundAnnouncement, global_weights: Weights) -> wire.Update | None:
         """Acquires (when the schedule says so), labels and trains; returns the update, or None when the device
         is not among the round's participants (it then only acquires, as every device does, and never trains)."""
         recipe, round_id = announcement.recipe, announcement.round_id
         participating = not announcement.participants or self.settings.device_id in announcement.participants
+        problem = round_problem(self.settings, recipe, self.artefacts.bundles.get(announcement.model_hash))
+        if problem is not None:
+            log.error("round refused device=%s round=%d reason=%s", self.settings.device_id, round_id, problem)
+            self.report("error", round_id)
+            return None
         self.report("training" if participating else "acquiring", round_id)
         models = self.round_models(announcement, global_weights)
         self.oracle.start_round(round_id)
@@ -93,9 +97,9 @@ class RoundRunner:
                 return None
         metrics: dict[str, float] = {}
         if trains:
-            data = training_view(self.data, new_indices, new_labels, round_in_active_round(round_id, recipe))
-            metrics = make_local_rule(recipe.local_rule).train(models.current, data, models.global_model, recipe, seed)
-            save_arrays(self.data.state_dir / OWN_MODEL_FILE, get_weights(models.current))
+            with self.meter.phase("train"):
+                data = training_view(self.data, new_indices, new_labels, round_in_active_round(round_id, recipe))
+                metrics = models.learner.train(data, recipe, seed)
         log.info(
             "step done device=%s round=%d step=%d new=%d labelled=%d trained=%s seconds=%.1f",
             *(self.settings.device_id, round_id, step + 1, len(new_indices), self.data.num_labelled, trains),
@@ -116,6 +120,6 @@ class RoundRunner:
             class_counts=[int(c) for c in self.data.class_counts()],
             acquired_labels=self.data.count_labels("oracle"),
             metrics=metrics,
-            tensors=get_weights(models.current),
+            tensors=models.learner.weights(),
             nonce=os.urandom(16),
         )

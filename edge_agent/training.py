@@ -5,7 +5,7 @@ import copy
 import logging
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -15,9 +15,9 @@ from torch import nn
 
 from edge_agent.fashion_mnist import normalise
 from edge_agent.files import load_arrays, save_arrays
-from edge_agent.image_arrays import IMAGE_SHAPE
+from edge_agent.local_data import LocalData
 from edge_agent.mc_dropout import as_split_model
-from edge_agent.models import NUM_CLASSES, get_weights, set_weights
+from edge_agent.models import get_weights, set_weights
 from edge_agent.options import Method, Option, Registry
 from edge_agent.sampling import class_prior_bias
 from edge_agent.wire import METRIC_MEME_ENTROPY, Recipe
@@ -26,44 +26,6 @@ log = logging.getLogger(__name__)
 
 PRIVATE_MODEL_FILE = "dmlu_private.npz"
 MIN_KD_BATCH = 3
-
-
-def _no_images() -> np.ndarray:
-    """An empty uint8 image array."""
-    return np.zeros((0, *IMAGE_SHAPE), dtype=np.uint8)
-
-
-@dataclass(frozen=True)
-class LocalData:
-    """What a local rule may train on: this acquisition's new labels, the replay set, all human labels, the pool
-    (read on demand: only KCFU asks for it), the weak (machine) labels a sampler proposed, and which communication
-    round of the active round this is.
-
-    state_dir is the device's private folder, for rules that keep state between rounds (DMLU's personalised model).
-    """
-
-    new_images: np.ndarray
-    new_labels: np.ndarray
-    replay_images: np.ndarray
-    replay_labels: np.ndarray
-    labelled_images: np.ndarray
-    labelled_labels: np.ndarray
-    unlabelled: Callable[[], np.ndarray]
-    state_dir: Path | None = None
-    weak_images: np.ndarray = field(default_factory=_no_images)
-    weak_labels: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    round_in_active_round: int = 1
-
-    def training_set(self) -> tuple[np.ndarray, np.ndarray]:
-        """Human labels followed by weak labels: what a rule that trains on 'the labelled set' uses."""
-        return (
-            np.concatenate([self.labelled_images, self.weak_images]),
-            np.concatenate([self.labelled_labels, self.weak_labels]).astype(np.int64),
-        )
-
-    def class_counts(self) -> np.ndarray:
-        """Human labels per class (n_k of KAFAL)."""
-        return np.bincount(np.asarray(self.labelled_labels, dtype=np.int64), minlength=NUM_CLASSES)
 
 
 OPTIMIZERS = ("sgd", "adam")
@@ -196,8 +158,7 @@ class OnlineReplaySGD(LocalRule):
         self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int
     ) -> dict[str, float]:
         """Trains on new ∪ replay only; older labels stay in the store but are not revisited (online learning)."""
-        images = np.concatenate([data.new_images, data.replay_images])
-        labels = np.concatenate([data.new_labels, data.replay_labels])
+        images, labels = data.new_and_replay()
         loss = train_supervised(model, images, labels, TrainSettings.from_recipe(recipe, seed))
         return {"train_loss": loss, "train_samples": float(len(images))}
 

@@ -185,6 +185,7 @@ class Status:
     round_id: int = 0
     labelled: int = 0
     profile: str = ""
+    peak_rss_mb: float = 0.0
 
 
 Message = RoundAnnouncement | ModelMessage | BundleMessage | EncoderMessage | Update | Ack | Status

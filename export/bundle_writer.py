@@ -20,7 +20,7 @@ from edge_agent.bundle import (
 )
 from edge_agent.fashion_mnist import CLASS_NAMES, FASHION_MNIST_MEAN, FASHION_MNIST_STD
 from edge_agent.files import atomic_write_bytes, save_arrays
-from edge_agent.manifest import BundleManifest, DropoutSection, Normalisation
+from edge_agent.manifest import BundleManifest, DropoutSection, HeadSection, Normalisation
 from edge_agent.mc_dropout import dropout_spec
 from edge_agent.models import INPUT_SHAPE, SplitDropoutModel, build_model, set_weights
 from edge_agent.tensors import Weights, weights_hash
@@ -30,14 +30,17 @@ from export.onnx_graphs import (
     EXPORTER,
     FEATURES_NAME,
     IMAGES_INPUT,
+    PENULTIMATE_OUTPUT,
     PROBABILITIES_OUTPUT,
     export_graphs,
+    export_penultimate,
     mask_input_names,
 )
 
 WEIGHTS_FILE = "weights.npz"
 FP32_GRAPHS = {"prefix": "prefix.onnx", "tail": "tail.onnx"}
 INT8_GRAPHS = {"prefix": "prefix.int8.onnx", "tail": "tail.onnx"}
+PENULTIMATE_GRAPH = "penultimate.onnx"
 
 
 def _int8_section(
@@ -119,6 +122,7 @@ def write_files(
 ) -> BundleManifest:
     """Writes the graphs and weights into `work`, checks them, and returns the manifest that lists them."""
     export_graphs(model, work / FP32_GRAPHS["prefix"], work / FP32_GRAPHS["tail"], opset)
+    export_penultimate(model, work / PENULTIMATE_GRAPH, opset)
     save_arrays(work / WEIGHTS_FILE, weights)
     initializers = {part: initializer_map(work / name, weights) for part, name in FP32_GRAPHS.items()}
     _check_every_weight_mapped(initializers, weights)
@@ -127,7 +131,7 @@ def write_files(
     if int8_data is not None:
         quantization = _int8_section(work, *int8_data, dropout_spec(model).mask_shapes)
         graphs["int8"] = INT8_GRAPHS
-    names = sorted({WEIGHTS_FILE, *(name for parts in graphs.values() for name in parts.values())})
+    names = sorted({WEIGHTS_FILE, PENULTIMATE_GRAPH, *(name for parts in graphs.values() for name in parts.values())})
     for name in (name for name in names if name.endswith(".onnx")):
         onnx.checker.check_model(str(work / name))
     files = {name: file_sha256(work / name) for name in names}
@@ -164,7 +168,15 @@ def manifest_for(
             [float(rate) for rate in spec.rates], list(mask_input_names(model)), [list(s) for s in spec.mask_shapes]
         ),
         quantization=quantization,
+        head=head_section(model),
     )
+
+
+def head_section(model: SplitDropoutModel) -> HeadSection:
+    """The manifest's head section: the penultimate graph and the classifier a head-only device trains."""
+    layer = model.classifier_layer
+    rate = float(dropout_spec(model).rates[-1])
+    return HeadSection(PENULTIMATE_GRAPH, FEATURES_NAME, PENULTIMATE_OUTPUT, f"{layer}.weight", f"{layer}.bias", rate)
 
 
 def ensure_bundle_files(weights: Weights, out_dir: Path, model_name: str = "paper-cnn") -> dict[str, bytes]:

@@ -7,12 +7,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from edge_agent.mc_dropout import MaskedTailGraph, PrefixGraph, as_split_model, dropout_spec
+from edge_agent.mc_dropout import MaskedTailGraph, PenultimateGraph, PrefixGraph, as_split_model, dropout_spec
 
 DEFAULT_OPSET = 17
 IMAGES_INPUT = "images"
 FEATURES_NAME = "features"
 PROBABILITIES_OUTPUT = "probabilities"
+PENULTIMATE_OUTPUT = "penultimate"
 EMBEDDINGS_OUTPUT = "embeddings"
 EXPORTER = "torch.onnx.export (TorchScript exporter, dynamo=False)"
 
@@ -58,6 +59,14 @@ def export_graphs(model: nn.Module, prefix_path: Path, tail_path: Path, opset: i
         PROBABILITIES_OUTPUT,
         opset,
     )
+
+
+def export_penultimate(model: nn.Module, path: Path, opset: int = DEFAULT_OPSET) -> None:
+    """Writes the graph from prefix features to the classifier's input features (dropout off) as ONNX."""
+    split = as_split_model(model.eval())
+    with torch.no_grad():
+        features = split.prefix(torch.zeros(2, 1, 28, 28))
+    _export(PenultimateGraph(split), (features,), path, [FEATURES_NAME], PENULTIMATE_OUTPUT, opset)
 
 
 class EncoderGraph(nn.Module):

@@ -19,7 +19,22 @@ from edge_agent import wire
 from edge_agent.device_data import LABELS_FILE
 from edge_agent.files import load_arrays
 from edge_agent.labelled_record import source_code
+from edge_agent.models import build_model, get_weights
 from edge_agent.mqtt import BrokerAddress, MqttSession
+from edge_agent.tensors import weights_hash
+from export.bundle_writer import ensure_bundle_files
+
+# Runs a console entry point with torch unimportable, as on a device installed with '.[agent]' only.
+WITHOUT_TORCH = """
+import sys
+class RefuseTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(f"torch is not installed on this device ({name})")
+sys.meta_path.insert(0, RefuseTorch())
+from edge_agent.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
 
 INIT_SAMPLES = 50
 VALIDATION_SAMPLES = 100
@@ -227,3 +242,42 @@ def perturbed(tensors: dict[str, np.ndarray], seed: int, scale: float = 0.01) ->
     return {
         name: (array + scale * rng.standard_normal(array.shape)).astype(array.dtype) for name, array in tensors.items()
     }
+
+
+def watch_status(address: BrokerAddress, fleet: str) -> MqttSession:
+    """A test client that hears every device's status in the fleet."""
+    session = MqttSession(address, client_id=f"{fleet}-status-watch", session_expiry=0)
+    session.connect(timeout=10)
+    session.subscribe(wire.all_devices_topic(fleet, "status"))
+    return session
+
+
+def wait_for_state(session: MqttSession, state: str, timeout: float = WAIT) -> None:
+    """Waits until a device reports `state` on its status topic (other messages are skipped)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        message = session.next_message(timeout=0.5)
+        status = message is not None and message.topic.endswith("/status")
+        if status and wire.decode(message.payload, wire.Status).state == state:
+            return
+    raise AssertionError(f"no device reported {state!r} within {timeout:.0f}s")
+
+
+def announce_round(
+    address: BrokerAddress, fleet: str, recipe: wire.Recipe, round_id: int = 1, bundle_dir: Path | None = None
+) -> str:
+    """Retains a round and its model (a fresh paper CNN; with bundle_dir, its ONNX bundle too) as a coordinator
+    would; returns the model hash."""
+    session = MqttSession(address, client_id=f"{fleet}-announcer", session_expiry=0)
+    session.connect(timeout=10)
+    weights = get_weights(build_model(seed=1))
+    model_hash = weights_hash(weights)
+    model = wire.encode(wire.ModelMessage(model_hash, "paper-cnn", weights))
+    session.publish(wire.model_topic(fleet, model_hash), model, retain=True, wait=10)
+    if bundle_dir is not None:
+        bundle = wire.encode(wire.BundleMessage(model_hash, ensure_bundle_files(weights, bundle_dir)))
+        session.publish(wire.bundle_topic(fleet, model_hash), bundle, retain=True, wait=10)
+    announcement = wire.RoundAnnouncement("run-t", round_id, model_hash, recipe, time.time() + 600)
+    session.publish(wire.round_topic(fleet), wire.encode(announcement), retain=True, wait=10)
+    session.close()
+    return model_hash

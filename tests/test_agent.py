@@ -127,12 +127,14 @@ def test_restarted_agent_does_not_redo_a_finished_round(broker, tmp_path, shard)
     agent, thread = start_agent(broker, tmp_path / "state", shard)
     weights = get_weights(build_model(seed=4))
     coordinator.start_round(1, weights)
-    assert coordinator.next_on("update", timeout=60) is not None
+    first = coordinator.next_on("update", timeout=60)
+    assert first is not None
     stop_agent(agent, thread)
     agent, thread = start_agent(broker, tmp_path / "state", shard)
     try:
-        assert coordinator.next_on("status", 10, lambda m: wire.decode(m.payload, wire.Status).state == "online")
-        assert coordinator.next_on("update", timeout=5) is None
+        again = coordinator.next_on("update", timeout=10)
+        assert again is not None and again.payload == first.payload, "the unanswered update is re-sent as it was"
+        assert coordinator.next_on("update", timeout=3) is None
         assert DeviceData.open(tmp_path / "state").count_labels("oracle") == 24
         coordinator.start_round(2, weights)
         second = coordinator.next_on("update", timeout=60)

@@ -31,10 +31,11 @@ from coordinator.strategies import CADIS, FedAvg, make_strategy
 from coordinator.validation import Expectation
 from edge_agent import wire
 from edge_agent.fashion_mnist import load_fashion_mnist
+from edge_agent.local_data import LocalData
 from edge_agent.models import NUM_CLASSES, build_model, get_weights, weight_spec
 from edge_agent.mqtt import BrokerAddress, MqttSession
 from edge_agent.tensors import weights_hash
-from edge_agent.training import CadisKD, LocalData, TrainSettings, relational_kd_loss, run_epochs
+from edge_agent.training import CadisKD, TrainSettings, relational_kd_loss, run_epochs
 
 GLOBAL = get_weights(build_model(seed=0))
 LAYER = "fc2.weight"

@@ -42,7 +42,7 @@ def feed_live(live: LiveState) -> None:
     """dev-00 online and dev-02 training with profiles; dev-01's last will said offline; acks and round 2 closed."""
     live.device_status("dev-00", wire.Status("dev-00", "online", 1.0, 2, 90, "simulated"))
     live.device_status("dev-01", wire.Status("dev-01", "offline", 0.0, profile="raspberry-pi-4"))
-    live.device_status("dev-02", wire.Status("dev-02", "training", 1.0, 2, 70, "jetson-nano"))
+    live.device_status("dev-02", wire.Status("dev-02", "training", 1.0, 2, 70, "jetson-nano", peak_rss_mb=451.1))
     live.round_opened(2, needed=3)
     for size, device in enumerate(DEVICES, start=1000):
         live.update_answered(device, 2, size, None)
@@ -72,6 +72,7 @@ def test_run_and_devices_merge_store_and_live_state(served: str) -> None:
     assert [devices[d]["state"] for d in DEVICES] == ["online", "offline", "training"]
     assert [devices[d]["online"] for d in DEVICES] == [True, False, True]
     assert [devices[d]["profile"] for d in DEVICES] == ["simulated", "raspberry-pi-4", "jetson-nano"]
+    assert [devices[d]["peak_rss_mb"] for d in DEVICES] == [None, None, 451.1]
     assert [devices[d]["rounds_joined"] for d in DEVICES] == [2, 2, 2]
     assert devices["dev-00"]["labelled"] == 90 and devices["dev-02"]["labelled"] == 70
     assert devices["dev-01"]["labelled"] == 90  # no status count: its latest accepted update's sample count

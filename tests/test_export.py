@@ -119,7 +119,7 @@ def test_replacement_weights_of_the_wrong_shape_or_precision_are_refused(bundle_
 
 def test_shipped_files_stored_on_a_device_verify_and_bad_ones_are_named(bundle_dir: Path, tmp_path: Path) -> None:
     files = bundle_files(load_bundle(bundle_dir))
-    assert set(files) == {"manifest.json", "prefix.onnx", "tail.onnx", "weights.npz"}
+    assert set(files) == {"manifest.json", "prefix.onnx", "tail.onnx", "penultimate.onnx", "weights.npz"}
     stored = store_bundle(tmp_path / "device", files)
     assert stored.manifest == load_bundle(bundle_dir).manifest
     tampered = {**files, "prefix.onnx": files["prefix.onnx"][:-1] + b"\x00"}

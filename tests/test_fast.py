@@ -19,7 +19,8 @@ from edge_agent.agent_settings import AgentSettings
 from edge_agent.device_data import DeviceData
 from edge_agent.encoder import OnnxEncoder, encoder_hash
 from edge_agent.fashion_mnist import load_fashion_mnist, normalise
-from edge_agent.models import build_model
+from edge_agent.learner import make_learner
+from edge_agent.models import build_model, get_weights
 from edge_agent.mqtt import BrokerAddress, MqttSession
 from edge_agent.oracle import SimulatedOracle
 from edge_agent.round_inputs import RoundModels
@@ -109,8 +110,9 @@ def make_agent(tmp_path: Path, pool_size: int, encoder: bytes) -> Agent:
 
 
 def round_models(agent: Agent, model, recipe: wire.Recipe) -> RoundModels:
-    """The round's models as the agent builds them: the model as current and global, the held encoder."""
-    return RoundModels(model, model, "base", recipe, encoder=agent.artefacts.encoders.get(recipe.encoder))
+    """The round's models as the agent builds them: a learner over the model's weights, the held encoder."""
+    learner = make_learner(agent.settings, agent.data.state_dir, get_weights(model), None)
+    return RoundModels(learner, "base", recipe, encoder=agent.artefacts.encoders.get(recipe.encoder))
 
 
 @pytest.mark.parametrize(("pool_size", "budget"), [(60, 25), (15, 25)])

@@ -7,8 +7,9 @@ import torch
 
 from edge_agent import wire
 from edge_agent.fashion_mnist import load_fashion_mnist
+from edge_agent.local_data import LocalData
 from edge_agent.models import build_model, get_weights
-from edge_agent.training import FedProx, LocalData, TrainSettings, proximal_term, train_supervised
+from edge_agent.training import FedProx, TrainSettings, proximal_term, train_supervised
 
 
 @pytest.fixture(scope="module")

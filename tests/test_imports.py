@@ -19,6 +19,19 @@ TORCH_FREE = (
     "coordinator.validation",
     "edge_agent.tensors",
     "edge_agent.options",
+    # a device that scores and trains its classifier only (the Pi Zero 2 W profile) runs without torch
+    "edge_agent.agent",
+    "edge_agent.cli",
+    "edge_agent.round_runner",
+    "edge_agent.acquisition",
+    "edge_agent.learner",
+    "edge_agent.head_learner",
+    "edge_agent.head_training",
+    "edge_agent.local_data",
+    "edge_agent.outbox",
+    "edge_agent.footprint",
+    "edge_agent.memory_budget",
+    "edge_agent.field",
 )
 
 

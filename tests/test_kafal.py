@@ -26,14 +26,15 @@ from edge_agent import wire
 from edge_agent.agent import LAST_ROUND_KEY, Agent
 from edge_agent.agent_settings import AgentSettings
 from edge_agent.device_data import DeviceData
+from edge_agent.local_data import training_view
 from edge_agent.models import build_model, get_weights, weight_spec
 from edge_agent.mqtt import MqttSession
 from edge_agent.oracle import SimulatedOracle
-from edge_agent.round_inputs import OWN_MODEL_FILE, training_view
 from edge_agent.sampling import class_prior_bias, ksas_scores
 from edge_agent.schedule import acquires_in_round, check_schedule, labels_per_acquisition, round_in_active_round
 from edge_agent.shard import Shard, open_device_data
 from edge_agent.tensors import weights_hash
+from edge_agent.torch_learner import OWN_MODEL_FILE
 from edge_agent.training import (
     KCFU,
     LocalData,

@@ -65,7 +65,9 @@ def spooled_updates(run_dir: Path, round_id: int) -> dict[str, wire.Update]:
 
 def test_fmlu_with_dmlu_uploads_only_memes_and_their_entropy(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    lines = simulate(run_dir, "--partition", "dirichlet:0.1", "--local-rule", "dmlu", "--strategy", "fmlu")
+    lines = simulate(
+        run_dir, "--partition", "dirichlet:0.1", "--local-rule", "dmlu", "--strategy", "fmlu", "--keep-updates"
+    )
     assert [line.get("round") for line in lines[:-1]] == [1, 2] and lines[-1]["summary"]["rounds"] == 2
     with RunStore(run_dir) as store:
         report = store.rounds()[-1].report

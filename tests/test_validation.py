@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from coordinator.validation import Expectation, Rejection, validate_update
 from edge_agent import wire
 from edge_agent.models import NUM_CLASSES, build_model, get_weights, weight_spec
 from edge_agent.tensors import weights_hash
+from edge_agent.wire import RejectionKind
 
 MODEL = build_model("paper-cnn", seed=0)
 WEIGHTS = get_weights(MODEL)
@@ -209,6 +211,25 @@ def test_collector_rejects_a_different_update_from_the_same_device():
         collector.offer(DEVICE, other)
     assert DEVICE in info.value.reason and str(ROUND) in info.value.reason
     assert collector.accepted[DEVICE] is first and collector.accepted[DEVICE].num_samples == 400
+
+
+def test_the_same_update_id_with_other_content_is_a_duplicate_and_the_accepted_one_stays():
+    collector = RoundCollector(expectation())
+    accepted = make_update()
+    first, _ = collector.offer(DEVICE, wire.encode(accepted))
+    same_id_other_weights = make_update(
+        tensors={name: array + np.float32(1.0) for name, array in accepted.tensors.items()}
+    )
+    assert same_id_other_weights.update_id == accepted.update_id
+    with pytest.raises(Rejection) as info:
+        collector.offer(DEVICE, wire.encode(same_id_other_weights))
+    assert info.value.kind == RejectionKind.DUPLICATE
+    assert info.value.reason == f"duplicate: update {accepted.update_id!r} was already accepted with different content"
+    assert collector.offer(DEVICE, wire.encode(accepted)) == (first, False)
+    assert (
+        list(collector.accepted) == [DEVICE]
+        and collector.digests[DEVICE] == hashlib.sha256(wire.encode(accepted)).hexdigest()
+    )
 
 
 def test_collector_keeps_devices_apart_and_does_not_record_invalid_ones():

@@ -19,6 +19,7 @@ class DevicePresence:
     profile: str = ""
     labelled: int = 0
     status_round: int = 0
+    peak_rss_mb: float = 0.0
 
 
 @dataclass
@@ -68,6 +69,7 @@ class LiveState(RoundObserver):
             presence.state, presence.last_seen = status.state, time.time()
             presence.profile = status.profile or presence.profile
             presence.labelled, presence.status_round = status.labelled, status.round_id
+            presence.peak_rss_mb = status.peak_rss_mb or presence.peak_rss_mb
 
     def update_answered(self, device_id: str, round_id: int, size: int, rejection: Rejection | None) -> None:
         """Keeps the device's last answer and counts the update by outcome (rejections by kind) and its bytes."""

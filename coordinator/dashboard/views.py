@@ -141,6 +141,7 @@ def devices_view(snapshot: RunSnapshot, live: LiveState | None) -> list[dict]:
                 "online": presence.get("state", "offline") not in ("offline", "unknown"),
                 "last_seen": presence.get("last_seen") or (latest.received_at if latest else None),
                 "profile": presence.get("profile", ""),
+                "peak_rss_mb": presence.get("peak_rss_mb") or None,
                 "rounds_joined": len(records),
                 "labelled": presence.get("labelled") or (latest.num_samples if latest else 0),
                 "acquired_labels": latest.acquired_labels if latest else 0,

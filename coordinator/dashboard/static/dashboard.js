@@ -64,6 +64,7 @@ function drawDevices(devices) {
     cell(row, device.state, device.online ? "online" : "offline");
     cell(row, ago(device.last_seen));
     cell(row, device.profile || "-");
+    cell(row, device.peak_rss_mb ? `${device.peak_rss_mb.toFixed(0)} MB` : "-");
     cell(row, String(device.rounds_joined));
     cell(row, String(device.labelled));
     cell(row, "").appendChild(histogram(device.class_counts.length ? device.class_counts : [0]));

@@ -1,0 +1,65 @@
+# A device that trains only the classifier: onnxruntime features of the frozen backbone, softmax regression in numpy.
+from __future__ import annotations
+
+import numpy as np
+
+from edge_agent import wire
+from edge_agent.agent_settings import AgentSettings
+from edge_agent.bundle import Bundle
+from edge_agent.head_training import HeadSettings, train_classifier
+from edge_agent.learner import bundle_scorer
+from edge_agent.local_data import LocalData
+from edge_agent.mc_scorer import MCScorer
+from edge_agent.ort_scorer import penultimate_features
+from edge_agent.tensors import Weights
+
+
+class HeadLearner:
+    """The round's global model with only its classifier trained: what a 512 MB device affords (no torch).
+
+    It scores with the round's bundle as shipped (the global model), so a round with several acquisitions
+    scores each with the global model; the trained classifier goes into the update.
+    """
+
+    def __init__(self, settings: AgentSettings, global_weights: Weights, bundle: Bundle | None) -> None:
+        if bundle is None or bundle.manifest.head is None:
+            raise ValueError("head-only training needs the round's bundle with its penultimate graph")
+        self.settings = settings
+        self.bundle = bundle
+        self._weights = dict(global_weights)
+
+    def weights(self) -> Weights:
+        """The global weights with this round's classifier."""
+        return dict(self._weights)
+
+    def scorer(self, bundle: Bundle | None) -> MCScorer:
+        """The bundle's graphs as shipped."""
+        return bundle_scorer(self.settings, bundle, None)
+
+    def train(self, data: LocalData, recipe: wire.Recipe, seed: int) -> dict[str, float]:
+        """Softmax regression of the classifier on the new labels and the replay set (the online rule's data)."""
+        head = self.bundle.manifest.head
+        assert head is not None  # checked in the constructor
+        images, labels = data.new_and_replay()
+        settings = self.settings
+        features = penultimate_features(
+            self.bundle, images, settings.inference_batch, settings.inference_threads, settings.execution_providers
+        )
+        options = HeadSettings(
+            recipe.epochs,
+            recipe.batch_size,
+            recipe.learning_rate,
+            recipe.momentum,
+            recipe.weight_decay,
+            head.dropout,
+            seed,
+        )
+        weight, bias, loss = train_classifier(
+            features, labels, self._weights[head.weight], self._weights[head.bias], options
+        )
+        self._weights[head.weight], self._weights[head.bias] = weight, bias
+        return {"train_loss": loss, "train_samples": float(len(images))}
+
+    def logits(self, which: str, images: np.ndarray) -> np.ndarray:
+        """Not available: whole-model logits need torch (round_problem refuses such rounds first)."""
+        raise ValueError(f"{which} model logits need the whole model in torch; this profile trains the classifier only")

@@ -1,0 +1,79 @@
+# What local training reads: a round's new labels, the replay set, every human label, the pool on demand (no torch).
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+
+from edge_agent.device_data import DeviceData
+from edge_agent.fashion_mnist import CLASS_NAMES
+from edge_agent.image_arrays import IMAGE_SHAPE
+
+
+def _no_images() -> np.ndarray:
+    """An empty uint8 image array."""
+    return np.zeros((0, *IMAGE_SHAPE), dtype=np.uint8)
+
+
+@dataclass(frozen=True)
+class LocalData:
+    """What a local rule may train on: this acquisition's new labels, the replay set, all human labels, the pool
+    (read on demand: only KCFU asks for it), the weak (machine) labels a sampler proposed, and which communication
+    round of the active round this is.
+
+    state_dir is the device's private folder, for rules that keep state between rounds (DMLU's personalised model).
+    """
+
+    new_images: np.ndarray
+    new_labels: np.ndarray
+    replay_images: np.ndarray
+    replay_labels: np.ndarray
+    labelled_images: np.ndarray
+    labelled_labels: np.ndarray
+    unlabelled: Callable[[], np.ndarray]
+    state_dir: Path | None = None
+    weak_images: np.ndarray = field(default_factory=_no_images)
+    weak_labels: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    round_in_active_round: int = 1
+
+    def training_set(self) -> tuple[np.ndarray, np.ndarray]:
+        """Human labels followed by weak labels: what a rule that trains on 'the labelled set' uses."""
+        return (
+            np.concatenate([self.labelled_images, self.weak_images]),
+            np.concatenate([self.labelled_labels, self.weak_labels]).astype(np.int64),
+        )
+
+    def new_and_replay(self) -> tuple[np.ndarray, np.ndarray]:
+        """This acquisition's new labels followed by the replay set: what the paper's online rule trains on."""
+        images = np.concatenate([self.new_images, self.replay_images])
+        labels = np.concatenate([self.new_labels, self.replay_labels]).astype(np.int64)
+        return images, labels
+
+    def class_counts(self) -> np.ndarray:
+        """Human labels per class (n_k of KAFAL)."""
+        return np.bincount(np.asarray(self.labelled_labels, dtype=np.int64), minlength=len(CLASS_NAMES))
+
+
+def training_view(data: DeviceData, new_indices: np.ndarray, new_labels: np.ndarray, round_in_active: int) -> LocalData:
+    """The training view of the device's data after an acquisition (replay excludes the new batch); the pool is
+    read only if the rule asks for it (KCFU), never copied per step otherwise."""
+    labelled_indices, labelled_labels = data.labelled()
+    replay_indices, replay_labels = data.replay()
+    weak_indices, weak_labels = data.weak_labels()
+    keep = ~np.isin(replay_indices, new_indices)
+    return LocalData(
+        new_images=data.images(new_indices),
+        new_labels=new_labels,
+        replay_images=data.images(replay_indices[keep]),
+        replay_labels=replay_labels[keep],
+        labelled_images=data.images(labelled_indices),
+        labelled_labels=labelled_labels,
+        unlabelled=cache(lambda: data.images(data.pool_indices())),
+        state_dir=data.state_dir,
+        weak_images=data.images(weak_indices),
+        weak_labels=weak_labels,
+        round_in_active_round=round_in_active,
+    )

@@ -1,0 +1,141 @@
+# Head-only training: the numpy classifier step against torch's SGD, the budget check, and a torch-free Pi Zero agent.
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from fleet import WITHOUT_TORCH, announce_round, fleet_shards, log_text, wait_until
+
+from coordinator.simulate import BenchSettings, agent_command
+from edge_agent import wire
+from edge_agent.agent_settings import AgentSettings
+from edge_agent.bundle import store_bundle
+from edge_agent.head_training import HeadSettings, cross_entropy_gradients, train_classifier
+from edge_agent.learner import round_problem
+from edge_agent.memory_budget import MemoryBudgetError, fit_to_budget
+from edge_agent.models import build_model, get_weights
+from edge_agent.mqtt import BrokerAddress, MqttSession
+from export.bundle_writer import ensure_bundle_files
+
+ROOT = Path(__file__).resolve().parent.parent
+PI_ZERO = ROOT / "firmware_configs" / "raspberry-pi-zero-2w.toml"
+
+
+def test_the_gradient_of_one_sample_is_probabilities_minus_the_one_hot_label() -> None:
+    features = np.array([[1.0, 2.0]])
+    weight, bias = np.zeros((3, 2)), np.zeros(3)
+    loss, grad_weight, grad_bias = cross_entropy_gradients(features, np.array([1]), weight, bias)
+    assert loss == pytest.approx(np.log(3.0))
+    expected = np.array([1 / 3, 1 / 3 - 1, 1 / 3])
+    assert np.allclose(grad_bias, expected) and np.allclose(grad_weight, np.outer(expected, [1.0, 2.0]))
+
+
+def test_full_batch_training_matches_torch_sgd_with_momentum_and_weight_decay() -> None:
+    rng = np.random.default_rng(0)
+    features, labels = rng.normal(size=(12, 5)).astype(np.float32), rng.integers(0, 3, 12)
+    weight, bias = rng.normal(size=(3, 5)).astype(np.float32), rng.normal(size=3).astype(np.float32)
+    settings = HeadSettings(epochs=4, batch_size=12, learning_rate=0.1, momentum=0.9, weight_decay=0.01)
+    new_weight, new_bias, _ = train_classifier(features, labels, weight, bias, settings)
+    layer = torch.nn.Linear(5, 3).double()
+    with torch.no_grad():
+        layer.weight.copy_(torch.from_numpy(weight.astype(np.float64)))
+        layer.bias.copy_(torch.from_numpy(bias.astype(np.float64)))
+    optimiser = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    for _ in range(4):
+        optimiser.zero_grad()
+        torch.nn.functional.cross_entropy(
+            layer(torch.from_numpy(features).double()), torch.from_numpy(labels)
+        ).backward()
+        optimiser.step()
+    assert np.allclose(new_weight, layer.weight.detach().numpy(), atol=1e-5)
+    assert np.allclose(new_bias, layer.bias.detach().numpy(), atol=1e-5)
+
+
+def test_a_separable_problem_is_learned_with_dropout_on_the_features() -> None:
+    rng = np.random.default_rng(1)
+    labels = rng.integers(0, 4, 400)
+    features = (np.eye(4)[labels] * 3.0 + rng.normal(scale=0.3, size=(400, 4))).astype(np.float32)
+    settings = HeadSettings(epochs=30, batch_size=32, learning_rate=0.1, dropout=0.5, seed=3)
+    weight, bias, loss = train_classifier(
+        features, labels, np.zeros((4, 4), np.float32), np.zeros(4, np.float32), settings
+    )
+    assert np.mean(np.argmax(features @ weight.T + bias, axis=1) == labels) > 0.98 and loss < 0.8 < np.log(4)
+
+
+def test_the_budget_shrinks_the_scoring_batch_or_refuses_with_the_numbers() -> None:
+    head = AgentSettings("f", "d", profile="small", trainer="head", inference_batch=256)
+    assert fit_to_budget(head, 160, 4000).inference_batch == 128
+    assert fit_to_budget(head, 1000, 4000).inference_batch == 256
+    with pytest.raises(MemoryBudgetError, match="memory_budget_mb = 160 of profile 'small' is below the ~"):
+        fit_to_budget(AgentSettings("f", "d", profile="small", trainer="full"), 160, 4000)
+
+
+def test_a_head_only_device_refuses_what_needs_the_whole_model_with_a_reason(tmp_path: Path) -> None:
+    head, full = AgentSettings("f", "d", trainer="head"), AgentSettings("f", "d")
+    bundle = store_bundle(
+        tmp_path / "bundle", ensure_bundle_files(get_weights(build_model(seed=0)), tmp_path / "export")
+    )
+    online = wire.Recipe(sampler="entropy")
+    assert round_problem(head, online, bundle) is None and round_problem(full, online, None) is None
+    assert round_problem(head, wire.Recipe(local_rule="fedprox"), bundle) == (
+        "local rule 'fedprox' trains the whole model; this profile trains the classifier only"
+    )
+    assert round_problem(head, wire.Recipe(sampler="ksas"), bundle) == (
+        "sampler 'ksas' compares whole-model logits; this profile trains the classifier only"
+    )
+    old = dataclasses.replace(bundle, manifest=dataclasses.replace(bundle.manifest, head=None))
+    assert (
+        round_problem(head, online, old)
+        == "the round's bundle has no penultimate graph (exported before head-only training)"
+    )
+
+
+def test_an_agent_whose_profile_cannot_hold_its_trainer_refuses_to_start_in_one_line(tmp_path: Path) -> None:
+    profile = tmp_path / "tight.toml"
+    profile.write_text(PI_ZERO.read_text().replace('trainer = "head"', 'trainer = "full"'))
+    [launch] = fleet_shards(tmp_path, 1)
+    command = agent_command(launch, BrokerAddress("127.0.0.1", 1), "tight", BenchSettings(agent_profile=profile))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-2000:]
+    assert (
+        done.stderr.startswith(
+            "edge-agent: memory_budget_mb = 160 of profile 'raspberry-pi-zero-2w' is below the ~383 MB a 'full' trainer needs with a pool of 250 images"
+        )
+        and "(a 'head' trainer needs no torch)" in done.stderr
+    )
+
+
+@pytest.mark.integration
+def test_a_pi_zero_agent_trains_the_classifier_without_torch(tmp_path: Path, broker, processes) -> None:
+    [launch] = fleet_shards(tmp_path, 1)
+    listener = MqttSession(broker.address, client_id="head-listener", session_expiry=0)
+    listener.connect(timeout=10)
+    listener.subscribe(wire.all_devices_topic("head", "update"))
+    command = agent_command(launch, broker.address, "head", BenchSettings(agent_profile=PI_ZERO))
+    with open(launch.log_file, "wb") as output:
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, "-c", WITHOUT_TORCH, *command[3:]],
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                env=os.environ,
+            )
+        )
+    recipe = wire.Recipe(labels_per_acquisition=20, epochs=3, batch_size=8, mc_passes=3)
+    announce_round(broker.address, "head", recipe, bundle_dir=tmp_path / "bundle")
+    deadline, message = time.monotonic() + 120, None
+    while message is None and time.monotonic() < deadline:
+        message = listener.next_message(timeout=0.5)
+    assert message is not None, log_text(launch.log_file)[-3000:]
+    update, base = wire.decode(message.payload, wire.Update), get_weights(build_model(seed=1))
+    changed = sorted(name for name in base if not np.array_equal(update.tensors[name], base[name]))
+    assert changed == ["fc2.bias", "fc2.weight"] and update.acquired_labels == 20
+    wait_until(lambda: "footprint round=1" in log_text(launch.log_file), "the footprint line")
+    listener.close()

@@ -1,0 +1,40 @@
+# Packaging for devices: the '.[agent]' extra has no torch, and `edge-agent score` runs with torch unimportable.
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from fleet import WITHOUT_TORCH
+
+from edge_agent.fashion_mnist import DEFAULT_DATA_DIR
+from edge_agent.models import build_model, get_weights
+from export.bundle_writer import ensure_bundle_files
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_agent_extra_needs_no_torch_and_the_coordinator_extra_has_the_server_parts() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    names = {
+        extra: {requirement.split("[")[0].split("=")[0].split(">")[0] for requirement in extras[extra]}
+        for extra in extras
+    }
+    assert not any("torch" in requirement for requirement in project["dependencies"] + extras["agent"])
+    assert {"onnxruntime", "paho-mqtt", "pillow"} <= names["agent"]
+    assert {"torch", "onnx", "edge-fal"} <= names["train"]
+    assert {"matplotlib", "cryptography", "edge-fal"} <= names["coordinator"]
+
+
+def test_edge_agent_score_runs_with_torch_unimportable(tmp_path: Path) -> None:
+    ensure_bundle_files(get_weights(build_model(seed=0)), tmp_path / "bundle")
+    pool = DEFAULT_DATA_DIR / "t10k-images-idx3-ubyte.gz"
+    command = [sys.executable, "-c", WITHOUT_TORCH, "score", "--bundle", str(tmp_path / "bundle"), "--pool", str(pool)]
+    command += ["--limit", "300", "--passes", "3", "--top", "7", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert result["backend"] == "onnxruntime" and result["images"] == 300 and len(set(result["indices"])) == 7

@@ -1,0 +1,93 @@
+# Process hygiene with real processes: an agent stops within 2 s of SIGTERM in every state; simulate takes its agents along.
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fleet import (
+    TINY_RUN,
+    announce_round,
+    fleet_shards,
+    log_text,
+    start_agent,
+    wait_exit,
+    wait_for_state,
+    wait_until,
+    watch_status,
+)
+
+from edge_agent import wire
+
+FLEET = "hygiene"
+STOP_SECONDS = 2.0
+LONG_TRAINING = wire.Recipe(labels_per_acquisition=20, epochs=2000, batch_size=8, mc_passes=2)
+
+
+def seconds_to_stop(process: subprocess.Popen) -> float:
+    """SIGTERM, then how long the process took to exit (it must exit cleanly)."""
+    sent = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    assert wait_exit(process, "the agent after SIGTERM", timeout=30) == 0
+    return time.monotonic() - sent
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("state", ["connecting", "idle", "reconnecting", "training"])
+def test_an_agent_exits_within_two_seconds_of_sigterm(state: str, tmp_path: Path, broker, processes) -> None:
+    [launch] = fleet_shards(tmp_path, 1)
+    if state == "connecting":
+        broker.stop()
+        agent = start_agent(launch, broker.address, FLEET)
+        processes.append(agent)
+        wait_until(lambda: "mqtt connecting" in log_text(launch.log_file), "the agent trying its absent broker")
+        time.sleep(1.0)
+        assert seconds_to_stop(agent) < STOP_SECONDS, log_text(launch.log_file)[-2000:]
+        return
+    watcher = watch_status(broker.address, FLEET)
+    agent = start_agent(launch, broker.address, FLEET)
+    processes.append(agent)
+    wait_for_state(watcher, "online")
+    if state == "training":
+        announce_round(broker.address, FLEET, LONG_TRAINING)
+        wait_for_state(watcher, "training")
+        time.sleep(1.0)
+    watcher.close()
+    if state == "reconnecting":
+        broker.stop()
+        wait_until(lambda: "mqtt disconnected" in log_text(launch.log_file), "the agent noticing the broker is gone")
+        time.sleep(1.5)
+    assert seconds_to_stop(agent) < STOP_SECONDS, log_text(launch.log_file)[-2000:]
+
+
+def agent_pids(run_dir: Path) -> list[int]:
+    """The pids of live agent processes whose command line names this run directory."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            state = (entry / "stat").read_text().split(") ")[1][0]
+        except (FileNotFoundError, ProcessLookupError, PermissionError, IndexError, NotADirectoryError):
+            continue
+        if b"edge_agent" in command and str(run_dir).encode() in command and state != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.integration
+def test_simulate_forwards_sigterm_to_its_agents_and_waits_for_them(tmp_path: Path, processes) -> None:
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "coordinator", "simulate", "--devices", "2", "--rounds", "5"]
+    command += ["--run-dir", str(run_dir), "--pool-size", "200", *TINY_RUN]
+    with open(tmp_path / "simulate.log", "wb") as output:
+        simulate = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+    processes.append(simulate)
+    wait_until(lambda: len(agent_pids(run_dir)) == 2, "two agents running")
+    agents = agent_pids(run_dir)
+    wait_until(lambda: "round announced round=1" in log_text(tmp_path / "simulate.log"), "the first round")
+    simulate.send_signal(signal.SIGTERM)
+    assert wait_exit(simulate, "simulate after SIGTERM", timeout=30) == 143
+    assert agent_pids(run_dir) == [], f"agents {agents} outlived simulate"
