@@ -57,7 +57,7 @@ class RoundCloser:
                 f"the run in {self.store.run_dir} holds state of strategy {stored.strategy!r}; "
                 f"it cannot resume with {self.strategy.name!r}"
             )
-        self.strategy.load_state(stored.state)
+        self.strategy.load_state(stored.state, stored.tensors)
         log.info("strategy state restored strategy=%s", stored.strategy)
 
     def close(
@@ -141,5 +141,5 @@ class RoundCloser:
             for device, update in sorted(collector.accepted.items())
         ]
         state = self.strategy.state()
-        strategy_state = None if state is None else StrategyState(self.strategy.name, state)
+        strategy_state = None if state is None else StrategyState(self.strategy.name, state, self.strategy.tensors())
         self.store.commit_round(dataclasses.replace(record, model_hash=model_hash), devices, strategy_state)

@@ -85,16 +85,25 @@ def chosen_options(args: argparse.Namespace) -> tuple[dict[str, float], dict[str
     its range; an option of a method this run does not use is refused with a one-line reason."""
     recipe: dict[str, float] = {}
     strategy: dict[str, float] = {}
+    unused: dict[str, list[str]] = {}
     for kind, name, option in declared_options():
         value = getattr(args, option_dest(option), None)
         if value is None:
             continue
-        checked = option.check(value)
-        chosen = getattr(args, kind.dest)
-        if chosen != name:
-            raise ValueError(f"{option.cli_flag} is an option of {kind.label} {name!r}; this run uses {chosen!r}")
-        (recipe if kind.in_recipe else strategy)[option.key] = checked
+        checked, chosen = option.check(value), getattr(args, kind.dest)
+        if chosen == name:
+            (recipe if kind.in_recipe else strategy)[option.key] = checked
+        else:
+            unused.setdefault(option.cli_flag, []).append(f"{kind.label} {name!r}; this run uses {chosen!r}")
+    for flag, owners in unused.items():
+        if flag not in {o.cli_flag for kind in method_kinds() for o in chosen_method(args, kind).options}:
+            raise ValueError(f"{flag} is an option of {owners[0]}")
     return recipe, strategy
+
+
+def chosen_method(args: argparse.Namespace, kind: MethodKind) -> type[Method]:
+    """The method of this kind the command line chose (ValueError listing the known names if there is none)."""
+    return kind.registry.get(getattr(args, kind.dest))
 
 
 def check_recipe_options(sampler: str, local_rule: str, options: dict[str, float]) -> None:

@@ -135,7 +135,7 @@ class StreamingAggregator(RoundAggregator):
 
     def combine(self, suspects: dict[str, list[str]], evaluate: Evaluate | None) -> tuple[Weights, dict[str, Any]]:
         """The running mean (suspects are flagged only: leaving them out needs the batch path)."""
-        weights, report = self.streaming.finish(self.running)
+        weights, report = self.streaming.finish(self.running, self.base)
         return weights, {**report, "streamed": True}
 
     def models(self) -> Iterator[ClientUpdate]:

@@ -7,7 +7,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +114,7 @@ class StrategyState:
 
     strategy: str
     state: dict
+    tensors: Weights = field(default_factory=dict)
 
 
 def _optional_float(value: float | None) -> float | None:
@@ -332,6 +333,8 @@ class RunStore:
         a round commits only once. Then the spool of this and earlier rounds goes, unless keep_updates."""
         round_id = check_round_id(record.round_id)
         statements = commit_statements(record, devices, strategy_state)
+        if strategy_state is not None and strategy_state.tensors:
+            save_arrays(self.strategy_tensors_path(round_id), strategy_state.tensors)
         try:
             self.database.write(statements)
         except sqlite3.IntegrityError as exc:
@@ -342,9 +345,19 @@ class RunStore:
             self.spool.discard_through(round_id)
 
     def latest_strategy_state(self) -> StrategyState | None:
-        """The strategy state committed with the latest round that has one, or None."""
-        rows = self.database.read("SELECT strategy, body FROM strategy_state ORDER BY round_id DESC LIMIT 1")
-        return StrategyState(rows[0][0], json.loads(rows[0][1])) if rows else None
+        """The strategy state committed with the latest round that has one (with its tensors, if it saved any)."""
+        rows = self.database.read("SELECT round_id, strategy, body FROM strategy_state ORDER BY round_id DESC LIMIT 1")
+        if not rows:
+            return None
+        round_id, strategy, body = rows[0]
+        tensors_path = self.strategy_tensors_path(round_id)
+        tensors = load_arrays(tensors_path) if tensors_path.exists() else {}
+        return StrategyState(strategy, json.loads(body), tensors)
+
+    def strategy_tensors_path(self, round_id: int) -> Path:
+        """Where the strategy's per-parameter state after round_id lives (written before the round commits, so
+        the committed round always has its file), e.g. checkpoints/strategy_round_0003.npz."""
+        return self.checkpoint_dir / f"strategy_{round_name(round_id)}.npz"
 
     def last_committed_round(self) -> int | None:
         """The highest committed round id, or None if none is committed yet."""

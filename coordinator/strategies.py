@@ -1,4 +1,5 @@
-# Aggregation strategies behind one interface (AveFL, FedAvg, OptFL, MixFL, Median, TrimmedMean, FMLU, CADIS), by name.
+# Aggregation strategies behind one interface (AveFL, FedAvg, OptFL, MixFL, Median, TrimmedMean, FMLU, CADIS, the
+# server optimisers FedAvgM, FedAdam, FedYogi, FedAdagrad), by name.
 from __future__ import annotations
 
 import math
@@ -19,6 +20,15 @@ from coordinator.aggregation import (
     weighted_average,
 )
 from coordinator.cadis import CADIS_INITIAL_THRESHOLD, CadisState, cadis_coefficients
+from coordinator.server_optimizers import (
+    SecondMoment,
+    adagrad_moment,
+    adam_moment,
+    adaptive_step,
+    momentum_step,
+    pseudo_gradient,
+    yogi_moment,
+)
 from edge_agent.options import Method, Option, Registry
 from edge_agent.tensors import Weights
 from edge_agent.wire import METRIC_MEME_ENTROPY
@@ -58,8 +68,12 @@ class Strategy(Method):
         commits it with each round, so a restarted coordinator continues from the last committed round."""
         return None
 
-    def load_state(self, state: dict[str, Any]) -> None:
-        """Restores what state() returned; a stateless strategy has nothing to restore."""
+    def tensors(self) -> Weights:
+        """Per-parameter state committed beside state() (a server optimiser's moments); none by default."""
+        return {}
+
+    def load_state(self, state: dict[str, Any], tensors: Weights) -> None:
+        """Restores what state() and tensors() returned; a stateless strategy has nothing to restore."""
         raise ValueError(f"strategy {self.name!r} keeps no state, but a stored state was given")
 
     def require_evaluate(self, evaluate: Evaluate | None) -> Evaluate:
@@ -109,8 +123,9 @@ class StreamingWeightedAverage(WeightedAverageStrategy):
         """Adds one update; after this the update's tensors are no longer needed."""
         running.add(update.device_id, update.weights, self.update_weight(update))
 
-    def finish(self, running: RunningSum) -> tuple[Weights, dict[str, Any]]:
-        """The weighted average and, as in the batch report, each device's normalised coefficient."""
+    def finish(self, running: RunningSum, base: Weights) -> tuple[Weights, dict[str, Any]]:
+        """The weighted average and, as in the batch report, each device's normalised coefficient (`base`, the
+        round's global model, is for strategies that step from it)."""
         return running.mean(), {"coefficients": running.shares()}
 
 
@@ -285,7 +300,7 @@ class CADIS(Strategy):
         """Devices in matrix order, similarity sums and counts, the current tau and step."""
         return self.clusters.to_json()
 
-    def load_state(self, state: dict[str, Any]) -> None:
+    def load_state(self, state: dict[str, Any], tensors: Weights) -> None:
         """Restores state(); a malformed state is a ValueError that says what is wrong."""
         self.clusters = CadisState.from_json(state)
 
@@ -305,6 +320,141 @@ class FMLU(WeightedAverageStrategy):
     def coefficients(self, updates: Sequence[ClientUpdate]) -> np.ndarray:
         """w_c = exp(-H_c) / sum exp(-H_c')."""
         return entropy_coefficients([metric_of(update, METRIC_MEME_ENTROPY) for update in updates])
+
+
+class ServerOptimizer(FedAvg):
+    """FedAvg's sample-weighted average as a pseudo-gradient, then a server optimiser's step from the global model
+    (Reddi et al., "Adaptive Federated Optimization"); its moments are committed with every round."""
+
+    def __init__(self, **options: float) -> None:
+        self.hyper = {option.key: float(options.get(option.key, option.default)) for option in self.options}
+        self.moments: Weights = {}
+        self.rounds = 0
+
+    @abstractmethod
+    def step(self, base: Weights, delta: Weights) -> Weights:
+        """The next global model from the current one and the pseudo-gradient; updates self.moments."""
+
+    def aggregate(
+        self, global_weights: Weights, updates: Sequence[ClientUpdate], evaluate: Evaluate | None
+    ) -> tuple[Weights, dict[str, Any]]:
+        """The server step toward the weighted average of the updates."""
+        return self.server_step(global_weights, *super().aggregate(global_weights, updates, evaluate))
+
+    def finish(self, running: RunningSum, base: Weights) -> tuple[Weights, dict[str, Any]]:
+        """The server step toward the streamed weighted average."""
+        return self.server_step(base, *super().finish(running, base))
+
+    def server_step(self, base: Weights, averaged: Weights, report: dict[str, Any]) -> tuple[Weights, dict[str, Any]]:
+        """Steps and reports the step's size next to the pseudo-gradient's (both L2 over every tensor)."""
+        delta = pseudo_gradient(base, averaged)
+        following = self.step(base, delta)
+        self.rounds += 1
+        sizes = {
+            "pseudo_gradient_norm": l2_norm(delta),
+            "step_norm": l2_norm(pseudo_gradient(base, following)),
+            "server_steps": self.rounds,
+        }
+        return following, {**report, "server_optimizer": sizes}
+
+    def state(self) -> dict[str, Any]:
+        """How many steps were taken (the moments travel as tensors())."""
+        return {"rounds": self.rounds}
+
+    def tensors(self) -> Weights:
+        """The optimiser's moments, float64."""
+        return dict(self.moments)
+
+    def load_state(self, state: dict[str, Any], tensors: Weights) -> None:
+        """Restores the step count and the moments; a malformed state is a ValueError."""
+        rounds = state.get("rounds") if isinstance(state, dict) else None
+        if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0:
+            raise ValueError(f"strategy {self.name!r}: stored state needs a non-negative 'rounds', got {state!r:.80}")
+        self.rounds = rounds
+        self.moments = {name: np.asarray(array, dtype=np.float64) for name, array in tensors.items()}
+
+
+def l2_norm(tensors: Weights) -> float:
+    """The L2 norm of all tensors taken together."""
+    return math.sqrt(math.fsum(float(np.sum(np.square(array, dtype=np.float64))) for array in tensors.values()))
+
+
+SERVER_LR_HELP = "server learning rate (eta)"
+
+
+@STRATEGIES.register
+class FedAvgM(ServerOptimizer):
+    """Hsu et al.'s FedAvgM: server momentum over the rounds' pseudo-gradients."""
+
+    name = "fedavgm"
+    summary = "FedAvg with server momentum (Hsu et al. 2019)"
+    options = (
+        Option("server_lr", float, 1.0, SERVER_LR_HELP, low=0.0, flag="--server-lr"),
+        Option("server_momentum", float, 0.5, "server momentum beta", 0.0, 1.0, high_open=True),
+    )
+
+    def step(self, base: Weights, delta: Weights) -> Weights:
+        """momentum_step with the declared lr and beta."""
+        following, self.moments = momentum_step(
+            base, delta, self.moments, self.hyper["server_lr"], self.hyper["server_momentum"]
+        )
+        return following
+
+
+class AdaptiveServerOptimizer(ServerOptimizer):
+    """FedAdam, FedYogi and FedAdagrad: one adaptive step, the second-moment rule looked up by name."""
+
+    def step(self, base: Weights, delta: Weights) -> Weights:
+        """adaptive_step with this class's second-moment rule and its declared hyperparameters."""
+        hyper = (self.hyper["server_lr"], self.hyper["beta1"], self.hyper.get("beta2", 0.0), self.hyper["tau"])
+        following, self.moments = adaptive_step(base, delta, self.moments, SECOND_MOMENTS[self.name], hyper)
+        return following
+
+
+def adaptive_options(lr: float, tau: float, decays_v: bool = True) -> tuple[Option, ...]:
+    """The hyperparameters of an adaptive server optimiser with its defaults for lr and tau; beta2 only where the
+    second moment decays (not Adagrad's, which only grows)."""
+    beta2 = Option("beta2", float, 0.99, "second-moment decay", 0.0, 1.0, high_open=True, flag="--server-beta2")
+    return (
+        Option("server_lr", float, lr, SERVER_LR_HELP, low=0.0, flag="--server-lr"),
+        Option("beta1", float, 0.9, "first-moment decay", 0.0, 1.0, high_open=True, flag="--server-beta1"),
+        *((beta2,) if decays_v else ()),
+        Option("tau", float, tau, "adaptivity (added to sqrt v)", low=1e-12, flag="--server-tau"),
+    )
+
+
+@STRATEGIES.register
+class FedAdam(AdaptiveServerOptimizer):
+    """Reddi et al.'s FedAdam."""
+
+    name = "fedadam"
+    summary = "FedAvg's pseudo-gradient through a server Adam step (Reddi et al. 2021)"
+    options = adaptive_options(0.003, 1e-3)
+
+
+@STRATEGIES.register
+class FedYogi(AdaptiveServerOptimizer):
+    """Reddi et al.'s FedYogi."""
+
+    name = "fedyogi"
+    summary = "FedAvg's pseudo-gradient through a server Yogi step (Reddi et al. 2021)"
+    options = adaptive_options(0.003, 1e-3)
+
+
+@STRATEGIES.register
+class FedAdagrad(AdaptiveServerOptimizer):
+    """Reddi et al.'s FedAdagrad."""
+
+    name = "fedadagrad"
+    summary = "FedAvg's pseudo-gradient through a server Adagrad step (Reddi et al. 2021)"
+    options = adaptive_options(0.03, 1e-2, decays_v=False)
+
+
+SECOND_MOMENTS: dict[str, SecondMoment] = {
+    FedAdam.name: adam_moment,
+    FedYogi.name: yogi_moment,
+    FedAdagrad.name: adagrad_moment,
+}
 
 
 def make_strategy(name: str, **options: Any) -> Strategy:

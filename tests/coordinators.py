@@ -1,17 +1,23 @@
 # Test helper: a coordinator assembled from its parts around a given session, store, strategy and evaluator.
 from __future__ import annotations
 
+import numpy as np
+
 from coordinator.closing import RoundCloser
-from coordinator.evaluation import Evaluator
-from coordinator.intake import UpdateIntake
+from coordinator.evaluation import Evaluator, LabelledSplit
+from coordinator.intake import RoundCollector, UpdateIntake
 from coordinator.observer import RoundObserver
 from coordinator.presence import Presence
 from coordinator.publisher import Artefacts, RetainedPublisher
+from coordinator.round_aggregator import Aggregate
 from coordinator.rounds import Coordinator, RoundParts, RoundPolicy, RoundRules
-from coordinator.store import RunStore
+from coordinator.store import RoundRecord, RunStore
 from coordinator.strategies import Strategy
+from coordinator.validation import Expectation
 from edge_agent import wire
-from edge_agent.mqtt import MqttSession
+from edge_agent.models import NUM_CLASSES, build_model, weight_spec
+from edge_agent.mqtt import BrokerAddress, MqttSession
+from edge_agent.tensors import Weights, weights_hash
 
 
 def local_coordinator(
@@ -33,3 +39,20 @@ def local_coordinator(
         observer=observer,
     )
     return Coordinator(fleet, session, RoundRules(recipe or wire.Recipe(), policy), parts)
+
+
+def coordinator_on(store: RunStore, strategy: Strategy) -> Coordinator:
+    """A coordinator over a store that never connects (for restart tests of its committed state)."""
+    images = np.zeros((2, 28, 28), dtype=np.uint8)
+    split = LabelledSplit.from_uint8(images, np.zeros(2, dtype=np.int64))
+    session = MqttSession(BrokerAddress("127.0.0.1", 1), client_id="never-connects")
+    return local_coordinator(
+        "fleet", session, store, strategy, Evaluator("paper-cnn", split, split, 1, 0), RoundPolicy(3)
+    )
+
+
+def commit_weights(coordinator: Coordinator, round_id: int, weights: Weights, base: Weights) -> None:
+    """Commits a round through the coordinator's own commit step (checkpoint, records, strategy state)."""
+    collector = RoundCollector(Expectation(round_id, weights_hash(base), weight_spec(build_model()), NUM_CLASSES, 1))
+    record = RoundRecord(round_id, 0.0, 1.0, "", None, 0, 0, 0, {}, {})
+    coordinator.parts.closer.commit(collector, Aggregate(weights, {}, {}, {}), record, {})

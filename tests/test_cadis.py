@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from coordinators import local_coordinator
+from coordinators import commit_weights, coordinator_on
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,18 +22,12 @@ from coordinator.cadis import (
     pairwise_cosine,
     q_matrix,
 )
-from coordinator.evaluation import Evaluator, LabelledSplit
-from coordinator.intake import RoundCollector
-from coordinator.round_aggregator import Aggregate
-from coordinator.rounds import Coordinator, RoundPolicy
 from coordinator.store import RoundRecord, RunStore, StrategyState
 from coordinator.strategies import CADIS, FedAvg, make_strategy
-from coordinator.validation import Expectation
 from edge_agent import wire
 from edge_agent.fashion_mnist import load_fashion_mnist
 from edge_agent.local_data import LocalData
-from edge_agent.models import NUM_CLASSES, build_model, get_weights, weight_spec
-from edge_agent.mqtt import BrokerAddress, MqttSession
+from edge_agent.models import build_model, get_weights
 from edge_agent.tensors import weights_hash
 from edge_agent.training import CadisKD, TrainSettings, relational_kd_loss, run_epochs
 
@@ -166,28 +160,12 @@ def history_rounds() -> list[list[ClientUpdate]]:
     ]
 
 
-def coordinator_on(store: RunStore, strategy) -> Coordinator:
-    images = np.zeros((2, 28, 28), dtype=np.uint8)
-    split = LabelledSplit.from_uint8(images, np.zeros(2, dtype=np.int64))
-    session = MqttSession(BrokerAddress("127.0.0.1", 1), client_id="never-connects")
-    return local_coordinator(
-        "fleet", session, store, strategy, Evaluator("paper-cnn", split, split, 1, 0), RoundPolicy(3)
-    )
-
-
-def commit(coordinator: Coordinator, round_id: int, weights: dict) -> None:
-    """Commits a round through the coordinator's own commit step (checkpoint, records, strategy state)."""
-    collector = RoundCollector(Expectation(round_id, weights_hash(GLOBAL), weight_spec(build_model()), NUM_CLASSES, 1))
-    record = RoundRecord(round_id, 0.0, 1.0, "", None, 0, 0, 0, {}, {})
-    coordinator.parts.closer.commit(collector, Aggregate(weights, {}, {}, {}), record, {})
-
-
 def test_cadis_state_survives_a_coordinator_restart(tmp_path: Path) -> None:
     first_round, second_round = history_rounds()
     with RunStore(tmp_path) as store:
         before = coordinator_on(store, make_strategy("cadis"))
         weights, _ = before.parts.closer.strategy.aggregate(GLOBAL, first_round, None)
-        commit(before, 1, weights)
+        commit_weights(before, 1, weights, GLOBAL)
         state_after_round_1 = before.parts.closer.strategy.state()
     with RunStore(tmp_path) as store:
         after = coordinator_on(store, make_strategy("cadis"))
@@ -206,7 +184,7 @@ def test_a_run_with_cadis_state_cannot_resume_under_another_strategy(tmp_path: P
     with RunStore(tmp_path) as store:
         coordinator = coordinator_on(store, CADIS())
         weights, _ = coordinator.parts.closer.strategy.aggregate(GLOBAL, history_rounds()[0], None)
-        commit(coordinator, 1, weights)
+        commit_weights(coordinator, 1, weights, GLOBAL)
         with pytest.raises(ValueError, match="holds state of strategy 'cadis'; it cannot resume with 'fedavg'"):
             coordinator_on(store, make_strategy("fedavg"))
 
@@ -223,7 +201,7 @@ def test_strategy_state_commits_with_its_round_or_not_at_all(tmp_path: Path) -> 
 
 def test_malformed_stored_state_is_refused_clearly() -> None:
     with pytest.raises(ValueError, match="stored cadis state is malformed"):
-        CADIS().load_state({"devices": ["a", "b"], "sums": [[1.0]], "counts": [[1]], "threshold": 0.9, "step": 0})
+        CADIS().load_state({"devices": ["a", "b"], "sums": [[1.0]], "counts": [[1]], "threshold": 0.9, "step": 0}, {})
 
 
 def test_relational_kd_is_zero_for_identical_features_and_positive_otherwise() -> None:

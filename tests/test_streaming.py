@@ -36,7 +36,7 @@ def test_streamed_aggregate_equals_the_batch_weighted_average(name: str) -> None
     running = strategy.begin()
     for index in np.random.default_rng(0).permutation(len(updates)):
         strategy.accumulate(running, updates[index])
-    streamed, report = strategy.finish(running)
+    streamed, report = strategy.finish(running, BASE)
     counts = [u.num_samples for u in updates] if name == "fedavg" else [1] * len(updates)
     batch = weighted_average([u.weights for u in updates], counts)
     for tensor, expected in batch.items():
@@ -58,7 +58,7 @@ def test_streaming_rejects_what_the_batch_path_rejects() -> None:
     empty = strategy.begin()
     strategy.accumulate(empty, ClientUpdate("dev-00", BASE, 0))
     with pytest.raises(ValueError, match="positive sum"):
-        strategy.finish(empty)
+        strategy.finish(empty, BASE)
 
 
 def test_a_streamed_round_keeps_only_metadata_and_flags_the_scaled_device() -> None:
