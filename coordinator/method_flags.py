@@ -35,7 +35,7 @@ def method_kinds() -> tuple[MethodKind, ...]:
     """The three kinds of method a run chooses, read from their registries at call time (so tests may add one)."""
     return (
         MethodKind("sampler", "--sampler", "entropy", SAMPLERS, True),
-        MethodKind("local rule", "--local-rule", "online-replay", LOCAL_RULES, True),
+        MethodKind("local rule", "--local-rule", "kept-labels", LOCAL_RULES, True),
         MethodKind("strategy", "--strategy", "avefl", STRATEGIES, False),
     )
 

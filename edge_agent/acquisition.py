@@ -13,7 +13,7 @@ from edge_agent.encoder import OnnxEncoder
 from edge_agent.footprint import PhaseMeter
 from edge_agent.oracle import Oracle
 from edge_agent.round_inputs import RoundModels, mc_probabilities
-from edge_agent.sampling import AcquisitionContext, Embeddings, Sampler, top_k
+from edge_agent.sampling import AcquisitionContext, Embeddings, Sampler
 from edge_agent.schedule import initial_label_count, labels_per_acquisition
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class Acquirer:
                 context = self.context(models, pool, seed)
                 budget = labels_per_acquisition(models.recipe, self.own_samples)
                 with self.meter.phase("score"):
-                    queried = pool[top_k(sampler.score_pool(context), budget)]
+                    queried = pool[sampler.select(context, budget)]
                     proposed = sampler.weak_labels(context)
                 weak = None if proposed is None else (pool, proposed)
             self.remember_batch(round_id, acquisition, queried)
@@ -102,6 +102,7 @@ class Acquirer:
             own_logits=cache(lambda: learner.logits("own", images)),
             global_logits=cache(lambda: learner.logits("global", images)),
             embeddings=cache(lambda: self.embeddings(models, images)),
+            features=cache(lambda: learner.features(images)),
         )
 
     def embeddings(self, models: RoundModels, pool_images: np.ndarray) -> Embeddings:

@@ -8,7 +8,7 @@ from edge_agent.agent_settings import AgentSettings
 from edge_agent.bundle import Bundle
 from edge_agent.head_training import HeadSettings, train_classifier
 from edge_agent.learner import bundle_scorer
-from edge_agent.local_data import LocalData
+from edge_agent.local_data import RESERVOIR_OPTION, LocalData
 from edge_agent.mc_scorer import MCScorer
 from edge_agent.ort_scorer import penultimate_features
 from edge_agent.tensors import Weights
@@ -37,14 +37,11 @@ class HeadLearner:
         return bundle_scorer(self.settings, bundle, None)
 
     def train(self, data: LocalData, recipe: wire.Recipe, seed: int) -> dict[str, float]:
-        """Softmax regression of the classifier on the new labels and the replay set (the online rule's data)."""
+        """Softmax regression of the classifier on what the recipe's rule trains on."""
         head = self.bundle.manifest.head
         assert head is not None  # checked in the constructor
-        images, labels = data.new_and_replay()
-        settings = self.settings
-        features = penultimate_features(
-            self.bundle, images, settings.inference_batch, settings.inference_threads, settings.execution_providers
-        )
+        images, labels = training_data(data, recipe, seed)
+        features = self.features(images)
         options = HeadSettings(
             recipe.epochs,
             recipe.batch_size,
@@ -60,6 +57,20 @@ class HeadLearner:
         self._weights[head.weight], self._weights[head.bias] = weight, bias
         return {"train_loss": loss, "train_samples": float(len(images))}
 
+    def features(self, images: np.ndarray) -> np.ndarray:
+        """Penultimate features of raw images under the bundle's graphs as shipped (what scores the pool)."""
+        settings = self.settings
+        return penultimate_features(
+            self.bundle, images, settings.inference_batch, settings.inference_threads, settings.execution_providers
+        )
+
     def logits(self, which: str, images: np.ndarray) -> np.ndarray:
         """Not available: whole-model logits need torch (round_problem refuses such rounds first)."""
         raise ValueError(f"{which} model logits need the whole model in torch; this profile trains the classifier only")
+
+
+def training_data(data: LocalData, recipe: wire.Recipe, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """What the recipe's rule trains on: the kept set, or the online rule's new batch and replay set."""
+    if recipe.local_rule == "kept-labels":
+        return data.kept_set(int(RESERVOIR_OPTION.read(recipe.options)), seed)
+    return data.new_and_replay()

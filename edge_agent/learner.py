@@ -11,10 +11,10 @@ from edge_agent.agent_settings import AgentSettings
 from edge_agent.bundle import Bundle
 from edge_agent.local_data import LocalData
 from edge_agent.mc_scorer import MCScorer
-from edge_agent.sampling import Heuristic, make_sampler
+from edge_agent.sampling import make_sampler
 from edge_agent.tensors import Weights
 
-HEAD_RULES = ("online-replay",)
+HEAD_RULES = ("kept-labels", "online-replay")
 
 
 class Learner(Protocol):
@@ -32,6 +32,9 @@ class Learner(Protocol):
     def logits(self, which: str, images: np.ndarray) -> np.ndarray:
         """Deterministic logits (N, C) of raw images under the device's own last model ('own') or the round's
         global one ('global'): what KSAS compares."""
+
+    def features(self, images: np.ndarray) -> np.ndarray:
+        """Deterministic penultimate features (N, D) of raw images under the model that scores them (BADGE)."""
 
 
 def bundle_scorer(settings: AgentSettings, bundle: Bundle | None, weights: Weights | None) -> MCScorer:
@@ -58,8 +61,7 @@ def round_problem(settings: AgentSettings, recipe: wire.Recipe, bundle: Bundle |
         return "the round's bundle has no penultimate graph (exported before head-only training)"
     if recipe.local_rule not in HEAD_RULES:
         return f"local rule {recipe.local_rule!r} trains the whole model; this profile trains the classifier only"
-    sampler = make_sampler(recipe.sampler)
-    if not (isinstance(sampler, Heuristic) or sampler.needs_encoder):
+    if make_sampler(recipe.sampler).needs_model_logits:
         return f"sampler {recipe.sampler!r} compares whole-model logits; this profile trains the classifier only"
     return None
 

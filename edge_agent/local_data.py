@@ -11,6 +11,9 @@ import numpy as np
 from edge_agent.device_data import DeviceData
 from edge_agent.fashion_mnist import CLASS_NAMES
 from edge_agent.image_arrays import IMAGE_SHAPE
+from edge_agent.options import Option
+
+RESERVOIR_OPTION = Option("reservoir", int, 0, "most labels trained on per round, class-balanced (0: all)", low=0.0)
 
 
 def _no_images() -> np.ndarray:
@@ -46,6 +49,15 @@ class LocalData:
             np.concatenate([self.labelled_labels, self.weak_labels]).astype(np.int64),
         )
 
+    def kept_set(self, reservoir: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """The training set (every human and weak label), or a class-balanced sample of `reservoir` of it when it
+        holds more (reservoir 0: everything): what the kept-labels rule trains on."""
+        images, labels = self.training_set()
+        if reservoir == 0 or len(labels) <= reservoir:
+            return images, labels
+        chosen = np.sort(balanced_sample(labels, reservoir, np.random.default_rng(seed)))
+        return images[chosen], labels[chosen]
+
     def new_and_replay(self) -> tuple[np.ndarray, np.ndarray]:
         """This acquisition's new labels followed by the replay set: what the paper's online rule trains on."""
         images = np.concatenate([self.new_images, self.replay_images])
@@ -55,6 +67,18 @@ class LocalData:
     def class_counts(self) -> np.ndarray:
         """Human labels per class (n_k of KAFAL)."""
         return np.bincount(np.asarray(self.labelled_labels, dtype=np.int64), minlength=len(CLASS_NAMES))
+
+
+def balanced_sample(labels: np.ndarray, size: int, rng: np.random.Generator) -> np.ndarray:
+    """`size` positions of `labels` taking the classes in turn (each shuffled), so every class gets an equal share
+    until it runs out and the others fill its place."""
+    queues = [rng.permutation(np.flatnonzero(labels == label)) for label in np.unique(labels)]
+    depth = max((len(queue) for queue in queues), default=0)
+    turns = np.full((len(queues), depth), -1, dtype=np.int64)
+    for row, queue in enumerate(queues):
+        turns[row, : len(queue)] = queue
+    interleaved = turns.T.ravel()
+    return interleaved[interleaved >= 0][:size]
 
 
 def training_view(data: DeviceData, new_indices: np.ndarray, new_labels: np.ndarray, round_in_active: int) -> LocalData:

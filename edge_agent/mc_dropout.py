@@ -100,24 +100,29 @@ class TorchMCDropout:
 
 def predict_probabilities(model: nn.Module, images: np.ndarray, batch_size: int = 1000) -> np.ndarray:
     """Deterministic softmax outputs (dropout off), shaped (N, C): what a plain evaluation uses."""
-    return _predict(model, images, batch_size, lambda logits: torch.softmax(logits, dim=-1))
+    return _predict(model, images, batch_size, lambda batch: torch.softmax(model(batch), dim=-1))
 
 
 def predict_logits(model: nn.Module, images: np.ndarray, batch_size: int = 1000) -> np.ndarray:
     """Deterministic logits (dropout off), shaped (N, C): what KSAS compares between two models."""
-    return _predict(model, images, batch_size, lambda logits: logits)
+    return _predict(model, images, batch_size, model)
+
+
+def predict_features(model: SplitDropoutModel, images: np.ndarray, batch_size: int = 1000) -> np.ndarray:
+    """Deterministic penultimate features (dropout off), shaped (N, D): what BADGE's gradient embedding is built on."""
+    return _predict(model, images, batch_size, lambda batch: model.penultimate(model.prefix(batch)))
 
 
 def _predict(
     model: nn.Module, images: np.ndarray, batch_size: int, output: Callable[[torch.Tensor], torch.Tensor]
 ) -> np.ndarray:
-    """output(model(batch)) over normalised images in batches, dropout off, the model's mode restored."""
+    """output(batch) over normalised images in batches with the model's dropout off, its mode restored."""
     was_training = model.training
     model.eval()
     chunks = []
     with torch.inference_mode():
         for start in range(0, len(images), batch_size):
             batch = torch.from_numpy(np.ascontiguousarray(images[start : start + batch_size], dtype=np.float32))
-            chunks.append(output(model(batch)).numpy())
+            chunks.append(output(batch).numpy())
     model.train(was_training)
     return np.concatenate(chunks) if chunks else np.empty((0, 0), dtype=np.float32)

@@ -1,4 +1,5 @@
-# Acquisition functions: per-sample scores (MC-dropout heuristics, KSAS, FAST prototype entropy) and top-k selection.
+# Acquisition functions: per-sample scores (MC-dropout heuristics, KSAS, FAST prototype entropy), top-k selection
+# and the batch-aware selections (stochastic power sampling, BADGE's k-means++, class-balanced top-k).
 from __future__ import annotations
 
 from abc import abstractmethod
@@ -100,6 +101,7 @@ class AcquisitionContext:
     own_logits: Callable[[], np.ndarray]
     global_logits: Callable[[], np.ndarray]
     embeddings: Callable[[], Embeddings]
+    features: Callable[[], np.ndarray]
 
 
 SAMPLERS: Registry[type[Sampler]] = Registry("sampler")
@@ -109,10 +111,16 @@ class Sampler(Method):
     """An acquisition function over a device's pool: one score per sample, higher means ask the oracle first."""
 
     needs_encoder: ClassVar[bool] = False
+    needs_model_logits: ClassVar[bool] = False
 
     @abstractmethod
     def score_pool(self, context: AcquisitionContext) -> np.ndarray:
         """Scores for the context's `num_samples` pool samples."""
+
+    def select(self, context: AcquisitionContext, budget: int) -> np.ndarray:
+        """Positions of the `budget` pool samples to ask for, best first: the top-k scores unless the sampler
+        chooses the batch as a whole."""
+        return top_k(self.score_pool(context), budget)
 
     def weak_labels(self, context: AcquisitionContext) -> np.ndarray | None:
         """Machine labels for the pool samples (FAST), or None when the sampler proposes none."""
@@ -271,6 +279,7 @@ class KsasSampler(Sampler):
 
     name = "ksas"
     summary = "KAFAL: discrepancy between the device's own and the global model, class-count weighted"
+    needs_model_logits = True
     options = (Option("lambda", float, 1.0, "KSAS knowledge weight lambda", low=0.0, flag="--ksas-lambda"),)
 
     def score_pool(self, context: AcquisitionContext) -> np.ndarray:
@@ -359,6 +368,140 @@ class FastSampler(Sampler):
         )
 
 
+def power_sample(scores: np.ndarray, k: int, beta: float, rng: np.random.Generator) -> np.ndarray:
+    """Kirsch et al.'s stochastic power acquisition: k samples drawn without replacement with probability in
+    proportion to score^beta (Gumbel-top-k on beta ln s). beta -> inf is top-k; beta = 0 a uniform draw; a zero
+    score is drawn last."""
+    scores = np.asarray(scores, dtype=np.float64)
+    if scores.ndim != 1 or np.any(np.isnan(scores)) or np.any(scores < 0):
+        raise ValueError("power sampling needs one non-negative score per sample")
+    if not (beta >= 0 and np.isfinite(beta)):
+        raise ValueError(f"beta must be a non-negative number, got {beta!r}")
+    with np.errstate(divide="ignore"):
+        keys = beta * np.log(scores) if beta > 0 else np.zeros_like(scores)
+    return top_k(np.where(scores > 0, keys + rng.gumbel(size=len(scores)), -np.inf), k)
+
+
+def kmeans_pp_outer(left: np.ndarray, right: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
+    """k-means++ seeding over the rows g_i = left_i (outer) right_i without building them: |g_i - g_j|^2 =
+    |l_i|^2 |r_i|^2 + |l_j|^2 |r_j|^2 - 2 (l_i . l_j)(r_i . r_j). The first pick is the longest g_i; each next one
+    is drawn with probability in proportion to its squared distance to the nearest pick (uniform once all are 0)."""
+    left, right = np.asarray(left, dtype=np.float64), np.asarray(right, dtype=np.float64)
+    if left.ndim != 2 or right.ndim != 2 or len(left) != len(right):
+        raise ValueError(f"need two (N, d) arrays with one row per sample, got {left.shape} and {right.shape}")
+    norms = np.sum(left**2, axis=1) * np.sum(right**2, axis=1)
+    picked = [int(np.argmax(norms))] if len(left) and k > 0 else []
+    nearest = np.full(len(left), np.inf)
+    while len(picked) < min(k, len(left)):
+        last = picked[-1]
+        to_last = norms + norms[last] - 2.0 * (left @ left[last]) * (right @ right[last])
+        nearest = np.minimum(nearest, np.maximum(to_last, 0.0))
+        nearest[picked] = 0.0
+        total = nearest.sum()
+        weights = nearest / total if total > 0 else np.where(np.isin(np.arange(len(left)), picked), 0.0, 1.0)
+        picked.append(int(rng.choice(len(left), p=weights / weights.sum())))
+    return np.asarray(picked, dtype=np.int64)
+
+
+def badge_parts(mean_probs: np.ndarray, features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """BADGE's last-layer gradient embedding as its two factors: (p - onehot(argmax p)) and the features; their
+    outer product is the cross-entropy gradient w.r.t. the classifier weights at the predicted label."""
+    mean_probs = np.asarray(mean_probs, dtype=np.float64)
+    if len(mean_probs) != len(features):
+        raise ValueError(f"{len(mean_probs)} probability rows for {len(features)} feature rows")
+    residual = mean_probs - np.eye(mean_probs.shape[1])[np.argmax(mean_probs, axis=1)]
+    return residual, np.asarray(features, dtype=np.float64)
+
+
+def class_balanced_top_k(scores: np.ndarray, predicted: np.ndarray, k: int, num_classes: int) -> np.ndarray:
+    """floor(k / C) highest scores among the samples predicted as each class, the rest of the k by the highest
+    scores left (FAST's class-aware selection): a batch that cannot be all one class."""
+    scores = np.asarray(scores, dtype=np.float64)
+    order = top_k(scores, len(scores))
+    quota = k // num_classes
+    chosen = np.concatenate([order[predicted[order] == c][:quota] for c in range(num_classes)]).astype(np.int64)
+    rest = order[~np.isin(order, chosen)][: max(k - len(chosen), 0)]
+    picked = np.concatenate([chosen, rest])
+    return picked[np.argsort(-scores[picked], kind="stable")]
+
+
+class PowerSampler(Sampler):
+    """Stochastic batch acquisition (Kirsch et al., TMLR 2023) over an MC-dropout score: diverse batches without
+    a pairwise term, and a cold start that is not all one kind of sample."""
+
+    options = (Option("power_beta", float, 1.0, "power of the score the draw follows", low=0.0, flag="--power-beta"),)
+
+    @abstractmethod
+    def base_scores(self, probs: np.ndarray) -> np.ndarray:
+        """The per-sample uncertainty the draw follows."""
+
+    def score_pool(self, context: AcquisitionContext) -> np.ndarray:
+        """The base uncertainty of every pool sample (rounding noise below 0 clipped to 0)."""
+        return np.maximum(self.base_scores(context.probabilities()), 0.0)
+
+    def select(self, context: AcquisitionContext, budget: int) -> np.ndarray:
+        """A draw of `budget` samples with probability in proportion to score^beta."""
+        beta = self.option_value(context.options, "power_beta")
+        return power_sample(self.score_pool(context), budget, beta, context.rng)
+
+
+class PowerEntropy(PowerSampler):
+    """Power sampling over the predictive entropy."""
+
+    name = "power-entropy"
+    summary = "draw in proportion to entropy^beta (stochastic batch acquisition)"
+
+    def base_scores(self, probs: np.ndarray) -> np.ndarray:
+        """entropy_scores(probs)."""
+        return entropy_scores(probs)
+
+
+class PowerBald(PowerSampler):
+    """Power sampling over BALD."""
+
+    name = "power-bald"
+    summary = "draw in proportion to BALD^beta (stochastic batch acquisition, Kirsch et al. 2023)"
+
+    def base_scores(self, probs: np.ndarray) -> np.ndarray:
+        """bald_scores(probs)."""
+        return bald_scores(probs)
+
+
+class BadgeSampler(Sampler):
+    """BADGE (Ash et al., ICLR 2020): k-means++ over last-layer gradient embeddings from the MC-dropout mean, so a
+    batch is uncertain (long embeddings) and diverse (far apart)."""
+
+    name = "badge"
+    summary = "k-means++ over last-layer gradient embeddings: uncertain and diverse batches"
+
+    def score_pool(self, context: AcquisitionContext) -> np.ndarray:
+        """Each sample's gradient-embedding length, |p - onehot| |features|."""
+        residual, features = badge_parts(context.probabilities().mean(axis=0), context.features())
+        return np.linalg.norm(residual, axis=1) * np.linalg.norm(features, axis=1)
+
+    def select(self, context: AcquisitionContext, budget: int) -> np.ndarray:
+        """The k-means++ seeds of the gradient embeddings."""
+        residual, features = badge_parts(context.probabilities().mean(axis=0), context.features())
+        return kmeans_pp_outer(residual, features, budget, context.rng)
+
+
+class BalancedEntropy(Sampler):
+    """Top entropy per predicted class: at most an equal share of the batch from every class the model sees."""
+
+    name = "balanced-entropy"
+    summary = "highest entropy per predicted class, an equal share each (class-balanced batches)"
+
+    def score_pool(self, context: AcquisitionContext) -> np.ndarray:
+        """entropy_scores of the pool's MC-dropout probabilities."""
+        return entropy_scores(context.probabilities())
+
+    def select(self, context: AcquisitionContext, budget: int) -> np.ndarray:
+        """class_balanced_top_k over the predicted (MC-dropout mean) classes."""
+        probs = context.probabilities()
+        predicted = np.argmax(probs.mean(axis=0), axis=1)
+        return class_balanced_top_k(entropy_scores(probs), predicted, budget, probs.shape[2])
+
+
 for registered in (
     RandomHeuristic,
     EntropyHeuristic,
@@ -367,6 +510,10 @@ for registered in (
     LeastConfidenceHeuristic,
     KsasSampler,
     FastSampler,
+    PowerEntropy,
+    PowerBald,
+    BadgeSampler,
+    BalancedEntropy,
 ):
     SAMPLERS.register(registered)
 

@@ -15,7 +15,7 @@ from edge_agent.fashion_mnist import normalise
 from edge_agent.files import load_arrays, save_arrays
 from edge_agent.learner import bundle_scorer
 from edge_agent.local_data import LocalData
-from edge_agent.mc_dropout import TorchMCDropout, predict_logits
+from edge_agent.mc_dropout import TorchMCDropout, predict_features, predict_logits
 from edge_agent.mc_scorer import MCScorer
 from edge_agent.models import build_model, get_weights, set_weights
 from edge_agent.tensors import Weights
@@ -67,3 +67,7 @@ class TorchLearner:
             own_model(self.state_dir, self.settings.model_name, self.current) if which == "own" else self.global_model
         )
         return predict_logits(model, normalise(images), self.settings.inference_batch)
+
+    def features(self, images: np.ndarray) -> np.ndarray:
+        """Penultimate features of raw images under the current model (the one that scores the pool)."""
+        return predict_features(self.current, normalise(images), self.settings.inference_batch)

@@ -15,7 +15,7 @@ from torch import nn
 
 from edge_agent.fashion_mnist import normalise
 from edge_agent.files import load_arrays, save_arrays
-from edge_agent.local_data import LocalData
+from edge_agent.local_data import RESERVOIR_OPTION, LocalData
 from edge_agent.mc_dropout import as_split_model
 from edge_agent.models import get_weights, set_weights
 from edge_agent.options import Method, Option, Registry
@@ -159,6 +159,22 @@ class OnlineReplaySGD(LocalRule):
     ) -> dict[str, float]:
         """Trains on new ∪ replay only; older labels stay in the store but are not revisited (online learning)."""
         images, labels = data.new_and_replay()
+        loss = train_supervised(model, images, labels, TrainSettings.from_recipe(recipe, seed))
+        return {"train_loss": loss, "train_samples": float(len(images))}
+
+
+class KeptLabels(LocalRule):
+    """Every label the device paid for, each round: human and weak labels, or a class-balanced reservoir of them."""
+
+    name = "kept-labels"
+    summary = "every label the device holds (or a class-balanced reservoir of them), E epochs from the global model"
+    options = (RESERVOIR_OPTION,)
+
+    def train(
+        self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int
+    ) -> dict[str, float]:
+        """Plain local SGD on the kept set."""
+        images, labels = data.kept_set(int(RESERVOIR_OPTION.read(recipe.options)), seed)
         loss = train_supervised(model, images, labels, TrainSettings.from_recipe(recipe, seed))
         return {"train_loss": loss, "train_samples": float(len(images))}
 
@@ -437,7 +453,7 @@ class KCFU(LocalRule):
         }
 
 
-for registered in (OnlineReplaySGD, DMLU, CadisKD, FedProx, KCFU):
+for registered in (KeptLabels, OnlineReplaySGD, DMLU, CadisKD, FedProx, KCFU):
     LOCAL_RULES.register(registered)
 
 

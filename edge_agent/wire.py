@@ -78,7 +78,7 @@ class Recipe:
     sampler: str = "entropy"
     labels_per_acquisition: int = 400
     acquisitions_per_round: int = 1
-    local_rule: str = "online-replay"
+    local_rule: str = "kept-labels"
     epochs: int = 5
     batch_size: int = 32
     learning_rate: float = 0.01

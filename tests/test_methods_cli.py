@@ -114,7 +114,7 @@ def test_fast_with_fedprox_runs_and_ends_with_a_summary(tmp_path: Path) -> None:
         ("--label-fraction", "2", "--label-fraction must lie in [0, 1]"),
         ("--rounds-per-acquisition", "0", "--rounds-per-acquisition must be at least 1"),
         ("--mu", "-1", "--mu must be at least 0, got -1.0"),
-        ("--mu", "0.1", "--mu is an option of local rule 'fedprox'; this run uses 'online-replay'"),
+        ("--mu", "0.1", "--mu is an option of local rule 'fedprox'; this run uses 'kept-labels'"),
         ("--kcfu-nu", "1.5", "--kcfu-nu must lie in [0, 1]"),
         ("--encoder", "/nonexistent/encoder.onnx", "no such file"),
     ],

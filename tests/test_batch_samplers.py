@@ -1,0 +1,138 @@
+# Batch-aware samplers against hand-checked cases: power sampling, BADGE's k-means++, class-balanced top-k.
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import pytest
+
+from edge_agent.local_data import LocalData, balanced_sample
+from edge_agent.sampling import (
+    AcquisitionContext,
+    Embeddings,
+    class_balanced_top_k,
+    kmeans_pp_outer,
+    make_sampler,
+    power_sample,
+    top_k,
+)
+
+
+def test_power_sampling_with_a_huge_exponent_is_top_k() -> None:
+    scores = np.random.default_rng(1).random(200)
+    drawn = power_sample(scores, 20, 1e6, np.random.default_rng(0))
+    np.testing.assert_array_equal(drawn, top_k(scores, 20))
+
+
+def test_power_sampling_with_exponent_0_is_uniform_and_follows_the_scores_in_between() -> None:
+    scores = np.array([1.0, 1.0, 9.0, 9.0])  # with beta = 1, each of the last two is drawn first with p = 0.45
+    firsts = [power_sample(scores, 1, 1.0, np.random.default_rng(seed))[0] for seed in range(4000)]
+    share = np.bincount(firsts, minlength=4) / len(firsts)
+    assert share[2] + share[3] == pytest.approx(0.9, abs=0.02)
+    uniform = [power_sample(scores, 1, 0.0, np.random.default_rng(seed))[0] for seed in range(4000)]
+    assert np.bincount(uniform, minlength=4) / 4000 == pytest.approx([0.25] * 4, abs=0.03)
+
+
+def test_power_sampling_draws_zero_scores_last_and_never_twice() -> None:
+    scores = np.array([0.0, 0.5, 0.0, 0.2])
+    drawn = power_sample(scores, 4, 1.0, np.random.default_rng(3))
+    assert sorted(drawn[:2].tolist()) == [1, 3] and sorted(drawn.tolist()) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="non-negative score"):
+        power_sample(np.array([0.1, -0.2]), 1, 1.0, np.random.default_rng(0))
+
+
+def test_kmeans_pp_starts_with_the_longest_embedding_then_takes_the_far_point() -> None:
+    """Ten near-copies of one long embedding and one far point: the second pick is the far point (its squared
+    distance dwarfs the copies' combined)."""
+    left = np.tile([[1.0, 0.0]], (11, 1))
+    right = np.tile([[2.0, 0.0]], (11, 1)) + np.random.default_rng(0).normal(0, 1e-4, (11, 2))
+    right[7] = [0.0, -1.5]  # shorter than the copies, but far from them
+    right[4] = [2.1, 0.0]  # the longest of the copies
+    for seed in range(20):
+        picked = kmeans_pp_outer(left, right, 2, np.random.default_rng(seed))
+        assert picked.tolist() == [4, 7]
+
+
+def test_kmeans_pp_matches_distances_of_the_materialised_outer_products() -> None:
+    rng = np.random.default_rng(5)
+    left, right = rng.normal(size=(30, 4)), rng.normal(size=(30, 6))
+    picked = kmeans_pp_outer(left, right, 30, np.random.default_rng(0))
+    assert sorted(picked.tolist()) == list(range(30)), "every row is picked once when k = N"
+    full = np.einsum("ni,nj->nij", left, right).reshape(30, -1)
+    assert picked[0] == np.argmax(np.linalg.norm(full, axis=1))
+
+
+def test_kmeans_pp_of_identical_rows_still_picks_distinct_ones() -> None:
+    picked = kmeans_pp_outer(np.ones((5, 2)), np.ones((5, 3)), 3, np.random.default_rng(0))
+    assert len(set(picked.tolist())) == 3
+
+
+def test_class_balanced_top_k_gives_each_predicted_class_its_share() -> None:
+    scores = np.array([0.9, 0.8, 0.7, 0.6, 0.1, 0.05])
+    predicted = np.array([0, 0, 0, 0, 1, 1])
+    picked = class_balanced_top_k(scores, predicted, 4, 2)
+    assert sorted(picked.tolist()) == [0, 1, 4, 5]
+    assert picked.tolist() == [0, 1, 4, 5], "best first"
+    assert sorted(class_balanced_top_k(scores, np.zeros(6, dtype=int), 3, 2).tolist()) == [0, 1, 2]
+
+
+def context_of(probs: np.ndarray, features: np.ndarray, seed: int = 0) -> AcquisitionContext:
+    """An acquisition context over given MC-dropout probabilities and penultimate features."""
+    return AcquisitionContext(
+        num_samples=probs.shape[1],
+        rng=np.random.default_rng(seed),
+        class_counts=np.zeros(probs.shape[2]),
+        options={},
+        probabilities=cache(lambda: probs),
+        own_logits=lambda: np.zeros(0),
+        global_logits=lambda: np.zeros(0),
+        embeddings=lambda: Embeddings(np.zeros(0), np.zeros(0), np.zeros(0)),
+        features=cache(lambda: features),
+    )
+
+
+@pytest.mark.parametrize("name", ["power-entropy", "power-bald", "badge", "balanced-entropy"])
+def test_every_batch_sampler_picks_distinct_pool_positions(name: str) -> None:
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(5, 60, 4))
+    probs = np.exp(logits) / np.exp(logits).sum(axis=-1, keepdims=True)
+    picked = make_sampler(name).select(context_of(probs, rng.normal(size=(60, 8))), 12)
+    assert len(picked) == 12 and len(set(picked.tolist())) == 12 and picked.min() >= 0 and picked.max() < 60
+    again = make_sampler(name).select(context_of(probs, rng.normal(size=(60, 8))), 12)
+    assert name == "badge" or again.tolist() == picked.tolist(), "the same seed draws the same batch"
+
+
+def test_badge_starts_from_the_most_uncertain_sample_and_scores_confident_ones_near_zero() -> None:
+    """A confident sample's gradient embedding is near zero: it never opens the batch."""
+    confident = np.tile([0.997, 0.001, 0.001, 0.001], (20, 1))
+    unsure = np.tile([0.4, 0.3, 0.2, 0.1], (5, 1))
+    probs = np.concatenate([confident, unsure])[None]
+    features = np.ones((25, 6))
+    features[22] *= 2.0
+    sampler = make_sampler("badge")
+    assert sampler.select(context_of(probs, features), 5)[0] == 22
+    lengths = sampler.score_pool(context_of(probs, features))
+    assert lengths[:20].max() < 0.01 * lengths[20:].min()
+
+
+def test_a_balanced_sample_takes_the_classes_in_turn_and_fills_from_the_larger_ones() -> None:
+    labels = np.array([0] * 10 + [1] * 3 + [2] * 1)
+    picked = balanced_sample(labels, 8, np.random.default_rng(0))
+    assert len(set(picked.tolist())) == 8
+    assert np.bincount(labels[picked], minlength=3).tolist() == [4, 3, 1]
+    assert np.bincount(labels[balanced_sample(labels, 3, np.random.default_rng(1))], minlength=3).tolist() == [1, 1, 1]
+
+
+def test_the_kept_set_is_every_label_or_a_balanced_reservoir() -> None:
+    images = np.arange(12 * 28 * 28, dtype=np.uint8).reshape(12, 28, 28)
+    labels = np.array([0] * 9 + [1] * 3)
+    empty = np.zeros((0, 28, 28), dtype=np.uint8)
+    data = LocalData(empty, labels[:0], empty, labels[:0], images, labels, lambda: empty)
+    everything, everything_labels = data.kept_set(0, seed=0)
+    assert len(everything) == 12 and everything_labels.tolist() == labels.tolist()
+    kept, kept_labels = data.kept_set(6, seed=0)
+    assert np.bincount(kept_labels).tolist() == [3, 3]
+    assert all(
+        any(np.array_equal(image, other) for other in images[labels == label])
+        for image, label in zip(kept, kept_labels)
+    )
