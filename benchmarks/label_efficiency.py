@@ -1,0 +1,236 @@
+# Label efficiency: samplers x partitions x seeds through the real bench; accuracy-against-labels curves, JSON and a PNG.
+"""Every run is one `simulate` (agent processes, an embedded mosquitto, the coordinator and its store), so what
+it measures is what a user runs. Per partition and sampler it reports, over the seeds:
+
+  aulc           area under the learning curve: the mean test accuracy over the acquisition points
+  final          the final test accuracy
+  labels_to_random_final   the labels the sampler's mean curve needed to reach random's mean final accuracy,
+                 and that as a fraction of random's labels (null where it never got there)
+
+Usage: python benchmarks/label_efficiency.py [--quick] [--samplers random entropy power-bald ...]
+       [--partitions type2 dirichlet:0.3] [--seeds 0 1 2] [--jobs N] [--out DIR]
+The full default sweep takes hours on 2 cores; --jobs runs that many simulations side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from coordinator.observer import RoundResult
+from coordinator.rounds import RoundPolicy
+from coordinator.server import InitSettings, ServerSettings
+from coordinator.simulate import BenchSettings, simulate
+from edge_agent import wire
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """How big one run is: devices per partition, pool per device, rounds, labels per acquisition, epochs."""
+
+    devices: dict[str, int]
+    pool: int
+    rounds: int
+    labels: int
+    epochs: int
+    mc_passes: int
+
+
+FULL = Scale({"type2": 4, "dirichlet:0.3": 10}, pool=5000, rounds=10, labels=200, epochs=5, mc_passes=10)
+QUICK = Scale({"type2": 2, "dirichlet:0.3": 3}, pool=300, rounds=3, labels=20, epochs=1, mc_passes=4)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One simulation of the sweep."""
+
+    partition: str
+    sampler: str
+    seed: int
+    strategy: str
+    local_rule: str
+    scale: Scale
+    out: Path
+
+    @property
+    def name(self) -> str:
+        """The run's directory name."""
+        return f"{self.partition.replace(':', '')}-{self.sampler}-seed{self.seed}"
+
+
+def run_one(spec: RunSpec) -> dict[str, Any]:
+    """One simulate run; its curve (labels, accuracy per round) and timing."""
+    scale = spec.scale
+    devices = scale.devices.get(spec.partition, 4)
+    settings = ServerSettings(
+        run_dir=spec.out / spec.name,
+        fleet=f"le-{spec.name}",
+        strategy=spec.strategy,
+        recipe=dataclasses.replace(
+            wire.Recipe(),
+            sampler=spec.sampler,
+            local_rule=spec.local_rule,
+            labels_per_acquisition=scale.labels,
+            acquisitions_per_round=1,
+            epochs=scale.epochs,
+            mc_passes=scale.mc_passes,
+            seed=spec.seed,
+        ),
+        policy=RoundPolicy(rounds=scale.rounds, min_devices=devices, quorum=devices, round_timeout=3600),
+        init=InitSettings(samples=100, seed=spec.seed),
+        torch_threads=1,
+        ship_bundles=False,
+        evaluate_devices=False,
+    )
+    results: list[RoundResult] = []
+    started = time.monotonic()
+    bench = BenchSettings(devices=devices, partition=spec.partition, pool_size=scale.pool, seed=spec.seed)
+    simulate(settings, bench, results.append)
+    return {
+        "partition": spec.partition,
+        "sampler": spec.sampler,
+        "seed": spec.seed,
+        "devices": devices,
+        "labels": [r.labels for r in results],
+        "accuracy": [r.accuracy for r in results],
+        "seconds": round(time.monotonic() - started, 1),
+    }
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per partition, per sampler: mean curve, its band, AULC, final accuracy, labels to random's final."""
+    summary: dict[str, dict[str, Any]] = {}
+    for partition in sorted({run["partition"] for run in runs}):
+        curves = {}
+        for sampler in sorted({run["sampler"] for run in runs if run["partition"] == partition}):
+            chosen = [run for run in runs if run["partition"] == partition and run["sampler"] == sampler]
+            curves[sampler] = curve_of(chosen)
+        summary[partition] = with_label_savings(curves)
+    return summary
+
+
+def curve_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The seeds' mean curve and spread, AULC (mean over acquisition points) and final accuracy (mean, std)."""
+    length = min(len(run["accuracy"]) for run in runs)
+    accuracy = np.array([run["accuracy"][:length] for run in runs])
+    labels = np.mean([run["labels"][:length] for run in runs], axis=0)
+    aulcs = accuracy.mean(axis=1)
+    return {
+        "seeds": [run["seed"] for run in runs],
+        "labels": labels.round().astype(int).tolist(),
+        "mean": accuracy.mean(axis=0).round(4).tolist(),
+        "low": accuracy.min(axis=0).round(4).tolist(),
+        "high": accuracy.max(axis=0).round(4).tolist(),
+        "aulc": round(float(aulcs.mean()), 4),
+        "aulc_std": round(float(aulcs.std()), 4),
+        "final": round(float(accuracy[:, -1].mean()), 4),
+        "final_std": round(float(accuracy[:, -1].std()), 4),
+    }
+
+
+def with_label_savings(curves: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Adds, where random ran, each sampler's AULC gain over random and the labels it needed to reach random's
+    final accuracy (first point of its mean curve at or above it), also as a fraction of random's labels."""
+    if "random" not in curves:
+        return curves
+    target, random_labels = curves["random"]["final"], curves["random"]["labels"][-1]
+    for curve in curves.values():
+        reached = [labels for labels, mean in zip(curve["labels"], curve["mean"]) if mean >= target]
+        curve["aulc_gain_over_random"] = round(curve["aulc"] - curves["random"]["aulc"], 4)
+        curve["labels_to_random_final"] = reached[0] if reached else None
+        curve["fraction_of_random_labels"] = round(reached[0] / random_labels, 3) if reached else None
+    return curves
+
+
+def plot(summary: dict[str, dict[str, Any]], path: Path) -> None:
+    """One panel per partition, one curve per sampler: mean accuracy against labels with the min-max band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(summary), figsize=(6 * len(summary), 4.5), squeeze=False)
+    for axis, (partition, curves) in zip(axes[0], summary.items()):
+        for sampler, curve in curves.items():
+            style = {"color": "black", "linestyle": "--"} if sampler == "random" else {}
+            axis.plot(curve["labels"], curve["mean"], label=f"{sampler} (AULC {curve['aulc']:.3f})", **style)
+            axis.fill_between(
+                curve["labels"],
+                curve["low"],
+                curve["high"],
+                alpha=0.15,
+                **({"color": "black"} if sampler == "random" else {}),
+            )
+        seeds = len(next(iter(curves.values()))["seeds"])
+        axis.set(title=f"{partition} ({seeds} seeds)", xlabel="labels (all devices + W0's)", ylabel="test accuracy")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Runs the chosen simulations (side by side with --jobs), printing each finished run as one JSON line."""
+    scale = QUICK if args.quick else FULL
+    specs = [
+        RunSpec(partition, sampler, seed, args.strategy, args.local_rule, scale, args.out)
+        for partition in args.partitions
+        for seed in args.seeds
+        for sampler in args.samplers
+    ]
+    runs = []
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for run in pool.map(run_one, specs):
+            runs.append(run)
+            print(json.dumps({"progress": f"{len(runs)}/{len(specs)}", "run": run}), flush=True)
+    return runs
+
+
+def main() -> None:
+    """Runs the sweep (or re-reads the run lines of earlier sweeps), writes the JSON and the PNG, prints the summary."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny pools, 3 rounds")
+    parser.add_argument("--samplers", nargs="+", default=["random", "entropy", "bald", "power-bald", "badge"])
+    parser.add_argument("--partitions", nargs="+", default=["type2", "dirichlet:0.3"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--strategy", default="avefl")
+    parser.add_argument("--local-rule", default="kept-labels")
+    parser.add_argument("--jobs", type=int, default=1, help="simulations run side by side")
+    parser.add_argument("--from-lines", nargs="+", type=Path, help="summarise the run lines these files hold instead")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib where it runs)")
+    parser.add_argument("--out", type=Path, default=Path("runs") / f"label-efficiency-{time.strftime('%Y%m%d-%H%M%S')}")
+    args = parser.parse_args()
+    runs = read_run_lines(args.from_lines) if args.from_lines else sweep(args)
+    summary = summarise(runs)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "label_efficiency.json").write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))
+    if not args.no_plot:
+        plot(summary, args.out / "label_efficiency.png")
+    brief = {
+        p: {s: {k: v for k, v in c.items() if k not in CURVE_KEYS} for s, c in cs.items()} for p, cs in summary.items()
+    }
+    print(json.dumps({"summary": brief, "out": str(args.out)}, indent=1))
+
+
+CURVE_KEYS = ("labels", "mean", "low", "high")
+
+
+def read_run_lines(paths: list[Path]) -> list[dict[str, Any]]:
+    """The runs of earlier sweeps' progress lines (other lines are skipped)."""
+    runs = []
+    for path in paths:
+        for line in path.read_text().splitlines():
+            if line.startswith('{"progress"'):
+                runs.append(json.loads(line)["run"])
+    return runs
+
+
+if __name__ == "__main__":
+    main()
