@@ -13,6 +13,8 @@ FORBIDDEN = {"edge_agent": ("coordinator", "export"), "export": ("coordinator",)
 TORCH_FREE = (
     "coordinator.aggregation",
     "coordinator.cadis",
+    "coordinator.server_optimizers",
+    "edge_agent.local_data",
     "coordinator.strategies",
     "coordinator.round_aggregator",
     "coordinator.divergence",
