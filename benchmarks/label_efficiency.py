@@ -7,8 +7,10 @@ it measures is what a user runs. Per partition and sampler it reports, over the 
   labels_to_random_final   the labels the sampler's mean curve needed to reach random's mean final accuracy,
                  and that as a fraction of random's labels (null where it never got there)
 
-Usage: python benchmarks/label_efficiency.py [--quick] [--samplers random entropy power-bald ...]
-       [--partitions type2 dirichlet:0.3] [--seeds 0 1 2] [--jobs N] [--out DIR]
+Usage: python benchmarks/label_efficiency.py [--quick] [--samplers random entropy power-bald:power_beta=4 ...]
+       [--partitions type2 dirichlet:0.3] [--seeds 0 1 2] [--epochs E] [--labels L] [--rounds R] [--pool P]
+       [--jobs N] [--out DIR]
+A sampler may carry recipe options after a colon (`NAME:key=value,key=value`); each spelling is its own curve.
 The full default sweep takes hours on 2 cores; --jobs runs that many simulations side by side.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -62,20 +65,35 @@ class RunSpec:
     @property
     def name(self) -> str:
         """The run's directory name."""
-        return f"{self.partition.replace(':', '')}-{self.sampler}-seed{self.seed}"
+        sampler = re.sub(r"[^A-Za-z0-9.-]+", "_", self.sampler)
+        return f"{self.partition.replace(':', '')}-{sampler}-seed{self.seed}"
+
+
+def sampler_and_options(spelling: str) -> tuple[str, dict[str, float]]:
+    """`NAME` or `NAME:key=value,key=value` as the sampler's name and its recipe options."""
+    name, _, rest = spelling.partition(":")
+    options = {}
+    for pair in filter(None, rest.split(",")):
+        key, separator, value = pair.partition("=")
+        if not separator:
+            raise ValueError(f"sampler option {pair!r} in {spelling!r} is not key=value")
+        options[key] = float(value)
+    return name, options
 
 
 def run_one(spec: RunSpec) -> dict[str, Any]:
     """One simulate run; its curve (labels, accuracy per round) and timing."""
     scale = spec.scale
     devices = scale.devices.get(spec.partition, 4)
+    sampler, options = sampler_and_options(spec.sampler)
     settings = ServerSettings(
         run_dir=spec.out / spec.name,
         fleet=f"le-{spec.name}",
         strategy=spec.strategy,
         recipe=dataclasses.replace(
             wire.Recipe(),
-            sampler=spec.sampler,
+            sampler=sampler,
+            options=options,
             local_rule=spec.local_rule,
             labels_per_acquisition=scale.labels,
             acquisitions_per_round=1,
@@ -176,9 +194,16 @@ def plot(summary: dict[str, dict[str, Any]], path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
+def scale_of(args: argparse.Namespace) -> Scale:
+    """The quick or full scale with the command line's overrides."""
+    scale = QUICK if args.quick else FULL
+    overrides = {key: getattr(args, key) for key in ("epochs", "labels", "rounds", "pool") if getattr(args, key)}
+    return dataclasses.replace(scale, **overrides)
+
+
 def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Runs the chosen simulations (side by side with --jobs), printing each finished run as one JSON line."""
-    scale = QUICK if args.quick else FULL
+    scale = scale_of(args)
     specs = [
         RunSpec(partition, sampler, seed, args.strategy, args.local_rule, scale, args.out)
         for partition in args.partitions
@@ -202,6 +227,9 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--strategy", default="avefl")
     parser.add_argument("--local-rule", default="kept-labels")
+    for key, meaning in (("epochs", "local epochs"), ("labels", "labels per acquisition"), ("rounds", "rounds")):
+        parser.add_argument(f"--{key}", type=int, help=f"{meaning} (overrides the scale's)")
+    parser.add_argument("--pool", type=int, help="pool per device (overrides the scale's)")
     parser.add_argument("--jobs", type=int, default=1, help="simulations run side by side")
     parser.add_argument("--from-lines", nargs="+", type=Path, help="summarise the run lines these files hold instead")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib where it runs)")
