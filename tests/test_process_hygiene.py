@@ -1,6 +1,7 @@
 # Process hygiene with real processes: an agent stops within 2 s of SIGTERM in every state; simulate takes its agents along.
 from __future__ import annotations
 
+import shlex
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from fleet import (
 from edge_agent import wire
 
 FLEET = "hygiene"
+ROOT = Path(__file__).resolve().parent.parent
 STOP_SECONDS = 2.0
 LONG_TRAINING = wire.Recipe(labels_per_acquisition=20, epochs=2000, batch_size=8, mc_passes=2)
 
@@ -91,3 +93,54 @@ def test_simulate_forwards_sigterm_to_its_agents_and_waits_for_them(tmp_path: Pa
     simulate.send_signal(signal.SIGTERM)
     assert wait_exit(simulate, "simulate after SIGTERM", timeout=30) == 143
     assert agent_pids(run_dir) == [], f"agents {agents} outlived simulate"
+
+
+def unit_service_section(path: Path) -> dict[str, str]:
+    """The [Service] keys of a systemd unit file (comments and other sections skipped)."""
+    section, keys = "", {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line.startswith("[") and line.endswith("]"):
+            section = line
+        elif section == "[Service]" and "=" in line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            keys[key] = value
+    return keys
+
+
+def unit_command(exec_start: str, environment: dict[str, str], paths: dict[str, Path]) -> list[str]:
+    """The unit's ExecStart as this machine runs it: the installed entry point as `python -m edge_agent`, the
+    environment file's variables expanded, the unit's fixed paths moved under the test's directory."""
+    for name, value in environment.items():
+        exec_start = exec_start.replace("${" + name + "}", value).replace("$" + name, value)
+    for fixed, moved in paths.items():
+        exec_start = exec_start.replace(fixed, str(moved))
+    program, *arguments = shlex.split(exec_start)
+    assert program == "/opt/edge-agent/bin/edge-agent", program
+    return [sys.executable, "-m", "edge_agent", *arguments]
+
+
+@pytest.mark.integration
+def test_the_systemd_units_stop_ends_the_agent_it_runs_cleanly_and_in_time(tmp_path: Path, broker, processes) -> None:
+    """No systemd here: the unit's own command line is run, then stopped as `systemctl stop` does (its KillSignal,
+    its TimeoutStopSec); a clean exit (0) is what systemd records as a stop, not a failure to restart from."""
+    service = unit_service_section(ROOT / "firmware_configs" / "edge-agent.service")
+    assert service["KillSignal"] == "SIGTERM" and float(service["TimeoutStopSec"]) >= STOP_SECONDS
+    (tmp_path / "camera").mkdir()
+    paths = {
+        "/etc/edge-agent/profile.toml": ROOT / "firmware_configs" / "raspberry-pi-zero-2w.toml",
+        "/srv/camera": tmp_path / "camera",
+        "/var/lib/edge-agent": tmp_path / "state",
+    }
+    environment = {"EDGE_BROKER": broker.address.url, "EDGE_FLEET": FLEET, "EDGE_DEVICE_ID": "cam-7"}
+    environment["EDGE_AGENT_ARGS"] = "--log-level info"
+    watcher = watch_status(broker.address, FLEET)
+    with open(tmp_path / "agent.log", "wb") as log:
+        agent = subprocess.Popen(unit_command(service["ExecStart"], environment, paths), stdout=log, stderr=log)
+    processes.append(agent)
+    wait_for_state(watcher, "online")
+    watcher.close()
+    sent = time.monotonic()
+    agent.send_signal(getattr(signal, service["KillSignal"]))
+    assert wait_exit(agent, "the unit's agent after its KillSignal", timeout=float(service["TimeoutStopSec"])) == 0
+    assert time.monotonic() - sent < STOP_SECONDS, log_text(tmp_path / "agent.log")[-2000:]
