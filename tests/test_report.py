@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import re
 import subprocess
 import sys
@@ -88,3 +89,20 @@ def test_class_accuracies_per_class_and_none_for_absent_classes() -> None:
     labels = np.array([0, 0, 1, 1, 1, 3])
     predicted = np.array([0, 1, 1, 1, 0, 3])
     assert class_accuracies(np.eye(4)[predicted], labels, 4) == [0.5, 2 / 3, None, 1.0]
+
+
+def test_a_benchmark_runs_report_shows_its_sweeps_label_efficiency_figure_and_table(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    fill_store(sweep / "type2-margin-seed0")
+    figure = io.BytesIO()
+    Image.new("RGB", (640, 240), "white").save(figure, format="PNG")
+    (sweep / "label_efficiency.png").write_bytes(figure.getvalue())
+    curve = {"seeds": [0, 1, 2], "aulc": 0.8179, "final": 0.8758, "aulc_gain_over_random": 0.0253}
+    summary = {"type2": {"margin": {**curve, "labels_to_random_final": 4100}, "random": {**curve, "aulc": 0.7926}}}
+    (sweep / "label_efficiency.json").write_text(json.dumps({"summary": summary, "runs": []}))
+    page = write_report(sweep / "type2-margin-seed0").read_text()
+    assert "Label efficiency of the sweep this run belongs to" in page
+    assert len(embedded_pngs(page)) == CHARTS + 1
+    assert "<td>margin</td><td>3</td><td>0.8179</td>" in page and "<td>4100</td>" in page
+    fill_store(tmp_path / "alone")
+    assert "Label efficiency" not in write_report(tmp_path / "alone").read_text()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import html
+import json
 import time
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from coordinator.dashboard.views import (
 from edge_agent.files import atomic_write_bytes
 
 REPORT_NAME = "report.html"
+SWEEP_FIGURE = "label_efficiency.png"  # what benchmarks/label_efficiency.py writes beside its runs' directories
+SWEEP_SUMMARY = "label_efficiency.json"
 STYLE = """
 body { font-family: sans-serif; margin: 2em; color: #1d2330; }
 table { border-collapse: collapse; margin-bottom: 1.5em; font-size: 0.9em; }
@@ -53,15 +56,15 @@ def last_update_text(update: dict | None) -> str:
     return f"round {update['round_id']}, {update['size']} bytes, {outcome}"
 
 
-def report_html(snapshot: RunSnapshot) -> str:
-    """The whole report page for a run's snapshot."""
+def report_html(snapshot: RunSnapshot, sweep: list[str] | None = None) -> str:
+    """The whole report page for a run's snapshot, with the label-efficiency sweep's section when it has one."""
     run = run_view(snapshot, None)
     rounds = rounds_view(snapshot)
     title = f"edge-fal run {run['run_id'] or '(unnamed)'}"
     parts = [f"<h1>{html.escape(title)}</h1>", run_table(run, rounds), *devices_section(devices_view(snapshot, None))]
     if not rounds:
         return page(title, [*parts, "<p>No round has been committed yet.</p>"])
-    return page(title, parts + charts_section(snapshot, rounds) + timeline_section(rounds))
+    return page(title, parts + charts_section(snapshot, rounds) + (sweep or []) + timeline_section(rounds))
 
 
 def run_table(run: dict, rounds: list[dict]) -> str:
@@ -122,6 +125,27 @@ def charts_section(snapshot: RunSnapshot, rounds: list[dict]) -> list[str]:
     return parts
 
 
+def sweep_section(run_dir: Path) -> list[str]:
+    """The label-efficiency figure (and its per-sampler table) of the benchmark sweep this run belongs to, read from
+    the run directory's parent where the benchmark writes them; nothing for a run that came from elsewhere."""
+    figure = run_dir.parent / SWEEP_FIGURE
+    if not figure.is_file():
+        return []
+    parts = ["<h2>Label efficiency of the sweep this run belongs to</h2>", image(figure.read_bytes(), SWEEP_FIGURE)]
+    try:
+        summary = json.loads((run_dir.parent / SWEEP_SUMMARY).read_text())["summary"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return parts
+    header = ["partition", "sampler", "seeds", "AULC", "final", "AULC gain over random", "labels to random's final"]
+    rows = [
+        [partition, sampler, len(c["seeds"]), number(c["aulc"]), number(c["final"])]
+        + [number(c.get("aulc_gain_over_random")), c.get("labels_to_random_final") or "-"]
+        for partition, curves in summary.items()
+        for sampler, c in curves.items()
+    ]
+    return [*parts, table(header, rows)]
+
+
 def timeline_section(rounds: list[dict]) -> list[str]:
     """The round timeline chart and table: duration, quorum, accepted, stragglers, rejections, suspects."""
     header = ["round", "seconds", "quorum", "accepted", "stragglers", "rejected", "suspects", "accuracy", "labels"]
@@ -155,5 +179,6 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
     if not (Path(run_dir) / "run.sqlite").is_file():
         raise ValueError(f"{run_dir} holds no run (no run.sqlite)")
     path = out or Path(run_dir) / REPORT_NAME
-    atomic_write_bytes(path, report_html(load_snapshot(Path(run_dir))).encode())
+    page = report_html(load_snapshot(Path(run_dir)), sweep_section(Path(run_dir).resolve()))
+    atomic_write_bytes(path, page.encode())
     return path
