@@ -7,8 +7,8 @@ STAMP := .make-stamps
 
 demo: install
 	$(PYTHON) -m coordinator simulate --devices 4 --partition type1 --strategy avefl --rounds 10 \
-		--acquisitions-per-round 1 --labels-per-acquisition 400 --epochs 5 --sampler entropy \
-		--mc-passes 10 --init-samples 100 --seed 0
+		--acquisitions-per-round 1 --labels-per-acquisition 400 --epochs 5 --sampler margin \
+		--mc-passes 10 --init-samples 100 --pool-size 12000 --seed 0
 
 test: install
 	$(PYTHON) -m pytest -q
