@@ -61,6 +61,7 @@ class RunSpec:
     local_rule: str
     scale: Scale
     out: Path
+    recipe: dict[str, float] = dataclasses.field(default_factory=dict)  # other recipe fields, e.g. learning_rate
 
     @property
     def name(self) -> str:
@@ -100,6 +101,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
             epochs=scale.epochs,
             mc_passes=scale.mc_passes,
             seed=spec.seed,
+            **spec.recipe,
         ),
         policy=RoundPolicy(rounds=scale.rounds, min_devices=devices, quorum=devices, round_timeout=3600),
         init=InitSettings(samples=100, seed=spec.seed),

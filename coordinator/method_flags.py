@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.strategies import STRATEGIES
+from edge_agent import wire
 from edge_agent.options import Method, Option, Registry
 from edge_agent.sampling import SAMPLERS
 from edge_agent.training import LOCAL_RULES
@@ -34,8 +35,8 @@ class MethodKind:
 def method_kinds() -> tuple[MethodKind, ...]:
     """The three kinds of method a run chooses, read from their registries at call time (so tests may add one)."""
     return (
-        MethodKind("sampler", "--sampler", "entropy", SAMPLERS, True),
-        MethodKind("local rule", "--local-rule", "kept-labels", LOCAL_RULES, True),
+        MethodKind("sampler", "--sampler", wire.Recipe.sampler, SAMPLERS, True),
+        MethodKind("local rule", "--local-rule", wire.Recipe.local_rule, LOCAL_RULES, True),
         MethodKind("strategy", "--strategy", "avefl", STRATEGIES, False),
     )
 

@@ -76,7 +76,7 @@ def add_score_arguments(score: argparse.ArgumentParser) -> None:
     score.add_argument("--pool", required=True, type=Path, help="an IDX images file (.gz ok) or a shard .npz")
     score.add_argument("--passes", type=int, default=20, help="MC-dropout passes (capped by --profile)")
     score.add_argument("--top", type=int, default=400, help="how many samples to select")
-    score.add_argument("--sampler", default="entropy")
+    score.add_argument("--sampler", default=wire.Recipe.sampler)
     score.add_argument("--backend", choices=BACKENDS, help="default: the profile's, else onnxruntime")
     score.add_argument("--precision", choices=("fp32", "int8"), default="fp32", help="onnxruntime graphs to run")
     score.add_argument(

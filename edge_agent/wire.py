@@ -75,7 +75,7 @@ class WireError(ValueError):
 class Recipe:
     """What a device does in one round: how to acquire labels and how to train on them."""
 
-    sampler: str = "entropy"
+    sampler: str = "margin"
     labels_per_acquisition: int = 400
     acquisitions_per_round: int = 1
     local_rule: str = "kept-labels"

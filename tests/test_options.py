@@ -9,6 +9,7 @@ import pytest
 
 from coordinator.cli import main
 from coordinator.method_flags import TABLE_BEGIN, TABLE_END, options_table, recipe_view
+from edge_agent import wire
 from edge_agent.options import Method, Option, Registry
 from edge_agent.sampling import SAMPLERS, AcquisitionContext, Sampler
 
@@ -79,7 +80,10 @@ def test_a_toy_sampler_is_one_class_and_one_registration_away_from_the_cli(toy_s
     assert main([*run, "--sampler", "toy-index", "--toy-weight", "9"]) == 2
     assert "--toy-weight must lie in [0.5, 4], got 9.0" in capsys.readouterr().err
     assert main([*run, "--toy-weight", "1"]) == 2
-    assert "--toy-weight is an option of sampler 'toy-index'; this run uses 'entropy'" in capsys.readouterr().err
+    assert (
+        f"--toy-weight is an option of sampler 'toy-index'; this run uses {wire.Recipe.sampler!r}"
+        in capsys.readouterr().err
+    )
     assert not (tmp_path / "run" / "devices").exists()
 
 
