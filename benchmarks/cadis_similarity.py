@@ -11,7 +11,7 @@ with every round, prints one JSON object per round:
                                           clusters exactly, else null
 
 Usage: python benchmarks/cadis_similarity.py [--clusters 3] [--devices 9] [--rounds 6] [--pool 500]
-       [--labels 50] [--epochs 5] [--lr 0.01] [--momentum 0.9] [--seed 0] [--run-dir DIR]
+       [--labels 50] [--epochs 5] [--lr 0.01] [--momentum 0.9] [--split] [--seed 0] [--run-dir DIR]
 """
 
 from __future__ import annotations
@@ -105,6 +105,7 @@ def main() -> None:
         parser.add_argument(f"--{key}", type=int, default=default)
     parser.add_argument("--lr", type=float, default=0.01, help="local SGD learning rate (the authors': 1e-3)")
     parser.add_argument("--momentum", type=float, default=0.9, help="local SGD momentum")
+    parser.add_argument("--split", action="store_true", help="CADIS's tau from the data each round (--cadis-split 1)")
     parser.add_argument("--run-dir", type=Path, help="a finished clusters:K CADIS run to read instead of running one")
     parser.add_argument("--out", type=Path, default=Path("runs") / "cadis-similarity")
     args = parser.parse_args()
@@ -113,7 +114,8 @@ def main() -> None:
     if run_dir is None:
         scale = Scale({partition: args.devices}, args.pool, args.rounds, args.labels, args.epochs, mc_passes=4)
         recipe = {"learning_rate": args.lr, "momentum": args.momentum}
-        spec = RunSpec(partition, "entropy", args.seed, "cadis", "cadis-kd", scale, args.out, recipe)
+        strategy_options = {"split": 1.0} if args.split else {}
+        spec = RunSpec(partition, "entropy", args.seed, "cadis", "cadis-kd", scale, args.out, recipe, strategy_options)
         curve = run_one(spec)
         print(json.dumps({"accuracy": curve["accuracy"], "labels": curve["labels"], "seconds": curve["seconds"]}))
         run_dir = args.out / spec.name

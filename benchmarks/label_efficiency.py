@@ -62,6 +62,7 @@ class RunSpec:
     scale: Scale
     out: Path
     recipe: dict[str, float] = dataclasses.field(default_factory=dict)  # other recipe fields, e.g. learning_rate
+    strategy_options: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -91,6 +92,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
         run_dir=spec.out / spec.name,
         fleet=f"le-{spec.name}",
         strategy=spec.strategy,
+        strategy_options=spec.strategy_options,
         recipe=dataclasses.replace(
             wire.Recipe(),
             sampler=sampler,

@@ -13,6 +13,9 @@ from edge_agent.tensors import Weights
 CADIS_INITIAL_THRESHOLD = 0.975
 CADIS_THRESHOLD_CAP = 0.985
 CADIS_THRESHOLD_GROWTH = 1.0005
+# The least share of the Q values' variance a two-way cut must explain to count as two groups: the best cut of a
+# single normal distribution explains 2/pi ~ 0.64 of it, two well-separated groups nearly all.
+SPLIT_MIN_SEPARABILITY = 0.8
 
 
 def classifier_tensor(weights: Weights) -> str:
@@ -95,6 +98,30 @@ def cadis_coefficients(num_samples: Sequence[int] | np.ndarray, sizes: Sequence[
     return normalised(counts / members)
 
 
+def otsu_cut(values: np.ndarray) -> tuple[float, float] | None:
+    """(threshold, separability) of the two-way cut of the values that maximises the between-group variance
+    (Otsu): the threshold halfway between the groups, the separability the share of the total variance the cut
+    explains; None for fewer than two distinct values."""
+    x = np.sort(np.asarray(values, dtype=np.float64).ravel())
+    if x.size < 2 or x[0] == x[-1]:
+        return None
+    n = x.size
+    left = np.arange(1, n)
+    left_mean = np.cumsum(x)[:-1] / left
+    right_mean = (x.sum() - np.cumsum(x)[:-1]) / (n - left)
+    between = (left / n) * ((n - left) / n) * (left_mean - right_mean) ** 2
+    best = int(np.argmax(between))
+    return float((x[best] + x[best + 1]) / 2.0), float(between[best] / x.var())
+
+
+def split_threshold(q: np.ndarray, observed: np.ndarray) -> float:
+    """tau from the data: Otsu's cut of the observed pairs' Q values when they fall into two clear groups
+    (separability >= SPLIT_MIN_SEPARABILITY), else 1.0 (only identical updates group: no clusters)."""
+    pairs = np.triu(np.asarray(observed, dtype=bool), k=1)
+    cut = otsu_cut(np.asarray(q)[pairs])
+    return cut[0] if cut is not None and cut[1] >= SPLIT_MIN_SEPARABILITY else 1.0
+
+
 def next_threshold(threshold: float, step: int) -> float:
     """tau_{t+1} = min(tau_t * 1.0005^t, 0.985): the clustering threshold rises every round up to the cap."""
     return min(threshold * CADIS_THRESHOLD_GROWTH**step, CADIS_THRESHOLD_CAP)
@@ -103,27 +130,33 @@ def next_threshold(threshold: float, step: int) -> float:
 @dataclass
 class CadisState:
     """What CADIS carries from round to round: the devices in matrix order, the similarity sums and observation
-    counts of every pair, the threshold tau and the step t. Values only change through `observed`."""
+    counts of every pair, the threshold tau and the step t, and whether tau comes from the data each round
+    (`split`, see split_threshold) instead of the paper's rising schedule. Values only change through `observed`."""
 
     threshold: float = CADIS_INITIAL_THRESHOLD
     step: int = 0
     devices: list[str] = field(default_factory=list)
     sums: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
     counts: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
+    split: bool = False
 
     def observed(
         self, global_weights: Weights, device_ids: Sequence[str], client_weights: Sequence[Weights]
-    ) -> tuple[CadisState, np.ndarray, str]:
-        """(next state, each client's cluster size |C(k)| under the current tau, the classifier layer):
-        Eq. 11-13 with this round's similarities added, tau risen for the next round."""
+    ) -> tuple[CadisState, np.ndarray, str, float]:
+        """(next state, each client's cluster size |C(k)|, the classifier layer, the tau used): Eq. 11-13 with
+        this round's similarities added; tau is the state's (risen for the next round) or, with `split`, this
+        round's cut of Q."""
         layer = classifier_tensor(global_weights)
         similarity = classifier_similarity(global_weights, client_weights, layer)
         devices, sums, counts = with_devices(self.devices, self.sums, self.counts, device_ids)
         members = [devices.index(device) for device in device_ids]
         sums, counts = accumulate_similarity(sums, counts, members, similarity)
-        sizes = cluster_sizes(q_matrix(running_similarity(sums, counts), counts > 0), self.threshold)[members]
-        following = CadisState(next_threshold(self.threshold, self.step), self.step + 1, devices, sums, counts)
-        return following, sizes, layer
+        q = q_matrix(running_similarity(sums, counts), counts > 0)
+        tau = split_threshold(q, counts > 0) if self.split else self.threshold
+        following = CadisState(
+            next_threshold(self.threshold, self.step), self.step + 1, devices, sums, counts, self.split
+        )
+        return following, cluster_sizes(q, tau)[members], layer, tau
 
     def to_json(self) -> dict[str, Any]:
         """Devices in matrix order, similarity sums and counts, the current tau and step."""
@@ -133,6 +166,7 @@ class CadisState:
             "counts": self.counts.tolist(),
             "threshold": self.threshold,
             "step": self.step,
+            "split": self.split,
         }
 
     @classmethod
@@ -143,8 +177,9 @@ class CadisState:
             sums = np.asarray(state["sums"], dtype=np.float64).reshape(len(devices), len(devices))
             counts = np.asarray(state["counts"], dtype=np.int64).reshape(len(devices), len(devices))
             threshold, step = float(state["threshold"]), int(state["step"])
+            split = bool(state.get("split", False))  # states stored before the option have none
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"stored cadis state is malformed: {str(error)[:200]}") from None
         if len(set(devices)) != len(devices) or np.any(counts < 0) or step < 0:
             raise ValueError("stored cadis state is malformed: repeated devices or negative counts")
-        return cls(threshold, step, devices, sums, counts)
+        return cls(threshold, step, devices, sums, counts, split)

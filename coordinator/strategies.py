@@ -270,10 +270,21 @@ class CADIS(Strategy):
             1.0,
             flag="--cadis-threshold",
         ),
+        Option(
+            "split",
+            int,
+            0,
+            "1: tau each round from the data (Otsu's cut of Q when it forms two clear groups) instead of the rising tau",
+            0.0,
+            1.0,
+            flag="--cadis-split",
+        ),
     )
 
-    def __init__(self, threshold: float = CADIS_INITIAL_THRESHOLD) -> None:
-        self.clusters = CadisState(threshold=self.option("threshold").check(threshold))
+    def __init__(self, threshold: float = CADIS_INITIAL_THRESHOLD, split: int = 0) -> None:
+        self.clusters = CadisState(
+            threshold=self.option("threshold").check(threshold), split=bool(self.option("split").check(split))
+        )
 
     def aggregate(
         self, global_weights: Weights, updates: Sequence[ClientUpdate], evaluate: Evaluate | None
@@ -284,13 +295,13 @@ class CADIS(Strategy):
         """
         check_updates(updates)
         device_ids = [update.device_id for update in updates]
-        following, sizes, layer = self.clusters.observed(global_weights, device_ids, [u.weights for u in updates])
+        following, sizes, layer, tau = self.clusters.observed(global_weights, device_ids, [u.weights for u in updates])
         coefficients = cadis_coefficients([update.num_samples for update in updates], sizes)
         averaged = weighted_average([update.weights for update in updates], coefficients)
         report = {
             "coefficients": {device: float(a) for device, a in zip(device_ids, coefficients)},
             "cluster_sizes": {device: int(size) for device, size in zip(device_ids, sizes)},
-            "threshold": self.clusters.threshold,
+            "threshold": tau,
             "layer": layer,
         }
         self.clusters = following

@@ -19,8 +19,10 @@ from coordinator.cadis import (
     classifier_tensor,
     cluster_sizes,
     next_threshold,
+    otsu_cut,
     pairwise_cosine,
     q_matrix,
+    split_threshold,
 )
 from coordinator.store import RoundRecord, RunStore, StrategyState
 from coordinator.strategies import CADIS, FedAvg, make_strategy
@@ -152,6 +154,43 @@ def test_the_strategy_raises_its_threshold_each_round() -> None:
     assert all(b >= a for a, b in zip(seen, seen[1:]))
 
 
+def test_otsu_cuts_between_two_groups_and_measures_how_separate_they_are() -> None:
+    # [0.1, 0.12, 0.14 | 0.8, 0.82, 0.84]: the cut lies halfway between 0.14 and 0.8; the groups' spread is tiny
+    # next to their distance, so nearly all the variance lies between them
+    threshold, separability = otsu_cut(np.array([0.84, 0.1, 0.8, 0.12, 0.82, 0.14]))
+    assert threshold == pytest.approx(0.47) and separability > 0.99
+    # the best cut of one normal sample explains about 2/pi of its variance: not two groups
+    _, unimodal = otsu_cut(np.random.default_rng(0).normal(0.5, 0.1, 2000))
+    assert unimodal == pytest.approx(2 / np.pi, abs=0.02)
+    assert otsu_cut(np.array([0.3, 0.3, 0.3])) is None and otsu_cut(np.array([0.3])) is None
+
+
+def test_split_threshold_cuts_only_clear_groups_of_off_diagonal_pairs() -> None:
+    # two clusters {0,1} and {2,3}: Q 0.9 within, 0.1 across (the diagonal's 1s are not pairs)
+    q = np.array([[1, 0.9, 0.1, 0.1], [0.9, 1, 0.1, 0.1], [0.1, 0.1, 1, 0.9], [0.1, 0.1, 0.9, 1]])
+    observed = np.ones_like(q, dtype=bool)
+    assert split_threshold(q, observed) == pytest.approx(0.5)
+    assert list(cluster_sizes(q, split_threshold(q, observed))) == [2, 2, 2, 2]
+    unimodal = np.random.default_rng(1).uniform(0.2, 0.4, (12, 12))
+    unimodal = np.triu(unimodal, 1) + np.triu(unimodal, 1).T + np.eye(12)
+    assert split_threshold(unimodal, np.ones_like(unimodal, dtype=bool)) == 1.0
+    assert list(cluster_sizes(unimodal, 1.0)) == [1] * 12
+
+
+def test_the_split_option_forms_the_true_clusters_and_weighs_each_by_its_mass() -> None:
+    # clusters {a, b, c} (noisy changes along coordinate 0) and {d} (coordinate 7), equal samples: at the rising
+    # tau (0.975) no pair is close enough; the split groups a, b, c, so d carries half the mass
+    rng = np.random.default_rng(3)
+    near = [basis(0) + rng.normal(0, 0.02, GLOBAL[LAYER].size) * 0.1 for _ in range(3)]
+    updates = [client(name, direction, 50, i) for i, (name, direction) in enumerate(zip("abc", near))]
+    updates.append(client("d", basis(7), 50, 9))
+    _, paper = CADIS().aggregate(GLOBAL, updates, None)
+    assert set(paper["cluster_sizes"].values()) == {1}
+    _, split = CADIS(split=1).aggregate(GLOBAL, updates, None)
+    assert split["cluster_sizes"] == {"a": 3, "b": 3, "c": 3, "d": 1} and split["threshold"] < 0.975
+    assert split["coefficients"]["d"] == pytest.approx(0.5)
+
+
 def history_rounds() -> list[list[ClientUpdate]]:
     """Round 1: a and b move alike, c elsewhere. Round 2: a and c only; b's similarity to a is history."""
     return [
@@ -197,6 +236,17 @@ def test_strategy_state_commits_with_its_round_or_not_at_all(tmp_path: Path) -> 
         assert store.last_committed_round() is None and store.latest_strategy_state() is None
         store.commit_round(record, [], StrategyState("cadis", {"step": 1}))
         assert store.latest_strategy_state() == StrategyState("cadis", {"step": 1})
+
+
+def test_the_split_setting_survives_the_stored_state_and_old_states_read_as_the_paper_rule() -> None:
+    strategy = CADIS(split=1)
+    strategy.aggregate(GLOBAL, history_rounds()[0], None)
+    restored = CADIS()
+    restored.load_state(strategy.state(), {})
+    assert restored.clusters.split and restored.state() == strategy.state()
+    old = {key: value for key, value in strategy.state().items() if key != "split"}
+    restored.load_state(old, {})
+    assert not restored.clusters.split
 
 
 def test_malformed_stored_state_is_refused_clearly() -> None:
