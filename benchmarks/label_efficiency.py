@@ -226,7 +226,7 @@ def main() -> None:
     """Runs the sweep (or re-reads the run lines of earlier sweeps), writes the JSON and the PNG, prints the summary."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny pools, 3 rounds")
-    parser.add_argument("--samplers", nargs="+", default=["random", "entropy", "bald", "power-bald", "badge"])
+    parser.add_argument("--samplers", nargs="+", default=["random", "margin", "entropy", "power-entropy", "badge"])
     parser.add_argument("--partitions", nargs="+", default=["type2", "dirichlet:0.3"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--strategy", default="avefl")
