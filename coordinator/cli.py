@@ -477,10 +477,10 @@ def command_export(args: argparse.Namespace) -> int:
     if not (args.run_dir / "run.sqlite").is_file():
         raise ValueError(f"{args.run_dir} is not a run directory (no run.sqlite)")
     with RunStore(args.run_dir) as store:
-        round_id = store.latest_checkpoint_round() if args.round is None else args.round
+        round_id = store.checkpoints.latest_round() if args.round is None else args.round
         if round_id is None:
             raise ValueError(f"{args.run_dir} holds no checkpoints yet")
-        weights = store.load_checkpoint(round_id)
+        weights = store.checkpoints.load(round_id)
     export_weights(weights, f"{args.run_dir} round {round_id}", args)
     return 0
 

@@ -123,7 +123,7 @@ class RoundCloser:
     ) -> None:
         """Checkpoints the new global model, then commits the round (its record completed with the checkpoint's
         hash), its per-device records and the strategy's state in one transaction."""
-        model_hash = self.store.save_checkpoint(collector.round_id, aggregate.weights)
+        model_hash = self.store.checkpoints.save(collector.round_id, aggregate.weights)
         devices = [
             DeviceRoundRecord(
                 collector.round_id,

@@ -130,13 +130,13 @@ def starting_point(store: RunStore, settings: ServerSettings, data: ServerData) 
     last = store.last_committed_round()
     if config is not None and last is not None:
         log.info("resuming run=%s after round=%d", config["run_id"], last)
-        return store.load_checkpoint(last), last + 1, config["run_id"]
+        return store.checkpoints.load(last), last + 1, config["run_id"]
     run_id = config["run_id"] if config else f"{settings.fleet}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    if store.latest_checkpoint_round() == 0:
-        weights = store.load_checkpoint(0)
+    if store.checkpoints.latest_round() == 0:
+        weights = store.checkpoints.load(0)
     else:
         weights = initial_weights(settings, data)
-        store.save_checkpoint(0, weights)
+        store.checkpoints.save(0, weights)
     store.set_config({"run_id": run_id, "settings": settings_as_dict(settings)})
     return weights, 1, run_id
 
@@ -166,7 +166,7 @@ def round_encoder(settings: ServerSettings, store: RunStore) -> bytes:
     path = settings.run_dir / ENCODER_FILE
     if not path.is_file():
         model = build_model(settings.model_name)
-        set_weights(model, store.load_checkpoint(0))
+        set_weights(model, store.checkpoints.load(0))
         temporary = path.with_suffix(".tmp")
         export_encoder(model, temporary)
         os.replace(temporary, path)

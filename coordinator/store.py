@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.spool import Spool, check_device_id, check_round_id, round_name
+from coordinator.checkpoints import Checkpoints
+from coordinator.spool import Spool, check_device_id, check_round_id
 from edge_agent.files import load_arrays, save_arrays
-from edge_agent.tensors import Weights, weights_hash
+from edge_agent.tensors import Weights
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS config (
@@ -249,11 +250,11 @@ class RunStore:
         """
         self.run_dir = Path(run_dir)
         self.keep_updates = keep_updates
-        self.checkpoint_dir = self.run_dir / "checkpoints"
         self.spool = Spool(self.run_dir / "spool")
         if not read_only:
-            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         self.database = Database(self.run_dir / "run.sqlite", read_only)
+        self.checkpoints = Checkpoints(self.run_dir / "checkpoints", self.database)
 
     def __enter__(self) -> RunStore:
         """The store itself; closed on leaving the with-block."""
@@ -277,52 +278,6 @@ class RunStore:
         rows = self.database.read("SELECT body FROM config WHERE id = 1")
         return json.loads(rows[0][0]) if rows else None
 
-    def checkpoint_path(self, round_id: int) -> Path:
-        """Where the global model after round_id is stored, e.g. checkpoints/round_0003.npz."""
-        return self.checkpoint_dir / f"{round_name(round_id)}.npz"
-
-    def save_checkpoint(self, round_id: int, weights: Weights) -> str:
-        """Writes the model after round_id atomically and records its hash; returns that hash.
-
-        Re-saving an uncommitted round replaces it; a committed round's checkpoint may only be re-saved unchanged.
-        """
-        round_id = check_round_id(round_id)
-        path = self.checkpoint_path(round_id)
-        model_hash = weights_hash(weights)
-        committed = self.database.read(
-            "SELECT model_hash FROM checkpoints WHERE round_id = ? AND round_id IN (SELECT round_id FROM rounds)",
-            (round_id,),
-        )
-        if committed and committed[0][0] != model_hash:
-            raise ValueError(f"round {round_id} is committed; its checkpoint {path} cannot be replaced")
-        save_arrays(path, weights)
-        self.database.write(
-            [
-                (
-                    "INSERT OR REPLACE INTO checkpoints (round_id, model_hash, file_name, saved_at) VALUES (?, ?, ?, ?)",
-                    (round_id, model_hash, path.name, time.time()),
-                )
-            ]
-        )
-        return model_hash
-
-    def load_checkpoint(self, round_id: int) -> Weights:
-        """The model saved for round_id, verified against the hash recorded at save time."""
-        round_id = check_round_id(round_id)
-        path = self.checkpoint_path(round_id)
-        rows = self.database.read("SELECT model_hash FROM checkpoints WHERE round_id = ?", (round_id,))
-        if not rows:
-            raise FileNotFoundError(f"no checkpoint recorded for round {round_id} in {self.run_dir}")
-        weights = load_arrays(path)
-        actual = weights_hash(weights)
-        if actual != rows[0][0]:
-            raise ValueError(f"{path}: checkpoint hash {actual[:16]} differs from the recorded {rows[0][0][:16]}")
-        return weights
-
-    def latest_checkpoint_round(self) -> int | None:
-        """The highest round with a recorded checkpoint, or None."""
-        return self.database.read("SELECT MAX(round_id) FROM checkpoints")[0][0]
-
     def commit_round(
         self,
         record: RoundRecord,
@@ -334,7 +289,7 @@ class RunStore:
         round_id = check_round_id(record.round_id)
         statements = commit_statements(record, devices, strategy_state)
         if strategy_state is not None and strategy_state.tensors:
-            save_arrays(self.strategy_tensors_path(round_id), strategy_state.tensors)
+            save_arrays(self.checkpoints.strategy_tensors_path(round_id), strategy_state.tensors)
         try:
             self.database.write(statements)
         except sqlite3.IntegrityError as exc:
@@ -350,14 +305,9 @@ class RunStore:
         if not rows:
             return None
         round_id, strategy, body = rows[0]
-        tensors_path = self.strategy_tensors_path(round_id)
+        tensors_path = self.checkpoints.strategy_tensors_path(round_id)
         tensors = load_arrays(tensors_path) if tensors_path.exists() else {}
         return StrategyState(strategy, json.loads(body), tensors)
-
-    def strategy_tensors_path(self, round_id: int) -> Path:
-        """Where the strategy's per-parameter state after round_id lives (written before the round commits, so
-        the committed round always has its file), e.g. checkpoints/strategy_round_0003.npz."""
-        return self.checkpoint_dir / f"strategy_{round_name(round_id)}.npz"
 
     def last_committed_round(self) -> int | None:
         """The highest committed round id, or None if none is committed yet."""

@@ -128,7 +128,7 @@ def test_every_bad_update_is_rejected_with_its_reason_and_never_reaches_the_mode
     with RunStore(run_dir) as store:
         assert store.rejection_counts() == dict(Counter(reasons))
         assert [(r.accepted, r.rejected) for r in store.rounds()] == [(2, len(cases) + 1), (2, 1)]
-        first_model, second_model = store.load_checkpoint(1), store.load_checkpoint(2)
+        first_model, second_model = store.checkpoints.load(1), store.checkpoints.load(2)
     for model, expected in (
         (first_model, average(base, [first_a, first_b])),
         (second_model, average(base_2, [second_a, second_b])),

@@ -60,8 +60,8 @@ def test_missing_manifest_and_missing_file_are_clear(bundle_dir: Path) -> None:
 def test_coordinator_export_of_a_run_checkpoint_with_int8(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     with RunStore(run_dir) as store:
-        store.save_checkpoint(0, get_weights(build_model(seed=1)))
-        expected = store.save_checkpoint(1, get_weights(build_model(seed=2)))
+        store.checkpoints.save(0, get_weights(build_model(seed=1)))
+        expected = store.checkpoints.save(1, get_weights(build_model(seed=2)))
     result = subprocess.run(
         [sys.executable, "-m", "coordinator", "export", str(run_dir), "--out", str(tmp_path / "b"), "--int8"],
         capture_output=True,

@@ -84,8 +84,8 @@ def test_a_redelivered_update_is_applied_once(tmp_path: Path, broker, processes)
         assert (record.accepted, record.rejected) == (2, 1)
         assert store.rejection_kinds() == {"duplicate": 1}
         assert list((run_dir / "spool").iterdir()) == []
-        final = store.load_checkpoint(1)
-        assert weights_hash(store.load_checkpoint(0)) == announcement.model_hash
+        final = store.checkpoints.load(1)
+        assert weights_hash(store.checkpoints.load(0)) == announcement.model_hash
     once = aggregate(base, [update_a, update_b])
     twice = aggregate(base, [update_a, dataclasses.replace(update_a, device_id="dev-a-again"), update_b])
     assert all(np.array_equal(final[name], once[name]) for name in once)
@@ -96,7 +96,7 @@ def test_a_redelivered_update_is_applied_once(tmp_path: Path, broker, processes)
 def final_model_hash(run_dir: Path, round_id: int) -> str:
     """The recorded hash of a run's checkpoint after `round_id`."""
     with RunStore(run_dir) as store:
-        return weights_hash(store.load_checkpoint(round_id))
+        return weights_hash(store.checkpoints.load(round_id))
 
 
 def start_fleet(broker, run_dir: Path, fleet: str, devices: int, *options: str) -> list:

@@ -80,7 +80,7 @@ def test_three_devices_two_rounds_over_a_real_broker(tmp_path: Path) -> None:
         rounds = store.rounds()
         assert [r.round_id for r in rounds] == [1, 2]
         assert all(r.accepted == 3 for r in rounds)
-        initial, first, second = (store.load_checkpoint(i) for i in (0, 1, 2))
+        initial, first, second = (store.checkpoints.load(i) for i in (0, 1, 2))
         assert rounds[1].model_hash != rounds[0].model_hash
         assert any(not np.array_equal(initial[k], first[k]) for k in initial)
         assert any(not np.array_equal(first[k], second[k]) for k in first)
@@ -111,7 +111,7 @@ def test_devices_with_an_onnxruntime_profile_score_with_the_shipped_bundle(tmp_p
         simulate(settings, bench, results.append, broker.address)
     assert [r.round_id for r in results] == [1, 2]
     with RunStore(settings.run_dir) as store:
-        hashes = [weights_hash(store.load_checkpoint(0)), store.rounds()[0].model_hash]
+        hashes = [weights_hash(store.checkpoints.load(0)), store.rounds()[0].model_hash]
     assert sorted(p.name for p in (settings.run_dir / "bundles").iterdir()) == sorted(hashes)
     for device in ("dev-00", "dev-01"):
         log = next(settings.run_dir.rglob(f"{device}/agent.log")).read_text()

@@ -71,7 +71,7 @@ def test_fmlu_with_dmlu_uploads_only_memes_and_their_entropy(tmp_path: Path) -> 
     assert [line.get("round") for line in lines[:-1]] == [1, 2] and lines[-1]["summary"]["rounds"] == 2
     with RunStore(run_dir) as store:
         report = store.rounds()[-1].report
-        checkpoints = {weights_hash(store.load_checkpoint(r)) for r in range(3)}
+        checkpoints = {weights_hash(store.checkpoints.load(r)) for r in range(3)}
     updates = spooled_updates(run_dir, 2)
     assert sorted(updates) == ["dev-00", "dev-01"]
     entropies = {device: update.metrics[wire.METRIC_MEME_ENTROPY] for device, update in updates.items()}

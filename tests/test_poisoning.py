@@ -84,7 +84,7 @@ def run_round_one(
     """A real coordinator (thread) runs round 1 from W0 while a raw client publishes the given device payloads."""
     fleet = run_dir.name
     with RunStore(run_dir) as store:
-        store.save_checkpoint(0, base)  # the coordinator resumes from this W0 instead of training its own
+        store.checkpoints.save(0, base)  # the coordinator resumes from this W0 instead of training its own
     settings = ServerSettings(
         run_dir=run_dir,
         fleet=fleet,
@@ -141,5 +141,5 @@ def test_median_and_excluding_suspects_survive_a_device_sending_random_weights_a
     with RunStore(tmp_path / "excluded") as store:
         assert store.rounds()[0].report["suspects"].keys() == {ATTACKER}
         # leaving the attacker out gives exactly the clean aggregate of the same honest updates
-        clean_model = RunStore(tmp_path / "clean").load_checkpoint(1)
-        assert all(np.array_equal(store.load_checkpoint(1)[name], clean_model[name]) for name in clean_model)
+        clean_model = RunStore(tmp_path / "clean").checkpoints.load(1)
+        assert all(np.array_equal(store.checkpoints.load(1)[name], clean_model[name]) for name in clean_model)

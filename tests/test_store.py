@@ -106,47 +106,47 @@ def test_commit_is_all_or_nothing(store):
 
 def test_checkpoint_round_trip_with_real_model(store):
     weights = get_weights(build_model(seed=0))
-    saved_hash = store.save_checkpoint(3, weights)
+    saved_hash = store.checkpoints.save(3, weights)
     assert saved_hash == weights_hash(weights)
     assert (store.run_dir / "checkpoints" / "round_0003.npz").is_file()
-    loaded = store.load_checkpoint(3)
+    loaded = store.checkpoints.load(3)
     assert set(loaded) == set(weights)
     assert all(
         np.array_equal(loaded[name], weights[name]) and loaded[name].dtype == weights[name].dtype for name in weights
     )
-    assert store.latest_checkpoint_round() == 3
-    store.save_checkpoint(1, weights)
-    assert store.latest_checkpoint_round() == 3
+    assert store.checkpoints.latest_round() == 3
+    store.checkpoints.save(1, weights)
+    assert store.checkpoints.latest_round() == 3
 
 
 def test_corrupted_checkpoint_detected(store):
     weights = get_weights(build_model(seed=1))
-    store.save_checkpoint(2, weights)
-    path = store.checkpoint_path(2)
+    store.checkpoints.save(2, weights)
+    path = store.checkpoints.path(2)
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0x01
     path.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match="round_0002.npz"):
-        store.load_checkpoint(2)
+        store.checkpoints.load(2)
 
 
 def test_swapped_checkpoint_fails_hash_check(store):
-    store.save_checkpoint(2, get_weights(build_model(seed=1)))
-    save_arrays(store.checkpoint_path(2), get_weights(build_model(seed=2)))  # valid npz, wrong model
+    store.checkpoints.save(2, get_weights(build_model(seed=1)))
+    save_arrays(store.checkpoints.path(2), get_weights(build_model(seed=2)))  # valid npz, wrong model
     with pytest.raises(ValueError, match="round_0002.npz.*differs from the recorded"):
-        store.load_checkpoint(2)
+        store.checkpoints.load(2)
     with pytest.raises(FileNotFoundError, match="no checkpoint recorded for round 9"):
-        store.load_checkpoint(9)
+        store.checkpoints.load(9)
 
 
 def test_committed_checkpoint_cannot_be_replaced(store):
     weights = get_weights(build_model(seed=1))
-    model_hash = store.save_checkpoint(4, weights)
+    model_hash = store.checkpoints.save(4, weights)
     store.commit_round(round_record(4, model_hash), [])
-    assert store.save_checkpoint(4, weights) == model_hash  # re-saving the same model is harmless
+    assert store.checkpoints.save(4, weights) == model_hash  # re-saving the same model is harmless
     with pytest.raises(ValueError, match="round 4 is committed"):
-        store.save_checkpoint(4, get_weights(build_model(seed=2)))
-    assert weights_hash(store.load_checkpoint(4)) == model_hash
+        store.checkpoints.save(4, get_weights(build_model(seed=2)))
+    assert weights_hash(store.checkpoints.load(4)) == model_hash
 
 
 def test_rejections_counted_immediately(store):
@@ -178,7 +178,7 @@ def test_reopened_store_resumes(tmp_path):
     weights = get_weights(build_model(seed=0))
     with RunStore(tmp_path / "run") as first:
         first.set_config({"rounds": 10})
-        model_hash = first.save_checkpoint(0, weights)
+        model_hash = first.checkpoints.save(0, weights)
         first.commit_round(round_record(0, model_hash), [device_record(0, "dev-a")])
         first.record_rejection(1, "dev-b", "too large", 10**7)
         first.spool.add(1, "dev-a", b"pending")
@@ -187,8 +187,8 @@ def test_reopened_store_resumes(tmp_path):
         assert second.last_committed_round() == 0
         assert second.rounds() == [round_record(0, model_hash)]
         assert [r.device_id for r in second.device_rounds(0)] == ["dev-a"]
-        assert second.latest_checkpoint_round() == 0
-        assert weights_hash(second.load_checkpoint(0)) == model_hash
+        assert second.checkpoints.latest_round() == 0
+        assert weights_hash(second.checkpoints.load(0)) == model_hash
         assert second.rejection_counts() == {"too large": 1}
         assert second.spool.payloads(1) == {"dev-a": b"pending"}
 
