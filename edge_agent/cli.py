@@ -129,13 +129,8 @@ def run_score(args: argparse.Namespace) -> int:
     return 0
 
 
-def agent_settings(
-    args: argparse.Namespace, profile: DeviceProfile | None, credentials: Credentials | None = None
-) -> AgentSettings:
-    """The agent's settings: command-line values first, then the credential file's and the profile's, then the
-    bench defaults. A credential file for another device or fleet than the command line names is an error."""
-    from edge_agent.agent_settings import AgentSettings
-
+def device_identity(args: argparse.Namespace, credentials: Credentials | None) -> tuple[str, str]:
+    """(device id, fleet) from the command line or the credential file; they must agree where both are given."""
     device_id = args.device_id or (credentials.device_id if credentials else None)
     fleet = args.fleet or (credentials.fleet if credentials else None)
     if not device_id or not fleet:
@@ -145,6 +140,17 @@ def agent_settings(
             f"{args.credentials} belongs to device {credentials.device_id!r} of fleet "
             f"{credentials.fleet!r}, not {device_id!r} of {fleet!r}"
         )
+    return device_id, fleet
+
+
+def agent_settings(
+    args: argparse.Namespace, profile: DeviceProfile | None, credentials: Credentials | None = None
+) -> AgentSettings:
+    """The agent's settings: command-line values first, then the credential file's and the profile's, then the
+    bench defaults. A credential file for another device or fleet than the command line names is an error."""
+    from edge_agent.agent_settings import AgentSettings
+
+    device_id, fleet = device_identity(args, credentials)
     common = {
         "fleet": wire.check_identifier("fleet", fleet),
         "device_id": wire.check_identifier("device id", device_id),
@@ -183,16 +189,21 @@ def broker_address(url: str, profile: DeviceProfile | None, credentials: Credent
     return credentials.apply_to(address) if credentials is not None else address
 
 
+def check_data_source(args: argparse.Namespace) -> None:
+    """Exactly one of a bench shard or a folder pool; the stream and the label page only with a folder pool."""
+    if (args.data is None) == (args.pool_dir is None):
+        raise ValueError("give exactly one of --data (a bench shard) or --pool-dir (a folder of images)")
+    if args.pool_dir is None and (args.stream or args.label_ui):
+        raise ValueError("--stream and --label-ui need --pool-dir (a folder pool with the folder oracle)")
+
+
 def run_agent(args: argparse.Namespace) -> int:
     """Opens the device's data, connects, and serves rounds until the run ends or a signal arrives."""
     from edge_agent.agent import Agent
     from edge_agent.field import open_field
     from edge_agent.field_options import field_settings
 
-    if (args.data is None) == (args.pool_dir is None):
-        raise ValueError("give exactly one of --data (a bench shard) or --pool-dir (a folder of images)")
-    if args.pool_dir is None and (args.stream or args.label_ui):
-        raise ValueError("--stream and --label-ui need --pool-dir (a folder pool with the folder oracle)")
+    check_data_source(args)
     credentials = load_credentials(args.credentials) if args.credentials else None
     profile = load_profile(args.profile) if args.profile is not None else None
     settings = agent_settings(args, profile, credentials)
