@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -27,20 +26,18 @@ from label_efficiency import RunSpec, Scale, run_one
 
 from coordinator.cadis import CadisState, cluster_sizes, q_matrix, running_similarity
 from coordinator.partition import cluster_members
+from coordinator.store import RunStore
 
 
 def stored_states(run_dir: Path) -> list[tuple[int, CadisState, float]]:
     """(round id, CADIS state after it, the tau the round clustered with, from its report) for every committed
     round of the run."""
-    with sqlite3.connect(f"file:{run_dir / 'run.sqlite'}?mode=ro", uri=True) as connection:
-        rows = connection.execute(
-            "SELECT s.round_id, s.body, r.report FROM strategy_state s JOIN rounds r USING (round_id)"
-            " WHERE s.strategy = 'cadis' ORDER BY s.round_id"
-        ).fetchall()
-    return [
-        (round_id, CadisState.from_json(json.loads(body)), float(json.loads(report)["threshold"]))
-        for round_id, body, report in rows
-    ]
+    with RunStore(run_dir, read_only=True) as store:
+        taus = {record.round_id: float(record.report["threshold"]) for record in store.rounds()}
+        rows = store.database.read(
+            "SELECT round_id, body FROM strategy_state WHERE strategy = 'cadis' ORDER BY round_id"
+        )
+    return [(round_id, CadisState.from_json(json.loads(body)), taus[round_id]) for round_id, body in rows]
 
 
 def spread(values: np.ndarray) -> dict[str, float] | None:

@@ -12,28 +12,28 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+from coordinator.store import RunStore
+
 RUN_NAME = re.compile(r"^(?P<partition>[^-]+)-(?P<sampler>.+)-seed(?P<seed>\d+)$")
 
 
-def curve_of(store: Path) -> dict[str, Any] | None:
-    """The committed rounds of one run's SQLite store as a run line, or None if its name does not parse or its store
+def curve_of(store_path: Path) -> dict[str, Any] | None:
+    """The committed rounds of one run's store as a run line, or None if its name does not parse or its store
     has no rounds yet."""
-    match = RUN_NAME.match(store.parent.name)
+    match = RUN_NAME.match(store_path.parent.name)
     if not match:
         return None
-    connection = sqlite3.connect(f"file:{store}?mode=ro", uri=True)
     try:
-        rows = connection.execute("SELECT labels, accuracy FROM rounds ORDER BY round_id").fetchall()
+        with RunStore(store_path.parent, read_only=True) as store:
+            rounds = store.rounds()
     except sqlite3.OperationalError:
         return None
-    finally:
-        connection.close()
     return {
         "partition": match["partition"],
         "sampler": match["sampler"],
         "seed": int(match["seed"]),
-        "labels": [labels for labels, _ in rows],
-        "accuracy": [accuracy for _, accuracy in rows],
+        "labels": [record.labels for record in rounds],
+        "accuracy": [record.accuracy for record in rounds],
     }
 
 
