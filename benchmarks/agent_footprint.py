@@ -24,6 +24,7 @@ from coordinator.broker import EmbeddedBroker  # noqa: E402
 from coordinator.server import InitSettings, ServerSettings, load_server_data  # noqa: E402
 from coordinator.simulate import BenchSettings, DeviceLaunch, spawn_agent, write_shards  # noqa: E402
 from edge_agent import wire  # noqa: E402
+from edge_agent.model_spec import DEFAULT_SPEC  # noqa: E402
 from edge_agent.models import build_model, get_weights  # noqa: E402
 from edge_agent.mqtt import BrokerAddress, MqttSession  # noqa: E402
 from edge_agent.profile import load_profile  # noqa: E402
@@ -50,7 +51,7 @@ class Announcer:
         self.session.subscribe(wire.all_devices_topic(FLEET, "status"))
         self.weights = get_weights(build_model(seed=0))
         self.model_hash = weights_hash(self.weights)
-        model = wire.encode(wire.ModelMessage(self.model_hash, "paper-cnn", self.weights))
+        model = wire.encode(wire.ModelMessage(self.model_hash, DEFAULT_SPEC, self.weights))
         self.session.publish(wire.model_topic(FLEET, self.model_hash), model, retain=True, wait=10)
         files = ensure_bundle_files(self.weights, work / "bundle")
         bundle = wire.encode(wire.BundleMessage(self.model_hash, files))

@@ -41,7 +41,7 @@ def worker(
     import paho.mqtt.client as paho
 
     from edge_agent import wire
-    from edge_agent.models import NUM_CLASSES
+    from edge_agent.model_spec import DEFAULT_SPEC
 
     acks: queue.Queue = queue.Queue()
     inbox: queue.Queue = queue.Queue()
@@ -73,7 +73,7 @@ def worker(
                 f"load-{device_id}",
                 announcement.model_hash,
                 100,
-                [10] * NUM_CLASSES,
+                [10] * DEFAULT_SPEC.num_classes,
                 0,
                 {},
                 {

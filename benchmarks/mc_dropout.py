@@ -27,7 +27,8 @@ def train_w0(out: Path) -> str:
     import numpy as np
     import torch
 
-    from edge_agent.fashion_mnist import load_fashion_mnist, normalise
+    from edge_agent.fashion_mnist import load_fashion_mnist
+    from edge_agent.image_arrays import model_input
     from edge_agent.models import build_model, get_weights
     from edge_agent.shard import Shard, save_shard
     from export.bundle_writer import write_bundle
@@ -37,7 +38,7 @@ def train_w0(out: Path) -> str:
     data = load_fashion_mnist()
     model = build_model(seed=0)
     optimiser = torch.optim.Adam(model.parameters(), lr=1e-3)
-    images = torch.from_numpy(normalise(data.train_images[POOL_SIZE : POOL_SIZE + 10000]))
+    images = torch.from_numpy(model_input(data.train_images[POOL_SIZE : POOL_SIZE + 10000]))
     labels = torch.from_numpy(data.train_labels[POOL_SIZE : POOL_SIZE + 10000].astype(np.int64))
     model.train()
     for start in range(0, len(images), 64):
@@ -46,8 +47,8 @@ def train_w0(out: Path) -> str:
         optimiser.step()
     save_shard(out / "pool.npz", Shard(data.train_images[:POOL_SIZE], data.train_labels[:POOL_SIZE].astype(np.int64)))
     int8_data = (
-        normalise(data.train_images[POOL_SIZE : POOL_SIZE + 512]),
-        normalise(data.test_images),
+        model_input(data.train_images[POOL_SIZE : POOL_SIZE + 512]),
+        model_input(data.test_images),
         data.test_labels.astype(np.int64),
     )
     return write_bundle(get_weights(model), out / "bundle", int8_data=int8_data)
@@ -61,8 +62,8 @@ def naive_row(out: Path) -> dict:
     import numpy as np
     import torch
 
-    from edge_agent.fashion_mnist import normalise
     from edge_agent.files import load_arrays
+    from edge_agent.image_arrays import model_input
     from edge_agent.models import build_model, set_weights
     from edge_agent.sampling import entropy_scores, top_k
     from edge_agent.shard import load_shard
@@ -71,7 +72,7 @@ def naive_row(out: Path) -> dict:
     torch.manual_seed(0)
     model = build_model()
     set_weights(model, load_arrays(out / "bundle" / "weights.npz"))
-    images = torch.from_numpy(normalise(load_shard(out / "pool.npz").images))
+    images = torch.from_numpy(model_input(load_shard(out / "pool.npz").images))
     started = time.perf_counter()
     model.train()
     passes = []

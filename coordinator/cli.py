@@ -26,13 +26,20 @@ from coordinator.observer import RoundResult
 from coordinator.provision import DEFAULT_TLS_HOSTS, load_secure_fleet, provision
 from coordinator.round_aggregator import SuspectPolicy
 from coordinator.rounds import RoundPolicy
-from coordinator.server import InitSettings, ServerSettings, load_encoder, load_server_data, run_server
+from coordinator.server import (
+    InitSettings,
+    ServerSettings,
+    load_encoder,
+    load_server_data,
+    run_server,
+)
 from coordinator.simulate import BenchSettings, simulate, write_shards
-from coordinator.store import RunStore
+from coordinator.store import RunStore, stored_spec
 from coordinator.strategies import make_strategy
 from edge_agent import wire
 from edge_agent.fashion_mnist import DatasetMissingError
 from edge_agent.logs import configure_logging
+from edge_agent.model_spec import DEFAULT_SPEC, SpecFile, load_model_spec
 from edge_agent.mqtt import BrokerUnavailableError, parse_broker_url
 from edge_agent.sampling import make_sampler
 from edge_agent.schedule import check_schedule
@@ -100,6 +107,17 @@ def add_server_data_options(parser: argparse.ArgumentParser) -> None:
     """The server's own data: W0's samples and training, the selection split, the test split."""
     server = parser.add_argument_group("server data")
     server.add_argument("--data-dir", type=Path, help="Fashion-MNIST IDX files (default: the Debian package's)")
+    server.add_argument(
+        "--model-spec",
+        type=Path,
+        help="TOML model spec: architecture, input, class names (default: the paper CNN on Fashion-MNIST)",
+    )
+    server.add_argument(
+        "--dataset",
+        type=Path,
+        help="the fleet's own labelled images as .npz (train_images, train_labels, test_images, test_labels), "
+        "shaped as the model spec says; W0, selection and test accuracy come from it",
+    )
     server.add_argument("--init-samples", type=int, default=InitSettings.samples, help="balanced samples for W0")
     server.add_argument("--init-epochs", type=int, default=InitSettings.epochs)
     server.add_argument("--init-lr", type=float, default=InitSettings.learning_rate)
@@ -253,6 +271,7 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
     fleet = wire.check_identifier("fleet", args.fleet or default_fleet)
     recipe_options, strategy_options = chosen_options(args)
     run_dir = args.run_dir or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{fleet}-{args.strategy}"
+    spec_file = load_model_spec(args.model_spec) if args.model_spec else SpecFile(DEFAULT_SPEC)
     return ServerSettings(
         run_dir=run_dir,
         fleet=fleet,
@@ -273,6 +292,9 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
         test_samples=args.test_samples,
         evaluate_devices=not args.no_device_eval,
         data_dir=args.data_dir,
+        dataset=args.dataset,
+        spec=spec_file.spec,
+        initial_weights=spec_file.initial_weights,
         torch_threads=args.torch_threads,
         strategy_options=strategy_options,
         suspects=SuspectPolicy(threshold=args.suspect_threshold, exclude=args.exclude_suspects),
@@ -319,7 +341,7 @@ def validate_recipe_names(settings: ServerSettings) -> None:
         )
     check_schedule(settings.recipe)
     if settings.encoder_path is not None:
-        load_encoder(settings.encoder_path)
+        load_encoder(settings.encoder_path, settings.spec)
 
 
 class RoundPrinter:
@@ -481,7 +503,8 @@ def command_export(args: argparse.Namespace) -> int:
         if round_id is None:
             raise ValueError(f"{args.run_dir} holds no checkpoints yet")
         weights = store.checkpoints.load(round_id)
-    export_weights(weights, f"{args.run_dir} round {round_id}", args)
+        spec = stored_spec(store.config())
+    export_weights(weights, f"{args.run_dir} round {round_id}", args, spec)
     return 0
 
 

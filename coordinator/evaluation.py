@@ -6,23 +6,24 @@ from dataclasses import dataclass, field
 import numpy as np
 from torch import nn
 
-from edge_agent.fashion_mnist import normalise
+from edge_agent.image_arrays import model_input
 from edge_agent.mc_dropout import TorchMCDropout, predict_probabilities
+from edge_agent.model_spec import ModelSpec
 from edge_agent.models import build_model, set_weights
 from edge_agent.tensors import Weights
 
 
 @dataclass(frozen=True)
 class LabelledSplit:
-    """Normalised images and their labels: the test split or the server's selection (validation) split."""
+    """Model inputs (pixels scaled to [0, 1]) and their labels: the test split or the server's selection (validation) split."""
 
     images: np.ndarray
     labels: np.ndarray
 
     @classmethod
     def from_uint8(cls, images: np.ndarray, labels: np.ndarray) -> LabelledSplit:
-        """Normalises raw uint8 images once, so repeated evaluations do not redo it."""
-        return cls(normalise(images), np.asarray(labels, dtype=np.int64))
+        """Scales raw uint8 images once, so repeated evaluations do not redo it."""
+        return cls(model_input(images), np.asarray(labels, dtype=np.int64))
 
 
 def accuracy_of(predictions: np.ndarray, labels: np.ndarray) -> float:
@@ -47,8 +48,8 @@ class TestScores:
 class Evaluator:
     """Evaluates weight sets on the test split (dropout off) and on the selection split (BNN, r passes)."""
 
-    def __init__(self, model_name: str, test: LabelledSplit, selection: LabelledSplit, passes: int, seed: int) -> None:
-        self.model: nn.Module = build_model(model_name)
+    def __init__(self, spec: ModelSpec, test: LabelledSplit, selection: LabelledSplit, passes: int, seed: int) -> None:
+        self.model: nn.Module = build_model(spec)
         self.test = test
         self.selection = selection
         self.passes = passes

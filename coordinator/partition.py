@@ -74,12 +74,12 @@ def cluster_members(num_devices: int, num_clusters: int) -> list[np.ndarray]:
     return np.array_split(np.arange(num_devices), num_clusters)
 
 
-def _checked_indices(labels: np.ndarray, indices: np.ndarray | None) -> np.ndarray:
-    """The subset to partition (default all), validated as unique in-range integers; labels must be 0..9."""
+def _checked_indices(labels: np.ndarray, indices: np.ndarray | None, num_classes: int = NUM_CLASSES) -> np.ndarray:
+    """The subset to partition (default all), validated as unique in-range integers; labels in [0, num_classes)."""
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
         raise ValueError(f"labels must be a 1-D integer array, got {labels.dtype} {labels.shape}")
-    if labels.size and (labels.min() < 0 or labels.max() >= NUM_CLASSES):
-        raise ValueError(f"labels must lie in [0, {NUM_CLASSES})")
+    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+        raise ValueError(f"labels must lie in [0, {num_classes})")
     if indices is None:
         return np.arange(len(labels), dtype=np.int64)
     indices = np.asarray(indices)
@@ -183,20 +183,24 @@ def partition_indices(
 
 
 def server_holdout(
-    labels: np.ndarray, init_samples: int, validation_samples: int, rng: np.random.Generator
+    labels: np.ndarray,
+    init_samples: int,
+    validation_samples: int,
+    rng: np.random.Generator,
+    num_classes: int = NUM_CLASSES,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Splits all samples into (init, validation, rest), each sorted and all disjoint.
 
-    The init set (the server's initial training data) is class-balanced: init_samples // 10 per class,
+    The init set (the server's initial training data) is class-balanced: init_samples // num_classes per class,
     the remainder one each to the first classes. Validation is a uniform random draw from what is left.
     """
     labels = np.asarray(labels)
-    all_indices = _checked_indices(labels, None)
+    all_indices = _checked_indices(labels, None, num_classes)
     if init_samples < 0 or validation_samples < 0:
         raise ValueError(f"sample counts must be >= 0, got init {init_samples}, validation {validation_samples}")
-    per_class, remainder = divmod(init_samples, NUM_CLASSES)
+    per_class, remainder = divmod(init_samples, num_classes)
     init_parts = []
-    for cls in range(NUM_CLASSES):
+    for cls in range(num_classes):
         wanted = per_class + (1 if cls < remainder else 0)
         members = all_indices[labels == cls]
         if len(members) < wanted:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from edge_agent import wire
+from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec, spec_hash
 from edge_agent.mqtt import MqttSession
 from edge_agent.tensors import Weights
 
@@ -17,10 +18,10 @@ RETAIN_WAIT_SECONDS = 30.0
 
 @dataclass(frozen=True)
 class Artefacts:
-    """What travels beside each global model: the model's name, its ONNX bundle (None: none shipped) and the
+    """What travels beside each global model: the model spec, its ONNX bundle (None: none shipped) and the
     recipe's frozen encoder bytes (b"": none)."""
 
-    model_name: str = "paper-cnn"
+    spec: ModelSpec = DEFAULT_SPEC
     bundle_files: Callable[[Weights, str], dict[str, bytes]] | None = None
     encoder: bytes = b""
 
@@ -37,9 +38,9 @@ class RetainedPublisher:
 
     def publish_model(self, weights: Weights, model_hash: str) -> None:
         """Retains the weights (and their ONNX bundle) on hash topics, clearing the previous model's copies."""
-        name = self.artefacts.model_name
+        spec = self.artefacts.spec
         self.retain_current(
-            "model", wire.model_topic(self.fleet, model_hash), lambda: wire.ModelMessage(model_hash, name, weights)
+            "model", wire.model_topic(self.fleet, model_hash), lambda: wire.ModelMessage(model_hash, spec, weights)
         )
         bundle_files = self.artefacts.bundle_files
         if bundle_files is not None:
@@ -72,12 +73,16 @@ class RetainedPublisher:
     def announce(
         self, round_id: int, model_hash: str, recipe: wire.Recipe, deadline: float, participants: list[str]
     ) -> None:
-        """Retains the round announcement: round id, base model hash, recipe, deadline, participants."""
-        self._announce(wire.RoundAnnouncement(self.run_id, round_id, model_hash, recipe, deadline, False, participants))
+        """Retains the round announcement: round id, base model hash, recipe, deadline, participants, spec hash."""
+        spec = spec_hash(self.artefacts.spec)
+        self._announce(
+            wire.RoundAnnouncement(self.run_id, round_id, model_hash, recipe, deadline, False, participants, spec)
+        )
 
     def announce_final(self, round_id: int, model_hash: str, recipe: wire.Recipe) -> None:
         """Retains the final announcement: the run is over, devices may stop."""
-        self._announce(wire.RoundAnnouncement(self.run_id, round_id, model_hash, recipe, time.time(), True, []))
+        spec = spec_hash(self.artefacts.spec)
+        self._announce(wire.RoundAnnouncement(self.run_id, round_id, model_hash, recipe, time.time(), True, [], spec))
 
     def _announce(self, announcement: wire.RoundAnnouncement) -> None:
         """Publishes an announcement retained and waits for the broker to take it."""

@@ -19,7 +19,7 @@ from coordinator.publisher import RetainedPublisher
 from coordinator.round_aggregator import RoundAggregator, SuspectPolicy, make_aggregator
 from coordinator.validation import Expectation
 from edge_agent import wire
-from edge_agent.models import NUM_CLASSES
+from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec
 from edge_agent.mqtt import IncomingMessage, MqttSession
 from edge_agent.tensors import Weights, spec_of, weights_hash
 
@@ -53,12 +53,13 @@ class RoundPolicy:
 @dataclass(frozen=True)
 class RoundRules:
     """What every round follows: the recipe devices get, when rounds close, how suspects are treated, and who may
-    send (None: any device; else signed updates of provisioned devices only)."""
+    send (None: any device; else signed updates of provisioned devices only), and the model spec (class count)."""
 
     recipe: wire.Recipe
     policy: RoundPolicy
     suspects: SuspectPolicy = field(default_factory=SuspectPolicy)
     authenticator: UpdateAuthenticator | None = None
+    spec: ModelSpec = DEFAULT_SPEC
 
 
 @dataclass(frozen=True)
@@ -167,10 +168,10 @@ class Coordinator:
             round_id,
             base_hash,
             spec_of(global_weights),
-            NUM_CLASSES,
+            self.rules.spec.num_classes,
             self.rules.policy.max_update_bytes,
             authenticator.check if authenticator else None,
-            self.parts.closer.strategy.metric_bounds(NUM_CLASSES),
+            self.parts.closer.strategy.metric_bounds(self.rules.spec.num_classes),
         )
 
     def spooled_reader(self, round_id: int) -> Callable[[list[str]], Iterator[ClientUpdate]]:

@@ -20,15 +20,18 @@ from coordinator.intake import UpdateIntake
 from coordinator.observer import RoundObserver, RoundResult
 from coordinator.partition import server_holdout
 from coordinator.presence import Presence
+from coordinator.pretrained import merge_initial_weights, read_weight_file
 from coordinator.provision import load_secure_fleet
 from coordinator.publisher import Artefacts, RetainedPublisher
 from coordinator.round_aggregator import SuspectPolicy
 from coordinator.rounds import Coordinator, RoundParts, RoundPolicy, RoundRules
-from coordinator.store import RunStore
+from coordinator.store import RunStore, stored_spec
 from coordinator.strategies import make_strategy
 from edge_agent import wire
 from edge_agent.encoder import OnnxEncoder, encoder_hash
-from edge_agent.fashion_mnist import FashionMNIST, load_fashion_mnist
+from edge_agent.fashion_mnist import CLASS_NAMES, load_fashion_mnist
+from edge_agent.image_arrays import ImageDataset, load_npz_dataset
+from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec, spec_hash
 from edge_agent.models import build_model, get_weights, set_weights
 from edge_agent.mqtt import BrokerAddress, MqttSession
 from edge_agent.sampling import make_sampler
@@ -63,7 +66,8 @@ class ServerSettings:
     recipe: wire.Recipe = field(default_factory=wire.Recipe)
     policy: RoundPolicy = field(default_factory=lambda: RoundPolicy(rounds=10))
     init: InitSettings = field(default_factory=InitSettings)
-    model_name: str = "paper-cnn"
+    spec: ModelSpec = DEFAULT_SPEC
+    initial_weights: Path | None = None
     validation_samples: int = 1000
     selection_passes: int = 10
     test_samples: int | None = None
@@ -71,6 +75,7 @@ class ServerSettings:
     strategy_options: dict[str, float] = field(default_factory=dict)
     suspects: SuspectPolicy = field(default_factory=SuspectPolicy)
     data_dir: Path | None = None
+    dataset: Path | None = None
     torch_threads: int | None = None
     ship_bundles: bool = True
     secure_dir: Path | None = None
@@ -82,25 +87,39 @@ class ServerSettings:
 class ServerData:
     """The dataset and the server's share of it: W0 samples, the selection split, and what is left for devices."""
 
-    dataset: FashionMNIST
+    dataset: ImageDataset
     init_indices: np.ndarray
     validation_indices: np.ndarray
     device_indices: np.ndarray
 
 
 def load_server_data(settings: ServerSettings) -> ServerData:
-    """Loads Fashion-MNIST and reserves the server's init and validation samples from the training split."""
-    dataset = load_fashion_mnist(settings.data_dir)
+    """Loads the data set (a fleet's own .npz, else Fashion-MNIST) and reserves the server's init and validation
+    samples from its training split."""
+    spec = settings.spec
+    if settings.dataset is not None:
+        dataset = load_npz_dataset(settings.dataset, spec.image_shape, spec.num_classes)
+    elif spec.image_shape != (28, 28) or spec.num_classes != len(CLASS_NAMES):
+        raise ValueError("a model spec other than 28x28 grey with 10 classes needs --dataset FILE.npz")
+    else:
+        dataset = load_fashion_mnist(settings.data_dir)
     rng = np.random.default_rng(settings.init.seed)
     init, validation, rest = server_holdout(
-        dataset.train_labels, settings.init.samples, settings.validation_samples, rng
+        dataset.train_labels, settings.init.samples, settings.validation_samples, rng, spec.num_classes
     )
     return ServerData(dataset, init, validation, rest)
 
 
 def initial_weights(settings: ServerSettings, data: ServerData) -> Weights:
-    """W0: a seeded model trained on the balanced init samples (no training when there are none)."""
-    model = build_model(settings.model_name, seed=settings.init.seed)
+    """W0: a seeded model (with the spec's initial weights file, if any) trained on the balanced init samples
+    (no training when there are none)."""
+    model = build_model(settings.spec, seed=settings.init.seed)
+    if settings.initial_weights is not None:
+        found = read_weight_file(settings.initial_weights)
+        set_weights(
+            model,
+            merge_initial_weights(get_weights(model), found, model.classifier_layer, str(settings.initial_weights)),
+        )
     if len(data.init_indices):
         init = settings.init
         train_supervised(
@@ -121,12 +140,13 @@ def build_evaluator(settings: ServerSettings, data: ServerData) -> Evaluator:
     selection = LabelledSplit.from_uint8(
         data.dataset.train_images[data.validation_indices], data.dataset.train_labels[data.validation_indices]
     )
-    return Evaluator(settings.model_name, test, selection, settings.selection_passes, settings.init.seed)
+    return Evaluator(settings.spec, test, selection, settings.selection_passes, settings.init.seed)
 
 
 def starting_point(store: RunStore, settings: ServerSettings, data: ServerData) -> tuple[Weights, int, str]:
     """(global weights, first round to run, run id): a fresh W0, or where a previous process left the run."""
     config = store.config()
+    check_same_spec(config, settings.spec)
     last = store.last_committed_round()
     if config is not None and last is not None:
         log.info("resuming run=%s after round=%d", config["run_id"], last)
@@ -141,18 +161,32 @@ def starting_point(store: RunStore, settings: ServerSettings, data: ServerData) 
     return weights, 1, run_id
 
 
+def check_same_spec(config: dict | None, spec: ModelSpec) -> None:
+    """A run resumes only with the model spec it started with (its checkpoints have that model's shapes)."""
+    if config is None:
+        return
+    stored = stored_spec(config)
+    if spec_hash(stored) != spec_hash(spec):
+        raise ValueError(
+            f"the run directory was started with model spec {spec_hash(stored)[:12]} ({stored.architecture}), "
+            f"not {spec_hash(spec)[:12]} ({spec.architecture}); use a new --run-dir or the same --model-spec"
+        )
+
+
 ENCODER_FILE = "encoder.onnx"
 
 
-def load_encoder(path: Path) -> bytes:
-    """An encoder's ONNX bytes after checking that onnxruntime can embed an image with it (one-line errors)."""
+def load_encoder(path: Path, spec: ModelSpec) -> bytes:
+    """An encoder's ONNX bytes after checking that onnxruntime can embed an image of the spec's shape with it
+    (one-line errors)."""
     if not Path(path).is_file():
         raise ValueError(f"--encoder {path}: no such file")
     onnx = Path(path).read_bytes()
     try:
-        OnnxEncoder(onnx).embed(np.zeros((1, 28, 28), dtype=np.uint8))
+        OnnxEncoder(onnx).embed(np.zeros((1, *spec.image_shape), dtype=np.uint8))
     except Exception as error:  # onnxruntime's errors are untyped; any failure means an unusable encoder
-        raise ValueError(f"--encoder {path}: cannot embed a 28x28 image ({str(error).splitlines()[0]})") from None
+        shape = "x".join(str(side) for side in spec.image_shape)
+        raise ValueError(f"--encoder {path}: cannot embed a {shape} image ({str(error).splitlines()[0]})") from None
     return onnx
 
 
@@ -160,17 +194,17 @@ def round_encoder(settings: ServerSettings, store: RunStore) -> bytes:
     """The frozen encoder the round's sampler needs: --encoder, else W0's penultimate layers (exported once to
     the run directory); b"" when the sampler needs none."""
     if settings.encoder_path is not None:
-        return load_encoder(settings.encoder_path)
+        return load_encoder(settings.encoder_path, settings.spec)
     if not make_sampler(settings.recipe.sampler).needs_encoder:
         return b""
     path = settings.run_dir / ENCODER_FILE
     if not path.is_file():
-        model = build_model(settings.model_name)
+        model = build_model(settings.spec)
         set_weights(model, store.checkpoints.load(0))
         temporary = path.with_suffix(".tmp")
         export_encoder(model, temporary)
         os.replace(temporary, path)
-    return load_encoder(path)
+    return load_encoder(path, settings.spec)
 
 
 def settings_as_dict(settings: ServerSettings) -> dict:
@@ -203,7 +237,7 @@ def run_server(
         weights, first_round, run_id = starting_point(store, settings, data)
         encoder = round_encoder(settings, store)
         recipe = dataclasses.replace(settings.recipe, encoder=encoder_hash(encoder)) if encoder else settings.recipe
-        rules = RoundRules(recipe, settings.policy, settings.suspects, authenticator)
+        rules = RoundRules(recipe, settings.policy, settings.suspects, authenticator, settings.spec)
         parts = round_parts(settings, data, store, session, run_id, encoder, observer or RoundObserver(), dead_devices)
         coordinator = Coordinator(settings.fleet, session, rules, parts)
         session.connect()
@@ -247,7 +281,7 @@ def round_parts(
     return RoundParts(
         presence=Presence(observer, dead_devices),
         intake=UpdateIntake(settings.fleet, session, store, observer),
-        publisher=RetainedPublisher(session, settings.fleet, run_id, Artefacts(settings.model_name, bundles, encoder)),
+        publisher=RetainedPublisher(session, settings.fleet, run_id, Artefacts(settings.spec, bundles, encoder)),
         closer=RoundCloser(store, strategy, evaluator, settings.evaluate_devices, len(data.init_indices)),
         observer=observer,
     )
@@ -261,6 +295,6 @@ def bundle_exporter(settings: ServerSettings) -> Callable[[Weights, str], dict[s
     """
 
     def files(weights: Weights, model_hash: str) -> dict[str, bytes]:
-        return ensure_bundle_files(weights, settings.run_dir / "bundles" / model_hash, settings.model_name)
+        return ensure_bundle_files(weights, settings.run_dir / "bundles" / model_hash, settings.spec)
 
     return files

@@ -14,6 +14,7 @@ from typing import Any
 from coordinator.checkpoints import Checkpoints
 from coordinator.spool import Spool, check_device_id, check_round_id
 from edge_agent.files import load_arrays, save_arrays
+from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec, spec_from_dict
 from edge_agent.tensors import Weights
 
 _SCHEMA = """
@@ -358,3 +359,9 @@ class RunStore:
     def rejection_counts(self) -> dict[str, int]:
         """How many updates were rejected for each reason, over the whole run."""
         return dict(self.database.read("SELECT reason, COUNT(*) FROM rejections GROUP BY reason ORDER BY reason"))
+
+
+def stored_spec(config: dict | None) -> ModelSpec:
+    """The model spec a run directory's stored settings name (runs from before specs: the default)."""
+    raw = (config or {}).get("settings", {}).get("spec", dataclasses.asdict(DEFAULT_SPEC))
+    return spec_from_dict(raw, "the run's stored model spec")

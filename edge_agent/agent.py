@@ -13,6 +13,7 @@ from edge_agent.artefacts import BUNDLES_FOLDER, RoundArtefacts
 from edge_agent.bundle import Bundle
 from edge_agent.device_data import DeviceData
 from edge_agent.footprint import PhaseMeter
+from edge_agent.model_spec import ModelSpec
 from edge_agent.mqtt import IncomingMessage, LastWill, MqttSession, PayloadTooLargeError
 from edge_agent.oracle import Oracle
 from edge_agent.outbox import OUTBOX_FOLDER, UpdateSender
@@ -26,8 +27,9 @@ LAST_ROUND_KEY = "last_finished_round"
 
 @dataclass(frozen=True)
 class LatestModel:
-    """The newest global model a device holds, the recipe it was announced with, and its bundle (if any)."""
+    """The newest global model a device holds, its spec, the recipe it was announced with, and its bundle (if any)."""
 
+    spec: ModelSpec
     weights: Weights
     recipe: wire.Recipe
     bundle: Bundle | None
@@ -101,10 +103,10 @@ class Agent:
 
     def latest_model(self) -> LatestModel | None:
         """The newest global model with its recipe and bundle, once both a model and an announcement arrived."""
-        weights = self.artefacts.newest_model()
-        if weights is None or self._recipe is None:
+        newest = self.artefacts.newest_model()
+        if newest is None or self._recipe is None:
             return None
-        return LatestModel(weights, self._recipe, next(iter(self.artefacts.bundles.values()), None))
+        return LatestModel(*newest, self._recipe, next(iter(self.artefacts.bundles.values()), None))
 
     def handle(self, message: IncomingMessage) -> bool:
         """Routes one message; True when the run is over for this agent."""
@@ -154,7 +156,8 @@ class Agent:
         if announcement is None or not self.artefacts.ready(announcement, self.settings.scores_with_onnxruntime):
             return
         self._pending = None
-        update = self.rounds.run(announcement, self.artefacts.models[announcement.model_hash])
+        model_hash = announcement.model_hash
+        update = self.rounds.run(announcement, self.artefacts.specs[model_hash], self.artefacts.models[model_hash])
         try:
             if update is not None:
                 with self.meter.phase("publish"):

@@ -13,7 +13,6 @@ class AgentSettings:
 
     fleet: str
     device_id: str
-    model_name: str = "paper-cnn"
     profile: str = "simulated"
     inference_batch: int = 256
     torch_threads: int = 1

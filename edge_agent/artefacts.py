@@ -7,6 +7,7 @@ from pathlib import Path
 from edge_agent import wire
 from edge_agent.bundle import Bundle, BundleError, remove_other_bundles, store_bundle
 from edge_agent.encoder import encoder_hash
+from edge_agent.model_spec import ModelSpec, spec_hash
 from edge_agent.mqtt import MqttSession
 from edge_agent.tensors import Weights, weights_hash
 
@@ -31,6 +32,7 @@ class RoundArtefacts:
         self.session = session
         self.bundles_dir = bundles_dir
         self.models: dict[str, Weights] = {}
+        self.specs: dict[str, ModelSpec] = {}
         self.bundles: dict[str, Bundle] = {}
         self.encoders: dict[str, bytes] = {}
         self.followed: dict[str, str] = {}
@@ -50,9 +52,10 @@ class RoundArtefacts:
         return next((kind for kind, followed in self.followed.items() if followed == topic), None)
 
     def on_model(self, message: wire.ModelMessage) -> None:
-        """Keeps the announced model once its content matches its hash."""
+        """Keeps the announced model (and the spec it is built from) once its content matches its hash."""
         if content_matches("model", message.model_hash, weights_hash(message.tensors)):
             self.models = {message.model_hash: message.tensors}
+            self.specs = {message.model_hash: message.spec}
 
     def on_encoder(self, message: wire.EncoderMessage) -> None:
         """Keeps the announced frozen encoder once its bytes match their sha256."""
@@ -77,10 +80,13 @@ class RoundArtefacts:
         """Whether everything the announced round needs has arrived."""
         if announcement.model_hash not in self.models:
             return False
+        spec = spec_hash(self.specs[announcement.model_hash])
+        if announcement.spec_hash and not content_matches("spec", announcement.spec_hash, spec):
+            return False
         if needs_bundle and announcement.model_hash not in self.bundles:
             return False
         return not announcement.recipe.encoder or announcement.recipe.encoder in self.encoders
 
-    def newest_model(self) -> Weights | None:
-        """The global model held now (None before the first)."""
-        return next(iter(self.models.values()), None)
+    def newest_model(self) -> tuple[ModelSpec, Weights] | None:
+        """The global model held now and its spec (None before the first)."""
+        return next(((self.specs[key], weights) for key, weights in self.models.items()), None)

@@ -22,7 +22,7 @@ class ImageSource(Protocol):
     """Where a device's images come from: a fixed stack written once (a shard), or a folder that grows."""
 
     def images(self) -> np.ndarray:
-        """Every image so far, uint8 (N, 28, 28), indexed by the device's stable sample indices."""
+        """Every image so far, uint8 (N, H, W) or (N, H, W, C), indexed by the device's stable sample indices."""
         ...
 
     def refresh(self) -> int:
@@ -120,6 +120,11 @@ class DeviceData:
                 "use a fresh state directory for a different data set"
             )
         return data
+
+    @property
+    def image_shape(self) -> tuple[int, ...]:
+        """The shape of one of this device's images: (H, W) grey, or (H, W, C) colour."""
+        return tuple(self.source.images().shape[1:])
 
     @property
     def num_classes(self) -> int:

@@ -6,7 +6,7 @@ import hashlib
 import numpy as np
 import onnxruntime as ort
 
-from edge_agent.fashion_mnist import normalise
+from edge_agent.image_arrays import model_input
 
 ENCODER_BATCH = 256
 
@@ -17,7 +17,7 @@ def encoder_hash(onnx_bytes: bytes) -> str:
 
 
 class OnnxEncoder:
-    """Embeds images with a frozen ONNX graph (one input: normalised images (N, 1, 28, 28); first output used)."""
+    """Embeds images with a frozen ONNX graph (one input: images scaled to [0, 1], (N, C, H, W); first output used)."""
 
     def __init__(self, onnx_bytes: bytes, threads: int = 1) -> None:
         options = ort.SessionOptions()
@@ -29,9 +29,9 @@ class OnnxEncoder:
         self.input_name = self.session.get_inputs()[0].name
 
     def embed(self, images: np.ndarray) -> np.ndarray:
-        """(N, d) float32 embeddings of uint8 images (N, 28, 28), in batches."""
+        """(N, d) float32 embeddings of raw uint8 images, in batches."""
         chunks = [
-            self.session.run(None, {self.input_name: normalise(images[start : start + ENCODER_BATCH])})[0]
+            self.session.run(None, {self.input_name: model_input(images[start : start + ENCODER_BATCH])})[0]
             for start in range(0, len(images), ENCODER_BATCH)
         ]
         if not chunks:

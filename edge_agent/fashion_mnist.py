@@ -4,13 +4,12 @@ from __future__ import annotations
 import gzip
 import math
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, cast
 
 import numpy as np
 
-from edge_agent.image_arrays import check_images, check_labels
+from edge_agent.image_arrays import ImageDataset, check_images, check_labels
 
 DEFAULT_DATA_DIR = Path("/usr/share/datasets/fashion-mnist")
 CLASS_NAMES = (
@@ -99,16 +98,6 @@ def read_idx(path: Path | str, limit: int | None = None) -> np.ndarray:
     return data.astype(dtype.newbyteorder("="))
 
 
-@dataclass(frozen=True)
-class FashionMNIST:
-    """The Fashion-MNIST train and test splits as uint8 arrays: images (N, 28, 28), labels (N,)."""
-
-    train_images: np.ndarray
-    train_labels: np.ndarray
-    test_images: np.ndarray
-    test_labels: np.ndarray
-
-
 def _find_dataset_file(data_dir: Path, stem: str) -> Path:
     """The gzip or plain copy of a dataset file in data_dir; DatasetMissingError if neither exists."""
     for candidate in (data_dir / f"{stem}.gz", data_dir / stem):
@@ -125,18 +114,10 @@ def _check_split(images: np.ndarray, labels: np.ndarray, where: str) -> None:
     check_labels(labels, len(images), len(CLASS_NAMES), where)
 
 
-def load_fashion_mnist(data_dir: Path | None = None) -> FashionMNIST:
+def load_fashion_mnist(data_dir: Path | None = None) -> ImageDataset:
     """Loads the four Fashion-MNIST IDX files from data_dir (default: the Debian package's folder)."""
     data_dir = Path(data_dir) if data_dir is not None else DEFAULT_DATA_DIR
     arrays = {key: read_idx(_find_dataset_file(data_dir, stem)) for key, stem in _FASHION_MNIST_FILES.items()}
     _check_split(arrays["train_images"], arrays["train_labels"], f"{data_dir}: train split")
     _check_split(arrays["test_images"], arrays["test_labels"], f"{data_dir}: test split")
-    return FashionMNIST(**arrays)
-
-
-def normalise(images: np.ndarray) -> np.ndarray:
-    """uint8 images (N, H, W) -> float32 (N, 1, H, W) scaled to [0, 1] then standardised with Fashion-MNIST stats."""
-    if images.dtype != np.uint8 or images.ndim != 3:
-        raise ValueError(f"normalise expects uint8 images shaped (N, H, W), got {images.dtype} {images.shape}")
-    scaled = images.astype(np.float32)[:, None, :, :] / np.float32(255.0)
-    return (scaled - np.float32(FASHION_MNIST_MEAN)) / np.float32(FASHION_MNIST_STD)
+    return ImageDataset(**arrays)

@@ -88,7 +88,7 @@ class StreamAcquirer:
     def scores(self, sampler: Heuristic, latest: LatestModel, new: np.ndarray, seed: int) -> np.ndarray:
         """The sampler's scores of the new items under the newest global model, on the agent's back end."""
         if self._learner is None or self._learner[0] is not latest.weights:
-            learner = make_learner(self.settings, self.data.state_dir, latest.weights, latest.bundle)
+            learner = make_learner(self.settings, self.data.state_dir, latest.spec, latest.weights, latest.bundle)
             self._learner = (latest.weights, learner)
         models = RoundModels(self._learner[1], "", latest.recipe, latest.bundle)
         images = self.data.images(new)

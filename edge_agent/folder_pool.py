@@ -18,8 +18,8 @@ from PIL import Image, UnidentifiedImageError
 
 from edge_agent.bundle import file_sha256
 from edge_agent.device_data import IMAGES_FILE, LABELS_FILE, DeviceData, initialise_store
-from edge_agent.fashion_mnist import FASHION_MNIST_MEAN, FASHION_MNIST_STD
 from edge_agent.image_arrays import IMAGE_SHAPE
+from edge_agent.manifest import PIXEL_INPUT
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class InputSpec:
 
     @classmethod
     def from_manifest(cls, manifest: Mapping[str, Any], where: str = "manifest") -> InputSpec:
-        """The input shape of a model bundle's manifest, after checking its normalisation is the agent's own."""
+        """The input shape of a model bundle's manifest, after checking its graphs take pixels / 255."""
         shape = manifest.get("input_shape")
         if (
             not isinstance(shape, list)
@@ -63,11 +63,11 @@ class InputSpec:
         ):
             raise ValueError(f"{where}: input_shape must be [channels (1 or 3), height, width], got {shape!r}")
         norm = manifest.get("normalisation") or {}
-        expected = {"scale": 1.0 / 255.0, "mean": FASHION_MNIST_MEAN, "std": FASHION_MNIST_STD}
+        expected = {"scale": PIXEL_INPUT.scale, "mean": PIXEL_INPUT.mean, "std": PIXEL_INPUT.std}
         if not all(isinstance(norm.get(k), (int, float)) and math.isclose(norm[k], v) for k, v in expected.items()):
             raise ValueError(
-                f"{where}: normalisation {norm!r} differs from the agent's (pixel/255 - "
-                f"{FASHION_MNIST_MEAN}) / {FASHION_MNIST_STD}"
+                f"{where}: normalisation {str(norm)[:120]} differs from the agent's (pixel / 255 into graphs that "
+                "standardise themselves)"
             )
         return cls(*shape)
 

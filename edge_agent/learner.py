@@ -11,6 +11,7 @@ from edge_agent.agent_settings import AgentSettings
 from edge_agent.bundle import Bundle
 from edge_agent.local_data import LocalData
 from edge_agent.mc_scorer import MCScorer
+from edge_agent.model_spec import ModelSpec
 from edge_agent.sampling import make_sampler
 from edge_agent.tensors import Weights
 
@@ -66,12 +67,15 @@ def round_problem(settings: AgentSettings, recipe: wire.Recipe, bundle: Bundle |
     return None
 
 
-def make_learner(settings: AgentSettings, state_dir: Path, global_weights: Weights, bundle: Bundle | None) -> Learner:
-    """The learner the profile asks for; torch is imported only for the full trainer."""
+def make_learner(
+    settings: AgentSettings, state_dir: Path, spec: ModelSpec, global_weights: Weights, bundle: Bundle | None
+) -> Learner:
+    """The learner the profile asks for, over a model built from `spec`; torch is imported only for the full
+    trainer (a head-only learner reads the same spec from its bundle's manifest)."""
     if settings.trainer == "head":
         from edge_agent.head_learner import HeadLearner
 
         return HeadLearner(settings, global_weights, bundle)
     from edge_agent.torch_learner import TorchLearner
 
-    return TorchLearner(settings, state_dir, global_weights)
+    return TorchLearner(settings, state_dir, spec, global_weights)

@@ -41,6 +41,7 @@ class LocalData:
     weak_images: np.ndarray = field(default_factory=_no_images)
     weak_labels: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     round_in_active_round: int = 1
+    num_classes: int = len(CLASS_NAMES)
 
     def training_set(self) -> tuple[np.ndarray, np.ndarray]:
         """Human labels followed by weak labels: what a rule that trains on 'the labelled set' uses."""
@@ -66,7 +67,7 @@ class LocalData:
 
     def class_counts(self) -> np.ndarray:
         """Human labels per class (n_k of KAFAL)."""
-        return np.bincount(np.asarray(self.labelled_labels, dtype=np.int64), minlength=len(CLASS_NAMES))
+        return np.bincount(np.asarray(self.labelled_labels, dtype=np.int64), minlength=self.num_classes)
 
 
 def balanced_sample(labels: np.ndarray, size: int, rng: np.random.Generator) -> np.ndarray:
@@ -100,4 +101,5 @@ def training_view(data: DeviceData, new_indices: np.ndarray, new_labels: np.ndar
         weak_images=data.images(weak_indices),
         weak_labels=weak_labels,
         round_in_active_round=round_in_active,
+        num_classes=data.num_classes,
     )

@@ -5,8 +5,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from edge_agent.model_spec import ModelSpec, SpecError, spec_from_dict
+
 BUNDLE_FORMAT = "edge-fal-model-bundle"
-BUNDLE_VERSION = 1
+BUNDLE_VERSION = 2
 MASK_ENCODING = (
     "float32, pre-scaled: 0 with probability p, else 1/(1-p); shape (rows, *mask_shape); all ones = dropout off"
 )
@@ -18,12 +20,16 @@ class ManifestError(ValueError):
 
 @dataclass(frozen=True)
 class Normalisation:
-    """How raw pixels become model inputs: (pixel * scale - mean) / std."""
+    """How raw pixels become graph inputs: (pixel * scale - mean) / std. The graphs standardise with the spec's
+    per-channel statistics themselves, so a bundle's graphs take pixel / 255 (PIXEL_INPUT)."""
 
     scale: float
     mean: float
     std: float
-    formula: str = "(pixel / 255 - mean) / std"
+    formula: str = "(pixel * scale - mean) / std"
+
+
+PIXEL_INPUT = Normalisation(1.0 / 255.0, 0.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,7 @@ class BundleManifest:
     opset: int
     exporter: dict[str, str]
     dropout: DropoutSection
+    spec: ModelSpec
     quantization: dict[str, Any] | None = None
     head: HeadSection | None = None
     format: str = BUNDLE_FORMAT
@@ -92,6 +99,10 @@ class BundleManifest:
             raise ManifestError(f"{where}: manifest lacks {', '.join(missing)}")
         values["normalisation"] = _section(Normalisation, raw["normalisation"], f"{where}: normalisation")
         values["dropout"] = _section(DropoutSection, raw["dropout"], f"{where}: dropout")
+        try:
+            values["spec"] = spec_from_dict(raw["spec"], f"{where}: spec")
+        except SpecError as error:
+            raise ManifestError(str(error)) from None
         if raw.get("head") is not None:
             values["head"] = _section(HeadSection, raw["head"], f"{where}: head")
         return cls(**values)
@@ -120,6 +131,7 @@ KINDS: dict[str, type | tuple[type, ...]] = {
     "format_version": int,
     "normalisation": dict,
     "dropout": dict,
+    "spec": dict,
     "head": (dict, type(None)),
 }
 

@@ -32,7 +32,7 @@ class PrefixGraph(nn.Module):
         self.model = model
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """Prefix features of normalised images."""
+        """Prefix features of model inputs (images scaled to [0, 1])."""
         return self.model.prefix(images)
 
 
@@ -78,7 +78,7 @@ class TorchMCDropout:
         self._tail = MaskedTailGraph(as_split_model(model))
 
     def probabilities(self, images: np.ndarray, passes: int, seed: int) -> np.ndarray:
-        """MC-dropout softmax outputs over `passes` passes for normalised (N, 1, 28, 28) or raw uint8 (N, 28, 28) images."""
+        """MC-dropout softmax outputs over `passes` passes for model inputs (float32 (N, C, H, W) in [0, 1]) or raw uint8 images."""
         was_training = self.model.training
         self.model.eval()
         try:
@@ -116,7 +116,7 @@ def predict_features(model: SplitDropoutModel, images: np.ndarray, batch_size: i
 def _predict(
     model: nn.Module, images: np.ndarray, batch_size: int, output: Callable[[torch.Tensor], torch.Tensor]
 ) -> np.ndarray:
-    """output(batch) over normalised images in batches with the model's dropout off, its mode restored."""
+    """output(batch) over model inputs in batches with the model's dropout off, its mode restored."""
     was_training = model.training
     model.eval()
     chunks = []

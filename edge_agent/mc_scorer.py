@@ -7,7 +7,7 @@ from typing import Protocol
 
 import numpy as np
 
-from edge_agent.fashion_mnist import normalise
+from edge_agent.image_arrays import model_input
 
 PrefixFunction = Callable[[np.ndarray], np.ndarray]
 TailFunction = Callable[[np.ndarray, Sequence[np.ndarray]], np.ndarray]
@@ -19,7 +19,7 @@ class MCScorer(Protocol):
     name: str
 
     def probabilities(self, images: np.ndarray, passes: int, seed: int) -> np.ndarray:
-        """Softmax outputs (passes, N, C) for normalised float32 images (N, 1, 28, 28) or raw uint8 (N, 28, 28)."""
+        """Softmax outputs (passes, N, C) for model inputs (float32 (N, C, H, W) in [0, 1]) or raw uint8 images."""
 
 
 MASK_LEVELS = 1 << 16
@@ -82,11 +82,11 @@ def check_pass_request(images: np.ndarray, passes: int, batch_size: int) -> None
         raise ValueError(f"MC passes must be at least 1, got {passes}")
     if batch_size < 1:
         raise ValueError(f"inference batch size must be at least 1, got {batch_size}")
-    normalised = images.ndim == 4 and images.dtype == np.float32
-    raw = images.ndim == 3 and images.dtype == np.uint8
-    if not (normalised or raw):
+    scaled = images.ndim == 4 and images.dtype == np.float32
+    raw = images.ndim in (3, 4) and images.dtype == np.uint8
+    if not (scaled or raw):
         raise ValueError(
-            "images must be normalised float32 shaped (N, 1, H, W) or raw uint8 shaped (N, H, W), "
+            "images must be model inputs (float32 (N, C, H, W) in [0, 1]) or raw uint8 (N, H, W) or (N, H, W, C), "
             f"got {images.dtype} {images.shape}"
         )
 
@@ -131,7 +131,7 @@ def mc_probabilities(
 ) -> np.ndarray:
     """(passes, N, C) float32 probabilities ((passes, 0, 0) for no images): the prefix once per image, the tail r times.
 
-    Images are normalised float32 (N, 1, H, W) or raw uint8 (N, H, W); raw images are normalised a batch at a
+    Images are model inputs (float32 (N, C, H, W) in [0, 1]) or raw uint8 (N, H, W) / (N, H, W, C); raw images are scaled a batch at a
     time, so a pool is never held as float32 (it may be a read-only memory map). Each batch of `batch_size`
     images runs through the prefix once; the tail then runs on the batch's features replicated for as many
     passes as fit in `tail_rows` rows per call (at least one pass; None: all passes in one call). Rows of a
@@ -146,7 +146,7 @@ def mc_probabilities(
     replication_buffer: np.ndarray | None = None
     for start in range(0, len(images), batch_size):
         batch = images[start : start + batch_size]
-        features = prefix(normalise(batch) if batch.dtype == np.uint8 else np.ascontiguousarray(batch))
+        features = prefix(model_input(batch) if batch.dtype == np.uint8 else np.ascontiguousarray(batch))
         count = len(features)
         masks = mask_buffers = batch_masks(seed, start, count, passes, spec, mask_buffers)
         per_call = passes if tail_rows is None else max(1, min(passes, tail_rows // count))

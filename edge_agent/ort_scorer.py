@@ -9,7 +9,7 @@ import numpy as np
 import onnxruntime as ort
 
 from edge_agent.bundle import Bundle
-from edge_agent.fashion_mnist import normalise
+from edge_agent.image_arrays import model_input
 from edge_agent.mc_scorer import DropoutSpec, mc_probabilities
 
 log = logging.getLogger(__name__)
@@ -169,8 +169,8 @@ class OrtMCDropout:
         self.spec = DropoutSpec(bundle.dropout_rates, bundle.mask_shapes)
 
     def probabilities(self, images: np.ndarray, passes: int, seed: int) -> np.ndarray:
-        """MC-dropout softmax outputs (passes, N, C) for normalised float32 (N, 1, 28, 28) or raw uint8 (N, 28, 28)
-        images; raw images are normalised one batch at a time."""
+        """MC-dropout softmax outputs (passes, N, C) for model inputs (float32 (N, C, H, W) in [0, 1]) or raw uint8 images
+        images; raw images are scaled one batch at a time."""
         return mc_probabilities(
             self._run_prefix, self._run_tail, self.spec, images, passes, seed, self.batch_size, self.tail_rows
         )
@@ -188,7 +188,7 @@ class OrtMCDropout:
 def penultimate_features(
     bundle: Bundle, images: np.ndarray, batch_size: int, threads: int = 0, providers: Sequence[str] = (CPU_PROVIDER,)
 ) -> np.ndarray:
-    """The classifier's input features (N, D) of raw uint8 images (N, 28, 28) under the bundle's own weights,
+    """The classifier's input features (N, D) of raw uint8 images under the bundle's own weights,
     dropout off: the prefix graph, then the manifest's penultimate graph, one batch at a time."""
     head = bundle.manifest.head
     if head is None:
@@ -199,6 +199,6 @@ def penultimate_features(
     prefix_input = prefix.get_inputs()[0].name
     batches = []
     for start in range(0, len(images), batch_size):
-        features = prefix.run(None, {prefix_input: normalise(images[start : start + batch_size])})[0]
+        features = prefix.run(None, {prefix_input: model_input(images[start : start + batch_size])})[0]
         batches.append(penultimate.run(None, {head.input_name: features})[0])
     return np.concatenate(batches) if batches else np.zeros((0, 0), dtype=np.float32)

@@ -17,6 +17,7 @@ from edge_agent.device_data import DeviceData
 from edge_agent.footprint import PhaseMeter
 from edge_agent.learner import make_learner, round_problem
 from edge_agent.local_data import training_view
+from edge_agent.model_spec import ModelSpec
 from edge_agent.oracle import Oracle
 from edge_agent.round_inputs import RoundModels
 from edge_agent.sampling import make_sampler
@@ -29,6 +30,23 @@ log = logging.getLogger(__name__)
 def step_seed(recipe: wire.Recipe, device_id: str, round_id: int, step: int) -> int:
     """The seed of one acquisition step: the recipe's seed, the device, the round and the step."""
     return int(np.random.SeedSequence([recipe.seed, device_seed(device_id), round_id, step]).generate_state(1)[0])
+
+
+def spec_problem(spec: ModelSpec, data: DeviceData) -> str | None:
+    """Why this device's data cannot feed the spec's model (its image shape or class count differ), or None; the
+    round is then refused and nothing the device holds is touched."""
+    if data.image_shape != spec.image_shape:
+        return (
+            f"the model takes {shape_text(spec.image_shape)} images, this device holds {shape_text(data.image_shape)}"
+        )
+    if data.num_classes != spec.num_classes:
+        return f"the model has {spec.num_classes} classes, this device's labels have {data.num_classes}"
+    return None
+
+
+def shape_text(shape: tuple[int, ...]) -> str:
+    """An image shape as HxW or HxWxC."""
+    return "x".join(str(side) for side in shape)
 
 
 class RoundRunner:
@@ -51,25 +69,28 @@ class RoundRunner:
         self.meter = meter
         self.acquirer = Acquirer(settings, data, oracle, meter)
 
-    def round_models(self, announcement: wire.RoundAnnouncement, global_weights: Weights) -> RoundModels:
+    def round_models(
+        self, announcement: wire.RoundAnnouncement, spec: ModelSpec, global_weights: Weights
+    ) -> RoundModels:
         """The profile's learner over the global weights, and the round's artefacts."""
         bundle = self.artefacts.bundles.get(announcement.model_hash)
         encoder = self.artefacts.encoders.get(announcement.recipe.encoder)
-        learner = make_learner(self.settings, self.data.state_dir, global_weights, bundle)
+        learner = make_learner(self.settings, self.data.state_dir, spec, global_weights, bundle)
         return RoundModels(learner, announcement.model_hash, announcement.recipe, bundle, encoder)
 
-    def run(self, announcement: wire.RoundAnnouncement, global_weights: Weights) -> wire.Update | None:
+    def run(self, announcement: wire.RoundAnnouncement, spec: ModelSpec, global_weights: Weights) -> wire.Update | None:
         """Acquires (when the schedule says so), labels and trains; returns the update, or None when the device
         is not among the round's participants (it then only acquires, as every device does, and never trains)."""
         recipe, round_id = announcement.recipe, announcement.round_id
         participating = not announcement.participants or self.settings.device_id in announcement.participants
-        problem = round_problem(self.settings, recipe, self.artefacts.bundles.get(announcement.model_hash))
+        bundle = self.artefacts.bundles.get(announcement.model_hash)
+        problem = round_problem(self.settings, recipe, bundle) or spec_problem(spec, self.data)
         if problem is not None:
             log.error("round refused device=%s round=%d reason=%s", self.settings.device_id, round_id, problem)
             self.report("error", round_id)
             return None
         self.report("training" if participating else "acquiring", round_id)
-        models = self.round_models(announcement, global_weights)
+        models = self.round_models(announcement, spec, global_weights)
         self.oracle.start_round(round_id)
         self.acquirer.take_initial_labels(recipe)
         acquisitions = recipe.acquisitions_per_round if acquires_in_round(round_id, recipe) else 0

@@ -17,6 +17,6 @@ def torch_scorer_from_bundle(bundle: Bundle, batch_size: int, threads: int = 0) 
         raise BundleError(f"{bundle.weights_path}: weights hash differs from the manifest's weights_hash")
     if threads > 0:
         torch.set_num_threads(threads)
-    model = build_model(bundle.manifest.model)
+    model = build_model(bundle.manifest.spec)
     set_weights(model, weights)
     return TorchMCDropout(model, batch_size)

@@ -11,12 +11,13 @@ from torch import nn
 from edge_agent import wire
 from edge_agent.agent_settings import AgentSettings
 from edge_agent.bundle import Bundle
-from edge_agent.fashion_mnist import normalise
 from edge_agent.files import load_arrays, save_arrays
+from edge_agent.image_arrays import model_input
 from edge_agent.learner import bundle_scorer
 from edge_agent.local_data import LocalData
 from edge_agent.mc_dropout import TorchMCDropout, predict_features, predict_logits
 from edge_agent.mc_scorer import MCScorer
+from edge_agent.model_spec import ModelSpec
 from edge_agent.models import build_model, get_weights, set_weights
 from edge_agent.tensors import Weights
 from edge_agent.training import make_local_rule
@@ -24,12 +25,12 @@ from edge_agent.training import make_local_rule
 OWN_MODEL_FILE = "own_model.npz"
 
 
-def own_model(state_dir: Path, model_name: str, current: nn.Module) -> nn.Module:
+def own_model(state_dir: Path, spec: ModelSpec, current: nn.Module) -> nn.Module:
     """The device's own last trained model omega_i (kept across rounds), or `current` before it has one."""
     path = state_dir / OWN_MODEL_FILE
     if not path.is_file():
         return current
-    model = build_model(model_name)
+    model = build_model(spec)
     set_weights(model, load_arrays(path))
     return model
 
@@ -37,11 +38,12 @@ def own_model(state_dir: Path, model_name: str, current: nn.Module) -> nn.Module
 class TorchLearner:
     """The round's model in torch (current, trained by the local rule) beside a frozen copy of the global one."""
 
-    def __init__(self, settings: AgentSettings, state_dir: Path, global_weights: Weights) -> None:
+    def __init__(self, settings: AgentSettings, state_dir: Path, spec: ModelSpec, global_weights: Weights) -> None:
         torch.set_num_threads(settings.torch_threads)
         self.settings = settings
         self.state_dir = state_dir
-        self.current = build_model(settings.model_name)
+        self.spec = spec
+        self.current = build_model(spec)
         set_weights(self.current, global_weights)
         self.global_model = copy.deepcopy(self.current).eval()
 
@@ -63,11 +65,9 @@ class TorchLearner:
 
     def logits(self, which: str, images: np.ndarray) -> np.ndarray:
         """Deterministic logits of raw images under the device's own last model or the round's global one."""
-        model = (
-            own_model(self.state_dir, self.settings.model_name, self.current) if which == "own" else self.global_model
-        )
-        return predict_logits(model, normalise(images), self.settings.inference_batch)
+        model = own_model(self.state_dir, self.spec, self.current) if which == "own" else self.global_model
+        return predict_logits(model, model_input(images), self.settings.inference_batch)
 
     def features(self, images: np.ndarray) -> np.ndarray:
         """Penultimate features of raw images under the current model (the one that scores the pool)."""
-        return predict_features(self.current, normalise(images), self.settings.inference_batch)
+        return predict_features(self.current, model_input(images), self.settings.inference_batch)

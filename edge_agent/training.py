@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_agent.fashion_mnist import normalise
 from edge_agent.files import load_arrays, save_arrays
+from edge_agent.image_arrays import model_input
 from edge_agent.local_data import RESERVOIR_OPTION, LocalData
 from edge_agent.mc_dropout import as_split_model
 from edge_agent.models import get_weights, set_weights
@@ -92,7 +92,7 @@ def run_epochs(
         )
     if len(images) < min_batch:
         return float("nan")
-    inputs = torch.from_numpy(normalise(images))
+    inputs = torch.from_numpy(model_input(images))
     targets = torch.from_numpy(np.asarray(labels, dtype=np.int64))
     optimizers = [settings.make_optimizer(model) for model in models]
     generator = torch.Generator().manual_seed(settings.seed)
@@ -233,7 +233,7 @@ def mean_prediction_entropy(model: nn.Module, images: np.ndarray, batch_size: in
     total = 0.0
     with torch.no_grad():
         for start in range(0, len(images), batch_size):
-            inputs = torch.from_numpy(normalise(images[start : start + batch_size]))
+            inputs = torch.from_numpy(model_input(images[start : start + batch_size]))
             total += float(prediction_entropy(model(inputs)).sum())
     return total / len(images)
 
@@ -431,7 +431,7 @@ class KCFU(LocalRule):
         nu = self.option_value(recipe.options, "nu")
         counts = data.class_counts()
         pool = data.unlabelled()
-        unlabelled = torch.from_numpy(normalise(pool)) if len(pool) else None
+        unlabelled = torch.from_numpy(model_input(pool)) if len(pool) else None
         compensate = data.round_in_active_round > 1 and unlabelled is not None
         teacher = global_model.eval()
         generator = torch.Generator().manual_seed(seed + 1)

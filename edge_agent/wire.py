@@ -1,4 +1,4 @@
-# Wire format v1: typed msgpack envelopes (no pickle), raw little-endian tensors, topic names, decode limits.
+# Wire format v2: typed msgpack envelopes (no pickle), raw little-endian tensors, topic names, decode limits.
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +15,9 @@ from typing import Any, ClassVar, TypeVar
 import msgpack
 import numpy as np
 
-WIRE_VERSION = 1
+from edge_agent.model_spec import ModelSpec, SpecError, spec_from_dict
+
+WIRE_VERSION = 2
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_TENSOR_DIMS = 8
 MAX_TENSORS = 1024
@@ -105,6 +107,7 @@ class RoundAnnouncement:
     deadline: float
     final: bool = False
     participants: list[str] = field(default_factory=list)
+    spec_hash: str = ""
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,7 @@ class ModelMessage:
 
     KIND: ClassVar[str] = "model"
     model_hash: str
-    model_name: str
+    spec: ModelSpec
     tensors: Tensors
 
 
@@ -358,6 +361,15 @@ def _recipe(where: str, value: Any) -> Recipe:
     return _from_fields(Recipe, value)
 
 
+def _model_spec(where: str, value: Any) -> ModelSpec:
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        raise WireError(f"{where} must be a map")
+    try:
+        return spec_from_dict(value, where)
+    except SpecError as error:
+        raise WireError(str(error)) from None
+
+
 CHECKERS: dict[Any, Callable[[str, Any], Any]] = {
     bool: _plain(bool, "a boolean"),
     int: _plain(int, "an integer"),
@@ -370,6 +382,7 @@ CHECKERS: dict[Any, Callable[[str, Any], Any]] = {
     Tensors: _tensors,
     BundleFiles: _bundle_files,
     Recipe: _recipe,
+    ModelSpec: _model_spec,
 }
 
 

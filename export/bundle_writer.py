@@ -18,11 +18,11 @@ from edge_agent.bundle import (
     file_sha256,
     load_bundle,
 )
-from edge_agent.fashion_mnist import CLASS_NAMES, FASHION_MNIST_MEAN, FASHION_MNIST_STD
 from edge_agent.files import atomic_write_bytes, save_arrays
-from edge_agent.manifest import BundleManifest, DropoutSection, HeadSection, Normalisation
+from edge_agent.manifest import PIXEL_INPUT, BundleManifest, DropoutSection, HeadSection
 from edge_agent.mc_dropout import dropout_spec
-from edge_agent.models import INPUT_SHAPE, SplitDropoutModel, build_model, set_weights
+from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec
+from edge_agent.models import SplitDropoutModel, build_model, set_weights
 from edge_agent.tensors import Weights, weights_hash
 from export import quantize
 from export.onnx_graphs import (
@@ -65,17 +65,15 @@ def _int8_section(
 
 
 def initializer_map(graph_path: Path, weights: Weights) -> dict[str, str]:
-    """Which model weight each initializer of an ONNX graph holds (the exporter names them `model.<weight>`).
+    """Which model weight each initializer of an ONNX graph holds (the exporter names them `model.<weight>`);
+    other initializers are the graph's constants (e.g. the spec's mean and std) and stay as they are.
 
     A device scoring its locally trained model overrides these initializers with its own weights, so the
     graph shipped once per round also serves every later acquisition of that round.
     """
     graph = onnx.load(str(graph_path)).graph
-    mapping = {init.name: init.name.removeprefix("model.") for init in graph.initializer}
-    unknown = sorted(name for name, weight in mapping.items() if weight not in weights)
-    if unknown:
-        raise ValueError(f"{graph_path.name}: initializers {unknown} are not model weights")
-    return mapping
+    names = (init.name for init in graph.initializer)
+    return {name: name.removeprefix("model.") for name in names if name.removeprefix("model.") in weights}
 
 
 def _check_every_weight_mapped(initializers: dict[str, dict[str, str]], weights: Weights) -> None:
@@ -88,7 +86,7 @@ def _check_every_weight_mapped(initializers: dict[str, dict[str, str]], weights:
 def write_bundle(
     weights: Weights,
     out_dir: Path,
-    model_name: str = "paper-cnn",
+    spec: ModelSpec = DEFAULT_SPEC,
     opset: int = DEFAULT_OPSET,
     int8_data: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> BundleManifest:
@@ -100,12 +98,12 @@ def write_bundle(
     out_dir = Path(out_dir)
     if (out_dir / MANIFEST_NAME).exists():
         raise FileExistsError(f"{out_dir} already holds a bundle; choose another --out")
-    model = build_model(model_name)
+    model = build_model(spec)
     set_weights(model, weights)
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".export-") as temp:
         work = Path(temp)
-        manifest = write_files(model, model_name, weights, work, opset, int8_data)
+        manifest = write_files(model, weights, work, opset, int8_data)
         for name in manifest.files:
             shutil.move(str(work / name), out_dir / name)
     atomic_write_bytes(out_dir / MANIFEST_NAME, (json.dumps(manifest.to_json(), indent=2) + "\n").encode())
@@ -114,7 +112,6 @@ def write_bundle(
 
 def write_files(
     model: SplitDropoutModel,
-    model_name: str,
     weights: Weights,
     work: Path,
     opset: int,
@@ -135,12 +132,11 @@ def write_files(
     for name in (name for name in names if name.endswith(".onnx")):
         onnx.checker.check_model(str(work / name))
     files = {name: file_sha256(work / name) for name in names}
-    return manifest_for(model, model_name, weights, graphs, initializers, files, opset, quantization)
+    return manifest_for(model, weights, graphs, initializers, files, opset, quantization)
 
 
 def manifest_for(
     model: SplitDropoutModel,
-    model_name: str,
     weights: Weights,
     graphs: dict[str, dict[str, str]],
     initializers: dict[str, dict[str, str]],
@@ -151,11 +147,11 @@ def manifest_for(
     """The manifest of a bundle whose files are written and hashed: input, normalisation, graphs, dropout masks."""
     spec = dropout_spec(model)
     return BundleManifest(
-        model=model_name,
+        model=model.spec.architecture,
         input_name=IMAGES_INPUT,
-        input_shape=list(INPUT_SHAPE),
-        normalisation=Normalisation(1.0 / 255.0, FASHION_MNIST_MEAN, FASHION_MNIST_STD),
-        class_names=list(CLASS_NAMES),
+        input_shape=list(model.spec.input_shape),
+        normalisation=PIXEL_INPUT,
+        class_names=list(model.spec.class_names),
         weights_hash=weights_hash(weights),
         weights_file=WEIGHTS_FILE,
         graphs=graphs,
@@ -167,6 +163,7 @@ def manifest_for(
         dropout=DropoutSection(
             [float(rate) for rate in spec.rates], list(mask_input_names(model)), [list(s) for s in spec.mask_shapes]
         ),
+        spec=model.spec,
         quantization=quantization,
         head=head_section(model),
     )
@@ -179,14 +176,14 @@ def head_section(model: SplitDropoutModel) -> HeadSection:
     return HeadSection(PENULTIMATE_GRAPH, FEATURES_NAME, PENULTIMATE_OUTPUT, f"{layer}.weight", f"{layer}.bias", rate)
 
 
-def ensure_bundle_files(weights: Weights, out_dir: Path, model_name: str = "paper-cnn") -> dict[str, bytes]:
+def ensure_bundle_files(weights: Weights, out_dir: Path, spec: ModelSpec = DEFAULT_SPEC) -> dict[str, bytes]:
     """The files of weights' fp32 bundle in out_dir, exported first unless a valid one is already there.
 
     The coordinator calls this once per global model to ship the bundle beside the weights.
     """
     out_dir = Path(out_dir)
     if not (out_dir / MANIFEST_NAME).exists():
-        write_bundle(weights, out_dir, model_name)
+        write_bundle(weights, out_dir, spec)
     bundle = load_bundle(out_dir)
     if bundle.manifest.weights_hash != weights_hash(weights):
         raise BundleError(

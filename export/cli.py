@@ -8,8 +8,10 @@ from pathlib import Path
 import numpy as np
 
 from edge_agent.bundle import load_bundle
-from edge_agent.fashion_mnist import DatasetMissingError, load_fashion_mnist, normalise
+from edge_agent.fashion_mnist import DatasetMissingError, load_fashion_mnist
 from edge_agent.files import load_arrays
+from edge_agent.image_arrays import model_input
+from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec, load_model_spec
 from edge_agent.tensors import Weights
 from export.bundle_writer import write_bundle
 from export.onnx_graphs import DEFAULT_OPSET
@@ -20,7 +22,9 @@ CALIBRATION_IMAGES = 512
 def add_bundle_options(parser: argparse.ArgumentParser) -> None:
     """Where the bundle goes and what it holds: shared by fl-export and fl-coordinator export."""
     parser.add_argument("--out", type=Path, required=True, help="bundle folder to create")
-    parser.add_argument("--model", default="paper-cnn")
+    parser.add_argument(
+        "--model-spec", type=Path, help="TOML model spec of the weights (default: the run's, else the paper CNN)"
+    )
     parser.add_argument("--opset", type=int, default=DEFAULT_OPSET)
     parser.add_argument("--int8", action="store_true", help="also write an int8 prefix and print its accuracy change")
     parser.add_argument("--data-dir", type=Path, help="Fashion-MNIST files for int8 calibration and the test check")
@@ -36,17 +40,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def export_weights(weights: Weights, origin: str, args: argparse.Namespace) -> None:
-    """Writes and verifies the bundle of `weights` (int8 prefix too with --int8) and prints what was written."""
+def export_weights(weights: Weights, origin: str, args: argparse.Namespace, spec: ModelSpec = DEFAULT_SPEC) -> None:
+    """Writes and verifies the bundle of `weights` (int8 prefix too with --int8) and prints what was written;
+    --model-spec, when given, overrides `spec`."""
+    spec = load_model_spec(args.model_spec).spec if args.model_spec else spec
     int8_data = None
+    if args.int8 and spec != DEFAULT_SPEC:
+        raise ValueError("--int8 calibrates on Fashion-MNIST, so it needs the default model spec")
     if args.int8:
         dataset = load_fashion_mnist(args.data_dir)
         int8_data = (
-            normalise(dataset.train_images[:CALIBRATION_IMAGES]),
-            normalise(dataset.test_images),
+            model_input(dataset.train_images[:CALIBRATION_IMAGES]),
+            model_input(dataset.test_images),
             dataset.test_labels.astype(np.int64),
         )
-    manifest = write_bundle(weights, args.out, args.model, args.opset, int8_data)
+    manifest = write_bundle(weights, args.out, spec, args.opset, int8_data)
     load_bundle(args.out)
     print(f"exported {origin} (weights {manifest.weights_hash[:16]}) to {args.out}")
     quantization = manifest.quantization

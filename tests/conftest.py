@@ -8,7 +8,8 @@ import pytest
 from fleet import stop_all
 
 from coordinator.broker import EmbeddedBroker, free_loopback_port
-from edge_agent.fashion_mnist import FashionMNIST, load_fashion_mnist
+from edge_agent.fashion_mnist import load_fashion_mnist
+from edge_agent.image_arrays import ImageDataset
 
 
 @pytest.fixture
@@ -26,7 +27,7 @@ def module_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedded
 
 
 @pytest.fixture(scope="module")
-def fashion() -> FashionMNIST:
+def fashion() -> ImageDataset:
     """The Fashion-MNIST files, read once per module."""
     return load_fashion_mnist()
 

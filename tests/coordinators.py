@@ -15,9 +15,12 @@ from coordinator.store import RoundRecord, RunStore
 from coordinator.strategies import Strategy
 from coordinator.validation import Expectation
 from edge_agent import wire
-from edge_agent.models import NUM_CLASSES, build_model, weight_spec
+from edge_agent.model_spec import DEFAULT_SPEC
+from edge_agent.models import build_model, weight_spec
 from edge_agent.mqtt import BrokerAddress, MqttSession
 from edge_agent.tensors import Weights, weights_hash
+
+NUM_CLASSES = DEFAULT_SPEC.num_classes
 
 
 def local_coordinator(
@@ -47,7 +50,7 @@ def coordinator_on(store: RunStore, strategy: Strategy) -> Coordinator:
     split = LabelledSplit.from_uint8(images, np.zeros(2, dtype=np.int64))
     session = MqttSession(BrokerAddress("127.0.0.1", 1), client_id="never-connects")
     return local_coordinator(
-        "fleet", session, store, strategy, Evaluator("paper-cnn", split, split, 1, 0), RoundPolicy(3)
+        "fleet", session, store, strategy, Evaluator(DEFAULT_SPEC, split, split, 1, 0), RoundPolicy(3)
     )
 
 

@@ -19,6 +19,7 @@ from edge_agent import wire
 from edge_agent.device_data import LABELS_FILE
 from edge_agent.files import load_arrays
 from edge_agent.labelled_record import source_code
+from edge_agent.model_spec import DEFAULT_SPEC
 from edge_agent.models import build_model, get_weights
 from edge_agent.mqtt import BrokerAddress, MqttSession
 from edge_agent.tensors import weights_hash
@@ -272,7 +273,7 @@ def announce_round(
     session.connect(timeout=10)
     weights = get_weights(build_model(seed=1))
     model_hash = weights_hash(weights)
-    model = wire.encode(wire.ModelMessage(model_hash, "paper-cnn", weights))
+    model = wire.encode(wire.ModelMessage(model_hash, DEFAULT_SPEC, weights))
     session.publish(wire.model_topic(fleet, model_hash), model, retain=True, wait=10)
     if bundle_dir is not None:
         bundle = wire.encode(wire.BundleMessage(model_hash, ensure_bundle_files(weights, bundle_dir)))

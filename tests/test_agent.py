@@ -14,6 +14,7 @@ from edge_agent.agent import LAST_ROUND_KEY, Agent
 from edge_agent.agent_settings import AgentSettings
 from edge_agent.device_data import DeviceData
 from edge_agent.fashion_mnist import load_fashion_mnist
+from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec
 from edge_agent.models import build_model, get_weights
 from edge_agent.mqtt import MqttSession
 from edge_agent.oracle import SimulatedOracle
@@ -51,10 +52,15 @@ class FakeCoordinator:
         self.session.subscribe(wire.all_devices_topic(FLEET, "status"))
 
     def start_round(
-        self, round_id: int, weights: dict, model_hash: str | None = None, recipe: wire.Recipe = RECIPE
+        self,
+        round_id: int,
+        weights: dict,
+        model_hash: str | None = None,
+        recipe: wire.Recipe = RECIPE,
+        spec: ModelSpec = DEFAULT_SPEC,
     ) -> str:
         model_hash = model_hash or weights_hash(weights)
-        message = wire.ModelMessage(model_hash, "paper-cnn", weights)
+        message = wire.ModelMessage(model_hash, spec, weights)
         self.session.publish(wire.model_topic(FLEET, model_hash), wire.encode(message), retain=True, wait=10)
         announcement = wire.RoundAnnouncement("run-1", round_id, model_hash, recipe, time.time() + 60)
         self.session.publish(wire.round_topic(FLEET), wire.encode(announcement), retain=True, wait=10)
@@ -120,6 +126,38 @@ def test_agent_answers_a_round_with_one_update_and_keeps_its_labels(broker, tmp_
     assert on_disk.count_labels("oracle") == 24 and on_disk.get_state(LAST_ROUND_KEY) == 1
     labelled_indices, labels = on_disk.labelled()
     assert np.array_equal(labels, shard.all_labels[labelled_indices])
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        (
+            ModelSpec("rgb-cnn", 3, 32, 32, [0.5] * 3, [0.25] * 3, list("abcdefghij")),
+            "the model takes 32x32x3 images, this device holds 28x28",
+        ),
+        (
+            ModelSpec(class_names=[f"class {index}" for index in range(5)]),
+            "the model has 5 classes, this device's labels have 10",
+        ),
+    ],
+)
+def test_a_device_whose_data_does_not_fit_the_spec_refuses_the_round_in_one_line_and_keeps_everything(
+    broker, tmp_path, shard, caplog, spec: ModelSpec, reason: str
+):
+    coordinator = FakeCoordinator(broker)
+    agent, thread = start_agent(broker, tmp_path / "state", shard)
+    before = (tmp_path / "state" / "labels.npz").read_bytes()
+    try:
+        coordinator.start_round(1, get_weights(build_model(spec, seed=3)), spec=spec)
+        status = coordinator.next_on("status", 60, lambda m: wire.decode(m.payload, wire.Status).state == "error")
+        assert status is not None, "the device did not report the refused round"
+        assert coordinator.next_on("update", timeout=1) is None
+    finally:
+        stop_agent(agent, thread)
+        coordinator.close()
+    refusals = [r.getMessage() for r in caplog.records if "round refused" in r.getMessage()]
+    assert refusals == [f"round refused device={DEVICE} round=1 reason={reason}"]
+    assert (tmp_path / "state" / "labels.npz").read_bytes() == before
 
 
 def test_restarted_agent_does_not_redo_a_finished_round(broker, tmp_path, shard):

@@ -12,10 +12,13 @@ from coordinator.intake import RoundCollector
 from coordinator.store import RunStore
 from coordinator.validation import Expectation, Rejection
 from edge_agent import wire
-from edge_agent.models import NUM_CLASSES, build_model, get_weights, weight_spec
+from edge_agent.model_spec import DEFAULT_SPEC
+from edge_agent.models import build_model, get_weights, weight_spec
 from edge_agent.tensors import weights_hash
 
-MODEL = build_model("paper-cnn", seed=0)
+NUM_CLASSES = DEFAULT_SPEC.num_classes
+
+MODEL = build_model(seed=0)
 WEIGHTS = get_weights(MODEL)
 BASE_HASH = weights_hash(WEIGHTS)
 KEYS = {"dev-00": b"k" * 32, "dev-01": b"q" * 32}

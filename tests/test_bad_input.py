@@ -50,7 +50,7 @@ def bad_updates(rogue: FakeDevice, announcement: wire.RoundAnnouncement, base: d
 
     return [
         ("undecodable bytes", b"\xc1\x00not msgpack", "undecodable: undecodable msgpack"),
-        ("wrong wire version", rewrite(valid(), v=2), "wire version 2 is not supported"),
+        ("wrong wire version", rewrite(valid(), v=1), "wire version 1 is not supported"),
         ("missing field", rewrite(valid(), tensors=None), "missing field 'tensors'"),
         ("wrong field type", rewrite(valid(), num_samples="many"), "update.num_samples must be an integer"),
         ("not the device's topic", wire.encode(valid(device_id="dev-a")), "does not match the topic's 'dev-r'"),

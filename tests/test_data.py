@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from edge_agent import files
 from edge_agent.device_data import LABELS_FILE, STATE_FILE, DeviceData
@@ -15,10 +16,11 @@ from edge_agent.fashion_mnist import (
     DEFAULT_DATA_DIR,
     DatasetMissingError,
     load_fashion_mnist,
-    normalise,
     read_idx,
 )
 from edge_agent.files import atomic_write_bytes, load_arrays, save_arrays
+from edge_agent.image_arrays import model_input
+from edge_agent.models import build_model
 from edge_agent.shard import Shard, load_shard, open_device_data, save_shard
 
 TEST_IMAGES = DEFAULT_DATA_DIR / "t10k-images-idx3-ubyte.gz"
@@ -98,14 +100,24 @@ def test_missing_data_dir_says_how_to_fix(tmp_path):
     assert "\n" not in message
 
 
-def test_normalise_matches_dataset_statistics(test_split):
+def test_model_input_scales_pixels_and_the_default_models_standardisation_matches_the_dataset(test_split):
     images = test_split[0]
-    out = normalise(images[:2000])
+    out = model_input(images[:2000])
     assert out.shape == (2000, 1, 28, 28) and out.dtype == np.float32
-    assert out[0, 0, 0, 0] == pytest.approx((0 / 255 - 0.2860) / 0.3530)
-    assert abs(float(out.mean())) < 0.05 and abs(float(out.std()) - 1.0) < 0.05
+    assert out.min() == 0.0 and out.max() == 1.0
+    standardised = build_model().standardise(torch.from_numpy(out)).numpy()
+    assert standardised[0, 0, 0, 0] == pytest.approx((0 / 255 - 0.2860) / 0.3530)
+    assert abs(float(standardised.mean())) < 0.05 and abs(float(standardised.std()) - 1.0) < 0.05
+    colour = np.zeros((2, 8, 8, 3), dtype=np.uint8)
+    colour[:, :, :, 2] = 255
+    channels_first = model_input(colour)
+    assert (
+        channels_first.shape == (2, 3, 8, 8)
+        and np.all(channels_first[:, 2] == 1.0)
+        and np.all(channels_first[:, :2] == 0)
+    )
     with pytest.raises(ValueError, match="uint8"):
-        normalise(images[:3].astype(np.float32))
+        model_input(images[:3].astype(np.float32))
 
 
 def test_atomic_write_replaces_content(tmp_path):

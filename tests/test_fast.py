@@ -18,8 +18,10 @@ from edge_agent.agent import Agent
 from edge_agent.agent_settings import AgentSettings
 from edge_agent.device_data import DeviceData
 from edge_agent.encoder import OnnxEncoder, encoder_hash
-from edge_agent.fashion_mnist import load_fashion_mnist, normalise
+from edge_agent.fashion_mnist import load_fashion_mnist
+from edge_agent.image_arrays import model_input
 from edge_agent.learner import make_learner
+from edge_agent.model_spec import DEFAULT_SPEC
 from edge_agent.models import build_model, get_weights
 from edge_agent.mqtt import BrokerAddress, MqttSession
 from edge_agent.oracle import SimulatedOracle
@@ -82,7 +84,7 @@ def test_exported_encoder_matches_the_model_s_penultimate_layer(encoder_bytes: b
     images = load_fashion_mnist().test_images[:16]
     model = build_model(seed=0).eval()
     with torch.no_grad():
-        expected = model.penultimate(model.prefix(torch.from_numpy(normalise(images)))).numpy()
+        expected = model.penultimate(model.prefix(torch.from_numpy(model_input(images)))).numpy()
     embedded = OnnxEncoder(encoder_bytes).embed(images)
     assert embedded.shape == (16, 128)
     np.testing.assert_allclose(embedded, expected, rtol=1e-4, atol=1e-5)
@@ -111,7 +113,7 @@ def make_agent(tmp_path: Path, pool_size: int, encoder: bytes) -> Agent:
 
 def round_models(agent: Agent, model, recipe: wire.Recipe) -> RoundModels:
     """The round's models as the agent builds them: a learner over the model's weights, the held encoder."""
-    learner = make_learner(agent.settings, agent.data.state_dir, get_weights(model), None)
+    learner = make_learner(agent.settings, agent.data.state_dir, DEFAULT_SPEC, get_weights(model), None)
     return RoundModels(learner, "base", recipe, encoder=agent.artefacts.encoders.get(recipe.encoder))
 
 
@@ -184,10 +186,10 @@ def test_an_encoder_with_the_wrong_hash_is_ignored(tmp_path, encoder_bytes) -> N
 
 def test_bad_encoder_files_give_one_line_errors(tmp_path) -> None:
     with pytest.raises(ValueError, match="no such file"):
-        load_encoder(tmp_path / "missing.onnx")
+        load_encoder(tmp_path / "missing.onnx", DEFAULT_SPEC)
     (tmp_path / "junk.onnx").write_bytes(b"not onnx")
     with pytest.raises(ValueError, match="cannot embed a 28x28 image") as error:
-        load_encoder(tmp_path / "junk.onnx")
+        load_encoder(tmp_path / "junk.onnx", DEFAULT_SPEC)
     assert "\n" not in str(error.value)
 
 

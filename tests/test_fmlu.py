@@ -18,7 +18,8 @@ from coordinator.validation import Expectation, Rejection, validate_update
 from edge_agent import wire
 from edge_agent.fashion_mnist import load_fashion_mnist
 from edge_agent.files import load_arrays
-from edge_agent.models import NUM_CLASSES, build_model, get_weights, set_weights, weight_spec
+from edge_agent.model_spec import DEFAULT_SPEC
+from edge_agent.models import build_model, get_weights, set_weights, weight_spec
 from edge_agent.tensors import weights_hash
 from edge_agent.training import (
     DMLU,
@@ -29,6 +30,8 @@ from edge_agent.training import (
     mutual_losses,
     private_model_path,
 )
+
+NUM_CLASSES = DEFAULT_SPEC.num_classes
 
 RECIPE = wire.Recipe(local_rule="dmlu", epochs=1, batch_size=16, learning_rate=0.05, momentum=0.0, weight_decay=0.0)
 

@@ -22,16 +22,15 @@ from coordinator.store import RunStore
 from coordinator.strategies import AveFL
 from coordinator.validation import Expectation, Rejection, validate_update
 from edge_agent import wire
+from edge_agent.model_spec import DEFAULT_SPEC
 from edge_agent.models import build_model, get_weights, weight_spec
 from edge_agent.mqtt import IncomingMessage, MqttSession
 from edge_agent.tensors import weights_hash
 
 FLEET = "fuzz"
 DEVICE = "dev-1"
-BASE = get_weights(build_model("paper-cnn", seed=0))
-EXPECTATION = Expectation(
-    3, weights_hash(BASE), weight_spec(build_model("paper-cnn")), 10, wire.DEFAULT_MAX_MESSAGE_BYTES
-)
+BASE = get_weights(build_model(seed=0))
+EXPECTATION = Expectation(3, weights_hash(BASE), weight_spec(build_model()), 10, wire.DEFAULT_MAX_MESSAGE_BYTES)
 VALID = wire.encode(
     wire.Update(
         device_id=DEVICE,
@@ -131,7 +130,7 @@ def coordinator(tmp_path_factory):
         session.connect(timeout=30)
         try:
             yield local_coordinator(
-                FLEET, session, store, AveFL(), Evaluator("paper-cnn", split, split, 1, 0), RoundPolicy(rounds=3)
+                FLEET, session, store, AveFL(), Evaluator(DEFAULT_SPEC, split, split, 1, 0), RoundPolicy(rounds=3)
             )
         finally:
             session.close()

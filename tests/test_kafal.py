@@ -27,6 +27,7 @@ from edge_agent.agent import LAST_ROUND_KEY, Agent
 from edge_agent.agent_settings import AgentSettings
 from edge_agent.device_data import DeviceData
 from edge_agent.local_data import training_view
+from edge_agent.model_spec import DEFAULT_SPEC
 from edge_agent.models import build_model, get_weights, weight_spec
 from edge_agent.mqtt import MqttSession
 from edge_agent.oracle import SimulatedOracle
@@ -253,7 +254,7 @@ def test_unselected_device_acquires_but_never_trains_nor_sends(broker, tmp_path,
 
     def announce(round_id: int, participants: list[str]) -> None:
         model_hash = weights_hash(weights)
-        model = wire.ModelMessage(model_hash, "paper-cnn", weights)
+        model = wire.ModelMessage(model_hash, DEFAULT_SPEC, weights)
         coordinator.publish(wire.model_topic("kafal", model_hash), wire.encode(model), retain=True, wait=10)
         coordinator.publish(
             wire.round_topic("kafal"),
@@ -307,7 +308,7 @@ def test_only_participants_may_send_and_the_quorum_counts_them(broker, tmp_path,
     observer = MqttSession(broker.address, client_id="observer")
     with RunStore(tmp_path / "run") as store:
         policy = RoundPolicy(rounds=1, quorum=10, participation=0.5)
-        evaluator = Evaluator("paper-cnn", split, split, 1, 0)
+        evaluator = Evaluator(DEFAULT_SPEC, split, split, 1, 0)
         coordinator = local_coordinator("kafal", session, store, make_strategy("fedavg"), evaluator, policy)
         session.connect(timeout=10)
         observer.connect(timeout=10)

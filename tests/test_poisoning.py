@@ -20,6 +20,7 @@ from coordinator.store import RunStore
 from edge_agent import wire
 from edge_agent.agent import Agent
 from edge_agent.agent_settings import AgentSettings
+from edge_agent.model_spec import DEFAULT_SPEC
 from edge_agent.mqtt import BrokerAddress, MqttSession
 from edge_agent.oracle import SimulatedOracle
 from edge_agent.shard import load_shard, open_device_data
@@ -52,7 +53,7 @@ def round_one(tmp_path_factory, module_broker) -> tuple[dict, dict[str, bytes]]:
                 open_device_data(launch.state_dir, shard),
                 SimulatedOracle(shard.all_labels),
             )
-            payloads[launch.device_id] = wire.encode(agent.rounds.run(announcement, base))
+            payloads[launch.device_id] = wire.encode(agent.rounds.run(announcement, DEFAULT_SPEC, base))
     finally:
         session.close()
     return base, payloads

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from edge_agent.bundle import load_bundle
-from edge_agent.fashion_mnist import load_fashion_mnist, normalise
+from edge_agent.fashion_mnist import load_fashion_mnist
+from edge_agent.image_arrays import model_input
 from edge_agent.mc_dropout import TorchMCDropout
 from edge_agent.mc_scorer import DropoutSpec, batch_masks, dropout_masks
 from edge_agent.models import build_model, get_weights
@@ -61,13 +62,13 @@ def test_masks_are_scaled_binary_and_seeded() -> None:
 def test_all_ones_masks_give_the_eval_mode_tail(model: torch.nn.Module, images: np.ndarray) -> None:
     model.eval()
     with torch.no_grad():
-        features = model.prefix(torch.from_numpy(normalise(images[:16])))
+        features = model.prefix(torch.from_numpy(model_input(images[:16])))
         ones = [torch.ones(16, *shape) for shape in model.dropout_mask_shapes]
         assert torch.equal(model.tail_with_masks(features, ones), model.tail(features))
 
 
 def test_torch_and_onnxruntime_agree_under_the_same_masks(model, bundle_dir: Path, images: np.ndarray) -> None:
-    normalised = normalise(images)
+    normalised = model_input(images)
     torch_probs = TorchMCDropout(model, batch_size=64).probabilities(normalised, 8, seed=11)
     ort_probs = OrtMCDropout(load_bundle(bundle_dir), batch_size=64).probabilities(normalised, 8, seed=11)
     assert torch_probs.shape == ort_probs.shape == (8, 300, 10)
@@ -77,7 +78,7 @@ def test_torch_and_onnxruntime_agree_under_the_same_masks(model, bundle_dir: Pat
 
 def test_the_batch_size_does_not_change_the_passes(model, bundle_dir: Path, images: np.ndarray) -> None:
     """Masks are drawn per image, so torch at batch 256 and onnxruntime at batch 7 give the same passes."""
-    inputs = normalise(images[:40])
+    inputs = model_input(images[:40])
     torch_probs = TorchMCDropout(model, 256).probabilities(inputs, 5, seed=11)
     ort_probs = OrtMCDropout(load_bundle(bundle_dir), batch_size=7).probabilities(inputs, 5, seed=11)
     assert np.abs(torch_probs - ort_probs).max() <= 1e-5
@@ -86,7 +87,7 @@ def test_the_batch_size_does_not_change_the_passes(model, bundle_dir: Path, imag
 
 def test_onnxruntime_passes_differ_so_dropout_survived(bundle_dir: Path, images: np.ndarray) -> None:
     scorer = OrtMCDropout(load_bundle(bundle_dir), batch_size=100)
-    normalised = normalise(images[:100])
+    normalised = model_input(images[:100])
     probs = scorer.probabilities(normalised, 4, seed=1)
     other_seed = scorer.probabilities(normalised, 4, seed=2)
     assert float(np.max(np.abs(probs[0] - probs[1]))) > 1e-3
@@ -186,7 +187,7 @@ def test_batch_masks_are_the_per_image_draws_stacked_pass_major_and_reuse_buffer
 def test_raw_images_and_any_tail_rows_give_the_same_passes(bundle_dir: Path, images: np.ndarray) -> None:
     """uint8 images are normalised per batch; splitting a batch's passes over tail calls changes nothing."""
     bundle = load_bundle(bundle_dir)
-    reference = OrtMCDropout(bundle, batch_size=16, tail_rows=None).probabilities(normalise(images[:50]), 7, seed=4)
+    reference = OrtMCDropout(bundle, batch_size=16, tail_rows=None).probabilities(model_input(images[:50]), 7, seed=4)
     for tail_rows in (1, 40, 1000):
         probs = OrtMCDropout(bundle, batch_size=16, tail_rows=tail_rows).probabilities(images[:50], 7, seed=4)
         assert probs.shape == (7, 50, 10) and probs.dtype == np.float32
@@ -197,7 +198,7 @@ def test_raw_images_give_the_torch_back_end_the_same_passes(model, images: np.nd
     scorer = TorchMCDropout(model, batch_size=32)
     assert (
         np.abs(
-            scorer.probabilities(images[:40], 3, seed=2) - scorer.probabilities(normalise(images[:40]), 3, seed=2)
+            scorer.probabilities(images[:40], 3, seed=2) - scorer.probabilities(model_input(images[:40]), 3, seed=2)
         ).max()
         <= 1e-6
     )

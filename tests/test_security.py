@@ -19,8 +19,11 @@ from coordinator.simulate import BenchSettings, secure_bench, simulate
 from coordinator.store import RunStore
 from edge_agent import wire
 from edge_agent.credentials import load_credentials
-from edge_agent.models import NUM_CLASSES, build_model, get_weights
+from edge_agent.model_spec import DEFAULT_SPEC
+from edge_agent.models import build_model, get_weights
 from edge_agent.mqtt import BrokerAddress
+
+NUM_CLASSES = DEFAULT_SPEC.num_classes
 
 pytestmark = pytest.mark.integration
 

@@ -179,7 +179,7 @@ def test_mixfl_prefers_the_average_on_a_tie_and_evaluates_each_model_once() -> N
 def test_one_sgd_step_then_avefl_equals_one_step_with_the_mean_gradient() -> None:
     # Eq. 3-4: from a common W0, mean_i (W0 - lr * g_i) = W0 - lr * mean_i g_i.
     lr, devices = 0.1, 3
-    model = build_model("paper-cnn", seed=0).eval()
+    model = build_model(seed=0).eval()
     w0 = get_weights(model)
     generator = torch.Generator().manual_seed(0)
     stepped, gradients = [], []

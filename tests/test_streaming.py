@@ -10,10 +10,13 @@ from coordinator.round_aggregator import StreamingAggregator, SuspectPolicy
 from coordinator.strategies import AveFL, FedAvg, Median, make_strategy
 from coordinator.validation import Expectation
 from edge_agent import wire
-from edge_agent.models import NUM_CLASSES, build_model, get_weights, weight_spec
+from edge_agent.model_spec import DEFAULT_SPEC
+from edge_agent.models import build_model, get_weights, weight_spec
 from edge_agent.tensors import weights_hash
 
-MODEL = build_model("paper-cnn", seed=0)
+NUM_CLASSES = DEFAULT_SPEC.num_classes
+
+MODEL = build_model(seed=0)
 BASE = get_weights(MODEL)
 
 

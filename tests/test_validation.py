@@ -10,11 +10,14 @@ import pytest
 from coordinator.intake import RoundCollector
 from coordinator.validation import Expectation, Rejection, validate_update
 from edge_agent import wire
-from edge_agent.models import NUM_CLASSES, build_model, get_weights, weight_spec
+from edge_agent.model_spec import DEFAULT_SPEC
+from edge_agent.models import build_model, get_weights, weight_spec
 from edge_agent.tensors import weights_hash
 from edge_agent.wire import RejectionKind
 
-MODEL = build_model("paper-cnn", seed=0)
+NUM_CLASSES = DEFAULT_SPEC.num_classes
+
+MODEL = build_model(seed=0)
 WEIGHTS = get_weights(MODEL)
 BASE_HASH = weights_hash(WEIGHTS)
 ROUND = 7

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from edge_agent import wire
+from edge_agent.model_spec import DEFAULT_SPEC
 
 KEY = b"fleet-secret-key"
 
@@ -40,7 +41,15 @@ def make_update(**changes) -> wire.Update:
 
 def envelope(kind: str = "ack", **fields) -> dict:
     """A raw v1 envelope for an Ack, with fields overridden or removed (value None removes)."""
-    raw = {"v": 1, "kind": kind, "device_id": "dev-1", "round_id": 2, "update_id": "u", "accepted": True, "reason": ""}
+    raw = {
+        "v": wire.WIRE_VERSION,
+        "kind": kind,
+        "device_id": "dev-1",
+        "round_id": 2,
+        "update_id": "u",
+        "accepted": True,
+        "reason": "",
+    }
     raw.update(fields)
     return {k: v for k, v in raw.items() if v is not None}
 
@@ -77,9 +86,9 @@ def test_round_announcement_round_trip_with_recipe_options():
 
 
 def test_model_message_round_trip():
-    message = wire.ModelMessage("ef" * 32, "paper-cnn", tensors())
+    message = wire.ModelMessage("ef" * 32, DEFAULT_SPEC, tensors())
     decoded = wire.decode(wire.encode(message), wire.ModelMessage)
-    assert (decoded.model_hash, decoded.model_name) == (message.model_hash, message.model_name)
+    assert (decoded.model_hash, decoded.spec) == (message.model_hash, message.spec)
     assert_tensors_equal(decoded.tensors, message.tensors)
 
 
@@ -99,7 +108,7 @@ def test_bundle_message_round_trip():
     ],
 )
 def test_bundle_message_refuses_paths_and_wrong_types(files, fragment):
-    payload = pack({"v": 1, "kind": "bundle", "model_hash": "ab" * 32, "files": files})
+    payload = pack({"v": wire.WIRE_VERSION, "kind": "bundle", "model_hash": "ab" * 32, "files": files})
     with pytest.raises(wire.WireError, match=re.escape(fragment)):
         wire.decode(payload, wire.BundleMessage)
 
@@ -170,7 +179,7 @@ def test_tensor_round_trip_every_dtype_and_byte_order(name, order):
     np.testing.assert_array_equal(decoded, array)
     assert decoded.tobytes() == array.astype(np.dtype(name)).tobytes()  # bit-exact, -0.0 included
     # and through a whole message, too
-    message = wire.decode(wire.encode(wire.ModelMessage("h", "m", {"t": array})), wire.ModelMessage)
+    message = wire.decode(wire.encode(wire.ModelMessage("h", DEFAULT_SPEC, {"t": array})), wire.ModelMessage)
     np.testing.assert_array_equal(message.tensors["t"], array)
 
 
@@ -214,7 +223,7 @@ def test_encode_tensor_rejects_unsupported_dtype(dtype):
 
 def model_with_tensor(raw_tensor) -> bytes:
     """A ModelMessage envelope carrying one hand-made tensor map."""
-    return pack({"v": 1, "kind": "model", "model_hash": "h", "model_name": "m", "tensors": {"w": raw_tensor}})
+    return pack({"v": wire.WIRE_VERSION, "kind": "model", "model_hash": "h", "spec": {}, "tensors": {"w": raw_tensor}})
 
 
 def good_tensor(**fields) -> dict:
@@ -236,7 +245,7 @@ def test_good_hand_made_envelopes_decode():
         (b"\xc1", wire.Ack, "undecodable msgpack"),
         (b"", wire.Ack, "undecodable msgpack"),
         (wire.encode(wire.Ack("d", 1, "u", True)) + b"\x00", wire.Ack, "undecodable msgpack"),
-        (pack(envelope(v=2)), wire.Ack, "wire version 2 is not supported"),
+        (pack(envelope(v=1)), wire.Ack, "wire version 1 is not supported (this side speaks 2)"),
         (pack(envelope(v=None)), wire.Ack, "wire version None is not supported"),
         (pack(envelope(kind="status")), wire.Ack, "expected a 'ack' message, got kind 'status'"),
         (wire.encode(wire.Status("d", "idle", 1.0)), wire.Update, "expected a 'update' message, got kind 'status'"),

@@ -61,7 +61,12 @@ def report_html(snapshot: RunSnapshot, sweep: list[str] | None = None) -> str:
     run = run_view(snapshot, None)
     rounds = rounds_view(snapshot)
     title = f"edge-fal run {run['run_id'] or '(unnamed)'}"
-    parts = [f"<h1>{html.escape(title)}</h1>", run_table(run, rounds), *devices_section(devices_view(snapshot, None))]
+    parts = [
+        f"<h1>{html.escape(title)}</h1>",
+        run_table(run, rounds),
+        model_table(run["model"]),
+        *devices_section(devices_view(snapshot, None)),
+    ]
     if not rounds:
         return page(title, [*parts, "<p>No round has been committed yet.</p>"])
     return page(title, parts + charts_section(snapshot, rounds) + (sweep or []) + timeline_section(rounds))
@@ -80,6 +85,15 @@ def run_table(run: dict, rounds: list[dict]) -> str:
         time.strftime("%Y-%m-%d %H:%M:%S"),
     ]
     return table(["fleet", "strategy", "rounds", "final accuracy", "labels used", "written"], [row])
+
+
+def model_table(model: dict) -> str:
+    """The model the run trained: architecture, input shape, class names (index: name) and spec hash."""
+    shape = "x".join(str(side) for side in model["input_shape"])
+    names = ", ".join(f"{index}: {name}" for index, name in enumerate(model["class_names"]))
+    return table(
+        ["model", "input", "classes", "spec"], [[model["architecture"], shape, names, model["spec_hash"][:12]]]
+    )
 
 
 def devices_section(devices: list[dict]) -> list[str]:

@@ -11,7 +11,8 @@ from typing import Any, TypeVar
 
 from coordinator.dashboard.live import LiveState
 from coordinator.method_flags import recipe_view
-from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
+from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore, stored_spec
+from edge_agent.model_spec import spec_hash
 
 T = TypeVar("T")
 Rejection = tuple[int, str, str, int, float]  # round id, device id, reason, bytes, recorded at
@@ -76,6 +77,22 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+def class_names(snapshot: RunSnapshot) -> list[str]:
+    """The run's class names, from the model spec in its stored settings."""
+    return list(stored_spec(snapshot.config).class_names)
+
+
+def model_view(snapshot: RunSnapshot) -> dict:
+    """The run's model spec as the dashboard shows it: architecture, input shape, class names, spec hash."""
+    spec = stored_spec(snapshot.config)
+    return {
+        "architecture": spec.architecture,
+        "input_shape": list(spec.input_shape),
+        "class_names": list(spec.class_names),
+        "spec_hash": spec_hash(spec),
+    }
+
+
 def run_view(snapshot: RunSnapshot, live: LiveState | None) -> dict:
     """The run's identity and progress: id, fleet, strategy, rounds done and planned, the current round and phase."""
     settings = snapshot.config.get("settings", {})
@@ -87,6 +104,7 @@ def run_view(snapshot: RunSnapshot, live: LiveState | None) -> dict:
     return {
         "run_id": snapshot.config.get("run_id"),
         "fleet": settings.get("fleet"),
+        "model": model_view(snapshot),
         "strategy": settings.get("strategy"),
         "recipe": recipe,
         "methods": recipe_view(
@@ -218,7 +236,7 @@ def class_accuracy_view(snapshot: RunSnapshot, round_id: int) -> dict | None:
     aggregate = record.metrics.get("class_accuracy", [])
     return {
         "round": round_id,
-        "classes": list(range(len(aggregate))),
+        "classes": class_names(snapshot)[: len(aggregate)],
         "aggregate": aggregate,
         "devices": record.metrics.get("device_class_accuracy", {}),
     }

@@ -216,6 +216,8 @@ async function refresh() {
     document.getElementById("run-id").textContent = run.run_id || "-";
     document.getElementById("run-fleet").textContent = run.fleet || "-";
     document.getElementById("run-strategy").textContent = run.strategy || "-";
+    document.getElementById("run-model").textContent =
+      `${run.model.architecture} ${run.model.input_shape.join("x")}: ${run.model.class_names.join(", ")}`;
     document.getElementById("round-counter").textContent = String(run.round);
     document.getElementById("round-total").textContent = run.total_rounds === null ? "-" : String(run.total_rounds);
     document.getElementById("run-phase").textContent = run.phase;
