@@ -98,14 +98,13 @@ def add_recipe_options(parser: argparse.ArgumentParser) -> None:
     recipe.add_argument(
         "--update-encoding",
         default=wire.Recipe.update_encoding,
-        choices=ENCODINGS,
-        help="what devices send: float32 weights, or their delta from the round's model in fp16 or int8",
+        help=f"what devices send: {', '.join(ENCODINGS)} (weights, or their delta from the round's model in fp16 or "
+        f"int8; default {wire.Recipe.update_encoding})",
     )
     recipe.add_argument(
         "--update-scales",
         default=wire.Recipe.update_scales,
-        choices=SCALES,
-        help="int8-delta: a scale per tensor or per output channel",
+        help=f"int8-delta's scales: {' or '.join(SCALES)} (one per tensor, or per output channel)",
     )
     recipe.add_argument(
         "--update-top-k",
