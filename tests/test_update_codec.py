@@ -10,7 +10,12 @@ import msgpack
 import numpy as np
 import pytest
 
+from coordinator.broker import EmbeddedBroker
 from coordinator.intake import RoundCollector
+from coordinator.rounds import RoundPolicy
+from coordinator.server import InitSettings, ServerSettings
+from coordinator.simulate import BenchSettings, simulate
+from coordinator.store import RunStore
 from coordinator.validation import MAX_REASON_CHARS, Expectation, Rejection, validate_update
 from edge_agent import wire
 from edge_agent.tensors import spec_of, weights_hash
@@ -390,3 +395,50 @@ def test_both_commands_take_the_encoding_flags_and_refuse_a_bad_one_in_one_line(
     )
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "top-k sends a sparse delta: it needs fp16-delta or int8-delta" in result.stderr
+
+
+# --- through a real broker ----------------------------------------------------------------------------------------
+
+
+def one_round(run_dir: Path, broker: EmbeddedBroker, encoding: str) -> Path:
+    """One round of two real agent processes sending `encoding` updates; the accepted updates are kept."""
+    settings = ServerSettings(
+        run_dir=run_dir,
+        fleet=f"codec-{encoding}",
+        recipe=wire.Recipe(
+            sampler="random", labels_per_acquisition=20, epochs=1, mc_passes=2, batch_size=20, update_encoding=encoding
+        ),
+        policy=RoundPolicy(rounds=1, min_devices=2, quorum=2, round_timeout=120),
+        init=InitSettings(samples=50, epochs=2),
+        validation_samples=100,
+        test_samples=300,
+        evaluate_devices=False,
+        ship_bundles=False,
+        keep_updates=True,
+    )
+    simulate(settings, BenchSettings(devices=2, partition="type1", pool_size=100), lambda result: None, broker.address)
+    return run_dir
+
+
+@pytest.mark.integration
+def test_int8_deltas_through_a_real_broker_give_the_float32_model_within_half_a_scale_step(tmp_path: Path) -> None:
+    """The same seeded round twice, devices sending float32 weights, then int8 deltas: the committed model differs
+    by at most half the largest scale step of any device, each int8 update is about a quarter of the bytes, and the
+    per-layer divergence (measured on updates read back from the spool) is the float32 run's."""
+    with EmbeddedBroker(tmp_path / "broker") as broker:
+        runs = {encoding: one_round(tmp_path / encoding, broker, encoding) for encoding in ("float32", "int8-delta")}
+    models, sizes, divergences = {}, {}, {}
+    for encoding, run_dir in runs.items():
+        with RunStore(run_dir) as store:
+            assert [(r.round_id, r.accepted, r.rejected) for r in store.rounds()] == [(1, 2, 0)]
+            models[encoding] = store.checkpoints.load(1)
+            sizes[encoding] = [d.update_bytes for d in store.device_rounds(1)]
+            divergences[encoding] = [d.divergence for d in store.device_rounds(1)]
+            spooled = [wire.decode(p, wire.Update) for p in store.spool.payloads(1).values()]
+        assert {u.encoding for u in spooled} == {encoding}
+    assert all(b <= 0.27 * a for a, b in zip(sizes["float32"], sizes["int8-delta"], strict=True))
+    for exact, decoded in zip(divergences["float32"], divergences["int8-delta"], strict=True):
+        assert decoded == pytest.approx(exact, rel=0.02), "the spool read back for divergence decodes deltas too"
+    for name, weights in models["float32"].items():
+        half_step = max(float(u.scales[name].max()) for u in spooled) / 2
+        assert 0 < np.abs(models["int8-delta"][name] - weights).max() <= half_step * 1.001 + 1e-6, name
