@@ -9,15 +9,20 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+from coordinators import local_coordinator
 
 from coordinator.broker import EmbeddedBroker
+from coordinator.evaluation import Evaluator, LabelledSplit
 from coordinator.intake import RoundCollector
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.simulate import BenchSettings, simulate
 from coordinator.store import RunStore
+from coordinator.strategies import make_strategy
 from coordinator.validation import MAX_REASON_CHARS, Expectation, Rejection, validate_update
 from edge_agent import wire
+from edge_agent.models import build_model, get_weights
+from edge_agent.mqtt import MqttSession
 from edge_agent.tensors import spec_of, weights_hash
 from edge_agent.update_codec import (
     RESIDUAL_FILE,
@@ -442,3 +447,29 @@ def test_int8_deltas_through_a_real_broker_give_the_float32_model_within_half_a_
     for name, weights in models["float32"].items():
         half_step = max(float(u.scales[name].max()) for u in spooled) / 2
         assert 0 < np.abs(models["int8-delta"][name] - weights).max() <= half_step * 1.001 + 1e-6, name
+
+
+@pytest.mark.integration
+def test_a_restarted_coordinator_decodes_a_spooled_delta_against_the_rounds_base(tmp_path: Path, broker) -> None:
+    """The spool keeps the raw int8 payload; a new coordinator process opening the round takes it back through the
+    same checks, and its streamed aggregate and divergence read the payload back decoded against the base."""
+    base = get_weights(build_model(seed=0))
+    device_weights = {name: (array + 0.01).astype(np.float32) for name, array in base.items()}
+    encoded = UpdateCodec("int8-delta", "channel").encode(device_weights, base)[0]
+    update = dataclasses.replace(
+        update_of(encoded, round_id=1, base_hash=weights_hash(base), class_counts=[1] * 10), device_id="dev-a"
+    )
+    session = MqttSession(broker.address, client_id="coordinator")
+    split = LabelledSplit.from_uint8(np.zeros((2, 28, 28), np.uint8), np.zeros(2, np.int64))
+    with RunStore(tmp_path / "run") as store:
+        store.spool.add(1, "dev-a", wire.encode(update))
+        evaluator = Evaluator("paper-cnn", split, split, 1, 0)
+        coordinator = local_coordinator("codec", session, store, make_strategy("avefl"), evaluator, RoundPolicy(1))
+        session.connect(timeout=10)
+        opened = coordinator.open(1, base)
+        assert list(opened.collector.accepted) == ["dev-a"] and opened.collector.rejected == {}
+        aggregate = opened.aggregator.finish(None)
+    session.close()
+    for name, weights in device_weights.items():
+        assert np.abs(aggregate.weights[name] - weights).max() <= encoded.scales[name].max() / 2 + 1e-6, name
+    assert max(aggregate.divergence["dev-a"].values()) < 1e-6
