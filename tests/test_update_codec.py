@@ -192,6 +192,7 @@ def test_a_recipe_codec_that_does_not_fit_is_refused(codec: UpdateCodec, message
 
 
 def update_of(encoded: Encoded, **changes) -> wire.Update:
+    """An update of round 3 from the base carrying `encoded`; keyword arguments replace fields."""
     update = wire.Update(
         device_id="dev-1",
         round_id=3,
@@ -258,6 +259,7 @@ SPARSE = UpdateCodec("int8-delta", "channel", 0.5).encode(WEIGHTS, BASE)[0]
 
 
 def rejection(update: wire.Update) -> Rejection:
+    """The Rejection validation gives the update (failing the test when it passes), its reason within the cap."""
     with pytest.raises(Rejection) as info:
         validate_update("dev-1", wire.encode(update), EXPECTATION)
     assert len(info.value.reason) <= MAX_REASON_CHARS
