@@ -61,7 +61,7 @@ class RunSpec:
     local_rule: str
     scale: Scale
     out: Path
-    recipe: dict[str, float] = dataclasses.field(default_factory=dict)  # other recipe fields, e.g. learning_rate
+    recipe: dict[str, Any] = dataclasses.field(default_factory=dict)  # other recipe fields, e.g. learning_rate
     strategy_options: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property

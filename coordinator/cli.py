@@ -45,6 +45,7 @@ from edge_agent.sampling import make_sampler
 from edge_agent.schedule import check_schedule
 from edge_agent.shutdown import Terminated, raise_on_sigterm
 from edge_agent.training import LOCAL_RULES, OPTIMIZERS, make_local_rule
+from edge_agent.update_codec import ENCODINGS, SCALES, UpdateCodec
 from export.cli import add_bundle_options, export_weights
 
 log = logging.getLogger("coordinator")
@@ -101,6 +102,24 @@ def add_recipe_options(parser: argparse.ArgumentParser) -> None:
     recipe.add_argument("--weight-decay", type=float, default=wire.Recipe.weight_decay)
     recipe.add_argument("--mc-passes", type=int, default=10)
     recipe.add_argument("--seed", type=int, default=0)
+    recipe.add_argument(
+        "--update-encoding",
+        default=wire.Recipe.update_encoding,
+        help=f"what devices send: {', '.join(ENCODINGS)} (weights, or their delta from the round's model in fp16 or "
+        f"int8; default {wire.Recipe.update_encoding})",
+    )
+    recipe.add_argument(
+        "--update-scales",
+        default=wire.Recipe.update_scales,
+        help=f"int8-delta's scales: {' or '.join(SCALES)} (one per tensor, or per output channel)",
+    )
+    recipe.add_argument(
+        "--update-top-k",
+        type=float,
+        default=wire.Recipe.update_top_k,
+        metavar="FRACTION",
+        help="send only this fraction of each tensor's delta (largest first; the device keeps the rest for later rounds)",
+    )
 
 
 def add_server_data_options(parser: argparse.ArgumentParser) -> None:
@@ -322,12 +341,15 @@ def recipe_from(args: argparse.Namespace, options: dict[str, float]) -> wire.Rec
         rounds_per_acquisition=args.rounds_per_acquisition,
         initial_label_fraction=args.initial_label_fraction,
         label_fraction=args.label_fraction,
+        update_encoding=args.update_encoding,
+        update_scales=args.update_scales,
+        update_top_k=args.update_top_k,
     )
 
 
 def validate_recipe_names(settings: ServerSettings) -> None:
-    """Fails fast, before any process starts, on a sampler, rule or strategy nobody knows, a bad method
-    parameter, or a strategy that weighs updates by a metric the local rule does not report."""
+    """Fails fast, before any process starts, on a sampler, rule, strategy or update encoding nobody knows, a bad
+    method parameter, or a strategy that weighs updates by a metric the local rule does not report."""
     make_sampler(settings.recipe.sampler)
     rule = make_local_rule(settings.recipe.local_rule)
     strategy = make_strategy(settings.strategy, **settings.strategy_options)
@@ -340,6 +362,7 @@ def validate_recipe_names(settings: ServerSettings) -> None:
             f"{rule.name!r} does not report; use --local-rule {' or '.join(sorted(fitting))}"
         )
     check_schedule(settings.recipe)
+    UpdateCodec.of(settings.recipe)
     if settings.encoder_path is not None:
         load_encoder(settings.encoder_path, settings.spec)
 

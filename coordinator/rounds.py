@@ -17,7 +17,7 @@ from coordinator.observer import RoundObserver, RoundResult
 from coordinator.presence import Presence
 from coordinator.publisher import RetainedPublisher
 from coordinator.round_aggregator import RoundAggregator, SuspectPolicy, make_aggregator
-from coordinator.validation import Expectation
+from coordinator.validation import Expectation, with_weights
 from edge_agent import wire
 from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec
 from edge_agent.mqtt import IncomingMessage, MqttSession
@@ -147,7 +147,7 @@ class Coordinator:
         base_hash = weights_hash(global_weights)
         rules = self.rules
         aggregator = make_aggregator(
-            self.parts.closer.strategy, global_weights, rules.suspects, self.spooled_reader(round_id)
+            self.parts.closer.strategy, global_weights, rules.suspects, self.spooled_reader(round_id, global_weights)
         )
         collector = RoundCollector(self.expectation(round_id, global_weights, base_hash), aggregator.absorb)
         online = sorted(self.parts.presence.online())
@@ -172,15 +172,18 @@ class Coordinator:
             self.rules.policy.max_update_bytes,
             authenticator.check if authenticator else None,
             self.parts.closer.strategy.metric_bounds(self.rules.spec.num_classes),
+            global_weights,
         )
 
-    def spooled_reader(self, round_id: int) -> Callable[[list[str]], Iterator[ClientUpdate]]:
-        """Reads a round's accepted updates back from the spool one at a time (a streamed round keeps none)."""
+    def spooled_reader(self, round_id: int, base: Weights) -> Callable[[list[str]], Iterator[ClientUpdate]]:
+        """Reads a round's accepted updates back from the spool one at a time (a streamed round keeps none),
+        delta-encoded ones decoded against the round's base model again."""
         spool, limit = self.parts.intake.store.spool, self.rules.policy.max_update_bytes
 
         def read(devices: list[str]) -> Iterator[ClientUpdate]:
             for device in devices:
-                yield client_update(wire.decode(spool.payload(round_id, device), wire.Update, max_bytes=limit))
+                update = wire.decode(spool.payload(round_id, device), wire.Update, max_bytes=limit)
+                yield client_update(with_weights(update, base))
 
         return read
 

@@ -1,6 +1,7 @@
 # Checks every incoming update before it may touch the aggregate: schema, round, base model, tensors, values.
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -8,7 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edge_agent import wire
-from edge_agent.tensors import WeightSpec, check_layout
+from edge_agent.tensors import Weights, WeightSpec, check_layout
+from edge_agent.update_codec import CodecError, Encoded, decode_update
 from edge_agent.wire import RejectionKind
 
 METRIC_TOLERANCE = 1e-4
@@ -35,7 +37,8 @@ class Rejection(Exception):
 
 @dataclass(frozen=True)
 class Expectation:
-    """What a valid update for the current round looks like."""
+    """What a valid update for the current round looks like; `base` is the round's model, which delta-encoded
+    updates are decoded against."""
 
     round_id: int
     base_hash: str
@@ -44,6 +47,7 @@ class Expectation:
     max_bytes: int
     authenticate: Callable[[wire.Update, int], None] | None = None
     required_metrics: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    base: Weights = field(default_factory=dict)
 
 
 def validate_update(device_id: str, payload: bytes, expected: Expectation) -> wire.Update:
@@ -52,6 +56,7 @@ def validate_update(device_id: str, payload: bytes, expected: Expectation) -> wi
     if expected.authenticate is not None:
         expected.authenticate(update, expected.round_id)
     check_round(update, expected)
+    update = with_weights(update, expected.base)
     check_tensors(update, expected)
     check_counts(update, expected.num_classes)
     check_required_metrics(update.metrics, expected.required_metrics)
@@ -90,6 +95,16 @@ def check_round(update: wire.Update, expected: Expectation) -> None:
             f"base model mismatch: update trained from {update.base_hash[:12]}, "
             f"round {expected.round_id} announced {expected.base_hash[:12]}",
         )
+
+
+def with_weights(update: wire.Update, base: Weights) -> wire.Update:
+    """The update as float32 weights: a delta-encoded one decoded against the base model of its round; a
+    malformed encoding (a scale that is NaN, infinite, zero or negative, bad sparse indices) is a Rejection."""
+    try:
+        weights = decode_update(Encoded.of(update), base)
+    except CodecError as error:
+        raise Rejection(error.kind, f"encoded update: {error}") from None
+    return dataclasses.replace(update, tensors=weights, encoding="float32", scales={}, indices={})
 
 
 def check_tensors(update: wire.Update, expected: Expectation) -> None:

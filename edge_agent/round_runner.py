@@ -23,6 +23,7 @@ from edge_agent.round_inputs import RoundModels
 from edge_agent.sampling import make_sampler
 from edge_agent.schedule import acquires_in_round, round_in_active_round
 from edge_agent.tensors import Weights
+from edge_agent.update_codec import ResidualStore, UpdateCodec, encode_update
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class RoundRunner:
         recipe, round_id = announcement.recipe, announcement.round_id
         participating = not announcement.participants or self.settings.device_id in announcement.participants
         bundle = self.artefacts.bundles.get(announcement.model_hash)
-        problem = round_problem(self.settings, recipe, bundle) or spec_problem(spec, self.data)
+        problem = round_problem(self.settings, recipe, bundle) or spec_problem(spec, self.data) or codec_problem(recipe)
         if problem is not None:
             log.error("round refused device=%s round=%d reason=%s", self.settings.device_id, round_id, problem)
             self.report("error", round_id)
@@ -100,7 +101,7 @@ class RoundRunner:
             if done is None:
                 break
             metrics = done
-        return self.update_of(announcement, models, metrics) if participating else None
+        return self.update_of(announcement, models, metrics, global_weights) if participating else None
 
     def run_step(
         self, models: RoundModels, round_id: int, step: int, acquires: bool, trains: bool
@@ -129,9 +130,12 @@ class RoundRunner:
         return metrics
 
     def update_of(
-        self, announcement: wire.RoundAnnouncement, models: RoundModels, metrics: dict[str, float]
+        self, announcement: wire.RoundAnnouncement, models: RoundModels, metrics: dict[str, float], base: Weights
     ) -> wire.Update:
-        """The round's update: the trained weights with the counts and metrics strategies need."""
+        """The round's update: the trained weights (or their delta from the base, as the recipe encodes it) with
+        the counts and metrics strategies need."""
+        codec = UpdateCodec.of(announcement.recipe)
+        encoded = encode_update(models.learner.weights(), base, codec, ResidualStore(self.data.state_dir))
         return wire.Update(
             device_id=self.settings.device_id,
             round_id=announcement.round_id,
@@ -141,6 +145,18 @@ class RoundRunner:
             class_counts=[int(c) for c in self.data.class_counts()],
             acquired_labels=self.data.count_labels("oracle"),
             metrics=metrics,
-            tensors=models.learner.weights(),
+            tensors=encoded.tensors,
             nonce=os.urandom(16),
+            encoding=encoded.encoding,
+            scales=encoded.scales,
+            indices=encoded.indices,
         )
+
+
+def codec_problem(recipe: wire.Recipe) -> str | None:
+    """Why this device cannot encode its update as the recipe asks (e.g. an encoding it does not know), or None."""
+    try:
+        UpdateCodec.of(recipe)
+    except ValueError as error:
+        return str(error)
+    return None

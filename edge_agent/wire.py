@@ -45,6 +45,10 @@ Tensors = dict[str, np.ndarray]
 
 METRIC_MEME_ENTROPY = "meme_entropy"
 
+# A field with this metadata is left out of the message while it holds its default, so a message that does not use
+# it (a float32 update, a recipe without compression) has the same bytes as before the field existed.
+OMITTED_AT_DEFAULT = {"omitted_at_default": True}
+
 
 class RejectionKind(StrEnum):
     """Why an update was refused, as a stable label for acks, the store and metrics (the reason text says more)."""
@@ -67,6 +71,7 @@ class RejectionKind(StrEnum):
     UNKNOWN_DEVICE = "unknown_device"
     BAD_SIGNATURE = "bad_signature"
     REPLAY = "replay"
+    BAD_ENCODING = "bad_encoding"
 
 
 class WireError(ValueError):
@@ -93,6 +98,9 @@ class Recipe:
     initial_label_fraction: float = 0.0
     label_fraction: float = 0.0
     encoder: str = ""
+    update_encoding: str = field(default="float32", metadata=OMITTED_AT_DEFAULT)
+    update_scales: str = field(default="tensor", metadata=OMITTED_AT_DEFAULT)
+    update_top_k: float = field(default=0.0, metadata=OMITTED_AT_DEFAULT)
 
 
 @dataclass(frozen=True)
@@ -147,7 +155,9 @@ class EncoderMessage:
 
 @dataclass(frozen=True)
 class Update:
-    """A device's result for one round: full weights plus the counts and metrics strategies need."""
+    """A device's result for one round: its weights (or their delta from the base model, see
+    edge_agent.update_codec: `encoding`, int8 `scales`, top-k flat `indices`) plus the counts and metrics
+    strategies need."""
 
     KIND: ClassVar[str] = "update"
     device_id: str
@@ -161,6 +171,9 @@ class Update:
     tensors: Tensors
     nonce: bytes = b""
     signature: bytes = b""
+    encoding: str = field(default="float32", metadata=OMITTED_AT_DEFAULT)
+    scales: Tensors = field(default_factory=dict, metadata=OMITTED_AT_DEFAULT)
+    indices: Tensors = field(default_factory=dict, metadata=OMITTED_AT_DEFAULT)
 
 
 @dataclass(frozen=True)
@@ -395,7 +408,8 @@ def _check_value(where: str, hint: Any, value: Any) -> Any:
 
 def _to_wire(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
-        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        fields = [f for f in dataclasses.fields(value) if not _omitted(value, f)]
+        return {f.name: _to_wire(getattr(value, f.name)) for f in fields}
     if isinstance(value, np.ndarray):
         return encode_tensor(value)
     if isinstance(value, dict):
@@ -405,6 +419,15 @@ def _to_wire(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     return value
+
+
+def _omitted(value: Any, f: dataclasses.Field) -> bool:
+    """True for a field marked OMITTED_AT_DEFAULT that holds its default (decoding restores it)."""
+    if not f.metadata.get("omitted_at_default"):
+        return False
+    default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+    current = getattr(value, f.name)
+    return type(current) is type(default) and bool(current == default)
 
 
 def _is_int(value: Any) -> bool:
