@@ -14,9 +14,11 @@ from edge_agent.agent_settings import AgentSettings
 from edge_agent.device_data import DeviceData
 from edge_agent.field_options import FieldSettings
 from edge_agent.folder_oracle import FolderOracle, QueryBook
-from edge_agent.folder_pool import MODEL_INPUT, InputSpec, open_folder_data
+from edge_agent.folder_pool import open_folder_data
+from edge_agent.image_files import MODEL_INPUT, InputSpec
 from edge_agent.label_ui import LabelServer, parse_listen_address
 from edge_agent.learner import Learner, make_learner
+from edge_agent.manifest import BundleManifest
 from edge_agent.profile import DeviceProfile
 from edge_agent.round_inputs import RoundModels, mc_probabilities
 from edge_agent.sampling import Heuristic, make_sampler
@@ -135,7 +137,7 @@ def _input_spec(manifest_path: Path | None) -> InputSpec:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{manifest_path}: unreadable manifest ({exc})") from exc
-    return InputSpec.from_manifest(manifest, str(manifest_path))
+    return InputSpec.from_manifest(BundleManifest.from_json(manifest, str(manifest_path)), str(manifest_path))
 
 
 def open_field(

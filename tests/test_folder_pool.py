@@ -11,15 +11,8 @@ import pytest
 from PIL import Image
 
 from edge_agent.fashion_mnist import load_fashion_mnist
-from edge_agent.folder_pool import (
-    MODEL_INPUT,
-    FolderPool,
-    InputSpec,
-    UnreadableImageError,
-    decode_image,
-    folder_pool_of,
-    open_folder_data,
-)
+from edge_agent.folder_pool import FolderPool, folder_pool_of, open_folder_data
+from edge_agent.image_files import MODEL_INPUT, InputSpec, UnreadableImageError, decode_image
 
 
 @pytest.fixture(scope="module")
@@ -166,10 +159,8 @@ def test_folder_store_refuses_shard_state_and_foreign_input_shapes(tmp_path, fas
         open_folder_data(tmp_path / "s", tmp_path / "missing", pool_cap=10)
 
 
-def test_input_spec_comes_from_a_bundle_manifest_and_a_foreign_normalisation_is_refused():
-    manifest = {"input_shape": [1, 28, 28], "normalisation": {"scale": 1 / 255, "mean": 0.2860, "std": 0.3530}}
-    assert InputSpec.from_manifest(manifest) == MODEL_INPUT
-    with pytest.raises(ValueError, match="normalisation"):
-        InputSpec.from_manifest({**manifest, "normalisation": {"scale": 1 / 255, "mean": 0.5, "std": 0.5}})
-    with pytest.raises(ValueError, match="input_shape"):
-        InputSpec.from_manifest({**manifest, "input_shape": [2, 28, 28]})
+def test_folder_store_refuses_a_foreign_normalisation(tmp_path):
+    (tmp_path / "camera").mkdir()
+    with pytest.raises(ValueError, match=r"1x28x28, \(pixel / 255 - \[0.5\]\) / \[0.5\]"):
+        open_folder_data(tmp_path / "s", tmp_path / "camera", 10, InputSpec(1, 28, 28, (0.5,), (0.5,)))
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["camera"], "nothing was created"
