@@ -1,4 +1,4 @@
-# The edge-agent command line: `edge-agent run` serves a fleet's rounds; `edge-agent score` scores a pool file.
+# The edge-agent command line: `edge-agent run` serves a fleet's rounds; `edge-agent score` scores a pool file or folder.
 from __future__ import annotations
 
 import argparse
@@ -39,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     add_run_arguments(commands.add_parser("run", help="join a fleet and serve its rounds"))
     add_score_arguments(
-        commands.add_parser("score", help="score a pool file with a model bundle and print one JSON line")
+        commands.add_parser(
+            "score", help="score a pool file or image folder with a model bundle and print one JSON line"
+        )
     )
     return parser
 
@@ -73,7 +75,12 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
 def add_score_arguments(score: argparse.ArgumentParser) -> None:
     """`edge-agent score`: a bundle, a pool, the sampler and how to run it."""
     score.add_argument("--bundle", required=True, type=Path, help="a model bundle folder written by fl-export")
-    score.add_argument("--pool", required=True, type=Path, help="an IDX images file (.gz ok) or a shard .npz")
+    score.add_argument(
+        "--pool",
+        required=True,
+        type=Path,
+        help="an IDX images file (.gz ok), a shard .npz, an .npy array, or a folder of JPEG/PNG images",
+    )
     score.add_argument("--passes", type=int, default=20, help="MC-dropout passes (capped by --profile)")
     score.add_argument("--top", type=int, default=400, help="how many samples to select")
     score.add_argument("--sampler", default=wire.Recipe.sampler)

@@ -1,7 +1,6 @@
 # A field device's parts: the folder pool, the folder oracle, the label page, and the work between rounds.
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -14,9 +13,11 @@ from edge_agent.agent_settings import AgentSettings
 from edge_agent.device_data import DeviceData
 from edge_agent.field_options import FieldSettings
 from edge_agent.folder_oracle import FolderOracle, QueryBook
-from edge_agent.folder_pool import MODEL_INPUT, InputSpec, open_folder_data
+from edge_agent.folder_pool import open_folder_data
+from edge_agent.image_files import InputSpec
 from edge_agent.label_ui import LabelServer, parse_listen_address
 from edge_agent.learner import Learner, make_learner
+from edge_agent.model_spec import DEFAULT_SPEC, load_model_spec
 from edge_agent.profile import DeviceProfile
 from edge_agent.round_inputs import RoundModels, mc_probabilities
 from edge_agent.sampling import Heuristic, make_sampler
@@ -127,17 +128,6 @@ class FieldParts:
     label_server: LabelServer | None
 
 
-def _input_spec(manifest_path: Path | None) -> InputSpec:
-    """The model's input from a bundle manifest, or the paper CNN's."""
-    if manifest_path is None:
-        return MODEL_INPUT
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{manifest_path}: unreadable manifest ({exc})") from exc
-    return InputSpec.from_manifest(manifest, str(manifest_path))
-
-
 def open_field(
     field: FieldSettings, state_dir: Path, settings: AgentSettings, profile: DeviceProfile | None
 ) -> FieldParts:
@@ -145,10 +135,12 @@ def open_field(
     pool_cap = profile.pool_size_cap if profile else DEFAULT_POOL_CAP
     oracle_dir = field.oracle_dir or state_dir / "labelling"
     listen = parse_listen_address(field.label_ui) if field.label_ui else None
+    spec = load_model_spec(field.model_spec).spec if field.model_spec else DEFAULT_SPEC
+    images = InputSpec(spec.channels, spec.height, spec.width)
     data = open_folder_data(
-        state_dir, field.pool_dir, pool_cap, _input_spec(field.manifest), field.settle_seconds, skip_dirs=(oracle_dir,)
+        state_dir, field.pool_dir, pool_cap, images, field.settle_seconds, (oracle_dir,), spec.num_classes
     )
-    book = QueryBook(oracle_dir)
+    book = QueryBook(oracle_dir, tuple(spec.class_names))
     oracle = FolderOracle(book, data, field.answer_wait)
     stream = None
     if field.stream:

@@ -13,9 +13,9 @@ def add_field_arguments(run: argparse.ArgumentParser) -> None:
     field = run.add_argument_group("field device")
     field.add_argument("--pool-dir", type=Path, help="folder of JPEG/PNG images (a camera's); new files join the pool")
     field.add_argument(
-        "--manifest",
+        "--model-spec",
         type=Path,
-        help="a model bundle's manifest.json giving the input shape (default: the paper CNN's 1x28x28)",
+        help="the fleet's TOML model spec: input shape and class names (default: the paper CNN on Fashion-MNIST)",
     )
     field.add_argument(
         "--oracle-dir", type=Path, help="where queries are copied and labels.csv is read (default STATE_DIR/labelling)"
@@ -52,7 +52,7 @@ class FieldSettings:
     """A field device's folder pool, folder oracle, label page and stream acquisition, as the command line set them."""
 
     pool_dir: Path
-    manifest: Path | None = None
+    model_spec: Path | None = None
     oracle_dir: Path | None = None
     answer_wait: float = 120.0
     label_ui: str | None = None
@@ -67,7 +67,7 @@ def field_settings(args: argparse.Namespace) -> FieldSettings:
     """FieldSettings from parsed `edge-agent run` arguments (with --pool-dir)."""
     return FieldSettings(
         pool_dir=args.pool_dir,
-        manifest=args.manifest,
+        model_spec=args.model_spec,
         oracle_dir=args.oracle_dir,
         answer_wait=args.answer_wait,
         label_ui=args.label_ui,

@@ -4,92 +4,30 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import shutil
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
 
 from edge_agent.bundle import file_sha256
 from edge_agent.device_data import IMAGES_FILE, LABELS_FILE, DeviceData, initialise_store
-from edge_agent.image_arrays import IMAGE_SHAPE
-from edge_agent.manifest import PIXEL_INPUT
+from edge_agent.fashion_mnist import CLASS_NAMES
+from edge_agent.image_files import (
+    MODEL_INPUT,
+    QUARANTINE_DIR,
+    InputSpec,
+    UnreadableImageError,
+    decode_image,
+    folder_files,
+)
 
 log = logging.getLogger(__name__)
 
-IMAGE_FORMATS = ("JPEG", "PNG")
-SKIPPED_SUFFIXES = (".tmp", ".part", ".partial", ".crdownload")
-QUARANTINE_DIR = "quarantine"
 DEFAULT_SETTLE_SECONDS = 2.0
-
-
-class UnreadableImageError(ValueError):
-    """A pool file is not a complete JPEG or PNG image; the message names the file and the reason."""
-
-
-@dataclass(frozen=True)
-class InputSpec:
-    """What the model takes: channels (1 = grayscale, 3 = RGB), height and width of one uint8 image."""
-
-    channels: int
-    height: int
-    width: int
-
-    @property
-    def record_shape(self) -> tuple[int, ...]:
-        """Shape of one stored image: (H, W) for grayscale, (H, W, 3) for colour."""
-        return (self.height, self.width) if self.channels == 1 else (self.height, self.width, self.channels)
-
-    @property
-    def record_bytes(self) -> int:
-        """Bytes of one stored image."""
-        return math.prod(self.record_shape)
-
-    @classmethod
-    def from_manifest(cls, manifest: Mapping[str, Any], where: str = "manifest") -> InputSpec:
-        """The input shape of a model bundle's manifest, after checking its graphs take pixels / 255."""
-        shape = manifest.get("input_shape")
-        if (
-            not isinstance(shape, list)
-            or len(shape) != 3
-            or not all(isinstance(d, int) and d > 0 for d in shape)
-            or shape[0] not in (1, 3)
-        ):
-            raise ValueError(f"{where}: input_shape must be [channels (1 or 3), height, width], got {shape!r}")
-        norm = manifest.get("normalisation") or {}
-        expected = {"scale": PIXEL_INPUT.scale, "mean": PIXEL_INPUT.mean, "std": PIXEL_INPUT.std}
-        if not all(isinstance(norm.get(k), (int, float)) and math.isclose(norm[k], v) for k, v in expected.items()):
-            raise ValueError(
-                f"{where}: normalisation {str(norm)[:120]} differs from the agent's (pixel / 255 into graphs that "
-                "standardise themselves)"
-            )
-        return cls(*shape)
-
-
-MODEL_INPUT = InputSpec(1, *IMAGE_SHAPE)
-
-
-def decode_image(path: Path, spec: InputSpec) -> np.ndarray:
-    """A JPEG or PNG file -> uint8 array of spec.record_shape (converted to the channels, resized bilinearly)."""
-    try:
-        with Image.open(path) as image:
-            image_format = image.format
-            if image_format in IMAGE_FORMATS:
-                mode = "L" if spec.channels == 1 else "RGB"
-                image.draft(mode, (spec.width, spec.height))
-                converted = image.convert(mode).resize((spec.width, spec.height), Image.Resampling.BILINEAR)
-                return np.asarray(converted, dtype=np.uint8)
-    except UnidentifiedImageError:
-        raise UnreadableImageError(f"{path}: not an image") from None
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        raise UnreadableImageError(f"{path}: unreadable or truncated image ({exc})") from exc
-    raise UnreadableImageError(f"{path}: {image_format} is not JPEG or PNG")
 
 
 @dataclass(frozen=True)
@@ -181,21 +119,7 @@ class FolderPool:
 
     def _candidates(self) -> Iterator[tuple[Path, str, os.stat_result]]:
         """(path, relative POSIX path, stat) of every visible regular file, oldest modification first."""
-        found = []
-        for root, dirs, files in os.walk(self.pool_dir):
-            root_path = Path(root)
-            dirs[:] = sorted(
-                d for d in dirs if not d.startswith(".") and (root_path / d).resolve() not in self._skip_dirs
-            )
-            for name in files:
-                if name.startswith(".") or name.lower().endswith(SKIPPED_SUFFIXES):
-                    continue
-                path = root_path / name
-                try:
-                    stat = path.stat()
-                except FileNotFoundError:
-                    continue
-                found.append((path, path.relative_to(self.pool_dir).as_posix(), stat))
+        found = folder_files(self.pool_dir, self._skip_dirs)
         return iter(sorted(found, key=lambda entry: (entry[2].st_mtime_ns, entry[1])))
 
     def _quarantine(self, path: Path, rel: str, error: UnreadableImageError) -> None:
@@ -268,23 +192,22 @@ def open_folder_data(
     spec: InputSpec = MODEL_INPUT,
     settle_seconds: float = DEFAULT_SETTLE_SECONDS,
     skip_dirs: tuple[Path, ...] = (),
+    num_classes: int = len(CLASS_NAMES),
 ) -> DeviceData:
     """A device's store over a camera folder (its indices are the pool's stable item indices), resumed or started,
-    after one scan. The unlabelled pool is the newest pool_cap items; older unlabelled ones leave the pool index
-    (their files stay where they are)."""
+    after one scan, for a model of `spec`'s input shape and `num_classes` classes. The unlabelled pool is the newest
+    pool_cap items; older unlabelled ones leave the pool index (their files stay where they are)."""
     state_dir = Path(state_dir)
-    if spec.record_shape != IMAGE_SHAPE:
-        raise ValueError(
-            f"the agent's models take 1x{IMAGE_SHAPE[0]}x{IMAGE_SHAPE[1]} images, the manifest says "
-            f"{spec.channels}x{spec.height}x{spec.width}"
-        )
+    agents_own = InputSpec(spec.channels, spec.height, spec.width)
+    if not spec.same_as(agents_own):
+        raise ValueError(f"the agent's models take {agents_own.describe()}; the manifest says {spec.describe()}")
     if pool_cap < 1:
         raise ValueError(f"the pool size cap must be positive, got {pool_cap}")
     if (state_dir / IMAGES_FILE).exists():
         raise ValueError(f"{state_dir} holds a shard's device data; use a fresh state directory for a folder pool")
     pool = FolderPool(pool_dir, state_dir / POOL_STORE, spec, settle_seconds, skip_dirs=(state_dir, *skip_dirs))
     if not (state_dir / LABELS_FILE).is_file():
-        initialise_store(state_dir)
+        initialise_store(state_dir, num_classes=num_classes)
     data = DeviceData(state_dir, pool, pool_cap)
     data.refresh()
     return data

@@ -1,4 +1,4 @@
-# `edge-agent score`: MC-dropout scores of a pool file with a bundle's model, top-k, throughput and peak memory.
+# `edge-agent score`: MC-dropout scores of a pool file or image folder with a bundle's model, top-k, speed and memory.
 from __future__ import annotations
 
 import resource
@@ -13,6 +13,7 @@ import numpy as np
 
 from edge_agent.bundle import Bundle, load_bundle
 from edge_agent.fashion_mnist import read_idx
+from edge_agent.image_files import FolderImages, InputSpec, read_image_folder
 from edge_agent.mc_scorer import MCScorer
 from edge_agent.sampling import make_heuristic, top_k
 
@@ -40,11 +41,6 @@ def load_pool_images(path: Path, limit: int | None = None) -> np.ndarray:
     An .npy file is memory-mapped read-only, so only the pages a batch touches are resident; IDX and .npz
     pools are read once as uint8 (an IDX file only up to `limit` images). Images are normalised a batch at a time while scoring.
     """
-    if path.is_dir():
-        raise ValueError(
-            f"{path} is a folder; image folders are not supported yet: pass an IDX images file, a "
-            "shard .npz or an .npy array"
-        )
     if not path.is_file():
         raise FileNotFoundError(f"pool file {path} does not exist")
     if path.suffix == ".npy":
@@ -103,22 +99,33 @@ def score_pool(
 ) -> dict[str, Any]:
     """Scores a pool and returns the selection with images_per_second and peak_rss_mb (the command's JSON).
 
-    The pool stays uint8 (memory-mapped for .npy) and is normalised a batch at a time; batch_size None is the
-    back end's DEFAULT_BATCHES entry.
+    An array pool stays uint8 (memory-mapped for .npy) and is normalised a batch at a time. An image folder is
+    decoded to the bundle's input shape and normalisation (float32, 4 * C * H * W bytes an image; --limit bounds
+    it); its broken files are skipped, left in place and reported. batch_size None is the back end's
+    DEFAULT_BATCHES entry.
     """
     heuristic = make_heuristic(sampler)
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be at least 1, got {limit}")
-    images = load_pool_images(pool_path, limit)[:limit]
+    bundle = load_bundle(bundle_path)
+    folder = (
+        read_image_folder(pool_path, InputSpec.from_manifest(bundle.manifest), limit) if pool_path.is_dir() else None
+    )
+    images = folder.images if folder is not None else load_pool_images(pool_path, limit)[:limit]
     batch_size = batch_size if batch_size is not None else DEFAULT_BATCHES.get(backend, DEFAULT_BATCHES["onnxruntime"])
-    scorer = make_scorer(backend, load_bundle(bundle_path), batch_size, threads, precision, providers)
+    scorer = make_scorer(backend, bundle, batch_size, threads, precision, providers)
     started = time.perf_counter()
     probabilities = scorer.probabilities(images, passes, seed) if heuristic.needs_probabilities else None
     scores = heuristic.scores(probabilities, len(images), np.random.default_rng(seed))
     selected = top_k(scores, top)
     seconds = time.perf_counter() - started
     run = {"backend": scorer.name, "precision": precision, "passes": passes, "sampler": sampler}
-    return {**run, **selection_report(len(images), batch_size, selected, seconds)}
+    return {**run, **selection_report(len(images), batch_size, selected, seconds), **_folder_report(folder, selected)}
+
+
+def _folder_report(folder: FolderImages | None, selected: np.ndarray) -> dict[str, Any]:
+    """For an image folder: the selected files, and the files skipped with their reasons (nothing for arrays)."""
+    return {} if folder is None else folder.report(selected)
 
 
 def selection_report(images: int, batch_size: int, selected: np.ndarray, seconds: float) -> dict[str, Any]:

@@ -11,15 +11,8 @@ import pytest
 from PIL import Image
 
 from edge_agent.fashion_mnist import load_fashion_mnist
-from edge_agent.folder_pool import (
-    MODEL_INPUT,
-    FolderPool,
-    InputSpec,
-    UnreadableImageError,
-    decode_image,
-    folder_pool_of,
-    open_folder_data,
-)
+from edge_agent.folder_pool import FolderPool, folder_pool_of, open_folder_data
+from edge_agent.image_files import MODEL_INPUT, InputSpec, UnreadableImageError, decode_image
 
 
 @pytest.fixture(scope="module")
@@ -153,23 +146,22 @@ def test_device_data_over_a_folder_caps_the_pool_oldest_out_and_keeps_labels(tmp
     assert folder_pool_of(reopened).item(4).path == "04.png"
 
 
-def test_folder_store_refuses_shard_state_and_foreign_input_shapes(tmp_path, fashion):
+def test_folder_store_refuses_shard_state_and_takes_the_specs_input_shape(tmp_path, fashion):
     from edge_agent.device_data import DeviceData
 
     (tmp_path / "camera").mkdir()
     DeviceData.create(tmp_path / "bench", fashion[0][:3])
     with pytest.raises(ValueError, match="shard's device data"):
         open_folder_data(tmp_path / "bench", tmp_path / "camera", pool_cap=10)
-    with pytest.raises(ValueError, match="3x32x32"):
-        open_folder_data(tmp_path / "s", tmp_path / "camera", 10, InputSpec(3, 32, 32))
+    Image.new("RGB", (64, 48), (200, 40, 10)).save(tmp_path / "camera" / "a.png")
+    colour = open_folder_data(tmp_path / "s", tmp_path / "camera", 10, InputSpec(3, 32, 32), 0.0, (), 5)
+    assert colour.image_shape == (32, 32, 3) and colour.num_classes == 5 and colour.num_samples == 1
     with pytest.raises(FileNotFoundError, match="does not exist"):
         open_folder_data(tmp_path / "s", tmp_path / "missing", pool_cap=10)
 
 
-def test_input_spec_comes_from_a_bundle_manifest_and_a_foreign_normalisation_is_refused():
-    manifest = {"input_shape": [1, 28, 28], "normalisation": {"scale": 1 / 255, "mean": 0.0, "std": 1.0}}
-    assert InputSpec.from_manifest(manifest) == MODEL_INPUT
-    with pytest.raises(ValueError, match="normalisation"):
-        InputSpec.from_manifest({**manifest, "normalisation": {"scale": 1 / 255, "mean": 0.2860, "std": 0.3530}})
-    with pytest.raises(ValueError, match="input_shape"):
-        InputSpec.from_manifest({**manifest, "input_shape": [2, 28, 28]})
+def test_folder_store_refuses_a_foreign_normalisation(tmp_path):
+    (tmp_path / "camera").mkdir()
+    with pytest.raises(ValueError, match=r"1x28x28, \(pixel / 255 - \[0.5\]\) / \[0.5\]"):
+        open_folder_data(tmp_path / "s", tmp_path / "camera", 10, InputSpec(1, 28, 28, (0.5,), (0.5,)))
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["camera"], "nothing was created"

@@ -35,6 +35,9 @@ TORCH_FREE = (
     "edge_agent.footprint",
     "edge_agent.memory_budget",
     "edge_agent.field",
+    # `edge-agent score` over an image folder
+    "edge_agent.score_command",
+    "edge_agent.image_files",
 )
 
 

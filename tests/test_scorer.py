@@ -141,12 +141,6 @@ def test_score_command_prints_the_json_keys(bundle_dir: Path, pool_file: Path, b
     assert record["images_per_second"] > 0 and record["peak_rss_mb"] > 0
 
 
-def test_score_command_rejects_a_folder_in_one_line(bundle_dir: Path, tmp_path: Path) -> None:
-    result = _score(bundle_dir, tmp_path)
-    assert result.returncode == 2
-    assert "is a folder" in result.stderr and len(result.stderr.strip().splitlines()) == 1
-
-
 def test_onnxruntime_scoring_never_imports_torch(bundle_dir: Path, pool_file: Path) -> None:
     code = (
         "import sys\n"

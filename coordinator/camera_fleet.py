@@ -1,0 +1,129 @@
+# Camera fleets for the field bench: per-device folders of rendered scenes, their answer keys, a test set, the classes.
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from coordinator.camera_scenes import DEFAULT_CLASSES, SceneClass, SceneSet, pick_items, render_set
+from edge_agent.fashion_mnist import CLASS_NAMES
+from edge_agent.files import atomic_write_bytes, save_arrays
+from edge_agent.folder_oracle import LABELS_HEADER, QueryBook, parse_label
+from edge_agent.image_arrays import ImageDataset
+
+POOL_DIR = "pool"
+ANSWERS_FILE = "answers.csv"
+CLASSES_FILE = "classes.json"
+TEST_FILE = "test.npz"
+AGE_SECONDS = 3600.0  # written files are dated this long ago, so a field agent takes them at once
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    """A camera fleet: devices, classes, scenes per class on each device and in the test set, size, seed."""
+
+    devices: int = 4
+    classes: tuple[SceneClass, ...] = DEFAULT_CLASSES
+    per_class: int = 50
+    test_per_class: int = 100
+    size: int = 96
+    seed: int = 0
+
+
+def device_dir(out: Path, number: int) -> Path:
+    """The folder of device `number` in a fleet folder."""
+    return out / f"device-{number:02d}"
+
+
+def write_pool(folder: Path, scenes: SceneSet, prefix: str) -> list[str]:
+    """Writes the scenes as PREFIX-00000.jpg, ... into a flat folder of unlabelled images, dated in that order an
+    hour ago (a field agent takes them at once, oldest first); returns the file names."""
+    folder.mkdir(parents=True, exist_ok=True)
+    names = [f"{prefix}-{number:05d}.jpg" for number in range(len(scenes.jpegs))]
+    start = time.time() - AGE_SECONDS
+    for number, (name, jpeg) in enumerate(zip(names, scenes.jpegs)):
+        atomic_write_bytes(folder / name, jpeg)
+        os.utime(folder / name, (start + number, start + number))
+    return names
+
+
+def write_answer_key(path: Path, names: list[str], labels: np.ndarray, classes: tuple[SceneClass, ...]) -> None:
+    """`file,label` rows (a pool file's name, its class name): what a person looking at that folder would answer."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(LABELS_HEADER)
+    writer.writerows((name, classes[int(label)].name) for name, label in zip(names, labels))
+    atomic_write_bytes(path, buffer.getvalue().encode())
+
+
+def read_answer_key(path: Path, class_names: tuple[str, ...]) -> dict[str, int]:
+    """A pool file's name -> its class number, from an answer key; ValueError naming the file and line."""
+    rows = list(csv.reader(io.StringIO(path.read_text())))
+    key = {}
+    for number, row in enumerate(rows[1:], start=2):
+        if len(row) != 2:
+            raise ValueError(f"{path}: line {number} has {len(row)} columns, expected file,label")
+        try:
+            key[row[0]] = parse_label(row[1], class_names)
+        except ValueError as error:
+            raise ValueError(f"{path}: line {number}: {error}") from None
+    return key
+
+
+def answer_queries(book: QueryBook, key: Mapping[str, int]) -> int:
+    """The bench's person at a folder oracle: answers each pending query whose source file is in the answer key,
+    through labels.csv as a person would; returns how many were answered."""
+    answered = 0
+    for query in book.pending():
+        if query.source in key:
+            book.record_answer(query.name, key[query.source])
+            answered += 1
+    return answered
+
+
+def _deal(indices: np.ndarray, labels: np.ndarray, devices: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Positions into indices for each device: every class's items split evenly over the devices, shuffled."""
+    by_class = np.argsort(labels, kind="stable").reshape(int(labels.max()) + 1, devices, -1)
+    return [rng.permutation(by_class[:, device].ravel()) for device in range(devices)]
+
+
+def build_fleet(out: Path, settings: FleetSettings, dataset: ImageDataset) -> dict[str, Any]:
+    """Writes a fleet folder: device-NN/pool/ (unlabelled JPEGs from the training split), device-NN/answers.csv,
+    test.npz (test-split scenes as uint8 (N, size, size, 3) and labels) and classes.json; returns a summary."""
+    if settings.devices < 1 or settings.per_class < 1 or settings.test_per_class < 1:
+        raise ValueError("a fleet needs at least 1 device, and 1 scene per class on each device and in the test set")
+    rng = np.random.default_rng([settings.seed, 0])
+    train = pick_items(dataset.train_labels, settings.classes, settings.per_class * settings.devices, rng)
+    summary: dict[str, Any] = {"out": str(out), "class_names": [c.name for c in settings.classes], "devices": []}
+    for number, positions in enumerate(_deal(*train, settings.devices, rng)):
+        scenes = render_set(
+            dataset.train_images[train[0][positions]], train[1][positions], settings.size, settings.seed, number + 1
+        )
+        names = write_pool(device_dir(out, number) / POOL_DIR, scenes, f"cam{number:02d}")
+        write_answer_key(device_dir(out, number) / ANSWERS_FILE, names, scenes.labels, settings.classes)
+        summary["devices"].append({"folder": str(device_dir(out, number)), "images": len(names)})
+    test_indices, test_labels = pick_items(dataset.test_labels, settings.classes, settings.test_per_class, rng)
+    test = render_set(dataset.test_images[test_indices], test_labels, settings.size, settings.seed, 0)
+    save_arrays(out / TEST_FILE, {"images": test.arrays(), "labels": test.labels})
+    atomic_write_bytes(out / CLASSES_FILE, json.dumps(_classes_record(settings), indent=2).encode())
+    return {**summary, "test_images": len(test.labels)}
+
+
+def _classes_record(settings: FleetSettings) -> dict[str, Any]:
+    """classes.json: the fleet's class names (what a model spec lists), their Fashion-MNIST sources, size, seed."""
+    return {
+        "class_names": [c.name for c in settings.classes],
+        "fashion_mnist_sources": [CLASS_NAMES[c.source] for c in settings.classes],
+        "size": settings.size,
+        "seed": settings.seed,
+        "per_class": settings.per_class,
+        "devices": settings.devices,
+    }
