@@ -3,8 +3,9 @@
 
 Each device gets DIR/device-NN/pool/ (its camera folder: the agent's --pool-dir) and DIR/device-NN/answers.csv
 (file,label: what the bench's person answers through the folder oracle, see coordinator.camera_fleet
-.answer_queries); DIR/test.npz holds test-split scenes (images uint8 (N, size, size, 3), labels) and
-DIR/classes.json the class names for the model spec. Scenes are Fashion-MNIST items rendered by
+.answer_queries); DIR/server.npz is the coordinator's --dataset (its own labelled scenes for W0 and the selection
+split, and the test scenes: uint8 (N, size, size, 3)), DIR/model_spec.toml the --model-spec of both sides and
+DIR/classes.json the class names. Scenes are Fashion-MNIST items rendered by
 coordinator.camera_scenes: tinted, scaled, tilted and placed at random on textured backgrounds, as JPEGs."""
 
 from __future__ import annotations
@@ -30,12 +31,19 @@ def main() -> None:
     parser.add_argument("--classes", default=default_classes, help="NAME=FASHION_MNIST_CLASS,... (number or name)")
     parser.add_argument("--per-class", type=int, default=DEFAULTS.per_class, help="scenes per class on each device")
     parser.add_argument("--test-per-class", type=int, default=DEFAULTS.test_per_class)
+    parser.add_argument("--server-per-class", type=int, default=DEFAULTS.server_per_class, help="the server's own")
     parser.add_argument("--size", type=int, default=DEFAULTS.size, help="scene side in pixels (e.g. 64 or 96)")
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed)
     parser.add_argument("--data-dir", type=Path, help="the Fashion-MNIST folder (default: the installed dataset)")
     args = parser.parse_args()
     settings = FleetSettings(
-        args.devices, parse_classes(args.classes), args.per_class, args.test_per_class, args.size, args.seed
+        args.devices,
+        parse_classes(args.classes),
+        args.per_class,
+        args.test_per_class,
+        args.size,
+        args.seed,
+        args.server_per_class,
     )
     started = time.perf_counter()
     summary = build_fleet(args.out, settings, load_fashion_mnist(args.data_dir))

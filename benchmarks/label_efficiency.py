@@ -198,9 +198,17 @@ def plot(summary: dict[str, dict[str, Any]], path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
-def scale_of(args: argparse.Namespace) -> Scale:
+def add_scale_options(parser: argparse.ArgumentParser) -> None:
+    """--quick and the per-run overrides of a sweep's scale (shared by the benchmarks that drive simulate)."""
+    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny pools, few rounds")
+    for key, meaning in (("epochs", "local epochs"), ("labels", "labels per acquisition"), ("rounds", "rounds")):
+        parser.add_argument(f"--{key}", type=int, help=f"{meaning} (overrides the scale's)")
+    parser.add_argument("--pool", type=int, help="pool per device (overrides the scale's)")
+
+
+def scale_of(args: argparse.Namespace, quick: Scale = QUICK, full: Scale = FULL) -> Scale:
     """The quick or full scale with the command line's overrides."""
-    scale = QUICK if args.quick else FULL
+    scale = quick if args.quick else full
     overrides = {key: getattr(args, key) for key in ("epochs", "labels", "rounds", "pool") if getattr(args, key)}
     return dataclasses.replace(scale, **overrides)
 
@@ -225,15 +233,12 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
 def main() -> None:
     """Runs the sweep (or re-reads the run lines of earlier sweeps), writes the JSON and the PNG, prints the summary."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny pools, 3 rounds")
+    add_scale_options(parser)
     parser.add_argument("--samplers", nargs="+", default=["random", "margin", "entropy", "power-entropy", "badge"])
     parser.add_argument("--partitions", nargs="+", default=["type2", "dirichlet:0.3"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--strategy", default="avefl")
     parser.add_argument("--local-rule", default="kept-labels")
-    for key, meaning in (("epochs", "local epochs"), ("labels", "labels per acquisition"), ("rounds", "rounds")):
-        parser.add_argument(f"--{key}", type=int, help=f"{meaning} (overrides the scale's)")
-    parser.add_argument("--pool", type=int, help="pool per device (overrides the scale's)")
     parser.add_argument("--jobs", type=int, default=1, help="simulations run side by side")
     parser.add_argument("--from-lines", nargs="+", type=Path, help="summarise the run lines these files hold instead")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib where it runs)")

@@ -14,7 +14,8 @@ and checks the issue's bounds: fp16 at most 0.5x the bytes at a cost of at most 
 at a cost of at most 1 point.
 
 Usage: python benchmarks/update_compression.py [--quick] [--partitions type2 type1] [--seeds 0 1 2]
-       [--encodings float32 fp16 int8 int8-channel int8-channel-top10] [--jobs N] [--out DIR]
+       [--encodings float32 fp16 int8 int8-channel int8-channel-top10] [--epochs E] [--labels L] [--rounds R]
+       [--pool P] [--jobs N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from label_efficiency import RunSpec, Scale, curve_of, run_one
+from label_efficiency import RunSpec, Scale, add_scale_options, curve_of, run_one, scale_of
 
 from coordinator.store import RunStore
 
@@ -105,7 +106,7 @@ def row_of(runs: list[dict[str, Any]], baseline: dict[int, dict[str, Any]]) -> d
 def main() -> None:
     """Runs the sweep (side by side with --jobs), prints each run as a JSON line, then writes and prints the summary."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny pools, 2 rounds, 2 devices, 1 seed")
+    add_scale_options(parser)
     parser.add_argument("--partitions", nargs="+", default=["type2", "type1"])
     parser.add_argument("--seeds", nargs="+", type=int, help="default 0 1 2 (0 with --quick)")
     parser.add_argument("--encodings", nargs="+", default=list(ENCODINGS), choices=list(ENCODINGS))
@@ -117,7 +118,7 @@ def main() -> None:
     args.seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
     if "float32" not in args.encodings:
         args.encodings.insert(0, "float32")
-    jobs = jobs_of(args, QUICK if args.quick else FULL)
+    jobs = jobs_of(args, scale_of(args, QUICK, FULL))
     runs = []
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         for run in pool.map(run_encoding, jobs):

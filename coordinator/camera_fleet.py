@@ -17,18 +17,20 @@ from coordinator.camera_scenes import DEFAULT_CLASSES, SceneClass, SceneSet, pic
 from edge_agent.fashion_mnist import CLASS_NAMES
 from edge_agent.files import atomic_write_bytes, save_arrays
 from edge_agent.folder_oracle import LABELS_HEADER, QueryBook, parse_label
-from edge_agent.image_arrays import ImageDataset
+from edge_agent.image_arrays import DATASET_KEYS, ImageDataset
 
 POOL_DIR = "pool"
 ANSWERS_FILE = "answers.csv"
 CLASSES_FILE = "classes.json"
-TEST_FILE = "test.npz"
+SERVER_FILE = "server.npz"
+SPEC_FILE = "model_spec.toml"
 AGE_SECONDS = 3600.0  # written files are dated this long ago, so a field agent takes them at once
 
 
 @dataclass(frozen=True)
 class FleetSettings:
-    """A camera fleet: devices, classes, scenes per class on each device and in the test set, size, seed."""
+    """A camera fleet: devices, classes, scenes per class on each device, in the server's own labelled set (W0 and
+    the selection split) and in the test set, size, seed."""
 
     devices: int = 4
     classes: tuple[SceneClass, ...] = DEFAULT_CLASSES
@@ -36,6 +38,7 @@ class FleetSettings:
     test_per_class: int = 100
     size: int = 96
     seed: int = 0
+    server_per_class: int = 40
 
 
 def device_dir(out: Path, number: int) -> Path:
@@ -89,32 +92,56 @@ def answer_queries(book: QueryBook, key: Mapping[str, int]) -> int:
     return answered
 
 
-def _deal(indices: np.ndarray, labels: np.ndarray, devices: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """Positions into indices for each device: every class's items split evenly over the devices, shuffled."""
-    by_class = np.argsort(labels, kind="stable").reshape(int(labels.max()) + 1, devices, -1)
-    return [rng.permutation(by_class[:, device].ravel()) for device in range(devices)]
+def _deal(
+    labels: np.ndarray, devices: int, server_per_class: int, rng: np.random.Generator
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Positions into the picked items: the server's (the first server_per_class of every class), then each device's
+    (every class's other items split evenly over the devices), each shuffled."""
+    by_class = np.argsort(labels, kind="stable").reshape(int(labels.max()) + 1, -1)
+    server = rng.permutation(by_class[:, :server_per_class].ravel())
+    rest = by_class[:, server_per_class:].reshape(len(by_class), devices, -1)
+    return server, [rng.permutation(rest[:, device].ravel()) for device in range(devices)]
 
 
 def build_fleet(out: Path, settings: FleetSettings, dataset: ImageDataset) -> dict[str, Any]:
     """Writes a fleet folder: device-NN/pool/ (unlabelled JPEGs from the training split), device-NN/answers.csv,
-    test.npz (test-split scenes as uint8 (N, size, size, 3) and labels) and classes.json; returns a summary."""
-    if settings.devices < 1 or settings.per_class < 1 or settings.test_per_class < 1:
-        raise ValueError("a fleet needs at least 1 device, and 1 scene per class on each device and in the test set")
+    server.npz (the coordinator's --dataset: its own labelled scenes and the test scenes, uint8 (N, size, size, 3)),
+    model_spec.toml (the --model-spec both sides run with) and classes.json; returns a summary."""
+    if min(settings.devices, settings.per_class, settings.test_per_class, settings.server_per_class) < 1:
+        raise ValueError("a fleet needs at least 1 device, and 1 scene per class on each device, the server and test")
     rng = np.random.default_rng([settings.seed, 0])
-    train = pick_items(dataset.train_labels, settings.classes, settings.per_class * settings.devices, rng)
+    per_class = settings.per_class * settings.devices + settings.server_per_class
+    indices, labels = pick_items(dataset.train_labels, settings.classes, per_class, rng)
+    server, shares = _deal(labels, settings.devices, settings.server_per_class, rng)
     summary: dict[str, Any] = {"out": str(out), "class_names": [c.name for c in settings.classes], "devices": []}
-    for number, positions in enumerate(_deal(*train, settings.devices, rng)):
+    for number, positions in enumerate(shares):
         scenes = render_set(
-            dataset.train_images[train[0][positions]], train[1][positions], settings.size, settings.seed, number + 1
+            dataset.train_images[indices[positions]], labels[positions], settings.size, settings.seed, number + 1
         )
         names = write_pool(device_dir(out, number) / POOL_DIR, scenes, f"cam{number:02d}")
         write_answer_key(device_dir(out, number) / ANSWERS_FILE, names, scenes.labels, settings.classes)
         summary["devices"].append({"folder": str(device_dir(out, number)), "images": len(names)})
+    own = render_set(dataset.train_images[indices[server]], labels[server], settings.size, settings.seed, 0)
     test_indices, test_labels = pick_items(dataset.test_labels, settings.classes, settings.test_per_class, rng)
-    test = render_set(dataset.test_images[test_indices], test_labels, settings.size, settings.seed, 0)
-    save_arrays(out / TEST_FILE, {"images": test.arrays(), "labels": test.labels})
+    test = render_set(
+        dataset.test_images[test_indices], test_labels, settings.size, settings.seed, settings.devices + 1
+    )
+    arrays = (own.arrays(), own.labels, test.arrays(), test.labels)
+    save_arrays(out / SERVER_FILE, dict(zip(DATASET_KEYS, arrays)))
+    atomic_write_bytes(out / SPEC_FILE, spec_toml(settings).encode())
     atomic_write_bytes(out / CLASSES_FILE, json.dumps(_classes_record(settings), indent=2).encode())
-    return {**summary, "test_images": len(test.labels)}
+    return {**summary, "server_images": len(own.labels), "test_images": len(test.labels)}
+
+
+def spec_toml(settings: FleetSettings) -> str:
+    """The fleet's model spec: the MobileNet-style network at a quarter width on RGB scenes of the fleet's size."""
+    names = ", ".join(json.dumps(c.name) for c in settings.classes)
+    return (
+        '[model]\narchitecture = "mobilenet"\nwidth_multiplier = 0.25\n\n'
+        f"[input]\nchannels = 3\nheight = {settings.size}\nwidth = {settings.size}\n"
+        "mean = [0.5, 0.5, 0.5]\nstd = [0.25, 0.25, 0.25]\n\n"
+        f"[classes]\nnames = [{names}]\n"
+    )
 
 
 def _classes_record(settings: FleetSettings) -> dict[str, Any]:

@@ -13,7 +13,8 @@ from coordinator.camera_fleet import (
     ANSWERS_FILE,
     CLASSES_FILE,
     POOL_DIR,
-    TEST_FILE,
+    SERVER_FILE,
+    SPEC_FILE,
     FleetSettings,
     answer_queries,
     build_fleet,
@@ -21,10 +22,10 @@ from coordinator.camera_fleet import (
     read_answer_key,
 )
 from coordinator.camera_scenes import DEFAULT_CLASSES, SceneClass, parse_classes, pick_items, render_scene, render_set
-from edge_agent.files import load_arrays
 from edge_agent.folder_oracle import FolderOracle, QueryBook
 from edge_agent.folder_pool import folder_pool_of, open_folder_data
-from edge_agent.image_arrays import ImageDataset
+from edge_agent.image_arrays import ImageDataset, load_npz_dataset
+from edge_agent.model_spec import load_model_spec
 
 CLASS_NAMES = tuple(c.name for c in DEFAULT_CLASSES)
 
@@ -87,16 +88,20 @@ def test_classes_are_balanced_and_the_background_says_nothing_about_the_class(fa
 def test_a_fleet_has_a_pool_per_device_an_answer_key_a_test_set_and_the_class_list(
     tmp_path: Path, fashion: ImageDataset
 ) -> None:
-    settings = FleetSettings(devices=2, per_class=3, test_per_class=2, size=64, seed=1)
+    settings = FleetSettings(devices=2, per_class=3, test_per_class=2, size=64, seed=1, server_per_class=4)
     summary = build_fleet(tmp_path / "a", settings, fashion)
     assert [d["images"] for d in summary["devices"]] == [15, 15] and summary["test_images"] == 10
+    assert summary["server_images"] == 20
     keys = [read_answer_key(device_dir(tmp_path / "a", n) / ANSWERS_FILE, CLASS_NAMES) for n in range(2)]
     for number, key in enumerate(keys):
         pool = device_dir(tmp_path / "a", number) / POOL_DIR
         assert sorted(key) == sorted(path.name for path in pool.iterdir())
         assert np.bincount(list(key.values())).tolist() == [3] * 5
-    test = load_arrays(tmp_path / "a" / TEST_FILE)
-    assert test["images"].shape == (10, 64, 64, 3) and np.bincount(test["labels"]).tolist() == [2] * 5
+    spec = load_model_spec(tmp_path / "a" / SPEC_FILE).spec
+    assert spec.class_names == list(CLASS_NAMES) and spec.image_shape == (64, 64, 3)
+    server = load_npz_dataset(tmp_path / "a" / SERVER_FILE, spec.image_shape, spec.num_classes)
+    assert server.test_images.shape == (10, 64, 64, 3) and np.bincount(server.test_labels).tolist() == [2] * 5
+    assert server.train_images.shape == (20, 64, 64, 3) and np.bincount(server.train_labels).tolist() == [4] * 5
     assert json.loads((tmp_path / "a" / CLASSES_FILE).read_text())["class_names"] == list(CLASS_NAMES)
     build_fleet(tmp_path / "b", settings, fashion)
     files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
@@ -104,7 +109,11 @@ def test_a_fleet_has_a_pool_per_device_an_answer_key_a_test_set_and_the_class_li
 
 
 def test_the_bench_person_answers_a_folder_oracle_from_the_answer_key(tmp_path: Path, fashion: ImageDataset) -> None:
-    build_fleet(tmp_path / "fleet", FleetSettings(devices=1, per_class=2, test_per_class=1, size=64), fashion)
+    build_fleet(
+        tmp_path / "fleet",
+        FleetSettings(devices=1, per_class=2, test_per_class=1, size=64, server_per_class=1),
+        fashion,
+    )
     device = device_dir(tmp_path / "fleet", 0)
     data = open_folder_data(tmp_path / "state", device / POOL_DIR, pool_cap=100, settle_seconds=0)
     book = QueryBook(tmp_path / "labelling", CLASS_NAMES)
