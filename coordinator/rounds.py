@@ -236,7 +236,11 @@ class Coordinator:
             log.warning("message on an unexpected topic topic=%s error=%s", message.topic[:200], error)
             return
         if message.topic.endswith("/status"):
-            self.parts.presence.on_status(device_id, message.payload)
+            if message.dropped is None:  # a status too broken to reassemble says nothing (the session logged it)
+                self.parts.presence.on_status(device_id, message.payload)
         elif message.topic.endswith("/update"):
             collector, participants = (opened.collector, opened.participants) if opened else (None, [])
-            self.parts.intake.on_update(device_id, message.payload, collector, participants)
+            if message.dropped is not None:
+                self.parts.intake.on_dropped(device_id, message.dropped, collector)
+            else:
+                self.parts.intake.on_update(device_id, message.payload, collector, participants)

@@ -1,9 +1,12 @@
-# One thin paho-mqtt session: MQTT v5, persistent session, auto-reconnect, QoS 1; messages handed to the main loop.
+# One thin paho-mqtt session: MQTT v5, persistent session, auto-reconnect, QoS 1, messages too large for the broker
+# sent and received in chunks; messages handed to the main loop.
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -11,11 +14,15 @@ import paho.mqtt.client as paho
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from edge_agent import chunks
+from edge_agent.chunks import ChunkLimits, Dropped, Reassembler
+
 log = logging.getLogger(__name__)
 
 DEFAULT_SESSION_EXPIRY_SECONDS = 3600
 DEFAULT_KEEPALIVE_SECONDS = 30
 CLOSE_WAIT_SECONDS = 1.0
+SWEEP_SECONDS = 1.0
 
 
 class PayloadTooLargeError(ValueError):
@@ -38,6 +45,7 @@ class BrokerAddress:
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
+    max_packet_bytes: int | None = None
 
     @property
     def url(self) -> str:
@@ -65,13 +73,16 @@ def parse_broker_url(url: str) -> BrokerAddress:
 
 @dataclass(frozen=True)
 class IncomingMessage:
-    """A message as the main loop sees it, copied out of paho's network thread."""
+    """A message as the main loop sees it, copied out of paho's network thread. A chunked message arrives whole, on
+    its own topic; a chunked transfer that was refused or abandoned arrives as an empty payload with `dropped` saying
+    why (its kind and reason)."""
 
     topic: str
     payload: bytes
     retain: bool
     mid: int = 0
     qos: int = 0
+    dropped: Dropped | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +104,12 @@ class MqttSession:
     after handling it: a process killed between receiving and handling a message gets it again on reconnect.
     The session then also tells the broker (MQTT v5 Receive Maximum) to have at most MANUAL_ACK_WINDOW such
     messages in flight, so a burst of large updates waits in the broker rather than in this process's memory.
+
+    Chunks (edge_agent.chunks): a payload whose packet would exceed the broker's limit (the smaller of the
+    address's `max_packet_bytes` and the Maximum Packet Size of the broker's CONNACK) is published as chunks on
+    `<topic>/chunk/<i>`, retained too if the message is; every subscription also takes its chunk topics, and the
+    session's Reassembler hands the owner the whole message (within `chunk_limits`). A chunk that only joins a
+    transfer is acknowledged at once; the one that completes (or ends) a transfer is acknowledged with the message.
     """
 
     def __init__(
@@ -104,10 +121,16 @@ class MqttSession:
         session_expiry: int = DEFAULT_SESSION_EXPIRY_SECONDS,
         max_payload_bytes: int | None = None,
         manual_ack: bool = False,
+        chunk_limits: ChunkLimits | None = None,
     ) -> None:
         self.address = address
         self.client_id = client_id
         self.max_payload_bytes = max_payload_bytes
+        self.broker_max_packet_bytes: int | None = None
+        self.reassembler = Reassembler(chunk_limits)
+        self._retained_chunks: dict[str, int] = {}
+        self._retained_whole: set[str] = set()
+        self._last_sweep = 0.0
         self._manual_ack = manual_ack
         self._keepalive = keepalive
         self._session_expiry = session_expiry
@@ -156,32 +179,78 @@ class MqttSession:
         """Whether the session is connected right now."""
         return self._connected.is_set()
 
+    @property
+    def max_packet_bytes(self) -> int | None:
+        """The largest packet the broker takes: the smaller of the configured and the announced limit (None: none
+        known, nothing is chunked)."""
+        known = [limit for limit in (self.address.max_packet_bytes, self.broker_max_packet_bytes) if limit]
+        return min(known) if known else None
+
     def subscribe(self, topic: str, qos: int = 1) -> None:
-        """Subscribes now and again after every reconnect."""
+        """Subscribes (to the topic and its chunks) now and again after every reconnect."""
+        filters = [topic] + [extra for extra in (chunks.chunk_filter(topic),) if extra]
         with self._lock:
-            self._subscriptions[topic] = qos
-        self._client.subscribe(topic, qos=qos)
+            for name in filters:
+                self._subscriptions[name] = qos
+        for name in filters:
+            self._client.subscribe(name, qos=qos)
 
     def unsubscribe(self, topic: str) -> None:
-        """Stops a subscription for good."""
+        """Stops a subscription (and its chunks) for good, dropping its unfinished transfers."""
+        filters = [topic] + [extra for extra in (chunks.chunk_filter(topic),) if extra]
         with self._lock:
-            self._subscriptions.pop(topic, None)
-        self._client.unsubscribe(topic)
+            for name in filters:
+                self._subscriptions.pop(name, None)
+            self.reassembler.forget(lambda base: paho.topic_matches_sub(topic, base))
+        for name in filters:
+            self._client.unsubscribe(name)
 
     def publish(
         self, topic: str, payload: bytes, retain: bool = False, qos: int = 1, wait: float | None = None
     ) -> bool:
-        """Publishes (QoS 1 by default) after checking the size. With `wait`, blocks up to `wait` seconds for the
-        broker's confirmation and returns whether it came; without, returns True at once. While the broker is away
-        a QoS 1 message waits in paho's queue and goes out on reconnect."""
+        """Publishes (QoS 1 by default) after checking the size, in chunks if the broker's limit calls for them.
+        With `wait`, blocks up to `wait` seconds for the broker's confirmation (of every chunk) and returns whether it
+        came; without, returns True at once. While the broker is away a QoS 1 message waits in paho's queue and goes
+        out on reconnect. A retained message replaces the topic's earlier one, chunked or whole: chunk topics this
+        session retained before and the new message does not use are cleared."""
         self.check_size(topic, payload)
+        limit = self.max_packet_bytes
+        chunked = bool(payload) and chunks.needs_chunks(topic, payload, limit)
+        try:
+            pieces = chunks.split(topic, payload, limit) if chunked and limit else [(topic, payload)]
+        except chunks.ChunkingError as error:
+            raise PayloadTooLargeError(str(error)) from None
+        infos = [self._send(name, piece, qos, retain) for name, piece in pieces]
+        if retain:
+            self._clear_stale_chunks(topic, payload, len(pieces) if chunked else 0)
+        if wait is None:
+            return True
+        deadline = time.monotonic() + wait
+        for info in infos:
+            info.wait_for_publish(timeout=max(0.0, deadline - time.monotonic()))
+        return all(info.is_published() for info in infos)
+
+    def _send(self, topic: str, payload: bytes, qos: int, retain: bool) -> paho.MQTTMessageInfo:
         info = self._client.publish(topic, payload, qos=qos, retain=retain)
         if qos > 0 and info.rc == paho.MQTT_ERR_NO_CONN:
             info.rc = paho.MQTT_ERR_SUCCESS  # queued, not failed: paho sends it on reconnect (its wait would raise)
-        if wait is None:
-            return True
-        info.wait_for_publish(timeout=wait)
-        return info.is_published()
+        return info
+
+    def _clear_stale_chunks(self, topic: str, payload: bytes, count: int) -> None:
+        """After a retained publish on `topic` in `count` chunks (0: whole), clears the retained copies this session
+        left there before that a late subscriber must not get: chunks beyond the new count, or the whole message."""
+        previous = self._retained_chunks.pop(topic, 0)
+        for index in range(count, previous):
+            self._send(chunks.chunk_topic(topic, index), b"", 1, True)
+        if count:
+            self._retained_chunks[topic] = count
+            if topic in self._retained_whole:
+                self._retained_whole.discard(topic)
+                self._send(topic, b"", 1, True)
+        elif payload:
+            self._retained_whole.add(topic)
+        else:
+            self._retained_whole.discard(topic)
 
     def check_size(self, topic: str, payload: bytes) -> None:
         """PayloadTooLargeError if the payload exceeds this session's limit (checked before anything keeps it)."""
@@ -196,7 +265,15 @@ class MqttSession:
             self._client.ack(message.mid, message.qos)
 
     def next_message(self, timeout: float | None = None) -> IncomingMessage | None:
-        """The next received message, or None after `timeout` seconds."""
+        """The next received message, or None after `timeout` seconds (unfinished transfers past their timeout are
+        dropped on the way, each reported as a message with `dropped` set)."""
+        now = time.monotonic()
+        if now - self._last_sweep >= SWEEP_SECONDS:
+            self._last_sweep = now
+            with self._lock:
+                expired = self.reassembler.expire(now)
+            for dropped in expired:
+                self._report(dropped, IncomingMessage(dropped.topic, b"", False))
         try:
             return self._messages.get(timeout=timeout)
         except queue.Empty:
@@ -206,6 +283,14 @@ class MqttSession:
         """Disconnects cleanly (no last will) and stops the network thread, waiting at most `timeout` seconds for it:
         a thread in the middle of a reconnect attempt is left to end with the process, so a stop is never held up."""
         self._connected.clear()
+        stats = self.reassembler.stats
+        if stats.completed or stats.dropped:
+            log.info(
+                "mqtt chunk transfers client=%s completed=%d dropped=%d reports_suppressed=%d duplicates=%d "
+                "ignored=%d peak_reserved_bytes=%d peak_held_bytes=%d",
+                *(self.client_id, stats.completed, stats.dropped, stats.suppressed, stats.duplicates, stats.ignored),
+                *(stats.peak_reserved, stats.peak_held),
+            )
         self._client.disconnect()
         stopper = threading.Thread(target=self._client.loop_stop, daemon=True)
         stopper.start()
@@ -219,11 +304,13 @@ class MqttSession:
             subscriptions = list(self._subscriptions.items())
         for topic, qos in subscriptions:
             client.subscribe(topic, qos=qos)
+        self.broker_max_packet_bytes = getattr(properties, "MaximumPacketSize", None) if properties else None
         log.info(
-            "mqtt connected client=%s broker=%s session_present=%s",
+            "mqtt connected client=%s broker=%s session_present=%s max_packet_bytes=%s",
             self.client_id,
             self.address.url,
             flags.session_present,
+            self.broker_max_packet_bytes,
         )
         self._connected.set()
 
@@ -233,6 +320,29 @@ class MqttSession:
         self._connected.clear()
 
     def _on_message(self, client, userdata, message) -> None:
-        self._messages.put(
-            IncomingMessage(message.topic, bytes(message.payload), bool(message.retain), message.mid, message.qos)
+        incoming = IncomingMessage(
+            message.topic, bytes(message.payload), bool(message.retain), message.mid, message.qos
         )
+        if chunks.parse_chunk_topic(incoming.topic) is None:
+            self._messages.put(incoming)
+            return
+        now = time.monotonic()
+        with self._lock:
+            result = self.reassembler.add(incoming.topic, incoming.payload, now)
+        if isinstance(result, chunks.Completed):
+            self._messages.put(
+                IncomingMessage(result.topic, result.payload, incoming.retain, incoming.mid, incoming.qos)
+            )
+        elif isinstance(result, Dropped):
+            self._report(result, IncomingMessage(result.topic, b"", incoming.retain, incoming.mid, incoming.qos))
+        else:
+            self.acknowledge(incoming)  # held (or a copy): its transfer's last chunk is acknowledged with the message
+
+    def _report(self, dropped: Dropped, message: IncomingMessage) -> None:
+        """Logs a dropped transfer and hands it to the owner (who answers the sender, if it has one to answer, and
+        logs the rejection then)."""
+        log.info(
+            "chunked transfer dropped client=%s topic=%s kind=%s: %s",
+            *(self.client_id, dropped.topic[:200], dropped.kind, dropped.reason),
+        )
+        self._messages.put(dataclasses.replace(message, dropped=dropped))
