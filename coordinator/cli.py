@@ -47,6 +47,7 @@ log = logging.getLogger("coordinator")
 def add_round_options(parser: argparse.ArgumentParser) -> None:
     """Options shared by `run` and `simulate`: the run, the round policy, the recipe, the server data."""
     add_run_options(parser)
+    add_transfer_options(parser)
     add_recipe_options(parser)
     add_method_options(parser)
     add_server_data_options(parser)
@@ -70,24 +71,6 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--quorum", type=int, help="updates that close a round early (default: every online device)")
     run.add_argument("--round-timeout", type=float, default=600.0, help="seconds before a round closes anyway")
     run.add_argument("--broker", help="mqtt://HOST:PORT of an external broker (default: an embedded mosquitto)")
-    run.add_argument(
-        "--max-message-bytes",
-        type=int,
-        help="largest MQTT packet the broker takes: the embedded broker's limit (default 1 MiB), or that of a --broker "
-        "that announces none; larger messages travel in chunks",
-    )
-    run.add_argument(
-        "--transfer-memory-mb",
-        type=int,
-        default=ServerSettings.transfer_memory_mb,
-        help="memory the coordinator gives chunked updates in progress, all devices together",
-    )
-    run.add_argument(
-        "--transfer-timeout",
-        type=float,
-        default=ServerSettings.transfer_timeout,
-        help="seconds without a chunk after which an unfinished chunked update is dropped",
-    )
     run.add_argument("--json", action="store_true", help="one JSON object per round on stdout, then a summary")
     run.add_argument("--log-level", default="warning")
     run.add_argument("--torch-threads", type=int, help="torch threads of the coordinator process")
@@ -96,6 +79,29 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--dashboard-token",
         help="bearer token the API requires (default: none on loopback, else generated into RUN_DIR/dashboard-token)",
+    )
+
+
+def add_transfer_options(parser: argparse.ArgumentParser) -> None:
+    """The broker's packet limit and what the coordinator holds of chunked updates in progress."""
+    transfer = parser.add_argument_group("message size and chunked transfer")
+    transfer.add_argument(
+        "--max-message-bytes",
+        type=int,
+        help="largest MQTT packet the broker takes: the embedded broker's limit (default 1 MiB), or that of a --broker "
+        "that announces none; larger messages travel in chunks",
+    )
+    transfer.add_argument(
+        "--transfer-memory-mb",
+        type=int,
+        default=ServerSettings.transfer_memory_mb,
+        help="memory the coordinator gives chunked updates in progress, all devices together",
+    )
+    transfer.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=ServerSettings.transfer_timeout,
+        help="seconds without a chunk after which an unfinished chunked update is dropped",
     )
 
 

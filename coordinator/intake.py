@@ -88,9 +88,18 @@ class UpdateIntake:
         self.observer = observer
 
     def on_update(
-        self, device_id: str, payload: bytes, collector: RoundCollector | None, participants: list[str]
+        self,
+        device_id: str,
+        payload: bytes,
+        collector: RoundCollector | None,
+        participants: list[str],
+        dropped: Dropped | None = None,
     ) -> None:
-        """Validates, spools and acks an update; a rejection is acked with its reason, logged and counted."""
+        """Validates, spools and acks an update; a rejection is acked with its reason, logged and counted. `dropped`:
+        the update came in chunks that did not make a whole one (see on_dropped)."""
+        if dropped is not None:
+            self.on_dropped(device_id, dropped, collector)
+            return
         if collector is None:
             self.reject(device_id, 0, payload, Rejection(RejectionKind.NO_ROUND, "no round is open"))
             return

@@ -202,11 +202,7 @@ def run_server(
     data = data or load_server_data(settings)
     store = RunStore(settings.run_dir, keep_updates=settings.keep_updates)
     address, authenticator = secured(settings, address, store)
-    if settings.broker_max_packet_bytes:
-        address = dataclasses.replace(address, max_packet_bytes=settings.broker_max_packet_bytes)
-    session = MqttSession(
-        address, client_id=f"coordinator-{settings.fleet}", manual_ack=True, chunk_limits=transfer_limits(settings)
-    )
+    session = coordinator_session(settings, address)
     try:
         weights, first_round, run_id = starting_point(store, settings, data)
         encoder = round_encoder(settings, store)
@@ -223,6 +219,14 @@ def run_server(
     finally:
         session.close()
         store.close()
+
+
+def coordinator_session(settings: ServerSettings, address: BrokerAddress) -> MqttSession:
+    """The coordinator's session: manual acks, the broker's packet limit if the run names one, its transfer limits."""
+    if settings.broker_max_packet_bytes:
+        address = dataclasses.replace(address, max_packet_bytes=settings.broker_max_packet_bytes)
+    limits = transfer_limits(settings)
+    return MqttSession(address, client_id=f"coordinator-{settings.fleet}", manual_ack=True, chunk_limits=limits)
 
 
 def transfer_limits(settings: ServerSettings) -> ChunkLimits:

@@ -97,6 +97,56 @@ def split(topic: str, payload: bytes, packet_limit: int) -> list[tuple[str, byte
     ]
 
 
+def subscription_filters(topic_filter: str) -> list[str]:
+    """The filters a subscription to `topic_filter` needs: itself and, unless it already covers them, its chunks."""
+    extra = chunk_filter(topic_filter)
+    return [topic_filter] if extra is None else [topic_filter, extra]
+
+
+class Outgoing:
+    """What a publisher sends for each message: the message, or its chunks when its packet would exceed the broker's
+    limit (the smaller of the configured one and the one the broker announced; none known: never chunked), and for a
+    retained message the clears of the retained copies it leaves behind (chunks beyond its count, or the whole
+    message its chunks replace). It only knows the copies this publisher retained."""
+
+    def __init__(self, configured: int | None = None) -> None:
+        self.configured = configured
+        self.announced: int | None = None
+        self._chunks: dict[str, int] = {}
+        self._whole: set[str] = set()
+
+    @property
+    def packet_limit(self) -> int | None:
+        """The largest packet the broker takes, as far as this publisher knows."""
+        known = [limit for limit in (self.configured, self.announced) if limit]
+        return min(known) if known else None
+
+    def plan(self, topic: str, payload: bytes, retain: bool) -> list[tuple[str, bytes, bool]]:
+        """(topic, payload, retain) of every publish one message takes, clears last (ChunkingError if it cannot be
+        cut under the limit)."""
+        limit = self.packet_limit
+        if limit is None or not payload or not needs_chunks(topic, payload, limit):
+            pieces = [(topic, payload)]
+        else:
+            pieces = split(topic, payload, limit)
+        stale = self._replaced(topic, payload, len(pieces) if pieces[0][0] != topic else 0) if retain else []
+        return [(name, piece, retain) for name, piece in pieces] + [(name, b"", True) for name in stale]
+
+    def _replaced(self, topic: str, payload: bytes, count: int) -> list[str]:
+        """The retained copies to clear after retaining `payload` on `topic` in `count` chunks (0: whole)."""
+        stale = [chunk_topic(topic, index) for index in range(count, self._chunks.pop(topic, 0))]
+        if count:
+            self._chunks[topic] = count
+            if topic in self._whole:
+                self._whole.discard(topic)
+                stale.append(topic)
+        elif payload:
+            self._whole.add(topic)
+        else:
+            self._whole.discard(topic)
+        return stale
+
+
 @dataclass(frozen=True)
 class ChunkLimits:
     """What a receiver holds of unfinished transfers. A transfer reserves its claimed size (plus CHUNK_BOOKKEEPING
@@ -152,6 +202,10 @@ class Transfer:
     last_seen: float
     chunks: dict[int, bytes] = field(default_factory=dict)
 
+    def dropped(self, reason: str) -> Dropped:
+        """This transfer dropped as a bad chunk, for `reason`."""
+        return Dropped(self.topic, self.transfer_id, RejectionKind.BAD_CHUNK, reason, self.total_bytes)
+
     def missing(self, shown: int = 8) -> str:
         """The first few missing indices."""
         absent = [index for index in range(self.count) if index not in self.chunks]
@@ -172,46 +226,107 @@ class ReassemblyStats:
     peak_held: int = 0
 
 
-class Reassembler:
-    """Puts chunked messages back together within ChunkLimits. `add` takes one chunk and answers Completed (the whole
-    message), Dropped (the transfer is refused or abandoned, with its reason) or None (held, or ignored);
-    `expire` drops transfers that saw no chunk for `timeout` seconds. Every check happens before anything is kept:
+class Recent:
+    """Keys seen lately, at most `size` of them, each forgotten `quiet` seconds after it was last noted."""
 
-    - a chunk must decode, name its index in its topic, lie inside its transfer and have exactly its share of bytes;
-    - a transfer's first chunk is refused if it claims more than max_message_bytes (too_large) or would take its
-      sender or everyone beyond their caps of transfers and bytes (transfer_limit);
-    - a later chunk must repeat the first one's count, size and digest; a chunk seen twice must be the same bytes
-      (an identical copy is what QoS 1 may deliver, and is ignored);
-    - the whole must hash to the digest.
-    Chunks of a dropped or completed transfer are then ignored until they stop for `quiet` seconds (the rest of a
-    refused transfer, copies of a message sent again just after it completed), and a sender refused for its caps gets
-    one report per `quiet` seconds however many first chunks it sends, so reports stay bounded as well.
-    """
+    def __init__(self, size: int, quiet: float) -> None:
+        self.size = size
+        self.quiet = quiet
+        self._seen: OrderedDict[object, float] = OrderedDict()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._seen
+
+    def note(self, key: object, now: float) -> None:
+        """Marks `key` as seen now (the oldest key goes when there are too many)."""
+        self._seen[key] = now
+        self._seen.move_to_end(key)
+        while len(self._seen) > self.size:
+            self._seen.popitem(last=False)
+
+    def forget_quiet(self, now: float) -> None:
+        """Forgets every key not noted for `quiet` seconds."""
+        while self._seen and now - next(iter(self._seen.values())) >= self.quiet:
+            self._seen.popitem(last=False)
+
+
+class Transfers:
+    """The unfinished transfers and what they reserve and hold, with the caps a new one must fit under."""
+
+    def __init__(self, limits: ChunkLimits) -> None:
+        self.limits = limits
+        self.table: dict[tuple[str, str], Transfer] = {}
+        self.reserved = 0
+        self.held = 0
+
+    def start(self, topic: str, chunk: wire.Chunk, now: float) -> Transfer:
+        """A new transfer from its first chunk, reserving its claimed size."""
+        reserved = chunk.total_bytes + chunk.count * CHUNK_BOOKKEEPING
+        transfer = Transfer(topic, chunk.transfer_id, chunk.count, chunk.total_bytes, chunk.digest, reserved, now)
+        self.table[(topic, chunk.transfer_id)] = transfer
+        self.reserved += reserved
+        return transfer
+
+    def hold(self, transfer: Transfer, chunk: wire.Chunk, now: float) -> None:
+        """Keeps one checked chunk of a transfer."""
+        transfer.chunks[chunk.index] = chunk.data
+        transfer.last_seen = now
+        self.held += len(chunk.data)
+
+    def end(self, transfer: Transfer) -> None:
+        """Lets go of a transfer and what it reserved and held."""
+        del self.table[(transfer.topic, transfer.transfer_id)]
+        self.reserved -= transfer.reserved
+        self.held -= sum(len(data) for data in transfer.chunks.values())
+        transfer.chunks = {}
+
+    def refusal(self, topic: str, chunk: wire.Chunk) -> str | None:
+        """Why a transfer starting with this chunk may not start (its sender's or everyone's caps), or None."""
+        limits = self.limits
+        need = chunk.total_bytes + chunk.count * CHUNK_BOOKKEEPING
+        own = [transfer for transfer in self.table.values() if transfer.topic == topic]
+        held = sum(transfer.reserved for transfer in own)
+        if len(own) >= limits.sender_transfers:
+            return f"transfer limit: {len(own)} transfers already in progress on this topic (cap {limits.sender_transfers})"
+        if held + need > limits.sender_bytes:
+            return f"transfer limit: {held + need} bytes would be held for this topic (cap {limits.sender_bytes})"
+        if len(self.table) >= limits.total_transfers:
+            return f"transfer limit: {len(self.table)} transfers already in progress (cap {limits.total_transfers})"
+        if self.reserved + need > limits.total_bytes:
+            return f"transfer limit: {self.reserved + need} bytes would be held in all (cap {limits.total_bytes})"
+        return None
+
+
+class Reassembler:
+    """Puts chunked messages back together within ChunkLimits: `add` answers Completed (the whole message), Dropped
+    (refused or abandoned, with its kind and reason) or None (held or ignored); `expire` drops idle transfers.
+    A chunk is checked before it is kept (chunk_problem, mismatch; a copy must equal what is held, and is ignored),
+    a first chunk must fit the caps (transfer_limit), the whole must hash to its digest. Chunks of a transfer dropped
+    or completed lately are ignored while they keep coming, and a sender refused for its caps is told once per
+    `quiet` seconds however many first chunks it sends, so reports stay bounded too."""
 
     def __init__(self, limits: ChunkLimits | None = None) -> None:
         self.limits = limits or ChunkLimits()
         self.stats = ReassemblyStats()
-        self._transfers: dict[tuple[str, str], Transfer] = {}
-        self._dropped: OrderedDict[tuple[str, str], float] = OrderedDict()
-        self._finished: OrderedDict[tuple[str, str], float] = OrderedDict()
-        self._refused: OrderedDict[str, float] = OrderedDict()
-        self._reserved = 0
-        self._held = 0
-
-    @property
-    def reserved_bytes(self) -> int:
-        """Bytes reserved by unfinished transfers (an upper bound of what they hold)."""
-        return self._reserved
-
-    @property
-    def held_bytes(self) -> int:
-        """Data bytes held in unfinished transfers."""
-        return self._held
+        self.transfers = Transfers(self.limits)
+        self._dropped = Recent(self.limits.remembered, self.limits.quiet)
+        self._finished = Recent(self.limits.remembered, self.limits.quiet)
+        self._refused = Recent(self.limits.remembered, self.limits.quiet)
 
     @property
     def pending(self) -> int:
         """Unfinished transfers."""
-        return len(self._transfers)
+        return len(self.transfers.table)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes reserved by unfinished transfers (an upper bound of what they hold)."""
+        return self.transfers.reserved
+
+    @property
+    def held_bytes(self) -> int:
+        """Data bytes held in unfinished transfers."""
+        return self.transfers.held
 
     def add(self, topic: str, payload: bytes, now: float) -> Completed | Dropped | None:
         """Takes one chunk as it arrived on `topic` (a chunk topic); an empty payload (a cleared retained chunk) is
@@ -227,31 +342,33 @@ class Reassembler:
         except wire.WireError as error:
             return self._drop(Dropped(base, "", RejectionKind.BAD_CHUNK, f"bad chunk: {error}"), now)
         key = (base, chunk.transfer_id)
-        for memory in (self._dropped, self._finished):
-            if key in memory:
-                self._remember(memory, key, now)
-                if memory is self._finished:
-                    self.stats.duplicates += 1
-                else:
-                    self.stats.ignored += 1
-                return None
-        transfer = self._transfers.get(key)
+        if self._seen_before(key, now):
+            return None
+        transfer = self.transfers.table.get(key)
         problem = chunk_problem(chunk, topic_index, self.limits.max_message_bytes)
         if problem is None and transfer is not None:
             problem = mismatch(transfer, chunk)
         if problem is not None:
-            kind, reason = problem
-            return self._drop(Dropped(base, chunk.transfer_id, kind, reason, chunk.total_bytes), now)
+            return self._drop(Dropped(base, chunk.transfer_id, *problem, chunk.total_bytes), now)
         if transfer is None:
-            refusal = self._refusal(base, chunk)
+            refusal = self.transfers.refusal(base, chunk)
             if refusal is not None:
                 return self._refuse(Dropped(base, chunk.transfer_id, RejectionKind.TRANSFER_LIMIT, refusal), now)
-            reserved = chunk.total_bytes + chunk.count * CHUNK_BOOKKEEPING
-            transfer = Transfer(base, chunk.transfer_id, chunk.count, chunk.total_bytes, chunk.digest, reserved, now)
-            self._transfers[key] = transfer
-            self._reserved += reserved
-            self.stats.peak_reserved = max(self.stats.peak_reserved, self._reserved)
+            transfer = self.transfers.start(base, chunk, now)
+            self.stats.peak_reserved = max(self.stats.peak_reserved, self.transfers.reserved)
         return self._keep(transfer, chunk, now)
+
+    def _seen_before(self, key: tuple[str, str], now: float) -> bool:
+        """Whether a chunk belongs to a transfer dropped or completed lately (it is then ignored, and counted)."""
+        if key in self._finished:
+            self._finished.note(key, now)
+            self.stats.duplicates += 1
+            return True
+        if key in self._dropped:
+            self._dropped.note(key, now)
+            self.stats.ignored += 1
+            return True
+        return False
 
     def _keep(self, transfer: Transfer, chunk: wire.Chunk, now: float) -> Completed | Dropped | None:
         """Holds a checked chunk (or ignores its identical copy); the whole message once the last one is in."""
@@ -259,107 +376,69 @@ class Reassembler:
         if held is not None:
             if held != chunk.data:
                 reason = f"bad chunk: chunk {chunk.index} of transfer {chunk.transfer_id} came twice with other bytes"
-                return self._drop(self._dropped_transfer(transfer, reason), now)
+                return self._drop(transfer.dropped(reason), now)
             self.stats.duplicates += 1
             return None
-        transfer.chunks[chunk.index] = chunk.data
-        transfer.last_seen = now
-        self._held += len(chunk.data)
-        self.stats.peak_held = max(self.stats.peak_held, self._held)
+        self.transfers.hold(transfer, chunk, now)
+        self.stats.peak_held = max(self.stats.peak_held, self.transfers.held)
         if len(transfer.chunks) < transfer.count:
             return None
         payload = b"".join(transfer.chunks[index] for index in range(transfer.count))
-        self._end(transfer)
+        self.transfers.end(transfer)
         actual = hashlib.sha256(payload).hexdigest()
         if actual != transfer.digest:
             reason = (
                 f"bad chunk: the {len(payload)} bytes of transfer {transfer.transfer_id} hash to {actual[:16]}..., "
                 f"its chunks claimed {transfer.digest[:16]}..."
             )
-            return self._drop(self._dropped_transfer(transfer, reason), now)
+            return self._drop(transfer.dropped(reason), now)
         self.stats.completed += 1
-        self._remember(self._finished, (transfer.topic, transfer.transfer_id), now)
+        self._finished.note((transfer.topic, transfer.transfer_id), now)
         return Completed(transfer.topic, payload)
 
     def expire(self, now: float) -> list[Dropped]:
         """Drops every transfer that saw no chunk for `timeout` seconds (a later chunk of one starts it afresh, so a
         re-sent message can still complete), and forgets quiet dropped or completed transfers and refused senders."""
-        limits = self.limits
-        stale = [transfer for transfer in self._transfers.values() if now - transfer.last_seen >= limits.timeout]
+        timeout = self.limits.timeout
+        stale = [transfer for transfer in self.transfers.table.values() if now - transfer.last_seen >= timeout]
         drops = []
         for transfer in stale:
             reason = (
-                f"bad chunk: transfer {transfer.transfer_id} timed out after {limits.timeout:g}s with "
+                f"bad chunk: transfer {transfer.transfer_id} timed out after {timeout:g}s with "
                 f"{len(transfer.chunks)} of {transfer.count} chunks (missing {transfer.missing()})"
             )
-            drops.append(self._dropped_transfer(transfer, reason))
-            self._end(transfer)
-            self.stats.dropped += 1
-        for memory in (self._dropped, self._finished, self._refused):
-            while memory and now - next(iter(memory.values())) >= limits.quiet:
-                memory.popitem(last=False)
+            drops.append(transfer.dropped(reason))
+            self.transfers.end(transfer)
+        self.stats.dropped += len(drops)
+        for recent in (self._dropped, self._finished, self._refused):
+            recent.forget_quiet(now)
         return drops
 
     def forget(self, matches: Callable[[str], bool]) -> None:
         """Drops, without a report, every unfinished transfer whose topic matches (its subscription ended)."""
-        for transfer in [transfer for transfer in self._transfers.values() if matches(transfer.topic)]:
-            self._end(transfer)
-
-    def _end(self, transfer: Transfer) -> None:
-        """Lets go of a transfer and what it reserved and held."""
-        del self._transfers[(transfer.topic, transfer.transfer_id)]
-        self._reserved -= transfer.reserved
-        self._held -= sum(len(data) for data in transfer.chunks.values())
-        transfer.chunks = {}
-
-    def _refusal(self, topic: str, chunk: wire.Chunk) -> str | None:
-        """Why a new transfer may not start (its sender's or everyone's caps), or None."""
-        limits = self.limits
-        need = chunk.total_bytes + chunk.count * CHUNK_BOOKKEEPING
-        own = [transfer for transfer in self._transfers.values() if transfer.topic == topic]
-        held = sum(transfer.reserved for transfer in own)
-        total = self.reserved_bytes
-        if len(own) >= limits.sender_transfers:
-            return f"transfer limit: {len(own)} transfers already in progress on this topic (cap {limits.sender_transfers})"
-        if held + need > limits.sender_bytes:
-            return f"transfer limit: {held + need} bytes would be held for this topic (cap {limits.sender_bytes})"
-        if len(self._transfers) >= limits.total_transfers:
-            return (
-                f"transfer limit: {len(self._transfers)} transfers already in progress (cap {limits.total_transfers})"
-            )
-        if total + need > limits.total_bytes:
-            return f"transfer limit: {total + need} bytes would be held in all (cap {limits.total_bytes})"
-        return None
+        for transfer in [transfer for transfer in self.transfers.table.values() if matches(transfer.topic)]:
+            self.transfers.end(transfer)
 
     def _refuse(self, dropped: Dropped, now: float) -> Dropped | None:
         """A cap refusal: reported once per `quiet` seconds and sender, counted otherwise."""
-        self._remember(self._dropped, (dropped.topic, dropped.transfer_id), now)
+        self._dropped.note((dropped.topic, dropped.transfer_id), now)
         self.stats.dropped += 1
         if dropped.topic in self._refused:
             self.stats.suppressed += 1
             return None
-        self._remember(self._refused, dropped.topic, now)
+        self._refused.note(dropped.topic, now)
         return dropped
 
     def _drop(self, dropped: Dropped, now: float) -> Dropped:
         """Ends a transfer (if it had started) and ignores its further chunks while they keep coming."""
         key = (dropped.topic, dropped.transfer_id)
-        transfer = self._transfers.get(key)
+        transfer = self.transfers.table.get(key)
         if transfer is not None:
-            self._end(transfer)
+            self.transfers.end(transfer)
         if dropped.transfer_id:
-            self._remember(self._dropped, key, now)
+            self._dropped.note(key, now)
         self.stats.dropped += 1
         return dropped
-
-    def _dropped_transfer(self, transfer: Transfer, reason: str) -> Dropped:
-        return Dropped(transfer.topic, transfer.transfer_id, RejectionKind.BAD_CHUNK, reason, transfer.total_bytes)
-
-    def _remember(self, memory: OrderedDict, key, now: float) -> None:
-        memory[key] = now
-        memory.move_to_end(key)
-        while len(memory) > self.limits.remembered:
-            memory.popitem(last=False)
 
 
 def chunk_problem(chunk: wire.Chunk, topic_index: int | None, max_bytes: int) -> tuple[RejectionKind, str] | None:

@@ -7,6 +7,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -15,7 +16,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from edge_agent import chunks
-from edge_agent.chunks import ChunkLimits, Dropped, Reassembler
+from edge_agent.chunks import ChunkLimits, Completed, Dropped, Outgoing, Reassembler
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,119 @@ class LastWill:
 MANUAL_ACK_WINDOW = 16
 
 
+class Subscriptions:
+    """A session's topic filters and their QoS (each with its chunk filter), renewed after every reconnect; paho's
+    network thread reads them while the owner's thread changes them."""
+
+    def __init__(self) -> None:
+        self._filters: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, topic: str, qos: int) -> list[str]:
+        """Notes a subscription; the filters to subscribe to."""
+        filters = chunks.subscription_filters(topic)
+        with self._lock:
+            self._filters.update(dict.fromkeys(filters, qos))
+        return filters
+
+    def remove(self, topic: str) -> list[str]:
+        """Forgets a subscription; the filters to unsubscribe from."""
+        filters = chunks.subscription_filters(topic)
+        with self._lock:
+            for name in filters:
+                self._filters.pop(name, None)
+        return filters
+
+    def items(self) -> list[tuple[str, int]]:
+        """Every filter and its QoS."""
+        with self._lock:
+            return list(self._filters.items())
+
+
+def publish_all(client: paho.Client, planned: list[tuple[str, bytes, bool]], qos: int, wait: float | None) -> bool:
+    """Publishes every (topic, payload, retain) of one message; with `wait`, whether the broker confirmed them all
+    within `wait` seconds. A QoS 1 publish while the broker is away is queued, not failed: paho sends it on reconnect
+    (and its wait would raise)."""
+    infos = [client.publish(topic, payload, qos=qos, retain=retain) for topic, payload, retain in planned]
+    for info in infos:
+        if qos > 0 and info.rc == paho.MQTT_ERR_NO_CONN:
+            info.rc = paho.MQTT_ERR_SUCCESS
+    if wait is None:
+        return True
+    deadline = time.monotonic() + wait
+    for info in infos:
+        info.wait_for_publish(timeout=max(0.0, deadline - time.monotonic()))
+    return all(info.is_published() for info in infos)
+
+
+class ChunkInbox:
+    """The receiving side of chunked transfer for one session: chunks in, whole messages (or dropped transfers) out.
+    paho's network thread adds chunks, the owner's thread sweeps out idle transfers: a lock keeps them apart.
+    A chunk that only joins a transfer is acknowledged at once; the one that completes (or ends) a transfer is
+    acknowledged with the message, by its owner (with manual acks: after handling it)."""
+
+    def __init__(self, limits: ChunkLimits | None) -> None:
+        self.reassembler = Reassembler(limits)
+        self._lock = threading.Lock()
+        self._last_sweep = 0.0
+
+    def deliver(
+        self, incoming: IncomingMessage, put: Callable[[IncomingMessage], None], ack: Callable[[IncomingMessage], None]
+    ) -> None:
+        """Puts a message for the owner: as it is, or, for a chunk, the whole message once it is (else acks it)."""
+        if chunks.parse_chunk_topic(incoming.topic) is None:
+            put(incoming)
+            return
+        whole = self.take(incoming)
+        if whole is None:
+            ack(incoming)
+        else:
+            put(whole)
+
+    def take(self, incoming: IncomingMessage) -> IncomingMessage | None:
+        """The whole message a chunk completes, its transfer dropped (`dropped` set), or None (held or ignored)."""
+        with self._lock:
+            result = self.reassembler.add(incoming.topic, incoming.payload, time.monotonic())
+        if isinstance(result, Completed):
+            return dataclasses.replace(incoming, topic=result.topic, payload=result.payload)
+        if isinstance(result, Dropped):
+            return self.dropped(result, dataclasses.replace(incoming, topic=result.topic, payload=b""))
+        return None
+
+    def sweep(self, put: Callable[[IncomingMessage], None]) -> None:
+        """Puts a message for every transfer idle past its timeout, now dropped (looks once every SWEEP_SECONDS)."""
+        now = time.monotonic()
+        if now - self._last_sweep < SWEEP_SECONDS:
+            return
+        self._last_sweep = now
+        with self._lock:
+            expired = self.reassembler.expire(now)
+        for drop in expired:
+            put(self.dropped(drop, IncomingMessage(drop.topic, b"", False)))
+
+    def forget(self, topic_filter: str) -> None:
+        """Drops the unfinished transfers of a subscription that ended."""
+        with self._lock:
+            self.reassembler.forget(lambda topic: paho.topic_matches_sub(topic_filter, topic))
+
+    def dropped(self, drop: Dropped, message: IncomingMessage) -> IncomingMessage:
+        """Logs a dropped transfer; the message that tells the owner (who answers the sender, if it has one to
+        answer, and logs the rejection then)."""
+        log.info("chunked transfer dropped topic=%s kind=%s: %s", drop.topic[:200], drop.kind, drop.reason)
+        return dataclasses.replace(message, dropped=drop)
+
+    def log_stats(self, client_id: str) -> None:
+        """One line of what the session's transfers came to (nothing if it had none)."""
+        stats = self.reassembler.stats
+        if stats.completed or stats.dropped:
+            log.info(
+                "mqtt chunk transfers client=%s completed=%d dropped=%d reports_suppressed=%d duplicates=%d "
+                "ignored=%d peak_reserved_bytes=%d peak_held_bytes=%d",
+                *(client_id, stats.completed, stats.dropped, stats.suppressed, stats.duplicates, stats.ignored),
+                *(stats.peak_reserved, stats.peak_held),
+            )
+
+
 class MqttSession:
     """A persistent MQTT v5 session. Callbacks only enqueue; the owner drains `next_message` on its own thread.
 
@@ -104,12 +218,7 @@ class MqttSession:
     after handling it: a process killed between receiving and handling a message gets it again on reconnect.
     The session then also tells the broker (MQTT v5 Receive Maximum) to have at most MANUAL_ACK_WINDOW such
     messages in flight, so a burst of large updates waits in the broker rather than in this process's memory.
-
-    Chunks (edge_agent.chunks): a payload whose packet would exceed the broker's limit (the smaller of the
-    address's `max_packet_bytes` and the Maximum Packet Size of the broker's CONNACK) is published as chunks on
-    `<topic>/chunk/<i>`, retained too if the message is; every subscription also takes its chunk topics, and the
-    session's Reassembler hands the owner the whole message (within `chunk_limits`). A chunk that only joins a
-    transfer is acknowledged at once; the one that completes (or ends) a transfer is acknowledged with the message.
+    Messages too large for the broker go in chunks (`chunking`), and `inbox` puts them together (edge_agent.chunks).
     """
 
     def __init__(
@@ -126,16 +235,12 @@ class MqttSession:
         self.address = address
         self.client_id = client_id
         self.max_payload_bytes = max_payload_bytes
-        self.broker_max_packet_bytes: int | None = None
-        self.reassembler = Reassembler(chunk_limits)
-        self._retained_chunks: dict[str, int] = {}
-        self._retained_whole: set[str] = set()
-        self._last_sweep = 0.0
+        self.chunking = Outgoing(address.max_packet_bytes)
+        self.inbox = ChunkInbox(chunk_limits)
         self._manual_ack = manual_ack
         self._keepalive = keepalive
         self._session_expiry = session_expiry
-        self._subscriptions: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._subscriptions = Subscriptions()
         self._connected = threading.Event()
         self._messages: queue.Queue[IncomingMessage] = queue.Queue()
         self._client = paho.Client(
@@ -179,78 +284,29 @@ class MqttSession:
         """Whether the session is connected right now."""
         return self._connected.is_set()
 
-    @property
-    def max_packet_bytes(self) -> int | None:
-        """The largest packet the broker takes: the smaller of the configured and the announced limit (None: none
-        known, nothing is chunked)."""
-        known = [limit for limit in (self.address.max_packet_bytes, self.broker_max_packet_bytes) if limit]
-        return min(known) if known else None
-
     def subscribe(self, topic: str, qos: int = 1) -> None:
         """Subscribes (to the topic and its chunks) now and again after every reconnect."""
-        filters = [topic] + [extra for extra in (chunks.chunk_filter(topic),) if extra]
-        with self._lock:
-            for name in filters:
-                self._subscriptions[name] = qos
-        for name in filters:
+        for name in self._subscriptions.add(topic, qos):
             self._client.subscribe(name, qos=qos)
 
     def unsubscribe(self, topic: str) -> None:
         """Stops a subscription (and its chunks) for good, dropping its unfinished transfers."""
-        filters = [topic] + [extra for extra in (chunks.chunk_filter(topic),) if extra]
-        with self._lock:
-            for name in filters:
-                self._subscriptions.pop(name, None)
-            self.reassembler.forget(lambda base: paho.topic_matches_sub(topic, base))
-        for name in filters:
+        for name in self._subscriptions.remove(topic):
             self._client.unsubscribe(name)
+        self.inbox.forget(topic)
 
     def publish(
         self, topic: str, payload: bytes, retain: bool = False, qos: int = 1, wait: float | None = None
     ) -> bool:
-        """Publishes (QoS 1 by default) after checking the size, in chunks if the broker's limit calls for them.
-        With `wait`, blocks up to `wait` seconds for the broker's confirmation (of every chunk) and returns whether it
-        came; without, returns True at once. While the broker is away a QoS 1 message waits in paho's queue and goes
-        out on reconnect. A retained message replaces the topic's earlier one, chunked or whole: chunk topics this
-        session retained before and the new message does not use are cleared."""
+        """Publishes (QoS 1 by default, in chunks if the broker's limit calls for them) after checking the size. With
+        `wait`, blocks up to `wait` seconds for the broker's confirmation and returns whether it came; without,
+        returns True at once. While the broker is away a QoS 1 message waits in paho's queue for the reconnect."""
         self.check_size(topic, payload)
-        limit = self.max_packet_bytes
-        chunked = bool(payload) and chunks.needs_chunks(topic, payload, limit)
         try:
-            pieces = chunks.split(topic, payload, limit) if chunked and limit else [(topic, payload)]
+            planned = self.chunking.plan(topic, payload, retain)
         except chunks.ChunkingError as error:
             raise PayloadTooLargeError(str(error)) from None
-        infos = [self._send(name, piece, qos, retain) for name, piece in pieces]
-        if retain:
-            self._clear_stale_chunks(topic, payload, len(pieces) if chunked else 0)
-        if wait is None:
-            return True
-        deadline = time.monotonic() + wait
-        for info in infos:
-            info.wait_for_publish(timeout=max(0.0, deadline - time.monotonic()))
-        return all(info.is_published() for info in infos)
-
-    def _send(self, topic: str, payload: bytes, qos: int, retain: bool) -> paho.MQTTMessageInfo:
-        info = self._client.publish(topic, payload, qos=qos, retain=retain)
-        if qos > 0 and info.rc == paho.MQTT_ERR_NO_CONN:
-            info.rc = paho.MQTT_ERR_SUCCESS  # queued, not failed: paho sends it on reconnect (its wait would raise)
-        return info
-
-    def _clear_stale_chunks(self, topic: str, payload: bytes, count: int) -> None:
-        """After a retained publish on `topic` in `count` chunks (0: whole), clears the retained copies this session
-        left there before that a late subscriber must not get: chunks beyond the new count, or the whole message."""
-        previous = self._retained_chunks.pop(topic, 0)
-        for index in range(count, previous):
-            self._send(chunks.chunk_topic(topic, index), b"", 1, True)
-        if count:
-            self._retained_chunks[topic] = count
-            if topic in self._retained_whole:
-                self._retained_whole.discard(topic)
-                self._send(topic, b"", 1, True)
-        elif payload:
-            self._retained_whole.add(topic)
-        else:
-            self._retained_whole.discard(topic)
+        return publish_all(self._client, planned, qos, wait)
 
     def check_size(self, topic: str, payload: bytes) -> None:
         """PayloadTooLargeError if the payload exceeds this session's limit (checked before anything keeps it)."""
@@ -265,15 +321,8 @@ class MqttSession:
             self._client.ack(message.mid, message.qos)
 
     def next_message(self, timeout: float | None = None) -> IncomingMessage | None:
-        """The next received message, or None after `timeout` seconds (unfinished transfers past their timeout are
-        dropped on the way, each reported as a message with `dropped` set)."""
-        now = time.monotonic()
-        if now - self._last_sweep >= SWEEP_SECONDS:
-            self._last_sweep = now
-            with self._lock:
-                expired = self.reassembler.expire(now)
-            for dropped in expired:
-                self._report(dropped, IncomingMessage(dropped.topic, b"", False))
+        """The next received message (idle chunked transfers dropped on the way), or None after `timeout` seconds."""
+        self.inbox.sweep(self._messages.put)
         try:
             return self._messages.get(timeout=timeout)
         except queue.Empty:
@@ -283,14 +332,7 @@ class MqttSession:
         """Disconnects cleanly (no last will) and stops the network thread, waiting at most `timeout` seconds for it:
         a thread in the middle of a reconnect attempt is left to end with the process, so a stop is never held up."""
         self._connected.clear()
-        stats = self.reassembler.stats
-        if stats.completed or stats.dropped:
-            log.info(
-                "mqtt chunk transfers client=%s completed=%d dropped=%d reports_suppressed=%d duplicates=%d "
-                "ignored=%d peak_reserved_bytes=%d peak_held_bytes=%d",
-                *(self.client_id, stats.completed, stats.dropped, stats.suppressed, stats.duplicates, stats.ignored),
-                *(stats.peak_reserved, stats.peak_held),
-            )
+        self.inbox.log_stats(self.client_id)
         self._client.disconnect()
         stopper = threading.Thread(target=self._client.loop_stop, daemon=True)
         stopper.start()
@@ -300,17 +342,12 @@ class MqttSession:
         if reason_code.is_failure:
             log.warning("mqtt connect refused client=%s reason=%s", self.client_id, reason_code)
             return
-        with self._lock:
-            subscriptions = list(self._subscriptions.items())
-        for topic, qos in subscriptions:
+        for topic, qos in self._subscriptions.items():
             client.subscribe(topic, qos=qos)
-        self.broker_max_packet_bytes = getattr(properties, "MaximumPacketSize", None) if properties else None
+        self.chunking.announced = getattr(properties, "MaximumPacketSize", None) if properties else None
         log.info(
             "mqtt connected client=%s broker=%s session_present=%s max_packet_bytes=%s",
-            self.client_id,
-            self.address.url,
-            flags.session_present,
-            self.broker_max_packet_bytes,
+            *(self.client_id, self.address.url, flags.session_present, self.chunking.announced),
         )
         self._connected.set()
 
@@ -320,29 +357,5 @@ class MqttSession:
         self._connected.clear()
 
     def _on_message(self, client, userdata, message) -> None:
-        incoming = IncomingMessage(
-            message.topic, bytes(message.payload), bool(message.retain), message.mid, message.qos
-        )
-        if chunks.parse_chunk_topic(incoming.topic) is None:
-            self._messages.put(incoming)
-            return
-        now = time.monotonic()
-        with self._lock:
-            result = self.reassembler.add(incoming.topic, incoming.payload, now)
-        if isinstance(result, chunks.Completed):
-            self._messages.put(
-                IncomingMessage(result.topic, result.payload, incoming.retain, incoming.mid, incoming.qos)
-            )
-        elif isinstance(result, Dropped):
-            self._report(result, IncomingMessage(result.topic, b"", incoming.retain, incoming.mid, incoming.qos))
-        else:
-            self.acknowledge(incoming)  # held (or a copy): its transfer's last chunk is acknowledged with the message
-
-    def _report(self, dropped: Dropped, message: IncomingMessage) -> None:
-        """Logs a dropped transfer and hands it to the owner (who answers the sender, if it has one to answer, and
-        logs the rejection then)."""
-        log.info(
-            "chunked transfer dropped client=%s topic=%s kind=%s: %s",
-            *(self.client_id, dropped.topic[:200], dropped.kind, dropped.reason),
-        )
-        self._messages.put(dataclasses.replace(message, dropped=dropped))
+        got = IncomingMessage(message.topic, bytes(message.payload), bool(message.retain), message.mid, message.qos)
+        self.inbox.deliver(got, self._messages.put, self.acknowledge)

@@ -101,6 +101,29 @@ def test_a_payload_that_fits_is_not_chunked_and_a_tiny_limit_is_refused():
         chunks.split(TOPIC, b"x" * 5000, 1000)
 
 
+def test_a_publisher_plans_chunks_under_the_smaller_limit_and_clears_the_retained_copies_it_replaces():
+    outgoing = chunks.Outgoing(configured=64 * 1024)
+    assert outgoing.packet_limit == 64 * 1024
+    outgoing.announced = 1024 * 1024
+    assert outgoing.packet_limit == 64 * 1024  # the smaller one wins
+    topic = "fl/f/round"
+    big, smaller = payload_of(300_000), payload_of(100_000)
+    first = outgoing.plan(topic, big, retain=True)
+    assert [name for name, _, _ in first] == [chunks.chunk_topic(topic, i) for i in range(5)]
+    assert all(retain for _, _, retain in first)
+    second = outgoing.plan(topic, smaller, retain=True)  # 2 chunks: the old chunks 2, 3 and 4 are cleared
+    assert [(name, piece) for name, piece, _ in second[2:]] == [(chunks.chunk_topic(topic, i), b"") for i in (2, 3, 4)]
+    whole = outgoing.plan(topic, b"small", retain=True)  # whole again: both chunks cleared
+    assert [(name, piece) for name, piece, _ in whole] == [
+        (topic, b"small"),
+        (chunks.chunk_topic(topic, 0), b""),
+        (chunks.chunk_topic(topic, 1), b""),
+    ]
+    assert [name for name, _, _ in outgoing.plan(topic, big, retain=True)][-1] == topic  # chunks replace the whole
+    assert outgoing.plan("t/live", big, retain=False)[-1][0] == chunks.chunk_topic("t/live", 4)  # nothing to clear
+    assert chunks.Outgoing().plan(topic, big, retain=False) == [(topic, big, False)]  # no limit known: whole
+
+
 @pytest.mark.parametrize(
     "topic, parsed",
     [
@@ -352,12 +375,12 @@ def test_the_embedded_broker_limits_packets_and_the_clients_learn_the_limit(tmp_
         1883, tmp_path, (), DEFAULT_MAX_PACKET_BYTES
     )
     with EmbeddedBroker(tmp_path / "default") as broker:
-        assert sessions(broker, "learner").max_packet_bytes == DEFAULT_MAX_PACKET_BYTES == MIB
+        assert sessions(broker, "learner").chunking.packet_limit == DEFAULT_MAX_PACKET_BYTES == MIB
     with limited_broker(tmp_path, 64 * 1024) as broker:
         learner = sessions(broker, "learner-2")
-        assert learner.broker_max_packet_bytes == 64 * 1024
+        assert learner.chunking.announced == 64 * 1024
         configured = MqttSession(dataclasses.replace(broker.address, max_packet_bytes=16 * 1024), "configured")
-        assert configured.max_packet_bytes == 16 * 1024  # told, before any connection: the smaller limit wins
+        assert configured.chunking.packet_limit == 16 * 1024  # told, before any connection: the smaller limit wins
         # the limit is real: a packet over it, sent past the session's chunking, costs the client its connection
         learner._client.publish("t/big", b"x" * (64 * 1024), qos=1)
         wait_until(lambda: not learner.connected, "the broker to drop a client over its limit")
@@ -383,7 +406,7 @@ def test_a_model_above_10_mb_crosses_a_broker_with_a_1_mb_limit(tmp_path, sessio
         artefacts.on_model(wire.decode(message.payload, wire.ModelMessage))  # the agent's own decode and hash check
         assert list(artefacts.models) == [model_hash]
         assert all(np.array_equal(artefacts.models[model_hash][name], weights[name]) for name in weights)
-        assert device.reassembler.stats.completed == 1 and device.reassembler.pending == 0
+        assert device.inbox.reassembler.stats.completed == 1 and device.inbox.reassembler.pending == 0
 
         # the next model replaces it: the old topic's whole and chunked retained copies are all cleared
         smaller = {"w": np.ones(10, dtype=np.float32)}
@@ -391,7 +414,7 @@ def test_a_model_above_10_mb_crosses_a_broker_with_a_1_mb_limit(tmp_path, sessio
         late = sessions(broker, "late")
         late.subscribe(topic)
         assert sync(late, topic) == []
-        assert late.reassembler.stats.dropped == 0 and late.reassembler.pending == 0
+        assert late.inbox.reassembler.stats.dropped == 0 and late.inbox.reassembler.pending == 0
     assert "too large" not in (tmp_path / "broker" / "mosquitto.log").read_text().lower()
 
 
@@ -407,12 +430,12 @@ def test_a_retained_topic_published_again_with_fewer_chunks_leaves_no_stale_ones
         message = receive(late)
         assert message.payload == payload_of(200_000, seed=2)
         assert sync(late, topic) == []  # nothing else: no leftover chunk of the first message started a transfer
-        assert late.reassembler.pending == 0
+        assert late.inbox.reassembler.pending == 0
         publisher.publish(topic, b"small", retain=True, wait=WAIT)  # whole again: every chunk cleared
         later = sessions(broker, "later")
         later.subscribe(topic)
         assert receive(later).payload == b"small"
-        assert sync(later, topic) == [] and later.reassembler.pending == 0
+        assert sync(later, topic) == [] and later.inbox.reassembler.pending == 0
 
 
 def wait_until(condition, what: str, timeout: float = WAIT) -> None:
@@ -441,21 +464,21 @@ def test_a_reconnect_in_the_middle_of_a_transfer_resumes_it(tmp_path, sessions, 
         sender = sessions(first, "dev-1")
         for name, piece in pieces[:half]:
             assert sender.publish(name, piece, retain=retained, wait=WAIT)
-        wait_until(lambda: receiver.reassembler.held_bytes == first_half, "the first half")
+        wait_until(lambda: receiver.inbox.reassembler.held_bytes == first_half, "the first half")
     finally:
         first.stop()
     wait_until(lambda: not receiver.connected and not sender.connected, "both clients to notice")
     with limited_broker(tmp_path, MIB, port=first.port):
         wait_until(lambda: sender.connected and receiver.connected, "both clients to reconnect")
         assert sync(receiver, marker_topic) == []  # the receiver's subscriptions are back (and replayed, if retained)
-        assert receiver.reassembler.held_bytes == first_half  # nothing was lost with the connection
+        assert receiver.inbox.reassembler.held_bytes == first_half  # nothing was lost with the connection
         for name, piece in pieces[half:]:
             assert sender.publish(name, piece, retain=retained, wait=WAIT)
         message = receive(receiver)
         receiver.acknowledge(message)
         assert (message.topic, message.payload == payload, message.dropped) == (topic, True, None)
-        stats = receiver.reassembler.stats
-        assert (stats.completed, stats.dropped, receiver.reassembler.pending) == (1, 0, 0)
+        stats = receiver.inbox.reassembler.stats
+        assert (stats.completed, stats.dropped, receiver.inbox.reassembler.pending) == (1, 0, 0)
         # copies: chunks whose acks the stopped broker had not yet seen come again (QoS 1), and a retained transfer's
         # first half is replayed to the renewed subscription; each is recognised and ignored
         assert (half if retained else 0) <= stats.duplicates <= 2 * half
@@ -476,13 +499,13 @@ def test_a_receiver_that_dies_in_the_middle_gets_the_update_from_the_devices_out
         dying.subscribe("fl/f/devices/+/update")
         device = sessions(broker, "dev-1")
         assert device.publish(*pieces[0], wait=WAIT)
-        wait_until(lambda: dying.reassembler.held_bytes > 0, "the first chunk")
+        wait_until(lambda: dying.inbox.reassembler.held_bytes > 0, "the first chunk")
         dying.close()  # the process dies holding chunk 0 (acked: the broker will not send it again)
         for name, piece in pieces[1:]:
             assert device.publish(name, piece, wait=WAIT)  # queued by the broker for the coordinator's session
         reborn = sessions(broker, "coordinator", manual_ack=True)
         reborn.subscribe("fl/f/devices/+/update")
-        wait_until(lambda: reborn.reassembler.pending == 1, "the rest of the chunks")
+        wait_until(lambda: reborn.inbox.reassembler.pending == 1, "the rest of the chunks")
         assert reborn.next_message(timeout=0.5) is None  # chunk 0 is missing: nothing to hand over yet
 
         sender = UpdateSender(settings, device, tmp_path / "outbox")
@@ -492,7 +515,7 @@ def test_a_receiver_that_dies_in_the_middle_gets_the_update_from_the_devices_out
         reborn.acknowledge(message)
         assert (message.topic, message.payload == payload) == (TOPIC, True)
         assert reborn.next_message(timeout=1.0) is None  # once
-        assert reborn.reassembler.stats.duplicates == len(pieces) - 1
+        assert reborn.inbox.reassembler.stats.duplicates == len(pieces) - 1
 
 
 # --- a real coordinator process under chunk abuse -----------------------------------------------------------------
