@@ -18,6 +18,9 @@ from edge_agent.mqtt import BrokerAddress
 log = logging.getLogger(__name__)
 
 PORT_FILE = "port"
+# The largest MQTT packet the embedded broker takes (mosquitto's max_packet_size, which MQTT v5 clients learn from
+# the CONNACK's Maximum Packet Size); larger messages travel in chunks (edge_agent.chunks).
+DEFAULT_MAX_PACKET_BYTES = 1024 * 1024
 PR_SET_PDEATHSIG = 1
 
 
@@ -32,8 +35,12 @@ def free_loopback_port() -> int:
         return probe.getsockname()[1]
 
 
-def mosquitto_config(port: int, work_dir: Path, extra_lines: tuple[str, ...] = ()) -> str:
-    """A mosquitto.conf for one loopback listener with on-disk persistence (QoS 1 survives a broker restart)."""
+def mosquitto_config(
+    port: int, work_dir: Path, extra_lines: tuple[str, ...] = (), max_packet_bytes: int | None = None
+) -> str:
+    """A mosquitto.conf for one loopback listener with on-disk persistence (QoS 1 survives a broker restart) and,
+    if given, a packet size limit it announces to MQTT v5 clients (message_size_limit is not announced: a client
+    over it is disconnected without having been told)."""
     lines = [
         f"listener {port} 127.0.0.1",
         "allow_anonymous true",
@@ -50,6 +57,8 @@ def mosquitto_config(port: int, work_dir: Path, extra_lines: tuple[str, ...] = (
         # Started as root, mosquitto switches to the 'mosquitto' user, which cannot write work_dir: it then runs
         # without its log and, silently, without persistence. Stay the user that owns work_dir.
         lines.append("user root")
+    if max_packet_bytes is not None:
+        lines.append(f"max_packet_size {max_packet_bytes}")
     lines.extend(extra_lines)
     return "\n".join(lines) + "\n"
 
@@ -99,6 +108,7 @@ class EmbeddedBroker:
 
     Without an explicit port it reuses the port an earlier broker of the same work dir had (when free), so that a
     coordinator restarted on its run directory after a crash is found by its devices where they left it.
+    `max_packet_bytes` is the largest packet it takes (None: no limit); clients learn it when they connect.
     """
 
     def __init__(
@@ -107,11 +117,13 @@ class EmbeddedBroker:
         port: int | None = None,
         extra_config: tuple[str, ...] = (),
         tls: bool = False,
+        max_packet_bytes: int | None = DEFAULT_MAX_PACKET_BYTES,
     ) -> None:
         self.work_dir = Path(work_dir)
         self.port = port or previous_port(self.work_dir) or free_loopback_port()
         self.extra_config = extra_config
         self.tls = tls
+        self.max_packet_bytes = max_packet_bytes
         self._process: subprocess.Popen | None = None
 
     @property
@@ -126,7 +138,7 @@ class EmbeddedBroker:
             raise BrokerError("mosquitto is not installed: run `apt-get install mosquitto` (or `make install`)")
         self.work_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.work_dir / "mosquitto.conf"
-        config_path.write_text(mosquitto_config(self.port, self.work_dir, self.extra_config))
+        config_path.write_text(mosquitto_config(self.port, self.work_dir, self.extra_config, self.max_packet_bytes))
         self._process = subprocess.Popen(
             [binary, "-c", str(config_path)],
             stdout=subprocess.DEVNULL,
@@ -162,8 +174,17 @@ class EmbeddedBroker:
         self.stop()
 
 
-def embedded_broker(work_dir: Path, secure: SecureFleet | None = None) -> EmbeddedBroker:
+def embedded_packet_limit(configured: int | None) -> int:
+    """The embedded broker's packet limit: the run's --max-message-bytes, else DEFAULT_MAX_PACKET_BYTES."""
+    return configured or DEFAULT_MAX_PACKET_BYTES
+
+
+def embedded_broker(
+    work_dir: Path, secure: SecureFleet | None = None, max_packet_bytes: int | None = DEFAULT_MAX_PACKET_BYTES
+) -> EmbeddedBroker:
     """The embedded broker, locked to a provisioned fleet's passwords, ACL (and TLS) when `secure` is given."""
     if secure is None:
-        return EmbeddedBroker(work_dir)
-    return EmbeddedBroker(work_dir, extra_config=broker_config_lines(secure), tls=secure.tls)
+        return EmbeddedBroker(work_dir, max_packet_bytes=max_packet_bytes)
+    return EmbeddedBroker(
+        work_dir, extra_config=broker_config_lines(secure), tls=secure.tls, max_packet_bytes=max_packet_bytes
+    )

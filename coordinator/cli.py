@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from coordinator.broker import BrokerError, embedded_broker
+from coordinator.broker import BrokerError, embedded_broker, embedded_packet_limit
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.server import Dashboard, dashboard_token, parse_listen_address
 from coordinator.method_flags import (
@@ -37,6 +37,7 @@ from coordinator.simulate import BenchSettings, simulate, write_shards
 from coordinator.store import RunStore, stored_spec
 from coordinator.strategies import make_strategy
 from edge_agent import wire
+from edge_agent.chunks import MIN_PACKET_BYTES
 from edge_agent.fashion_mnist import DatasetMissingError
 from edge_agent.logs import configure_logging
 from edge_agent.model_spec import DEFAULT_SPEC, SpecFile, load_model_spec
@@ -54,6 +55,7 @@ log = logging.getLogger("coordinator")
 def add_round_options(parser: argparse.ArgumentParser) -> None:
     """Options shared by `run` and `simulate`: the run, the round policy, the recipe, the server data."""
     add_run_options(parser)
+    add_transfer_options(parser)
     add_recipe_options(parser)
     add_method_options(parser)
     add_server_data_options(parser)
@@ -85,6 +87,29 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--dashboard-token",
         help="bearer token the API requires (default: none on loopback, else generated into RUN_DIR/dashboard-token)",
+    )
+
+
+def add_transfer_options(parser: argparse.ArgumentParser) -> None:
+    """The broker's packet limit and what the coordinator holds of chunked updates in progress."""
+    transfer = parser.add_argument_group("message size and chunked transfer")
+    transfer.add_argument(
+        "--max-message-bytes",
+        type=int,
+        help="largest MQTT packet the broker takes: the embedded broker's limit (default 1 MiB), or that of a --broker "
+        "that announces none; larger messages travel in chunks",
+    )
+    transfer.add_argument(
+        "--transfer-memory-mb",
+        type=int,
+        default=ServerSettings.transfer_memory_mb,
+        help="memory the coordinator gives chunked updates in progress, all devices together",
+    )
+    transfer.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=ServerSettings.transfer_timeout,
+        help="seconds without a chunk after which an unfinished chunked update is dropped",
     )
 
 
@@ -320,7 +345,17 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
         ship_bundles=not args.no_bundles,
         encoder_path=args.encoder,
         keep_updates=args.keep_updates,
+        broker_max_packet_bytes=check_packet_limit(args.max_message_bytes),
+        transfer_memory_mb=args.transfer_memory_mb,
+        transfer_timeout=args.transfer_timeout,
     )
+
+
+def check_packet_limit(limit: int | None) -> int | None:
+    """--max-message-bytes, if given, leaves room for chunks."""
+    if limit is not None and limit < MIN_PACKET_BYTES:
+        raise ValueError(f"--max-message-bytes must be at least {MIN_PACKET_BYTES}, got {limit}")
+    return limit
 
 
 def recipe_from(args: argparse.Namespace, options: dict[str, float]) -> wire.Recipe:
@@ -466,7 +501,9 @@ def command_run(args: argparse.Namespace) -> int:
                 settings, parse_broker_url(args.broker), printer, wait_for_devices=args.wait_devices, observer=live
             )
         else:
-            with embedded_broker(settings.run_dir / "broker", secure) as broker:
+            with embedded_broker(
+                settings.run_dir / "broker", secure, embedded_packet_limit(settings.broker_max_packet_bytes)
+            ) as broker:
                 print(f"embedded broker listening at {broker.address.url}", file=sys.stderr, flush=True)
                 run_server(settings, broker.address, printer, wait_for_devices=args.wait_devices, observer=live)
     printer.summary(settings.run_dir)

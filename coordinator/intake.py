@@ -12,6 +12,7 @@ from coordinator.observer import RoundObserver
 from coordinator.store import RunStore
 from coordinator.validation import Expectation, Rejection, validate_update
 from edge_agent import wire
+from edge_agent.chunks import Dropped
 from edge_agent.mqtt import MqttSession
 from edge_agent.wire import RejectionKind
 
@@ -87,9 +88,18 @@ class UpdateIntake:
         self.observer = observer
 
     def on_update(
-        self, device_id: str, payload: bytes, collector: RoundCollector | None, participants: list[str]
+        self,
+        device_id: str,
+        payload: bytes,
+        collector: RoundCollector | None,
+        participants: list[str],
+        dropped: Dropped | None = None,
     ) -> None:
-        """Validates, spools and acks an update; a rejection is acked with its reason, logged and counted."""
+        """Validates, spools and acks an update; a rejection is acked with its reason, logged and counted. `dropped`:
+        the update came in chunks that did not make a whole one (see on_dropped)."""
+        if dropped is not None:
+            self.on_dropped(device_id, dropped, collector)
+            return
         if collector is None:
             self.reject(device_id, 0, payload, Rejection(RejectionKind.NO_ROUND, "no round is open"))
             return
@@ -108,6 +118,15 @@ class UpdateIntake:
             log.info("update accepted device=%s round=%d samples=%d", device_id, update.round_id, update.num_samples)
         self.ack(wire.Ack(device_id, update.round_id, update.update_id, True))
 
+    def on_dropped(self, device_id: str, dropped: Dropped, collector: RoundCollector | None) -> None:
+        """Answers a chunked update the session refused or abandoned (its chunks never made a whole update): a
+        rejection of the transfer's kind, acked with no update id (it could not be read; the device's outbox keeps
+        the update and sends it again)."""
+        rejection = Rejection(dropped.kind, dropped.reason)
+        if collector is not None:
+            collector.reject(device_id, rejection.reason)
+        self.reject(device_id, collector.round_id if collector else 0, b"", rejection, size=dropped.total_bytes)
+
     def resume_spooled(self, collector: RoundCollector) -> None:
         """Takes back the updates a previous coordinator process accepted for this round before it died."""
         for device_id, payload in self.store.spool.items(collector.round_id):
@@ -117,8 +136,12 @@ class UpdateIntake:
             except Rejection as rejection:
                 log.warning("spooled update no longer valid device=%s reason=%s", device_id, rejection.reason)
 
-    def reject(self, device_id: str, round_id: int, payload: bytes, rejection: Rejection) -> None:
-        """Acks a rejection with its reason and kind, counts it in the store and logs it once."""
+    def reject(
+        self, device_id: str, round_id: int, payload: bytes, rejection: Rejection, size: int | None = None
+    ) -> None:
+        """Acks a rejection with its reason and kind, counts it in the store and logs it once (`size`: the bytes
+        the update had, when not the payload's)."""
+        size = len(payload) if size is None else size
         log.warning(
             "update rejected device=%s round=%d kind=%s reason=%s",
             device_id,
@@ -126,8 +149,8 @@ class UpdateIntake:
             rejection.kind,
             rejection.reason,
         )
-        self.store.record_rejection(round_id, device_id, rejection.reason, len(payload), rejection.kind)
-        self.observer.update_answered(device_id, round_id, len(payload), rejection)
+        self.store.record_rejection(round_id, device_id, rejection.reason, size, rejection.kind)
+        self.observer.update_answered(device_id, round_id, size, rejection)
         ack = wire.Ack(device_id, round_id, update_id_of(payload), False, rejection.reason, rejection.kind)
         self.ack(ack)
 

@@ -83,7 +83,8 @@ def password_hash(password: str, salt: bytes | None = None) -> str:
 
 def acl_text(fleet: str) -> str:
     """The coordinator may do anything in the fleet; a device writes only under its own topics (by username, %u,
-    never the spoofable client id) and reads only the round, the models, their ONNX bundles, the FAST encoder and its own acks."""
+    never the spoofable client id) and reads only the round, the models, their ONNX bundles, the FAST encoder and its own acks (each with the chunk
+    topics a message too large for the broker travels on)."""
     root = f"fl/{wire.check_identifier('fleet', fleet)}"
     return "\n".join(
         [
@@ -92,7 +93,9 @@ def acl_text(fleet: str) -> str:
             "",
             f"pattern write {root}/devices/%u/#",
             f"pattern read {root}/devices/%u/ack",
+            f"pattern read {root}/devices/%u/ack/chunk/+",
             f"pattern read {root}/round",
+            f"pattern read {root}/round/chunk/+",
             f"pattern read {root}/model/#",
             f"pattern read {root}/bundle/#",
             f"pattern read {root}/encoder/#",

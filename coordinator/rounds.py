@@ -239,8 +239,8 @@ class Coordinator:
         except wire.WireError as error:
             log.warning("message on an unexpected topic topic=%s error=%s", message.topic[:200], error)
             return
-        if message.topic.endswith("/status"):
+        if message.topic.endswith("/status") and message.dropped is None:  # (a broken chunked status says nothing)
             self.parts.presence.on_status(device_id, message.payload)
         elif message.topic.endswith("/update"):
             collector, participants = (opened.collector, opened.participants) if opened else (None, [])
-            self.parts.intake.on_update(device_id, message.payload, collector, participants)
+            self.parts.intake.on_update(device_id, message.payload, collector, participants, message.dropped)

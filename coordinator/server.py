@@ -28,6 +28,7 @@ from coordinator.rounds import Coordinator, RoundParts, RoundPolicy, RoundRules
 from coordinator.store import RunStore, stored_spec
 from coordinator.strategies import make_strategy
 from edge_agent import wire
+from edge_agent.chunks import MIB, ChunkLimits
 from edge_agent.encoder import OnnxEncoder, encoder_hash
 from edge_agent.fashion_mnist import CLASS_NAMES, load_fashion_mnist
 from edge_agent.image_arrays import ImageDataset, load_npz_dataset
@@ -81,6 +82,9 @@ class ServerSettings:
     secure_dir: Path | None = None
     encoder_path: Path | None = None
     keep_updates: bool = False
+    broker_max_packet_bytes: int | None = None
+    transfer_memory_mb: int = 128
+    transfer_timeout: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -232,7 +236,7 @@ def run_server(
     data = data or load_server_data(settings)
     store = RunStore(settings.run_dir, keep_updates=settings.keep_updates)
     address, authenticator = secured(settings, address, store)
-    session = MqttSession(address, client_id=f"coordinator-{settings.fleet}", manual_ack=True)
+    session = coordinator_session(settings, address)
     try:
         weights, first_round, run_id = starting_point(store, settings, data)
         encoder = round_encoder(settings, store)
@@ -249,6 +253,28 @@ def run_server(
     finally:
         session.close()
         store.close()
+
+
+def coordinator_session(settings: ServerSettings, address: BrokerAddress) -> MqttSession:
+    """The coordinator's session: manual acks, the broker's packet limit if the run names one, its transfer limits."""
+    if settings.broker_max_packet_bytes:
+        address = dataclasses.replace(address, max_packet_bytes=settings.broker_max_packet_bytes)
+    limits = transfer_limits(settings)
+    return MqttSession(address, client_id=f"coordinator-{settings.fleet}", manual_ack=True, chunk_limits=limits)
+
+
+def transfer_limits(settings: ServerSettings) -> ChunkLimits:
+    """What the coordinator holds of chunked updates in progress: an update of at most max_update_bytes, two
+    transfers and twice that per device, transfer_memory_mb in all, each dropped after transfer_timeout idle seconds."""
+    largest = settings.policy.max_update_bytes
+    total = settings.transfer_memory_mb * MIB
+    if total < 1:
+        raise ValueError(f"--transfer-memory-mb must be positive, got {settings.transfer_memory_mb}")
+    if settings.transfer_timeout <= 0:
+        raise ValueError(f"--transfer-timeout must be positive, got {settings.transfer_timeout}")
+    return ChunkLimits(
+        max_message_bytes=largest, sender_bytes=2 * largest, total_bytes=total, timeout=settings.transfer_timeout
+    )
 
 
 def secured(

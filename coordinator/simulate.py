@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.broker import embedded_broker
+from coordinator.broker import embedded_broker, embedded_packet_limit
 from coordinator.observer import RoundObserver, RoundResult
 from coordinator.partition import partition_indices
 from coordinator.provision import SecureFleet, device_names, load_secure_fleet, provision
@@ -159,12 +159,14 @@ def broker_for(
     run_dir: Path,
     address: BrokerAddress | None,
     secure: SecureFleet | None = None,
+    max_packet_bytes: int | None = None,
 ) -> Iterator[BrokerAddress]:
-    """The given broker, or an embedded mosquitto (locked to `secure`'s fleet if given) for the run's duration."""
+    """The given broker, or an embedded mosquitto (locked to `secure`'s fleet if given, taking packets of at most
+    `max_packet_bytes`, default DEFAULT_MAX_PACKET_BYTES) for the run's duration."""
     if address is not None:
         yield address
         return
-    with embedded_broker(run_dir / "broker", secure) as broker:
+    with embedded_broker(run_dir / "broker", secure, embedded_packet_limit(max_packet_bytes)) as broker:
         yield broker.address
 
 
@@ -196,7 +198,7 @@ def simulate(
         dataclasses.replace(launch, credentials=secure.device_credentials(launch.device_id) if secure else None)
         for launch in write_shards(data, bench, settings.run_dir)
     ]
-    with broker_for(settings.run_dir, address, secure) as broker_address:
+    with broker_for(settings.run_dir, address, secure, settings.broker_max_packet_bytes) as broker_address:
         processes = [spawn_agent(launch, broker_address, settings.fleet, bench) for launch in launches]
         try:
             run_server(

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edge_agent import wire
+from edge_agent.chunks import MIN_PACKET_BYTES
 from edge_agent.credentials import Credentials, load_credentials
 from edge_agent.field_options import add_field_arguments
 from edge_agent.logs import configure_logging
@@ -49,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
 def add_run_arguments(run: argparse.ArgumentParser) -> None:
     """`edge-agent run`: the broker and identity, the data (a shard or a folder), the profile and its overrides."""
     run.add_argument("--broker", required=True, help="mqtt://HOST:PORT or mqtts://HOST:PORT")
+    run.add_argument(
+        "--max-message-bytes",
+        type=int,
+        help="largest MQTT packet the broker takes, for a broker that does not announce one (MQTT v5 CONNACK); "
+        "larger messages travel in chunks",
+    )
     run.add_argument("--fleet", help="fleet name (default: the credential file's)")
     run.add_argument("--device-id", help="this device's id (default: the credential file's)")
     run.add_argument(
@@ -185,10 +192,14 @@ def agent_settings(
     )
 
 
-def broker_address(url: str, profile: DeviceProfile | None, credentials: Credentials | None = None) -> BrokerAddress:
-    """The broker URL with the profile's TLS files when it is mqtts://, and the credential file's login and TLS
-    files (which win) when one is given."""
-    address = parse_broker_url(url)
+def broker_address(
+    url: str, profile: DeviceProfile | None, credentials: Credentials | None = None, max_packet_bytes: int | None = None
+) -> BrokerAddress:
+    """The broker URL with the profile's TLS files when it is mqtts://, the credential file's login and TLS files
+    (which win) when one is given, and the broker's packet limit if known (--max-message-bytes)."""
+    if max_packet_bytes is not None and max_packet_bytes < MIN_PACKET_BYTES:
+        raise ValueError(f"--max-message-bytes must be at least {MIN_PACKET_BYTES}, got {max_packet_bytes}")
+    address = dataclasses.replace(parse_broker_url(url), max_packet_bytes=max_packet_bytes)
     if profile is not None and address.tls:
         address = dataclasses.replace(
             address, ca_file=profile.mqtt.tls_ca, cert_file=profile.mqtt.tls_cert, key_file=profile.mqtt.tls_key
@@ -216,7 +227,7 @@ def run_agent(args: argparse.Namespace) -> int:
     settings = agent_settings(args, profile, credentials)
     state_dir = args.state_dir or Path("agent-state") / settings.device_id
     session = MqttSession(
-        broker_address(args.broker, profile, credentials),
+        broker_address(args.broker, profile, credentials, args.max_message_bytes),
         client_id=settings.device_id,
         last_will=Agent.last_will(settings),
         max_payload_bytes=settings.max_update_bytes,

@@ -72,6 +72,8 @@ class RejectionKind(StrEnum):
     BAD_SIGNATURE = "bad_signature"
     REPLAY = "replay"
     BAD_ENCODING = "bad_encoding"
+    BAD_CHUNK = "bad_chunk"
+    TRANSFER_LIMIT = "transfer_limit"
 
 
 class WireError(ValueError):
@@ -204,11 +206,27 @@ class Status:
     peak_rss_mb: float = 0.0
 
 
-Message = RoundAnnouncement | ModelMessage | BundleMessage | EncoderMessage | Update | Ack | Status
+@dataclass(frozen=True)
+class Chunk:
+    """One numbered piece of a message too large for the broker, published on `<topic>/chunk/<index>` (see
+    edge_agent.chunks): every chunk of a transfer repeats the count, the whole payload's size and its sha256 (hex);
+    chunk i holds bytes [i * s, (i + 1) * s) of the payload, with s = ceil(total_bytes / count)."""
+
+    KIND: ClassVar[str] = "chunk"
+    transfer_id: str
+    index: int
+    count: int
+    total_bytes: int
+    digest: str
+    data: bytes
+
+
+Message = RoundAnnouncement | ModelMessage | BundleMessage | EncoderMessage | Update | Ack | Status | Chunk
 MESSAGE_TYPES: dict[str, type] = {
-    cls.KIND: cls for cls in (RoundAnnouncement, ModelMessage, BundleMessage, EncoderMessage, Update, Ack, Status)
+    cls.KIND: cls
+    for cls in (RoundAnnouncement, ModelMessage, BundleMessage, EncoderMessage, Update, Ack, Status, Chunk)
 }
-M = TypeVar("M", RoundAnnouncement, ModelMessage, BundleMessage, EncoderMessage, Update, Ack, Status)
+M = TypeVar("M", RoundAnnouncement, ModelMessage, BundleMessage, EncoderMessage, Update, Ack, Status, Chunk)
 
 
 def encode_tensor(array: np.ndarray) -> dict[str, Any]:

@@ -22,6 +22,7 @@ TORCH_FREE = (
     "edge_agent.tensors",
     "edge_agent.options",
     "edge_agent.update_codec",
+    "edge_agent.chunks",
     # a device that scores and trains its classifier only (the Pi Zero 2 W profile) runs without torch
     "edge_agent.agent",
     "edge_agent.cli",
