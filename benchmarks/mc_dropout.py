@@ -3,7 +3,11 @@
 bundle and settings: 4000 Fashion-MNIST training images, the paper CNN with a briefly trained W0 (one Adam
 epoch over 10000 training images disjoint from the pool), T=20 passes, entropy, top-400, 2 threads.
 The onnxruntime rows run through `edge-agent score`'s code path in a process that never imports torch, at the
-back end's default batch; their peak RSS is checked against issue #3's target (RSS_TARGET_MB)."""
+back end's default batch; their peak RSS is checked against issue #3's target (RSS_TARGET_MB).
+
+The `zoo` section does the same for every model of the zoo (a seeded, untrained model: speed does not depend on the
+weights) on ZOO_POOL random images of the model's input shape: the naive loop against the project's onnxruntime
+scorer on the same model, each in its own process, with images/s, peak RSS and the prefix cache's speed-up."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 POOL_SIZE = 4000
 PASSES = 20
@@ -22,8 +27,8 @@ NAIVE_BATCH = 256
 RSS_TARGET_MB = 120
 
 
-def train_w0(out: Path) -> str:
-    """Trains W0 briefly, exports it as a bundle with an int8 prefix, writes the pool shard; returns the hash."""
+def train_w0(out: Path | str) -> dict:
+    """Trains W0 briefly, exports it as a bundle with an int8 prefix, writes the pool shard; returns the manifest."""
     import numpy as np
     import torch
 
@@ -33,6 +38,7 @@ def train_w0(out: Path) -> str:
     from edge_agent.shard import Shard, save_shard
     from export.bundle_writer import write_bundle
 
+    out = Path(out)
     torch.manual_seed(0)
     torch.set_num_threads(THREADS)
     data = load_fashion_mnist()
@@ -51,10 +57,44 @@ def train_w0(out: Path) -> str:
         model_input(data.test_images),
         data.test_labels.astype(np.int64),
     )
-    return write_bundle(get_weights(model), out / "bundle", int8_data=int8_data)
+    return write_bundle(get_weights(model), out / "bundle", int8_data=int8_data).to_json()
 
 
-def naive_row(out: Path) -> dict:
+ZOO_POOL = 400
+ZOO_CLASSES = ["boot", "bag", "shirt", "trouser", "dress"]
+ZOO = {
+    "paper-cnn-28-grey": {},
+    "rgb-cnn-64": {"architecture": "rgb-cnn", "channels": 3, "height": 64, "width": 64},
+    "mobilenet-0.25-96": {
+        "architecture": "mobilenet",
+        "channels": 3,
+        "height": 96,
+        "width": 96,
+        "width_multiplier": 0.25,
+    },
+    "mobilenet-1.0-96": {"architecture": "mobilenet", "channels": 3, "height": 96, "width": 96},
+    "mobilenet-1.0-224": {"architecture": "mobilenet", "channels": 3, "height": 224, "width": 224},
+}
+"""Zoo rows: model spec fields (colour models get 5 classes and mean 0.5 / std 0.25 per channel)."""
+
+
+def zoo_inputs(out: Path | str, name: str) -> None:
+    """The zoo model's bundle (seeded weights) and a pool of random uint8 images of its shape, under out/name."""
+    import numpy as np
+
+    from edge_agent.model_spec import ModelSpec
+    from edge_agent.models import build_model, get_weights
+    from export.bundle_writer import write_bundle
+
+    out, fields = Path(out), ZOO[name]
+    colour = {"mean": [0.5] * 3, "std": [0.25] * 3, "class_names": ZOO_CLASSES} if fields else {}
+    spec = ModelSpec(**{**colour, **fields})
+    write_bundle(get_weights(build_model(spec, seed=0)), out / name / "bundle", spec)
+    pool = np.random.default_rng(0).integers(0, 256, (ZOO_POOL, *spec.image_shape), dtype=np.uint8)
+    np.save(out / name / "pool.npy", pool)
+
+
+def naive_row(out: Path, pool_file: str = "pool.npz") -> dict:
     """model.train() and T full forward passes over the pool in batches of 256, mean softmax, entropy, top-k."""
     import resource
     import time
@@ -62,17 +102,19 @@ def naive_row(out: Path) -> dict:
     import numpy as np
     import torch
 
+    from edge_agent.bundle import load_bundle
     from edge_agent.files import load_arrays
     from edge_agent.image_arrays import model_input
     from edge_agent.models import build_model, set_weights
     from edge_agent.sampling import entropy_scores, top_k
-    from edge_agent.shard import load_shard
+    from edge_agent.score_command import load_pool_images
 
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)
-    model = build_model()
+    spec = load_bundle(out / "bundle").manifest.spec
+    model = build_model(spec)
     set_weights(model, load_arrays(out / "bundle" / "weights.npz"))
-    images = torch.from_numpy(model_input(load_shard(out / "pool.npz").images))
+    images = torch.from_numpy(model_input(np.asarray(load_pool_images(out / pool_file, None, spec.image_shape))))
     started = time.perf_counter()
     model.train()
     passes = []
@@ -95,13 +137,13 @@ def naive_row(out: Path) -> dict:
     }
 
 
-def scorer_row(out: Path, backend: str, precision: str, batch: int) -> dict:
+def scorer_row(out: Path, backend: str, precision: str, batch: int, pool_file: str = "pool.npz") -> dict:
     """The project's scorer exactly as `edge-agent score` runs it."""
     from edge_agent.score_command import score_pool
 
     return score_pool(
         out / "bundle",
-        out / "pool.npz",
+        out / pool_file,
         PASSES,
         TOP,
         "entropy",
@@ -121,12 +163,43 @@ ROWS = {
 }
 
 
-def run_row(out: Path, name: str) -> dict:
+def run_row(out: Path, name: str, *extra: str) -> dict:
     """Measures one row in a fresh interpreter and returns its JSON record (with torch_imported)."""
     result = subprocess.run(
-        [sys.executable, __file__, "--row", name, "--dir", str(out)], capture_output=True, text=True, check=True
+        [sys.executable, __file__, "--row", name, "--dir", str(out), *extra], capture_output=True, text=True, check=True
     )
     return json.loads(result.stdout)
+
+
+def in_subprocess(function: str, *args: object) -> Any:
+    """Calls one of this module's functions in a fresh interpreter and returns its JSON result. The inputs are built
+    there so that this process stays small: a child's peak RSS counts the parent's pages it forked from."""
+    call = f"{function}(*{[str(arg) if isinstance(arg, Path) else arg for arg in args]!r})"
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import mc_dropout; "
+        f"from pathlib import Path; print(json.dumps(mc_dropout.{call}))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(result.stdout)
+
+
+def zoo_section(out: Path) -> dict:
+    """Per zoo model: the naive loop and the onnxruntime fp32 scorer (prefix once, tail T times) on its own pool."""
+    section = {}
+    for name in ZOO:
+        in_subprocess("zoo_inputs", out, name)
+        naive = run_row(out / name, "naive-torch", "--pool-file", "pool.npy")
+        scored = run_row(out / name, "onnxruntime-fp32", "--pool-file", "pool.npy")
+        section[name] = {
+            "parameters_mb": round((out / name / "bundle" / "weights.npz").stat().st_size / 1e6, 2),
+            "naive_images_per_second": naive["images_per_second"],
+            "naive_peak_rss_mb": naive["peak_rss_mb"],
+            "images_per_second": scored["images_per_second"],
+            "peak_rss_mb": scored["peak_rss_mb"],
+            "prefix_cache_speedup": round(scored["images_per_second"] / naive["images_per_second"], 2),
+            "torch_imported_when_scoring": scored["torch_imported"],
+        }
+    return section
 
 
 def main() -> None:
@@ -134,28 +207,23 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--row", choices=ROWS)
     parser.add_argument("--dir", type=Path)
+    parser.add_argument("--pool-file", default="pool.npz")
+    parser.add_argument("--zoo-only", action="store_true", help="only the zoo section")
     args = parser.parse_args()
     if args.row:
         kind, spec, batch = ROWS[args.row]
-        record = naive_row(args.dir) if kind == "naive" else scorer_row(args.dir, *spec.split(), batch)
+        pool = args.pool_file
+        record = naive_row(args.dir, pool) if kind == "naive" else scorer_row(args.dir, *spec.split(), batch, pool)
         record.update(row=args.row, batch=batch or NAIVE_BATCH, torch_imported="torch" in sys.modules)
         print(json.dumps(record))
         return
     with tempfile.TemporaryDirectory() as temp:
         out = Path(temp)
-        manifest = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-                f"from mc_dropout import train_w0; from pathlib import Path; "
-                f"print(json.dumps(train_w0(Path({str(out)!r}))))",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        quantization = json.loads(manifest.stdout)["quantization"]
+        zoo = zoo_section(out)
+        if args.zoo_only:
+            print(json.dumps({"pool": ZOO_POOL, "passes": PASSES, "threads": THREADS, "zoo": zoo}, indent=1))
+            return
+        quantization = in_subprocess("train_w0", out)["quantization"]
         rows = {name: run_row(out, name) for name in ROWS}
     naive = rows["naive-torch"]["images_per_second"]
     selections = {name: set(row.pop("indices")) for name, row in rows.items()}
@@ -174,6 +242,7 @@ def main() -> None:
                 "weights": "W0: 1 Adam epoch (lr 1e-3, batch 64) on 10000 training images not in the pool",
                 "int8": quantization,
                 "rows": list(rows.values()),
+                "zoo": zoo,
                 "top400_overlap": overlap,
                 "best_speedup": max(row["speedup_vs_naive"] for row in rows.values()),
                 "best_speedup_within_naive_rss": max(

@@ -5,6 +5,8 @@ import csv
 import io
 import json
 import os
+import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -154,3 +156,32 @@ def _classes_record(settings: FleetSettings) -> dict[str, Any]:
         "per_class": settings.per_class,
         "devices": settings.devices,
     }
+
+
+def camera_agent_command(broker_url: str, fleet: str, fleet_dir: Path, number: int, state_dir: Path) -> list[str]:
+    """The `edge-agent run` of device NN of a fleet folder: its camera folder, the fleet's model spec, a folder
+    oracle under its state directory, exit when the run ends."""
+    return [
+        *(sys.executable, "-m", "edge_agent", "run", "--broker", broker_url, "--fleet", fleet),
+        *("--device-id", f"cam-{number}", "--pool-dir", str(device_dir(fleet_dir, number) / POOL_DIR)),
+        *("--state-dir", str(state_dir), "--model-spec", str(fleet_dir / SPEC_FILE), "--settle-seconds", "0"),
+        *("--scan-interval", "0.5", "--answer-wait", "120", "--exit-on-final", "--log-level", "info"),
+    ]
+
+
+class PeopleAtTheOracles(threading.Thread):
+    """The bench's people: each device's person answers its pending queries from its answer key, by class name,
+    every `period` seconds until stopped."""
+
+    def __init__(self, fleet_dir: Path, states: list[Path], class_names: tuple[str, ...], period: float = 0.3):
+        super().__init__(daemon=True)
+        keys = [read_answer_key(device_dir(fleet_dir, n) / ANSWERS_FILE, class_names) for n in range(len(states))]
+        self.books = [(QueryBook(state / "labelling", class_names), key) for state, key in zip(states, keys)]
+        self.period = period
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        """Answers until stopped."""
+        while not self.stopped.wait(self.period):
+            for book, key in self.books:
+                answer_queries(book, key)

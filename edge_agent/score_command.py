@@ -13,6 +13,7 @@ import numpy as np
 
 from edge_agent.bundle import Bundle, load_bundle
 from edge_agent.fashion_mnist import read_idx
+from edge_agent.image_arrays import IMAGE_SHAPE, check_images
 from edge_agent.image_files import FolderImages, InputSpec, read_image_folder
 from edge_agent.mc_scorer import MCScorer
 from edge_agent.sampling import make_heuristic, top_k
@@ -35,8 +36,9 @@ def _read_npz_images(path: Path) -> np.ndarray:
         raise ValueError(f"{path}: corrupt or unreadable array archive ({exc})") from exc
 
 
-def load_pool_images(path: Path, limit: int | None = None) -> np.ndarray:
-    """uint8 images (N, 28, 28) from an IDX images file (.gz ok), the pool of a shard .npz, or an .npy array.
+def load_pool_images(path: Path, limit: int | None = None, image_shape: tuple[int, ...] = IMAGE_SHAPE) -> np.ndarray:
+    """uint8 images (N, *image_shape) from an IDX images file (.gz ok), the pool of a shard .npz, or an .npy array
+    (image_shape: the model spec's, (H, W) grey or (H, W, C) colour).
 
     An .npy file is memory-mapped read-only, so only the pages a batch touches are resident; IDX and .npz
     pools are read once as uint8 (an IDX file only up to `limit` images). Images are normalised a batch at a time while scoring.
@@ -50,8 +52,7 @@ def load_pool_images(path: Path, limit: int | None = None) -> np.ndarray:
             raise ValueError(f"{path}: corrupt or unreadable .npy array ({exc})") from exc
     else:
         images = _read_npz_images(path) if path.suffix == ".npz" else read_idx(path, limit)
-    if images.dtype != np.uint8 or images.ndim != 3 or images.shape[1:] != (28, 28):
-        raise ValueError(f"{path}: pool images are {images.dtype} {images.shape}, expected uint8 (N, 28, 28)")
+    check_images(images, f"{path}: pool", image_shape)
     return images
 
 
@@ -111,7 +112,8 @@ def score_pool(
     folder = (
         read_image_folder(pool_path, InputSpec.from_manifest(bundle.manifest), limit) if pool_path.is_dir() else None
     )
-    images = folder.images if folder is not None else load_pool_images(pool_path, limit)[:limit]
+    shape = bundle.manifest.spec.image_shape
+    images = folder.images if folder is not None else load_pool_images(pool_path, limit, shape)[:limit]
     batch_size = batch_size if batch_size is not None else DEFAULT_BATCHES.get(backend, DEFAULT_BATCHES["onnxruntime"])
     scorer = make_scorer(backend, bundle, batch_size, threads, precision, providers)
     started = time.perf_counter()

@@ -5,11 +5,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fleet import stop_all
+from fleet import WAIT, stop_all
 
 from coordinator.broker import EmbeddedBroker, free_loopback_port
 from edge_agent.fashion_mnist import load_fashion_mnist
 from edge_agent.image_arrays import ImageDataset
+from edge_agent.mqtt import BrokerAddress, MqttSession
 
 
 @pytest.fixture
@@ -38,3 +39,19 @@ def processes() -> Iterator[list]:
     started: list = []
     yield started
     stop_all(started)
+
+
+@pytest.fixture
+def sessions():
+    """Opens sessions and closes every one of them after the test."""
+    opened: list[MqttSession] = []
+
+    def open_session(address: BrokerAddress, client_id: str, **options) -> MqttSession:
+        session = MqttSession(address, client_id=client_id, **options)
+        session.connect(timeout=WAIT)
+        opened.append(session)
+        return session
+
+    yield open_session
+    for session in opened:
+        session.close()

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import urllib.request
 from pathlib import Path
 
@@ -18,15 +17,15 @@ from coordinator.camera_fleet import (
     SERVER_FILE,
     SPEC_FILE,
     FleetSettings,
-    answer_queries,
+    PeopleAtTheOracles,
     build_fleet,
+    camera_agent_command,
     device_dir,
     read_answer_key,
 )
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.server import Dashboard, ListenAddress
 from coordinator.store import RunStore
-from edge_agent.folder_oracle import QueryBook
 from edge_agent.folder_pool import folder_pool_of, open_folder_data
 from edge_agent.image_arrays import ImageDataset
 from edge_agent.image_files import InputSpec
@@ -39,22 +38,9 @@ DEVICES = 2
 
 def start_camera(broker: EmbeddedBroker, fleet_dir: Path, number: int, state_dir: Path) -> subprocess.Popen:
     """A real field agent over device NN's camera folder, with the fleet's model spec."""
-    command = [
-        *(sys.executable, "-m", "edge_agent", "run", "--broker", broker.address.url, "--fleet", FLEET),
-        *("--device-id", f"cam-{number}", "--pool-dir", str(device_dir(fleet_dir, number) / POOL_DIR)),
-        *("--state-dir", str(state_dir), "--model-spec", str(fleet_dir / SPEC_FILE), "--settle-seconds", "0"),
-        *("--scan-interval", "0.5", "--answer-wait", "120", "--exit-on-final", "--log-level", "info"),
-    ]
+    command = camera_agent_command(broker.address.url, FLEET, fleet_dir, number, state_dir)
     with open(state_dir.parent / f"cam-{number}.log", "ab") as log:
         return subprocess.Popen(command, stdout=log, stderr=log)
-
-
-def people_answering(fleet_dir: Path, states: list[Path], names: tuple[str, ...], stop: threading.Event) -> None:
-    """Each device's person: answers its pending queries from the answer key, by class name, until told to stop."""
-    keys = [read_answer_key(device_dir(fleet_dir, n) / ANSWERS_FILE, names) for n in range(DEVICES)]
-    while not stop.wait(0.3):
-        for state, key in zip(states, keys):
-            answer_queries(QueryBook(state / "labelling", names), key)
 
 
 @pytest.mark.integration
@@ -67,8 +53,7 @@ def test_a_five_class_rgb_fleet_runs_two_rounds_through_a_256_kb_broker(tmp_path
     states = [tmp_path / f"cam-{n}" / "state" for n in range(DEVICES)]
     for state in states:
         state.mkdir(parents=True)
-    run_dir, stop = tmp_path / "run", threading.Event()
-    people = threading.Thread(target=people_answering, args=(fleet_dir, states, names, stop), daemon=True)
+    run_dir, people = tmp_path / "run", PeopleAtTheOracles(fleet_dir, states, names)
     with EmbeddedBroker(tmp_path / "broker", max_packet_bytes=LIMIT) as broker:
         coordinator = start_coordinator(
             broker.address,
@@ -85,7 +70,7 @@ def test_a_five_class_rgb_fleet_runs_two_rounds_through_a_256_kb_broker(tmp_path
             assert wait_exit(coordinator, "coordinator", timeout=600) == 0
             assert all(wait_exit(camera, "camera agent", timeout=60) == 0 for camera in cameras)
         finally:
-            stop.set()
+            people.stopped.set()
             stop_all([coordinator, *cameras])
         log = (tmp_path / "broker" / "mosquitto.log").read_text()
     assert committed_rounds(run_dir) == [(1, 2), (2, 2)]

@@ -335,22 +335,6 @@ def limited_broker(tmp_path: Path, limit: int, port: int | None = None) -> Embed
     return EmbeddedBroker(tmp_path / "broker", port=port or free_loopback_port(), max_packet_bytes=limit)
 
 
-@pytest.fixture
-def sessions():
-    """Opens sessions and closes every one of them after the test."""
-    opened: list[MqttSession] = []
-
-    def open_session(broker: EmbeddedBroker, client_id: str, **options) -> MqttSession:
-        session = MqttSession(broker.address, client_id=client_id, **options)
-        session.connect(timeout=WAIT)
-        opened.append(session)
-        return session
-
-    yield open_session
-    for session in opened:
-        session.close()
-
-
 def receive(session: MqttSession, timeout: float = WAIT):
     message = session.next_message(timeout=timeout)
     assert message is not None, f"{session.client_id} received nothing within {timeout}s"
@@ -379,9 +363,9 @@ def test_the_embedded_broker_limits_packets_and_the_clients_learn_the_limit(tmp_
         1883, tmp_path, (), DEFAULT_MAX_PACKET_BYTES
     )
     with EmbeddedBroker(tmp_path / "default") as broker:
-        assert sessions(broker, "learner").chunking.packet_limit == DEFAULT_MAX_PACKET_BYTES == MIB
+        assert sessions(broker.address, "learner").chunking.packet_limit == DEFAULT_MAX_PACKET_BYTES == MIB
     with limited_broker(tmp_path, 64 * 1024) as broker:
-        learner = sessions(broker, "learner-2")
+        learner = sessions(broker.address, "learner-2")
         assert learner.chunking.announced == 64 * 1024
         configured = MqttSession(dataclasses.replace(broker.address, max_packet_bytes=16 * 1024), "configured")
         assert configured.chunking.packet_limit == 16 * 1024  # told, before any connection: the smaller limit wins
@@ -395,14 +379,14 @@ def test_a_model_above_10_mb_crosses_a_broker_with_a_1_mb_limit(tmp_path, sessio
     weights = big_model()
     model_hash = weights_hash(weights)
     with limited_broker(tmp_path, MIB) as broker:
-        coordinator = sessions(broker, "coordinator")
+        coordinator = sessions(broker.address, "coordinator")
         publisher = RetainedPublisher(coordinator, "f", "run", Artefacts(spec=CAMERA_SPEC))
         publisher.publish_model(weights, model_hash)
         topic = wire.model_topic("f", model_hash)
         size = len(wire.encode(wire.ModelMessage(model_hash, CAMERA_SPEC, weights)))
         assert size > 12 * MIB and len(chunks.split(topic, b"x" * size, MIB)) == 13
 
-        device = sessions(broker, "device")  # a late subscriber: every chunk comes from the retained copies
+        device = sessions(broker.address, "device")  # a late subscriber: every chunk comes from the retained copies
         artefacts = RoundArtefacts(device, tmp_path / "bundles")
         artefacts.follow("model", topic)
         message = receive(device)
@@ -415,7 +399,7 @@ def test_a_model_above_10_mb_crosses_a_broker_with_a_1_mb_limit(tmp_path, sessio
         # the next model replaces it: the old topic's whole and chunked retained copies are all cleared
         smaller = {"w": np.ones(10, dtype=np.float32)}
         publisher.publish_model(smaller, weights_hash(smaller))
-        late = sessions(broker, "late")
+        late = sessions(broker.address, "late")
         late.subscribe(topic)
         assert sync(late, topic) == []
         assert late.inbox.reassembler.stats.dropped == 0 and late.inbox.reassembler.pending == 0
@@ -426,17 +410,17 @@ def test_a_model_above_10_mb_crosses_a_broker_with_a_1_mb_limit(tmp_path, sessio
 def test_a_retained_topic_published_again_with_fewer_chunks_leaves_no_stale_ones(tmp_path, sessions):
     topic = "fl/f/round"
     with limited_broker(tmp_path, 64 * 1024) as broker:
-        publisher = sessions(broker, "publisher")
+        publisher = sessions(broker.address, "publisher")
         publisher.publish(topic, payload_of(500_000, seed=1), retain=True, wait=WAIT)
         publisher.publish(topic, payload_of(200_000, seed=2), retain=True, wait=WAIT)
-        late = sessions(broker, "late")
+        late = sessions(broker.address, "late")
         late.subscribe(topic)
         message = receive(late)
         assert message.payload == payload_of(200_000, seed=2)
         assert sync(late, topic) == []  # nothing else: no leftover chunk of the first message started a transfer
         assert late.inbox.reassembler.pending == 0
         publisher.publish(topic, b"small", retain=True, wait=WAIT)  # whole again: every chunk cleared
-        later = sessions(broker, "later")
+        later = sessions(broker.address, "later")
         later.subscribe(topic)
         assert receive(later).payload == b"small"
         assert sync(later, topic) == [] and later.inbox.reassembler.pending == 0
@@ -463,9 +447,9 @@ def test_a_reconnect_in_the_middle_of_a_transfer_resumes_it(tmp_path, sessions, 
     subscription, marker_topic = (topic, topic) if retained else ("fl/f/devices/+/update", TOPIC)
     first = limited_broker(tmp_path, MIB).start()
     try:
-        receiver = sessions(first, "coordinator", manual_ack=True)
+        receiver = sessions(first.address, "coordinator", manual_ack=True)
         receiver.subscribe(subscription)
-        sender = sessions(first, "dev-1")
+        sender = sessions(first.address, "dev-1")
         for name, piece in pieces[:half]:
             assert sender.publish(name, piece, retain=retained, wait=WAIT)
         wait_until(lambda: receiver.inbox.reassembler.held_bytes == first_half, "the first half")
@@ -501,13 +485,13 @@ def test_a_receiver_that_dies_in_the_middle_gets_the_update_from_the_devices_out
         dying = MqttSession(broker.address, "coordinator", manual_ack=True)
         dying.connect(timeout=WAIT)
         dying.subscribe("fl/f/devices/+/update")
-        device = sessions(broker, "dev-1")
+        device = sessions(broker.address, "dev-1")
         assert device.publish(*pieces[0], wait=WAIT)
         wait_until(lambda: dying.inbox.reassembler.held_bytes > 0, "the first chunk")
         dying.close()  # the process dies holding chunk 0 (acked: the broker will not send it again)
         for name, piece in pieces[1:]:
             assert device.publish(name, piece, wait=WAIT)  # queued by the broker for the coordinator's session
-        reborn = sessions(broker, "coordinator", manual_ack=True)
+        reborn = sessions(broker.address, "coordinator", manual_ack=True)
         reborn.subscribe("fl/f/devices/+/update")
         wait_until(lambda: reborn.inbox.reassembler.pending == 1, "the rest of the chunks")
         assert reborn.next_message(timeout=0.5) is None  # chunk 0 is missing: nothing to hand over yet

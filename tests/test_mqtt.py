@@ -27,22 +27,6 @@ REPO = Path(__file__).resolve().parents[1]
 WAIT = 10.0  # upper bound for anything to arrive; the tests return as soon as it does
 
 
-@pytest.fixture
-def sessions():
-    """Opens sessions and closes every one of them after the test."""
-    opened: list[MqttSession] = []
-
-    def open_session(address: BrokerAddress, client_id: str, **options) -> MqttSession:
-        session = MqttSession(address, client_id=client_id, **options)
-        session.connect(timeout=WAIT)
-        opened.append(session)
-        return session
-
-    yield open_session
-    for session in opened:
-        session.close()
-
-
 def receive(session: MqttSession, timeout: float = WAIT) -> IncomingMessage:
     message = session.next_message(timeout=timeout)
     assert message is not None, f"{session.client_id} received nothing within {timeout}s"

@@ -1,0 +1,130 @@
+# The field bench on colour images: a camera fleet, its model spec, field agents and their people, per sampler.
+"""Prints one JSON line per run and a summary: accuracy against labels of a camera fleet (Fashion-MNIST items
+rendered as RGB JPEG scenes, coordinator.camera_scenes) learning with the fleet's model spec (MobileNet at a quarter
+width, 96 px), through real field agents (`edge-agent run --pool-dir --model-spec`) whose folder oracles are
+answered by the bench's people, a real coordinator (`fl-coordinator run --model-spec --dataset`) and an embedded
+mosquitto whose packet limit makes every model and update travel in chunks.
+
+Usage: python benchmarks/camera_bench.py [--samplers random margin] [--seeds 0] [--devices 4] [--per-class 50]
+       [--rounds 5] [--labels 20] [--epochs 5] [--init-epochs 30] [--max-message-bytes 262144] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from coordinator.broker import EmbeddedBroker
+from coordinator.camera_fleet import (
+    SERVER_FILE,
+    SPEC_FILE,
+    FleetSettings,
+    PeopleAtTheOracles,
+    build_fleet,
+    camera_agent_command,
+)
+from coordinator.store import RunStore
+from edge_agent.fashion_mnist import load_fashion_mnist
+from edge_agent.model_spec import load_model_spec
+
+WAIT_SECONDS = 3600
+
+
+def coordinator_command(args: argparse.Namespace, broker_url: str, fleet_dir: Path, sampler: str, seed: int) -> list:
+    """`fl-coordinator run` of one bench run: the fleet's spec and data set, the sweep's recipe."""
+    return [
+        *(sys.executable, "-m", "coordinator", "run", "--broker", broker_url, "--fleet", "cameras"),
+        *("--run-dir", str(args.out / f"{sampler}-seed{seed}" / "run"), "--rounds", str(args.rounds)),
+        *("--model-spec", str(fleet_dir / SPEC_FILE), "--dataset", str(fleet_dir / SERVER_FILE)),
+        *("--min-devices", str(args.devices), "--quorum", str(args.devices), "--round-timeout", "1800"),
+        *("--init-samples", str(5 * args.init_per_class), "--init-epochs", str(args.init_epochs)),
+        *("--validation-samples", "50", "--labels-per-acquisition", str(args.labels), "--epochs", str(args.epochs)),
+        *("--sampler", sampler, "--mc-passes", "10", "--seed", str(seed), "--no-device-eval"),
+    ]
+
+
+def run_fleet(args: argparse.Namespace, fleet_dir: Path, sampler: str, seed: int) -> dict[str, Any]:
+    """One run: broker, coordinator, one field agent per device and the people; returns its curve and sizes."""
+    work = args.out / f"{sampler}-seed{seed}"
+    states = [work / f"cam-{n}" / "state" for n in range(args.devices)]
+    for state in states:
+        state.mkdir(parents=True, exist_ok=True)
+    names = tuple(load_model_spec(fleet_dir / SPEC_FILE).spec.class_names)
+    started = time.perf_counter()
+    with EmbeddedBroker(work / "broker", max_packet_bytes=args.max_message_bytes) as broker:
+        url = broker.address.url
+        with open(work / "processes.log", "ab") as log:
+            processes = [
+                subprocess.Popen(coordinator_command(args, url, fleet_dir, sampler, seed), stdout=log, stderr=log)
+            ]
+            for number, state in enumerate(states):
+                command = camera_agent_command(url, "cameras", fleet_dir, number, state)
+                processes.append(subprocess.Popen(command, stdout=log, stderr=log))
+        people = PeopleAtTheOracles(fleet_dir, states, names)
+        people.start()
+        try:
+            codes = [process.wait(timeout=WAIT_SECONDS) for process in processes]
+        finally:
+            people.stopped.set()
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+    return {
+        "sampler": sampler,
+        "seed": seed,
+        "exit_codes": codes,
+        **curve(work / "run"),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def curve(run_dir: Path) -> dict[str, Any]:
+    """Labels and test accuracy after each round, and the mean accepted update size, from the run's store."""
+    with RunStore(run_dir, read_only=True) as store:
+        rounds = store.rounds()
+        sizes = [record.update_bytes for record in store.device_rounds() if record.accepted]
+    return {
+        "labels": [record.labels for record in rounds],
+        "accuracy": [round(record.accuracy, 4) for record in rounds],
+        "bytes_per_update": round(sum(sizes) / max(1, len(sizes))),
+    }
+
+
+def main() -> None:
+    """Builds the fleet once, runs every sampler and seed one after another, prints each run and the summary."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samplers", nargs="+", default=["random", "margin"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    for flag, default in (("devices", 4), ("per-class", 50), ("rounds", 5), ("labels", 20), ("epochs", 5)):
+        parser.add_argument(f"--{flag}", type=int, default=default)
+    parser.add_argument("--init-per-class", type=int, default=40, help="the server's labelled scenes per class (W0)")
+    parser.add_argument("--init-epochs", type=int, default=30)
+    parser.add_argument("--max-message-bytes", type=int, default=256 * 1024)
+    parser.add_argument("--out", type=Path, default=Path("runs") / f"camera-bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    args = parser.parse_args()
+    fleet_dir = args.out / "fleet"
+    settings = FleetSettings(args.devices, per_class=args.per_class, server_per_class=args.init_per_class + 10)
+    build_fleet(fleet_dir, settings, load_fashion_mnist())
+    runs = []
+    for seed in args.seeds:
+        for sampler in args.samplers:
+            runs.append(run_fleet(args, fleet_dir, sampler, seed))
+            print(
+                json.dumps({"progress": f"{len(runs)}/{len(args.seeds) * len(args.samplers)}", "run": runs[-1]}),
+                flush=True,
+            )
+    (args.out / "camera_bench.json").write_text(json.dumps({"runs": runs}, indent=1))
+    print(
+        json.dumps(
+            {"out": str(args.out), "final": {f"{r['sampler']}-seed{r['seed']}": r["accuracy"][-1:] for r in runs}}
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
