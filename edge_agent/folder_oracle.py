@@ -169,6 +169,10 @@ class FolderOracle(Oracle):
 
     name = "folder"
 
+    def class_names(self) -> tuple[str, ...]:
+        """The names the person's answers are read with (the device's model spec's)."""
+        return self.book.class_names
+
     def __init__(
         self,
         book: QueryBook,

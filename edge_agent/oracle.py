@@ -23,6 +23,11 @@ class Oracle(ABC):
         """Pool indices asked but not answered yet (they must not be asked again); none for an immediate oracle."""
         return np.zeros(0, dtype=np.int64)
 
+    def class_names(self) -> tuple[str, ...] | None:
+        """The class names a person answers with, which the model spec must list in the same order (None: the
+        oracle answers with class numbers, as the bench's does)."""
+        return None
+
 
 class SimulatedOracle(Oracle):
     """Bench oracle: knows every sample's true label and answers every query at once."""

@@ -24,6 +24,7 @@ from edge_agent.sampling import make_sampler
 from edge_agent.schedule import acquires_in_round, round_in_active_round
 from edge_agent.tensors import Weights
 from edge_agent.update_codec import ResidualStore, UpdateCodec, encode_update
+from edge_agent.wire import shown_names
 
 log = logging.getLogger(__name__)
 
@@ -33,15 +34,18 @@ def step_seed(recipe: wire.Recipe, device_id: str, round_id: int, step: int) -> 
     return int(np.random.SeedSequence([recipe.seed, device_seed(device_id), round_id, step]).generate_state(1)[0])
 
 
-def spec_problem(spec: ModelSpec, data: DeviceData) -> str | None:
-    """Why this device's data cannot feed the spec's model (its image shape or class count differ), or None; the
-    round is then refused and nothing the device holds is touched."""
+def spec_problem(spec: ModelSpec, data: DeviceData, oracle: Oracle) -> str | None:
+    """Why this device's data cannot feed the spec's model (its image shape, class count, or the class names its
+    person answers with differ), or None; the round is then refused and nothing the device holds is touched."""
     if data.image_shape != spec.image_shape:
         return (
             f"the model takes {shape_text(spec.image_shape)} images, this device holds {shape_text(data.image_shape)}"
         )
     if data.num_classes != spec.num_classes:
         return f"the model has {spec.num_classes} classes, this device's labels have {data.num_classes}"
+    names = oracle.class_names()
+    if names is not None and list(names) != spec.class_names:
+        return f"the model's classes are {shown_names(spec.class_names)}, this device's are {shown_names(list(names))}"
     return None
 
 
@@ -85,7 +89,11 @@ class RoundRunner:
         recipe, round_id = announcement.recipe, announcement.round_id
         participating = not announcement.participants or self.settings.device_id in announcement.participants
         bundle = self.artefacts.bundles.get(announcement.model_hash)
-        problem = round_problem(self.settings, recipe, bundle) or spec_problem(spec, self.data) or codec_problem(recipe)
+        problem = (
+            round_problem(self.settings, recipe, bundle)
+            or spec_problem(spec, self.data, self.oracle)
+            or codec_problem(recipe)
+        )
         if problem is not None:
             log.error("round refused device=%s round=%d reason=%s", self.settings.device_id, round_id, problem)
             self.report("error", round_id)

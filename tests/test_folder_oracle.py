@@ -1,6 +1,7 @@
 # The folder oracle on real files: queries copied once, answers parsed forgivingly, pending carried, vanished originals.
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -13,6 +14,8 @@ from test_folder_pool import write_png
 from edge_agent.fashion_mnist import load_fashion_mnist
 from edge_agent.folder_oracle import FolderOracle, QueryBook, parse_label
 from edge_agent.folder_pool import open_folder_data
+from edge_agent.model_spec import DEFAULT_SPEC
+from edge_agent.round_runner import spec_problem
 
 
 @pytest.fixture()
@@ -80,3 +83,12 @@ def test_a_changed_or_vanished_original_is_shown_as_the_stored_image(oracle):
     assert query.file.endswith(".png")
     shown = np.asarray(Image.open(oracle.book.image_path(query)))
     assert np.array_equal(shown, oracle.data.images(np.array([3]))[0])
+
+
+def test_a_spec_whose_class_names_are_not_the_persons_is_refused_in_one_line(oracle):
+    spec = DEFAULT_SPEC
+    assert oracle.class_names() == tuple(spec.class_names) and spec_problem(spec, oracle.data, oracle) is None
+    renamed = dataclasses.replace(spec, class_names=["tee", *spec.class_names[1:]])
+    problem = spec_problem(renamed, oracle.data, oracle)
+    assert problem is not None and problem.startswith("the model's classes are ['tee', 'Trouser'")
+    assert "\n" not in problem and len(problem) < 300
