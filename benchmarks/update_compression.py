@@ -14,8 +14,9 @@ and checks the issue's bounds: fp16 at most 0.5x the bytes at a cost of at most 
 at a cost of at most 1 point.
 
 Usage: python benchmarks/update_compression.py [--quick] [--partitions type2 type1] [--seeds 0 1 2]
-       [--encodings float32 fp16 int8 int8-channel int8-channel-top10] [--epochs E] [--labels L] [--rounds R]
-       [--pool P] [--jobs N] [--out DIR]
+       [--encodings float32 fp16 int8 int8-channel int8-channel-top10 fp16+deflate int8+deflate] [--epochs E]
+       [--labels L] [--rounds R] [--pool P] [--jobs N] [--from-lines EARLIER_LOG ...] [--out DIR]
+(float32, the baseline, joins the sweep unless --from-lines brings its runs from an earlier sweep.)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from label_efficiency import RunSpec, Scale, add_scale_options, curve_of, run_one, scale_of
+from label_efficiency import RunSpec, Scale, add_scale_options, curve_of, read_run_lines, run_one, scale_of
 
 from coordinator.store import RunStore
 
@@ -38,8 +39,12 @@ ENCODINGS: dict[str, dict[str, Any]] = {
     "int8": {"update_encoding": "int8-delta"},
     "int8-channel": {"update_encoding": "int8-delta", "update_scales": "channel"},
     "int8-channel-top10": {"update_encoding": "int8-delta", "update_scales": "channel", "update_top_k": 0.1},
+    "fp16+deflate": {"update_encoding": "fp16-delta", "update_compression": "deflate"},
+    "int8+deflate": {"update_encoding": "int8-delta", "update_compression": "deflate"},
 }
-BOUNDS = {"fp16": (0.5, 0.5), "int8": (0.27, 1.0), "int8-channel": (0.27, 1.0)}  # (bytes ratio, cost in points)
+FP16_BOUND, INT8_BOUND = (0.5, 0.5), (0.27, 1.0)  # (bytes ratio, cost in points)
+BOUNDS = {"fp16": FP16_BOUND, "fp16+deflate": FP16_BOUND, "int8": INT8_BOUND, "int8-channel": INT8_BOUND}
+BOUNDS["int8+deflate"] = INT8_BOUND
 FULL = Scale({"type2": 4, "type1": 4}, pool=5000, rounds=10, labels=200, epochs=5, mc_passes=10)
 QUICK = Scale({"type2": 2, "type1": 2}, pool=200, rounds=2, labels=20, epochs=1, mc_passes=2)
 
@@ -111,19 +116,20 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, help="default 0 1 2 (0 with --quick)")
     parser.add_argument("--encodings", nargs="+", default=list(ENCODINGS), choices=list(ENCODINGS))
     parser.add_argument("--jobs", type=int, default=1, help="simulations run side by side")
+    parser.add_argument("--from-lines", nargs="+", type=Path, help="also summarise the run lines of earlier sweeps")
     parser.add_argument(
         "--out", type=Path, default=Path("runs") / f"update-compression-{time.strftime('%Y%m%d-%H%M%S')}"
     )
     args = parser.parse_args()
     args.seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
-    if "float32" not in args.encodings:
+    if "float32" not in args.encodings and not args.from_lines:
         args.encodings.insert(0, "float32")
     jobs = jobs_of(args, scale_of(args, QUICK, FULL))
-    runs = []
+    runs = read_run_lines(args.from_lines) if args.from_lines else []
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        for run in pool.map(run_encoding, jobs):
+        for done, run in enumerate(pool.map(run_encoding, jobs), start=1):
             runs.append(run)
-            print(json.dumps({"progress": f"{len(runs)}/{len(jobs)}", "run": run}), flush=True)
+            print(json.dumps({"progress": f"{done}/{len(jobs)}", "run": run}), flush=True)
     summary = summarise(runs)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "update_compression.json").write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))

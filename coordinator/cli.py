@@ -145,6 +145,12 @@ def add_recipe_options(parser: argparse.ArgumentParser) -> None:
         metavar="FRACTION",
         help="send only this fraction of each tensor's delta (largest first; the device keeps the rest for later rounds)",
     )
+    recipe.add_argument(
+        "--update-compression",
+        default=wire.Recipe.update_compression,
+        choices=wire.COMPRESSIONS,
+        help="deflate each update message (lossless; fp16 and int8 deltas shrink by a third to a half again)",
+    )
 
 
 def add_server_data_options(parser: argparse.ArgumentParser) -> None:
@@ -379,6 +385,7 @@ def recipe_from(args: argparse.Namespace, options: dict[str, float]) -> wire.Rec
         update_encoding=args.update_encoding,
         update_scales=args.update_scales,
         update_top_k=args.update_top_k,
+        update_compression=args.update_compression,
     )
 
 

@@ -161,7 +161,7 @@ class Agent:
         try:
             if update is not None:
                 with self.meter.phase("publish"):
-                    self.sender.send(update)
+                    self.sender.send(update, announcement.recipe.update_compression)
         except (wire.WireError, PayloadTooLargeError) as error:
             log.error(
                 "update not sent device=%s round=%d error=%s", self.settings.device_id, announcement.round_id, error

@@ -17,7 +17,7 @@ import numpy as np
 
 from edge_agent.files import load_arrays, save_arrays
 from edge_agent.tensors import Weights, WeightSpec, spec_of
-from edge_agent.wire import Recipe, RejectionKind, Update, shown, shown_names
+from edge_agent.wire import COMPRESSIONS, Recipe, RejectionKind, Update, shown, shown_names
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +54,20 @@ class Encoded:
 
 @dataclass(frozen=True)
 class UpdateCodec:
-    """What the recipe asks of a device's update: the encoding, int8's scale granularity, and the fraction of
-    each tensor's entries sent (top-k; 0 sends them all)."""
+    """What the recipe asks of a device's update: the encoding, int8's scale granularity, the fraction of each
+    tensor's entries sent (top-k; 0 sends them all), and whether the message is deflated."""
 
     encoding: str = FLOAT32
     scales: str = "tensor"
     top_k: float = 0.0
+    compression: str = "none"
 
     @classmethod
     def of(cls, recipe: Recipe) -> UpdateCodec:
         """The codec a recipe chooses, checked (ValueError saying what does not fit)."""
-        return cls(recipe.update_encoding, recipe.update_scales, recipe.update_top_k).checked()
+        return cls(
+            recipe.update_encoding, recipe.update_scales, recipe.update_top_k, recipe.update_compression
+        ).checked()
 
     def checked(self) -> UpdateCodec:
         """Itself, or ValueError when the encoding or scales are unknown or do not go together."""
@@ -78,6 +81,10 @@ class UpdateCodec:
             raise ValueError(f"update top-k must lie in [0, 1), got {shown(self.top_k)}")
         if self.top_k > 0 and self.encoding == FLOAT32:
             raise ValueError("top-k sends a sparse delta: it needs fp16-delta or int8-delta")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(
+                f"update compression must be one of {', '.join(COMPRESSIONS)}, got {shown(self.compression)}"
+            )
         return self
 
     def encode(self, weights: Weights, base: Weights, residual: Weights | None = None) -> tuple[Encoded, Weights]:

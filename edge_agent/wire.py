@@ -7,6 +7,7 @@ import hmac
 import math
 import re
 import typing
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -18,6 +19,8 @@ import numpy as np
 from edge_agent.model_spec import ModelSpec, SpecError, spec_from_dict
 
 WIRE_VERSION = 2
+DEFLATE = "deflate"
+COMPRESSIONS = ("none", DEFLATE)
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_TENSOR_DIMS = 8
 MAX_TENSORS = 1024
@@ -103,6 +106,7 @@ class Recipe:
     update_encoding: str = field(default="float32", metadata=OMITTED_AT_DEFAULT)
     update_scales: str = field(default="tensor", metadata=OMITTED_AT_DEFAULT)
     update_top_k: float = field(default=0.0, metadata=OMITTED_AT_DEFAULT)
+    update_compression: str = field(default="none", metadata=OMITTED_AT_DEFAULT)
 
 
 @dataclass(frozen=True)
@@ -261,8 +265,33 @@ def encode(message: Message) -> bytes:
     return msgpack.packb({"v": WIRE_VERSION, "kind": message.KIND, **_to_wire(message)}, use_bin_type=True)
 
 
-def decode(data: bytes, expected: type[M], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> M:
-    """Parses and validates a message of the expected type; every failure is a WireError saying why."""
+def deflated(payload: bytes) -> bytes:
+    """An encoded message inside a deflate envelope (zlib, lossless): for metered links, where fp16 and int8 deltas
+    shrink by a third to a half again. decode() unwraps it, whatever the expected kind."""
+    envelope = {"v": WIRE_VERSION, "kind": DEFLATE, "size": len(payload), "data": zlib.compress(payload, 6)}
+    return msgpack.packb(envelope, use_bin_type=True)
+
+
+def _inflated(envelope: dict[str, Any], max_bytes: int) -> bytes:
+    """The message a deflate envelope holds, inflated no further than its declared size (at most max_bytes)."""
+    size, data = envelope.get("size"), envelope.get("data")
+    if set(envelope) != {"size", "data"} or not isinstance(size, int) or not isinstance(data, bytes):
+        raise WireError("a deflate envelope must hold exactly an integer size and bytes data")
+    if not 0 < size <= max_bytes:
+        raise WireError(f"deflated message claims {shown(size)} bytes, the limit is {max_bytes}")
+    inflater = zlib.decompressobj()
+    try:
+        inner = inflater.decompress(data, size + 1)
+    except zlib.error as error:
+        raise WireError(f"undecodable deflate data ({str(error)[:80]})") from None
+    if len(inner) != size or not inflater.eof or inflater.unconsumed_tail:
+        raise WireError(f"deflate data does not inflate to its declared {size} bytes")
+    return inner
+
+
+def decode(data: bytes, expected: type[M], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, inflate: bool = True) -> M:
+    """Parses and validates a message of the expected type (unwrapping one deflate envelope); every failure is a
+    WireError saying why."""
     if not isinstance(data, (bytes, bytearray)):
         raise WireError("payload must be bytes")
     if len(data) > max_bytes:
@@ -272,6 +301,8 @@ def decode(data: bytes, expected: type[M], max_bytes: int = DEFAULT_MAX_MESSAGE_
     if version != WIRE_VERSION:
         raise WireError(f"wire version {shown(version)} is not supported (this side speaks {WIRE_VERSION})")
     kind = envelope.pop("kind", None)
+    if kind == DEFLATE and inflate:
+        return decode(_inflated(envelope, max_bytes), expected, max_bytes, inflate=False)
     if kind != expected.KIND:
         raise WireError(f"expected a {expected.KIND!r} message, got kind {shown(kind)}")
     return _from_fields(expected, envelope)

@@ -408,14 +408,14 @@ def test_both_commands_take_the_encoding_flags_and_refuse_a_bad_one_in_one_line(
 # --- through a real broker ----------------------------------------------------------------------------------------
 
 
-def one_round(run_dir: Path, broker: EmbeddedBroker, encoding: str) -> Path:
-    """One round of two real agent processes sending `encoding` updates; the accepted updates are kept."""
+def one_round(run_dir: Path, broker: EmbeddedBroker, encoding: str, compression: str = "none") -> Path:
+    """One round of two real agent processes sending `encoding` updates (deflated or not); the accepted updates are
+    kept."""
+    recipe = wire.Recipe(sampler="random", labels_per_acquisition=20, epochs=1, mc_passes=2, batch_size=20)
     settings = ServerSettings(
         run_dir=run_dir,
-        fleet=f"codec-{encoding}",
-        recipe=wire.Recipe(
-            sampler="random", labels_per_acquisition=20, epochs=1, mc_passes=2, batch_size=20, update_encoding=encoding
-        ),
+        fleet=f"codec-{encoding}-{compression}",
+        recipe=dataclasses.replace(recipe, update_encoding=encoding, update_compression=compression),
         policy=RoundPolicy(rounds=1, min_devices=2, quorum=2, round_timeout=120),
         init=InitSettings(samples=50, epochs=2),
         validation_samples=100,
@@ -450,6 +450,20 @@ def test_int8_deltas_through_a_real_broker_give_the_float32_model_within_half_a_
     for name, weights in models["float32"].items():
         half_step = max(float(u.scales[name].max()) for u in spooled) / 2
         assert 0 < np.abs(models["int8-delta"][name] - weights).max() <= half_step * 1.001 + 1e-6, name
+
+
+@pytest.mark.integration
+def test_deflated_int8_updates_commit_the_same_model_in_fewer_bytes(tmp_path: Path, broker) -> None:
+    """Deflate is lossless: the same seeded round with int8 deltas, plain and deflated, commits the same model bit for
+    bit, and the deflated updates are smaller still (int8 deltas crowd around zero, so they compress well)."""
+    plain = one_round(tmp_path / "plain", broker, "int8-delta")
+    packed = one_round(tmp_path / "packed", broker, "int8-delta", "deflate")
+    with RunStore(plain) as first, RunStore(packed) as second:
+        assert [(r.accepted, r.rejected) for r in second.rounds()] == [(2, 0)]
+        assert weights_hash(first.checkpoints.load(1)) == weights_hash(second.checkpoints.load(1))
+        for a, b in zip(first.device_rounds(1), second.device_rounds(1), strict=True):
+            assert b.update_bytes < 0.8 * a.update_bytes
+        assert all(wire.decode(p, wire.Update).encoding == "int8-delta" for p in second.spool.payloads(1).values())
 
 
 @pytest.mark.integration

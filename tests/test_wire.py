@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import zlib
 
 import msgpack
 import numpy as np
@@ -417,3 +418,31 @@ def test_bad_identifiers_are_rejected_everywhere(bad):
     if isinstance(bad, str) and "/" not in bad:
         with pytest.raises(wire.WireError):
             wire.device_from_topic(f"fl/f/devices/{bad}/update")
+
+
+def test_a_deflated_message_decodes_as_itself_and_every_bad_envelope_is_refused() -> None:
+    update = wire.Update("dev-1", 3, "u", "ab" * 32, 10, [1] * 10, 5, {}, tensors())
+    payload = wire.encode(update)
+    packed = wire.deflated(payload)
+    assert wire.decode(packed, wire.Update).tensors.keys() == update.tensors.keys()
+    assert wire.encode(wire.decode(packed, wire.Update)) == payload
+
+    def envelope(**fields) -> bytes:
+        raw = {"v": wire.WIRE_VERSION, "kind": wire.DEFLATE, "size": len(payload), "data": zlib.compress(payload)}
+        return pack({**raw, **fields})
+
+    bomb = zlib.compress(bytes(50 * 1024 * 1024))
+    cases = [
+        (envelope(size=10), "does not inflate to its declared 10 bytes"),
+        (envelope(size=len(payload) + 1), "does not inflate to its declared"),
+        (envelope(size=1 << 40), "claims 1099511627776 bytes, the limit is"),
+        (envelope(size=100, data=bomb), "does not inflate to its declared 100 bytes"),
+        (envelope(data=b"not zlib"), "undecodable deflate data"),
+        (envelope(data=zlib.compress(payload)[:-5]), "does not inflate"),
+        (envelope(extra=1), "must hold exactly an integer size and bytes data"),
+        (wire.deflated(packed), "expected a 'update' message, got kind 'deflate'"),
+    ]
+    for data, fragment in cases:
+        with pytest.raises(wire.WireError) as caught:
+            wire.decode(data, wire.Update)
+        assert fragment in str(caught.value) and len(str(caught.value)) < 300
