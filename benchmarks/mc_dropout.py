@@ -202,6 +202,35 @@ def zoo_section(out: Path) -> dict:
     return section
 
 
+def summary_of(rows: dict[str, dict], quantization: dict, zoo: dict) -> dict:
+    """The printed comparison: every row with its speed-up over the naive loop, the top-400 overlaps, the zoo."""
+    naive = rows["naive-torch"]["images_per_second"]
+    selections = {name: set(row.pop("indices")) for name, row in rows.items()}
+    for row in rows.values():
+        row["speedup_vs_naive"] = round(row["images_per_second"] / naive, 2)
+    names = list(rows)
+    overlap = {f"{a} vs {b}": len(selections[a] & selections[b]) for i, a in enumerate(names) for b in names[i + 1 :]}
+    within_naive_rss = [row for row in rows.values() if row["peak_rss_mb"] <= rows["naive-torch"]["peak_rss_mb"]]
+    return {
+        "pool": POOL_SIZE,
+        "passes": PASSES,
+        "top": TOP,
+        "sampler": "entropy",
+        "threads": THREADS,
+        "weights": "W0: 1 Adam epoch (lr 1e-3, batch 64) on 10000 training images not in the pool",
+        "int8": quantization,
+        "rows": list(rows.values()),
+        "zoo": zoo,
+        "top400_overlap": overlap,
+        "best_speedup": max(row["speedup_vs_naive"] for row in rows.values()),
+        "best_speedup_within_naive_rss": max(row["speedup_vs_naive"] for row in within_naive_rss),
+        "rss_target_mb": RSS_TARGET_MB,
+        "onnxruntime_rows_within_rss_target": [
+            name for name, row in rows.items() if name.startswith("onnxruntime") and row["peak_rss_mb"] <= RSS_TARGET_MB
+        ],
+    }
+
+
 def main() -> None:
     """Builds the shared inputs once, then measures every row side by side and prints the comparison."""
     parser = argparse.ArgumentParser()
@@ -225,41 +254,7 @@ def main() -> None:
             return
         quantization = in_subprocess("train_w0", out)["quantization"]
         rows = {name: run_row(out, name) for name in ROWS}
-    naive = rows["naive-torch"]["images_per_second"]
-    selections = {name: set(row.pop("indices")) for name, row in rows.items()}
-    for row in rows.values():
-        row["speedup_vs_naive"] = round(row["images_per_second"] / naive, 2)
-    names = list(rows)
-    overlap = {f"{a} vs {b}": len(selections[a] & selections[b]) for i, a in enumerate(names) for b in names[i + 1 :]}
-    print(
-        json.dumps(
-            {
-                "pool": POOL_SIZE,
-                "passes": PASSES,
-                "top": TOP,
-                "sampler": "entropy",
-                "threads": THREADS,
-                "weights": "W0: 1 Adam epoch (lr 1e-3, batch 64) on 10000 training images not in the pool",
-                "int8": quantization,
-                "rows": list(rows.values()),
-                "zoo": zoo,
-                "top400_overlap": overlap,
-                "best_speedup": max(row["speedup_vs_naive"] for row in rows.values()),
-                "best_speedup_within_naive_rss": max(
-                    row["speedup_vs_naive"]
-                    for row in rows.values()
-                    if row["peak_rss_mb"] <= rows["naive-torch"]["peak_rss_mb"]
-                ),
-                "rss_target_mb": RSS_TARGET_MB,
-                "onnxruntime_rows_within_rss_target": [
-                    name
-                    for name, row in rows.items()
-                    if name.startswith("onnxruntime") and row["peak_rss_mb"] <= RSS_TARGET_MB
-                ],
-            },
-            indent=1,
-        )
-    )
+    print(json.dumps(summary_of(rows, quantization, zoo), indent=1))
 
 
 if __name__ == "__main__":

@@ -131,14 +131,8 @@ class Coordinator:
         new_weights, result = self.parts.closer.close(
             opened.collector, opened.aggregator, timing, presence, opened.participants
         )
-        log.info(
-            "round closed round=%d accepted=%d rejected=%d accuracy=%.4f seconds=%.1f",
-            round_id,
-            len(opened.collector.accepted),
-            opened.collector.rejection_count,
-            result.accuracy,
-            result.seconds,
-        )
+        counts = (len(opened.collector.accepted), opened.collector.rejection_count, result.accuracy, result.seconds)
+        log.info("round closed round=%d accepted=%d rejected=%d accuracy=%.4f seconds=%.1f", round_id, *counts)
         self.parts.observer.round_closed(result)
         return new_weights, result
 
