@@ -526,6 +526,11 @@ def command_simulate(args: argparse.Namespace) -> int:
     bench = bench_settings(args)
     if bench.secure and args.broker:
         raise ValueError("simulate --secure provisions a fresh fleet and runs its own broker: drop --broker")
+    if settings.dataset is not None:
+        raise ValueError(
+            "simulate deals Fashion-MNIST shards to its bench devices; a fleet with its own images runs with "
+            "`fl-coordinator run --model-spec --dataset` and field agents (see benchmarks/camera_bench.py)"
+        )
     printer = RoundPrinter(args.json, settings.policy.rounds)
     address = parse_broker_url(args.broker) if args.broker else None
     with dashboard_for(args, settings) as live:

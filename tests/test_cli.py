@@ -41,6 +41,8 @@ def test_missing_dataset_says_how_to_install_it(tmp_path: Path) -> None:
         ("--partition", "type9", "unknown partition 'type9'"),
         ("--broker", "http://x", "must look like mqtt://HOST:PORT"),
         ("--fleet", "a/b", "fleet 'a/b' must match"),
+        ("--model-spec", "no-such-spec.toml", "no-such-spec.toml: no such model spec file"),
+        ("--dataset", "own.npz", "simulate deals Fashion-MNIST shards to its bench devices"),
     ],
 )
 def test_bad_option_values_give_one_line(tmp_path: Path, option: str, value: str, message: str) -> None:
