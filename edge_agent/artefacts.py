@@ -7,7 +7,7 @@ from pathlib import Path
 from edge_agent import wire
 from edge_agent.bundle import Bundle, BundleError, remove_other_bundles, store_bundle
 from edge_agent.encoder import encoder_hash
-from edge_agent.model_spec import ModelSpec, spec_hash
+from edge_agent.model_spec import ModelSpec
 from edge_agent.mqtt import MqttSession
 from edge_agent.tensors import Weights, weights_hash
 
@@ -79,9 +79,6 @@ class RoundArtefacts:
     def ready(self, announcement: wire.RoundAnnouncement, needs_bundle: bool) -> bool:
         """Whether everything the announced round needs has arrived."""
         if announcement.model_hash not in self.models:
-            return False
-        spec = spec_hash(self.specs[announcement.model_hash])
-        if announcement.spec_hash and not content_matches("spec", announcement.spec_hash, spec):
             return False
         if needs_bundle and announcement.model_hash not in self.bundles:
             return False

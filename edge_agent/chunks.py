@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from edge_agent import wire
-from edge_agent.wire import RejectionKind
+from edge_agent.wire import RejectionKind, shown_names
 
 CHUNK_LEVEL = "chunk"
 # The PUBLISH packet around a payload: fixed header (5), topic length (2), packet id (2), properties (1); generous.
@@ -208,9 +208,7 @@ class Transfer:
 
     def missing(self, shown: int = 8) -> str:
         """The first few missing indices."""
-        absent = [index for index in range(self.count) if index not in self.chunks]
-        head = ", ".join(str(index) for index in absent[:shown])
-        return f"[{head}" + (f", ... {len(absent) - shown} more]" if len(absent) > shown else "]")
+        return shown_names([index for index in range(self.count) if index not in self.chunks], shown, str)
 
 
 @dataclass

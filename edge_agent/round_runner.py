@@ -17,7 +17,7 @@ from edge_agent.device_data import DeviceData
 from edge_agent.footprint import PhaseMeter
 from edge_agent.learner import make_learner, round_problem
 from edge_agent.local_data import training_view
-from edge_agent.model_spec import ModelSpec
+from edge_agent.model_spec import ModelSpec, spec_hash
 from edge_agent.oracle import Oracle
 from edge_agent.round_inputs import RoundModels
 from edge_agent.sampling import make_sampler
@@ -32,6 +32,15 @@ log = logging.getLogger(__name__)
 def step_seed(recipe: wire.Recipe, device_id: str, round_id: int, step: int) -> int:
     """The seed of one acquisition step: the recipe's seed, the device, the round and the step."""
     return int(np.random.SeedSequence([recipe.seed, device_seed(device_id), round_id, step]).generate_state(1)[0])
+
+
+def announced_spec_problem(announcement: wire.RoundAnnouncement, spec: ModelSpec) -> str | None:
+    """Why the model's spec is not the one the round announced (its hash differs), or None; checked once per round
+    rather than on every loop turn while the round waits for its artefacts."""
+    actual = spec_hash(spec)
+    if announcement.spec_hash and announcement.spec_hash != actual:
+        return f"the model's spec hashes to {actual[:12]}, the round announced {announcement.spec_hash[:12]}"
+    return None
 
 
 def spec_problem(spec: ModelSpec, data: DeviceData, oracle: Oracle) -> str | None:
@@ -91,6 +100,7 @@ class RoundRunner:
         bundle = self.artefacts.bundles.get(announcement.model_hash)
         problem = (
             round_problem(self.settings, recipe, bundle)
+            or announced_spec_problem(announcement, spec)
             or spec_problem(spec, self.data, self.oracle)
             or codec_problem(recipe)
         )

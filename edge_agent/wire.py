@@ -8,7 +8,7 @@ import math
 import re
 import typing
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar, TypeVar
@@ -335,9 +335,9 @@ def shown(value: Any, limit: int = 64) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def shown_names(names: list[str], count: int = 5) -> str:
-    """The first few names of a list and how many more there are."""
-    head = ", ".join(shown(name, 40) for name in names[:count])
+def shown_names(names: Sequence[Any], count: int = 5, show: Callable[[Any], str] = lambda name: shown(name, 40)) -> str:
+    """The first few items of a list (each as `show` writes it) and how many more there are."""
+    head = ", ".join(show(name) for name in names[:count])
     return f"[{head}" + (f", ... and {len(names) - count} more]" if len(names) > count else "]")
 
 

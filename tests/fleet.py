@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerData, ServerSettings, load_server_data
 from coordinator.simulate import BenchSettings, DeviceLaunch, spawn_agent, write_shards
 from edge_agent import wire
@@ -282,3 +283,20 @@ def announce_round(
     session.publish(wire.round_topic(fleet), wire.encode(announcement), retain=True, wait=10)
     session.close()
     return model_hash
+
+
+def pi_zero_fleet(run_dir: Path, fleet: str, rounds: int, mc_passes: int) -> tuple[ServerSettings, BenchSettings]:
+    """A tiny AveFL run of 2 bench devices on the Pi Zero 2 W profile (onnxruntime, so every round ships a bundle)."""
+    settings = ServerSettings(
+        run_dir=run_dir,
+        fleet=fleet,
+        strategy="avefl",
+        recipe=wire.Recipe(sampler="entropy", labels_per_acquisition=20, epochs=1, mc_passes=mc_passes, batch_size=20),
+        policy=RoundPolicy(rounds=rounds, min_devices=2, quorum=2, round_timeout=120),
+        init=InitSettings(samples=50, epochs=2),
+        validation_samples=100,
+        test_samples=300,
+        evaluate_devices=False,
+    )
+    profile = Path(__file__).parent.parent / "firmware_configs" / "raspberry-pi-zero-2w.toml"
+    return settings, BenchSettings(devices=2, partition="type1", pool_size=100, agent_profile=profile)

@@ -14,15 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fleet import FakeDevice, log_text, perturbed, start_coordinator, stop_all, wait_exit
+from fleet import FakeDevice, log_text, perturbed, pi_zero_fleet, start_coordinator, stop_all, wait_exit
 
 from coordinator.aggregation import ClientUpdate
 from coordinator.broker import DEFAULT_MAX_PACKET_BYTES, EmbeddedBroker, free_loopback_port, mosquitto_config
 from coordinator.observer import RoundResult
 from coordinator.publisher import Artefacts, RetainedPublisher
-from coordinator.rounds import RoundPolicy
-from coordinator.server import InitSettings, ServerSettings
-from coordinator.simulate import BenchSettings, simulate
+from coordinator.simulate import simulate
 from coordinator.store import RunStore
 from coordinator.strategies import AveFL
 from edge_agent import chunks, wire
@@ -674,18 +672,7 @@ def test_a_bench_run_through_a_64_kib_broker_chunks_every_model_bundle_and_updat
     """Real agent processes (onnxruntime, so bundles are shipped) and the coordinator behind a broker that takes
     64 KiB packets: the model (211 kB), its bundle (530 kB) and every update (211 kB) travel in chunks, and nothing
     above the session notices."""
-    settings = ServerSettings(
-        run_dir=tmp_path / "run",
-        fleet="tiny-packets",
-        recipe=wire.Recipe(sampler="entropy", labels_per_acquisition=20, epochs=1, mc_passes=4, batch_size=20),
-        policy=RoundPolicy(rounds=1, min_devices=2, quorum=2, round_timeout=120),
-        init=InitSettings(samples=50, epochs=2),
-        validation_samples=100,
-        test_samples=300,
-        evaluate_devices=False,
-    )
-    profile = Path(__file__).parent.parent / "firmware_configs" / "raspberry-pi-zero-2w.toml"
-    bench = BenchSettings(devices=2, partition="type1", pool_size=100, agent_profile=profile)
+    settings, bench = pi_zero_fleet(tmp_path / "run", "tiny-packets", rounds=1, mc_passes=4)
     results: list[RoundResult] = []
     with limited_broker(tmp_path, 64 * 1024) as broker:
         simulate(settings, bench, results.append, broker.address)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fleet import pi_zero_fleet
 
 from coordinator.broker import EmbeddedBroker
 from coordinator.observer import RoundResult
@@ -93,19 +94,7 @@ def test_three_devices_two_rounds_over_a_real_broker(tmp_path: Path) -> None:
 
 def test_devices_with_an_onnxruntime_profile_score_with_the_shipped_bundle(tmp_path: Path) -> None:
     """2 agents on the Pi Zero 2 W profile: each round's bundle is exported once, shipped, verified and used."""
-    settings = ServerSettings(
-        run_dir=tmp_path / "run",
-        fleet="ortfleet",
-        strategy="avefl",
-        recipe=wire.Recipe(sampler="entropy", labels_per_acquisition=20, epochs=1, mc_passes=30, batch_size=20),
-        policy=RoundPolicy(rounds=2, min_devices=2, quorum=2, round_timeout=120),
-        init=InitSettings(samples=50, epochs=2),
-        validation_samples=100,
-        test_samples=300,
-        evaluate_devices=False,
-    )
-    profile = Path(__file__).parent.parent / "firmware_configs" / "raspberry-pi-zero-2w.toml"
-    bench = BenchSettings(devices=2, partition="type1", pool_size=100, agent_profile=profile)
+    settings, bench = pi_zero_fleet(tmp_path / "run", "ortfleet", rounds=2, mc_passes=30)
     results: list[RoundResult] = []
     with EmbeddedBroker(tmp_path / "broker") as broker:
         simulate(settings, bench, results.append, broker.address)

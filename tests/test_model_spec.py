@@ -19,6 +19,7 @@ from edge_agent.mc_dropout import TorchMCDropout
 from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec, SpecError, load_model_spec, spec_hash
 from edge_agent.models import build_model, get_weights
 from edge_agent.ort_scorer import OrtMCDropout
+from edge_agent.round_runner import announced_spec_problem
 from edge_agent.training import TrainSettings, train_supervised
 from export.bundle_writer import write_bundle
 
@@ -197,3 +198,15 @@ def test_a_run_resumes_only_with_the_spec_it_started_with(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="started with model spec .* \\(mobilenet\\), not .* \\(paper-cnn\\)"):
         check_same_spec(config, DEFAULT_SPEC)
     check_same_spec({"settings": {"model_name": "paper-cnn"}}, DEFAULT_SPEC)  # a run from before specs
+
+
+def test_a_model_whose_spec_is_not_the_announced_one_refuses_the_round() -> None:
+    recipe, spec = wire.Recipe(), rgb_spec()
+    announced = wire.RoundAnnouncement("run", 1, "ab" * 32, recipe, 0.0, spec_hash=spec_hash(spec))
+    assert announced_spec_problem(announced, spec) is None
+    assert announced_spec_problem(dataclasses.replace(announced, spec_hash=""), spec) is None
+    problem = announced_spec_problem(announced, DEFAULT_SPEC)
+    assert (
+        problem
+        == f"the model's spec hashes to {spec_hash(DEFAULT_SPEC)[:12]}, the round announced {spec_hash(spec)[:12]}"
+    )
