@@ -92,7 +92,9 @@ def measure_profile(profile: Path, launch: DeviceLaunch, broker: EmbeddedBroker,
     name = load_profile(profile).name
     with tempfile.TemporaryDirectory() as work:
         announcer = Announcer(broker.address, Path(work))
-        agent = spawn_agent(launch, broker.address, FLEET, BenchSettings(agent_profile=profile, agent_threads=2))
+        agent = spawn_agent(
+            launch, broker.address, FLEET, BenchSettings(agent_profile=profile, agent_threads=2)
+        ).process
         try:
             started = time.monotonic()
             announcer.announce(1, recipe(labels, epochs), participants=["someone-else"])

@@ -4,11 +4,14 @@ training, no per-device evaluation) opens round 1 with quorum K; worker processe
 build one valid update per device from the announced model (its weights plus noise) before a shared start signal,
 then all publish at once. Reported per K: updates accepted per second (first publish to last ack), seconds from
 the last update's ack to the round's close (the store's closed_at), and the coordinator's peak RSS (VmHWM, read
-while it waits in round 2) against its RSS once the round was announced. Must hold: every update accepted."""
+while it waits in round 2) against its RSS once the round was announced. Each K runs once per `--spool-batch`
+(the coordinator's group-commit bound; 1, one fsync per update, is the baseline the speed-up is against).
+Must hold: every update accepted."""
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import multiprocessing
 import os
@@ -116,7 +119,9 @@ def memory_kb(pid: int, field: str) -> int:
     return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE).group(1))
 
 
-def start_coordinator(run_dir: Path, devices: int, strategy: str) -> tuple[subprocess.Popen, tuple[str, int]]:
+def start_coordinator(
+    run_dir: Path, devices: int, strategy: str, spool_batch: int
+) -> tuple[subprocess.Popen, tuple[str, int]]:
     """The coordinator process with its embedded broker; returns it and the broker's (host, port)."""
     command = [
         sys.executable,
@@ -146,6 +151,8 @@ def start_coordinator(run_dir: Path, devices: int, strategy: str) -> tuple[subpr
         "--no-device-eval",
         "--torch-threads",
         "1",
+        "--spool-batch",
+        str(spool_batch),
         "--json",
     ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -157,13 +164,16 @@ def start_coordinator(run_dir: Path, devices: int, strategy: str) -> tuple[subpr
     return process, (match.group(1), int(match.group(2)))
 
 
-def run_load(devices: int, workers: int, strategy: str) -> dict:
-    """One load run with `devices` fake devices spread over `workers` processes."""
+def run_load(devices: int, workers: int, strategy: str, spool_batch: int) -> dict:
+    """One load run with `devices` fake devices spread over `workers` processes, the coordinator group-committing
+    at most `spool_batch` messages per fsync."""
     with tempfile.TemporaryDirectory(prefix="load-") as folder:
         run_dir = Path(folder) / "run"
-        coordinator, address = start_coordinator(run_dir, devices, strategy)
+        coordinator, address = start_coordinator(run_dir, devices, strategy, spool_batch)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(line) for line in coordinator.stdout], daemon=True).start()
+        stderr_tail: collections.deque = collections.deque(maxlen=20)  # drained, or a full pipe would block it
+        threading.Thread(target=lambda: stderr_tail.extend(coordinator.stderr), daemon=True).start()
         try:
             ids = [f"dev-{index:03d}" for index in range(devices)]
             context = multiprocessing.get_context("spawn")
@@ -186,7 +196,7 @@ def run_load(devices: int, workers: int, strategy: str) -> dict:
             for process in processes:
                 process.join()
         finally:
-            coordinator.send_signal(signal.SIGINT)
+            coordinator.send_signal(signal.SIGTERM)
             coordinator.wait(timeout=60)
         with sqlite3.connect(run_dir / "run.sqlite") as db:
             closed_at, accepted = db.execute("SELECT closed_at, accepted FROM rounds WHERE round_id = 1").fetchone()
@@ -195,14 +205,17 @@ def run_load(devices: int, workers: int, strategy: str) -> dict:
     return {
         "devices": devices,
         "strategy": strategy,
+        "spool_batch": spool_batch,
         "update_mb": round(reports[0]["update_bytes"] / 2**20, 3),
         "accepted_acks": sum(r["accepted"] for r in reports),
         "accepted_in_store": accepted,
+        "lost_or_rejected": devices - min(accepted, sum(r["accepted"] for r in reports)),
         "rejections": sorted({x for r in reports for x in r["reasons"]}),
         "updates_per_second": round(devices / (last_ack - first), 1),
         "seconds_last_update_to_close": round(closed_at - last_ack, 3),
         "coordinator_rss_before_mb": round(rss_before / 1024, 1),
         "coordinator_peak_rss_mb": round(peak / 1024, 1),
+        "coordinator_peak_above_idle_mb": round((peak - rss_before) / 1024, 1),
         "round_seconds_reported": round_line.get("seconds"),
     }
 
@@ -213,11 +226,27 @@ def main() -> int:
     parser.add_argument("--devices", type=int, nargs="+", default=[10, 100, 500])
     parser.add_argument("--workers", type=int, default=4, help="processes hosting the fake devices")
     parser.add_argument(
+        "--spool-batch",
+        type=int,
+        nargs="+",
+        default=[1, 32],
+        help="the coordinator's group-commit bounds to compare (1: one fsync per update, the baseline)",
+    )
+    parser.add_argument(
         "--strategy", nargs="+", default=["avefl"], help="avefl/fedavg stream; median keeps every update (for contrast)"
     )
     args = parser.parse_args()
     os.environ.setdefault("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
-    rows = [run_load(k, min(args.workers, k), strategy) for strategy in args.strategy for k in args.devices]
+    rows = [
+        run_load(k, min(args.workers, k), strategy, batch)
+        for strategy in args.strategy
+        for k in args.devices
+        for batch in args.spool_batch
+    ]
+    baseline = {(r["strategy"], r["devices"]): r["updates_per_second"] for r in rows if r["spool_batch"] == 1}
+    for row in rows:
+        if (row["strategy"], row["devices"]) in baseline:
+            row["speedup_vs_batch_1"] = round(row["updates_per_second"] / baseline[row["strategy"], row["devices"]], 2)
     print(json.dumps({"cores": os.cpu_count(), "rows": rows}, indent=2))
     lost = [r for r in rows if r["accepted_acks"] != r["devices"] or r["accepted_in_store"] != r["devices"]]
     return 1 if lost else 0

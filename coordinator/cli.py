@@ -1,4 +1,5 @@
-# The fl-coordinator command line: `run` (field), `simulate` (bench), `partition` (shards), `provision` (security).
+# The fl-coordinator command line: `run` (field), `simulate` (bench), `relay` (a site), `partition` (shards),
+# `provision` (security).
 from __future__ import annotations
 
 import argparse
@@ -11,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from coordinator.async_intake import AsyncPolicy
 from coordinator.broker import BrokerError, embedded_broker, embedded_packet_limit
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.server import Dashboard, dashboard_token, parse_listen_address
@@ -24,8 +26,9 @@ from coordinator.method_flags import (
 )
 from coordinator.observer import RoundResult
 from coordinator.provision import DEFAULT_TLS_HOSTS, load_secure_fleet, provision
+from coordinator.relay import RELAY_STRATEGY, RelaySettings, run_relay
 from coordinator.round_aggregator import SuspectPolicy
-from coordinator.rounds import RoundPolicy
+from coordinator.rounds import DEFAULT_BATCH, RoundPolicy
 from coordinator.server import (
     InitSettings,
     ServerSettings,
@@ -38,6 +41,7 @@ from coordinator.store import RunStore, stored_spec
 from coordinator.strategies import make_strategy
 from edge_agent import wire
 from edge_agent.chunks import MIN_PACKET_BYTES
+from edge_agent.credentials import Credentials, load_credentials
 from edge_agent.fashion_mnist import DatasetMissingError
 from edge_agent.logs import configure_logging
 from edge_agent.model_spec import DEFAULT_SPEC, SpecFile, load_model_spec
@@ -55,6 +59,7 @@ log = logging.getLogger("coordinator")
 def add_round_options(parser: argparse.ArgumentParser) -> None:
     """Options shared by `run` and `simulate`: the run, the round policy, the recipe, the server data."""
     add_run_options(parser)
+    add_async_options(parser)
     add_transfer_options(parser)
     add_recipe_options(parser)
     add_method_options(parser)
@@ -88,6 +93,38 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
         "--dashboard-token",
         help="bearer token the API requires (default: none on loopback, else generated into RUN_DIR/dashboard-token)",
     )
+
+
+def add_async_options(parser: argparse.ArgumentParser) -> None:
+    """Synchronous rounds, or asynchronous ones (FedBuff) for fleets whose stragglers a round should not wait for."""
+    rounds = parser.add_argument_group("asynchronous rounds (FedBuff)")
+    rounds.add_argument(
+        "--mode",
+        choices=("sync", "async"),
+        default="sync",
+        help="async: fold every --buffer arriving updates into a new version (--rounds counts versions)",
+    )
+    rounds.add_argument("--buffer", type=int, help="async: updates folded into each version (K)")
+    rounds.add_argument(
+        "--max-staleness", type=int, default=4, help="async: versions an update's base model may lag; older: stale"
+    )
+    rounds.add_argument("--async-server-lr", type=float, default=1.0, help="async: server learning rate eta_g")
+
+
+def async_policy(args: argparse.Namespace) -> AsyncPolicy | None:
+    """The AsyncPolicy of --mode async, or None for synchronous rounds (async-only flags are then an error)."""
+    if args.mode == "sync":
+        given = [
+            flag
+            for flag, value in (("--buffer", args.buffer), ("--async-server-lr", args.async_server_lr != 1.0))
+            if value
+        ]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply to --mode async")
+        return None
+    if args.buffer is None:
+        raise ValueError("--mode async needs --buffer K, the updates folded into each version")
+    return AsyncPolicy(args.buffer, args.max_staleness, args.async_server_lr)
 
 
 def add_transfer_options(parser: argparse.ArgumentParser) -> None:
@@ -181,6 +218,13 @@ def add_server_data_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep every round's accepted updates in RUN_DIR/spool after it commits (default: deleted then)",
     )
+    server.add_argument(
+        "--spool-batch",
+        type=int,
+        default=DEFAULT_BATCH,
+        help="messages handled per group commit at most: one fsync makes the batch's accepted updates durable "
+        f"before any of them is acked (1: one fsync per update; default {DEFAULT_BATCH})",
+    )
 
 
 def add_method_options(parser: argparse.ArgumentParser) -> None:
@@ -208,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     add_run_command(commands.add_parser("run", help="coordinate a fleet of field devices"))
     add_simulate_command(commands.add_parser("simulate", help="bench: N real agents on this machine"))
+    add_relay_command(
+        commands.add_parser("relay", help="coordinate a site's devices and answer the central fleet as one device")
+    )
     add_provision_command(
         commands.add_parser(
             "provision", help="write a fleet's broker passwords, ACL, device credentials, HMAC keys (and TLS files)"
@@ -237,6 +284,73 @@ def add_simulate_command(simulate_parser: argparse.ArgumentParser) -> None:
     simulate_parser.add_argument(
         "--tls", action="store_true", help="with --secure: TLS between every client and the broker"
     )
+    simulate_parser.add_argument(
+        "--workers",
+        type=int,
+        help="worker processes hosting the virtual devices (default: one per core; more where a worker would host "
+        "over 200)",
+    )
+    simulate_parser.add_argument(
+        "--process-per-device",
+        action="store_true",
+        help="one agent process per device (as many torch runtimes) instead of virtual devices in a few workers",
+    )
+
+
+def add_relay_command(relay: argparse.ArgumentParser) -> None:
+    """`relay`: the central broker and who the relay is there, the site broker and fleet, the site round policy."""
+    upstream = relay.add_argument_group("upstream (the central fleet, where the relay is one device)")
+    upstream.add_argument("--upstream", required=True, help="mqtt(s)://HOST:PORT of the central fleet's broker")
+    upstream.add_argument(
+        "--credentials", type=Path, help="the relay's device credential file of the central fleet (from provision)"
+    )
+    upstream.add_argument("--fleet", help="the central fleet (default: the credential file's)")
+    upstream.add_argument(
+        "--relay-id", help="the relay's device id in the central fleet (default: the credential file's)"
+    )
+    site = relay.add_argument_group("site (the relay's own devices)")
+    site.add_argument("--site-fleet", required=True, help="fleet name of the site's devices (topic prefix fl/<fleet>/)")
+    site.add_argument("--broker", help="mqtt://HOST:PORT of the site broker (default: an embedded mosquitto)")
+    site.add_argument("--secure", type=Path, metavar="DIR", help="the site fleet's folder from `provision`")
+    site.add_argument("--run-dir", type=Path, required=True, help="the relay's store and spool (a restart resumes)")
+    site.add_argument("--min-devices", type=int, default=1, help="fewest site updates a site round may aggregate")
+    site.add_argument("--quorum", type=int, help="site updates that close a site round early (default: all online)")
+    site.add_argument("--round-timeout", type=float, default=600.0, help="seconds before a site round closes anyway")
+    site.add_argument("--max-message-bytes", type=int, help="the embedded site broker's packet limit (default 1 MiB)")
+    site.add_argument("--no-bundles", action="store_true", help="ship no ONNX bundle to the site devices")
+    site.add_argument("--keep-updates", action="store_true", help="keep the site devices' updates after each round")
+    relay.add_argument("--log-level", default="warning")
+
+
+def relay_identity(args: argparse.Namespace, credentials: Credentials | None) -> tuple[str, str]:
+    """(relay id, central fleet): the flags, else the credential file's; both must agree with the file's."""
+    relay_id = args.relay_id or (credentials.device_id if credentials else None)
+    fleet = args.fleet or (credentials.fleet if credentials else None)
+    if not relay_id or not fleet:
+        raise ValueError("--relay-id and --fleet are required without --credentials")
+    if credentials is not None and (relay_id, fleet) != (credentials.device_id, credentials.fleet):
+        raise ValueError(
+            f"{args.credentials} belongs to device {credentials.device_id!r} of fleet {credentials.fleet!r}, "
+            f"not {relay_id!r} of {fleet!r}"
+        )
+    return relay_id, fleet
+
+
+def relay_settings(args: argparse.Namespace, credentials: Credentials | None) -> RelaySettings:
+    """RelaySettings from parsed arguments: the site side is a FedAvg coordinator's settings (its `rounds` unused:
+    the central coordinator decides how many rounds there are)."""
+    relay_id, fleet = relay_identity(args, credentials)
+    site = ServerSettings(
+        run_dir=args.run_dir,
+        fleet=wire.check_identifier("site fleet", args.site_fleet),
+        strategy=RELAY_STRATEGY,
+        policy=RoundPolicy(1, args.min_devices, args.quorum, args.round_timeout),
+        ship_bundles=not args.no_bundles,
+        secure_dir=args.secure,
+        keep_updates=args.keep_updates,
+        broker_max_packet_bytes=check_packet_limit(args.max_message_bytes),
+    )
+    return RelaySettings(relay_id, fleet, site, credentials.hmac_key if credentials else b"")
 
 
 def add_provision_command(provision_parser: argparse.ArgumentParser) -> None:
@@ -299,6 +413,8 @@ def add_bench_options(parser: argparse.ArgumentParser) -> None:
         help="labelled seeds per class from the server's W0 samples given to every device "
         "(its initial replay set; 0 for none)",
     )
+    bench.add_argument("--slow-fraction", type=float, default=0.0, help="fraction of the devices made slow (seeded)")
+    bench.add_argument("--slow-factor", type=float, default=1.0, help="how many times slower a slow device is")
 
 
 def bench_settings(args: argparse.Namespace) -> BenchSettings:
@@ -313,6 +429,22 @@ def bench_settings(args: argparse.Namespace) -> BenchSettings:
         args.agent_profile,
         getattr(args, "secure", False),
         getattr(args, "tls", False),
+        process_per_device=getattr(args, "process_per_device", False),
+        workers=getattr(args, "workers", None),
+        slow_fraction=args.slow_fraction,
+        slow_factor=args.slow_factor,
+    )
+
+
+def round_policy(args: argparse.Namespace) -> RoundPolicy:
+    """When rounds close (quorum, minimum, deadline, participation) and how many updates share one fsync."""
+    return RoundPolicy(
+        args.rounds,
+        args.min_devices,
+        args.quorum,
+        args.round_timeout,
+        participation=args.participation,
+        batch=args.spool_batch,
     )
 
 
@@ -327,15 +459,9 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
         fleet=fleet,
         strategy=args.strategy,
         recipe=recipe_from(args, recipe_options),
-        policy=RoundPolicy(
-            args.rounds, args.min_devices, args.quorum, args.round_timeout, participation=args.participation
-        ),
+        policy=round_policy(args),
         init=InitSettings(
-            samples=args.init_samples,
-            epochs=args.init_epochs,
-            learning_rate=args.init_lr,
-            optimizer=args.init_optimizer,
-            seed=args.seed,
+            args.init_samples, args.init_epochs, args.init_lr, optimizer=args.init_optimizer, seed=args.seed
         ),
         validation_samples=args.validation_samples,
         selection_passes=args.selection_passes,
@@ -354,6 +480,7 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
         broker_max_packet_bytes=check_packet_limit(args.max_message_bytes),
         transfer_memory_mb=args.transfer_memory_mb,
         transfer_timeout=args.transfer_timeout,
+        asynchronous=async_policy(args),
     )
 
 
@@ -517,13 +644,32 @@ def command_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_relay(args: argparse.Namespace) -> int:
+    """Relays a site: its devices on the site broker (external or embedded), one device upstream."""
+    credentials = load_credentials(args.credentials) if args.credentials else None
+    settings = relay_settings(args, credentials)
+    upstream = parse_broker_url(args.upstream)
+    upstream = credentials.apply_to(upstream) if credentials is not None else upstream
+    if args.broker:
+        run_relay(settings, upstream, parse_broker_url(args.broker))
+        return 0
+    secure = load_secure_fleet(args.secure) if args.secure else None
+    limit = embedded_packet_limit(settings.site.broker_max_packet_bytes)
+    with embedded_broker(settings.site.run_dir / "broker", secure, limit) as broker:
+        print(f"embedded site broker listening at {broker.address.url}", file=sys.stderr, flush=True)
+        run_relay(settings, upstream, broker.address)
+    return 0
+
+
 def command_simulate(args: argparse.Namespace) -> int:
-    """The bench: shards, an embedded (or given) broker, N agent processes and the coordinator."""
+    """The bench: shards, an embedded (or given) broker, N agents (virtual, in workers) and the coordinator."""
     settings = server_settings(args, default_fleet="bench")
     validate_recipe_names(settings)
     if args.quorum is None:
         settings = dataclasses.replace(settings, policy=dataclasses.replace(settings.policy, quorum=args.devices))
     bench = bench_settings(args)
+    if bench.workers is not None and bench.workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {bench.workers}")
     if bench.secure and args.broker:
         raise ValueError("simulate --secure provisions a fresh fleet and runs its own broker: drop --broker")
     if settings.dataset is not None:
@@ -613,6 +759,7 @@ def command_partition(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": command_run,
     "simulate": command_simulate,
+    "relay": command_relay,
     "partition": command_partition,
     "provision": command_provision,
     "report": command_report,

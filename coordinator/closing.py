@@ -6,10 +6,10 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from coordinator.aggregation import ClientUpdate
-from coordinator.evaluation import Evaluator, TestScores
+from coordinator.evaluation import TestScores
 from coordinator.intake import RoundCollector
 from coordinator.observer import RoundResult
 from coordinator.round_aggregator import Aggregate, RoundAggregator
@@ -28,6 +28,16 @@ class RoundTiming:
     monotonic: float
 
 
+class RoundEvaluator(Protocol):
+    """What closing a round asks of the server's data (coordinator.evaluation.Evaluator; a relay's NoEvaluation)."""
+
+    def test_scores(self, weights: Weights) -> TestScores:
+        """A model's test accuracy, overall and per class."""
+
+    def selection_accuracy(self, weights: Weights) -> float:
+        """A model's BNN accuracy on the selection split (strategies that choose among models)."""
+
+
 def latest_device_labels(store: RunStore) -> dict[str, int]:
     """Each device's oracle-label count as of its last accepted update, so a resumed run counts labels right."""
     return {record.device_id: record.acquired_labels for record in store.device_rounds() if record.accepted}
@@ -37,7 +47,7 @@ class RoundCloser:
     """Turns a collected round into the next global model: aggregate, evaluate, commit (checkpoint first)."""
 
     def __init__(
-        self, store: RunStore, strategy: Strategy, evaluator: Evaluator, evaluate_devices: bool, base_labels: int
+        self, store: RunStore, strategy: Strategy, evaluator: RoundEvaluator, evaluate_devices: bool, base_labels: int
     ) -> None:
         self.store = store
         self.strategy = strategy

@@ -79,13 +79,17 @@ def duplicate_reason(device_id: str, previous: wire.Update, update: wire.Update,
 
 
 class UpdateIntake:
-    """Answers every update message: validated, absorbed and spooled before its ack, or rejected with a reason."""
+    """Answers every update message: validated, absorbed and spooled before its ack, or rejected with a reason.
+
+    Accepted updates are staged in the spool and every ack waits in `pending` until `commit` has made the batch
+    durable (one fsync for the batch): no device hears "accepted" of an update a crash could still lose."""
 
     def __init__(self, fleet: str, session: MqttSession, store: RunStore, observer: RoundObserver) -> None:
         self.fleet = fleet
         self.session = session
         self.store = store
         self.observer = observer
+        self.pending: list[wire.Ack] = []
 
     def on_update(
         self,
@@ -113,7 +117,7 @@ class UpdateIntake:
             self.reject(device_id, collector.round_id, payload, rejection)
             return
         if is_new:
-            self.store.spool.add(update.round_id, device_id, payload)
+            self.store.spool.stage(update.round_id, device_id, payload)
             self.observer.update_answered(device_id, update.round_id, len(payload), None)
             log.info("update accepted device=%s round=%d samples=%d", device_id, update.round_id, update.num_samples)
         self.ack(wire.Ack(device_id, update.round_id, update.update_id, True))
@@ -155,8 +159,15 @@ class UpdateIntake:
         self.ack(ack)
 
     def ack(self, ack: wire.Ack) -> None:
-        """Publishes an ack on the device's ack topic."""
-        self.session.publish(wire.device_topic(self.fleet, ack.device_id, "ack"), wire.encode(ack))
+        """Queues an ack for the device, published by the next commit."""
+        self.pending.append(ack)
+
+    def commit(self) -> None:
+        """Makes the staged updates durable (one fsync), then publishes the queued acks on their devices' topics."""
+        self.store.spool.commit()
+        pending, self.pending = self.pending, []
+        for ack in pending:
+            self.session.publish(wire.device_topic(self.fleet, ack.device_id, "ack"), wire.encode(ack))
 
 
 def update_id_of(payload: bytes) -> str:

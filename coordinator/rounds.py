@@ -26,9 +26,13 @@ from edge_agent.tensors import Weights, spec_of, weights_hash
 log = logging.getLogger(__name__)
 
 
+DEFAULT_BATCH = 32  # messages handled per group commit at most (also the broker's in-flight window for us)
+
+
 @dataclass(frozen=True)
 class RoundPolicy:
-    """When a round may close: the quorum, the minimum and the deadline."""
+    """When a round may close: the quorum, the minimum and the deadline; and how many messages one group commit of
+    the spool takes at most (`batch`)."""
 
     rounds: int
     min_devices: int = 1
@@ -36,8 +40,11 @@ class RoundPolicy:
     round_timeout: float = 600.0
     max_update_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
     participation: float = 1.0
+    batch: int = DEFAULT_BATCH
 
     def __post_init__(self) -> None:
+        if self.batch < 1:
+            raise ValueError(f"--spool-batch must be at least 1, got {self.batch}")
         if not 0.0 < self.participation <= 1.0:
             raise ValueError(f"--participation must lie in (0, 1], got {self.participation}")
         if self.rounds < 1:
@@ -219,12 +226,25 @@ class Coordinator:
             self.handle_next(opened)
 
     def handle_next(self, opened: OpenRound | None) -> None:
-        """Handles the next message, if one comes within 0.2 s, and only then acknowledges it to the broker:
-        an update received but not yet spooled when the process dies is redelivered, not lost."""
+        """Handles the messages waiting (the first within 0.2 s, then up to policy.batch without waiting, stopping at
+        the quorum) as one batch: the updates it accepted are made durable with one fsync, and only then are the
+        devices acked and the messages acknowledged to the broker, so one received but not yet durable when the
+        process dies is redelivered, not lost."""
+        batch: list[IncomingMessage] = []
         message = self.session.next_message(timeout=0.2)
-        if message is not None:
+        while message is not None:
             self.dispatch(message, opened)
-            self.session.acknowledge(message)
+            batch.append(message)
+            if len(batch) >= self.rules.policy.batch or (opened and self.quorum_reached(opened)):
+                break
+            message = self.session.next_message(timeout=0)
+        self.parts.intake.commit()
+        for handled in batch:
+            self.session.acknowledge(handled)
+
+    def quorum_reached(self, opened: OpenRound) -> bool:
+        """Whether the round has the accepted updates that close it early."""
+        return len(opened.collector.accepted) >= self.needed(opened)
 
     def dispatch(self, message: IncomingMessage, opened: OpenRound | None) -> None:
         """Routes a status or update message; nothing a device sends can raise out of here."""

@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from coordinator.async_intake import AsyncPolicy
+from coordinator.async_rounds import AsyncCoordinator, check_async_settings
 from coordinator.authentication import UpdateAuthenticator
 from coordinator.closing import RoundCloser
 from coordinator.evaluation import Evaluator, LabelledSplit
@@ -34,7 +36,7 @@ from edge_agent.fashion_mnist import CLASS_NAMES, load_fashion_mnist
 from edge_agent.image_arrays import ImageDataset, load_npz_dataset
 from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec, spec_hash
 from edge_agent.models import build_model, get_weights, set_weights
-from edge_agent.mqtt import BrokerAddress, MqttSession
+from edge_agent.mqtt import MANUAL_ACK_WINDOW, BrokerAddress, MqttSession
 from edge_agent.sampling import make_sampler
 from edge_agent.tensors import Weights
 from edge_agent.training import TrainSettings, train_supervised
@@ -85,6 +87,11 @@ class ServerSettings:
     broker_max_packet_bytes: int | None = None
     transfer_memory_mb: int = 128
     transfer_timeout: float = 120.0
+    asynchronous: AsyncPolicy | None = None
+
+    def __post_init__(self) -> None:
+        if self.asynchronous is not None:
+            check_async_settings(self.strategy, self.suspects, self.policy.participation)
 
 
 @dataclass(frozen=True)
@@ -243,7 +250,7 @@ def run_server(
         recipe = dataclasses.replace(settings.recipe, encoder=encoder_hash(encoder)) if encoder else settings.recipe
         rules = RoundRules(recipe, settings.policy, settings.suspects, authenticator, settings.spec)
         parts = round_parts(settings, data, store, session, run_id, encoder, observer or RoundObserver(), dead_devices)
-        coordinator = Coordinator(settings.fleet, session, rules, parts)
+        coordinator = make_coordinator(settings, session, rules, parts)
         session.connect()
         coordinator.start()
         if wait_for_devices:
@@ -255,12 +262,28 @@ def run_server(
         store.close()
 
 
+def make_coordinator(
+    settings: ServerSettings, session: MqttSession, rules: RoundRules, parts: RoundParts
+) -> Coordinator:
+    """Synchronous rounds, or asynchronous ones (FedBuff) when the settings have an AsyncPolicy."""
+    if settings.asynchronous is None:
+        return Coordinator(settings.fleet, session, rules, parts)
+    return AsyncCoordinator(settings.fleet, session, rules, parts, settings.asynchronous)
+
+
 def coordinator_session(settings: ServerSettings, address: BrokerAddress) -> MqttSession:
-    """The coordinator's session: manual acks, the broker's packet limit if the run names one, its transfer limits."""
+    """The coordinator's session: manual acks (as many in flight as one group commit takes), the broker's packet
+    limit if the run names one, its transfer limits."""
     if settings.broker_max_packet_bytes:
         address = dataclasses.replace(address, max_packet_bytes=settings.broker_max_packet_bytes)
     limits = transfer_limits(settings)
-    return MqttSession(address, client_id=f"coordinator-{settings.fleet}", manual_ack=True, chunk_limits=limits)
+    return MqttSession(
+        address,
+        client_id=f"coordinator-{settings.fleet}",
+        manual_ack=True,
+        chunk_limits=limits,
+        ack_window=max(MANUAL_ACK_WINDOW, settings.policy.batch),
+    )
 
 
 def transfer_limits(settings: ServerSettings) -> ChunkLimits:

@@ -266,7 +266,8 @@ class RunStore:
         self.close()
 
     def close(self) -> None:
-        """Closes the database connection."""
+        """Closes the database connection and the spool's segments."""
+        self.spool.close()
         self.database.close()
 
     def set_config(self, config: dict) -> None:
@@ -297,6 +298,7 @@ class RunStore:
             if self.database.read("SELECT 1 FROM rounds WHERE round_id = ?", (round_id,)):
                 raise ValueError(f"round {round_id} is already committed") from exc
             raise ValueError(f"round {round_id} records conflict (a device listed twice?): {exc}") from exc
+        self.spool.seal_through(round_id)
         if not self.keep_updates:
             self.spool.discard_through(round_id)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ from edge_agent.update_codec import CodecError, Encoded, decode_update
 from edge_agent.wire import RejectionKind
 
 METRIC_TOLERANCE = 1e-4
+MAX_CONTRIBUTORS = 100_000
 
 
 MAX_REASON_CHARS = 300
@@ -59,6 +61,7 @@ def validate_update(device_id: str, payload: bytes, expected: Expectation) -> wi
     update = with_weights(update, expected.base)
     check_tensors(update, expected)
     check_counts(update, expected.num_classes)
+    check_contributions(update)
     check_required_metrics(update.metrics, expected.required_metrics)
     return update
 
@@ -129,6 +132,31 @@ def check_counts(update: wire.Update, num_classes: int) -> None:
         )
     if len(update.class_counts) != num_classes or min(update.class_counts, default=0) < 0:
         raise Rejection(RejectionKind.BAD_COUNTS, f"class_counts must be {num_classes} non-negative integers")
+
+
+def check_contributions(update: wire.Update) -> None:
+    """Rejection unless a relay's contributions (none for a device) are distinct device ids, each with a non-negative
+    sample count, that add up to the update's num_samples: a relay may not weigh more than its devices reported."""
+    names, counts = update.contributors, update.contributor_samples
+    if len(names) != len(counts):
+        raise Rejection(
+            RejectionKind.BAD_COUNTS, f"{len(names)} contributors but {len(counts)} contributor sample counts"
+        )
+    if len(names) > MAX_CONTRIBUTORS:
+        raise Rejection(RejectionKind.BAD_COUNTS, f"{len(names)} contributors, more than {MAX_CONTRIBUTORS}")
+    invalid = [name for name in names if not wire.IDENTIFIER.fullmatch(name)]
+    repeated = sorted(name for name, times in Counter(names).items() if times > 1)
+    if invalid or repeated:
+        shown = wire.shown_names(invalid or repeated)
+        raise Rejection(RejectionKind.BAD_COUNTS, f"contributors must be distinct device ids: {shown}")
+    if min(counts, default=0) < 0:
+        raise Rejection(RejectionKind.BAD_COUNTS, "contributor sample counts must be non-negative")
+    reported = sum(counts)
+    if names and reported != update.num_samples:
+        raise Rejection(
+            RejectionKind.BAD_COUNTS,
+            f"claims {update.num_samples} samples, but its {len(names)} contributors reported {reported}",
+        )
 
 
 def check_required_metrics(metrics: Mapping[str, float], required: Mapping[str, tuple[float, float]]) -> None:

@@ -35,6 +35,48 @@ class LatestModel:
     bundle: Bundle | None
 
 
+@dataclass(frozen=True)
+class HeldUpdate:
+    """A finished round's update (None: the round gave none) that a bench's slow device publishes at `due`."""
+
+    announcement: wire.RoundAnnouncement
+    update: wire.Update | None
+    due: float
+
+
+class UpdateHold:
+    """Holds a finished round's update until a bench's slow device would have finished it: k times the round's
+    compute time (slowdown k > 1; outside the learning path, off by default). It holds the update rather than the
+    thread, so devices sharing a host are not slowed with it. The process's first round is not stretched: it pays
+    one-off costs (imports, building the learner) that would dominate a short bench."""
+
+    def __init__(self, slowdown: float) -> None:
+        self.slowdown = slowdown
+        self.held: HeldUpdate | None = None
+        self.warm = False
+
+    @property
+    def busy(self) -> bool:
+        """Whether an update still waits (the device works on nothing else meanwhile)."""
+        return self.held is not None
+
+    def keep(
+        self, announcement: wire.RoundAnnouncement, update: wire.Update | None, started: float, ended: float
+    ) -> None:
+        """Holds the update of a round computed from `started` to `ended` (monotonic seconds)."""
+        factor = self.slowdown if self.warm else 1.0
+        self.warm = True
+        self.held = HeldUpdate(announcement, update, started + factor * (ended - started))
+
+    def take_due(self) -> HeldUpdate | None:
+        """The held update once its time has come (and no longer held), else None."""
+        held = self.held
+        if held is None or time.monotonic() < held.due:
+            return None
+        self.held = None
+        return held
+
+
 class BackgroundWork(Protocol):
     """Work the main loop does between messages (a field device's folder scans and stream scoring)."""
 
@@ -65,6 +107,7 @@ class Agent:
         self.sender = UpdateSender(settings, session, data.state_dir / OUTBOX_FOLDER)
         self._pending: wire.RoundAnnouncement | None = None
         self._recipe: wire.Recipe | None = None
+        self.hold = UpdateHold(settings.slowdown)
 
     @staticmethod
     def last_will(settings: AgentSettings) -> LastWill:
@@ -79,7 +122,18 @@ class Agent:
         return max(int(self.data.get_state(LAST_ROUND_KEY, 0)), self.sender.outbox.last_round())
 
     def run(self) -> None:
-        """Serves rounds until stopped, or until the final announcement when exit_on_final is set."""
+        """Serves rounds until stopped, or until the final announcement when exit_on_final is set (a field device:
+        the same start, steps and finish a host of many virtual devices drives in turn)."""
+        self.start()
+        try:
+            while not self.stop_event.is_set():
+                if self.step(timeout=0.5):
+                    return
+        finally:
+            self.finish()
+
+    def start(self) -> None:
+        """Subscribes to the round and ack topics and says the device is online."""
         fleet, device = self.settings.fleet, self.settings.device_id
         self.session.subscribe(wire.round_topic(fleet))
         self.session.subscribe(wire.device_topic(fleet, device, "ack"))
@@ -88,18 +142,28 @@ class Agent:
         log.info(
             "agent ready device=%s pool=%d labelled=%d last_round=%d", device, pool, labelled, self.last_finished_round
         )
-        try:
-            while not self.stop_event.is_set():
-                self.sender.resend_due()
-                message = self.session.next_message(timeout=0.5)
-                self.meter.note("idle")
-                if message is not None and self.handle(message):
-                    return
-                if self.background is not None:
-                    self.background.tick(self.latest_model(), self.last_finished_round + 1)
-                self.maybe_run_round()
-        finally:
-            self.publish_status("offline")
+
+    def step(self, timeout: float) -> bool:
+        """One loop turn: waits up to `timeout` seconds for a message, handles it and every message queued behind
+        it (an ack that waited while the device was busy settles its update before the resend timer looks), resends
+        due updates, does the background work and runs the pending round if it is ready. True when the run is over
+        for this agent."""
+        message = self.session.next_message(timeout=timeout)
+        self.meter.note("idle")
+        while message is not None:
+            if self.handle(message):
+                return True
+            message = self.session.next_message(timeout=0.0)
+        self.sender.resend_due()
+        self.release_held()
+        if self.background is not None:
+            self.background.tick(self.latest_model(), self.last_finished_round + 1)
+        self.maybe_run_round()
+        return False
+
+    def finish(self) -> None:
+        """Says the device is offline (a clean leave: the last will is for vanishing)."""
+        self.publish_status("offline")
 
     def latest_model(self) -> LatestModel | None:
         """The newest global model with its recipe and bundle, once both a model and an announcement arrived."""
@@ -151,13 +215,25 @@ class Agent:
         return False
 
     def maybe_run_round(self) -> None:
-        """Runs the pending round once everything it needs has arrived, publishes its update, journals it."""
+        """Runs the pending round once everything it needs has arrived (and no slowed update still waits), then
+        publishes its update, at once or when a bench's slowdown lets it go."""
         announcement = self._pending
-        if announcement is None or not self.artefacts.ready(announcement, self.settings.scores_with_onnxruntime):
+        if self.hold.busy or announcement is None:
+            return
+        if not self.artefacts.ready(announcement, self.settings.scores_with_onnxruntime):
             return
         self._pending = None
-        model_hash = announcement.model_hash
+        model_hash, started = announcement.model_hash, time.monotonic()
         update = self.rounds.run(announcement, self.artefacts.specs[model_hash], self.artefacts.models[model_hash])
+        self.hold.keep(announcement, update, started, time.monotonic())
+        self.release_held()
+
+    def release_held(self) -> None:
+        """Publishes the held update once its time has come, journals the round and says the device is idle."""
+        held = self.hold.take_due()
+        if held is None:
+            return
+        announcement, update = held.announcement, held.update
         try:
             if update is not None:
                 with self.meter.phase("publish"):

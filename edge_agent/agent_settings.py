@@ -26,6 +26,11 @@ class AgentSettings:
     mc_passes_cap: int | None = None
     stream: bool = False
     signing_key: bytes = b""
+    slowdown: float = 1.0  # a bench knob: each round takes this many times its own compute time (see Agent)
+
+    def __post_init__(self) -> None:
+        if not 1.0 <= self.slowdown <= 1000.0:
+            raise ValueError(f"--slowdown must lie in [1, 1000], got {self.slowdown}")
 
     @property
     def scores_with_onnxruntime(self) -> bool:

@@ -29,7 +29,9 @@ from edge_agent.shard import load_shard, open_device_data
 from edge_agent.shutdown import Terminated, raise_on_sigterm
 
 if TYPE_CHECKING:  # the agent imports torch; `edge-agent score` must not
+    from edge_agent.agent import Agent
     from edge_agent.agent_settings import AgentSettings
+    from edge_agent.label_ui import LabelServer
 
 log = logging.getLogger("edge_agent")
 
@@ -39,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edge-agent", description="Federated active-learning device agent.")
     commands = parser.add_subparsers(dest="command", required=True)
     add_run_arguments(commands.add_parser("run", help="join a fleet and serve its rounds"))
+    add_host_arguments(commands.add_parser("host", help="serve many virtual devices in one process (a bench's worker)"))
     add_score_arguments(
         commands.add_parser(
             "score", help="score a pool file or image folder with a model bundle and print one JSON line"
@@ -75,8 +78,26 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--torch-threads", type=int, help="torch threads (default: the profile's, else 1)")
     run.add_argument("--inference-batch", type=int, help="images per scoring batch (default: the profile's, else 256)")
     run.add_argument("--exit-on-final", action="store_true", help="exit when the coordinator ends the run")
+    run.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        help="bench only: take K times each round's compute time before publishing, as a K times slower device",
+    )
     run.add_argument("--log-level", default="info")
     add_field_arguments(run)
+
+
+def add_host_arguments(host: argparse.ArgumentParser) -> None:
+    """`edge-agent host`: the devices file (each device's `run` arguments and log file) and where failures go."""
+    host.add_argument(
+        "--devices",
+        required=True,
+        type=Path,
+        help='JSON {"devices": [{"device_id", "log_file", "argv": [`edge-agent run` arguments]}, ...]}',
+    )
+    host.add_argument("--exits", type=Path, help="file to append `DEVICE CODE` to for each device that fails")
+    host.add_argument("--log-level", default="info")
 
 
 def add_score_arguments(score: argparse.ArgumentParser) -> None:
@@ -171,6 +192,7 @@ def agent_settings(
         "exit_on_final": args.exit_on_final,
         "stream": args.stream,
         "signing_key": credentials.hmac_key if credentials else b"",
+        "slowdown": args.slowdown,
     }
     if profile is None:
         return AgentSettings(
@@ -215,8 +237,24 @@ def check_data_source(args: argparse.Namespace) -> None:
         raise ValueError("--stream and --label-ui need --pool-dir (a folder pool with the folder oracle)")
 
 
-def run_agent(args: argparse.Namespace) -> int:
-    """Opens the device's data, connects, and serves rounds until the run ends or a signal arrives."""
+@dataclasses.dataclass
+class OpenedDevice:
+    """One device's agent with what it holds open: its MQTT session (not yet connected) and its label page."""
+
+    agent: Agent
+    session: MqttSession
+    label_server: LabelServer | None = None
+
+    def close(self) -> None:
+        """Disconnects the session and stops the label page (if any)."""
+        self.session.close()
+        if self.label_server is not None:
+            self.label_server.stop()
+
+
+def open_device(args: argparse.Namespace) -> OpenedDevice:
+    """Builds one device's agent from `edge-agent run` arguments: its settings, data, oracle and session. Every
+    host of an agent (its own process, or a worker hosting many virtual devices) builds it here."""
     from edge_agent.agent import Agent
     from edge_agent.field import open_field
     from edge_agent.field_options import field_settings
@@ -233,27 +271,29 @@ def run_agent(args: argparse.Namespace) -> int:
         max_payload_bytes=settings.max_update_bytes,
         keepalive=profile.mqtt.keepalive if profile else DEFAULT_KEEPALIVE_SECONDS,
     )
-    field = None
     if args.pool_dir is not None:
         if profile is not None:
             settings = fit_to_budget(settings, profile.memory_budget_mb, profile.pool_size_cap)
         field = open_field(field_settings(args), state_dir, settings, profile)
         agent = Agent(settings, session, field.data, field.oracle, field.work)
         field.oracle.stop_event = agent.stop_event
-    else:
-        shard = load_shard(args.data)
-        data = open_device_data(state_dir, shard)
-        if profile is not None:
-            settings = fit_to_budget(settings, profile.memory_budget_mb, data.num_samples)
-        agent = Agent(settings, session, data, SimulatedOracle(shard.all_labels))
+        return OpenedDevice(agent, session, field.label_server)
+    shard = load_shard(args.data)
+    data = open_device_data(state_dir, shard)
+    if profile is not None:
+        settings = fit_to_budget(settings, profile.memory_budget_mb, data.num_samples)
+    return OpenedDevice(Agent(settings, session, data, SimulatedOracle(shard.all_labels)), session)
+
+
+def run_agent(args: argparse.Namespace) -> int:
+    """Opens the device's data, connects, and serves rounds until the run ends or a signal arrives."""
+    device = open_device(args)
     raise_on_sigterm()
     try:
-        session.connect()
-        agent.run()
+        device.session.connect()
+        device.agent.run()
     finally:
-        session.close()
-        if field is not None and field.label_server is not None:
-            field.label_server.stop()
+        device.close()
     return 0
 
 
@@ -262,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
     try:
+        if args.command == "host":
+            from edge_agent.host import run_host
+
+            return run_host(args)
         return run_score(args) if args.command == "score" else run_agent(args)
     except (ValueError, FileNotFoundError, BrokerUnavailableError) as error:
         print(f"edge-agent: {error}", file=sys.stderr)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
     """Flushes a directory entry change (a rename) to disk."""
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -37,7 +37,7 @@ def atomic_write_bytes(path: Path | str, data: bytes) -> None:
     except BaseException:
         Path(temp_name).unlink(missing_ok=True)
         raise
-    _fsync_directory(path.parent)
+    fsync_directory(path.parent)
 
 
 def save_arrays(path: Path | str, arrays: Mapping[str, np.ndarray]) -> None:

@@ -217,7 +217,7 @@ class MqttSession:
     With `manual_ack`, a QoS 1 message is acknowledged to the broker only when the owner calls `acknowledge`
     after handling it: a process killed between receiving and handling a message gets it again on reconnect.
     The session then also tells the broker (MQTT v5 Receive Maximum) to have at most MANUAL_ACK_WINDOW such
-    messages in flight, so a burst of large updates waits in the broker rather than in this process's memory.
+    messages in flight (`ack_window`; the coordinator makes it its group-commit batch), so a burst of large updates waits in the broker rather than in this process's memory.
     Messages too large for the broker go in chunks (`chunking`), and `inbox` puts them together (edge_agent.chunks).
     """
 
@@ -231,8 +231,10 @@ class MqttSession:
         max_payload_bytes: int | None = None,
         manual_ack: bool = False,
         chunk_limits: ChunkLimits | None = None,
+        ack_window: int = MANUAL_ACK_WINDOW,
     ) -> None:
         self.address = address
+        self._ack_window = ack_window
         self.client_id = client_id
         self.max_payload_bytes = max_payload_bytes
         self.chunking = Outgoing(address.max_packet_bytes)
@@ -265,7 +267,7 @@ class MqttSession:
         properties = Properties(PacketTypes.CONNECT)
         properties.SessionExpiryInterval = self._session_expiry
         if self._manual_ack:
-            properties.ReceiveMaximum = MANUAL_ACK_WINDOW
+            properties.ReceiveMaximum = self._ack_window
         self._client.connect_async(
             self.address.host,
             self.address.port,
@@ -327,6 +329,10 @@ class MqttSession:
             return self._messages.get(timeout=timeout)
         except queue.Empty:
             return None
+
+    def has_message(self) -> bool:
+        """Whether a received message is waiting (a host of many sessions steps only those with one)."""
+        return not self._messages.empty()
 
     def close(self, timeout: float = CLOSE_WAIT_SECONDS) -> None:
         """Disconnects cleanly (no last will) and stops the network thread, waiting at most `timeout` seconds for it:

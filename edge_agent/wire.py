@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import hmac
 import math
@@ -60,6 +61,7 @@ class RejectionKind(StrEnum):
     UNDECODABLE = "undecodable"
     DEVICE_MISMATCH = "device_mismatch"
     STALE_ROUND = "stale_round"
+    STALE = "stale"  # asynchronous rounds: trained from a version older than the allowed staleness
     FUTURE_ROUND = "future_round"
     BASE_MISMATCH = "base_mismatch"
     TENSOR_MISMATCH = "tensor_mismatch"
@@ -163,7 +165,8 @@ class EncoderMessage:
 class Update:
     """A device's result for one round: its weights (or their delta from the base model, see
     edge_agent.update_codec: `encoding`, int8 `scales`, top-k flat `indices`) plus the counts and metrics
-    strategies need."""
+    strategies need. A relay's update also names the site devices it sums (`contributors`) and each one's sample
+    count (`contributor_samples`), which must add up to `num_samples`."""
 
     KIND: ClassVar[str] = "update"
     device_id: str
@@ -180,6 +183,8 @@ class Update:
     encoding: str = field(default="float32", metadata=OMITTED_AT_DEFAULT)
     scales: Tensors = field(default_factory=dict, metadata=OMITTED_AT_DEFAULT)
     indices: Tensors = field(default_factory=dict, metadata=OMITTED_AT_DEFAULT)
+    contributors: list[str] = field(default_factory=list, metadata=OMITTED_AT_DEFAULT)
+    contributor_samples: list[int] = field(default_factory=list, metadata=OMITTED_AT_DEFAULT)
 
 
 @dataclass(frozen=True)
@@ -341,9 +346,15 @@ def shown_names(names: Sequence[Any], count: int = 5, show: Callable[[Any], str]
     return f"[{head}" + (f", ... and {len(names) - count} more]" if len(names) > count else "]")
 
 
+@functools.cache
+def type_hints(cls: type) -> dict[str, Any]:
+    """A message class's resolved field types, worked out once (resolving them took half of decoding an update)."""
+    return typing.get_type_hints(cls)
+
+
 def _from_fields(cls: type, raw: dict[str, Any]) -> Any:
     label = getattr(cls, "KIND", cls.__name__.lower())
-    hints = typing.get_type_hints(cls)
+    hints = type_hints(cls)
     fields = dataclasses.fields(cls)
     unknown = sorted(set(raw) - {f.name for f in fields})
     if unknown:

@@ -1,6 +1,7 @@
 # Shared fixtures: a private mosquitto per test (or per module), Fashion-MNIST once per module, process cleanup.
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,16 @@ from coordinator.broker import EmbeddedBroker, free_loopback_port
 from edge_agent.fashion_mnist import load_fashion_mnist
 from edge_agent.image_arrays import ImageDataset
 from edge_agent.mqtt import BrokerAddress, MqttSession
+
+
+@pytest.fixture(autouse=True)
+def restored_logging() -> Iterator[None]:
+    """A command line run in-process (`main([...])`) points the root logger at that test's captured stderr and sets
+    its level: put both back after every test, so no later test logs to a closed stream or sees other levels."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers, root.level = handlers, level
 
 
 @pytest.fixture

@@ -112,7 +112,7 @@ def start_coordinator(address: BrokerAddress | None, run_dir: Path, fleet: str, 
 
 def start_agent(launch: DeviceLaunch, address: BrokerAddress, fleet: str) -> subprocess.Popen:
     """The real `python -m edge_agent run` of one device (the bench's own launcher)."""
-    return spawn_agent(launch, address, fleet, BenchSettings(agent_threads=1))
+    return spawn_agent(launch, address, fleet, BenchSettings(agent_threads=1)).process
 
 
 def wait_until(condition: Callable[[], bool], what: str, timeout: float = WAIT) -> None:

@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import math
 import random
+import re
 import threading
 import time
 import tracemalloc
@@ -680,7 +681,8 @@ def test_a_bench_run_through_a_64_kib_broker_chunks_every_model_bundle_and_updat
     with RunStore(settings.run_dir) as store:
         model_hash = weights_hash(store.checkpoints.load(0))
         assert [r.accepted for r in store.rounds()] == [2]
+    logs = "".join(path.read_text() for path in settings.run_dir.rglob("*.log"))  # paho's thread logs to its worker's
     for device in ("dev-00", "dev-01"):
         log = next(settings.run_dir.rglob(f"{device}/agent.log")).read_text()
-        assert "max_packet_bytes=65536" in log
+        assert re.search(rf"mqtt connected client={device} .*max_packet_bytes=65536", logs)
         assert f"bundle stored model={model_hash[:12]}" in log and "update accepted round=1" in log

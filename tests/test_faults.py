@@ -34,6 +34,7 @@ from coordinator.provision import provision
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.simulate import BenchSettings, simulate
+from coordinator.spool import Spool
 from coordinator.store import RunStore
 from coordinator.strategies import AveFL
 from edge_agent import wire
@@ -105,6 +106,11 @@ def start_fleet(broker, run_dir: Path, fleet: str, devices: int, *options: str) 
     return [coordinator, *(start_agent(launch, broker.address, fleet) for launch in fleet_shards(run_dir, devices))]
 
 
+def spooled_devices(run_dir: Path, round_id: int) -> set[str]:
+    """The devices whose updates of a round are durable in a run's spool (read as a restarted coordinator would)."""
+    return set(Spool(run_dir / "spool").round_index(round_id))
+
+
 def test_a_killed_coordinator_resumes_its_round_from_the_spool(tmp_path: Path, broker, processes) -> None:
     """SIGKILL after one of four updates is spooled; the restarted coordinator takes it back, waits for the others,
     finishes, and ends with exactly the model of an uninterrupted run: agents are deterministic per device and round,
@@ -117,8 +123,7 @@ def test_a_killed_coordinator_resumes_its_round_from_the_spool(tmp_path: Path, b
     coordinator = start_coordinator(broker.address, run_dir, "resumed", *options)
     agents = [start_agent(first, broker.address, "resumed")]
     processes.extend([coordinator, *agents])
-    spooled = run_dir / "spool" / "round_0001" / f"{first.device_id}.msgpack"
-    wait_until(spooled.exists, "the first device's update in the spool")
+    wait_until(lambda: first.device_id in spooled_devices(run_dir, 1), "the first device's update in the spool")
     kill(coordinator)
     assert committed_rounds(run_dir) == []
 
@@ -189,7 +194,7 @@ def test_a_device_killed_while_training_keeps_its_labels_and_rejoins(tmp_path: P
     victim = fleet_shards(run_dir, devices=2)[1]
     wait_until(lambda: len(oracle_labels(victim.state_dir)) > 0, "the device storing round 1's labels")
     kill(fleet[2])
-    assert not (run_dir / "spool" / "round_0001" / f"{victim.device_id}.msgpack").exists(), (
+    assert victim.device_id not in spooled_devices(run_dir, 1), (
         "the device was killed after publishing, not during training"
     )
     at_kill = load_arrays(victim.state_dir / LABELS_FILE)

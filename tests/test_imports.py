@@ -17,6 +17,8 @@ TORCH_FREE = (
     "edge_agent.local_data",
     "coordinator.strategies",
     "coordinator.round_aggregator",
+    "coordinator.buffered",
+    "coordinator.async_intake",
     "coordinator.divergence",
     "coordinator.validation",
     "edge_agent.tensors",

@@ -1,0 +1,279 @@
+# A relay: runs its site's rounds on the site broker and answers each central round upstream as one signed device.
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+
+from coordinator.closing import RoundCloser
+from coordinator.evaluation import TestScores
+from coordinator.intake import UpdateIntake
+from coordinator.observer import RoundObserver
+from coordinator.presence import Presence
+from coordinator.publisher import Artefacts, RetainedPublisher
+from coordinator.rounds import Coordinator, RoundParts, RoundRules
+from coordinator.server import ServerSettings, bundle_exporter, coordinator_session, secured
+from coordinator.store import RunStore
+from coordinator.strategies import make_strategy
+from edge_agent import wire
+from edge_agent.agent import Agent
+from edge_agent.agent_settings import AgentSettings
+from edge_agent.artefacts import RoundArtefacts
+from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec, spec_hash
+from edge_agent.mqtt import BrokerAddress, IncomingMessage, MqttSession
+from edge_agent.outbox import OUTBOX_FOLDER, UpdateSender
+from edge_agent.tensors import Weights
+
+log = logging.getLogger(__name__)
+
+# The site aggregate must be the sample-weighted mean, so that the central FedAvg of relays equals flat FedAvg.
+RELAY_STRATEGY = "fedavg"
+RELAY_PROFILE = "relay"
+ANSWERED_KEY = "answered_round"
+
+
+@dataclass(frozen=True)
+class RelaySettings:
+    """Who the relay is upstream (a device id of the central fleet and its signing key) and its site: a coordinator's
+    settings for the site fleet (run directory, site round policy, site security, bundles, kept updates)."""
+
+    relay_id: str
+    fleet: str
+    site: ServerSettings
+    signing_key: bytes = b""
+
+    def __post_init__(self) -> None:
+        wire.check_identifier("relay id", self.relay_id)
+        wire.check_identifier("fleet", self.fleet)
+        if self.site.strategy != RELAY_STRATEGY:
+            raise ValueError(f"a relay's site rounds use {RELAY_STRATEGY!r}, not {self.site.strategy!r}")
+
+    @property
+    def device(self) -> AgentSettings:
+        """The relay as a device of the central fleet (its outbox and last will are a device's)."""
+        return AgentSettings(self.fleet, self.relay_id, profile=RELAY_PROFILE, signing_key=self.signing_key)
+
+
+class NoEvaluation:
+    """A relay holds no test data: its site rounds score nothing (the central coordinator evaluates)."""
+
+    def test_scores(self, weights: Weights) -> TestScores:
+        """No test split: NaN accuracy."""
+        return TestScores(float("nan"))
+
+    def selection_accuracy(self, weights: Weights) -> float:
+        """Never asked: the relay's strategy (FedAvg) chooses no model."""
+        raise ValueError("a relay has no selection split")
+
+
+def is_committed(store: RunStore, round_id: int) -> bool:
+    """Whether the relay's store already committed this site round (a restart does not run it again)."""
+    return any(record.round_id == round_id for record in store.rounds())
+
+
+def upstream_update(store: RunStore, relay_id: str, round_id: int, base_hash: str) -> wire.Update:
+    """The relay's one update for a central round, from what its site round committed: the site's sample-weighted
+    mean (the round's checkpoint), the total sample count, the summed class and label counts, and each site device
+    with its count (which central validation adds up against num_samples)."""
+    records = [record for record in store.device_rounds(round_id) if record.accepted]
+    counts = [record.num_samples for record in records]
+    return wire.Update(
+        device_id=relay_id,
+        round_id=round_id,
+        update_id=uuid.uuid4().hex,
+        base_hash=base_hash,
+        num_samples=sum(counts),
+        class_counts=[sum(column) for column in zip(*(record.class_counts for record in records))],
+        acquired_labels=sum(record.acquired_labels for record in records),
+        metrics={},
+        tensors=store.checkpoints.load(round_id),
+        nonce=os.urandom(16),
+        contributors=[record.device_id for record in records],
+        contributor_samples=counts,
+    )
+
+
+class SiteRounds:
+    """The site half: the coordinator's round machinery (intake, spool, FedAvg closing, retained publishing) on the
+    site broker, one site round per central round with the central model and recipe, committed in the relay's own
+    store before anything goes upstream; a restarted relay resumes an open site round from its spool."""
+
+    def __init__(self, settings: ServerSettings, session: MqttSession, store: RunStore, rules: RoundRules) -> None:
+        self.settings = settings
+        self.session = session
+        self.store = store
+        self.rules = rules
+        observer = RoundObserver()
+        self.parts = RoundParts(
+            presence=Presence(observer),
+            intake=UpdateIntake(settings.fleet, session, store, observer),
+            publisher=RetainedPublisher(session, settings.fleet, "", Artefacts()),
+            closer=RoundCloser(store, make_strategy(RELAY_STRATEGY), NoEvaluation(), False, 0),
+            observer=observer,
+        )
+
+    def coordinator(self, recipe: wire.Recipe, spec: ModelSpec) -> Coordinator:
+        """A site coordinator following the central round's recipe and model spec."""
+        rules = dataclasses.replace(self.rules, recipe=recipe, spec=spec)
+        return Coordinator(self.settings.fleet, self.session, rules, self.parts)
+
+    def start(self) -> None:
+        """Subscribes to the site devices' updates and status."""
+        self.coordinator(wire.Recipe(), DEFAULT_SPEC).start()
+
+    def run_round(
+        self, announcement: wire.RoundAnnouncement, weights: Weights, spec: ModelSpec, encoder: bytes
+    ) -> None:
+        """Runs the site round of a central round (unless already committed): announce the central model on the
+        site broker, collect until the site quorum or deadline, aggregate and commit."""
+        if is_committed(self.store, announcement.round_id):
+            log.info("site round already committed round=%d", announcement.round_id)
+            return
+        bundles = bundle_exporter(dataclasses.replace(self.settings, spec=spec)) if self.settings.ship_bundles else None
+        publisher = self.parts.publisher
+        publisher.artefacts, publisher.run_id = Artefacts(spec, bundles, encoder), announcement.run_id
+        self.coordinator(announcement.recipe, spec).run_round(announcement.round_id, weights)
+
+    def finish(self, announcement: wire.RoundAnnouncement) -> None:
+        """Passes the central run's end on to the site devices."""
+        self.parts.publisher.run_id = announcement.run_id
+        self.parts.publisher.announce_final(announcement.round_id, announcement.model_hash, announcement.recipe)
+
+
+class Relay:
+    """Upstream, one device of the central fleet: follows its announcements and models, answers each round it takes
+    part in with its site round's one update through a durable outbox (signed, re-sent until acked), and journals
+    the rounds it answered in its store, so a restart neither loses nor repeats an answer."""
+
+    def __init__(self, settings: RelaySettings, session: MqttSession, site: SiteRounds, store: RunStore) -> None:
+        self.settings = settings
+        self.session = session
+        self.site = site
+        self.store = store
+        self.artefacts = RoundArtefacts(session, settings.site.run_dir / "upstream-bundles")
+        self.sender = UpdateSender(settings.device, session, settings.site.run_dir / OUTBOX_FOLDER)
+        self.pending: wire.RoundAnnouncement | None = None
+
+    @property
+    def last_answered_round(self) -> int:
+        """The newest central round answered: journalled, or with its update still in the outbox."""
+        return max(int((self.store.config() or {}).get(ANSWERED_KEY, 0)), self.sender.outbox.last_round())
+
+    def run(self) -> None:
+        """Serves central rounds until the central run's final announcement."""
+        fleet, relay_id = self.settings.fleet, self.settings.relay_id
+        self.session.subscribe(wire.round_topic(fleet))
+        self.session.subscribe(wire.device_topic(fleet, relay_id, "ack"))
+        self.publish_status("online")
+        log.info("relay ready relay=%s fleet=%s last_round=%d", relay_id, fleet, self.last_answered_round)
+        try:
+            while True:
+                self.sender.resend_due()
+                message = self.session.next_message(timeout=0.5)
+                if message is not None and self.handle(message):
+                    return
+                self.maybe_answer()
+        finally:
+            self.publish_status("offline")
+
+    def handle(self, message: IncomingMessage) -> bool:
+        """Routes one upstream message; True on the central run's final announcement."""
+        kind = self.artefacts.kind_of(message.topic)
+        try:
+            if message.topic == wire.round_topic(self.settings.fleet):
+                return self.on_announcement(wire.decode(message.payload, wire.RoundAnnouncement))
+            if kind == "model":
+                self.artefacts.on_model(wire.decode(message.payload, wire.ModelMessage))
+            elif kind == "encoder":
+                self.artefacts.on_encoder(wire.decode(message.payload, wire.EncoderMessage))
+            elif message.topic.endswith("/ack"):
+                self.sender.on_ack(wire.decode(message.payload, wire.Ack))
+        except wire.WireError as error:
+            if message.payload:
+                log.warning("ignored bad upstream message topic=%s error=%s", message.topic[:200], error)
+        return False
+
+    def on_announcement(self, announcement: wire.RoundAnnouncement) -> bool:
+        """Takes up a central round this relay has not answered and takes part in; True on the final one."""
+        bound = (self.store.config() or {}).get("run_id")
+        if bound is not None and bound != announcement.run_id:
+            log.error("announcement of another run ignored run=%s relay_run=%s", announcement.run_id[:64], bound)
+            return False
+        if announcement.final:
+            self.site.finish(announcement)
+            return True
+        chosen = not announcement.participants or self.settings.relay_id in announcement.participants
+        if announcement.round_id <= self.last_answered_round or not chosen:
+            return False
+        self.pending = announcement
+        self.artefacts.follow("model", wire.model_topic(self.settings.fleet, announcement.model_hash))
+        if announcement.recipe.encoder:
+            self.artefacts.follow("encoder", wire.encoder_topic(self.settings.fleet, announcement.recipe.encoder))
+        return False
+
+    def maybe_answer(self) -> None:
+        """Answers the pending central round once its model (and encoder) arrived."""
+        announcement = self.pending
+        if announcement is None or not self.artefacts.ready(announcement, needs_bundle=False):
+            return
+        self.pending = None
+        spec = self.artefacts.specs[announcement.model_hash]
+        if announcement.spec_hash and spec_hash(spec) != announcement.spec_hash:
+            log.error("model spec does not match the announcement round=%d; not answered", announcement.round_id)
+            return
+        self.answer(announcement, spec)
+
+    def answer(self, announcement: wire.RoundAnnouncement, spec: ModelSpec) -> None:
+        """Runs (or takes back) the site round, sends its one update upstream, journals the round as answered."""
+        round_id, model_hash = announcement.round_id, announcement.model_hash
+        self.publish_status("training", round_id)
+        encoder = self.artefacts.encoders.get(announcement.recipe.encoder, b"")
+        self.site.run_round(announcement, self.artefacts.models[model_hash], spec, encoder)
+        update = upstream_update(self.store, self.settings.relay_id, round_id, model_hash)
+        self.sender.send(update, announcement.recipe.update_compression)
+        log.info(
+            "site round sent upstream round=%d devices=%d samples=%d",
+            *(round_id, len(update.contributors), update.num_samples),
+        )
+        journal = {
+            "run_id": announcement.run_id,
+            ANSWERED_KEY: round_id,
+            "settings": {"spec": dataclasses.asdict(spec)},
+        }
+        self.store.set_config({**(self.store.config() or {}), **journal})
+        self.publish_status("idle", round_id)
+
+    def publish_status(self, state: str, round_id: int | None = None) -> None:
+        """The relay's retained presence upstream, as a device's."""
+        status = wire.Status(
+            self.settings.relay_id,
+            state,
+            time.time(),
+            round_id=self.last_answered_round if round_id is None else round_id,
+            profile=RELAY_PROFILE,
+        )
+        topic = wire.device_topic(self.settings.fleet, self.settings.relay_id, "status")
+        self.session.publish(topic, wire.encode(status), retain=True)
+
+
+def run_relay(settings: RelaySettings, upstream: BrokerAddress, site: BrokerAddress) -> None:
+    """Connects to the central broker (as the relay's device) and the site broker (as the site's coordinator) and
+    relays rounds until the central run ends."""
+    store = RunStore(settings.site.run_dir, keep_updates=settings.site.keep_updates)
+    site_address, authenticator = secured(settings.site, site, store)
+    site_session = coordinator_session(settings.site, site_address)
+    upstream_session = MqttSession(upstream, client_id=settings.relay_id, last_will=Agent.last_will(settings.device))
+    try:
+        rules = RoundRules(wire.Recipe(), settings.site.policy, authenticator=authenticator)
+        site_rounds = SiteRounds(settings.site, site_session, store, rules)
+        site_session.connect()
+        upstream_session.connect()
+        site_rounds.start()
+        Relay(settings, upstream_session, site_rounds, store).run()
+    finally:
+        upstream_session.close()
+        site_session.close()
+        store.close()

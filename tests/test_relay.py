@@ -1,0 +1,197 @@
+# A relay's upstream update: built from its committed site round, signed as a central device, its counts checked.
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+from coordinators import local_coordinator
+from fleet import FakeDevice, perturbed
+
+from coordinator.authentication import UpdateAuthenticator
+from coordinator.evaluation import Evaluator, LabelledSplit
+from coordinator.provision import provision
+from coordinator.relay import RELAY_STRATEGY, Relay, RelaySettings, SiteRounds, upstream_update
+from coordinator.rounds import RoundPolicy, RoundRules
+from coordinator.server import ServerSettings
+from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
+from coordinator.strategies import FedAvg
+from coordinator.validation import MAX_CONTRIBUTORS, MAX_REASON_CHARS, Expectation, Rejection, validate_update
+from edge_agent import wire
+from edge_agent.model_spec import DEFAULT_SPEC
+from edge_agent.models import build_model, get_weights
+from edge_agent.mqtt import MqttSession
+from edge_agent.tensors import spec_of, weights_hash
+
+NUM_CLASSES = DEFAULT_SPEC.num_classes
+BASE = get_weights(build_model(seed=1))
+SITE_COUNTS = {"dev-00": 30, "dev-01": 50}
+
+
+def committed_site_round(run_dir: Path) -> RunStore:
+    """A relay store whose site round 1 committed two devices' FedAvg (as the relay's RoundCloser commits it)."""
+    store = RunStore(run_dir)
+    store.checkpoints.save(1, perturbed(BASE, seed=3))
+    devices = [
+        DeviceRoundRecord(1, device, True, "", count, [count // 10] * 10, None, {}, 1000, 0.0, count // 2)
+        for device, count in SITE_COUNTS.items()
+    ]
+    store.commit_round(RoundRecord(1, 0.0, 1.0, "", None, 40, 2, 0, {}, {}), devices)
+    return store
+
+
+def expectation(authenticator: UpdateAuthenticator | None = None) -> Expectation:
+    """Round 1 of the central fleet, from BASE."""
+    check = authenticator.check if authenticator else None
+    return Expectation(1, weights_hash(BASE), spec_of(BASE), NUM_CLASSES, wire.DEFAULT_MAX_MESSAGE_BYTES, check)
+
+
+def rejection(update: wire.Update, expected: Expectation | None = None) -> Rejection:
+    """The Rejection a central coordinator gives the update."""
+    with pytest.raises(Rejection) as info:
+        validate_update(update.device_id, wire.encode(update), expected or expectation())
+    assert len(info.value.reason) <= MAX_REASON_CHARS
+    return info.value
+
+
+def test_the_upstream_update_carries_the_site_mean_and_total_count(tmp_path: Path) -> None:
+    """num_samples is the site's total, the tensors its committed mean, each device listed with its count; central
+    validation accepts it, and a device's update without contributions keeps its old bytes."""
+    with committed_site_round(tmp_path / "relay") as store:
+        update = upstream_update(store, "relay-00", 1, weights_hash(BASE))
+        mean = store.checkpoints.load(1)
+    assert (update.num_samples, update.acquired_labels) == (80, 40)
+    assert update.class_counts == [8] * NUM_CLASSES
+    assert dict(zip(update.contributors, update.contributor_samples)) == SITE_COUNTS
+    assert all(np.array_equal(update.tensors[name], mean[name]) for name in mean)
+    assert validate_update("relay-00", wire.encode(update), expectation()).num_samples == 80
+    plain = dataclasses.replace(update, contributors=[], contributor_samples=[])
+    assert b"contributor" not in wire.encode(plain)
+
+
+@pytest.mark.parametrize(
+    ("names", "counts", "expected"),
+    [
+        (["dev-00", "dev-01"], [30, 40], "claims 80 samples, but its 2 contributors reported 70"),
+        (["dev-00", "dev-01"], [30, 60], "claims 80 samples, but its 2 contributors reported 90"),
+        (["dev-00"], [30, 50], "1 contributors but 2 contributor sample counts"),
+        (["dev-00", "dev-00"], [30, 50], "contributors must be distinct device ids: ['dev-00']"),
+        (["dev/00", "dev-01"], [30, 50], "contributors must be distinct device ids: ['dev/00']"),
+        (["dev-00", "dev-01"], [90, -10], "contributor sample counts must be non-negative"),
+        (["x" * 1000, "dev-01"], [30, 50], "contributors must be distinct device ids: ['xxxx"),
+    ],
+)
+def test_a_relay_update_whose_counts_do_not_add_up_is_bad_counts(
+    tmp_path: Path, names: list[str], counts: list[int], expected: str
+) -> None:
+    """A relay may not weigh more (or less) than its devices reported, nor list a device twice or a non-device."""
+    with committed_site_round(tmp_path / "relay") as store:
+        update = upstream_update(store, "relay-00", 1, weights_hash(BASE))
+    refused = rejection(dataclasses.replace(update, contributors=names, contributor_samples=counts))
+    assert refused.kind == wire.RejectionKind.BAD_COUNTS
+    assert expected in refused.reason
+
+
+def test_too_many_contributors_is_bad_counts_in_a_bounded_reason(tmp_path: Path) -> None:
+    """More than MAX_CONTRIBUTORS devices is refused before anything else is looked at."""
+    with committed_site_round(tmp_path / "relay") as store:
+        update = upstream_update(store, "relay-00", 1, weights_hash(BASE))
+    count = MAX_CONTRIBUTORS + 1
+    names = [f"d{index}" for index in range(count)]
+    refused = rejection(dataclasses.replace(update, contributors=names, contributor_samples=[0] * count))
+    assert (refused.kind, refused.reason) == ("bad_counts", f"{count} contributors, more than {MAX_CONTRIBUTORS}")
+
+
+def upstream_update_like(update: wire.Update) -> wire.Update:
+    """The same relay update with a fresh id and nonce (a second, distinct message)."""
+    return dataclasses.replace(update, update_id=uuid.uuid4().hex, nonce=os.urandom(16))
+
+
+def tiny_evaluator() -> Evaluator:
+    """Two blank test images: the central coordinator here only validates and aggregates."""
+    split = LabelledSplit.from_uint8(np.zeros((2, 28, 28), dtype=np.uint8), np.zeros(2, dtype=np.int64))
+    return Evaluator(DEFAULT_SPEC, split, split, 1, 0)
+
+
+def test_a_secured_central_coordinator_answers_relay_updates_on_the_wire(tmp_path: Path, broker) -> None:
+    """A relay provisioned as a device of the central fleet: its unsigned update is bad_signature, its signed update
+    claiming more samples than its devices reported is bad_counts, its signed honest update is accepted and weighs
+    by the site's total, each answered on its ack topic with the reason."""
+    secure = provision("central", 2, tmp_path / "central-secure", prefix="relay")
+    key = secure.device_keys["relay-00"]
+    store = RunStore(tmp_path / "central")
+    session = MqttSession(broker.address, client_id="coordinator-central", manual_ack=True)
+    session.connect(timeout=30)
+    relay = FakeDevice(broker.address, "central", "relay-00")
+    try:
+        coordinator = local_coordinator("central", session, store, FedAvg(), tiny_evaluator(), RoundPolicy(1))
+        authenticator = UpdateAuthenticator(secure.device_keys, store)
+        coordinator.rules = dataclasses.replace(coordinator.rules, authenticator=authenticator)
+        coordinator.start()
+        opened = coordinator.open(1, BASE)
+        with committed_site_round(tmp_path / "relay") as relay_store:
+            honest = upstream_update(relay_store, "relay-00", 1, weights_hash(BASE))
+        inflated = dataclasses.replace(upstream_update_like(honest), num_samples=800)
+        for update in (honest, wire.sign_update(inflated, key), wire.sign_update(upstream_update_like(honest), key)):
+            relay.publish(wire.encode(update))
+        for _ in range(50):
+            coordinator.handle_next(opened)
+            if len(opened.collector.accepted) + opened.collector.rejection_count == 3:
+                break
+        acks = relay.acks(3)
+    finally:
+        relay.close()
+        session.close()
+    assert [(ack.accepted, ack.rejection) for ack in acks] == [
+        (False, "bad_signature"),
+        (False, "bad_counts"),
+        (True, ""),
+    ]
+    assert acks[0].reason == "bad signature: the update is not signed (no nonce or no signature)"
+    assert acks[1].reason == "claims 800 samples, but its 2 contributors reported 80"
+    assert opened.collector.accepted["relay-00"].num_samples == 80
+    store.close()
+
+
+def relay_on(upstream: MqttSession, run_dir: Path, store: RunStore) -> Relay:
+    """A relay of central fleet `central` as relay-00 over an upstream session (its site session never connects)."""
+    site = ServerSettings(run_dir=run_dir, fleet="site", strategy=RELAY_STRATEGY, policy=RoundPolicy(1))
+    settings = RelaySettings("relay-00", "central", site)
+    site_session = MqttSession(upstream.address, client_id="never-connects")
+    rules = RoundRules(wire.Recipe(), site.policy)
+    return Relay(settings, upstream, SiteRounds(site, site_session, store, rules), store)
+
+
+def announcement(round_id: int, run_id: str = "run-t", participants: list[str] | None = None) -> wire.RoundAnnouncement:
+    """A central announcement of BASE."""
+    return wire.RoundAnnouncement(run_id, round_id, weights_hash(BASE), wire.Recipe(), 0.0, False, participants or [])
+
+
+def test_a_relay_restarted_after_its_site_round_committed_answers_it_once_from_its_store(
+    tmp_path: Path, broker, sessions
+) -> None:
+    """A relay killed between committing site round 1 and sending upstream: on restart it does not run the site round
+    again but sends the update rebuilt from its store, journals the round, and ignores round 1's announcement (and
+    those of another run, or of rounds it was not chosen for) from then on."""
+    central = sessions(broker.address, "central-watch")
+    central.subscribe(wire.device_topic("central", "relay-00", "update"))
+    upstream = sessions(broker.address, "relay-00")
+    with committed_site_round(tmp_path / "relay") as store:
+        relay = relay_on(upstream, tmp_path / "relay", store)
+        relay.artefacts.on_model(wire.ModelMessage(weights_hash(BASE), DEFAULT_SPEC, BASE))
+        relay.answer(announcement(1), DEFAULT_SPEC)
+        message = central.next_message(timeout=10)
+        assert message is not None
+        sent = wire.decode(message.payload, wire.Update)
+        relay.sender.on_ack(wire.Ack("relay-00", 1, sent.update_id, True))
+        assert relay.sender.outbox.pending() == [] and relay.last_answered_round == 1
+        ignored = [announcement(1), announcement(2, run_id="run-other"), announcement(2, participants=["relay-01"])]
+        assert not any(relay.on_announcement(each) or relay.pending for each in ignored)
+        relay.on_announcement(announcement(2))
+        assert relay.pending == announcement(2)
+        assert len(store.rounds()) == 1
+    assert (sent.round_id, sent.num_samples, sent.contributors) == (1, 80, ["dev-00", "dev-01"])
+    assert central.next_message(timeout=0.5) is None
