@@ -66,8 +66,8 @@ class RetainedPublisher:
         if topic == previous:
             return
         self.session.publish(topic, wire.encode(message()), retain=True, wait=RETAIN_WAIT_SECONDS)
-        if previous is not None:
-            self.session.publish(previous, b"", retain=True)
+        if previous is not None:  # waited for, so a device subscribing next finds none of the old chunks
+            self.session.publish(previous, b"", retain=True, wait=RETAIN_WAIT_SECONDS)
         self._retained[kind] = topic
 
     def announce(
