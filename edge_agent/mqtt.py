@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from edge_agent import chunks
+from edge_agent.backlog import Backlog
 from edge_agent.chunks import ChunkLimits, Completed, Dropped, Outgoing, Reassembler
 
 log = logging.getLogger(__name__)
@@ -217,7 +217,8 @@ class MqttSession:
     With `manual_ack`, a QoS 1 message is acknowledged to the broker only when the owner calls `acknowledge`
     after handling it: a process killed between receiving and handling a message gets it again on reconnect.
     The session then also tells the broker (MQTT v5 Receive Maximum) to have at most MANUAL_ACK_WINDOW such
-    messages in flight (`ack_window`; the coordinator makes it its group-commit batch), so a burst of large updates waits in the broker rather than in this process's memory.
+    messages in flight (`ack_window`; the coordinator makes it its group-commit batch), and holds to that itself
+    (edge_agent.backlog), so a burst of large updates waits in the broker rather than in this process's memory.
     Messages too large for the broker go in chunks (`chunking`), and `inbox` puts them together (edge_agent.chunks).
     """
 
@@ -244,7 +245,8 @@ class MqttSession:
         self._session_expiry = session_expiry
         self._subscriptions = Subscriptions()
         self._connected = threading.Event()
-        self._messages: queue.Queue[IncomingMessage] = queue.Queue()
+        window = ack_window if manual_ack else None  # (see edge_agent.backlog: the broker may not hold to it)
+        self.backlog: Backlog[IncomingMessage] = Backlog(window, hold_seconds=keepalive / 3)
         self._client = paho.Client(
             callback_api_version=paho.CallbackAPIVersion.VERSION2,
             client_id=client_id,
@@ -308,7 +310,10 @@ class MqttSession:
             planned = self.chunking.plan(topic, payload, retain)
         except chunks.ChunkingError as error:
             raise PayloadTooLargeError(str(error)) from None
-        return publish_all(self._client, planned, qos, wait)
+        if wait is None:
+            return publish_all(self._client, planned, qos, wait)
+        with self.backlog.owner_waiting():
+            return publish_all(self._client, planned, qos, wait)
 
     def check_size(self, topic: str, payload: bytes) -> None:
         """PayloadTooLargeError if the payload exceeds this session's limit (checked before anything keeps it)."""
@@ -324,20 +329,18 @@ class MqttSession:
 
     def next_message(self, timeout: float | None = None) -> IncomingMessage | None:
         """The next received message (idle chunked transfers dropped on the way), or None after `timeout` seconds."""
-        self.inbox.sweep(self._messages.put)
-        try:
-            return self._messages.get(timeout=timeout)
-        except queue.Empty:
-            return None
+        self.inbox.sweep(self.backlog.put_now)
+        return self.backlog.get(timeout)
 
     def has_message(self) -> bool:
         """Whether a received message is waiting (a host of many sessions steps only those with one)."""
-        return not self._messages.empty()
+        return not self.backlog.empty()
 
     def close(self, timeout: float = CLOSE_WAIT_SECONDS) -> None:
         """Disconnects cleanly (no last will) and stops the network thread, waiting at most `timeout` seconds for it:
         a thread in the middle of a reconnect attempt is left to end with the process, so a stop is never held up."""
         self._connected.clear()
+        self.backlog.close()
         self.inbox.log_stats(self.client_id)
         self._client.disconnect()
         stopper = threading.Thread(target=self._client.loop_stop, daemon=True)
@@ -364,4 +367,4 @@ class MqttSession:
 
     def _on_message(self, client, userdata, message) -> None:
         got = IncomingMessage(message.topic, bytes(message.payload), bool(message.retain), message.mid, message.qos)
-        self.inbox.deliver(got, self._messages.put, self.acknowledge)
+        self.inbox.deliver(got, self.backlog.put, self.acknowledge)
