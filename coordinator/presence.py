@@ -48,6 +48,10 @@ class Presence:
         offline = {device for device, status in self.statuses.items() if status.state == "offline"}
         return sorted((offline | self.dead_devices()) - set(accepted))
 
+    def round_metrics(self, quorum: int, accepted: Collection[str]) -> dict:
+        """A round's quorum and who was missing: online devices that sent nothing, devices known offline."""
+        return {"quorum": quorum, "stragglers": self.stragglers(accepted), "offline": self.missing(accepted)}
+
     def needed(self, quorum: int | None, min_devices: int, participants: list[str], accepted: Collection[str]) -> int:
         """How many accepted updates close the round early: the quorum less the devices known dead (a bench's
         crashed agents), else every online device; never fewer than the minimum. With a participant list, never

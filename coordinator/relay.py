@@ -19,7 +19,7 @@ from coordinator.server import ServerSettings, bundle_exporter, coordinator_sess
 from coordinator.store import RunStore
 from coordinator.strategies import make_strategy
 from edge_agent import wire
-from edge_agent.agent import Agent
+from edge_agent.agent import last_will
 from edge_agent.agent_settings import AgentSettings
 from edge_agent.artefacts import RoundArtefacts
 from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec, spec_hash
@@ -265,7 +265,7 @@ def run_relay(settings: RelaySettings, upstream: BrokerAddress, site: BrokerAddr
     store = RunStore(settings.site.run_dir, keep_updates=settings.site.keep_updates)
     site_address, authenticator = secured(settings.site, site, store)
     site_session = coordinator_session(settings.site, site_address)
-    upstream_session = MqttSession(upstream, client_id=settings.relay_id, last_will=Agent.last_will(settings.device))
+    upstream_session = MqttSession(upstream, client_id=settings.relay_id, last_will=last_will(settings.device))
     try:
         rules = RoundRules(wire.Recipe(), settings.site.policy, authenticator=authenticator)
         site_rounds = SiteRounds(settings.site, site_session, store, rules)

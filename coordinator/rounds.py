@@ -17,6 +17,7 @@ from coordinator.observer import RoundObserver, RoundResult
 from coordinator.presence import Presence
 from coordinator.publisher import RetainedPublisher
 from coordinator.round_aggregator import RoundAggregator, SuspectPolicy, make_aggregator
+from coordinator.spool import Spool
 from coordinator.validation import Expectation, with_weights
 from edge_agent import wire
 from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec
@@ -98,6 +99,20 @@ def choose_participants(online: Sequence[str], participation: float, seed: int, 
     return sorted(rng.choice(sorted(online), size=count, replace=False).tolist())
 
 
+def spooled_reader(
+    spool: Spool, round_id: int, base: Weights, limit: int
+) -> Callable[[list[str]], Iterator[ClientUpdate]]:
+    """Reads a round's accepted updates back from the spool one at a time (a streamed round keeps none),
+    delta-encoded ones decoded against the round's base model again."""
+
+    def read(devices: list[str]) -> Iterator[ClientUpdate]:
+        for device in devices:
+            update = wire.decode(spool.payload(round_id, device), wire.Update, max_bytes=limit)
+            yield client_update(with_weights(update, base))
+
+    return read
+
+
 class Coordinator:
     """Runs a fleet's rounds over one MQTT session, committing each round before announcing the next."""
 
@@ -134,7 +149,7 @@ class Coordinator:
         timing = RoundTiming(time.time(), time.monotonic())
         opened = self.open(round_id, global_weights)
         self.collect(opened, timing)
-        presence = self.presence_metrics(opened)
+        presence = self.parts.presence.round_metrics(self.needed(opened), opened.collector.accepted)
         new_weights, result = self.parts.closer.close(
             opened.collector, opened.aggregator, timing, presence, opened.participants
         )
@@ -148,7 +163,10 @@ class Coordinator:
         base_hash = weights_hash(global_weights)
         rules = self.rules
         aggregator = make_aggregator(
-            self.parts.closer.strategy, global_weights, rules.suspects, self.spooled_reader(round_id, global_weights)
+            self.parts.closer.strategy,
+            global_weights,
+            rules.suspects,
+            spooled_reader(self.parts.intake.store.spool, round_id, global_weights, rules.policy.max_update_bytes),
         )
         collector = RoundCollector(self.expectation(round_id, global_weights, base_hash), aggregator.absorb)
         online = sorted(self.parts.presence.online())
@@ -176,33 +194,12 @@ class Coordinator:
             global_weights,
         )
 
-    def spooled_reader(self, round_id: int, base: Weights) -> Callable[[list[str]], Iterator[ClientUpdate]]:
-        """Reads a round's accepted updates back from the spool one at a time (a streamed round keeps none),
-        delta-encoded ones decoded against the round's base model again."""
-        spool, limit = self.parts.intake.store.spool, self.rules.policy.max_update_bytes
-
-        def read(devices: list[str]) -> Iterator[ClientUpdate]:
-            for device in devices:
-                update = wire.decode(spool.payload(round_id, device), wire.Update, max_bytes=limit)
-                yield client_update(with_weights(update, base))
-
-        return read
-
     def needed(self, opened: OpenRound) -> int:
         """How many accepted updates close the round early (see Presence.needed)."""
         policy = self.rules.policy
         return self.parts.presence.needed(
             policy.quorum, policy.min_devices, opened.participants, opened.collector.accepted
         )
-
-    def presence_metrics(self, opened: OpenRound) -> dict:
-        """The round's quorum and who was missing: online devices that sent nothing, devices known offline."""
-        accepted = opened.collector.accepted
-        return {
-            "quorum": self.needed(opened),
-            "stragglers": self.parts.presence.stragglers(accepted),
-            "offline": self.parts.presence.missing(accepted),
-        }
 
     def collect(self, opened: OpenRound, timing: RoundTiming) -> None:
         """Handles messages until the quorum is in, or the deadline passes with at least the minimum."""

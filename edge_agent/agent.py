@@ -84,6 +84,35 @@ class BackgroundWork(Protocol):
         """Called every loop turn with the newest global model (None before the first) and the round worked toward."""
 
 
+def last_will(settings: AgentSettings) -> LastWill:
+    """The retained 'offline' status the broker publishes if the device disappears."""
+    offline = wire.Status(settings.device_id, "offline", 0.0, profile=settings.profile)
+    return LastWill(wire.device_topic(settings.fleet, settings.device_id, "status"), wire.encode(offline))
+
+
+def publish_status(
+    session: MqttSession, settings: AgentSettings, state: str, round_id: int, labelled: int, peak_mb: float
+) -> None:
+    """Retains a device's presence and progress (state, round, labels, peak memory) on its status topic."""
+    status = wire.Status(
+        device_id=settings.device_id,
+        state=state,
+        timestamp=time.time(),
+        round_id=round_id,
+        labelled=labelled,
+        profile=settings.profile,
+        peak_rss_mb=round(peak_mb, 1),
+    )
+    session.publish(wire.device_topic(settings.fleet, settings.device_id, "status"), wire.encode(status), retain=True)
+
+
+def log_footprint(meter: PhaseMeter, round_id: int, budget_mb: int | None) -> None:
+    """Logs a round's per-phase memory, and a warning when its peak went above the device's budget."""
+    meter.log(round_id)
+    if budget_mb is not None and meter.overall > budget_mb:
+        log.warning("footprint above the memory budget peak_mb=%.1f budget_mb=%d", meter.overall, budget_mb)
+
+
 class Agent:
     """One device: follows the retained round announcements of its fleet and answers each with one update."""
 
@@ -108,12 +137,6 @@ class Agent:
         self._pending: wire.RoundAnnouncement | None = None
         self._recipe: wire.Recipe | None = None
         self.hold = UpdateHold(settings.slowdown)
-
-    @staticmethod
-    def last_will(settings: AgentSettings) -> LastWill:
-        """The retained 'offline' status the broker publishes if the device disappears."""
-        offline = wire.Status(settings.device_id, "offline", 0.0, profile=settings.profile)
-        return LastWill(wire.device_topic(settings.fleet, settings.device_id, "status"), wire.encode(offline))
 
     @property
     def last_finished_round(self) -> int:
@@ -180,22 +203,13 @@ class Agent:
                 return self.on_announcement(wire.decode(message.payload, wire.RoundAnnouncement))
             if kind in ("model", "bundle", "encoder"):
                 with self.meter.phase("receive"):
-                    self.receive(kind, message.payload)
+                    self.artefacts.receive(kind, message.payload)
             elif message.topic.endswith("/ack"):
                 self.sender.on_ack(wire.decode(message.payload, wire.Ack))
         except wire.WireError as error:
             if message.payload:
                 log.warning("ignored bad message topic=%s error=%s", message.topic[:200], error)
         return False
-
-    def receive(self, kind: str, payload: bytes) -> None:
-        """Decodes and keeps a model, bundle or encoder the device follows (WireError if it is malformed)."""
-        if kind == "model":
-            self.artefacts.on_model(wire.decode(payload, wire.ModelMessage))
-        elif kind == "bundle":
-            self.artefacts.on_bundle(wire.decode(payload, wire.BundleMessage))
-        else:
-            self.artefacts.on_encoder(wire.decode(payload, wire.EncoderMessage))
 
     def on_announcement(self, announcement: wire.RoundAnnouncement) -> bool:
         """Remembers the newest unfinished round and asks for its model; True on the final announcement."""
@@ -206,12 +220,7 @@ class Agent:
             log.debug("ignoring finished round %d", announcement.round_id)
             return False
         self._pending, self._recipe = announcement, announcement.recipe
-        fleet, model_hash = self.settings.fleet, announcement.model_hash
-        self.artefacts.follow("model", wire.model_topic(fleet, model_hash))
-        if self.settings.scores_with_onnxruntime:
-            self.artefacts.follow("bundle", wire.bundle_topic(fleet, model_hash))
-        if announcement.recipe.encoder:
-            self.artefacts.follow("encoder", wire.encoder_topic(fleet, announcement.recipe.encoder))
+        self.artefacts.follow_round(self.settings.fleet, announcement, self.settings.scores_with_onnxruntime)
         return False
 
     def maybe_run_round(self) -> None:
@@ -245,22 +254,10 @@ class Agent:
             self.publish_status("error", announcement.round_id)
             return
         self.data.set_state(LAST_ROUND_KEY, announcement.round_id)
-        self.meter.log(announcement.round_id)
-        budget = self.settings.memory_budget_mb
-        if budget is not None and self.meter.overall > budget:
-            log.warning("footprint above the memory budget peak_mb=%.1f budget_mb=%d", self.meter.overall, budget)
+        log_footprint(self.meter, announcement.round_id, self.settings.memory_budget_mb)
         self.publish_status("idle", announcement.round_id)
 
     def publish_status(self, state: str, round_id: int | None = None) -> None:
         """Retained presence and progress for the coordinator and its dashboard."""
-        status = wire.Status(
-            device_id=self.settings.device_id,
-            state=state,
-            timestamp=time.time(),
-            round_id=self.last_finished_round if round_id is None else round_id,
-            labelled=self.data.num_labelled,
-            profile=self.settings.profile,
-            peak_rss_mb=round(self.meter.overall, 1),
-        )
-        topic = wire.device_topic(self.settings.fleet, self.settings.device_id, "status")
-        self.session.publish(topic, wire.encode(status), retain=True)
+        round_id = self.last_finished_round if round_id is None else round_id
+        publish_status(self.session, self.settings, state, round_id, self.data.num_labelled, self.meter.overall)

@@ -47,9 +47,26 @@ class RoundArtefacts:
         self.followed[kind] = topic
         self.session.subscribe(topic)
 
+    def follow_round(self, fleet: str, announcement: wire.RoundAnnouncement, with_bundle: bool) -> None:
+        """Follows what a round needs: its model, its ONNX bundle (`with_bundle`), its recipe's encoder if any."""
+        self.follow("model", wire.model_topic(fleet, announcement.model_hash))
+        if with_bundle:
+            self.follow("bundle", wire.bundle_topic(fleet, announcement.model_hash))
+        if announcement.recipe.encoder:
+            self.follow("encoder", wire.encoder_topic(fleet, announcement.recipe.encoder))
+
     def kind_of(self, topic: str) -> str | None:
         """Which followed kind a topic carries (None: none)."""
         return next((kind for kind, followed in self.followed.items() if followed == topic), None)
+
+    def receive(self, kind: str, payload: bytes) -> None:
+        """Decodes and keeps a model, bundle or encoder of a followed topic (WireError if it is malformed)."""
+        if kind == "model":
+            self.on_model(wire.decode(payload, wire.ModelMessage))
+        elif kind == "bundle":
+            self.on_bundle(wire.decode(payload, wire.BundleMessage))
+        else:
+            self.on_encoder(wire.decode(payload, wire.EncoderMessage))
 
     def on_model(self, message: wire.ModelMessage) -> None:
         """Keeps the announced model (and the spec it is built from) once its content matches its hash."""

@@ -255,7 +255,7 @@ class OpenedDevice:
 def open_device(args: argparse.Namespace) -> OpenedDevice:
     """Builds one device's agent from `edge-agent run` arguments: its settings, data, oracle and session. Every
     host of an agent (its own process, or a worker hosting many virtual devices) builds it here."""
-    from edge_agent.agent import Agent
+    from edge_agent.agent import Agent, last_will
     from edge_agent.field import open_field
     from edge_agent.field_options import field_settings
 
@@ -267,7 +267,7 @@ def open_device(args: argparse.Namespace) -> OpenedDevice:
     session = MqttSession(
         broker_address(args.broker, profile, credentials, args.max_message_bytes),
         client_id=settings.device_id,
-        last_will=Agent.last_will(settings),
+        last_will=last_will(settings),
         max_payload_bytes=settings.max_update_bytes,
         keepalive=profile.mqtt.keepalive if profile else DEFAULT_KEEPALIVE_SECONDS,
     )

@@ -211,6 +211,24 @@ class ChunkInbox:
             )
 
 
+def paho_client(address: BrokerAddress, client_id: str, manual_ack: bool, last_will: LastWill | None) -> paho.Client:
+    """A paho MQTT v5 client with the address's login and TLS, a short reconnect back-off and the last will."""
+    client = paho.Client(
+        callback_api_version=paho.CallbackAPIVersion.VERSION2,
+        client_id=client_id,
+        protocol=paho.MQTTv5,
+        manual_ack=manual_ack,
+    )
+    client.reconnect_delay_set(min_delay=1, max_delay=8)
+    if address.username is not None:
+        client.username_pw_set(address.username, address.password)
+    if address.tls:
+        client.tls_set(ca_certs=address.ca_file, certfile=address.cert_file, keyfile=address.key_file)
+    if last_will is not None:
+        client.will_set(last_will.topic, last_will.payload, qos=1, retain=last_will.retain)
+    return client
+
+
 class MqttSession:
     """A persistent MQTT v5 session. Callbacks only enqueue; the owner drains `next_message` on its own thread.
 
@@ -247,19 +265,7 @@ class MqttSession:
         self._connected = threading.Event()
         window = ack_window if manual_ack else None  # (see edge_agent.backlog: the broker may not hold to it)
         self.backlog: Backlog[IncomingMessage] = Backlog(window, hold_seconds=keepalive / 3)
-        self._client = paho.Client(
-            callback_api_version=paho.CallbackAPIVersion.VERSION2,
-            client_id=client_id,
-            protocol=paho.MQTTv5,
-            manual_ack=manual_ack,
-        )
-        self._client.reconnect_delay_set(min_delay=1, max_delay=8)
-        if address.username is not None:
-            self._client.username_pw_set(address.username, address.password)
-        if address.tls:
-            self._client.tls_set(ca_certs=address.ca_file, certfile=address.cert_file, keyfile=address.key_file)
-        if last_will is not None:
-            self._client.will_set(last_will.topic, last_will.payload, qos=1, retain=last_will.retain)
+        self._client = paho_client(address, client_id, manual_ack, last_will)
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message

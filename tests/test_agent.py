@@ -10,7 +10,7 @@ import pytest
 
 from coordinator.broker import EmbeddedBroker
 from edge_agent import wire
-from edge_agent.agent import LAST_ROUND_KEY, Agent
+from edge_agent.agent import LAST_ROUND_KEY, Agent, last_will
 from edge_agent.agent_settings import AgentSettings
 from edge_agent.device_data import DeviceData
 from edge_agent.fashion_mnist import load_fashion_mnist
@@ -90,9 +90,7 @@ def start_agent(
     broker: EmbeddedBroker, state_dir: Path, shard: Shard, max_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES, **options
 ):
     settings = AgentSettings(fleet=FLEET, device_id=DEVICE, max_update_bytes=max_bytes, **options)
-    session = MqttSession(
-        broker.address, client_id=DEVICE, last_will=Agent.last_will(settings), max_payload_bytes=max_bytes
-    )
+    session = MqttSession(broker.address, client_id=DEVICE, last_will=last_will(settings), max_payload_bytes=max_bytes)
     agent = Agent(settings, session, open_device_data(state_dir, shard), SimulatedOracle(shard.all_labels))
     session.connect(timeout=10)
     thread = threading.Thread(target=agent.run, daemon=True)

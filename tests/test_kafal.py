@@ -23,7 +23,7 @@ from coordinator.store import RunStore
 from coordinator.strategies import make_strategy
 from coordinator.validation import Expectation
 from edge_agent import wire
-from edge_agent.agent import LAST_ROUND_KEY, Agent
+from edge_agent.agent import LAST_ROUND_KEY, Agent, last_will
 from edge_agent.agent_settings import AgentSettings
 from edge_agent.device_data import DeviceData
 from edge_agent.local_data import training_view
@@ -236,7 +236,7 @@ def test_unselected_device_acquires_but_never_trains_nor_sends(broker, tmp_path,
     pool = np.arange(2000, 2100)
     shard = Shard(fashion.test_images[pool], fashion.test_labels[pool].astype(np.int64))
     settings = AgentSettings(fleet="kafal", device_id="dev-x")
-    session = MqttSession(broker.address, client_id="dev-x", last_will=Agent.last_will(settings))
+    session = MqttSession(broker.address, client_id="dev-x", last_will=last_will(settings))
     agent = Agent(settings, session, open_device_data(tmp_path / "state", shard), SimulatedOracle(shard.all_labels))
     coordinator = MqttSession(broker.address, client_id="coordinator")
     coordinator.connect(timeout=10)
