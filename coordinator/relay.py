@@ -185,10 +185,8 @@ class Relay:
         try:
             if message.topic == wire.round_topic(self.settings.fleet):
                 return self.on_announcement(wire.decode(message.payload, wire.RoundAnnouncement))
-            if kind == "model":
-                self.artefacts.on_model(wire.decode(message.payload, wire.ModelMessage))
-            elif kind == "encoder":
-                self.artefacts.on_encoder(wire.decode(message.payload, wire.EncoderMessage))
+            if kind in ("model", "encoder"):
+                self.artefacts.receive(kind, message.payload)
             elif message.topic.endswith("/ack"):
                 self.sender.on_ack(wire.decode(message.payload, wire.Ack))
         except wire.WireError as error:
