@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Collection
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -11,6 +12,19 @@ from matplotlib.ticker import MaxNLocator
 
 DPI = 100
 SUSPECT_COLOUR = "#b42318"
+MAX_HEATMAP_DEVICES = 40  # more rows are unreadable, and at a thousand devices the image alone took about 1 GB
+MAX_DEVICE_SERIES = 12  # more devices are drawn as their median (and spread), not one line or bar each
+
+
+def device_series(per_device: dict[str, list]) -> dict[str, list]:
+    """Each device's per-class accuracies, or, beyond MAX_DEVICE_SERIES devices, their per-class median."""
+    if len(per_device) <= MAX_DEVICE_SERIES:
+        return per_device
+    table = np.array([[np.nan if a is None else a for a in row] for row in per_device.values()], dtype=float)
+    medians = [
+        float(np.median(column[np.isfinite(column)])) if np.isfinite(column).any() else None for column in table.T
+    ]
+    return {f"median of {len(per_device)} devices": medians}
 
 
 def png_bytes(figure: Figure) -> bytes:
@@ -37,14 +51,29 @@ def accuracy_chart(rounds: list[dict]) -> bytes:
     axes = figure.add_subplot()
     scored = [r for r in rounds if r["accuracy"] is not None]
     axes.plot([r["round"] for r in scored], [r["accuracy"] for r in scored], "o-", color="black", lw=2, label="global")
-    for device in sorted({d for r in rounds for d in r["device_accuracy"]}):
-        points = [(r["round"], r["device_accuracy"][device]) for r in rounds if device in r["device_accuracy"]]
-        axes.plot(*zip(*points), "--", marker=".", label=device)
+    devices = sorted({d for r in rounds for d in r["device_accuracy"]})
+    if len(devices) > MAX_DEVICE_SERIES:
+        device_spread(axes, rounds, len(devices))
+    else:
+        for device in devices:
+            points = [(r["round"], r["device_accuracy"][device]) for r in rounds if device in r["device_accuracy"]]
+            axes.plot(*zip(*points), "--", marker=".", label=device)
     axes.set(xlabel="round", ylabel="test accuracy", ylim=(0, 1), title="Accuracy per round")
     round_axis(axes.xaxis, [r["round"] for r in rounds])
     axes.legend(fontsize="small", ncol=4)
     axes.grid(alpha=0.3)
     return png_bytes(figure)
+
+
+def device_spread(axes, rounds: list[dict], count: int) -> None:
+    """The devices' local accuracies per round as their median (dashed) inside their min-max band."""
+    scored = [r for r in rounds if r["device_accuracy"]]
+    accuracies = [np.array(list(r["device_accuracy"].values()), dtype=float) for r in scored]
+    x = [r["round"] for r in scored]
+    axes.fill_between(
+        x, [a.min() for a in accuracies], [a.max() for a in accuracies], alpha=0.2, label="devices' range"
+    )
+    axes.plot(x, [float(np.median(a)) for a in accuracies], "--", marker=".", label=f"median of {count} devices")
 
 
 def labels_chart(rounds: list[dict]) -> bytes:
@@ -60,8 +89,10 @@ def labels_chart(rounds: list[dict]) -> bytes:
 
 def divergence_heatmap(view: dict) -> bytes:
     """Devices x layers relative divergence of the round (the paper's Figure 10); suspects' outlier layers boxed."""
-    devices, layers = view["devices"], view["layers"]
-    values = np.array([[np.nan if v is None else v for v in row] for row in view["values"]], dtype=float)
+    layers, every_device = view["layers"], view["devices"]
+    every_value = np.array([[np.nan if v is None else v for v in row] for row in view["values"]], dtype=float)
+    rows = heatmap_rows(every_value, every_device, view["suspects"])
+    devices, values = [every_device[row] for row in rows], every_value[rows]
     figure = new_figure(max(6.0, 0.6 * len(layers) + 2.5), 1.6 + 0.45 * len(devices))
     axes = figure.add_subplot()
     finite = np.where(np.isfinite(values), values, np.nan)
@@ -78,8 +109,21 @@ def divergence_heatmap(view: dict) -> bytes:
                 axes.add_patch(
                     Rectangle((layers.index(layer) - 0.5, row - 0.5), 1, 1, fill=False, edgecolor=SUSPECT_COLOUR, lw=2)
                 )
-    axes.set_title(f"Per-layer divergence, round {view['round']}")
+    shown = "" if len(rows) == len(every_device) else f" ({len(rows)} of {len(every_device)}: suspects, most divergent)"
+    axes.set_title(f"Per-layer divergence, round {view['round']}{shown}")
     return png_bytes(figure)
+
+
+def heatmap_rows(
+    values: np.ndarray, devices: list[str], suspects: Collection[str], limit: int = MAX_HEATMAP_DEVICES
+) -> list[int]:
+    """The rows the heatmap draws, in the view's order: every one up to `limit`; beyond it the suspects first, then
+    the devices whose largest layer divergence is highest."""
+    if len(devices) <= limit:
+        return list(range(len(devices)))
+    largest = np.where(np.isfinite(values), values, -np.inf).max(axis=1, initial=-np.inf)
+    ranked = sorted(range(len(devices)), key=lambda row: (devices[row] not in suspects, -largest[row], row))
+    return sorted(ranked[:limit])
 
 
 def timeline_chart(rounds: list[dict]) -> bytes:
@@ -105,7 +149,7 @@ def timeline_chart(rounds: list[dict]) -> bytes:
 
 def class_accuracy_chart(view: dict) -> bytes:
     """Per-class test accuracy of the aggregate and of each device model, side by side (the paper's Figure 11)."""
-    series = {"aggregate": view["aggregate"], **view["devices"]}
+    series = {"aggregate": view["aggregate"], **device_series(view["devices"])}
     classes = view["classes"]
     figure = new_figure(8, 3.6)
     axes = figure.add_subplot()
