@@ -68,7 +68,7 @@ class Acquirer:
                 context = self.context(models, pool, seed)
                 budget = labels_per_acquisition(models.recipe, self.own_samples)
                 with self.meter.phase("score"):
-                    queried = pool[sampler.select(context, budget)]
+                    queried = pool[sampler.choose(context, budget)]
                     proposed = sampler.weak_labels(context)
                 weak = None if proposed is None else (pool, proposed)
             self.remember_batch(round_id, acquisition, queried)

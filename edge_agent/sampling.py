@@ -106,12 +106,33 @@ class AcquisitionContext:
 
 SAMPLERS: Registry[type[Sampler]] = Registry("sampler")
 
+COLD_START = Option(
+    "cold_start_labels",
+    int,
+    0,
+    "cold start: below this many human labels a device draws uniformly",
+    low=0.0,
+)
+
+
+def uniform_draw(num_samples: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """k positions out of num_samples drawn uniformly without replacement (what random and a cold start ask)."""
+    return top_k(rng.random(num_samples), k)
+
 
 class Sampler(Method):
     """An acquisition function over a device's pool: one score per sample, higher means ask the oracle first."""
 
     needs_encoder: ClassVar[bool] = False
     needs_model_logits: ClassVar[bool] = False
+    options: ClassVar[tuple[Option, ...]] = (COLD_START,)
+
+    def choose(self, context: AcquisitionContext, budget: int) -> np.ndarray:
+        """The batch to ask for: a uniform draw while the device holds fewer human labels than the recipe's
+        cold_start_labels, the sampler's own selection after."""
+        if context.class_counts.sum() < COLD_START.read(context.options):
+            return uniform_draw(context.num_samples, budget, context.rng)
+        return self.select(context, budget)
 
     @abstractmethod
     def score_pool(self, context: AcquisitionContext) -> np.ndarray:
@@ -148,6 +169,7 @@ class RandomHeuristic(Heuristic):
     name = "random"
     summary = "uniform random draw (the passive baseline)"
     needs_probabilities = False
+    options = ()
 
     def scores(self, probs: np.ndarray | None, num_samples: int, rng: np.random.Generator) -> np.ndarray:
         """Independent U[0, 1) draws from `rng`, one per sample; `probs` is ignored."""
@@ -280,7 +302,10 @@ class KsasSampler(Sampler):
     name = "ksas"
     summary = "KAFAL: discrepancy between the device's own and the global model, class-count weighted"
     needs_model_logits = True
-    options = (Option("lambda", float, 1.0, "KSAS knowledge weight lambda", low=0.0, flag="--ksas-lambda"),)
+    options = (
+        COLD_START,
+        Option("lambda", float, 1.0, "KSAS knowledge weight lambda", low=0.0, flag="--ksas-lambda"),
+    )
 
     def score_pool(self, context: AcquisitionContext) -> np.ndarray:
         """ksas_scores of the own model and the downloaded global model, lambda from the recipe (default 1)."""
@@ -353,7 +378,10 @@ class FastSampler(Sampler):
     name = "fast"
     summary = "FAST: frozen-encoder prototype entropy asks people; kNN votes label the rest weakly"
     needs_encoder = True
-    options = (Option("knn_k", int, 10, "FAST: neighbours voting for a weak label", low=1.0, flag="--knn-k"),)
+    options = (
+        COLD_START,
+        Option("knn_k", int, 10, "FAST: neighbours voting for a weak label", low=1.0, flag="--knn-k"),
+    )
 
     def score_pool(self, context: AcquisitionContext) -> np.ndarray:
         """Prototype-cosine entropy of each pool embedding against the device's human-labelled seeds."""
@@ -429,7 +457,10 @@ class PowerSampler(Sampler):
     """Stochastic batch acquisition (Kirsch et al., TMLR 2023) over an MC-dropout score: diverse batches without
     a pairwise term, and a cold start that is not all one kind of sample."""
 
-    options = (Option("power_beta", float, 1.0, "power of the score the draw follows", low=0.0, flag="--power-beta"),)
+    options = (
+        COLD_START,
+        Option("power_beta", float, 1.0, "power of the score the draw follows", low=0.0, flag="--power-beta"),
+    )
 
     @abstractmethod
     def base_scores(self, probs: np.ndarray) -> np.ndarray:
@@ -465,6 +496,17 @@ class PowerBald(PowerSampler):
     def base_scores(self, probs: np.ndarray) -> np.ndarray:
         """bald_scores(probs)."""
         return bald_scores(probs)
+
+
+class PowerMargin(PowerSampler):
+    """Power sampling over one minus the top-two margin."""
+
+    name = "power-margin"
+    summary = "draw in proportion to (1 - top-two margin)^beta (stochastic batch acquisition)"
+
+    def base_scores(self, probs: np.ndarray) -> np.ndarray:
+        """1 + margin_scores(probs): one minus the gap between the two most likely classes, in [0, 1]."""
+        return 1.0 + margin_scores(probs)
 
 
 class BadgeSampler(Sampler):
@@ -512,6 +554,7 @@ for registered in (
     FastSampler,
     PowerEntropy,
     PowerBald,
+    PowerMargin,
     BadgeSampler,
     BalancedEntropy,
 ):

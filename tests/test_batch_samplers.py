@@ -76,13 +76,19 @@ def test_class_balanced_top_k_gives_each_predicted_class_its_share() -> None:
     assert sorted(class_balanced_top_k(scores, np.zeros(6, dtype=int), 3, 2).tolist()) == [0, 1, 2]
 
 
-def context_of(probs: np.ndarray, features: np.ndarray, seed: int = 0) -> AcquisitionContext:
+def context_of(
+    probs: np.ndarray,
+    features: np.ndarray,
+    seed: int = 0,
+    class_counts: np.ndarray | None = None,
+    options: dict[str, float] | None = None,
+) -> AcquisitionContext:
     """An acquisition context over given MC-dropout probabilities and penultimate features."""
     return AcquisitionContext(
         num_samples=probs.shape[1],
         rng=np.random.default_rng(seed),
-        class_counts=np.zeros(probs.shape[2]),
-        options={},
+        class_counts=np.zeros(probs.shape[2]) if class_counts is None else class_counts,
+        options=options or {},
         probabilities=cache(lambda: probs),
         own_logits=lambda: np.zeros(0),
         global_logits=lambda: np.zeros(0),
@@ -91,7 +97,7 @@ def context_of(probs: np.ndarray, features: np.ndarray, seed: int = 0) -> Acquis
     )
 
 
-@pytest.mark.parametrize("name", ["power-entropy", "power-bald", "badge", "balanced-entropy"])
+@pytest.mark.parametrize("name", ["power-entropy", "power-bald", "power-margin", "badge", "balanced-entropy"])
 def test_every_batch_sampler_picks_distinct_pool_positions(name: str) -> None:
     rng = np.random.default_rng(2)
     logits = rng.normal(size=(5, 60, 4))
@@ -100,6 +106,28 @@ def test_every_batch_sampler_picks_distinct_pool_positions(name: str) -> None:
     assert len(picked) == 12 and len(set(picked.tolist())) == 12 and picked.min() >= 0 and picked.max() < 60
     again = make_sampler(name).select(context_of(probs, rng.normal(size=(60, 8))), 12)
     assert name == "badge" or again.tolist() == picked.tolist(), "the same seed draws the same batch"
+
+
+def test_power_margin_with_a_huge_exponent_is_margins_top_k() -> None:
+    logits = np.random.default_rng(4).normal(size=(3, 50, 5))
+    probs = np.exp(logits) / np.exp(logits).sum(axis=-1, keepdims=True)
+    options = {"power_beta": 1e6}
+    drawn = make_sampler("power-margin").choose(context_of(probs, np.zeros((50, 2)), options=options), 10)
+    np.testing.assert_array_equal(drawn, make_sampler("margin").choose(context_of(probs, np.zeros((50, 2))), 10))
+
+
+def test_a_cold_start_draws_uniformly_until_the_device_holds_enough_labels() -> None:
+    """Below cold_start_labels the batch is random's draw from the same generator; at the threshold, margin's."""
+    logits = np.random.default_rng(6).normal(size=(4, 80, 3))
+    probs = np.exp(logits) / np.exp(logits).sum(axis=-1, keepdims=True)
+    features = np.zeros((80, 2))
+    margin, random = make_sampler("margin"), make_sampler("random")
+    options = {"cold_start_labels": 20.0}
+    cold = margin.choose(context_of(probs, features, class_counts=np.array([10, 9, 0]), options=options), 8)
+    np.testing.assert_array_equal(cold, random.choose(context_of(probs, features), 8))
+    assert not np.array_equal(cold, margin.choose(context_of(probs, features), 8))
+    warm = margin.choose(context_of(probs, features, class_counts=np.array([10, 10, 0]), options=options), 8)
+    np.testing.assert_array_equal(warm, top_k(margin.score_pool(context_of(probs, features)), 8))
 
 
 def test_badge_starts_from_the_most_uncertain_sample_and_scores_confident_ones_near_zero() -> None:

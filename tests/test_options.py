@@ -73,7 +73,7 @@ def test_a_toy_sampler_is_one_class_and_one_registration_away_from_the_cli(toy_s
     simulate_help = capsys.readouterr().out
     assert "options of sampler toy-index" in simulate_help and "--toy-weight" in simulate_help
     assert (
-        "sampler:random,entropy,bald,margin,least-confidence,ksas,fast,power-entropy,power-bald,badge,balanced-entropy,toy-index"
+        "sampler:random,entropy,bald,margin,least-confidence,ksas,fast,power-entropy,power-bald,power-margin,badge,balanced-entropy,toy-index"
         in "".join(simulate_help.split())
     )
     run = ["simulate", "--devices", "1", "--rounds", "1", "--run-dir", str(tmp_path / "run")]
@@ -100,7 +100,8 @@ def test_the_dashboard_view_shows_each_chosen_method_with_its_option_values() ->
         ("local rule", "kcfu"),
         ("strategy", "cadis"),
     ]
-    [ksas_lambda] = view[0]["options"]
+    cold_start, ksas_lambda = view[0]["options"]
+    assert cold_start["flag"] == "--cold-start-labels" and cold_start["value"] == cold_start["default"] == 0
     assert ksas_lambda == {
         "flag": "--ksas-lambda",
         "value": 0.5,
