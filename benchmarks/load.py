@@ -26,28 +26,20 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
+import paho.mqtt.client as paho
+
+from edge_agent import wire
+from edge_agent.model_spec import DEFAULT_SPEC
+
 FLEET = "load"
 CONNECT_SECONDS = 120.0
 ROUND_SECONDS = 600.0
 
 
-def worker(
-    address: tuple[str, int],
-    device_ids: list[str],
-    ready: multiprocessing.Event,
-    go: multiprocessing.Event,
-    results: multiprocessing.Queue,
-) -> None:
-    """Hosts many devices: connects them, waits for round 1 and its model, pre-encodes their updates, publishes on
-    `go`, and reports (first publish, last ack, accepted count, rejection reasons) in wall-clock seconds."""
-    import numpy as np
-    import paho.mqtt.client as paho
-
-    from edge_agent import wire
-    from edge_agent.model_spec import DEFAULT_SPEC
-
-    acks: queue.Queue = queue.Queue()
-    inbox: queue.Queue = queue.Queue()
+def connect_devices(address: tuple[str, int], device_ids: list[str], acks: queue.Queue, inbox: queue.Queue) -> list:
+    """One started paho client per device, subscribed to its ack topic; acks and everything else go to two queues
+    as (arrival time, topic, payload)."""
     clients = []
     for device_id in device_ids:
         client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=device_id, protocol=paho.MQTTv5)
@@ -58,17 +50,28 @@ def worker(
         client.loop_start()
         client.subscribe(wire.device_topic(FLEET, device_id, "ack"), qos=1)
         clients.append(client)
-    clients[0].subscribe(wire.round_topic(FLEET), qos=1)
-    announcement = model = None
-    while model is None:
+    return clients
+
+
+def announced_round(client: paho.Client, inbox: queue.Queue) -> tuple[wire.RoundAnnouncement, wire.ModelMessage]:
+    """Round 1's announcement and its model, as one device's client receives them."""
+    client.subscribe(wire.round_topic(FLEET), qos=1)
+    announcement = None
+    while True:
         _, topic, payload = inbox.get(timeout=CONNECT_SECONDS)
         if topic == wire.round_topic(FLEET):
             announcement = wire.decode(payload, wire.RoundAnnouncement)
-            clients[0].subscribe(wire.model_topic(FLEET, announcement.model_hash), qos=1)
+            client.subscribe(wire.model_topic(FLEET, announcement.model_hash), qos=1)
         elif announcement is not None and topic == wire.model_topic(FLEET, announcement.model_hash):
-            model = wire.decode(payload, wire.ModelMessage)
+            return announcement, wire.decode(payload, wire.ModelMessage)
+
+
+def encoded_updates(
+    device_ids: list[str], announcement: wire.RoundAnnouncement, model: wire.ModelMessage
+) -> list[bytes]:
+    """One valid encoded update per device: the announced weights plus a little noise, 100 samples each."""
     rng = np.random.default_rng(abs(hash(device_ids[0])) % 2**32)
-    payloads = [
+    return [
         wire.encode(
             wire.Update(
                 device_id,
@@ -87,6 +90,31 @@ def worker(
         )
         for device_id in device_ids
     ]
+
+
+def first_verdicts(acks: queue.Queue, devices: int) -> dict[str, tuple[float, bool, str]]:
+    """Each device's first ack as (arrival time, accepted, reason), once every device has one."""
+    verdicts: dict[str, tuple[float, bool, str]] = {}
+    while len(verdicts) < devices:
+        received, _, payload = acks.get(timeout=ROUND_SECONDS)
+        ack = wire.decode(payload, wire.Ack)
+        verdicts.setdefault(ack.device_id, (received, ack.accepted, ack.reason))
+    return verdicts
+
+
+def worker(
+    address: tuple[str, int],
+    device_ids: list[str],
+    ready: multiprocessing.Event,
+    go: multiprocessing.Event,
+    results: multiprocessing.Queue,
+) -> None:
+    """Hosts many devices: connects them, waits for round 1 and its model, pre-encodes their updates, publishes on
+    `go`, and reports (first publish, last ack, accepted count, rejection reasons) in wall-clock seconds."""
+    acks: queue.Queue = queue.Queue()
+    inbox: queue.Queue = queue.Queue()
+    clients = connect_devices(address, device_ids, acks, inbox)
+    payloads = encoded_updates(device_ids, *announced_round(clients[0], inbox))
     update_bytes = len(payloads[0])
     ready.set()
     go.wait()
@@ -94,11 +122,7 @@ def worker(
     for client, device_id, payload in zip(clients, device_ids, payloads):
         client.publish(wire.device_topic(FLEET, device_id, "update"), payload, qos=1)
     del payloads
-    verdicts = {}
-    while len(verdicts) < len(device_ids):
-        received, _, payload = acks.get(timeout=ROUND_SECONDS)
-        ack = wire.decode(payload, wire.Ack)
-        verdicts.setdefault(ack.device_id, (received, ack.accepted, ack.reason))
+    verdicts = first_verdicts(acks, len(device_ids))
     for client in clients:
         client.disconnect()
         client.loop_stop()
@@ -164,6 +188,27 @@ def start_coordinator(
     return process, (match.group(1), int(match.group(2)))
 
 
+def ready_fake_devices(
+    address: tuple[str, int], devices: int, workers: int
+) -> tuple[list[multiprocessing.Process], multiprocessing.Event, multiprocessing.Queue]:
+    """Worker processes hosting `devices` fake devices, each worker with its updates encoded and waiting for the
+    returned `go` event; their reports arrive on the returned queue."""
+    ids = [f"dev-{index:03d}" for index in range(devices)]
+    context = multiprocessing.get_context("spawn")
+    ready = [context.Event() for _ in range(workers)]
+    go, results = context.Event(), context.Queue()
+    processes = [
+        context.Process(target=worker, args=(address, ids[index::workers], ready[index], go, results))
+        for index in range(workers)
+    ]
+    for process in processes:
+        process.start()
+    for event in ready:
+        if not event.wait(CONNECT_SECONDS):
+            raise RuntimeError("fake devices did not get ready in time")
+    return processes, go, results
+
+
 def run_load(devices: int, workers: int, strategy: str, spool_batch: int) -> dict:
     """One load run with `devices` fake devices spread over `workers` processes, the coordinator group-committing
     at most `spool_batch` messages per fsync."""
@@ -175,19 +220,7 @@ def run_load(devices: int, workers: int, strategy: str, spool_batch: int) -> dic
         stderr_tail: collections.deque = collections.deque(maxlen=20)  # drained, or a full pipe would block it
         threading.Thread(target=lambda: stderr_tail.extend(coordinator.stderr), daemon=True).start()
         try:
-            ids = [f"dev-{index:03d}" for index in range(devices)]
-            context = multiprocessing.get_context("spawn")
-            ready = [context.Event() for _ in range(workers)]
-            go, results = context.Event(), context.Queue()
-            processes = [
-                context.Process(target=worker, args=(address, ids[index::workers], ready[index], go, results))
-                for index in range(workers)
-            ]
-            for process in processes:
-                process.start()
-            for event in ready:
-                if not event.wait(CONNECT_SECONDS):
-                    raise RuntimeError("fake devices did not get ready in time")
+            processes, go, results = ready_fake_devices(address, devices, workers)
             rss_before = memory_kb(coordinator.pid, "VmRSS")
             go.set()
             reports = [results.get(timeout=ROUND_SECONDS) for _ in processes]
