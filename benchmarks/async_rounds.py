@@ -190,6 +190,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    """Runs each seed in both modes, prints each run and then the comparison as JSON lines, and writes the JSON and
+    the figure to --out."""
     args = parse_args()
     runs = []
     for seed in args.seeds:
