@@ -163,20 +163,39 @@ class OnlineReplaySGD(LocalRule):
         return {"train_loss": loss, "train_samples": float(len(images))}
 
 
+LOGIT_ADJUSTMENT_OPTION = Option(
+    "logit_adjustment",
+    float,
+    0.0,
+    "tau of the logit-adjusted loss CE(logits + tau ln n_c, y) over the device's class counts n_c (0: plain CE)",
+    low=0.0,
+)
+
+
 class KeptLabels(LocalRule):
-    """Every label the device paid for, each round: human and weak labels, or a class-balanced reservoir of them."""
+    """Every label the device paid for, each round: human and weak labels, or a class-balanced reservoir of them.
+
+    With a logit adjustment tau > 0 the loss is CE(logits + tau ln n_c, y): under label skew the device's own
+    frequent classes stop pulling the shared classifier towards them (Menon et al. 2021; KAFAL's tau = 1).
+    """
 
     name = "kept-labels"
     summary = "every label the device holds (or a class-balanced reservoir of them), E epochs from the global model"
-    options = (RESERVOIR_OPTION,)
+    options = (RESERVOIR_OPTION, LOGIT_ADJUSTMENT_OPTION)
 
     def train(
         self, model: nn.Module, data: LocalData, global_model: nn.Module, recipe: Recipe, seed: int
     ) -> dict[str, float]:
-        """Plain local SGD on the kept set."""
+        """Local SGD on the kept set, logit-adjusted by the kept set's class counts when tau > 0."""
         images, labels = data.kept_set(int(RESERVOIR_OPTION.read(recipe.options)), seed)
-        loss = train_supervised(model, images, labels, TrainSettings.from_recipe(recipe, seed))
-        return {"train_loss": loss, "train_samples": float(len(images))}
+        tau = LOGIT_ADJUSTMENT_OPTION.read(recipe.options)
+        counts = np.bincount(np.asarray(labels, dtype=np.int64), minlength=data.num_classes)
+
+        def loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return balanced_cross_entropy(model(inputs), targets, counts, tau)
+
+        train_loss = run_epochs([model], images, labels, TrainSettings.from_recipe(recipe, seed), loss)
+        return {"train_loss": train_loss, "train_samples": float(len(images))}
 
 
 def prediction_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -373,9 +392,12 @@ class FedProx(LocalRule):
         return {"train_loss": train_loss, "train_samples": float(len(images))}
 
 
-def balanced_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, class_counts: np.ndarray) -> torch.Tensor:
-    """KAFAL Eq. 4: CE(g(x) + ln n, y), the logit-adjusted loss (a class without labels gets -inf)."""
-    bias = torch.from_numpy(class_prior_bias(class_counts, 1.0)).to(logits.dtype)
+def balanced_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, class_counts: np.ndarray, tau: float = 1.0
+) -> torch.Tensor:
+    """KAFAL Eq. 4 (tau = 1): CE(g(x) + tau ln n, y), the logit-adjusted loss (a class without labels gets -inf;
+    tau = 0 is plain CE)."""
+    bias = torch.from_numpy(class_prior_bias(class_counts, tau)).to(logits.dtype)
     return nn.functional.cross_entropy(logits + bias, targets)
 
 

@@ -38,6 +38,7 @@ from edge_agent.tensors import weights_hash
 from edge_agent.torch_learner import OWN_MODEL_FILE
 from edge_agent.training import (
     KCFU,
+    KeptLabels,
     LocalData,
     TrainSettings,
     balanced_cross_entropy,
@@ -185,6 +186,41 @@ def test_kcfu_uses_only_the_balanced_loss_in_the_first_round_of_an_active_round(
     assert any(not np.array_equal(first[k], second[k]) for k in first)
     assert runs[1][1]["compensation"] == 0.0 and runs[2][1]["compensation"] == 1.0
     assert any(not np.array_equal(first[k], v) for k, v in get_weights(start).items())
+
+
+def test_the_logit_adjustment_scales_ln_n_by_tau_as_computed_by_hand() -> None:
+    logits = torch.zeros(1, 3)
+    counts = np.array([1.0, math.e**2, 0.0])
+    adjusted = balanced_cross_entropy(logits, torch.tensor([0]), counts, tau=0.5)
+    assert adjusted.item() == pytest.approx(math.log(1 + math.e), rel=1e-6)
+    assert balanced_cross_entropy(logits, torch.tensor([0]), counts, tau=0.0).item() == pytest.approx(math.log(3))
+
+
+def test_kept_labels_trains_plain_ce_at_tau_zero_and_the_adjusted_loss_at_tau_one(fashion) -> None:
+    data = local_data(fashion, 1)
+    images, labels = data.kept_set(0, seed=7)
+    counts = np.bincount(labels, minlength=10)
+    trained = {}
+    for tau in (0.0, 1.0):
+        recipe = wire.Recipe(epochs=1, batch_size=16, learning_rate=0.05, options={"logit_adjustment": tau})
+        model = build_model(seed=3)
+        KeptLabels().train(model, data, build_model(seed=3).eval(), recipe, seed=7)
+        reference = build_model(seed=3)
+        run_epochs(
+            [reference],
+            images,
+            labels,
+            TrainSettings.from_recipe(recipe, 7),
+            lambda x, y, net=reference, t=tau: balanced_cross_entropy(net(x), y, counts, t),
+        )
+        assert all(np.array_equal(get_weights(model)[k], v) for k, v in get_weights(reference).items())
+        trained[tau] = get_weights(model)
+    assert any(not np.array_equal(trained[0.0][k], trained[1.0][k]) for k in trained[0.0])
+
+
+def test_a_negative_logit_adjustment_is_refused_naming_its_flag() -> None:
+    with pytest.raises(ValueError, match="--logit-adjustment must be at least 0"):
+        KeptLabels().option_value({"logit_adjustment": -1.0}, "logit_adjustment")
 
 
 def test_eq7_weights_are_labelled_counts_of_the_participants_and_sum_to_one() -> None:
