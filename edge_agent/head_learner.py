@@ -8,9 +8,10 @@ from edge_agent.agent_settings import AgentSettings
 from edge_agent.bundle import Bundle
 from edge_agent.head_training import HeadSettings, train_classifier
 from edge_agent.learner import bundle_scorer
-from edge_agent.local_data import RESERVOIR_OPTION, LocalData
+from edge_agent.local_data import LOGIT_ADJUSTMENT_OPTION, RESERVOIR_OPTION, LocalData
 from edge_agent.mc_scorer import MCScorer
 from edge_agent.ort_scorer import penultimate_features
+from edge_agent.sampling import class_prior_bias
 from edge_agent.tensors import Weights
 
 
@@ -51,9 +52,9 @@ class HeadLearner:
             head.dropout,
             seed,
         )
-        weight, bias, loss = train_classifier(
-            features, labels, self._weights[head.weight], self._weights[head.bias], options
-        )
+        weight = self._weights[head.weight]
+        adjustment = logit_bias(recipe, labels, len(weight))
+        weight, bias, loss = train_classifier(features, labels, weight, self._weights[head.bias], options, adjustment)
         self._weights[head.weight], self._weights[head.bias] = weight, bias
         return {"train_loss": loss, "train_samples": float(len(images))}
 
@@ -67,6 +68,14 @@ class HeadLearner:
     def logits(self, which: str, images: np.ndarray) -> np.ndarray:
         """Not available: whole-model logits need torch (round_problem refuses such rounds first)."""
         raise ValueError(f"{which} model logits need the whole model in torch; this profile trains the classifier only")
+
+
+def logit_bias(recipe: wire.Recipe, labels: np.ndarray, num_classes: int) -> np.ndarray | None:
+    """kept-labels' logit adjustment tau ln n_c over the trained labels' counts, or None (plain CE)."""
+    tau = LOGIT_ADJUSTMENT_OPTION.read(recipe.options) if recipe.local_rule == "kept-labels" else 0.0
+    if tau == 0.0:
+        return None
+    return class_prior_bias(np.bincount(np.asarray(labels, dtype=np.int64), minlength=num_classes), tau)
 
 
 def training_data(data: LocalData, recipe: wire.Recipe, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -27,10 +27,12 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def cross_entropy_gradients(
-    features: np.ndarray, labels: np.ndarray, weight: np.ndarray, bias: np.ndarray
+    features: np.ndarray, labels: np.ndarray, weight: np.ndarray, bias: np.ndarray, logit_bias: np.ndarray | None = None
 ) -> tuple[float, np.ndarray, np.ndarray]:
-    """(mean cross-entropy, d loss / d weight, d loss / d bias) of logits = features @ weight.T + bias."""
-    probabilities = softmax(features @ weight.T + bias)
+    """(mean cross-entropy, d loss / d weight, d loss / d bias) of logits = features @ weight.T + bias, plus a fixed
+    per-class logit_bias when given (the logit adjustment tau ln n_c; -inf for a class without labels)."""
+    logits = features @ weight.T + bias
+    probabilities = softmax(logits if logit_bias is None else logits + logit_bias)
     rows = np.arange(len(labels))
     loss = float(-np.mean(np.log(np.maximum(probabilities[rows, labels], 1e-12))))
     delta = probabilities
@@ -48,9 +50,15 @@ def dropped(features: np.ndarray, rate: float, rng: np.random.Generator) -> np.n
 
 
 def train_classifier(
-    features: np.ndarray, labels: np.ndarray, weight: np.ndarray, bias: np.ndarray, settings: HeadSettings
+    features: np.ndarray,
+    labels: np.ndarray,
+    weight: np.ndarray,
+    bias: np.ndarray,
+    settings: HeadSettings,
+    logit_bias: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, float]:
-    """(new weight, new bias, last epoch's mean loss): E seeded epochs of shuffled mini-batches of SGD."""
+    """(new weight, new bias, last epoch's mean loss): E seeded epochs of shuffled mini-batches of SGD, on the
+    logit-adjusted loss when a logit_bias is given."""
     if len(features) != len(labels):
         raise ValueError(f"{len(features)} feature rows but {len(labels)} labels")
     rng = np.random.default_rng(settings.seed)
@@ -63,7 +71,7 @@ def train_classifier(
         for start in range(0, len(order), settings.batch_size):
             batch = order[start : start + settings.batch_size]
             loss, *gradients = cross_entropy_gradients(
-                dropped(inputs[batch], settings.dropout, rng), targets[batch], *parameters
+                dropped(inputs[batch], settings.dropout, rng), targets[batch], parameters[0], parameters[1], logit_bias
             )
             for parameter, gradient, buffer in zip(parameters, gradients, velocity):
                 gradient = gradient + settings.weight_decay * parameter

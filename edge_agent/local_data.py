@@ -14,6 +14,13 @@ from edge_agent.image_arrays import IMAGE_SHAPE
 from edge_agent.options import Option
 
 RESERVOIR_OPTION = Option("reservoir", int, 0, "most labels trained on per round, class-balanced (0: all)", low=0.0)
+LOGIT_ADJUSTMENT_OPTION = Option(
+    "logit_adjustment",
+    float,
+    0.0,
+    "tau of the logit-adjusted loss CE(logits + tau ln n_c, y) over the device's class counts n_c (0: plain CE)",
+    low=0.0,
+)
 
 
 def _no_images() -> np.ndarray:

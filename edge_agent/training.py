@@ -15,7 +15,7 @@ from torch import nn
 
 from edge_agent.files import load_arrays, save_arrays
 from edge_agent.image_arrays import model_input
-from edge_agent.local_data import RESERVOIR_OPTION, LocalData
+from edge_agent.local_data import LOGIT_ADJUSTMENT_OPTION, RESERVOIR_OPTION, LocalData
 from edge_agent.mc_dropout import as_split_model
 from edge_agent.models import get_weights, set_weights
 from edge_agent.options import Method, Option, Registry
@@ -161,15 +161,6 @@ class OnlineReplaySGD(LocalRule):
         images, labels = data.new_and_replay()
         loss = train_supervised(model, images, labels, TrainSettings.from_recipe(recipe, seed))
         return {"train_loss": loss, "train_samples": float(len(images))}
-
-
-LOGIT_ADJUSTMENT_OPTION = Option(
-    "logit_adjustment",
-    float,
-    0.0,
-    "tau of the logit-adjusted loss CE(logits + tau ln n_c, y) over the device's class counts n_c (0: plain CE)",
-    low=0.0,
-)
 
 
 class KeptLabels(LocalRule):

@@ -17,6 +17,7 @@ from coordinator.simulate import BenchSettings, agent_command
 from edge_agent import wire
 from edge_agent.agent_settings import AgentSettings
 from edge_agent.bundle import store_bundle
+from edge_agent.head_learner import logit_bias
 from edge_agent.head_training import HeadSettings, cross_entropy_gradients, train_classifier
 from edge_agent.learner import round_problem
 from edge_agent.memory_budget import MemoryBudgetError, fit_to_budget
@@ -56,6 +57,31 @@ def test_full_batch_training_matches_torch_sgd_with_momentum_and_weight_decay() 
         optimiser.step()
     assert np.allclose(new_weight, layer.weight.detach().numpy(), atol=1e-5)
     assert np.allclose(new_bias, layer.bias.detach().numpy(), atol=1e-5)
+
+
+def test_the_logit_adjusted_head_step_matches_torch_on_the_adjusted_loss() -> None:
+    rng = np.random.default_rng(4)
+    features, labels = rng.normal(size=(10, 5)).astype(np.float32), np.array([0] * 7 + [1] * 3)
+    weight, bias = rng.normal(size=(3, 5)).astype(np.float32), rng.normal(size=3).astype(np.float32)
+    adjustment = logit_bias(wire.Recipe(options={"logit_adjustment": 1.0}), labels, 3)
+    assert adjustment is not None and adjustment[2] == -np.inf
+    assert np.allclose(adjustment[:2], np.log([7.0, 3.0]))
+    assert logit_bias(wire.Recipe(), labels, 3) is None
+    settings = HeadSettings(epochs=3, batch_size=10, learning_rate=0.1, momentum=0.9)
+    new_weight, new_bias, _ = train_classifier(features, labels, weight, bias, settings, adjustment)
+    layer = torch.nn.Linear(5, 3).double()
+    with torch.no_grad():
+        layer.weight.copy_(torch.from_numpy(weight.astype(np.float64)))
+        layer.bias.copy_(torch.from_numpy(bias.astype(np.float64)))
+    optimiser = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        optimiser.zero_grad()
+        logits = layer(torch.from_numpy(features).double()) + torch.from_numpy(adjustment)
+        torch.nn.functional.cross_entropy(logits, torch.from_numpy(labels)).backward()
+        optimiser.step()
+    assert np.allclose(new_weight, layer.weight.detach().numpy(), atol=1e-5)
+    assert np.allclose(new_bias, layer.bias.detach().numpy(), atol=1e-5)
+    assert np.array_equal(new_weight[2], weight[2]) and not np.allclose(new_weight[:2], weight[:2])
 
 
 def test_a_separable_problem_is_learned_with_dropout_on_the_features() -> None:
