@@ -126,15 +126,15 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     }
 
 
-def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per partition, per sampler: mean curve, its band, AULC, final accuracy, labels to random's final."""
+def summarise(runs: list[dict[str, Any]], baseline: str = "random") -> dict[str, dict[str, Any]]:
+    """Per partition, per sampler: mean curve, its band, AULC, final accuracy, labels to the baseline's final."""
     summary: dict[str, dict[str, Any]] = {}
     for partition in sorted({run["partition"] for run in runs}):
         curves = {}
         for sampler in sorted({run["sampler"] for run in runs if run["partition"] == partition}):
             chosen = [run for run in runs if run["partition"] == partition and run["sampler"] == sampler]
             curves[sampler] = curve_of(chosen)
-        summary[partition] = with_label_savings(curves)
+        summary[partition] = with_label_savings(curves, baseline)
     return summary
 
 
@@ -157,21 +157,22 @@ def curve_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def with_label_savings(curves: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Adds, where random ran, each sampler's AULC gain over random and the labels it needed to reach random's
-    final accuracy (first point of its mean curve at or above it), also as a fraction of random's labels."""
-    if "random" not in curves:
+def with_label_savings(curves: dict[str, dict[str, Any]], baseline: str = "random") -> dict[str, dict[str, Any]]:
+    """Adds, where the baseline (random, or the spelling --baseline names) ran, each sampler's AULC gain over it and
+    the labels it needed to reach the baseline's final accuracy (first point of its mean curve at or above it), also
+    as a fraction of the baseline's labels; the keys keep the name random."""
+    if baseline not in curves:
         return curves
-    target, random_labels = curves["random"]["final"], curves["random"]["labels"][-1]
+    target, random_labels = curves[baseline]["final"], curves[baseline]["labels"][-1]
     for curve in curves.values():
         reached = [labels for labels, mean in zip(curve["labels"], curve["mean"]) if mean >= target]
-        curve["aulc_gain_over_random"] = round(curve["aulc"] - curves["random"]["aulc"], 4)
+        curve["aulc_gain_over_random"] = round(curve["aulc"] - curves[baseline]["aulc"], 4)
         curve["labels_to_random_final"] = reached[0] if reached else None
         curve["fraction_of_random_labels"] = round(reached[0] / random_labels, 3) if reached else None
     return curves
 
 
-def plot(summary: dict[str, dict[str, Any]], path: Path) -> None:
+def plot(summary: dict[str, dict[str, Any]], path: Path, baseline: str = "random") -> None:
     """One panel per partition, one curve per sampler: mean accuracy against labels with the min-max band."""
     import matplotlib
 
@@ -181,14 +182,14 @@ def plot(summary: dict[str, dict[str, Any]], path: Path) -> None:
     figure, axes = plt.subplots(1, len(summary), figsize=(6 * len(summary), 4.5), squeeze=False)
     for axis, (partition, curves) in zip(axes[0], summary.items()):
         for sampler, curve in curves.items():
-            style = {"color": "black", "linestyle": "--"} if sampler == "random" else {}
+            style = {"color": "black", "linestyle": "--"} if sampler == baseline else {}
             axis.plot(curve["labels"], curve["mean"], label=f"{sampler} (AULC {curve['aulc']:.3f})", **style)
             axis.fill_between(
                 curve["labels"],
                 curve["low"],
                 curve["high"],
                 alpha=0.15,
-                **({"color": "black"} if sampler == "random" else {}),
+                **({"color": "black"} if sampler == baseline else {}),
             )
         seeds = len(next(iter(curves.values()))["seeds"])
         axis.set(title=f"{partition} ({seeds} seeds)", xlabel="labels (all devices + W0's)", ylabel="test accuracy")
@@ -242,14 +243,15 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="simulations run side by side")
     parser.add_argument("--from-lines", nargs="+", type=Path, help="summarise the run lines these files hold instead")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib where it runs)")
+    parser.add_argument("--baseline", default="random", help="the spelling the others are measured against")
     parser.add_argument("--out", type=Path, default=Path("runs") / f"label-efficiency-{time.strftime('%Y%m%d-%H%M%S')}")
     args = parser.parse_args()
     runs = read_run_lines(args.from_lines) if args.from_lines else sweep(args)
-    summary = summarise(runs)
+    summary = summarise(runs, args.baseline)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "label_efficiency.json").write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))
     if not args.no_plot:
-        plot(summary, args.out / "label_efficiency.png")
+        plot(summary, args.out / "label_efficiency.png", args.baseline)
     brief = {
         p: {s: {k: v for k, v in c.items() if k not in CURVE_KEYS} for s, c in cs.items()} for p, cs in summary.items()
     }
