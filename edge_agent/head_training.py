@@ -5,8 +5,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge_agent.batches import batch_bounds
-
 
 @dataclass(frozen=True)
 class HeadSettings:
@@ -70,8 +68,8 @@ def train_classifier(
     epoch_loss = float("nan")
     for _ in range(settings.epochs):
         order, total = rng.permutation(len(inputs)), 0.0
-        for start, stop in batch_bounds(len(order), settings.batch_size):
-            batch = order[start:stop]
+        for start in range(0, len(order), settings.batch_size):
+            batch = order[start : start + settings.batch_size]
             loss, *gradients = cross_entropy_gradients(
                 dropped(inputs[batch], settings.dropout, rng), targets[batch], parameters[0], parameters[1], logit_bias
             )

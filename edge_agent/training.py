@@ -13,7 +13,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_agent.batches import batch_bounds
 from edge_agent.files import load_arrays, save_arrays
 from edge_agent.image_arrays import model_input
 from edge_agent.local_data import LOGIT_ADJUSTMENT_OPTION, RESERVOIR_OPTION, LocalData
@@ -104,7 +103,9 @@ def run_epochs(
         torch.manual_seed(settings.seed)
         for _ in range(settings.epochs):
             order = torch.randperm(len(inputs), generator=generator)
-            batches = [order[start:stop] for start, stop in batch_bounds(len(order), settings.batch_size)]
+            batches = [
+                order[start : start + settings.batch_size] for start in range(0, len(order), settings.batch_size)
+            ]
             epoch_loss = run_epoch(inputs, targets, [b for b in batches if len(b) >= min_batch], optimizers, batch_loss)
     for model in models:
         model.eval()
