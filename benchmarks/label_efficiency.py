@@ -183,7 +183,9 @@ def plot(summary: dict[str, dict[str, Any]], path: Path, baseline: str = "random
     for axis, (partition, curves) in zip(axes[0], summary.items()):
         for sampler, curve in curves.items():
             style = {"color": "black", "linestyle": "--"} if sampler == baseline else {}
-            axis.plot(curve["labels"], curve["mean"], label=f"{sampler} (AULC {curve['aulc']:.3f})", **style)
+            seeds = len(curve["seeds"])
+            label = f"{sampler} (AULC {curve['aulc']:.3f}, {seeds} seed{'s' if seeds > 1 else ''})"
+            axis.plot(curve["labels"], curve["mean"], label=label, **style)
             axis.fill_between(
                 curve["labels"],
                 curve["low"],
@@ -191,8 +193,7 @@ def plot(summary: dict[str, dict[str, Any]], path: Path, baseline: str = "random
                 alpha=0.15,
                 **({"color": "black"} if sampler == baseline else {}),
             )
-        seeds = len(next(iter(curves.values()))["seeds"])
-        axis.set(title=f"{partition} ({seeds} seeds)", xlabel="labels (all devices + W0's)", ylabel="test accuracy")
+        axis.set(title=partition, xlabel="labels (all devices + W0's)", ylabel="test accuracy")
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
     figure.tight_layout()
