@@ -8,10 +8,9 @@ from edge_agent.agent_settings import AgentSettings
 from edge_agent.bundle import Bundle
 from edge_agent.head_training import HeadSettings, train_classifier
 from edge_agent.learner import bundle_scorer
-from edge_agent.local_data import LOGIT_ADJUSTMENT_OPTION, RESERVOIR_OPTION, LocalData
+from edge_agent.local_data import LOGIT_ADJUSTMENT_OPTION, RESERVOIR_OPTION, LocalData, label_logit_bias
 from edge_agent.mc_scorer import MCScorer
 from edge_agent.ort_scorer import penultimate_features
-from edge_agent.sampling import class_prior_bias
 from edge_agent.tensors import Weights
 
 
@@ -73,9 +72,7 @@ class HeadLearner:
 def logit_bias(recipe: wire.Recipe, labels: np.ndarray, num_classes: int) -> np.ndarray | None:
     """kept-labels' logit adjustment tau ln n_c over the trained labels' counts, or None (plain CE)."""
     tau = LOGIT_ADJUSTMENT_OPTION.read(recipe.options) if recipe.local_rule == "kept-labels" else 0.0
-    if tau == 0.0:
-        return None
-    return class_prior_bias(np.bincount(np.asarray(labels, dtype=np.int64), minlength=num_classes), tau)
+    return label_logit_bias(labels, num_classes, tau)
 
 
 def training_data(data: LocalData, recipe: wire.Recipe, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -15,7 +15,7 @@ from torch import nn
 
 from edge_agent.files import load_arrays, save_arrays
 from edge_agent.image_arrays import model_input
-from edge_agent.local_data import LOGIT_ADJUSTMENT_OPTION, RESERVOIR_OPTION, LocalData
+from edge_agent.local_data import LOGIT_ADJUSTMENT_OPTION, RESERVOIR_OPTION, LocalData, label_logit_bias
 from edge_agent.mc_dropout import as_split_model
 from edge_agent.models import get_weights, set_weights
 from edge_agent.options import Method, Option, Registry
@@ -179,13 +179,15 @@ class KeptLabels(LocalRule):
     ) -> dict[str, float]:
         """Local SGD on the kept set, logit-adjusted by the kept set's class counts when tau > 0."""
         images, labels = data.kept_set(int(RESERVOIR_OPTION.read(recipe.options)), seed)
-        tau = LOGIT_ADJUSTMENT_OPTION.read(recipe.options)
-        counts = np.bincount(np.asarray(labels, dtype=np.int64), minlength=data.num_classes)
-
-        def loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return balanced_cross_entropy(model(inputs), targets, counts, tau)
-
-        train_loss = run_epochs([model], images, labels, TrainSettings.from_recipe(recipe, seed), loss)
+        settings = TrainSettings.from_recipe(recipe, seed)
+        adjustment = label_logit_bias(labels, data.num_classes, LOGIT_ADJUSTMENT_OPTION.read(recipe.options))
+        if adjustment is None:
+            train_loss = train_supervised(model, images, labels, settings)
+        else:
+            bias = torch.from_numpy(adjustment).float()
+            train_loss = run_epochs(
+                [model], images, labels, settings, lambda x, y: nn.functional.cross_entropy(model(x) + bias, y)
+            )
         return {"train_loss": train_loss, "train_samples": float(len(images))}
 
 
