@@ -9,8 +9,9 @@ it measures is what a user runs. Per partition and sampler it reports, over the 
 
 Usage: python benchmarks/label_efficiency.py [--quick] [--samplers random entropy power-bald:power_beta=4 ...]
        [--partitions type2 dirichlet:0.3] [--seeds 0 1 2] [--epochs E] [--labels L] [--rounds R] [--pool P]
-       [--jobs N] [--out DIR]
+       [--jobs N] [--encoder FILE.onnx] [--out DIR]
 A sampler may carry recipe options after a colon (`NAME:key=value,key=value`); each spelling is its own curve.
+With --encoder, the samplers that need a frozen encoder (FAST) use it, and their curve is named SPELLING+STEM.
 The full default sweep takes hours on 2 cores; --jobs runs that many simulations side by side.
 """
 
@@ -32,6 +33,7 @@ from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.simulate import BenchSettings, simulate
 from edge_agent import wire
+from edge_agent.sampling import make_sampler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,12 +65,19 @@ class RunSpec:
     out: Path
     recipe: dict[str, Any] = dataclasses.field(default_factory=dict)  # other recipe fields, e.g. learning_rate
     strategy_options: dict[str, float] = dataclasses.field(default_factory=dict)
+    encoder: Path | None = None  # FAST's frozen encoder; W0's penultimate layers without one
+
+    @property
+    def curve(self) -> str:
+        """The curve the run belongs to: the sampler's spelling, and the encoder file's stem where one is used."""
+        uses_encoder = self.encoder is not None and make_sampler(sampler_and_options(self.sampler)[0]).needs_encoder
+        return f"{self.sampler}+{self.encoder.stem}" if uses_encoder and self.encoder else self.sampler
 
     @property
     def name(self) -> str:
         """The run's directory name."""
-        sampler = re.sub(r"[^A-Za-z0-9.-]+", "_", self.sampler)
-        return f"{self.partition.replace(':', '')}-{sampler}-seed{self.seed}"
+        curve = re.sub(r"[^A-Za-z0-9.-]+", "_", self.curve)
+        return f"{self.partition.replace(':', '')}-{curve}-seed{self.seed}"
 
 
 def sampler_and_options(spelling: str) -> tuple[str, dict[str, float]]:
@@ -108,6 +117,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
         policy=RoundPolicy(rounds=scale.rounds, min_devices=devices, quorum=devices, round_timeout=3600),
         init=InitSettings(samples=100, seed=spec.seed),
         torch_threads=1,
+        encoder_path=spec.encoder if spec.curve != spec.sampler else None,
         ship_bundles=False,
         evaluate_devices=False,
     )
@@ -117,7 +127,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     simulate(settings, bench, results.append)
     return {
         "partition": spec.partition,
-        "sampler": spec.sampler,
+        "sampler": spec.curve,
         "seed": spec.seed,
         "devices": devices,
         "labels": [r.labels for r in results],
@@ -219,7 +229,7 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Runs the chosen simulations (side by side with --jobs), printing each finished run as one JSON line."""
     scale = scale_of(args)
     specs = [
-        RunSpec(partition, sampler, seed, args.strategy, args.local_rule, scale, args.out)
+        RunSpec(partition, sampler, seed, args.strategy, args.local_rule, scale, args.out, encoder=args.encoder)
         for partition in args.partitions
         for seed in args.seeds
         for sampler in args.samplers
@@ -242,6 +252,11 @@ def main() -> None:
     parser.add_argument("--strategy", default="avefl")
     parser.add_argument("--local-rule", default="kept-labels")
     parser.add_argument("--jobs", type=int, default=1, help="simulations run side by side")
+    parser.add_argument(
+        "--encoder",
+        type=Path,
+        help="frozen encoder ONNX for the samplers that need one (e.g. `fl-coordinator encoder`)",
+    )
     parser.add_argument("--from-lines", nargs="+", type=Path, help="summarise the run lines these files hold instead")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib where it runs)")
     parser.add_argument("--baseline", default="random", help="the spelling the others are measured against")

@@ -1,5 +1,5 @@
 # The fl-coordinator command line: `run` (field), `simulate` (bench), `relay` (a site), `partition` (shards),
-# `provision` (security).
+# `provision` (security), `encoder` (FAST's frozen encoder).
 from __future__ import annotations
 
 import argparse
@@ -16,6 +16,7 @@ from coordinator.async_intake import AsyncPolicy
 from coordinator.broker import BrokerError, embedded_broker, embedded_packet_limit
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.server import Dashboard, dashboard_token, parse_listen_address
+from coordinator.encoder_command import add_encoder_command, command_encoder
 from coordinator.method_flags import (
     add_method_choice,
     add_method_flags,
@@ -262,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_partition_command(commands.add_parser("partition", help="write per-device pool shards for separate agents"))
     add_run_dir_commands(commands)
+    add_encoder_command(
+        commands.add_parser("encoder", help="fit FAST's frozen encoder (PCA) on unlabelled images and write its ONNX")
+    )
     return parser
 
 
@@ -765,6 +769,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "report": command_report,
     "export": command_export,
     "methods": command_methods,
+    "encoder": command_encoder,
 }
 
 

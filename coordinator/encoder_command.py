@@ -1,0 +1,61 @@
+# `fl-coordinator encoder`: FAST's frozen encoder fitted on unlabelled images (PCA), checked and written as ONNX.
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import numpy as np
+
+from coordinator.server import load_encoder
+from edge_agent.fashion_mnist import load_fashion_mnist
+from edge_agent.image_arrays import model_input
+from edge_agent.image_files import InputSpec, read_image_folder
+from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec, load_model_spec
+from export.pca_encoder import MAX_FIT_IMAGES, fit_pca, pca_encoder_onnx
+
+DEFAULT_DIMENSIONS = 32
+
+
+def add_encoder_command(encoder: argparse.ArgumentParser) -> None:
+    """`encoder`: where the ONNX goes, how many dimensions, which unlabelled images it is fitted on."""
+    encoder.add_argument("--out", type=Path, required=True, help="ONNX file to write (then: --encoder FILE)")
+    encoder.add_argument("--pca", type=int, default=DEFAULT_DIMENSIONS, metavar="K", help="embedding dimensions")
+    encoder.add_argument(
+        "--images", type=Path, help="a folder of the fleet's own images (default: Fashion-MNIST's training images)"
+    )
+    encoder.add_argument("--model-spec", type=Path, help="TOML model spec whose input the images are decoded to")
+    encoder.add_argument("--data-dir", type=Path, help="Fashion-MNIST IDX files (default: the Debian package's)")
+    encoder.add_argument("--fit-images", type=int, default=MAX_FIT_IMAGES, help="seeded draw of images fitted on")
+    encoder.add_argument("--seed", type=int, default=0)
+    encoder.add_argument("--log-level", default="warning")
+
+
+def unlabelled_inputs(images: Path | None, spec: ModelSpec, data_dir: Path | None) -> np.ndarray:
+    """Float (N, C, H, W) inputs in [0, 1], as a device's encoder sees its pool: a folder's images decoded to the
+    spec's shape, else Fashion-MNIST's training images (their labels are never read into the fit)."""
+    if images is not None:
+        unscaled = InputSpec(spec.channels, spec.height, spec.width, mean=(0.0,), std=(1.0,), scale=1 / 255)
+        return read_image_folder(images, unscaled).images
+    if spec != DEFAULT_SPEC:
+        raise ValueError("a model spec other than the paper CNN's needs --images FOLDER")
+    return model_input(load_fashion_mnist(data_dir).train_images)
+
+
+def command_encoder(args: argparse.Namespace) -> int:
+    """Fits the PCA encoder, writes it atomically, checks onnxruntime embeds the spec's images with it."""
+    if args.fit_images < 2:
+        raise ValueError(f"--fit-images must be at least 2, got {args.fit_images}")
+    spec = load_model_spec(args.model_spec).spec if args.model_spec else DEFAULT_SPEC
+    basis = fit_pca(unlabelled_inputs(args.images, spec, args.data_dir), args.pca, args.fit_images, args.seed)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    temporary = args.out.with_name(args.out.name + ".tmp")
+    temporary.write_bytes(pca_encoder_onnx(basis, spec.input_shape))
+    try:
+        load_encoder(temporary, spec)
+    except ValueError:
+        temporary.unlink()
+        raise
+    os.replace(temporary, args.out)
+    print(f"wrote {args.out}: PCA encoder, {args.pca} dimensions, {basis.explained:.1%} of the images' variance")
+    return 0
