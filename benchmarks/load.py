@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +71,7 @@ def encoded_updates(
     device_ids: list[str], announcement: wire.RoundAnnouncement, model: wire.ModelMessage
 ) -> list[bytes]:
     """One valid encoded update per device: the announced weights plus a little noise, 100 samples each."""
-    rng = np.random.default_rng(abs(hash(device_ids[0])) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(device_ids[0].encode()))  # hash() of a str changes per process
     return [
         wire.encode(
             wire.Update(

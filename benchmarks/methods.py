@@ -91,7 +91,8 @@ def parse_config(text: str) -> Config:
     parts = spec.split(":")
     if not name or len(parts) != 3 or not all(parts):
         raise ValueError(f"configuration {text!r} is not NAME=SAMPLER:LOCAL_RULE:STRATEGY[@PARTITION]")
-    return Config(name, *parts, partition=partition or "dirichlet:0.1")
+    sampler, local_rule, strategy = parts
+    return Config(name, sampler, local_rule, strategy, partition=partition or "dirichlet:0.1")
 
 
 def unknown_part(config: Config, devices: int) -> str | None:
@@ -107,9 +108,9 @@ def unknown_part(config: Config, devices: int) -> str | None:
     return None
 
 
-def run_one(config: Config, scale: Scale, seed: int, out: Path) -> dict:
-    """One bench run of a configuration; accuracy and the labelled fraction after every round."""
-    recipe = wire.Recipe(
+def methods_recipe(config: Config, scale: Scale, seed: int) -> wire.Recipe:
+    """The round recipe of a configuration at this scale: labels by fraction of each device's data."""
+    return wire.Recipe(
         sampler=config.sampler,
         local_rule=config.local_rule,
         labels_per_acquisition=0,
@@ -123,11 +124,15 @@ def run_one(config: Config, scale: Scale, seed: int, out: Path) -> dict:
         initial_label_fraction=scale.initial_label_fraction,
         label_fraction=scale.label_fraction,
     )
+
+
+def run_one(config: Config, scale: Scale, seed: int, out: Path) -> dict:
+    """One bench run of a configuration; accuracy and the labelled fraction after every round."""
     settings = ServerSettings(
         run_dir=out / f"{config.name}-seed{seed}",
         fleet=f"methods-{seed}",
         strategy=config.strategy,
-        recipe=recipe,
+        recipe=methods_recipe(config, scale, seed),
         policy=RoundPolicy(rounds=scale.rounds, min_devices=1, round_timeout=1800, participation=scale.participation),
         init=InitSettings(samples=scale.init_samples, seed=seed),
         validation_samples=0,
@@ -137,13 +142,15 @@ def run_one(config: Config, scale: Scale, seed: int, out: Path) -> dict:
     )
     results: list[RoundResult] = []
     started = time.monotonic()
-    simulate(
-        settings,
-        BenchSettings(
-            devices=scale.devices, partition=config.partition, pool_size=scale.pool_size, seed=seed, seed_per_class=0
-        ),
-        results.append,
+    bench = BenchSettings(
+        devices=scale.devices, partition=config.partition, pool_size=scale.pool_size, seed=seed, seed_per_class=0
     )
+    simulate(settings, bench, results.append)
+    return {**curves(results, scale), "seconds": round(time.monotonic() - started, 1)}
+
+
+def curves(results: list[RoundResult], scale: Scale) -> dict:
+    """Accuracy per round and per active round, the labelled fraction and the labels reported per active round."""
     active = [r for r in results if r.round_id % scale.rounds_per_active_round == 0]
     return {
         "accuracy_per_round": [r.accuracy for r in results],
@@ -153,7 +160,6 @@ def run_one(config: Config, scale: Scale, seed: int, out: Path) -> dict:
         ],
         "labels_reported": [r.labels for r in active],
         "final_accuracy": results[-1].accuracy,
-        "seconds": round(time.monotonic() - started, 1),
     }
 
 
@@ -169,6 +175,16 @@ def summarise(runs: list[dict]) -> dict:
         "final_std": round(float(finals.std()), 4),
         "seconds": round(sum(run["seconds"] for run in runs), 1),
     }
+
+
+def run_config(config: Config, scale: Scale, seeds: list[int], out: Path) -> dict:
+    """Every seed of one configuration (a progress line each), with the summary over them."""
+    runs = []
+    for seed in seeds:
+        runs.append(run_one(config, scale, seed, out))
+        progress = {"progress": config.name, "seed": seed, **{k: runs[-1][k] for k in ("final_accuracy", "seconds")}}
+        print(json.dumps(progress), flush=True)
+    return {"config": asdict(config), **summarise(runs), "runs": runs}
 
 
 def main() -> int:
@@ -192,23 +208,9 @@ def main() -> int:
     for name, reason in skipped.items():
         print(f"methods.py: skipping configuration {name!r}: {reason}", file=sys.stderr, flush=True)
     started = time.monotonic()
-    results: dict[str, dict] = {}
-    for config in (c for c in configs if c.name not in skipped):
-        runs = []
-        for seed in args.seeds:
-            runs.append(run_one(config, scale, seed, args.out))
-            print(
-                json.dumps(
-                    {
-                        "progress": config.name,
-                        "seed": seed,
-                        "final_accuracy": runs[-1]["final_accuracy"],
-                        "seconds": runs[-1]["seconds"],
-                    }
-                ),
-                flush=True,
-            )
-        results[config.name] = {"config": asdict(config), **summarise(runs), "runs": runs}
+    results = {
+        config.name: run_config(config, scale, args.seeds, args.out) for config in configs if config.name not in skipped
+    }
     print(
         json.dumps(
             {

@@ -39,6 +39,24 @@ EXPERIMENTS: dict[str, dict] = {
 }
 
 
+def mixfl_selection(results: list[RoundResult]) -> dict:
+    """MixFL's choice per round beside AveFL's and OptFL's accuracies, and whether it was never below the best."""
+    selection = [
+        {
+            "round": r.round_id,
+            "chosen": r.report["chosen"],
+            "mixfl": r.report["acc_average"] if r.report["chosen"] == "average" else r.report["acc_best"],
+            "avefl": r.report["acc_average"],
+            "optfl": r.report["acc_best"],
+        }
+        for r in results
+    ]
+    return {
+        "selection": selection,
+        "mixfl_never_below_best": all(s["mixfl"] >= max(s["avefl"], s["optfl"]) for s in selection),
+    }
+
+
 def run_experiment(name: str, seed: int, out: Path) -> dict:
     """One bench run; returns its per-round results and summary."""
     spec = EXPERIMENTS[name]
@@ -76,17 +94,7 @@ def run_experiment(name: str, seed: int, out: Path) -> dict:
         "seconds": round(time.monotonic() - started, 1),
     }
     if spec["strategy"] == "mixfl":
-        record["selection"] = [
-            {
-                "round": r.round_id,
-                "chosen": r.report["chosen"],
-                "mixfl": r.report["acc_average"] if r.report["chosen"] == "average" else r.report["acc_best"],
-                "avefl": r.report["acc_average"],
-                "optfl": r.report["acc_best"],
-            }
-            for r in results
-        ]
-        record["mixfl_never_below_best"] = all(s["mixfl"] >= max(s["avefl"], s["optfl"]) for s in record["selection"])
+        record.update(mixfl_selection(results))
     return record
 
 
