@@ -6,6 +6,8 @@ it measures is what a user runs. Per partition and sampler it reports, over the 
   final          the final test accuracy
   labels_to_random_final   the labels the sampler's mean curve needed to reach random's mean final accuracy,
                  and that as a fraction of random's labels (null where it never got there)
+  weak_label_accuracy      (runs whose devices hold machine labels, FAST) the share of their last weak labels
+                 that match the ground truth
 
 Usage: python benchmarks/label_efficiency.py [--quick] [--samplers random entropy power-bald:power_beta=4 ...]
        [--partitions type2 dirichlet:0.3] [--seeds 0 1 2] [--epochs E] [--labels L] [--rounds R] [--pool P]
@@ -33,7 +35,10 @@ from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.simulate import BenchSettings, simulate
 from edge_agent import wire
+from edge_agent.device_data import LABELS_FILE
+from edge_agent.labelled_record import LabelledRecord
 from edge_agent.sampling import make_sampler
+from edge_agent.shard import load_shard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +130,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     started = time.monotonic()
     bench = BenchSettings(devices=devices, partition=spec.partition, pool_size=scale.pool, seed=spec.seed)
     simulate(settings, bench, results.append)
+    weak = weak_label_accuracy(settings.run_dir)
     return {
         "partition": spec.partition,
         "sampler": spec.curve,
@@ -133,7 +139,21 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
         "labels": [r.labels for r in results],
         "accuracy": [r.accuracy for r in results],
         "seconds": round(time.monotonic() - started, 1),
+        **({} if weak is None else {"weak_label_accuracy": weak}),
     }
+
+
+def weak_label_accuracy(run_dir: Path) -> float | None:
+    """The share of the devices' last weak (machine, e.g. FAST's kNN) labels that match their shard's ground truth;
+    None where no device holds a weak label."""
+    right = total = 0
+    for device in sorted((run_dir / "devices").iterdir()):
+        truth = load_shard(device / "shard.npz").all_labels
+        record = LabelledRecord.load(device / "state" / LABELS_FILE, len(truth))
+        weak = ~record.human
+        right += int(np.sum(record.labels[weak] == truth[record.indices[weak]]))
+        total += int(weak.sum())
+    return round(right / total, 4) if total else None
 
 
 def summarise(runs: list[dict[str, Any]], baseline: str = "random") -> dict[str, dict[str, Any]]:
@@ -154,7 +174,9 @@ def curve_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     accuracy = np.array([run["accuracy"][:length] for run in runs])
     labels = np.mean([run["labels"][:length] for run in runs], axis=0)
     aulcs = accuracy.mean(axis=1)
+    weak = [run["weak_label_accuracy"] for run in runs if "weak_label_accuracy" in run]
     return {
+        **({"weak_label_accuracy": round(float(np.mean(weak)), 4)} if weak else {}),
         "seeds": [run["seed"] for run in runs],
         "labels": labels.round().astype(int).tolist(),
         "mean": accuracy.mean(axis=0).round(4).tolist(),
