@@ -124,8 +124,10 @@ class RoundRunner:
     def run_step(
         self, models: RoundModels, round_id: int, step: int, acquires: bool, trains: bool
     ) -> dict[str, float] | None:
-        """One acquisition (if the schedule has one) and one local training (if the device participates);
-        the training metrics, or None when an acquisition found nothing new to label."""
+        """One acquisition (if the schedule has one) and one local training (if the device participates); the
+        training metrics. An acquisition that finds nothing new (the pool is used up) still trains on the labels
+        the device holds in the round's first step, as a round without acquisition does (an untrained update
+        would drag the average back and lacks the metrics a strategy may weigh by); later steps give None."""
         started, recipe = time.monotonic(), models.recipe
         seed = step_seed(recipe, self.settings.device_id, round_id, step)
         new_indices = new_labels = np.zeros(0, dtype=np.int64)
@@ -134,7 +136,8 @@ class RoundRunner:
             new_indices, new_labels = self.acquirer.acquire(models, sampler, seed, round_id, step)
             if len(new_indices) == 0:
                 log.warning("no new labels device=%s round=%d", self.settings.device_id, round_id)
-                return None
+                if step > 0:
+                    return None
         metrics: dict[str, float] = {}
         if trains:
             with self.meter.phase("train"):

@@ -247,3 +247,29 @@ def test_onnxruntime_agent_waits_for_a_bundle_that_verifies(broker, tmp_path, sh
     finally:
         stop_agent(agent, thread)
         coordinator.close()
+
+
+def test_a_device_whose_pool_is_used_up_still_trains_on_its_labels_and_reports_its_metrics(broker, tmp_path, shard):
+    """The bench's Dirichlet shards run out before the last rounds: the update must stay a trained one, with the
+    metric FMLU weighs by, not the global model sent back without it (which `fmlu` rejects, stalling the round)."""
+    recipe = wire.Recipe(
+        sampler="random", local_rule="dmlu", labels_per_acquisition=40, acquisitions_per_round=2, epochs=1, batch_size=8
+    )
+    coordinator = FakeCoordinator(broker)
+    agent, thread = start_agent(broker, tmp_path / "state", shard)
+    try:
+        for round_id, seed in ((1, 3), (2, 4)):
+            base = get_weights(build_model(seed=seed))
+            coordinator.start_round(round_id, base, recipe=recipe)
+            message = coordinator.next_on(
+                "update", 60, lambda m, r=round_id: wire.decode(m.payload, wire.Update).round_id == r
+            )
+            assert message is not None, f"no update for round {round_id} within 60 s"
+            update = wire.decode(message.payload, wire.Update)
+            assert update.num_samples == len(shard.images) + len(shard.seed_images)
+            assert "meme_entropy" in update.metrics
+            assert any(not np.array_equal(update.tensors[k], base[k]) for k in base)
+    finally:
+        stop_agent(agent, thread)
+        coordinator.close()
+    assert DeviceData.open(tmp_path / "state").count_labels("oracle") == len(shard.images)
