@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import numpy as np
 
-from coordinator.server import load_encoder
+from coordinator.server import checked_encoder
 from edge_agent.fashion_mnist import load_fashion_mnist
+from edge_agent.files import atomic_write_bytes
 from edge_agent.image_arrays import model_input
 from edge_agent.image_files import InputSpec, read_image_folder
 from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec, load_model_spec
@@ -43,19 +43,11 @@ def unlabelled_inputs(images: Path | None, spec: ModelSpec, data_dir: Path | Non
 
 
 def command_encoder(args: argparse.Namespace) -> int:
-    """Fits the PCA encoder, writes it atomically, checks onnxruntime embeds the spec's images with it."""
+    """Fits the PCA encoder, checks onnxruntime embeds the spec's images with it, writes it atomically."""
     if args.fit_images < 2:
         raise ValueError(f"--fit-images must be at least 2, got {args.fit_images}")
     spec = load_model_spec(args.model_spec).spec if args.model_spec else DEFAULT_SPEC
     basis = fit_pca(unlabelled_inputs(args.images, spec, args.data_dir), args.pca, args.fit_images, args.seed)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    temporary = args.out.with_name(args.out.name + ".tmp")
-    temporary.write_bytes(pca_encoder_onnx(basis, spec.input_shape))
-    try:
-        load_encoder(temporary, spec)
-    except ValueError:
-        temporary.unlink()
-        raise
-    os.replace(temporary, args.out)
+    atomic_write_bytes(args.out, checked_encoder(pca_encoder_onnx(basis, spec.input_shape), spec, str(args.out)))
     print(f"wrote {args.out}: PCA encoder, {args.pca} dimensions, {basis.explained:.1%} of the images' variance")
     return 0

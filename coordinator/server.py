@@ -188,16 +188,20 @@ ENCODER_FILE = "encoder.onnx"
 
 
 def load_encoder(path: Path, spec: ModelSpec) -> bytes:
-    """An encoder's ONNX bytes after checking that onnxruntime can embed an image of the spec's shape with it
-    (one-line errors)."""
+    """An encoder file's ONNX bytes, checked (one-line errors naming `--encoder PATH`)."""
     if not Path(path).is_file():
         raise ValueError(f"--encoder {path}: no such file")
-    onnx = Path(path).read_bytes()
+    return checked_encoder(Path(path).read_bytes(), spec, f"--encoder {path}")
+
+
+def checked_encoder(onnx: bytes, spec: ModelSpec, where: str) -> bytes:
+    """The encoder's bytes once onnxruntime has embedded an image of the spec's shape with them; ValueError in one
+    line, prefixed by `where`, otherwise."""
     try:
         OnnxEncoder(onnx).embed(np.zeros((1, *spec.image_shape), dtype=np.uint8))
     except Exception as error:  # onnxruntime's errors are untyped; any failure means an unusable encoder
         shape = "x".join(str(side) for side in spec.image_shape)
-        raise ValueError(f"--encoder {path}: cannot embed a {shape} image ({str(error).splitlines()[0]})") from None
+        raise ValueError(f"{where}: cannot embed a {shape} image ({str(error).splitlines()[0]})") from None
     return onnx
 
 
