@@ -15,28 +15,23 @@ import json
 from pathlib import Path
 
 import numpy as np
+from label_efficiency import finished_device
 
-from edge_agent.device_data import LABELS_FILE
 from edge_agent.encoder import OnnxEncoder
-from edge_agent.fashion_mnist import CLASS_NAMES
-from edge_agent.labelled_record import LabelledRecord
 from edge_agent.sampling import knn_labels
-from edge_agent.shard import Shard, load_shard
 
 
 def vote_accuracy(embeddings: np.ndarray, truth: np.ndarray, references: np.ndarray, pool: int, k: int) -> float:
     """Accuracy of the kNN vote of `references` (their true labels) over the pool samples not among them."""
     rest = np.setdiff1d(np.arange(pool), references)
-    voted = knn_labels(embeddings[rest], embeddings[references], truth[references], k, len(CLASS_NAMES))
+    voted = knn_labels(embeddings[rest], embeddings[references], truth[references], k, int(truth.max()) + 1)
     return float(np.mean(voted == truth[rest]))
 
 
 def device_accuracies(device: Path, encoder: OnnxEncoder, k: int, rng: np.random.Generator) -> tuple[float, float]:
     """(FAST's references, random references) for one device of a finished run."""
-    shard: Shard = load_shard(device / "shard.npz")
-    truth = shard.all_labels
-    record = LabelledRecord.load(device / "state" / LABELS_FILE, len(truth))
-    human = record.indices[record.human]
+    shard, record = finished_device(device)
+    truth, human = shard.all_labels, record.indices[record.human]
     drawn = rng.choice(len(shard.images), len(human) - len(shard.seed_indices), replace=False)
     embeddings = encoder.embed(shard.all_images)
     picked = vote_accuracy(embeddings, truth, human, len(shard.images), k)

@@ -38,7 +38,7 @@ from edge_agent import wire
 from edge_agent.device_data import LABELS_FILE
 from edge_agent.labelled_record import LabelledRecord
 from edge_agent.sampling import make_sampler
-from edge_agent.shard import load_shard
+from edge_agent.shard import Shard, load_shard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +73,16 @@ class RunSpec:
     encoder: Path | None = None  # FAST's frozen encoder; W0's penultimate layers without one
 
     @property
+    def encoder_used(self) -> Path | None:
+        """The encoder the run gives its sampler: --encoder where the sampler needs one (FAST), else None."""
+        needs = make_sampler(sampler_and_options(self.sampler)[0]).needs_encoder
+        return self.encoder if needs else None
+
+    @property
     def curve(self) -> str:
         """The curve the run belongs to: the sampler's spelling, and the encoder file's stem where one is used."""
-        uses_encoder = self.encoder is not None and make_sampler(sampler_and_options(self.sampler)[0]).needs_encoder
-        return f"{self.sampler}+{self.encoder.stem}" if uses_encoder and self.encoder else self.sampler
+        encoder = self.encoder_used
+        return self.sampler if encoder is None else f"{self.sampler}+{encoder.stem}"
 
     @property
     def name(self) -> str:
@@ -122,7 +128,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
         policy=RoundPolicy(rounds=scale.rounds, min_devices=devices, quorum=devices, round_timeout=3600),
         init=InitSettings(samples=100, seed=spec.seed),
         torch_threads=1,
-        encoder_path=spec.encoder if spec.curve != spec.sampler else None,
+        encoder_path=spec.encoder_used,
         ship_bundles=False,
         evaluate_devices=False,
     )
@@ -143,14 +149,19 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     }
 
 
+def finished_device(device: Path) -> tuple[Shard, LabelledRecord]:
+    """A bench device's shard (its ground truth) and its labelled record as the run left them."""
+    shard = load_shard(device / "shard.npz")
+    return shard, LabelledRecord.load(device / "state" / LABELS_FILE, len(shard.all_labels))
+
+
 def weak_label_accuracy(run_dir: Path) -> float | None:
     """The share of the devices' last weak (machine, e.g. FAST's kNN) labels that match their shard's ground truth;
     None where no device holds a weak label."""
     right = total = 0
     for device in sorted((run_dir / "devices").iterdir()):
-        truth = load_shard(device / "shard.npz").all_labels
-        record = LabelledRecord.load(device / "state" / LABELS_FILE, len(truth))
-        weak = ~record.human
+        shard, record = finished_device(device)
+        truth, weak = shard.all_labels, ~record.human
         right += int(np.sum(record.labels[weak] == truth[record.indices[weak]]))
         total += int(weak.sum())
     return round(right / total, 4) if total else None
