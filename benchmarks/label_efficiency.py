@@ -11,9 +11,11 @@ it measures is what a user runs. Per partition and sampler it reports, over the 
 
 Usage: python benchmarks/label_efficiency.py [--quick] [--samplers random entropy power-bald:power_beta=4 ...]
        [--partitions type2 dirichlet:0.3] [--seeds 0 1 2] [--epochs E] [--labels L] [--rounds R] [--pool P]
-       [--jobs N] [--encoder FILE.onnx] [--out DIR]
+       [--jobs N] [--encoder FILE.onnx] [--lr-schedules constant cosine] [--local-rule R] [--strategy S] [--out DIR]
 A sampler may carry recipe options after a colon (`NAME:key=value,key=value`); each spelling is its own curve.
-With --encoder, the samplers that need a frozen encoder (FAST) use it, and their curve is named SPELLING+STEM.
+A curve is named by the spelling followed by what else differs from the default run, joined by `+`: the local rule
+(other than kept-labels), the strategy (other than avefl), the encoder's file stem (FAST with --encoder), and
+`lr_schedule=NAME` (other than constant), e.g. `ksas+kcfu` or `margin+lr_schedule=cosine`.
 The full default sweep takes hours on 2 cores; --jobs runs that many simulations side by side.
 """
 
@@ -37,6 +39,7 @@ from coordinator.simulate import BenchSettings, simulate
 from edge_agent import wire
 from edge_agent.device_data import LABELS_FILE
 from edge_agent.labelled_record import LabelledRecord
+from edge_agent.lr_schedules import LR_SCHEDULES
 from edge_agent.sampling import make_sampler
 from edge_agent.shard import Shard, load_shard
 
@@ -55,6 +58,9 @@ class Scale:
 
 FULL = Scale({"type2": 4, "dirichlet:0.3": 10}, pool=5000, rounds=10, labels=200, epochs=5, mc_passes=10)
 QUICK = Scale({"type2": 2, "dirichlet:0.3": 3}, pool=300, rounds=3, labels=20, epochs=1, mc_passes=4)
+
+
+DEFAULT_RULE, DEFAULT_STRATEGY, DEFAULT_SCHEDULE = wire.Recipe.local_rule, "avefl", wire.Recipe.lr_schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +86,17 @@ class RunSpec:
 
     @property
     def curve(self) -> str:
-        """The curve the run belongs to: the sampler's spelling, and the encoder file's stem where one is used."""
+        """The curve the run belongs to: the sampler's spelling, then what else differs from the default run (a local
+        rule other than kept-labels, a strategy other than AveFL, the encoder file's stem, other recipe fields)."""
         encoder = self.encoder_used
-        return self.sampler if encoder is None else f"{self.sampler}+{encoder.stem}"
+        parts = [
+            self.sampler,
+            *([] if self.local_rule == DEFAULT_RULE else [self.local_rule]),
+            *([] if self.strategy == DEFAULT_STRATEGY else [self.strategy]),
+            *([] if encoder is None else [encoder.stem]),
+            *(f"{key}={value}" for key, value in sorted(self.recipe.items())),
+        ]
+        return "+".join(parts)
 
     @property
     def name(self) -> str:
@@ -262,10 +276,13 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Runs the chosen simulations (side by side with --jobs), printing each finished run as one JSON line."""
     scale = scale_of(args)
     specs = [
-        RunSpec(partition, sampler, seed, args.strategy, args.local_rule, scale, args.out, encoder=args.encoder)
+        RunSpec(partition, sampler, seed, args.strategy, args.local_rule, scale, args.out, recipe, encoder=args.encoder)
         for partition in args.partitions
         for seed in args.seeds
         for sampler in args.samplers
+        for recipe in (
+            {} if schedule == DEFAULT_SCHEDULE else {"lr_schedule": schedule} for schedule in args.lr_schedules
+        )
     ]
     runs = []
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -282,8 +299,15 @@ def main() -> None:
     parser.add_argument("--samplers", nargs="+", default=["random", "margin", "entropy", "power-entropy", "badge"])
     parser.add_argument("--partitions", nargs="+", default=["type2", "dirichlet:0.3"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--strategy", default="avefl")
-    parser.add_argument("--local-rule", default="kept-labels")
+    parser.add_argument("--strategy", default=DEFAULT_STRATEGY)
+    parser.add_argument("--local-rule", default=DEFAULT_RULE)
+    parser.add_argument(
+        "--lr-schedules",
+        nargs="+",
+        default=[DEFAULT_SCHEDULE],
+        choices=LR_SCHEDULES,
+        help="local learning-rate schedules, each its own curve (SPELLING+lr_schedule=NAME where not constant)",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="simulations run side by side")
     parser.add_argument(
         "--encoder",

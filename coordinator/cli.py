@@ -45,6 +45,7 @@ from edge_agent.chunks import MIN_PACKET_BYTES
 from edge_agent.credentials import Credentials, load_credentials
 from edge_agent.fashion_mnist import DatasetMissingError
 from edge_agent.logs import configure_logging
+from edge_agent.lr_schedules import LR_SCHEDULES
 from edge_agent.model_spec import DEFAULT_SPEC, SpecFile, load_model_spec
 from edge_agent.mqtt import BrokerUnavailableError, parse_broker_url
 from edge_agent.sampling import make_sampler
@@ -163,6 +164,13 @@ def add_recipe_options(parser: argparse.ArgumentParser) -> None:
     recipe.add_argument("--lr", type=float, default=wire.Recipe.learning_rate)
     recipe.add_argument("--momentum", type=float, default=wire.Recipe.momentum)
     recipe.add_argument("--weight-decay", type=float, default=wire.Recipe.weight_decay)
+    recipe.add_argument(
+        "--lr-schedule",
+        default=wire.Recipe.lr_schedule,
+        choices=LR_SCHEDULES,
+        help="the learning rate within a round's local training: constant, or cosine from --lr down towards 0 "
+        "(restarting each round from the received global model)",
+    )
     recipe.add_argument("--mc-passes", type=int, default=10)
     recipe.add_argument("--seed", type=int, default=0)
     recipe.add_argument(
@@ -517,6 +525,7 @@ def recipe_from(args: argparse.Namespace, options: dict[str, float]) -> wire.Rec
         update_scales=args.update_scales,
         update_top_k=args.update_top_k,
         update_compression=args.update_compression,
+        lr_schedule=args.lr_schedule,
     )
 
 

@@ -50,6 +50,7 @@ class HeadLearner:
             recipe.weight_decay,
             head.dropout,
             seed,
+            recipe.lr_schedule,
         )
         weight = self._weights[head.weight]
         adjustment = logit_bias(recipe, labels, len(weight))

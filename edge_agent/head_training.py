@@ -5,11 +5,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edge_agent.lr_schedules import lr_factor
+
 
 @dataclass(frozen=True)
 class HeadSettings:
     """SGD as torch.optim.SGD does it (weight decay added to the gradient, momentum buffer v = mu*v + g), with
-    dropout of rate `dropout` on the classifier's input, as the full model trains it."""
+    dropout of rate `dropout` on the classifier's input, as the full model trains it, and the round's learning-rate
+    schedule stepped per mini-batch as torch's LambdaLR does."""
 
     epochs: int
     batch_size: int
@@ -18,6 +21,7 @@ class HeadSettings:
     weight_decay: float = 0.0
     dropout: float = 0.0
     seed: int = 0
+    lr_schedule: str = "constant"
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -65,19 +69,20 @@ def train_classifier(
     parameters = [weight.astype(np.float64), bias.astype(np.float64)]
     velocity = [np.zeros_like(parameter) for parameter in parameters]
     inputs, targets = features.astype(np.float64), np.asarray(labels, dtype=np.int64)
-    epoch_loss = float("nan")
-    for _ in range(settings.epochs):
+    epoch_loss, starts = float("nan"), range(0, len(inputs), settings.batch_size)
+    for epoch in range(settings.epochs):
         order, total = rng.permutation(len(inputs)), 0.0
-        for start in range(0, len(order), settings.batch_size):
+        for step, start in enumerate(starts, start=epoch * len(starts)):
             batch = order[start : start + settings.batch_size]
             loss, *gradients = cross_entropy_gradients(
                 dropped(inputs[batch], settings.dropout, rng), targets[batch], parameters[0], parameters[1], logit_bias
             )
+            rate = settings.learning_rate * lr_factor(settings.lr_schedule, step, settings.epochs * len(starts))
             for parameter, gradient, buffer in zip(parameters, gradients, velocity):
                 gradient = gradient + settings.weight_decay * parameter
                 buffer *= settings.momentum
                 buffer += gradient
-                parameter -= settings.learning_rate * buffer
+                parameter -= rate * buffer
             total += loss * len(batch)
         epoch_loss = total / max(len(order), 1)
     return parameters[0].astype(np.float32), parameters[1].astype(np.float32), epoch_loss

@@ -17,6 +17,7 @@ from edge_agent.device_data import DeviceData
 from edge_agent.footprint import PhaseMeter
 from edge_agent.learner import make_learner, round_problem
 from edge_agent.local_data import training_view
+from edge_agent.lr_schedules import schedule_problem
 from edge_agent.model_spec import ModelSpec, spec_hash
 from edge_agent.oracle import Oracle
 from edge_agent.round_inputs import RoundModels
@@ -103,6 +104,7 @@ class RoundRunner:
             or announced_spec_problem(announcement, spec)
             or spec_problem(spec, self.data, self.oracle)
             or codec_problem(recipe)
+            or schedule_problem(recipe.lr_schedule)
         )
         if problem is not None:
             log.error("round refused device=%s round=%d reason=%s", self.settings.device_id, round_id, problem)

@@ -16,6 +16,7 @@ from torch import nn
 from edge_agent.files import load_arrays, save_arrays
 from edge_agent.image_arrays import model_input
 from edge_agent.local_data import LOGIT_ADJUSTMENT_OPTION, RESERVOIR_OPTION, LocalData, label_logit_bias
+from edge_agent.lr_schedules import lr_factor, schedule_problem
 from edge_agent.mc_dropout import as_split_model
 from edge_agent.models import get_weights, set_weights
 from edge_agent.options import Method, Option, Registry
@@ -42,15 +43,27 @@ class TrainSettings:
     weight_decay: float = 0.0
     seed: int = 0
     optimizer: str = "sgd"
+    lr_schedule: str = "constant"
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; known: {', '.join(OPTIMIZERS)}")
+        problem = schedule_problem(self.lr_schedule)
+        if problem is not None:
+            raise ValueError(problem)
 
     @classmethod
     def from_recipe(cls, recipe: Recipe, seed: int) -> TrainSettings:
         """The SGD part of a round recipe, with a per-device, per-acquisition seed."""
-        return cls(recipe.epochs, recipe.batch_size, recipe.learning_rate, recipe.momentum, recipe.weight_decay, seed)
+        return cls(
+            recipe.epochs,
+            recipe.batch_size,
+            recipe.learning_rate,
+            recipe.momentum,
+            recipe.weight_decay,
+            seed,
+            lr_schedule=recipe.lr_schedule,
+        )
 
     def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """A fresh optimizer over the model's parameters."""
@@ -59,6 +72,19 @@ class TrainSettings:
         return torch.optim.SGD(
             model.parameters(), lr=self.learning_rate, momentum=self.momentum, weight_decay=self.weight_decay
         )
+
+    def make_schedulers(
+        self, optimizers: Sequence[torch.optim.Optimizer], total_steps: int
+    ) -> list[torch.optim.lr_scheduler.LRScheduler]:
+        """One per optimizer, stepped after each mini-batch (none for the constant schedule: the loop is then
+        exactly the unscheduled one)."""
+        if self.lr_schedule == "constant":
+            return []
+        schedule = self.lr_schedule
+        return [
+            torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(schedule, step, total_steps))
+            for optimizer in optimizers
+        ]
 
 
 def train_supervised(model: nn.Module, images: np.ndarray, labels: np.ndarray, settings: TrainSettings) -> float:
@@ -95,6 +121,8 @@ def run_epochs(
     inputs = torch.from_numpy(model_input(images))
     targets = torch.from_numpy(np.asarray(labels, dtype=np.int64))
     optimizers = [settings.make_optimizer(model) for model in models]
+    sizes = [len(inputs[start : start + settings.batch_size]) for start in range(0, len(inputs), settings.batch_size)]
+    schedulers = settings.make_schedulers(optimizers, settings.epochs * sum(size >= min_batch for size in sizes))
     generator = torch.Generator().manual_seed(settings.seed)
     for model in models:
         model.train()
@@ -106,20 +134,26 @@ def run_epochs(
             batches = [
                 order[start : start + settings.batch_size] for start in range(0, len(order), settings.batch_size)
             ]
-            epoch_loss = run_epoch(inputs, targets, [b for b in batches if len(b) >= min_batch], optimizers, batch_loss)
+            steppers = (optimizers, schedulers)
+            epoch_loss = run_epoch(inputs, targets, [b for b in batches if len(b) >= min_batch], steppers, batch_loss)
     for model in models:
         model.eval()
     return epoch_loss
+
+
+Steppers = tuple[Sequence[torch.optim.Optimizer], Sequence[torch.optim.lr_scheduler.LRScheduler]]
 
 
 def run_epoch(
     inputs: torch.Tensor,
     targets: torch.Tensor,
     batches: Sequence[torch.Tensor],
-    optimizers: Sequence[torch.optim.Optimizer],
+    steppers: Steppers,
     batch_loss: BatchLoss,
 ) -> float:
-    """One pass over the given index batches, every optimizer stepping on each; the mean loss per sample."""
+    """One pass over the given index batches, every optimizer (then its learning-rate scheduler, if any) stepping on
+    each; the mean loss per sample."""
+    optimizers, schedulers = steppers
     total, seen = 0.0, 0
     for batch in batches:
         for optimizer in optimizers:
@@ -128,6 +162,8 @@ def run_epoch(
         loss.backward()
         for optimizer in optimizers:
             optimizer.step()
+        for scheduler in schedulers:
+            scheduler.step()
         total += loss.item() * len(batch)
         seen += len(batch)
     return total / seen

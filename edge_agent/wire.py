@@ -109,6 +109,7 @@ class Recipe:
     update_scales: str = field(default="tensor", metadata=OMITTED_AT_DEFAULT)
     update_top_k: float = field(default=0.0, metadata=OMITTED_AT_DEFAULT)
     update_compression: str = field(default="none", metadata=OMITTED_AT_DEFAULT)
+    lr_schedule: str = field(default="constant", metadata=OMITTED_AT_DEFAULT)
 
 
 @dataclass(frozen=True)
