@@ -1,6 +1,7 @@
 # The device loop against a real mosquitto, with the test playing the coordinator's part.
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -127,26 +128,33 @@ def test_agent_answers_a_round_with_one_update_and_keeps_its_labels(broker, tmp_
 
 
 @pytest.mark.parametrize(
-    ("spec", "reason"),
+    ("spec", "recipe", "reason"),
     [
         (
             ModelSpec("rgb-cnn", 3, 32, 32, [0.5] * 3, [0.25] * 3, list("abcdefghij")),
+            RECIPE,
             "the model takes 32x32x3 images, this device holds 28x28",
         ),
         (
             ModelSpec(class_names=[f"class {index}" for index in range(5)]),
+            RECIPE,
             "the model has 5 classes, this device's labels have 10",
+        ),
+        (
+            DEFAULT_SPEC,
+            dataclasses.replace(RECIPE, lr_schedule="warmup" * 1000),
+            f"unknown learning-rate schedule {('warmup' * 7)[:40]!r}; known: constant, cosine",
         ),
     ],
 )
-def test_a_device_whose_data_does_not_fit_the_spec_refuses_the_round_in_one_line_and_keeps_everything(
-    broker, tmp_path, shard, caplog, spec: ModelSpec, reason: str
+def test_a_device_that_cannot_do_the_round_refuses_it_in_one_bounded_line_and_keeps_everything(
+    broker, tmp_path, shard, caplog, spec: ModelSpec, recipe: wire.Recipe, reason: str
 ):
     coordinator = FakeCoordinator(broker)
     agent, thread = start_agent(broker, tmp_path / "state", shard)
     before = (tmp_path / "state" / "labels.npz").read_bytes()
     try:
-        coordinator.start_round(1, get_weights(build_model(spec, seed=3)), spec=spec)
+        coordinator.start_round(1, get_weights(build_model(spec, seed=3)), recipe=recipe, spec=spec)
         status = coordinator.next_on("status", 60, lambda m: wire.decode(m.payload, wire.Status).state == "error")
         assert status is not None, "the device did not report the refused round"
         assert coordinator.next_on("update", timeout=1) is None
