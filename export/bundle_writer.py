@@ -25,17 +25,8 @@ from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec
 from edge_agent.models import SplitDropoutModel, build_model, set_weights
 from edge_agent.tensors import Weights, weights_hash
 from export import quantize
-from export.onnx_graphs import (
-    DEFAULT_OPSET,
-    EXPORTER,
-    FEATURES_NAME,
-    IMAGES_INPUT,
-    PENULTIMATE_OUTPUT,
-    PROBABILITIES_OUTPUT,
-    export_graphs,
-    export_penultimate,
-    mask_input_names,
-)
+from export.graph_names import DEFAULT_OPSET, FEATURES_NAME, IMAGES_INPUT, PENULTIMATE_OUTPUT, PROBABILITIES_OUTPUT
+from export.onnx_graphs import EXPORTER, export_graphs, export_penultimate, mask_input_names
 
 WEIGHTS_FILE = "weights.npz"
 FP32_GRAPHS = {"prefix": "prefix.onnx", "tail": "tail.onnx"}

@@ -14,7 +14,7 @@ from edge_agent.image_arrays import model_input
 from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec, load_model_spec
 from edge_agent.tensors import Weights
 from export.bundle_writer import write_bundle
-from export.onnx_graphs import DEFAULT_OPSET
+from export.graph_names import DEFAULT_OPSET
 
 CALIBRATION_IMAGES = 512
 

@@ -12,13 +12,15 @@ from torch import nn
 
 from edge_agent.mc_dropout import MaskedTailGraph, PenultimateGraph, PrefixGraph, as_split_model, dropout_spec
 from edge_agent.models import SplitDropoutModel
+from export.graph_names import (
+    DEFAULT_OPSET,
+    EMBEDDINGS_OUTPUT,
+    FEATURES_NAME,
+    IMAGES_INPUT,
+    PENULTIMATE_OUTPUT,
+    PROBABILITIES_OUTPUT,
+)
 
-DEFAULT_OPSET = 17
-IMAGES_INPUT = "images"
-FEATURES_NAME = "features"
-PROBABILITIES_OUTPUT = "probabilities"
-PENULTIMATE_OUTPUT = "penultimate"
-EMBEDDINGS_OUTPUT = "embeddings"
 EXPORTER = "torch.onnx.export (TorchScript exporter, dynamo=False)"
 
 

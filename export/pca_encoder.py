@@ -7,9 +7,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from export.onnx_graphs import EMBEDDINGS_OUTPUT, IMAGES_INPUT
+from export.graph_names import DEFAULT_OPSET, EMBEDDINGS_OUTPUT, IMAGES_INPUT
 
-PCA_OPSET = 17
 PCA_IR_VERSION = 8  # what onnxruntime builds back to 1.14 read
 MAX_FIT_IMAGES = 10_000
 
@@ -73,7 +72,7 @@ def pca_encoder_onnx(basis: PcaBasis, input_shape: tuple[int, ...]) -> bytes:
             numpy_helper.from_array(np.ascontiguousarray(basis.components.T), "pca_directions"),
         ],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", PCA_OPSET)], producer_name="edge-fal")
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", DEFAULT_OPSET)], producer_name="edge-fal")
     model.ir_version = PCA_IR_VERSION
     onnx.checker.check_model(model)
     return model.SerializeToString()

@@ -9,7 +9,7 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
-from export.onnx_graphs import IMAGES_INPUT
+from export.graph_names import IMAGES_INPUT
 
 CALIBRATION_BATCH = 128
 METHOD = "static QDQ (uint8 activations, int8 weights) on the prefix's Conv layers; the masked tail stays fp32"
