@@ -14,6 +14,9 @@ import argparse
 import collections
 import json
 import multiprocessing
+import multiprocessing.process
+import multiprocessing.queues
+import multiprocessing.synchronize
 import os
 import queue
 import re
@@ -25,7 +28,9 @@ import tempfile
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import paho.mqtt.client as paho
@@ -106,9 +111,9 @@ def first_verdicts(acks: queue.Queue, devices: int) -> dict[str, tuple[float, bo
 def worker(
     address: tuple[str, int],
     device_ids: list[str],
-    ready: multiprocessing.Event,
-    go: multiprocessing.Event,
-    results: multiprocessing.Queue,
+    ready: multiprocessing.synchronize.Event,
+    go: multiprocessing.synchronize.Event,
+    results: multiprocessing.queues.Queue,
 ) -> None:
     """Hosts many devices: connects them, waits for round 1 and its model, pre-encodes their updates, publishes on
     `go`, and reports (first publish, last ack, accepted count, rejection reasons) in wall-clock seconds."""
@@ -141,7 +146,10 @@ def worker(
 def memory_kb(pid: int, field: str) -> int:
     """VmHWM (peak) or VmRSS (now) of a process, in kB, from /proc/<pid>/status."""
     text = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE).group(1))
+    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"/proc/{pid}/status has no {field} line")
+    return int(match.group(1))
 
 
 def start_coordinator(
@@ -181,6 +189,7 @@ def start_coordinator(
         "--json",
     ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stderr is not None  # stderr=PIPE
     line = process.stderr.readline()
     match = re.search(r"mqtt://([\d.]+):(\d+)", line)
     if match is None:
@@ -191,14 +200,14 @@ def start_coordinator(
 
 def ready_fake_devices(
     address: tuple[str, int], devices: int, workers: int
-) -> tuple[list[multiprocessing.Process], multiprocessing.Event, multiprocessing.Queue]:
+) -> tuple[list[multiprocessing.process.BaseProcess], multiprocessing.synchronize.Event, multiprocessing.queues.Queue]:
     """Worker processes hosting `devices` fake devices, each worker with its updates encoded and waiting for the
     returned `go` event; their reports arrive on the returned queue."""
     ids = [f"dev-{index:03d}" for index in range(devices)]
     context = multiprocessing.get_context("spawn")
     ready = [context.Event() for _ in range(workers)]
     go, results = context.Event(), context.Queue()
-    processes = [
+    processes: list[multiprocessing.process.BaseProcess] = [
         context.Process(target=worker, args=(address, ids[index::workers], ready[index], go, results))
         for index in range(workers)
     ]
@@ -210,16 +219,23 @@ def ready_fake_devices(
     return processes, go, results
 
 
+def drain(stream: IO[str], sink: Callable[[str], object]) -> None:
+    """Hands every line of a child's pipe to `sink` until the pipe closes (a reader thread's whole job)."""
+    for line in stream:
+        sink(line)
+
+
 def run_load(devices: int, workers: int, strategy: str, spool_batch: int) -> dict:
     """One load run with `devices` fake devices spread over `workers` processes, the coordinator group-committing
     at most `spool_batch` messages per fsync."""
     with tempfile.TemporaryDirectory(prefix="load-") as folder:
         run_dir = Path(folder) / "run"
         coordinator, address = start_coordinator(run_dir, devices, strategy, spool_batch)
+        assert coordinator.stdout is not None and coordinator.stderr is not None  # both PIPE
         lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(line) for line in coordinator.stdout], daemon=True).start()
+        threading.Thread(target=drain, args=(coordinator.stdout, lines.put), daemon=True).start()
         stderr_tail: collections.deque = collections.deque(maxlen=20)  # drained, or a full pipe would block it
-        threading.Thread(target=lambda: stderr_tail.extend(coordinator.stderr), daemon=True).start()
+        threading.Thread(target=drain, args=(coordinator.stderr, stderr_tail.append), daemon=True).start()
         try:
             processes, go, results = ready_fake_devices(address, devices, workers)
             rss_before = memory_kb(coordinator.pid, "VmRSS")
