@@ -121,8 +121,9 @@ def run_epochs(
     inputs = torch.from_numpy(model_input(images))
     targets = torch.from_numpy(np.asarray(labels, dtype=np.int64))
     optimizers = [settings.make_optimizer(model) for model in models]
-    sizes = [len(inputs[start : start + settings.batch_size]) for start in range(0, len(inputs), settings.batch_size)]
-    schedulers = settings.make_schedulers(optimizers, settings.epochs * sum(size >= min_batch for size in sizes))
+    starts = range(0, len(inputs), settings.batch_size)
+    steps_per_epoch = sum(min(settings.batch_size, len(inputs) - start) >= min_batch for start in starts)
+    schedulers = settings.make_schedulers(optimizers, settings.epochs * steps_per_epoch)
     generator = torch.Generator().manual_seed(settings.seed)
     for model in models:
         model.train()
