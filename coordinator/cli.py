@@ -173,6 +173,11 @@ def add_recipe_options(parser: argparse.ArgumentParser) -> None:
     )
     recipe.add_argument("--mc-passes", type=int, default=10)
     recipe.add_argument("--seed", type=int, default=0)
+    add_update_options(recipe)
+
+
+def add_update_options(recipe: argparse._ArgumentGroup) -> None:
+    """The recipe's part that says how devices encode what they send: encoding, scales, top-k, compression."""
     recipe.add_argument(
         "--update-encoding",
         default=wire.Recipe.update_encoding,

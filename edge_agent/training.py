@@ -97,6 +97,12 @@ def train_supervised(model: nn.Module, images: np.ndarray, labels: np.ndarray, s
 BatchLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def batch_starts(count: int, batch_size: int, min_batch: int) -> list[int]:
+    """Where an epoch's mini-batches start, leaving out a last batch smaller than min_batch: the same positions every
+    epoch (only the order within them is reshuffled), so they also count a round's steps for its schedule."""
+    return [start for start in range(0, count, batch_size) if min(batch_size, count - start) >= min_batch]
+
+
 def run_epochs(
     models: Sequence[nn.Module],
     images: np.ndarray,
@@ -121,9 +127,8 @@ def run_epochs(
     inputs = torch.from_numpy(model_input(images))
     targets = torch.from_numpy(np.asarray(labels, dtype=np.int64))
     optimizers = [settings.make_optimizer(model) for model in models]
-    starts = range(0, len(inputs), settings.batch_size)
-    steps_per_epoch = sum(min(settings.batch_size, len(inputs) - start) >= min_batch for start in starts)
-    schedulers = settings.make_schedulers(optimizers, settings.epochs * steps_per_epoch)
+    starts = batch_starts(len(inputs), settings.batch_size, min_batch)
+    schedulers = settings.make_schedulers(optimizers, settings.epochs * len(starts))
     generator = torch.Generator().manual_seed(settings.seed)
     for model in models:
         model.train()
@@ -132,11 +137,8 @@ def run_epochs(
         torch.manual_seed(settings.seed)
         for _ in range(settings.epochs):
             order = torch.randperm(len(inputs), generator=generator)
-            batches = [
-                order[start : start + settings.batch_size] for start in range(0, len(order), settings.batch_size)
-            ]
-            steppers = (optimizers, schedulers)
-            epoch_loss = run_epoch(inputs, targets, [b for b in batches if len(b) >= min_batch], steppers, batch_loss)
+            batches = [order[start : start + settings.batch_size] for start in starts]
+            epoch_loss = run_epoch(inputs, targets, batches, (optimizers, schedulers), batch_loss)
     for model in models:
         model.eval()
     return epoch_loss
