@@ -20,16 +20,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.simulate import BenchSettings, DeviceLaunch, spawn_agent, write_shards  # noqa: E402
 from coordinator.broker import EmbeddedBroker  # noqa: E402
 from coordinator.server import InitSettings, ServerSettings, load_server_data  # noqa: E402
-from coordinator.simulate import BenchSettings, DeviceLaunch, spawn_agent, write_shards  # noqa: E402
-from edge_agent import wire  # noqa: E402
-from edge_agent.model_spec import DEFAULT_SPEC  # noqa: E402
-from edge_agent.models import build_model, get_weights  # noqa: E402
-from edge_agent.mqtt import BrokerAddress, MqttSession  # noqa: E402
-from edge_agent.profile import load_profile  # noqa: E402
-from edge_agent.tensors import weights_hash  # noqa: E402
+from edge_agent.learning.models import build_model, get_weights  # noqa: E402
+from edge_agent.loop.profile import load_profile  # noqa: E402
 from export.bundle_writer import ensure_bundle_files  # noqa: E402
+from protocol import wire  # noqa: E402
+from protocol.model_spec import DEFAULT_SPEC  # noqa: E402
+from protocol.mqtt import BrokerAddress, MqttSession  # noqa: E402
+from protocol.tensors import weights_hash  # noqa: E402
 
 FLEET = "footprint"
 TARGETS_MB = {"raspberry-pi-zero-2w": {"full": 250.0, "score_only": 120.0}}

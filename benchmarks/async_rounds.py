@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 
+from bench.simulate import BenchSettings, simulate, slow_devices
 from coordinator.async_intake import AsyncPolicy
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
-from coordinator.simulate import BenchSettings, simulate, slow_devices
 from coordinator.store import RunStore
-from edge_agent import wire
+from protocol import wire
 
 
 def settings_for(args: argparse.Namespace, seed: int, mode: str) -> ServerSettings:

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 from label_efficiency import RunSpec, Scale, run_one
 
+from bench.partition import cluster_members
 from coordinator.cadis import CadisState, cluster_sizes, q_matrix, running_similarity
-from coordinator.partition import cluster_members
 from coordinator.store import RunStore
 
 

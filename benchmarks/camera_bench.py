@@ -1,6 +1,6 @@
 # The field bench on colour images: a camera fleet, its model spec, field agents and their people, per sampler.
 """Prints one JSON line per run and a summary: accuracy against labels of a camera fleet (Fashion-MNIST items
-rendered as RGB JPEG scenes, coordinator.camera_scenes) learning with the fleet's model spec (MobileNet at a quarter
+rendered as RGB JPEG scenes, bench.camera_scenes) learning with the fleet's model spec (MobileNet at a quarter
 width, 96 px), through real field agents (`edge-agent run --pool-dir --model-spec`) whose folder oracles are
 answered by the bench's people, a real coordinator (`fl-coordinator run --model-spec --dataset`) and an embedded
 mosquitto whose packet limit makes every model and update travel in chunks.
@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from coordinator.broker import EmbeddedBroker
-from coordinator.camera_fleet import (
+from bench.camera_fleet import (
     SERVER_FILE,
     SPEC_FILE,
     FleetSettings,
@@ -28,9 +27,10 @@ from coordinator.camera_fleet import (
     build_fleet,
     camera_agent_command,
 )
+from coordinator.broker import EmbeddedBroker
 from coordinator.store import RunStore
-from edge_agent.fashion_mnist import load_fashion_mnist
-from edge_agent.model_spec import load_model_spec
+from edge_agent.data.fashion_mnist import load_fashion_mnist
+from protocol.model_spec import load_model_spec
 
 WAIT_SECONDS = 3600
 

@@ -2,11 +2,11 @@
 """Prints one JSON object (the fleet's folders, image counts, class names, bytes and seconds).
 
 Each device gets DIR/device-NN/pool/ (its camera folder: the agent's --pool-dir) and DIR/device-NN/answers.csv
-(file,label: what the bench's person answers through the folder oracle, see coordinator.camera_fleet
+(file,label: what the bench's person answers through the folder oracle, see bench.camera_fleet
 .answer_queries); DIR/server.npz is the coordinator's --dataset (its own labelled scenes for W0 and the selection
 split, and the test scenes: uint8 (N, size, size, 3)), DIR/model_spec.toml the --model-spec of both sides and
 DIR/classes.json the class names. Scenes are Fashion-MNIST items rendered by
-coordinator.camera_scenes: tinted, scaled, tilted and placed at random on textured backgrounds, as JPEGs."""
+bench.camera_scenes: tinted, scaled, tilted and placed at random on textured backgrounds, as JPEGs."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import json
 import time
 from pathlib import Path
 
-from coordinator.camera_fleet import FleetSettings, build_fleet
-from coordinator.camera_scenes import DEFAULT_CLASSES, parse_classes
-from edge_agent.fashion_mnist import load_fashion_mnist
+from bench.camera_fleet import FleetSettings, build_fleet
+from bench.camera_scenes import DEFAULT_CLASSES, parse_classes
+from edge_agent.data.fashion_mnist import load_fashion_mnist
 
 DEFAULTS = FleetSettings()
 

@@ -32,16 +32,16 @@ from typing import Any
 
 import numpy as np
 
+from bench.shard import Shard, load_shard
+from bench.simulate import BenchSettings, simulate
 from coordinator.observer import RoundResult
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
-from coordinator.simulate import BenchSettings, simulate
-from edge_agent import wire
-from edge_agent.device_data import LABELS_FILE
-from edge_agent.labelled_record import LabelledRecord
-from edge_agent.lr_schedules import LR_SCHEDULES
-from edge_agent.sampling import make_sampler
-from edge_agent.shard import Shard, load_shard
+from edge_agent.data.device_data import LABELS_FILE
+from edge_agent.data.labelled_record import LabelledRecord
+from edge_agent.learning.lr_schedules import LR_SCHEDULES
+from edge_agent.learning.sampling import make_sampler
+from protocol import wire
 
 
 @dataclasses.dataclass(frozen=True)

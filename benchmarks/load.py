@@ -35,8 +35,8 @@ from typing import IO
 import numpy as np
 import paho.mqtt.client as paho
 
-from edge_agent import wire
-from edge_agent.model_spec import DEFAULT_SPEC
+from protocol import wire
+from protocol.model_spec import DEFAULT_SPEC
 
 FLEET = "load"
 CONNECT_SECONDS = 120.0

@@ -32,10 +32,10 @@ def train_w0(out: Path | str) -> dict:
     import numpy as np
     import torch
 
-    from edge_agent.fashion_mnist import load_fashion_mnist
-    from edge_agent.image_arrays import model_input
-    from edge_agent.models import build_model, get_weights
-    from edge_agent.shard import Shard, save_shard
+    from bench.shard import Shard, save_shard
+    from edge_agent.data.fashion_mnist import load_fashion_mnist
+    from edge_agent.data.image_arrays import model_input
+    from edge_agent.learning.models import build_model, get_weights
     from export.bundle_writer import write_bundle
 
     out = Path(out)
@@ -82,9 +82,9 @@ def zoo_inputs(out: Path | str, name: str) -> None:
     """The zoo model's bundle (seeded weights) and a pool of random uint8 images of its shape, under out/name."""
     import numpy as np
 
-    from edge_agent.model_spec import ModelSpec
-    from edge_agent.models import build_model, get_weights
+    from edge_agent.learning.models import build_model, get_weights
     from export.bundle_writer import write_bundle
+    from protocol.model_spec import ModelSpec
 
     out, fields = Path(out), ZOO[name]
     colour = {"mean": [0.5] * 3, "std": [0.25] * 3, "class_names": ZOO_CLASSES} if fields else {}
@@ -102,12 +102,12 @@ def naive_row(out: Path, pool_file: str = "pool.npz") -> dict:
     import numpy as np
     import torch
 
-    from edge_agent.bundle import load_bundle
-    from edge_agent.files import load_arrays
-    from edge_agent.image_arrays import model_input
-    from edge_agent.models import build_model, set_weights
-    from edge_agent.sampling import entropy_scores, top_k
+    from edge_agent.data.image_arrays import model_input
+    from edge_agent.learning.bundle import load_bundle
+    from edge_agent.learning.models import build_model, set_weights
+    from edge_agent.learning.sampling import entropy_scores, top_k
     from edge_agent.score_command import load_pool_images
+    from protocol.files import load_arrays
 
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)

@@ -27,15 +27,15 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.partition import partition_indices
+from bench.simulate import BenchSettings, simulate
 from coordinator.observer import RoundResult
-from coordinator.partition import partition_indices
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
-from coordinator.simulate import BenchSettings, simulate
 from coordinator.strategies import make_strategy
-from edge_agent import wire
-from edge_agent.sampling import make_sampler
-from edge_agent.training import make_local_rule
+from edge_agent.learning.sampling import make_sampler
+from edge_agent.learning.training import make_local_rule
+from protocol import wire
 
 DEFAULT_CONFIGS = (
     "random=random:fedprox:fedavg",

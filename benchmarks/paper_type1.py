@@ -20,11 +20,11 @@ import json
 import time
 from pathlib import Path
 
+from bench.simulate import BenchSettings, simulate
 from coordinator.observer import RoundResult
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
-from coordinator.simulate import BenchSettings, simulate
-from edge_agent import wire
+from protocol import wire
 
 EVERY = dict(strategy="avefl", rounds=10, acquisitions=1, sampler="random", seeds=5)
 ONCE = dict(EVERY, rounds=1, acquisitions=10)

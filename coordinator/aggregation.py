@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edge_agent.tensors import Weights, WeightSpec, check_layout, spec_of
+from protocol.tensors import Weights, WeightSpec, check_layout, spec_of
 
 FRACTION_BITS = 48  # each term c_i * W_i is rounded to a multiple of 2^-48 (far below float32 resolution)
 LIMB_BITS = 32  # a term on that grid is split into a high and a low int64 limb

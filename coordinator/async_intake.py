@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from coordinator.aggregation import check_magnitude
 from coordinator.intake import RoundCollector
 from coordinator.validation import Expectation, Rejection, decoded, validate_update
-from edge_agent import wire
-from edge_agent.tensors import Weights, weights_hash
-from edge_agent.wire import RejectionKind
+from protocol import wire
+from protocol.tensors import Weights, weights_hash
+from protocol.wire import RejectionKind
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ from coordinator.round_aggregator import RoundAggregator, SuspectPolicy
 from coordinator.rounds import Coordinator, OpenRound, RoundParts, RoundRules
 from coordinator.strategies import Evaluate, Strategy
 from coordinator.validation import Rejection, with_weights
-from edge_agent import wire
-from edge_agent.mqtt import MqttSession
-from edge_agent.tensors import Weights, weights_hash
+from protocol import wire
+from protocol.mqtt import MqttSession
+from protocol.tensors import Weights, weights_hash
 
 log = logging.getLogger(__name__)
 

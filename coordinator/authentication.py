@@ -5,8 +5,8 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from coordinator.validation import Rejection
-from edge_agent import wire
-from edge_agent.wire import RejectionKind
+from protocol import wire
+from protocol.wire import RejectionKind
 
 
 class NonceLedger(Protocol):

@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 
 from coordinator.provision import SecureFleet, broker_config_lines
-from edge_agent.mqtt import BrokerAddress
+from protocol.mqtt import BrokerAddress
 
 log = logging.getLogger(__name__)
 
 PORT_FILE = "port"
 # The largest MQTT packet the embedded broker takes (mosquitto's max_packet_size, which MQTT v5 clients learn from
-# the CONNACK's Maximum Packet Size); larger messages travel in chunks (edge_agent.chunks).
+# the CONNACK's Maximum Packet Size); larger messages travel in chunks (protocol.chunks).
 DEFAULT_MAX_PACKET_BYTES = 1024 * 1024
 PR_SET_PDEATHSIG = 1
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coordinator.aggregation import RunningSum
-from edge_agent.tensors import Weights, check_layout, spec_of
+from protocol.tensors import Weights, check_layout, spec_of
 
 
 def staleness_weight(staleness: int) -> float:

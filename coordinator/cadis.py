@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from coordinator.aggregation import normalised
-from edge_agent.tensors import Weights
+from protocol.tensors import Weights
 
 CADIS_INITIAL_THRESHOLD = 0.975
 CADIS_THRESHOLD_CAP = 0.985

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from coordinator.spool import check_round_id, round_name
-from edge_agent.files import load_arrays, save_arrays
-from edge_agent.tensors import Weights, weights_hash
+from protocol.files import load_arrays, save_arrays
+from protocol.tensors import Weights, weights_hash
 
 if TYPE_CHECKING:
     from coordinator.store import Database

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from bench.simulate import BenchSettings, simulate, write_shards
 from coordinator.async_intake import AsyncPolicy
 from coordinator.broker import BrokerError, embedded_broker, embedded_packet_limit
 from coordinator.dashboard.live import LiveState
@@ -37,23 +38,22 @@ from coordinator.server import (
     load_server_data,
     run_server,
 )
-from coordinator.simulate import BenchSettings, simulate, write_shards
 from coordinator.store import RunStore, stored_spec
 from coordinator.strategies import make_strategy
-from edge_agent import wire
-from edge_agent.chunks import MIN_PACKET_BYTES
-from edge_agent.credentials import Credentials, load_credentials
-from edge_agent.fashion_mnist import DatasetMissingError
-from edge_agent.logs import configure_logging
-from edge_agent.lr_schedules import LR_SCHEDULES
-from edge_agent.model_spec import DEFAULT_SPEC, SpecFile, load_model_spec
-from edge_agent.mqtt import BrokerUnavailableError, parse_broker_url
-from edge_agent.sampling import make_sampler
-from edge_agent.schedule import check_schedule
-from edge_agent.shutdown import Terminated, raise_on_sigterm
-from edge_agent.training import LOCAL_RULES, OPTIMIZERS, make_local_rule
-from edge_agent.update_codec import ENCODINGS, SCALES, UpdateCodec
+from edge_agent.data.fashion_mnist import DatasetMissingError
+from edge_agent.learning.lr_schedules import LR_SCHEDULES
+from edge_agent.learning.sampling import make_sampler
+from edge_agent.learning.training import LOCAL_RULES, OPTIMIZERS, make_local_rule
+from edge_agent.loop.schedule import check_schedule
 from export.cli import add_bundle_options, export_weights
+from protocol import wire
+from protocol.chunks import MIN_PACKET_BYTES
+from protocol.credentials import Credentials, load_credentials
+from protocol.logs import configure_logging
+from protocol.model_spec import DEFAULT_SPEC, SpecFile, load_model_spec
+from protocol.mqtt import BrokerUnavailableError, parse_broker_url
+from protocol.shutdown import Terminated, raise_on_sigterm
+from protocol.update_codec import ENCODINGS, SCALES, UpdateCodec
 
 log = logging.getLogger("coordinator")
 

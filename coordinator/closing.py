@@ -15,7 +15,7 @@ from coordinator.observer import RoundResult
 from coordinator.round_aggregator import Aggregate, RoundAggregator
 from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore, StrategyState
 from coordinator.strategies import Strategy
-from edge_agent.tensors import Weights
+from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from edge_agent.tensors import Weights
+from protocol.tensors import Weights
 
 NORM_ORDERS: dict[str, int] = {"l2": 2, "l1": 1}
 MAD_SCALE = 1.4826  # 1 / Phi^-1(3/4): makes 1.4826 * MAD estimate the standard deviation of normal data

@@ -7,12 +7,12 @@ from pathlib import Path
 import numpy as np
 
 from coordinator.server import checked_encoder
-from edge_agent.fashion_mnist import load_fashion_mnist
-from edge_agent.files import atomic_write_bytes
-from edge_agent.image_arrays import model_input
-from edge_agent.image_files import InputSpec, read_image_folder
-from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec, load_model_spec
+from edge_agent.data.fashion_mnist import load_fashion_mnist
+from edge_agent.data.image_arrays import model_input
+from edge_agent.data.image_files import InputSpec, read_image_folder
 from export.pca_encoder import MAX_FIT_IMAGES, fit_pca, pca_encoder_onnx
+from protocol.files import atomic_write_bytes
+from protocol.model_spec import DEFAULT_SPEC, ModelSpec, load_model_spec
 
 DEFAULT_DIMENSIONS = 32
 

@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from torch import nn
 
-from edge_agent.image_arrays import model_input
-from edge_agent.mc_dropout import TorchMCDropout, predict_probabilities
-from edge_agent.model_spec import ModelSpec
-from edge_agent.models import build_model, set_weights
-from edge_agent.tensors import Weights
+from edge_agent.data.image_arrays import model_input
+from edge_agent.learning.mc_dropout import TorchMCDropout, predict_probabilities
+from edge_agent.learning.models import build_model, set_weights
+from protocol.model_spec import ModelSpec
+from protocol.tensors import Weights
 
 
 @dataclass(frozen=True)

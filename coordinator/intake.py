@@ -11,10 +11,10 @@ from coordinator.aggregation import ClientUpdate
 from coordinator.observer import RoundObserver
 from coordinator.store import RunStore
 from coordinator.validation import Expectation, Rejection, validate_update
-from edge_agent import wire
-from edge_agent.chunks import Dropped
-from edge_agent.mqtt import MqttSession
-from edge_agent.wire import RejectionKind
+from protocol import wire
+from protocol.chunks import Dropped
+from protocol.mqtt import MqttSession
+from protocol.wire import RejectionKind
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coordinator.validation import Rejection
-from edge_agent import wire
+from protocol import wire
 
 
 @dataclass(frozen=True)

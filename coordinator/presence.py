@@ -5,7 +5,7 @@ import logging
 from collections.abc import Callable, Collection
 
 from coordinator.observer import RoundObserver
-from edge_agent import wire
+from protocol import wire
 
 log = logging.getLogger(__name__)
 

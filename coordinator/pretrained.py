@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_agent.files import load_arrays
-from edge_agent.tensors import Weights
-from edge_agent.wire import shown_names
+from protocol.files import load_arrays
+from protocol.tensors import Weights
+from protocol.wire import shown_names
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
 
-from edge_agent import wire
-from edge_agent.credentials import Credentials, load_credentials, save_credentials
-from edge_agent.files import atomic_write_bytes
+from protocol import wire
+from protocol.credentials import Credentials, load_credentials, save_credentials
+from protocol.files import atomic_write_bytes
 
 COORDINATOR_USERNAME = "coordinator"
 PASSWORD_ITERATIONS = 101  # what mosquitto_passwd 2.0 writes for its $7$ (PBKDF2-SHA512) hashes

@@ -6,10 +6,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from edge_agent import wire
-from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec, spec_hash
-from edge_agent.mqtt import MqttSession
-from edge_agent.tensors import Weights
+from protocol import wire
+from protocol.model_spec import DEFAULT_SPEC, ModelSpec, spec_hash
+from protocol.mqtt import MqttSession
+from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)
 

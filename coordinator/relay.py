@@ -18,14 +18,14 @@ from coordinator.rounds import Coordinator, RoundParts, RoundRules
 from coordinator.server import ServerSettings, bundle_exporter, coordinator_session, secured
 from coordinator.store import RunStore
 from coordinator.strategies import make_strategy
-from edge_agent import wire
-from edge_agent.agent import last_will
-from edge_agent.agent_settings import AgentSettings
-from edge_agent.artefacts import RoundArtefacts
-from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec, spec_hash
-from edge_agent.mqtt import BrokerAddress, IncomingMessage, MqttSession
-from edge_agent.outbox import OUTBOX_FOLDER, UpdateSender
-from edge_agent.tensors import Weights
+from edge_agent.loop.agent import last_will
+from edge_agent.loop.agent_settings import AgentSettings
+from edge_agent.loop.artefacts import RoundArtefacts
+from edge_agent.loop.outbox import OUTBOX_FOLDER, UpdateSender
+from protocol import wire
+from protocol.model_spec import DEFAULT_SPEC, ModelSpec, spec_hash
+from protocol.mqtt import BrokerAddress, IncomingMessage, MqttSession
+from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)
 

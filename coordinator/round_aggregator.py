@@ -9,7 +9,7 @@ from typing import Any
 from coordinator.aggregation import ClientUpdate, check_magnitude
 from coordinator.divergence import flag_suspects, layer_divergence
 from coordinator.strategies import Evaluate, Strategy, StreamingWeightedAverage
-from edge_agent.tensors import Weights
+from protocol.tensors import Weights
 
 
 @dataclass(frozen=True)

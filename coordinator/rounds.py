@@ -19,10 +19,10 @@ from coordinator.publisher import RetainedPublisher
 from coordinator.round_aggregator import RoundAggregator, SuspectPolicy, make_aggregator
 from coordinator.spool import Spool
 from coordinator.validation import Expectation, with_weights
-from edge_agent import wire
-from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec
-from edge_agent.mqtt import IncomingMessage, MqttSession
-from edge_agent.tensors import Weights, spec_of, weights_hash
+from protocol import wire
+from protocol.model_spec import DEFAULT_SPEC, ModelSpec
+from protocol.mqtt import IncomingMessage, MqttSession
+from protocol.tensors import Weights, spec_of, weights_hash
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from coordinator.async_rounds import AsyncCoordinator, check_async_settings
 from coordinator.authentication import UpdateAuthenticator
 from coordinator.closing import RoundCloser
 from coordinator.evaluation import Evaluator, LabelledSplit
+from coordinator.holdout import server_holdout
 from coordinator.intake import UpdateIntake
 from coordinator.observer import RoundObserver, RoundResult
-from coordinator.partition import server_holdout
 from coordinator.presence import Presence
 from coordinator.pretrained import merge_initial_weights, read_weight_file
 from coordinator.provision import load_secure_fleet
@@ -29,19 +29,19 @@ from coordinator.round_aggregator import SuspectPolicy
 from coordinator.rounds import Coordinator, RoundParts, RoundPolicy, RoundRules
 from coordinator.store import RunStore, stored_spec
 from coordinator.strategies import make_strategy
-from edge_agent import wire
-from edge_agent.chunks import MIB, ChunkLimits
-from edge_agent.encoder import OnnxEncoder, encoder_hash
-from edge_agent.fashion_mnist import CLASS_NAMES, load_fashion_mnist
-from edge_agent.image_arrays import ImageDataset, load_npz_dataset
-from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec, spec_hash
-from edge_agent.models import build_model, get_weights, set_weights
-from edge_agent.mqtt import MANUAL_ACK_WINDOW, BrokerAddress, MqttSession
-from edge_agent.sampling import make_sampler
-from edge_agent.tensors import Weights
-from edge_agent.training import TrainSettings, train_supervised
+from edge_agent.data.fashion_mnist import load_fashion_mnist
+from edge_agent.data.image_arrays import ImageDataset, load_npz_dataset
+from edge_agent.learning.encoder import OnnxEncoder, encoder_hash
+from edge_agent.learning.models import build_model, get_weights, set_weights
+from edge_agent.learning.sampling import make_sampler
+from edge_agent.learning.training import TrainSettings, train_supervised
 from export.bundle_writer import ensure_bundle_files
 from export.onnx_graphs import export_encoder
+from protocol import wire
+from protocol.chunks import MIB, ChunkLimits
+from protocol.model_spec import CLASS_NAMES, DEFAULT_SPEC, ModelSpec, spec_hash
+from protocol.mqtt import MANUAL_ACK_WINDOW, BrokerAddress, MqttSession
+from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)
 

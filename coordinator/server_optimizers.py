@@ -5,7 +5,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from edge_agent.tensors import Weights
+from protocol.tensors import Weights
 
 SecondMoment = Callable[[np.ndarray, np.ndarray, float], np.ndarray]
 

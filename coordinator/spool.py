@@ -18,8 +18,8 @@ from typing import BinaryIO
 
 import numpy as np
 
-from edge_agent.files import fsync_directory
-from edge_agent.wire import IDENTIFIER, WireError, check_identifier
+from protocol.files import fsync_directory
+from protocol.wire import IDENTIFIER, WireError, check_identifier
 
 SEGMENT = re.compile(r"segment_(\d{6,})\.log")
 ROUND_FOLDER = re.compile(r"round_(\d{4,})")

@@ -13,9 +13,9 @@ from typing import Any
 
 from coordinator.checkpoints import Checkpoints
 from coordinator.spool import Spool, check_device_id, check_round_id
-from edge_agent.files import load_arrays, save_arrays
-from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec, spec_from_dict
-from edge_agent.tensors import Weights
+from protocol.files import load_arrays, save_arrays
+from protocol.model_spec import DEFAULT_SPEC, ModelSpec, spec_from_dict
+from protocol.tensors import Weights
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS config (

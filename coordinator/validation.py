@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edge_agent import wire
-from edge_agent.tensors import Weights, WeightSpec, check_layout
-from edge_agent.update_codec import CodecError, Encoded, decode_update
-from edge_agent.wire import RejectionKind
+from protocol import wire
+from protocol.tensors import Weights, WeightSpec, check_layout
+from protocol.update_codec import CodecError, Encoded, decode_update
+from protocol.wire import RejectionKind
 
 METRIC_TOLERANCE = 1e-4
 MAX_CONTRIBUTORS = 100_000

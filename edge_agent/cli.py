@@ -9,29 +9,29 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edge_agent import wire
-from edge_agent.chunks import MIN_PACKET_BYTES
-from edge_agent.credentials import Credentials, load_credentials
-from edge_agent.field_options import add_field_arguments
-from edge_agent.logs import configure_logging
-from edge_agent.memory_budget import fit_to_budget
-from edge_agent.mqtt import (
+from bench.oracle import SimulatedOracle
+from bench.shard import load_shard, open_device_data
+from edge_agent.field.field_options import add_field_arguments
+from edge_agent.loop.memory_budget import fit_to_budget
+from edge_agent.loop.profile import DeviceProfile, load_profile
+from edge_agent.score_command import BACKENDS, score_pool
+from protocol import wire
+from protocol.chunks import MIN_PACKET_BYTES
+from protocol.credentials import Credentials, load_credentials
+from protocol.logs import configure_logging
+from protocol.mqtt import (
     DEFAULT_KEEPALIVE_SECONDS,
     BrokerAddress,
     BrokerUnavailableError,
     MqttSession,
     parse_broker_url,
 )
-from edge_agent.oracle import SimulatedOracle
-from edge_agent.profile import DeviceProfile, load_profile
-from edge_agent.score_command import BACKENDS, score_pool
-from edge_agent.shard import load_shard, open_device_data
-from edge_agent.shutdown import Terminated, raise_on_sigterm
+from protocol.shutdown import Terminated, raise_on_sigterm
 
 if TYPE_CHECKING:  # the agent imports torch; `edge-agent score` must not
-    from edge_agent.agent import Agent
-    from edge_agent.agent_settings import AgentSettings
-    from edge_agent.label_ui import LabelServer
+    from edge_agent.field.label_ui import LabelServer
+    from edge_agent.loop.agent import Agent
+    from edge_agent.loop.agent_settings import AgentSettings
 
 log = logging.getLogger("edge_agent")
 
@@ -183,7 +183,7 @@ def agent_settings(
 ) -> AgentSettings:
     """The agent's settings: command-line values first, then the credential file's and the profile's, then the
     bench defaults. A credential file for another device or fleet than the command line names is an error."""
-    from edge_agent.agent_settings import AgentSettings
+    from edge_agent.loop.agent_settings import AgentSettings
 
     device_id, fleet = device_identity(args, credentials)
     common = {
@@ -255,9 +255,9 @@ class OpenedDevice:
 def open_device(args: argparse.Namespace) -> OpenedDevice:
     """Builds one device's agent from `edge-agent run` arguments: its settings, data, oracle and session. Every
     host of an agent (its own process, or a worker hosting many virtual devices) builds it here."""
-    from edge_agent.agent import Agent, last_will
-    from edge_agent.field import open_field
-    from edge_agent.field_options import field_settings
+    from edge_agent.field.field_options import field_settings
+    from edge_agent.field.parts import open_field
+    from edge_agent.loop.agent import Agent, last_will
 
     check_data_source(args)
     credentials = load_credentials(args.credentials) if args.credentials else None
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level)
     try:
         if args.command == "host":
-            from edge_agent.host import run_host
+            from bench.host import run_host
 
             return run_host(args)
         return run_score(args) if args.command == "score" else run_agent(args)

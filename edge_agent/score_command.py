@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from edge_agent.bundle import Bundle, load_bundle
-from edge_agent.fashion_mnist import read_idx
-from edge_agent.image_arrays import IMAGE_SHAPE, check_images
-from edge_agent.image_files import FolderImages, InputSpec, read_image_folder
-from edge_agent.mc_scorer import MCScorer
-from edge_agent.sampling import make_heuristic, top_k
+from edge_agent.data.fashion_mnist import read_idx
+from edge_agent.data.image_arrays import IMAGE_SHAPE, check_images
+from edge_agent.data.image_files import FolderImages, InputSpec, read_image_folder
+from edge_agent.learning.bundle import Bundle, load_bundle
+from edge_agent.learning.mc_scorer import MCScorer
+from edge_agent.learning.sampling import make_heuristic, top_k
 
 BACKENDS = ("onnxruntime", "torch")
 CPU_PROVIDER = "CPUExecutionProvider"
@@ -66,14 +66,14 @@ def make_scorer(
 ) -> MCScorer:
     """The bundle's model behind one back end; each back end's runtime is imported only when it is chosen."""
     if backend == "onnxruntime":
-        from edge_agent.ort_scorer import OrtMCDropout
+        from edge_agent.learning.ort_scorer import OrtMCDropout
 
         return OrtMCDropout(bundle, batch_size, precision, threads, providers)
     if backend != "torch":
         raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
     if precision != "fp32":
         raise ValueError("the torch back end scores in fp32 only; use --backend onnxruntime for int8")
-    from edge_agent.torch_bundle import torch_scorer_from_bundle
+    from edge_agent.learning.torch_bundle import torch_scorer_from_bundle
 
     return torch_scorer_from_bundle(bundle, batch_size, threads)
 

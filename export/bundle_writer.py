@@ -11,22 +11,22 @@ import numpy as np
 import onnx
 import torch
 
-from edge_agent.bundle import (
+from edge_agent.learning.bundle import (
     MANIFEST_NAME,
     BundleError,
     bundle_files,
     file_sha256,
     load_bundle,
 )
-from edge_agent.files import atomic_write_bytes, save_arrays
-from edge_agent.manifest import PIXEL_INPUT, BundleManifest, DropoutSection, HeadSection
-from edge_agent.mc_dropout import dropout_spec
-from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec
-from edge_agent.models import SplitDropoutModel, build_model, set_weights
-from edge_agent.tensors import Weights, weights_hash
+from edge_agent.learning.mc_dropout import dropout_spec
+from edge_agent.learning.models import SplitDropoutModel, build_model, set_weights
 from export import quantize
 from export.graph_names import DEFAULT_OPSET, FEATURES_NAME, IMAGES_INPUT, PENULTIMATE_OUTPUT, PROBABILITIES_OUTPUT
 from export.onnx_graphs import EXPORTER, export_graphs, export_penultimate, mask_input_names
+from protocol.files import atomic_write_bytes, save_arrays
+from protocol.manifest import PIXEL_INPUT, BundleManifest, DropoutSection, HeadSection
+from protocol.model_spec import DEFAULT_SPEC, ModelSpec
+from protocol.tensors import Weights, weights_hash
 
 WEIGHTS_FILE = "weights.npz"
 FP32_GRAPHS = {"prefix": "prefix.onnx", "tail": "tail.onnx"}

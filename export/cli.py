@@ -7,14 +7,14 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_agent.bundle import load_bundle
-from edge_agent.fashion_mnist import DatasetMissingError, load_fashion_mnist
-from edge_agent.files import load_arrays
-from edge_agent.image_arrays import model_input
-from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec, load_model_spec
-from edge_agent.tensors import Weights
+from edge_agent.data.fashion_mnist import DatasetMissingError, load_fashion_mnist
+from edge_agent.data.image_arrays import model_input
+from edge_agent.learning.bundle import load_bundle
 from export.bundle_writer import write_bundle
 from export.graph_names import DEFAULT_OPSET
+from protocol.files import load_arrays
+from protocol.model_spec import DEFAULT_SPEC, ModelSpec, load_model_spec
+from protocol.tensors import Weights
 
 CALIBRATION_IMAGES = 512
 

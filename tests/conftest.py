@@ -9,9 +9,9 @@ import pytest
 from fleet import WAIT, stop_all
 
 from coordinator.broker import EmbeddedBroker, free_loopback_port
-from edge_agent.fashion_mnist import load_fashion_mnist
-from edge_agent.image_arrays import ImageDataset
-from edge_agent.mqtt import BrokerAddress, MqttSession
+from edge_agent.data.fashion_mnist import load_fashion_mnist
+from edge_agent.data.image_arrays import ImageDataset
+from protocol.mqtt import BrokerAddress, MqttSession
 
 
 @pytest.fixture(autouse=True)

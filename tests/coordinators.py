@@ -14,11 +14,11 @@ from coordinator.rounds import Coordinator, RoundParts, RoundPolicy, RoundRules
 from coordinator.store import RoundRecord, RunStore
 from coordinator.strategies import Strategy
 from coordinator.validation import Expectation
-from edge_agent import wire
-from edge_agent.model_spec import DEFAULT_SPEC
-from edge_agent.models import build_model, weight_spec
-from edge_agent.mqtt import BrokerAddress, MqttSession
-from edge_agent.tensors import Weights, weights_hash
+from edge_agent.learning.models import build_model, weight_spec
+from protocol import wire
+from protocol.model_spec import DEFAULT_SPEC
+from protocol.mqtt import BrokerAddress, MqttSession
+from protocol.tensors import Weights, weights_hash
 
 NUM_CLASSES = DEFAULT_SPEC.num_classes
 

@@ -13,18 +13,18 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.simulate import BenchSettings, DeviceLaunch, spawn_agent, write_shards
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerData, ServerSettings, load_server_data
-from coordinator.simulate import BenchSettings, DeviceLaunch, spawn_agent, write_shards
-from edge_agent import wire
-from edge_agent.device_data import LABELS_FILE
-from edge_agent.files import load_arrays
-from edge_agent.labelled_record import source_code
-from edge_agent.model_spec import DEFAULT_SPEC
-from edge_agent.models import build_model, get_weights
-from edge_agent.mqtt import BrokerAddress, MqttSession
-from edge_agent.tensors import weights_hash
+from edge_agent.data.device_data import LABELS_FILE
+from edge_agent.data.labelled_record import source_code
+from edge_agent.learning.models import build_model, get_weights
 from export.bundle_writer import ensure_bundle_files
+from protocol import wire
+from protocol.files import load_arrays
+from protocol.model_spec import DEFAULT_SPEC
+from protocol.mqtt import BrokerAddress, MqttSession
+from protocol.tensors import weights_hash
 
 # Runs a console entry point with torch unimportable, as on a device installed with '.[agent]' only.
 WITHOUT_TORCH = """

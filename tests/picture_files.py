@@ -8,7 +8,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from edge_agent.image_files import MAX_PIXELS
+from edge_agent.data.image_files import MAX_PIXELS
 
 
 def png_header(width: int, height: int) -> bytes:

@@ -9,19 +9,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.oracle import SimulatedOracle
+from bench.shard import Shard, open_device_data
 from coordinator.broker import EmbeddedBroker
-from edge_agent import wire
-from edge_agent.agent import LAST_ROUND_KEY, Agent, last_will
-from edge_agent.agent_settings import AgentSettings
-from edge_agent.device_data import DeviceData
-from edge_agent.fashion_mnist import load_fashion_mnist
-from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec
-from edge_agent.models import build_model, get_weights
-from edge_agent.mqtt import MqttSession
-from edge_agent.oracle import SimulatedOracle
-from edge_agent.shard import Shard, open_device_data
-from edge_agent.tensors import weights_hash
+from edge_agent.data.device_data import DeviceData
+from edge_agent.data.fashion_mnist import load_fashion_mnist
+from edge_agent.learning.models import build_model, get_weights
+from edge_agent.loop.agent import LAST_ROUND_KEY, Agent, last_will
+from edge_agent.loop.agent_settings import AgentSettings
 from export.bundle_writer import ensure_bundle_files
+from protocol import wire
+from protocol.model_spec import DEFAULT_SPEC, ModelSpec
+from protocol.mqtt import MqttSession
+from protocol.tensors import weights_hash
 
 FLEET = "agent-test"
 DEVICE = "dev-a"

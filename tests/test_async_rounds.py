@@ -16,9 +16,9 @@ from coordinator.cli import main as coordinator_main
 from coordinator.store import RunStore
 from coordinator.strategies import AveFL
 from coordinator.validation import MAX_REASON_CHARS, Expectation, Rejection
-from edge_agent import wire
 from edge_agent.cli import main as agent_main
-from edge_agent.tensors import spec_of, weights_hash
+from protocol import wire
+from protocol.tensors import spec_of, weights_hash
 
 BASE = {"w": np.array([1.0, 2.0], dtype=np.float32)}
 

@@ -1,4 +1,4 @@
-# Tests for edge_agent.backlog: the session's own flow control, alone and against a real mosquitto.
+# Tests for protocol.backlog: the session's own flow control, alone and against a real mosquitto.
 from __future__ import annotations
 
 import threading
@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from edge_agent.backlog import Backlog
+from protocol.backlog import Backlog
 
 WAIT = 10.0
 

@@ -14,7 +14,7 @@ from coordinator.aggregation import ClientUpdate
 from coordinator.broker import EmbeddedBroker
 from coordinator.store import RunStore
 from coordinator.strategies import AveFL
-from edge_agent import wire
+from protocol import wire
 
 pytestmark = pytest.mark.integration
 

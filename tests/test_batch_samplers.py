@@ -6,8 +6,8 @@ from functools import cache
 import numpy as np
 import pytest
 
-from edge_agent.local_data import LocalData, balanced_sample
-from edge_agent.sampling import (
+from edge_agent.learning.local_data import LocalData, balanced_sample
+from edge_agent.learning.sampling import (
     AcquisitionContext,
     Embeddings,
     class_balanced_top_k,

@@ -26,12 +26,12 @@ from coordinator.cadis import (
 )
 from coordinator.store import RoundRecord, RunStore, StrategyState
 from coordinator.strategies import CADIS, FedAvg, make_strategy
-from edge_agent import wire
-from edge_agent.fashion_mnist import load_fashion_mnist
-from edge_agent.local_data import LocalData
-from edge_agent.models import build_model, get_weights
-from edge_agent.tensors import weights_hash
-from edge_agent.training import CadisKD, TrainSettings, relational_kd_loss, run_epochs
+from edge_agent.data.fashion_mnist import load_fashion_mnist
+from edge_agent.learning.local_data import LocalData
+from edge_agent.learning.models import build_model, get_weights
+from edge_agent.learning.training import CadisKD, TrainSettings, relational_kd_loss, run_epochs
+from protocol import wire
+from protocol.tensors import weights_hash
 
 GLOBAL = get_weights(build_model(seed=0))
 LAYER = "fc2.weight"

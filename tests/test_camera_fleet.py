@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 from fleet import committed_rounds, start_coordinator, stop_all, wait_exit
 
-from coordinator.broker import EmbeddedBroker
-from coordinator.camera_fleet import (
+from bench.camera_fleet import (
     ANSWERS_FILE,
     POOL_DIR,
     SERVER_FILE,
@@ -23,13 +22,14 @@ from coordinator.camera_fleet import (
     device_dir,
     read_answer_key,
 )
+from coordinator.broker import EmbeddedBroker
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.server import Dashboard, ListenAddress
 from coordinator.store import RunStore
-from edge_agent.folder_pool import folder_pool_of, open_folder_data
-from edge_agent.image_arrays import ImageDataset
-from edge_agent.image_files import InputSpec
-from edge_agent.model_spec import load_model_spec
+from edge_agent.data.image_arrays import ImageDataset
+from edge_agent.data.image_files import InputSpec
+from edge_agent.field.folder_pool import folder_pool_of, open_folder_data
+from protocol.model_spec import load_model_spec
 
 FLEET = "cameras"
 LIMIT = 256 * 1024

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from coordinator.camera_fleet import (
+from bench.camera_fleet import (
     ANSWERS_FILE,
     CLASSES_FILE,
     POOL_DIR,
@@ -21,11 +21,11 @@ from coordinator.camera_fleet import (
     device_dir,
     read_answer_key,
 )
-from coordinator.camera_scenes import DEFAULT_CLASSES, SceneClass, parse_classes, pick_items, render_scene, render_set
-from edge_agent.folder_oracle import FolderOracle, QueryBook
-from edge_agent.folder_pool import folder_pool_of, open_folder_data
-from edge_agent.image_arrays import ImageDataset, load_npz_dataset
-from edge_agent.model_spec import load_model_spec
+from bench.camera_scenes import DEFAULT_CLASSES, SceneClass, parse_classes, pick_items, render_scene, render_set
+from edge_agent.data.image_arrays import ImageDataset, load_npz_dataset
+from edge_agent.field.folder_oracle import FolderOracle, QueryBook
+from edge_agent.field.folder_pool import folder_pool_of, open_folder_data
+from protocol.model_spec import load_model_spec
 
 CLASS_NAMES = tuple(c.name for c in DEFAULT_CLASSES)
 

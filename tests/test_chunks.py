@@ -17,23 +17,23 @@ import numpy as np
 import pytest
 from fleet import FakeDevice, log_text, perturbed, pi_zero_fleet, start_coordinator, stop_all, wait_exit
 
+from bench.simulate import simulate
 from coordinator.aggregation import ClientUpdate
 from coordinator.broker import DEFAULT_MAX_PACKET_BYTES, EmbeddedBroker, free_loopback_port, mosquitto_config
 from coordinator.observer import RoundResult
 from coordinator.publisher import Artefacts, RetainedPublisher
-from coordinator.simulate import simulate
 from coordinator.store import RunStore
 from coordinator.strategies import AveFL
-from edge_agent import chunks, wire
-from edge_agent.agent_settings import AgentSettings
-from edge_agent.artefacts import RoundArtefacts
-from edge_agent.chunks import ChunkLimits, Completed, Dropped, Reassembler
-from edge_agent.model_spec import ModelSpec
-from edge_agent.models import build_model, get_weights
-from edge_agent.mqtt import MqttSession
-from edge_agent.outbox import UpdateSender
-from edge_agent.tensors import weights_hash
-from edge_agent.wire import RejectionKind
+from edge_agent.learning.models import build_model, get_weights
+from edge_agent.loop.agent_settings import AgentSettings
+from edge_agent.loop.artefacts import RoundArtefacts
+from edge_agent.loop.outbox import UpdateSender
+from protocol import chunks, wire
+from protocol.chunks import ChunkLimits, Completed, Dropped, Reassembler
+from protocol.model_spec import ModelSpec
+from protocol.mqtt import MqttSession
+from protocol.tensors import weights_hash
+from protocol.wire import RejectionKind
 
 MIB = 1024 * 1024
 TOPIC = "fl/f/devices/dev-1/update"

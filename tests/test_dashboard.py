@@ -18,7 +18,7 @@ from coordinator.dashboard.server import Dashboard, ListenAddress, dashboard_tok
 from coordinator.observer import RoundResult
 from coordinator.store import RoundRecord, RunStore
 from coordinator.validation import Rejection
-from edge_agent import wire
+from protocol import wire
 
 
 def get(url: str, token: str | None = None) -> tuple[int, str, str]:

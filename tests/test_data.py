@@ -9,19 +9,19 @@ import numpy as np
 import pytest
 import torch
 
-from edge_agent import files
-from edge_agent.device_data import LABELS_FILE, STATE_FILE, DeviceData
-from edge_agent.fashion_mnist import (
+from bench.shard import Shard, load_shard, open_device_data, save_shard
+from edge_agent.data.device_data import LABELS_FILE, STATE_FILE, DeviceData
+from edge_agent.data.fashion_mnist import (
     CLASS_NAMES,
     DEFAULT_DATA_DIR,
     DatasetMissingError,
     load_fashion_mnist,
     read_idx,
 )
-from edge_agent.files import atomic_write_bytes, load_arrays, save_arrays
-from edge_agent.image_arrays import model_input
-from edge_agent.models import build_model
-from edge_agent.shard import Shard, load_shard, open_device_data, save_shard
+from edge_agent.data.image_arrays import model_input
+from edge_agent.learning.models import build_model
+from protocol import files
+from protocol.files import atomic_write_bytes, load_arrays, save_arrays
 
 TEST_IMAGES = DEFAULT_DATA_DIR / "t10k-images-idx3-ubyte.gz"
 TEST_LABELS = DEFAULT_DATA_DIR / "t10k-labels-idx1-ubyte.gz"

@@ -11,14 +11,14 @@ import onnx
 import pytest
 
 from coordinator.store import RunStore
-from edge_agent.bundle import BundleError, bundle_files, load_bundle, store_bundle
-from edge_agent.files import save_arrays
-from edge_agent.manifest import BundleManifest, ManifestError
-from edge_agent.mc_dropout import TorchMCDropout
-from edge_agent.models import build_model, get_weights
-from edge_agent.ort_scorer import OrtMCDropout
-from edge_agent.tensors import weights_hash
+from edge_agent.learning.bundle import BundleError, bundle_files, load_bundle, store_bundle
+from edge_agent.learning.mc_dropout import TorchMCDropout
+from edge_agent.learning.models import build_model, get_weights
+from edge_agent.learning.ort_scorer import OrtMCDropout
 from export.bundle_writer import ensure_bundle_files, write_bundle
+from protocol.files import save_arrays
+from protocol.manifest import BundleManifest, ManifestError
+from protocol.tensors import weights_hash
 
 
 @pytest.fixture()

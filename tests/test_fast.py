@@ -12,23 +12,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from bench.oracle import SimulatedOracle
+from bench.shard import Shard, open_device_data
 from coordinator.server import load_encoder
-from edge_agent import wire
-from edge_agent.agent import Agent
-from edge_agent.agent_settings import AgentSettings
-from edge_agent.device_data import DeviceData
-from edge_agent.encoder import OnnxEncoder, encoder_hash
-from edge_agent.fashion_mnist import load_fashion_mnist
-from edge_agent.image_arrays import model_input
-from edge_agent.learner import make_learner
-from edge_agent.model_spec import DEFAULT_SPEC
-from edge_agent.models import build_model, get_weights
-from edge_agent.mqtt import BrokerAddress, MqttSession
-from edge_agent.oracle import SimulatedOracle
-from edge_agent.round_inputs import RoundModels
-from edge_agent.sampling import knn_labels, make_sampler, prototype_entropy, prototype_similarities
-from edge_agent.shard import Shard, open_device_data
+from edge_agent.data.device_data import DeviceData
+from edge_agent.data.fashion_mnist import load_fashion_mnist
+from edge_agent.data.image_arrays import model_input
+from edge_agent.learning.encoder import OnnxEncoder, encoder_hash
+from edge_agent.learning.learner import make_learner
+from edge_agent.learning.models import build_model, get_weights
+from edge_agent.learning.sampling import knn_labels, make_sampler, prototype_entropy, prototype_similarities
+from edge_agent.loop.agent import Agent
+from edge_agent.loop.agent_settings import AgentSettings
+from edge_agent.loop.round_inputs import RoundModels
 from export.onnx_graphs import export_encoder
+from protocol import wire
+from protocol.model_spec import DEFAULT_SPEC
+from protocol.mqtt import BrokerAddress, MqttSession
 
 embedding_sets = arrays(np.float64, st.tuples(st.integers(1, 8), st.just(4)), elements=st.floats(-5, 5))
 

@@ -27,22 +27,22 @@ from fleet import (
     wait_until,
 )
 
+from bench.simulate import BenchSettings, simulate
 from coordinator.aggregation import ClientUpdate
 from coordinator.broker import port_is_free
 from coordinator.observer import RoundResult
 from coordinator.provision import provision
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
-from coordinator.simulate import BenchSettings, simulate
 from coordinator.spool import Spool
 from coordinator.store import RunStore
 from coordinator.strategies import AveFL
-from edge_agent import wire
-from edge_agent.credentials import load_credentials
-from edge_agent.device_data import IMAGES_FILE, LABELS_FILE, STATE_FILE
-from edge_agent.files import load_arrays
-from edge_agent.mqtt import parse_broker_url
-from edge_agent.tensors import weights_hash
+from edge_agent.data.device_data import IMAGES_FILE, LABELS_FILE, STATE_FILE
+from protocol import wire
+from protocol.credentials import load_credentials
+from protocol.files import load_arrays
+from protocol.mqtt import parse_broker_url
+from protocol.tensors import weights_hash
 
 pytestmark = pytest.mark.integration
 
@@ -306,7 +306,7 @@ def test_the_bench_notices_a_dead_agent_at_once(tmp_path: Path, caplog) -> None:
     broken.write_bytes(b"not a shard")
     results: list[RoundResult] = []
     started = time.monotonic()
-    with caplog.at_level("ERROR", logger="coordinator.simulate"):
+    with caplog.at_level("ERROR", logger="bench.simulate"):
         simulate(settings, BenchSettings(devices=3, partition="iid", pool_size=200), results.append)
     assert time.monotonic() - started < 300
     assert [sorted(r.divergence) for r in results] == [["dev-00", "dev-01"]]

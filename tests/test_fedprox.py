@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from edge_agent import wire
-from edge_agent.fashion_mnist import load_fashion_mnist
-from edge_agent.local_data import LocalData
-from edge_agent.models import build_model, get_weights
-from edge_agent.training import FedProx, TrainSettings, proximal_term, train_supervised
+from edge_agent.data.fashion_mnist import load_fashion_mnist
+from edge_agent.learning.local_data import LocalData
+from edge_agent.learning.models import build_model, get_weights
+from edge_agent.learning.training import FedProx, TrainSettings, proximal_term, train_supervised
+from protocol import wire
 
 
 @pytest.fixture(scope="module")

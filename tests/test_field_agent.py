@@ -16,16 +16,16 @@ from test_agent import FLEET, FakeCoordinator
 from test_folder_pool import write_png
 
 from coordinator.broker import EmbeddedBroker
-from edge_agent import wire
-from edge_agent.agent import LatestModel
-from edge_agent.agent_settings import AgentSettings
-from edge_agent.fashion_mnist import CLASS_NAMES, load_fashion_mnist
-from edge_agent.field import StreamAcquirer
-from edge_agent.folder_oracle import FolderOracle, QueryBook
-from edge_agent.folder_pool import folder_pool_of, open_folder_data
-from edge_agent.model_spec import DEFAULT_SPEC
-from edge_agent.models import build_model, get_weights
-from edge_agent.stream import BudgetSettings
+from edge_agent.data.fashion_mnist import load_fashion_mnist
+from edge_agent.field.folder_oracle import FolderOracle, QueryBook
+from edge_agent.field.folder_pool import folder_pool_of, open_folder_data
+from edge_agent.field.parts import StreamAcquirer
+from edge_agent.field.stream import BudgetSettings
+from edge_agent.learning.models import build_model, get_weights
+from edge_agent.loop.agent import LatestModel
+from edge_agent.loop.agent_settings import AgentSettings
+from protocol import wire
+from protocol.model_spec import CLASS_NAMES, DEFAULT_SPEC
 
 DEVICE = "cam-1"
 RECIPE = wire.Recipe(
@@ -256,7 +256,7 @@ def stream_on(tmp_path: Path, settings: AgentSettings) -> tuple[StreamAcquirer, 
 def test_stream_scores_with_the_recipes_sampler_and_refuses_one_that_needs_more(tmp_path, caplog) -> None:
     stream, book = stream_on(tmp_path, AgentSettings(FLEET, DEVICE))
     weights = get_weights(build_model(seed=9))
-    with caplog.at_level("INFO", logger="edge_agent.field"):
+    with caplog.at_level("INFO", logger="edge_agent.field.parts"):
         stream.score_new(LatestModel(DEFAULT_SPEC, weights, wire.Recipe(sampler="ksas"), None), round_id=1)
         stream.score_new(LatestModel(DEFAULT_SPEC, weights, wire.Recipe(sampler="ksas"), None), round_id=1)
         assert stream.data.get_state("stream") is None and book.queries() == []

@@ -15,13 +15,9 @@ from hypothesis import strategies as st
 from coordinator.aggregation import ClientUpdate, entropy_coefficients
 from coordinator.strategies import FMLU, AveFL, make_strategy
 from coordinator.validation import Expectation, Rejection, validate_update
-from edge_agent import wire
-from edge_agent.fashion_mnist import load_fashion_mnist
-from edge_agent.files import load_arrays
-from edge_agent.model_spec import DEFAULT_SPEC
-from edge_agent.models import build_model, get_weights, set_weights, weight_spec
-from edge_agent.tensors import weights_hash
-from edge_agent.training import (
+from edge_agent.data.fashion_mnist import load_fashion_mnist
+from edge_agent.learning.models import build_model, get_weights, set_weights, weight_spec
+from edge_agent.learning.training import (
     DMLU,
     LocalData,
     confidence_coefficients,
@@ -30,6 +26,10 @@ from edge_agent.training import (
     mutual_losses,
     private_model_path,
 )
+from protocol import wire
+from protocol.files import load_arrays
+from protocol.model_spec import DEFAULT_SPEC
+from protocol.tensors import weights_hash
 
 NUM_CLASSES = DEFAULT_SPEC.num_classes
 

@@ -11,11 +11,11 @@ import pytest
 from PIL import Image
 from test_folder_pool import write_png
 
-from edge_agent.fashion_mnist import load_fashion_mnist
-from edge_agent.folder_oracle import FolderOracle, QueryBook, parse_label
-from edge_agent.folder_pool import open_folder_data
-from edge_agent.model_spec import DEFAULT_SPEC
-from edge_agent.round_runner import spec_problem
+from edge_agent.data.fashion_mnist import load_fashion_mnist
+from edge_agent.field.folder_oracle import FolderOracle, QueryBook, parse_label
+from edge_agent.field.folder_pool import open_folder_data
+from edge_agent.loop.round_runner import spec_problem
+from protocol.model_spec import DEFAULT_SPEC
 
 
 @pytest.fixture()
@@ -64,7 +64,7 @@ def test_label_waits_for_its_queries_and_returns_early_once_answered(oracle):
 def test_bad_label_rows_are_logged_once_and_skipped_and_the_last_row_wins(oracle, caplog):
     names = [q.name for q in oracle.ask(np.array([0, 1]))]
     oracle.book.labels_path.write_text(f"{names[0]},Coat\n{names[1]},Bagz\n{names[0]},ankle BOOT\nonly-one-column\n")
-    with caplog.at_level(logging.WARNING, logger="edge_agent.folder_oracle"):
+    with caplog.at_level(logging.WARNING, logger="edge_agent.field.folder_oracle"):
         assert oracle.book.answers() == {names[0]: 9}
         assert oracle.book.answers() == {names[0]: 9}
     warnings = [r.getMessage() for r in caplog.records]

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from edge_agent.fashion_mnist import load_fashion_mnist
-from edge_agent.folder_pool import FolderPool, folder_pool_of, open_folder_data
-from edge_agent.image_files import MODEL_INPUT, InputSpec, UnreadableImageError, decode_image
+from edge_agent.data.fashion_mnist import load_fashion_mnist
+from edge_agent.data.image_files import MODEL_INPUT, InputSpec, UnreadableImageError, decode_image
+from edge_agent.field.folder_pool import FolderPool, folder_pool_of, open_folder_data
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_bad_files_are_quarantined_with_a_log_line_and_never_deleted(tmp_path, f
     (pool_dir / "readme.txt").write_bytes(b"camera notes")
     for path in (truncated, pool_dir / "readme.txt"):
         os.utime(path, (time.time() - 10, time.time() - 10))
-    with caplog.at_level(logging.WARNING, logger="edge_agent.folder_pool"):
+    with caplog.at_level(logging.WARNING, logger="edge_agent.field.folder_pool"):
         pool = FolderPool(pool_dir, tmp_path / "store")
         assert pool.scan() == 2
     assert [item.path for item in pool.items] == ["0.png", "1.jpg"]
@@ -147,7 +147,7 @@ def test_device_data_over_a_folder_caps_the_pool_oldest_out_and_keeps_labels(tmp
 
 
 def test_folder_store_refuses_shard_state_and_takes_the_specs_input_shape(tmp_path, fashion):
-    from edge_agent.device_data import DeviceData
+    from edge_agent.data.device_data import DeviceData
 
     (tmp_path / "camera").mkdir()
     DeviceData.create(tmp_path / "bench", fashion[0][:3])

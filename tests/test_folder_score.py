@@ -12,8 +12,8 @@ from fleet import WITHOUT_TORCH
 from picture_files import broken_files, contents, solid_jpeg
 from PIL import Image
 
-from edge_agent.image_arrays import ImageDataset
-from edge_agent.models import build_model, get_weights
+from edge_agent.data.image_arrays import ImageDataset
+from edge_agent.learning.models import build_model, get_weights
 from edge_agent.score_command import score_pool
 from export.bundle_writer import ensure_bundle_files
 

@@ -21,11 +21,11 @@ from coordinator.rounds import Coordinator, OpenRound, RoundPolicy
 from coordinator.store import RunStore
 from coordinator.strategies import AveFL
 from coordinator.validation import Expectation, Rejection, validate_update
-from edge_agent import wire
-from edge_agent.model_spec import DEFAULT_SPEC
-from edge_agent.models import build_model, get_weights, weight_spec
-from edge_agent.mqtt import IncomingMessage, MqttSession
-from edge_agent.tensors import weights_hash
+from edge_agent.learning.models import build_model, get_weights, weight_spec
+from protocol import wire
+from protocol.model_spec import DEFAULT_SPEC
+from protocol.mqtt import IncomingMessage, MqttSession
+from protocol.tensors import weights_hash
 
 FLEET = "fuzz"
 DEVICE = "dev-1"

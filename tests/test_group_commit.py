@@ -16,8 +16,8 @@ from coordinator.observer import RoundObserver
 from coordinator.spool import Spool
 from coordinator.store import RunStore
 from coordinator.validation import Expectation
-from edge_agent import wire
-from edge_agent.tensors import spec_of, weights_hash
+from protocol import wire
+from protocol.tensors import spec_of, weights_hash
 
 BASE = {"w": np.zeros((3, 4), dtype=np.float32), "b": np.zeros(4, dtype=np.float32)}
 

@@ -13,17 +13,17 @@ import pytest
 import torch
 from fleet import WITHOUT_TORCH, announce_round, fleet_shards, log_text, wait_until
 
-from coordinator.simulate import BenchSettings, agent_command
-from edge_agent import wire
-from edge_agent.agent_settings import AgentSettings
-from edge_agent.bundle import store_bundle
-from edge_agent.head_learner import logit_bias
-from edge_agent.head_training import HeadSettings, cross_entropy_gradients, train_classifier
-from edge_agent.learner import round_problem
-from edge_agent.memory_budget import MemoryBudgetError, fit_to_budget
-from edge_agent.models import build_model, get_weights
-from edge_agent.mqtt import BrokerAddress, MqttSession
+from bench.simulate import BenchSettings, agent_command
+from edge_agent.learning.bundle import store_bundle
+from edge_agent.learning.head_learner import logit_bias
+from edge_agent.learning.head_training import HeadSettings, cross_entropy_gradients, train_classifier
+from edge_agent.learning.learner import round_problem
+from edge_agent.learning.models import build_model, get_weights
+from edge_agent.loop.agent_settings import AgentSettings
+from edge_agent.loop.memory_budget import MemoryBudgetError, fit_to_budget
 from export.bundle_writer import ensure_bundle_files
+from protocol import wire
+from protocol.mqtt import BrokerAddress, MqttSession
 
 ROOT = Path(__file__).resolve().parent.parent
 PI_ZERO = ROOT / "firmware_configs" / "raspberry-pi-zero-2w.toml"

@@ -9,10 +9,8 @@ import pytest
 from picture_files import broken_files, contents, solid_jpeg
 from PIL import Image
 
-from edge_agent.bundle import load_bundle
-from edge_agent.folder_pool import FolderPool
-from edge_agent.image_arrays import ImageDataset, model_input
-from edge_agent.image_files import (
+from edge_agent.data.image_arrays import ImageDataset, model_input
+from edge_agent.data.image_files import (
     MODEL_INPUT,
     InputSpec,
     UnreadableImageError,
@@ -20,9 +18,11 @@ from edge_agent.image_files import (
     normalise_records,
     read_image_folder,
 )
-from edge_agent.manifest import BundleManifest, Normalisation
-from edge_agent.models import build_model, get_weights
+from edge_agent.field.folder_pool import FolderPool
+from edge_agent.learning.bundle import load_bundle
+from edge_agent.learning.models import build_model, get_weights
 from export.bundle_writer import ensure_bundle_files
+from protocol.manifest import BundleManifest, Normalisation
 
 RGB_SPEC = InputSpec(3, 30, 40, mean=(0.1, 0.2, 0.3), std=(0.5, 0.25, 0.125))
 

@@ -9,38 +9,42 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FORBIDDEN = {"edge_agent": ("coordinator", "export"), "export": ("coordinator",)}
+FORBIDDEN = {
+    "protocol": ("edge_agent", "export", "coordinator", "bench"),
+    "edge_agent": ("coordinator", "export"),
+    "export": ("coordinator",),
+}
 TORCH_FREE = (
     "coordinator.aggregation",
     "coordinator.cadis",
     "coordinator.server_optimizers",
-    "edge_agent.local_data",
+    "edge_agent.learning.local_data",
     "coordinator.strategies",
     "coordinator.round_aggregator",
     "coordinator.buffered",
     "coordinator.async_intake",
     "coordinator.divergence",
     "coordinator.validation",
-    "edge_agent.tensors",
-    "edge_agent.options",
-    "edge_agent.update_codec",
-    "edge_agent.chunks",
+    "protocol.tensors",
+    "protocol.options",
+    "protocol.update_codec",
+    "protocol.chunks",
     # a device that scores and trains its classifier only (the Pi Zero 2 W profile) runs without torch
-    "edge_agent.agent",
+    "edge_agent.loop.agent",
     "edge_agent.cli",
-    "edge_agent.round_runner",
-    "edge_agent.acquisition",
-    "edge_agent.learner",
-    "edge_agent.head_learner",
-    "edge_agent.head_training",
-    "edge_agent.local_data",
-    "edge_agent.outbox",
-    "edge_agent.footprint",
-    "edge_agent.memory_budget",
-    "edge_agent.field",
+    "edge_agent.loop.round_runner",
+    "edge_agent.loop.acquisition",
+    "edge_agent.learning.learner",
+    "edge_agent.learning.head_learner",
+    "edge_agent.learning.head_training",
+    "edge_agent.learning.local_data",
+    "edge_agent.loop.outbox",
+    "edge_agent.loop.footprint",
+    "edge_agent.loop.memory_budget",
+    "edge_agent.field.parts",
     # `edge-agent score` over an image folder
     "edge_agent.score_command",
-    "edge_agent.image_files",
+    "edge_agent.data.image_files",
 )
 
 

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 from fleet import pi_zero_fleet
 
+from bench.simulate import BenchSettings, simulate
 from coordinator.broker import EmbeddedBroker
 from coordinator.observer import RoundResult
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
-from coordinator.simulate import BenchSettings, simulate
 from coordinator.store import RunStore
-from edge_agent import wire
-from edge_agent.mqtt import MqttSession
-from edge_agent.tensors import weights_hash
+from protocol import wire
+from protocol.mqtt import MqttSession
+from protocol.tensors import weights_hash
 
 pytestmark = pytest.mark.integration
 

@@ -15,6 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from bench.oracle import SimulatedOracle
+from bench.shard import Shard, open_device_data
 from coordinator.aggregation import ClientUpdate
 from coordinator.evaluation import Evaluator, LabelledSplit
 from coordinator.intake import RoundCollector
@@ -22,21 +24,12 @@ from coordinator.rounds import RoundPolicy, choose_participants
 from coordinator.store import RunStore
 from coordinator.strategies import make_strategy
 from coordinator.validation import Expectation
-from edge_agent import wire
-from edge_agent.agent import LAST_ROUND_KEY, Agent, last_will
-from edge_agent.agent_settings import AgentSettings
-from edge_agent.device_data import DeviceData
-from edge_agent.local_data import training_view
-from edge_agent.model_spec import DEFAULT_SPEC
-from edge_agent.models import build_model, get_weights, weight_spec
-from edge_agent.mqtt import MqttSession
-from edge_agent.oracle import SimulatedOracle
-from edge_agent.sampling import class_prior_bias, ksas_scores
-from edge_agent.schedule import acquires_in_round, check_schedule, labels_per_acquisition, round_in_active_round
-from edge_agent.shard import Shard, open_device_data
-from edge_agent.tensors import weights_hash
-from edge_agent.torch_learner import OWN_MODEL_FILE
-from edge_agent.training import (
+from edge_agent.data.device_data import DeviceData
+from edge_agent.learning.local_data import training_view
+from edge_agent.learning.models import build_model, get_weights, weight_spec
+from edge_agent.learning.sampling import class_prior_bias, ksas_scores
+from edge_agent.learning.torch_learner import OWN_MODEL_FILE
+from edge_agent.learning.training import (
     KCFU,
     KeptLabels,
     LocalData,
@@ -47,6 +40,13 @@ from edge_agent.training import (
     make_local_rule,
     run_epochs,
 )
+from edge_agent.loop.agent import LAST_ROUND_KEY, Agent, last_will
+from edge_agent.loop.agent_settings import AgentSettings
+from edge_agent.loop.schedule import acquires_in_round, check_schedule, labels_per_acquisition, round_in_active_round
+from protocol import wire
+from protocol.model_spec import DEFAULT_SPEC
+from protocol.mqtt import MqttSession
+from protocol.tensors import weights_hash
 
 logits_strategy = arrays(np.float64, (6, 5), elements=st.floats(-8, 8))
 counts_strategy = arrays(np.int64, (5,), elements=st.integers(0, 50))

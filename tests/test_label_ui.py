@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from test_folder_pool import write_png
 
-from edge_agent.fashion_mnist import load_fashion_mnist
-from edge_agent.folder_oracle import FolderOracle, QueryBook
-from edge_agent.folder_pool import open_folder_data
-from edge_agent.label_ui import LabelServer, parse_listen_address
+from edge_agent.data.fashion_mnist import load_fashion_mnist
+from edge_agent.field.folder_oracle import FolderOracle, QueryBook
+from edge_agent.field.folder_pool import open_folder_data
+from edge_agent.field.label_ui import LabelServer, parse_listen_address
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from edge_agent import wire
-from edge_agent.head_training import HeadSettings, train_classifier
-from edge_agent.image_arrays import model_input
-from edge_agent.lr_schedules import lr_factor, schedule_problem
-from edge_agent.training import TrainSettings, run_epochs
+from edge_agent.data.image_arrays import model_input
+from edge_agent.learning.head_training import HeadSettings, train_classifier
+from edge_agent.learning.lr_schedules import lr_factor, schedule_problem
+from edge_agent.learning.training import TrainSettings, run_epochs
+from protocol import wire
 
 
 def test_constant_is_one_and_cosine_falls_from_one_through_a_half_to_zero() -> None:

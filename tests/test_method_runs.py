@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from coordinator.store import RunStore
-from edge_agent import wire
-from edge_agent.files import load_arrays
-from edge_agent.tensors import weights_hash
-from edge_agent.training import PRIVATE_MODEL_FILE
+from edge_agent.learning.training import PRIVATE_MODEL_FILE
+from protocol import wire
+from protocol.files import load_arrays
+from protocol.tensors import weights_hash
 
 pytestmark = pytest.mark.integration
 

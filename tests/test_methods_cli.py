@@ -11,7 +11,7 @@ import pytest
 
 from coordinator.cli import main
 from coordinator.store import RunStore
-from edge_agent.device_data import DeviceData
+from edge_agent.data.device_data import DeviceData
 
 pytestmark = pytest.mark.integration
 

@@ -11,17 +11,17 @@ import torch
 
 from coordinator.pretrained import merge_initial_weights, read_weight_file
 from coordinator.server import ServerSettings, check_same_spec, settings_as_dict
-from edge_agent import wire
-from edge_agent.bundle import load_bundle
-from edge_agent.files import save_arrays
-from edge_agent.image_arrays import model_input
-from edge_agent.mc_dropout import TorchMCDropout
-from edge_agent.model_spec import DEFAULT_SPEC, ModelSpec, SpecError, load_model_spec, spec_hash
-from edge_agent.models import build_model, get_weights
-from edge_agent.ort_scorer import OrtMCDropout
-from edge_agent.round_runner import announced_spec_problem
-from edge_agent.training import TrainSettings, train_supervised
+from edge_agent.data.image_arrays import model_input
+from edge_agent.learning.bundle import load_bundle
+from edge_agent.learning.mc_dropout import TorchMCDropout
+from edge_agent.learning.models import build_model, get_weights
+from edge_agent.learning.ort_scorer import OrtMCDropout
+from edge_agent.learning.training import TrainSettings, train_supervised
+from edge_agent.loop.round_runner import announced_spec_problem
 from export.bundle_writer import write_bundle
+from protocol import wire
+from protocol.files import save_arrays
+from protocol.model_spec import DEFAULT_SPEC, ModelSpec, SpecError, load_model_spec, spec_hash
 
 CLASSES = ["boot", "bag", "shirt", "trouser", "dress"]
 RGB_TOML = """

@@ -1,4 +1,4 @@
-# Tests for edge_agent.mqtt against a real mosquitto started per test on a free loopback port.
+# Tests for protocol.mqtt against a real mosquitto started per test on a free loopback port.
 from __future__ import annotations
 
 import signal
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.broker import EmbeddedBroker, port_is_free
-from edge_agent.mqtt import (
+from protocol.mqtt import (
     BrokerAddress,
     IncomingMessage,
     LastWill,
@@ -105,7 +105,7 @@ def test_publish_over_the_limit_raises_before_sending(broker, sessions):
 
 DOOMED_CLIENT = textwrap.dedent("""
     import os, signal, sys
-    from edge_agent.mqtt import BrokerAddress, LastWill, MqttSession
+    from protocol.mqtt import BrokerAddress, LastWill, MqttSession
     session = MqttSession(BrokerAddress("127.0.0.1", int(sys.argv[1])), client_id="doomed",
                           last_will=LastWill("fl/f/devices/doomed/status", b"offline-will"))
     session.connect(timeout=10)

@@ -9,9 +9,9 @@ import pytest
 
 from coordinator.cli import main
 from coordinator.method_flags import TABLE_BEGIN, TABLE_END, options_table, recipe_view
-from edge_agent import wire
-from edge_agent.options import Method, Option, Registry
-from edge_agent.sampling import SAMPLERS, AcquisitionContext, Sampler
+from edge_agent.learning.sampling import SAMPLERS, AcquisitionContext, Sampler
+from protocol import wire
+from protocol.options import Method, Option, Registry
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

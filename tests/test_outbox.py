@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from fleet import announce_round, fleet_shards, kill, start_agent, wait_for_state, wait_until, watch_status
 
-from edge_agent import wire
-from edge_agent.mqtt import IncomingMessage, MqttSession
-from edge_agent.outbox import OUTBOX_FOLDER, Outbox, next_resend_wait
+from edge_agent.loop.outbox import OUTBOX_FOLDER, Outbox, next_resend_wait
+from protocol import wire
+from protocol.mqtt import IncomingMessage, MqttSession
 
 FLEET = "outbox"
 RECIPE = wire.Recipe(labels_per_acquisition=20, epochs=30, batch_size=8, mc_passes=2)  # trains for seconds

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from fleet import WITHOUT_TORCH
 
-from edge_agent.fashion_mnist import DEFAULT_DATA_DIR
-from edge_agent.models import build_model, get_weights
+from edge_agent.data.fashion_mnist import DEFAULT_DATA_DIR
+from edge_agent.learning.models import build_model, get_weights
 from export.bundle_writer import ensure_bundle_files
 
 ROOT = Path(__file__).resolve().parent.parent

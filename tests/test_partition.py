@@ -1,11 +1,12 @@
-# Tests for coordinator.partition on the real Fashion-MNIST labels: spec parsing, partitions, server holdout.
+# Tests for bench.partition on the real Fashion-MNIST labels: spec parsing, partitions, server holdout.
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from coordinator.partition import PartitionSpec, parse_partition, partition_indices, server_holdout
-from edge_agent.fashion_mnist import DEFAULT_DATA_DIR, read_idx
+from bench.partition import PartitionSpec, parse_partition, partition_indices
+from coordinator.holdout import server_holdout
+from edge_agent.data.fashion_mnist import DEFAULT_DATA_DIR, read_idx
 
 
 @pytest.fixture(scope="module")

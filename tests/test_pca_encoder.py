@@ -10,10 +10,10 @@ from PIL import Image
 
 from coordinator.cli import main as coordinator_main
 from coordinator.server import load_encoder
-from edge_agent.encoder import OnnxEncoder
-from edge_agent.image_arrays import model_input
-from edge_agent.model_spec import DEFAULT_SPEC
+from edge_agent.data.image_arrays import model_input
+from edge_agent.learning.encoder import OnnxEncoder
 from export.pca_encoder import PcaBasis, fit_pca, pca_encoder_onnx
+from protocol.model_spec import DEFAULT_SPEC
 
 
 def test_points_on_a_line_give_that_line_as_the_one_direction_with_all_the_variance() -> None:

@@ -12,19 +12,19 @@ import pytest
 import torch
 from fleet import FakeDevice, fleet_shards, server_data
 
+from bench.oracle import SimulatedOracle
+from bench.shard import load_shard, open_device_data
 from coordinator.observer import RoundResult
 from coordinator.round_aggregator import SuspectPolicy
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings, initial_weights, run_server
 from coordinator.store import RunStore
-from edge_agent import wire
-from edge_agent.agent import Agent
-from edge_agent.agent_settings import AgentSettings
-from edge_agent.model_spec import DEFAULT_SPEC
-from edge_agent.mqtt import BrokerAddress, MqttSession
-from edge_agent.oracle import SimulatedOracle
-from edge_agent.shard import load_shard, open_device_data
-from edge_agent.tensors import weights_hash
+from edge_agent.loop.agent import Agent
+from edge_agent.loop.agent_settings import AgentSettings
+from protocol import wire
+from protocol.model_spec import DEFAULT_SPEC
+from protocol.mqtt import BrokerAddress, MqttSession
+from protocol.tensors import weights_hash
 
 pytestmark = pytest.mark.integration
 

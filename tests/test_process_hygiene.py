@@ -21,7 +21,7 @@ from fleet import (
     watch_status,
 )
 
-from edge_agent import wire
+from protocol import wire
 
 FLEET = "hygiene"
 ROOT = Path(__file__).resolve().parent.parent

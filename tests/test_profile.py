@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from edge_agent.cli import agent_settings, broker_address, build_parser
-from edge_agent.profile import ProfileError, load_profile
+from edge_agent.loop.profile import ProfileError, load_profile
 
 CONFIGS = Path(__file__).resolve().parent.parent / "firmware_configs"
 SHIPPED = ("raspberry-pi-4", "raspberry-pi-zero-2w", "jetson-nano", "jetson-orin-nano", "simulated")

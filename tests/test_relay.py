@@ -20,11 +20,11 @@ from coordinator.server import ServerSettings
 from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
 from coordinator.strategies import FedAvg
 from coordinator.validation import MAX_CONTRIBUTORS, MAX_REASON_CHARS, Expectation, Rejection, validate_update
-from edge_agent import wire
-from edge_agent.model_spec import DEFAULT_SPEC
-from edge_agent.models import build_model, get_weights
-from edge_agent.mqtt import MqttSession
-from edge_agent.tensors import spec_of, weights_hash
+from edge_agent.learning.models import build_model, get_weights
+from protocol import wire
+from protocol.model_spec import DEFAULT_SPEC
+from protocol.mqtt import MqttSession
+from protocol.tensors import spec_of, weights_hash
 
 NUM_CLASSES = DEFAULT_SPEC.num_classes
 BASE = get_weights(build_model(seed=1))

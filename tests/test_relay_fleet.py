@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 from fleet import kill, log_text, server_data, start_agent, start_coordinator, wait_exit, wait_until
 
+from bench.simulate import BenchSettings, DeviceLaunch, write_shards
 from coordinator.aggregation import ClientUpdate
 from coordinator.broker import EmbeddedBroker, free_loopback_port
 from coordinator.provision import broker_config_lines, provision
-from coordinator.simulate import BenchSettings, DeviceLaunch, write_shards
 from coordinator.spool import Spool
 from coordinator.store import RunStore
 from coordinator.strategies import AveFL, FedAvg
-from edge_agent import wire
-from edge_agent.mqtt import BrokerAddress
-from edge_agent.outbox import OUTBOX_FOLDER
+from edge_agent.loop.outbox import OUTBOX_FOLDER
+from protocol import wire
+from protocol.mqtt import BrokerAddress
 
 pytestmark = pytest.mark.integration
 

@@ -7,7 +7,7 @@ import pytest
 from coordinator.aggregation import ClientUpdate, coordinate_median, trimmed_count, trimmed_mean
 from coordinator.divergence import flag_suspects, fleet_divergence, robust_z_scores, suspect_scores
 from coordinator.strategies import AveFL, Median, TrimmedMean, make_strategy
-from edge_agent.tensors import Weights
+from protocol.tensors import Weights
 
 SHAPES = {"conv.weight": (4, 1, 3, 3), "conv.bias": (4,), "fc.weight": (2, 4)}
 

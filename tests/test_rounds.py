@@ -11,8 +11,8 @@ import pytest
 from coordinator.aggregation import ClientUpdate, ExactSum, RunningSum, weighted_average
 from coordinator.round_aggregator import BatchAggregator, RoundAggregator, StreamingAggregator, SuspectPolicy
 from coordinator.strategies import AveFL, Median, Strategy, StreamingWeightedAverage, make_strategy
-from edge_agent.models import build_model, get_weights
-from edge_agent.tensors import Weights
+from edge_agent.learning.models import build_model, get_weights
+from protocol.tensors import Weights
 
 
 def aggregate_with_suspects(

@@ -4,7 +4,7 @@ import warnings
 import numpy as np
 import pytest
 
-from edge_agent.sampling import (
+from edge_agent.learning.sampling import (
     SAMPLERS,
     BaldHeuristic,
     EntropyHeuristic,

@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from edge_agent.bundle import load_bundle
-from edge_agent.fashion_mnist import load_fashion_mnist
-from edge_agent.image_arrays import model_input
-from edge_agent.mc_dropout import TorchMCDropout
-from edge_agent.mc_scorer import DropoutSpec, batch_masks, dropout_masks
-from edge_agent.models import build_model, get_weights
-from edge_agent.ort_scorer import OrtMCDropout, session_options
-from edge_agent.sampling import entropy_scores, top_k
+from bench.shard import Shard, save_shard
+from edge_agent.data.fashion_mnist import load_fashion_mnist
+from edge_agent.data.image_arrays import model_input
+from edge_agent.learning.bundle import load_bundle
+from edge_agent.learning.mc_dropout import TorchMCDropout
+from edge_agent.learning.mc_scorer import DropoutSpec, batch_masks, dropout_masks
+from edge_agent.learning.models import build_model, get_weights
+from edge_agent.learning.ort_scorer import OrtMCDropout, session_options
+from edge_agent.learning.sampling import entropy_scores, top_k
+from edge_agent.learning.training import TrainSettings, train_supervised
 from edge_agent.score_command import load_pool_images
-from edge_agent.shard import Shard, save_shard
-from edge_agent.training import TrainSettings, train_supervised
 from export.bundle_writer import write_bundle
 
 
@@ -156,7 +156,7 @@ def test_onnxruntime_scoring_never_imports_torch(bundle_dir: Path, pool_file: Pa
 
 
 def test_missing_execution_provider_falls_back_to_cpu_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    from edge_agent.ort_scorer import select_providers
+    from edge_agent.learning.ort_scorer import select_providers
 
     with caplog.at_level("WARNING"):
         assert select_providers(["NoSuchExecutionProvider"]) == ["CPUExecutionProvider"]

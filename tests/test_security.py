@@ -10,18 +10,18 @@ from pathlib import Path
 import paho.mqtt.client as paho
 import pytest
 
+from bench.simulate import BenchSettings, secure_bench, simulate
 from coordinator.broker import EmbeddedBroker, embedded_broker
 from coordinator.observer import RoundResult
 from coordinator.provision import broker_config_lines, device_names, load_secure_fleet, password_hash, provision
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
-from coordinator.simulate import BenchSettings, secure_bench, simulate
 from coordinator.store import RunStore
-from edge_agent import wire
-from edge_agent.credentials import load_credentials
-from edge_agent.model_spec import DEFAULT_SPEC
-from edge_agent.models import build_model, get_weights
-from edge_agent.mqtt import BrokerAddress
+from edge_agent.learning.models import build_model, get_weights
+from protocol import wire
+from protocol.credentials import load_credentials
+from protocol.model_spec import DEFAULT_SPEC
+from protocol.mqtt import BrokerAddress
 
 NUM_CLASSES = DEFAULT_SPEC.num_classes
 

@@ -12,7 +12,7 @@ from coordinator.aggregation import ClientUpdate
 from coordinator.server_optimizers import adam_moment, adaptive_step, momentum_step, yogi_moment
 from coordinator.store import RunStore
 from coordinator.strategies import FedAvg, make_strategy
-from edge_agent.models import build_model, get_weights
+from edge_agent.learning.models import build_model, get_weights
 
 BASE = {"w": np.array([0.0, 1.0, -2.0], dtype=np.float32)}
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
-from edge_agent.files import save_arrays
-from edge_agent.models import build_model, get_weights
-from edge_agent.tensors import weights_hash
+from edge_agent.learning.models import build_model, get_weights
+from protocol.files import save_arrays
+from protocol.tensors import weights_hash
 
 
 @pytest.fixture

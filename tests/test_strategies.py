@@ -15,8 +15,8 @@ from coordinator.strategies import (
     OptFL,
     make_strategy,
 )
-from edge_agent.models import build_model, get_weights, set_weights
-from edge_agent.tensors import Weights
+from edge_agent.learning.models import build_model, get_weights, set_weights
+from protocol.tensors import Weights
 
 SHAPES = {"conv.weight": (4, 1, 3, 3), "conv.bias": (4,), "fc.weight": (2, 4)}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_agent.stream import (
+from edge_agent.field.stream import (
     BudgetSettings,
     BudgetState,
     decide,

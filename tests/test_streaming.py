@@ -9,10 +9,10 @@ from coordinator.intake import RoundCollector
 from coordinator.round_aggregator import StreamingAggregator, SuspectPolicy
 from coordinator.strategies import AveFL, FedAvg, Median, make_strategy
 from coordinator.validation import Expectation
-from edge_agent import wire
-from edge_agent.model_spec import DEFAULT_SPEC
-from edge_agent.models import build_model, get_weights, weight_spec
-from edge_agent.tensors import weights_hash
+from edge_agent.learning.models import build_model, get_weights, weight_spec
+from protocol import wire
+from protocol.model_spec import DEFAULT_SPEC
+from protocol.tensors import weights_hash
 
 NUM_CLASSES = DEFAULT_SPEC.num_classes
 

@@ -1,4 +1,4 @@
-# Tests for edge_agent.update_codec: round trips and their error bounds, top-k with error feedback, every rejection.
+# Tests for protocol.update_codec: round trips and their error bounds, top-k with error feedback, every rejection.
 from __future__ import annotations
 
 import dataclasses
@@ -11,21 +11,21 @@ import numpy as np
 import pytest
 from coordinators import local_coordinator
 
+from bench.simulate import BenchSettings, simulate
 from coordinator.broker import EmbeddedBroker
 from coordinator.evaluation import Evaluator, LabelledSplit
 from coordinator.intake import RoundCollector
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
-from coordinator.simulate import BenchSettings, simulate
 from coordinator.store import RunStore
 from coordinator.strategies import make_strategy
 from coordinator.validation import MAX_REASON_CHARS, Expectation, Rejection, validate_update
-from edge_agent import wire
-from edge_agent.model_spec import DEFAULT_SPEC
-from edge_agent.models import build_model, get_weights
-from edge_agent.mqtt import MqttSession
-from edge_agent.tensors import spec_of, weights_hash
-from edge_agent.update_codec import (
+from edge_agent.learning.models import build_model, get_weights
+from protocol import wire
+from protocol.model_spec import DEFAULT_SPEC
+from protocol.mqtt import MqttSession
+from protocol.tensors import spec_of, weights_hash
+from protocol.update_codec import (
     RESIDUAL_FILE,
     Encoded,
     ResidualStore,
@@ -34,7 +34,7 @@ from edge_agent.update_codec import (
     decode_update,
     encode_update,
 )
-from edge_agent.wire import RejectionKind
+from protocol.wire import RejectionKind
 
 FLOAT32_EPS = float(np.finfo(np.float32).eps)
 

@@ -9,11 +9,11 @@ import pytest
 
 from coordinator.intake import RoundCollector
 from coordinator.validation import Expectation, Rejection, validate_update
-from edge_agent import wire
-from edge_agent.model_spec import DEFAULT_SPEC
-from edge_agent.models import build_model, get_weights, weight_spec
-from edge_agent.tensors import weights_hash
-from edge_agent.wire import RejectionKind
+from edge_agent.learning.models import build_model, get_weights, weight_spec
+from protocol import wire
+from protocol.model_spec import DEFAULT_SPEC
+from protocol.tensors import weights_hash
+from protocol.wire import RejectionKind
 
 NUM_CLASSES = DEFAULT_SPEC.num_classes
 

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.simulate import BenchSettings, simulate
 from coordinator.observer import RoundResult
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
-from coordinator.simulate import BenchSettings, simulate
-from edge_agent import wire
 from edge_agent.cli import main as agent_main
+from protocol import wire
 
 pytestmark = pytest.mark.integration
 
@@ -79,7 +79,7 @@ def test_a_killed_worker_takes_its_devices_and_the_round_goes_on(tmp_path: Path,
     results: list[RoundResult] = []
     started = time.monotonic()
     try:
-        with caplog.at_level("ERROR", logger="coordinator.simulate"):
+        with caplog.at_level("ERROR", logger="bench.simulate"):
             simulate(settings, BenchSettings(devices=4, partition="iid", pool_size=60, workers=2), results.append)
     finally:
         done.set()

@@ -1,4 +1,4 @@
-# Tests for edge_agent.wire: message and tensor round trips, every decode failure, HMAC, topics, identifiers.
+# Tests for protocol.wire: message and tensor round trips, every decode failure, HMAC, topics, identifiers.
 from __future__ import annotations
 
 import dataclasses
@@ -9,8 +9,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from edge_agent import wire
-from edge_agent.model_spec import DEFAULT_SPEC
+from protocol import wire
+from protocol.model_spec import DEFAULT_SPEC
 
 KEY = b"fleet-secret-key"
 

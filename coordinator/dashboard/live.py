@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from coordinator.observer import RoundObserver, RoundResult
 from coordinator.validation import Rejection
-from edge_agent import wire
+from protocol import wire
 
 
 @dataclass

@@ -17,7 +17,7 @@ from coordinator.dashboard.views import (
     rounds_view,
     run_view,
 )
-from edge_agent.files import atomic_write_bytes
+from protocol.files import atomic_write_bytes
 
 REPORT_NAME = "report.html"
 SWEEP_FIGURE = "label_efficiency.png"  # what benchmarks/label_efficiency.py writes beside its runs' directories

@@ -27,7 +27,7 @@ from coordinator.dashboard.views import (
     rounds_view,
     run_view,
 )
-from edge_agent.files import atomic_write_bytes
+from protocol.files import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from coordinator.dashboard.live import LiveState
 from coordinator.method_flags import recipe_view
 from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore, stored_spec
-from edge_agent.model_spec import spec_hash
+from protocol.model_spec import spec_hash
 
 T = TypeVar("T")
 Rejection = tuple[int, str, str, int, float]  # round id, device id, reason, bytes, recorded at

@@ -1,0 +1,79 @@
+# The command-line options of a field device (folder pool, folder oracle, label page, stream acquisition); no torch.
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from edge_agent.field.folder_pool import DEFAULT_SETTLE_SECONDS
+
+
+def add_field_arguments(run: argparse.ArgumentParser) -> None:
+    """The options of a field device (a folder pool, the folder oracle, the label page, stream acquisition)."""
+    field = run.add_argument_group("field device")
+    field.add_argument("--pool-dir", type=Path, help="folder of JPEG/PNG images (a camera's); new files join the pool")
+    field.add_argument(
+        "--model-spec",
+        type=Path,
+        help="the fleet's TOML model spec: input shape and class names (default: the paper CNN on Fashion-MNIST)",
+    )
+    field.add_argument(
+        "--oracle-dir", type=Path, help="where queries are copied and labels.csv is read (default STATE_DIR/labelling)"
+    )
+    field.add_argument(
+        "--answer-wait",
+        type=float,
+        default=120.0,
+        help="seconds an acquisition waits for answers before training on what is answered",
+    )
+    field.add_argument("--label-ui", metavar="[HOST:]PORT", help="serve the labelling page (loopback by default)")
+    field.add_argument("--scan-interval", type=float, default=5.0, help="seconds between scans of the pool folder")
+    field.add_argument(
+        "--settle-seconds",
+        type=float,
+        default=DEFAULT_SETTLE_SECONDS,
+        help="a file joins once unmodified this long (cameras may still be writing it)",
+    )
+    field.add_argument(
+        "--stream",
+        action="store_true",
+        help="score each new image on arrival and ask for it when its entropy passes the budget's threshold",
+    )
+    field.add_argument("--labels-per-hour", type=float, default=30.0, help="--stream's labelling budget")
+    field.add_argument(
+        "--label-burst",
+        type=float,
+        help="--stream: most labels asked at once (default: a quarter hour's budget, at least 1)",
+    )
+
+
+@dataclass(frozen=True)
+class FieldSettings:
+    """A field device's folder pool, folder oracle, label page and stream acquisition, as the command line set them."""
+
+    pool_dir: Path
+    model_spec: Path | None = None
+    oracle_dir: Path | None = None
+    answer_wait: float = 120.0
+    label_ui: str | None = None
+    scan_interval: float = 5.0
+    settle_seconds: float = DEFAULT_SETTLE_SECONDS
+    stream: bool = False
+    labels_per_hour: float = 30.0
+    label_burst: float | None = None
+
+
+def field_settings(args: argparse.Namespace) -> FieldSettings:
+    """FieldSettings from parsed `edge-agent run` arguments (with --pool-dir)."""
+    return FieldSettings(
+        pool_dir=args.pool_dir,
+        model_spec=args.model_spec,
+        oracle_dir=args.oracle_dir,
+        answer_wait=args.answer_wait,
+        label_ui=args.label_ui,
+        scan_interval=args.scan_interval,
+        settle_seconds=args.settle_seconds,
+        stream=args.stream,
+        labels_per_hour=args.labels_per_hour,
+        label_burst=args.label_burst,
+    )

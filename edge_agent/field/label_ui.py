@@ -1,0 +1,137 @@
+# The on-device labelling page: pending queries with one button per class; a click writes labels.csv at once.
+from __future__ import annotations
+
+import html
+import logging
+import threading
+import urllib.parse
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
+
+from edge_agent.field.folder_oracle import QueryBook
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+MAX_FORM_BYTES = 4096
+IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}
+PAGE_STYLE = (
+    "body{font-family:sans-serif;margin:1em}.query{display:inline-block;border:1px solid #ccc;"
+    "margin:.5em;padding:.5em;width:15em;vertical-align:top}.query img{width:112px;height:112px;"
+    "image-rendering:pixelated;display:block;margin-bottom:.5em}button{margin:.1em}"
+)
+
+
+def parse_listen_address(value: str) -> tuple[str, int]:
+    """`[HOST:]PORT` -> (host, port); loopback when no host is given; ValueError for anything else."""
+    host, _, port = value.rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"--label-ui expects [HOST:]PORT, got {value!r}")
+    return host or DEFAULT_HOST, int(port)
+
+
+def render_page(book: QueryBook) -> str:
+    """The HTML of the page: every pending query's image and one form button per class (no scripts, no CDN)."""
+    cards = []
+    for query in book.pending():
+        name = html.escape(query.name, quote=True)
+        buttons = "".join(
+            f'<button type="submit" name="label" value="{number}" data-query="{name}">{html.escape(label)}</button>'
+            for number, label in enumerate(book.class_names)
+        )
+        cards.append(
+            f'<div class="query" id="q-{name}"><img src="/image/{urllib.parse.quote(query.name)}" '
+            f'alt="{name}"><form method="post" action="/label"><input type="hidden" name="query" '
+            f'value="{name}">{buttons}</form><small>round {query.round_id} &middot; {name}</small></div>'
+        )
+    body = "".join(cards) or '<p id="empty">Nothing to label.</p>'
+    return (
+        f'<!doctype html><html><head><meta charset="utf-8"><title>Label queries</title>'
+        f"<style>{PAGE_STYLE}</style></head><body><h1>Pending queries: {len(cards)}</h1>{body}</body></html>"
+    )
+
+
+class LabelHandler(BaseHTTPRequestHandler):
+    """GET / (the page), GET /image/<name> (a query's copy), POST /label (query, label) -> 303 back to /."""
+
+    book: ClassVar[QueryBook]
+
+    def do_GET(self) -> None:
+        """Serves the page or one query image; nothing else on the device is reachable."""
+        path = urllib.parse.urlsplit(self.path).path
+        if path == "/":
+            self._send(HTTPStatus.OK, "text/html; charset=utf-8", render_page(self.book).encode())
+            return
+        if path.startswith("/image/"):
+            name = urllib.parse.unquote(path[len("/image/") :])
+            query = next((q for q in self.book.queries() if q.name == name), None)
+            kind = IMAGE_TYPES.get(self.book.image_path(query).suffix.lower()) if query else None
+            if query is not None and kind is not None and self.book.image_path(query).is_file():
+                self._send(HTTPStatus.OK, kind, self.book.image_path(query).read_bytes())
+                return
+        self._send(HTTPStatus.NOT_FOUND, "text/plain", b"not found\n")
+
+    def do_POST(self) -> None:
+        """Saves one answer, then sends the browser back to the page."""
+        length = int(self.headers.get("Content-Length") or 0)
+        if urllib.parse.urlsplit(self.path).path != "/label" or not 0 < length <= MAX_FORM_BYTES:
+            self._send(HTTPStatus.BAD_REQUEST, "text/plain", b"expected a small form posted to /label\n")
+            return
+        form = urllib.parse.parse_qs(self.rfile.read(length).decode(errors="replace"))
+        try:
+            name, label = form["query"][0], int(form["label"][0])
+            self.book.record_answer(name, label)
+        except (KeyError, ValueError) as error:
+            self._send(HTTPStatus.BAD_REQUEST, "text/plain", f"label not saved: {str(error)[:200]}\n".encode())
+            return
+        log.info("label saved query=%s label=%d", name[:200], label)
+        self.send_response(HTTPStatus.SEE_OTHER)
+        self.send_header("Location", "/")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def _send(self, status: HTTPStatus, kind: str, body: bytes) -> None:
+        """One complete response."""
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        """Requests go to the debug log, not stderr."""
+        log.debug("http %s", format % args)
+
+
+def make_handler(book: QueryBook) -> type[BaseHTTPRequestHandler]:
+    """The request handler class bound to one QueryBook."""
+    return type("BoundLabelHandler", (LabelHandler,), {"book": book})
+
+
+class LabelServer:
+    """The labelling page served by http.server on a background thread (loopback unless a host is given)."""
+
+    def __init__(self, book: QueryBook, host: str = DEFAULT_HOST, port: int = 0) -> None:
+        self._server = ThreadingHTTPServer((host, port), make_handler(book))
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="label-ui", daemon=True)
+
+    @property
+    def url(self) -> str:
+        """Where the page is served."""
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}/" if isinstance(host, str) else f"http://{host.decode()}:{port}/"
+
+    def start(self) -> LabelServer:
+        """Starts serving on the background thread."""
+        self._thread.start()
+        log.info("label page serving url=%s", self.url)
+        return self
+
+    def stop(self) -> None:
+        """Stops serving and closes the socket."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

@@ -1,0 +1,150 @@
+# A field device's parts: the folder pool, the folder oracle, the label page, and the work between rounds.
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edge_agent.data.device_data import DeviceData
+from edge_agent.data.image_files import InputSpec
+from edge_agent.field.field_options import FieldSettings
+from edge_agent.field.folder_oracle import FolderOracle, QueryBook
+from edge_agent.field.folder_pool import open_folder_data
+from edge_agent.field.label_ui import LabelServer, parse_listen_address
+from edge_agent.field.stream import BudgetSettings, BudgetState, decide, default_burst, start_state
+from edge_agent.learning.learner import Learner, make_learner
+from edge_agent.learning.sampling import Heuristic, make_sampler
+from edge_agent.loop.agent import LatestModel
+from edge_agent.loop.agent_settings import AgentSettings
+from edge_agent.loop.profile import DeviceProfile
+from edge_agent.loop.round_inputs import RoundModels, mc_probabilities
+from protocol.model_spec import DEFAULT_SPEC, load_model_spec
+from protocol.tensors import Weights
+
+log = logging.getLogger(__name__)
+
+DEFAULT_POOL_CAP = 20000
+STREAM_STATE_KEY = "stream"
+STREAM_PASSES = 10
+
+
+class StreamAcquirer:
+    """Scores each new pool item once (the recipe's sampler over the newest global model, through the agent's
+    configured back end) and asks for it within the budget.
+
+    The bucket, recent scores and how far the pool has been scored persist in the agent's journal before the
+    queries are written, so a crash can only under-spend the budget, never exceed it. A sampler that needs more
+    than MC-dropout probabilities of the new items (KSAS, FAST) cannot score a stream: it is refused in one line.
+    """
+
+    def __init__(
+        self, data: DeviceData, oracle: FolderOracle, budget: BudgetSettings, settings: AgentSettings, passes: int
+    ) -> None:
+        self.data = data
+        self.oracle = oracle
+        self.budget = budget
+        self.settings = settings
+        self.passes = passes
+        self._learner: tuple[Weights, Learner] | None = None
+        self._refused: set[str] = set()
+
+    def score_new(self, latest: LatestModel, round_id: int) -> None:
+        """Scores the items that arrived since the last call and asks for those the controller picks."""
+        saved = self.data.get_state(STREAM_STATE_KEY) or {}
+        first, end = int(saved.get("scored_upto", 0)), self.data.num_samples
+        sampler = make_sampler(latest.recipe.sampler)
+        if not isinstance(sampler, Heuristic):
+            self.refuse(sampler.name)
+            return
+        if first >= end:
+            return
+        new = np.arange(first, end)
+        scores = self.scores(sampler, latest, new, seed=first)
+        now = time.time()
+        state = BudgetState.from_json(saved["budget"]) if "budget" in saved else start_state(self.budget, now)
+        asked = []
+        for index, score in zip(new.tolist(), scores.tolist()):
+            query, state = decide(state, score, now, self.budget)
+            if query:
+                asked.append(index)
+        self.data.set_state(STREAM_STATE_KEY, {"scored_upto": end, "budget": state.to_json()})
+        self.oracle.start_round(round_id)
+        self.oracle.ask(np.array(asked, dtype=np.int64))
+        log.info(
+            "stream scored sampler=%s new=%d asked=%d tokens=%.2f max_score=%.3f",
+            *(sampler.name, len(new), len(asked), state.tokens, float(scores.max())),
+        )
+
+    def refuse(self, sampler: str) -> None:
+        """Logs once per sampler that it cannot score a stream (it needs more than MC-dropout probabilities)."""
+        if sampler not in self._refused:
+            self._refused.add(sampler)
+            log.error(
+                "stream acquisition refused sampler=%s reason=it needs more than MC-dropout probabilities", sampler
+            )
+
+    def scores(self, sampler: Heuristic, latest: LatestModel, new: np.ndarray, seed: int) -> np.ndarray:
+        """The sampler's scores of the new items under the newest global model, on the agent's back end."""
+        if self._learner is None or self._learner[0] is not latest.weights:
+            learner = make_learner(self.settings, self.data.state_dir, latest.spec, latest.weights, latest.bundle)
+            self._learner = (latest.weights, learner)
+        models = RoundModels(self._learner[1], "", latest.recipe, latest.bundle)
+        images = self.data.images(new)
+        probabilities = (
+            mc_probabilities(self.settings, models, images, self.passes, seed) if sampler.needs_probabilities else None
+        )
+        return sampler.scores(probabilities, len(new), np.random.default_rng(seed))
+
+
+class FieldWork:
+    """Rescans the pool folder every scan_interval seconds and, with a stream, scores what arrived."""
+
+    def __init__(self, data: DeviceData, scan_interval: float, stream: StreamAcquirer | None = None) -> None:
+        self.data = data
+        self.scan_interval = scan_interval
+        self.stream = stream
+        self._next_scan = 0.0
+
+    def tick(self, latest: LatestModel | None, round_id: int) -> None:
+        """Scans the folder when the interval has passed; scores new items once a global model has arrived."""
+        if time.monotonic() < self._next_scan:
+            return
+        self._next_scan = time.monotonic() + self.scan_interval
+        self.data.refresh()
+        if self.stream is not None and latest is not None:
+            self.stream.score_new(latest, round_id)
+
+
+@dataclass
+class FieldParts:
+    """What a field agent runs with: its data, oracle, between-round work and (optional) label page."""
+
+    data: DeviceData
+    oracle: FolderOracle
+    work: FieldWork
+    label_server: LabelServer | None
+
+
+def open_field(
+    field: FieldSettings, state_dir: Path, settings: AgentSettings, profile: DeviceProfile | None
+) -> FieldParts:
+    """Opens the folder pool and the folder oracle of a field device; starts the label page if asked."""
+    pool_cap = profile.pool_size_cap if profile else DEFAULT_POOL_CAP
+    oracle_dir = field.oracle_dir or state_dir / "labelling"
+    listen = parse_listen_address(field.label_ui) if field.label_ui else None
+    spec = load_model_spec(field.model_spec).spec if field.model_spec else DEFAULT_SPEC
+    images = InputSpec(spec.channels, spec.height, spec.width)
+    data = open_folder_data(
+        state_dir, field.pool_dir, pool_cap, images, field.settle_seconds, (oracle_dir,), spec.num_classes
+    )
+    book = QueryBook(oracle_dir, tuple(spec.class_names))
+    oracle = FolderOracle(book, data, field.answer_wait)
+    stream = None
+    if field.stream:
+        budget = BudgetSettings(field.labels_per_hour, field.label_burst or default_burst(field.labels_per_hour))
+        stream = StreamAcquirer(data, oracle, budget, settings, STREAM_PASSES)
+    server = LabelServer(book, *listen).start() if listen else None
+    return FieldParts(data, oracle, FieldWork(data, field.scan_interval, stream), server)

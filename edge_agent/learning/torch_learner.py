@@ -1,0 +1,73 @@
+# A device that trains the whole model in torch with the recipe's local rule (imported only by such devices).
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from edge_agent.data.image_arrays import model_input
+from edge_agent.learning.bundle import Bundle
+from edge_agent.learning.learner import bundle_scorer
+from edge_agent.learning.local_data import LocalData
+from edge_agent.learning.mc_dropout import TorchMCDropout, predict_features, predict_logits
+from edge_agent.learning.mc_scorer import MCScorer
+from edge_agent.learning.models import build_model, get_weights, set_weights
+from edge_agent.learning.training import make_local_rule
+from edge_agent.loop.agent_settings import AgentSettings
+from protocol import wire
+from protocol.files import load_arrays, save_arrays
+from protocol.model_spec import ModelSpec
+from protocol.tensors import Weights
+
+OWN_MODEL_FILE = "own_model.npz"
+
+
+def own_model(state_dir: Path, spec: ModelSpec, current: nn.Module) -> nn.Module:
+    """The device's own last trained model omega_i (kept across rounds), or `current` before it has one."""
+    path = state_dir / OWN_MODEL_FILE
+    if not path.is_file():
+        return current
+    model = build_model(spec)
+    set_weights(model, load_arrays(path))
+    return model
+
+
+class TorchLearner:
+    """The round's model in torch (current, trained by the local rule) beside a frozen copy of the global one."""
+
+    def __init__(self, settings: AgentSettings, state_dir: Path, spec: ModelSpec, global_weights: Weights) -> None:
+        torch.set_num_threads(settings.torch_threads)
+        self.settings = settings
+        self.state_dir = state_dir
+        self.spec = spec
+        self.current = build_model(spec)
+        set_weights(self.current, global_weights)
+        self.global_model = copy.deepcopy(self.current).eval()
+
+    def weights(self) -> Weights:
+        """The current model's weights."""
+        return get_weights(self.current)
+
+    def scorer(self, bundle: Bundle | None) -> MCScorer:
+        """The bundle's graphs with the current weights (onnxruntime profiles), else torch over the current model."""
+        if self.settings.scores_with_onnxruntime:
+            return bundle_scorer(self.settings, bundle, self.weights())
+        return TorchMCDropout(self.current, self.settings.inference_batch)
+
+    def train(self, data: LocalData, recipe: wire.Recipe, seed: int) -> dict[str, float]:
+        """The recipe's local rule on the current model; the result is kept as the device's own model."""
+        metrics = make_local_rule(recipe.local_rule).train(self.current, data, self.global_model, recipe, seed)
+        save_arrays(self.state_dir / OWN_MODEL_FILE, self.weights())
+        return metrics
+
+    def logits(self, which: str, images: np.ndarray) -> np.ndarray:
+        """Deterministic logits of raw images under the device's own last model or the round's global one."""
+        model = own_model(self.state_dir, self.spec, self.current) if which == "own" else self.global_model
+        return predict_logits(model, model_input(images), self.settings.inference_batch)
+
+    def features(self, images: np.ndarray) -> np.ndarray:
+        """Penultimate features of raw images under the current model (the one that scores the pool)."""
+        return predict_features(self.current, model_input(images), self.settings.inference_batch)

@@ -1,0 +1,263 @@
+# The device loop: model in -> acquire labels -> train -> update out, all on the main thread.
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from edge_agent.data.device_data import DeviceData
+from edge_agent.data.oracle import Oracle
+from edge_agent.learning.bundle import Bundle
+from edge_agent.loop.agent_settings import AgentSettings
+from edge_agent.loop.artefacts import BUNDLES_FOLDER, RoundArtefacts
+from edge_agent.loop.footprint import PhaseMeter
+from edge_agent.loop.outbox import OUTBOX_FOLDER, UpdateSender
+from edge_agent.loop.round_runner import RoundRunner
+from protocol import wire
+from protocol.model_spec import ModelSpec
+from protocol.mqtt import IncomingMessage, LastWill, MqttSession, PayloadTooLargeError
+from protocol.tensors import Weights
+
+log = logging.getLogger(__name__)
+
+LAST_ROUND_KEY = "last_finished_round"
+
+
+@dataclass(frozen=True)
+class LatestModel:
+    """The newest global model a device holds, its spec, the recipe it was announced with, and its bundle (if any)."""
+
+    spec: ModelSpec
+    weights: Weights
+    recipe: wire.Recipe
+    bundle: Bundle | None
+
+
+@dataclass(frozen=True)
+class HeldUpdate:
+    """A finished round's update (None: the round gave none) that a bench's slow device publishes at `due`."""
+
+    announcement: wire.RoundAnnouncement
+    update: wire.Update | None
+    due: float
+
+
+class UpdateHold:
+    """Holds a finished round's update until a bench's slow device would have finished it: k times the round's
+    compute time (slowdown k > 1; outside the learning path, off by default). It holds the update rather than the
+    thread, so devices sharing a host are not slowed with it. The process's first round is not stretched: it pays
+    one-off costs (imports, building the learner) that would dominate a short bench."""
+
+    def __init__(self, slowdown: float) -> None:
+        self.slowdown = slowdown
+        self.held: HeldUpdate | None = None
+        self.warm = False
+
+    @property
+    def busy(self) -> bool:
+        """Whether an update still waits (the device works on nothing else meanwhile)."""
+        return self.held is not None
+
+    def keep(
+        self, announcement: wire.RoundAnnouncement, update: wire.Update | None, started: float, ended: float
+    ) -> None:
+        """Holds the update of a round computed from `started` to `ended` (monotonic seconds)."""
+        factor = self.slowdown if self.warm else 1.0
+        self.warm = True
+        self.held = HeldUpdate(announcement, update, started + factor * (ended - started))
+
+    def take_due(self) -> HeldUpdate | None:
+        """The held update once its time has come (and no longer held), else None."""
+        held = self.held
+        if held is None or time.monotonic() < held.due:
+            return None
+        self.held = None
+        return held
+
+
+class BackgroundWork(Protocol):
+    """Work the main loop does between messages (a field device's folder scans and stream scoring)."""
+
+    def tick(self, latest: LatestModel | None, round_id: int) -> None:
+        """Called every loop turn with the newest global model (None before the first) and the round worked toward."""
+
+
+def last_will(settings: AgentSettings) -> LastWill:
+    """The retained 'offline' status the broker publishes if the device disappears."""
+    offline = wire.Status(settings.device_id, "offline", 0.0, profile=settings.profile)
+    return LastWill(wire.device_topic(settings.fleet, settings.device_id, "status"), wire.encode(offline))
+
+
+def publish_status(
+    session: MqttSession, settings: AgentSettings, state: str, round_id: int, labelled: int, peak_mb: float
+) -> None:
+    """Retains a device's presence and progress (state, round, labels, peak memory) on its status topic."""
+    status = wire.Status(
+        device_id=settings.device_id,
+        state=state,
+        timestamp=time.time(),
+        round_id=round_id,
+        labelled=labelled,
+        profile=settings.profile,
+        peak_rss_mb=round(peak_mb, 1),
+    )
+    session.publish(wire.device_topic(settings.fleet, settings.device_id, "status"), wire.encode(status), retain=True)
+
+
+def log_footprint(meter: PhaseMeter, round_id: int, budget_mb: int | None) -> None:
+    """Logs a round's per-phase memory, and a warning when its peak went above the device's budget."""
+    meter.log(round_id)
+    if budget_mb is not None and meter.overall > budget_mb:
+        log.warning("footprint above the memory budget peak_mb=%.1f budget_mb=%d", meter.overall, budget_mb)
+
+
+class Agent:
+    """One device: follows the retained round announcements of its fleet and answers each with one update."""
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        session: MqttSession,
+        data: DeviceData,
+        oracle: Oracle,
+        background: BackgroundWork | None = None,
+    ) -> None:
+        self.settings = settings
+        self.session = session
+        self.data = data
+        self.oracle = oracle
+        self.background = background
+        self.stop_event = threading.Event()
+        self.artefacts = RoundArtefacts(session, data.state_dir / BUNDLES_FOLDER)
+        self.meter = PhaseMeter()
+        self.rounds = RoundRunner(settings, data, oracle, self.artefacts, self.publish_status, self.meter)
+        self.sender = UpdateSender(settings, session, data.state_dir / OUTBOX_FOLDER)
+        self._pending: wire.RoundAnnouncement | None = None
+        self._recipe: wire.Recipe | None = None
+        self.hold = UpdateHold(settings.slowdown)
+
+    @property
+    def last_finished_round(self) -> int:
+        """The last round this device finished (persisted, so a restart does not redo it; an update in the outbox
+        counts as finished even if the process died before noting it)."""
+        return max(int(self.data.get_state(LAST_ROUND_KEY, 0)), self.sender.outbox.last_round())
+
+    def run(self) -> None:
+        """Serves rounds until stopped, or until the final announcement when exit_on_final is set (a field device:
+        the same start, steps and finish a host of many virtual devices drives in turn)."""
+        self.start()
+        try:
+            while not self.stop_event.is_set():
+                if self.step(timeout=0.5):
+                    return
+        finally:
+            self.finish()
+
+    def start(self) -> None:
+        """Subscribes to the round and ack topics and says the device is online."""
+        fleet, device = self.settings.fleet, self.settings.device_id
+        self.session.subscribe(wire.round_topic(fleet))
+        self.session.subscribe(wire.device_topic(fleet, device, "ack"))
+        self.publish_status("online")
+        pool, labelled = len(self.data.pool_indices()), self.data.num_labelled
+        log.info(
+            "agent ready device=%s pool=%d labelled=%d last_round=%d", device, pool, labelled, self.last_finished_round
+        )
+
+    def step(self, timeout: float) -> bool:
+        """One loop turn: waits up to `timeout` seconds for a message, handles it and every message queued behind
+        it (an ack that waited while the device was busy settles its update before the resend timer looks), resends
+        due updates, does the background work and runs the pending round if it is ready. True when the run is over
+        for this agent."""
+        message = self.session.next_message(timeout=timeout)
+        self.meter.note("idle")
+        while message is not None:
+            if self.handle(message):
+                return True
+            message = self.session.next_message(timeout=0.0)
+        self.sender.resend_due()
+        self.release_held()
+        if self.background is not None:
+            self.background.tick(self.latest_model(), self.last_finished_round + 1)
+        self.maybe_run_round()
+        return False
+
+    def finish(self) -> None:
+        """Says the device is offline (a clean leave: the last will is for vanishing)."""
+        self.publish_status("offline")
+
+    def latest_model(self) -> LatestModel | None:
+        """The newest global model with its recipe and bundle, once both a model and an announcement arrived."""
+        newest = self.artefacts.newest_model()
+        if newest is None or self._recipe is None:
+            return None
+        return LatestModel(*newest, self._recipe, next(iter(self.artefacts.bundles.values()), None))
+
+    def handle(self, message: IncomingMessage) -> bool:
+        """Routes one message; True when the run is over for this agent."""
+        kind = self.artefacts.kind_of(message.topic)
+        try:
+            if message.topic == wire.round_topic(self.settings.fleet):
+                return self.on_announcement(wire.decode(message.payload, wire.RoundAnnouncement))
+            if kind in ("model", "bundle", "encoder"):
+                with self.meter.phase("receive"):
+                    self.artefacts.receive(kind, message.payload)
+            elif message.topic.endswith("/ack"):
+                self.sender.on_ack(wire.decode(message.payload, wire.Ack))
+        except wire.WireError as error:
+            if message.payload:
+                log.warning("ignored bad message topic=%s error=%s", message.topic[:200], error)
+        return False
+
+    def on_announcement(self, announcement: wire.RoundAnnouncement) -> bool:
+        """Remembers the newest unfinished round and asks for its model; True on the final announcement."""
+        if announcement.final:
+            log.info("run finished run=%s round=%d", announcement.run_id, announcement.round_id)
+            return self.settings.exit_on_final
+        if announcement.round_id <= self.last_finished_round:
+            log.debug("ignoring finished round %d", announcement.round_id)
+            return False
+        self._pending, self._recipe = announcement, announcement.recipe
+        self.artefacts.follow_round(self.settings.fleet, announcement, self.settings.scores_with_onnxruntime)
+        return False
+
+    def maybe_run_round(self) -> None:
+        """Runs the pending round once everything it needs has arrived (and no slowed update still waits), then
+        publishes its update, at once or when a bench's slowdown lets it go."""
+        announcement = self._pending
+        if self.hold.busy or announcement is None:
+            return
+        if not self.artefacts.ready(announcement, self.settings.scores_with_onnxruntime):
+            return
+        self._pending = None
+        model_hash, started = announcement.model_hash, time.monotonic()
+        update = self.rounds.run(announcement, self.artefacts.specs[model_hash], self.artefacts.models[model_hash])
+        self.hold.keep(announcement, update, started, time.monotonic())
+        self.release_held()
+
+    def release_held(self) -> None:
+        """Publishes the held update once its time has come, journals the round and says the device is idle."""
+        held = self.hold.take_due()
+        if held is None:
+            return
+        announcement, update = held.announcement, held.update
+        try:
+            if update is not None:
+                with self.meter.phase("publish"):
+                    self.sender.send(update, announcement.recipe.update_compression)
+        except (wire.WireError, PayloadTooLargeError) as error:
+            log.error(
+                "update not sent device=%s round=%d error=%s", self.settings.device_id, announcement.round_id, error
+            )
+            self.publish_status("error", announcement.round_id)
+            return
+        self.data.set_state(LAST_ROUND_KEY, announcement.round_id)
+        log_footprint(self.meter, announcement.round_id, self.settings.memory_budget_mb)
+        self.publish_status("idle", announcement.round_id)
+
+    def publish_status(self, state: str, round_id: int | None = None) -> None:
+        """Retained presence and progress for the coordinator and its dashboard."""
+        round_id = self.last_finished_round if round_id is None else round_id
+        publish_status(self.session, self.settings, state, round_id, self.data.num_labelled, self.meter.overall)

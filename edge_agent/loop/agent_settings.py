@@ -1,0 +1,43 @@
+# Who a device is, where its broker is and how hard it may work: the settings every part of the agent reads.
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from protocol import wire
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """Who the device is, where its broker is and how hard it may work."""
+
+    fleet: str
+    device_id: str
+    profile: str = "simulated"
+    inference_batch: int = 256
+    torch_threads: int = 1
+    exit_on_final: bool = False
+    max_update_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
+    backend: str = "torch"
+    trainer: str = "full"
+    memory_budget_mb: int | None = None
+    inference_threads: int = 0
+    execution_providers: tuple[str, ...] = ("CPUExecutionProvider",)
+    mc_passes_cap: int | None = None
+    stream: bool = False
+    signing_key: bytes = b""
+    slowdown: float = 1.0  # a bench knob: each round takes this many times its own compute time (see Agent)
+
+    def __post_init__(self) -> None:
+        if not 1.0 <= self.slowdown <= 1000.0:
+            raise ValueError(f"--slowdown must lie in [1, 1000], got {self.slowdown}")
+
+    @property
+    def scores_with_onnxruntime(self) -> bool:
+        """True when the device scores its pool with the coordinator's ONNX bundle rather than with torch."""
+        return self.backend == "onnxruntime"
+
+
+def device_seed(device_id: str) -> int:
+    """A stable per-device number, so that devices with the same recipe seed still draw differently."""
+    return int.from_bytes(hashlib.sha256(device_id.encode()).digest()[:4], "little")

@@ -1,0 +1,106 @@
+# What a round needs from the broker besides its announcement: the model, its ONNX bundle, the frozen encoder.
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from edge_agent.learning.bundle import Bundle, BundleError, remove_other_bundles, store_bundle
+from edge_agent.learning.encoder import encoder_hash
+from protocol import wire
+from protocol.model_spec import ModelSpec
+from protocol.mqtt import MqttSession
+from protocol.tensors import Weights, weights_hash
+
+log = logging.getLogger(__name__)
+
+BUNDLES_FOLDER = "bundles"
+
+
+def content_matches(kind: str, announced: str, actual: str) -> bool:
+    """True when retained content hashes to the name it was published under; a warning otherwise."""
+    if actual != announced:
+        log.warning("%s hash mismatch announced=%s actual=%s", kind, announced, actual)
+        return False
+    return True
+
+
+class RoundArtefacts:
+    """The current model, bundle and encoder, each kept only once its content matches its hash, and the retained
+    topics followed for them (one per kind: following a new one leaves the previous)."""
+
+    def __init__(self, session: MqttSession, bundles_dir: Path) -> None:
+        self.session = session
+        self.bundles_dir = bundles_dir
+        self.models: dict[str, Weights] = {}
+        self.specs: dict[str, ModelSpec] = {}
+        self.bundles: dict[str, Bundle] = {}
+        self.encoders: dict[str, bytes] = {}
+        self.followed: dict[str, str] = {}
+
+    def follow(self, kind: str, topic: str) -> None:
+        """Subscribes to the current topic of a kind (model, bundle, encoder), leaving the kind's previous one."""
+        previous = self.followed.get(kind)
+        if topic == previous:
+            return
+        if previous is not None:
+            self.session.unsubscribe(previous)
+        self.followed[kind] = topic
+        self.session.subscribe(topic)
+
+    def follow_round(self, fleet: str, announcement: wire.RoundAnnouncement, with_bundle: bool) -> None:
+        """Follows what a round needs: its model, its ONNX bundle (`with_bundle`), its recipe's encoder if any."""
+        self.follow("model", wire.model_topic(fleet, announcement.model_hash))
+        if with_bundle:
+            self.follow("bundle", wire.bundle_topic(fleet, announcement.model_hash))
+        if announcement.recipe.encoder:
+            self.follow("encoder", wire.encoder_topic(fleet, announcement.recipe.encoder))
+
+    def kind_of(self, topic: str) -> str | None:
+        """Which followed kind a topic carries (None: none)."""
+        return next((kind for kind, followed in self.followed.items() if followed == topic), None)
+
+    def receive(self, kind: str, payload: bytes) -> None:
+        """Decodes and keeps a model, bundle or encoder of a followed topic (WireError if it is malformed)."""
+        if kind == "model":
+            self.on_model(wire.decode(payload, wire.ModelMessage))
+        elif kind == "bundle":
+            self.on_bundle(wire.decode(payload, wire.BundleMessage))
+        else:
+            self.on_encoder(wire.decode(payload, wire.EncoderMessage))
+
+    def on_model(self, message: wire.ModelMessage) -> None:
+        """Keeps the announced model (and the spec it is built from) once its content matches its hash."""
+        if content_matches("model", message.model_hash, weights_hash(message.tensors)):
+            self.models = {message.model_hash: message.tensors}
+            self.specs = {message.model_hash: message.spec}
+
+    def on_encoder(self, message: wire.EncoderMessage) -> None:
+        """Keeps the announced frozen encoder once its bytes match their sha256."""
+        if content_matches("encoder", message.encoder_hash, encoder_hash(message.onnx)):
+            self.encoders = {message.encoder_hash: message.onnx}
+
+    def on_bundle(self, message: wire.BundleMessage) -> None:
+        """Stores the announced model's ONNX bundle under the state folder once every file verifies."""
+        folder = self.bundles_dir / message.model_hash
+        try:
+            bundle = store_bundle(folder, message.files)
+        except (BundleError, OSError) as error:
+            log.warning("bundle rejected model=%s error=%s", message.model_hash[:12], error)
+            return
+        if not content_matches("bundle", message.model_hash, bundle.manifest.weights_hash):
+            return
+        remove_other_bundles(folder)
+        self.bundles = {message.model_hash: bundle}
+        log.info("bundle stored model=%s files=%d", message.model_hash[:12], len(message.files))
+
+    def ready(self, announcement: wire.RoundAnnouncement, needs_bundle: bool) -> bool:
+        """Whether everything the announced round needs has arrived."""
+        if announcement.model_hash not in self.models:
+            return False
+        if needs_bundle and announcement.model_hash not in self.bundles:
+            return False
+        return not announcement.recipe.encoder or announcement.recipe.encoder in self.encoders
+
+    def newest_model(self) -> tuple[ModelSpec, Weights] | None:
+        """The global model held now and its spec (None before the first)."""
+        return next(((self.specs[key], weights) for key, weights in self.models.items()), None)

@@ -1,0 +1,45 @@
+# The active-learning schedule of a recipe: which rounds acquire, how many labels, where an active round starts.
+from __future__ import annotations
+
+import math
+
+from protocol.wire import Recipe
+
+
+def round_in_active_round(round_id: int, recipe: Recipe) -> int:
+    """1-based communication round inside its active round (an active round is rounds_per_acquisition rounds)."""
+    return (round_id - 1) % recipe.rounds_per_acquisition + 1
+
+
+def acquires_in_round(round_id: int, recipe: Recipe) -> bool:
+    """True on the first round of every active round, except the very first when the device starts from
+    random initial labels (KAFAL's active round 0 trains on those alone)."""
+    if round_in_active_round(round_id, recipe) != 1:
+        return False
+    return not (recipe.initial_label_fraction > 0 and round_id <= recipe.rounds_per_acquisition)
+
+
+def labels_per_acquisition(recipe: Recipe, own_samples: int) -> int:
+    """ceil(label_fraction * own samples) when a fraction is set (KAFAL's b_i), else the recipe's fixed count."""
+    if recipe.label_fraction > 0:
+        return math.ceil(recipe.label_fraction * own_samples)
+    return recipe.labels_per_acquisition
+
+
+def initial_label_count(recipe: Recipe, own_samples: int) -> int:
+    """ceil(initial_label_fraction * own samples): the random labels a device takes before its first round."""
+    return math.ceil(recipe.initial_label_fraction * own_samples)
+
+
+def check_schedule(recipe: Recipe) -> None:
+    """ValueError naming the first schedule setting out of range."""
+    if recipe.rounds_per_acquisition < 1:
+        raise ValueError(f"--rounds-per-acquisition must be at least 1, got {recipe.rounds_per_acquisition}")
+    for name, value in (
+        ("--initial-label-fraction", recipe.initial_label_fraction),
+        ("--label-fraction", recipe.label_fraction),
+    ):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must lie in [0, 1], got {value}")
+    if recipe.labels_per_acquisition < 0 or recipe.acquisitions_per_round < 1:
+        raise ValueError("--labels-per-acquisition must be >= 0 and --acquisitions-per-round >= 1")

@@ -1,0 +1,91 @@
+# A device's (or the coordinator's) credential file: who it is on the broker, its HMAC key, its TLS files.
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocol import wire
+from protocol.files import atomic_write_bytes
+from protocol.mqtt import BrokerAddress
+
+CREDENTIALS_VERSION = 1
+TLS_FIELDS = ("ca_file", "cert_file", "key_file")
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What one MQTT client needs to join a secured fleet; TLS paths are absolute once loaded."""
+
+    fleet: str
+    username: str
+    password: str
+    device_id: str = ""
+    hmac_key: bytes = b""
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    def apply_to(self, address: BrokerAddress) -> BrokerAddress:
+        """The broker address with this client's username, password and TLS files filled in."""
+        return dataclasses.replace(
+            address,
+            username=self.username,
+            password=self.password,
+            ca_file=self.ca_file,
+            cert_file=self.cert_file,
+            key_file=self.key_file,
+        )
+
+
+def save_credentials(path: Path, credentials: Credentials) -> None:
+    """Writes the file with 0600 permissions; TLS paths are stored relative to its folder so it can be copied."""
+    body = {"version": CREDENTIALS_VERSION, **dataclasses.asdict(credentials), "hmac_key": credentials.hmac_key.hex()}
+    for name in TLS_FIELDS:
+        if body[name] is not None:
+            body[name] = os.path.relpath(Path(body[name]).resolve(), path.parent.resolve())
+    atomic_write_bytes(path, (json.dumps(body, indent=2, sort_keys=True) + "\n").encode())
+
+
+def load_credentials(path: Path) -> Credentials:
+    """Reads a credential file written by `fl-coordinator provision`; ValueError saying what is wrong otherwise."""
+    path = Path(path)
+    try:
+        body = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"credential file {path}: cannot read it ({error})") from None
+    if not isinstance(body, dict) or body.get("version") != CREDENTIALS_VERSION:
+        raise ValueError(f"credential file {path}: not a version {CREDENTIALS_VERSION} credential file")
+    try:
+        credentials = Credentials(
+            fleet=wire.check_identifier("fleet", body["fleet"]),
+            username=wire.check_identifier("username", body["username"]),
+            password=_string(body["password"], "password"),
+            device_id=_optional_identifier(body.get("device_id", ""), "device id"),
+            hmac_key=bytes.fromhex(_string(body.get("hmac_key", ""), "hmac_key")),
+            **{name: _tls_path(path, body.get(name), name) for name in TLS_FIELDS},
+        )
+    except (KeyError, ValueError) as error:
+        raise ValueError(f"credential file {path}: {error}") from None
+    return credentials
+
+
+def _string(value: object, name: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string")
+    return value
+
+
+def _optional_identifier(value: object, kind: str) -> str:
+    return "" if value == "" else wire.check_identifier(kind, _string(value, kind))
+
+
+def _tls_path(credential_file: Path, value: object, name: str) -> str | None:
+    if value is None:
+        return None
+    resolved = (credential_file.parent / _string(value, name)).resolve()
+    if not resolved.is_file():
+        raise ValueError(f"{name} {resolved} does not exist")
+    return str(resolved)

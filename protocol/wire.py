@@ -1,0 +1,556 @@
+# Wire format v2: typed msgpack envelopes (no pickle), raw little-endian tensors, topic names, decode limits.
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import hmac
+import math
+import re
+import typing
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+import numpy as np
+
+from protocol.model_spec import ModelSpec, SpecError, spec_from_dict
+
+WIRE_VERSION = 2
+DEFLATE = "deflate"
+COMPRESSIONS = ("none", DEFLATE)
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_TENSOR_DIMS = 8
+MAX_TENSORS = 1024
+MAX_STRING_BYTES = 64 * 1024
+IDENTIFIER = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+ALLOWED_DTYPES = frozenset(
+    np.dtype(name).newbyteorder("<").str
+    for name in (
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+    )
+) | {"|b1", "|i1", "|u1"}
+
+Tensors = dict[str, np.ndarray]
+
+METRIC_MEME_ENTROPY = "meme_entropy"
+
+# A field with this metadata is left out of the message while it holds its default, so a message that does not use
+# it (a float32 update, a recipe without compression) has the same bytes as before the field existed.
+OMITTED_AT_DEFAULT = {"omitted_at_default": True}
+
+
+class RejectionKind(StrEnum):
+    """Why an update was refused, as a stable label for acks, the store and metrics (the reason text says more)."""
+
+    TOO_LARGE = "too_large"
+    UNDECODABLE = "undecodable"
+    DEVICE_MISMATCH = "device_mismatch"
+    STALE_ROUND = "stale_round"
+    STALE = "stale"  # asynchronous rounds: trained from a version older than the allowed staleness
+    FUTURE_ROUND = "future_round"
+    BASE_MISMATCH = "base_mismatch"
+    TENSOR_MISMATCH = "tensor_mismatch"
+    NON_FINITE = "non_finite"
+    OUT_OF_RANGE = "out_of_range"
+    BAD_COUNTS = "bad_counts"
+    MISSING_METRIC = "missing_metric"
+    BAD_METRIC = "bad_metric"
+    DUPLICATE = "duplicate"
+    NOT_SELECTED = "not_selected"
+    NO_ROUND = "no_round"
+    UNKNOWN_DEVICE = "unknown_device"
+    BAD_SIGNATURE = "bad_signature"
+    REPLAY = "replay"
+    BAD_ENCODING = "bad_encoding"
+    BAD_CHUNK = "bad_chunk"
+    TRANSFER_LIMIT = "transfer_limit"
+
+
+class WireError(ValueError):
+    """Any message that cannot be decoded or does not fit its schema; the text says exactly what is wrong."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a device does in one round: how to acquire labels and how to train on them."""
+
+    sampler: str = "margin"
+    labels_per_acquisition: int = 400
+    acquisitions_per_round: int = 1
+    local_rule: str = "kept-labels"
+    epochs: int = 5
+    batch_size: int = 32
+    learning_rate: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    mc_passes: int = 10
+    seed: int = 0
+    options: dict[str, float] = field(default_factory=dict)
+    rounds_per_acquisition: int = 1
+    initial_label_fraction: float = 0.0
+    label_fraction: float = 0.0
+    encoder: str = ""
+    update_encoding: str = field(default="float32", metadata=OMITTED_AT_DEFAULT)
+    update_scales: str = field(default="tensor", metadata=OMITTED_AT_DEFAULT)
+    update_top_k: float = field(default=0.0, metadata=OMITTED_AT_DEFAULT)
+    update_compression: str = field(default="none", metadata=OMITTED_AT_DEFAULT)
+    lr_schedule: str = field(default="constant", metadata=OMITTED_AT_DEFAULT)
+
+
+@dataclass(frozen=True)
+class RoundAnnouncement:
+    """Published retained on the round topic: the current round, its base model and recipe."""
+
+    KIND: ClassVar[str] = "round"
+    run_id: str
+    round_id: int
+    model_hash: str
+    recipe: Recipe
+    deadline: float
+    final: bool = False
+    participants: list[str] = field(default_factory=list)
+    spec_hash: str = ""
+
+
+@dataclass(frozen=True)
+class ModelMessage:
+    """Published retained on the model topic named by its hash: the global weights themselves."""
+
+    KIND: ClassVar[str] = "model"
+    model_hash: str
+    spec: ModelSpec
+    tensors: Tensors
+
+
+BundleFiles = dict[str, bytes]
+MAX_BUNDLE_FILES = 16
+
+
+@dataclass(frozen=True)
+class BundleMessage:
+    """Published retained on the bundle topic of a model hash: that model's ONNX bundle, file by file.
+
+    Devices that score with onnxruntime store the files, verify them against the manifest and run the graphs.
+    """
+
+    KIND: ClassVar[str] = "bundle"
+    model_hash: str
+    files: BundleFiles
+
+
+@dataclass(frozen=True)
+class EncoderMessage:
+    """Published retained on the encoder topic named by its sha256: a frozen feature encoder as ONNX bytes."""
+
+    KIND: ClassVar[str] = "encoder"
+    encoder_hash: str
+    onnx: bytes
+
+
+@dataclass(frozen=True)
+class Update:
+    """A device's result for one round: its weights (or their delta from the base model, see
+    protocol.update_codec: `encoding`, int8 `scales`, top-k flat `indices`) plus the counts and metrics
+    strategies need. A relay's update also names the site devices it sums (`contributors`) and each one's sample
+    count (`contributor_samples`), which must add up to `num_samples`."""
+
+    KIND: ClassVar[str] = "update"
+    device_id: str
+    round_id: int
+    update_id: str
+    base_hash: str
+    num_samples: int
+    class_counts: list[int]
+    acquired_labels: int
+    metrics: dict[str, float]
+    tensors: Tensors
+    nonce: bytes = b""
+    signature: bytes = b""
+    encoding: str = field(default="float32", metadata=OMITTED_AT_DEFAULT)
+    scales: Tensors = field(default_factory=dict, metadata=OMITTED_AT_DEFAULT)
+    indices: Tensors = field(default_factory=dict, metadata=OMITTED_AT_DEFAULT)
+    contributors: list[str] = field(default_factory=list, metadata=OMITTED_AT_DEFAULT)
+    contributor_samples: list[int] = field(default_factory=list, metadata=OMITTED_AT_DEFAULT)
+
+
+@dataclass(frozen=True)
+class Ack:
+    """The coordinator's answer to one update: accepted, or rejected with the reason and the rejection's kind (a
+    RejectionKind value; "" when accepted)."""
+
+    KIND: ClassVar[str] = "ack"
+    device_id: str
+    round_id: int
+    update_id: str
+    accepted: bool
+    reason: str = ""
+    rejection: str = ""
+
+
+@dataclass(frozen=True)
+class Status:
+    """A device's retained presence and progress; the broker publishes the 'offline' one as its last will."""
+
+    KIND: ClassVar[str] = "status"
+    device_id: str
+    state: str
+    timestamp: float
+    round_id: int = 0
+    labelled: int = 0
+    profile: str = ""
+    peak_rss_mb: float = 0.0
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One numbered piece of a message too large for the broker, published on `<topic>/chunk/<index>` (see
+    protocol.chunks): every chunk of a transfer repeats the count, the whole payload's size and its sha256 (hex);
+    chunk i holds bytes [i * s, (i + 1) * s) of the payload, with s = ceil(total_bytes / count)."""
+
+    KIND: ClassVar[str] = "chunk"
+    transfer_id: str
+    index: int
+    count: int
+    total_bytes: int
+    digest: str
+    data: bytes
+
+
+Message = RoundAnnouncement | ModelMessage | BundleMessage | EncoderMessage | Update | Ack | Status | Chunk
+MESSAGE_TYPES: dict[str, type] = {
+    cls.KIND: cls
+    for cls in (RoundAnnouncement, ModelMessage, BundleMessage, EncoderMessage, Update, Ack, Status, Chunk)
+}
+M = TypeVar("M", RoundAnnouncement, ModelMessage, BundleMessage, EncoderMessage, Update, Ack, Status, Chunk)
+
+
+def encode_tensor(array: np.ndarray) -> dict[str, Any]:
+    """A tensor as {dtype, shape, data} with little-endian bytes, whatever the host's byte order."""
+    array = np.asarray(array)
+    little = array.astype(array.dtype.newbyteorder("<"), copy=False)
+    if little.dtype.str not in ALLOWED_DTYPES:
+        raise WireError(f"dtype {array.dtype} cannot go on the wire")
+    return {"dtype": little.dtype.str, "shape": list(array.shape), "data": np.ascontiguousarray(little).tobytes()}
+
+
+def decode_tensor(name: str, raw: Any) -> np.ndarray:
+    """The inverse of encode_tensor, checking dtype, shape and byte length before touching the data."""
+    if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "data"}:
+        raise WireError(f"tensor {shown(name)} must be a map with exactly dtype, shape and data")
+    dtype_str, shape, data = raw["dtype"], raw["shape"], raw["data"]
+    if not isinstance(dtype_str, str) or dtype_str not in ALLOWED_DTYPES:
+        raise WireError(f"tensor {shown(name)} has unsupported dtype {shown(dtype_str)}")
+    if not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
+        raise WireError(f"tensor {shown(name)} has an invalid shape {shown(shape)}")
+    if not isinstance(data, bytes):
+        raise WireError(f"tensor {shown(name)} data must be bytes")
+    dtype = np.dtype(dtype_str)
+    expected = math.prod(shape) * dtype.itemsize
+    if len(data) != expected:
+        raise WireError(f"tensor {shown(name)} has {len(data)} bytes, shape {shape} of {dtype} needs {expected}")
+    return np.frombuffer(data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="), copy=True)
+
+
+def encode(message: Message) -> bytes:
+    """Serialises a message into a versioned msgpack envelope."""
+    return msgpack.packb({"v": WIRE_VERSION, "kind": message.KIND, **_to_wire(message)}, use_bin_type=True)
+
+
+def deflated(payload: bytes) -> bytes:
+    """An encoded message inside a deflate envelope (zlib, lossless): for metered links, where fp16 and int8 deltas
+    shrink by a third to a half again. decode() unwraps it, whatever the expected kind."""
+    envelope = {"v": WIRE_VERSION, "kind": DEFLATE, "size": len(payload), "data": zlib.compress(payload, 6)}
+    return msgpack.packb(envelope, use_bin_type=True)
+
+
+def _inflated(envelope: dict[str, Any], max_bytes: int) -> bytes:
+    """The message a deflate envelope holds, inflated no further than its declared size (at most max_bytes)."""
+    size, data = envelope.get("size"), envelope.get("data")
+    if set(envelope) != {"size", "data"} or not isinstance(size, int) or not isinstance(data, bytes):
+        raise WireError("a deflate envelope must hold exactly an integer size and bytes data")
+    if not 0 < size <= max_bytes:
+        raise WireError(f"deflated message claims {shown(size)} bytes, the limit is {max_bytes}")
+    inflater = zlib.decompressobj()
+    try:
+        inner = inflater.decompress(data, size + 1)
+    except zlib.error as error:
+        raise WireError(f"undecodable deflate data ({str(error)[:80]})") from None
+    if len(inner) != size or not inflater.eof or inflater.unconsumed_tail:
+        raise WireError(f"deflate data does not inflate to its declared {size} bytes")
+    return inner
+
+
+def decode(data: bytes, expected: type[M], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, inflate: bool = True) -> M:
+    """Parses and validates a message of the expected type (unwrapping one deflate envelope); every failure is a
+    WireError saying why."""
+    if not isinstance(data, (bytes, bytearray)):
+        raise WireError("payload must be bytes")
+    if len(data) > max_bytes:
+        raise WireError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
+    envelope = _unpack(bytes(data), max_bytes)
+    version = envelope.pop("v", None)
+    if version != WIRE_VERSION:
+        raise WireError(f"wire version {shown(version)} is not supported (this side speaks {WIRE_VERSION})")
+    kind = envelope.pop("kind", None)
+    if kind == DEFLATE and inflate:
+        return decode(_inflated(envelope, max_bytes), expected, max_bytes, inflate=False)
+    if kind != expected.KIND:
+        raise WireError(f"expected a {expected.KIND!r} message, got kind {shown(kind)}")
+    return _from_fields(expected, envelope)
+
+
+def _unpack(data: bytes, max_bytes: int) -> dict[str, Any]:
+    try:
+        envelope = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=MAX_STRING_BYTES,
+            max_bin_len=max_bytes,
+            max_array_len=1 << 20,
+            max_map_len=MAX_TENSORS + 64,
+            max_ext_len=0,
+        )
+    except (ValueError, TypeError, msgpack.UnpackException, msgpack.ExtraData) as error:
+        detail = f": {str(error)[:200]}" if str(error) else ""
+        raise WireError(f"undecodable msgpack ({type(error).__name__}{detail})") from None
+    if not isinstance(envelope, dict):
+        raise WireError(f"message must be a map, got {type(envelope).__name__}")
+    return envelope
+
+
+def shown(value: Any, limit: int = 64) -> str:
+    """repr(value) cut to `limit` characters, so no error message grows with what a sender put in a field."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def shown_names(names: Sequence[Any], count: int = 5, show: Callable[[Any], str] = lambda name: shown(name, 40)) -> str:
+    """The first few items of a list (each as `show` writes it) and how many more there are."""
+    head = ", ".join(show(name) for name in names[:count])
+    return f"[{head}" + (f", ... and {len(names) - count} more]" if len(names) > count else "]")
+
+
+@functools.cache
+def type_hints(cls: type) -> dict[str, Any]:
+    """A message class's resolved field types, worked out once (resolving them took half of decoding an update)."""
+    return typing.get_type_hints(cls)
+
+
+def _from_fields(cls: type, raw: dict[str, Any]) -> Any:
+    label = getattr(cls, "KIND", cls.__name__.lower())
+    hints = type_hints(cls)
+    fields = dataclasses.fields(cls)
+    unknown = sorted(set(raw) - {f.name for f in fields})
+    if unknown:
+        raise WireError(f"{label} message has unknown fields {shown_names(unknown)}")
+    values: dict[str, Any] = {}
+    for f in fields:
+        if f.name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise WireError(f"{label} message is missing field {f.name!r}")
+            continue
+        values[f.name] = _check_value(f"{label}.{f.name}", hints[f.name], raw[f.name])
+    return cls(**values)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _plain(kind: type, what: str) -> Callable[[str, Any], Any]:
+    """A checker for a plain value of one Python type."""
+
+    def check(where: str, value: Any) -> Any:
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise WireError(f"{where} must be {what}")
+        return value
+
+    return check
+
+
+def _number(where: str, value: Any) -> float:
+    if not _is_number(value):
+        raise WireError(f"{where} must be a number")
+    return float(value)
+
+
+def _int_list(where: str, value: Any) -> list[int]:
+    if not isinstance(value, list) or not all(_is_int(v) for v in value):
+        raise WireError(f"{where} must be a list of integers")
+    return value
+
+
+def _str_list(where: str, value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise WireError(f"{where} must be a list of strings")
+    return value
+
+
+def _number_map(where: str, value: Any) -> dict[str, float]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) and _is_number(v) for k, v in value.items()):
+        raise WireError(f"{where} must be a map of names to numbers")
+    return {k: float(v) for k, v in value.items()}
+
+
+def _tensors(where: str, value: Any) -> Tensors:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise WireError(f"{where} must be a map of tensor names to tensors")
+    if len(value) > MAX_TENSORS:
+        raise WireError(f"{where} has {len(value)} tensors, more than {MAX_TENSORS}")
+    return {name: decode_tensor(name, raw) for name, raw in value.items()}
+
+
+def _bundle_files(where: str, value: Any) -> BundleFiles:
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, bytes) for k, v in value.items()):
+        raise WireError(f"{where} must be a map of file names to bytes")
+    if len(value) > MAX_BUNDLE_FILES:
+        raise WireError(f"{where} has {len(value)} files, more than {MAX_BUNDLE_FILES}")
+    for name in value:
+        check_identifier("bundle file name", name)
+        if name in (".", ".."):
+            raise WireError(f"{where}: {shown(name)} is not a file name")
+    return value
+
+
+def _recipe(where: str, value: Any) -> Recipe:
+    if not isinstance(value, dict):
+        raise WireError(f"{where} must be a map")
+    return _from_fields(Recipe, value)
+
+
+def _model_spec(where: str, value: Any) -> ModelSpec:
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        raise WireError(f"{where} must be a map")
+    try:
+        return spec_from_dict(value, where)
+    except SpecError as error:
+        raise WireError(str(error)) from None
+
+
+CHECKERS: dict[Any, Callable[[str, Any], Any]] = {
+    bool: _plain(bool, "a boolean"),
+    int: _plain(int, "an integer"),
+    float: _number,
+    str: _plain(str, "a string"),
+    bytes: _plain(bytes, "bytes"),
+    list[int]: _int_list,
+    list[str]: _str_list,
+    dict[str, float]: _number_map,
+    Tensors: _tensors,
+    BundleFiles: _bundle_files,
+    Recipe: _recipe,
+    ModelSpec: _model_spec,
+}
+
+
+def _check_value(where: str, hint: Any, value: Any) -> Any:
+    """The field's value after the check its type hint calls for (a TypeError for a hint with no rule)."""
+    if hint not in CHECKERS:
+        raise TypeError(f"no wire rule for {hint!r}")
+    return CHECKERS[hint](where, value)
+
+
+def _to_wire(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        fields = [f for f in dataclasses.fields(value) if not _omitted(value, f)]
+        return {f.name: _to_wire(getattr(value, f.name)) for f in fields}
+    if isinstance(value, np.ndarray):
+        return encode_tensor(value)
+    if isinstance(value, dict):
+        return {key: _to_wire(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_wire(item) for item in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _omitted(value: Any, f: dataclasses.Field) -> bool:
+    """True for a field marked OMITTED_AT_DEFAULT that holds its default (decoding restores it)."""
+    if not f.metadata.get("omitted_at_default"):
+        return False
+    default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+    current = getattr(value, f.name)
+    return type(current) is type(default) and bool(current == default)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_identifier(kind: str, value: str) -> str:
+    """Fleet and device ids become topic levels and file names: letters, digits, '_', '.', '-' only."""
+    if not isinstance(value, str) or not IDENTIFIER.fullmatch(value):
+        raise WireError(f"{kind} {shown(value)} must match {IDENTIFIER.pattern}")
+    return value
+
+
+def round_topic(fleet: str) -> str:
+    """Retained current round announcement."""
+    return f"fl/{check_identifier('fleet', fleet)}/round"
+
+
+def model_topic(fleet: str, model_hash: str) -> str:
+    """Retained global weights, addressed by their hash."""
+    return f"fl/{check_identifier('fleet', fleet)}/model/{model_hash}"
+
+
+def bundle_topic(fleet: str, model_hash: str) -> str:
+    """Retained ONNX bundle of the global model with this hash (for devices that score with onnxruntime)."""
+    return f"fl/{check_identifier('fleet', fleet)}/bundle/{model_hash}"
+
+
+def encoder_topic(fleet: str, encoder_hash: str) -> str:
+    """Retained frozen-encoder ONNX bytes (FAST), addressed by their sha256."""
+    return f"fl/{check_identifier('fleet', fleet)}/encoder/{encoder_hash}"
+
+
+def device_topic(fleet: str, device_id: str, leaf: str) -> str:
+    """A device's own topic: leaf is update, ack or status."""
+    return f"fl/{check_identifier('fleet', fleet)}/devices/{check_identifier('device id', device_id)}/{leaf}"
+
+
+def all_devices_topic(fleet: str, leaf: str) -> str:
+    """Subscription pattern for one leaf of every device."""
+    return f"fl/{check_identifier('fleet', fleet)}/devices/+/{leaf}"
+
+
+def device_from_topic(topic: str) -> str:
+    """The device id in fl/<fleet>/devices/<device>/<leaf>; WireError if the topic is not of that form."""
+    parts = topic.split("/")
+    if len(parts) != 5 or parts[0] != "fl" or parts[2] != "devices":
+        raise WireError(f"topic {shown(topic)} is not a device topic")
+    return check_identifier("device id", parts[3])
+
+
+def signing_bytes(update: Update) -> bytes:
+    """The bytes an update's HMAC covers: the whole encoded update with an empty signature."""
+    return encode(dataclasses.replace(update, signature=b""))
+
+
+def sign_update(update: Update, key: bytes) -> Update:
+    """The update with an HMAC-SHA256 signature over its payload (device, round, nonce and weights included)."""
+    return dataclasses.replace(update, signature=hmac.new(key, signing_bytes(update), hashlib.sha256).digest())
+
+
+def signature_valid(update: Update, key: bytes) -> bool:
+    """Constant-time check of an update's HMAC."""
+    expected = hmac.new(key, signing_bytes(update), hashlib.sha256).digest()
+    return hmac.compare_digest(expected, update.signature)
