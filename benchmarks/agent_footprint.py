@@ -26,7 +26,7 @@ from coordinator.server import InitSettings, ServerSettings, load_server_data  #
 from edge_agent.learning.models import build_model, get_weights  # noqa: E402
 from edge_agent.loop.profile import load_profile  # noqa: E402
 from export.bundle_writer import ensure_bundle_files  # noqa: E402
-from protocol import wire  # noqa: E402
+from protocol import messages, wire  # noqa: E402
 from protocol.model_spec import DEFAULT_SPEC  # noqa: E402
 from protocol.mqtt import BrokerAddress, MqttSession  # noqa: E402
 from protocol.tensors import weights_hash  # noqa: E402
@@ -35,9 +35,9 @@ FLEET = "footprint"
 TARGETS_MB = {"raspberry-pi-zero-2w": {"full": 250.0, "score_only": 120.0}}
 
 
-def recipe(pool_labels: int, epochs: int) -> wire.Recipe:
+def recipe(pool_labels: int, epochs: int) -> messages.Recipe:
     """The round recipe of the measurement."""
-    return wire.Recipe(
+    return messages.Recipe(
         labels_per_acquisition=pool_labels, epochs=epochs, batch_size=32, mc_passes=10, sampler="entropy"
     )
 
@@ -51,27 +51,27 @@ class Announcer:
         self.session.subscribe(wire.all_devices_topic(FLEET, "status"))
         self.weights = get_weights(build_model(seed=0))
         self.model_hash = weights_hash(self.weights)
-        model = wire.encode(wire.ModelMessage(self.model_hash, DEFAULT_SPEC, self.weights))
+        model = wire.encode(messages.ModelMessage(self.model_hash, DEFAULT_SPEC, self.weights))
         self.session.publish(wire.model_topic(FLEET, self.model_hash), model, retain=True, wait=10)
         files = ensure_bundle_files(self.weights, work / "bundle")
-        bundle = wire.encode(wire.BundleMessage(self.model_hash, files))
+        bundle = wire.encode(messages.BundleMessage(self.model_hash, files))
         self.session.publish(wire.bundle_topic(FLEET, self.model_hash), bundle, retain=True, wait=10)
 
-    def announce(self, round_id: int, round_recipe: wire.Recipe, participants: list[str]) -> None:
+    def announce(self, round_id: int, round_recipe: messages.Recipe, participants: list[str]) -> None:
         """Retains the round's announcement."""
-        announcement = wire.RoundAnnouncement(
+        announcement = messages.RoundAnnouncement(
             "footprint", round_id, self.model_hash, round_recipe, time.time() + 3600, False, participants
         )
         self.session.publish(wire.round_topic(FLEET), wire.encode(announcement), retain=True, wait=10)
 
-    def wait_idle_after(self, round_id: int, timeout: float) -> wire.Status:
+    def wait_idle_after(self, round_id: int, timeout: float) -> messages.Status:
         """The device's status once it reports round `round_id` done."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             message = self.session.next_message(timeout=0.5)
             if message is None or not message.payload:
                 continue
-            status = wire.decode(message.payload, wire.Status)
+            status = wire.decode(message.payload, messages.Status)
             if status.state == "idle" and status.round_id >= round_id:
                 return status
         raise TimeoutError(f"the device did not finish round {round_id} within {timeout:.0f}s")

@@ -31,7 +31,7 @@ from coordinator.async_intake import AsyncPolicy
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.store import RunStore
-from protocol import wire
+from protocol import messages
 
 
 def settings_for(args: argparse.Namespace, seed: int, mode: str) -> ServerSettings:
@@ -46,7 +46,7 @@ def settings_for(args: argparse.Namespace, seed: int, mode: str) -> ServerSettin
         fleet=f"async-{mode}-{seed}",
         strategy="avefl",
         recipe=dataclasses.replace(
-            wire.Recipe(),
+            messages.Recipe(),
             sampler=args.sampler,
             labels_per_acquisition=args.labels,
             epochs=args.epochs,

@@ -41,7 +41,7 @@ from edge_agent.data.device_data import LABELS_FILE
 from edge_agent.data.labelled_record import LabelledRecord
 from edge_agent.learning.lr_schedules import LR_SCHEDULES
 from edge_agent.learning.sampling import make_sampler
-from protocol import wire
+from protocol import messages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +60,7 @@ FULL = Scale({"type2": 4, "dirichlet:0.3": 10}, pool=5000, rounds=10, labels=200
 QUICK = Scale({"type2": 2, "dirichlet:0.3": 3}, pool=300, rounds=3, labels=20, epochs=1, mc_passes=4)
 
 
-DEFAULT_RULE, DEFAULT_STRATEGY, DEFAULT_SCHEDULE = wire.Recipe.local_rule, "avefl", wire.Recipe.lr_schedule
+DEFAULT_RULE, DEFAULT_STRATEGY, DEFAULT_SCHEDULE = messages.Recipe.local_rule, "avefl", messages.Recipe.lr_schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +128,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
         strategy=spec.strategy,
         strategy_options=spec.strategy_options,
         recipe=dataclasses.replace(
-            wire.Recipe(),
+            messages.Recipe(),
             sampler=sampler,
             options=options,
             local_rule=spec.local_rule,

@@ -35,7 +35,7 @@ from typing import IO
 import numpy as np
 import paho.mqtt.client as paho
 
-from protocol import wire
+from protocol import messages, wire
 from protocol.model_spec import DEFAULT_SPEC
 
 FLEET = "load"
@@ -59,27 +59,29 @@ def connect_devices(address: tuple[str, int], device_ids: list[str], acks: queue
     return clients
 
 
-def announced_round(client: paho.Client, inbox: queue.Queue) -> tuple[wire.RoundAnnouncement, wire.ModelMessage]:
+def announced_round(
+    client: paho.Client, inbox: queue.Queue
+) -> tuple[messages.RoundAnnouncement, messages.ModelMessage]:
     """Round 1's announcement and its model, as one device's client receives them."""
     client.subscribe(wire.round_topic(FLEET), qos=1)
     announcement = None
     while True:
         _, topic, payload = inbox.get(timeout=CONNECT_SECONDS)
         if topic == wire.round_topic(FLEET):
-            announcement = wire.decode(payload, wire.RoundAnnouncement)
+            announcement = wire.decode(payload, messages.RoundAnnouncement)
             client.subscribe(wire.model_topic(FLEET, announcement.model_hash), qos=1)
         elif announcement is not None and topic == wire.model_topic(FLEET, announcement.model_hash):
-            return announcement, wire.decode(payload, wire.ModelMessage)
+            return announcement, wire.decode(payload, messages.ModelMessage)
 
 
 def encoded_updates(
-    device_ids: list[str], announcement: wire.RoundAnnouncement, model: wire.ModelMessage
+    device_ids: list[str], announcement: messages.RoundAnnouncement, model: messages.ModelMessage
 ) -> list[bytes]:
     """One valid encoded update per device: the announced weights plus a little noise, 100 samples each."""
     rng = np.random.default_rng(zlib.crc32(device_ids[0].encode()))  # hash() of a str changes per process
     return [
         wire.encode(
-            wire.Update(
+            messages.Update(
                 device_id,
                 announcement.round_id,
                 f"load-{device_id}",
@@ -103,7 +105,7 @@ def first_verdicts(acks: queue.Queue, devices: int) -> dict[str, tuple[float, bo
     verdicts: dict[str, tuple[float, bool, str]] = {}
     while len(verdicts) < devices:
         received, _, payload = acks.get(timeout=ROUND_SECONDS)
-        ack = wire.decode(payload, wire.Ack)
+        ack = wire.decode(payload, messages.Ack)
         verdicts.setdefault(ack.device_id, (received, ack.accepted, ack.reason))
     return verdicts
 

@@ -35,7 +35,7 @@ from coordinator.server import InitSettings, ServerSettings
 from coordinator.strategies import make_strategy
 from edge_agent.learning.sampling import make_sampler
 from edge_agent.learning.training import make_local_rule
-from protocol import wire
+from protocol import messages
 
 DEFAULT_CONFIGS = (
     "random=random:fedprox:fedavg",
@@ -108,9 +108,9 @@ def unknown_part(config: Config, devices: int) -> str | None:
     return None
 
 
-def methods_recipe(config: Config, scale: Scale, seed: int) -> wire.Recipe:
+def methods_recipe(config: Config, scale: Scale, seed: int) -> messages.Recipe:
     """The round recipe of a configuration at this scale: labels by fraction of each device's data."""
-    return wire.Recipe(
+    return messages.Recipe(
         sampler=config.sampler,
         local_rule=config.local_rule,
         labels_per_acquisition=0,

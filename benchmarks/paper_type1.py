@@ -24,7 +24,7 @@ from bench.simulate import BenchSettings, simulate
 from coordinator.observer import RoundResult
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
-from protocol import wire
+from protocol import messages
 
 EVERY = dict(strategy="avefl", rounds=10, acquisitions=1, sampler="random", seeds=5)
 ONCE = dict(EVERY, rounds=1, acquisitions=10)
@@ -65,7 +65,7 @@ def run_experiment(name: str, seed: int, out: Path) -> dict:
         fleet=f"type1-{name.replace('_', '-')}",
         strategy=spec["strategy"],
         recipe=dataclasses.replace(
-            wire.Recipe(),
+            messages.Recipe(),
             sampler=spec["sampler"],
             labels_per_acquisition=400,
             acquisitions_per_round=spec["acquisitions"],

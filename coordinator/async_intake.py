@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from coordinator.aggregation import check_magnitude
 from coordinator.intake import RoundCollector
 from coordinator.validation import Expectation, Rejection, decoded, validate_update
-from protocol import wire
+from protocol import messages
+from protocol.messages import RejectionKind
 from protocol.tensors import Weights, weights_hash
-from protocol.wire import RejectionKind
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class AsyncPolicy:
 class Buffered:
     """An accepted update waiting to be folded: its metadata (no tensors), digest and size."""
 
-    update: wire.Update
+    update: messages.Update
     digest: str
     size: int
 
@@ -102,7 +102,7 @@ class VersionCollector(RoundCollector):
         model_hash, model = self.models[base]
         return dataclasses.replace(self.expectation, round_id=base + 1, base_hash=model_hash, base=model)
 
-    def offer(self, device_id: str, payload: bytes) -> tuple[wire.Update, bool]:
+    def offer(self, device_id: str, payload: bytes) -> tuple[messages.Update, bool]:
         """(update, is_new) as RoundCollector.offer, except that the update may come from any version in the window;
         the returned update's round id is the version it will be folded into (what its ack and spool name)."""
         base = decoded(device_id, payload, self.expectation).round_id - 1
@@ -162,7 +162,7 @@ class VersionCollector(RoundCollector):
         self.folded = {key: taken for key, taken in self.folded.items() if key[1] >= oldest}
 
 
-def duplicate_reason(device_id: str, update: wire.Update, previous_id: str, base: int) -> str:
+def duplicate_reason(device_id: str, update: messages.Update, previous_id: str, base: int) -> str:
     """Why a second update of a device from the same version is refused."""
     if previous_id == update.update_id:
         return f"duplicate: update {update.update_id[:64]!r} was already accepted with different content"

@@ -16,7 +16,7 @@ from coordinator.round_aggregator import RoundAggregator, SuspectPolicy
 from coordinator.rounds import Coordinator, OpenRound, RoundParts, RoundRules
 from coordinator.strategies import Evaluate, Strategy
 from coordinator.validation import Rejection, with_weights
-from protocol import wire
+from protocol import messages, wire
 from protocol.mqtt import MqttSession
 from protocol.tensors import Weights, weights_hash
 
@@ -192,7 +192,7 @@ class AsyncCoordinator(Coordinator):
         """A buffered update's model as the device trained it, read back from the spool and decoded against the
         version it was trained from."""
         payload = self.parts.intake.store.spool.payload(collector.version + 1, entry.update.device_id)
-        update = wire.decode(payload, wire.Update, max_bytes=self.rules.policy.max_update_bytes)
+        update = wire.decode(payload, messages.Update, max_bytes=self.rules.policy.max_update_bytes)
         return with_weights(update, collector.models[entry.base][1]).tensors
 
     def reader(self, collector: VersionCollector) -> Callable[[list[str]], Iterator[ClientUpdate]]:

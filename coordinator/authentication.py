@@ -5,8 +5,8 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from coordinator.validation import Rejection
-from protocol import wire
-from protocol.wire import RejectionKind
+from protocol import messages, wire
+from protocol.messages import RejectionKind
 
 
 class NonceLedger(Protocol):
@@ -34,7 +34,7 @@ class UpdateAuthenticator:
         self.device_keys = dict(device_keys)
         self.nonces = nonces if nonces is not None else MemoryNonces()
 
-    def check(self, update: wire.Update, current_round: int) -> None:
+    def check(self, update: messages.Update, current_round: int) -> None:
         """Raises Rejection for an unknown device, a missing or wrong signature, or a nonce first seen while an
         earlier round was open (a replay, whatever round it claims).
 

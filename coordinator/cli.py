@@ -46,7 +46,7 @@ from edge_agent.learning.sampling import make_sampler
 from edge_agent.learning.training import LOCAL_RULES, OPTIMIZERS, make_local_rule
 from edge_agent.loop.schedule import check_schedule
 from export.cli import add_bundle_options, export_weights
-from protocol import wire
+from protocol import messages, wire
 from protocol.chunks import MIN_PACKET_BYTES
 from protocol.credentials import Credentials, load_credentials
 from protocol.logs import configure_logging
@@ -160,13 +160,13 @@ def add_recipe_options(parser: argparse.ArgumentParser) -> None:
     recipe.add_argument("--acquisitions-per-round", type=int, default=1)
     add_method_choice(recipe, method_kinds()[1])
     recipe.add_argument("--epochs", type=int, default=5)
-    recipe.add_argument("--batch-size", type=int, default=wire.Recipe.batch_size)
-    recipe.add_argument("--lr", type=float, default=wire.Recipe.learning_rate)
-    recipe.add_argument("--momentum", type=float, default=wire.Recipe.momentum)
-    recipe.add_argument("--weight-decay", type=float, default=wire.Recipe.weight_decay)
+    recipe.add_argument("--batch-size", type=int, default=messages.Recipe.batch_size)
+    recipe.add_argument("--lr", type=float, default=messages.Recipe.learning_rate)
+    recipe.add_argument("--momentum", type=float, default=messages.Recipe.momentum)
+    recipe.add_argument("--weight-decay", type=float, default=messages.Recipe.weight_decay)
     recipe.add_argument(
         "--lr-schedule",
-        default=wire.Recipe.lr_schedule,
+        default=messages.Recipe.lr_schedule,
         choices=LR_SCHEDULES,
         help="the learning rate within a round's local training: constant, or cosine from --lr down towards 0 "
         "(restarting each round from the received global model)",
@@ -180,25 +180,25 @@ def add_update_options(recipe: argparse._ArgumentGroup) -> None:
     """The recipe's part that says how devices encode what they send: encoding, scales, top-k, compression."""
     recipe.add_argument(
         "--update-encoding",
-        default=wire.Recipe.update_encoding,
+        default=messages.Recipe.update_encoding,
         help=f"what devices send: {', '.join(ENCODINGS)} (weights, or their delta from the round's model in fp16 or "
-        f"int8; default {wire.Recipe.update_encoding})",
+        f"int8; default {messages.Recipe.update_encoding})",
     )
     recipe.add_argument(
         "--update-scales",
-        default=wire.Recipe.update_scales,
+        default=messages.Recipe.update_scales,
         help=f"int8-delta's scales: {' or '.join(SCALES)} (one per tensor, or per output channel)",
     )
     recipe.add_argument(
         "--update-top-k",
         type=float,
-        default=wire.Recipe.update_top_k,
+        default=messages.Recipe.update_top_k,
         metavar="FRACTION",
         help="send only this fraction of each tensor's delta (largest first; the device keeps the rest for later rounds)",
     )
     recipe.add_argument(
         "--update-compression",
-        default=wire.Recipe.update_compression,
+        default=messages.Recipe.update_compression,
         choices=wire.COMPRESSIONS,
         help="deflate each update message (lossless; fp16 and int8 deltas shrink by a third to a half again)",
     )
@@ -508,9 +508,9 @@ def check_packet_limit(limit: int | None) -> int | None:
     return limit
 
 
-def recipe_from(args: argparse.Namespace, options: dict[str, float]) -> wire.Recipe:
+def recipe_from(args: argparse.Namespace, options: dict[str, float]) -> messages.Recipe:
     """The round recipe devices get, from parsed arguments and the checked method options."""
-    return wire.Recipe(
+    return messages.Recipe(
         sampler=args.sampler,
         labels_per_acquisition=args.labels_per_acquisition,
         acquisitions_per_round=args.acquisitions_per_round,

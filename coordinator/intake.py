@@ -11,15 +11,15 @@ from coordinator.aggregation import ClientUpdate
 from coordinator.observer import RoundObserver
 from coordinator.store import RunStore
 from coordinator.validation import Expectation, Rejection, validate_update
-from protocol import wire
+from protocol import messages, wire
 from protocol.chunks import Dropped
+from protocol.messages import RejectionKind
 from protocol.mqtt import MqttSession
-from protocol.wire import RejectionKind
 
 log = logging.getLogger(__name__)
 
 
-def client_update(update: wire.Update) -> ClientUpdate:
+def client_update(update: messages.Update) -> ClientUpdate:
     """The strategy's view of a validated update."""
     return ClientUpdate(update.device_id, update.tensors, update.num_samples, dict(update.metrics))
 
@@ -34,7 +34,7 @@ class RoundCollector:
 
     expectation: Expectation
     absorb: Callable[[ClientUpdate], None] = field(default=lambda update: None)
-    accepted: dict[str, wire.Update] = field(default_factory=dict)
+    accepted: dict[str, messages.Update] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
@@ -50,7 +50,7 @@ class RoundCollector:
         self.rejected[device_id] = reason
         self.rejection_count += 1
 
-    def offer(self, device_id: str, payload: bytes) -> tuple[wire.Update, bool]:
+    def offer(self, device_id: str, payload: bytes) -> tuple[messages.Update, bool]:
         """(update, is_new): a valid first update is new; a byte-identical redelivery of the accepted one is not;
         anything else from a device that already has an accepted update is a duplicate Rejection."""
         update = validate_update(device_id, payload, self.expectation)
@@ -71,7 +71,7 @@ class RoundCollector:
         return update, True
 
 
-def duplicate_reason(device_id: str, previous: wire.Update, update: wire.Update, round_id: int) -> str:
+def duplicate_reason(device_id: str, previous: messages.Update, update: messages.Update, round_id: int) -> str:
     """Why a second update of a device is refused: a reused id with other content, or a second id."""
     if previous.update_id == update.update_id:
         return f"duplicate: update {update.update_id[:64]!r} was already accepted with different content"
@@ -89,7 +89,7 @@ class UpdateIntake:
         self.session = session
         self.store = store
         self.observer = observer
-        self.pending: list[wire.Ack] = []
+        self.pending: list[messages.Ack] = []
 
     def on_update(
         self,
@@ -120,7 +120,7 @@ class UpdateIntake:
             self.store.spool.stage(update.round_id, device_id, payload)
             self.observer.update_answered(device_id, update.round_id, len(payload), None)
             log.info("update accepted device=%s round=%d samples=%d", device_id, update.round_id, update.num_samples)
-        self.ack(wire.Ack(device_id, update.round_id, update.update_id, True))
+        self.ack(messages.Ack(device_id, update.round_id, update.update_id, True))
 
     def on_dropped(self, device_id: str, dropped: Dropped, collector: RoundCollector | None) -> None:
         """Answers a chunked update the session refused or abandoned (its chunks never made a whole update): a
@@ -155,10 +155,10 @@ class UpdateIntake:
         )
         self.store.record_rejection(round_id, device_id, rejection.reason, size, rejection.kind)
         self.observer.update_answered(device_id, round_id, size, rejection)
-        ack = wire.Ack(device_id, round_id, update_id_of(payload), False, rejection.reason, rejection.kind)
+        ack = messages.Ack(device_id, round_id, update_id_of(payload), False, rejection.reason, rejection.kind)
         self.ack(ack)
 
-    def ack(self, ack: wire.Ack) -> None:
+    def ack(self, ack: messages.Ack) -> None:
         """Queues an ack for the device, published by the next commit."""
         self.pending.append(ack)
 
@@ -173,6 +173,6 @@ class UpdateIntake:
 def update_id_of(payload: bytes) -> str:
     """The update id of a payload if it can be read at all (cut to 128 characters), for the rejection ack."""
     try:
-        return wire.decode(payload, wire.Update).update_id[:128]
+        return wire.decode(payload, messages.Update).update_id[:128]
     except wire.WireError:
         return ""

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coordinator.validation import Rejection
-from protocol import wire
+from protocol import messages
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class RoundObserver:
     This base hears nothing; the dashboard's live state overrides it. Called from the coordinator's loop only.
     """
 
-    def device_status(self, device_id: str, status: wire.Status | None) -> None:
+    def device_status(self, device_id: str, status: messages.Status | None) -> None:
         """A device's status message arrived (None: its retained status was cleared)."""
 
     def update_answered(self, device_id: str, round_id: int, size: int, rejection: Rejection | None) -> None:

@@ -5,7 +5,7 @@ import logging
 from collections.abc import Callable, Collection
 
 from coordinator.observer import RoundObserver
-from protocol import wire
+from protocol import messages, wire
 
 log = logging.getLogger(__name__)
 
@@ -16,7 +16,7 @@ class Presence:
     def __init__(self, observer: RoundObserver, dead_devices: Callable[[], set[str]] = set) -> None:
         self.observer = observer
         self.dead_devices = dead_devices
-        self.statuses: dict[str, wire.Status] = {}
+        self.statuses: dict[str, messages.Status] = {}
 
     def on_status(self, device_id: str, payload: bytes) -> None:
         """Tracks presence from a retained status message or last will (an empty payload clears it)."""
@@ -25,7 +25,7 @@ class Presence:
             self.observer.device_status(device_id, None)
             return
         try:
-            status = wire.decode(payload, wire.Status)
+            status = wire.decode(payload, messages.Status)
         except wire.WireError as error:
             log.warning("bad status device=%s error=%s", device_id, error)
             return

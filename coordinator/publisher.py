@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from protocol import wire
+from protocol import messages, wire
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec, spec_hash
 from protocol.mqtt import MqttSession
 from protocol.tensors import Weights
@@ -40,14 +40,14 @@ class RetainedPublisher:
         """Retains the weights (and their ONNX bundle) on hash topics, clearing the previous model's copies."""
         spec = self.artefacts.spec
         self.retain_current(
-            "model", wire.model_topic(self.fleet, model_hash), lambda: wire.ModelMessage(model_hash, spec, weights)
+            "model", wire.model_topic(self.fleet, model_hash), lambda: messages.ModelMessage(model_hash, spec, weights)
         )
         bundle_files = self.artefacts.bundle_files
         if bundle_files is not None:
             self.retain_current(
                 "bundle",
                 wire.bundle_topic(self.fleet, model_hash),
-                lambda: wire.BundleMessage(model_hash, bundle_files(weights, model_hash)),
+                lambda: messages.BundleMessage(model_hash, bundle_files(weights, model_hash)),
             )
 
     def publish_encoder(self, encoder_hash: str) -> None:
@@ -56,10 +56,10 @@ class RetainedPublisher:
             self.retain_current(
                 "encoder",
                 wire.encoder_topic(self.fleet, encoder_hash),
-                lambda: wire.EncoderMessage(encoder_hash, self.artefacts.encoder),
+                lambda: messages.EncoderMessage(encoder_hash, self.artefacts.encoder),
             )
 
-    def retain_current(self, kind: str, topic: str, message: Callable[[], wire.Message]) -> None:
+    def retain_current(self, kind: str, topic: str, message: Callable[[], messages.Message]) -> None:
         """Retains one message of a kind on its topic unless it is already there, then clears the kind's previous
         topic, so a new subscriber finds only the current model (retained messages replay to everyone)."""
         previous = self._retained.get(kind)
@@ -71,20 +71,22 @@ class RetainedPublisher:
         self._retained[kind] = topic
 
     def announce(
-        self, round_id: int, model_hash: str, recipe: wire.Recipe, deadline: float, participants: list[str]
+        self, round_id: int, model_hash: str, recipe: messages.Recipe, deadline: float, participants: list[str]
     ) -> None:
         """Retains the round announcement: round id, base model hash, recipe, deadline, participants, spec hash."""
         spec = spec_hash(self.artefacts.spec)
         self._announce(
-            wire.RoundAnnouncement(self.run_id, round_id, model_hash, recipe, deadline, False, participants, spec)
+            messages.RoundAnnouncement(self.run_id, round_id, model_hash, recipe, deadline, False, participants, spec)
         )
 
-    def announce_final(self, round_id: int, model_hash: str, recipe: wire.Recipe) -> None:
+    def announce_final(self, round_id: int, model_hash: str, recipe: messages.Recipe) -> None:
         """Retains the final announcement: the run is over, devices may stop."""
         spec = spec_hash(self.artefacts.spec)
-        self._announce(wire.RoundAnnouncement(self.run_id, round_id, model_hash, recipe, time.time(), True, [], spec))
+        self._announce(
+            messages.RoundAnnouncement(self.run_id, round_id, model_hash, recipe, time.time(), True, [], spec)
+        )
 
-    def _announce(self, announcement: wire.RoundAnnouncement) -> None:
+    def _announce(self, announcement: messages.RoundAnnouncement) -> None:
         """Publishes an announcement retained and waits for the broker to take it."""
         topic = wire.round_topic(self.fleet)
         self.session.publish(topic, wire.encode(announcement), retain=True, wait=RETAIN_WAIT_SECONDS)

@@ -22,7 +22,7 @@ from edge_agent.loop.agent import last_will
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.artefacts import RoundArtefacts
 from edge_agent.loop.outbox import OUTBOX_FOLDER, UpdateSender
-from protocol import wire
+from protocol import messages, wire
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec, spec_hash
 from protocol.mqtt import BrokerAddress, IncomingMessage, MqttSession
 from protocol.tensors import Weights
@@ -74,13 +74,13 @@ def is_committed(store: RunStore, round_id: int) -> bool:
     return any(record.round_id == round_id for record in store.rounds())
 
 
-def upstream_update(store: RunStore, relay_id: str, round_id: int, base_hash: str) -> wire.Update:
+def upstream_update(store: RunStore, relay_id: str, round_id: int, base_hash: str) -> messages.Update:
     """The relay's one update for a central round, from what its site round committed: the site's sample-weighted
     mean (the round's checkpoint), the total sample count, the summed class and label counts, and each site device
     with its count (which central validation adds up against num_samples)."""
     records = [record for record in store.device_rounds(round_id) if record.accepted]
     counts = [record.num_samples for record in records]
-    return wire.Update(
+    return messages.Update(
         device_id=relay_id,
         round_id=round_id,
         update_id=uuid.uuid4().hex,
@@ -115,17 +115,17 @@ class SiteRounds:
             observer=observer,
         )
 
-    def coordinator(self, recipe: wire.Recipe, spec: ModelSpec) -> Coordinator:
+    def coordinator(self, recipe: messages.Recipe, spec: ModelSpec) -> Coordinator:
         """A site coordinator following the central round's recipe and model spec."""
         rules = dataclasses.replace(self.rules, recipe=recipe, spec=spec)
         return Coordinator(self.settings.fleet, self.session, rules, self.parts)
 
     def start(self) -> None:
         """Subscribes to the site devices' updates and status."""
-        self.coordinator(wire.Recipe(), DEFAULT_SPEC).start()
+        self.coordinator(messages.Recipe(), DEFAULT_SPEC).start()
 
     def run_round(
-        self, announcement: wire.RoundAnnouncement, weights: Weights, spec: ModelSpec, encoder: bytes
+        self, announcement: messages.RoundAnnouncement, weights: Weights, spec: ModelSpec, encoder: bytes
     ) -> None:
         """Runs the site round of a central round (unless already committed): announce the central model on the
         site broker, collect until the site quorum or deadline, aggregate and commit."""
@@ -137,7 +137,7 @@ class SiteRounds:
         publisher.artefacts, publisher.run_id = Artefacts(spec, bundles, encoder), announcement.run_id
         self.coordinator(announcement.recipe, spec).run_round(announcement.round_id, weights)
 
-    def finish(self, announcement: wire.RoundAnnouncement) -> None:
+    def finish(self, announcement: messages.RoundAnnouncement) -> None:
         """Passes the central run's end on to the site devices."""
         self.parts.publisher.run_id = announcement.run_id
         self.parts.publisher.announce_final(announcement.round_id, announcement.model_hash, announcement.recipe)
@@ -155,7 +155,7 @@ class Relay:
         self.store = store
         self.artefacts = RoundArtefacts(session, settings.site.run_dir / "upstream-bundles")
         self.sender = UpdateSender(settings.device, session, settings.site.run_dir / OUTBOX_FOLDER)
-        self.pending: wire.RoundAnnouncement | None = None
+        self.pending: messages.RoundAnnouncement | None = None
 
     @property
     def last_answered_round(self) -> int:
@@ -184,17 +184,17 @@ class Relay:
         kind = self.artefacts.kind_of(message.topic)
         try:
             if message.topic == wire.round_topic(self.settings.fleet):
-                return self.on_announcement(wire.decode(message.payload, wire.RoundAnnouncement))
+                return self.on_announcement(wire.decode(message.payload, messages.RoundAnnouncement))
             if kind in ("model", "encoder"):
                 self.artefacts.receive(kind, message.payload)
             elif message.topic.endswith("/ack"):
-                self.sender.on_ack(wire.decode(message.payload, wire.Ack))
+                self.sender.on_ack(wire.decode(message.payload, messages.Ack))
         except wire.WireError as error:
             if message.payload:
                 log.warning("ignored bad upstream message topic=%s error=%s", message.topic[:200], error)
         return False
 
-    def on_announcement(self, announcement: wire.RoundAnnouncement) -> bool:
+    def on_announcement(self, announcement: messages.RoundAnnouncement) -> bool:
         """Takes up a central round this relay has not answered and takes part in; True on the final one."""
         bound = (self.store.config() or {}).get("run_id")
         if bound is not None and bound != announcement.run_id:
@@ -224,7 +224,7 @@ class Relay:
             return
         self.answer(announcement, spec)
 
-    def answer(self, announcement: wire.RoundAnnouncement, spec: ModelSpec) -> None:
+    def answer(self, announcement: messages.RoundAnnouncement, spec: ModelSpec) -> None:
         """Runs (or takes back) the site round, sends its one update upstream, journals the round as answered."""
         round_id, model_hash = announcement.round_id, announcement.model_hash
         self.publish_status("training", round_id)
@@ -246,7 +246,7 @@ class Relay:
 
     def publish_status(self, state: str, round_id: int | None = None) -> None:
         """The relay's retained presence upstream, as a device's."""
-        status = wire.Status(
+        status = messages.Status(
             self.settings.relay_id,
             state,
             time.time(),
@@ -265,7 +265,7 @@ def run_relay(settings: RelaySettings, upstream: BrokerAddress, site: BrokerAddr
     site_session = coordinator_session(settings.site, site_address)
     upstream_session = MqttSession(upstream, client_id=settings.relay_id, last_will=last_will(settings.device))
     try:
-        rules = RoundRules(wire.Recipe(), settings.site.policy, authenticator=authenticator)
+        rules = RoundRules(messages.Recipe(), settings.site.policy, authenticator=authenticator)
         site_rounds = SiteRounds(settings.site, site_session, store, rules)
         site_session.connect()
         upstream_session.connect()

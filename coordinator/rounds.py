@@ -19,7 +19,7 @@ from coordinator.publisher import RetainedPublisher
 from coordinator.round_aggregator import RoundAggregator, SuspectPolicy, make_aggregator
 from coordinator.spool import Spool
 from coordinator.validation import Expectation, with_weights
-from protocol import wire
+from protocol import messages, wire
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec
 from protocol.mqtt import IncomingMessage, MqttSession
 from protocol.tensors import Weights, spec_of, weights_hash
@@ -63,7 +63,7 @@ class RoundRules:
     """What every round follows: the recipe devices get, when rounds close, how suspects are treated, and who may
     send (None: any device; else signed updates of provisioned devices only), and the model spec (class count)."""
 
-    recipe: wire.Recipe
+    recipe: messages.Recipe
     policy: RoundPolicy
     suspects: SuspectPolicy = field(default_factory=SuspectPolicy)
     authenticator: UpdateAuthenticator | None = None
@@ -107,7 +107,7 @@ def spooled_reader(
 
     def read(devices: list[str]) -> Iterator[ClientUpdate]:
         for device in devices:
-            update = wire.decode(spool.payload(round_id, device), wire.Update, max_bytes=limit)
+            update = wire.decode(spool.payload(round_id, device), messages.Update, max_bytes=limit)
             yield client_update(with_weights(update, base))
 
     return read

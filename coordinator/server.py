@@ -37,7 +37,7 @@ from edge_agent.learning.sampling import make_sampler
 from edge_agent.learning.training import TrainSettings, train_supervised
 from export.bundle_writer import ensure_bundle_files
 from export.onnx_graphs import export_encoder
-from protocol import wire
+from protocol import messages
 from protocol.chunks import MIB, ChunkLimits
 from protocol.model_spec import CLASS_NAMES, DEFAULT_SPEC, ModelSpec, spec_hash
 from protocol.mqtt import MANUAL_ACK_WINDOW, BrokerAddress, MqttSession
@@ -66,7 +66,7 @@ class ServerSettings:
     run_dir: Path
     fleet: str = "fleet"
     strategy: str = "avefl"
-    recipe: wire.Recipe = field(default_factory=wire.Recipe)
+    recipe: messages.Recipe = field(default_factory=messages.Recipe)
     policy: RoundPolicy = field(default_factory=lambda: RoundPolicy(rounds=10))
     init: InitSettings = field(default_factory=InitSettings)
     spec: ModelSpec = DEFAULT_SPEC

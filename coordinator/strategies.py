@@ -29,9 +29,9 @@ from coordinator.server_optimizers import (
     pseudo_gradient,
     yogi_moment,
 )
+from protocol.messages import METRIC_MEME_ENTROPY
 from protocol.options import Method, Option, Registry
 from protocol.tensors import Weights
-from protocol.wire import METRIC_MEME_ENTROPY
 
 Evaluate = Callable[[Weights], float]
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from protocol import wire
+from protocol import messages, wire
+from protocol.messages import RejectionKind
 from protocol.tensors import Weights, WeightSpec, check_layout
 from protocol.update_codec import CodecError, Encoded, decode_update
-from protocol.wire import RejectionKind
 
 METRIC_TOLERANCE = 1e-4
 MAX_CONTRIBUTORS = 100_000
@@ -47,12 +47,12 @@ class Expectation:
     spec: WeightSpec
     num_classes: int
     max_bytes: int
-    authenticate: Callable[[wire.Update, int], None] | None = None
+    authenticate: Callable[[messages.Update, int], None] | None = None
     required_metrics: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     base: Weights = field(default_factory=dict)
 
 
-def validate_update(device_id: str, payload: bytes, expected: Expectation) -> wire.Update:
+def validate_update(device_id: str, payload: bytes, expected: Expectation) -> messages.Update:
     """The decoded update if it is valid for this round and device; Rejection with a specific reason otherwise."""
     update = decoded(device_id, payload, expected)
     if expected.authenticate is not None:
@@ -66,14 +66,14 @@ def validate_update(device_id: str, payload: bytes, expected: Expectation) -> wi
     return update
 
 
-def decoded(device_id: str, payload: bytes, expected: Expectation) -> wire.Update:
+def decoded(device_id: str, payload: bytes, expected: Expectation) -> messages.Update:
     """The payload decoded within the size limit, sent by the device whose topic it came on."""
     if len(payload) > expected.max_bytes:
         raise Rejection(
             RejectionKind.TOO_LARGE, f"too large: {len(payload)} bytes exceeds the limit of {expected.max_bytes}"
         )
     try:
-        update = wire.decode(payload, wire.Update, max_bytes=expected.max_bytes)
+        update = wire.decode(payload, messages.Update, max_bytes=expected.max_bytes)
     except wire.WireError as error:
         raise Rejection(RejectionKind.UNDECODABLE, f"undecodable: {error}") from None
     if update.device_id != device_id:
@@ -83,7 +83,7 @@ def decoded(device_id: str, payload: bytes, expected: Expectation) -> wire.Updat
     return update
 
 
-def check_round(update: wire.Update, expected: Expectation) -> None:
+def check_round(update: messages.Update, expected: Expectation) -> None:
     """Rejection unless the update is for this round and was trained from this round's base model."""
     if update.round_id != expected.round_id:
         stale = update.round_id < expected.round_id
@@ -100,7 +100,7 @@ def check_round(update: wire.Update, expected: Expectation) -> None:
         )
 
 
-def with_weights(update: wire.Update, base: Weights) -> wire.Update:
+def with_weights(update: messages.Update, base: Weights) -> messages.Update:
     """The update as float32 weights: a delta-encoded one decoded against the base model of its round; a
     malformed encoding (a scale that is NaN, infinite, zero or negative, bad sparse indices) is a Rejection."""
     try:
@@ -110,7 +110,7 @@ def with_weights(update: wire.Update, base: Weights) -> wire.Update:
     return dataclasses.replace(update, tensors=weights, encoding="float32", scales={}, indices={})
 
 
-def check_tensors(update: wire.Update, expected: Expectation) -> None:
+def check_tensors(update: messages.Update, expected: Expectation) -> None:
     """Rejection unless the tensors have the model's layout and only finite values."""
     try:
         check_layout(expected.spec, update.tensors)
@@ -121,7 +121,7 @@ def check_tensors(update: wire.Update, expected: Expectation) -> None:
             raise Rejection(RejectionKind.NON_FINITE, f"non-finite values in tensor {name!r}")
 
 
-def check_counts(update: wire.Update, num_classes: int) -> None:
+def check_counts(update: messages.Update, num_classes: int) -> None:
     """Rejection unless sample, label and class counts are non-negative and consistent."""
     if update.num_samples < 0:
         raise Rejection(RejectionKind.BAD_COUNTS, f"negative sample count {update.num_samples}")
@@ -134,7 +134,7 @@ def check_counts(update: wire.Update, num_classes: int) -> None:
         raise Rejection(RejectionKind.BAD_COUNTS, f"class_counts must be {num_classes} non-negative integers")
 
 
-def check_contributions(update: wire.Update) -> None:
+def check_contributions(update: messages.Update) -> None:
     """Rejection unless a relay's contributions (none for a device) are distinct device ids, each with a non-negative
     sample count, that add up to the update's num_samples: a relay may not weigh more than its devices reported."""
     names, counts = update.contributors, update.contributor_samples

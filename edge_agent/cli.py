@@ -15,7 +15,7 @@ from edge_agent.field.field_options import add_field_arguments
 from edge_agent.loop.memory_budget import fit_to_budget
 from edge_agent.loop.profile import DeviceProfile, load_profile
 from edge_agent.score_command import BACKENDS, score_pool
-from protocol import wire
+from protocol import messages, wire
 from protocol.chunks import MIN_PACKET_BYTES
 from protocol.credentials import Credentials, load_credentials
 from protocol.logs import configure_logging
@@ -111,7 +111,7 @@ def add_score_arguments(score: argparse.ArgumentParser) -> None:
     )
     score.add_argument("--passes", type=int, default=20, help="MC-dropout passes (capped by --profile)")
     score.add_argument("--top", type=int, default=400, help="how many samples to select")
-    score.add_argument("--sampler", default=wire.Recipe.sampler)
+    score.add_argument("--sampler", default=messages.Recipe.sampler)
     score.add_argument("--backend", choices=BACKENDS, help="default: the profile's, else onnxruntime")
     score.add_argument("--precision", choices=("fp32", "int8"), default="fp32", help="onnxruntime graphs to run")
     score.add_argument(

@@ -9,8 +9,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from protocol import wire
-from protocol.wire import RejectionKind, shown_names
+from protocol import messages, wire
+from protocol.messages import RejectionKind
+from protocol.wire import shown_names
 
 CHUNK_LEVEL = "chunk"
 # The PUBLISH packet around a payload: fixed header (5), topic length (2), packet id (2), properties (1); generous.
@@ -88,7 +89,7 @@ def split(topic: str, payload: bytes, packet_limit: int) -> list[tuple[str, byte
         (
             chunk_topic(topic, index),
             wire.encode(
-                wire.Chunk(
+                messages.Chunk(
                     transfer_id, index, count, len(payload), digest, bytes(view[index * size : (index + 1) * size])
                 )
             ),
@@ -257,7 +258,7 @@ class Transfers:
         self.reserved = 0
         self.held = 0
 
-    def start(self, topic: str, chunk: wire.Chunk, now: float) -> Transfer:
+    def start(self, topic: str, chunk: messages.Chunk, now: float) -> Transfer:
         """A new transfer from its first chunk, reserving its claimed size."""
         reserved = chunk.total_bytes + chunk.count * CHUNK_BOOKKEEPING
         transfer = Transfer(topic, chunk.transfer_id, chunk.count, chunk.total_bytes, chunk.digest, reserved, now)
@@ -265,7 +266,7 @@ class Transfers:
         self.reserved += reserved
         return transfer
 
-    def hold(self, transfer: Transfer, chunk: wire.Chunk, now: float) -> None:
+    def hold(self, transfer: Transfer, chunk: messages.Chunk, now: float) -> None:
         """Keeps one checked chunk of a transfer."""
         transfer.chunks[chunk.index] = chunk.data
         transfer.last_seen = now
@@ -278,7 +279,7 @@ class Transfers:
         self.held -= sum(len(data) for data in transfer.chunks.values())
         transfer.chunks = {}
 
-    def refusal(self, topic: str, chunk: wire.Chunk) -> str | None:
+    def refusal(self, topic: str, chunk: messages.Chunk) -> str | None:
         """Why a transfer starting with this chunk may not start (its sender's or everyone's caps), or None."""
         limits = self.limits
         need = chunk.total_bytes + chunk.count * CHUNK_BOOKKEEPING
@@ -336,7 +337,7 @@ class Reassembler:
         if not payload:
             return None
         try:
-            chunk = wire.decode(payload, wire.Chunk, max_bytes=self.limits.max_message_bytes + 4 * 1024)
+            chunk = wire.decode(payload, messages.Chunk, max_bytes=self.limits.max_message_bytes + 4 * 1024)
         except wire.WireError as error:
             return self._drop(Dropped(base, "", RejectionKind.BAD_CHUNK, f"bad chunk: {error}"), now)
         key = (base, chunk.transfer_id)
@@ -368,7 +369,7 @@ class Reassembler:
             return True
         return False
 
-    def _keep(self, transfer: Transfer, chunk: wire.Chunk, now: float) -> Completed | Dropped | None:
+    def _keep(self, transfer: Transfer, chunk: messages.Chunk, now: float) -> Completed | Dropped | None:
         """Holds a checked chunk (or ignores its identical copy); the whole message once the last one is in."""
         held = transfer.chunks.get(chunk.index)
         if held is not None:
@@ -439,7 +440,7 @@ class Reassembler:
         return dropped
 
 
-def chunk_problem(chunk: wire.Chunk, topic_index: int | None, max_bytes: int) -> tuple[RejectionKind, str] | None:
+def chunk_problem(chunk: messages.Chunk, topic_index: int | None, max_bytes: int) -> tuple[RejectionKind, str] | None:
     """What is wrong with a chunk on its own (kind, reason), or None."""
     bad = RejectionKind.BAD_CHUNK
     if not wire.IDENTIFIER.fullmatch(chunk.transfer_id):
@@ -463,7 +464,7 @@ def chunk_problem(chunk: wire.Chunk, topic_index: int | None, max_bytes: int) ->
     return None
 
 
-def mismatch(transfer: Transfer, chunk: wire.Chunk) -> tuple[RejectionKind, str] | None:
+def mismatch(transfer: Transfer, chunk: messages.Chunk) -> tuple[RejectionKind, str] | None:
     """Why a later chunk does not belong with its transfer's first one (inconsistent totals), or None."""
     if (chunk.count, chunk.total_bytes, chunk.digest) == (transfer.count, transfer.total_bytes, transfer.digest):
         return None

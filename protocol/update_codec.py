@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from protocol.files import load_arrays, save_arrays
+from protocol.messages import Recipe, RejectionKind, Update
 from protocol.tensors import Weights, WeightSpec, spec_of
-from protocol.wire import COMPRESSIONS, Recipe, RejectionKind, Update, shown, shown_names
+from protocol.wire import COMPRESSIONS, shown, shown_names
 
 log = logging.getLogger(__name__)
 

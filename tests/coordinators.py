@@ -15,7 +15,7 @@ from coordinator.store import RoundRecord, RunStore
 from coordinator.strategies import Strategy
 from coordinator.validation import Expectation
 from edge_agent.learning.models import build_model, weight_spec
-from protocol import wire
+from protocol import messages
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.mqtt import BrokerAddress, MqttSession
 from protocol.tensors import Weights, weights_hash
@@ -30,7 +30,7 @@ def local_coordinator(
     strategy: Strategy,
     evaluator: Evaluator,
     policy: RoundPolicy,
-    recipe: wire.Recipe | None = None,
+    recipe: messages.Recipe | None = None,
 ) -> Coordinator:
     """A coordinator with no bundles, no encoder, no device evaluation and an observer that hears nothing."""
     observer = RoundObserver()
@@ -41,7 +41,7 @@ def local_coordinator(
         closer=RoundCloser(store, strategy, evaluator, evaluate_devices=False, base_labels=0),
         observer=observer,
     )
-    return Coordinator(fleet, session, RoundRules(recipe or wire.Recipe(), policy), parts)
+    return Coordinator(fleet, session, RoundRules(recipe or messages.Recipe(), policy), parts)
 
 
 def coordinator_on(store: RunStore, strategy: Strategy) -> Coordinator:

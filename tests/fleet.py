@@ -20,7 +20,7 @@ from edge_agent.data.device_data import LABELS_FILE
 from edge_agent.data.labelled_record import source_code
 from edge_agent.learning.models import build_model, get_weights
 from export.bundle_writer import ensure_bundle_files
-from protocol import wire
+from protocol import messages, wire
 from protocol.files import load_arrays
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.mqtt import BrokerAddress, MqttSession
@@ -181,27 +181,29 @@ class FakeDevice:
         self.session.connect(timeout=30)
         self.session.subscribe(wire.device_topic(fleet, device_id, "ack"))
 
-    def current_round(self, after: int = 0) -> tuple[wire.RoundAnnouncement, dict[str, np.ndarray]]:
+    def current_round(self, after: int = 0) -> tuple[messages.RoundAnnouncement, dict[str, np.ndarray]]:
         """The first announced round newer than `after`, with its model weights."""
         self.session.subscribe(wire.round_topic(self.fleet))
-        announcement: wire.RoundAnnouncement | None = None
+        announcement: messages.RoundAnnouncement | None = None
         deadline = time.monotonic() + WAIT
         while time.monotonic() < deadline:
             message = self.session.next_message(timeout=0.5)
             if message is None:
                 continue
             if message.topic == wire.round_topic(self.fleet):
-                candidate = wire.decode(message.payload, wire.RoundAnnouncement)
+                candidate = wire.decode(message.payload, messages.RoundAnnouncement)
                 if candidate.round_id > after and not candidate.final:
                     announcement = candidate
                     self.session.subscribe(wire.model_topic(self.fleet, candidate.model_hash))
             elif announcement is not None and message.topic == wire.model_topic(self.fleet, announcement.model_hash):
                 self.session.unsubscribe(wire.round_topic(self.fleet))
                 self.session.unsubscribe(message.topic)
-                return announcement, wire.decode(message.payload, wire.ModelMessage).tensors
+                return announcement, wire.decode(message.payload, messages.ModelMessage).tensors
         raise AssertionError(f"no round after {after} announced within {WAIT:.0f}s")
 
-    def update(self, announcement: wire.RoundAnnouncement, tensors: dict[str, np.ndarray], **changes) -> wire.Update:
+    def update(
+        self, announcement: messages.RoundAnnouncement, tensors: dict[str, np.ndarray], **changes
+    ) -> messages.Update:
         """A valid update for the announced round carrying these tensors (fields overridable)."""
         fields = dict(
             device_id=self.device_id,
@@ -215,21 +217,21 @@ class FakeDevice:
             tensors=tensors,
             nonce=os.urandom(16),
         )
-        return wire.Update(**{**fields, **changes})
+        return messages.Update(**{**fields, **changes})
 
     def publish(self, payload: bytes, device_id: str | None = None) -> None:
         """Publishes raw bytes on a device's update topic (its own by default) and waits for the broker."""
         topic = wire.device_topic(self.fleet, device_id or self.device_id, "update")
         assert self.session.publish(topic, payload, wait=30.0)
 
-    def acks(self, count: int, timeout: float = WAIT) -> list[wire.Ack]:
+    def acks(self, count: int, timeout: float = WAIT) -> list[messages.Ack]:
         """The next `count` acks on this device's ack topic."""
-        received: list[wire.Ack] = []
+        received: list[messages.Ack] = []
         deadline = time.monotonic() + timeout
         while len(received) < count and time.monotonic() < deadline:
             message = self.session.next_message(timeout=0.5)
             if message is not None and message.topic.endswith("/ack"):
-                received.append(wire.decode(message.payload, wire.Ack))
+                received.append(wire.decode(message.payload, messages.Ack))
         assert len(received) == count, f"{self.device_id} got {len(received)} acks, expected {count}"
         return received
 
@@ -260,13 +262,13 @@ def wait_for_state(session: MqttSession, state: str, timeout: float = WAIT) -> N
     while time.monotonic() < deadline:
         message = session.next_message(timeout=0.5)
         status = message is not None and message.topic.endswith("/status")
-        if status and wire.decode(message.payload, wire.Status).state == state:
+        if status and wire.decode(message.payload, messages.Status).state == state:
             return
     raise AssertionError(f"no device reported {state!r} within {timeout:.0f}s")
 
 
 def announce_round(
-    address: BrokerAddress, fleet: str, recipe: wire.Recipe, round_id: int = 1, bundle_dir: Path | None = None
+    address: BrokerAddress, fleet: str, recipe: messages.Recipe, round_id: int = 1, bundle_dir: Path | None = None
 ) -> str:
     """Retains a round and its model (a fresh paper CNN; with bundle_dir, its ONNX bundle too) as a coordinator
     would; returns the model hash."""
@@ -274,12 +276,12 @@ def announce_round(
     session.connect(timeout=10)
     weights = get_weights(build_model(seed=1))
     model_hash = weights_hash(weights)
-    model = wire.encode(wire.ModelMessage(model_hash, DEFAULT_SPEC, weights))
+    model = wire.encode(messages.ModelMessage(model_hash, DEFAULT_SPEC, weights))
     session.publish(wire.model_topic(fleet, model_hash), model, retain=True, wait=10)
     if bundle_dir is not None:
-        bundle = wire.encode(wire.BundleMessage(model_hash, ensure_bundle_files(weights, bundle_dir)))
+        bundle = wire.encode(messages.BundleMessage(model_hash, ensure_bundle_files(weights, bundle_dir)))
         session.publish(wire.bundle_topic(fleet, model_hash), bundle, retain=True, wait=10)
-    announcement = wire.RoundAnnouncement("run-t", round_id, model_hash, recipe, time.time() + 600)
+    announcement = messages.RoundAnnouncement("run-t", round_id, model_hash, recipe, time.time() + 600)
     session.publish(wire.round_topic(fleet), wire.encode(announcement), retain=True, wait=10)
     session.close()
     return model_hash
@@ -291,7 +293,9 @@ def pi_zero_fleet(run_dir: Path, fleet: str, rounds: int, mc_passes: int) -> tup
         run_dir=run_dir,
         fleet=fleet,
         strategy="avefl",
-        recipe=wire.Recipe(sampler="entropy", labels_per_acquisition=20, epochs=1, mc_passes=mc_passes, batch_size=20),
+        recipe=messages.Recipe(
+            sampler="entropy", labels_per_acquisition=20, epochs=1, mc_passes=mc_passes, batch_size=20
+        ),
         policy=RoundPolicy(rounds=rounds, min_devices=2, quorum=2, round_timeout=120),
         init=InitSettings(samples=50, epochs=2),
         validation_samples=100,

@@ -18,14 +18,14 @@ from edge_agent.learning.models import build_model, get_weights
 from edge_agent.loop.agent import LAST_ROUND_KEY, Agent, last_will
 from edge_agent.loop.agent_settings import AgentSettings
 from export.bundle_writer import ensure_bundle_files
-from protocol import wire
+from protocol import messages, wire
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec
 from protocol.mqtt import MqttSession
 from protocol.tensors import weights_hash
 
 FLEET = "agent-test"
 DEVICE = "dev-a"
-RECIPE = wire.Recipe(
+RECIPE = messages.Recipe(
     sampler="entropy", labels_per_acquisition=12, acquisitions_per_round=2, epochs=1, batch_size=8, mc_passes=3
 )
 
@@ -57,13 +57,13 @@ class FakeCoordinator:
         round_id: int,
         weights: dict,
         model_hash: str | None = None,
-        recipe: wire.Recipe = RECIPE,
+        recipe: messages.Recipe = RECIPE,
         spec: ModelSpec = DEFAULT_SPEC,
     ) -> str:
         model_hash = model_hash or weights_hash(weights)
-        message = wire.ModelMessage(model_hash, spec, weights)
+        message = messages.ModelMessage(model_hash, spec, weights)
         self.session.publish(wire.model_topic(FLEET, model_hash), wire.encode(message), retain=True, wait=10)
-        announcement = wire.RoundAnnouncement("run-1", round_id, model_hash, recipe, time.time() + 60)
+        announcement = messages.RoundAnnouncement("run-1", round_id, model_hash, recipe, time.time() + 60)
         self.session.publish(wire.round_topic(FLEET), wire.encode(announcement), retain=True, wait=10)
         return model_hash
 
@@ -72,7 +72,7 @@ class FakeCoordinator:
         files = ensure_bundle_files(weights, folder)
         if tamper:
             files["tail.onnx"] = files["tail.onnx"][:-1] + bytes([files["tail.onnx"][-1] ^ 1])
-        message = wire.BundleMessage(weights_hash(weights), files)
+        message = messages.BundleMessage(weights_hash(weights), files)
         self.session.publish(wire.bundle_topic(FLEET, message.model_hash), wire.encode(message), retain=True, wait=10)
 
     def next_on(self, leaf: str, timeout: float, accept=lambda message: True):
@@ -113,7 +113,7 @@ def test_agent_answers_a_round_with_one_update_and_keeps_its_labels(broker, tmp_
         base_hash = coordinator.start_round(1, base)
         message = coordinator.next_on("update", timeout=60)
         assert message is not None, "no update within 60 s"
-        update = wire.decode(message.payload, wire.Update)
+        update = wire.decode(message.payload, messages.Update)
         assert (update.device_id, update.round_id, update.base_hash) == (DEVICE, 1, base_hash)
         assert update.acquired_labels == 2 * 12
         assert update.num_samples == 24 + 10 and sum(update.class_counts) == 34
@@ -148,14 +148,14 @@ def test_agent_answers_a_round_with_one_update_and_keeps_its_labels(broker, tmp_
     ],
 )
 def test_a_device_that_cannot_do_the_round_refuses_it_in_one_bounded_line_and_keeps_everything(
-    broker, tmp_path, shard, caplog, spec: ModelSpec, recipe: wire.Recipe, reason: str
+    broker, tmp_path, shard, caplog, spec: ModelSpec, recipe: messages.Recipe, reason: str
 ):
     coordinator = FakeCoordinator(broker)
     agent, thread = start_agent(broker, tmp_path / "state", shard)
     before = (tmp_path / "state" / "labels.npz").read_bytes()
     try:
         coordinator.start_round(1, get_weights(build_model(spec, seed=3)), recipe=recipe, spec=spec)
-        status = coordinator.next_on("status", 60, lambda m: wire.decode(m.payload, wire.Status).state == "error")
+        status = coordinator.next_on("status", 60, lambda m: wire.decode(m.payload, messages.Status).state == "error")
         assert status is not None, "the device did not report the refused round"
         assert coordinator.next_on("update", timeout=1) is None
     finally:
@@ -182,7 +182,7 @@ def test_restarted_agent_does_not_redo_a_finished_round(broker, tmp_path, shard)
         assert DeviceData.open(tmp_path / "state").count_labels("oracle") == 24
         coordinator.start_round(2, weights)
         second = coordinator.next_on("update", timeout=60)
-        assert second is not None and wire.decode(second.payload, wire.Update).acquired_labels == 48
+        assert second is not None and wire.decode(second.payload, messages.Update).acquired_labels == 48
     finally:
         stop_agent(agent, thread)
         coordinator.close()
@@ -193,7 +193,7 @@ def test_oversize_update_is_refused_before_sending_and_the_agent_lives_on(broker
     agent, thread = start_agent(broker, tmp_path / "state", shard, max_bytes=50_000)
     try:
         coordinator.start_round(1, get_weights(build_model(seed=5)))
-        error = coordinator.next_on("status", 60, lambda m: wire.decode(m.payload, wire.Status).state == "error")
+        error = coordinator.next_on("status", 60, lambda m: wire.decode(m.payload, messages.Status).state == "error")
         assert error is not None
         assert coordinator.next_on("update", timeout=2) is None
         assert thread.is_alive()
@@ -251,7 +251,7 @@ def test_onnxruntime_agent_waits_for_a_bundle_that_verifies(broker, tmp_path, sh
         assert DeviceData.open(tmp_path / "state").count_labels("oracle") == 0
         coordinator.ship_bundle(weights, tmp_path / "bundle")
         update = coordinator.next_on("update", timeout=60)
-        assert update is not None and wire.decode(update.payload, wire.Update).acquired_labels == 24
+        assert update is not None and wire.decode(update.payload, messages.Update).acquired_labels == 24
     finally:
         stop_agent(agent, thread)
         coordinator.close()
@@ -260,7 +260,7 @@ def test_onnxruntime_agent_waits_for_a_bundle_that_verifies(broker, tmp_path, sh
 def test_a_device_whose_pool_is_used_up_still_trains_on_its_labels_and_reports_its_metrics(broker, tmp_path, shard):
     """The bench's Dirichlet shards run out before the last rounds: the update must stay a trained one, with the
     metric FMLU weighs by, not the global model sent back without it (which `fmlu` rejects, stalling the round)."""
-    recipe = wire.Recipe(
+    recipe = messages.Recipe(
         sampler="random", local_rule="dmlu", labels_per_acquisition=40, acquisitions_per_round=2, epochs=1, batch_size=8
     )
     coordinator = FakeCoordinator(broker)
@@ -270,10 +270,10 @@ def test_a_device_whose_pool_is_used_up_still_trains_on_its_labels_and_reports_i
             base = get_weights(build_model(seed=seed))
             coordinator.start_round(round_id, base, recipe=recipe)
             message = coordinator.next_on(
-                "update", 60, lambda m, r=round_id: wire.decode(m.payload, wire.Update).round_id == r
+                "update", 60, lambda m, r=round_id: wire.decode(m.payload, messages.Update).round_id == r
             )
             assert message is not None, f"no update for round {round_id} within 60 s"
-            update = wire.decode(message.payload, wire.Update)
+            update = wire.decode(message.payload, messages.Update)
             assert update.num_samples == len(shard.images) + len(shard.seed_images)
             assert "meme_entropy" in update.metrics
             assert any(not np.array_equal(update.tensors[k], base[k]) for k in base)

@@ -17,7 +17,7 @@ from coordinator.store import RunStore
 from coordinator.strategies import AveFL
 from coordinator.validation import MAX_REASON_CHARS, Expectation, Rejection
 from edge_agent.cli import main as agent_main
-from protocol import wire
+from protocol import messages, wire
 from protocol.tensors import spec_of, weights_hash
 
 BASE = {"w": np.array([1.0, 2.0], dtype=np.float32)}
@@ -50,7 +50,7 @@ def test_fresh_updates_with_a_buffer_of_every_device_fold_to_avefls_mean() -> No
 def signed_update(device: str, round_id: int, base: dict, tensors: dict, update_id: str = "") -> bytes:
     """An encoded update of `round_id` trained from `base` (its hash), carrying `tensors`."""
     return wire.encode(
-        wire.Update(
+        messages.Update(
             *(device, round_id, update_id or os.urandom(8).hex(), weights_hash(base), 10, [1] * 10, 5, {}, tensors),
             nonce=os.urandom(16),
         )
@@ -83,7 +83,7 @@ def test_an_update_older_than_the_allowed_staleness_is_refused_as_stale() -> Non
     assert sorted(collector.buffer) == ["dev-b"] and collector.buffer["dev-b"].base == 1
     with pytest.raises(Rejection) as stale:
         collector.offer("dev-c", signed_update("dev-c", 1, BASE, perturbed(BASE, 10)))
-    assert stale.value.kind == wire.RejectionKind.STALE == "stale"
+    assert stale.value.kind == messages.RejectionKind.STALE == "stale"
     assert "version 0, 2 behind 2 (at most 1)" in stale.value.reason and len(stale.value.reason) <= MAX_REASON_CHARS
 
 
@@ -106,7 +106,7 @@ def test_bad_async_settings_are_one_line_errors(flags: list[str], error: str, ca
 ASYNC = ("--mode", "async", "--buffer", "2", "--max-staleness", "1", "--rounds", "3")
 
 
-def publish_until_acked(device: FakeDevice, payload: bytes) -> wire.Ack:
+def publish_until_acked(device: FakeDevice, payload: bytes) -> messages.Ack:
     """Publishes an update and returns its ack."""
     device.publish(payload)
     return device.acks(1)[0]

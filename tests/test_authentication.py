@@ -12,7 +12,7 @@ from coordinator.intake import RoundCollector
 from coordinator.store import RunStore
 from coordinator.validation import Expectation, Rejection
 from edge_agent.learning.models import build_model, get_weights, weight_spec
-from protocol import wire
+from protocol import messages, wire
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.tensors import weights_hash
 
@@ -24,8 +24,8 @@ BASE_HASH = weights_hash(WEIGHTS)
 KEYS = {"dev-00": b"k" * 32, "dev-01": b"q" * 32}
 
 
-def signed_update(device: str = "dev-00", round_id: int = 1, key: bytes | None = None, **changes) -> wire.Update:
-    update = wire.Update(
+def signed_update(device: str = "dev-00", round_id: int = 1, key: bytes | None = None, **changes) -> messages.Update:
+    update = messages.Update(
         device,
         round_id,
         os.urandom(8).hex(),
@@ -46,7 +46,7 @@ def collector(authenticator: UpdateAuthenticator, round_id: int = 1) -> RoundCol
     )
 
 
-def rejection(round_collector: RoundCollector, update: wire.Update) -> str:
+def rejection(round_collector: RoundCollector, update: messages.Update) -> str:
     with pytest.raises(Rejection) as info:
         round_collector.offer(update.device_id, wire.encode(update))
     return info.value.reason
@@ -92,5 +92,5 @@ def test_a_replay_after_a_coordinator_restart_is_still_refused(tmp_path) -> None
         assert collector(after_restart, 1).offer("dev-00", wire.encode(original))[1] is True
         with pytest.raises(Rejection) as info:
             collector(after_restart, 2).offer("dev-00", wire.encode(original))
-    assert info.value.kind == wire.RejectionKind.REPLAY
+    assert info.value.kind == messages.RejectionKind.REPLAY
     assert info.value.reason == f"replay: nonce {original.nonce.hex()[:16]} was already used in round 1"

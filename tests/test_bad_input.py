@@ -14,14 +14,14 @@ from coordinator.aggregation import ClientUpdate
 from coordinator.broker import EmbeddedBroker
 from coordinator.store import RunStore
 from coordinator.strategies import AveFL
-from protocol import wire
+from protocol import messages, wire
 
 pytestmark = pytest.mark.integration
 
 FLEET = "bad"
 
 
-def rewrite(update: wire.Update, **fields) -> bytes:
+def rewrite(update: messages.Update, **fields) -> bytes:
     """The encoded update with envelope fields replaced (None removes one): what a broken encoder would send."""
     envelope = msgpack.unpackb(wire.encode(update), raw=False)
     for name, value in fields.items():
@@ -37,7 +37,9 @@ def with_tensor(tensors: dict[str, np.ndarray], name: str, array: np.ndarray) ->
     return {**tensors, name: array}
 
 
-def bad_updates(rogue: FakeDevice, announcement: wire.RoundAnnouncement, base: dict) -> list[tuple[str, bytes, str]]:
+def bad_updates(
+    rogue: FakeDevice, announcement: messages.RoundAnnouncement, base: dict
+) -> list[tuple[str, bytes, str]]:
     """(case, payload, expected words of the reason) for every kind of bad update a device might send."""
     good = perturbed(base, seed=99)
     first = next(iter(good))
@@ -45,7 +47,7 @@ def bad_updates(rogue: FakeDevice, announcement: wire.RoundAnnouncement, base: d
     nan, inf = good[first].copy(), good[first].copy()
     nan.flat[0], inf.flat[-1] = np.nan, np.inf
 
-    def valid(tensors: dict[str, np.ndarray] = good, **changes) -> wire.Update:
+    def valid(tensors: dict[str, np.ndarray] = good, **changes) -> messages.Update:
         return rogue.update(announcement, tensors, **changes)
 
     return [
@@ -69,7 +71,7 @@ def bad_updates(rogue: FakeDevice, announcement: wire.RoundAnnouncement, base: d
     ]
 
 
-def average(base: dict, updates: list[wire.Update]) -> dict:
+def average(base: dict, updates: list[messages.Update]) -> dict:
     """AveFL of the updates, computed here."""
     return AveFL().aggregate(base, [ClientUpdate(u.device_id, u.tensors, u.num_samples) for u in updates], None)[0]
 

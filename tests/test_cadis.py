@@ -30,7 +30,7 @@ from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.learning.local_data import LocalData
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.learning.training import CadisKD, TrainSettings, relational_kd_loss, run_epochs
-from protocol import wire
+from protocol import messages
 from protocol.tensors import weights_hash
 
 GLOBAL = get_weights(build_model(seed=0))
@@ -296,7 +296,7 @@ def test_cadis_kd_trains_towards_the_labels_and_zero_kd_weight_is_plain_cross_en
     empty, none = images[:0], labels[:0]
     data = LocalData(empty, none, empty, none, images, labels, lambda: empty)
     global_model = build_model(seed=3).eval()
-    recipe = wire.Recipe(
+    recipe = messages.Recipe(
         local_rule="cadis-kd",
         epochs=2,
         batch_size=8,
@@ -308,7 +308,7 @@ def test_cadis_kd_trains_towards_the_labels_and_zero_kd_weight_is_plain_cross_en
     with_kd, without_kd = copy.deepcopy(global_model), copy.deepcopy(global_model)
     metrics = CadisKD().train(with_kd, data, global_model, recipe, seed=2)
     CadisKD().train(
-        without_kd, data, global_model, wire.Recipe(**{**recipe.__dict__, "options": {"kd_weight": 0.0}}), seed=2
+        without_kd, data, global_model, messages.Recipe(**{**recipe.__dict__, "options": {"kd_weight": 0.0}}), seed=2
     )
     plain = copy.deepcopy(global_model)
     run_epochs(
@@ -330,4 +330,4 @@ def test_cadis_kd_refuses_a_negative_kd_weight() -> None:
     images, labels = np.zeros((4, 28, 28), dtype=np.uint8), np.zeros(4, dtype=np.int64)
     data = LocalData(images, labels, images, labels, images, labels, lambda: images)
     with pytest.raises(ValueError, match="--kd-weight must be at least 0, got -1.0"):
-        CadisKD().train(model, data, model, wire.Recipe(options={"kd_weight": -1.0}), seed=0)
+        CadisKD().train(model, data, model, messages.Recipe(options={"kd_weight": -1.0}), seed=0)

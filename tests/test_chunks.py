@@ -28,12 +28,12 @@ from edge_agent.learning.models import build_model, get_weights
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.artefacts import RoundArtefacts
 from edge_agent.loop.outbox import UpdateSender
-from protocol import chunks, wire
+from protocol import chunks, messages, wire
 from protocol.chunks import ChunkLimits, Completed, Dropped, Reassembler
+from protocol.messages import RejectionKind
 from protocol.model_spec import ModelSpec
 from protocol.mqtt import MqttSession
 from protocol.tensors import weights_hash
-from protocol.wire import RejectionKind
 
 MIB = 1024 * 1024
 TOPIC = "fl/f/devices/dev-1/update"
@@ -44,25 +44,25 @@ def payload_of(size: int, seed: int = 0) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
-def decoded_chunks(topic: str, payload: bytes, limit: int) -> list[wire.Chunk]:
-    return [wire.decode(piece, wire.Chunk) for _, piece in chunks.split(topic, payload, limit)]
+def decoded_chunks(topic: str, payload: bytes, limit: int) -> list[messages.Chunk]:
+    return [wire.decode(piece, messages.Chunk) for _, piece in chunks.split(topic, payload, limit)]
 
 
-def encoded(chunk: wire.Chunk) -> bytes:
+def encoded(chunk: messages.Chunk) -> bytes:
     return wire.encode(chunk)
 
 
-def feed(reassembler: Reassembler, topic: str, pieces: list[wire.Chunk], now: float = 0.0) -> list:
+def feed(reassembler: Reassembler, topic: str, pieces: list[messages.Chunk], now: float = 0.0) -> list:
     """Every non-None answer of the reassembler to these chunks, in order."""
     answers = [reassembler.add(chunks.chunk_topic(topic, piece.index), encoded(piece), now) for piece in pieces]
     return [answer for answer in answers if answer is not None]
 
 
-def first_chunk(transfer: int, total: int, count: int, data_bytes: int | None = None) -> wire.Chunk:
+def first_chunk(transfer: int, total: int, count: int, data_bytes: int | None = None) -> messages.Chunk:
     """Chunk 0 of a made-up transfer: what a sender of an endless stream of first chunks sends."""
     share = math.ceil(total / count)
     digest = hashlib.sha256(str(transfer).encode()).hexdigest()
-    return wire.Chunk(f"t{transfer:08d}", 0, count, total, digest, bytes(data_bytes if data_bytes else share))
+    return messages.Chunk(f"t{transfer:08d}", 0, count, total, digest, bytes(data_bytes if data_bytes else share))
 
 
 # --- the cutter ---------------------------------------------------------------------------------------------------
@@ -85,12 +85,12 @@ def test_every_chunk_packet_fits_under_the_limit_and_any_order_reassembles(size,
 
 
 def test_the_envelope_fits_its_allowance_and_the_same_payload_gets_the_same_transfer_id():
-    empty = wire.Chunk("f" * 32, chunks.MAX_CHUNKS - 1, chunks.MAX_CHUNKS, 2**40, "0" * 64, b"")
+    empty = messages.Chunk("f" * 32, chunks.MAX_CHUNKS - 1, chunks.MAX_CHUNKS, 2**40, "0" * 64, b"")
     assert len(encoded(empty)) + 5 <= chunks.ENVELOPE_OVERHEAD  # 5: msgpack's bin32 header of the data
     payload = payload_of(200_000)
     assert chunks.split(TOPIC, payload, 64 * 1024) == chunks.split(TOPIC, payload, 64 * 1024)
-    ids = {wire.decode(piece, wire.Chunk).transfer_id for _, piece in chunks.split(TOPIC, payload, 64 * 1024)}
-    other = {wire.decode(piece, wire.Chunk).transfer_id for _, piece in chunks.split(TOPIC, payload, 32 * 1024)}
+    ids = {wire.decode(piece, messages.Chunk).transfer_id for _, piece in chunks.split(TOPIC, payload, 64 * 1024)}
+    other = {wire.decode(piece, messages.Chunk).transfer_id for _, piece in chunks.split(TOPIC, payload, 32 * 1024)}
     assert len(ids) == len(other) == 1 and ids != other
 
 
@@ -192,7 +192,7 @@ def test_inconsistent_totals_drop_the_transfer():
     pieces = decoded_chunks(TOPIC, payload_of(20_000), 4096)
     count, total = pieces[0].count, pieces[0].total_bytes
     share = math.ceil(total / (count + 1))
-    other = wire.Chunk(pieces[0].transfer_id, 1, count + 1, total, pieces[0].digest, bytes(share))
+    other = messages.Chunk(pieces[0].transfer_id, 1, count + 1, total, pieces[0].digest, bytes(share))
     [dropped] = feed(reassembler, TOPIC, [pieces[0], other])
     assert dropped.kind == RejectionKind.BAD_CHUNK
     assert f"claims {count + 1} chunks, {total} bytes" in dropped.reason
@@ -201,7 +201,7 @@ def test_inconsistent_totals_drop_the_transfer():
 
 def test_a_claimed_total_far_above_the_limit_is_refused_at_its_first_chunk():
     reassembler = Reassembler(ChunkLimits(max_message_bytes=16 * MIB))
-    huge = wire.Chunk("t" * 32, 0, 1000, 10**12, "0" * 64, bytes(10))
+    huge = messages.Chunk("t" * 32, 0, 1000, 10**12, "0" * 64, bytes(10))
     [dropped] = feed(reassembler, TOPIC, [huge])
     assert dropped.kind == RejectionKind.TOO_LARGE
     assert dropped.reason == f"too large: transfer {'t' * 32} claims {10**12} bytes, above the limit of {16 * MIB}"
@@ -290,7 +290,7 @@ def flood(reassembler: Reassembler, senders: int, transfers: int, total: int, co
             digest = hashlib.sha256(f"{sender}/{transfer}".encode()).hexdigest()
             transfer_id = f"s{sender:04d}t{transfer:06d}"
             for index in range(count - 1):
-                piece = wire.Chunk(transfer_id, index, count, total, digest, data)
+                piece = messages.Chunk(transfer_id, index, count, total, digest, data)
                 reassembler.add(chunks.chunk_topic(topic, index), encoded(piece), 0.0)
 
 
@@ -382,7 +382,7 @@ def test_a_model_above_10_mb_crosses_a_broker_with_a_1_mb_limit(tmp_path, sessio
         publisher = RetainedPublisher(coordinator, "f", "run", Artefacts(spec=CAMERA_SPEC))
         publisher.publish_model(weights, model_hash)
         topic = wire.model_topic("f", model_hash)
-        size = len(wire.encode(wire.ModelMessage(model_hash, CAMERA_SPEC, weights)))
+        size = len(wire.encode(messages.ModelMessage(model_hash, CAMERA_SPEC, weights)))
         assert size > 12 * MIB and len(chunks.split(topic, b"x" * size, MIB)) == 13
 
         device = sessions(broker.address, "device")  # a late subscriber: every chunk comes from the retained copies
@@ -390,7 +390,7 @@ def test_a_model_above_10_mb_crosses_a_broker_with_a_1_mb_limit(tmp_path, sessio
         artefacts.follow("model", topic)
         message = receive(device)
         assert (message.topic, message.retain, message.dropped) == (topic, True, None)
-        artefacts.on_model(wire.decode(message.payload, wire.ModelMessage))  # the agent's own decode and hash check
+        artefacts.on_model(wire.decode(message.payload, messages.ModelMessage))  # the agent's own decode and hash check
         assert list(artefacts.models) == [model_hash]
         assert all(np.array_equal(artefacts.models[model_hash][name], weights[name]) for name in weights)
         assert device.inbox.reassembler.stats.completed == 1 and device.inbox.reassembler.pending == 0
@@ -442,7 +442,7 @@ def test_a_reconnect_in_the_middle_of_a_transfer_resumes_it(tmp_path, sessions, 
     payload = payload_of(12 * MIB, seed=3)
     pieces = chunks.split(topic, payload, MIB)
     half = len(pieces) // 2
-    first_half = sum(len(wire.decode(piece, wire.Chunk).data) for _, piece in pieces[:half])
+    first_half = sum(len(wire.decode(piece, messages.Chunk).data) for _, piece in pieces[:half])
     subscription, marker_topic = (topic, topic) if retained else ("fl/f/devices/+/update", TOPIC)
     first = limited_broker(tmp_path, MIB).start()
     try:
@@ -539,17 +539,17 @@ class RssSampler:
         return self.peak_kb
 
 
-def update_chunks(device: FakeDevice, update: wire.Update) -> tuple[str, list[wire.Chunk]]:
+def update_chunks(device: FakeDevice, update: messages.Update) -> tuple[str, list[messages.Chunk]]:
     topic = wire.device_topic(FLEET, device.device_id, "update")
     return topic, decoded_chunks(topic, wire.encode(update), PACKET_LIMIT)
 
 
-def send(device: FakeDevice, topic: str, pieces: list[wire.Chunk]) -> None:
+def send(device: FakeDevice, topic: str, pieces: list[messages.Chunk]) -> None:
     for piece in pieces:
         assert device.session.publish(chunks.chunk_topic(topic, piece.index), encoded(piece), wait=WAIT)
 
 
-def average(base: dict, updates: list[wire.Update]) -> dict:
+def average(base: dict, updates: list[messages.Update]) -> dict:
     return AveFL().aggregate(base, [ClientUpdate(u.device_id, u.tensors, u.num_samples) for u in updates], None)[0]
 
 
@@ -569,7 +569,7 @@ def test_chunk_abuse_is_rejected_with_its_reason_memory_stays_bounded_and_the_mo
         try:
             announcement, base = devices["dev-a"].current_round()  # the model itself came in chunks (211 kB > 64 KiB)
 
-            def chunked(name: str, seed: int) -> tuple[wire.Update, str, list[wire.Chunk]]:
+            def chunked(name: str, seed: int) -> tuple[messages.Update, str, list[messages.Chunk]]:
                 update = devices[name].update(announcement, perturbed(base, seed=seed))
                 return update, *update_chunks(devices[name], update)
 
@@ -580,12 +580,12 @@ def test_chunk_abuse_is_rejected_with_its_reason_memory_stays_bounded_and_the_mo
             send(devices["twice"], topic, [pieces[0], forged])
             _, topic, pieces = chunked("inconsistent", 12)
             count, total = pieces[0].count, pieces[0].total_bytes
-            other = wire.Chunk(
+            other = messages.Chunk(
                 pieces[0].transfer_id, 1, count + 1, total, pieces[0].digest, bytes(-(-total // (count + 1)))
             )
             send(devices["inconsistent"], topic, [pieces[0], other])
             topic = wire.device_topic(FLEET, "huge", "update")
-            send(devices["huge"], topic, [wire.Chunk("h" * 32, 0, 4, 10**12, "0" * 64, bytes(1000))])
+            send(devices["huge"], topic, [messages.Chunk("h" * 32, 0, 4, 10**12, "0" * 64, bytes(1000))])
             _, topic, pieces = chunked("digest", 13)
             send(devices["digest"], topic, [dataclasses.replace(piece, digest="ab" * 32) for piece in pieces])
 
@@ -605,7 +605,7 @@ def test_chunk_abuse_is_rejected_with_its_reason_memory_stays_bounded_and_the_mo
                 topic = wire.device_topic(FLEET, f"flood-{sender:03d}", "update")
                 digest = hashlib.sha256(str(sender).encode()).hexdigest()
                 for index in range(15):
-                    piece = wire.Chunk(f"flood{sender:03d}", index, 16, 16 * data_bytes, digest, bytes(data_bytes))
+                    piece = messages.Chunk(f"flood{sender:03d}", index, 16, 16 * data_bytes, digest, bytes(data_bytes))
                     flooder.publish(
                         chunks.chunk_topic(topic, index), encoded(piece), wait=WAIT if index == 14 else None
                     )

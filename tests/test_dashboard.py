@@ -18,7 +18,7 @@ from coordinator.dashboard.server import Dashboard, ListenAddress, dashboard_tok
 from coordinator.observer import RoundResult
 from coordinator.store import RoundRecord, RunStore
 from coordinator.validation import Rejection
-from protocol import wire
+from protocol import messages
 
 
 def get(url: str, token: str | None = None) -> tuple[int, str, str]:
@@ -40,15 +40,15 @@ def get_json(url: str, token: str | None = None) -> tuple[int, dict]:
 
 def feed_live(live: LiveState) -> None:
     """dev-00 online and dev-02 training with profiles; dev-01's last will said offline; acks and round 2 closed."""
-    live.device_status("dev-00", wire.Status("dev-00", "online", 1.0, 2, 90, "simulated"))
-    live.device_status("dev-01", wire.Status("dev-01", "offline", 0.0, profile="raspberry-pi-4"))
-    live.device_status("dev-02", wire.Status("dev-02", "training", 1.0, 2, 70, "jetson-nano", peak_rss_mb=451.1))
+    live.device_status("dev-00", messages.Status("dev-00", "online", 1.0, 2, 90, "simulated"))
+    live.device_status("dev-01", messages.Status("dev-01", "offline", 0.0, profile="raspberry-pi-4"))
+    live.device_status("dev-02", messages.Status("dev-02", "training", 1.0, 2, 70, "jetson-nano", peak_rss_mb=451.1))
     live.round_opened(2, needed=3)
     for size, device in enumerate(DEVICES, start=1000):
         live.update_answered(device, 2, size, None)
-    live.update_answered("intruder", 2, 77, Rejection(wire.RejectionKind.STALE_ROUND, STALE))
+    live.update_answered("intruder", 2, 77, Rejection(messages.RejectionKind.STALE_ROUND, STALE))
     undecodable = "undecodable: undecodable msgpack (ExtraData)"
-    live.update_answered("intruder", 2, 5, Rejection(wire.RejectionKind.UNDECODABLE, undecodable))
+    live.update_answered("intruder", 2, 5, Rejection(messages.RejectionKind.UNDECODABLE, undecodable))
     live.round_closed(RoundResult(2, 0.7, {}, 220, {}, 12.5, {}, {"aggregation_seconds": 0.25}))
 
 
@@ -251,7 +251,7 @@ def test_bad_dashboard_options_give_one_line(tmp_path: Path, arguments: list[str
 
 
 def test_a_rejection_keeps_its_kind_and_caps_its_reason() -> None:
-    rejection = Rejection(wire.RejectionKind.UNDECODABLE, "undecodable: " + "x" * 5000)
+    rejection = Rejection(messages.RejectionKind.UNDECODABLE, "undecodable: " + "x" * 5000)
     assert rejection.kind == "undecodable" and len(rejection.reason) == 300
     assert rejection.reason.startswith("undecodable: xxx") and rejection.reason.endswith("[truncated]")
 

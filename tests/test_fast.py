@@ -26,7 +26,7 @@ from edge_agent.loop.agent import Agent
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.round_inputs import RoundModels
 from export.onnx_graphs import export_encoder
-from protocol import wire
+from protocol import messages, wire
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.mqtt import BrokerAddress, MqttSession
 
@@ -107,11 +107,11 @@ def make_agent(tmp_path: Path, pool_size: int, encoder: bytes) -> Agent:
         open_device_data(tmp_path / "state", shard),
         SimulatedOracle(shard.all_labels),
     )
-    agent.artefacts.on_encoder(wire.EncoderMessage(encoder_hash(encoder), encoder))
+    agent.artefacts.on_encoder(messages.EncoderMessage(encoder_hash(encoder), encoder))
     return agent
 
 
-def round_models(agent: Agent, model, recipe: wire.Recipe) -> RoundModels:
+def round_models(agent: Agent, model, recipe: messages.Recipe) -> RoundModels:
     """The round's models as the agent builds them: a learner over the model's weights, the held encoder."""
     learner = make_learner(agent.settings, agent.data.state_dir, DEFAULT_SPEC, get_weights(model), None)
     return RoundModels(learner, "base", recipe, encoder=agent.artefacts.encoders.get(recipe.encoder))
@@ -122,7 +122,7 @@ def test_fast_queries_exactly_min_b_pool_and_weak_labels_never_count_or_overwrit
     tmp_path, encoder_bytes, pool_size, budget
 ) -> None:
     agent = make_agent(tmp_path, pool_size, encoder_bytes)
-    recipe = wire.Recipe(sampler="fast", labels_per_acquisition=budget, encoder=encoder_hash(encoder_bytes))
+    recipe = messages.Recipe(sampler="fast", labels_per_acquisition=budget, encoder=encoder_hash(encoder_bytes))
     model = build_model(seed=0)
     answered, _labels = agent.rounds.acquirer.acquire(
         round_models(agent, model, recipe), make_sampler("fast"), 1, round_id=1, acquisition=0
@@ -141,7 +141,7 @@ def test_fast_queries_exactly_min_b_pool_and_weak_labels_never_count_or_overwrit
 
 def test_a_second_acquisition_turns_weak_labels_into_human_ones_and_keeps_human_labels(tmp_path, encoder_bytes) -> None:
     agent = make_agent(tmp_path, 80, encoder_bytes)
-    recipe = wire.Recipe(sampler="fast", labels_per_acquisition=10, encoder=encoder_hash(encoder_bytes))
+    recipe = messages.Recipe(sampler="fast", labels_per_acquisition=10, encoder=encoder_hash(encoder_bytes))
     model = build_model(seed=0)
     first, _ = agent.rounds.acquirer.acquire(
         round_models(agent, model, recipe), make_sampler("fast"), 1, round_id=1, acquisition=0
@@ -167,7 +167,7 @@ def test_encoder_stays_frozen_through_acquisitions(tmp_path, encoder_bytes) -> N
     agent = make_agent(tmp_path, 40, encoder_bytes)
     probe = load_fashion_mnist().test_images[:8]
     before = OnnxEncoder(encoder_bytes).embed(probe)
-    recipe = wire.Recipe(sampler="fast", labels_per_acquisition=5, encoder=digest)
+    recipe = messages.Recipe(sampler="fast", labels_per_acquisition=5, encoder=digest)
     model = build_model(seed=0)
     for seed in (1, 2):
         agent.rounds.acquirer.acquire(
@@ -180,7 +180,7 @@ def test_encoder_stays_frozen_through_acquisitions(tmp_path, encoder_bytes) -> N
 
 def test_an_encoder_with_the_wrong_hash_is_ignored(tmp_path, encoder_bytes) -> None:
     agent = make_agent(tmp_path, 10, encoder_bytes)
-    agent.artefacts.on_encoder(wire.EncoderMessage("0" * 64, encoder_bytes))
+    agent.artefacts.on_encoder(messages.EncoderMessage("0" * 64, encoder_bytes))
     assert "0" * 64 not in agent.artefacts.encoders
 
 
@@ -194,8 +194,8 @@ def test_bad_encoder_files_give_one_line_errors(tmp_path) -> None:
 
 
 def test_encoder_message_round_trips_and_its_topic_names_the_hash(encoder_bytes) -> None:
-    message = wire.EncoderMessage(encoder_hash(encoder_bytes), encoder_bytes)
-    assert wire.decode(wire.encode(message), wire.EncoderMessage) == message
+    message = messages.EncoderMessage(encoder_hash(encoder_bytes), encoder_bytes)
+    assert wire.decode(wire.encode(message), messages.EncoderMessage) == message
     assert wire.encoder_topic("f", message.encoder_hash) == f"fl/f/encoder/{message.encoder_hash}"
     with pytest.raises(wire.WireError, match="expected a 'encoder' message"):
-        wire.decode(wire.encode(wire.Ack("d", 1, "u", True)), wire.EncoderMessage)
+        wire.decode(wire.encode(messages.Ack("d", 1, "u", True)), messages.EncoderMessage)

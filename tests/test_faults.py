@@ -38,7 +38,7 @@ from coordinator.spool import Spool
 from coordinator.store import RunStore
 from coordinator.strategies import AveFL
 from edge_agent.data.device_data import IMAGES_FILE, LABELS_FILE, STATE_FILE
-from protocol import wire
+from protocol import messages, wire
 from protocol.credentials import load_credentials
 from protocol.files import load_arrays
 from protocol.mqtt import parse_broker_url
@@ -47,7 +47,7 @@ from protocol.tensors import weights_hash
 pytestmark = pytest.mark.integration
 
 
-def aggregate(base: dict, updates: list[wire.Update]) -> dict:
+def aggregate(base: dict, updates: list[messages.Update]) -> dict:
     """The AveFL aggregate of these updates, computed here independently of the coordinator process."""
     return AveFL().aggregate(base, [ClientUpdate(u.device_id, u.tensors, u.num_samples) for u in updates], None)[0]
 
@@ -294,7 +294,7 @@ def test_the_bench_notices_a_dead_agent_at_once(tmp_path: Path, caplog) -> None:
     settings = ServerSettings(
         run_dir=tmp_path / "run",
         fleet="dead",
-        recipe=wire.Recipe(labels_per_acquisition=LABELS, epochs=1, mc_passes=2, batch_size=20),
+        recipe=messages.Recipe(labels_per_acquisition=LABELS, epochs=1, mc_passes=2, batch_size=20),
         policy=RoundPolicy(rounds=1, quorum=3, round_timeout=600),
         init=InitSettings(samples=INIT_SAMPLES, epochs=2),
         validation_samples=VALIDATION_SAMPLES,

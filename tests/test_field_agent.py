@@ -24,11 +24,11 @@ from edge_agent.field.stream import BudgetSettings
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.loop.agent import LatestModel
 from edge_agent.loop.agent_settings import AgentSettings
-from protocol import wire
+from protocol import messages, wire
 from protocol.model_spec import CLASS_NAMES, DEFAULT_SPEC
 
 DEVICE = "cam-1"
-RECIPE = wire.Recipe(
+RECIPE = messages.Recipe(
     sampler="entropy", labels_per_acquisition=5, acquisitions_per_round=1, epochs=1, batch_size=4, mc_passes=3
 )
 
@@ -134,7 +134,7 @@ def test_folder_oracle_end_to_end_with_pending_answers_surviving_sigkill(tmp_pat
         answer(book, truth, book.pending())
         message = coordinator.next_on("update", timeout=60)
         assert message is not None, "no update after every query was answered"
-        update = wire.decode(message.payload, wire.Update)
+        update = wire.decode(message.payload, messages.Update)
         assert (update.round_id, update.acquired_labels, update.num_samples) == (1, 5, 5), (
             "the restarted agent finishes the round with the batch it had queried"
         )
@@ -155,14 +155,14 @@ def test_a_round_with_unanswered_queries_trains_on_nothing_new_and_carries_them_
         weights = get_weights(build_model(seed=8))
         coordinator.start_round(1, weights, recipe=RECIPE)
         first = coordinator.next_on("update", timeout=60)
-        assert first is not None and wire.decode(first.payload, wire.Update).acquired_labels == 0
+        assert first is not None and wire.decode(first.payload, messages.Update).acquired_labels == 0
         assert len(book.pending()) == 5
         answer(book, truth, book.pending()[:4])
         coordinator.start_round(2, weights, recipe=RECIPE)
         second = coordinator.next_on(
-            "update", timeout=60, accept=lambda m: wire.decode(m.payload, wire.Update).round_id == 2
+            "update", timeout=60, accept=lambda m: wire.decode(m.payload, messages.Update).round_id == 2
         )
-        assert second is not None and wire.decode(second.payload, wire.Update).acquired_labels == 4
+        assert second is not None and wire.decode(second.payload, messages.Update).acquired_labels == 4
         assert len(book.queries()) == 10 and len(book.pending()) == 6
         assert {q.round_id for q in book.queries()} == {1, 2}
         stop(agent)
@@ -185,7 +185,7 @@ def test_stream_acquisition_stays_within_its_labelling_budget(tmp_path):
         )
         coordinator.start_round(1, get_weights(build_model(seed=9)), recipe=RECIPE)
         first = coordinator.next_on("update", timeout=60)
-        assert first is not None and wire.decode(first.payload, wire.Update).acquired_labels == 0
+        assert first is not None and wire.decode(first.payload, messages.Update).acquired_labels == 0
         started = time.monotonic()
         for wave in range(10):
             for i in range(4):
@@ -257,10 +257,10 @@ def test_stream_scores_with_the_recipes_sampler_and_refuses_one_that_needs_more(
     stream, book = stream_on(tmp_path, AgentSettings(FLEET, DEVICE))
     weights = get_weights(build_model(seed=9))
     with caplog.at_level("INFO", logger="edge_agent.field.parts"):
-        stream.score_new(LatestModel(DEFAULT_SPEC, weights, wire.Recipe(sampler="ksas"), None), round_id=1)
-        stream.score_new(LatestModel(DEFAULT_SPEC, weights, wire.Recipe(sampler="ksas"), None), round_id=1)
+        stream.score_new(LatestModel(DEFAULT_SPEC, weights, messages.Recipe(sampler="ksas"), None), round_id=1)
+        stream.score_new(LatestModel(DEFAULT_SPEC, weights, messages.Recipe(sampler="ksas"), None), round_id=1)
         assert stream.data.get_state("stream") is None and book.queries() == []
-        stream.score_new(LatestModel(DEFAULT_SPEC, weights, wire.Recipe(sampler="margin"), None), round_id=1)
+        stream.score_new(LatestModel(DEFAULT_SPEC, weights, messages.Recipe(sampler="margin"), None), round_id=1)
     refused = [r for r in caplog.records if "stream acquisition refused sampler=ksas" in r.getMessage()]
     assert len(refused) == 1 and refused[0].levelname == "ERROR"
     assert stream.data.get_state("stream")["scored_upto"] == 6 and 1 <= len(book.queries()) <= 2
@@ -270,6 +270,6 @@ def test_stream_scores_with_the_recipes_sampler_and_refuses_one_that_needs_more(
 def test_stream_scores_through_the_agents_back_end(tmp_path) -> None:
     settings = AgentSettings(FLEET, DEVICE, backend="onnxruntime")
     stream, _ = stream_on(tmp_path, settings)
-    latest = LatestModel(DEFAULT_SPEC, get_weights(build_model(seed=9)), wire.Recipe(sampler="entropy"), None)
+    latest = LatestModel(DEFAULT_SPEC, get_weights(build_model(seed=9)), messages.Recipe(sampler="entropy"), None)
     with pytest.raises(ValueError, match="the onnxruntime back end needs the round's bundle"):
         stream.score_new(latest, round_id=1)

@@ -26,14 +26,14 @@ from edge_agent.learning.training import (
     mutual_losses,
     private_model_path,
 )
-from protocol import wire
+from protocol import messages, wire
 from protocol.files import load_arrays
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.tensors import weights_hash
 
 NUM_CLASSES = DEFAULT_SPEC.num_classes
 
-RECIPE = wire.Recipe(local_rule="dmlu", epochs=1, batch_size=16, learning_rate=0.05, momentum=0.0, weight_decay=0.0)
+RECIPE = messages.Recipe(local_rule="dmlu", epochs=1, batch_size=16, learning_rate=0.05, momentum=0.0, weight_decay=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def model_from(weights: dict) -> torch.nn.Module:
     return model.eval()
 
 
-def run_dmlu(global_weights: dict, data: LocalData, recipe: wire.Recipe = RECIPE) -> tuple[dict, dict]:
+def run_dmlu(global_weights: dict, data: LocalData, recipe: messages.Recipe = RECIPE) -> tuple[dict, dict]:
     """One DMLU round as the agent runs it: the meme starts as a copy of the global model."""
     global_model = model_from(global_weights)
     meme = copy.deepcopy(global_model)
@@ -83,7 +83,7 @@ def test_equal_entropies_give_the_uniform_fml_mean() -> None:
             f"dev-{i}",
             {k: (v + rng.normal(0, 0.1, v.shape)).astype(v.dtype) for k, v in base.items()},
             num_samples=10 * (i + 1),
-            metrics={wire.METRIC_MEME_ENTROPY: 0.7},
+            metrics={messages.METRIC_MEME_ENTROPY: 0.7},
         )
         for i in range(3)
     ]
@@ -111,7 +111,7 @@ def test_weights_sum_to_one_and_fall_as_entropy_rises(entropies: list[float]) ->
 
 def test_non_finite_entropy_cannot_be_aggregated() -> None:
     base = get_weights(build_model(seed=0))
-    updates = [ClientUpdate("a", base, 1, {wire.METRIC_MEME_ENTROPY: 0.5}), ClientUpdate("b", base, 1, {})]
+    updates = [ClientUpdate("a", base, 1, {messages.METRIC_MEME_ENTROPY: 0.5}), ClientUpdate("b", base, 1, {})]
     with pytest.raises(ValueError, match="update of b has no finite 'meme_entropy'"):
         FMLU().aggregate(base, updates, None)
     with pytest.raises(ValueError, match="finite"):
@@ -186,12 +186,12 @@ def test_private_model_starts_from_the_first_global_and_is_untouched_by_server_s
 def test_update_metrics_are_only_the_memes_entropy_on_its_training_data(labelled, tmp_path) -> None:
     images, labels = labelled
     meme, metrics = run_dmlu(get_weights(build_model(seed=1)), local_data(images, labels, tmp_path))
-    assert set(metrics) == {wire.METRIC_MEME_ENTROPY}
-    assert metrics[wire.METRIC_MEME_ENTROPY] == pytest.approx(
+    assert set(metrics) == {messages.METRIC_MEME_ENTROPY}
+    assert metrics[messages.METRIC_MEME_ENTROPY] == pytest.approx(
         mean_prediction_entropy(model_from(meme), images), rel=1e-6
     )
     private = model_from(load_arrays(private_model_path(tmp_path)))
-    assert metrics[wire.METRIC_MEME_ENTROPY] != pytest.approx(mean_prediction_entropy(private, images), rel=1e-6)
+    assert metrics[messages.METRIC_MEME_ENTROPY] != pytest.approx(mean_prediction_entropy(private, images), rel=1e-6)
 
 
 def test_dmlu_without_a_state_dir_is_refused(labelled) -> None:
@@ -205,7 +205,7 @@ WEIGHTS = get_weights(build_model(seed=0))
 
 def fmlu_update(metrics: dict[str, float]) -> bytes:
     return wire.encode(
-        wire.Update(
+        messages.Update(
             device_id="dev-1",
             round_id=3,
             update_id="u",

@@ -22,7 +22,7 @@ from coordinator.store import RunStore
 from coordinator.strategies import AveFL
 from coordinator.validation import Expectation, Rejection, validate_update
 from edge_agent.learning.models import build_model, get_weights, weight_spec
-from protocol import wire
+from protocol import messages, wire
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.mqtt import IncomingMessage, MqttSession
 from protocol.tensors import weights_hash
@@ -32,7 +32,7 @@ DEVICE = "dev-1"
 BASE = get_weights(build_model(seed=0))
 EXPECTATION = Expectation(3, weights_hash(BASE), weight_spec(build_model()), 10, wire.DEFAULT_MAX_MESSAGE_BYTES)
 VALID = wire.encode(
-    wire.Update(
+    messages.Update(
         device_id=DEVICE,
         round_id=3,
         update_id="u-1",
@@ -94,17 +94,17 @@ def test_the_unmutated_update_is_valid() -> None:
 
 
 @EXAMPLES
-@given(data=st.binary(max_size=4096), kind=st.sampled_from(sorted(wire.MESSAGE_TYPES)))
+@given(data=st.binary(max_size=4096), kind=st.sampled_from(sorted(messages.MESSAGE_TYPES)))
 def test_decoding_arbitrary_bytes_raises_only_wire_errors(data: bytes, kind: str) -> None:
     with contextlib.suppress(wire.WireError):
-        wire.decode(data, wire.MESSAGE_TYPES[kind])
+        wire.decode(data, messages.MESSAGE_TYPES[kind])
 
 
 @EXAMPLES
 @given(payload=mutated_updates())
 def test_decoding_a_mutated_update_raises_only_wire_errors(payload: bytes) -> None:
     with contextlib.suppress(wire.WireError):
-        wire.decode(payload, wire.Update)
+        wire.decode(payload, messages.Update)
 
 
 @EXAMPLES

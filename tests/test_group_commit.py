@@ -16,7 +16,7 @@ from coordinator.observer import RoundObserver
 from coordinator.spool import Spool
 from coordinator.store import RunStore
 from coordinator.validation import Expectation
-from protocol import wire
+from protocol import messages, wire
 from protocol.tensors import spec_of, weights_hash
 
 BASE = {"w": np.zeros((3, 4), dtype=np.float32), "b": np.zeros(4, dtype=np.float32)}
@@ -25,7 +25,7 @@ BASE = {"w": np.zeros((3, 4), dtype=np.float32), "b": np.zeros(4, dtype=np.float
 def update_payload(device_id: str, value: float) -> bytes:
     """A valid round-1 update of BASE from device_id, every weight `value`."""
     tensors = {name: np.full_like(array, value) for name, array in BASE.items()}
-    update = wire.Update(device_id, 1, f"u-{device_id}", weights_hash(BASE), 10, [1] * 10, 0, {}, tensors)
+    update = messages.Update(device_id, 1, f"u-{device_id}", weights_hash(BASE), 10, [1] * 10, 0, {}, tensors)
     return wire.encode(update)
 
 
@@ -104,7 +104,7 @@ def test_a_batchs_acks_are_published_only_after_its_fsync(tmp_path: Path, broker
     while len(acks) < 3 and time.monotonic() < deadline:
         message = listener.next_message(timeout=0.2)
         if message is not None:
-            ack = wire.decode(message.payload, wire.Ack)
+            ack = wire.decode(message.payload, messages.Ack)
             acks[ack.device_id] = ack.accepted
     assert acks == {"dev-a": True, "dev-b": True, "dev-c": False}
     store.close()

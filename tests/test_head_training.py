@@ -22,7 +22,7 @@ from edge_agent.learning.models import build_model, get_weights
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.memory_budget import MemoryBudgetError, fit_to_budget
 from export.bundle_writer import ensure_bundle_files
-from protocol import wire
+from protocol import messages, wire
 from protocol.mqtt import BrokerAddress, MqttSession
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,10 +63,10 @@ def test_the_logit_adjusted_head_step_matches_torch_on_the_adjusted_loss() -> No
     rng = np.random.default_rng(4)
     features, labels = rng.normal(size=(10, 5)).astype(np.float32), np.array([0] * 7 + [1] * 3)
     weight, bias = rng.normal(size=(3, 5)).astype(np.float32), rng.normal(size=3).astype(np.float32)
-    adjustment = logit_bias(wire.Recipe(options={"logit_adjustment": 1.0}), labels, 3)
+    adjustment = logit_bias(messages.Recipe(options={"logit_adjustment": 1.0}), labels, 3)
     assert adjustment is not None and adjustment[2] == -np.inf
     assert np.allclose(adjustment[:2], np.log([7.0, 3.0]))
-    assert logit_bias(wire.Recipe(), labels, 3) is None
+    assert logit_bias(messages.Recipe(), labels, 3) is None
     settings = HeadSettings(epochs=3, batch_size=10, learning_rate=0.1, momentum=0.9)
     new_weight, new_bias, _ = train_classifier(features, labels, weight, bias, settings, adjustment)
     layer = torch.nn.Linear(5, 3).double()
@@ -108,12 +108,12 @@ def test_a_head_only_device_refuses_what_needs_the_whole_model_with_a_reason(tmp
     bundle = store_bundle(
         tmp_path / "bundle", ensure_bundle_files(get_weights(build_model(seed=0)), tmp_path / "export")
     )
-    online = wire.Recipe(sampler="entropy")
+    online = messages.Recipe(sampler="entropy")
     assert round_problem(head, online, bundle) is None and round_problem(full, online, None) is None
-    assert round_problem(head, wire.Recipe(local_rule="fedprox"), bundle) == (
+    assert round_problem(head, messages.Recipe(local_rule="fedprox"), bundle) == (
         "local rule 'fedprox' trains the whole model; this profile trains the classifier only"
     )
-    assert round_problem(head, wire.Recipe(sampler="ksas"), bundle) == (
+    assert round_problem(head, messages.Recipe(sampler="ksas"), bundle) == (
         "sampler 'ksas' compares whole-model logits; this profile trains the classifier only"
     )
     old = dataclasses.replace(bundle, manifest=dataclasses.replace(bundle.manifest, head=None))
@@ -154,13 +154,13 @@ def test_a_pi_zero_agent_trains_the_classifier_without_torch(tmp_path: Path, bro
                 env=os.environ,
             )
         )
-    recipe = wire.Recipe(labels_per_acquisition=20, epochs=3, batch_size=8, mc_passes=3)
+    recipe = messages.Recipe(labels_per_acquisition=20, epochs=3, batch_size=8, mc_passes=3)
     announce_round(broker.address, "head", recipe, bundle_dir=tmp_path / "bundle")
     deadline, message = time.monotonic() + 120, None
     while message is None and time.monotonic() < deadline:
         message = listener.next_message(timeout=0.5)
     assert message is not None, log_text(launch.log_file)[-3000:]
-    update, base = wire.decode(message.payload, wire.Update), get_weights(build_model(seed=1))
+    update, base = wire.decode(message.payload, messages.Update), get_weights(build_model(seed=1))
     changed = sorted(name for name in base if not np.array_equal(update.tensors[name], base[name]))
     assert changed == ["fc2.bias", "fc2.weight"] and update.acquired_labels == 20
     wait_until(lambda: "footprint round=1" in log_text(launch.log_file), "the footprint line")

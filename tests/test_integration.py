@@ -14,7 +14,7 @@ from coordinator.observer import RoundResult
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.store import RunStore
-from protocol import wire
+from protocol import messages, wire
 from protocol.mqtt import MqttSession
 from protocol.tensors import weights_hash
 
@@ -27,7 +27,7 @@ class GarbageSender:
     def __init__(self, broker: EmbeddedBroker, fleet: str) -> None:
         self.fleet = fleet
         self.session = MqttSession(broker.address, client_id="intruder")
-        self.ack: wire.Ack | None = None
+        self.ack: messages.Ack | None = None
         self.done = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
 
@@ -44,7 +44,7 @@ class GarbageSender:
                 self.session.publish(wire.device_topic(self.fleet, "intruder", "update"), b"\xc1not msgpack")
                 sent = True
             elif message.topic.endswith("/ack"):
-                self.ack = wire.decode(message.payload, wire.Ack)
+                self.ack = wire.decode(message.payload, messages.Ack)
                 self.done.set()
         self.session.close()
 
@@ -55,7 +55,7 @@ def test_three_devices_two_rounds_over_a_real_broker(tmp_path: Path) -> None:
         run_dir=tmp_path / "run",
         fleet="itest",
         strategy="avefl",
-        recipe=wire.Recipe(sampler="entropy", labels_per_acquisition=40, epochs=2, mc_passes=4, batch_size=20),
+        recipe=messages.Recipe(sampler="entropy", labels_per_acquisition=40, epochs=2, mc_passes=4, batch_size=20),
         policy=RoundPolicy(rounds=2, min_devices=3, quorum=3, round_timeout=120),
         init=InitSettings(samples=50, epochs=3),
         validation_samples=100,

@@ -43,7 +43,7 @@ from edge_agent.learning.training import (
 from edge_agent.loop.agent import LAST_ROUND_KEY, Agent, last_will
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.schedule import acquires_in_round, check_schedule, labels_per_acquisition, round_in_active_round
-from protocol import wire
+from protocol import messages, wire
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.mqtt import MqttSession
 from protocol.tensors import weights_hash
@@ -164,7 +164,7 @@ def local_data(fashion, round_in_active: int) -> LocalData:
 
 
 def test_kcfu_uses_only_the_balanced_loss_in_the_first_round_of_an_active_round(fashion) -> None:
-    recipe = wire.Recipe(local_rule="kcfu", epochs=1, batch_size=16, learning_rate=0.05)
+    recipe = messages.Recipe(local_rule="kcfu", epochs=1, batch_size=16, learning_rate=0.05)
     start = build_model(seed=3)
     global_model = build_model(seed=3).eval()
     runs = {}
@@ -202,7 +202,7 @@ def test_kept_labels_trains_plain_ce_at_tau_zero_and_the_adjusted_loss_at_tau_on
     counts = np.bincount(labels, minlength=10)
     trained = {}
     for tau in (0.0, 1.0):
-        recipe = wire.Recipe(epochs=1, batch_size=16, learning_rate=0.05, options={"logit_adjustment": tau})
+        recipe = messages.Recipe(epochs=1, batch_size=16, learning_rate=0.05, options={"logit_adjustment": tau})
         model = build_model(seed=3)
         KeptLabels().train(model, data, build_model(seed=3).eval(), recipe, seed=7)
         reference = build_model(seed=3)
@@ -245,7 +245,7 @@ def test_participants_are_a_seeded_ceil_r_k_subset_of_the_online_devices() -> No
 
 
 def test_schedule_acquires_at_the_start_of_each_active_round_after_the_initial_one() -> None:
-    kafal = wire.Recipe(rounds_per_acquisition=3, initial_label_fraction=0.1, label_fraction=0.05)
+    kafal = messages.Recipe(rounds_per_acquisition=3, initial_label_fraction=0.1, label_fraction=0.05)
     assert [acquires_in_round(r, kafal) for r in range(1, 10)] == [
         False,
         False,
@@ -258,12 +258,12 @@ def test_schedule_acquires_at_the_start_of_each_active_round_after_the_initial_o
         False,
     ]
     assert [round_in_active_round(r, kafal) for r in range(1, 8)] == [1, 2, 3, 1, 2, 3, 1]
-    assert all(acquires_in_round(r, wire.Recipe()) for r in range(1, 5))
-    assert labels_per_acquisition(kafal, 301) == 16 and labels_per_acquisition(wire.Recipe(), 301) == 400
+    assert all(acquires_in_round(r, messages.Recipe()) for r in range(1, 5))
+    assert labels_per_acquisition(kafal, 301) == 16 and labels_per_acquisition(messages.Recipe(), 301) == 400
     with pytest.raises(ValueError, match="--rounds-per-acquisition"):
-        check_schedule(wire.Recipe(rounds_per_acquisition=0))
+        check_schedule(messages.Recipe(rounds_per_acquisition=0))
     with pytest.raises(ValueError, match="--label-fraction"):
-        check_schedule(wire.Recipe(label_fraction=1.5))
+        check_schedule(messages.Recipe(label_fraction=1.5))
 
 
 def test_unselected_device_acquires_but_never_trains_nor_sends(broker, tmp_path, fashion) -> None:
@@ -277,7 +277,7 @@ def test_unselected_device_acquires_but_never_trains_nor_sends(broker, tmp_path,
     coordinator = MqttSession(broker.address, client_id="coordinator")
     coordinator.connect(timeout=10)
     coordinator.subscribe(wire.all_devices_topic("kafal", "update"))
-    recipe = wire.Recipe(
+    recipe = messages.Recipe(
         sampler="ksas",
         local_rule="kcfu",
         epochs=1,
@@ -290,12 +290,14 @@ def test_unselected_device_acquires_but_never_trains_nor_sends(broker, tmp_path,
 
     def announce(round_id: int, participants: list[str]) -> None:
         model_hash = weights_hash(weights)
-        model = wire.ModelMessage(model_hash, DEFAULT_SPEC, weights)
+        model = messages.ModelMessage(model_hash, DEFAULT_SPEC, weights)
         coordinator.publish(wire.model_topic("kafal", model_hash), wire.encode(model), retain=True, wait=10)
         coordinator.publish(
             wire.round_topic("kafal"),
             wire.encode(
-                wire.RoundAnnouncement("run", round_id, model_hash, recipe, time.time() + 60, participants=participants)
+                messages.RoundAnnouncement(
+                    "run", round_id, model_hash, recipe, time.time() + 60, participants=participants
+                )
             ),
             retain=True,
             wait=10,
@@ -306,7 +308,7 @@ def test_unselected_device_acquires_but_never_trains_nor_sends(broker, tmp_path,
         while time.monotonic() < deadline:
             message = coordinator.next_message(timeout=0.2)
             if message is not None and message.topic.endswith("/update"):
-                return wire.decode(message.payload, wire.Update)
+                return wire.decode(message.payload, messages.Update)
         return None
 
     session.connect(timeout=10)
@@ -351,17 +353,17 @@ def test_only_participants_may_send_and_the_quorum_counts_them(broker, tmp_path,
         observer.subscribe(wire.round_topic("kafal"))
         presence, intake = coordinator.parts.presence, coordinator.parts.intake
         for device in ("dev-a", "dev-b", "dev-c", "dev-d"):
-            presence.statuses[device] = wire.Status(device, "online", time.time())
+            presence.statuses[device] = messages.Status(device, "online", time.time())
         participants = choose_participants(sorted(presence.online()), 0.5, 0, 1)
-        coordinator.parts.publisher.announce(1, model_hash, wire.Recipe(), time.time() + 60, participants)
+        coordinator.parts.publisher.announce(1, model_hash, messages.Recipe(), time.time() + 60, participants)
         announced = None
         while announced is None:
             message = observer.next_message(timeout=5)
-            announced = wire.decode(message.payload, wire.RoundAnnouncement)
+            announced = wire.decode(message.payload, messages.RoundAnnouncement)
         assert announced.participants == participants and len(announced.participants) == 2
         outsider = sorted(set(presence.statuses) - set(participants))[0]
         collector = RoundCollector(Expectation(1, model_hash, weight_spec(build_model()), 10, 1 << 24))
-        update = wire.Update(outsider, 1, "u1", model_hash, 10, [1] * 10, 10, {}, weights)
+        update = messages.Update(outsider, 1, "u1", model_hash, 10, [1] * 10, 10, {}, weights)
         intake.on_update(outsider, wire.encode(update), collector, participants)
         assert collector.accepted == {} and collector.rejected[outsider].startswith("not selected")
         assert presence.needed(policy.quorum, policy.min_devices, participants, collector.accepted) == 2
@@ -374,25 +376,25 @@ def test_only_participants_may_send_and_the_quorum_counts_them(broker, tmp_path,
 
 
 def test_participants_and_schedule_fields_cross_the_wire_and_bad_ones_are_refused() -> None:
-    recipe = wire.Recipe(
+    recipe = messages.Recipe(
         sampler="ksas",
         rounds_per_acquisition=3,
         initial_label_fraction=0.1,
         label_fraction=0.05,
         options={"lambda": 1.0, "nu": 0.5},
     )
-    announcement = wire.RoundAnnouncement("run", 4, "h" * 64, recipe, 1.0, participants=["dev-01", "dev-03"])
-    assert wire.decode(wire.encode(announcement), wire.RoundAnnouncement) == announcement
+    announcement = messages.RoundAnnouncement("run", 4, "h" * 64, recipe, 1.0, participants=["dev-01", "dev-03"])
+    assert wire.decode(wire.encode(announcement), messages.RoundAnnouncement) == announcement
     raw = msgpack.unpackb(wire.encode(announcement))
     raw["participants"] = ["dev-01", 3]
     with pytest.raises(wire.WireError, match="participants must be a list of strings"):
-        wire.decode(msgpack.packb(raw), wire.RoundAnnouncement)
+        wire.decode(msgpack.packb(raw), messages.RoundAnnouncement)
 
 
 def test_the_training_view_reads_the_pool_only_for_the_rule_that_asks(tmp_path, fashion) -> None:
     data = DeviceData.create(tmp_path / "state", fashion.test_images[:80])
     data.add_labels(np.arange(16), fashion.test_labels[:16].astype(np.int64))
-    recipe = wire.Recipe(epochs=1, batch_size=8)
+    recipe = messages.Recipe(epochs=1, batch_size=8)
     model = build_model(seed=1)
     view = training_view(data, np.arange(8), fashion.test_labels[:8].astype(np.int64), round_in_active=2)
     make_local_rule("online-replay").train(model, view, build_model(seed=1).eval(), recipe, seed=0)

@@ -12,7 +12,7 @@ from edge_agent.data.image_arrays import model_input
 from edge_agent.learning.head_training import HeadSettings, train_classifier
 from edge_agent.learning.lr_schedules import lr_factor, schedule_problem
 from edge_agent.learning.training import TrainSettings, run_epochs
-from protocol import wire
+from protocol import messages, wire
 
 
 def test_constant_is_one_and_cosine_falls_from_one_through_a_half_to_zero() -> None:
@@ -91,10 +91,10 @@ def test_the_numpy_head_trainer_follows_the_cosine_schedule_as_torch_lambda_lr_d
 
 
 def test_the_schedule_travels_in_the_round_recipe_and_is_left_out_of_it_at_its_default() -> None:
-    def announced(recipe: wire.Recipe) -> bytes:
-        return wire.encode(wire.RoundAnnouncement("run", 1, "0" * 64, recipe, 0.0))
+    def announced(recipe: messages.Recipe) -> bytes:
+        return wire.encode(messages.RoundAnnouncement("run", 1, "0" * 64, recipe, 0.0))
 
-    cosine = wire.Recipe(lr_schedule="cosine")
-    assert wire.decode(announced(cosine), wire.RoundAnnouncement).recipe.lr_schedule == "cosine"
-    assert b"lr_schedule" not in announced(wire.Recipe()) and b"lr_schedule" in announced(cosine)
+    cosine = messages.Recipe(lr_schedule="cosine")
+    assert wire.decode(announced(cosine), messages.RoundAnnouncement).recipe.lr_schedule == "cosine"
+    assert b"lr_schedule" not in announced(messages.Recipe()) and b"lr_schedule" in announced(cosine)
     assert TrainSettings.from_recipe(cosine, seed=1).lr_schedule == "cosine"

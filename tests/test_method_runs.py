@@ -12,7 +12,7 @@ import pytest
 
 from coordinator.store import RunStore
 from edge_agent.learning.training import PRIVATE_MODEL_FILE
-from protocol import wire
+from protocol import messages, wire
 from protocol.files import load_arrays
 from protocol.tensors import weights_hash
 
@@ -58,9 +58,11 @@ def simulate(run_dir: Path, *method: str) -> list[dict]:
     return [json.loads(line) for line in result.stdout.strip().splitlines()]
 
 
-def spooled_updates(run_dir: Path, round_id: int) -> dict[str, wire.Update]:
+def spooled_updates(run_dir: Path, round_id: int) -> dict[str, messages.Update]:
     with RunStore(run_dir) as store:
-        return {device: wire.decode(payload, wire.Update) for device, payload in store.spool.payloads(round_id).items()}
+        return {
+            device: wire.decode(payload, messages.Update) for device, payload in store.spool.payloads(round_id).items()
+        }
 
 
 def test_fmlu_with_dmlu_uploads_only_memes_and_their_entropy(tmp_path: Path) -> None:
@@ -74,8 +76,8 @@ def test_fmlu_with_dmlu_uploads_only_memes_and_their_entropy(tmp_path: Path) -> 
         checkpoints = {weights_hash(store.checkpoints.load(r)) for r in range(3)}
     updates = spooled_updates(run_dir, 2)
     assert sorted(updates) == ["dev-00", "dev-01"]
-    entropies = {device: update.metrics[wire.METRIC_MEME_ENTROPY] for device, update in updates.items()}
-    assert all(set(update.metrics) == {wire.METRIC_MEME_ENTROPY} for update in updates.values())
+    entropies = {device: update.metrics[messages.METRIC_MEME_ENTROPY] for device, update in updates.items()}
+    assert all(set(update.metrics) == {messages.METRIC_MEME_ENTROPY} for update in updates.values())
     assert all(0.0 <= h <= math.log(10) for h in entropies.values())
     total = sum(math.exp(-h) for h in entropies.values())
     assert report["coefficients"] == pytest.approx({d: math.exp(-h) / total for d, h in entropies.items()})

@@ -19,7 +19,7 @@ from edge_agent.learning.ort_scorer import OrtMCDropout
 from edge_agent.learning.training import TrainSettings, train_supervised
 from edge_agent.loop.round_runner import announced_spec_problem
 from export.bundle_writer import write_bundle
-from protocol import wire
+from protocol import messages, wire
 from protocol.files import save_arrays
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec, SpecError, load_model_spec, spec_hash
 
@@ -103,13 +103,13 @@ def test_a_missing_spec_file_and_a_huge_bad_value_give_short_errors(tmp_path: Pa
 
 def test_the_spec_travels_in_the_model_message_and_a_bad_one_is_a_wire_error() -> None:
     weights = get_weights(build_model(rgb_spec(), seed=0))
-    message = wire.ModelMessage("ab" * 32, rgb_spec(), weights)
-    decoded = wire.decode(wire.encode(message), wire.ModelMessage)
+    message = messages.ModelMessage("ab" * 32, rgb_spec(), weights)
+    decoded = wire.decode(wire.encode(message), messages.ModelMessage)
     assert decoded.spec == rgb_spec() and spec_hash(decoded.spec) == spec_hash(rgb_spec())
     raw = msgpack.unpackb(wire.encode(message))
     raw["spec"]["channels"] = 0
     with pytest.raises(wire.WireError, match="input.channels must lie in 1..4"):
-        wire.decode(msgpack.packb(raw, use_bin_type=True), wire.ModelMessage)
+        wire.decode(msgpack.packb(raw, use_bin_type=True), messages.ModelMessage)
 
 
 @pytest.mark.parametrize("architecture", ["rgb-cnn", "mobilenet"])
@@ -201,8 +201,8 @@ def test_a_run_resumes_only_with_the_spec_it_started_with(tmp_path: Path) -> Non
 
 
 def test_a_model_whose_spec_is_not_the_announced_one_refuses_the_round() -> None:
-    recipe, spec = wire.Recipe(), rgb_spec()
-    announced = wire.RoundAnnouncement("run", 1, "ab" * 32, recipe, 0.0, spec_hash=spec_hash(spec))
+    recipe, spec = messages.Recipe(), rgb_spec()
+    announced = messages.RoundAnnouncement("run", 1, "ab" * 32, recipe, 0.0, spec_hash=spec_hash(spec))
     assert announced_spec_problem(announced, spec) is None
     assert announced_spec_problem(dataclasses.replace(announced, spec_hash=""), spec) is None
     problem = announced_spec_problem(announced, DEFAULT_SPEC)

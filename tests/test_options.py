@@ -10,7 +10,7 @@ import pytest
 from coordinator.cli import main
 from coordinator.method_flags import TABLE_BEGIN, TABLE_END, options_table, recipe_view
 from edge_agent.learning.sampling import SAMPLERS, AcquisitionContext, Sampler
-from protocol import wire
+from protocol import messages
 from protocol.options import Method, Option, Registry
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -81,7 +81,7 @@ def test_a_toy_sampler_is_one_class_and_one_registration_away_from_the_cli(toy_s
     assert "--toy-weight must lie in [0.5, 4], got 9.0" in capsys.readouterr().err
     assert main([*run, "--toy-weight", "1"]) == 2
     assert (
-        f"--toy-weight is an option of sampler 'toy-index'; this run uses {wire.Recipe.sampler!r}"
+        f"--toy-weight is an option of sampler 'toy-index'; this run uses {messages.Recipe.sampler!r}"
         in capsys.readouterr().err
     )
     assert not (tmp_path / "run" / "devices").exists()

@@ -8,11 +8,11 @@ import pytest
 from fleet import announce_round, fleet_shards, kill, start_agent, wait_for_state, wait_until, watch_status
 
 from edge_agent.loop.outbox import OUTBOX_FOLDER, Outbox, next_resend_wait
-from protocol import wire
+from protocol import messages, wire
 from protocol.mqtt import IncomingMessage, MqttSession
 
 FLEET = "outbox"
-RECIPE = wire.Recipe(labels_per_acquisition=20, epochs=30, batch_size=8, mc_passes=2)  # trains for seconds
+RECIPE = messages.Recipe(labels_per_acquisition=20, epochs=30, batch_size=8, mc_passes=2)  # trains for seconds
 
 
 def test_the_outbox_keeps_updates_until_settled_and_ignores_strangers(tmp_path: Path) -> None:
@@ -50,8 +50,8 @@ class AckingCoordinator:
         raise AssertionError(f"no update within {timeout:.0f}s")
 
     def ack(self, message: IncomingMessage) -> None:
-        update = wire.decode(message.payload, wire.Update)
-        ack = wire.Ack(update.device_id, update.round_id, update.update_id, True)
+        update = wire.decode(message.payload, messages.Update)
+        ack = messages.Ack(update.device_id, update.round_id, update.update_id, True)
         self.session.publish(wire.device_topic(FLEET, update.device_id, "ack"), wire.encode(ack), wait=10)
 
 

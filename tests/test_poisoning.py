@@ -21,7 +21,7 @@ from coordinator.server import InitSettings, ServerSettings, initial_weights, ru
 from coordinator.store import RunStore
 from edge_agent.loop.agent import Agent
 from edge_agent.loop.agent_settings import AgentSettings
-from protocol import wire
+from protocol import messages, wire
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.mqtt import BrokerAddress, MqttSession
 from protocol.tensors import weights_hash
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.integration
 
 FLEET = "poison"
 ATTACKER = "dev-04"
-RECIPE = wire.Recipe(sampler="random", labels_per_acquisition=60, epochs=3, batch_size=20, mc_passes=2)
+RECIPE = messages.Recipe(sampler="random", labels_per_acquisition=60, epochs=3, batch_size=20, mc_passes=2)
 TEST_SAMPLES = 1000
 
 
@@ -40,7 +40,7 @@ def round_one(tmp_path_factory, module_broker) -> tuple[dict, dict[str, bytes]]:
     torch.set_num_threads(1)  # the trained weights depend on the thread count; earlier tests may have set any
     work = tmp_path_factory.mktemp("honest")
     base = initial_weights(ServerSettings(run_dir=work, init=InitSettings(epochs=30)), server_data())
-    announcement = wire.RoundAnnouncement("poison-run", 1, weights_hash(base), RECIPE, time.time() + 600)
+    announcement = messages.RoundAnnouncement("poison-run", 1, weights_hash(base), RECIPE, time.time() + 600)
     session = MqttSession(module_broker.address, client_id="honest-devices", session_expiry=0)
     session.connect(timeout=30)
     payloads = {}
@@ -65,7 +65,7 @@ def random_at_fifty_times_the_scale(payload: bytes) -> bytes:
     (Scaling the honest weights by +50 would not do: this ReLU network has no normalisation layer, so a positively
     scaled model predicts the same classes and drags the average much less than it seems.)
     """
-    honest = wire.decode(payload, wire.Update)
+    honest = wire.decode(payload, messages.Update)
     rng = np.random.default_rng(50)
     tensors = {
         name: (50.0 * array.std() * rng.standard_normal(array.shape)).astype(array.dtype)

@@ -21,12 +21,12 @@ from fleet import (
     watch_status,
 )
 
-from protocol import wire
+from protocol import messages
 
 FLEET = "hygiene"
 ROOT = Path(__file__).resolve().parent.parent
 STOP_SECONDS = 2.0
-LONG_TRAINING = wire.Recipe(labels_per_acquisition=20, epochs=2000, batch_size=8, mc_passes=2)
+LONG_TRAINING = messages.Recipe(labels_per_acquisition=20, epochs=2000, batch_size=8, mc_passes=2)
 
 
 def seconds_to_stop(process: subprocess.Popen) -> float:

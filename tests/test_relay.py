@@ -21,7 +21,7 @@ from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
 from coordinator.strategies import FedAvg
 from coordinator.validation import MAX_CONTRIBUTORS, MAX_REASON_CHARS, Expectation, Rejection, validate_update
 from edge_agent.learning.models import build_model, get_weights
-from protocol import wire
+from protocol import messages, wire
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.mqtt import MqttSession
 from protocol.tensors import spec_of, weights_hash
@@ -49,7 +49,7 @@ def expectation(authenticator: UpdateAuthenticator | None = None) -> Expectation
     return Expectation(1, weights_hash(BASE), spec_of(BASE), NUM_CLASSES, wire.DEFAULT_MAX_MESSAGE_BYTES, check)
 
 
-def rejection(update: wire.Update, expected: Expectation | None = None) -> Rejection:
+def rejection(update: messages.Update, expected: Expectation | None = None) -> Rejection:
     """The Rejection a central coordinator gives the update."""
     with pytest.raises(Rejection) as info:
         validate_update(update.device_id, wire.encode(update), expected or expectation())
@@ -91,7 +91,7 @@ def test_a_relay_update_whose_counts_do_not_add_up_is_bad_counts(
     with committed_site_round(tmp_path / "relay") as store:
         update = upstream_update(store, "relay-00", 1, weights_hash(BASE))
     refused = rejection(dataclasses.replace(update, contributors=names, contributor_samples=counts))
-    assert refused.kind == wire.RejectionKind.BAD_COUNTS
+    assert refused.kind == messages.RejectionKind.BAD_COUNTS
     assert expected in refused.reason
 
 
@@ -105,7 +105,7 @@ def test_too_many_contributors_is_bad_counts_in_a_bounded_reason(tmp_path: Path)
     assert (refused.kind, refused.reason) == ("bad_counts", f"{count} contributors, more than {MAX_CONTRIBUTORS}")
 
 
-def upstream_update_like(update: wire.Update) -> wire.Update:
+def upstream_update_like(update: messages.Update) -> messages.Update:
     """The same relay update with a fresh id and nonce (a second, distinct message)."""
     return dataclasses.replace(update, update_id=uuid.uuid4().hex, nonce=os.urandom(16))
 
@@ -161,13 +161,17 @@ def relay_on(upstream: MqttSession, run_dir: Path, store: RunStore) -> Relay:
     site = ServerSettings(run_dir=run_dir, fleet="site", strategy=RELAY_STRATEGY, policy=RoundPolicy(1))
     settings = RelaySettings("relay-00", "central", site)
     site_session = MqttSession(upstream.address, client_id="never-connects")
-    rules = RoundRules(wire.Recipe(), site.policy)
+    rules = RoundRules(messages.Recipe(), site.policy)
     return Relay(settings, upstream, SiteRounds(site, site_session, store, rules), store)
 
 
-def announcement(round_id: int, run_id: str = "run-t", participants: list[str] | None = None) -> wire.RoundAnnouncement:
+def announcement(
+    round_id: int, run_id: str = "run-t", participants: list[str] | None = None
+) -> messages.RoundAnnouncement:
     """A central announcement of BASE."""
-    return wire.RoundAnnouncement(run_id, round_id, weights_hash(BASE), wire.Recipe(), 0.0, False, participants or [])
+    return messages.RoundAnnouncement(
+        run_id, round_id, weights_hash(BASE), messages.Recipe(), 0.0, False, participants or []
+    )
 
 
 def test_a_relay_restarted_after_its_site_round_committed_answers_it_once_from_its_store(
@@ -181,12 +185,12 @@ def test_a_relay_restarted_after_its_site_round_committed_answers_it_once_from_i
     upstream = sessions(broker.address, "relay-00")
     with committed_site_round(tmp_path / "relay") as store:
         relay = relay_on(upstream, tmp_path / "relay", store)
-        relay.artefacts.on_model(wire.ModelMessage(weights_hash(BASE), DEFAULT_SPEC, BASE))
+        relay.artefacts.on_model(messages.ModelMessage(weights_hash(BASE), DEFAULT_SPEC, BASE))
         relay.answer(announcement(1), DEFAULT_SPEC)
         message = central.next_message(timeout=10)
         assert message is not None
-        sent = wire.decode(message.payload, wire.Update)
-        relay.sender.on_ack(wire.Ack("relay-00", 1, sent.update_id, True))
+        sent = wire.decode(message.payload, messages.Update)
+        relay.sender.on_ack(messages.Ack("relay-00", 1, sent.update_id, True))
         assert relay.sender.outbox.pending() == [] and relay.last_answered_round == 1
         ignored = [announcement(1), announcement(2, run_id="run-other"), announcement(2, participants=["relay-01"])]
         assert not any(relay.on_announcement(each) or relay.pending for each in ignored)

@@ -17,7 +17,7 @@ from coordinator.spool import Spool
 from coordinator.store import RunStore
 from coordinator.strategies import AveFL, FedAvg
 from edge_agent.loop.outbox import OUTBOX_FOLDER
-from protocol import wire
+from protocol import messages, wire
 from protocol.mqtt import BrokerAddress
 
 pytestmark = pytest.mark.integration
@@ -51,13 +51,13 @@ def start_relay(central: BrokerAddress, site: BrokerAddress, credentials: Path, 
         return subprocess.Popen(command, stdout=log_stream, stderr=subprocess.STDOUT)
 
 
-def spooled_updates(run_dir: Path, round_id: int) -> list[wire.Update]:
+def spooled_updates(run_dir: Path, round_id: int) -> list[messages.Update]:
     """The updates a kept spool holds for one round."""
     with RunStore(run_dir) as store:
-        return [wire.decode(payload, wire.Update) for _, payload in store.spool.items(round_id)]
+        return [wire.decode(payload, messages.Update) for _, payload in store.spool.items(round_id)]
 
 
-def client_updates(updates: list[wire.Update]) -> list[ClientUpdate]:
+def client_updates(updates: list[messages.Update]) -> list[ClientUpdate]:
     """The strategies' view of decoded float32 updates."""
     return [ClientUpdate(update.device_id, update.tensors, update.num_samples) for update in updates]
 

@@ -18,7 +18,7 @@ from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.store import RunStore
 from edge_agent.learning.models import build_model, get_weights
-from protocol import wire
+from protocol import messages, wire
 from protocol.credentials import load_credentials
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.mqtt import BrokerAddress
@@ -259,10 +259,10 @@ class Forger:
 
     def on_message(self, client, userdata, message) -> None:
         if message.topic == wire.round_topic(FLEET) and message.payload:
-            announcement = wire.decode(message.payload, wire.RoundAnnouncement)
+            announcement = wire.decode(message.payload, messages.RoundAnnouncement)
             if announcement.final:
                 return
-            forged = wire.Update(
+            forged = messages.Update(
                 "dev-02",
                 announcement.round_id,
                 "forged",
@@ -277,7 +277,7 @@ class Forger:
             payload = wire.encode(wire.sign_update(forged, b"guessed key"))
             client.publish(wire.device_topic(FLEET, "dev-02", "update"), payload, qos=1)
         elif message.topic.endswith("/ack"):
-            self.acks.put(wire.decode(message.payload, wire.Ack))
+            self.acks.put(wire.decode(message.payload, messages.Ack))
 
 
 def test_a_secured_bench_run_completes_and_rejects_a_forged_update(tmp_path) -> None:
@@ -286,7 +286,7 @@ def test_a_secured_bench_run_completes_and_rejects_a_forged_update(tmp_path) -> 
         run_dir=tmp_path / "run",
         fleet=FLEET,
         strategy="avefl",
-        recipe=wire.Recipe(sampler="entropy", labels_per_acquisition=20, epochs=1, mc_passes=2, batch_size=10),
+        recipe=messages.Recipe(sampler="entropy", labels_per_acquisition=20, epochs=1, mc_passes=2, batch_size=10),
         policy=RoundPolicy(rounds=1, min_devices=2, quorum=2, round_timeout=120),
         init=InitSettings(samples=20, epochs=1),
         validation_samples=50,

@@ -10,7 +10,7 @@ from coordinator.round_aggregator import StreamingAggregator, SuspectPolicy
 from coordinator.strategies import AveFL, FedAvg, Median, make_strategy
 from coordinator.validation import Expectation
 from edge_agent.learning.models import build_model, get_weights, weight_spec
-from protocol import wire
+from protocol import messages, wire
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.tensors import weights_hash
 
@@ -72,7 +72,7 @@ def test_a_streamed_round_keeps_only_metadata_and_flags_the_scaled_device() -> N
     collector = RoundCollector(Expectation(1, base_hash, weight_spec(MODEL), NUM_CLASSES, 1 << 22), streamed.absorb)
     for update in updates:
         payload = wire.encode(
-            wire.Update(
+            messages.Update(
                 update.device_id, 1, "u", base_hash, update.num_samples, [1] * NUM_CLASSES, 0, {}, update.weights
             )
         )

@@ -21,7 +21,8 @@ from coordinator.store import RunStore
 from coordinator.strategies import make_strategy
 from coordinator.validation import MAX_REASON_CHARS, Expectation, Rejection, validate_update
 from edge_agent.learning.models import build_model, get_weights
-from protocol import wire
+from protocol import messages, wire
+from protocol.messages import RejectionKind
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.mqtt import MqttSession
 from protocol.tensors import spec_of, weights_hash
@@ -34,7 +35,6 @@ from protocol.update_codec import (
     decode_update,
     encode_update,
 )
-from protocol.wire import RejectionKind
 
 FLOAT32_EPS = float(np.finfo(np.float32).eps)
 
@@ -192,9 +192,9 @@ def test_a_recipe_codec_that_does_not_fit_is_refused(codec: UpdateCodec, message
 # --- the wire ---------------------------------------------------------------------------------------------------
 
 
-def update_of(encoded: Encoded, **changes) -> wire.Update:
+def update_of(encoded: Encoded, **changes) -> messages.Update:
     """An update of round 3 from the base carrying `encoded`; keyword arguments replace fields."""
-    update = wire.Update(
+    update = messages.Update(
         device_id="dev-1",
         round_id=3,
         update_id="u-3",
@@ -218,20 +218,22 @@ def test_a_float32_update_has_the_bytes_it_had_before_encodings() -> None:
     raw["tensors"] = {name: wire.encode_tensor(array) for name, array in WEIGHTS.items()}
     raw |= {"nonce": b"n", "signature": b""}
     assert wire.encode(update) == msgpack.packb(raw, use_bin_type=True)
-    recipe = wire.encode(wire.RoundAnnouncement("r", 1, "h", wire.Recipe(), 0.0))
+    recipe = wire.encode(messages.RoundAnnouncement("r", 1, "h", messages.Recipe(), 0.0))
     assert b"update_" not in recipe
 
 
 @pytest.mark.parametrize("codec", [UpdateCodec("fp16-delta"), UpdateCodec("int8-delta", "channel", 0.3)])
 def test_an_encoded_update_and_its_recipe_round_trip_on_the_wire(codec: UpdateCodec) -> None:
     encoded, _ = codec.encode(WEIGHTS, BASE)
-    decoded = wire.decode(wire.encode(update_of(encoded)), wire.Update)
+    decoded = wire.decode(wire.encode(update_of(encoded)), messages.Update)
     assert decoded.encoding == codec.encoding
     assert all(np.array_equal(decoded.tensors[n], encoded.tensors[n]) for n in encoded.tensors)
     assert all(np.array_equal(decoded.scales[n], encoded.scales[n]) for n in encoded.scales)
     assert all(np.array_equal(decoded.indices[n], encoded.indices[n]) for n in encoded.indices)
-    recipe = wire.Recipe(update_encoding=codec.encoding, update_scales=codec.scales, update_top_k=codec.top_k)
-    announced = wire.decode(wire.encode(wire.RoundAnnouncement("r", 1, "h", recipe, 0.0)), wire.RoundAnnouncement)
+    recipe = messages.Recipe(update_encoding=codec.encoding, update_scales=codec.scales, update_top_k=codec.top_k)
+    announced = wire.decode(
+        wire.encode(messages.RoundAnnouncement("r", 1, "h", recipe, 0.0)), messages.RoundAnnouncement
+    )
     assert UpdateCodec.of(announced.recipe) == codec
 
 
@@ -259,7 +261,7 @@ INT8 = UpdateCodec("int8-delta", "channel").encode(WEIGHTS, BASE)[0]
 SPARSE = UpdateCodec("int8-delta", "channel", 0.5).encode(WEIGHTS, BASE)[0]
 
 
-def rejection(update: wire.Update) -> Rejection:
+def rejection(update: messages.Update) -> Rejection:
     """The Rejection validation gives the update (failing the test when it passes), its reason within the cap."""
     with pytest.raises(Rejection) as info:
         validate_update("dev-1", wire.encode(update), EXPECTATION)
@@ -411,7 +413,7 @@ def test_both_commands_take_the_encoding_flags_and_refuse_a_bad_one_in_one_line(
 def one_round(run_dir: Path, broker: EmbeddedBroker, encoding: str, compression: str = "none") -> Path:
     """One round of two real agent processes sending `encoding` updates (deflated or not); the accepted updates are
     kept."""
-    recipe = wire.Recipe(sampler="random", labels_per_acquisition=20, epochs=1, mc_passes=2, batch_size=20)
+    recipe = messages.Recipe(sampler="random", labels_per_acquisition=20, epochs=1, mc_passes=2, batch_size=20)
     settings = ServerSettings(
         run_dir=run_dir,
         fleet=f"codec-{encoding}-{compression}",
@@ -447,7 +449,7 @@ def test_int8_deltas_through_a_real_broker_give_the_float32_model_within_half_a_
             models[encoding] = store.checkpoints.load(1)
             sizes[encoding] = [d.update_bytes for d in store.device_rounds(1)]
             divergences[encoding] = [d.divergence for d in store.device_rounds(1)]
-            spooled = [wire.decode(p, wire.Update) for p in store.spool.payloads(1).values()]
+            spooled = [wire.decode(p, messages.Update) for p in store.spool.payloads(1).values()]
         assert {u.encoding for u in spooled} == {encoding}
     assert all(b <= 0.27 * a for a, b in zip(sizes["float32"], sizes["int8-delta"], strict=True))
     for exact, decoded in zip(divergences["float32"], divergences["int8-delta"], strict=True):

@@ -10,10 +10,10 @@ import pytest
 from coordinator.intake import RoundCollector
 from coordinator.validation import Expectation, Rejection, validate_update
 from edge_agent.learning.models import build_model, get_weights, weight_spec
-from protocol import wire
+from protocol import messages, wire
+from protocol.messages import RejectionKind
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.tensors import weights_hash
-from protocol.wire import RejectionKind
 
 NUM_CLASSES = DEFAULT_SPEC.num_classes
 
@@ -38,8 +38,8 @@ def trained_weights() -> dict[str, np.ndarray]:
     return {name: (array + rng.normal(0, 0.01, array.shape)).astype(array.dtype) for name, array in WEIGHTS.items()}
 
 
-def make_update(**changes) -> wire.Update:
-    update = wire.Update(
+def make_update(**changes) -> messages.Update:
+    update = messages.Update(
         device_id=DEVICE,
         round_id=ROUND,
         update_id="u-7-1",
@@ -112,7 +112,7 @@ def test_undecodable():
 
 
 def test_undecodable_names_the_schema_problem():
-    reason = reason_for(wire.encode(wire.Ack(DEVICE, ROUND, "u", True)))
+    reason = reason_for(wire.encode(messages.Ack(DEVICE, ROUND, "u", True)))
     assert reason.startswith("undecodable: ") and "expected a 'update' message" in reason
 
 

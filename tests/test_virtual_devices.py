@@ -15,7 +15,7 @@ from coordinator.observer import RoundResult
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from edge_agent.cli import main as agent_main
-from protocol import wire
+from protocol import messages
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +25,7 @@ def tiny_bench(run_dir: Path, fleet: str, rounds: int, devices: int) -> ServerSe
     return ServerSettings(
         run_dir=run_dir,
         fleet=fleet,
-        recipe=wire.Recipe(labels_per_acquisition=10, epochs=1, mc_passes=2, batch_size=10),
+        recipe=messages.Recipe(labels_per_acquisition=10, epochs=1, mc_passes=2, batch_size=10),
         policy=RoundPolicy(rounds=rounds, quorum=devices, round_timeout=600),
         init=InitSettings(samples=100, epochs=2),
         validation_samples=100,

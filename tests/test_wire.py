@@ -9,7 +9,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from protocol import wire
+from protocol import messages, wire
 from protocol.model_spec import DEFAULT_SPEC
 
 KEY = b"fleet-secret-key"
@@ -23,9 +23,9 @@ def tensors() -> dict[str, np.ndarray]:
     }
 
 
-def make_update(**changes) -> wire.Update:
+def make_update(**changes) -> messages.Update:
     """A plausible update; keyword arguments replace fields."""
-    update = wire.Update(
+    update = messages.Update(
         device_id="dev-1",
         round_id=3,
         update_id="u-3-a",
@@ -71,7 +71,7 @@ def assert_tensors_equal(got: dict[str, np.ndarray], want: dict[str, np.ndarray]
 
 
 def test_round_announcement_round_trip_with_recipe_options():
-    recipe = wire.Recipe(
+    recipe = messages.Recipe(
         sampler="bald",
         labels_per_acquisition=123,
         epochs=2,
@@ -79,23 +79,23 @@ def test_round_announcement_round_trip_with_recipe_options():
         seed=7,
         options={"temperature": 0.5, "mix": 2.0},
     )
-    message = wire.RoundAnnouncement("run-1", 4, "cd" * 32, recipe, deadline=1700000000.5, final=True)
-    decoded = wire.decode(wire.encode(message), wire.RoundAnnouncement)
+    message = messages.RoundAnnouncement("run-1", 4, "cd" * 32, recipe, deadline=1700000000.5, final=True)
+    decoded = wire.decode(wire.encode(message), messages.RoundAnnouncement)
     assert decoded == message
-    assert isinstance(decoded.recipe, wire.Recipe)
+    assert isinstance(decoded.recipe, messages.Recipe)
     assert decoded.recipe.options == {"temperature": 0.5, "mix": 2.0}
 
 
 def test_model_message_round_trip():
-    message = wire.ModelMessage("ef" * 32, DEFAULT_SPEC, tensors())
-    decoded = wire.decode(wire.encode(message), wire.ModelMessage)
+    message = messages.ModelMessage("ef" * 32, DEFAULT_SPEC, tensors())
+    decoded = wire.decode(wire.encode(message), messages.ModelMessage)
     assert (decoded.model_hash, decoded.spec) == (message.model_hash, message.spec)
     assert_tensors_equal(decoded.tensors, message.tensors)
 
 
 def test_bundle_message_round_trip():
-    message = wire.BundleMessage("ab" * 32, {"manifest.json": b"{}", "tail.onnx": bytes(range(256))})
-    assert wire.decode(wire.encode(message), wire.BundleMessage) == message
+    message = messages.BundleMessage("ab" * 32, {"manifest.json": b"{}", "tail.onnx": bytes(range(256))})
+    assert wire.decode(wire.encode(message), messages.BundleMessage) == message
 
 
 @pytest.mark.parametrize(
@@ -111,13 +111,13 @@ def test_bundle_message_round_trip():
 def test_bundle_message_refuses_paths_and_wrong_types(files, fragment):
     payload = pack({"v": wire.WIRE_VERSION, "kind": "bundle", "model_hash": "ab" * 32, "files": files})
     with pytest.raises(wire.WireError, match=re.escape(fragment)):
-        wire.decode(payload, wire.BundleMessage)
+        wire.decode(payload, messages.BundleMessage)
 
 
 def test_update_round_trip():
     message = make_update(signature=b"\xffsig")
-    decoded = wire.decode(wire.encode(message), wire.Update)
-    for f in dataclasses.fields(wire.Update):
+    decoded = wire.decode(wire.encode(message), messages.Update)
+    for f in dataclasses.fields(messages.Update):
         if f.name != "tensors":
             assert getattr(decoded, f.name) == getattr(message, f.name), f.name
     assert isinstance(decoded.nonce, bytes) and isinstance(decoded.signature, bytes)
@@ -127,10 +127,10 @@ def test_update_round_trip():
 @pytest.mark.parametrize(
     "message",
     [
-        wire.Ack("dev-1", 5, "u-5", True),
-        wire.Ack("dev-2", 6, "u-6", False, "stale round: nope"),
-        wire.Status("dev-1", "training", 1700000001.25, round_id=5, labelled=800, profile="pi-zero"),
-        wire.Status("dev-3", "offline", 0.0),
+        messages.Ack("dev-1", 5, "u-5", True),
+        messages.Ack("dev-2", 6, "u-6", False, "stale round: nope"),
+        messages.Status("dev-1", "training", 1700000001.25, round_id=5, labelled=800, profile="pi-zero"),
+        messages.Status("dev-3", "offline", 0.0),
     ],
 )
 def test_small_messages_round_trip(message):
@@ -180,7 +180,7 @@ def test_tensor_round_trip_every_dtype_and_byte_order(name, order):
     np.testing.assert_array_equal(decoded, array)
     assert decoded.tobytes() == array.astype(np.dtype(name)).tobytes()  # bit-exact, -0.0 included
     # and through a whole message, too
-    message = wire.decode(wire.encode(wire.ModelMessage("h", DEFAULT_SPEC, {"t": array})), wire.ModelMessage)
+    message = wire.decode(wire.encode(messages.ModelMessage("h", DEFAULT_SPEC, {"t": array})), messages.ModelMessage)
     np.testing.assert_array_equal(message.tensors["t"], array)
 
 
@@ -235,46 +235,50 @@ def good_tensor(**fields) -> dict:
 
 def test_good_hand_made_envelopes_decode():
     # the baselines the error cases below are mutations of
-    assert wire.decode(pack(envelope()), wire.Ack) == wire.Ack("dev-1", 2, "u", True, "")
-    assert wire.decode(model_with_tensor(good_tensor()), wire.ModelMessage).tensors["w"].shape == (2, 3)
+    assert wire.decode(pack(envelope()), messages.Ack) == messages.Ack("dev-1", 2, "u", True, "")
+    assert wire.decode(model_with_tensor(good_tensor()), messages.ModelMessage).tensors["w"].shape == (2, 3)
 
 
 @pytest.mark.parametrize(
     "payload, expected, fragment",
     [
-        (wire.encode(wire.Ack("dev-1", 1, "u", True))[:-3], wire.Ack, "undecodable msgpack"),
-        (b"\xc1", wire.Ack, "undecodable msgpack"),
-        (b"", wire.Ack, "undecodable msgpack"),
-        (wire.encode(wire.Ack("d", 1, "u", True)) + b"\x00", wire.Ack, "undecodable msgpack"),
-        (pack(envelope(v=1)), wire.Ack, "wire version 1 is not supported (this side speaks 2)"),
-        (pack(envelope(v=None)), wire.Ack, "wire version None is not supported"),
-        (pack(envelope(kind="status")), wire.Ack, "expected a 'ack' message, got kind 'status'"),
-        (wire.encode(wire.Status("d", "idle", 1.0)), wire.Update, "expected a 'update' message, got kind 'status'"),
-        (pack([1, "ack"]), wire.Ack, "message must be a map, got list"),
-        (pack(5), wire.Ack, "message must be a map, got int"),
-        (pack(envelope(update_id=None)), wire.Ack, "missing field 'update_id'"),
-        (pack(envelope(extra=1)), wire.Ack, "unknown fields ['extra']"),
-        (pack(envelope(round_id="2")), wire.Ack, "ack.round_id must be an integer"),
-        (pack(envelope(round_id=True)), wire.Ack, "ack.round_id must be an integer"),
-        (pack(envelope(round_id=2.0)), wire.Ack, "ack.round_id must be an integer"),
-        (pack(envelope(accepted=1)), wire.Ack, "ack.accepted must be a boolean"),
-        (pack(envelope(reason=b"bytes")), wire.Ack, "ack.reason must be a string"),
-        (pack({**envelope(), 1: "x"}), wire.Ack, "undecodable msgpack"),  # non-string map key
+        (wire.encode(messages.Ack("dev-1", 1, "u", True))[:-3], messages.Ack, "undecodable msgpack"),
+        (b"\xc1", messages.Ack, "undecodable msgpack"),
+        (b"", messages.Ack, "undecodable msgpack"),
+        (wire.encode(messages.Ack("d", 1, "u", True)) + b"\x00", messages.Ack, "undecodable msgpack"),
+        (pack(envelope(v=1)), messages.Ack, "wire version 1 is not supported (this side speaks 2)"),
+        (pack(envelope(v=None)), messages.Ack, "wire version None is not supported"),
+        (pack(envelope(kind="status")), messages.Ack, "expected a 'ack' message, got kind 'status'"),
+        (
+            wire.encode(messages.Status("d", "idle", 1.0)),
+            messages.Update,
+            "expected a 'update' message, got kind 'status'",
+        ),
+        (pack([1, "ack"]), messages.Ack, "message must be a map, got list"),
+        (pack(5), messages.Ack, "message must be a map, got int"),
+        (pack(envelope(update_id=None)), messages.Ack, "missing field 'update_id'"),
+        (pack(envelope(extra=1)), messages.Ack, "unknown fields ['extra']"),
+        (pack(envelope(round_id="2")), messages.Ack, "ack.round_id must be an integer"),
+        (pack(envelope(round_id=True)), messages.Ack, "ack.round_id must be an integer"),
+        (pack(envelope(round_id=2.0)), messages.Ack, "ack.round_id must be an integer"),
+        (pack(envelope(accepted=1)), messages.Ack, "ack.accepted must be a boolean"),
+        (pack(envelope(reason=b"bytes")), messages.Ack, "ack.reason must be a string"),
+        (pack({**envelope(), 1: "x"}), messages.Ack, "undecodable msgpack"),  # non-string map key
         (
             model_with_tensor(good_tensor(data=bytes(23))),
-            wire.ModelMessage,
+            messages.ModelMessage,
             "has 23 bytes, shape [2, 3] of float32 needs 24",
         ),
-        (model_with_tensor(good_tensor(data=bytes(28))), wire.ModelMessage, "has 28 bytes"),
-        (model_with_tensor(good_tensor(dtype="<c8", data=bytes(48))), wire.ModelMessage, "unsupported dtype '<c8'"),
-        (model_with_tensor(good_tensor(dtype="O")), wire.ModelMessage, "unsupported dtype 'O'"),
-        (model_with_tensor(good_tensor(dtype=">f4")), wire.ModelMessage, "unsupported dtype '>f4'"),
-        (model_with_tensor(good_tensor(shape=[-2, -3])), wire.ModelMessage, "invalid shape [-2, -3]"),
-        (model_with_tensor(good_tensor(shape=[2, True])), wire.ModelMessage, "invalid shape"),
-        (model_with_tensor(good_tensor(shape=[1] * 9, data=bytes(4))), wire.ModelMessage, "invalid shape"),
-        (model_with_tensor(good_tensor(data="text")), wire.ModelMessage, "data must be bytes"),
-        (model_with_tensor({"dtype": "<f4", "shape": [0]}), wire.ModelMessage, "exactly dtype, shape and data"),
-        (model_with_tensor([1, 2]), wire.ModelMessage, "exactly dtype, shape and data"),
+        (model_with_tensor(good_tensor(data=bytes(28))), messages.ModelMessage, "has 28 bytes"),
+        (model_with_tensor(good_tensor(dtype="<c8", data=bytes(48))), messages.ModelMessage, "unsupported dtype '<c8'"),
+        (model_with_tensor(good_tensor(dtype="O")), messages.ModelMessage, "unsupported dtype 'O'"),
+        (model_with_tensor(good_tensor(dtype=">f4")), messages.ModelMessage, "unsupported dtype '>f4'"),
+        (model_with_tensor(good_tensor(shape=[-2, -3])), messages.ModelMessage, "invalid shape [-2, -3]"),
+        (model_with_tensor(good_tensor(shape=[2, True])), messages.ModelMessage, "invalid shape"),
+        (model_with_tensor(good_tensor(shape=[1] * 9, data=bytes(4))), messages.ModelMessage, "invalid shape"),
+        (model_with_tensor(good_tensor(data="text")), messages.ModelMessage, "data must be bytes"),
+        (model_with_tensor({"dtype": "<f4", "shape": [0]}), messages.ModelMessage, "exactly dtype, shape and data"),
+        (model_with_tensor([1, 2]), messages.ModelMessage, "exactly dtype, shape and data"),
     ],
 )
 def test_decode_errors_say_what_is_wrong(payload, expected, fragment):
@@ -284,35 +288,35 @@ def test_decode_errors_say_what_is_wrong(payload, expected, fragment):
 
 
 def test_decode_rejects_payload_over_max_bytes_before_parsing():
-    payload = wire.encode(wire.Ack("dev-1", 1, "u", True))
-    assert wire.decode(payload, wire.Ack, max_bytes=len(payload)).round_id == 1  # exactly at the limit is fine
+    payload = wire.encode(messages.Ack("dev-1", 1, "u", True))
+    assert wire.decode(payload, messages.Ack, max_bytes=len(payload)).round_id == 1  # exactly at the limit is fine
     with pytest.raises(
         wire.WireError, match=f"message of {len(payload)} bytes exceeds the limit of {len(payload) - 1}"
     ):
-        wire.decode(payload, wire.Ack, max_bytes=len(payload) - 1)
+        wire.decode(payload, messages.Ack, max_bytes=len(payload) - 1)
 
 
 def test_decode_rejects_non_bytes():
     with pytest.raises(wire.WireError, match="payload must be bytes"):
-        wire.decode("not bytes", wire.Ack)  # type: ignore[arg-type]
+        wire.decode("not bytes", messages.Ack)  # type: ignore[arg-type]
 
 
 def test_decode_error_in_nested_recipe_names_the_field():
-    raw = msgpack.unpackb(wire.encode(wire.RoundAnnouncement("r", 1, "h", wire.Recipe(), 1.0)))
+    raw = msgpack.unpackb(wire.encode(messages.RoundAnnouncement("r", 1, "h", messages.Recipe(), 1.0)))
     raw["recipe"]["epochs"] = "five"
     with pytest.raises(wire.WireError, match="epochs must be an integer"):
-        wire.decode(pack(raw), wire.RoundAnnouncement)
+        wire.decode(pack(raw), messages.RoundAnnouncement)
     raw["recipe"]["epochs"] = 5
     raw["recipe"]["options"] = {"a": "b"}
     with pytest.raises(wire.WireError, match="options must be a map of names to numbers"):
-        wire.decode(pack(raw), wire.RoundAnnouncement)
+        wire.decode(pack(raw), messages.RoundAnnouncement)
 
 
 def test_decode_error_in_update_lists():
     raw = msgpack.unpackb(wire.encode(make_update()))
     raw["class_counts"] = [1, 2.5]
     with pytest.raises(wire.WireError, match="update.class_counts must be a list of integers"):
-        wire.decode(pack(raw), wire.Update)
+        wire.decode(pack(raw), messages.Update)
 
 
 def test_wire_error_is_a_value_error():
@@ -326,7 +330,7 @@ def test_signed_update_verifies_and_survives_the_wire():
     signed = wire.sign_update(make_update(), KEY)
     assert len(signed.signature) == 32
     assert wire.signature_valid(signed, KEY)
-    assert wire.signature_valid(wire.decode(wire.encode(signed), wire.Update), KEY)
+    assert wire.signature_valid(wire.decode(wire.encode(signed), messages.Update), KEY)
 
 
 def changed_tensor() -> dict[str, np.ndarray]:
@@ -421,11 +425,11 @@ def test_bad_identifiers_are_rejected_everywhere(bad):
 
 
 def test_a_deflated_message_decodes_as_itself_and_every_bad_envelope_is_refused() -> None:
-    update = wire.Update("dev-1", 3, "u", "ab" * 32, 10, [1] * 10, 5, {}, tensors())
+    update = messages.Update("dev-1", 3, "u", "ab" * 32, 10, [1] * 10, 5, {}, tensors())
     payload = wire.encode(update)
     packed = wire.deflated(payload)
-    assert wire.decode(packed, wire.Update).tensors.keys() == update.tensors.keys()
-    assert wire.encode(wire.decode(packed, wire.Update)) == payload
+    assert wire.decode(packed, messages.Update).tensors.keys() == update.tensors.keys()
+    assert wire.encode(wire.decode(packed, messages.Update)) == payload
 
     def envelope(**fields) -> bytes:
         raw = {"v": wire.WIRE_VERSION, "kind": wire.DEFLATE, "size": len(payload), "data": zlib.compress(payload)}
@@ -444,5 +448,5 @@ def test_a_deflated_message_decodes_as_itself_and_every_bad_envelope_is_refused(
     ]
     for data, fragment in cases:
         with pytest.raises(wire.WireError) as caught:
-            wire.decode(data, wire.Update)
+            wire.decode(data, messages.Update)
         assert fragment in str(caught.value) and len(str(caught.value)) < 300

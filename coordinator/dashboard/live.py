@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from coordinator.observer import RoundObserver, RoundResult
 from coordinator.validation import Rejection
-from protocol import wire
+from protocol import messages
 
 
 @dataclass
@@ -59,7 +59,7 @@ class LiveState(RoundObserver):
         self._round_opened_at = 0.0
         self._needed = 0
 
-    def device_status(self, device_id: str, status: wire.Status | None) -> None:
+    def device_status(self, device_id: str, status: messages.Status | None) -> None:
         """Records presence: 'offline' comes from the device or from its last will; None forgets the device."""
         with self._lock:
             if status is None:

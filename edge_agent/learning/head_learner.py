@@ -10,7 +10,7 @@ from edge_agent.learning.local_data import LOGIT_ADJUSTMENT_OPTION, RESERVOIR_OP
 from edge_agent.learning.mc_scorer import MCScorer
 from edge_agent.learning.ort_scorer import penultimate_features
 from edge_agent.loop.agent_settings import AgentSettings
-from protocol import wire
+from protocol import messages
 from protocol.tensors import Weights
 
 
@@ -36,7 +36,7 @@ class HeadLearner:
         """The bundle's graphs as shipped."""
         return bundle_scorer(self.settings, bundle, None)
 
-    def train(self, data: LocalData, recipe: wire.Recipe, seed: int) -> dict[str, float]:
+    def train(self, data: LocalData, recipe: messages.Recipe, seed: int) -> dict[str, float]:
         """Softmax regression of the classifier on what the recipe's rule trains on."""
         head = self.bundle.manifest.head
         assert head is not None  # checked in the constructor
@@ -70,13 +70,13 @@ class HeadLearner:
         raise ValueError(f"{which} model logits need the whole model in torch; this profile trains the classifier only")
 
 
-def logit_bias(recipe: wire.Recipe, labels: np.ndarray, num_classes: int) -> np.ndarray | None:
+def logit_bias(recipe: messages.Recipe, labels: np.ndarray, num_classes: int) -> np.ndarray | None:
     """kept-labels' logit adjustment tau ln n_c over the trained labels' counts, or None (plain CE)."""
     tau = LOGIT_ADJUSTMENT_OPTION.read(recipe.options) if recipe.local_rule == "kept-labels" else 0.0
     return label_logit_bias(labels, num_classes, tau)
 
 
-def training_data(data: LocalData, recipe: wire.Recipe, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def training_data(data: LocalData, recipe: messages.Recipe, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """What the recipe's rule trains on: the kept set, or the online rule's new batch and replay set."""
     if recipe.local_rule == "kept-labels":
         return data.kept_set(int(RESERVOIR_OPTION.read(recipe.options)), seed)

@@ -11,7 +11,7 @@ from edge_agent.learning.local_data import LocalData
 from edge_agent.learning.mc_scorer import MCScorer
 from edge_agent.learning.sampling import make_sampler
 from edge_agent.loop.agent_settings import AgentSettings
-from protocol import wire
+from protocol import messages
 from protocol.model_spec import ModelSpec
 from protocol.tensors import Weights
 
@@ -27,7 +27,7 @@ class Learner(Protocol):
     def scorer(self, bundle: Bundle | None) -> MCScorer:
         """The profile's MC-dropout back end over this model."""
 
-    def train(self, data: LocalData, recipe: wire.Recipe, seed: int) -> dict[str, float]:
+    def train(self, data: LocalData, recipe: messages.Recipe, seed: int) -> dict[str, float]:
         """Trains with the recipe's local rule; the metrics the update carries."""
 
     def logits(self, which: str, images: np.ndarray) -> np.ndarray:
@@ -53,7 +53,7 @@ def bundle_scorer(settings: AgentSettings, bundle: Bundle | None, weights: Weigh
     )
 
 
-def round_problem(settings: AgentSettings, recipe: wire.Recipe, bundle: Bundle | None) -> str | None:
+def round_problem(settings: AgentSettings, recipe: messages.Recipe, bundle: Bundle | None) -> str | None:
     """Why this device cannot do a round's work, or None: a head-only device refuses a rule or sampler that needs
     the whole model (KSAS's logits, a rule other than the online one) and a bundle without a penultimate graph."""
     if settings.trainer != "head":

@@ -17,7 +17,7 @@ from edge_agent.learning.mc_scorer import MCScorer
 from edge_agent.learning.models import build_model, get_weights, set_weights
 from edge_agent.learning.training import make_local_rule
 from edge_agent.loop.agent_settings import AgentSettings
-from protocol import wire
+from protocol import messages
 from protocol.files import load_arrays, save_arrays
 from protocol.model_spec import ModelSpec
 from protocol.tensors import Weights
@@ -57,7 +57,7 @@ class TorchLearner:
             return bundle_scorer(self.settings, bundle, self.weights())
         return TorchMCDropout(self.current, self.settings.inference_batch)
 
-    def train(self, data: LocalData, recipe: wire.Recipe, seed: int) -> dict[str, float]:
+    def train(self, data: LocalData, recipe: messages.Recipe, seed: int) -> dict[str, float]:
         """The recipe's local rule on the current model; the result is kept as the device's own model."""
         metrics = make_local_rule(recipe.local_rule).train(self.current, data, self.global_model, recipe, seed)
         save_arrays(self.state_dir / OWN_MODEL_FILE, self.weights())

@@ -20,8 +20,8 @@ from edge_agent.learning.mc_dropout import as_split_model
 from edge_agent.learning.models import get_weights, set_weights
 from edge_agent.learning.sampling import class_prior_bias
 from protocol.files import load_arrays, save_arrays
+from protocol.messages import METRIC_MEME_ENTROPY, Recipe
 from protocol.options import Method, Option, Registry
-from protocol.wire import METRIC_MEME_ENTROPY, Recipe
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from edge_agent.loop.agent_settings import AgentSettings, device_seed
 from edge_agent.loop.footprint import PhaseMeter
 from edge_agent.loop.round_inputs import RoundModels, mc_probabilities
 from edge_agent.loop.schedule import initial_label_count, labels_per_acquisition
-from protocol import wire
+from protocol import messages
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class Acquirer:
         """The device's own data |D_i|: every sample but the seeds the server handed it."""
         return self.data.num_samples - self.data.count_labels("seed")
 
-    def take_initial_labels(self, recipe: wire.Recipe) -> None:
+    def take_initial_labels(self, recipe: messages.Recipe) -> None:
         """Once per device: labels a random initial_label_fraction of its own data (KAFAL's 10% start)."""
         count = initial_label_count(recipe, self.own_samples)
         if count == 0 or self.data.get_state(INITIAL_LABELS_KEY, False):

@@ -15,7 +15,7 @@ from edge_agent.loop.artefacts import BUNDLES_FOLDER, RoundArtefacts
 from edge_agent.loop.footprint import PhaseMeter
 from edge_agent.loop.outbox import OUTBOX_FOLDER, UpdateSender
 from edge_agent.loop.round_runner import RoundRunner
-from protocol import wire
+from protocol import messages, wire
 from protocol.model_spec import ModelSpec
 from protocol.mqtt import IncomingMessage, LastWill, MqttSession, PayloadTooLargeError
 from protocol.tensors import Weights
@@ -31,7 +31,7 @@ class LatestModel:
 
     spec: ModelSpec
     weights: Weights
-    recipe: wire.Recipe
+    recipe: messages.Recipe
     bundle: Bundle | None
 
 
@@ -39,8 +39,8 @@ class LatestModel:
 class HeldUpdate:
     """A finished round's update (None: the round gave none) that a bench's slow device publishes at `due`."""
 
-    announcement: wire.RoundAnnouncement
-    update: wire.Update | None
+    announcement: messages.RoundAnnouncement
+    update: messages.Update | None
     due: float
 
 
@@ -61,7 +61,7 @@ class UpdateHold:
         return self.held is not None
 
     def keep(
-        self, announcement: wire.RoundAnnouncement, update: wire.Update | None, started: float, ended: float
+        self, announcement: messages.RoundAnnouncement, update: messages.Update | None, started: float, ended: float
     ) -> None:
         """Holds the update of a round computed from `started` to `ended` (monotonic seconds)."""
         factor = self.slowdown if self.warm else 1.0
@@ -86,7 +86,7 @@ class BackgroundWork(Protocol):
 
 def last_will(settings: AgentSettings) -> LastWill:
     """The retained 'offline' status the broker publishes if the device disappears."""
-    offline = wire.Status(settings.device_id, "offline", 0.0, profile=settings.profile)
+    offline = messages.Status(settings.device_id, "offline", 0.0, profile=settings.profile)
     return LastWill(wire.device_topic(settings.fleet, settings.device_id, "status"), wire.encode(offline))
 
 
@@ -94,7 +94,7 @@ def publish_status(
     session: MqttSession, settings: AgentSettings, state: str, round_id: int, labelled: int, peak_mb: float
 ) -> None:
     """Retains a device's presence and progress (state, round, labels, peak memory) on its status topic."""
-    status = wire.Status(
+    status = messages.Status(
         device_id=settings.device_id,
         state=state,
         timestamp=time.time(),
@@ -134,8 +134,8 @@ class Agent:
         self.meter = PhaseMeter()
         self.rounds = RoundRunner(settings, data, oracle, self.artefacts, self.publish_status, self.meter)
         self.sender = UpdateSender(settings, session, data.state_dir / OUTBOX_FOLDER)
-        self._pending: wire.RoundAnnouncement | None = None
-        self._recipe: wire.Recipe | None = None
+        self._pending: messages.RoundAnnouncement | None = None
+        self._recipe: messages.Recipe | None = None
         self.hold = UpdateHold(settings.slowdown)
 
     @property
@@ -200,18 +200,18 @@ class Agent:
         kind = self.artefacts.kind_of(message.topic)
         try:
             if message.topic == wire.round_topic(self.settings.fleet):
-                return self.on_announcement(wire.decode(message.payload, wire.RoundAnnouncement))
+                return self.on_announcement(wire.decode(message.payload, messages.RoundAnnouncement))
             if kind in ("model", "bundle", "encoder"):
                 with self.meter.phase("receive"):
                     self.artefacts.receive(kind, message.payload)
             elif message.topic.endswith("/ack"):
-                self.sender.on_ack(wire.decode(message.payload, wire.Ack))
+                self.sender.on_ack(wire.decode(message.payload, messages.Ack))
         except wire.WireError as error:
             if message.payload:
                 log.warning("ignored bad message topic=%s error=%s", message.topic[:200], error)
         return False
 
-    def on_announcement(self, announcement: wire.RoundAnnouncement) -> bool:
+    def on_announcement(self, announcement: messages.RoundAnnouncement) -> bool:
         """Remembers the newest unfinished round and asks for its model; True on the final announcement."""
         if announcement.final:
             log.info("run finished run=%s round=%d", announcement.run_id, announcement.round_id)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from edge_agent.learning.bundle import Bundle, BundleError, remove_other_bundles, store_bundle
 from edge_agent.learning.encoder import encoder_hash
-from protocol import wire
+from protocol import messages, wire
 from protocol.model_spec import ModelSpec
 from protocol.mqtt import MqttSession
 from protocol.tensors import Weights, weights_hash
@@ -47,7 +47,7 @@ class RoundArtefacts:
         self.followed[kind] = topic
         self.session.subscribe(topic)
 
-    def follow_round(self, fleet: str, announcement: wire.RoundAnnouncement, with_bundle: bool) -> None:
+    def follow_round(self, fleet: str, announcement: messages.RoundAnnouncement, with_bundle: bool) -> None:
         """Follows what a round needs: its model, its ONNX bundle (`with_bundle`), its recipe's encoder if any."""
         self.follow("model", wire.model_topic(fleet, announcement.model_hash))
         if with_bundle:
@@ -62,24 +62,24 @@ class RoundArtefacts:
     def receive(self, kind: str, payload: bytes) -> None:
         """Decodes and keeps a model, bundle or encoder of a followed topic (WireError if it is malformed)."""
         if kind == "model":
-            self.on_model(wire.decode(payload, wire.ModelMessage))
+            self.on_model(wire.decode(payload, messages.ModelMessage))
         elif kind == "bundle":
-            self.on_bundle(wire.decode(payload, wire.BundleMessage))
+            self.on_bundle(wire.decode(payload, messages.BundleMessage))
         else:
-            self.on_encoder(wire.decode(payload, wire.EncoderMessage))
+            self.on_encoder(wire.decode(payload, messages.EncoderMessage))
 
-    def on_model(self, message: wire.ModelMessage) -> None:
+    def on_model(self, message: messages.ModelMessage) -> None:
         """Keeps the announced model (and the spec it is built from) once its content matches its hash."""
         if content_matches("model", message.model_hash, weights_hash(message.tensors)):
             self.models = {message.model_hash: message.tensors}
             self.specs = {message.model_hash: message.spec}
 
-    def on_encoder(self, message: wire.EncoderMessage) -> None:
+    def on_encoder(self, message: messages.EncoderMessage) -> None:
         """Keeps the announced frozen encoder once its bytes match their sha256."""
         if content_matches("encoder", message.encoder_hash, encoder_hash(message.onnx)):
             self.encoders = {message.encoder_hash: message.onnx}
 
-    def on_bundle(self, message: wire.BundleMessage) -> None:
+    def on_bundle(self, message: messages.BundleMessage) -> None:
         """Stores the announced model's ONNX bundle under the state folder once every file verifies."""
         folder = self.bundles_dir / message.model_hash
         try:
@@ -93,7 +93,7 @@ class RoundArtefacts:
         self.bundles = {message.model_hash: bundle}
         log.info("bundle stored model=%s files=%d", message.model_hash[:12], len(message.files))
 
-    def ready(self, announcement: wire.RoundAnnouncement, needs_bundle: bool) -> bool:
+    def ready(self, announcement: messages.RoundAnnouncement, needs_bundle: bool) -> bool:
         """Whether everything the announced round needs has arrived."""
         if announcement.model_hash not in self.models:
             return False

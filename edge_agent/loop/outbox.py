@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge_agent.loop.agent_settings import AgentSettings
-from protocol import wire
+from protocol import messages, wire
 from protocol.files import atomic_write_bytes
+from protocol.messages import RejectionKind
 from protocol.mqtt import MqttSession
-from protocol.wire import RejectionKind
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class UpdateSender:
         """The device's update topic."""
         return wire.device_topic(self.settings.fleet, self.settings.device_id, "update")
 
-    def send(self, update: wire.Update, compression: str = "none") -> None:
+    def send(self, update: messages.Update, compression: str = "none") -> None:
         """Signs (with a provisioned key) and encodes the update (deflated if the recipe says so), refuses it if
         too large (PayloadTooLargeError, before anything is kept), persists it, then publishes it at QoS 1."""
         if self.settings.signing_key:
@@ -127,7 +127,7 @@ class UpdateSender:
                 log.info("update re-sent from the outbox round=%d update=%s", entry.round_id, entry.update_id)
                 self.publish(entry, entry.payload())
 
-    def on_ack(self, ack: wire.Ack) -> None:
+    def on_ack(self, ack: messages.Ack) -> None:
         """Logs the coordinator's verdict and settles the update, unless the verdict was 'no round open yet'."""
         if ack.accepted:
             log.info("update accepted round=%d update=%s", ack.round_id, ack.update_id)

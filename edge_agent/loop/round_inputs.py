@@ -9,7 +9,7 @@ import numpy as np
 from edge_agent.learning.bundle import Bundle
 from edge_agent.learning.learner import Learner
 from edge_agent.loop.agent_settings import AgentSettings
-from protocol import wire
+from protocol import messages
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ class RoundModels:
 
     learner: Learner
     base_hash: str
-    recipe: wire.Recipe
+    recipe: messages.Recipe
     bundle: Bundle | None = None
     encoder: bytes | None = None
 

@@ -21,7 +21,7 @@ from edge_agent.loop.artefacts import RoundArtefacts
 from edge_agent.loop.footprint import PhaseMeter
 from edge_agent.loop.round_inputs import RoundModels
 from edge_agent.loop.schedule import acquires_in_round, round_in_active_round
-from protocol import wire
+from protocol import messages
 from protocol.model_spec import ModelSpec, spec_hash
 from protocol.tensors import Weights
 from protocol.update_codec import ResidualStore, UpdateCodec, encode_update
@@ -30,12 +30,12 @@ from protocol.wire import shown_names
 log = logging.getLogger(__name__)
 
 
-def step_seed(recipe: wire.Recipe, device_id: str, round_id: int, step: int) -> int:
+def step_seed(recipe: messages.Recipe, device_id: str, round_id: int, step: int) -> int:
     """The seed of one acquisition step: the recipe's seed, the device, the round and the step."""
     return int(np.random.SeedSequence([recipe.seed, device_seed(device_id), round_id, step]).generate_state(1)[0])
 
 
-def announced_spec_problem(announcement: wire.RoundAnnouncement, spec: ModelSpec) -> str | None:
+def announced_spec_problem(announcement: messages.RoundAnnouncement, spec: ModelSpec) -> str | None:
     """Why the model's spec is not the one the round announced (its hash differs), or None; checked once per round
     rather than on every loop turn while the round waits for its artefacts."""
     actual = spec_hash(spec)
@@ -85,7 +85,7 @@ class RoundRunner:
         self.acquirer = Acquirer(settings, data, oracle, meter)
 
     def round_models(
-        self, announcement: wire.RoundAnnouncement, spec: ModelSpec, global_weights: Weights
+        self, announcement: messages.RoundAnnouncement, spec: ModelSpec, global_weights: Weights
     ) -> RoundModels:
         """The profile's learner over the global weights, and the round's artefacts."""
         bundle = self.artefacts.bundles.get(announcement.model_hash)
@@ -93,7 +93,9 @@ class RoundRunner:
         learner = make_learner(self.settings, self.data.state_dir, spec, global_weights, bundle)
         return RoundModels(learner, announcement.model_hash, announcement.recipe, bundle, encoder)
 
-    def run(self, announcement: wire.RoundAnnouncement, spec: ModelSpec, global_weights: Weights) -> wire.Update | None:
+    def run(
+        self, announcement: messages.RoundAnnouncement, spec: ModelSpec, global_weights: Weights
+    ) -> messages.Update | None:
         """Acquires (when the schedule says so), labels and trains; returns the update, or None when the device
         is not among the round's participants (it then only acquires, as every device does, and never trains)."""
         recipe, round_id = announcement.recipe, announcement.round_id
@@ -153,13 +155,13 @@ class RoundRunner:
         return metrics
 
     def update_of(
-        self, announcement: wire.RoundAnnouncement, models: RoundModels, metrics: dict[str, float], base: Weights
-    ) -> wire.Update:
+        self, announcement: messages.RoundAnnouncement, models: RoundModels, metrics: dict[str, float], base: Weights
+    ) -> messages.Update:
         """The round's update: the trained weights (or their delta from the base, as the recipe encodes it) with
         the counts and metrics strategies need."""
         codec = UpdateCodec.of(announcement.recipe)
         encoded = encode_update(models.learner.weights(), base, codec, ResidualStore(self.data.state_dir))
-        return wire.Update(
+        return messages.Update(
             device_id=self.settings.device_id,
             round_id=announcement.round_id,
             update_id=uuid.uuid4().hex,
@@ -176,7 +178,7 @@ class RoundRunner:
         )
 
 
-def codec_problem(recipe: wire.Recipe) -> str | None:
+def codec_problem(recipe: messages.Recipe) -> str | None:
     """Why this device cannot encode its update as the recipe asks (e.g. an encoding it does not know), or None."""
     try:
         UpdateCodec.of(recipe)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from protocol.wire import Recipe
+from protocol.messages import Recipe
 
 
 def round_in_active_round(round_id: int, recipe: Recipe) -> int:

@@ -1,0 +1,200 @@
+# The wire's messages as typed values: the round recipe, announcement, model, bundle, encoder, update, ack, status,
+# chunk, and the rejection kinds an ack names; `wire` encodes and decodes them.
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import ClassVar, TypeVar
+
+import numpy as np
+
+from protocol.model_spec import ModelSpec
+
+Tensors = dict[str, np.ndarray]
+
+METRIC_MEME_ENTROPY = "meme_entropy"
+
+# A field with this metadata is left out of the message while it holds its default, so a message that does not use
+# it (a float32 update, a recipe without compression) has the same bytes as before the field existed.
+OMITTED_AT_DEFAULT = {"omitted_at_default": True}
+
+
+class RejectionKind(StrEnum):
+    """Why an update was refused, as a stable label for acks, the store and metrics (the reason text says more)."""
+
+    TOO_LARGE = "too_large"
+    UNDECODABLE = "undecodable"
+    DEVICE_MISMATCH = "device_mismatch"
+    STALE_ROUND = "stale_round"
+    STALE = "stale"  # asynchronous rounds: trained from a version older than the allowed staleness
+    FUTURE_ROUND = "future_round"
+    BASE_MISMATCH = "base_mismatch"
+    TENSOR_MISMATCH = "tensor_mismatch"
+    NON_FINITE = "non_finite"
+    OUT_OF_RANGE = "out_of_range"
+    BAD_COUNTS = "bad_counts"
+    MISSING_METRIC = "missing_metric"
+    BAD_METRIC = "bad_metric"
+    DUPLICATE = "duplicate"
+    NOT_SELECTED = "not_selected"
+    NO_ROUND = "no_round"
+    UNKNOWN_DEVICE = "unknown_device"
+    BAD_SIGNATURE = "bad_signature"
+    REPLAY = "replay"
+    BAD_ENCODING = "bad_encoding"
+    BAD_CHUNK = "bad_chunk"
+    TRANSFER_LIMIT = "transfer_limit"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a device does in one round: how to acquire labels and how to train on them."""
+
+    sampler: str = "margin"
+    labels_per_acquisition: int = 400
+    acquisitions_per_round: int = 1
+    local_rule: str = "kept-labels"
+    epochs: int = 5
+    batch_size: int = 32
+    learning_rate: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    mc_passes: int = 10
+    seed: int = 0
+    options: dict[str, float] = field(default_factory=dict)
+    rounds_per_acquisition: int = 1
+    initial_label_fraction: float = 0.0
+    label_fraction: float = 0.0
+    encoder: str = ""
+    update_encoding: str = field(default="float32", metadata=OMITTED_AT_DEFAULT)
+    update_scales: str = field(default="tensor", metadata=OMITTED_AT_DEFAULT)
+    update_top_k: float = field(default=0.0, metadata=OMITTED_AT_DEFAULT)
+    update_compression: str = field(default="none", metadata=OMITTED_AT_DEFAULT)
+    lr_schedule: str = field(default="constant", metadata=OMITTED_AT_DEFAULT)
+
+
+@dataclass(frozen=True)
+class RoundAnnouncement:
+    """Published retained on the round topic: the current round, its base model and recipe."""
+
+    KIND: ClassVar[str] = "round"
+    run_id: str
+    round_id: int
+    model_hash: str
+    recipe: Recipe
+    deadline: float
+    final: bool = False
+    participants: list[str] = field(default_factory=list)
+    spec_hash: str = ""
+
+
+@dataclass(frozen=True)
+class ModelMessage:
+    """Published retained on the model topic named by its hash: the global weights themselves."""
+
+    KIND: ClassVar[str] = "model"
+    model_hash: str
+    spec: ModelSpec
+    tensors: Tensors
+
+
+BundleFiles = dict[str, bytes]
+MAX_BUNDLE_FILES = 16
+
+
+@dataclass(frozen=True)
+class BundleMessage:
+    """Published retained on the bundle topic of a model hash: that model's ONNX bundle, file by file.
+
+    Devices that score with onnxruntime store the files, verify them against the manifest and run the graphs.
+    """
+
+    KIND: ClassVar[str] = "bundle"
+    model_hash: str
+    files: BundleFiles
+
+
+@dataclass(frozen=True)
+class EncoderMessage:
+    """Published retained on the encoder topic named by its sha256: a frozen feature encoder as ONNX bytes."""
+
+    KIND: ClassVar[str] = "encoder"
+    encoder_hash: str
+    onnx: bytes
+
+
+@dataclass(frozen=True)
+class Update:
+    """A device's result for one round: its weights (or their delta from the base model, see
+    protocol.update_codec: `encoding`, int8 `scales`, top-k flat `indices`) plus the counts and metrics
+    strategies need. A relay's update also names the site devices it sums (`contributors`) and each one's sample
+    count (`contributor_samples`), which must add up to `num_samples`."""
+
+    KIND: ClassVar[str] = "update"
+    device_id: str
+    round_id: int
+    update_id: str
+    base_hash: str
+    num_samples: int
+    class_counts: list[int]
+    acquired_labels: int
+    metrics: dict[str, float]
+    tensors: Tensors
+    nonce: bytes = b""
+    signature: bytes = b""
+    encoding: str = field(default="float32", metadata=OMITTED_AT_DEFAULT)
+    scales: Tensors = field(default_factory=dict, metadata=OMITTED_AT_DEFAULT)
+    indices: Tensors = field(default_factory=dict, metadata=OMITTED_AT_DEFAULT)
+    contributors: list[str] = field(default_factory=list, metadata=OMITTED_AT_DEFAULT)
+    contributor_samples: list[int] = field(default_factory=list, metadata=OMITTED_AT_DEFAULT)
+
+
+@dataclass(frozen=True)
+class Ack:
+    """The coordinator's answer to one update: accepted, or rejected with the reason and the rejection's kind (a
+    RejectionKind value; "" when accepted)."""
+
+    KIND: ClassVar[str] = "ack"
+    device_id: str
+    round_id: int
+    update_id: str
+    accepted: bool
+    reason: str = ""
+    rejection: str = ""
+
+
+@dataclass(frozen=True)
+class Status:
+    """A device's retained presence and progress; the broker publishes the 'offline' one as its last will."""
+
+    KIND: ClassVar[str] = "status"
+    device_id: str
+    state: str
+    timestamp: float
+    round_id: int = 0
+    labelled: int = 0
+    profile: str = ""
+    peak_rss_mb: float = 0.0
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One numbered piece of a message too large for the broker, published on `<topic>/chunk/<index>` (see
+    protocol.chunks): every chunk of a transfer repeats the count, the whole payload's size and its sha256 (hex);
+    chunk i holds bytes [i * s, (i + 1) * s) of the payload, with s = ceil(total_bytes / count)."""
+
+    KIND: ClassVar[str] = "chunk"
+    transfer_id: str
+    index: int
+    count: int
+    total_bytes: int
+    digest: str
+    data: bytes
+
+
+Message = RoundAnnouncement | ModelMessage | BundleMessage | EncoderMessage | Update | Ack | Status | Chunk
+MESSAGE_TYPES: dict[str, type] = {
+    cls.KIND: cls
+    for cls in (RoundAnnouncement, ModelMessage, BundleMessage, EncoderMessage, Update, Ack, Status, Chunk)
+}
+M = TypeVar("M", RoundAnnouncement, ModelMessage, BundleMessage, EncoderMessage, Update, Ack, Status, Chunk)
