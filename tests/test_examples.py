@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from edge_agent.model_spec import DEFAULT_SPEC, load_model_spec, spec_hash
-from edge_agent.models import build_model
+from edge_agent.learning.models import build_model
+from protocol.model_spec import DEFAULT_SPEC, load_model_spec, spec_hash
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SPEC_FILES = sorted(EXAMPLES.glob("*.toml"))
