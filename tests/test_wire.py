@@ -248,6 +248,8 @@ def test_good_hand_made_envelopes_decode():
         (wire.encode(wire.Ack("d", 1, "u", True)) + b"\x00", wire.Ack, "undecodable msgpack"),
         (pack(envelope(v=1)), wire.Ack, "wire version 1 is not supported (this side speaks 2)"),
         (pack(envelope(v=None)), wire.Ack, "wire version None is not supported"),
+        (pack(envelope(v=2.0)), wire.Ack, "wire version 2.0 is not supported (this side speaks 2)"),
+        (pack(envelope(v=True)), wire.Ack, "wire version True is not supported"),
         (pack(envelope(kind="status")), wire.Ack, "expected a 'ack' message, got kind 'status'"),
         (wire.encode(wire.Status("d", "idle", 1.0)), wire.Update, "expected a 'update' message, got kind 'status'"),
         (pack([1, "ack"]), wire.Ack, "message must be a map, got list"),
