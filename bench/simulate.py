@@ -309,6 +309,7 @@ def simulate(
         secure = secure_bench(settings, bench)
         settings = dataclasses.replace(settings, secure_dir=secure.folder)
     data = load_server_data(settings)
+    settings = dataclasses.replace(settings, seed_labels=bench.seed_per_class * settings.spec.num_classes)
     launches = with_credentials(write_shards(data, bench, settings.run_dir), secure)
     with broker_for(settings.run_dir, address, secure, settings.broker_max_packet_bytes) as broker_address:
         hosts = spawn_hosts(launches, broker_address, settings.fleet, bench, settings.run_dir)

@@ -14,16 +14,19 @@ FRACTION_BITS = 48  # each term c_i * W_i is rounded to a multiple of 2^-48 (far
 LIMB_BITS = 32  # a term on that grid is split into a high and a low int64 limb
 LIMIT = 2.0**46  # |sum of terms| must stay below this (checked per tensor, so the high limb can never wrap)
 MAX_ABS_WEIGHT = 2.0**30  # a weight beyond this is refused at intake: no model trains to it, and sums stay in range
+DEFAULT_MAX_SAMPLE_SHARE = 0.5  # the command lines' cap: no device's claimed samples outweigh all the others together
 
 
 @dataclass(frozen=True)
 class ClientUpdate:
-    """One device's model for a round, with its labelled-sample count and the local metrics it reported."""
+    """One device's model for a round, with its labelled-sample count (as a strategy weighs it: possibly clipped by
+    the sample-share cap), the local metrics it reported, and how many devices' data it sums (a relay's contributors)."""
 
     device_id: str
     weights: Weights
-    num_samples: int
+    num_samples: float
     metrics: Mapping[str, float] = field(default_factory=dict)
+    devices: int = 1
 
 
 class ExactSum:
@@ -137,6 +140,32 @@ def normalised(coefficients: Sequence[float] | np.ndarray) -> np.ndarray:
     if total <= 0.0:
         raise ValueError(f"coefficients must have a positive sum, got {coefficients!r}")
     return values / total
+
+
+def capped_weights(weights: Sequence[float] | np.ndarray, caps: Sequence[float] | np.ndarray) -> np.ndarray:
+    """min(w_i, caps_i * T), T the clipped weights' own total: no weight keeps more than its cap's share of the total,
+    and the excess goes to the others in proportion to their weights (they are unchanged when none is above its cap).
+
+    Why: one update's claimed sample count must not decide a FedAvg round alone. When the caps sum to 1 or less no
+    clipping can meet them and the positive weights become proportional to their caps. Zero weights stay zero.
+    """
+    values, limits = np.asarray(weights, dtype=np.float64), np.asarray(caps, dtype=np.float64)
+    if values.shape != limits.shape or values.ndim != 1 or np.any(~np.isfinite(values) | (values < 0.0)):
+        raise ValueError(f"weights must be a flat list of finite non-negative numbers, one per cap, got {len(values)}")
+    if np.any(~(limits > 0.0) | ~(limits <= 1.0)):
+        raise ValueError("caps must lie in (0, 1]")
+    positive = values > 0.0
+    capped = np.zeros(values.shape, dtype=bool)
+    while positive.any():
+        share_left, rest = 1.0 - math.fsum(limits[capped].tolist()), math.fsum(values[~capped].tolist())
+        if share_left <= 0.0 or rest <= 0.0:
+            return np.where(positive, limits * float(np.min(values[positive] / limits[positive])), 0.0)
+        level = rest / share_left
+        above = ~capped & (values > limits * level)
+        if not above.any():
+            return np.where(capped, limits * level, values)
+        capped |= above
+    return values
 
 
 def weighted_average(weight_sets: Sequence[Weights], coefficients: Sequence[float] | np.ndarray) -> Weights:

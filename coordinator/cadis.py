@@ -89,7 +89,7 @@ def cluster_sizes(q: np.ndarray, threshold: float) -> np.ndarray:
     return (np.asarray(q) >= threshold).sum(axis=1)
 
 
-def cadis_coefficients(num_samples: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.ndarray) -> np.ndarray:
+def cadis_coefficients(num_samples: Sequence[float] | np.ndarray, sizes: Sequence[int] | np.ndarray) -> np.ndarray:
     """w_k = (n_k / |C(k)|) / sum_j (n_j / |C(j)|): each cluster weighs by its mass, not by its head count."""
     counts = np.asarray(num_samples, dtype=np.float64)
     members = np.asarray(sizes, dtype=np.float64)

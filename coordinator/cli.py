@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from bench.simulate import BenchSettings, simulate, write_shards
+from coordinator.aggregation import DEFAULT_MAX_SAMPLE_SHARE
 from coordinator.async_intake import AsyncPolicy
 from coordinator.broker import BrokerError, embedded_broker, embedded_packet_limit
 from coordinator.dashboard.live import LiveState
@@ -81,6 +82,13 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
         help="robust z-score of a layer's divergence above which an update is flagged as suspect",
     )
     run.add_argument("--exclude-suspects", action="store_true", help="leave flagged updates out of the aggregate")
+    run.add_argument(
+        "--max-sample-share",
+        type=float,
+        default=DEFAULT_MAX_SAMPLE_SHARE,
+        help="with a strategy that weighs by samples (fedavg, cadis, the server optimisers): the most of a round's "
+        "weight one update's claimed samples may carry, per device it sums (the excess is clipped; 1: no cap)",
+    )
     run.add_argument("--rounds", type=int, default=10)
     run.add_argument("--min-devices", type=int, default=1, help="fewest updates a round may aggregate")
     run.add_argument("--quorum", type=int, help="updates that close a round early (default: every online device)")
@@ -286,6 +294,12 @@ def add_run_command(run: argparse.ArgumentParser) -> None:
     """`run`: the round options, waiting for devices, a provisioned (secured) fleet."""
     add_round_options(run)
     run.add_argument("--wait-devices", type=int, default=0, help="wait until this many devices are online")
+    run.add_argument(
+        "--seed-labels",
+        type=int,
+        help="labels each device holds before round 1 (the seeds `partition` dealt): with a strategy that weighs by "
+        "samples and no label fractions, a claim above them plus the schedule's labels is refused (default: unknown)",
+    )
     run.add_argument(
         "--secure", type=Path, metavar="DIR", help="a folder from `provision`: broker login, ACL, signed updates only"
     )
@@ -498,6 +512,8 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
         transfer_memory_mb=args.transfer_memory_mb,
         transfer_timeout=args.transfer_timeout,
         asynchronous=async_policy(args),
+        seed_labels=getattr(args, "seed_labels", None),
+        max_sample_share=args.max_sample_share,
     )
 
 

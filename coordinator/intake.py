@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 def client_update(update: messages.Update) -> ClientUpdate:
     """The strategy's view of a validated update."""
-    return ClientUpdate(update.device_id, update.tensors, update.num_samples, dict(update.metrics))
+    devices = max(1, len(update.contributors))
+    return ClientUpdate(update.device_id, update.tensors, update.num_samples, dict(update.metrics), devices)
 
 
 @dataclass

@@ -1,12 +1,15 @@
 # One round's aggregation seam: absorb accepted updates as they arrive, finish into an immutable Aggregate.
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.aggregation import ClientUpdate, check_magnitude
+import numpy as np
+
+from coordinator.aggregation import ClientUpdate, capped_weights, check_magnitude
 from coordinator.divergence import flag_suspects, layer_divergence
 from coordinator.strategies import Evaluate, Strategy, StreamingWeightedAverage
 from protocol.tensors import Weights
@@ -50,22 +53,47 @@ class Aggregate:
 class RoundAggregator(ABC):
     """Takes one round's accepted updates in any order and gives the same Aggregate for the same set of updates."""
 
-    def __init__(self, strategy: Strategy, base: Weights, policy: SuspectPolicy) -> None:
+    def __init__(self, strategy: Strategy, base: Weights, policy: SuspectPolicy, max_share: float = 1.0) -> None:
         self.strategy = strategy
         self.base = base
         self.policy = policy
+        self.max_share = max_share
         self.from_base: dict[str, dict[str, float]] = {}
+        self.claims: dict[str, tuple[float, int]] = {}
+        self.clipped: dict[str, float] = {}
 
     def absorb(self, update: ClientUpdate) -> None:
         """Takes an accepted update; ValueError (nothing kept) when it cannot be aggregated."""
         check_magnitude(update.weights)
         self.keep(update)
         self.from_base[update.device_id] = layer_divergence(update.weights, self.base)
+        self.claims[update.device_id] = (update.num_samples, update.devices)
+
+    def clipped_samples(self) -> dict[str, float]:
+        """Device -> its sample count clipped to the round's share cap (each update may carry max_share of the round's
+        weight per device it sums), for the devices whose claim the cap lowers; none unless the strategy weighs by
+        samples."""
+        if not self.strategy.weighs_by_samples or self.max_share >= 1.0:
+            return {}
+        devices = sorted(self.claims)
+        claims = np.array([self.claims[device][0] for device in devices], dtype=np.float64)
+        caps = np.minimum(1.0, self.max_share * np.array([self.claims[device][1] for device in devices]))
+        clipped = capped_weights(claims, caps)
+        return {device: float(value) for device, value, claim in zip(devices, clipped, claims) if value != claim}
+
+    def as_weighed(self, update: ClientUpdate) -> ClientUpdate:
+        """The update with the sample count the strategy weighs it by (clipped by the share cap where it is)."""
+        if update.device_id not in self.clipped:
+            return update
+        return dataclasses.replace(update, num_samples=self.clipped[update.device_id])
 
     def finish(self, evaluate: Evaluate | None, visit: Callable[[ClientUpdate], None] | None = None) -> Aggregate:
         """The round's Aggregate; `visit` sees every update's model once more (e.g. to score it) in device order."""
         suspects = suspects_by_divergence(dict(sorted(self.from_base.items())), self.policy)
+        self.clipped = self.clipped_samples()
         weights, report = self.combine(suspects, evaluate)
+        if self.clipped:
+            report = {**report, "samples_clipped": {device: self.claims[device][0] for device in self.clipped}}
         divergence = {}
         for update in self.models():
             divergence[update.device_id] = layer_divergence(update.weights, weights)
@@ -79,7 +107,8 @@ class RoundAggregator(ABC):
 
     @abstractmethod
     def combine(self, suspects: dict[str, list[str]], evaluate: Evaluate | None) -> tuple[Weights, dict[str, Any]]:
-        """The new global model and the strategy's report."""
+        """The new global model and the strategy's report (each update weighed with its sample count as
+        `self.clipped` lowers it)."""
 
     @abstractmethod
     def models(self) -> Iterator[ClientUpdate]:
@@ -89,8 +118,8 @@ class RoundAggregator(ABC):
 class BatchAggregator(RoundAggregator):
     """Keeps every update until the round closes (strategies that need them all, or suspects to leave out)."""
 
-    def __init__(self, strategy: Strategy, base: Weights, policy: SuspectPolicy) -> None:
-        super().__init__(strategy, base, policy)
+    def __init__(self, strategy: Strategy, base: Weights, policy: SuspectPolicy, max_share: float = 1.0) -> None:
+        super().__init__(strategy, base, policy, max_share)
         self.updates: dict[str, ClientUpdate] = {}
 
     def keep(self, update: ClientUpdate) -> None:
@@ -101,7 +130,7 @@ class BatchAggregator(RoundAggregator):
 
     def combine(self, suspects: dict[str, list[str]], evaluate: Evaluate | None) -> tuple[Weights, dict[str, Any]]:
         """The strategy over the updates in device order, without the suspects when the policy excludes them."""
-        updates = list(self.models())
+        updates = [self.as_weighed(update) for update in self.models()]
         trusted = [update for update in updates if update.device_id not in suspects]
         excluded = self.policy.exclude and bool(suspects) and bool(trusted)
         evaluate = evaluate if self.strategy.needs_evaluation else None
@@ -123,8 +152,9 @@ class StreamingAggregator(RoundAggregator):
         base: Weights,
         policy: SuspectPolicy,
         reread: Callable[[list[str]], Iterator[ClientUpdate]],
+        max_share: float = 1.0,
     ) -> None:
-        super().__init__(strategy, base, policy)
+        super().__init__(strategy, base, policy, max_share)
         self.streaming = strategy
         self.running = strategy.begin()
         self.reread = reread
@@ -134,8 +164,15 @@ class StreamingAggregator(RoundAggregator):
         self.streaming.accumulate(self.running, update)
 
     def combine(self, suspects: dict[str, list[str]], evaluate: Evaluate | None) -> tuple[Weights, dict[str, Any]]:
-        """The running mean (suspects are flagged only: leaving them out needs the batch path)."""
-        weights, report = self.streaming.finish(self.running, self.base)
+        """The running mean (suspects are flagged only: leaving them out needs the batch path). When the share cap
+        lowers a claim, the sum is taken again from the spool (one model at a time) with the clipped counts: the
+        cap needs the round's total, which no update knows on arrival."""
+        running = self.running
+        if self.clipped:
+            running = self.streaming.begin()
+            for update in self.models():
+                self.streaming.accumulate(running, self.as_weighed(update))
+        weights, report = self.streaming.finish(running, self.base)
         return weights, {**report, "streamed": True}
 
     def models(self) -> Iterator[ClientUpdate]:
@@ -148,8 +185,10 @@ def make_aggregator(
     base: Weights,
     policy: SuspectPolicy,
     reread: Callable[[list[str]], Iterator[ClientUpdate]],
+    max_share: float = 1.0,
 ) -> RoundAggregator:
-    """Streaming when the strategy can sum as updates arrive and no suspect is to be left out, else batch."""
+    """Streaming when the strategy can sum as updates arrive and no suspect is to be left out, else batch; either
+    caps one update's share of a sample-weighted round at max_share per device it sums."""
     if isinstance(strategy, StreamingWeightedAverage) and not policy.exclude:
-        return StreamingAggregator(strategy, base, policy, reread)
-    return BatchAggregator(strategy, base, policy)
+        return StreamingAggregator(strategy, base, policy, reread, max_share)
+    return BatchAggregator(strategy, base, policy, max_share)

@@ -19,6 +19,7 @@ from coordinator.publisher import RetainedPublisher
 from coordinator.round_aggregator import RoundAggregator, SuspectPolicy, make_aggregator
 from coordinator.spool import Spool
 from coordinator.validation import Expectation, with_weights
+from edge_agent.loop.schedule import labels_by_round
 from protocol import messages, wire
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec
 from protocol.mqtt import IncomingMessage, MqttSession
@@ -61,13 +62,19 @@ class RoundPolicy:
 @dataclass(frozen=True)
 class RoundRules:
     """What every round follows: the recipe devices get, when rounds close, how suspects are treated, and who may
-    send (None: any device; else signed updates of provisioned devices only), and the model spec (class count)."""
+    send (None: any device; else signed updates of provisioned devices only), and the model spec (class count).
+
+    For a strategy that weighs by samples: `seed_labels`, the labels a device holds before round 1 (None: unknown,
+    so no per-device bound), and `max_sample_share`, the most of a round's weight one device's claim may carry where
+    no such bound is known (1: no cap; the command lines default to DEFAULT_MAX_SAMPLE_SHARE)."""
 
     recipe: messages.Recipe
     policy: RoundPolicy
     suspects: SuspectPolicy = field(default_factory=SuspectPolicy)
     authenticator: UpdateAuthenticator | None = None
     spec: ModelSpec = DEFAULT_SPEC
+    seed_labels: int | None = None
+    max_sample_share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -167,6 +174,7 @@ class Coordinator:
             global_weights,
             rules.suspects,
             spooled_reader(self.parts.intake.store.spool, round_id, global_weights, rules.policy.max_update_bytes),
+            rules.max_sample_share if self.sample_bounds(round_id)[1] is None else 1.0,
         )
         collector = RoundCollector(self.expectation(round_id, global_weights, base_hash), aggregator.absorb)
         online = sorted(self.parts.presence.online())
@@ -192,7 +200,17 @@ class Coordinator:
             authenticator.check if authenticator else None,
             self.parts.closer.strategy.metric_bounds(self.rules.spec.num_classes),
             global_weights,
+            *self.sample_bounds(round_id),
         )
+
+    def sample_bounds(self, round_id: int) -> tuple[int, int | None]:
+        """(fewest, most) samples one device may claim in this round: at least 1 and at most its seeds plus what
+        the schedule let it acquire so far when the strategy weighs by samples (no bound where either is unknown)."""
+        if not self.parts.closer.strategy.weighs_by_samples:
+            return 0, None
+        acquired = labels_by_round(self.rules.recipe, round_id)
+        seeds = self.rules.seed_labels
+        return 1, (None if acquired is None or seeds is None else seeds + acquired)
 
     def needed(self, opened: OpenRound) -> int:
         """How many accepted updates close the round early (see Presence.needed)."""

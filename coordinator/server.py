@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from coordinator.aggregation import DEFAULT_MAX_SAMPLE_SHARE
 from coordinator.async_intake import AsyncPolicy
 from coordinator.async_rounds import AsyncCoordinator, check_async_settings
 from coordinator.authentication import UpdateAuthenticator
@@ -88,10 +89,21 @@ class ServerSettings:
     transfer_memory_mb: int = 128
     transfer_timeout: float = 120.0
     asynchronous: AsyncPolicy | None = None
+    seed_labels: int | None = None
+    max_sample_share: float = DEFAULT_MAX_SAMPLE_SHARE
 
     def __post_init__(self) -> None:
         if self.asynchronous is not None:
             check_async_settings(self.strategy, self.suspects, self.policy.participation)
+        check_sample_settings(self.seed_labels, self.max_sample_share)
+
+
+def check_sample_settings(seed_labels: int | None, max_sample_share: float) -> None:
+    """ValueError naming the flag when the seed count is negative or the share cap lies outside (0, 1]."""
+    if seed_labels is not None and seed_labels < 0:
+        raise ValueError(f"--seed-labels must be at least 0, got {seed_labels}")
+    if not 0.0 < max_sample_share <= 1.0:
+        raise ValueError(f"--max-sample-share must lie in (0, 1], got {max_sample_share}")
 
 
 @dataclass(frozen=True)
@@ -252,7 +264,15 @@ def run_server(
         weights, first_round, run_id = starting_point(store, settings, data)
         encoder = round_encoder(settings, store)
         recipe = dataclasses.replace(settings.recipe, encoder=encoder_hash(encoder)) if encoder else settings.recipe
-        rules = RoundRules(recipe, settings.policy, settings.suspects, authenticator, settings.spec)
+        rules = RoundRules(
+            recipe,
+            settings.policy,
+            settings.suspects,
+            authenticator,
+            settings.spec,
+            settings.seed_labels,
+            settings.max_sample_share,
+        )
         parts = round_parts(settings, data, store, session, run_id, encoder, observer or RoundObserver(), dead_devices)
         coordinator = make_coordinator(settings, session, rules, parts)
         session.connect()

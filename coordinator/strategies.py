@@ -51,6 +51,7 @@ class Strategy(Method):
 
     needs_evaluation: ClassVar[bool] = False
     streaming: ClassVar[bool] = False
+    weighs_by_samples: ClassVar[bool] = False  # the claimed sample counts set the weights (so they are bounded)
     required_metrics: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
@@ -201,6 +202,7 @@ class FedAvg(StreamingWeightedAverage):
 
     name = "fedavg"
     summary = "mean of the client models weighted by their labelled-sample counts"
+    weighs_by_samples = True
 
     def update_weight(self, update: ClientUpdate) -> float:
         """a_i = n_i (n_i / sum_j n_j once normalised)."""
@@ -260,6 +262,7 @@ class CADIS(Strategy):
 
     name = "cadis"
     summary = "clustered weights from the running similarity of the devices' classifier updates"
+    weighs_by_samples = True
     options = (
         Option(
             "threshold",

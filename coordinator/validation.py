@@ -40,7 +40,8 @@ class Rejection(Exception):
 @dataclass(frozen=True)
 class Expectation:
     """What a valid update for the current round looks like; `base` is the round's model, which delta-encoded
-    updates are decoded against."""
+    updates are decoded against. `min_samples` and `max_samples` bound one device's claimed sample count (a relay's
+    bound is max_samples per contributor; None: no bound)."""
 
     round_id: int
     base_hash: str
@@ -50,6 +51,8 @@ class Expectation:
     authenticate: Callable[[messages.Update, int], None] | None = None
     required_metrics: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     base: Weights = field(default_factory=dict)
+    min_samples: int = 0
+    max_samples: int | None = None
 
 
 def validate_update(device_id: str, payload: bytes, expected: Expectation) -> messages.Update:
@@ -62,6 +65,7 @@ def validate_update(device_id: str, payload: bytes, expected: Expectation) -> me
     check_tensors(update, expected)
     check_counts(update, expected.num_classes)
     check_contributions(update)
+    check_sample_claim(update, expected)
     check_required_metrics(update.metrics, expected.required_metrics)
     return update
 
@@ -156,6 +160,25 @@ def check_contributions(update: messages.Update) -> None:
         raise Rejection(
             RejectionKind.BAD_COUNTS,
             f"claims {update.num_samples} samples, but its {len(names)} contributors reported {reported}",
+        )
+
+
+def check_sample_claim(update: wire.Update, expected: Expectation) -> None:
+    """Rejection when the claimed sample count lies outside what a device (or a relay's devices together) can hold:
+    a strategy that weighs by samples takes no zero-sample update, nor a claim above the schedule's bound."""
+    if update.num_samples < expected.min_samples:
+        raise Rejection(
+            RejectionKind.BAD_COUNTS,
+            f"claims {update.num_samples} samples: the strategy weighs updates by their samples, so it takes at least "
+            f"{expected.min_samples}",
+        )
+    devices = max(1, len(update.contributors))
+    if expected.max_samples is not None and update.num_samples > expected.max_samples * devices:
+        holders = f"its {devices} devices" if update.contributors else "a device"
+        raise Rejection(
+            RejectionKind.BAD_COUNTS,
+            f"claims {update.num_samples} samples, more than the {expected.max_samples * devices} {holders} can hold "
+            f"by round {expected.round_id}",
         )
 
 

@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import io
+import math
 import os
 import tempfile
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import IO
 
 import numpy as np
+
+MAX_DEFLATE_RATIO = 1032  # deflate expands at most ~1032:1, so a member claiming more than that is lying
+NPY_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 
 
 def fsync_directory(directory: Path) -> None:
@@ -55,15 +60,50 @@ def save_arrays(path: Path | str, arrays: Mapping[str, np.ndarray]) -> None:
     atomic_write_bytes(path, buffer.getvalue())
 
 
+def npy_declared(member: IO[bytes]) -> tuple[np.dtype, int]:
+    """The dtype and data bytes an .npy stream's header declares (the stream is left after the header)."""
+    version = np.lib.format.read_magic(member)
+    if version not in NPY_HEADER_READERS:
+        raise ValueError(f".npy format version {version} is not supported")
+    shape, _, dtype = NPY_HEADER_READERS[version](member)
+    return dtype, math.prod(shape) * dtype.itemsize
+
+
+def check_npz_members(path: Path | str, archive: zipfile.ZipFile) -> None:
+    """ValueError naming the file and the array when a member holds Python objects (pickle) or its header declares
+    more data than the member holds: read from the headers, before numpy allocates what a header declares."""
+    for info in archive.infolist():
+        name = info.filename.removesuffix(".npy")[:64]
+        try:
+            with archive.open(info) as member:
+                dtype, declared = npy_declared(member)
+                held = info.file_size - member.tell()
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
+            raise ValueError(f"{path}: array {name!r} is not a readable .npy ({str(error)[:100]})") from None
+        if dtype.hasobject:
+            raise ValueError(f"{path}: array {name!r} holds Python objects (pickle), which are never loaded")
+        if declared > held or info.file_size > max(info.compress_size, 1) * MAX_DEFLATE_RATIO:
+            raise ValueError(f"{path}: array {name!r} declares {declared} bytes of data but holds {max(held, 0)}")
+
+
+def checked_npz(path: Path | str, source: Path | IO[bytes]) -> np.lib.npyio.NpzFile:
+    """np.load of an .npz archive (no pickle) once check_npz_members passed; anything that is not a readable
+    .npz is a ValueError naming `path`."""
+    try:
+        with zipfile.ZipFile(source) as archive:
+            check_npz_members(path, archive)
+        if not isinstance(source, Path):
+            source.seek(0)
+        return np.load(source, allow_pickle=False)
+    except (OSError, EOFError, zipfile.BadZipFile) as error:
+        raise ValueError(f"{path}: not a readable .npz ({str(error)[:120]})") from None
+
+
 def load_arrays(path: Path | str) -> dict[str, np.ndarray]:
     """Reads an .npz archive written by save_arrays; a corrupt or non-npz file is a ValueError naming it."""
     path = Path(path)
-    raw = path.read_bytes()
-    try:
-        loaded = np.load(io.BytesIO(raw), allow_pickle=False)
-        if not isinstance(loaded, np.lib.npyio.NpzFile):
-            raise ValueError("a single .npy array, not an .npz archive")
-        with loaded:
+    with checked_npz(path, io.BytesIO(path.read_bytes())) as loaded:
+        try:
             return {name: loaded[name] for name in loaded.files}
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
-        raise ValueError(f"{path}: corrupt or unreadable array archive ({exc})") from exc
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
+            raise ValueError(f"{path}: corrupt or unreadable array archive ({str(error)[:120]})") from None

@@ -161,8 +161,12 @@ def load_model_spec(path: Path | str) -> SpecFile:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise SpecError(f"{path}: no such model spec file") from None
+    except OSError as error:
+        raise SpecError(f"{path}: cannot read the model spec ({str(error.strerror)[:80]})") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise SpecError(f"{path}: not valid TOML ({str(error)[:120]})") from None
+    except RecursionError:
+        raise SpecError(f"{path}: nested too deeply to be a model spec (arrays or tables within each other)") from None
     values = _spec_values(raw, str(path))
     weights = raw.get("model", {}).get("initial_weights")
     if weights is not None and not isinstance(weights, str):
@@ -214,8 +218,10 @@ def _typed(name: str, value: Any, where: str) -> Any:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value, ok = float(value), True
     if ok and kind is list:
+        if len(value) > MAX_CLASSES:
+            raise SpecError(f"{where}: {KEY_OF_FIELD[name]} is too long: {len(value)} items, at most {MAX_CLASSES}")
         item = str if name == "class_names" else (int, float)
-        ok = all(isinstance(v, item) and not isinstance(v, bool) for v in value) and len(value) <= MAX_CLASSES
+        ok = all(isinstance(v, item) and not isinstance(v, bool) for v in value)
         value = [v if name == "class_names" else float(v) for v in value] if ok else value
     if not ok:
         raise SpecError(f"{where}: {KEY_OF_FIELD[name]} must be {what}")

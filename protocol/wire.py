@@ -122,7 +122,7 @@ def decode(data: bytes, expected: type[M], max_bytes: int = DEFAULT_MAX_MESSAGE_
         raise WireError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
     envelope = _unpack(bytes(data), max_bytes)
     version = envelope.pop("v", None)
-    if version != WIRE_VERSION:
+    if not _is_int(version) or version != WIRE_VERSION:
         raise WireError(f"wire version {shown(version)} is not supported (this side speaks {WIRE_VERSION})")
     kind = envelope.pop("kind", None)
     if kind == DEFLATE and inflate:

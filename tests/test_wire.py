@@ -248,6 +248,8 @@ def test_good_hand_made_envelopes_decode():
         (wire.encode(messages.Ack("d", 1, "u", True)) + b"\x00", messages.Ack, "undecodable msgpack"),
         (pack(envelope(v=1)), messages.Ack, "wire version 1 is not supported (this side speaks 2)"),
         (pack(envelope(v=None)), messages.Ack, "wire version None is not supported"),
+        (pack(envelope(v=2.0)), messages.Ack, "wire version 2.0 is not supported (this side speaks 2)"),
+        (pack(envelope(v=True)), messages.Ack, "wire version True is not supported"),
         (pack(envelope(kind="status")), messages.Ack, "expected a 'ack' message, got kind 'status'"),
         (
             wire.encode(messages.Status("d", "idle", 1.0)),

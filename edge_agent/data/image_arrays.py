@@ -1,11 +1,14 @@
 # Checks shared by the datasets, shards and the device store: uint8 image stacks, label vectors, index arrays.
 from __future__ import annotations
 
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from protocol.files import checked_npz
 
 IMAGE_SHAPE = (28, 28)
 
@@ -63,12 +66,12 @@ def load_npz_dataset(path: Path, image_shape: tuple[int, ...], num_classes: int)
     if not Path(path).is_file():
         raise ValueError(f"{path}: no such data set file")
     try:
-        with np.load(path, allow_pickle=False) as archive:
+        with checked_npz(path, Path(path)) as archive:
             missing = [key for key in DATASET_KEYS if key not in archive.files]
             if missing:
                 raise ValueError(f"{path}: lacks {', '.join(missing)} (needs {', '.join(DATASET_KEYS)})")
             arrays = {key: archive[key] for key in DATASET_KEYS}
-    except (OSError, EOFError) as error:
+    except (OSError, EOFError, zipfile.BadZipFile) as error:
         raise ValueError(f"{path}: not a readable .npz ({str(error)[:120]})") from None
     for split in ("train", "test"):
         images, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]

@@ -31,6 +31,15 @@ def initial_label_count(recipe: Recipe, own_samples: int) -> int:
     return math.ceil(recipe.initial_label_fraction * own_samples)
 
 
+def labels_by_round(recipe: Recipe, round_id: int) -> int | None:
+    """The most human labels the schedule lets a device acquire in rounds 1..round_id (an acquisition asks at most
+    labels_per_acquisition); None when label fractions make the budget depend on the device's own data."""
+    if recipe.initial_label_fraction > 0 or recipe.label_fraction > 0:
+        return None
+    acquiring_rounds = (max(round_id, 1) - 1) // recipe.rounds_per_acquisition + 1
+    return acquiring_rounds * recipe.acquisitions_per_round * recipe.labels_per_acquisition
+
+
 def check_schedule(recipe: Recipe) -> None:
     """ValueError naming the first schedule setting out of range."""
     if recipe.rounds_per_acquisition < 1:
