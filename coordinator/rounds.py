@@ -19,7 +19,7 @@ from coordinator.publisher import RetainedPublisher
 from coordinator.round_aggregator import RoundAggregator, SuspectPolicy, make_aggregator
 from coordinator.spool import Spool
 from coordinator.validation import Expectation, with_weights
-from protocol import messages, wire
+from protocol import messages, topics, wire
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec
 from protocol.mqtt import IncomingMessage, MqttSession
 from protocol.tensors import Weights, spec_of, weights_hash
@@ -90,6 +90,10 @@ class OpenRound:
     participants: list[str]
 
 
+# A device topic's handler: the device id the topic names, the message, the open round (None: none is open).
+DeviceHandler = Callable[[str, IncomingMessage, OpenRound | None], None]
+
+
 def choose_participants(online: Sequence[str], participation: float, seed: int, round_id: int) -> list[str]:
     """KAFAL's S_t: a seeded random ceil(R*K) of the K online devices, sorted; [] (everyone) when R = 1."""
     if participation >= 1.0 or not online:
@@ -121,11 +125,14 @@ class Coordinator:
         self.session = session
         self.rules = rules
         self.parts = parts
+        self.router: topics.Router[DeviceHandler] = topics.Router()
+        self.router.add(topics.UPDATE.bind(fleet=fleet), self.on_update)
+        self.router.add(topics.STATUS.bind(fleet=fleet), self.on_status)
 
     def start(self) -> None:
         """Subscribes to every device's updates and status."""
-        self.session.subscribe(wire.all_devices_topic(self.fleet, "update"))
-        self.session.subscribe(wire.all_devices_topic(self.fleet, "status"))
+        for topic_filter in self.router.filters():
+            self.session.subscribe(topic_filter)
 
     def wait_for_devices(self, count: int, timeout: float) -> int:
         """Processes status messages until `count` devices (less those known dead) are online or the timeout passes;
@@ -245,13 +252,19 @@ class Coordinator:
 
     def dispatch(self, message: IncomingMessage, opened: OpenRound | None) -> None:
         """Routes a status or update message; nothing a device sends can raise out of here."""
-        try:
-            device_id = wire.device_from_topic(message.topic)
-        except wire.WireError as error:
-            log.warning("message on an unexpected topic topic=%s error=%s", message.topic[:200], error)
+        found = self.router.route(message.topic)
+        if found is None:
+            log.warning("message on an unexpected topic topic=%s", message.topic[:200])
             return
-        if message.topic.endswith("/status") and message.dropped is None:  # (a broken chunked status says nothing)
+        handler, parameters = found
+        handler(parameters["device"], message, opened)
+
+    def on_status(self, device_id: str, message: IncomingMessage, opened: OpenRound | None) -> None:
+        """A device's status (a broken chunked status says nothing)."""
+        if message.dropped is None:
             self.parts.presence.on_status(device_id, message.payload)
-        elif message.topic.endswith("/update"):
-            collector, participants = (opened.collector, opened.participants) if opened else (None, [])
-            self.parts.intake.on_update(device_id, message.payload, collector, participants, message.dropped)
+
+    def on_update(self, device_id: str, message: IncomingMessage, opened: OpenRound | None) -> None:
+        """A device's update (or its chunked transfer, dropped), for the open round if there is one."""
+        collector, participants = (opened.collector, opened.participants) if opened else (None, [])
+        self.parts.intake.on_update(device_id, message.payload, collector, participants, message.dropped)

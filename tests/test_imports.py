@@ -29,6 +29,7 @@ TORCH_FREE = (
     "protocol.options",
     "protocol.update_codec",
     "protocol.chunks",
+    "protocol.reassembly",
     # a device that scores and trains its classifier only (the Pi Zero 2 W profile) runs without torch
     "edge_agent.loop.agent",
     "edge_agent.cli",
