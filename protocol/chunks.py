@@ -6,6 +6,8 @@ import hashlib
 import math
 
 from protocol import messages, wire
+from protocol.errors import RefusalError
+from protocol.messages import RejectionKind
 from protocol.topics import CHUNKS
 
 # The PUBLISH packet around a payload: fixed header (5), topic length (2), packet id (2), properties (1); generous.
@@ -18,8 +20,10 @@ MIN_PACKET_BYTES = 4096
 MAX_CHUNKS = 1 << 16
 
 
-class ChunkingError(ValueError):
+class ChunkingError(RefusalError, ValueError):
     """A payload that cannot be cut under the broker's limit (the limit leaves no room, or too many chunks)."""
+
+    kind = RejectionKind.BAD_CHUNK
 
 
 def packet_bytes(topic: str, payload: bytes) -> int:

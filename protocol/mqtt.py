@@ -16,6 +16,8 @@ from paho.mqtt.properties import Properties
 
 from protocol.backlog import Backlog
 from protocol.chunks import ChunkingError, Outgoing
+from protocol.errors import RefusalError, UsageError
+from protocol.messages import RejectionKind
 from protocol.reassembly import ChunkLimits, Completed, Dropped, Reassembler
 from protocol.topics import CHUNKS
 
@@ -27,12 +29,14 @@ CLOSE_WAIT_SECONDS = 1.0
 SWEEP_SECONDS = 1.0
 
 
-class PayloadTooLargeError(ValueError):
+class PayloadTooLargeError(RefusalError, ValueError):
     """A publish that the broker would refuse: paho would otherwise resend it after every reconnect."""
 
+    kind = RejectionKind.TOO_LARGE
 
-class BrokerUnavailableError(ConnectionError):
-    """No connection to the broker within the time allowed."""
+
+class BrokerUnavailableError(UsageError):
+    """No connection to the broker within the time allowed: the address a person gave, shown in one line."""
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,14 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from protocol.errors import RefusalError
 from protocol.messages import (
     MAX_BUNDLE_FILES,
     BundleFiles,
     M,
     Message,
     Recipe,
+    RejectionKind,
     Tensors,
     Update,
 )
@@ -53,8 +55,10 @@ ALLOWED_DTYPES = frozenset(
 ) | {"|b1", "|i1", "|u1"}
 
 
-class WireError(ValueError):
+class WireError(RefusalError, ValueError):
     """Any message that cannot be decoded or does not fit its schema; the text says exactly what is wrong."""
+
+    kind = RejectionKind.UNDECODABLE
 
 
 def encode_tensor(array: np.ndarray) -> dict[str, Any]:
