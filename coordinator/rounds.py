@@ -94,6 +94,14 @@ class OpenRound:
 DeviceHandler = Callable[[str, IncomingMessage, OpenRound | None], None]
 
 
+def device_routes(fleet: str, on_update: DeviceHandler, on_status: DeviceHandler) -> topics.Router[DeviceHandler]:
+    """What a coordinator takes from its fleet's devices, by topic: their updates and their status."""
+    router: topics.Router[DeviceHandler] = topics.Router()
+    router.add(topics.UPDATE.bind(fleet=fleet), on_update)
+    router.add(topics.STATUS.bind(fleet=fleet), on_status)
+    return router
+
+
 def choose_participants(online: Sequence[str], participation: float, seed: int, round_id: int) -> list[str]:
     """KAFAL's S_t: a seeded random ceil(R*K) of the K online devices, sorted; [] (everyone) when R = 1."""
     if participation >= 1.0 or not online:
@@ -125,9 +133,7 @@ class Coordinator:
         self.session = session
         self.rules = rules
         self.parts = parts
-        self.router: topics.Router[DeviceHandler] = topics.Router()
-        self.router.add(topics.UPDATE.bind(fleet=fleet), self.on_update)
-        self.router.add(topics.STATUS.bind(fleet=fleet), self.on_status)
+        self.router = device_routes(fleet, self.on_update, self.on_status)
 
     def start(self) -> None:
         """Subscribes to every device's updates and status."""
