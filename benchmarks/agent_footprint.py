@@ -26,7 +26,7 @@ from coordinator.server import InitSettings, ServerSettings, load_server_data  #
 from edge_agent.learning.models import build_model, get_weights  # noqa: E402
 from edge_agent.loop.profile import load_profile  # noqa: E402
 from export.bundle_writer import ensure_bundle_files  # noqa: E402
-from protocol import messages, wire  # noqa: E402
+from protocol import messages, topics, wire  # noqa: E402
 from protocol.model_spec import DEFAULT_SPEC  # noqa: E402
 from protocol.mqtt import BrokerAddress, MqttSession  # noqa: E402
 from protocol.tensors import weights_hash  # noqa: E402
@@ -48,21 +48,21 @@ class Announcer:
     def __init__(self, address: BrokerAddress, work: Path) -> None:
         self.session = MqttSession(address, client_id="footprint-coordinator", session_expiry=0)
         self.session.connect(timeout=10)
-        self.session.subscribe(wire.all_devices_topic(FLEET, "status"))
+        self.session.subscribe(topics.STATUS.filter(fleet=FLEET))
         self.weights = get_weights(build_model(seed=0))
         self.model_hash = weights_hash(self.weights)
         model = wire.encode(messages.ModelMessage(self.model_hash, DEFAULT_SPEC, self.weights))
-        self.session.publish(wire.model_topic(FLEET, self.model_hash), model, retain=True, wait=10)
+        self.session.publish(topics.MODEL.build(fleet=FLEET, hash=self.model_hash), model, retain=True, wait=10)
         files = ensure_bundle_files(self.weights, work / "bundle")
         bundle = wire.encode(messages.BundleMessage(self.model_hash, files))
-        self.session.publish(wire.bundle_topic(FLEET, self.model_hash), bundle, retain=True, wait=10)
+        self.session.publish(topics.BUNDLE.build(fleet=FLEET, hash=self.model_hash), bundle, retain=True, wait=10)
 
     def announce(self, round_id: int, round_recipe: messages.Recipe, participants: list[str]) -> None:
         """Retains the round's announcement."""
         announcement = messages.RoundAnnouncement(
             "footprint", round_id, self.model_hash, round_recipe, time.time() + 3600, False, participants
         )
-        self.session.publish(wire.round_topic(FLEET), wire.encode(announcement), retain=True, wait=10)
+        self.session.publish(topics.ROUND.build(fleet=FLEET), wire.encode(announcement), retain=True, wait=10)
 
     def wait_idle_after(self, round_id: int, timeout: float) -> messages.Status:
         """The device's status once it reports round `round_id` done."""

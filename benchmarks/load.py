@@ -35,7 +35,7 @@ from typing import IO
 import numpy as np
 import paho.mqtt.client as paho
 
-from protocol import messages, wire
+from protocol import messages, topics, wire
 from protocol.model_spec import DEFAULT_SPEC
 
 FLEET = "load"
@@ -54,7 +54,7 @@ def connect_devices(address: tuple[str, int], device_ids: list[str], acks: queue
         )
         client.connect(*address)
         client.loop_start()
-        client.subscribe(wire.device_topic(FLEET, device_id, "ack"), qos=1)
+        client.subscribe(topics.ACK.build(fleet=FLEET, device=device_id), qos=1)
         clients.append(client)
     return clients
 
@@ -63,14 +63,14 @@ def announced_round(
     client: paho.Client, inbox: queue.Queue
 ) -> tuple[messages.RoundAnnouncement, messages.ModelMessage]:
     """Round 1's announcement and its model, as one device's client receives them."""
-    client.subscribe(wire.round_topic(FLEET), qos=1)
+    client.subscribe(topics.ROUND.build(fleet=FLEET), qos=1)
     announcement = None
     while True:
         _, topic, payload = inbox.get(timeout=CONNECT_SECONDS)
-        if topic == wire.round_topic(FLEET):
+        if topic == topics.ROUND.build(fleet=FLEET):
             announcement = wire.decode(payload, messages.RoundAnnouncement)
-            client.subscribe(wire.model_topic(FLEET, announcement.model_hash), qos=1)
-        elif announcement is not None and topic == wire.model_topic(FLEET, announcement.model_hash):
+            client.subscribe(topics.MODEL.build(fleet=FLEET, hash=announcement.model_hash), qos=1)
+        elif announcement is not None and topic == topics.MODEL.build(fleet=FLEET, hash=announcement.model_hash):
             return announcement, wire.decode(payload, messages.ModelMessage)
 
 
@@ -128,7 +128,7 @@ def worker(
     go.wait()
     first_publish = time.time()
     for client, device_id, payload in zip(clients, device_ids, payloads):
-        client.publish(wire.device_topic(FLEET, device_id, "update"), payload, qos=1)
+        client.publish(topics.UPDATE.build(fleet=FLEET, device=device_id), payload, qos=1)
     del payloads
     verdicts = first_verdicts(acks, len(device_ids))
     for client in clients:

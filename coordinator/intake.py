@@ -11,10 +11,10 @@ from coordinator.aggregation import ClientUpdate
 from coordinator.observer import RoundObserver
 from coordinator.store import RunStore
 from coordinator.validation import Expectation, Rejection, validate_update
-from protocol import messages, wire
-from protocol.chunks import Dropped
+from protocol import messages, topics, wire
 from protocol.messages import RejectionKind
 from protocol.mqtt import MqttSession
+from protocol.reassembly import Dropped
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class UpdateIntake:
         self.store.spool.commit()
         pending, self.pending = self.pending, []
         for ack in pending:
-            self.session.publish(wire.device_topic(self.fleet, ack.device_id, "ack"), wire.encode(ack))
+            self.session.publish(topics.ACK.build(fleet=self.fleet, device=ack.device_id), wire.encode(ack))
 
 
 def update_id_of(payload: bytes) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
 
-from protocol import wire
+from protocol import topics, wire
 from protocol.credentials import Credentials, load_credentials, save_credentials
 from protocol.files import atomic_write_bytes
 
@@ -83,25 +83,10 @@ def password_hash(password: str, salt: bytes | None = None) -> str:
 
 def acl_text(fleet: str) -> str:
     """The coordinator may do anything in the fleet; a device writes only under its own topics (by username, %u,
-    never the spoofable client id) and reads only the round, the models, their ONNX bundles, the FAST encoder and its own acks (each with the chunk
-    topics a message too large for the broker travels on)."""
-    root = f"fl/{wire.check_identifier('fleet', fleet)}"
-    return "\n".join(
-        [
-            f"user {COORDINATOR_USERNAME}",
-            f"topic readwrite {root}/#",
-            "",
-            f"pattern write {root}/devices/%u/#",
-            f"pattern read {root}/devices/%u/ack",
-            f"pattern read {root}/devices/%u/ack/chunk/+",
-            f"pattern read {root}/round",
-            f"pattern read {root}/round/chunk/+",
-            f"pattern read {root}/model/#",
-            f"pattern read {root}/bundle/#",
-            f"pattern read {root}/encoder/#",
-            "",
-        ]
-    )
+    never the spoofable client id) and reads only the round, the models, their ONNX bundles, the FAST encoder and
+    its own acks, each with its chunks (protocol.topics writes the device lines from the topic patterns)."""
+    coordinator = [f"user {COORDINATOR_USERNAME}", f"topic readwrite {topics.FLEET_ALL.acl(fleet=fleet)}"]
+    return "\n".join([*coordinator, "", *topics.device_acl(fleet), ""])
 
 
 def broker_config_lines(secure: SecureFleet) -> tuple[str, ...]:

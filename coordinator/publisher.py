@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from protocol import messages, wire
+from protocol import messages, topics, wire
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec, spec_hash
 from protocol.mqtt import MqttSession
 from protocol.tensors import Weights
@@ -40,13 +40,15 @@ class RetainedPublisher:
         """Retains the weights (and their ONNX bundle) on hash topics, clearing the previous model's copies."""
         spec = self.artefacts.spec
         self.retain_current(
-            "model", wire.model_topic(self.fleet, model_hash), lambda: messages.ModelMessage(model_hash, spec, weights)
+            "model",
+            topics.MODEL.build(fleet=self.fleet, hash=model_hash),
+            lambda: messages.ModelMessage(model_hash, spec, weights),
         )
         bundle_files = self.artefacts.bundle_files
         if bundle_files is not None:
             self.retain_current(
                 "bundle",
-                wire.bundle_topic(self.fleet, model_hash),
+                topics.BUNDLE.build(fleet=self.fleet, hash=model_hash),
                 lambda: messages.BundleMessage(model_hash, bundle_files(weights, model_hash)),
             )
 
@@ -55,7 +57,7 @@ class RetainedPublisher:
         if encoder_hash:
             self.retain_current(
                 "encoder",
-                wire.encoder_topic(self.fleet, encoder_hash),
+                topics.ENCODER.build(fleet=self.fleet, hash=encoder_hash),
                 lambda: messages.EncoderMessage(encoder_hash, self.artefacts.encoder),
             )
 
@@ -88,7 +90,7 @@ class RetainedPublisher:
 
     def _announce(self, announcement: messages.RoundAnnouncement) -> None:
         """Publishes an announcement retained and waits for the broker to take it."""
-        topic = wire.round_topic(self.fleet)
+        topic = topics.ROUND.build(fleet=self.fleet)
         self.session.publish(topic, wire.encode(announcement), retain=True, wait=RETAIN_WAIT_SECONDS)
         log.info(
             "round announced round=%d model=%s final=%s",

@@ -21,8 +21,9 @@ from coordinator.strategies import make_strategy
 from edge_agent.loop.agent import last_will
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.artefacts import RoundArtefacts
+from edge_agent.loop.inbound import device_router, handle_inbound
 from edge_agent.loop.outbox import OUTBOX_FOLDER, UpdateSender
-from protocol import messages, wire
+from protocol import messages, topics, wire
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec, spec_hash
 from protocol.mqtt import BrokerAddress, IncomingMessage, MqttSession
 from protocol.tensors import Weights
@@ -156,6 +157,14 @@ class Relay:
         self.artefacts = RoundArtefacts(session, settings.site.run_dir / "upstream-bundles")
         self.sender = UpdateSender(settings.device, session, settings.site.run_dir / OUTBOX_FOLDER)
         self.pending: messages.RoundAnnouncement | None = None
+        self.router = device_router(
+            settings.fleet,
+            settings.relay_id,
+            self.on_announcement,
+            self.artefacts.receive,
+            self.artefacts,
+            self.sender.on_ack,
+        )
 
     @property
     def last_answered_round(self) -> int:
@@ -165,8 +174,8 @@ class Relay:
     def run(self) -> None:
         """Serves central rounds until the central run's final announcement."""
         fleet, relay_id = self.settings.fleet, self.settings.relay_id
-        self.session.subscribe(wire.round_topic(fleet))
-        self.session.subscribe(wire.device_topic(fleet, relay_id, "ack"))
+        for topic_filter in self.router.filters():
+            self.session.subscribe(topic_filter)
         self.publish_status("online")
         log.info("relay ready relay=%s fleet=%s last_round=%d", relay_id, fleet, self.last_answered_round)
         try:
@@ -181,18 +190,7 @@ class Relay:
 
     def handle(self, message: IncomingMessage) -> bool:
         """Routes one upstream message; True on the central run's final announcement."""
-        kind = self.artefacts.kind_of(message.topic)
-        try:
-            if message.topic == wire.round_topic(self.settings.fleet):
-                return self.on_announcement(wire.decode(message.payload, messages.RoundAnnouncement))
-            if kind in ("model", "encoder"):
-                self.artefacts.receive(kind, message.payload)
-            elif message.topic.endswith("/ack"):
-                self.sender.on_ack(wire.decode(message.payload, messages.Ack))
-        except wire.WireError as error:
-            if message.payload:
-                log.warning("ignored bad upstream message topic=%s error=%s", message.topic[:200], error)
-        return False
+        return handle_inbound(self.router, message, "upstream")
 
     def on_announcement(self, announcement: messages.RoundAnnouncement) -> bool:
         """Takes up a central round this relay has not answered and takes part in; True on the final one."""
@@ -207,9 +205,11 @@ class Relay:
         if announcement.round_id <= self.last_answered_round or not chosen:
             return False
         self.pending = announcement
-        self.artefacts.follow("model", wire.model_topic(self.settings.fleet, announcement.model_hash))
+        self.artefacts.follow("model", topics.MODEL.build(fleet=self.settings.fleet, hash=announcement.model_hash))
         if announcement.recipe.encoder:
-            self.artefacts.follow("encoder", wire.encoder_topic(self.settings.fleet, announcement.recipe.encoder))
+            self.artefacts.follow(
+                "encoder", topics.ENCODER.build(fleet=self.settings.fleet, hash=announcement.recipe.encoder)
+            )
         return False
 
     def maybe_answer(self) -> None:
@@ -253,7 +253,7 @@ class Relay:
             round_id=self.last_answered_round if round_id is None else round_id,
             profile=RELAY_PROFILE,
         )
-        topic = wire.device_topic(self.settings.fleet, self.settings.relay_id, "status")
+        topic = topics.STATUS.build(fleet=self.settings.fleet, device=self.settings.relay_id)
         self.session.publish(topic, wire.encode(status), retain=True)
 
 

@@ -20,7 +20,7 @@ from coordinator.round_aggregator import RoundAggregator, SuspectPolicy, make_ag
 from coordinator.spool import Spool
 from coordinator.validation import Expectation, with_weights
 from edge_agent.loop.schedule import labels_by_round
-from protocol import messages, wire
+from protocol import messages, topics, wire
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec
 from protocol.mqtt import IncomingMessage, MqttSession
 from protocol.tensors import Weights, spec_of, weights_hash
@@ -97,6 +97,18 @@ class OpenRound:
     participants: list[str]
 
 
+# A device topic's handler: the device id the topic names, the message, the open round (None: none is open).
+DeviceHandler = Callable[[str, IncomingMessage, OpenRound | None], None]
+
+
+def device_routes(fleet: str, on_update: DeviceHandler, on_status: DeviceHandler) -> topics.Router[DeviceHandler]:
+    """What a coordinator takes from its fleet's devices, by topic: their updates and their status."""
+    router: topics.Router[DeviceHandler] = topics.Router()
+    router.add(topics.UPDATE.bind(fleet=fleet), on_update)
+    router.add(topics.STATUS.bind(fleet=fleet), on_status)
+    return router
+
+
 def choose_participants(online: Sequence[str], participation: float, seed: int, round_id: int) -> list[str]:
     """KAFAL's S_t: a seeded random ceil(R*K) of the K online devices, sorted; [] (everyone) when R = 1."""
     if participation >= 1.0 or not online:
@@ -128,11 +140,12 @@ class Coordinator:
         self.session = session
         self.rules = rules
         self.parts = parts
+        self.router = device_routes(fleet, self.on_update, self.on_status)
 
     def start(self) -> None:
         """Subscribes to every device's updates and status."""
-        self.session.subscribe(wire.all_devices_topic(self.fleet, "update"))
-        self.session.subscribe(wire.all_devices_topic(self.fleet, "status"))
+        for topic_filter in self.router.filters():
+            self.session.subscribe(topic_filter)
 
     def wait_for_devices(self, count: int, timeout: float) -> int:
         """Processes status messages until `count` devices (less those known dead) are online or the timeout passes;
@@ -263,13 +276,19 @@ class Coordinator:
 
     def dispatch(self, message: IncomingMessage, opened: OpenRound | None) -> None:
         """Routes a status or update message; nothing a device sends can raise out of here."""
-        try:
-            device_id = wire.device_from_topic(message.topic)
-        except wire.WireError as error:
-            log.warning("message on an unexpected topic topic=%s error=%s", message.topic[:200], error)
+        found = self.router.route(message.topic)
+        if found is None:
+            log.warning("message on an unexpected topic topic=%s", message.topic[:200])
             return
-        if message.topic.endswith("/status") and message.dropped is None:  # (a broken chunked status says nothing)
+        handler, parameters = found
+        handler(parameters["device"], message, opened)
+
+    def on_status(self, device_id: str, message: IncomingMessage, opened: OpenRound | None) -> None:
+        """A device's status (a broken chunked status says nothing)."""
+        if message.dropped is None:
             self.parts.presence.on_status(device_id, message.payload)
-        elif message.topic.endswith("/update"):
-            collector, participants = (opened.collector, opened.participants) if opened else (None, [])
-            self.parts.intake.on_update(device_id, message.payload, collector, participants, message.dropped)
+
+    def on_update(self, device_id: str, message: IncomingMessage, opened: OpenRound | None) -> None:
+        """A device's update (or its chunked transfer, dropped), for the open round if there is one."""
+        collector, participants = (opened.collector, opened.participants) if opened else (None, [])
+        self.parts.intake.on_update(device_id, message.payload, collector, participants, message.dropped)

@@ -39,9 +39,9 @@ from edge_agent.learning.training import TrainSettings, train_supervised
 from export.bundle_writer import ensure_bundle_files
 from export.onnx_graphs import export_encoder
 from protocol import messages
-from protocol.chunks import MIB, ChunkLimits
 from protocol.model_spec import CLASS_NAMES, DEFAULT_SPEC, ModelSpec, spec_hash
 from protocol.mqtt import MANUAL_ACK_WINDOW, BrokerAddress, MqttSession
+from protocol.reassembly import MIB, ChunkLimits
 from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)

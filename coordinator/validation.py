@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protocol import messages, wire
+from protocol.errors import RefusalError
 from protocol.messages import RejectionKind
 from protocol.tensors import Weights, WeightSpec, check_layout
 from protocol.update_codec import CodecError, Encoded, decode_update
@@ -27,7 +28,7 @@ def capped(text: str, limit: int = MAX_REASON_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - len(marker)] + marker
 
 
-class Rejection(Exception):
+class Rejection(RefusalError):
     """An update that must not be aggregated: its kind (a stable label for acks, the store and metrics) and the
     reason the device is told on its ack topic, capped at MAX_REASON_CHARS."""
 

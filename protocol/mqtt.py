@@ -14,9 +14,12 @@ import paho.mqtt.client as paho
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from protocol import chunks
 from protocol.backlog import Backlog
-from protocol.chunks import ChunkLimits, Completed, Dropped, Outgoing, Reassembler
+from protocol.chunks import ChunkingError, Outgoing
+from protocol.errors import RefusalError, UsageError
+from protocol.messages import RejectionKind
+from protocol.reassembly import ChunkLimits, Completed, Dropped, Reassembler
+from protocol.topics import CHUNKS
 
 log = logging.getLogger(__name__)
 
@@ -26,12 +29,14 @@ CLOSE_WAIT_SECONDS = 1.0
 SWEEP_SECONDS = 1.0
 
 
-class PayloadTooLargeError(ValueError):
+class PayloadTooLargeError(RefusalError, ValueError):
     """A publish that the broker would refuse: paho would otherwise resend it after every reconnect."""
 
+    kind = RejectionKind.TOO_LARGE
 
-class BrokerUnavailableError(ConnectionError):
-    """No connection to the broker within the time allowed."""
+
+class BrokerUnavailableError(UsageError):
+    """No connection to the broker within the time allowed: the address a person gave, shown in one line."""
 
 
 @dataclass(frozen=True)
@@ -108,14 +113,14 @@ class Subscriptions:
 
     def add(self, topic: str, qos: int) -> list[str]:
         """Notes a subscription; the filters to subscribe to."""
-        filters = chunks.subscription_filters(topic)
+        filters = CHUNKS.with_chunks(topic)
         with self._lock:
             self._filters.update(dict.fromkeys(filters, qos))
         return filters
 
     def remove(self, topic: str) -> list[str]:
         """Forgets a subscription; the filters to unsubscribe from."""
-        filters = chunks.subscription_filters(topic)
+        filters = CHUNKS.with_chunks(topic)
         with self._lock:
             for name in filters:
                 self._filters.pop(name, None)
@@ -158,7 +163,7 @@ class ChunkInbox:
         self, incoming: IncomingMessage, put: Callable[[IncomingMessage], None], ack: Callable[[IncomingMessage], None]
     ) -> None:
         """Puts a message for the owner: as it is, or, for a chunk, the whole message once it is (else acks it)."""
-        if chunks.parse_chunk_topic(incoming.topic) is None:
+        if CHUNKS.match(incoming.topic) is None:
             put(incoming)
             return
         whole = self.take(incoming)
@@ -237,7 +242,7 @@ class MqttSession:
     The session then also tells the broker (MQTT v5 Receive Maximum) to have at most MANUAL_ACK_WINDOW such
     messages in flight (`ack_window`; the coordinator makes it its group-commit batch), and holds to that itself
     (protocol.backlog), so a burst of large updates waits in the broker rather than in this process's memory.
-    Messages too large for the broker go in chunks (`chunking`), and `inbox` puts them together (protocol.chunks).
+    Messages too large for the broker go in chunks (`chunking`), and `inbox` puts them together (protocol.reassembly).
     """
 
     def __init__(
@@ -314,7 +319,7 @@ class MqttSession:
         self.check_size(topic, payload)
         try:
             planned = self.chunking.plan(topic, payload, retain)
-        except chunks.ChunkingError as error:
+        except ChunkingError as error:
             raise PayloadTooLargeError(str(error)) from None
         if wait is None:
             return publish_all(self._client, planned, qos, wait)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from protocol.errors import RefusalError
 from protocol.files import load_arrays, save_arrays
 from protocol.messages import Recipe, RejectionKind, Update
 from protocol.tensors import Weights, WeightSpec, spec_of
@@ -30,7 +31,7 @@ INT8_LEVELS = 127
 RESIDUAL_FILE = "update_residual.npz"
 
 
-class CodecError(ValueError):
+class CodecError(RefusalError, ValueError):
     """An encoded update that cannot be decoded: the rejection kind it earns and why (names and values capped)."""
 
     def __init__(self, kind: RejectionKind, reason: str) -> None:

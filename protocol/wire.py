@@ -1,4 +1,4 @@
-# Wire format v2: typed msgpack envelopes (no pickle), raw little-endian tensors, topic names, decode limits.
+# Wire format v2: typed msgpack envelopes (no pickle), raw little-endian tensors, identifiers, decode limits.
 from __future__ import annotations
 
 import dataclasses
@@ -15,12 +15,14 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from protocol.errors import RefusalError
 from protocol.messages import (
     MAX_BUNDLE_FILES,
     BundleFiles,
     M,
     Message,
     Recipe,
+    RejectionKind,
     Tensors,
     Update,
 )
@@ -53,8 +55,10 @@ ALLOWED_DTYPES = frozenset(
 ) | {"|b1", "|i1", "|u1"}
 
 
-class WireError(ValueError):
+class WireError(RefusalError, ValueError):
     """Any message that cannot be decoded or does not fit its schema; the text says exactly what is wrong."""
+
+    kind = RejectionKind.UNDECODABLE
 
 
 def encode_tensor(array: np.ndarray) -> dict[str, Any]:
@@ -318,44 +322,6 @@ def check_identifier(kind: str, value: str) -> str:
     if not isinstance(value, str) or not IDENTIFIER.fullmatch(value):
         raise WireError(f"{kind} {shown(value)} must match {IDENTIFIER.pattern}")
     return value
-
-
-def round_topic(fleet: str) -> str:
-    """Retained current round announcement."""
-    return f"fl/{check_identifier('fleet', fleet)}/round"
-
-
-def model_topic(fleet: str, model_hash: str) -> str:
-    """Retained global weights, addressed by their hash."""
-    return f"fl/{check_identifier('fleet', fleet)}/model/{model_hash}"
-
-
-def bundle_topic(fleet: str, model_hash: str) -> str:
-    """Retained ONNX bundle of the global model with this hash (for devices that score with onnxruntime)."""
-    return f"fl/{check_identifier('fleet', fleet)}/bundle/{model_hash}"
-
-
-def encoder_topic(fleet: str, encoder_hash: str) -> str:
-    """Retained frozen-encoder ONNX bytes (FAST), addressed by their sha256."""
-    return f"fl/{check_identifier('fleet', fleet)}/encoder/{encoder_hash}"
-
-
-def device_topic(fleet: str, device_id: str, leaf: str) -> str:
-    """A device's own topic: leaf is update, ack or status."""
-    return f"fl/{check_identifier('fleet', fleet)}/devices/{check_identifier('device id', device_id)}/{leaf}"
-
-
-def all_devices_topic(fleet: str, leaf: str) -> str:
-    """Subscription pattern for one leaf of every device."""
-    return f"fl/{check_identifier('fleet', fleet)}/devices/+/{leaf}"
-
-
-def device_from_topic(topic: str) -> str:
-    """The device id in fl/<fleet>/devices/<device>/<leaf>; WireError if the topic is not of that form."""
-    parts = topic.split("/")
-    if len(parts) != 5 or parts[0] != "fl" or parts[2] != "devices":
-        raise WireError(f"topic {shown(topic)} is not a device topic")
-    return check_identifier("device id", parts[3])
 
 
 def signing_bytes(update: Update) -> bytes:

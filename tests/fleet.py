@@ -20,7 +20,7 @@ from edge_agent.data.device_data import LABELS_FILE
 from edge_agent.data.labelled_record import source_code
 from edge_agent.learning.models import build_model, get_weights
 from export.bundle_writer import ensure_bundle_files
-from protocol import messages, wire
+from protocol import messages, topics, wire
 from protocol.files import load_arrays
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.mqtt import BrokerAddress, MqttSession
@@ -179,24 +179,26 @@ class FakeDevice:
         self.device_id = device_id
         self.session = MqttSession(address, client_id=f"fake-{device_id}", session_expiry=0)
         self.session.connect(timeout=30)
-        self.session.subscribe(wire.device_topic(fleet, device_id, "ack"))
+        self.session.subscribe(topics.ACK.build(fleet=fleet, device=device_id))
 
     def current_round(self, after: int = 0) -> tuple[messages.RoundAnnouncement, dict[str, np.ndarray]]:
         """The first announced round newer than `after`, with its model weights."""
-        self.session.subscribe(wire.round_topic(self.fleet))
+        self.session.subscribe(topics.ROUND.build(fleet=self.fleet))
         announcement: messages.RoundAnnouncement | None = None
         deadline = time.monotonic() + WAIT
         while time.monotonic() < deadline:
             message = self.session.next_message(timeout=0.5)
             if message is None:
                 continue
-            if message.topic == wire.round_topic(self.fleet):
+            if message.topic == topics.ROUND.build(fleet=self.fleet):
                 candidate = wire.decode(message.payload, messages.RoundAnnouncement)
                 if candidate.round_id > after and not candidate.final:
                     announcement = candidate
-                    self.session.subscribe(wire.model_topic(self.fleet, candidate.model_hash))
-            elif announcement is not None and message.topic == wire.model_topic(self.fleet, announcement.model_hash):
-                self.session.unsubscribe(wire.round_topic(self.fleet))
+                    self.session.subscribe(topics.MODEL.build(fleet=self.fleet, hash=candidate.model_hash))
+            elif announcement is not None and message.topic == topics.MODEL.build(
+                fleet=self.fleet, hash=announcement.model_hash
+            ):
+                self.session.unsubscribe(topics.ROUND.build(fleet=self.fleet))
                 self.session.unsubscribe(message.topic)
                 return announcement, wire.decode(message.payload, messages.ModelMessage).tensors
         raise AssertionError(f"no round after {after} announced within {WAIT:.0f}s")
@@ -221,7 +223,7 @@ class FakeDevice:
 
     def publish(self, payload: bytes, device_id: str | None = None) -> None:
         """Publishes raw bytes on a device's update topic (its own by default) and waits for the broker."""
-        topic = wire.device_topic(self.fleet, device_id or self.device_id, "update")
+        topic = topics.UPDATE.build(fleet=self.fleet, device=device_id or self.device_id)
         assert self.session.publish(topic, payload, wait=30.0)
 
     def acks(self, count: int, timeout: float = WAIT) -> list[messages.Ack]:
@@ -252,7 +254,7 @@ def watch_status(address: BrokerAddress, fleet: str) -> MqttSession:
     """A test client that hears every device's status in the fleet."""
     session = MqttSession(address, client_id=f"{fleet}-status-watch", session_expiry=0)
     session.connect(timeout=10)
-    session.subscribe(wire.all_devices_topic(fleet, "status"))
+    session.subscribe(topics.STATUS.filter(fleet=fleet))
     return session
 
 
@@ -277,12 +279,12 @@ def announce_round(
     weights = get_weights(build_model(seed=1))
     model_hash = weights_hash(weights)
     model = wire.encode(messages.ModelMessage(model_hash, DEFAULT_SPEC, weights))
-    session.publish(wire.model_topic(fleet, model_hash), model, retain=True, wait=10)
+    session.publish(topics.MODEL.build(fleet=fleet, hash=model_hash), model, retain=True, wait=10)
     if bundle_dir is not None:
         bundle = wire.encode(messages.BundleMessage(model_hash, ensure_bundle_files(weights, bundle_dir)))
-        session.publish(wire.bundle_topic(fleet, model_hash), bundle, retain=True, wait=10)
+        session.publish(topics.BUNDLE.build(fleet=fleet, hash=model_hash), bundle, retain=True, wait=10)
     announcement = messages.RoundAnnouncement("run-t", round_id, model_hash, recipe, time.time() + 600)
-    session.publish(wire.round_topic(fleet), wire.encode(announcement), retain=True, wait=10)
+    session.publish(topics.ROUND.build(fleet=fleet), wire.encode(announcement), retain=True, wait=10)
     session.close()
     return model_hash
 

@@ -18,7 +18,7 @@ from edge_agent.learning.models import build_model, get_weights
 from edge_agent.loop.agent import LAST_ROUND_KEY, Agent, last_will
 from edge_agent.loop.agent_settings import AgentSettings
 from export.bundle_writer import ensure_bundle_files
-from protocol import messages, wire
+from protocol import messages, topics, wire
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec
 from protocol.mqtt import MqttSession
 from protocol.tensors import weights_hash
@@ -49,8 +49,8 @@ class FakeCoordinator:
     def __init__(self, broker: EmbeddedBroker) -> None:
         self.session = MqttSession(broker.address, client_id="fake-coordinator")
         self.session.connect(timeout=10)
-        self.session.subscribe(wire.all_devices_topic(FLEET, "update"))
-        self.session.subscribe(wire.all_devices_topic(FLEET, "status"))
+        self.session.subscribe(topics.UPDATE.filter(fleet=FLEET))
+        self.session.subscribe(topics.STATUS.filter(fleet=FLEET))
 
     def start_round(
         self,
@@ -62,9 +62,11 @@ class FakeCoordinator:
     ) -> str:
         model_hash = model_hash or weights_hash(weights)
         message = messages.ModelMessage(model_hash, spec, weights)
-        self.session.publish(wire.model_topic(FLEET, model_hash), wire.encode(message), retain=True, wait=10)
+        self.session.publish(
+            topics.MODEL.build(fleet=FLEET, hash=model_hash), wire.encode(message), retain=True, wait=10
+        )
         announcement = messages.RoundAnnouncement("run-1", round_id, model_hash, recipe, time.time() + 60)
-        self.session.publish(wire.round_topic(FLEET), wire.encode(announcement), retain=True, wait=10)
+        self.session.publish(topics.ROUND.build(fleet=FLEET), wire.encode(announcement), retain=True, wait=10)
         return model_hash
 
     def ship_bundle(self, weights: dict, folder: Path, tamper: bool = False) -> None:
@@ -73,7 +75,9 @@ class FakeCoordinator:
         if tamper:
             files["tail.onnx"] = files["tail.onnx"][:-1] + bytes([files["tail.onnx"][-1] ^ 1])
         message = messages.BundleMessage(weights_hash(weights), files)
-        self.session.publish(wire.bundle_topic(FLEET, message.model_hash), wire.encode(message), retain=True, wait=10)
+        self.session.publish(
+            topics.BUNDLE.build(fleet=FLEET, hash=message.model_hash), wire.encode(message), retain=True, wait=10
+        )
 
     def next_on(self, leaf: str, timeout: float, accept=lambda message: True):
         deadline = time.monotonic() + timeout

@@ -28,12 +28,13 @@ from edge_agent.learning.models import build_model, get_weights
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.artefacts import RoundArtefacts
 from edge_agent.loop.outbox import UpdateSender
-from protocol import chunks, messages, wire
-from protocol.chunks import ChunkLimits, Completed, Dropped, Reassembler
+from protocol import chunks, messages, topics, wire
 from protocol.messages import RejectionKind
 from protocol.model_spec import ModelSpec
 from protocol.mqtt import MqttSession
+from protocol.reassembly import ChunkLimits, Completed, Dropped, Reassembler
 from protocol.tensors import weights_hash
+from protocol.topics import CHUNKS
 
 MIB = 1024 * 1024
 TOPIC = "fl/f/devices/dev-1/update"
@@ -54,7 +55,7 @@ def encoded(chunk: messages.Chunk) -> bytes:
 
 def feed(reassembler: Reassembler, topic: str, pieces: list[messages.Chunk], now: float = 0.0) -> list:
     """Every non-None answer of the reassembler to these chunks, in order."""
-    answers = [reassembler.add(chunks.chunk_topic(topic, piece.index), encoded(piece), now) for piece in pieces]
+    answers = [reassembler.add(CHUNKS.build(topic, piece.index), encoded(piece), now) for piece in pieces]
     return [answer for answer in answers if answer is not None]
 
 
@@ -73,7 +74,7 @@ def test_every_chunk_packet_fits_under_the_limit_and_any_order_reassembles(size,
     payload = payload_of(size)
     pieces = chunks.split(TOPIC, payload, limit)
     assert all(chunks.packet_bytes(topic, piece) <= limit for topic, piece in pieces)
-    room = limit - chunks.PACKET_OVERHEAD - chunks.ENVELOPE_OVERHEAD - len(chunks.chunk_topic(TOPIC, chunks.MAX_CHUNKS))
+    room = limit - chunks.PACKET_OVERHEAD - chunks.ENVELOPE_OVERHEAD - len(CHUNKS.build(TOPIC, chunks.MAX_CHUNKS))
     assert len(pieces) == math.ceil(size / room)
     order = list(range(len(pieces)))
     random.Random(size).shuffle(order)
@@ -110,40 +111,19 @@ def test_a_publisher_plans_chunks_under_the_smaller_limit_and_clears_the_retaine
     topic = "fl/f/round"
     big, smaller = payload_of(300_000), payload_of(100_000)
     first = outgoing.plan(topic, big, retain=True)
-    assert [name for name, _, _ in first] == [chunks.chunk_topic(topic, i) for i in range(5)]
+    assert [name for name, _, _ in first] == [CHUNKS.build(topic, i) for i in range(5)]
     assert all(retain for _, _, retain in first)
     second = outgoing.plan(topic, smaller, retain=True)  # 2 chunks: the old chunks 2, 3 and 4 are cleared
-    assert [(name, piece) for name, piece, _ in second[2:]] == [(chunks.chunk_topic(topic, i), b"") for i in (2, 3, 4)]
+    assert [(name, piece) for name, piece, _ in second[2:]] == [(CHUNKS.build(topic, i), b"") for i in (2, 3, 4)]
     whole = outgoing.plan(topic, b"small", retain=True)  # whole again: both chunks cleared
     assert [(name, piece) for name, piece, _ in whole] == [
         (topic, b"small"),
-        (chunks.chunk_topic(topic, 0), b""),
-        (chunks.chunk_topic(topic, 1), b""),
+        (CHUNKS.build(topic, 0), b""),
+        (CHUNKS.build(topic, 1), b""),
     ]
     assert [name for name, _, _ in outgoing.plan(topic, big, retain=True)][-1] == topic  # chunks replace the whole
-    assert outgoing.plan("t/live", big, retain=False)[-1][0] == chunks.chunk_topic("t/live", 4)  # nothing to clear
+    assert outgoing.plan("t/live", big, retain=False)[-1][0] == CHUNKS.build("t/live", 4)  # nothing to clear
     assert chunks.Outgoing().plan(topic, big, retain=False) == [(topic, big, False)]  # no limit known: whole
-
-
-@pytest.mark.parametrize(
-    "topic, parsed",
-    [
-        ("fl/f/model/abc/chunk/0", ("fl/f/model/abc", 0)),
-        ("fl/f/devices/d/update/chunk/65535", ("fl/f/devices/d/update", 65535)),
-        ("fl/f/devices/d/update/chunk/01", ("fl/f/devices/d/update", None)),
-        ("fl/f/devices/d/update/chunk/x", ("fl/f/devices/d/update", None)),
-        ("fl/f/devices/d/update", None),
-        ("chunk/0", None),
-        ("fl/f/chunk/0/more", None),
-    ],
-)
-def test_chunk_topics(topic, parsed):
-    assert chunks.parse_chunk_topic(topic) == parsed
-
-
-def test_chunk_filters_follow_subscriptions():
-    assert chunks.chunk_filter("fl/f/devices/+/update") == "fl/f/devices/+/update/chunk/+"
-    assert chunks.chunk_filter("fl/f/#") is None
 
 
 # --- the reassembler: abuse, each with its reason -----------------------------------------------------------------
@@ -233,23 +213,22 @@ def test_a_malformed_chunk_is_refused_with_its_reason(change, words):
     reassembler = Reassembler()
     piece = decoded_chunks(TOPIC, payload_of(20_000), 4096)[0]
     bad = dataclasses.replace(piece, **change)
-    answer = reassembler.add(chunks.chunk_topic(TOPIC, 0), encoded(bad), 0.0)
+    answer = reassembler.add(CHUNKS.build(TOPIC, 0), encoded(bad), 0.0)
     assert isinstance(answer, Dropped) and answer.kind == RejectionKind.BAD_CHUNK and words in answer.reason
 
 
 def test_undecodable_chunks_are_refused_and_cleared_retained_chunks_ignored():
     reassembler = Reassembler()
-    answer = reassembler.add(chunks.chunk_topic(TOPIC, 0), b"\xc1garbage", 0.0)
+    answer = reassembler.add(CHUNKS.build(TOPIC, 0), b"\xc1garbage", 0.0)
     assert isinstance(answer, Dropped) and answer.reason.startswith("bad chunk: undecodable msgpack")
-    assert reassembler.add(chunks.chunk_topic(TOPIC, 3), b"", 0.0) is None  # a cleared retained chunk
+    assert reassembler.add(CHUNKS.build(TOPIC, 3), b"", 0.0) is None  # a cleared retained chunk
 
 
 def test_an_endless_stream_of_first_chunks_holds_two_transfers_and_one_report_per_quiet_period():
     limits = ChunkLimits(max_message_bytes=MIB, sender_bytes=2 * MIB, sender_transfers=2, quiet=10.0)
     reassembler = Reassembler(limits)
     answers = [
-        reassembler.add(chunks.chunk_topic(TOPIC, 0), encoded(first_chunk(i, MIB // 2, 64)), i * 0.001)
-        for i in range(5000)
+        reassembler.add(CHUNKS.build(TOPIC, 0), encoded(first_chunk(i, MIB // 2, 64)), i * 0.001) for i in range(5000)
     ]
     reports = [answer for answer in answers if answer is not None]
     assert len(reports) == 1 and reports[0].kind == RejectionKind.TRANSFER_LIMIT
@@ -261,8 +240,7 @@ def test_an_endless_stream_of_first_chunks_holds_two_transfers_and_one_report_pe
     )  # once the two time out (and the quiet period is over) it may be told again
     assert reassembler.pending == 0
     late = [
-        reassembler.add(chunks.chunk_topic(TOPIC, 0), encoded(first_chunk(9000 + i, MIB // 2, 64)), 200.0)
-        for i in range(3)
+        reassembler.add(CHUNKS.build(TOPIC, 0), encoded(first_chunk(9000 + i, MIB // 2, 64)), 200.0) for i in range(3)
     ]
     assert [answer.kind for answer in late if answer is not None] == [RejectionKind.TRANSFER_LIMIT]
 
@@ -271,7 +249,7 @@ def test_many_senders_share_the_total_cap():
     limits = ChunkLimits(max_message_bytes=MIB, total_bytes=8 * MIB, total_transfers=100)
     reassembler = Reassembler(limits)
     answers = [
-        reassembler.add(chunks.chunk_topic(f"fl/f/devices/d{i}/update", 0), encoded(first_chunk(i, MIB, 16)), 0.0)
+        reassembler.add(CHUNKS.build(f"fl/f/devices/d{i}/update", 0), encoded(first_chunk(i, MIB, 16)), 0.0)
         for i in range(50)
     ]
     refused = [answer for answer in answers if answer is not None]
@@ -291,7 +269,7 @@ def flood(reassembler: Reassembler, senders: int, transfers: int, total: int, co
             transfer_id = f"s{sender:04d}t{transfer:06d}"
             for index in range(count - 1):
                 piece = messages.Chunk(transfer_id, index, count, total, digest, data)
-                reassembler.add(chunks.chunk_topic(topic, index), encoded(piece), 0.0)
+                reassembler.add(CHUNKS.build(topic, index), encoded(piece), 0.0)
 
 
 def test_memory_under_a_flood_stays_under_the_caps_and_without_them_it_would_not():
@@ -381,7 +359,7 @@ def test_a_model_above_10_mb_crosses_a_broker_with_a_1_mb_limit(tmp_path, sessio
         coordinator = sessions(broker.address, "coordinator")
         publisher = RetainedPublisher(coordinator, "f", "run", Artefacts(spec=CAMERA_SPEC))
         publisher.publish_model(weights, model_hash)
-        topic = wire.model_topic("f", model_hash)
+        topic = topics.MODEL.build(fleet="f", hash=model_hash)
         size = len(wire.encode(messages.ModelMessage(model_hash, CAMERA_SPEC, weights)))
         assert size > 12 * MIB and len(chunks.split(topic, b"x" * size, MIB)) == 13
 
@@ -438,7 +416,7 @@ def test_a_reconnect_in_the_middle_of_a_transfer_resumes_it(tmp_path, sessions, 
     """Half the chunks arrive, the broker restarts (every connection drops), the other half is sent: the receiver keeps
     what it had and completes the message without the first half being sent again (a retained transfer gets its
     first half again from the retained copies on resubscribing; those copies are ignored)."""
-    topic = wire.model_topic("f", "a" * 64) if retained else TOPIC
+    topic = topics.MODEL.build(fleet="f", hash="a" * 64) if retained else TOPIC
     payload = payload_of(12 * MIB, seed=3)
     pieces = chunks.split(topic, payload, MIB)
     half = len(pieces) // 2
@@ -540,13 +518,13 @@ class RssSampler:
 
 
 def update_chunks(device: FakeDevice, update: messages.Update) -> tuple[str, list[messages.Chunk]]:
-    topic = wire.device_topic(FLEET, device.device_id, "update")
+    topic = topics.UPDATE.build(fleet=FLEET, device=device.device_id)
     return topic, decoded_chunks(topic, wire.encode(update), PACKET_LIMIT)
 
 
 def send(device: FakeDevice, topic: str, pieces: list[messages.Chunk]) -> None:
     for piece in pieces:
-        assert device.session.publish(chunks.chunk_topic(topic, piece.index), encoded(piece), wait=WAIT)
+        assert device.session.publish(CHUNKS.build(topic, piece.index), encoded(piece), wait=WAIT)
 
 
 def average(base: dict, updates: list[messages.Update]) -> dict:
@@ -584,7 +562,7 @@ def test_chunk_abuse_is_rejected_with_its_reason_memory_stays_bounded_and_the_mo
                 pieces[0].transfer_id, 1, count + 1, total, pieces[0].digest, bytes(-(-total // (count + 1)))
             )
             send(devices["inconsistent"], topic, [pieces[0], other])
-            topic = wire.device_topic(FLEET, "huge", "update")
+            topic = topics.UPDATE.build(fleet=FLEET, device="huge")
             send(devices["huge"], topic, [messages.Chunk("h" * 32, 0, 4, 10**12, "0" * 64, bytes(1000))])
             _, topic, pieces = chunked("digest", 13)
             send(devices["digest"], topic, [dataclasses.replace(piece, digest="ab" * 32) for piece in pieces])
@@ -594,21 +572,19 @@ def test_chunk_abuse_is_rejected_with_its_reason_memory_stays_bounded_and_the_mo
             before_rss = memory_kb(coordinator.pid, "VmRSS")
             # an endless stream of first chunks from one device, then 160 devices each sending 15 of 16 chunks of a
             # 1 MiB update: about 200 MB a coordinator without caps would hold
-            endless = wire.device_topic(FLEET, "endless", "update")
+            endless = topics.UPDATE.build(fleet=FLEET, device="endless")
             data_bytes = 60 * 1024
             for transfer in range(500):
                 piece = first_chunk(transfer, 4 * data_bytes, 4)
-                assert devices["endless"].session.publish(chunks.chunk_topic(endless, 0), encoded(piece))
+                assert devices["endless"].session.publish(CHUNKS.build(endless, 0), encoded(piece))
             flooder = devices["flood"].session
             sent = 500 * data_bytes
             for sender in range(160):
-                topic = wire.device_topic(FLEET, f"flood-{sender:03d}", "update")
+                topic = topics.UPDATE.build(fleet=FLEET, device=f"flood-{sender:03d}")
                 digest = hashlib.sha256(str(sender).encode()).hexdigest()
                 for index in range(15):
                     piece = messages.Chunk(f"flood{sender:03d}", index, 16, 16 * data_bytes, digest, bytes(data_bytes))
-                    flooder.publish(
-                        chunks.chunk_topic(topic, index), encoded(piece), wait=WAIT if index == 14 else None
-                    )
+                    flooder.publish(CHUNKS.build(topic, index), encoded(piece), wait=WAIT if index == 14 else None)
                     sent += data_bytes
 
             acks = {name: devices[name].acks(1) for name in ("missing", "twice", "inconsistent", "huge", "digest")}

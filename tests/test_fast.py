@@ -26,7 +26,7 @@ from edge_agent.loop.agent import Agent
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.round_inputs import RoundModels
 from export.onnx_graphs import export_encoder
-from protocol import messages, wire
+from protocol import messages, topics, wire
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.mqtt import BrokerAddress, MqttSession
 
@@ -196,6 +196,6 @@ def test_bad_encoder_files_give_one_line_errors(tmp_path) -> None:
 def test_encoder_message_round_trips_and_its_topic_names_the_hash(encoder_bytes) -> None:
     message = messages.EncoderMessage(encoder_hash(encoder_bytes), encoder_bytes)
     assert wire.decode(wire.encode(message), messages.EncoderMessage) == message
-    assert wire.encoder_topic("f", message.encoder_hash) == f"fl/f/encoder/{message.encoder_hash}"
+    assert topics.ENCODER.build(fleet="f", hash=message.encoder_hash) == f"fl/f/encoder/{message.encoder_hash}"
     with pytest.raises(wire.WireError, match="expected a 'encoder' message"):
         wire.decode(wire.encode(messages.Ack("d", 1, "u", True)), messages.EncoderMessage)

@@ -16,7 +16,7 @@ from coordinator.observer import RoundObserver
 from coordinator.spool import Spool
 from coordinator.store import RunStore
 from coordinator.validation import Expectation
-from protocol import messages, wire
+from protocol import messages, topics, wire
 from protocol.tensors import spec_of, weights_hash
 
 BASE = {"w": np.zeros((3, 4), dtype=np.float32), "b": np.zeros(4, dtype=np.float32)}
@@ -84,7 +84,7 @@ def test_a_batchs_acks_are_published_only_after_its_fsync(tmp_path: Path, broker
     sync = os.fdatasync
     monkeypatch.setattr(os, "fdatasync", lambda fd: (events.append("fsync"), sync(fd))[1])
     listener = sessions(broker.address, "listener")
-    listener.subscribe(wire.all_devices_topic("gc", "ack"))
+    listener.subscribe(topics.ACK.filter(fleet="gc"))
     session = sessions(broker.address, "coordinator-gc")
     publish = session.publish
     monkeypatch.setattr(session, "publish", lambda *args, **kw: (events.append("publish"), publish(*args, **kw))[1])

@@ -22,7 +22,7 @@ from edge_agent.learning.models import build_model, get_weights
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.memory_budget import MemoryBudgetError, fit_to_budget
 from export.bundle_writer import ensure_bundle_files
-from protocol import messages, wire
+from protocol import messages, topics, wire
 from protocol.mqtt import BrokerAddress, MqttSession
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,7 +143,7 @@ def test_a_pi_zero_agent_trains_the_classifier_without_torch(tmp_path: Path, bro
     [launch] = fleet_shards(tmp_path, 1)
     listener = MqttSession(broker.address, client_id="head-listener", session_expiry=0)
     listener.connect(timeout=10)
-    listener.subscribe(wire.all_devices_topic("head", "update"))
+    listener.subscribe(topics.UPDATE.filter(fleet="head"))
     command = agent_command(launch, broker.address, "head", BenchSettings(agent_profile=PI_ZERO))
     with open(launch.log_file, "wb") as output:
         processes.append(

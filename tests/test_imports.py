@@ -1,4 +1,4 @@
-# The house rules on imports: which rooms may import which, and which modules stay free of torch.
+# The house rules on imports: which rooms may import which, no import cycles, and which modules stay free of torch.
 from __future__ import annotations
 
 import ast
@@ -29,6 +29,7 @@ TORCH_FREE = (
     "protocol.options",
     "protocol.update_codec",
     "protocol.chunks",
+    "protocol.reassembly",
     # a device that scores and trains its classifier only (the Pi Zero 2 W profile) runs without torch
     "edge_agent.loop.agent",
     "edge_agent.cli",
@@ -78,3 +79,98 @@ def test_the_pure_numpy_modules_do_not_import_torch() -> None:
     code = f"import sys\nfor name in {TORCH_FREE!r}:\n    __import__(name)\nprint('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+RUNTIME_ROOMS = ("protocol", "edge_agent", "export", "coordinator", "bench")
+
+
+def module_name(path: Path) -> str:
+    """A file's dotted module name (a package's __init__ named as the package)."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of a module, function-level ones included, less those under `if TYPE_CHECKING:`."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    pending: list[ast.AST] = [tree]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            pending.extend(node.orelse)
+        else:
+            pending.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def imported_modules(name: str, tree: ast.AST, modules: set[str], package: bool) -> set[str]:
+    """The room modules a module imports: `import a.b` imports a and a.b, `from a import b` the module a.b when
+    there is one (else a), a relative import resolved against the module's package."""
+    targets: set[str] = set()
+    for node in runtime_imports(tree):
+        if isinstance(node, ast.Import):
+            dotted = [alias.name for alias in node.names]
+            targets.update(".".join(each.split(".")[:depth]) for each in dotted for depth in range(1, 1 + len(each)))
+            continue
+        base = name.split(".")[: len(name.split(".")) - node.level + (1 if package else 0)] if node.level else []
+        source = ".".join([*base, *([node.module] if node.module else [])])
+        targets.update(".".join(source.split(".")[:depth]) for depth in range(1, source.count(".") + 2))
+        targets.update(f"{source}.{alias.name}" for alias in node.names)
+    return (targets & modules) - {name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of the runtime rooms and the room modules it imports."""
+    paths = {module_name(path): path for room in RUNTIME_ROOMS for path in (ROOT / room).rglob("*.py")}
+    modules = set(paths)
+    return {
+        name: imported_modules(name, ast.parse(path.read_text()), modules, path.name == "__init__.py")
+        for name, path in paths.items()
+    }
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Import cycles, each its modules in import order with the first repeated at the end: the shortest through a
+    module on a cycle, until every such module is in one that is reported."""
+    cycles, done = [], set()
+    for start in sorted(graph):
+        if start in done:
+            continue
+        cycle = cycle_through(graph, start)
+        if cycle:
+            cycles.append(cycle)
+            done.update(cycle)
+    return cycles
+
+
+def cycle_through(graph: dict[str, set[str]], start: str) -> list[str]:
+    """The shortest import path from `start` back to itself (breadth first), or [] if there is none."""
+    paths, seen = [[start]], {start}
+    while paths:
+        path = paths.pop(0)
+        for target in sorted(graph[path[-1]]):
+            if target == start:
+                return [*path, start]
+            if target not in seen:
+                seen.add(target)
+                paths.append([*path, target])
+    return []
+
+
+def test_the_runtime_rooms_have_no_import_cycle() -> None:
+    cycles = import_cycles(import_graph())
+    assert cycles == [], f"import cycles: {cycles}"
+
+
+def test_the_cycle_finder_sees_function_level_and_from_imports(tmp_path: Path) -> None:
+    modules = {"pkg", "pkg.a", "pkg.b", "pkg.c"}
+    sources = {
+        "pkg.a": "from pkg import b\n",
+        "pkg.b": "def f():\n    import pkg.c\n",
+        "pkg.c": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import x\nfrom .a import y\n",
+    }
+    graph = {name: imported_modules(name, ast.parse(code), modules, False) for name, code in sources.items()}
+    assert graph == {"pkg.a": {"pkg", "pkg.b"}, "pkg.b": {"pkg", "pkg.c"}, "pkg.c": {"pkg", "pkg.a"}}
+    assert import_cycles({**graph, "pkg": set()}) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]

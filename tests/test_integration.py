@@ -14,7 +14,7 @@ from coordinator.observer import RoundResult
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.store import RunStore
-from protocol import messages, wire
+from protocol import messages, topics, wire
 from protocol.mqtt import MqttSession
 from protocol.tensors import weights_hash
 
@@ -33,15 +33,15 @@ class GarbageSender:
 
     def run(self) -> None:
         self.session.connect(timeout=10)
-        self.session.subscribe(wire.round_topic(self.fleet))
-        self.session.subscribe(wire.device_topic(self.fleet, "intruder", "ack"))
+        self.session.subscribe(topics.ROUND.build(fleet=self.fleet))
+        self.session.subscribe(topics.ACK.build(fleet=self.fleet, device="intruder"))
         sent = False
         while not self.done.is_set():
             message = self.session.next_message(timeout=0.2)
             if message is None:
                 continue
             if message.topic.endswith("/round") and not sent:
-                self.session.publish(wire.device_topic(self.fleet, "intruder", "update"), b"\xc1not msgpack")
+                self.session.publish(topics.UPDATE.build(fleet=self.fleet, device="intruder"), b"\xc1not msgpack")
                 sent = True
             elif message.topic.endswith("/ack"):
                 self.ack = wire.decode(message.payload, messages.Ack)

@@ -43,7 +43,7 @@ from edge_agent.learning.training import (
 from edge_agent.loop.agent import LAST_ROUND_KEY, Agent, last_will
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.schedule import acquires_in_round, check_schedule, labels_per_acquisition, round_in_active_round
-from protocol import messages, wire
+from protocol import messages, topics, wire
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.mqtt import MqttSession
 from protocol.tensors import weights_hash
@@ -276,7 +276,7 @@ def test_unselected_device_acquires_but_never_trains_nor_sends(broker, tmp_path,
     agent = Agent(settings, session, open_device_data(tmp_path / "state", shard), SimulatedOracle(shard.all_labels))
     coordinator = MqttSession(broker.address, client_id="coordinator")
     coordinator.connect(timeout=10)
-    coordinator.subscribe(wire.all_devices_topic("kafal", "update"))
+    coordinator.subscribe(topics.UPDATE.filter(fleet="kafal"))
     recipe = messages.Recipe(
         sampler="ksas",
         local_rule="kcfu",
@@ -291,9 +291,11 @@ def test_unselected_device_acquires_but_never_trains_nor_sends(broker, tmp_path,
     def announce(round_id: int, participants: list[str]) -> None:
         model_hash = weights_hash(weights)
         model = messages.ModelMessage(model_hash, DEFAULT_SPEC, weights)
-        coordinator.publish(wire.model_topic("kafal", model_hash), wire.encode(model), retain=True, wait=10)
         coordinator.publish(
-            wire.round_topic("kafal"),
+            topics.MODEL.build(fleet="kafal", hash=model_hash), wire.encode(model), retain=True, wait=10
+        )
+        coordinator.publish(
+            topics.ROUND.build(fleet="kafal"),
             wire.encode(
                 messages.RoundAnnouncement(
                     "run", round_id, model_hash, recipe, time.time() + 60, participants=participants
@@ -350,7 +352,7 @@ def test_only_participants_may_send_and_the_quorum_counts_them(broker, tmp_path,
         coordinator = local_coordinator("kafal", session, store, make_strategy("fedavg"), evaluator, policy)
         session.connect(timeout=10)
         observer.connect(timeout=10)
-        observer.subscribe(wire.round_topic("kafal"))
+        observer.subscribe(topics.ROUND.build(fleet="kafal"))
         presence, intake = coordinator.parts.presence, coordinator.parts.intake
         for device in ("dev-a", "dev-b", "dev-c", "dev-d"):
             presence.statuses[device] = messages.Status(device, "online", time.time())

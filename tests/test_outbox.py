@@ -8,7 +8,7 @@ import pytest
 from fleet import announce_round, fleet_shards, kill, start_agent, wait_for_state, wait_until, watch_status
 
 from edge_agent.loop.outbox import OUTBOX_FOLDER, Outbox, next_resend_wait
-from protocol import messages, wire
+from protocol import messages, topics, wire
 from protocol.mqtt import IncomingMessage, MqttSession
 
 FLEET = "outbox"
@@ -39,7 +39,7 @@ class AckingCoordinator:
     def __init__(self, address) -> None:
         self.session = MqttSession(address, client_id="outbox-coordinator")
         self.session.connect(timeout=10)
-        self.session.subscribe(wire.all_devices_topic(FLEET, "update"))
+        self.session.subscribe(topics.UPDATE.filter(fleet=FLEET))
 
     def next_update(self, timeout: float = 120.0) -> IncomingMessage:
         deadline = time.monotonic() + timeout
@@ -52,7 +52,7 @@ class AckingCoordinator:
     def ack(self, message: IncomingMessage) -> None:
         update = wire.decode(message.payload, messages.Update)
         ack = messages.Ack(update.device_id, update.round_id, update.update_id, True)
-        self.session.publish(wire.device_topic(FLEET, update.device_id, "ack"), wire.encode(ack), wait=10)
+        self.session.publish(topics.ACK.build(fleet=FLEET, device=update.device_id), wire.encode(ack), wait=10)
 
 
 def outbox_files(state_dir: Path) -> list[Path]:

@@ -21,7 +21,7 @@ from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
 from coordinator.strategies import FedAvg
 from coordinator.validation import MAX_CONTRIBUTORS, MAX_REASON_CHARS, Expectation, Rejection, validate_update
 from edge_agent.learning.models import build_model, get_weights
-from protocol import messages, wire
+from protocol import messages, topics, wire
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.mqtt import MqttSession
 from protocol.tensors import spec_of, weights_hash
@@ -181,7 +181,7 @@ def test_a_relay_restarted_after_its_site_round_committed_answers_it_once_from_i
     again but sends the update rebuilt from its store, journals the round, and ignores round 1's announcement (and
     those of another run, or of rounds it was not chosen for) from then on."""
     central = sessions(broker.address, "central-watch")
-    central.subscribe(wire.device_topic("central", "relay-00", "update"))
+    central.subscribe(topics.UPDATE.build(fleet="central", device="relay-00"))
     upstream = sessions(broker.address, "relay-00")
     with committed_site_round(tmp_path / "relay") as store:
         relay = relay_on(upstream, tmp_path / "relay", store)

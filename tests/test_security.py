@@ -18,7 +18,7 @@ from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.store import RunStore
 from edge_agent.learning.models import build_model, get_weights
-from protocol import messages, wire
+from protocol import messages, topics, wire
 from protocol.credentials import load_credentials
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.mqtt import BrokerAddress
@@ -159,24 +159,24 @@ def test_a_device_cannot_connect_without_its_password(plain_broker, fleet_dir) -
 
 def test_a_device_cannot_publish_as_another_device_even_with_its_client_id(plain_broker, fleet_dir) -> None:
     coordinator = login(plain_broker.address, fleet_dir, "coordinator")
-    coordinator.client.subscribe(wire.all_devices_topic(FLEET, "update"), qos=1)
+    coordinator.client.subscribe(topics.UPDATE.filter(fleet=FLEET), qos=1)
     assert coordinator.expect("suback")[1] == 1
     intruder = login(plain_broker.address, fleet_dir, "dev-00", client_id="dev-01")
-    intruder.client.publish(wire.device_topic(FLEET, "dev-01", "update"), b"forged", qos=1)
+    intruder.client.publish(topics.UPDATE.build(fleet=FLEET, device="dev-01"), b"forged", qos=1)
     assert intruder.expect("puback")[1] == 0x87  # Not authorized
-    intruder.client.publish(wire.device_topic(FLEET, "dev-00", "update"), b"own", qos=1)
+    intruder.client.publish(topics.UPDATE.build(fleet=FLEET, device="dev-00"), b"own", qos=1)
     assert intruder.expect("puback")[1] == 0
-    assert [m[1:] for m in coordinator.messages()] == [(wire.device_topic(FLEET, "dev-00", "update"), b"own")]
+    assert [m[1:] for m in coordinator.messages()] == [(topics.UPDATE.build(fleet=FLEET, device="dev-00"), b"own")]
     for client in (coordinator, intruder):
         client.close()
 
 
 def test_a_device_login_cannot_take_over_the_coordinators_or_another_devices_session(plain_broker, fleet_dir) -> None:
     coordinator = login(plain_broker.address, fleet_dir, "coordinator", client_id=f"coordinator-{FLEET}")
-    coordinator.client.subscribe(wire.all_devices_topic(FLEET, "update"), qos=1)
+    coordinator.client.subscribe(topics.UPDATE.filter(fleet=FLEET), qos=1)
     assert coordinator.expect("suback")[1] == 1
     device = login(plain_broker.address, fleet_dir, "dev-00", client_id="dev-00")
-    update_topic = wire.device_topic(FLEET, "dev-00", "update")
+    update_topic = topics.UPDATE.build(fleet=FLEET, device="dev-00")
     for stolen_id in (f"coordinator-{FLEET}", "dev-00"):
         intruder = login(plain_broker.address, fleet_dir, "dev-01", client_id=stolen_id)
         device.client.publish(update_topic, f"sent while dev-01 posed as {stolen_id}".encode(), qos=1)
@@ -196,18 +196,18 @@ def test_a_device_login_cannot_take_over_the_coordinators_or_another_devices_ses
 def test_a_device_reads_its_own_acks_and_the_round_but_not_another_device_acks(plain_broker, fleet_dir) -> None:
     snoop = login(plain_broker.address, fleet_dir, "dev-00")
     for topic in (
-        wire.device_topic(FLEET, "dev-01", "ack"),
-        wire.device_topic(FLEET, "dev-00", "ack"),
-        wire.round_topic(FLEET),
+        topics.ACK.build(fleet=FLEET, device="dev-01"),
+        topics.ACK.build(fleet=FLEET, device="dev-00"),
+        topics.ROUND.build(fleet=FLEET),
     ):
         snoop.client.subscribe(topic, qos=1)
     granted = [snoop.expect("suback")[1] for _ in range(3)]
     assert granted == [1, 1, 1]  # mosquitto 2.0 grants the subscription but never delivers what the ACL forbids
     coordinator = login(plain_broker.address, fleet_dir, "coordinator")
     for device in ("dev-01", "dev-00"):
-        coordinator.client.publish(wire.device_topic(FLEET, device, "ack"), device.encode(), qos=1)
+        coordinator.client.publish(topics.ACK.build(fleet=FLEET, device=device), device.encode(), qos=1)
         assert coordinator.expect("puback")[1] == 0
-    coordinator.client.publish(wire.round_topic(FLEET), b"round", qos=1)
+    coordinator.client.publish(topics.ROUND.build(fleet=FLEET), b"round", qos=1)
     assert [m[2] for m in snoop.messages()] == [b"dev-00", b"round"]
     for client in (coordinator, snoop):
         client.close()
@@ -215,7 +215,7 @@ def test_a_device_reads_its_own_acks_and_the_round_but_not_another_device_acks(p
 
 def test_tls_with_the_generated_ca_works_and_without_it_fails(tls_broker, fleet_dir) -> None:
     device = login(tls_broker.address, fleet_dir, "dev-02", tls=True)
-    device.client.publish(wire.device_topic(FLEET, "dev-02", "status"), b"online", qos=1)
+    device.client.publish(topics.STATUS.build(fleet=FLEET, device="dev-02"), b"online", qos=1)
     assert device.expect("puback")[1] == 0x10  # accepted, no matching subscribers
     device.close()
     credentials = load_credentials(fleet_dir / "devices" / "dev-02.json")
@@ -254,11 +254,11 @@ class Forger:
 
     def start(self) -> None:
         assert self.client.connect() == 0
-        self.client.client.subscribe(wire.round_topic(FLEET), qos=1)
-        self.client.client.subscribe(wire.device_topic(FLEET, "dev-02", "ack"), qos=1)
+        self.client.client.subscribe(topics.ROUND.build(fleet=FLEET), qos=1)
+        self.client.client.subscribe(topics.ACK.build(fleet=FLEET, device="dev-02"), qos=1)
 
     def on_message(self, client, userdata, message) -> None:
-        if message.topic == wire.round_topic(FLEET) and message.payload:
+        if message.topic == topics.ROUND.build(fleet=FLEET) and message.payload:
             announcement = wire.decode(message.payload, messages.RoundAnnouncement)
             if announcement.final:
                 return
@@ -275,7 +275,7 @@ class Forger:
                 nonce=b"n" * 16,
             )
             payload = wire.encode(wire.sign_update(forged, b"guessed key"))
-            client.publish(wire.device_topic(FLEET, "dev-02", "update"), payload, qos=1)
+            client.publish(topics.UPDATE.build(fleet=FLEET, device="dev-02"), payload, qos=1)
         elif message.topic.endswith("/ack"):
             self.acks.put(wire.decode(message.payload, messages.Ack))
 

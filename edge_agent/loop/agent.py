@@ -13,9 +13,10 @@ from edge_agent.learning.bundle import Bundle
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.artefacts import BUNDLES_FOLDER, RoundArtefacts
 from edge_agent.loop.footprint import PhaseMeter
+from edge_agent.loop.inbound import device_router, handle_inbound
 from edge_agent.loop.outbox import OUTBOX_FOLDER, UpdateSender
 from edge_agent.loop.round_runner import RoundRunner
-from protocol import messages, wire
+from protocol import messages, topics, wire
 from protocol.model_spec import ModelSpec
 from protocol.mqtt import IncomingMessage, LastWill, MqttSession, PayloadTooLargeError
 from protocol.tensors import Weights
@@ -87,7 +88,7 @@ class BackgroundWork(Protocol):
 def last_will(settings: AgentSettings) -> LastWill:
     """The retained 'offline' status the broker publishes if the device disappears."""
     offline = messages.Status(settings.device_id, "offline", 0.0, profile=settings.profile)
-    return LastWill(wire.device_topic(settings.fleet, settings.device_id, "status"), wire.encode(offline))
+    return LastWill(topics.STATUS.build(fleet=settings.fleet, device=settings.device_id), wire.encode(offline))
 
 
 def publish_status(
@@ -103,7 +104,9 @@ def publish_status(
         profile=settings.profile,
         peak_rss_mb=round(peak_mb, 1),
     )
-    session.publish(wire.device_topic(settings.fleet, settings.device_id, "status"), wire.encode(status), retain=True)
+    session.publish(
+        topics.STATUS.build(fleet=settings.fleet, device=settings.device_id), wire.encode(status), retain=True
+    )
 
 
 def log_footprint(meter: PhaseMeter, round_id: int, budget_mb: int | None) -> None:
@@ -137,6 +140,9 @@ class Agent:
         self._pending: messages.RoundAnnouncement | None = None
         self._recipe: messages.Recipe | None = None
         self.hold = UpdateHold(settings.slowdown)
+        self.router = device_router(
+            settings.fleet, settings.device_id, self.on_announcement, self.receive, self.artefacts, self.sender.on_ack
+        )
 
     @property
     def last_finished_round(self) -> int:
@@ -157,13 +163,13 @@ class Agent:
 
     def start(self) -> None:
         """Subscribes to the round and ack topics and says the device is online."""
-        fleet, device = self.settings.fleet, self.settings.device_id
-        self.session.subscribe(wire.round_topic(fleet))
-        self.session.subscribe(wire.device_topic(fleet, device, "ack"))
+        for topic_filter in self.router.filters():
+            self.session.subscribe(topic_filter)
         self.publish_status("online")
         pool, labelled = len(self.data.pool_indices()), self.data.num_labelled
         log.info(
-            "agent ready device=%s pool=%d labelled=%d last_round=%d", device, pool, labelled, self.last_finished_round
+            "agent ready device=%s pool=%d labelled=%d last_round=%d",
+            *(self.settings.device_id, pool, labelled, self.last_finished_round),
         )
 
     def step(self, timeout: float) -> bool:
@@ -197,19 +203,12 @@ class Agent:
 
     def handle(self, message: IncomingMessage) -> bool:
         """Routes one message; True when the run is over for this agent."""
-        kind = self.artefacts.kind_of(message.topic)
-        try:
-            if message.topic == wire.round_topic(self.settings.fleet):
-                return self.on_announcement(wire.decode(message.payload, messages.RoundAnnouncement))
-            if kind in ("model", "bundle", "encoder"):
-                with self.meter.phase("receive"):
-                    self.artefacts.receive(kind, message.payload)
-            elif message.topic.endswith("/ack"):
-                self.sender.on_ack(wire.decode(message.payload, messages.Ack))
-        except wire.WireError as error:
-            if message.payload:
-                log.warning("ignored bad message topic=%s error=%s", message.topic[:200], error)
-        return False
+        return handle_inbound(self.router, message, "fleet")
+
+    def receive(self, kind: str, payload: bytes) -> None:
+        """Takes in a followed model, bundle or encoder (its decoding counted as the receive phase)."""
+        with self.meter.phase("receive"):
+            self.artefacts.receive(kind, payload)
 
     def on_announcement(self, announcement: messages.RoundAnnouncement) -> bool:
         """Remembers the newest unfinished round and asks for its model; True on the final announcement."""

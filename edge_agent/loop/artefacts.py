@@ -6,7 +6,7 @@ from pathlib import Path
 
 from edge_agent.learning.bundle import Bundle, BundleError, remove_other_bundles, store_bundle
 from edge_agent.learning.encoder import encoder_hash
-from protocol import messages, wire
+from protocol import messages, topics, wire
 from protocol.model_spec import ModelSpec
 from protocol.mqtt import MqttSession
 from protocol.tensors import Weights, weights_hash
@@ -49,15 +49,15 @@ class RoundArtefacts:
 
     def follow_round(self, fleet: str, announcement: messages.RoundAnnouncement, with_bundle: bool) -> None:
         """Follows what a round needs: its model, its ONNX bundle (`with_bundle`), its recipe's encoder if any."""
-        self.follow("model", wire.model_topic(fleet, announcement.model_hash))
+        self.follow("model", topics.MODEL.build(fleet=fleet, hash=announcement.model_hash))
         if with_bundle:
-            self.follow("bundle", wire.bundle_topic(fleet, announcement.model_hash))
+            self.follow("bundle", topics.BUNDLE.build(fleet=fleet, hash=announcement.model_hash))
         if announcement.recipe.encoder:
-            self.follow("encoder", wire.encoder_topic(fleet, announcement.recipe.encoder))
+            self.follow("encoder", topics.ENCODER.build(fleet=fleet, hash=announcement.recipe.encoder))
 
-    def kind_of(self, topic: str) -> str | None:
-        """Which followed kind a topic carries (None: none)."""
-        return next((kind for kind, followed in self.followed.items() if followed == topic), None)
+    def follows(self, kind: str, topic: str) -> bool:
+        """Whether `topic` is the one followed for this kind (a message of a topic left behind is ignored)."""
+        return self.followed.get(kind) == topic
 
     def receive(self, kind: str, payload: bytes) -> None:
         """Decodes and keeps a model, bundle or encoder of a followed topic (WireError if it is malformed)."""

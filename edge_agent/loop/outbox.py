@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge_agent.loop.agent_settings import AgentSettings
-from protocol import messages, wire
+from protocol import messages, topics, wire
 from protocol.files import atomic_write_bytes
 from protocol.messages import RejectionKind
 from protocol.mqtt import MqttSession
@@ -95,7 +95,7 @@ class UpdateSender:
     @property
     def topic(self) -> str:
         """The device's update topic."""
-        return wire.device_topic(self.settings.fleet, self.settings.device_id, "update")
+        return topics.UPDATE.build(fleet=self.settings.fleet, device=self.settings.device_id)
 
     def send(self, update: messages.Update, compression: str = "none") -> None:
         """Signs (with a provisioned key) and encodes the update (deflated if the recipe says so), refuses it if
