@@ -29,17 +29,3 @@ def labels_per_acquisition(recipe: Recipe, own_samples: int) -> int:
 def initial_label_count(recipe: Recipe, own_samples: int) -> int:
     """ceil(initial_label_fraction * own samples): the random labels a device takes before its first round."""
     return math.ceil(recipe.initial_label_fraction * own_samples)
-
-
-def check_schedule(recipe: Recipe) -> None:
-    """ValueError naming the first schedule setting out of range."""
-    if recipe.rounds_per_acquisition < 1:
-        raise ValueError(f"--rounds-per-acquisition must be at least 1, got {recipe.rounds_per_acquisition}")
-    for name, value in (
-        ("--initial-label-fraction", recipe.initial_label_fraction),
-        ("--label-fraction", recipe.label_fraction),
-    ):
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"{name} must lie in [0, 1], got {value}")
-    if recipe.labels_per_acquisition < 0 or recipe.acquisitions_per_round < 1:
-        raise ValueError("--labels-per-acquisition must be >= 0 and --acquisitions-per-round >= 1")
