@@ -6,7 +6,7 @@ STAMP := .make-stamps
 .PHONY: demo test lint install system-deps python-deps clean
 
 demo: install
-	$(PYTHON) -m coordinator simulate --devices 4 --partition type1 --strategy avefl --rounds 10 \
+	$(PYTHON) -m bench simulate --devices 4 --partition type1 --strategy avefl --rounds 10 \
 		--acquisitions-per-round 1 --labels-per-acquisition 400 --epochs 5 --sampler margin \
 		--mc-passes 10 --init-samples 100 --pool-size 12000 --seed 0
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordinator.holdout import NUM_CLASSES, checked_indices
+from protocol.errors import UsageError
 
 MIN_DIRICHLET_SAMPLES = 10
 DIRICHLET_MAX_DRAWS = 100
@@ -31,16 +32,16 @@ def parse_partition(spec: str) -> PartitionSpec:
     kind, sep, alpha_text = spec.partition(":")
     if kind == "clusters" and sep:
         if not alpha_text.isdigit() or int(alpha_text) < 1:
-            raise ValueError(f"partition {spec!r}: K must be an integer >= 1, got {alpha_text!r}")
+            raise UsageError(f"partition {spec!r}: K must be an integer >= 1, got {alpha_text!r}")
         return PartitionSpec("clusters", clusters=int(alpha_text))
     if kind != "dirichlet" or not sep:
-        raise ValueError(_UNKNOWN.format(spec))
+        raise UsageError(_UNKNOWN.format(spec))
     try:
         alpha = float(alpha_text)
     except ValueError:
-        raise ValueError(f"partition {spec!r}: ALPHA must be a number > 0, got {alpha_text!r}") from None
+        raise UsageError(f"partition {spec!r}: ALPHA must be a number > 0, got {alpha_text!r}") from None
     if not math.isfinite(alpha) or alpha <= 0:
-        raise ValueError(f"partition {spec!r}: ALPHA must be a finite number > 0")
+        raise UsageError(f"partition {spec!r}: ALPHA must be a finite number > 0")
     return PartitionSpec("dirichlet", alpha)
 
 
@@ -50,7 +51,7 @@ def type1_class_groups(num_devices: int) -> list[list[int]]:
     With 4 devices this is the paper's {0,1}, {2,3}, {4,5,6}, {7,8,9}.
     """
     if not 1 <= num_devices <= NUM_CLASSES:
-        raise ValueError(f"type1 gives each device its own classes: needs 1..{NUM_CLASSES} devices, not {num_devices}")
+        raise UsageError(f"type1 gives each device its own classes: needs 1..{NUM_CLASSES} devices, not {num_devices}")
     small, larger_count = divmod(NUM_CLASSES, num_devices)
     sizes = [small] * (num_devices - larger_count) + [small + 1] * larger_count
     bounds = np.cumsum([0, *sizes])
@@ -61,7 +62,7 @@ def cluster_class_groups(num_clusters: int) -> list[list[int]]:
     """The classes of each cluster: 20% of the classes each (2 of 10), consecutive, so clusters are disjoint up
     to K = 5 and wrap around (cluster g starts at class 2g mod 10) beyond."""
     if num_clusters < 1:
-        raise ValueError(f"clusters needs K >= 1, got {num_clusters}")
+        raise UsageError(f"clusters needs K >= 1, got {num_clusters}")
     share = max(1, round(CLUSTER_CLASS_SHARE * NUM_CLASSES))
     return [[(share * group + offset) % NUM_CLASSES for offset in range(share)] for group in range(num_clusters)]
 
@@ -69,7 +70,7 @@ def cluster_class_groups(num_clusters: int) -> list[list[int]]:
 def cluster_members(num_devices: int, num_clusters: int) -> list[np.ndarray]:
     """The devices of each cluster: contiguous, as even as possible (4 devices, K=2: {0,1}, {2,3})."""
     if num_devices < num_clusters:
-        raise ValueError(f"clusters:{num_clusters} needs at least {num_clusters} devices, got {num_devices}")
+        raise UsageError(f"clusters:{num_clusters} needs at least {num_clusters} devices, got {num_devices}")
     return np.array_split(np.arange(num_devices), num_clusters)
 
 
@@ -104,7 +105,7 @@ def _dirichlet(
 ) -> list[np.ndarray]:
     """Dirichlet label skew, re-drawn until every device holds at least MIN_DIRICHLET_SAMPLES samples."""
     if len(indices) < MIN_DIRICHLET_SAMPLES * num_devices:
-        raise ValueError(
+        raise UsageError(
             f"dirichlet needs at least {MIN_DIRICHLET_SAMPLES} samples per device: "
             f"{len(indices)} samples cannot cover {num_devices} devices"
         )
@@ -112,7 +113,7 @@ def _dirichlet(
         parts = _dirichlet_draw(labels, indices, num_devices, alpha, rng)
         if min(len(part) for part in parts) >= MIN_DIRICHLET_SAMPLES:
             return parts
-    raise ValueError(
+    raise UsageError(
         f"dirichlet:{alpha} left some device with fewer than {MIN_DIRICHLET_SAMPLES} samples in "
         f"{DIRICHLET_MAX_DRAWS} draws; use a larger alpha, fewer devices or more samples"
     )
@@ -151,7 +152,7 @@ def partition_indices(
     """
     parsed = parse_partition(spec)
     if num_devices < 1:
-        raise ValueError(f"num_devices must be at least 1, got {num_devices}")
+        raise UsageError(f"num_devices must be at least 1, got {num_devices}")
     subset = checked_indices(np.asarray(labels), indices)
     if parsed.kind == "type1":
         return _type1(np.asarray(labels), subset, num_devices)

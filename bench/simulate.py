@@ -22,6 +22,7 @@ from coordinator.broker import embedded_broker, embedded_packet_limit
 from coordinator.observer import RoundObserver, RoundResult
 from coordinator.provision import SecureFleet, device_names, load_secure_fleet, provision
 from coordinator.server import ServerData, ServerSettings, load_server_data, run_server
+from protocol.errors import UsageError
 from protocol.mqtt import BrokerAddress
 
 log = logging.getLogger(__name__)
@@ -55,9 +56,9 @@ class BenchSettings:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.slow_fraction <= 1.0:
-            raise ValueError(f"--slow-fraction must lie in [0, 1], got {self.slow_fraction}")
+            raise UsageError(f"--slow-fraction must lie in [0, 1], got {self.slow_fraction}")
         if not 1.0 <= self.slow_factor <= 1000.0:
-            raise ValueError(f"--slow-factor must lie in [1, 1000], got {self.slow_factor}")
+            raise UsageError(f"--slow-factor must lie in [1, 1000], got {self.slow_factor}")
 
     @property
     def device_wait_seconds(self) -> float:

@@ -155,7 +155,7 @@ def round_phases(log_file: Path, rounds: int) -> list[dict]:
 def simulate_command(devices: int, rounds: int, run_dir: Path, extra: list[str]) -> list[str]:
     """The bench: pools of 50, 5 labels per acquisition, 1 epoch, no per-device evaluation, the embedded broker."""
     return [
-        *(sys.executable, "-m", "coordinator", "simulate", "--devices", str(devices), "--rounds", str(rounds)),
+        *(sys.executable, "-m", "bench", "simulate", "--devices", str(devices), "--rounds", str(rounds)),
         *("--pool-size", "50", "--labels-per-acquisition", "5", "--epochs", "1", "--no-device-eval"),
         *("--init-samples", "100", "--init-epochs", "1", "--validation-samples", "200", "--test-samples", "1000"),
         *("--partition", "iid", "--json", "--log-level", "info", "--run-dir", str(run_dir), *extra),

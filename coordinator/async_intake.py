@@ -10,6 +10,7 @@ from coordinator.aggregation import check_magnitude
 from coordinator.intake import RoundCollector
 from coordinator.validation import Expectation, Rejection, decoded, validate_update
 from protocol import messages
+from protocol.errors import UsageError
 from protocol.messages import RejectionKind
 from protocol.tensors import Weights, weights_hash
 
@@ -25,11 +26,11 @@ class AsyncPolicy:
 
     def __post_init__(self) -> None:
         if self.buffer < 1:
-            raise ValueError(f"--buffer must be at least 1, got {self.buffer}")
+            raise UsageError(f"--buffer must be at least 1, got {self.buffer}")
         if self.max_staleness < 0:
-            raise ValueError(f"--max-staleness must be at least 0, got {self.max_staleness}")
+            raise UsageError(f"--max-staleness must be at least 0, got {self.max_staleness}")
         if not 0.0 < self.server_lr <= 10.0:
-            raise ValueError(f"--async-server-lr must lie in (0, 10], got {self.server_lr}")
+            raise UsageError(f"--async-server-lr must lie in (0, 10], got {self.server_lr}")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from coordinator.rounds import Coordinator, OpenRound, RoundParts, RoundRules
 from coordinator.strategies import Evaluate, Strategy
 from coordinator.validation import Rejection, with_weights
 from protocol import messages, wire
+from protocol.errors import UsageError
 from protocol.mqtt import MqttSession
 from protocol.tensors import Weights, weights_hash
 
@@ -28,14 +29,14 @@ ASYNC_STRATEGIES = ("avefl",)  # FedBuff at staleness 0, K = every device and et
 def check_async_settings(strategy: str, suspects: SuspectPolicy, participation: float) -> None:
     """ValueError for settings asynchronous rounds cannot honour (they fold by FedBuff's rule, not a strategy's)."""
     if strategy not in ASYNC_STRATEGIES:
-        raise ValueError(
+        raise UsageError(
             f"--mode async folds by FedBuff's rule (a staleness-weighted plain mean of the updates' changes, avefl's "
             f"asynchronous form): use --strategy avefl, not {strategy[:64]!r}"
         )
     if suspects.exclude:
-        raise ValueError("--mode async flags suspects but cannot leave them out: drop --exclude-suspects")
+        raise UsageError("--mode async flags suspects but cannot leave them out: drop --exclude-suspects")
     if participation < 1.0:
-        raise ValueError("--mode async takes updates from every device: drop --participation")
+        raise UsageError("--mode async takes updates from every device: drop --participation")
 
 
 class BufferedAggregator(RoundAggregator):

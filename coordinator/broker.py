@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from coordinator.provision import SecureFleet, broker_config_lines
+from protocol.errors import UsageError
 from protocol.mqtt import BrokerAddress
 
 log = logging.getLogger(__name__)
@@ -24,8 +25,9 @@ DEFAULT_MAX_PACKET_BYTES = 1024 * 1024
 PR_SET_PDEATHSIG = 1
 
 
-class BrokerError(RuntimeError):
-    """The embedded broker could not be started (mosquitto missing, or it exited)."""
+class BrokerError(UsageError):
+    """The embedded broker could not be started (mosquitto missing, or it exited: its log says why); the user's
+    setup, so the command shows it in one line."""
 
 
 def free_loopback_port() -> int:

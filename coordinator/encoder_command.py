@@ -11,6 +11,7 @@ from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.image_arrays import model_input
 from edge_agent.data.image_files import InputSpec, read_image_folder
 from export.pca_encoder import MAX_FIT_IMAGES, fit_pca, pca_encoder_onnx
+from protocol.errors import UsageError
 from protocol.files import atomic_write_bytes
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec, load_model_spec
 
@@ -38,14 +39,14 @@ def unlabelled_inputs(images: Path | None, spec: ModelSpec, data_dir: Path | Non
         unscaled = InputSpec(spec.channels, spec.height, spec.width, mean=(0.0,), std=(1.0,), scale=1 / 255)
         return read_image_folder(images, unscaled).images
     if spec != DEFAULT_SPEC:
-        raise ValueError("a model spec other than the paper CNN's needs --images FOLDER")
+        raise UsageError("a model spec other than the paper CNN's needs --images FOLDER")
     return model_input(load_fashion_mnist(data_dir).train_images)
 
 
 def command_encoder(args: argparse.Namespace) -> int:
     """Fits the PCA encoder, checks onnxruntime embeds the spec's images with it, writes it atomically."""
     if args.fit_images < 2:
-        raise ValueError(f"--fit-images must be at least 2, got {args.fit_images}")
+        raise UsageError(f"--fit-images must be at least 2, got {args.fit_images}")
     spec = load_model_spec(args.model_spec).spec if args.model_spec else DEFAULT_SPEC
     basis = fit_pca(unlabelled_inputs(args.images, spec, args.data_dir), args.pca, args.fit_images, args.seed)
     atomic_write_bytes(args.out, checked_encoder(pca_encoder_onnx(basis, spec.input_shape), spec, str(args.out)))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from protocol.errors import UsageError
 from protocol.model_spec import CLASS_NAMES
 
 NUM_CLASSES = len(CLASS_NAMES)
@@ -42,19 +43,19 @@ def server_holdout(
     labels = np.asarray(labels)
     all_indices = checked_indices(labels, None, num_classes)
     if init_samples < 0 or validation_samples < 0:
-        raise ValueError(f"sample counts must be >= 0, got init {init_samples}, validation {validation_samples}")
+        raise UsageError(f"sample counts must be >= 0, got init {init_samples}, validation {validation_samples}")
     per_class, remainder = divmod(init_samples, num_classes)
     init_parts = []
     for cls in range(num_classes):
         wanted = per_class + (1 if cls < remainder else 0)
         members = all_indices[labels == cls]
         if len(members) < wanted:
-            raise ValueError(f"class {cls} has {len(members)} samples, fewer than the {wanted} the init set needs")
+            raise UsageError(f"class {cls} has {len(members)} samples, fewer than the {wanted} the init set needs")
         init_parts.append(rng.choice(members, size=wanted, replace=False))
     init_idx = np.sort(np.concatenate(init_parts))
     remaining = np.setdiff1d(all_indices, init_idx)
     if len(remaining) < validation_samples:
-        raise ValueError(f"only {len(remaining)} samples remain after the init set, {validation_samples} requested")
+        raise UsageError(f"only {len(remaining)} samples remain after the init set, {validation_samples} requested")
     val_idx = np.sort(rng.choice(remaining, size=validation_samples, replace=False))
     rest_idx = np.setdiff1d(remaining, val_idx)
     return init_idx, val_idx, rest_idx

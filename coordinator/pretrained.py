@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from protocol.errors import UsageError
 from protocol.files import load_arrays
 from protocol.tensors import Weights
 from protocol.wire import shown_names
@@ -17,7 +18,7 @@ def read_weight_file(path: Path) -> Weights:
     """Named float arrays of an .npz or of an ONNX file's initializers (one-line errors naming the file); the
     `model.` prefix of this runtime's own bundle graphs is dropped, so a shipped bundle can seed a new run."""
     if not path.is_file():
-        raise ValueError(f"initial weights {path}: no such file")
+        raise UsageError(f"initial weights {path}: no such file")
     if path.suffix == ".onnx":
         import onnx
         from onnx import numpy_helper
@@ -25,12 +26,12 @@ def read_weight_file(path: Path) -> Weights:
         try:
             graph = onnx.load(str(path), load_external_data=False).graph
         except Exception as error:  # onnx raises untyped protobuf errors for any malformed file
-            raise ValueError(f"initial weights {path}: not a readable ONNX file ({str(error)[:120]})") from None
+            raise UsageError(f"initial weights {path}: not a readable ONNX file ({str(error)[:120]})") from None
         return {item.name.removeprefix("model."): numpy_helper.to_array(item) for item in graph.initializer}
     try:
         return load_arrays(path)
     except (OSError, ValueError) as error:
-        raise ValueError(f"initial weights {path}: not a readable .npz ({str(error)[:120]})") from None
+        raise UsageError(f"initial weights {path}: not a readable .npz ({str(error)[:120]})") from None
 
 
 def merge_initial_weights(model_weights: Weights, found: Weights, classifier: str, where: str) -> Weights:
@@ -44,13 +45,13 @@ def merge_initial_weights(model_weights: Weights, found: Weights, classifier: st
         if name in model_weights and array.shape != model_weights[name].shape and not name.startswith(f"{classifier}.")
     ]
     if clashing:
-        raise ValueError(f"initial weights {where}: shapes differ from the model's for {shown_names(clashing)}")
+        raise UsageError(f"initial weights {where}: shapes differ from the model's for {shown_names(clashing)}")
     taken = {
         name: np.asarray(array, dtype=model_weights[name].dtype)
         for name, array in found.items()
         if name in model_weights and array.shape == model_weights[name].shape
     }
     if not taken:
-        raise ValueError(f"initial weights {where}: no tensor matches the model's names ({shown_names(sorted(found))})")
+        raise UsageError(f"initial weights {where}: no tensor matches the model's names ({shown_names(sorted(found))})")
     log.info("initial weights file=%s loaded=%d of=%d", where, len(taken), len(model_weights))
     return {**model_weights, **taken}

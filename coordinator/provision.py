@@ -14,6 +14,7 @@ from typing import TypedDict
 
 from protocol import topics, wire
 from protocol.credentials import Credentials, load_credentials, save_credentials
+from protocol.errors import UsageError
 from protocol.files import atomic_write_bytes
 
 COORDINATOR_USERNAME = "coordinator"
@@ -67,10 +68,10 @@ class TlsPaths(TypedDict, total=False):
 def device_names(count: int, prefix: str = "dev") -> list[str]:
     """prefix-00, prefix-01, ...: stable names that sort in order and are valid topic levels and usernames."""
     if count < 1:
-        raise ValueError(f"--devices must be at least 1, got {count}")
+        raise UsageError(f"--devices must be at least 1, got {count}")
     names = [wire.check_identifier("device id", f"{prefix}-{index:02d}") for index in range(count)]
     if COORDINATOR_USERNAME in names:
-        raise ValueError(f"a device may not be called {COORDINATOR_USERNAME!r}")
+        raise UsageError(f"a device may not be called {COORDINATOR_USERNAME!r}")
     return names
 
 
@@ -128,7 +129,7 @@ def provision(
     names = device_names(devices, prefix)
     out = Path(out)
     if (out / "keys.json").exists():
-        raise ValueError(f"{out} already holds a provisioned fleet; choose a new --out folder")
+        raise UsageError(f"{out} already holds a provisioned fleet; choose a new --out folder")
     out.mkdir(parents=True, exist_ok=True)
     passwords = {name: secrets.token_urlsafe(24) for name in [COORDINATOR_USERNAME, *names]}
     keys = {name: secrets.token_bytes(32) for name in names}
@@ -173,7 +174,7 @@ def load_secure_fleet(folder: Path) -> SecureFleet:
     folder = Path(folder)
     for name in ("passwd", "acl", "keys.json", "coordinator.json"):
         if not (folder / name).is_file():
-            raise ValueError(
+            raise UsageError(
                 f"{folder} is not a provisioned fleet: {name} is missing "
                 f"(run `fl-coordinator provision --out {folder}` first)"
             )
@@ -181,7 +182,7 @@ def load_secure_fleet(folder: Path) -> SecureFleet:
         raw_keys = json.loads((folder / "keys.json").read_text())
         keys = {wire.check_identifier("device id", device): bytes.fromhex(key) for device, key in raw_keys.items()}
     except (ValueError, AttributeError, TypeError) as error:
-        raise ValueError(f"{folder / 'keys.json'}: not a map of device ids to hex keys ({error})") from None
+        raise UsageError(f"{folder / 'keys.json'}: not a map of device ids to hex keys ({error})") from None
     coordinator = load_credentials(folder / "coordinator.json")
     return SecureFleet(folder, coordinator.fleet, coordinator, keys)
 

@@ -21,6 +21,7 @@ from coordinator.spool import Spool
 from coordinator.validation import Expectation, with_weights
 from edge_agent.loop.schedule import labels_by_round
 from protocol import messages, topics, wire
+from protocol.errors import UsageError
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec
 from protocol.mqtt import IncomingMessage, MqttSession
 from protocol.tensors import Weights, spec_of, weights_hash
@@ -46,17 +47,17 @@ class RoundPolicy:
 
     def __post_init__(self) -> None:
         if self.batch < 1:
-            raise ValueError(f"--spool-batch must be at least 1, got {self.batch}")
+            raise UsageError(f"--spool-batch must be at least 1, got {self.batch}")
         if not 0.0 < self.participation <= 1.0:
-            raise ValueError(f"--participation must lie in (0, 1], got {self.participation}")
+            raise UsageError(f"--participation must lie in (0, 1], got {self.participation}")
         if self.rounds < 1:
-            raise ValueError(f"--rounds must be at least 1, got {self.rounds}")
+            raise UsageError(f"--rounds must be at least 1, got {self.rounds}")
         if self.min_devices < 1:
-            raise ValueError(f"--min-devices must be at least 1, got {self.min_devices}")
+            raise UsageError(f"--min-devices must be at least 1, got {self.min_devices}")
         if self.quorum is not None and self.quorum < self.min_devices:
-            raise ValueError(f"--quorum {self.quorum} is below --min-devices {self.min_devices}")
+            raise UsageError(f"--quorum {self.quorum} is below --min-devices {self.min_devices}")
         if self.round_timeout <= 0:
-            raise ValueError(f"--round-timeout must be positive, got {self.round_timeout}")
+            raise UsageError(f"--round-timeout must be positive, got {self.round_timeout}")
 
 
 @dataclass(frozen=True)

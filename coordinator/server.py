@@ -39,6 +39,7 @@ from edge_agent.learning.training import TrainSettings, train_supervised
 from export.bundle_writer import ensure_bundle_files
 from export.onnx_graphs import export_encoder
 from protocol import messages
+from protocol.errors import UsageError
 from protocol.model_spec import CLASS_NAMES, DEFAULT_SPEC, ModelSpec, spec_hash
 from protocol.mqtt import MANUAL_ACK_WINDOW, BrokerAddress, MqttSession
 from protocol.reassembly import MIB, ChunkLimits
@@ -123,7 +124,7 @@ def load_server_data(settings: ServerSettings) -> ServerData:
     if settings.dataset is not None:
         dataset = load_npz_dataset(settings.dataset, spec.image_shape, spec.num_classes)
     elif spec.image_shape != (28, 28) or spec.num_classes != len(CLASS_NAMES):
-        raise ValueError("a model spec other than 28x28 grey with 10 classes needs --dataset FILE.npz")
+        raise UsageError("a model spec other than 28x28 grey with 10 classes needs --dataset FILE.npz")
     else:
         dataset = load_fashion_mnist(settings.data_dir)
     rng = np.random.default_rng(settings.init.seed)
@@ -190,7 +191,7 @@ def check_same_spec(config: dict | None, spec: ModelSpec) -> None:
         return
     stored = stored_spec(config)
     if spec_hash(stored) != spec_hash(spec):
-        raise ValueError(
+        raise UsageError(
             f"the run directory was started with model spec {spec_hash(stored)[:12]} ({stored.architecture}), "
             f"not {spec_hash(spec)[:12]} ({spec.architecture}); use a new --run-dir or the same --model-spec"
         )
@@ -202,7 +203,7 @@ ENCODER_FILE = "encoder.onnx"
 def load_encoder(path: Path, spec: ModelSpec) -> bytes:
     """An encoder file's ONNX bytes, checked (one-line errors naming `--encoder PATH`)."""
     if not Path(path).is_file():
-        raise ValueError(f"--encoder {path}: no such file")
+        raise UsageError(f"--encoder {path}: no such file")
     return checked_encoder(Path(path).read_bytes(), spec, f"--encoder {path}")
 
 
@@ -213,7 +214,7 @@ def checked_encoder(onnx: bytes, spec: ModelSpec, where: str) -> bytes:
         OnnxEncoder(onnx).embed(np.zeros((1, *spec.image_shape), dtype=np.uint8))
     except Exception as error:  # onnxruntime's errors are untyped; any failure means an unusable encoder
         shape = "x".join(str(side) for side in spec.image_shape)
-        raise ValueError(f"{where}: cannot embed a {shape} image ({str(error).splitlines()[0]})") from None
+        raise UsageError(f"{where}: cannot embed a {shape} image ({str(error).splitlines()[0]})") from None
     return onnx
 
 
@@ -316,9 +317,9 @@ def transfer_limits(settings: ServerSettings) -> ChunkLimits:
     largest = settings.policy.max_update_bytes
     total = settings.transfer_memory_mb * MIB
     if total < 1:
-        raise ValueError(f"--transfer-memory-mb must be positive, got {settings.transfer_memory_mb}")
+        raise UsageError(f"--transfer-memory-mb must be positive, got {settings.transfer_memory_mb}")
     if settings.transfer_timeout <= 0:
-        raise ValueError(f"--transfer-timeout must be positive, got {settings.transfer_timeout}")
+        raise UsageError(f"--transfer-timeout must be positive, got {settings.transfer_timeout}")
     return ChunkLimits(
         max_message_bytes=largest, sender_bytes=2 * largest, total_bytes=total, timeout=settings.transfer_timeout
     )
@@ -333,7 +334,7 @@ def secured(
         return address, None
     secure = load_secure_fleet(settings.secure_dir)
     if secure.fleet != settings.fleet:
-        raise ValueError(f"{settings.secure_dir} was provisioned for fleet {secure.fleet!r}, not {settings.fleet!r}")
+        raise UsageError(f"{settings.secure_dir} was provisioned for fleet {secure.fleet!r}, not {settings.fleet!r}")
     return secure.coordinator.apply_to(address), UpdateAuthenticator(secure.device_keys, store)
 
 

@@ -12,6 +12,7 @@ from edge_agent.data.image_arrays import model_input
 from edge_agent.learning.bundle import load_bundle
 from export.bundle_writer import write_bundle
 from export.graph_names import DEFAULT_OPSET
+from protocol.errors import UsageError
 from protocol.files import load_arrays
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec, load_model_spec
 from protocol.tensors import Weights
@@ -46,7 +47,7 @@ def export_weights(weights: Weights, origin: str, args: argparse.Namespace, spec
     spec = load_model_spec(args.model_spec).spec if args.model_spec else spec
     int8_data = None
     if args.int8 and spec != DEFAULT_SPEC:
-        raise ValueError("--int8 calibrates on Fashion-MNIST, so it needs the default model spec")
+        raise UsageError("--int8 calibrates on Fashion-MNIST, so it needs the default model spec")
     if args.int8:
         dataset = load_fashion_mnist(args.data_dir)
         int8_data = (

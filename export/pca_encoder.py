@@ -8,6 +8,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from export.graph_names import DEFAULT_OPSET, EMBEDDINGS_OUTPUT, IMAGES_INPUT
+from protocol.errors import UsageError
 
 PCA_IR_VERSION = 8  # what onnxruntime builds back to 1.14 read
 MAX_FIT_IMAGES = 10_000
@@ -37,9 +38,9 @@ def fit_pca(inputs: np.ndarray, dimensions: int, fit_images: int = MAX_FIT_IMAGE
         inputs = inputs[np.sort(np.random.default_rng(seed).choice(len(inputs), fit_images, replace=False))]
     flat = np.asarray(inputs, dtype=np.float64).reshape(len(inputs), -1)
     if len(flat) < 2:
-        raise ValueError(f"PCA needs at least 2 images, got {len(flat)}")
+        raise UsageError(f"PCA needs at least 2 images, got {len(flat)}")
     if not 1 <= dimensions <= min(len(flat), flat.shape[1]):
-        raise ValueError(
+        raise UsageError(
             f"PCA dimensions must be in 1..{min(len(flat), flat.shape[1])} for {len(flat)} images of "
             f"{flat.shape[1]} values, got {dimensions}"
         )

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol import wire
+from protocol.errors import UsageError
 from protocol.files import atomic_write_bytes
 from protocol.mqtt import BrokerAddress
 
@@ -55,9 +56,9 @@ def load_credentials(path: Path) -> Credentials:
     try:
         body = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"credential file {path}: cannot read it ({error})") from None
+        raise UsageError(f"credential file {path}: cannot read it ({error})") from None
     if not isinstance(body, dict) or body.get("version") != CREDENTIALS_VERSION:
-        raise ValueError(f"credential file {path}: not a version {CREDENTIALS_VERSION} credential file")
+        raise UsageError(f"credential file {path}: not a version {CREDENTIALS_VERSION} credential file")
     try:
         credentials = Credentials(
             fleet=wire.check_identifier("fleet", body["fleet"]),
@@ -68,13 +69,13 @@ def load_credentials(path: Path) -> Credentials:
             **{name: _tls_path(path, body.get(name), name) for name in TLS_FIELDS},
         )
     except (KeyError, ValueError) as error:
-        raise ValueError(f"credential file {path}: {error}") from None
+        raise UsageError(f"credential file {path}: {error}") from None
     return credentials
 
 
 def _string(value: object, name: str) -> str:
     if not isinstance(value, str):
-        raise ValueError(f"{name} must be a string")
+        raise UsageError(f"{name} must be a string")
     return value
 
 
@@ -87,5 +88,5 @@ def _tls_path(credential_file: Path, value: object, name: str) -> str | None:
         return None
     resolved = (credential_file.parent / _string(value, name)).resolve()
     if not resolved.is_file():
-        raise ValueError(f"{name} {resolved} does not exist")
+        raise UsageError(f"{name} {resolved} does not exist")
     return str(resolved)

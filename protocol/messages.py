@@ -9,6 +9,7 @@ from typing import ClassVar, TypeVar
 import numpy as np
 
 from protocol.model_spec import ModelSpec
+from protocol.recipe_flags import OMITTED_KEY, recipe_field
 
 Tensors = dict[str, np.ndarray]
 
@@ -16,7 +17,7 @@ METRIC_MEME_ENTROPY = "meme_entropy"
 
 # A field with this metadata is left out of the message while it holds its default, so a message that does not use
 # it (a float32 update, a recipe without compression) has the same bytes as before the field existed.
-OMITTED_AT_DEFAULT = {"omitted_at_default": True}
+OMITTED_AT_DEFAULT = {OMITTED_KEY: True}
 
 
 class RejectionKind(StrEnum):
@@ -48,29 +49,71 @@ class RejectionKind(StrEnum):
 
 @dataclass(frozen=True)
 class Recipe:
-    """What a device does in one round: how to acquire labels and how to train on them."""
+    """What a device does in one round: how to acquire labels and how to train on them. Each field with a flag
+    declares it here, once: the command line, its checks, the README's recipe table and the wire follow from it."""
 
-    sampler: str = "margin"
-    labels_per_acquisition: int = 400
-    acquisitions_per_round: int = 1
-    local_rule: str = "kept-labels"
-    epochs: int = 5
-    batch_size: int = 32
-    learning_rate: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    mc_passes: int = 10
-    seed: int = 0
+    sampler: str = recipe_field("margin", "how a device picks the samples it asks labels for", choices="sampler")
+    labels_per_acquisition: int = recipe_field(400, "labels a device asks for in each acquisition", low=0)
+    acquisitions_per_round: int = recipe_field(1, "acquisitions in each active round", low=1)
+    local_rule: str = recipe_field("kept-labels", "how a device trains on its labels", choices="local rule")
+    epochs: int = recipe_field(5, "local training epochs per round", low=1)
+    batch_size: int = recipe_field(32, "local training batch size", low=1)
+    learning_rate: float = recipe_field(0.01, "local SGD learning rate", flag="--lr", low=0.0)
+    momentum: float = recipe_field(0.9, "local SGD momentum", low=0.0, high=1.0, high_open=True)
+    weight_decay: float = recipe_field(5e-4, "local SGD weight decay", low=0.0)
+    mc_passes: int = recipe_field(10, "MC-dropout passes when a device scores its pool", low=1)
+    seed: int = recipe_field(0, "seed of the run: W0, sampling, shards and local training", low=0)
     options: dict[str, float] = field(default_factory=dict)
-    rounds_per_acquisition: int = 1
-    initial_label_fraction: float = 0.0
-    label_fraction: float = 0.0
+    rounds_per_acquisition: int = recipe_field(
+        1, "communication rounds per active round; devices acquire in its first", low=1
+    )
+    initial_label_fraction: float = recipe_field(
+        0.0,
+        "a device labels this random fraction of its own data before its first round, which trains on them "
+        "without acquiring",
+        low=0.0,
+        high=1.0,
+    )
+    label_fraction: float = recipe_field(
+        0.0,
+        "labels per acquisition = ceil(F * own samples), overriding --labels-per-acquisition (0: off)",
+        low=0.0,
+        high=1.0,
+    )
     encoder: str = ""
-    update_encoding: str = field(default="float32", metadata=OMITTED_AT_DEFAULT)
-    update_scales: str = field(default="tensor", metadata=OMITTED_AT_DEFAULT)
-    update_top_k: float = field(default=0.0, metadata=OMITTED_AT_DEFAULT)
-    update_compression: str = field(default="none", metadata=OMITTED_AT_DEFAULT)
-    lr_schedule: str = field(default="constant", metadata=OMITTED_AT_DEFAULT)
+    update_encoding: str = recipe_field(
+        "float32",
+        "what devices send: the weights, or their delta from the round's model in fp16 or int8",
+        omitted_at_default=True,
+        choices="update encoding",
+    )
+    update_scales: str = recipe_field(
+        "tensor",
+        "int8-delta's scales: one per tensor, or per output channel",
+        omitted_at_default=True,
+        choices="update scales",
+    )
+    update_top_k: float = recipe_field(
+        0.0,
+        "send only this fraction of each tensor's delta (largest first; the device keeps the rest for later rounds)",
+        omitted_at_default=True,
+        low=0.0,
+        high=1.0,
+        high_open=True,
+    )
+    update_compression: str = recipe_field(
+        "none",
+        "deflate each update message (lossless; fp16 and int8 deltas shrink by a third to a half again)",
+        omitted_at_default=True,
+        choices="update compression",
+    )
+    lr_schedule: str = recipe_field(
+        "constant",
+        "the learning rate within a round's local training: constant, or cosine from --lr down towards 0 "
+        "(restarting each round from the received global model)",
+        omitted_at_default=True,
+        choices="lr schedule",
+    )
 
 
 @dataclass(frozen=True)

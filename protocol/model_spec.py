@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from protocol.errors import UsageError
+
 # Fashion-MNIST, the default spec's data set: its class names and normalisation.
 CLASS_NAMES = (
     "T-shirt/top",
@@ -35,7 +37,7 @@ ARCHITECTURE_DROPOUTS = {"paper-cnn": 3, "rgb-cnn": 2, "mobilenet": 1}
 TRAINABLE = ("all", "head")
 
 
-class SpecError(ValueError):
+class SpecError(UsageError):
     """A model spec that cannot be used; the text names the file and the key."""
 
 

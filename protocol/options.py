@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
+from protocol.errors import UsageError
+
 
 @dataclass(frozen=True)
 class Option:
@@ -46,16 +48,16 @@ class Option:
 
     def check(self, value: Any) -> float:
         """The value as a float when it is a finite number of this option's type within its range; else
-        ValueError naming the flag, the range and the value (its text capped, so it cannot grow with input)."""
+        UsageError naming the flag, the range and the value (its text capped, so it cannot grow with input)."""
         shown = repr(value)[:40]
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-            raise ValueError(f"{self.cli_flag} must be a finite number, got {shown}")
+            raise UsageError(f"{self.cli_flag} must be a finite number, got {shown}")
         if self.kind is int and not float(value).is_integer():
-            raise ValueError(f"{self.cli_flag} must be an integer, got {shown}")
+            raise UsageError(f"{self.cli_flag} must be an integer, got {shown}")
         number = float(value)
         above = self.high is not None and (number >= self.high if self.high_open else number > self.high)
         if (self.low is not None and number < self.low) or above:
-            raise ValueError(f"{self.cli_flag} must {self.requirement}, got {shown}")
+            raise UsageError(f"{self.cli_flag} must {self.requirement}, got {shown}")
         return number
 
     @property
@@ -129,9 +131,9 @@ class Registry(Generic[MethodType]):
         return list(self._methods)
 
     def get(self, name: str) -> MethodType:
-        """The class registered under a name; ValueError lists the known names."""
+        """The class registered under a name; UsageError lists the known names."""
         if name not in self._methods:
-            raise ValueError(f"unknown {self.kind} {name!r}; known: {', '.join(sorted(self._methods))}")
+            raise UsageError(f"unknown {self.kind} {name!r}; known: {', '.join(sorted(self._methods))}")
         return self._methods[name]
 
     def items(self) -> list[tuple[str, MethodType]]:

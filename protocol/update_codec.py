@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from protocol.errors import RefusalError
+from protocol.errors import RefusalError, UsageError
 from protocol.files import load_arrays, save_arrays
 from protocol.messages import Recipe, RejectionKind, Update
 from protocol.tensors import Weights, WeightSpec, spec_of
@@ -72,19 +72,19 @@ class UpdateCodec:
         ).checked()
 
     def checked(self) -> UpdateCodec:
-        """Itself, or ValueError when the encoding or scales are unknown or do not go together."""
+        """Itself, or UsageError when the encoding or scales are unknown or do not go together."""
         if self.encoding not in ENCODINGS:
-            raise ValueError(f"unknown update encoding {shown(self.encoding)}; known: {', '.join(ENCODINGS)}")
+            raise UsageError(f"unknown update encoding {shown(self.encoding)}; known: {', '.join(ENCODINGS)}")
         if self.scales not in SCALES:
-            raise ValueError(f"update scales must be one of {', '.join(SCALES)}, got {shown(self.scales)}")
+            raise UsageError(f"update scales must be one of {', '.join(SCALES)}, got {shown(self.scales)}")
         if self.scales == "channel" and self.encoding != "int8-delta":
-            raise ValueError("per-channel scales need the int8-delta encoding")
+            raise UsageError("per-channel scales need the int8-delta encoding")
         if not 0.0 <= self.top_k < 1.0:
-            raise ValueError(f"update top-k must lie in [0, 1), got {shown(self.top_k)}")
+            raise UsageError(f"update top-k must lie in [0, 1), got {shown(self.top_k)}")
         if self.top_k > 0 and self.encoding == FLOAT32:
-            raise ValueError("top-k sends a sparse delta: it needs fp16-delta or int8-delta")
+            raise UsageError("top-k sends a sparse delta: it needs fp16-delta or int8-delta")
         if self.compression not in COMPRESSIONS:
-            raise ValueError(
+            raise UsageError(
                 f"update compression must be one of {', '.join(COMPRESSIONS)}, got {shown(self.compression)}"
             )
         return self

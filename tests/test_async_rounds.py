@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from fleet import FakeDevice, committed_rounds, kill, log_text, perturbed, start_coordinator, wait_exit
 
+from bench.cli import main as bench_main
 from coordinator.aggregation import ClientUpdate
 from coordinator.async_intake import AsyncPolicy, VersionCollector
 from coordinator.buffered import delta_of, fold_buffer, staleness_weight
-from coordinator.cli import main as coordinator_main
 from coordinator.store import RunStore
 from coordinator.strategies import AveFL
 from coordinator.validation import MAX_REASON_CHARS, Expectation, Rejection
@@ -91,6 +91,8 @@ def test_an_update_older_than_the_allowed_staleness_is_refused_as_stale() -> Non
     ("flags", "error"),
     [
         (["--buffer", "2"], "--buffer only apply to --mode async"),
+        (["--max-staleness", "2"], "--max-staleness only apply to --mode async"),
+        (["--async-server-lr", "0.5"], "--async-server-lr only apply to --mode async"),
         (["--mode", "async"], "--mode async needs --buffer K"),
         (["--mode", "async", "--buffer", "0"], "--buffer must be at least 1"),
         (["--mode", "async", "--buffer", "2", "--max-staleness", "-1"], "--max-staleness must be at least 0"),
@@ -99,7 +101,7 @@ def test_an_update_older_than_the_allowed_staleness_is_refused_as_stale() -> Non
     ],
 )
 def test_bad_async_settings_are_one_line_errors(flags: list[str], error: str, capsys, tmp_path: Path) -> None:
-    assert coordinator_main(["simulate", "--run-dir", str(tmp_path), *flags]) == 2
+    assert bench_main(["simulate", "--run-dir", str(tmp_path), *flags]) == 2
     assert error in capsys.readouterr().err
 
 

@@ -1,11 +1,15 @@
 # The command lines fail fast with one clear line on bad input, before starting any process.
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from coordinator.strategies import STRATEGIES
+from edge_agent.learning.training import LOCAL_RULES
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -15,7 +19,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_missing_dataset_says_how_to_install_it(tmp_path: Path) -> None:
     result = run_cli(
-        "coordinator",
+        "bench",
         "simulate",
         "--devices",
         "2",
@@ -47,7 +51,7 @@ def test_missing_dataset_says_how_to_install_it(tmp_path: Path) -> None:
 )
 def test_bad_option_values_give_one_line(tmp_path: Path, option: str, value: str, message: str) -> None:
     result = run_cli(
-        "coordinator", "simulate", "--devices", "2", "--rounds", "1", "--run-dir", str(tmp_path / "run"), option, value
+        "bench", "simulate", "--devices", "2", "--rounds", "1", "--run-dir", str(tmp_path / "run"), option, value
     )
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
@@ -75,13 +79,45 @@ def test_agent_with_missing_shard_fails_cleanly(tmp_path: Path) -> None:
 
 
 def test_suspect_options_reach_the_policy_by_name(tmp_path: Path) -> None:
-    from coordinator.cli import build_parser, server_settings
+    from bench.cli import COMMANDS
+    from coordinator.cli import build_parser
     from coordinator.round_aggregator import SuspectPolicy
+    from coordinator.run_settings import server_settings
 
-    args = build_parser().parse_args(
+    parser = build_parser("fl-bench", "", COMMANDS)
+    args = parser.parse_args(
         ["simulate", "--run-dir", str(tmp_path), "--suspect-threshold", "4.5", "--exclude-suspects"]
     )
     policy = server_settings(args, default_fleet="bench").suspects
     assert policy == SuspectPolicy(threshold=4.5, min_layer_fraction=SuspectPolicy.min_layer_fraction, exclude=True)
-    default = server_settings(build_parser().parse_args(["simulate", "--run-dir", str(tmp_path)]), "bench").suspects
+    default = server_settings(parser.parse_args(["simulate", "--run-dir", str(tmp_path)]), "bench").suspects
     assert default == SuspectPolicy()
+
+
+COMMAND_LINES = [
+    ("fl-coordinator", "coordinator.cli", ["run", "--rounds", "1"]),
+    ("fl-bench", "bench.cli", ["simulate", "--devices", "1", "--rounds", "1"]),
+]
+
+
+@pytest.mark.parametrize(("prog", "module", "command"), COMMAND_LINES)
+def test_an_out_of_range_recipe_flag_is_one_line_and_exit_2(tmp_path: Path, prog, module, command, capsys) -> None:
+    main = importlib.import_module(module).main
+    assert main([*command, "--run-dir", str(tmp_path / "run"), "--epochs", "0"]) == 2
+    assert capsys.readouterr().err.strip() == f"{prog}: --epochs must be at least 1, got 0"
+
+
+@pytest.mark.parametrize(("prog", "module", "command"), COMMAND_LINES)
+@pytest.mark.parametrize(("registry", "name"), [(STRATEGIES, "avefl"), (LOCAL_RULES, "kept-labels")])
+def test_a_bug_inside_a_method_escapes_with_its_traceback(
+    tmp_path: Path, monkeypatch, prog, module, command, registry, name
+) -> None:
+    """A ValueError from inside a strategy or a local rule is a bug, not the user's mistake: main lets it escape."""
+
+    def broken(self, *args, **kwargs) -> None:
+        raise ValueError("a bug inside the method")
+
+    monkeypatch.setattr(registry.get(name), "__init__", broken)
+    main = importlib.import_module(module).main
+    with pytest.raises(ValueError, match="a bug inside the method"):
+        main([*command, "--run-dir", str(tmp_path / "run")])

@@ -231,7 +231,7 @@ def test_bad_dashboard_options_give_one_line(tmp_path: Path, arguments: list[str
         [
             sys.executable,
             "-m",
-            "coordinator",
+            "bench",
             "simulate",
             "--devices",
             "2",

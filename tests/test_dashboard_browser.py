@@ -19,14 +19,14 @@ pytestmark = [pytest.mark.integration, needs_chromium]
 
 
 class Simulation:
-    """`fl-coordinator simulate --dashboard 127.0.0.1:0` as a user runs it; collects its output lines."""
+    """`fl-bench simulate --dashboard 127.0.0.1:0` as a user runs it; collects its output lines."""
 
     def __init__(self, run_dir: Path, rounds: int) -> None:
         self.process = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
-                "coordinator",
+                "bench",
                 "simulate",
                 "--devices",
                 str(DEVICES),

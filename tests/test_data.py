@@ -21,6 +21,7 @@ from edge_agent.data.fashion_mnist import (
 from edge_agent.data.image_arrays import model_input
 from edge_agent.learning.models import build_model
 from protocol import files
+from protocol.errors import UsageError
 from protocol.files import atomic_write_bytes, load_arrays, save_arrays
 
 TEST_IMAGES = DEFAULT_DATA_DIR / "t10k-images-idx3-ubyte.gz"
@@ -94,7 +95,7 @@ def test_missing_data_dir_says_how_to_fix(tmp_path):
     with pytest.raises(DatasetMissingError) as caught:
         load_fashion_mnist(missing)
     message = str(caught.value)
-    assert isinstance(caught.value, FileNotFoundError)
+    assert isinstance(caught.value, UsageError)
     assert "apt-get install dataset-fashion-mnist" in message and "--data-dir" in message
     assert str(missing / "train-images-idx3-ubyte.gz") in message
     assert "\n" not in message

@@ -42,10 +42,12 @@ from edge_agent.learning.training import (
 )
 from edge_agent.loop.agent import LAST_ROUND_KEY, Agent, last_will
 from edge_agent.loop.agent_settings import AgentSettings
-from edge_agent.loop.schedule import acquires_in_round, check_schedule, labels_per_acquisition, round_in_active_round
+from edge_agent.loop.schedule import acquires_in_round, labels_per_acquisition, round_in_active_round
 from protocol import messages, topics, wire
+from protocol.errors import UsageError
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.mqtt import MqttSession
+from protocol.recipe_flags import declared_fields
 from protocol.tensors import weights_hash
 
 logits_strategy = arrays(np.float64, (6, 5), elements=st.floats(-8, 8))
@@ -260,10 +262,11 @@ def test_schedule_acquires_at_the_start_of_each_active_round_after_the_initial_o
     assert [round_in_active_round(r, kafal) for r in range(1, 8)] == [1, 2, 3, 1, 2, 3, 1]
     assert all(acquires_in_round(r, messages.Recipe()) for r in range(1, 5))
     assert labels_per_acquisition(kafal, 301) == 16 and labels_per_acquisition(messages.Recipe(), 301) == 400
-    with pytest.raises(ValueError, match="--rounds-per-acquisition"):
-        check_schedule(messages.Recipe(rounds_per_acquisition=0))
-    with pytest.raises(ValueError, match="--label-fraction"):
-        check_schedule(messages.Recipe(label_fraction=1.5))
+    declared = {field.name: field for field in declared_fields(messages.Recipe)}
+    with pytest.raises(UsageError, match="--rounds-per-acquisition must be at least 1, got 0"):
+        declared["rounds_per_acquisition"].check(0, ())
+    with pytest.raises(UsageError, match=r"--label-fraction must lie in \[0, 1\], got 1.5"):
+        declared["label_fraction"].check(1.5, ())
 
 
 def test_unselected_device_acquires_but_never_trains_nor_sends(broker, tmp_path, fashion) -> None:

@@ -47,9 +47,9 @@ TINY = [
 
 
 def simulate(run_dir: Path, *method: str) -> list[dict]:
-    """Runs `python -m coordinator simulate` as a user does; returns its JSON lines (rounds, then the summary)."""
+    """Runs `python -m bench simulate` as a user does; returns its JSON lines (rounds, then the summary)."""
     result = subprocess.run(
-        [sys.executable, "-m", "coordinator", "simulate", *TINY, "--run-dir", str(run_dir), *method],
+        [sys.executable, "-m", "bench", "simulate", *TINY, "--run-dir", str(run_dir), *method],
         capture_output=True,
         text=True,
         timeout=600,

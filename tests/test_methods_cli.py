@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.cli import main
+from bench.cli import main
 from coordinator.store import RunStore
 from edge_agent.data.device_data import DeviceData
 
@@ -46,7 +46,7 @@ TINY = [
 def simulate(run_dir: Path, *options: str) -> list[dict]:
     """Runs the bench command and returns its JSON lines."""
     result = subprocess.run(
-        [sys.executable, "-m", "coordinator", "simulate", *TINY, "--run-dir", str(run_dir), *options],
+        [sys.executable, "-m", "bench", "simulate", *TINY, "--run-dir", str(run_dir), *options],
         capture_output=True,
         text=True,
         timeout=900,

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.cli import main
+from bench.cli import main
 from coordinator.method_flags import TABLE_BEGIN, TABLE_END, options_table, recipe_view
 from edge_agent.learning.sampling import SAMPLERS, AcquisitionContext, Sampler
 from protocol import messages

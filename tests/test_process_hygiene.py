@@ -82,7 +82,7 @@ def agent_pids(run_dir: Path) -> list[int]:
 @pytest.mark.integration
 def test_simulate_forwards_sigterm_to_its_agents_and_waits_for_them(tmp_path: Path, processes) -> None:
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "coordinator", "simulate", "--devices", "2", "--rounds", "5"]
+    command = [sys.executable, "-m", "bench", "simulate", "--devices", "2", "--rounds", "5"]
     command += ["--run-dir", str(run_dir), "--pool-size", "200", *TINY_RUN]
     with open(tmp_path / "simulate.log", "wb") as output:
         simulate = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)

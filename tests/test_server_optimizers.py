@@ -128,7 +128,7 @@ def test_a_server_optimiser_refuses_a_malformed_stored_state() -> None:
 
 
 def test_a_shared_flag_is_taken_by_the_chosen_strategy_and_refused_for_one_without_it(tmp_path: Path, capsys) -> None:
-    from coordinator.cli import main
+    from bench.cli import main
 
     code = main(["simulate", "--devices", "2", "--rounds", "1", "--run-dir", str(tmp_path), "--server-lr", "0.1"])
     assert code == 2

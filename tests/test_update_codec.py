@@ -391,13 +391,13 @@ def test_a_rejected_delta_is_not_absorbed_and_the_device_may_send_a_good_one() -
 
 
 def test_both_commands_take_the_encoding_flags_and_refuse_a_bad_one_in_one_line(tmp_path: Path) -> None:
-    for command in ("run", "simulate"):
+    for module, command in (("coordinator", "run"), ("bench", "simulate")):
         help_text = subprocess.run(
-            [sys.executable, "-m", "coordinator", command, "--help"], capture_output=True, text=True, check=True
+            [sys.executable, "-m", module, command, "--help"], capture_output=True, text=True, check=True
         ).stdout
         assert all(flag in help_text for flag in ("--update-encoding", "--update-scales", "--update-top-k"))
     result = subprocess.run(
-        [sys.executable, "-m", "coordinator", "simulate", "--devices", "2", "--rounds", "1"]
+        [sys.executable, "-m", "bench", "simulate", "--devices", "2", "--rounds", "1"]
         + ["--run-dir", str(tmp_path / "run"), "--update-top-k", "0.1"],
         capture_output=True,
         text=True,

@@ -17,6 +17,7 @@ from coordinator.dashboard.views import (
     rounds_view,
     run_view,
 )
+from protocol.errors import UsageError
 from protocol.files import atomic_write_bytes
 
 REPORT_NAME = "report.html"
@@ -191,7 +192,7 @@ def page(title: str, parts: list[str]) -> str:
 def write_report(run_dir: Path, out: Path | None = None) -> Path:
     """Writes the run's report (RUN_DIR/report.html unless `out` says otherwise) atomically; returns its path."""
     if not (Path(run_dir) / "run.sqlite").is_file():
-        raise ValueError(f"{run_dir} holds no run (no run.sqlite)")
+        raise UsageError(f"{run_dir} holds no run (no run.sqlite)")
     path = out or Path(run_dir) / REPORT_NAME
     page = report_html(load_snapshot(Path(run_dir)), sweep_section(Path(run_dir).resolve()))
     atomic_write_bytes(path, page.encode())

@@ -27,6 +27,7 @@ from coordinator.dashboard.views import (
     rounds_view,
     run_view,
 )
+from protocol.errors import UsageError
 from protocol.files import atomic_write_bytes
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def parse_listen_address(text: str) -> ListenAddress:
     """[HOST:]PORT -> ListenAddress (loopback 127.0.0.1 without a host; [::1]:PORT for IPv6); else ValueError."""
     match = re.fullmatch(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]:|(?P<host>[A-Za-z0-9.-]+):)?(?P<port>\d{1,5})", text)
     if match is None or int(match["port"]) > 65535:
-        raise ValueError(f"--dashboard must look like [HOST:]PORT (e.g. 8080 or 0.0.0.0:8080), got {text!r}")
+        raise UsageError(f"--dashboard must look like [HOST:]PORT (e.g. 8080 or 0.0.0.0:8080), got {text!r}")
     return ListenAddress(match["v6"] or match["host"] or "127.0.0.1", int(match["port"]))
 
 
@@ -73,7 +74,7 @@ def dashboard_token(address: ListenAddress, given: str | None, run_dir: Path) ->
     RUN_DIR/dashboard-token (mode 0600); else none (loopback without --dashboard-token is open)."""
     if given is not None:
         if len(given) < 16:
-            raise ValueError("--dashboard-token must be at least 16 characters")
+            raise UsageError("--dashboard-token must be at least 16 characters")
         return given
     if address.loopback:
         return None
@@ -94,7 +95,7 @@ class DashboardHTTPServer(ThreadingHTTPServer):
         try:
             super().__init__((address.host, address.port), DashboardHandler)
         except OSError as error:
-            raise ValueError(
+            raise UsageError(
                 f"--dashboard {address.host}:{address.port}: cannot listen ({error.strerror or error})"
             ) from None
         self.snapshots = SnapshotCache(run_dir)

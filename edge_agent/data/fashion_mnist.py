@@ -10,6 +10,7 @@ from typing import IO, cast
 import numpy as np
 
 from edge_agent.data.image_arrays import ImageDataset, check_images, check_labels
+from protocol.errors import UsageError
 from protocol.model_spec import CLASS_NAMES
 
 DEFAULT_DATA_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -30,8 +31,8 @@ _FASHION_MNIST_FILES = {
 }
 
 
-class DatasetMissingError(FileNotFoundError):
-    """A dataset file is absent; the message says which one and how to install it."""
+class DatasetMissingError(UsageError):
+    """A dataset file is absent; the message says which one and how to install it (a user's setup: one line)."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(
@@ -46,7 +47,7 @@ def _read_exactly(handle: IO[bytes], size: int, path: Path) -> bytes:
     try:
         return handle.read(size)
     except (OSError, EOFError, zlib.error) as exc:
-        raise ValueError(f"{path}: corrupt gzip stream ({exc})") from exc
+        raise UsageError(f"{path}: corrupt gzip stream ({exc})") from exc
 
 
 def read_idx(path: Path | str, limit: int | None = None) -> np.ndarray:
@@ -60,15 +61,15 @@ def read_idx(path: Path | str, limit: int | None = None) -> np.ndarray:
     with opened as handle:
         magic = _read_exactly(handle, 4, path)
         if len(magic) < 4 or magic[0] != 0 or magic[1] != 0:
-            raise ValueError(f"{path}: not an IDX file (bad magic number)")
+            raise UsageError(f"{path}: not an IDX file (bad magic number)")
         dtype_code, ndim = magic[2], magic[3]
         if dtype_code not in _IDX_DTYPES:
-            raise ValueError(f"{path}: unknown IDX data type code 0x{dtype_code:02x}")
+            raise UsageError(f"{path}: unknown IDX data type code 0x{dtype_code:02x}")
         if ndim == 0:
-            raise ValueError(f"{path}: IDX header declares zero dimensions")
+            raise UsageError(f"{path}: IDX header declares zero dimensions")
         dims = _read_exactly(handle, 4 * ndim, path)
         if len(dims) < 4 * ndim:
-            raise ValueError(f"{path}: truncated IDX header ({4 + len(dims)} bytes, need {4 + 4 * ndim})")
+            raise UsageError(f"{path}: truncated IDX header ({4 + len(dims)} bytes, need {4 + 4 * ndim})")
         shape = tuple(int(d) for d in np.frombuffer(dims, dtype=">u4"))
         count = shape[0] if limit is None else min(limit, shape[0])
         dtype = _IDX_DTYPES[dtype_code]
@@ -77,7 +78,7 @@ def read_idx(path: Path | str, limit: int | None = None) -> np.ndarray:
         trailing = limit is None and len(_read_exactly(handle, 1, path)) > 0
     if len(raw) != expected or trailing:
         state = "truncated" if len(raw) < expected else "has trailing bytes"
-        raise ValueError(
+        raise UsageError(
             f"{path}: IDX data {state}: header {shape} needs {expected} bytes, file has "
             f"{len(raw)}{'+' if trailing else ''}"
         )
@@ -97,7 +98,7 @@ def _check_split(images: np.ndarray, labels: np.ndarray, where: str) -> None:
     """Raises ValueError unless a split has uint8 (N, 28, 28) images and N uint8 labels in 0..9."""
     check_images(images, where)
     if labels.dtype != np.uint8:
-        raise ValueError(f"{where}: labels are {labels.dtype}, expected uint8")
+        raise UsageError(f"{where}: labels are {labels.dtype}, expected uint8")
     check_labels(labels, len(images), len(CLASS_NAMES), where)
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from protocol.errors import UsageError
 from protocol.files import checked_npz
 
 IMAGE_SHAPE = (28, 28)
@@ -17,15 +18,15 @@ def check_images(images: np.ndarray, where: str, image_shape: tuple[int, ...] = 
     """Raises ValueError unless images are uint8 shaped (N, *image_shape) (default: 28x28 grey)."""
     if images.dtype != np.uint8 or images.shape[1:] != image_shape:
         shown = ", ".join(str(side) for side in image_shape)
-        raise ValueError(f"{where}: images are {images.dtype} {images.shape}, expected uint8 (N, {shown})")
+        raise UsageError(f"{where}: images are {images.dtype} {images.shape}, expected uint8 (N, {shown})")
 
 
 def check_labels(labels: np.ndarray, count: int, num_classes: int, where: str) -> None:
     """Raises ValueError unless labels are `count` integers in [0, num_classes)."""
     if not np.issubdtype(labels.dtype, np.integer) or labels.shape != (count,):
-        raise ValueError(f"{where}: labels are {labels.dtype} {labels.shape}, expected {count} integers")
+        raise UsageError(f"{where}: labels are {labels.dtype} {labels.shape}, expected {count} integers")
     if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
-        raise ValueError(f"{where}: labels must lie in [0, {num_classes}), got {labels.min()}..{labels.max()}")
+        raise UsageError(f"{where}: labels must lie in [0, {num_classes}), got {labels.min()}..{labels.max()}")
 
 
 def as_index_array(values: Any, what: str) -> np.ndarray:
@@ -64,15 +65,15 @@ def load_npz_dataset(path: Path, image_shape: tuple[int, ...], num_classes: int)
     """A data set of one's own from an .npz holding DATASET_KEYS (no pickle), checked against the model spec's
     image shape and class count; every error names the file and the array."""
     if not Path(path).is_file():
-        raise ValueError(f"{path}: no such data set file")
+        raise UsageError(f"{path}: no such data set file")
     try:
         with checked_npz(path, Path(path)) as archive:
             missing = [key for key in DATASET_KEYS if key not in archive.files]
             if missing:
-                raise ValueError(f"{path}: lacks {', '.join(missing)} (needs {', '.join(DATASET_KEYS)})")
+                raise UsageError(f"{path}: lacks {', '.join(missing)} (needs {', '.join(DATASET_KEYS)})")
             arrays = {key: archive[key] for key in DATASET_KEYS}
     except (OSError, EOFError, zipfile.BadZipFile) as error:
-        raise ValueError(f"{path}: not a readable .npz ({str(error)[:120]})") from None
+        raise UsageError(f"{path}: not a readable .npz ({str(error)[:120]})") from None
     for split in ("train", "test"):
         images, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]
         check_images(images, f"{path}: {split}_images", image_shape)

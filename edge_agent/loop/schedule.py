@@ -38,17 +38,3 @@ def labels_by_round(recipe: Recipe, round_id: int) -> int | None:
         return None
     acquiring_rounds = (max(round_id, 1) - 1) // recipe.rounds_per_acquisition + 1
     return acquiring_rounds * recipe.acquisitions_per_round * recipe.labels_per_acquisition
-
-
-def check_schedule(recipe: Recipe) -> None:
-    """ValueError naming the first schedule setting out of range."""
-    if recipe.rounds_per_acquisition < 1:
-        raise ValueError(f"--rounds-per-acquisition must be at least 1, got {recipe.rounds_per_acquisition}")
-    for name, value in (
-        ("--initial-label-fraction", recipe.initial_label_fraction),
-        ("--label-fraction", recipe.label_fraction),
-    ):
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"{name} must lie in [0, 1], got {value}")
-    if recipe.labels_per_acquisition < 0 or recipe.acquisitions_per_round < 1:
-        raise ValueError("--labels-per-acquisition must be >= 0 and --acquisitions-per-round >= 1")
