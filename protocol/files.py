@@ -12,8 +12,15 @@ from typing import IO
 
 import numpy as np
 
+from protocol.errors import UsageError
+
 MAX_DEFLATE_RATIO = 1032  # deflate expands at most ~1032:1, so a member claiming more than that is lying
 NPY_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+
+
+class UnreadableFileError(UsageError):
+    """A file the program was given or keeps that is not what it should be (not an .npz, pickled objects, a header
+    declaring more than the file holds): one line naming the file, for the person to replace or remove it."""
 
 
 def fsync_directory(directory: Path) -> None:
@@ -70,7 +77,7 @@ def npy_declared(member: IO[bytes]) -> tuple[np.dtype, int]:
 
 
 def check_npz_members(path: Path | str, archive: zipfile.ZipFile) -> None:
-    """ValueError naming the file and the array when a member holds Python objects (pickle) or its header declares
+    """UnreadableFileError naming the file and the array when a member holds Python objects (pickle) or its header declares
     more data than the member holds: read from the headers, before numpy allocates what a header declares."""
     for info in archive.infolist():
         name = info.filename.removesuffix(".npy")[:64]
@@ -79,16 +86,18 @@ def check_npz_members(path: Path | str, archive: zipfile.ZipFile) -> None:
                 dtype, declared = npy_declared(member)
                 held = info.file_size - member.tell()
         except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
-            raise ValueError(f"{path}: array {name!r} is not a readable .npy ({str(error)[:100]})") from None
+            raise UnreadableFileError(f"{path}: array {name!r} is not a readable .npy ({str(error)[:100]})") from None
         if dtype.hasobject:
-            raise ValueError(f"{path}: array {name!r} holds Python objects (pickle), which are never loaded")
+            raise UnreadableFileError(f"{path}: array {name!r} holds Python objects (pickle), which are never loaded")
         if declared > held or info.file_size > max(info.compress_size, 1) * MAX_DEFLATE_RATIO:
-            raise ValueError(f"{path}: array {name!r} declares {declared} bytes of data but holds {max(held, 0)}")
+            raise UnreadableFileError(
+                f"{path}: array {name!r} declares {declared} bytes of data but holds {max(held, 0)}"
+            )
 
 
 def checked_npz(path: Path | str, source: Path | IO[bytes]) -> np.lib.npyio.NpzFile:
     """np.load of an .npz archive (no pickle) once check_npz_members passed; anything that is not a readable
-    .npz is a ValueError naming `path`."""
+    .npz is an UnreadableFileError naming `path`."""
     try:
         with zipfile.ZipFile(source) as archive:
             check_npz_members(path, archive)
@@ -96,14 +105,14 @@ def checked_npz(path: Path | str, source: Path | IO[bytes]) -> np.lib.npyio.NpzF
             source.seek(0)
         return np.load(source, allow_pickle=False)
     except (OSError, EOFError, zipfile.BadZipFile) as error:
-        raise ValueError(f"{path}: not a readable .npz ({str(error)[:120]})") from None
+        raise UnreadableFileError(f"{path}: not a readable .npz ({str(error)[:120]})") from None
 
 
 def load_arrays(path: Path | str) -> dict[str, np.ndarray]:
-    """Reads an .npz archive written by save_arrays; a corrupt or non-npz file is a ValueError naming it."""
+    """Reads an .npz archive written by save_arrays; a corrupt or non-npz file is an UnreadableFileError naming it."""
     path = Path(path)
     with checked_npz(path, io.BytesIO(path.read_bytes())) as loaded:
         try:
             return {name: loaded[name] for name in loaded.files}
         except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
-            raise ValueError(f"{path}: corrupt or unreadable array archive ({str(error)[:120]})") from None
+            raise UnreadableFileError(f"{path}: corrupt or unreadable array archive ({str(error)[:120]})") from None

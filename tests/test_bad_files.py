@@ -71,9 +71,9 @@ def pickled(folder: Path) -> Path:
     return path
 
 
-def coordinator_command(*args: str) -> subprocess.CompletedProcess:
-    """`python -m coordinator ...` as a user runs it, output captured."""
-    return subprocess.run([sys.executable, "-m", "coordinator", *args], capture_output=True, text=True, timeout=120)
+def command(room: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -m ROOM ...` (coordinator or bench) as a user runs it, output captured."""
+    return subprocess.run([sys.executable, "-m", room, *args], capture_output=True, text=True, timeout=120)
 
 
 def assert_one_short_line(result: subprocess.CompletedProcess, words: str) -> None:
@@ -95,8 +95,17 @@ def assert_one_short_line(result: subprocess.CompletedProcess, words: str) -> No
 )
 def test_a_bad_model_spec_stops_simulate_in_one_line(tmp_path: Path, make: Callable[[Path], Path], words: str) -> None:
     spec = make(tmp_path)
-    result = coordinator_command(
-        "simulate", "--devices", "2", "--rounds", "1", "--run-dir", str(tmp_path / "run"), "--model-spec", str(spec)
+    result = command(
+        "bench",
+        "simulate",
+        "--devices",
+        "2",
+        "--rounds",
+        "1",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--model-spec",
+        str(spec),
     )
     assert_one_short_line(result, words)
     assert not (tmp_path / "run" / "devices").exists()
@@ -112,7 +121,8 @@ def test_a_bad_model_spec_stops_simulate_in_one_line(tmp_path: Path, make: Calla
 )
 def test_a_bad_dataset_stops_run_in_one_line(tmp_path: Path, make: Callable[[Path], Path], words: str) -> None:
     dataset = make(tmp_path)
-    result = coordinator_command(
+    result = command(
+        "coordinator",
         *("run", "--broker", "mqtt://127.0.0.1:1", "--rounds", "1", "--run-dir", str(tmp_path / "run")),
         *("--dataset", str(dataset)),
     )
