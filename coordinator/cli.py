@@ -41,9 +41,10 @@ from coordinator.server import (
 from coordinator.store import RunStore, stored_spec
 from coordinator.strategies import make_strategy
 from edge_agent.data.fashion_mnist import DatasetMissingError
+from edge_agent.learning.local_rules import LOCAL_RULES, make_local_rule
 from edge_agent.learning.lr_schedules import LR_SCHEDULES
 from edge_agent.learning.sampling import make_sampler
-from edge_agent.learning.training import LOCAL_RULES, OPTIMIZERS, make_local_rule
+from edge_agent.learning.training import OPTIMIZERS
 from edge_agent.loop.schedule import check_schedule
 from export.cli import add_bundle_options, export_weights
 from protocol import messages, wire
