@@ -8,7 +8,7 @@ from typing import Any
 
 from coordinator.aggregation import ClientUpdate, check_magnitude
 from coordinator.divergence import flag_suspects, layer_divergence
-from coordinator.strategies import Evaluate, Strategy, StreamingWeightedAverage
+from coordinator.strategy_contract import Evaluate, Strategy, StreamingWeightedAverage, streams
 from protocol.tensors import Weights
 
 
@@ -149,7 +149,8 @@ def make_aggregator(
     policy: SuspectPolicy,
     reread: Callable[[list[str]], Iterator[ClientUpdate]],
 ) -> RoundAggregator:
-    """Streaming when the strategy can sum as updates arrive and no suspect is to be left out, else batch."""
-    if isinstance(strategy, StreamingWeightedAverage) and not policy.exclude:
+    """Streaming when the strategy declares it folds updates as they arrive and no suspect is to be left out (that
+    needs every update at the close), else batch."""
+    if streams(strategy) and not policy.exclude:
         return StreamingAggregator(strategy, base, policy, reread)
     return BatchAggregator(strategy, base, policy)

@@ -24,8 +24,9 @@ from coordinator.cadis import (
     q_matrix,
     split_threshold,
 )
+from coordinator.mean_strategies import CADIS, FedAvg
 from coordinator.store import RoundRecord, RunStore, StrategyState
-from coordinator.strategies import CADIS, FedAvg, make_strategy
+from coordinator.strategies import make_strategy
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.learning.local_data import LocalData
 from edge_agent.learning.local_rules import CadisKD

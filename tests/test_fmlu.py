@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.aggregation import ClientUpdate, entropy_coefficients
-from coordinator.strategies import FMLU, AveFL, make_strategy
+from coordinator.mean_strategies import FMLU, AveFL
+from coordinator.strategies import make_strategy
 from coordinator.validation import Expectation, Rejection, validate_update
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.learning.local_data import LocalData
