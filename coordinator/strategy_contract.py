@@ -48,6 +48,7 @@ class Strategy(Method):
     required_metrics: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuses a class that declares streaming without the methods that fold updates as they arrive."""
         super().__init_subclass__(**kwargs)
         missing = [method for method in STREAMING_METHODS if cls.streaming and not hasattr(cls, method)]
         if missing:

@@ -259,6 +259,7 @@ class PowerSampler(Sampler):
     )
 
     def __init_subclass__(cls, **kwargs: object) -> None:
+        """A power sampler needs what its base needs (the encoder, the whole-model logits)."""
         super().__init_subclass__(**kwargs)
         cls.needs_encoder, cls.needs_model_logits = cls.base.needs_encoder, cls.base.needs_model_logits
 
