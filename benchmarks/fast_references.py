@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 from label_efficiency import finished_device
 
+from edge_agent.learning.acquisition_scores import knn_labels
 from edge_agent.learning.encoder import OnnxEncoder
-from edge_agent.learning.sampling import knn_labels
 
 
 def vote_accuracy(embeddings: np.ndarray, truth: np.ndarray, references: np.ndarray, pool: int, k: int) -> float:

@@ -103,9 +103,9 @@ def naive_row(out: Path, pool_file: str = "pool.npz") -> dict:
     import torch
 
     from edge_agent.data.image_arrays import model_input
+    from edge_agent.learning.acquisition_scores import entropy_scores, top_k
     from edge_agent.learning.bundle import load_bundle
     from edge_agent.learning.models import build_model, set_weights
-    from edge_agent.learning.sampling import entropy_scores, top_k
     from edge_agent.score_command import load_pool_images
     from protocol.files import load_arrays
 

@@ -33,8 +33,8 @@ from coordinator.observer import RoundResult
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.strategies import make_strategy
+from edge_agent.learning.local_rules import make_local_rule
 from edge_agent.learning.sampling import make_sampler
-from edge_agent.learning.training import make_local_rule
 from protocol import messages
 
 DEFAULT_CONFIGS = (

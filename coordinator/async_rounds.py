@@ -14,7 +14,8 @@ from coordinator.intake import RoundCollector
 from coordinator.observer import RoundResult
 from coordinator.round_aggregator import RoundAggregator, SuspectPolicy
 from coordinator.rounds import Coordinator, OpenRound, RoundParts, RoundRules
-from coordinator.strategies import Evaluate, Strategy
+from coordinator.strategies import STRATEGIES
+from coordinator.strategy_contract import Evaluate, Strategy
 from coordinator.validation import Rejection, with_weights
 from protocol import messages, wire
 from protocol.errors import UsageError
@@ -23,15 +24,14 @@ from protocol.tensors import Weights, weights_hash
 
 log = logging.getLogger(__name__)
 
-ASYNC_STRATEGIES = ("avefl",)  # FedBuff at staleness 0, K = every device and eta_g = 1 is avefl's plain mean
-
 
 def check_async_settings(strategy: str, suspects: SuspectPolicy, participation: float) -> None:
     """ValueError for settings asynchronous rounds cannot honour (they fold by FedBuff's rule, not a strategy's)."""
-    if strategy not in ASYNC_STRATEGIES:
+    asynchronous = STRATEGIES.select(lambda known: known.asynchronous)
+    if strategy not in asynchronous:
         raise UsageError(
             f"--mode async folds by FedBuff's rule (a staleness-weighted plain mean of the updates' changes, avefl's "
-            f"asynchronous form): use --strategy avefl, not {strategy[:64]!r}"
+            f"asynchronous form): use --strategy {' or '.join(asynchronous)}, not {strategy[:64]!r}"
         )
     if suspects.exclude:
         raise UsageError("--mode async flags suspects but cannot leave them out: drop --exclude-suspects")

@@ -14,7 +14,7 @@ from coordinator.intake import RoundCollector
 from coordinator.observer import RoundResult
 from coordinator.round_aggregator import Aggregate, RoundAggregator
 from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore, StrategyState
-from coordinator.strategies import Strategy
+from coordinator.strategy_contract import Strategy
 from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)

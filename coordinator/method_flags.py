@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.strategies import STRATEGIES
+from edge_agent.learning.local_rules import LOCAL_RULES
 from edge_agent.learning.sampling import SAMPLERS
-from edge_agent.learning.training import LOCAL_RULES
 from protocol import messages
 from protocol.errors import UsageError
 from protocol.options import Method, Option, Registry

@@ -5,9 +5,9 @@ import argparse
 from collections.abc import Callable, Sequence
 
 from coordinator.method_flags import cell
+from edge_agent.learning.local_rules import LOCAL_RULES
 from edge_agent.learning.lr_schedules import LR_SCHEDULES
 from edge_agent.learning.sampling import SAMPLERS
-from edge_agent.learning.training import LOCAL_RULES
 from protocol import messages, wire
 from protocol.recipe_flags import DeclaredField, declared_fields
 from protocol.update_codec import ENCODINGS, SCALES

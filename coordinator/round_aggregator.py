@@ -11,7 +11,7 @@ import numpy as np
 
 from coordinator.aggregation import ClientUpdate, capped_weights, check_magnitude
 from coordinator.divergence import flag_suspects, layer_divergence
-from coordinator.strategies import Evaluate, Strategy, StreamingWeightedAverage
+from coordinator.strategy_contract import Evaluate, Strategy, StreamingWeightedAverage, streams
 from protocol.tensors import Weights
 
 
@@ -187,8 +187,9 @@ def make_aggregator(
     reread: Callable[[list[str]], Iterator[ClientUpdate]],
     max_share: float = 1.0,
 ) -> RoundAggregator:
-    """Streaming when the strategy can sum as updates arrive and no suspect is to be left out, else batch; either
-    caps one update's share of a sample-weighted round at max_share per device it sums."""
-    if isinstance(strategy, StreamingWeightedAverage) and not policy.exclude:
+    """Streaming when the strategy declares it folds updates as they arrive and no suspect is to be left out (that
+    needs every update at the close), else batch; either caps one update's share of a sample-weighted round at
+    max_share per device it sums."""
+    if streams(strategy) and not policy.exclude:
         return StreamingAggregator(strategy, base, policy, reread, max_share)
     return BatchAggregator(strategy, base, policy, max_share)

@@ -13,8 +13,8 @@ from coordinator.round_options import DEFAULT_MAX_STALENESS
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings, load_encoder
 from coordinator.strategies import make_strategy
+from edge_agent.learning.local_rules import LOCAL_RULES, make_local_rule
 from edge_agent.learning.sampling import make_sampler
-from edge_agent.learning.training import LOCAL_RULES, make_local_rule
 from protocol import wire
 from protocol.chunks import MIN_PACKET_BYTES
 from protocol.errors import UsageError

@@ -14,9 +14,10 @@ import numpy as np
 from edge_agent.data.fashion_mnist import read_idx
 from edge_agent.data.image_arrays import IMAGE_SHAPE, check_images
 from edge_agent.data.image_files import FolderImages, InputSpec, read_image_folder
+from edge_agent.learning.acquisition_scores import top_k
 from edge_agent.learning.bundle import Bundle, load_bundle
 from edge_agent.learning.mc_scorer import MCScorer
-from edge_agent.learning.sampling import make_heuristic, top_k
+from edge_agent.learning.sampling import make_heuristic
 
 BACKENDS = ("onnxruntime", "torch")
 CPU_PROVIDER = "CPUExecutionProvider"

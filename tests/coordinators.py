@@ -12,7 +12,7 @@ from coordinator.publisher import Artefacts, RetainedPublisher
 from coordinator.round_aggregator import Aggregate
 from coordinator.rounds import Coordinator, RoundParts, RoundPolicy, RoundRules
 from coordinator.store import RoundRecord, RunStore
-from coordinator.strategies import Strategy
+from coordinator.strategy_contract import Strategy
 from coordinator.validation import Expectation
 from edge_agent.learning.models import build_model, weight_spec
 from protocol import messages

@@ -13,8 +13,8 @@ from bench.cli import main as bench_main
 from coordinator.aggregation import ClientUpdate
 from coordinator.async_intake import AsyncPolicy, VersionCollector
 from coordinator.buffered import delta_of, fold_buffer, staleness_weight
+from coordinator.mean_strategies import AveFL
 from coordinator.store import RunStore
-from coordinator.strategies import AveFL
 from coordinator.validation import MAX_REASON_CHARS, Expectation, Rejection
 from edge_agent.cli import main as agent_main
 from protocol import messages, wire

@@ -12,8 +12,8 @@ from fleet import FakeDevice, log_text, perturbed, start_coordinator, stop_all, 
 
 from coordinator.aggregation import ClientUpdate
 from coordinator.broker import EmbeddedBroker
+from coordinator.mean_strategies import AveFL
 from coordinator.store import RunStore
-from coordinator.strategies import AveFL
 from protocol import messages, wire
 
 pytestmark = pytest.mark.integration

@@ -6,15 +6,16 @@ from functools import cache
 import numpy as np
 import pytest
 
+from edge_agent.learning.acquisition_scores import bald_scores, entropy_scores, top_k
+from edge_agent.learning.batch_selection import class_balanced_top_k, kmeans_pp_outer, power_sample
 from edge_agent.learning.local_data import LocalData, balanced_sample
 from edge_agent.learning.sampling import (
     AcquisitionContext,
     Embeddings,
-    class_balanced_top_k,
-    kmeans_pp_outer,
+    FastSampler,
+    KsasSampler,
+    PowerSampler,
     make_sampler,
-    power_sample,
-    top_k,
 )
 
 
@@ -114,6 +115,42 @@ def test_power_margin_with_a_huge_exponent_is_margins_top_k() -> None:
     options = {"power_beta": 1e6}
     drawn = make_sampler("power-margin").choose(context_of(probs, np.zeros((50, 2)), options=options), 10)
     np.testing.assert_array_equal(drawn, make_sampler("margin").choose(context_of(probs, np.zeros((50, 2))), 10))
+
+
+@pytest.mark.parametrize(
+    ("name", "direct_scores"),
+    [
+        ("power-entropy", entropy_scores),
+        ("power-bald", bald_scores),
+        ("power-margin", lambda probs: 1.0 - (np.sort(probs.mean(axis=0))[:, -1] - np.sort(probs.mean(axis=0))[:, -2])),
+    ],
+)
+def test_a_composed_power_sampler_draws_what_the_direct_gumbel_formula_draws(name: str, direct_scores) -> None:
+    """The power sampler composed over its score sampler picks, seed for seed, top-k of beta ln s + Gumbel noise
+    drawn from the same generator, s being the score computed directly."""
+    logits = np.random.default_rng(8).normal(size=(5, 70, 4))
+    probs = np.exp(logits) / np.exp(logits).sum(axis=-1, keepdims=True)
+    for seed, beta in ((0, 1.0), (3, 2.5), (11, 0.5)):
+        context = context_of(probs, np.zeros((70, 2)), seed=seed, options={"power_beta": beta})
+        drawn = make_sampler(name).choose(context, 15)
+        scores = np.maximum(direct_scores(probs), 0.0)
+        gumbel = np.random.default_rng(seed).gumbel(size=70)
+        expected = top_k(np.where(scores > 0, beta * np.log(scores) + gumbel, -np.inf), 15)
+        np.testing.assert_array_equal(drawn, expected)
+
+
+def test_power_sampling_composes_over_any_score_sampler_and_asks_for_what_it_asks() -> None:
+    """A power sampler over KSAS needs the whole-model logits KSAS needs; over FAST, the encoder."""
+
+    class PowerKsas(PowerSampler):
+        name, base = "power-ksas", KsasSampler
+
+    class PowerFast(PowerSampler):
+        name, base = "power-fast", FastSampler
+
+    assert PowerKsas.needs_model_logits and not PowerKsas.needs_encoder
+    assert PowerFast.needs_encoder and not PowerFast.needs_model_logits
+    assert not make_sampler("power-bald").needs_model_logits
 
 
 def test_a_cold_start_draws_uniformly_until_the_device_holds_enough_labels() -> None:

@@ -24,12 +24,16 @@ from coordinator.cadis import (
     q_matrix,
     split_threshold,
 )
+from coordinator.mean_strategies import CADIS, FedAvg
 from coordinator.store import RoundRecord, RunStore, StrategyState
-from coordinator.strategies import CADIS, FedAvg, make_strategy
+from coordinator.strategies import make_strategy
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.learning.local_data import LocalData
+from edge_agent.learning.local_rules import CadisKD
 from edge_agent.learning.models import build_model, get_weights
-from edge_agent.learning.training import CadisKD, TrainSettings, relational_kd_loss, run_epochs
+from edge_agent.learning.rule_losses import relational_kd_loss
+from edge_agent.learning.torch_rules import train_rule
+from edge_agent.learning.training import TrainSettings, run_epochs
 from protocol import messages
 from protocol.tensors import weights_hash
 
@@ -306,9 +310,14 @@ def test_cadis_kd_trains_towards_the_labels_and_zero_kd_weight_is_plain_cross_en
         options={"kd_weight": 1.0},
     )
     with_kd, without_kd = copy.deepcopy(global_model), copy.deepcopy(global_model)
-    metrics = CadisKD().train(with_kd, data, global_model, recipe, seed=2)
-    CadisKD().train(
-        without_kd, data, global_model, messages.Recipe(**{**recipe.__dict__, "options": {"kd_weight": 0.0}}), seed=2
+    metrics = train_rule(CadisKD(), with_kd, data, global_model, recipe, seed=2)
+    train_rule(
+        CadisKD(),
+        without_kd,
+        data,
+        global_model,
+        messages.Recipe(**{**recipe.__dict__, "options": {"kd_weight": 0.0}}),
+        seed=2,
     )
     plain = copy.deepcopy(global_model)
     run_epochs(
@@ -330,4 +339,4 @@ def test_cadis_kd_refuses_a_negative_kd_weight() -> None:
     images, labels = np.zeros((4, 28, 28), dtype=np.uint8), np.zeros(4, dtype=np.int64)
     data = LocalData(images, labels, images, labels, images, labels, lambda: images)
     with pytest.raises(ValueError, match="--kd-weight must be at least 0, got -1.0"):
-        CadisKD().train(model, data, model, messages.Recipe(options={"kd_weight": -1.0}), seed=0)
+        train_rule(CadisKD(), model, data, model, messages.Recipe(options={"kd_weight": -1.0}), seed=0)

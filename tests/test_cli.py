@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.strategies import STRATEGIES
-from edge_agent.learning.training import LOCAL_RULES
+from edge_agent.learning.local_rules import LOCAL_RULES
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

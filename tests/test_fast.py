@@ -18,10 +18,11 @@ from coordinator.server import load_encoder
 from edge_agent.data.device_data import DeviceData
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.image_arrays import model_input
+from edge_agent.learning.acquisition_scores import knn_labels, prototype_entropy, prototype_similarities
 from edge_agent.learning.encoder import OnnxEncoder, encoder_hash
-from edge_agent.learning.learner import make_learner
+from edge_agent.learning.learner_choice import make_learner
 from edge_agent.learning.models import build_model, get_weights
-from edge_agent.learning.sampling import knn_labels, make_sampler, prototype_entropy, prototype_similarities
+from edge_agent.learning.sampling import make_sampler
 from edge_agent.loop.agent import Agent
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.round_inputs import RoundModels

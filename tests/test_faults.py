@@ -30,13 +30,13 @@ from fleet import (
 from bench.simulate import BenchSettings, simulate
 from coordinator.aggregation import ClientUpdate
 from coordinator.broker import port_is_free
+from coordinator.mean_strategies import AveFL
 from coordinator.observer import RoundResult
 from coordinator.provision import provision
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.spool import Spool
 from coordinator.store import RunStore
-from coordinator.strategies import AveFL
 from edge_agent.data.device_data import IMAGES_FILE, LABELS_FILE, STATE_FILE
 from protocol import messages, wire
 from protocol.credentials import load_credentials

@@ -7,8 +7,11 @@ import torch
 
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.learning.local_data import LocalData
+from edge_agent.learning.local_rules import FedProx
 from edge_agent.learning.models import build_model, get_weights
-from edge_agent.learning.training import FedProx, TrainSettings, proximal_term, train_supervised
+from edge_agent.learning.rule_losses import proximal_term
+from edge_agent.learning.torch_rules import train_rule
+from edge_agent.learning.training import TrainSettings, train_supervised
 from protocol import messages
 
 
@@ -49,7 +52,7 @@ def test_proximal_term_is_half_mu_squared_distance_with_gradient_mu_times_differ
 def test_mu_zero_is_plain_sgd_on_human_plus_weak_labels(data: LocalData) -> None:
     recipe = messages.Recipe(local_rule="fedprox", epochs=2, batch_size=16, learning_rate=0.05, options={"mu": 0.0})
     prox = build_model(seed=1)
-    metrics = FedProx().train(prox, data, build_model(seed=1).eval(), recipe, seed=3)
+    metrics = train_rule(FedProx(), prox, data, build_model(seed=1).eval(), recipe, seed=3)
     plain = build_model(seed=1)
     images, labels = data.training_set()
     train_supervised(plain, images, labels, TrainSettings.from_recipe(recipe, 3))
@@ -63,11 +66,13 @@ def test_larger_mu_keeps_the_local_model_closer_to_the_global_one(data: LocalDat
     for mu in (0.0, 1.0, 50.0):
         model = build_model(seed=2)
         recipe = messages.Recipe(local_rule="fedprox", epochs=3, batch_size=16, learning_rate=0.01, options={"mu": mu})
-        FedProx().train(model, data, build_model(seed=2).eval(), recipe, seed=4)
+        train_rule(FedProx(), model, data, build_model(seed=2).eval(), recipe, seed=4)
         distances.append(distance(get_weights(model), start))
     assert distances[0] > distances[1] > distances[2] > 0
 
 
 def test_negative_mu_is_refused(data: LocalData) -> None:
     with pytest.raises(ValueError, match="--mu must be at least 0, got -1.0"):
-        FedProx().train(build_model(seed=0), data, build_model(seed=0), messages.Recipe(options={"mu": -1.0}), seed=0)
+        train_rule(
+            FedProx(), build_model(seed=0), data, build_model(seed=0), messages.Recipe(options={"mu": -1.0}), seed=0
+        )

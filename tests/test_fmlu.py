@@ -13,19 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.aggregation import ClientUpdate, entropy_coefficients
-from coordinator.strategies import FMLU, AveFL, make_strategy
+from coordinator.mean_strategies import FMLU, AveFL
+from coordinator.strategies import make_strategy
 from coordinator.validation import Expectation, Rejection, validate_update
 from edge_agent.data.fashion_mnist import load_fashion_mnist
+from edge_agent.learning.local_data import LocalData
+from edge_agent.learning.local_rules import DMLU
 from edge_agent.learning.models import build_model, get_weights, set_weights, weight_spec
-from edge_agent.learning.training import (
-    DMLU,
-    LocalData,
-    confidence_coefficients,
-    dmlu_losses,
-    mean_prediction_entropy,
-    mutual_losses,
-    private_model_path,
-)
+from edge_agent.learning.rule_losses import confidence_coefficients, dmlu_losses, mean_prediction_entropy, mutual_losses
+from edge_agent.learning.torch_rules import private_model_path, train_rule
 from protocol import messages, wire
 from protocol.files import load_arrays
 from protocol.model_spec import DEFAULT_SPEC
@@ -58,7 +54,7 @@ def run_dmlu(global_weights: dict, data: LocalData, recipe: messages.Recipe = RE
     """One DMLU round as the agent runs it: the meme starts as a copy of the global model."""
     global_model = model_from(global_weights)
     meme = copy.deepcopy(global_model)
-    metrics = DMLU().train(meme, data, global_model, recipe, seed=1)
+    metrics = train_rule(DMLU(), meme, data, global_model, recipe, seed=1)
     return get_weights(meme), metrics
 
 

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from coordinator.broker import EmbeddedBroker
 from coordinator.evaluation import Evaluator, LabelledSplit
 from coordinator.intake import RoundCollector
+from coordinator.mean_strategies import AveFL
 from coordinator.round_aggregator import BatchAggregator, SuspectPolicy
 from coordinator.rounds import Coordinator, OpenRound, RoundPolicy
 from coordinator.store import RunStore
-from coordinator.strategies import AveFL
 from coordinator.validation import Expectation, Rejection, validate_update
 from edge_agent.learning.models import build_model, get_weights, weight_spec
 from protocol import messages, wire

@@ -15,10 +15,13 @@ from fleet import WITHOUT_TORCH, announce_round, fleet_shards, log_text, wait_un
 
 from bench.simulate import BenchSettings, agent_command
 from edge_agent.learning.bundle import store_bundle
-from edge_agent.learning.head_learner import logit_bias
+from edge_agent.learning.head_learner import HEAD_BODIES
 from edge_agent.learning.head_training import HeadSettings, cross_entropy_gradients, train_classifier
-from edge_agent.learning.learner import round_problem
+from edge_agent.learning.learner_choice import round_problem
+from edge_agent.learning.local_data import LocalData
+from edge_agent.learning.local_rules import CLASSIFIER_ONLY, FULL_MODEL, LOCAL_RULES, KeptLabels, SupervisedRule
 from edge_agent.learning.models import build_model, get_weights
+from edge_agent.learning.torch_rules import TORCH_BODIES
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.memory_budget import MemoryBudgetError, fit_to_budget
 from export.bundle_writer import ensure_bundle_files
@@ -63,10 +66,10 @@ def test_the_logit_adjusted_head_step_matches_torch_on_the_adjusted_loss() -> No
     rng = np.random.default_rng(4)
     features, labels = rng.normal(size=(10, 5)).astype(np.float32), np.array([0] * 7 + [1] * 3)
     weight, bias = rng.normal(size=(3, 5)).astype(np.float32), rng.normal(size=3).astype(np.float32)
-    adjustment = logit_bias(messages.Recipe(options={"logit_adjustment": 1.0}), labels, 3)
+    adjustment = KeptLabels().logit_bias(labels, 3, messages.Recipe(options={"logit_adjustment": 1.0}))
     assert adjustment is not None and adjustment[2] == -np.inf
     assert np.allclose(adjustment[:2], np.log([7.0, 3.0]))
-    assert logit_bias(messages.Recipe(), labels, 3) is None
+    assert KeptLabels().logit_bias(labels, 3, messages.Recipe()) is None
     settings = HeadSettings(epochs=3, batch_size=10, learning_rate=0.1, momentum=0.9)
     new_weight, new_bias, _ = train_classifier(features, labels, weight, bias, settings, adjustment)
     layer = torch.nn.Linear(5, 3).double()
@@ -121,6 +124,44 @@ def test_a_head_only_device_refuses_what_needs_the_whole_model_with_a_reason(tmp
         round_problem(head, online, old)
         == "the round's bundle has no penultimate graph (exported before head-only training)"
     )
+
+
+class NewestLabels(SupervisedRule):
+    """A toy supervised rule: this acquisition's new labels only."""
+
+    name = "newest-labels"
+    summary = "a test rule"
+
+    def training_set(self, data: LocalData, recipe: messages.Recipe, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """The new batch."""
+        return data.new_images, data.new_labels
+
+
+def test_a_head_only_device_accepts_a_rule_by_what_it_declares_not_by_its_name(tmp_path: Path) -> None:
+    head = AgentSettings("f", "d", trainer="head")
+    bundle = store_bundle(
+        tmp_path / "bundle", ensure_bundle_files(get_weights(build_model(seed=0)), tmp_path / "export")
+    )
+    recipe = messages.Recipe(sampler="entropy", local_rule=NewestLabels.name)
+    assert round_problem(head, recipe, bundle) == (
+        "local rule 'newest-labels' trains the whole model; this profile trains the classifier only"
+    )
+    LOCAL_RULES.register(NewestLabels)
+    try:
+        assert round_problem(head, recipe, bundle) is None
+        assert HEAD_BODIES.body(NewestLabels()) is HEAD_BODIES.body(KeptLabels())
+    finally:
+        LOCAL_RULES.unregister(NewestLabels.name)
+
+
+def test_every_rule_has_a_body_on_each_trainer_it_declares_and_none_on_the_others() -> None:
+    for name, rule in LOCAL_RULES.items():
+        for trainer, bodies in ((FULL_MODEL, TORCH_BODIES), (CLASSIFIER_ONLY, HEAD_BODIES)):
+            if trainer in rule.trainers:
+                assert callable(bodies.body(rule())), name
+            else:
+                with pytest.raises(ValueError, match=f"local rule {name!r} does not run on the {trainer!r} trainer"):
+                    bodies.body(rule())
 
 
 def test_an_agent_whose_profile_cannot_hold_its_trainer_refuses_to_start_in_one_line(tmp_path: Path) -> None:

@@ -25,21 +25,14 @@ from coordinator.store import RunStore
 from coordinator.strategies import make_strategy
 from coordinator.validation import Expectation
 from edge_agent.data.device_data import DeviceData
-from edge_agent.learning.local_data import training_view
+from edge_agent.learning.acquisition_scores import class_prior_bias, ksas_scores
+from edge_agent.learning.local_data import LocalData, training_view
+from edge_agent.learning.local_rules import KCFU, KeptLabels, make_local_rule
 from edge_agent.learning.models import build_model, get_weights, weight_spec
-from edge_agent.learning.sampling import class_prior_bias, ksas_scores
+from edge_agent.learning.rule_losses import balanced_cross_entropy, compensation_loss, compensation_weights
 from edge_agent.learning.torch_learner import OWN_MODEL_FILE
-from edge_agent.learning.training import (
-    KCFU,
-    KeptLabels,
-    LocalData,
-    TrainSettings,
-    balanced_cross_entropy,
-    compensation_loss,
-    compensation_weights,
-    make_local_rule,
-    run_epochs,
-)
+from edge_agent.learning.torch_rules import train_rule
+from edge_agent.learning.training import TrainSettings, run_epochs
 from edge_agent.loop.agent import LAST_ROUND_KEY, Agent, last_will
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.schedule import acquires_in_round, labels_per_acquisition, round_in_active_round
@@ -172,7 +165,7 @@ def test_kcfu_uses_only_the_balanced_loss_in_the_first_round_of_an_active_round(
     runs = {}
     for round_in_active in (1, 2):
         model = build_model(seed=3)
-        metrics = KCFU().train(model, local_data(fashion, round_in_active), global_model, recipe, seed=7)
+        metrics = train_rule(KCFU(), model, local_data(fashion, round_in_active), global_model, recipe, seed=7)
         runs[round_in_active] = (get_weights(model), metrics)
     reference = build_model(seed=3)
     counts = np.bincount(fashion.test_labels[:64], minlength=10)
@@ -206,7 +199,7 @@ def test_kept_labels_trains_plain_ce_at_tau_zero_and_the_adjusted_loss_at_tau_on
     for tau in (0.0, 1.0):
         recipe = messages.Recipe(epochs=1, batch_size=16, learning_rate=0.05, options={"logit_adjustment": tau})
         model = build_model(seed=3)
-        KeptLabels().train(model, data, build_model(seed=3).eval(), recipe, seed=7)
+        train_rule(KeptLabels(), model, data, build_model(seed=3).eval(), recipe, seed=7)
         reference = build_model(seed=3)
         run_epochs(
             [reference],
@@ -402,8 +395,8 @@ def test_the_training_view_reads_the_pool_only_for_the_rule_that_asks(tmp_path, 
     recipe = messages.Recipe(epochs=1, batch_size=8)
     model = build_model(seed=1)
     view = training_view(data, np.arange(8), fashion.test_labels[:8].astype(np.int64), round_in_active=2)
-    make_local_rule("online-replay").train(model, view, build_model(seed=1).eval(), recipe, seed=0)
+    train_rule(make_local_rule("online-replay"), model, view, build_model(seed=1).eval(), recipe, seed=0)
     assert view.unlabelled.cache_info().misses == 0  # type: ignore[attr-defined]
-    make_local_rule("kcfu").train(model, view, build_model(seed=1).eval(), recipe, seed=0)
+    train_rule(make_local_rule("kcfu"), model, view, build_model(seed=1).eval(), recipe, seed=0)
     assert view.unlabelled.cache_info().misses == 1  # type: ignore[attr-defined]
     assert len(view.unlabelled()) == 64

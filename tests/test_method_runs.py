@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from coordinator.store import RunStore
-from edge_agent.learning.training import PRIVATE_MODEL_FILE
+from edge_agent.learning.torch_rules import PRIVATE_MODEL_FILE
 from protocol import messages, wire
 from protocol.files import load_arrays
 from protocol.tensors import weights_hash

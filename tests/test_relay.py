@@ -13,12 +13,12 @@ from fleet import FakeDevice, perturbed
 
 from coordinator.authentication import UpdateAuthenticator
 from coordinator.evaluation import Evaluator, LabelledSplit
+from coordinator.mean_strategies import FedAvg
 from coordinator.provision import provision
 from coordinator.relay import RELAY_STRATEGY, Relay, RelaySettings, SiteRounds, upstream_update
 from coordinator.rounds import RoundPolicy, RoundRules
 from coordinator.server import ServerSettings
 from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
-from coordinator.strategies import FedAvg
 from coordinator.validation import MAX_CONTRIBUTORS, MAX_REASON_CHARS, Expectation, Rejection, validate_update
 from edge_agent.learning.models import build_model, get_weights
 from protocol import messages, topics, wire

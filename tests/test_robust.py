@@ -6,7 +6,9 @@ import pytest
 
 from coordinator.aggregation import ClientUpdate, coordinate_median, trimmed_count, trimmed_mean
 from coordinator.divergence import flag_suspects, fleet_divergence, robust_z_scores, suspect_scores
-from coordinator.strategies import AveFL, Median, TrimmedMean, make_strategy
+from coordinator.mean_strategies import AveFL
+from coordinator.robust_strategies import Median, TrimmedMean
+from coordinator.strategies import make_strategy
 from protocol.tensors import Weights
 
 SHAPES = {"conv.weight": (4, 1, 3, 3), "conv.bias": (4,), "fc.weight": (2, 4)}

@@ -9,8 +9,11 @@ import numpy as np
 import pytest
 
 from coordinator.aggregation import ClientUpdate, ExactSum, RunningSum, weighted_average
+from coordinator.mean_strategies import AveFL
+from coordinator.robust_strategies import Median
 from coordinator.round_aggregator import BatchAggregator, RoundAggregator, StreamingAggregator, SuspectPolicy
-from coordinator.strategies import AveFL, Median, Strategy, StreamingWeightedAverage, make_strategy
+from coordinator.strategies import make_strategy
+from coordinator.strategy_contract import Strategy, StreamingWeightedAverage
 from edge_agent.learning.models import build_model, get_weights
 from protocol.tensors import Weights
 

@@ -10,9 +10,9 @@ from fleet import FakeDevice, perturbed, start_coordinator, stop_all, wait_exit
 
 from coordinator.aggregation import ClientUpdate, capped_weights
 from coordinator.broker import EmbeddedBroker
+from coordinator.mean_strategies import FedAvg
 from coordinator.round_aggregator import BatchAggregator, StreamingAggregator, SuspectPolicy
 from coordinator.store import RunStore
-from coordinator.strategies import FedAvg
 from protocol import messages, wire
 
 FLEET = "claims"

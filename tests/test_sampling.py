@@ -4,6 +4,13 @@ import warnings
 import numpy as np
 import pytest
 
+from edge_agent.learning.acquisition_scores import (
+    bald_scores,
+    entropy_scores,
+    least_confidence_scores,
+    margin_scores,
+    top_k,
+)
 from edge_agent.learning.sampling import (
     SAMPLERS,
     BaldHeuristic,
@@ -12,13 +19,8 @@ from edge_agent.learning.sampling import (
     LeastConfidenceHeuristic,
     MarginHeuristic,
     RandomHeuristic,
-    bald_scores,
-    entropy_scores,
     heuristic_names,
-    least_confidence_scores,
     make_heuristic,
-    margin_scores,
-    top_k,
 )
 
 # r=2 passes, N=2 samples, C=3 classes; indexed [pass, sample, class].

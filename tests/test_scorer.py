@@ -13,12 +13,12 @@ import torch
 from bench.shard import Shard, save_shard
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.image_arrays import model_input
+from edge_agent.learning.acquisition_scores import entropy_scores, top_k
 from edge_agent.learning.bundle import load_bundle
 from edge_agent.learning.mc_dropout import TorchMCDropout
 from edge_agent.learning.mc_scorer import DropoutSpec, batch_masks, dropout_masks
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.learning.ort_scorer import OrtMCDropout, session_options
-from edge_agent.learning.sampling import entropy_scores, top_k
 from edge_agent.learning.training import TrainSettings, train_supervised
 from edge_agent.score_command import load_pool_images
 from export.bundle_writer import write_bundle

@@ -7,14 +7,8 @@ import pytest
 import torch
 
 from coordinator.aggregation import ClientUpdate, weighted_average
-from coordinator.strategies import (
-    STRATEGIES,
-    AveFL,
-    FedAvg,
-    MixFL,
-    OptFL,
-    make_strategy,
-)
+from coordinator.mean_strategies import AveFL, FedAvg, MixFL, OptFL
+from coordinator.strategies import STRATEGIES, make_strategy
 from edge_agent.learning.models import build_model, get_weights, set_weights
 from protocol.tensors import Weights
 

@@ -1,13 +1,17 @@
 # Streaming aggregation: AveFL/FedAvg summed as updates arrive equal the batch formula; no tensors stay in memory.
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 
 from coordinator.aggregation import ClientUpdate, weighted_average
 from coordinator.intake import RoundCollector
-from coordinator.round_aggregator import StreamingAggregator, SuspectPolicy
-from coordinator.strategies import AveFL, FedAvg, Median, make_strategy
+from coordinator.mean_strategies import AveFL, FedAvg
+from coordinator.robust_strategies import Median
+from coordinator.round_aggregator import BatchAggregator, StreamingAggregator, SuspectPolicy, make_aggregator
+from coordinator.strategies import make_strategy
 from coordinator.validation import Expectation
 from edge_agent.learning.models import build_model, get_weights, weight_spec
 from protocol import messages, wire
@@ -83,3 +87,19 @@ def test_a_streamed_round_keeps_only_metadata_and_flags_the_scaled_device() -> N
     assert all(np.array_equal(aggregate.weights[name], batch[name]) for name in batch)
     assert list(aggregate.suspects) == ["dev-04"] and aggregate.report["suspects"] == aggregate.suspects
     assert aggregate.report["streamed"] is True and set(aggregate.divergence) == set(by_device)
+
+
+def test_the_aggregator_is_chosen_by_what_the_strategy_declares() -> None:
+    """Streaming for a strategy that declares it (unless suspects are to be left out), batch otherwise; a class
+    that declares streaming without the fold methods is refused when it is defined."""
+
+    def reread(devices: list[str]) -> Iterator[ClientUpdate]:
+        return iter([])
+
+    assert isinstance(make_aggregator(FedAvg(), BASE, SuspectPolicy(), reread), StreamingAggregator)
+    assert isinstance(make_aggregator(FedAvg(), BASE, SuspectPolicy(exclude=True), reread), BatchAggregator)
+    assert isinstance(make_aggregator(Median(), BASE, SuspectPolicy(), reread), BatchAggregator)
+    with pytest.raises(TypeError, match="declares streaming but has no begin, accumulate, finish"):
+
+        class StreamingMedian(Median):
+            streaming = True

@@ -15,7 +15,8 @@ from edge_agent.field.folder_oracle import FolderOracle, QueryBook
 from edge_agent.field.folder_pool import open_folder_data
 from edge_agent.field.label_ui import LabelServer, parse_listen_address
 from edge_agent.field.stream import BudgetSettings, BudgetState, decide, default_burst, start_state
-from edge_agent.learning.learner import Learner, make_learner
+from edge_agent.learning.learner import Learner
+from edge_agent.learning.learner_choice import make_learner
 from edge_agent.learning.sampling import Heuristic, make_sampler
 from edge_agent.loop.agent import LatestModel
 from edge_agent.loop.agent_settings import AgentSettings

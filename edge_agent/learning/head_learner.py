@@ -1,20 +1,28 @@
 # A device that trains only the classifier: onnxruntime features of the frozen backbone, softmax regression in numpy.
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 from edge_agent.learning.bundle import Bundle
 from edge_agent.learning.head_training import HeadSettings, train_classifier
-from edge_agent.learning.learner import bundle_scorer
-from edge_agent.learning.local_data import LOGIT_ADJUSTMENT_OPTION, RESERVOIR_OPTION, LocalData, label_logit_bias
+from edge_agent.learning.learner import Learner, bundle_scorer
+from edge_agent.learning.local_data import LocalData
+from edge_agent.learning.local_rules import CLASSIFIER_ONLY, RuleBodies, SupervisedRule, make_local_rule
 from edge_agent.learning.mc_scorer import MCScorer
 from edge_agent.learning.ort_scorer import penultimate_features
 from edge_agent.loop.agent_settings import AgentSettings
 from protocol import messages
 from protocol.tensors import Weights
 
+Problem = tuple[np.ndarray, np.ndarray, np.ndarray | None]
+HeadBody = Callable[[Any, LocalData, messages.Recipe, int, int], Problem]
+HEAD_BODIES: RuleBodies[HeadBody] = RuleBodies(CLASSIFIER_ONLY)
 
-class HeadLearner:
+
+class HeadLearner(Learner):
     """The round's global model with only its classifier trained: what a 512 MB device affords (no torch).
 
     It scores with the round's bundle as shipped (the global model), so a round with several acquisitions
@@ -37,10 +45,12 @@ class HeadLearner:
         return bundle_scorer(self.settings, bundle, None)
 
     def train(self, data: LocalData, recipe: messages.Recipe, seed: int) -> dict[str, float]:
-        """Softmax regression of the classifier on what the recipe's rule trains on."""
+        """Softmax regression of the classifier on the recipe's rule's problem (its images, labels, logit bias)."""
         head = self.bundle.manifest.head
         assert head is not None  # checked in the constructor
-        images, labels = training_data(data, recipe, seed)
+        weight = self._weights[head.weight]
+        rule = make_local_rule(recipe.local_rule)
+        images, labels, adjustment = HEAD_BODIES.body(rule)(rule, data, recipe, seed, len(weight))
         features = self.features(images)
         options = HeadSettings(
             recipe.epochs,
@@ -52,8 +62,6 @@ class HeadLearner:
             seed,
             recipe.lr_schedule,
         )
-        weight = self._weights[head.weight]
-        adjustment = logit_bias(recipe, labels, len(weight))
         weight, bias, loss = train_classifier(features, labels, weight, self._weights[head.bias], options, adjustment)
         self._weights[head.weight], self._weights[head.bias] = weight, bias
         return {"train_loss": loss, "train_samples": float(len(images))}
@@ -70,14 +78,10 @@ class HeadLearner:
         raise ValueError(f"{which} model logits need the whole model in torch; this profile trains the classifier only")
 
 
-def logit_bias(recipe: messages.Recipe, labels: np.ndarray, num_classes: int) -> np.ndarray | None:
-    """kept-labels' logit adjustment tau ln n_c over the trained labels' counts, or None (plain CE)."""
-    tau = LOGIT_ADJUSTMENT_OPTION.read(recipe.options) if recipe.local_rule == "kept-labels" else 0.0
-    return label_logit_bias(labels, num_classes, tau)
-
-
-def training_data(data: LocalData, recipe: messages.Recipe, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """What the recipe's rule trains on: the kept set, or the online rule's new batch and replay set."""
-    if recipe.local_rule == "kept-labels":
-        return data.kept_set(int(RESERVOIR_OPTION.read(recipe.options)), seed)
-    return data.new_and_replay()
+@HEAD_BODIES.attach(SupervisedRule)
+def supervised_problem(
+    rule: SupervisedRule, data: LocalData, recipe: messages.Recipe, seed: int, num_classes: int
+) -> Problem:
+    """What the classifier trains on under a supervised rule: its training set and its logit bias (or None)."""
+    images, labels = rule.training_set(data, recipe, seed)
+    return images, labels, rule.logit_bias(labels, num_classes, recipe)

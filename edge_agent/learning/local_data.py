@@ -10,26 +10,7 @@ import numpy as np
 
 from edge_agent.data.device_data import DeviceData
 from edge_agent.data.image_arrays import IMAGE_SHAPE
-from edge_agent.learning.sampling import class_prior_bias
 from protocol.model_spec import CLASS_NAMES
-from protocol.options import Option
-
-RESERVOIR_OPTION = Option("reservoir", int, 0, "most labels trained on per round, class-balanced (0: all)", low=0.0)
-LOGIT_ADJUSTMENT_OPTION = Option(
-    "logit_adjustment",
-    float,
-    0.0,
-    "tau of the logit-adjusted loss CE(logits + tau ln n_c, y) over the device's class counts n_c (0: plain CE)",
-    low=0.0,
-)
-
-
-def label_logit_bias(labels: np.ndarray, num_classes: int, tau: float) -> np.ndarray | None:
-    """The logit adjustment tau ln n_c over the class counts of the labels trained on (-inf where n_c = 0), or None
-    for tau = 0 (plain CE): computed once per round by the torch and the numpy trainer alike."""
-    if tau == 0.0:
-        return None
-    return class_prior_bias(np.bincount(np.asarray(labels, dtype=np.int64), minlength=num_classes), tau)
 
 
 def _no_images() -> np.ndarray:

@@ -1,5 +1,5 @@
-# Acquisition functions: per-sample scores (MC-dropout heuristics, KSAS, FAST prototype entropy), top-k selection
-# and the batch-aware selections (stochastic power sampling, BADGE's k-means++, class-balanced top-k).
+# The samplers a recipe names: what each asks of the device (probabilities, logits, embeddings), how it scores the
+# pool and chooses its batch (top-k, a power draw over any score sampler, k-means++, class-balanced), by name.
 from __future__ import annotations
 
 from abc import abstractmethod
@@ -9,72 +9,19 @@ from typing import ClassVar, NamedTuple
 
 import numpy as np
 
+from edge_agent.learning.acquisition_scores import (
+    bald_scores,
+    entropy_scores,
+    knn_labels,
+    ksas_scores,
+    least_confidence_scores,
+    margin_scores,
+    prototype_entropy,
+    prototype_similarities,
+    top_k,
+)
+from edge_agent.learning.batch_selection import badge_parts, class_balanced_top_k, kmeans_pp_outer, power_sample
 from protocol.options import Method, Option, Registry
-
-ROW_SUM_TOLERANCE = 1e-3
-
-
-def check_probabilities(probs: np.ndarray) -> np.ndarray:
-    """Returns `probs` as float64 after checking it is an (r, N, C) array of probability rows.
-
-    Rejecting negative values and rows that do not sum to 1 catches logits passed by mistake.
-    """
-    probs = np.asarray(probs, dtype=np.float64)
-    if probs.ndim != 3:
-        raise ValueError(f"probs must have 3 dimensions (passes, samples, classes), got shape {probs.shape}")
-    passes, _, classes = probs.shape
-    if passes < 1 or classes < 2:
-        raise ValueError(f"probs needs at least 1 pass and 2 classes, got shape {probs.shape}")
-    if not np.all(np.isfinite(probs)):
-        raise ValueError("probs must be finite (found NaN or inf)")
-    if np.any(probs < 0.0) or not np.allclose(probs.sum(axis=-1), 1.0, rtol=0.0, atol=ROW_SUM_TOLERANCE):
-        raise ValueError("probs rows must be non-negative and sum to 1 (softmax outputs, not logits)")
-    return probs
-
-
-def _entropy(probs: np.ndarray) -> np.ndarray:
-    """Shannon entropy (natural log) over the last axis, with 0 * ln 0 taken as 0."""
-    log_probs = np.log(probs, out=np.zeros_like(probs), where=probs > 0.0)
-    return -np.sum(probs * log_probs, axis=-1)
-
-
-def _sorted_mean_probs(probs: np.ndarray) -> np.ndarray:
-    """The (N, C) mean over passes, each row sorted in descending order."""
-    return -np.sort(-check_probabilities(probs).mean(axis=0), axis=-1)
-
-
-def entropy_scores(probs: np.ndarray) -> np.ndarray:
-    """Predictive entropy H(mean_r p_r) per sample: total uncertainty of the MC-dropout ensemble."""
-    return _entropy(check_probabilities(probs).mean(axis=0))
-
-
-def bald_scores(probs: np.ndarray) -> np.ndarray:
-    """BALD mutual information H(mean_r p_r) - mean_r H(p_r): the part of the uncertainty due to the weights."""
-    probs = check_probabilities(probs)
-    return _entropy(probs.mean(axis=0)) - _entropy(probs).mean(axis=0)
-
-
-def margin_scores(probs: np.ndarray) -> np.ndarray:
-    """Negated gap between the two largest mean probabilities, so a small margin scores high."""
-    ranked = _sorted_mean_probs(probs)
-    return -(ranked[:, 0] - ranked[:, 1])
-
-
-def least_confidence_scores(probs: np.ndarray) -> np.ndarray:
-    """One minus the largest mean probability: how unsure the ensemble is of its top class."""
-    return 1.0 - _sorted_mean_probs(probs)[:, 0]
-
-
-def top_k(scores: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest scores, highest first, ties to the lowest index; k is clipped to len(scores)."""
-    if k < 0:
-        raise ValueError(f"k must be non-negative, got {k}")
-    scores = np.asarray(scores, dtype=np.float64)
-    if scores.ndim != 1:
-        raise ValueError(f"scores must be one-dimensional, got shape {scores.shape}")
-    if np.any(np.isnan(scores)):
-        raise ValueError("scores must not contain NaN")
-    return np.argsort(-scores, kind="stable")[:k]
 
 
 class Embeddings(NamedTuple):
@@ -253,49 +200,6 @@ def heuristic_names() -> list[str]:
     return SAMPLERS.select(lambda method: issubclass(method, Heuristic))
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise log-softmax in float64; -inf logits (impossible classes) stay -inf."""
-    logits = np.asarray(logits, dtype=np.float64)
-    shifted = logits - np.max(logits, axis=-1, keepdims=True)
-    return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
-
-
-def class_prior_bias(class_counts: np.ndarray, lam: float) -> np.ndarray:
-    """lam * ln n_c per class (KAFAL's knowledge weight): -inf for a class with n_c = 0 when lam > 0.
-
-    With lam = 0, or before any label exists, the bias is 0 everywhere (no specialised knowledge yet).
-    """
-    counts = np.asarray(class_counts, dtype=np.float64)
-    if counts.ndim != 1 or np.any(counts < 0) or not np.all(np.isfinite(counts)):
-        raise ValueError(f"class counts must be a flat list of non-negative numbers, got {class_counts!r}")
-    if lam < 0 or not np.isfinite(lam):
-        raise ValueError(f"lambda must be a non-negative number, got {lam!r}")
-    if lam == 0 or counts.sum() == 0:
-        return np.zeros_like(counts)
-    return np.where(counts > 0, lam * np.log(np.where(counts > 0, counts, 1.0)), -np.inf)
-
-
-def ksas_scores(own_logits: np.ndarray, global_logits: np.ndarray, class_counts: np.ndarray, lam: float) -> np.ndarray:
-    """KSAS (KAFAL Eq. 1-3): D(x) = sum_y (P_y - Q_y)(ln P_y - ln Q_y) of the knowledge-weighted softmaxes.
-
-    P = softmax(own logits + lam ln n), Q = softmax(global logits + lam ln n); a class with n = 0 has
-    P = Q = 0 and contributes 0 (the reference code returns NaN there).
-    """
-    own_logits = np.asarray(own_logits, dtype=np.float64)
-    global_logits = np.asarray(global_logits, dtype=np.float64)
-    if own_logits.ndim != 2 or own_logits.shape != global_logits.shape:
-        raise ValueError(
-            f"logits must be two (N, C) arrays of one shape, got {own_logits.shape} and {global_logits.shape}"
-        )
-    bias = class_prior_bias(class_counts, lam)
-    if bias.shape != own_logits.shape[1:]:
-        raise ValueError(f"{len(bias)} class counts for {own_logits.shape[1]} classes")
-    possible = np.isfinite(bias)
-    log_p = np.where(possible, _log_softmax(own_logits + bias), 0.0)
-    log_q = np.where(possible, _log_softmax(global_logits + bias), 0.0)
-    return np.sum((np.exp(log_p) - np.exp(log_q)) * (log_p - log_q), axis=-1)
-
-
 class KsasSampler(Sampler):
     """KAFAL's knowledge-specialised sampler: largest discrepancy between the device's own and the global model."""
 
@@ -315,61 +219,6 @@ class KsasSampler(Sampler):
             context.class_counts,
             self.option_value(context.options, "lambda"),
         )
-
-
-def _unit_rows(vectors: np.ndarray) -> np.ndarray:
-    """Rows scaled to unit L2 norm (a zero row stays zero)."""
-    vectors = np.asarray(vectors, dtype=np.float64)
-    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-    return vectors / np.where(norms > 0, norms, 1.0)
-
-
-def _check_reference(embeddings: np.ndarray, reference: np.ndarray, labels: np.ndarray, num_classes: int) -> None:
-    """ValueError unless there is at least one labelled reference of the pool's width and labels fit num_classes."""
-    if len(reference) == 0:
-        raise ValueError("sampler 'fast' needs human-labelled seeds on the device (e.g. --initial-label-fraction)")
-    if np.ndim(embeddings) != 2 or np.ndim(reference) != 2 or np.shape(embeddings)[1] != np.shape(reference)[1]:
-        raise ValueError(f"embeddings {np.shape(embeddings)} and references {np.shape(reference)} must be (N, d)")
-    if len(labels) != len(reference) or np.min(labels) < 0 or np.max(labels) >= num_classes:
-        raise ValueError(f"need one label in [0, {num_classes}) per reference embedding")
-
-
-def prototype_similarities(
-    embeddings: np.ndarray, reference: np.ndarray, labels: np.ndarray, num_classes: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """FAST Eq. 7: (s, seeded) with s[i, c] = mean cosine of sample i to the seeds of class c (0 where unseeded)."""
-    _check_reference(embeddings, reference, labels, num_classes)
-    cosines = _unit_rows(embeddings) @ _unit_rows(reference).T
-    one_hot = np.eye(num_classes)[np.asarray(labels, dtype=np.int64)]
-    per_class = one_hot.sum(axis=0)
-    seeded = per_class > 0
-    similarities = (cosines @ one_hot) / np.where(seeded, per_class, 1.0)
-    return np.clip(similarities, -1.0, 1.0), seeded
-
-
-def prototype_entropy(similarities: np.ndarray, seeded: np.ndarray) -> np.ndarray:
-    """FAST Eq. 8: u_i = H(softmax(s_i)) over the seeded classes only (unseeded classes are masked out)."""
-    masked = np.where(seeded, np.asarray(similarities, dtype=np.float64), -np.inf)
-    log_p = np.where(seeded, _log_softmax(masked), 0.0)
-    return -np.sum(np.where(seeded, np.exp(log_p) * log_p, 0.0), axis=-1)
-
-
-def knn_labels(
-    embeddings: np.ndarray, reference: np.ndarray, labels: np.ndarray, k: int, num_classes: int
-) -> np.ndarray:
-    """FAST's weak labels: majority vote of the k nearest references in L2 (k clipped to their count); ties go
-    to the lowest class, equal distances to the earlier reference."""
-    _check_reference(embeddings, reference, labels, num_classes)
-    if k < 1:
-        raise ValueError(f"k must be at least 1, got {k}")
-    embeddings = np.asarray(embeddings, dtype=np.float64)
-    reference = np.asarray(reference, dtype=np.float64)
-    distances = (
-        np.sum(embeddings**2, axis=1, keepdims=True) - 2.0 * embeddings @ reference.T + np.sum(reference**2, axis=1)
-    )
-    nearest = np.argsort(distances, axis=1, kind="stable")[:, : min(k, len(reference))]
-    votes = np.eye(num_classes, dtype=np.int64)[np.asarray(labels, dtype=np.int64)[nearest]].sum(axis=1)
-    return np.argmax(votes, axis=1)
 
 
 class FastSampler(Sampler):
@@ -396,79 +245,27 @@ class FastSampler(Sampler):
         )
 
 
-def power_sample(scores: np.ndarray, k: int, beta: float, rng: np.random.Generator) -> np.ndarray:
-    """Kirsch et al.'s stochastic power acquisition: k samples drawn without replacement with probability in
-    proportion to score^beta (Gumbel-top-k on beta ln s). beta -> inf is top-k; beta = 0 a uniform draw; a zero
-    score is drawn last."""
-    scores = np.asarray(scores, dtype=np.float64)
-    if scores.ndim != 1 or np.any(np.isnan(scores)) or np.any(scores < 0):
-        raise ValueError("power sampling needs one non-negative score per sample")
-    if not (beta >= 0 and np.isfinite(beta)):
-        raise ValueError(f"beta must be a non-negative number, got {beta!r}")
-    with np.errstate(divide="ignore"):
-        keys = beta * np.log(scores) if beta > 0 else np.zeros_like(scores)
-    return top_k(np.where(scores > 0, keys + rng.gumbel(size=len(scores)), -np.inf), k)
-
-
-def kmeans_pp_outer(left: np.ndarray, right: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
-    """k-means++ seeding over the rows g_i = left_i (outer) right_i without building them: |g_i - g_j|^2 =
-    |l_i|^2 |r_i|^2 + |l_j|^2 |r_j|^2 - 2 (l_i . l_j)(r_i . r_j). The first pick is the longest g_i; each next one
-    is drawn with probability in proportion to its squared distance to the nearest pick (uniform once all are 0)."""
-    left, right = np.asarray(left, dtype=np.float64), np.asarray(right, dtype=np.float64)
-    if left.ndim != 2 or right.ndim != 2 or len(left) != len(right):
-        raise ValueError(f"need two (N, d) arrays with one row per sample, got {left.shape} and {right.shape}")
-    norms = np.sum(left**2, axis=1) * np.sum(right**2, axis=1)
-    picked = [int(np.argmax(norms))] if len(left) and k > 0 else []
-    nearest = np.full(len(left), np.inf)
-    while len(picked) < min(k, len(left)):
-        last = picked[-1]
-        to_last = norms + norms[last] - 2.0 * (left @ left[last]) * (right @ right[last])
-        nearest = np.minimum(nearest, np.maximum(to_last, 0.0))
-        nearest[picked] = 0.0
-        total = nearest.sum()
-        weights = nearest / total if total > 0 else np.where(np.isin(np.arange(len(left)), picked), 0.0, 1.0)
-        picked.append(int(rng.choice(len(left), p=weights / weights.sum())))
-    return np.asarray(picked, dtype=np.int64)
-
-
-def badge_parts(mean_probs: np.ndarray, features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """BADGE's last-layer gradient embedding as its two factors: (p - onehot(argmax p)) and the features; their
-    outer product is the cross-entropy gradient w.r.t. the classifier weights at the predicted label."""
-    mean_probs = np.asarray(mean_probs, dtype=np.float64)
-    if len(mean_probs) != len(features):
-        raise ValueError(f"{len(mean_probs)} probability rows for {len(features)} feature rows")
-    residual = mean_probs - np.eye(mean_probs.shape[1])[np.argmax(mean_probs, axis=1)]
-    return residual, np.asarray(features, dtype=np.float64)
-
-
-def class_balanced_top_k(scores: np.ndarray, predicted: np.ndarray, k: int, num_classes: int) -> np.ndarray:
-    """floor(k / C) highest scores among the samples predicted as each class, the rest of the k by the highest
-    scores left (FAST's class-aware selection): a batch that cannot be all one class."""
-    scores = np.asarray(scores, dtype=np.float64)
-    order = top_k(scores, len(scores))
-    quota = k // num_classes
-    chosen = np.concatenate([order[predicted[order] == c][:quota] for c in range(num_classes)]).astype(np.int64)
-    rest = order[~np.isin(order, chosen)][: max(k - len(chosen), 0)]
-    picked = np.concatenate([chosen, rest])
-    return picked[np.argsort(-scores[picked], kind="stable")]
-
-
 class PowerSampler(Sampler):
-    """Stochastic batch acquisition (Kirsch et al., TMLR 2023) over an MC-dropout score: diverse batches without
-    a pairwise term, and a cold start that is not all one kind of sample."""
+    """Stochastic batch acquisition (Kirsch et al., TMLR 2023) composed over any score sampler (`base`): the batch
+    is a draw in proportion to (base score + offset)^beta, for diverse batches without a pairwise term and a cold
+    start that is not all one kind of sample. A subclass names the base and the offset that makes its score
+    non-negative; it asks the device for what the base asks."""
 
+    base: ClassVar[type[Sampler]]
+    offset: ClassVar[float] = 0.0
     options = (
         COLD_START,
         Option("power_beta", float, 1.0, "power of the score the draw follows", low=0.0, flag="--power-beta"),
     )
 
-    @abstractmethod
-    def base_scores(self, probs: np.ndarray) -> np.ndarray:
-        """The per-sample uncertainty the draw follows."""
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """A power sampler needs what its base needs (the encoder, the whole-model logits)."""
+        super().__init_subclass__(**kwargs)
+        cls.needs_encoder, cls.needs_model_logits = cls.base.needs_encoder, cls.base.needs_model_logits
 
     def score_pool(self, context: AcquisitionContext) -> np.ndarray:
-        """The base uncertainty of every pool sample (rounding noise below 0 clipped to 0)."""
-        return np.maximum(self.base_scores(context.probabilities()), 0.0)
+        """The base sampler's score of every pool sample plus the offset (rounding noise below 0 clipped to 0)."""
+        return np.maximum(self.base().score_pool(context) + self.offset, 0.0)
 
     def select(self, context: AcquisitionContext, budget: int) -> np.ndarray:
         """A draw of `budget` samples with probability in proportion to score^beta."""
@@ -481,10 +278,7 @@ class PowerEntropy(PowerSampler):
 
     name = "power-entropy"
     summary = "draw in proportion to entropy^beta (stochastic batch acquisition)"
-
-    def base_scores(self, probs: np.ndarray) -> np.ndarray:
-        """entropy_scores(probs)."""
-        return entropy_scores(probs)
+    base = EntropyHeuristic
 
 
 class PowerBald(PowerSampler):
@@ -492,21 +286,16 @@ class PowerBald(PowerSampler):
 
     name = "power-bald"
     summary = "draw in proportion to BALD^beta (stochastic batch acquisition, Kirsch et al. 2023)"
-
-    def base_scores(self, probs: np.ndarray) -> np.ndarray:
-        """bald_scores(probs)."""
-        return bald_scores(probs)
+    base = BaldHeuristic
 
 
 class PowerMargin(PowerSampler):
-    """Power sampling over one minus the top-two margin."""
+    """Power sampling over one minus the top-two margin (the margin score, minus the gap, shifted into [0, 1])."""
 
     name = "power-margin"
     summary = "draw in proportion to (1 - top-two margin)^beta (stochastic batch acquisition)"
-
-    def base_scores(self, probs: np.ndarray) -> np.ndarray:
-        """1 + margin_scores(probs): one minus the gap between the two most likely classes, in [0, 1]."""
-        return 1.0 + margin_scores(probs)
+    base = MarginHeuristic
+    offset = 1.0
 
 
 class BadgeSampler(Sampler):

@@ -10,12 +10,13 @@ from torch import nn
 
 from edge_agent.data.image_arrays import model_input
 from edge_agent.learning.bundle import Bundle
-from edge_agent.learning.learner import bundle_scorer
+from edge_agent.learning.learner import Learner, bundle_scorer
 from edge_agent.learning.local_data import LocalData
+from edge_agent.learning.local_rules import make_local_rule
 from edge_agent.learning.mc_dropout import TorchMCDropout, predict_features, predict_logits
 from edge_agent.learning.mc_scorer import MCScorer
 from edge_agent.learning.models import build_model, get_weights, set_weights
-from edge_agent.learning.training import make_local_rule
+from edge_agent.learning.torch_rules import train_rule
 from edge_agent.loop.agent_settings import AgentSettings
 from protocol import messages
 from protocol.files import load_arrays, save_arrays
@@ -35,7 +36,7 @@ def own_model(state_dir: Path, spec: ModelSpec, current: nn.Module) -> nn.Module
     return model
 
 
-class TorchLearner:
+class TorchLearner(Learner):
     """The round's model in torch (current, trained by the local rule) beside a frozen copy of the global one."""
 
     def __init__(self, settings: AgentSettings, state_dir: Path, spec: ModelSpec, global_weights: Weights) -> None:
@@ -59,7 +60,7 @@ class TorchLearner:
 
     def train(self, data: LocalData, recipe: messages.Recipe, seed: int) -> dict[str, float]:
         """The recipe's local rule on the current model; the result is kept as the device's own model."""
-        metrics = make_local_rule(recipe.local_rule).train(self.current, data, self.global_model, recipe, seed)
+        metrics = train_rule(make_local_rule(recipe.local_rule), self.current, data, self.global_model, recipe, seed)
         save_arrays(self.state_dir / OWN_MODEL_FILE, self.weights())
         return metrics
 

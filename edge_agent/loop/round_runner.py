@@ -11,7 +11,7 @@ import numpy as np
 
 from edge_agent.data.device_data import DeviceData
 from edge_agent.data.oracle import Oracle
-from edge_agent.learning.learner import make_learner, round_problem
+from edge_agent.learning.learner_choice import make_learner, round_problem
 from edge_agent.learning.local_data import training_view
 from edge_agent.learning.lr_schedules import schedule_problem
 from edge_agent.learning.sampling import make_sampler

@@ -1,0 +1,63 @@
+# Batch-aware selections in pure numpy: stochastic power sampling, BADGE's k-means++, class-balanced top-k.
+from __future__ import annotations
+
+import numpy as np
+
+from edge_agent.learning.acquisition_scores import top_k
+
+
+def power_sample(scores: np.ndarray, k: int, beta: float, rng: np.random.Generator) -> np.ndarray:
+    """Kirsch et al.'s stochastic power acquisition: k samples drawn without replacement with probability in
+    proportion to score^beta (Gumbel-top-k on beta ln s). beta -> inf is top-k; beta = 0 a uniform draw; a zero
+    score is drawn last."""
+    scores = np.asarray(scores, dtype=np.float64)
+    if scores.ndim != 1 or np.any(np.isnan(scores)) or np.any(scores < 0):
+        raise ValueError("power sampling needs one non-negative score per sample")
+    if not (beta >= 0 and np.isfinite(beta)):
+        raise ValueError(f"beta must be a non-negative number, got {beta!r}")
+    with np.errstate(divide="ignore"):
+        keys = beta * np.log(scores) if beta > 0 else np.zeros_like(scores)
+    return top_k(np.where(scores > 0, keys + rng.gumbel(size=len(scores)), -np.inf), k)
+
+
+def kmeans_pp_outer(left: np.ndarray, right: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
+    """k-means++ seeding over the rows g_i = left_i (outer) right_i without building them: |g_i - g_j|^2 =
+    |l_i|^2 |r_i|^2 + |l_j|^2 |r_j|^2 - 2 (l_i . l_j)(r_i . r_j). The first pick is the longest g_i; each next one
+    is drawn with probability in proportion to its squared distance to the nearest pick (uniform once all are 0)."""
+    left, right = np.asarray(left, dtype=np.float64), np.asarray(right, dtype=np.float64)
+    if left.ndim != 2 or right.ndim != 2 or len(left) != len(right):
+        raise ValueError(f"need two (N, d) arrays with one row per sample, got {left.shape} and {right.shape}")
+    norms = np.sum(left**2, axis=1) * np.sum(right**2, axis=1)
+    picked = [int(np.argmax(norms))] if len(left) and k > 0 else []
+    nearest = np.full(len(left), np.inf)
+    while len(picked) < min(k, len(left)):
+        last = picked[-1]
+        to_last = norms + norms[last] - 2.0 * (left @ left[last]) * (right @ right[last])
+        nearest = np.minimum(nearest, np.maximum(to_last, 0.0))
+        nearest[picked] = 0.0
+        total = nearest.sum()
+        weights = nearest / total if total > 0 else np.where(np.isin(np.arange(len(left)), picked), 0.0, 1.0)
+        picked.append(int(rng.choice(len(left), p=weights / weights.sum())))
+    return np.asarray(picked, dtype=np.int64)
+
+
+def badge_parts(mean_probs: np.ndarray, features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """BADGE's last-layer gradient embedding as its two factors: (p - onehot(argmax p)) and the features; their
+    outer product is the cross-entropy gradient w.r.t. the classifier weights at the predicted label."""
+    mean_probs = np.asarray(mean_probs, dtype=np.float64)
+    if len(mean_probs) != len(features):
+        raise ValueError(f"{len(mean_probs)} probability rows for {len(features)} feature rows")
+    residual = mean_probs - np.eye(mean_probs.shape[1])[np.argmax(mean_probs, axis=1)]
+    return residual, np.asarray(features, dtype=np.float64)
+
+
+def class_balanced_top_k(scores: np.ndarray, predicted: np.ndarray, k: int, num_classes: int) -> np.ndarray:
+    """floor(k / C) highest scores among the samples predicted as each class, the rest of the k by the highest
+    scores left (FAST's class-aware selection): a batch that cannot be all one class."""
+    scores = np.asarray(scores, dtype=np.float64)
+    order = top_k(scores, len(scores))
+    quota = k // num_classes
+    chosen = np.concatenate([order[predicted[order] == c][:quota] for c in range(num_classes)]).astype(np.int64)
+    rest = order[~np.isin(order, chosen)][: max(k - len(chosen), 0)]
+    picked = np.concatenate([chosen, rest])
+    return picked[np.argsort(-scores[picked], kind="stable")]
