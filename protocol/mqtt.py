@@ -17,6 +17,7 @@ from paho.mqtt.properties import Properties
 from protocol import chunks
 from protocol.backlog import Backlog
 from protocol.chunks import ChunkLimits, Completed, Dropped, Outgoing, Reassembler
+from protocol.errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +56,14 @@ class BrokerAddress:
 
 
 def parse_broker_url(url: str) -> BrokerAddress:
-    """mqtt://[user:pass@]host[:port] or mqtts://...; a clear ValueError for anything else."""
+    """mqtt://[user:pass@]host[:port] or mqtts://...; a UsageError for anything else."""
     parsed = urlparse(url)
     if parsed.scheme not in ("mqtt", "mqtts") or not parsed.hostname:
-        raise ValueError(f"broker URL {url!r} must look like mqtt://HOST:PORT or mqtts://HOST:PORT")
+        raise UsageError(f"broker URL {url!r} must look like mqtt://HOST:PORT or mqtts://HOST:PORT")
     try:
         port = parsed.port or (8883 if parsed.scheme == "mqtts" else 1883)
     except ValueError:
-        raise ValueError(f"broker URL {url!r} has an invalid port") from None
+        raise UsageError(f"broker URL {url!r} has an invalid port") from None
     return BrokerAddress(
         host=parsed.hostname,
         port=port,

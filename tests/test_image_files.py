@@ -22,6 +22,7 @@ from edge_agent.field.folder_pool import FolderPool
 from edge_agent.learning.bundle import load_bundle
 from edge_agent.learning.models import build_model, get_weights
 from export.bundle_writer import ensure_bundle_files
+from protocol.errors import UsageError
 from protocol.manifest import BundleManifest, Normalisation
 
 RGB_SPEC = InputSpec(3, 30, 40, mean=(0.1, 0.2, 0.3), std=(0.5, 0.25, 0.125))
@@ -115,7 +116,7 @@ def test_a_folder_without_one_readable_image_is_one_bounded_error(tmp_path: Path
         read_image_folder(folder, MODEL_INPUT)
     assert len(str(raised.value)) < 600 and "\n" not in str(raised.value)
     assert len(list(folder.iterdir())) == 300
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(UsageError, match="does not exist"):
         read_image_folder(tmp_path / "missing", MODEL_INPUT)
 
 

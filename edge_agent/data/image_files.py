@@ -11,6 +11,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from edge_agent.data.image_arrays import IMAGE_SHAPE, model_input
+from protocol.errors import UsageError
 from protocol.manifest import PIXEL_INPUT, BundleManifest
 
 IMAGE_FORMATS = ("JPEG", "PNG")
@@ -221,10 +222,10 @@ def read_image_folder(folder: Path, spec: InputSpec, limit: int | None = None) -
     """The first `limit` readable images of a folder (all without a limit), in relative-path order, as model inputs.
 
     Broken, truncated, oversized and non-image files are skipped with their reason and never touched; the
-    quarantine folder of a field device is not read. ValueError when no file at all is a readable image.
+    quarantine folder of a field device is not read. UsageError when no file at all is a readable image.
     """
     if not folder.is_dir():
-        raise FileNotFoundError(f"pool folder {folder} does not exist")
+        raise UsageError(f"pool folder {folder} does not exist")
     found = folder_files(folder, {(folder / QUARANTINE_DIR).resolve()})
     images = np.empty((len(found) if limit is None else min(limit, len(found)), *spec.shape), dtype=np.float32)
     files: list[str] = []
@@ -240,7 +241,7 @@ def read_image_folder(folder: Path, spec: InputSpec, limit: int | None = None) -
         files.append(relative)
     if not files:
         shown = "; ".join(f"{s.file[:60]}: {s.reason}" for s in skipped[:3])
-        raise ValueError(
+        raise UsageError(
             f"{folder}: no readable JPEG or PNG image among {len(found)} files ({shown or 'empty folder'})"
         )
     return FolderImages(images[: len(files)], files, skipped)
