@@ -55,10 +55,10 @@ def test_bad_option_values_give_one_line(tmp_path: Path, option: str, value: str
     assert not (tmp_path / "run" / "devices").exists()
 
 
-def test_agent_with_missing_shard_fails_cleanly(tmp_path: Path) -> None:
+def test_bench_device_with_missing_shard_fails_cleanly(tmp_path: Path) -> None:
     result = run_cli(
-        "edge_agent",
-        "run",
+        "bench",
+        "device",
         "--broker",
         "mqtt://127.0.0.1:1",
         "--fleet",

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent.cli import agent_settings, broker_address, build_parser
+from edge_agent.cli import build_parser
 from edge_agent.loop.profile import ProfileError, load_profile
+from edge_agent.run_command import agent_settings, broker_address
 
 CONFIGS = Path(__file__).resolve().parent.parent / "firmware_configs"
 SHIPPED = ("raspberry-pi-4", "raspberry-pi-zero-2w", "jetson-nano", "jetson-orin-nano", "simulated")
@@ -64,7 +65,7 @@ def test_missing_key_is_named(tmp_path: Path) -> None:
 
 def test_agent_run_takes_its_settings_from_the_profile_and_the_command_line_wins() -> None:
     pi_zero = CONFIGS / "raspberry-pi-zero-2w.toml"
-    base = ["run", "--broker", "mqtts://broker.example:8883", "--fleet", "f", "--device-id", "d", "--data", "x.npz"]
+    base = ["run", "--broker", "mqtts://broker.example:8883", "--fleet", "f", "--device-id", "d", "--pool-dir", "x"]
     args = build_parser().parse_args([*base, "--profile", str(pi_zero)])
     profile = load_profile(pi_zero)
     settings = agent_settings(args, profile)

@@ -1,0 +1,4 @@
+# `python -m bench` is the fl-bench console script.
+from bench.cli import main
+
+raise SystemExit(main())
