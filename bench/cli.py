@@ -1,19 +1,37 @@
-# The fl-bench command line: the bench's commands by name (each in its own module) and `main`, which runs them the
-# way fl-coordinator runs its own (a UsageError is one line and exit 2; anything else shows its traceback).
+# The fl-bench command line: the bench's commands by name, each in its own module (loaded only when it runs, so a
+# bench device scoring without torch never loads the simulator).
 from __future__ import annotations
 
-from bench import partition_command, simulate_command
-from coordinator.cli import AddArguments, Run, build_parser, execute
+from collections.abc import Sequence
 
-# name -> (help, add_arguments, run)
-COMMANDS: dict[str, tuple[str, AddArguments, Run]] = {
-    "simulate": (simulate_command.HELP, simulate_command.add_arguments, simulate_command.run),
-    "partition": (partition_command.HELP, partition_command.add_arguments, partition_command.run),
-}
+from coordinator.cli import STOPS
+from protocol.commands import Command, CommandLine
+
+FL_BENCH = CommandLine(
+    "fl-bench",
+    "Simulated fleets on one machine.",
+    (
+        Command(
+            "simulate",
+            "N real agents on this machine against an embedded broker and the coordinator",
+            "bench.simulate_command",
+            STOPS,
+        ),
+        Command(
+            "partition", "write per-device pool shards for agents started by hand", "bench.partition_command", STOPS
+        ),
+        Command(
+            "device",
+            "one bench device: `edge-agent run` over a shard with the simulated oracle",
+            "bench.device_command",
+        ),
+        Command(
+            "host", "serve many virtual devices in one process (the worker `simulate` spawns)", "bench.host_command"
+        ),
+    ),
+)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the fl-bench console script."""
-    parser = build_parser("fl-bench", "Simulated fleets on one machine.", COMMANDS)
-    args = parser.parse_args(argv)
-    return execute("fl-bench", COMMANDS[args.command][2], args)
+    return FL_BENCH.main(argv)

@@ -1,4 +1,4 @@
-# `edge-agent host`: many virtual devices in one process, each its own Agent, session, data and log; one torch runtime.
+# The bench's device host: many virtual devices in one process, each its own Agent, session, data and log.
 from __future__ import annotations
 
 import argparse
@@ -11,9 +11,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from edge_agent.cli import OpenedDevice, build_parser, open_device
+from bench import device_command
+from edge_agent.run_command import OpenedDevice
+from protocol.errors import UsageError
 from protocol.mqtt import BrokerUnavailableError
-from protocol.shutdown import Terminated, raise_on_sigterm
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ MAX_DEVICES_FILE_BYTES = 64 * 1024 * 1024
 
 @dataclass(frozen=True)
 class DeviceEntry:
-    """One hosted device: its id, its log file, and the `edge-agent run` arguments a process of its own would get."""
+    """One hosted device: its id, its log file, and the `fl-bench device` arguments a process of its own would get."""
 
     device_id: str
     log_file: Path
@@ -32,14 +33,16 @@ class DeviceEntry:
 
 
 def load_device_entries(path: Path) -> list[DeviceEntry]:
-    """The devices file: {"devices": [{"device_id", "log_file", "argv"}, ...]}; a clear ValueError if malformed."""
+    """The devices file: {"devices": [{"device_id", "log_file", "argv"}, ...]}; a UsageError naming what is wrong."""
+    if not path.is_file():
+        raise UsageError(f"{path}: no such devices file")
     if path.stat().st_size > MAX_DEVICES_FILE_BYTES:
-        raise ValueError(f"{path} is larger than {MAX_DEVICES_FILE_BYTES} bytes")
+        raise UsageError(f"{path} is larger than {MAX_DEVICES_FILE_BYTES} bytes")
     try:
         listed = json.loads(path.read_text())["devices"]
         return [DeviceEntry(str(d["device_id"]), Path(d["log_file"]), [str(a) for a in d["argv"]]) for d in listed]
     except (ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{path} is not a devices file: {str(error)[:200]}") from None
+        raise UsageError(f"{path} is not a devices file: {str(error)[:200]}") from None
 
 
 class DeviceLogs(logging.Handler):
@@ -107,9 +110,9 @@ class DeviceHost:
         entry.log_file.parent.mkdir(parents=True, exist_ok=True)
         with self.logs.device(entry.log_file):
             try:
-                opened = open_device(build_parser().parse_args(["run", *entry.argv]))
-            except (ValueError, FileNotFoundError) as error:
-                self.ended(entry, 2, f"edge-agent: {error}")
+                opened = device_command.open_bench_device(device_parser().parse_args(entry.argv))
+            except UsageError as error:
+                self.ended(entry, 2, f"fl-bench: {error}")
                 return
             device = HostedDevice(entry, opened)
             try:
@@ -117,7 +120,7 @@ class DeviceHost:
                 opened.agent.start()
             except BrokerUnavailableError as error:
                 opened.close()
-                self.ended(entry, 2, f"edge-agent: {error}")
+                self.ended(entry, 2, f"fl-bench: {error}")
                 return
         self.live.append(device)
 
@@ -148,7 +151,7 @@ class DeviceHost:
             except Exception:
                 log.exception("agent failed device=%s", device.entry.device_id)
                 self.leave(device)
-                self.ended(device.entry, 1, "edge-agent: the agent failed (see the traceback above)")
+                self.ended(device.entry, 1, "fl-bench: the agent failed (see the traceback above)")
                 return
             if done:
                 self.leave(device)
@@ -175,18 +178,8 @@ class DeviceHost:
                 stream.write(f"{entry.device_id} {code}\n")
 
 
-def run_host(args: argparse.Namespace) -> int:
-    """Starts every listed device, then serves them all until each has left or a stop request arrives."""
-    entries = load_device_entries(args.devices)
-    host = DeviceHost(route_device_logs(), args.exits)
-    raise_on_sigterm()
-    try:
-        for entry in entries:
-            host.add(entry)
-        log.info("host serving devices=%d of=%d", len(host.live), len(entries))
-        host.serve()
-    except Terminated:
-        log.info("host stopped devices_left=%d", len(host.live))
-    finally:
-        host.leave_all()
-    return 0
+def device_parser() -> argparse.ArgumentParser:
+    """The parser of one hosted device's arguments: those of `fl-bench device`."""
+    parser = argparse.ArgumentParser(prog="fl-bench device")
+    device_command.add_arguments(parser)
+    return parser

@@ -8,8 +8,6 @@ from bench.bench_options import add_bench_options, bench_settings
 from bench.simulate import write_shards
 from coordinator.server import InitSettings, ServerSettings, load_server_data
 
-HELP = "write per-device pool shards for separate agents"
-
 
 def add_arguments(partition: argparse.ArgumentParser) -> None:
     """The bench's split written as shard files."""

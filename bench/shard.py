@@ -9,6 +9,7 @@ import numpy as np
 
 from edge_agent.data.device_data import DeviceData
 from edge_agent.data.image_arrays import IMAGE_SHAPE, check_images, check_labels
+from protocol.errors import UsageError
 from protocol.files import load_arrays, save_arrays
 from protocol.model_spec import CLASS_NAMES
 
@@ -52,12 +53,16 @@ def save_shard(path: Path | str, shard: Shard) -> None:
 
 
 def load_shard(path: Path | str) -> Shard:
-    """Reads a shard written by save_shard (a file without seeds is a shard without seeds)."""
-    arrays = load_arrays(path)
-    if not {"images", "labels"} <= set(arrays) <= set(SHARD_ARRAYS):
-        raise ValueError(f"{path}: a shard holds {', '.join(SHARD_ARRAYS)}, found {sorted(arrays)}")
-    shard = Shard(**{name: arrays[name] for name in arrays})
-    _check_shard(shard, str(path))
+    """Reads a shard written by save_shard (a file without seeds is a shard without seeds); a file that is not one
+    is a UsageError naming it (a shard is what a person gives `fl-bench device --data`)."""
+    try:
+        arrays = load_arrays(path)
+        if not {"images", "labels"} <= set(arrays) <= set(SHARD_ARRAYS):
+            raise ValueError(f"{path}: a shard holds {', '.join(SHARD_ARRAYS)}, found {sorted(arrays)}")
+        shard = Shard(**{name: arrays[name] for name in arrays})
+        _check_shard(shard, str(path))
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     return dataclasses.replace(
         shard, labels=shard.labels.astype(np.int64), seed_labels=shard.seed_labels.astype(np.int64)
     )

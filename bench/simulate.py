@@ -119,7 +119,7 @@ def write_shards(data: ServerData, bench: BenchSettings, run_dir: Path) -> list[
 
 
 def agent_arguments(launch: DeviceLaunch, address: BrokerAddress, fleet: str, bench: BenchSettings) -> list[str]:
-    """The `edge-agent run` arguments a field device would use, pointed at a simulated shard."""
+    """The `fl-bench device` arguments: those of a field device's `edge-agent run`, with a simulated shard."""
     profile = [] if bench.agent_profile is None else ["--profile", str(bench.agent_profile)]
     slow = ["--slowdown", str(bench.slow_factor)] if launch.device_id in slow_devices(bench) else []
     return [
@@ -142,8 +142,8 @@ def agent_arguments(launch: DeviceLaunch, address: BrokerAddress, fleet: str, be
 
 
 def agent_command(launch: DeviceLaunch, address: BrokerAddress, fleet: str, bench: BenchSettings) -> list[str]:
-    """The exact command a field device would run, pointed at a simulated shard."""
-    return [sys.executable, "-m", "edge_agent", "run", *agent_arguments(launch, address, fleet, bench)]
+    """The bench device's own process: `fl-bench device` over its simulated shard."""
+    return [sys.executable, "-m", "bench", "device", *agent_arguments(launch, address, fleet, bench)]
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ def spawn_agent(launch: DeviceLaunch, address: BrokerAddress, fleet: str, bench:
 def spawn_worker(
     number: int, launches: list[DeviceLaunch], address: BrokerAddress, fleet: str, bench: BenchSettings, folder: Path
 ) -> AgentHost:
-    """One `edge-agent host` worker for `launches`: each device with the arguments and log file of its own process."""
+    """One `fl-bench host` worker for `launches`: each device with the arguments and log file of its own process."""
     folder.mkdir(parents=True, exist_ok=True)
     devices_file, exits = folder / f"worker-{number:02d}.json", folder / f"worker-{number:02d}.exits"
     exits.unlink(missing_ok=True)
@@ -186,7 +186,7 @@ def spawn_worker(
         for launch in launches
     ]
     devices_file.write_text(json.dumps({"devices": listed}))
-    command = [sys.executable, "-m", "edge_agent", "host", "--devices", str(devices_file), "--exits", str(exits)]
+    command = [sys.executable, "-m", "bench", "host", "--devices", str(devices_file), "--exits", str(exits)]
     return AgentHost(start_process(command, folder / f"worker-{number:02d}.log", bench), launches, exits)
 
 

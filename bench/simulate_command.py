@@ -14,8 +14,6 @@ from coordinator.run_settings import server_settings, validate_recipe_names
 from protocol.errors import UsageError
 from protocol.mqtt import parse_broker_url
 
-HELP = "N real agents on this machine against an embedded broker and the coordinator"
-
 
 def add_arguments(simulate_parser: argparse.ArgumentParser) -> None:
     """The round options, the bench's split, and a secured bench."""

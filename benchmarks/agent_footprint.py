@@ -1,7 +1,7 @@
 # The agent's peak RSS per phase (idle, receive, score, label, train, publish) over a real round, for each profile.
-"""Prints one JSON object. For every device profile in firmware_configs/ it starts the real `edge-agent run`
-process against a real mosquitto, announces one round as the coordinator does (the model, and its ONNX bundle
-for an onnxruntime profile) and reads the agent's own per-phase peaks (its `footprint` log line: /proc VmHWM,
+"""Prints one JSON object. For every device profile in firmware_configs/ it starts the real agent process
+(`fl-bench device`: `edge-agent run` over a shard) against a real mosquitto, announces one round as the coordinator
+does (the model, and its ONNX bundle for an onnxruntime profile) and reads the agent's own per-phase peaks (its `footprint` log line: /proc VmHWM,
 reset at each phase) and its status's overall peak. Two rounds per profile: a full round (score, label, train,
 publish) and a score-only round (the device is not a participant: it acquires labels but does not train).
 

@@ -106,12 +106,12 @@ def cpu_seconds(pid: int) -> float:
 
 
 def kind_of(pid: int) -> str:
-    """coordinator, worker (edge-agent host), agent (edge-agent run), broker (mosquitto) or other."""
+    """coordinator, worker (fl-bench host), agent (fl-bench device), broker (mosquitto) or other."""
     try:
         command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return "other"
-    for marker, kind in (("edge_agent host", "worker"), ("edge_agent run", "agent"), ("mosquitto", "broker")):
+    for marker, kind in (("bench host", "worker"), ("bench device", "agent"), ("mosquitto", "broker")):
         if marker in command:
             return kind
     return "coordinator" if "coordinator simulate" in command else "other"

@@ -18,7 +18,7 @@ from protocol.model_spec import DEFAULT_SPEC, ModelSpec, load_model_spec
 DEFAULT_DIMENSIONS = 32
 
 
-def add_encoder_command(encoder: argparse.ArgumentParser) -> None:
+def add_arguments(encoder: argparse.ArgumentParser) -> None:
     """`encoder`: where the ONNX goes, how many dimensions, which unlabelled images it is fitted on."""
     encoder.add_argument("--out", type=Path, required=True, help="ONNX file to write (then: --encoder FILE)")
     encoder.add_argument("--pca", type=int, default=DEFAULT_DIMENSIONS, metavar="K", help="embedding dimensions")
@@ -43,7 +43,7 @@ def unlabelled_inputs(images: Path | None, spec: ModelSpec, data_dir: Path | Non
     return model_input(load_fashion_mnist(data_dir).train_images)
 
 
-def command_encoder(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Fits the PCA encoder, checks onnxruntime embeds the spec's images with it, writes it atomically."""
     if args.fit_images < 2:
         raise UsageError(f"--fit-images must be at least 2, got {args.fit_images}")

@@ -8,8 +8,6 @@ from coordinator.store import RunStore, stored_spec
 from export.cli import add_bundle_options, export_weights
 from protocol.errors import UsageError
 
-HELP = "write a device bundle (ONNX, MC dropout kept) of a run's checkpoint"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The run directory, the checkpoint round, and the bundle's options."""

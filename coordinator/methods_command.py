@@ -6,8 +6,6 @@ import argparse
 from coordinator.method_flags import method_kinds, options_table
 from coordinator.recipe_options import recipe_table
 
-HELP = "list the samplers, local rules and strategies with their options"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Plain text, or one of the README's markdown tables."""

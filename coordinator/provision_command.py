@@ -7,8 +7,6 @@ from pathlib import Path
 
 from coordinator.provision import DEFAULT_TLS_HOSTS, provision
 
-HELP = "write a fleet's broker passwords, ACL, device credentials, HMAC keys (and TLS files)"
-
 
 def add_arguments(provision_parser: argparse.ArgumentParser) -> None:
     """A fleet's names, where its files go, and TLS."""

@@ -15,8 +15,6 @@ from protocol.credentials import Credentials, load_credentials
 from protocol.errors import UsageError
 from protocol.mqtt import parse_broker_url
 
-HELP = "coordinate a site's devices and answer the central fleet as one device"
-
 
 def add_arguments(relay: argparse.ArgumentParser) -> None:
     """The central broker and who the relay is there, the site broker and fleet, the site round policy."""

@@ -4,8 +4,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-HELP = "write a run's self-contained HTML report"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The run directory and where the report goes."""

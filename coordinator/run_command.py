@@ -14,8 +14,6 @@ from coordinator.run_settings import server_settings, validate_recipe_names
 from coordinator.server import run_server
 from protocol.mqtt import parse_broker_url
 
-HELP = "coordinate a fleet of field devices"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The round options, waiting for devices, a provisioned (secured) fleet."""

@@ -1,6 +1,8 @@
 # `edge-agent score`: MC-dropout scores of a pool file or image folder with a bundle's model, top-k, speed and memory.
 from __future__ import annotations
 
+import argparse
+import json
 import resource
 import sys
 import time
@@ -15,9 +17,12 @@ from edge_agent.data.fashion_mnist import read_idx
 from edge_agent.data.image_arrays import IMAGE_SHAPE, check_images
 from edge_agent.data.image_files import FolderImages, InputSpec, read_image_folder
 from edge_agent.learning.acquisition_scores import top_k
-from edge_agent.learning.bundle import Bundle, load_bundle
+from edge_agent.learning.bundle import Bundle, BundleError, load_bundle
 from edge_agent.learning.mc_scorer import MCScorer
 from edge_agent.learning.sampling import make_heuristic
+from edge_agent.loop.profile import load_profile
+from protocol import messages
+from protocol.errors import UsageError
 
 BACKENDS = ("onnxruntime", "torch")
 CPU_PROVIDER = "CPUExecutionProvider"
@@ -34,7 +39,7 @@ def _read_npz_images(path: Path) -> np.ndarray:
                 raise ValueError("not a shard archive with an images array")
             return archive["images"]
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
-        raise ValueError(f"{path}: corrupt or unreadable array archive ({exc})") from exc
+        raise UsageError(f"{path}: corrupt or unreadable array archive ({exc})") from exc
 
 
 def load_pool_images(path: Path, limit: int | None = None, image_shape: tuple[int, ...] = IMAGE_SHAPE) -> np.ndarray:
@@ -45,12 +50,12 @@ def load_pool_images(path: Path, limit: int | None = None, image_shape: tuple[in
     pools are read once as uint8 (an IDX file only up to `limit` images). Images are normalised a batch at a time while scoring.
     """
     if not path.is_file():
-        raise FileNotFoundError(f"pool file {path} does not exist")
+        raise UsageError(f"pool file {path} does not exist")
     if path.suffix == ".npy":
         try:
             images = np.load(path, mmap_mode="r", allow_pickle=False)
         except (ValueError, OSError, EOFError) as exc:
-            raise ValueError(f"{path}: corrupt or unreadable .npy array ({exc})") from exc
+            raise UsageError(f"{path}: corrupt or unreadable .npy array ({exc})") from exc
     else:
         images = _read_npz_images(path) if path.suffix == ".npz" else read_idx(path, limit)
     check_images(images, f"{path}: pool", image_shape)
@@ -71,9 +76,9 @@ def make_scorer(
 
         return OrtMCDropout(bundle, batch_size, precision, threads, providers)
     if backend != "torch":
-        raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+        raise UsageError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
     if precision != "fp32":
-        raise ValueError("the torch back end scores in fp32 only; use --backend onnxruntime for int8")
+        raise UsageError("the torch back end scores in fp32 only; use --backend onnxruntime for int8")
     from edge_agent.learning.torch_bundle import torch_scorer_from_bundle
 
     return torch_scorer_from_bundle(bundle, batch_size, threads)
@@ -108,7 +113,7 @@ def score_pool(
     """
     heuristic = make_heuristic(sampler)
     if limit is not None and limit < 1:
-        raise ValueError(f"--limit must be at least 1, got {limit}")
+        raise UsageError(f"--limit must be at least 1, got {limit}")
     bundle = load_bundle(bundle_path)
     folder = (
         read_image_folder(pool_path, InputSpec.from_manifest(bundle.manifest), limit) if pool_path.is_dir() else None
@@ -142,3 +147,71 @@ def selection_report(images: int, batch_size: int, selected: np.ndarray, seconds
         "peak_rss_mb": round(peak_rss_mb(), 1),
         "indices": selected.tolist(),
     }
+
+
+def add_arguments(score: argparse.ArgumentParser) -> None:
+    """`edge-agent score`: a bundle, a pool, the sampler and how to run it."""
+    score.add_argument("--bundle", required=True, type=Path, help="a model bundle folder written by fl-export")
+    score.add_argument(
+        "--pool",
+        required=True,
+        type=Path,
+        help="an IDX images file (.gz ok), a shard .npz, an .npy array, or a folder of JPEG/PNG images",
+    )
+    score.add_argument("--passes", type=int, default=20, help="MC-dropout passes (capped by --profile)")
+    score.add_argument("--top", type=int, default=400, help="how many samples to select")
+    score.add_argument("--sampler", default=messages.Recipe.sampler)
+    score.add_argument("--backend", choices=BACKENDS, help="default: the profile's, else onnxruntime")
+    score.add_argument("--precision", choices=("fp32", "int8"), default="fp32", help="onnxruntime graphs to run")
+    score.add_argument(
+        "--batch",
+        type=int,
+        help="images per inference batch (default: the profile's, else 64 for onnxruntime, 256 for torch)",
+    )
+    score.add_argument("--threads", type=int, help="intra-op threads (default: the profile's, else the runtime's)")
+    score.add_argument("--limit", type=int, help="score only the first N pool images (capped by --profile)")
+    score.add_argument("--profile", type=Path, help="a firmware_configs/*.toml device profile")
+    score.add_argument("--seed", type=int, default=0, help="seed of the dropout masks")
+    score.add_argument("--json", action="store_true", help="print the result as one JSON line (the only format)")
+    score.add_argument("--log-level", default="warning")
+
+
+def run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """score_pool's passes, limit and run settings: the command line's, within a device profile's caps and with its
+    back end, batch, threads and providers as defaults (no profile: onnxruntime on the CPU)."""
+    settings: dict[str, Any] = {"passes": args.passes, "limit": args.limit, "threads": 0}
+    if args.profile is None:
+        return {**settings, "backend": "onnxruntime", "batch": None, "providers": (CPU_PROVIDER,)}
+    profile = load_profile(args.profile)
+    return {
+        "passes": min(args.passes, profile.mc_passes_cap),
+        "limit": min(args.limit or profile.pool_size_cap, profile.pool_size_cap),
+        "backend": profile.backend,
+        "batch": profile.inference_batch,
+        "threads": profile.threads,
+        "providers": profile.execution_providers,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """Scores a pool with a bundle, honouring a device profile's caps, and prints the JSON result."""
+    settings = run_settings(args)
+    try:
+        result = score_pool(
+            args.bundle,
+            args.pool,
+            settings["passes"],
+            args.top,
+            args.sampler,
+            backend=args.backend or settings["backend"],
+            batch_size=args.batch or settings["batch"],
+            limit=settings["limit"],
+            seed=args.seed,
+            threads=args.threads or settings["threads"],
+            precision=args.precision,
+            providers=settings["providers"],
+        )
+    except BundleError as error:  # here the bundle is the user's file, not one a coordinator sent
+        raise UsageError(str(error)) from None
+    print(json.dumps(result))
+    return 0

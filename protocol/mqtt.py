@@ -60,7 +60,7 @@ class BrokerAddress:
 
 
 def parse_broker_url(url: str) -> BrokerAddress:
-    """mqtt://[user:pass@]host[:port] or mqtts://...; a clear ValueError for anything else."""
+    """mqtt://[user:pass@]host[:port] or mqtts://...; a UsageError for anything else."""
     parsed = urlparse(url)
     if parsed.scheme not in ("mqtt", "mqtts") or not parsed.hostname:
         raise UsageError(f"broker URL {url!r} must look like mqtt://HOST:PORT or mqtts://HOST:PORT")

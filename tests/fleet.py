@@ -26,16 +26,17 @@ from protocol.model_spec import DEFAULT_SPEC
 from protocol.mqtt import BrokerAddress, MqttSession
 from protocol.tensors import weights_hash
 
-# Runs a console entry point with torch unimportable, as on a device installed with '.[agent]' only.
+# `python -m MODULE ARGS` with torch unimportable, as on a device installed with '.[agent]' only:
+# [sys.executable, "-c", WITHOUT_TORCH, MODULE, *ARGS].
 WITHOUT_TORCH = """
-import sys
+import runpy, sys
 class RefuseTorch:
     def find_spec(self, name, path=None, target=None):
         if name == "torch" or name.startswith("torch."):
             raise ImportError(f"torch is not installed on this device ({name})")
 sys.meta_path.insert(0, RefuseTorch())
-from edge_agent.cli import main
-sys.exit(main(sys.argv[1:]))
+sys.argv = sys.argv[1:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 """
 
 INIT_SAMPLES = 50
@@ -111,7 +112,7 @@ def start_coordinator(address: BrokerAddress | None, run_dir: Path, fleet: str, 
 
 
 def start_agent(launch: DeviceLaunch, address: BrokerAddress, fleet: str) -> subprocess.Popen:
-    """The real `python -m edge_agent run` of one device (the bench's own launcher)."""
+    """The real `python -m bench device` of one device (the bench's own launcher)."""
     return spawn_agent(launch, address, fleet, BenchSettings(agent_threads=1)).process
 
 

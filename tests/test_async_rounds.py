@@ -16,7 +16,6 @@ from coordinator.buffered import delta_of, fold_buffer, staleness_weight
 from coordinator.mean_strategies import AveFL
 from coordinator.store import RunStore
 from coordinator.validation import MAX_REASON_CHARS, Expectation, Rejection
-from edge_agent.cli import main as agent_main
 from protocol import messages, wire
 from protocol.tensors import spec_of, weights_hash
 
@@ -181,6 +180,6 @@ def test_versions_fold_stale_weighted_and_a_killed_coordinator_resumes_its_buffe
 def test_a_slowdown_below_one_is_a_one_line_error(capsys, tmp_path: Path) -> None:
     """The bench's slow-device knob refuses a device faster than itself before anything starts."""
     shard = tmp_path / "missing.npz"
-    argv = ["run", "--broker", "mqtt://127.0.0.1:1", "--fleet", "f", "--device-id", "d", "--data", str(shard)]
-    assert agent_main([*argv, "--slowdown", "0.5"]) == 2
+    argv = ["device", "--broker", "mqtt://127.0.0.1:1", "--fleet", "f", "--device-id", "d", "--data", str(shard)]
+    assert bench_main([*argv, "--slowdown", "0.5"]) == 2
     assert "--slowdown must lie in [1, 1000], got 0.5" in capsys.readouterr().err

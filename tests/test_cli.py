@@ -59,10 +59,10 @@ def test_bad_option_values_give_one_line(tmp_path: Path, option: str, value: str
     assert not (tmp_path / "run" / "devices").exists()
 
 
-def test_agent_with_missing_shard_fails_cleanly(tmp_path: Path) -> None:
+def test_bench_device_with_missing_shard_fails_cleanly(tmp_path: Path) -> None:
     result = run_cli(
-        "edge_agent",
-        "run",
+        "bench",
+        "device",
         "--broker",
         "mqtt://127.0.0.1:1",
         "--fleet",
@@ -79,12 +79,11 @@ def test_agent_with_missing_shard_fails_cleanly(tmp_path: Path) -> None:
 
 
 def test_suspect_options_reach_the_policy_by_name(tmp_path: Path) -> None:
-    from bench.cli import COMMANDS
-    from coordinator.cli import build_parser
+    from bench.cli import FL_BENCH
     from coordinator.round_aggregator import SuspectPolicy
     from coordinator.run_settings import server_settings
 
-    parser = build_parser("fl-bench", "", COMMANDS)
+    parser = FL_BENCH.parser("simulate")
     args = parser.parse_args(
         ["simulate", "--run-dir", str(tmp_path), "--suspect-threshold", "4.5", "--exclude-suspects"]
     )

@@ -1,4 +1,4 @@
-# Faults survived (issue #5), each with real processes: mosquitto, `python -m coordinator run`, `python -m edge_agent run`.
+# Faults survived (issue #5), each with real processes: mosquitto, `python -m coordinator run`, `python -m bench device`.
 from __future__ import annotations
 
 import dataclasses
@@ -314,7 +314,7 @@ def test_the_bench_notices_a_dead_agent_at_once(tmp_path: Path, caplog) -> None:
     assert error.startswith("agent died device=dev-02 exit=2 log=") and error.endswith(
         f"{broken.parent / 'agent.log'}; the run goes on with the others"
     )
-    assert "edge-agent:" in log_text(broken.parent / "agent.log")
+    assert "fl-bench:" in log_text(broken.parent / "agent.log")
 
 
 def test_a_killed_coordinator_takes_its_embedded_broker_along_and_its_restart_listens_where_it_was(

@@ -209,8 +209,8 @@ def test_stream_acquisition_stays_within_its_labelling_budget(tmp_path):
 @pytest.mark.parametrize(
     "options, message",
     [
-        ((), "give exactly one of --data (a bench shard) or --pool-dir"),
-        (("--data", "x.npz", "--stream"), "--stream and --label-ui need --pool-dir"),
+        (("--pool-dir", "{tmp}", "--broker", "http://x"), "must look like mqtt://HOST:PORT"),
+        (("--pool-dir", "{tmp}", "--labels-per-hour", "0", "--stream"), "labels per hour must be a positive number"),
         (("--pool-dir", "{tmp}/none"), "does not exist"),
         (("--pool-dir", "{tmp}", "--label-ui", "host:port"), "--label-ui expects [HOST:]PORT"),
     ],

@@ -13,6 +13,7 @@ from PIL import Image
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.image_files import MODEL_INPUT, InputSpec, UnreadableImageError, decode_image
 from edge_agent.field.folder_pool import FolderPool, folder_pool_of, open_folder_data
+from protocol.errors import UsageError
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +157,7 @@ def test_folder_store_refuses_shard_state_and_takes_the_specs_input_shape(tmp_pa
     Image.new("RGB", (64, 48), (200, 40, 10)).save(tmp_path / "camera" / "a.png")
     colour = open_folder_data(tmp_path / "s", tmp_path / "camera", 10, InputSpec(3, 32, 32), 0.0, (), 5)
     assert colour.image_shape == (32, 32, 3) and colour.num_classes == 5 and colour.num_samples == 1
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(UsageError, match="does not exist"):
         open_folder_data(tmp_path / "s", tmp_path / "missing", pool_cap=10)
 
 

@@ -40,7 +40,18 @@ def camera_folder(folder: Path, images: np.ndarray) -> list[str]:
 
 def run_score(bundle: Path, pool: Path, *extra: str) -> subprocess.CompletedProcess:
     """`edge-agent score` in a process where torch cannot be imported."""
-    command = [sys.executable, "-c", WITHOUT_TORCH, "score", "--bundle", str(bundle), "--pool", str(pool), "--json"]
+    command = [
+        sys.executable,
+        "-c",
+        WITHOUT_TORCH,
+        "edge_agent",
+        "score",
+        "--bundle",
+        str(bundle),
+        "--pool",
+        str(pool),
+        "--json",
+    ]
     return subprocess.run(command + list(extra), capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 

@@ -173,7 +173,7 @@ def test_an_agent_whose_profile_cannot_hold_its_trainer_refuses_to_start_in_one_
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-2000:]
     assert (
         done.stderr.startswith(
-            "edge-agent: memory_budget_mb = 160 of profile 'raspberry-pi-zero-2w' is below the ~383 MB a 'full' trainer needs with a pool of 250 images"
+            "fl-bench: memory_budget_mb = 160 of profile 'raspberry-pi-zero-2w' is below the ~383 MB a 'full' trainer needs with a pool of 250 images"
         )
         and "(a 'head' trainer needs no torch)" in done.stderr
     )
@@ -189,7 +189,7 @@ def test_a_pi_zero_agent_trains_the_classifier_without_torch(tmp_path: Path, bro
     with open(launch.log_file, "wb") as output:
         processes.append(
             subprocess.Popen(
-                [sys.executable, "-c", WITHOUT_TORCH, *command[3:]],
+                [sys.executable, "-c", WITHOUT_TORCH, *command[2:]],
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 env=os.environ,

@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = {
     "protocol": ("edge_agent", "export", "coordinator", "bench"),
-    "edge_agent": ("coordinator", "export"),
+    "edge_agent": ("coordinator", "export", "bench"),
     "export": ("coordinator",),
 }
 TORCH_FREE = (
@@ -38,6 +38,9 @@ TORCH_FREE = (
     # a device that scores and trains its classifier only (the Pi Zero 2 W profile) runs without torch
     "edge_agent.loop.agent",
     "edge_agent.cli",
+    "edge_agent.run_command",
+    # the bench's device over a shard: how the tests run a device installed without torch
+    "bench.device_command",
     "edge_agent.loop.round_runner",
     "edge_agent.loop.acquisition",
     "edge_agent.learning.learner",

@@ -32,7 +32,17 @@ def test_the_agent_extra_needs_no_torch_and_the_coordinator_extra_has_the_server
 def test_edge_agent_score_runs_with_torch_unimportable(tmp_path: Path) -> None:
     ensure_bundle_files(get_weights(build_model(seed=0)), tmp_path / "bundle")
     pool = DEFAULT_DATA_DIR / "t10k-images-idx3-ubyte.gz"
-    command = [sys.executable, "-c", WITHOUT_TORCH, "score", "--bundle", str(tmp_path / "bundle"), "--pool", str(pool)]
+    command = [
+        sys.executable,
+        "-c",
+        WITHOUT_TORCH,
+        "edge_agent",
+        "score",
+        "--bundle",
+        str(tmp_path / "bundle"),
+        "--pool",
+        str(pool),
+    ]
     command += ["--limit", "300", "--passes", "3", "--top", "7", "--json"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -74,7 +74,8 @@ def agent_pids(run_dir: Path) -> list[int]:
             state = (entry / "stat").read_text().split(") ")[1][0]
         except (FileNotFoundError, ProcessLookupError, PermissionError, IndexError, NotADirectoryError):
             continue
-        if b"edge_agent" in command and str(run_dir).encode() in command and state != "Z":
+        is_agent = b"-m bench host" in command or b"-m bench device" in command
+        if is_agent and str(run_dir).encode() in command and state != "Z":
             pids.append(int(entry.name))
     return pids
 

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent.cli import agent_settings, broker_address, build_parser
+from edge_agent.cli import EDGE_AGENT
 from edge_agent.loop.profile import ProfileError, load_profile
+from edge_agent.run_command import agent_settings, broker_address
 
 CONFIGS = Path(__file__).resolve().parent.parent / "firmware_configs"
 SHIPPED = ("raspberry-pi-4", "raspberry-pi-zero-2w", "jetson-nano", "jetson-orin-nano", "simulated")
@@ -64,8 +65,8 @@ def test_missing_key_is_named(tmp_path: Path) -> None:
 
 def test_agent_run_takes_its_settings_from_the_profile_and_the_command_line_wins() -> None:
     pi_zero = CONFIGS / "raspberry-pi-zero-2w.toml"
-    base = ["run", "--broker", "mqtts://broker.example:8883", "--fleet", "f", "--device-id", "d", "--data", "x.npz"]
-    args = build_parser().parse_args([*base, "--profile", str(pi_zero)])
+    base = ["run", "--broker", "mqtts://broker.example:8883", "--fleet", "f", "--device-id", "d", "--pool-dir", "x"]
+    args = EDGE_AGENT.parser("run").parse_args([*base, "--profile", str(pi_zero)])
     profile = load_profile(pi_zero)
     settings = agent_settings(args, profile)
     assert (settings.backend, settings.inference_batch, settings.mc_passes_cap, settings.torch_threads) == (
@@ -76,7 +77,7 @@ def test_agent_run_takes_its_settings_from_the_profile_and_the_command_line_wins
     )
     assert settings.profile == "raspberry-pi-zero-2w" and settings.scores_with_onnxruntime
     overridden = agent_settings(
-        build_parser().parse_args([*base, "--inference-batch", "8", "--torch-threads", "1"]), profile
+        EDGE_AGENT.parser("run").parse_args([*base, "--inference-batch", "8", "--torch-threads", "1"]), profile
     )
     assert (overridden.inference_batch, overridden.torch_threads) == (8, 1)
     address = broker_address(args.broker, profile)
@@ -86,5 +87,5 @@ def test_agent_run_takes_its_settings_from_the_profile_and_the_command_line_wins
         "/etc/edge-agent/tls/device.key",
     )
     assert broker_address("mqtt://h:1883", profile).ca_file is None
-    bare = agent_settings(build_parser().parse_args(base), None)
+    bare = agent_settings(EDGE_AGENT.parser("run").parse_args(base), None)
     assert (bare.backend, bare.torch_threads, bare.inference_batch, bare.mc_passes_cap) == ("torch", 1, 256, None)

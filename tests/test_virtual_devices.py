@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.cli import main as bench_main
 from bench.simulate import BenchSettings, simulate
 from coordinator.observer import RoundResult
 from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
-from edge_agent.cli import main as agent_main
 from protocol import messages
 
 pytestmark = pytest.mark.integration
@@ -95,9 +95,9 @@ def test_a_killed_worker_takes_its_devices_and_the_round_goes_on(tmp_path: Path,
 
 @pytest.mark.parametrize("text", ["not json", '{"devices": [{"device_id": "dev-00"}]}', '{"hosts": []}'])
 def test_a_malformed_devices_file_is_refused_in_one_line(tmp_path: Path, capsys, text: str) -> None:
-    """`edge-agent host` names the file and what is wrong with it, in at most 300 characters, and starts nothing."""
+    """`fl-bench host` names the file and what is wrong with it, in at most 300 characters, and starts nothing."""
     devices = tmp_path / "worker.json"
     devices.write_text(text)
-    assert agent_main(["host", "--devices", str(devices)]) == 2
+    assert bench_main(["host", "--devices", str(devices)]) == 2
     error = capsys.readouterr().err.strip()
-    assert error.startswith(f"edge-agent: {devices} is not a devices file: ") and len(error) <= 300
+    assert error.startswith(f"fl-bench: {devices} is not a devices file: ") and len(error) <= 300

@@ -222,7 +222,7 @@ def read_image_folder(folder: Path, spec: InputSpec, limit: int | None = None) -
     """The first `limit` readable images of a folder (all without a limit), in relative-path order, as model inputs.
 
     Broken, truncated, oversized and non-image files are skipped with their reason and never touched; the
-    quarantine folder of a field device is not read. ValueError when no file at all is a readable image.
+    quarantine folder of a field device is not read. UsageError when no file at all is a readable image.
     """
     if not folder.is_dir():
         raise UsageError(f"pool folder {folder} does not exist")

@@ -9,9 +9,9 @@ from edge_agent.field.folder_pool import DEFAULT_SETTLE_SECONDS
 
 
 def add_field_arguments(run: argparse.ArgumentParser) -> None:
-    """The options of a field device (a folder pool, the folder oracle, the label page, stream acquisition)."""
+    """The options of a field device's folder pool (given by --pool-dir): its model spec, the folder oracle, the
+    label page, stream acquisition."""
     field = run.add_argument_group("field device")
-    field.add_argument("--pool-dir", type=Path, help="folder of JPEG/PNG images (a camera's); new files join the pool")
     field.add_argument(
         "--model-spec",
         type=Path,

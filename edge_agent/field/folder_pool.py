@@ -23,6 +23,7 @@ from edge_agent.data.image_files import (
     folder_files,
 )
 from edge_agent.learning.bundle import file_sha256
+from protocol.errors import UsageError
 from protocol.model_spec import CLASS_NAMES
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class FolderPool:
     ) -> None:
         self.pool_dir = Path(pool_dir)
         if not self.pool_dir.is_dir():
-            raise FileNotFoundError(f"pool folder {self.pool_dir} does not exist")
+            raise UsageError(f"pool folder {self.pool_dir} does not exist")
         self.store_dir = Path(store_dir)
         self.spec = spec
         self.settle_seconds = settle_seconds
@@ -200,11 +201,11 @@ def open_folder_data(
     state_dir = Path(state_dir)
     agents_own = InputSpec(spec.channels, spec.height, spec.width)
     if not spec.same_as(agents_own):
-        raise ValueError(f"the agent's models take {agents_own.describe()}; the manifest says {spec.describe()}")
+        raise UsageError(f"the agent's models take {agents_own.describe()}; the manifest says {spec.describe()}")
     if pool_cap < 1:
-        raise ValueError(f"the pool size cap must be positive, got {pool_cap}")
+        raise UsageError(f"the pool size cap must be positive, got {pool_cap}")
     if (state_dir / IMAGES_FILE).exists():
-        raise ValueError(f"{state_dir} holds a shard's device data; use a fresh state directory for a folder pool")
+        raise UsageError(f"{state_dir} holds a shard's device data; use a fresh state directory for a folder pool")
     pool = FolderPool(pool_dir, state_dir / POOL_STORE, spec, settle_seconds, skip_dirs=(state_dir, *skip_dirs))
     if not (state_dir / LABELS_FILE).is_file():
         initialise_store(state_dir, num_classes=num_classes)

@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
 from edge_agent.field.folder_oracle import QueryBook
+from protocol.errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -24,10 +25,10 @@ PAGE_STYLE = (
 
 
 def parse_listen_address(value: str) -> tuple[str, int]:
-    """`[HOST:]PORT` -> (host, port); loopback when no host is given; ValueError for anything else."""
+    """`[HOST:]PORT` -> (host, port); loopback when no host is given; UsageError for anything else."""
     host, _, port = value.rpartition(":")
     if not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"--label-ui expects [HOST:]PORT, got {value!r}")
+        raise UsageError(f"--label-ui expects [HOST:]PORT, got {value!r}")
     return host or DEFAULT_HOST, int(port)
 
 

@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from protocol.errors import UsageError
+
 SECONDS_PER_HOUR = 3600.0
 
 
@@ -24,9 +26,9 @@ class BudgetSettings:
 
     def __post_init__(self) -> None:
         if not (self.labels_per_hour > 0 and math.isfinite(self.labels_per_hour)):
-            raise ValueError(f"labels per hour must be a positive number, got {self.labels_per_hour}")
+            raise UsageError(f"labels per hour must be a positive number, got {self.labels_per_hour}")
         if not self.burst >= 1:
-            raise ValueError(f"the label burst must be at least 1, got {self.burst}")
+            raise UsageError(f"the label burst must be at least 1, got {self.burst}")
         if self.window < 2 or not 1 <= self.min_history <= self.window:
             raise ValueError(f"need window >= 2 and 1 <= min_history <= window, got {self.window}, {self.min_history}")
 

@@ -5,6 +5,7 @@ import hashlib
 from dataclasses import dataclass
 
 from protocol import wire
+from protocol.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class AgentSettings:
 
     def __post_init__(self) -> None:
         if not 1.0 <= self.slowdown <= 1000.0:
-            raise ValueError(f"--slowdown must lie in [1, 1000], got {self.slowdown}")
+            raise UsageError(f"--slowdown must lie in [1, 1000], got {self.slowdown}")
 
     @property
     def scores_with_onnxruntime(self) -> bool:

@@ -5,6 +5,7 @@ import dataclasses
 import logging
 
 from edge_agent.loop.agent_settings import AgentSettings
+from protocol.errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +18,7 @@ MIN_INFERENCE_BATCH = 8
 IMAGE_BYTES = 28 * 28
 
 
-class MemoryBudgetError(ValueError):
+class MemoryBudgetError(UsageError):
     """The profile's memory budget cannot hold this agent's work, even with the smallest scoring batch."""
 
 

@@ -9,11 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from protocol.errors import UsageError
+
 BACKENDS = ("torch", "onnxruntime")
 TRAINERS = ("full", "head")
 
 
-class ProfileError(ValueError):
+class ProfileError(UsageError):
     """A profile file is unreadable or invalid; the message names the file, the key and what was expected."""
 
 
