@@ -1,6 +1,7 @@
 # One round's aggregation seam: absorb accepted updates as they arrive, finish into an immutable Aggregate.
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -8,6 +9,7 @@ from typing import Any
 
 from coordinator.aggregation import ClientUpdate, check_magnitude
 from coordinator.divergence import flag_suspects, layer_divergence
+from coordinator.scratch import TensorScratch
 from coordinator.strategies import Evaluate, Strategy, StreamingWeightedAverage
 from protocol.tensors import Weights
 
@@ -114,24 +116,24 @@ class BatchAggregator(RoundAggregator):
 
 
 class StreamingAggregator(RoundAggregator):
-    """Adds each update to an order-independent running sum on arrival and keeps no tensors; the models are read
-    back one at a time (from the spool) only to measure them against the new global model."""
+    """Adds each update to an order-independent running sum on arrival and keeps no tensors in memory: its decoded
+    weights go to a scratch file and are viewed again (not decoded again) only to measure them against the new
+    global model."""
 
     def __init__(
-        self,
-        strategy: StreamingWeightedAverage,
-        base: Weights,
-        policy: SuspectPolicy,
-        reread: Callable[[list[str]], Iterator[ClientUpdate]],
+        self, strategy: StreamingWeightedAverage, base: Weights, policy: SuspectPolicy, scratch: TensorScratch
     ) -> None:
         super().__init__(strategy, base, policy)
         self.streaming = strategy
         self.running = strategy.begin()
-        self.reread = reread
+        self.scratch = scratch
+        self.kept: dict[str, ClientUpdate] = {}
 
     def keep(self, update: ClientUpdate) -> None:
-        """Adds the update's weighted tensors to the running sum."""
+        """Keeps the update's weights in the scratch and adds them, weighted, to the running sum."""
+        self.scratch.put(update.device_id, update.weights)
         self.streaming.accumulate(self.running, update)
+        self.kept[update.device_id] = dataclasses.replace(update, weights={})
 
     def combine(self, suspects: dict[str, list[str]], evaluate: Evaluate | None) -> tuple[Weights, dict[str, Any]]:
         """The running mean (suspects are flagged only: leaving them out needs the batch path)."""
@@ -139,17 +141,16 @@ class StreamingAggregator(RoundAggregator):
         return weights, {**report, "streamed": True}
 
     def models(self) -> Iterator[ClientUpdate]:
-        """The absorbed updates read back, in device order."""
-        return self.reread(sorted(self.running.coefficients))
+        """The absorbed updates, their weights viewed in the scratch, in device order."""
+        for device in sorted(self.running.coefficients):
+            yield dataclasses.replace(self.kept[device], weights=self.scratch.get(device))
 
 
 def make_aggregator(
-    strategy: Strategy,
-    base: Weights,
-    policy: SuspectPolicy,
-    reread: Callable[[list[str]], Iterator[ClientUpdate]],
+    strategy: Strategy, base: Weights, policy: SuspectPolicy, scratch: TensorScratch
 ) -> RoundAggregator:
-    """Streaming when the strategy can sum as updates arrive and no suspect is to be left out, else batch."""
+    """Streaming (keeping weights in `scratch`) when the strategy can sum as updates arrive and no suspect is to be
+    left out, else batch."""
     if isinstance(strategy, StreamingWeightedAverage) and not policy.exclude:
-        return StreamingAggregator(strategy, base, policy, reread)
+        return StreamingAggregator(strategy, base, policy, scratch)
     return BatchAggregator(strategy, base, policy)
