@@ -5,10 +5,12 @@ import dataclasses
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from coordinator.aggregation import check_magnitude
 from coordinator.intake import RoundCollector
-from coordinator.validation import Expectation, Rejection, decoded, validate_update
+from coordinator.scratch import TensorScratch
+from coordinator.validation import Expectation, Incoming, Rejection, check_sender, validated
 from protocol import messages
 from protocol.errors import UsageError
 from protocol.messages import RejectionKind
@@ -74,15 +76,18 @@ class VersionCollector(RoundCollector):
     announcement of round v + 1 carries version v): each is validated against the version it was trained from
     (decoded against that model), once per (device, base version). A device's first waiting update goes into the
     buffer of the version being built; one that comes while that is still waiting goes into the next buffer (it
-    was trained from the current version, so it is exactly one version old when folded)."""
+    was trained from the current version, so it is exactly one version old when folded). Each buffer's decoded
+    weights wait in a scratch file in `folder` (`tensors`, `next_tensors`) until the fold views them."""
 
-    def __init__(self, template: Expectation, policy: AsyncPolicy, version: int, model: Weights) -> None:
+    def __init__(self, template: Expectation, policy: AsyncPolicy, version: int, model: Weights, folder: Path) -> None:
         super().__init__(template)
         self.policy = policy
         self.version = version
         self.models: dict[int, tuple[str, Weights]] = {version: (weights_hash(model), model)}
         self.buffer: dict[str, Buffered] = {}
         self.next_buffer: dict[str, Buffered] = {}
+        self.folder = folder
+        self.tensors, self.next_tensors = TensorScratch(folder), TensorScratch(folder)
         self.folded: dict[tuple[str, int], Taken] = {}
         self.advance_expectation()
 
@@ -103,26 +108,29 @@ class VersionCollector(RoundCollector):
         model_hash, model = self.models[base]
         return dataclasses.replace(self.expectation, round_id=base + 1, base_hash=model_hash, base=model)
 
-    def offer(self, device_id: str, payload: bytes) -> tuple[messages.Update, bool]:
+    def offer(self, incoming: Incoming) -> tuple[messages.Update, bool]:
         """(update, is_new) as RoundCollector.offer, except that the update may come from any version in the window;
         the returned update's round id is the version it will be folded into (what its ack and spool name)."""
-        base = decoded(device_id, payload, self.expectation).round_id - 1
+        device_id, base = incoming.device_id, check_sender(incoming).round_id - 1
         check_staleness(base, self.version, self.policy.max_staleness)
         if base not in self.models:
             raise Rejection(RejectionKind.STALE, f"stale: version {base} is not one this run can take updates from")
-        update = validate_update(device_id, payload, self.expectation_of(base))
+        update = validated(incoming, self.expectation_of(base))
         try:
             check_magnitude(update.tensors)
         except ValueError as error:
             raise Rejection(RejectionKind.OUT_OF_RANGE, f"out of range: {error}") from None
-        digest = hashlib.sha256(payload).hexdigest()
+        digest = hashlib.sha256(incoming.payload).hexdigest()
         previous = self.taken(device_id, base)
         if previous is not None:
             if previous.update_id == update.update_id and previous.digest == digest:
                 return dataclasses.replace(update, tensors={}, round_id=previous.version), False
             raise Rejection(RejectionKind.DUPLICATE, duplicate_reason(device_id, update, previous.update_id, base))
-        into = self.next_buffer if device_id in self.buffer else self.buffer
-        into[device_id] = Buffered(dataclasses.replace(update, tensors={}), digest, len(payload))
+        into, tensors = (
+            (self.next_buffer, self.next_tensors) if device_id in self.buffer else (self.buffer, self.tensors)
+        )
+        tensors.put(device_id, update.tensors)
+        into[device_id] = Buffered(dataclasses.replace(update, tensors={}), digest, len(incoming.payload))
         version = self.version + (2 if into is self.next_buffer else 1)
         return dataclasses.replace(update, tensors={}, round_id=version), True
 
@@ -147,6 +155,8 @@ class VersionCollector(RoundCollector):
         self.note_folded(folded, self.version)
         self.forget_older_than(self.version - self.policy.max_staleness)
         self.buffer, self.next_buffer = self.next_buffer, {}
+        self.tensors.close()
+        self.tensors, self.next_tensors = self.next_tensors, TensorScratch(self.folder)
         self.advance_expectation()
         self.rejected, self.rejection_count = {}, 0
         return folded

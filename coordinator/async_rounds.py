@@ -14,10 +14,10 @@ from coordinator.intake import RoundCollector
 from coordinator.observer import RoundResult
 from coordinator.round_aggregator import RoundAggregator, SuspectPolicy
 from coordinator.rounds import Coordinator, OpenRound, RoundParts, RoundRules
+from coordinator.scratch import TensorScratch
 from coordinator.strategies import STRATEGIES
 from coordinator.strategy_contract import Evaluate, Strategy
-from coordinator.validation import Rejection, with_weights
-from protocol import messages, wire
+from coordinator.validation import Rejection, decoded
 from protocol.errors import UsageError
 from protocol.mqtt import MqttSession
 from protocol.tensors import Weights, weights_hash
@@ -41,30 +41,26 @@ def check_async_settings(strategy: str, suspects: SuspectPolicy, participation: 
 
 class BufferedAggregator(RoundAggregator):
     """One version's fold: absorbs each buffered update as its delta rebased onto the current version (so suspects
-    are judged on what the update changes, however old its base), and folds them by FedBuff's rule."""
+    are judged on what the update changes, however old its base), and folds them by FedBuff's rule. The devices'
+    own models are viewed in the buffer's scratch (`trained`), not decoded again."""
 
     def __init__(
-        self,
-        strategy: Strategy,
-        base: Weights,
-        policy: SuspectPolicy,
-        server_lr: float,
-        reread: Callable[[list[str]], Iterator[ClientUpdate]],
+        self, strategy: Strategy, base: Weights, policy: SuspectPolicy, server_lr: float, trained: TensorScratch
     ) -> None:
         super().__init__(strategy, base, policy)
         self.server_lr = server_lr
-        self.reread = reread
+        self.trained = trained
         self.buffer = BufferSum()
         self.staleness: dict[str, int] = {}
         self.deltas: dict[str, Weights] = {}
+        self.entries: dict[str, Buffered] = {}
         self.folded: list[dict[str, Any]] = []
 
-    def absorb_entry(self, entry: Buffered, trained: Weights, trained_from: Weights, staleness: int) -> None:
-        """Takes one buffered update: the device's trained model, the version it trained from, how many versions
-        old that is."""
+    def absorb_entry(self, entry: Buffered, trained_from: Weights, staleness: int) -> None:
+        """Takes one buffered update: the version it trained from and how many versions old that is."""
         device = entry.update.device_id
-        delta = delta_of(trained, trained_from)
-        self.deltas[device], self.staleness[device] = delta, staleness
+        delta = delta_of(self.trained.get(device), trained_from)
+        self.deltas[device], self.staleness[device], self.entries[device] = delta, staleness, entry
         rebased = {name: self.base[name].astype(change.dtype) + change for name, change in delta.items()}
         self.absorb(ClientUpdate(device, rebased, entry.update.num_samples, entry.update.metrics))
         self.folded.append(
@@ -83,8 +79,10 @@ class BufferedAggregator(RoundAggregator):
         return weights, report | {"staleness_weights": self.buffer.weights()}
 
     def models(self) -> Iterator[ClientUpdate]:
-        """The devices' own models read back from the spool, in device order."""
-        return self.reread(sorted(self.staleness))
+        """The devices' own models, viewed in the scratch, in device order."""
+        for device in sorted(self.staleness):
+            update = self.entries[device].update
+            yield ClientUpdate(device, self.trained.get(device), update.num_samples, update.metrics)
 
 
 class AsyncCoordinator(Coordinator):
@@ -112,8 +110,8 @@ class AsyncCoordinator(Coordinator):
         """The collector at `version`: the window's older models from their checkpoints, the updates folded into
         recent versions (so redeliveries are recognised), and the buffers a killed predecessor spooled."""
         expectation = self.expectation(version + 1, weights, weights_hash(weights))
-        collector = VersionCollector(expectation, self.policy, version, weights)
         store = self.parts.intake.store
+        collector = VersionCollector(expectation, self.policy, version, weights, store.spool.folder)
         for older in range(max(0, version - self.policy.max_staleness), version):
             collector.remember(older, store.checkpoints.load(older))
         for record in store.rounds()[-(self.policy.max_staleness + 1) :]:
@@ -122,8 +120,8 @@ class AsyncCoordinator(Coordinator):
                 collector.folded[(item["device"], item["base"])] = taken
         for target in (version + 1, version + 2):
             for device_id, payload in store.spool.items(target):
-                try:
-                    update, _ = collector.offer(device_id, payload)
+                try:  # decoding each spooled payload again: recovery, where an accepted update is decoded twice
+                    update, _ = collector.offer(decoded(device_id, payload, collector.expectation))
                     if update.round_id != target:  # its first update no longer valid: it moves up a buffer
                         store.spool.add(update.round_id, device_id, payload)
                     log.info("resumed spooled update device=%s round=%d", device_id, update.round_id)
@@ -136,7 +134,7 @@ class AsyncCoordinator(Coordinator):
         the minimum), then folds and commits the next version."""
         timing = RoundTiming(time.time(), time.monotonic())
         aggregator = BufferedAggregator(
-            self.parts.closer.strategy, weights, self.rules.suspects, self.policy.server_lr, self.reader(collector)
+            self.parts.closer.strategy, weights, self.rules.suspects, self.policy.server_lr, collector.tensors
         )
         self.announce_version(collector.version, weights)
         self.collect_buffer(collector, aggregator, timing)
@@ -170,8 +168,7 @@ class AsyncCoordinator(Coordinator):
         """Folds the buffer into the next version through the round closer (aggregate, evaluate, commit)."""
         entries = sorted(collector.buffer.values(), key=lambda entry: entry.update.device_id)
         for entry in entries:
-            trained = self.trained_model(collector, entry)
-            aggregator.absorb_entry(entry, trained, collector.models[entry.base][1], collector.version - entry.base)
+            aggregator.absorb_entry(entry, collector.models[entry.base][1], collector.version - entry.base)
         record = RoundCollector(
             collector.expectation,
             accepted={entry.update.device_id: entry.update for entry in entries},
@@ -188,21 +185,3 @@ class AsyncCoordinator(Coordinator):
         log.info("version committed round=%d folded=%d staleness=%s accuracy=%.4f seconds=%.1f", *counts)
         self.parts.observer.round_closed(result)
         return weights, result
-
-    def trained_model(self, collector: VersionCollector, entry: Buffered) -> Weights:
-        """A buffered update's model as the device trained it, read back from the spool and decoded against the
-        version it was trained from."""
-        payload = self.parts.intake.store.spool.payload(collector.version + 1, entry.update.device_id)
-        update = wire.decode(payload, messages.Update, max_bytes=self.rules.policy.max_update_bytes)
-        return with_weights(update, collector.models[entry.base][1]).tensors
-
-    def reader(self, collector: VersionCollector) -> Callable[[list[str]], Iterator[ClientUpdate]]:
-        """Reads the buffered updates' own models back one at a time (for their divergence and test scores)."""
-
-        def read(devices: list[str]) -> Iterator[ClientUpdate]:
-            for device in devices:
-                entry = collector.buffer[device]
-                update = entry.update
-                yield ClientUpdate(device, self.trained_model(collector, entry), update.num_samples, update.metrics)
-
-        return read

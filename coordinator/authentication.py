@@ -1,4 +1,4 @@
-# Who sent an update: a provisioned device's HMAC over the payload, bound to device, round and a never-reused nonce.
+# Who sent an update: a provisioned device's HMAC over the signed bytes, bound to device, round and a never-reused nonce.
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -34,9 +34,10 @@ class UpdateAuthenticator:
         self.device_keys = dict(device_keys)
         self.nonces = nonces if nonces is not None else MemoryNonces()
 
-    def check(self, update: messages.Update, current_round: int) -> None:
-        """Raises Rejection for an unknown device, a missing or wrong signature, or a nonce first seen while an
-        earlier round was open (a replay, whatever round it claims).
+    def check(self, update: messages.Update, signed: bytes, current_round: int) -> None:
+        """Raises Rejection for an unknown device, a missing or wrong signature (over `signed`, the bytes the update's
+        signed envelope holds), or a nonce first seen while an earlier round was open (a replay, whatever round it
+        claims).
 
         The same signed update arriving again in the round it was sent for (a QoS 1 redelivery) passes; the round
         collector applies it once.
@@ -50,7 +51,7 @@ class UpdateAuthenticator:
             raise Rejection(
                 RejectionKind.BAD_SIGNATURE, "bad signature: the update is not signed (no nonce or no signature)"
             )
-        if not wire.signature_valid(update, key):
+        if not wire.signature_valid(signed, update.signature, key):
             raise Rejection(
                 RejectionKind.BAD_SIGNATURE, f"bad signature: the HMAC does not match {update.device_id!r}'s key"
             )

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from coordinator.aggregation import ClientUpdate
 from coordinator.observer import RoundObserver
 from coordinator.store import RunStore
-from coordinator.validation import Expectation, Rejection, validate_update
+from coordinator.validation import Expectation, Incoming, Rejection, decoded, validated
 from protocol import messages, topics, wire
 from protocol.messages import RejectionKind
 from protocol.mqtt import MqttSession
@@ -51,11 +51,11 @@ class RoundCollector:
         self.rejected[device_id] = reason
         self.rejection_count += 1
 
-    def offer(self, device_id: str, payload: bytes) -> tuple[messages.Update, bool]:
+    def offer(self, incoming: Incoming) -> tuple[messages.Update, bool]:
         """(update, is_new): a valid first update is new; a byte-identical redelivery of the accepted one is not;
         anything else from a device that already has an accepted update is a duplicate Rejection."""
-        update = validate_update(device_id, payload, self.expectation)
-        digest = hashlib.sha256(payload).hexdigest()
+        update = validated(incoming, self.expectation)
+        device_id, digest = incoming.device_id, hashlib.sha256(incoming.payload).hexdigest()
         previous = self.accepted.get(device_id)
         if previous is not None:
             if previous.update_id == update.update_id and self.digests[device_id] == digest:
@@ -68,7 +68,7 @@ class RoundCollector:
         update = dataclasses.replace(update, tensors={})
         self.accepted[device_id] = update
         self.digests[device_id] = digest
-        self.sizes[device_id] = len(payload)
+        self.sizes[device_id] = len(incoming.payload)
         return update, True
 
 
@@ -100,22 +100,25 @@ class UpdateIntake:
         participants: list[str],
         dropped: Dropped | None = None,
     ) -> None:
-        """Validates, spools and acks an update; a rejection is acked with its reason, logged and counted. `dropped`:
-        the update came in chunks that did not make a whole one (see on_dropped)."""
+        """Decodes an update once, validates, spools and acks it; a rejection is acked with its reason (quoting the
+        decoded update's id), logged and counted. `dropped`: the update came in chunks that did not make a whole one
+        (see on_dropped)."""
         if dropped is not None:
             self.on_dropped(device_id, dropped, collector)
             return
         if collector is None:
-            self.reject(device_id, 0, payload, Rejection(RejectionKind.NO_ROUND, "no round is open"))
+            self.reject(device_id, 0, Rejection(RejectionKind.NO_ROUND, "no round is open"), payload)
             return
+        incoming = None
         try:
             if participants and device_id not in participants:
                 reason = f"not selected: {device_id} is not a participant of round {collector.round_id}"
                 raise Rejection(RejectionKind.NOT_SELECTED, reason)
-            update, is_new = collector.offer(device_id, payload)
+            incoming = decoded(device_id, payload, collector.expectation)
+            update, is_new = collector.offer(incoming)
         except Rejection as rejection:
             collector.reject(device_id, rejection.reason)
-            self.reject(device_id, collector.round_id, payload, rejection)
+            self.reject(device_id, collector.round_id, rejection, payload, incoming)
             return
         if is_new:
             self.store.spool.stage(update.round_id, device_id, payload)
@@ -130,22 +133,29 @@ class UpdateIntake:
         rejection = Rejection(dropped.kind, dropped.reason)
         if collector is not None:
             collector.reject(device_id, rejection.reason)
-        self.reject(device_id, collector.round_id if collector else 0, b"", rejection, size=dropped.total_bytes)
+        self.reject(device_id, collector.round_id if collector else 0, rejection, b"", size=dropped.total_bytes)
 
     def resume_spooled(self, collector: RoundCollector) -> None:
-        """Takes back the updates a previous coordinator process accepted for this round before it died."""
+        """Takes back the updates a previous coordinator process accepted for this round before it died (decoding
+        each spooled payload again: recovery, the one path where an accepted update is decoded twice)."""
         for device_id, payload in self.store.spool.items(collector.round_id):
             try:
-                collector.offer(device_id, payload)
+                collector.offer(decoded(device_id, payload, collector.expectation))
                 log.info("resumed spooled update device=%s round=%d", device_id, collector.round_id)
             except Rejection as rejection:
                 log.warning("spooled update no longer valid device=%s reason=%s", device_id, rejection.reason)
 
     def reject(
-        self, device_id: str, round_id: int, payload: bytes, rejection: Rejection, size: int | None = None
+        self,
+        device_id: str,
+        round_id: int,
+        rejection: Rejection,
+        payload: bytes,
+        incoming: Incoming | None = None,
+        size: int | None = None,
     ) -> None:
-        """Acks a rejection with its reason and kind, counts it in the store and logs it once (`size`: the bytes
-        the update had, when not the payload's)."""
+        """Acks a rejection with its reason, kind and the update's id (from its decoded form when it got that far),
+        counts it in the store and logs it once (`size`: the bytes the update had, when not the payload's)."""
         size = len(payload) if size is None else size
         log.warning(
             "update rejected device=%s round=%d kind=%s reason=%s",
@@ -156,8 +166,8 @@ class UpdateIntake:
         )
         self.store.record_rejection(round_id, device_id, rejection.reason, size, rejection.kind)
         self.observer.update_answered(device_id, round_id, size, rejection)
-        ack = messages.Ack(device_id, round_id, update_id_of(payload), False, rejection.reason, rejection.kind)
-        self.ack(ack)
+        update_id = incoming.update.update_id[:128] if incoming else update_id_of(payload)
+        self.ack(messages.Ack(device_id, round_id, update_id, False, rejection.reason, rejection.kind))
 
     def ack(self, ack: messages.Ack) -> None:
         """Queues an ack for the device, published by the next commit."""
@@ -172,7 +182,8 @@ class UpdateIntake:
 
 
 def update_id_of(payload: bytes) -> str:
-    """The update id of a payload if it can be read at all (cut to 128 characters), for the rejection ack."""
+    """The update id of a payload that was not decoded (no round, not selected, too large or undecodable within the
+    round's limit) if it can be read at all, cut to 128 characters, for the rejection ack; "" if it cannot."""
     try:
         return wire.decode(payload, messages.Update).update_id[:128]
     except wire.WireError:

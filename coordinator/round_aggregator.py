@@ -11,6 +11,7 @@ import numpy as np
 
 from coordinator.aggregation import ClientUpdate, capped_weights, check_magnitude
 from coordinator.divergence import flag_suspects, layer_divergence
+from coordinator.scratch import TensorScratch
 from coordinator.strategy_contract import Evaluate, Strategy, StreamingWeightedAverage, streams
 from protocol.tensors import Weights
 
@@ -143,30 +144,34 @@ class BatchAggregator(RoundAggregator):
 
 
 class StreamingAggregator(RoundAggregator):
-    """Adds each update to an order-independent running sum on arrival and keeps no tensors; the models are read
-    back one at a time (from the spool) only to measure them against the new global model."""
+    """Adds each update to an order-independent running sum on arrival and keeps no tensors in memory: its decoded
+    weights go to a scratch file and are viewed again (not decoded again) only to measure them against the new
+    global model."""
 
     def __init__(
         self,
         strategy: StreamingWeightedAverage,
         base: Weights,
         policy: SuspectPolicy,
-        reread: Callable[[list[str]], Iterator[ClientUpdate]],
+        scratch: TensorScratch,
         max_share: float = 1.0,
     ) -> None:
         super().__init__(strategy, base, policy, max_share)
         self.streaming = strategy
         self.running = strategy.begin()
-        self.reread = reread
+        self.scratch = scratch
+        self.kept: dict[str, ClientUpdate] = {}
 
     def keep(self, update: ClientUpdate) -> None:
-        """Adds the update's weighted tensors to the running sum."""
+        """Keeps the update's weights in the scratch and adds them, weighted, to the running sum."""
+        self.scratch.put(update.device_id, update.weights)
         self.streaming.accumulate(self.running, update)
+        self.kept[update.device_id] = dataclasses.replace(update, weights={})
 
     def combine(self, suspects: dict[str, list[str]], evaluate: Evaluate | None) -> tuple[Weights, dict[str, Any]]:
         """The running mean (suspects are flagged only: leaving them out needs the batch path). When the share cap
-        lowers a claim, the sum is taken again from the spool (one model at a time) with the clipped counts: the
-        cap needs the round's total, which no update knows on arrival."""
+        lowers a claim, the sum is taken again over the scratch's views (one model at a time) with the clipped
+        counts: the cap needs the round's total, which no update knows on arrival."""
         running = self.running
         if self.clipped:
             running = self.streaming.begin()
@@ -176,20 +181,17 @@ class StreamingAggregator(RoundAggregator):
         return weights, {**report, "streamed": True}
 
     def models(self) -> Iterator[ClientUpdate]:
-        """The absorbed updates read back, in device order."""
-        return self.reread(sorted(self.running.coefficients))
+        """The absorbed updates, their weights viewed in the scratch, in device order."""
+        for device in sorted(self.running.coefficients):
+            yield dataclasses.replace(self.kept[device], weights=self.scratch.get(device))
 
 
 def make_aggregator(
-    strategy: Strategy,
-    base: Weights,
-    policy: SuspectPolicy,
-    reread: Callable[[list[str]], Iterator[ClientUpdate]],
-    max_share: float = 1.0,
+    strategy: Strategy, base: Weights, policy: SuspectPolicy, scratch: TensorScratch, max_share: float = 1.0
 ) -> RoundAggregator:
-    """Streaming when the strategy declares it folds updates as they arrive and no suspect is to be left out (that
-    needs every update at the close), else batch; either caps one update's share of a sample-weighted round at
-    max_share per device it sums."""
+    """Streaming (keeping weights in `scratch`) when the strategy declares it folds updates as they arrive and no
+    suspect is to be left out (that needs every update at the close), else batch; either caps one update's share
+    of a sample-weighted round at max_share per device it sums."""
     if streams(strategy) and not policy.exclude:
-        return StreamingAggregator(strategy, base, policy, reread, max_share)
+        return StreamingAggregator(strategy, base, policy, scratch, max_share)
     return BatchAggregator(strategy, base, policy, max_share)

@@ -4,21 +4,20 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordinator.aggregation import ClientUpdate
 from coordinator.authentication import UpdateAuthenticator
 from coordinator.closing import RoundCloser, RoundTiming
-from coordinator.intake import RoundCollector, UpdateIntake, client_update
+from coordinator.intake import RoundCollector, UpdateIntake
 from coordinator.observer import RoundObserver, RoundResult
 from coordinator.presence import Presence
 from coordinator.publisher import RetainedPublisher
 from coordinator.round_aggregator import RoundAggregator, SuspectPolicy, make_aggregator
-from coordinator.spool import Spool
-from coordinator.validation import Expectation, with_weights
+from coordinator.scratch import TensorScratch
+from coordinator.validation import Expectation
 from edge_agent.loop.schedule import labels_by_round
 from protocol import messages, topics, wire
 from protocol.errors import UsageError
@@ -119,20 +118,6 @@ def choose_participants(online: Sequence[str], participation: float, seed: int, 
     return sorted(rng.choice(sorted(online), size=count, replace=False).tolist())
 
 
-def spooled_reader(
-    spool: Spool, round_id: int, base: Weights, limit: int
-) -> Callable[[list[str]], Iterator[ClientUpdate]]:
-    """Reads a round's accepted updates back from the spool one at a time (a streamed round keeps none),
-    delta-encoded ones decoded against the round's base model again."""
-
-    def read(devices: list[str]) -> Iterator[ClientUpdate]:
-        for device in devices:
-            update = wire.decode(spool.payload(round_id, device), messages.Update, max_bytes=limit)
-            yield client_update(with_weights(update, base))
-
-    return read
-
-
 class Coordinator:
     """Runs a fleet's rounds over one MQTT session, committing each round before announcing the next."""
 
@@ -168,26 +153,28 @@ class Coordinator:
     def run_round(self, round_id: int, global_weights: Weights) -> tuple[Weights, RoundResult]:
         """One full round: open (announce), collect until quorum or deadline, close (aggregate, evaluate, commit)."""
         timing = RoundTiming(time.time(), time.monotonic())
-        opened = self.open(round_id, global_weights)
-        self.collect(opened, timing)
-        presence = self.parts.presence.round_metrics(self.needed(opened), opened.collector.accepted)
-        new_weights, result = self.parts.closer.close(
-            opened.collector, opened.aggregator, timing, presence, opened.participants
-        )
+        with TensorScratch(self.parts.intake.store.spool.folder) as scratch:
+            opened = self.open(round_id, global_weights, scratch)
+            self.collect(opened, timing)
+            presence = self.parts.presence.round_metrics(self.needed(opened), opened.collector.accepted)
+            new_weights, result = self.parts.closer.close(
+                opened.collector, opened.aggregator, timing, presence, opened.participants
+            )
         counts = (len(opened.collector.accepted), opened.collector.rejection_count, result.accuracy, result.seconds)
         log.info("round closed round=%d accepted=%d rejected=%d accuracy=%.4f seconds=%.1f", round_id, *counts)
         self.parts.observer.round_closed(result)
         return new_weights, result
 
-    def open(self, round_id: int, global_weights: Weights) -> OpenRound:
-        """Takes back what a previous process spooled for the round, retains the model and announces the round."""
+    def open(self, round_id: int, global_weights: Weights, scratch: TensorScratch) -> OpenRound:
+        """Takes back what a previous process spooled for the round, retains the model and announces the round
+        (`scratch`: where a streamed round keeps its updates' weights until it closes)."""
         base_hash = weights_hash(global_weights)
         rules = self.rules
         aggregator = make_aggregator(
             self.parts.closer.strategy,
             global_weights,
             rules.suspects,
-            spooled_reader(self.parts.intake.store.spool, round_id, global_weights, rules.policy.max_update_bytes),
+            scratch,
             rules.max_sample_share if self.sample_bounds(round_id)[1] is None else 1.0,
         )
         collector = RoundCollector(self.expectation(round_id, global_weights, base_hash), aggregator.absorb)

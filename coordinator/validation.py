@@ -49,18 +49,36 @@ class Expectation:
     spec: WeightSpec
     num_classes: int
     max_bytes: int
-    authenticate: Callable[[messages.Update, int], None] | None = None
+    authenticate: Callable[[messages.Update, bytes, int], None] | None = None
     required_metrics: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     base: Weights = field(default_factory=dict)
     min_samples: int = 0
     max_samples: int | None = None
 
 
+@dataclass(frozen=True)
+class Incoming:
+    """An update message decoded once: the device whose topic it came on, the payload as it came (spooled, and
+    hashed to tell a redelivery from other content), the update and the bytes its signature covers (b"" unsigned).
+    Everything after the decode (validation, the rejection ack, the aggregator, the spool) works from this."""
+
+    device_id: str
+    payload: bytes
+    update: messages.Update
+    signed: bytes = b""
+
+
 def validate_update(device_id: str, payload: bytes, expected: Expectation) -> messages.Update:
     """The decoded update if it is valid for this round and device; Rejection with a specific reason otherwise."""
-    update = decoded(device_id, payload, expected)
+    return validated(decoded(device_id, payload, expected), expected)
+
+
+def validated(incoming: Incoming, expected: Expectation) -> messages.Update:
+    """A decoded update, its tensors as float32 weights, if it is valid for this round and its device; Rejection
+    with a specific reason otherwise."""
+    update = check_sender(incoming)
     if expected.authenticate is not None:
-        expected.authenticate(update, expected.round_id)
+        expected.authenticate(update, incoming.signed, expected.round_id)
     check_round(update, expected)
     update = with_weights(update, expected.base)
     check_tensors(update, expected)
@@ -71,21 +89,28 @@ def validate_update(device_id: str, payload: bytes, expected: Expectation) -> me
     return update
 
 
-def decoded(device_id: str, payload: bytes, expected: Expectation) -> messages.Update:
-    """The payload decoded within the size limit, sent by the device whose topic it came on."""
+def check_sender(incoming: Incoming) -> messages.Update:
+    """The update, unless it names another device than the topic it came on (a Rejection)."""
+    update = incoming.update
+    if update.device_id != incoming.device_id:
+        raise Rejection(
+            RejectionKind.DEVICE_MISMATCH,
+            f"device id {update.device_id!r} does not match the topic's {incoming.device_id!r}",
+        )
+    return update
+
+
+def decoded(device_id: str, payload: bytes, expected: Expectation) -> Incoming:
+    """The payload decoded (the one decode of an update) within the size limit."""
     if len(payload) > expected.max_bytes:
         raise Rejection(
             RejectionKind.TOO_LARGE, f"too large: {len(payload)} bytes exceeds the limit of {expected.max_bytes}"
         )
     try:
-        update = wire.decode(payload, messages.Update, max_bytes=expected.max_bytes)
+        update, signed = wire.decode_update(payload, max_bytes=expected.max_bytes)
     except wire.WireError as error:
         raise Rejection(RejectionKind.UNDECODABLE, f"undecodable: {error}") from None
-    if update.device_id != device_id:
-        raise Rejection(
-            RejectionKind.DEVICE_MISMATCH, f"device id {update.device_id!r} does not match the topic's {device_id!r}"
-        )
-    return update
+    return Incoming(device_id, payload, update, signed)
 
 
 def check_round(update: messages.Update, expected: Expectation) -> None:

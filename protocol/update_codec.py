@@ -136,15 +136,16 @@ def channel_rows(shape: tuple[int, ...], channels: int, positions: np.ndarray | 
 
 
 def decode_update(encoded: Encoded, base: Weights) -> Weights:
-    """The weights an update stands for: float32 as sent; a delta added to the base (the layout and finiteness
-    of the result are the caller's to check). CodecError on any malformed part."""
+    """The weights an update stands for: float32 as sent (the decoded arrays themselves, no copy); a delta added to
+    the base in place of its float64 values (the layout and finiteness of the result are the caller's to check).
+    CodecError on any malformed part."""
     if encoded.encoding == FLOAT32:
         if encoded.scales or encoded.indices:
             raise CodecError(RejectionKind.BAD_ENCODING, "a float32 update carries neither scales nor indices")
         return encoded.tensors
     delta = decode_delta(encoded, spec_of(base))
     with np.errstate(over="ignore", invalid="ignore"):
-        return {name: (base[name] + delta[name]).astype(base[name].dtype) for name in base}
+        return {name: np.add(base[name], delta[name], out=delta[name]).astype(base[name].dtype) for name in base}
 
 
 def decode_delta(encoded: Encoded, spec: WeightSpec) -> Weights:
@@ -189,7 +190,7 @@ def decoded_tensor(encoded: Encoded, name: str, shape: tuple[int, ...]) -> np.nd
         raise CodecError(RejectionKind.TENSOR_MISMATCH, reason)
     flat = values.reshape(-1).astype(np.float64)
     if name in encoded.scales:
-        flat = flat * scale_of_entries(name, encoded.scales[name], shape, positions)
+        np.multiply(flat, scale_of_entries(name, encoded.scales[name], shape, positions), out=flat)
     if positions is None:
         return flat.reshape(shape)
     delta = np.zeros(size)

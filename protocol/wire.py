@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import hmac
 import math
 import re
@@ -30,6 +29,7 @@ from protocol.model_spec import ModelSpec, SpecError, spec_from_dict
 
 WIRE_VERSION = 2
 DEFLATE = "deflate"
+SIGNED = "signed"
 COMPRESSIONS = ("none", DEFLATE)
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_TENSOR_DIMS = 8
@@ -71,7 +71,8 @@ def encode_tensor(array: np.ndarray) -> dict[str, Any]:
 
 
 def decode_tensor(name: str, raw: Any) -> np.ndarray:
-    """The inverse of encode_tensor, checking dtype, shape and byte length before touching the data."""
+    """The inverse of encode_tensor, checking dtype, shape and byte length before touching the data: a read-only
+    view of the bytes msgpack unpacked (copied only on a big-endian host), so decoding copies a tensor once."""
     if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "data"}:
         raise WireError(f"tensor {shown(name)} must be a map with exactly dtype, shape and data")
     dtype_str, shape, data = raw["dtype"], raw["shape"], raw["data"]
@@ -85,7 +86,8 @@ def decode_tensor(name: str, raw: Any) -> np.ndarray:
     expected = math.prod(shape) * dtype.itemsize
     if len(data) != expected:
         raise WireError(f"tensor {shown(name)} has {len(data)} bytes, shape {shape} of {dtype} needs {expected}")
-    return np.frombuffer(data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="), copy=True)
+    array = np.frombuffer(data, dtype=dtype).reshape(shape)
+    return array if dtype.isnative else array.astype(dtype.newbyteorder("="))
 
 
 def encode(message: Message) -> bytes:
@@ -117,9 +119,42 @@ def _inflated(envelope: dict[str, Any], max_bytes: int) -> bytes:
     return inner
 
 
-def decode(data: bytes, expected: type[M], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, inflate: bool = True) -> M:
-    """Parses and validates a message of the expected type (unwrapping one deflate envelope); every failure is a
-    WireError saying why."""
+def signed(payload: bytes, key: bytes) -> bytes:
+    """An encoded update (deflated or not) in a signed envelope: the bytes as they are and their HMAC-SHA256 under the
+    sender's key (binding the nonce, device and round inside), checked over the very bytes decoded: no re-encoding."""
+    envelope = {"v": WIRE_VERSION, "kind": SIGNED, "data": payload, "signature": hmac.digest(key, payload, "sha256")}
+    return msgpack.packb(envelope, use_bin_type=True)
+
+
+def signature_valid(signed_bytes: bytes, signature: bytes, key: bytes) -> bool:
+    """Constant-time check that the signature is the key's HMAC-SHA256 of the signed bytes."""
+    return hmac.compare_digest(hmac.digest(key, signed_bytes, "sha256"), signature)
+
+
+def decode(data: bytes, expected: type[M], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> M:
+    """Parses and validates a message of the expected type (unwrapping one deflate envelope, and a signed envelope
+    around an update); every failure is a WireError saying why."""
+    envelope = _envelope(data, max_bytes)
+    message: Any = _update(envelope, max_bytes)[0] if expected is Update else _message(envelope, expected, max_bytes)
+    return message
+
+
+def decode_update(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[Update, bytes]:
+    """An update (with its envelope's signature) and the bytes that covers: the signed message as sent, or b""."""
+    return _update(_envelope(data, max_bytes), max_bytes)
+
+
+def _update(envelope: dict[str, Any], max_bytes: int) -> tuple[Update, bytes]:
+    if envelope.get("kind") != SIGNED:
+        return _message(envelope, Update, max_bytes), b""
+    data, sig = envelope.get("data"), envelope.get("signature")
+    if set(envelope) != {"kind", "data", "signature"} or not isinstance(data, bytes) or not isinstance(sig, bytes):
+        raise WireError("a signed envelope must hold exactly bytes data and a bytes signature")
+    return dataclasses.replace(_message(_envelope(data, max_bytes), Update, max_bytes), signature=sig), data
+
+
+def _envelope(data: bytes, max_bytes: int) -> dict[str, Any]:
+    """The unpacked envelope of a payload of this wire version, its kind included."""
     if not isinstance(data, (bytes, bytearray)):
         raise WireError("payload must be bytes")
     if len(data) > max_bytes:
@@ -128,9 +163,14 @@ def decode(data: bytes, expected: type[M], max_bytes: int = DEFAULT_MAX_MESSAGE_
     version = envelope.pop("v", None)
     if not _is_int(version) or version != WIRE_VERSION:
         raise WireError(f"wire version {shown(version)} is not supported (this side speaks {WIRE_VERSION})")
+    return envelope
+
+
+def _message(envelope: dict[str, Any], expected: type[M], max_bytes: int, inflate: bool = True) -> M:
+    """The message an envelope holds, inflating one deflate envelope."""
     kind = envelope.pop("kind", None)
     if kind == DEFLATE and inflate:
-        return decode(_inflated(envelope, max_bytes), expected, max_bytes, inflate=False)
+        return _message(_envelope(_inflated(envelope, max_bytes), max_bytes), expected, max_bytes, inflate=False)
     if kind != expected.KIND:
         raise WireError(f"expected a {expected.KIND!r} message, got kind {shown(kind)}")
     return _from_fields(expected, envelope)
@@ -322,19 +362,3 @@ def check_identifier(kind: str, value: str) -> str:
     if not isinstance(value, str) or not IDENTIFIER.fullmatch(value):
         raise WireError(f"{kind} {shown(value)} must match {IDENTIFIER.pattern}")
     return value
-
-
-def signing_bytes(update: Update) -> bytes:
-    """The bytes an update's HMAC covers: the whole encoded update with an empty signature."""
-    return encode(dataclasses.replace(update, signature=b""))
-
-
-def sign_update(update: Update, key: bytes) -> Update:
-    """The update with an HMAC-SHA256 signature over its payload (device, round, nonce and weights included)."""
-    return dataclasses.replace(update, signature=hmac.new(key, signing_bytes(update), hashlib.sha256).digest())
-
-
-def signature_valid(update: Update, key: bytes) -> bool:
-    """Constant-time check of an update's HMAC."""
-    expected = hmac.new(key, signing_bytes(update), hashlib.sha256).digest()
-    return hmac.compare_digest(expected, update.signature)

@@ -15,11 +15,16 @@ from coordinator.async_intake import AsyncPolicy, VersionCollector
 from coordinator.buffered import delta_of, fold_buffer, staleness_weight
 from coordinator.mean_strategies import AveFL
 from coordinator.store import RunStore
-from coordinator.validation import MAX_REASON_CHARS, Expectation, Rejection
+from coordinator.validation import MAX_REASON_CHARS, Expectation, Rejection, decoded
 from protocol import messages, wire
 from protocol.tensors import spec_of, weights_hash
 
 BASE = {"w": np.array([1.0, 2.0], dtype=np.float32)}
+
+
+def offer(collector: VersionCollector, device_id: str, payload: bytes) -> tuple[messages.Update, bool]:
+    """The collector's verdict on a payload, decoded once as the intake decodes it."""
+    return collector.offer(decoded(device_id, payload, collector.expectation))
 
 
 def test_the_fold_matches_hand_computed_values_in_any_order() -> None:
@@ -56,32 +61,32 @@ def signed_update(device: str, round_id: int, base: dict, tensors: dict, update_
     )
 
 
-def test_an_update_older_than_the_allowed_staleness_is_refused_as_stale() -> None:
+def test_an_update_older_than_the_allowed_staleness_is_refused_as_stale(tmp_path: Path) -> None:
     """S = 1: from version 0 an update is taken at version 0 and 1, refused as `stale` at version 2; a second update
     of a device from the same version is a duplicate, a redelivery is re-acked, one from the future is refused, and a
     device's update arriving while its first still waits goes into the next buffer."""
     models = [BASE, perturbed(BASE, 1), perturbed(BASE, 2)]
     template = Expectation(1, weights_hash(BASE), spec_of(BASE), 10, 1 << 20, base=BASE)
-    collector = VersionCollector(template, AsyncPolicy(buffer=2, max_staleness=1), 0, BASE)
+    collector = VersionCollector(template, AsyncPolicy(buffer=2, max_staleness=1), 0, BASE, tmp_path)
     first = signed_update("dev-a", 1, BASE, perturbed(BASE, 5))
-    assert collector.offer("dev-a", first)[0].round_id == 1
-    assert collector.offer("dev-a", first)[1] is False
+    assert offer(collector, "dev-a", first)[0].round_id == 1
+    assert offer(collector, "dev-a", first)[1] is False
     with pytest.raises(Rejection) as again:
-        collector.offer("dev-a", signed_update("dev-a", 1, BASE, perturbed(BASE, 6)))
+        offer(collector, "dev-a", signed_update("dev-a", 1, BASE, perturbed(BASE, 6)))
     assert again.value.kind == "duplicate"
     with pytest.raises(Rejection) as future:
-        collector.offer("dev-b", signed_update("dev-b", 2, models[1], perturbed(BASE, 7)))
+        offer(collector, "dev-b", signed_update("dev-b", 2, models[1], perturbed(BASE, 7)))
     assert future.value.kind == "future_round"
     assert not collector.full()
 
     collector.fold_next(models[1])
-    assert collector.offer("dev-b", signed_update("dev-b", 1, BASE, perturbed(BASE, 8)))[0].round_id == 2
-    assert collector.offer("dev-b", signed_update("dev-b", 2, models[1], perturbed(BASE, 9)))[0].round_id == 3
-    assert collector.offer("dev-a", first) == (collector.offer("dev-a", first)[0], False)  # folded into 1: re-acked
+    assert offer(collector, "dev-b", signed_update("dev-b", 1, BASE, perturbed(BASE, 8)))[0].round_id == 2
+    assert offer(collector, "dev-b", signed_update("dev-b", 2, models[1], perturbed(BASE, 9)))[0].round_id == 3
+    assert offer(collector, "dev-a", first) == (offer(collector, "dev-a", first)[0], False)  # folded into 1: re-acked
     collector.fold_next(models[2])
     assert sorted(collector.buffer) == ["dev-b"] and collector.buffer["dev-b"].base == 1
     with pytest.raises(Rejection) as stale:
-        collector.offer("dev-c", signed_update("dev-c", 1, BASE, perturbed(BASE, 10)))
+        offer(collector, "dev-c", signed_update("dev-c", 1, BASE, perturbed(BASE, 10)))
     assert stale.value.kind == messages.RejectionKind.STALE == "stale"
     assert "version 0, 2 behind 2 (at most 1)" in stale.value.reason and len(stale.value.reason) <= MAX_REASON_CHARS
 

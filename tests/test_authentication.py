@@ -4,13 +4,14 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import msgpack
 import numpy as np
 import pytest
 
 from coordinator.authentication import UpdateAuthenticator
 from coordinator.intake import RoundCollector
 from coordinator.store import RunStore
-from coordinator.validation import Expectation, Rejection
+from coordinator.validation import Expectation, Rejection, decoded
 from edge_agent.learning.models import build_model, get_weights, weight_spec
 from protocol import messages, wire
 from protocol.model_spec import DEFAULT_SPEC
@@ -24,7 +25,7 @@ BASE_HASH = weights_hash(WEIGHTS)
 KEYS = {"dev-00": b"k" * 32, "dev-01": b"q" * 32}
 
 
-def signed_update(device: str = "dev-00", round_id: int = 1, key: bytes | None = None, **changes) -> messages.Update:
+def update_of(device: str = "dev-00", round_id: int = 1, **changes) -> messages.Update:
     update = messages.Update(
         device,
         round_id,
@@ -37,7 +38,19 @@ def signed_update(device: str = "dev-00", round_id: int = 1, key: bytes | None =
         {name: array + np.float32(0.01) for name, array in WEIGHTS.items()},
         nonce=os.urandom(16),
     )
-    return wire.sign_update(dataclasses.replace(update, **changes), KEYS.get(device, b"x") if key is None else key)
+    return dataclasses.replace(update, **changes)
+
+
+def signed(update: messages.Update, key: bytes | None = None) -> bytes:
+    """The update as its device sends it: encoded, in an envelope signed with the device's key (or `key`)."""
+    return wire.signed(wire.encode(update), KEYS.get(update.device_id, b"x") if key is None else key)
+
+
+def tampered(payload: bytes, **changes) -> bytes:
+    """A signed payload whose update was changed after signing (the signature kept)."""
+    envelope = msgpack.unpackb(payload)
+    update = dataclasses.replace(wire.decode(envelope["data"], messages.Update), **changes)
+    return msgpack.packb({**envelope, "data": wire.encode(update)})
 
 
 def collector(authenticator: UpdateAuthenticator, round_id: int = 1) -> RoundCollector:
@@ -46,51 +59,59 @@ def collector(authenticator: UpdateAuthenticator, round_id: int = 1) -> RoundCol
     )
 
 
-def rejection(round_collector: RoundCollector, update: messages.Update) -> str:
+def offer(round_collector: RoundCollector, payload: bytes, device: str = "dev-00") -> tuple[messages.Update, bool]:
+    return round_collector.offer(decoded(device, payload, round_collector.expectation))
+
+
+def rejection(round_collector: RoundCollector, payload: bytes, device: str = "dev-00") -> str:
     with pytest.raises(Rejection) as info:
-        round_collector.offer(update.device_id, wire.encode(update))
+        offer(round_collector, payload, device)
     return info.value.reason
 
 
 def test_a_signed_update_is_accepted_and_its_redelivery_applied_once() -> None:
     round_one = collector(UpdateAuthenticator(KEYS))
-    payload = wire.encode(signed_update())
-    assert round_one.offer("dev-00", payload)[1] is True
-    assert round_one.offer("dev-00", payload)[1] is False
+    payload = signed(update_of())
+    assert offer(round_one, payload)[1] is True
+    assert offer(round_one, payload)[1] is False
     assert list(round_one.accepted) == ["dev-00"]
 
 
 def test_unknown_devices_and_bad_signatures_are_rejected_with_their_reason() -> None:
     round_one = collector(UpdateAuthenticator(KEYS))
-    assert rejection(round_one, signed_update("dev-99")) == "unknown device: 'dev-99' has no provisioned key"
-    assert rejection(round_one, signed_update(key=KEYS["dev-01"])).startswith("bad signature: the HMAC does not match")
-    unsigned = dataclasses.replace(signed_update(), signature=b"")
+    unknown = signed(update_of("dev-99"))
+    assert rejection(round_one, unknown, "dev-99") == "unknown device: 'dev-99' has no provisioned key"
+    assert rejection(round_one, signed(update_of(), KEYS["dev-01"])).startswith(
+        "bad signature: the HMAC does not match"
+    )
+    unsigned = wire.encode(update_of())
     assert rejection(round_one, unsigned).startswith("bad signature: the update is not signed")
-    tampered = dataclasses.replace(signed_update(), num_samples=4000)
-    assert rejection(round_one, tampered).startswith("bad signature")
+    assert rejection(round_one, tampered(signed(update_of()), num_samples=4000)).startswith("bad signature")
+    signature_inside = wire.encode(update_of(signature=b"\x01" * 32))  # a signature only a signed envelope carries
+    assert rejection(round_one, signature_inside).startswith("bad signature: the HMAC does not match")
     assert round_one.accepted == {}
 
 
 def test_a_replayed_update_from_an_earlier_round_is_rejected() -> None:
     authenticator = UpdateAuthenticator(KEYS)
-    original = signed_update(round_id=1)
-    assert collector(authenticator, 1).offer("dev-00", wire.encode(original))[1] is True
-    assert rejection(collector(authenticator, 2), original).startswith("replay: nonce")
-    reused_nonce = signed_update(round_id=2, nonce=original.nonce)
-    assert rejection(collector(authenticator, 2), reused_nonce) == (
+    original = update_of(round_id=1)
+    assert offer(collector(authenticator, 1), signed(original))[1] is True
+    assert rejection(collector(authenticator, 2), signed(original)).startswith("replay: nonce")
+    reused_nonce = update_of(round_id=2, nonce=original.nonce)
+    assert rejection(collector(authenticator, 2), signed(reused_nonce)) == (
         f"replay: nonce {original.nonce.hex()[:16]} was already used in round 1"
     )
-    assert collector(authenticator, 2).offer("dev-00", wire.encode(signed_update(round_id=2)))[1] is True
+    assert offer(collector(authenticator, 2), signed(update_of(round_id=2)))[1] is True
 
 
 def test_a_replay_after_a_coordinator_restart_is_still_refused(tmp_path) -> None:
-    original = signed_update(round_id=1)
+    original = update_of(round_id=1)
     with RunStore(tmp_path / "run") as store:
-        assert collector(UpdateAuthenticator(KEYS, store), 1).offer("dev-00", wire.encode(original))[1] is True
+        assert offer(collector(UpdateAuthenticator(KEYS, store), 1), signed(original))[1] is True
     with RunStore(tmp_path / "run") as restarted:
         after_restart = UpdateAuthenticator(KEYS, restarted)
-        assert collector(after_restart, 1).offer("dev-00", wire.encode(original))[1] is True
+        assert offer(collector(after_restart, 1), signed(original))[1] is True
         with pytest.raises(Rejection) as info:
-            collector(after_restart, 2).offer("dev-00", wire.encode(original))
+            offer(collector(after_restart, 2), signed(original))
     assert info.value.kind == messages.RejectionKind.REPLAY
     assert info.value.reason == f"replay: nonce {original.nonce.hex()[:16]} was already used in round 1"

@@ -361,7 +361,7 @@ def test_a_replay_after_a_coordinator_restart_is_refused_as_a_replay(tmp_path: P
     device = FakeDevice(broker.address, "replay", "dev-00")
     try:
         announcement, base = device.current_round()
-        original = wire.encode(wire.sign_update(device.update(announcement, perturbed(base, seed=1)), key))
+        original = wire.signed(wire.encode(device.update(announcement, perturbed(base, seed=1))), key)
         device.publish(original)
         assert device.acks(1)[0].accepted
         second, base = device.current_round(after=1)
@@ -370,7 +370,7 @@ def test_a_replay_after_a_coordinator_restart_is_refused_as_a_replay(tmp_path: P
         device.publish(original)
         [replayed] = device.acks(1)
         assert (replayed.accepted, replayed.rejection) == (False, "replay"), replayed.reason
-        device.publish(wire.encode(wire.sign_update(device.update(second, perturbed(base, seed=2)), key)))
+        device.publish(wire.signed(wire.encode(device.update(second, perturbed(base, seed=2))), key))
         assert device.acks(1)[0].accepted
     finally:
         device.close()

@@ -17,6 +17,7 @@ from coordinator.mean_strategies import FedAvg
 from coordinator.provision import provision
 from coordinator.relay import RELAY_STRATEGY, Relay, RelaySettings, SiteRounds, upstream_update
 from coordinator.rounds import RoundPolicy, RoundRules
+from coordinator.scratch import TensorScratch
 from coordinator.server import ServerSettings
 from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
 from coordinator.validation import MAX_CONTRIBUTORS, MAX_REASON_CHARS, Expectation, Rejection, validate_update
@@ -131,12 +132,13 @@ def test_a_secured_central_coordinator_answers_relay_updates_on_the_wire(tmp_pat
         authenticator = UpdateAuthenticator(secure.device_keys, store)
         coordinator.rules = dataclasses.replace(coordinator.rules, authenticator=authenticator)
         coordinator.start()
-        opened = coordinator.open(1, BASE)
+        opened = coordinator.open(1, BASE, TensorScratch(tmp_path / "scratch"))
         with committed_site_round(tmp_path / "relay") as relay_store:
             honest = upstream_update(relay_store, "relay-00", 1, weights_hash(BASE))
         inflated = dataclasses.replace(upstream_update_like(honest), num_samples=800)
-        for update in (honest, wire.sign_update(inflated, key), wire.sign_update(upstream_update_like(honest), key)):
-            relay.publish(wire.encode(update))
+        signed = [wire.signed(wire.encode(update), key) for update in (inflated, upstream_update_like(honest))]
+        for payload in (wire.encode(honest), *signed):
+            relay.publish(payload)
         for _ in range(50):
             coordinator.handle_next(opened)
             if len(opened.collector.accepted) + opened.collector.rejection_count == 3:

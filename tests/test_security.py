@@ -274,7 +274,7 @@ class Forger:
                 get_weights(build_model()),
                 nonce=b"n" * 16,
             )
-            payload = wire.encode(wire.sign_update(forged, b"guessed key"))
+            payload = wire.signed(wire.encode(forged), b"guessed key")
             client.publish(topics.UPDATE.build(fleet=FLEET, device="dev-02"), payload, qos=1)
         elif message.topic.endswith("/ack"):
             self.acks.put(wire.decode(message.payload, messages.Ack))

@@ -1,7 +1,7 @@
 # Streaming aggregation: AveFL/FedAvg summed as updates arrive equal the batch formula; no tensors stay in memory.
 from __future__ import annotations
 
-from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,8 +11,9 @@ from coordinator.intake import RoundCollector
 from coordinator.mean_strategies import AveFL, FedAvg
 from coordinator.robust_strategies import Median
 from coordinator.round_aggregator import BatchAggregator, StreamingAggregator, SuspectPolicy, make_aggregator
+from coordinator.scratch import TensorScratch
 from coordinator.strategies import make_strategy
-from coordinator.validation import Expectation
+from coordinator.validation import Expectation, decoded
 from edge_agent.learning.models import build_model, get_weights, weight_spec
 from protocol import messages, wire
 from protocol.model_spec import DEFAULT_SPEC
@@ -68,37 +69,40 @@ def test_streaming_rejects_what_the_batch_path_rejects() -> None:
         strategy.finish(empty, BASE)
 
 
-def test_a_streamed_round_keeps_only_metadata_and_flags_the_scaled_device() -> None:
+def test_a_streamed_round_keeps_only_metadata_and_flags_the_scaled_device(tmp_path: Path) -> None:
     updates = device_updates(5, scaled=4)
     by_device = {update.device_id: update for update in updates}
     base_hash = weights_hash(BASE)
-    streamed = StreamingAggregator(AveFL(), BASE, SuspectPolicy(), lambda devices: (by_device[d] for d in devices))
-    collector = RoundCollector(Expectation(1, base_hash, weight_spec(MODEL), NUM_CLASSES, 1 << 22), streamed.absorb)
+    streamed = StreamingAggregator(AveFL(), BASE, SuspectPolicy(), TensorScratch(tmp_path))
+    expectation = Expectation(1, base_hash, weight_spec(MODEL), NUM_CLASSES, 1 << 22)
+    collector = RoundCollector(expectation, streamed.absorb)
     for update in updates:
         payload = wire.encode(
             messages.Update(
                 update.device_id, 1, "u", base_hash, update.num_samples, [1] * NUM_CLASSES, 0, {}, update.weights
             )
         )
-        assert collector.offer(update.device_id, payload)[1] is True
+        assert collector.offer(decoded(update.device_id, payload, expectation))[1] is True
     assert all(accepted.tensors == {} for accepted in collector.accepted.values())
     aggregate = streamed.finish(None)
     batch, _ = AveFL().aggregate(BASE, updates, None)
     assert all(np.array_equal(aggregate.weights[name], batch[name]) for name in batch)
     assert list(aggregate.suspects) == ["dev-04"] and aggregate.report["suspects"] == aggregate.suspects
     assert aggregate.report["streamed"] is True and set(aggregate.divergence) == set(by_device)
+    batched = BatchAggregator(AveFL(), BASE, SuspectPolicy())
+    for update in updates:
+        batched.absorb(update)
+    assert batched.finish(None).divergence == aggregate.divergence  # the same figures from the scratch's views
 
 
-def test_the_aggregator_is_chosen_by_what_the_strategy_declares() -> None:
+def test_the_aggregator_is_chosen_by_what_the_strategy_declares(tmp_path: Path) -> None:
     """Streaming for a strategy that declares it (unless suspects are to be left out), batch otherwise; a class
     that declares streaming without the fold methods is refused when it is defined."""
 
-    def reread(devices: list[str]) -> Iterator[ClientUpdate]:
-        return iter([])
-
-    assert isinstance(make_aggregator(FedAvg(), BASE, SuspectPolicy(), reread), StreamingAggregator)
-    assert isinstance(make_aggregator(FedAvg(), BASE, SuspectPolicy(exclude=True), reread), BatchAggregator)
-    assert isinstance(make_aggregator(Median(), BASE, SuspectPolicy(), reread), BatchAggregator)
+    scratch = TensorScratch(tmp_path)
+    assert isinstance(make_aggregator(FedAvg(), BASE, SuspectPolicy(), scratch), StreamingAggregator)
+    assert isinstance(make_aggregator(FedAvg(), BASE, SuspectPolicy(exclude=True), scratch), BatchAggregator)
+    assert isinstance(make_aggregator(Median(), BASE, SuspectPolicy(), scratch), BatchAggregator)
     with pytest.raises(TypeError, match="declares streaming but has no begin, accumulate, finish"):
 
         class StreamingMedian(Median):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from coordinator.intake import RoundCollector
-from coordinator.validation import Expectation, Rejection, validate_update
+from coordinator.validation import Expectation, Rejection, decoded, validate_update
 from edge_agent.learning.models import build_model, get_weights, weight_spec
 from protocol import messages, wire
 from protocol.messages import RejectionKind
@@ -68,6 +68,11 @@ def reason_for(payload: bytes, device_id: str = DEVICE, exp: Expectation | None 
         validate_update(device_id, payload, exp or expectation())
     assert str(info.value) == info.value.reason
     return info.value.reason
+
+
+def offer(collector: RoundCollector, device_id: str, payload: bytes) -> tuple[messages.Update, bool]:
+    """The collector's verdict on a payload, decoded once as the intake decodes it."""
+    return collector.offer(decoded(device_id, payload, collector.expectation))
 
 
 def test_spec_is_the_paper_cnn():
@@ -196,9 +201,9 @@ def test_negative_class_count():
 def test_collector_accepts_the_same_payload_once():
     collector = RoundCollector(expectation())
     payload = wire.encode(make_update())
-    first, is_new = collector.offer(DEVICE, payload)
+    first, is_new = offer(collector, DEVICE, payload)
     assert is_new is True
-    again, is_new_again = collector.offer(DEVICE, payload)
+    again, is_new_again = offer(collector, DEVICE, payload)
     assert is_new_again is False
     assert again is first
     assert list(collector.accepted) == [DEVICE]
@@ -208,10 +213,10 @@ def test_collector_accepts_the_same_payload_once():
 
 def test_collector_rejects_a_different_update_from_the_same_device():
     collector = RoundCollector(expectation())
-    first, _ = collector.offer(DEVICE, wire.encode(make_update()))
+    first, _ = offer(collector, DEVICE, wire.encode(make_update()))
     other = wire.encode(make_update(update_id="u-7-2", num_samples=999))
     with pytest.raises(Rejection, match="duplicate") as info:
-        collector.offer(DEVICE, other)
+        offer(collector, DEVICE, other)
     assert DEVICE in info.value.reason and str(ROUND) in info.value.reason
     assert collector.accepted[DEVICE] is first and collector.accepted[DEVICE].num_samples == 400
 
@@ -219,16 +224,16 @@ def test_collector_rejects_a_different_update_from_the_same_device():
 def test_the_same_update_id_with_other_content_is_a_duplicate_and_the_accepted_one_stays():
     collector = RoundCollector(expectation())
     accepted = make_update()
-    first, _ = collector.offer(DEVICE, wire.encode(accepted))
+    first, _ = offer(collector, DEVICE, wire.encode(accepted))
     same_id_other_weights = make_update(
         tensors={name: array + np.float32(1.0) for name, array in accepted.tensors.items()}
     )
     assert same_id_other_weights.update_id == accepted.update_id
     with pytest.raises(Rejection) as info:
-        collector.offer(DEVICE, wire.encode(same_id_other_weights))
+        offer(collector, DEVICE, wire.encode(same_id_other_weights))
     assert info.value.kind == RejectionKind.DUPLICATE
     assert info.value.reason == f"duplicate: update {accepted.update_id!r} was already accepted with different content"
-    assert collector.offer(DEVICE, wire.encode(accepted)) == (first, False)
+    assert offer(collector, DEVICE, wire.encode(accepted)) == (first, False)
     assert (
         list(collector.accepted) == [DEVICE]
         and collector.digests[DEVICE] == hashlib.sha256(wire.encode(accepted)).hexdigest()
@@ -237,11 +242,11 @@ def test_the_same_update_id_with_other_content_is_a_duplicate_and_the_accepted_o
 
 def test_collector_keeps_devices_apart_and_does_not_record_invalid_ones():
     collector = RoundCollector(expectation())
-    collector.offer("dev-1", wire.encode(make_update(device_id="dev-1")))
-    _, is_new = collector.offer("dev-2", wire.encode(make_update(device_id="dev-2")))
+    offer(collector, "dev-1", wire.encode(make_update(device_id="dev-1")))
+    _, is_new = offer(collector, "dev-2", wire.encode(make_update(device_id="dev-2")))
     assert is_new is True
     with pytest.raises(Rejection, match="stale round"):
-        collector.offer("dev-3", wire.encode(make_update(device_id="dev-3", round_id=ROUND - 1)))
+        offer(collector, "dev-3", wire.encode(make_update(device_id="dev-3", round_id=ROUND - 1)))
     assert sorted(collector.accepted) == ["dev-1", "dev-2"]
 
 

@@ -206,12 +206,6 @@ def test_non_contiguous_tensor_round_trip():
     np.testing.assert_array_equal(decoded, array)
 
 
-def test_decoded_tensor_is_writable_copy():
-    decoded = wire.decode_tensor("t", wire.encode_tensor(np.zeros(3, dtype=np.float32)))
-    decoded[0] = 1.0  # would raise on a read-only frombuffer view
-    assert decoded[0] == 1.0
-
-
 @pytest.mark.parametrize("dtype", ["complex64", "object", "<U3"])
 def test_encode_tensor_rejects_unsupported_dtype(dtype):
     array = np.array([1, 2], dtype=dtype)
@@ -328,11 +322,33 @@ def test_wire_error_is_a_value_error():
 # --- HMAC --------------------------------------------------------------------------------------------------------
 
 
-def test_signed_update_verifies_and_survives_the_wire():
-    signed = wire.sign_update(make_update(), KEY)
-    assert len(signed.signature) == 32
-    assert wire.signature_valid(signed, KEY)
-    assert wire.signature_valid(wire.decode(wire.encode(signed), messages.Update), KEY)
+def test_signed_update_verifies_over_the_bytes_it_carries_and_survives_the_wire():
+    payload = wire.encode(make_update())
+    update, signed_bytes = wire.decode_update(wire.signed(payload, KEY))
+    assert signed_bytes == payload and len(update.signature) == 32
+    assert wire.signature_valid(signed_bytes, update.signature, KEY)
+    assert wire.encode(dataclasses.replace(update, signature=b"")) == payload
+    assert wire.decode(wire.signed(payload, KEY), messages.Update).signature == update.signature
+    unsigned, nothing_signed = wire.decode_update(payload)  # an unsigned update's bytes are what they always were
+    assert nothing_signed == b"" and unsigned.signature == b"" and wire.encode(unsigned) == payload
+
+
+def test_a_signed_envelope_holds_a_deflated_update_and_nothing_else():
+    payload = wire.deflated(wire.encode(make_update()))
+    update, signed_bytes = wire.decode_update(wire.signed(payload, KEY))
+    assert signed_bytes == payload and wire.signature_valid(payload, update.signature, KEY)
+    signed_ack = wire.signed(wire.encode(messages.Ack("dev-1", 3, "u", True)), KEY)
+    cases = [
+        (signed_ack, messages.Update, "expected a 'update' message, got kind 'ack'"),
+        (wire.signed(wire.encode(make_update()), KEY), messages.Ack, "expected a 'ack' message, got kind 'signed'"),
+        (wire.signed(wire.signed(payload, KEY), KEY), messages.Update, "got kind 'signed'"),
+        (wire.deflated(wire.signed(payload, KEY)), messages.Update, "got kind 'signed'"),
+        (pack({"v": wire.WIRE_VERSION, "kind": "signed", "data": payload}), messages.Update, "exactly bytes data"),
+        (pack({"v": 2, "kind": "signed", "data": "x", "signature": b"s"}), messages.Update, "exactly bytes data"),
+    ]
+    for data, expected, fragment in cases:
+        with pytest.raises(wire.WireError, match=re.escape(fragment)):
+            wire.decode(data, expected)
 
 
 def changed_tensor() -> dict[str, np.ndarray]:
@@ -353,17 +369,25 @@ def changed_tensor() -> dict[str, np.ndarray]:
     ],
 )
 def test_any_change_invalidates_the_signature(change):
-    signed = wire.sign_update(make_update(), KEY)
+    update, _ = wire.decode_update(wire.signed(wire.encode(make_update()), KEY))
     if change.get("tensors") == "changed":
         change = {"tensors": changed_tensor()}
-    tampered = dataclasses.replace(signed, **change)
-    assert not wire.signature_valid(tampered, KEY)
+    tampered = wire.encode(dataclasses.replace(make_update(), **change))
+    assert not wire.signature_valid(tampered, update.signature, KEY)
 
 
 def test_wrong_key_and_missing_signature_are_invalid():
-    signed = wire.sign_update(make_update(), KEY)
-    assert not wire.signature_valid(signed, b"another-key")
-    assert not wire.signature_valid(make_update(), KEY)
+    payload = wire.encode(make_update())
+    update, signed_bytes = wire.decode_update(wire.signed(payload, KEY))
+    assert not wire.signature_valid(signed_bytes, update.signature, b"another-key")
+    assert not wire.signature_valid(payload, b"", KEY)
+
+
+def test_decoded_tensors_are_read_only_views_of_the_message():
+    decoded = wire.decode(wire.encode(make_update()), messages.Update)
+    for array in decoded.tensors.values():
+        assert not array.flags.writeable and not array.flags.owndata
+    assert_tensors_equal(decoded.tensors, tensors())
 
 
 # --- identifiers (topic levels: tests/test_topics.py) -----------------------------------------------------------------

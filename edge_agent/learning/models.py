@@ -232,10 +232,11 @@ def get_weights(model: nn.Module) -> Weights:
 
 
 def set_weights(model: nn.Module, weights: Weights) -> None:
-    """Loads named numpy arrays into the model; names and shapes must match exactly."""
+    """Copies named numpy arrays into the model's parameters and buffers (read-only views of a decoded message
+    too: nothing keeps them); names, shapes and dtypes must match exactly."""
     check_layout(weight_spec(model), weights)
-    state = {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in weights.items()}
-    model.load_state_dict(state, strict=True)
+    for name, tensor in model.state_dict().items():
+        np.copyto(tensor.numpy(), weights[name])
 
 
 def weight_spec(model: nn.Module) -> WeightSpec:

@@ -98,12 +98,11 @@ class UpdateSender:
         return topics.UPDATE.build(fleet=self.settings.fleet, device=self.settings.device_id)
 
     def send(self, update: messages.Update, compression: str = "none") -> None:
-        """Signs (with a provisioned key) and encodes the update (deflated if the recipe says so), refuses it if
-        too large (PayloadTooLargeError, before anything is kept), persists it, then publishes it at QoS 1."""
-        if self.settings.signing_key:
-            update = wire.sign_update(update, self.settings.signing_key)
+        """Encodes the update (deflated if the recipe says so) and signs those bytes (with a provisioned key), refuses
+        it if too large (PayloadTooLargeError, before anything is kept), persists it, then publishes it at QoS 1."""
         payload = wire.encode(update)
         payload = wire.deflated(payload) if compression == wire.DEFLATE else payload
+        payload = wire.signed(payload, self.settings.signing_key) if self.settings.signing_key else payload
         self.session.check_size(self.topic, payload)
         entry = self.outbox.put(update.round_id, update.update_id, payload)
         self.publish(entry, payload, wait=PUBLISH_WAIT_SECONDS)
