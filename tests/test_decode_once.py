@@ -27,7 +27,7 @@ from coordinator.rounds import Coordinator, RoundParts, RoundPolicy, RoundRules
 from coordinator.store import RunStore
 from coordinator.strategies import make_strategy
 from edge_agent.learning.models import build_model, get_weights
-from protocol import messages, wire
+from protocol import messages, topics, wire
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.mqtt import IncomingMessage
 from protocol.tensors import Weights, weights_hash
@@ -47,7 +47,7 @@ class FakeSession:
 
     def send(self, device_id: str, payload: bytes) -> None:
         """Queues an update as a device publishes it."""
-        self.inbox.put(IncomingMessage(wire.device_topic(FLEET, device_id, "update"), payload, False))
+        self.inbox.put(IncomingMessage(topics.UPDATE.build(fleet=FLEET, device=device_id), payload, False))
 
     def subscribe(self, topic: str, qos: int = 1) -> None:
         """Nothing to subscribe to."""
