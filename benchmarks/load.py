@@ -5,8 +5,9 @@ build one valid update per device from the announced model (its weights plus noi
 then all publish at once. Reported per K: updates accepted per second (first publish to last ack), seconds from
 the last update's ack to the round's close (the store's closed_at), and the coordinator's peak RSS (VmHWM, read
 while it waits in round 2) against its RSS once the round was announced. Each K runs once per `--spool-batch`
-(the coordinator's group-commit bound; 1, one fsync per update, is the baseline the speed-up is against).
-Must hold: every update accepted."""
+(the coordinator's group-commit bound; 1, one fsync per update, is the baseline the speed-up is against) and once
+per `--trees` checkout, in turn (`--trees before=DIR after=.` compares two versions of the coordinator in one run on
+one machine). Must hold: every update accepted."""
 
 from __future__ import annotations
 
@@ -155,9 +156,10 @@ def memory_kb(pid: int, field: str) -> int:
 
 
 def start_coordinator(
-    run_dir: Path, devices: int, strategy: str, spool_batch: int
+    run_dir: Path, devices: int, strategy: str, spool_batch: int, tree: Path
 ) -> tuple[subprocess.Popen, tuple[str, int]]:
-    """The coordinator process with its embedded broker; returns it and the broker's (host, port)."""
+    """The coordinator process (the code of `tree`) with its embedded broker; returns it and the broker's
+    (host, port)."""
     command = [
         sys.executable,
         "-m",
@@ -190,7 +192,8 @@ def start_coordinator(
         str(spool_batch),
         "--json",
     ]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    environment = {**os.environ, "PYTHONPATH": str(tree)}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
     assert process.stderr is not None  # stderr=PIPE
     line = process.stderr.readline()
     match = re.search(r"mqtt://([\d.]+):(\d+)", line)
@@ -227,12 +230,12 @@ def drain(stream: IO[str], sink: Callable[[str], object]) -> None:
         sink(line)
 
 
-def run_load(devices: int, workers: int, strategy: str, spool_batch: int) -> dict:
-    """One load run with `devices` fake devices spread over `workers` processes, the coordinator group-committing
-    at most `spool_batch` messages per fsync."""
+def run_load(devices: int, workers: int, strategy: str, spool_batch: int, tree: tuple[str, Path]) -> dict:
+    """One load run with `devices` fake devices spread over `workers` processes, the coordinator (the code of the
+    named tree) group-committing at most `spool_batch` messages per fsync."""
     with tempfile.TemporaryDirectory(prefix="load-") as folder:
         run_dir = Path(folder) / "run"
-        coordinator, address = start_coordinator(run_dir, devices, strategy, spool_batch)
+        coordinator, address = start_coordinator(run_dir, devices, strategy, spool_batch, tree[1])
         assert coordinator.stdout is not None and coordinator.stderr is not None  # both PIPE
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=drain, args=(coordinator.stdout, lines.put), daemon=True).start()
@@ -255,6 +258,7 @@ def run_load(devices: int, workers: int, strategy: str, spool_batch: int) -> dic
     first = min(r["first_publish"] for r in reports)
     last_ack = max(r["last_ack"] for r in reports)
     return {
+        "tree": tree[0],
         "devices": devices,
         "strategy": strategy,
         "spool_batch": spool_batch,
@@ -272,6 +276,36 @@ def run_load(devices: int, workers: int, strategy: str, spool_batch: int) -> dic
     }
 
 
+def named_tree(text: str) -> tuple[str, Path]:
+    """NAME=DIR: a checkout whose coordinator a row runs."""
+    name, _, folder = text.partition("=")
+    if not name or not Path(folder, "coordinator").is_dir():
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR with DIR a checkout, got {text[:100]!r}")
+    return name, Path(folder).resolve()
+
+
+def add_ratios(rows: list[dict], baseline_tree: str) -> None:
+    """Each row's speed against one fsync per update (same tree), and its speed and memory against the baseline
+    tree's row of the same setting (same run, same machine)."""
+
+    def key(row: dict) -> tuple:
+        return row["strategy"], row["devices"], row["spool_batch"]
+
+    batch_1 = {(r["tree"], r["strategy"], r["devices"]): r["updates_per_second"] for r in rows if r["spool_batch"] == 1}
+    baseline = {key(r): r for r in rows if r["tree"] == baseline_tree}
+    for row in rows:
+        if (row["tree"], row["strategy"], row["devices"]) in batch_1:
+            row["speedup_vs_batch_1"] = round(
+                row["updates_per_second"] / batch_1[row["tree"], row["strategy"], row["devices"]], 2
+            )
+        if row["tree"] != baseline_tree:
+            base = baseline[key(row)]
+            row[f"speed_vs_{baseline_tree}"] = round(row["updates_per_second"] / base["updates_per_second"], 2)
+            row[f"peak_above_idle_mb_minus_{baseline_tree}"] = round(
+                row["coordinator_peak_above_idle_mb"] - base["coordinator_peak_above_idle_mb"], 1
+            )
+
+
 def main() -> int:
     """Runs every K and prints the JSON summary; exit status 1 if any update was lost or rejected."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -287,18 +321,25 @@ def main() -> int:
     parser.add_argument(
         "--strategy", nargs="+", default=["avefl"], help="avefl/fedavg stream; median keeps every update (for contrast)"
     )
+    parser.add_argument(
+        "--trees",
+        nargs="+",
+        type=named_tree,
+        default=[("this", Path(__file__).resolve().parents[1])],
+        metavar="NAME=DIR",
+        help="coordinators to compare, each the code of one checkout (before=DIR after=DIR), run in turn for every "
+        "row; the first is the baseline of the ratios",
+    )
     args = parser.parse_args()
     os.environ.setdefault("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
     rows = [
-        run_load(k, min(args.workers, k), strategy, batch)
+        run_load(k, min(args.workers, k), strategy, batch, tree)
         for strategy in args.strategy
         for k in args.devices
         for batch in args.spool_batch
+        for tree in args.trees
     ]
-    baseline = {(r["strategy"], r["devices"]): r["updates_per_second"] for r in rows if r["spool_batch"] == 1}
-    for row in rows:
-        if (row["strategy"], row["devices"]) in baseline:
-            row["speedup_vs_batch_1"] = round(row["updates_per_second"] / baseline[row["strategy"], row["devices"]], 2)
+    add_ratios(rows, args.trees[0][0])
     print(json.dumps({"cores": os.cpu_count(), "rows": rows}, indent=2))
     lost = [r for r in rows if r["accepted_acks"] != r["devices"] or r["accepted_in_store"] != r["devices"]]
     return 1 if lost else 0

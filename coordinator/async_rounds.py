@@ -13,7 +13,7 @@ from coordinator.closing import RoundTiming
 from coordinator.intake import RoundCollector
 from coordinator.observer import RoundResult
 from coordinator.round_aggregator import RoundAggregator, SuspectPolicy
-from coordinator.rounds import Coordinator, OpenRound, RoundParts, RoundRules
+from coordinator.rounds import Coordinator, OpenRound, RoundParts, RoundRules, round_expectation
 from coordinator.scratch import TensorScratch
 from coordinator.strategies import STRATEGIES
 from coordinator.strategy_contract import Evaluate, Strategy
@@ -109,7 +109,7 @@ class AsyncCoordinator(Coordinator):
     def resumed_collector(self, version: int, weights: Weights) -> VersionCollector:
         """The collector at `version`: the window's older models from their checkpoints, the updates folded into
         recent versions (so redeliveries are recognised), and the buffers a killed predecessor spooled."""
-        expectation = self.expectation(version + 1, weights, weights_hash(weights))
+        expectation = round_expectation(self.rules, self.parts.closer.strategy, version + 1, weights)
         store = self.parts.intake.store
         collector = VersionCollector(expectation, self.policy, version, weights, store.spool.folder)
         for older in range(max(0, version - self.policy.max_staleness), version):

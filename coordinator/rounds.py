@@ -17,6 +17,7 @@ from coordinator.presence import Presence
 from coordinator.publisher import RetainedPublisher
 from coordinator.round_aggregator import RoundAggregator, SuspectPolicy, make_aggregator
 from coordinator.scratch import TensorScratch
+from coordinator.strategy_contract import Strategy
 from coordinator.validation import Expectation
 from edge_agent.loop.schedule import labels_by_round
 from protocol import messages, topics, wire
@@ -118,6 +119,32 @@ def choose_participants(online: Sequence[str], participation: float, seed: int, 
     return sorted(rng.choice(sorted(online), size=count, replace=False).tolist())
 
 
+def sample_bounds(rules: RoundRules, strategy: Strategy, round_id: int) -> tuple[int, int | None]:
+    """(fewest, most) samples one device may claim in this round: at least 1 and at most its seeds plus what the
+    schedule let it acquire so far when the strategy weighs by samples (no bound where either is unknown)."""
+    if not strategy.weighs_by_samples:
+        return 0, None
+    acquired = labels_by_round(rules.recipe, round_id)
+    seeds = rules.seed_labels
+    return 1, (None if acquired is None or seeds is None else seeds + acquired)
+
+
+def round_expectation(rules: RoundRules, strategy: Strategy, round_id: int, global_weights: Weights) -> Expectation:
+    """What a valid update of this round looks like."""
+    authenticator = rules.authenticator
+    return Expectation(
+        round_id,
+        weights_hash(global_weights),
+        spec_of(global_weights),
+        rules.spec.num_classes,
+        rules.policy.max_update_bytes,
+        authenticator.check if authenticator else None,
+        strategy.metric_bounds(rules.spec.num_classes),
+        global_weights,
+        *sample_bounds(rules, strategy, round_id),
+    )
+
+
 class Coordinator:
     """Runs a fleet's rounds over one MQTT session, committing each round before announcing the next."""
 
@@ -170,14 +197,16 @@ class Coordinator:
         (`scratch`: where a streamed round keeps its updates' weights until it closes)."""
         base_hash = weights_hash(global_weights)
         rules = self.rules
+        strategy = self.parts.closer.strategy
         aggregator = make_aggregator(
-            self.parts.closer.strategy,
+            strategy,
             global_weights,
             rules.suspects,
             scratch,
-            rules.max_sample_share if self.sample_bounds(round_id)[1] is None else 1.0,
+            rules.max_sample_share if sample_bounds(rules, strategy, round_id)[1] is None else 1.0,
         )
-        collector = RoundCollector(self.expectation(round_id, global_weights, base_hash), aggregator.absorb)
+        expected = round_expectation(rules, strategy, round_id, global_weights)
+        collector = RoundCollector(expected, aggregator.absorb)
         online = sorted(self.parts.presence.online())
         participants = choose_participants(online, rules.policy.participation, rules.recipe.seed, round_id)
         opened = OpenRound(collector, aggregator, participants)
@@ -188,30 +217,6 @@ class Coordinator:
         self.parts.publisher.announce(round_id, base_hash, rules.recipe, deadline, participants)
         self.parts.observer.round_opened(round_id, self.needed(opened))
         return opened
-
-    def expectation(self, round_id: int, global_weights: Weights, base_hash: str) -> Expectation:
-        """What a valid update of this round looks like."""
-        authenticator = self.rules.authenticator
-        return Expectation(
-            round_id,
-            base_hash,
-            spec_of(global_weights),
-            self.rules.spec.num_classes,
-            self.rules.policy.max_update_bytes,
-            authenticator.check if authenticator else None,
-            self.parts.closer.strategy.metric_bounds(self.rules.spec.num_classes),
-            global_weights,
-            *self.sample_bounds(round_id),
-        )
-
-    def sample_bounds(self, round_id: int) -> tuple[int, int | None]:
-        """(fewest, most) samples one device may claim in this round: at least 1 and at most its seeds plus what
-        the schedule let it acquire so far when the strategy weighs by samples (no bound where either is unknown)."""
-        if not self.parts.closer.strategy.weighs_by_samples:
-            return 0, None
-        acquired = labels_by_round(self.rules.recipe, round_id)
-        seeds = self.rules.seed_labels
-        return 1, (None if acquired is None or seeds is None else seeds + acquired)
 
     def needed(self, opened: OpenRound) -> int:
         """How many accepted updates close the round early (see Presence.needed)."""

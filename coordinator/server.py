@@ -264,16 +264,7 @@ def run_server(
     try:
         weights, first_round, run_id = starting_point(store, settings, data)
         encoder = round_encoder(settings, store)
-        recipe = dataclasses.replace(settings.recipe, encoder=encoder_hash(encoder)) if encoder else settings.recipe
-        rules = RoundRules(
-            recipe,
-            settings.policy,
-            settings.suspects,
-            authenticator,
-            settings.spec,
-            settings.seed_labels,
-            settings.max_sample_share,
-        )
+        rules = round_rules(settings, authenticator, encoder)
         parts = round_parts(settings, data, store, session, run_id, encoder, observer or RoundObserver(), dead_devices)
         coordinator = make_coordinator(settings, session, rules, parts)
         session.connect()
@@ -285,6 +276,21 @@ def run_server(
     finally:
         session.close()
         store.close()
+
+
+def round_rules(settings: ServerSettings, authenticator: UpdateAuthenticator | None, encoder: bytes) -> RoundRules:
+    """What every round of the run follows: the recipe (naming FAST's encoder by its hash), policy, suspects,
+    signatures, spec and the bounds on claimed samples."""
+    recipe = dataclasses.replace(settings.recipe, encoder=encoder_hash(encoder)) if encoder else settings.recipe
+    return RoundRules(
+        recipe,
+        settings.policy,
+        settings.suspects,
+        authenticator,
+        settings.spec,
+        settings.seed_labels,
+        settings.max_sample_share,
+    )
 
 
 def make_coordinator(

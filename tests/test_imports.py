@@ -12,9 +12,15 @@ ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = {
     "protocol": ("edge_agent", "export", "coordinator", "bench"),
     "edge_agent": ("coordinator", "export", "bench"),
-    "export": ("coordinator",),
+    "export": ("coordinator", "bench"),
+    "coordinator": ("bench",),
 }
 TORCH_FREE = (
+    # the protocol room, every module of it: a device that never trains in torch speaks the whole protocol
+    *(f"protocol.{path.stem}" for path in sorted((ROOT / "protocol").glob("*.py")) if path.stem != "__init__"),
+    # the command lines load a command's module only when it runs
+    "coordinator.cli",
+    "bench.cli",
     "coordinator.aggregation",
     "coordinator.cadis",
     "coordinator.server_optimizers",
