@@ -23,6 +23,7 @@ from edge_agent.learning.models import SplitDropoutModel, build_model, set_weigh
 from export import quantize
 from export.graph_names import DEFAULT_OPSET, FEATURES_NAME, IMAGES_INPUT, PENULTIMATE_OUTPUT, PROBABILITIES_OUTPUT
 from export.onnx_graphs import EXPORTER, export_graphs, export_penultimate, mask_input_names
+from protocol.errors import UsageError
 from protocol.files import atomic_write_bytes, save_arrays
 from protocol.manifest import PIXEL_INPUT, BundleManifest, DropoutSection, HeadSection
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec
@@ -88,7 +89,7 @@ def write_bundle(
     """
     out_dir = Path(out_dir)
     if (out_dir / MANIFEST_NAME).exists():
-        raise FileExistsError(f"{out_dir} already holds a bundle; choose another --out")
+        raise UsageError(f"{out_dir} already holds a bundle; choose another --out")
     model = build_model(spec)
     set_weights(model, weights)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -2,20 +2,21 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 
-from edge_agent.data.fashion_mnist import DatasetMissingError, load_fashion_mnist
+from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.image_arrays import model_input
 from edge_agent.learning.bundle import load_bundle
+from edge_agent.learning.models import build_model, weight_spec
 from export.bundle_writer import write_bundle
 from export.graph_names import DEFAULT_OPSET
+from protocol.commands import reported
 from protocol.errors import UsageError
 from protocol.files import load_arrays
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec, load_model_spec
-from protocol.tensors import Weights
+from protocol.tensors import Weights, check_layout
 
 CALIBRATION_IMAGES = 512
 
@@ -69,11 +70,19 @@ def export_weights(weights: Weights, origin: str, args: argparse.Namespace, spec
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the fl-export console script."""
     args = build_parser().parse_args(argv)
+    return reported("fl-export", lambda: export_file(args))
+
+
+def export_file(args: argparse.Namespace) -> int:
+    """Exports the bundle of the weights file the command line names; weights that do not fit the spec's model are
+    the person's mistake (one line), checked before anything is written."""
+    if not args.weights.is_file():
+        raise UsageError(f"weights file {args.weights} does not exist")
+    weights = load_arrays(args.weights)
+    spec = load_model_spec(args.model_spec).spec if args.model_spec else DEFAULT_SPEC
     try:
-        if not args.weights.is_file():
-            raise FileNotFoundError(f"weights file {args.weights} does not exist")
-        export_weights(load_arrays(args.weights), str(args.weights), args)
-    except (ValueError, FileNotFoundError, FileExistsError, DatasetMissingError) as error:
-        print(f"fl-export: {error}", file=sys.stderr)
-        return 2
+        check_layout(weight_spec(build_model(spec)), weights)
+    except ValueError as error:
+        raise UsageError(f"{args.weights}: {error}") from None
+    export_weights(weights, str(args.weights), args, spec)
     return 0

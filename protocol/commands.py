@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast
 
@@ -65,12 +65,18 @@ class CommandLine:
         configure_logging(args.log_level)
         if chosen.sigterm_exit is not None:
             raise_on_sigterm()
-        try:
-            return chosen.load().run(args)
-        except UsageError as error:
-            print(f"{self.prog}: {error}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:
-            return 130
-        except Terminated:
-            return chosen.sigterm_exit or 0
+        return reported(self.prog, lambda: chosen.load().run(args), chosen.sigterm_exit or 0)
+
+
+def reported(prog: str, action: Callable[[], int], sigterm_exit: int = 0) -> int:
+    """Runs a command's action: a UsageError is one line on stderr and exit 2, an interrupt 130, a SIGTERM
+    `sigterm_exit`; any other exception is a bug and escapes with its traceback."""
+    try:
+        return action()
+    except UsageError as error:
+        print(f"{prog}: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Terminated:
+        return sigterm_exit
