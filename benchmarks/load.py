@@ -193,7 +193,9 @@ def start_coordinator(
         "--json",
     ]
     environment = {**os.environ, "PYTHONPATH": str(tree)}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, cwd=tree
+    )  # run from the tree: `python -m` puts the working folder first on the path
     assert process.stderr is not None  # stderr=PIPE
     line = process.stderr.readline()
     match = re.search(r"mqtt://([\d.]+):(\d+)", line)
