@@ -3,8 +3,9 @@
 training, no per-device evaluation) opens round 1 with quorum K; worker processes host the K devices' MQTT clients,
 build one valid update per device from the announced model (its weights plus noise) before a shared start signal,
 then all publish at once. Reported per K: updates accepted per second (first publish to last ack), seconds from
-the last update's ack to the round's close (the store's closed_at), and the coordinator's peak RSS (VmHWM, read
-while it waits in round 2) against its RSS once the round was announced. Each K runs once per `--spool-batch`
+the last update's ack to the round's close (the store's closed_at), the coordinator's CPU time per update (user
+plus system, from the start signal to the round's close: steadier than the rate on a shared machine), and its peak
+RSS (VmHWM, read while it waits in round 2) against its RSS once the round was announced. Each K runs once per `--spool-batch`
 (the coordinator's group-commit bound; 1, one fsync per update, is the baseline the speed-up is against) and once
 per `--trees` checkout, in turn (`--trees before=DIR after=.` compares two versions of the coordinator in one run on
 one machine). Must hold: every update accepted."""
@@ -146,6 +147,12 @@ def worker(
     )
 
 
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds a process (all its threads) has used, from /proc/<pid>/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return int(fields[11]) / os.sysconf("SC_CLK_TCK"), int(fields[12]) / os.sysconf("SC_CLK_TCK")
+
+
 def memory_kb(pid: int, field: str) -> int:
     """VmHWM (peak) or VmRSS (now) of a process, in kB, from /proc/<pid>/status."""
     text = Path(f"/proc/{pid}/status").read_text()
@@ -245,11 +252,11 @@ def run_load(devices: int, workers: int, strategy: str, spool_batch: int, tree: 
         threading.Thread(target=drain, args=(coordinator.stderr, stderr_tail.append), daemon=True).start()
         try:
             processes, go, results = ready_fake_devices(address, devices, workers)
-            rss_before = memory_kb(coordinator.pid, "VmRSS")
+            rss_before, cpu_before = memory_kb(coordinator.pid, "VmRSS"), cpu_seconds(coordinator.pid)
             go.set()
             reports = [results.get(timeout=ROUND_SECONDS) for _ in processes]
             round_line = json.loads(lines.get(timeout=ROUND_SECONDS))
-            peak = memory_kb(coordinator.pid, "VmHWM")
+            peak, cpu_after = memory_kb(coordinator.pid, "VmHWM"), cpu_seconds(coordinator.pid)
             for process in processes:
                 process.join()
         finally:
@@ -275,6 +282,8 @@ def run_load(devices: int, workers: int, strategy: str, spool_batch: int, tree: 
         "coordinator_peak_rss_mb": round(peak / 1024, 1),
         "coordinator_peak_above_idle_mb": round((peak - rss_before) / 1024, 1),
         "round_seconds_reported": round_line.get("seconds"),
+        "coordinator_cpu_ms_per_update": round(1000 * (sum(cpu_after) - sum(cpu_before)) / devices, 3),
+        "coordinator_system_ms_per_update": round(1000 * (cpu_after[1] - cpu_before[1]) / devices, 3),
     }
 
 
@@ -303,6 +312,9 @@ def add_ratios(rows: list[dict], baseline_tree: str) -> None:
         if row["tree"] != baseline_tree:
             base = baseline[key(row)]
             row[f"speed_vs_{baseline_tree}"] = round(row["updates_per_second"] / base["updates_per_second"], 2)
+            row[f"cpu_per_update_vs_{baseline_tree}"] = round(
+                row["coordinator_cpu_ms_per_update"] / base["coordinator_cpu_ms_per_update"], 2
+            )
             row[f"peak_above_idle_mb_minus_{baseline_tree}"] = round(
                 row["coordinator_peak_above_idle_mb"] - base["coordinator_peak_above_idle_mb"], 1
             )

@@ -3,14 +3,13 @@
 every update against the new model (divergence) and may score it; an asynchronous round folds its buffered updates
 only once the buffer is full. Both read the decoded float32 weights back from a TensorScratch: raw, aligned bytes
 appended to an unlinked temporary file beside the spool (written through the page cache, never synced: the spool
-holds the durable payloads), mapped one weight set at a time and viewed as read-only arrays, so reading an update
-back copies and decodes nothing and memory holds one update at most. The scratch dies with its process: a restarted
+holds the durable payloads), read back with one call per weight set and viewed as read-only arrays, so reading an
+update back decodes nothing and memory holds one update at a time. The scratch dies with its process: a restarted
 coordinator decodes the spooled payloads once more (recovery) and keeps them in a new scratch."""
 
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import tempfile
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ ALIGNMENT = 64  # every tensor starts on a 64-byte boundary of the file (aligned
 
 @dataclass(frozen=True)
 class KeptTensor:
-    """Where one tensor of a weight set lies in the scratch file: its name, dtype, shape and byte offset."""
+    """Where one tensor of a weight set lies, from the set's start: its name, dtype, shape and byte offset."""
 
     name: str
     dtype: str
@@ -34,55 +33,67 @@ class KeptTensor:
     offset: int
 
 
-@dataclass(frozen=True)
-class KeptSet:
-    """One weight set in the scratch file: the byte span it covers and its tensors in order."""
+Layout = tuple[KeptTensor, ...]
 
-    start: int
-    end: int
-    tensors: tuple[KeptTensor, ...]
+
+def layout_of(weights: Weights) -> tuple[Layout, int]:
+    """Each tensor's place in a weight set written from an aligned start (every one aligned too), and the set's
+    byte length."""
+    tensors, size = [], 0
+    for name, array in weights.items():
+        size += -size % ALIGNMENT
+        tensors.append(KeptTensor(name, array.dtype.str, tuple(array.shape), size))
+        size += array.nbytes
+    return tuple(tensors), size
 
 
 class TensorScratch:
     """Weight sets by key (a device id), appended raw to an unlinked temporary file in `folder` (made on the first
-    put) and read back as read-only views of a private map of their bytes; close() drops the file."""
+    put) and read back as read-only views of their bytes; close() drops the file. The sets of a round share one
+    layout, kept once."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.handle: BinaryIO | None = None
         self.size = 0
-        self.sets: dict[str, KeptSet] = {}
+        self.sets: dict[str, tuple[int, Layout, int]] = {}  # key -> (start, layout, length)
+        self.layouts: dict[Layout, Layout] = {}
 
     def put(self, key: str, weights: Weights) -> None:
         """Appends a weight set under `key` (a later put under the same key replaces it), in one write call: the
         page cache is the cost of a scratch, and one vectored write of every tensor is a third of one write each."""
         handle = self.file()
-        start, tensors, buffers = self.size, [], []
-        for name, array in weights.items():
-            contiguous = np.asarray(array, order="C")
-            buffers.append(bytes(-self.size % ALIGNMENT))
-            self.size += -self.size % ALIGNMENT
-            tensors.append(KeptTensor(name, contiguous.dtype.str, contiguous.shape, self.size))
-            buffers.append(contiguous.reshape(-1).view(np.uint8).data)
-            self.size += contiguous.nbytes
-        written = os.writev(handle.fileno(), buffers) if buffers else 0
-        if written != self.size - start:
-            raise OSError(f"scratch write stopped at {written} of {self.size - start} bytes (disk full?)")
-        self.sets[key] = KeptSet(start, self.size, tuple(tensors))
+        layout, length = layout_of(weights)
+        layout = self.layouts.setdefault(layout, layout)
+        start = self.size + -self.size % ALIGNMENT
+        buffers: list[bytes | memoryview] = []
+        position = self.size
+        for kept, array in zip(layout, weights.values()):
+            buffers.append(bytes(start + kept.offset - position))
+            buffers.append(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+            position = start + kept.offset + array.nbytes
+        written = os.writev(handle.fileno(), buffers)
+        if written != start + length - self.size:
+            raise OSError(f"scratch write stopped at {written} of {start + length - self.size} bytes (disk full?)")
+        self.size = start + length
+        self.sets[key] = (start, layout, length)
 
     def get(self, key: str) -> Weights:
-        """The weight set kept under `key` (KeyError if none): read-only views of a map of its bytes, unmapped once
-        the arrays are dropped."""
-        kept = self.sets[key]
-        if self.handle is None or kept.end == kept.start:
-            return {tensor.name: np.zeros(tensor.shape, tensor.dtype) for tensor in kept.tensors}
-        first = kept.start - kept.start % mmap.ALLOCATIONGRANULARITY
-        region = mmap.mmap(self.handle.fileno(), kept.end - first, access=mmap.ACCESS_READ, offset=first)
+        """The weight set kept under `key` (KeyError if none): read-only views of one buffer its bytes are read into
+        with one call (a file map per set cost more in page faults and unmapping, and a map of the whole file would
+        count every page read in the process's resident memory)."""
+        start, layout, length = self.sets[key]
+        buffer = np.empty(length, dtype=np.uint8)
+        if self.handle is not None and length:
+            read = os.preadv(self.handle.fileno(), [buffer.data], start)
+            if read != length:
+                raise OSError(f"scratch read stopped at {read} of {length} bytes")
+        buffer.setflags(write=False)
         return {
-            tensor.name: np.frombuffer(
-                region, dtype=tensor.dtype, count=math.prod(tensor.shape), offset=tensor.offset - first
-            ).reshape(tensor.shape)
-            for tensor in kept.tensors
+            kept.name: np.frombuffer(buffer, dtype=kept.dtype, count=math.prod(kept.shape), offset=kept.offset).reshape(
+                kept.shape
+            )
+            for kept in layout
         }
 
     def file(self) -> BinaryIO:
@@ -99,7 +110,7 @@ class TensorScratch:
         self.close()
 
     def close(self) -> None:
-        """Drops the file and what it holds (views already handed out stay valid: their maps keep the pages)."""
+        """Drops the file and what it holds (views already handed out stay valid: they own their buffers)."""
         if self.handle is not None:
             self.handle.close()
         self.handle, self.size, self.sets = None, 0, {}
