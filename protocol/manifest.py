@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from protocol.errors import FalError
 from protocol.model_spec import ModelSpec, SpecError, spec_from_dict
 
 BUNDLE_FORMAT = "edge-fal-model-bundle"
@@ -14,7 +15,7 @@ MASK_ENCODING = (
 )
 
 
-class ManifestError(ValueError):
+class ManifestError(FalError, ValueError):
     """A manifest that lacks a key or holds a value of the wrong kind; the message names the key."""
 
 

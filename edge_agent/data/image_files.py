@@ -11,7 +11,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from edge_agent.data.image_arrays import IMAGE_SHAPE, model_input
-from protocol.errors import UsageError
+from protocol.errors import FalError, UsageError
 from protocol.manifest import PIXEL_INPUT, BundleManifest
 
 IMAGE_FORMATS = ("JPEG", "PNG")
@@ -25,7 +25,7 @@ REASON_CHARS = 160
 SHOWN_SKIPPED = 10
 
 
-class UnreadableImageError(ValueError):
+class UnreadableImageError(FalError, ValueError):
     """A pool file is not a complete JPEG or PNG image of a sane size; `reason` says why in bounded text."""
 
     def __init__(self, path: Path, reason: str) -> None:

@@ -7,6 +7,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from protocol.errors import FalError
 from protocol.files import atomic_write_bytes
 from protocol.manifest import BundleManifest, ManifestError
 
@@ -14,7 +15,7 @@ MANIFEST_NAME = "manifest.json"
 PRECISIONS = ("fp32", "int8")
 
 
-class BundleError(ValueError):
+class BundleError(FalError, ValueError):
     """A bundle is missing, incomplete, corrupted or inconsistent; the message names the file."""
 
 
