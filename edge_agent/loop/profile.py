@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from edge_agent.learning.local_rules import CLASSIFIER_ONLY, FULL_MODEL
 from protocol.errors import UsageError
 
 BACKENDS = ("torch", "onnxruntime")
-TRAINERS = ("full", "head")
+TRAINERS = (FULL_MODEL, CLASSIFIER_ONLY)
 
 
 class ProfileError(UsageError):
