@@ -1,5 +1,5 @@
 # Benchmark (issue 14): `simulate --devices 1000` as virtual devices in a few workers; prints JSON.
-"""Runs `fl-coordinator simulate` with many virtual devices (small pools, 5 labels a round, 1 epoch, embedded
+"""Runs `fl-bench simulate` with many virtual devices (small pools, 5 labels a round, 1 epoch, embedded
 broker) and, as the baseline in the same run, a few devices with one process each. For each run: every round's
 seconds and where they went (announcement to first accepted update, first to last, last to the round's close),
 updates accepted and rejected, CPU seconds per kind of process, and memory: the peak of the summed RSS of every
@@ -114,7 +114,7 @@ def kind_of(pid: int) -> str:
     for marker, kind in (("bench host", "worker"), ("bench device", "agent"), ("mosquitto", "broker")):
         if marker in command:
             return kind
-    return "coordinator" if "coordinator simulate" in command else "other"
+    return "coordinator" if "bench simulate" in command else "other"
 
 
 def stamp(line: str) -> float | None:
