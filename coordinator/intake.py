@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from coordinator.aggregation import ClientUpdate
 from coordinator.observer import RoundObserver
 from coordinator.store import RunStore
-from coordinator.validation import Expectation, Incoming, Rejection, decoded, validated
+from coordinator.validation import Expectation, Incoming, Rejection, contributing_devices, decoded, validated
 from protocol import messages, topics, wire
 from protocol.messages import RejectionKind
 from protocol.mqtt import MqttSession
@@ -21,8 +21,9 @@ log = logging.getLogger(__name__)
 
 def client_update(update: messages.Update) -> ClientUpdate:
     """The strategy's view of a validated update."""
-    devices = max(1, len(update.contributors))
-    return ClientUpdate(update.device_id, update.tensors, update.num_samples, dict(update.metrics), devices)
+    return ClientUpdate(
+        update.device_id, update.tensors, update.num_samples, dict(update.metrics), contributing_devices(update)
+    )
 
 
 @dataclass

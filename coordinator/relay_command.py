@@ -9,8 +9,9 @@ from coordinator.broker import embedded_broker, embedded_packet_limit
 from coordinator.provision import load_secure_fleet
 from coordinator.relay import RELAY_STRATEGY, RelaySettings, run_relay
 from coordinator.rounds import RoundPolicy
-from coordinator.run_settings import check_packet_limit, checked_identifier
 from coordinator.server import ServerSettings
+from protocol import wire
+from protocol.chunks import given_packet_limit
 from protocol.credentials import Credentials, load_credentials
 from protocol.errors import UsageError
 from protocol.mqtt import parse_broker_url
@@ -61,13 +62,13 @@ def relay_settings(args: argparse.Namespace, credentials: Credentials | None) ->
     relay_id, fleet = relay_identity(args, credentials)
     site = ServerSettings(
         run_dir=args.run_dir,
-        fleet=checked_identifier("site fleet", args.site_fleet),
+        fleet=wire.given_identifier("site fleet", args.site_fleet),
         strategy=RELAY_STRATEGY,
         policy=RoundPolicy(1, args.min_devices, args.quorum, args.round_timeout),
         ship_bundles=not args.no_bundles,
         secure_dir=args.secure,
         keep_updates=args.keep_updates,
-        broker_max_packet_bytes=check_packet_limit(args.max_message_bytes),
+        broker_max_packet_bytes=given_packet_limit(args.max_message_bytes),
     )
     return RelaySettings(relay_id, fleet, site, credentials.hmac_key if credentials else b"")
 

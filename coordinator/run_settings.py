@@ -16,20 +16,12 @@ from coordinator.strategies import make_strategy
 from edge_agent.learning.local_rules import LOCAL_RULES, make_local_rule
 from edge_agent.learning.sampling import make_sampler
 from protocol import wire
-from protocol.chunks import MIN_PACKET_BYTES
+from protocol.chunks import given_packet_limit
 from protocol.errors import UsageError
 from protocol.model_spec import DEFAULT_SPEC, SpecFile, load_model_spec
 from protocol.update_codec import UpdateCodec
 
 ASYNC_ONLY_FLAGS = ("buffer", "max_staleness", "async_server_lr")
-
-
-def checked_identifier(kind: str, value: str) -> str:
-    """A fleet or device name given on the command line that can be a topic level (UsageError otherwise)."""
-    try:
-        return wire.check_identifier(kind, value)
-    except wire.WireError as error:
-        raise UsageError(str(error)) from None
 
 
 def async_policy(args: argparse.Namespace) -> AsyncPolicy | None:
@@ -60,7 +52,7 @@ def round_policy(args: argparse.Namespace) -> RoundPolicy:
 
 def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSettings:
     """ServerSettings from parsed arguments."""
-    fleet = checked_identifier("fleet", args.fleet or default_fleet)
+    fleet = wire.given_identifier("fleet", args.fleet or default_fleet)
     recipe_options, strategy_options = chosen_options(args)
     run_dir = args.run_dir or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{fleet}-{args.strategy}"
     spec_file = load_model_spec(args.model_spec) if args.model_spec else SpecFile(DEFAULT_SPEC)
@@ -87,20 +79,13 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
         ship_bundles=not args.no_bundles,
         encoder_path=args.encoder,
         keep_updates=args.keep_updates,
-        broker_max_packet_bytes=check_packet_limit(args.max_message_bytes),
+        broker_max_packet_bytes=given_packet_limit(args.max_message_bytes),
         transfer_memory_mb=args.transfer_memory_mb,
         transfer_timeout=args.transfer_timeout,
         asynchronous=async_policy(args),
         seed_labels=getattr(args, "seed_labels", None),
         max_sample_share=args.max_sample_share,
     )
-
-
-def check_packet_limit(limit: int | None) -> int | None:
-    """--max-message-bytes, if given, leaves room for chunks."""
-    if limit is not None and limit < MIN_PACKET_BYTES:
-        raise UsageError(f"--max-message-bytes must be at least {MIN_PACKET_BYTES}, got {limit}")
-    return limit
 
 
 def validate_recipe_names(settings: ServerSettings) -> None:

@@ -189,7 +189,12 @@ def check_contributions(update: messages.Update) -> None:
         )
 
 
-def check_sample_claim(update: wire.Update, expected: Expectation) -> None:
+def contributing_devices(update: messages.Update) -> int:
+    """How many devices' data an update sums: a relay's contributors, else the one device that sent it."""
+    return max(1, len(update.contributors))
+
+
+def check_sample_claim(update: messages.Update, expected: Expectation) -> None:
     """Rejection when the claimed sample count lies outside what a device (or a relay's devices together) can hold:
     a strategy that weighs by samples takes no zero-sample update, nor a claim above the schedule's bound."""
     if update.num_samples < expected.min_samples:
@@ -198,7 +203,7 @@ def check_sample_claim(update: wire.Update, expected: Expectation) -> None:
             f"claims {update.num_samples} samples: the strategy weighs updates by their samples, so it takes at least "
             f"{expected.min_samples}",
         )
-    devices = max(1, len(update.contributors))
+    devices = contributing_devices(update)
     if expected.max_samples is not None and update.num_samples > expected.max_samples * devices:
         holders = f"its {devices} devices" if update.contributors else "a device"
         raise Rejection(

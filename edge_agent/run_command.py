@@ -11,7 +11,7 @@ from edge_agent.field.field_options import add_field_arguments
 from edge_agent.loop.memory_budget import fit_to_budget
 from edge_agent.loop.profile import DeviceProfile, load_profile
 from protocol import wire
-from protocol.chunks import MIN_PACKET_BYTES
+from protocol.chunks import given_packet_limit
 from protocol.credentials import Credentials, load_credentials
 from protocol.errors import UsageError
 from protocol.mqtt import DEFAULT_KEEPALIVE_SECONDS, BrokerAddress, MqttSession, parse_broker_url
@@ -70,14 +70,6 @@ def add_device_arguments(run: argparse.ArgumentParser) -> None:
     add_field_arguments(run)
 
 
-def checked_identifier(flag: str, value: str) -> str:
-    """A fleet or device id from the command line or a credential file: a topic level, so the wire's rule holds."""
-    try:
-        return wire.check_identifier(flag, value)
-    except wire.WireError as error:
-        raise UsageError(str(error)) from None
-
-
 def device_identity(args: argparse.Namespace, credentials: Credentials | None) -> tuple[str, str]:
     """(device id, fleet) from the command line or the credential file; they must agree where both are given."""
     device_id = args.device_id or (credentials.device_id if credentials else None)
@@ -89,7 +81,7 @@ def device_identity(args: argparse.Namespace, credentials: Credentials | None) -
             f"{args.credentials} belongs to device {credentials.device_id!r} of fleet "
             f"{credentials.fleet!r}, not {device_id!r} of {fleet!r}"
         )
-    return checked_identifier("device id", device_id), checked_identifier("fleet", fleet)
+    return wire.given_identifier("device id", device_id), wire.given_identifier("fleet", fleet)
 
 
 def agent_settings(
@@ -133,9 +125,7 @@ def broker_address(
 ) -> BrokerAddress:
     """The broker URL with the profile's TLS files when it is mqtts://, the credential file's login and TLS files
     (which win) when one is given, and the broker's packet limit if known (--max-message-bytes)."""
-    if max_packet_bytes is not None and max_packet_bytes < MIN_PACKET_BYTES:
-        raise UsageError(f"--max-message-bytes must be at least {MIN_PACKET_BYTES}, got {max_packet_bytes}")
-    address = dataclasses.replace(parse_broker_url(url), max_packet_bytes=max_packet_bytes)
+    address = dataclasses.replace(parse_broker_url(url), max_packet_bytes=given_packet_limit(max_packet_bytes))
     if profile is not None and address.tls:
         address = dataclasses.replace(
             address, ca_file=profile.mqtt.tls_ca, cert_file=profile.mqtt.tls_cert, key_file=profile.mqtt.tls_key
@@ -191,7 +181,6 @@ class OpenedDevice:
 def open_device(args: argparse.Namespace, open_pool: OpenPool = open_folder_pool) -> OpenedDevice:
     """Builds one device's agent from `edge-agent run` arguments: its settings, session, and the pool `open_pool`
     opens (a field device's folder; a bench passes its own). Every host of an agent builds it here."""
-    from edge_agent.field.folder_oracle import FolderOracle
     from edge_agent.loop.agent import Agent, last_will
 
     credentials = load_credentials(args.credentials) if args.credentials else None
@@ -206,8 +195,7 @@ def open_device(args: argparse.Namespace, open_pool: OpenPool = open_folder_pool
     )
     pool = open_pool(args, args.state_dir or Path("agent-state") / settings.device_id, settings, profile)
     agent = Agent(pool.settings, session, pool.data, pool.oracle, pool.work)
-    if isinstance(pool.oracle, FolderOracle):  # a person's answers are awaited only while the agent runs
-        pool.oracle.stop_event = agent.stop_event
+    pool.oracle.stop_with(agent.stop_event)  # a person's answers are awaited only while the agent runs
     return OpenedDevice(agent, session, pool.label_server)
 
 

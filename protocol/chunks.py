@@ -6,7 +6,7 @@ import hashlib
 import math
 
 from protocol import messages, wire
-from protocol.errors import RefusalError
+from protocol.errors import RefusalError, UsageError
 from protocol.messages import RejectionKind
 from protocol.topics import CHUNKS
 
@@ -18,6 +18,13 @@ MIN_CHUNK_DATA = 1024
 # The smallest broker packet limit this side accepts to be told: room for a topic, the envelope and MIN_CHUNK_DATA.
 MIN_PACKET_BYTES = 4096
 MAX_CHUNKS = 1 << 16
+
+
+def given_packet_limit(limit: int | None) -> int | None:
+    """A broker's packet limit a person gave (--max-message-bytes), if any: it must leave room for a chunk."""
+    if limit is not None and limit < MIN_PACKET_BYTES:
+        raise UsageError(f"--max-message-bytes must be at least {MIN_PACKET_BYTES}, got {limit}")
+    return limit
 
 
 class ChunkingError(RefusalError, ValueError):

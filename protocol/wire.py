@@ -14,7 +14,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from protocol.errors import RefusalError
+from protocol.errors import RefusalError, UsageError
 from protocol.messages import (
     MAX_BUNDLE_FILES,
     BundleFiles,
@@ -362,3 +362,11 @@ def check_identifier(kind: str, value: str) -> str:
     if not isinstance(value, str) or not IDENTIFIER.fullmatch(value):
         raise WireError(f"{kind} {shown(value)} must match {IDENTIFIER.pattern}")
     return value
+
+
+def given_identifier(kind: str, value: str) -> str:
+    """A fleet or device id a person gave (a flag, a credential file): the same rule, its breach a UsageError."""
+    try:
+        return check_identifier(kind, value)
+    except WireError as error:
+        raise UsageError(str(error)) from None

@@ -1,6 +1,7 @@
 # Where labels come from: the Oracle interface (a person at a field device, or the bench's simulated oracle).
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -17,6 +18,10 @@ class Oracle(ABC):
 
     def start_round(self, round_id: int) -> None:
         """Told when a round starts, so queries can be grouped by round; nothing to do for an immediate oracle."""
+        return None
+
+    def stop_with(self, event: threading.Event) -> None:
+        """Told the event that stops its agent, so a wait for answers ends with it; an immediate oracle never waits."""
         return None
 
     def pending(self) -> np.ndarray:

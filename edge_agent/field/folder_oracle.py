@@ -189,6 +189,10 @@ class FolderOracle(Oracle):
         self.poll_seconds = poll_seconds
         self.round_id = 0
 
+    def stop_with(self, event: threading.Event) -> None:
+        """A wait for answers ends when `event` (its agent's stop) is set."""
+        self.stop_event = event
+
     def start_round(self, round_id: int) -> None:
         """New queries go to queries/<round_id>/."""
         self.round_id = round_id
