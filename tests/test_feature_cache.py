@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
+from test_imports import imported_packages
 
 from bench.oracle import SimulatedOracle
 from edge_agent.data.device_data import DeviceData, initialise_store
@@ -222,3 +223,21 @@ def test_the_cache_refuses_a_bad_key_and_rows_of_another_width(tmp_path: Path) -
         cache.rows(np.array([7]), lambda indices: np.ones((1, 4), np.float32))
     with pytest.raises(ValueError, match="sample indices must be non-negative"):
         cache.rows(np.array([-1]), lambda indices: np.ones((1, 3), np.float32))
+
+
+def test_the_cache_itself_needs_numpy_only() -> None:
+    module = Path(__file__).resolve().parent.parent / "edge_agent" / "data" / "feature_cache.py"
+    assert imported_packages(module) <= {
+        "__future__",
+        "base64",
+        "hashlib",
+        "json",
+        "logging",
+        "os",
+        "collections",
+        "dataclasses",
+        "pathlib",
+        "typing",
+        "numpy",
+        "protocol",
+    }
