@@ -156,6 +156,8 @@ class OrtMCDropout:
         self.precision = precision
         self.bundle, self.threads, self._weights = bundle, threads, weights
         self.providers = select_providers(providers)
+        if weights is not None:
+            initializer_overrides(bundle, "prefix", weights)  # a missing prefix weight is named now, not at first use
         self._prefix: ort.InferenceSession | None = None
         self._tail = self._graph("tail")
         self._feature_input = self._tail.get_inputs()[0].name
