@@ -9,6 +9,7 @@ import numpy as np
 from edge_agent.data.device_data import DeviceData
 from edge_agent.data.oracle import Oracle
 from edge_agent.learning.encoder import OnnxEncoder
+from edge_agent.learning.learner import Learner
 from edge_agent.learning.sampling import AcquisitionContext, Embeddings, Sampler
 from edge_agent.loop.agent_settings import AgentSettings, device_seed
 from edge_agent.loop.footprint import PhaseMeter
@@ -105,7 +106,13 @@ class Acquirer:
             global_logits=cache(lambda: learner.logits("global", images())),
             embeddings=cache(lambda: self.embeddings(models, images())),
             features=cache(lambda: learner.features(samples)),
+            labelled_features=cache(lambda: self.labelled_features(learner)),
         )
+
+    def labelled_features(self, learner: Learner) -> np.ndarray:
+        """Penultimate features of the human-labelled samples ((0, 0) when there are none): the core-set's centres."""
+        indices, _ = self.data.labelled()
+        return learner.features(self.data.samples(indices)) if len(indices) else np.zeros((0, 0), dtype=np.float32)
 
     def embeddings(self, models: RoundModels, pool_images: np.ndarray) -> Embeddings:
         """The round's frozen encoder applied to the pool and to the human-labelled samples (FAST's seeds)."""
