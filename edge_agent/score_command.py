@@ -116,12 +116,7 @@ def score_pool(
     DEFAULT_BATCHES entry. With cache_dir, the fp32 prefix outputs of the pool are kept there (`cached_probabilities`).
     """
     heuristic = make_heuristic(sampler)
-    if cache_dir is not None and (backend, precision) != ("onnxruntime", "fp32"):
-        raise UsageError(
-            "--cache-dir keeps the fp32 prefix's outputs: use it with --backend onnxruntime --precision fp32"
-        )
-    if limit is not None and limit < 1:
-        raise UsageError(f"--limit must be at least 1, got {limit}")
+    check_score_request(backend, precision, limit, cache_dir)
     bundle = load_bundle(bundle_path)
     folder = (
         read_image_folder(pool_path, InputSpec.from_manifest(bundle.manifest), limit) if pool_path.is_dir() else None
@@ -132,16 +127,33 @@ def score_pool(
     scorer = make_scorer(backend, bundle, batch_size, threads, precision, providers)
     started = time.perf_counter()
     probabilities = None
-    if heuristic.needs_probabilities and cache_dir is not None:
-        pool_key = pool_identity(pool_path, folder.files if folder is not None else None)
-        probabilities = cached_probabilities(scorer, images, cache_dir, pool_key, passes, seed)
-    elif heuristic.needs_probabilities:
-        probabilities = scorer.probabilities(images, passes, seed)
+    if heuristic.needs_probabilities:
+        pool_key = pool_identity(pool_path, folder.files if folder is not None else None) if cache_dir else ""
+        probabilities = pool_probabilities(scorer, images, cache_dir, pool_key, passes, seed)
     scores = heuristic.scores(probabilities, len(images), np.random.default_rng(seed))
     selected = top_k(scores, top)
     seconds = time.perf_counter() - started
     run = {"backend": scorer.name, "precision": precision, "passes": passes, "sampler": sampler}
     return {**run, **selection_report(len(images), batch_size, selected, seconds), **_folder_report(folder, selected)}
+
+
+def check_score_request(backend: str, precision: str, limit: int | None, cache_dir: Path | None) -> None:
+    """A UsageError for a --limit below one, or a --cache-dir with another back end than onnxruntime at fp32."""
+    if cache_dir is not None and (backend, precision) != ("onnxruntime", "fp32"):
+        raise UsageError(
+            "--cache-dir keeps the fp32 prefix's outputs: use it with --backend onnxruntime --precision fp32"
+        )
+    if limit is not None and limit < 1:
+        raise UsageError(f"--limit must be at least 1, got {limit}")
+
+
+def pool_probabilities(
+    scorer: MCScorer, images: np.ndarray, cache_dir: Path | None, pool_key: str, passes: int, seed: int
+) -> np.ndarray:
+    """The pool's MC-dropout probabilities: through the feature cache in cache_dir when one is given."""
+    if cache_dir is None:
+        return scorer.probabilities(images, passes, seed)
+    return cached_probabilities(scorer, images, cache_dir, pool_key, passes, seed)
 
 
 def pool_identity(pool_path: Path, files: list[str] | None) -> str:
