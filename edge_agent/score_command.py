@@ -110,10 +110,8 @@ def score_pool(
 ) -> dict[str, Any]:
     """Scores a pool and returns the selection with images_per_second and peak_rss_mb (the command's JSON).
 
-    An array pool stays uint8 (memory-mapped for .npy) and is normalised a batch at a time. An image folder is
-    decoded to the bundle's input shape and normalisation (float32, 4 * C * H * W bytes an image; --limit bounds
-    it); its broken files are skipped, left in place and reported. batch_size None is the back end's
-    DEFAULT_BATCHES entry. With cache_dir, the fp32 prefix outputs of the pool are kept there (`cached_probabilities`).
+    An array pool stays uint8 (memory-mapped for .npy); an image folder is decoded to the bundle's input (--limit
+    bounds it), its broken files skipped and reported. With cache_dir, the prefix outputs are kept there.
     """
     heuristic = make_heuristic(sampler)
     check_score_request(backend, precision, limit, cache_dir)
