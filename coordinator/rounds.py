@@ -207,7 +207,7 @@ class Coordinator:
         base_hash = weights_hash(global_weights)
         rules = self.rules
         strategy = self.parts.closer.strategy
-        online = sorted(self.parts.presence.online())
+        online = self.online_devices()
         aggregator, participants, recipe = self.round_plan(round_id, global_weights, scratch, online)
         expected = round_expectation(rules, strategy, round_id, global_weights)
         collector = RoundCollector(expected, aggregator.absorb)
@@ -219,6 +219,13 @@ class Coordinator:
         self.parts.publisher.announce(round_id, base_hash, recipe, deadline, participants)
         self.parts.observer.round_opened(round_id, self.needed(opened))
         return opened
+
+    def online_devices(self) -> list[str]:
+        """The devices online now, sorted; a private round first waits for one (its sample and its noise shares are
+        drawn from them, so an empty fleet cannot mean "everyone")."""
+        while self.parts.privacy is not None and not self.parts.presence.online():
+            self.handle_next(None)
+        return sorted(self.parts.presence.online())
 
     def round_plan(
         self, round_id: int, global_weights: Weights, scratch: TensorScratch, online: list[str]
