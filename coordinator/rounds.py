@@ -236,10 +236,10 @@ class Coordinator:
         strategy = self.parts.closer.strategy
         if privacy is not None:
             participants = privacy.participants(online, rules.recipe.seed, round_id)
-            aggregator = privacy.aggregator(
+            private = privacy.aggregator(
                 strategy, global_weights, rules.suspects, scratch, len(online), len(participants)
             )
-            return aggregator, participants, privacy.round_recipe(rules.recipe)
+            return private, participants, privacy.round_recipe(rules.recipe)
         share = rules.max_sample_share if sample_bounds(rules, strategy, round_id)[1] is None else 1.0
         aggregator = make_aggregator(strategy, global_weights, rules.suspects, scratch, share)
         participants = choose_participants(online, rules.policy.participation, rules.recipe.seed, round_id)

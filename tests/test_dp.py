@@ -12,6 +12,8 @@ from scipy import stats
 
 from bench.cli import main as bench_main
 from coordinator.aggregation import ClientUpdate
+from coordinator.dashboard.live import Counters
+from coordinator.dashboard.metrics import render_metrics
 from coordinator.dp_accountant import RoundEvent, epsilon_of, noise_for_epsilon
 from coordinator.dp_aggregator import DpAggregator, DpPlan
 from coordinator.dp_rounds import DpSettings, PrivateRounds, check_dp_settings, poisson_sample
@@ -217,3 +219,8 @@ def test_a_conflicting_run_is_refused_on_the_command_line_before_anything_starts
     error = capsys.readouterr().err.strip()
     assert error.startswith("fl-bench: --dp device cannot run with --strategy cadis") and "\n" not in error
     assert not (tmp_path / "run" / "devices").exists()
+
+
+def test_metrics_show_the_spent_epsilon_of_a_private_run_only() -> None:
+    assert "fl_dp_epsilon_spent" not in render_metrics(Counters(), 0, 0)
+    assert "\nfl_dp_epsilon_spent 1.25\n" in render_metrics(Counters(dp_epsilon=1.25), 0, 0)

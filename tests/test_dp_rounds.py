@@ -7,6 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from coordinator.dashboard.report import write_report
+from coordinator.dashboard.views import load_snapshot, run_view
 from coordinator.dp_accountant import RoundEvent, epsilon_of
 from coordinator.spool import Spool
 from coordinator.store import RunStore
@@ -68,6 +70,9 @@ def test_the_budget_stops_the_run_before_the_round_that_would_cross_it_and_survi
     with RunStore(run_dir, read_only=True) as store:
         epsilons = [record.report["dp"]["epsilon"] for record in store.rounds()]
     assert epsilons == pytest.approx([spent(1), spent(2), spent(3)], rel=1e-9)
+    privacy = run_view(load_snapshot(run_dir), None)["privacy"]
+    assert privacy["epsilon"] == epsilons[-1] and privacy["summary"].startswith(f"central: epsilon {spent(3):.3g}")
+    assert f"<td>{spent(3):.4f}</td>" in write_report(run_dir).read_text()  # the report's accountant table
 
 
 def spooled_updates(run_dir: Path) -> dict[str, messages.Update]:

@@ -128,7 +128,7 @@ def privacy_view(snapshot: RunSnapshot) -> dict:
     settings = snapshot.config.get("settings", {})
     placement = settings.get("recipe", {}).get("dp", "off")
     dp = {"delta": 1e-5, "epsilon_budget": None, **settings.get("dp", {})}
-    last = next((record.report["dp"] for record in reversed(snapshot.rounds) if "dp" in record.report), {})
+    last: dict = next((record.report["dp"] for record in reversed(snapshot.rounds) if "dp" in record.report), {})
     epsilon = last.get("epsilon", 0.0) if placement != "off" else None
     budget = dp["epsilon_budget"]
     summary = "off" if epsilon is None else f"{placement}: epsilon {epsilon:.3g} at delta {dp['delta']:g}"
