@@ -24,7 +24,7 @@ def delta_of(weights: Weights, base: Weights) -> Weights:
 
 def l2_norm(tensors: Weights) -> float:
     """The L2 norm of all tensors taken together."""
-    return math.sqrt(math.fsum(float(np.vdot(array, array)) for array in tensors.values()))
+    return math.sqrt(math.fsum(float(np.sum(np.square(array, dtype=np.float64))) for array in tensors.values()))
 
 
 def clip_delta(delta: Weights, clip: float) -> tuple[Weights, float]:
