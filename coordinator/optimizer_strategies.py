@@ -2,7 +2,6 @@
 # then a FedAvgM, FedAdam, FedYogi or FedAdagrad step from the global model.
 from __future__ import annotations
 
-import math
 from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +19,7 @@ from coordinator.server_optimizers import (
     yogi_moment,
 )
 from coordinator.strategy_contract import Evaluate
+from protocol.dp import l2_norm
 from protocol.options import Option
 from protocol.tensors import Weights
 
@@ -74,11 +74,6 @@ class ServerOptimizer(FedAvg):
             raise ValueError(f"strategy {self.name!r}: stored state needs a non-negative 'rounds', got {state!r:.80}")
         self.rounds = rounds
         self.moments = {name: np.asarray(array, dtype=np.float64) for name, array in tensors.items()}
-
-
-def l2_norm(tensors: Weights) -> float:
-    """The L2 norm of all tensors taken together."""
-    return math.sqrt(math.fsum(float(np.sum(np.square(array, dtype=np.float64))) for array in tensors.values()))
 
 
 SERVER_LR_HELP = "server learning rate (eta)"

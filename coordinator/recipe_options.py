@@ -9,6 +9,7 @@ from edge_agent.learning.local_rules import LOCAL_RULES
 from edge_agent.learning.lr_schedules import LR_SCHEDULES
 from edge_agent.learning.sampling import SAMPLERS
 from protocol import messages, wire
+from protocol.dp import DP_PLACEMENTS
 from protocol.recipe_flags import DeclaredField, declared_fields
 from protocol.update_codec import ENCODINGS, SCALES
 
@@ -26,6 +27,7 @@ CHOICES: dict[str, Callable[[], Sequence[str]]] = {
     "update encoding": lambda: ENCODINGS,
     "update scales": lambda: SCALES,
     "update compression": lambda: wire.COMPRESSIONS,
+    "dp placement": lambda: DP_PLACEMENTS,
 }
 
 

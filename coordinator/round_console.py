@@ -41,6 +41,7 @@ class RoundPrinter:
                         "seconds": round(result.seconds, 3),
                         "rejected": result.rejected,
                         "suspects": result.suspects,
+                        **({"epsilon": result.report["dp"]["epsilon"]} if "dp" in result.report else {}),
                     }
                 ),
                 flush=True,
@@ -51,7 +52,8 @@ class RoundPrinter:
                 f"round {result.round_id:>3}/{self.total_rounds}  global acc {result.accuracy:.4f}  "
                 f"devices [{local}]  labels {result.labels}  {result.seconds:.1f}s"
                 + (f"  rejected {len(result.rejected)}" if result.rejected else "")
-                + (f"  suspects {','.join(sorted(result.suspects))}" if result.suspects else ""),
+                + (f"  suspects {','.join(sorted(result.suspects))}" if result.suspects else "")
+                + (f"  epsilon {result.report['dp']['epsilon']:.3g}" if "dp" in result.report else ""),
                 flush=True,
             )
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from coordinator.aggregation import DEFAULT_MAX_SAMPLE_SHARE
 from coordinator.async_intake import AsyncPolicy
+from coordinator.dp_rounds import DpSettings
 from coordinator.method_flags import add_method_choice, add_method_flags, method_kinds
 from coordinator.recipe_options import add_recipe_options
 from coordinator.round_aggregator import SuspectPolicy
@@ -20,6 +21,7 @@ def add_round_options(parser: argparse.ArgumentParser) -> None:
     """Options shared by `run` and `simulate`: the run, the round policy, the recipe, the server data."""
     add_run_options(parser)
     add_async_options(parser)
+    add_dp_options(parser)
     add_transfer_options(parser)
     add_recipe_options(parser)
     add_method_options(parser)
@@ -81,6 +83,19 @@ def add_async_options(parser: argparse.ArgumentParser) -> None:
         "--async-server-lr",
         type=float,
         help=f"async: server learning rate eta_g (default {AsyncPolicy.server_lr:g})",
+    )
+
+
+def add_dp_options(parser: argparse.ArgumentParser) -> None:
+    """What a private run (--dp central or device, set in the recipe) reports its epsilon at, and its budget."""
+    dp = parser.add_argument_group("differential privacy (the recipe's --dp flags set the mechanism)")
+    dp.add_argument(
+        "--dp-delta", type=float, default=DpSettings.delta, help="the delta the spent epsilon is reported at"
+    )
+    dp.add_argument(
+        "--dp-epsilon-budget",
+        type=float,
+        help="stop (committed, exit 0) before the round that would spend more than this epsilon",
     )
 
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from coordinator.authentication import UpdateAuthenticator
 from coordinator.closing import RoundCloser, RoundTiming
+from coordinator.dp_rounds import PrivateRounds
 from coordinator.intake import RoundCollector, UpdateIntake
 from coordinator.observer import RoundObserver, RoundResult
 from coordinator.presence import Presence
@@ -87,6 +88,7 @@ class RoundParts:
     publisher: RetainedPublisher
     closer: RoundCloser
     observer: RoundObserver
+    privacy: PrivateRounds | None = None
 
 
 @dataclass(frozen=True)
@@ -170,11 +172,16 @@ class Coordinator:
         return len(presence.online())
 
     def run(self, global_weights: Weights, first_round: int, on_round: Callable[[RoundResult], None]) -> Weights:
-        """Runs rounds first_round..policy.rounds from `global_weights`; returns the final global model."""
+        """Runs rounds first_round..policy.rounds from `global_weights` (a private run stops before the round that
+        would exceed its budget); returns the final global model."""
+        last = self.rules.policy.rounds
         for round_id in range(first_round, self.rules.policy.rounds + 1):
+            if self.parts.privacy is not None and self.parts.privacy.exhausted(round_id):
+                last = round_id - 1
+                break
             global_weights, result = self.run_round(round_id, global_weights)
             on_round(result)
-        self.parts.publisher.announce_final(self.rules.policy.rounds, weights_hash(global_weights), self.rules.recipe)
+        self.parts.publisher.announce_final(last, weights_hash(global_weights), self.rules.recipe)
         return global_weights
 
     def run_round(self, round_id: int, global_weights: Weights) -> tuple[Weights, RoundResult]:
@@ -187,6 +194,8 @@ class Coordinator:
             new_weights, result = self.parts.closer.close(
                 opened.collector, opened.aggregator, timing, presence, opened.participants
             )
+        if self.parts.privacy is not None:
+            self.parts.privacy.committed(result.report["dp"])
         counts = (len(opened.collector.accepted), opened.collector.rejection_count, result.accuracy, result.seconds)
         log.info("round closed round=%d accepted=%d rejected=%d accuracy=%.4f seconds=%.1f", round_id, *counts)
         self.parts.observer.round_closed(result)
@@ -198,25 +207,43 @@ class Coordinator:
         base_hash = weights_hash(global_weights)
         rules = self.rules
         strategy = self.parts.closer.strategy
-        aggregator = make_aggregator(
-            strategy,
-            global_weights,
-            rules.suspects,
-            scratch,
-            rules.max_sample_share if sample_bounds(rules, strategy, round_id)[1] is None else 1.0,
-        )
+        online = self.online_devices()
+        aggregator, participants, recipe = self.round_plan(round_id, global_weights, scratch, online)
         expected = round_expectation(rules, strategy, round_id, global_weights)
         collector = RoundCollector(expected, aggregator.absorb)
-        online = sorted(self.parts.presence.online())
-        participants = choose_participants(online, rules.policy.participation, rules.recipe.seed, round_id)
         opened = OpenRound(collector, aggregator, participants)
         self.parts.intake.resume_spooled(collector)
         self.parts.publisher.publish_model(global_weights, base_hash)
         self.parts.publisher.publish_encoder(rules.recipe.encoder)
         deadline = time.time() + rules.policy.round_timeout
-        self.parts.publisher.announce(round_id, base_hash, rules.recipe, deadline, participants)
+        self.parts.publisher.announce(round_id, base_hash, recipe, deadline, participants)
         self.parts.observer.round_opened(round_id, self.needed(opened))
         return opened
+
+    def online_devices(self) -> list[str]:
+        """The devices online now, sorted; a private round first waits for one (its sample and its noise shares are
+        drawn from them, so an empty fleet cannot mean "everyone")."""
+        while self.parts.privacy is not None and not self.parts.presence.online():
+            self.handle_next(None)
+        return sorted(self.parts.presence.online())
+
+    def round_plan(
+        self, round_id: int, global_weights: Weights, scratch: TensorScratch, online: list[str]
+    ) -> tuple[RoundAggregator, list[str], messages.Recipe]:
+        """The round's aggregator, its participants ([] = all) and the recipe it announces: the run's own, or a
+        private run's (its Poisson sample, its DP aggregator, the clip as adapted so far)."""
+        rules, privacy = self.rules, self.parts.privacy
+        strategy = self.parts.closer.strategy
+        if privacy is not None:
+            participants = privacy.participants(online, rules.recipe.seed, round_id)
+            private = privacy.aggregator(
+                strategy, global_weights, rules.suspects, scratch, len(online), len(participants)
+            )
+            return private, participants, privacy.round_recipe(rules.recipe)
+        share = rules.max_sample_share if sample_bounds(rules, strategy, round_id)[1] is None else 1.0
+        aggregator = make_aggregator(strategy, global_weights, rules.suspects, scratch, share)
+        participants = choose_participants(online, rules.policy.participation, rules.recipe.seed, round_id)
+        return aggregator, participants, rules.recipe
 
     def needed(self, opened: OpenRound) -> int:
         """How many accepted updates close the round early (see Presence.needed)."""

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from coordinator.async_intake import AsyncPolicy
+from coordinator.dp_rounds import DpSettings
 from coordinator.method_flags import check_recipe_options, chosen_options
 from coordinator.recipe_options import recipe_from
 from coordinator.round_aggregator import SuspectPolicy
@@ -86,6 +87,7 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
         asynchronous=async_policy(args),
         seed_labels=getattr(args, "seed_labels", None),
         max_sample_share=args.max_sample_share,
+        dp=DpSettings(args.dp_delta, args.dp_epsilon_budget),
     )
 
 

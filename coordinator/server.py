@@ -18,6 +18,7 @@ from coordinator.async_intake import AsyncPolicy
 from coordinator.async_rounds import AsyncCoordinator, check_async_settings
 from coordinator.authentication import UpdateAuthenticator
 from coordinator.closing import RoundCloser
+from coordinator.dp_rounds import DpSettings, PrivateRounds, check_dp_settings
 from coordinator.evaluation import Evaluator, LabelledSplit
 from coordinator.holdout import server_holdout
 from coordinator.intake import UpdateIntake
@@ -40,6 +41,7 @@ from edge_agent.learning.training import TrainSettings, train_supervised
 from export.bundle_writer import ensure_bundle_files
 from export.onnx_graphs import export_encoder
 from protocol import messages
+from protocol.dp import DP_OFF
 from protocol.errors import UsageError
 from protocol.model_spec import CLASS_NAMES, DEFAULT_SPEC, ModelSpec, spec_hash
 from protocol.mqtt import MANUAL_ACK_WINDOW, BrokerAddress, MqttSession
@@ -93,8 +95,10 @@ class ServerSettings:
     asynchronous: AsyncPolicy | None = None
     seed_labels: int | None = None
     max_sample_share: float = DEFAULT_MAX_SAMPLE_SHARE
+    dp: DpSettings = field(default_factory=DpSettings)
 
     def __post_init__(self) -> None:
+        check_dp_settings(self.recipe, self.strategy, self.suspects, self.asynchronous is not None, self.dp)
         if self.asynchronous is not None:
             check_async_settings(self.strategy, self.suspects, self.policy.participation)
         check_sample_settings(self.seed_labels, self.max_sample_share)
@@ -365,7 +369,15 @@ def round_parts(
         publisher=RetainedPublisher(session, settings.fleet, run_id, Artefacts(settings.spec, bundles, encoder)),
         closer=RoundCloser(store, strategy, evaluator, settings.evaluate_devices, len(data.init_indices)),
         observer=observer,
+        privacy=private_rounds(settings, store),
     )
+
+
+def private_rounds(settings: ServerSettings, store: RunStore) -> PrivateRounds | None:
+    """A private run's rounds as its committed rounds left them (None when the recipe asks for no DP)."""
+    if settings.recipe.dp == DP_OFF:
+        return None
+    return PrivateRounds.of_store(store, settings.recipe, settings.policy.participation, settings.dp)
 
 
 def bundle_exporter(settings: ServerSettings) -> Callable[[Weights, str], dict[str, bytes]]:

@@ -114,6 +114,39 @@ class Recipe:
         omitted_at_default=True,
         choices="lr schedule",
     )
+    dp: str = recipe_field(
+        "off",
+        "differential privacy (DP-FedAvg): the coordinator clips each delta and noises the sum (central), or each "
+        "device clips its own delta and adds its share of the noise (device)",
+        omitted_at_default=True,
+        choices="dp placement",
+    )
+    dp_clip: float = recipe_field(
+        0.1,
+        "DP: the L2 norm a device's delta is clipped to (the first round's, when --dp-clip-quantile adapts it)",
+        omitted_at_default=True,
+        low=0.0,
+    )
+    dp_noise_multiplier: float = recipe_field(
+        1.0,
+        "DP: the noise multiplier z; the sum of clipped deltas gets Gaussian noise of std z * clip",
+        omitted_at_default=True,
+        low=0.0,
+    )
+    dp_clip_quantile: float = recipe_field(
+        0.0,
+        "DP: adapt the clip each round towards this quantile of the delta norms (Andrew et al. 2021; 0: fixed clip)",
+        omitted_at_default=True,
+        low=0.0,
+        high=1.0,
+        high_open=True,
+    )
+    dp_clip_lr: float = recipe_field(
+        0.2,
+        "DP: the adaptive clip's geometric learning rate eta",
+        omitted_at_default=True,
+        low=0.0,
+    )
 
 
 @dataclass(frozen=True)

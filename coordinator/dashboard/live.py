@@ -43,6 +43,7 @@ class Counters:
     bytes_received: int = 0
     aggregation_seconds_sum: float = 0.0
     aggregations: int = 0
+    dp_epsilon: float | None = None  # a private run: the epsilon its last committed round left spent
 
 
 class LiveState(RoundObserver):
@@ -97,6 +98,8 @@ class LiveState(RoundObserver):
             self._counters.rounds_completed += 1
             self._counters.aggregation_seconds_sum += float(result.report.get("aggregation_seconds", 0.0))
             self._counters.aggregations += 1
+            if "dp" in result.report:
+                self._counters.dp_epsilon = float(result.report["dp"]["epsilon"])
             self._phase = "finished" if result.round_id >= self.total_rounds else "closed"
 
     def devices(self) -> dict[str, dict]:

@@ -51,4 +51,11 @@ def render_metrics(counters: Counters, devices_online: int, current_round: int) 
             [("", counters.bytes_received)],
         )
     )
+    if counters.dp_epsilon is not None:
+        lines += metric(
+            "fl_dp_epsilon_spent",
+            "gauge",
+            "Differential privacy: the epsilon the committed rounds spent, at the run's delta.",
+            [("", counters.dp_epsilon)],
+        )
     return "\n".join(lines) + "\n"

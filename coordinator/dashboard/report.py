@@ -83,9 +83,26 @@ def run_table(run: dict, rounds: list[dict]) -> str:
         progress,
         number(final["accuracy"]),
         final["labels"],
+        run["privacy"]["summary"],
         time.strftime("%Y-%m-%d %H:%M:%S"),
     ]
-    return table(["fleet", "strategy", "rounds", "final accuracy", "labels used", "written"], [row])
+    headers = ["fleet", "strategy", "rounds", "final accuracy", "labels used", "differential privacy", "written"]
+    return table(headers, [row]) + privacy_table(run["privacy"])
+
+
+def privacy_table(privacy: dict) -> str:
+    """A private run's accountant figures: the spent epsilon, delta, budget, last clip and noise multiplier."""
+    if privacy["epsilon"] is None:
+        return ""
+    row = [
+        privacy["placement"],
+        number(privacy["epsilon"]),
+        f"{privacy['delta']:g}",
+        "-" if privacy["epsilon_budget"] is None else f"{privacy['epsilon_budget']:g}",
+        number(privacy["clip"]),
+        number(privacy["noise_multiplier"]),
+    ]
+    return table(["DP placement", "epsilon spent", "delta", "budget", "clip", "noise multiplier"], [row])
 
 
 def model_table(model: dict) -> str:

@@ -118,6 +118,28 @@ def run_view(snapshot: RunSnapshot, live: LiveState | None) -> dict:
         "needed": progress.get("needed"),
         "round_opened_at": progress.get("round_opened_at"),
         "devices_online": live.online_count() if live else None,
+        "privacy": privacy_view(snapshot),
+    }
+
+
+def privacy_view(snapshot: RunSnapshot) -> dict:
+    """The run's differential privacy: its placement, the epsilon spent by the committed rounds at the run's delta,
+    the budget, the last round's clip and noise multiplier, and a one-line summary ("off" for a non-private run)."""
+    settings = snapshot.config.get("settings", {})
+    placement = settings.get("recipe", {}).get("dp", "off")
+    dp = {"delta": 1e-5, "epsilon_budget": None, **settings.get("dp", {})}
+    last: dict = next((record.report["dp"] for record in reversed(snapshot.rounds) if "dp" in record.report), {})
+    epsilon = last.get("epsilon", 0.0) if placement != "off" else None
+    budget = dp["epsilon_budget"]
+    summary = "off" if epsilon is None else f"{placement}: epsilon {epsilon:.3g} at delta {dp['delta']:g}"
+    return {
+        "placement": placement,
+        "epsilon": epsilon,
+        "delta": dp["delta"],
+        "epsilon_budget": budget,
+        "clip": last.get("clip"),
+        "noise_multiplier": last.get("noise_multiplier"),
+        "summary": summary + (f" of {budget:g}" if epsilon is not None and budget is not None else ""),
     }
 
 
@@ -199,6 +221,7 @@ def rounds_view(snapshot: RunSnapshot) -> list[dict]:
                 "suspects": record.report.get("suspects", {}),
                 "excluded": record.report.get("excluded", []),
                 "aggregation_seconds": record.report.get("aggregation_seconds"),
+                "dp": record.report.get("dp"),
                 "device_accuracy": {r.device_id: r.local_accuracy for r in devices if r.local_accuracy is not None},
             }
         )

@@ -22,6 +22,7 @@ from edge_agent.loop.footprint import PhaseMeter
 from edge_agent.loop.round_inputs import RoundModels
 from edge_agent.loop.schedule import acquires_in_round, round_in_active_round
 from protocol import messages
+from protocol.dp import DP_DEVICE, WITHIN_CLIP_METRIC, DpRound, privatised
 from protocol.model_spec import ModelSpec, spec_hash
 from protocol.tensors import Weights
 from protocol.update_codec import ResidualStore, UpdateCodec, encode_update
@@ -158,9 +159,13 @@ class RoundRunner:
         self, announcement: messages.RoundAnnouncement, models: RoundModels, metrics: dict[str, float], base: Weights
     ) -> messages.Update:
         """The round's update: the trained weights (or their delta from the base, as the recipe encodes it) with
-        the counts and metrics strategies need."""
+        the counts and metrics strategies need; under --dp device, clipped and noised here (fresh entropy) first."""
         codec = UpdateCodec.of(announcement.recipe)
-        encoded = encode_update(models.learner.weights(), base, codec, ResidualStore(self.data.state_dir))
+        weights = models.learner.weights()
+        if announcement.recipe.dp == DP_DEVICE:
+            weights, within = privatised(weights, base, DpRound.announced(announcement), np.random.default_rng())
+            metrics = {**metrics, WITHIN_CLIP_METRIC: within}
+        encoded = encode_update(weights, base, codec, ResidualStore(self.data.state_dir))
         return messages.Update(
             device_id=self.settings.device_id,
             round_id=announcement.round_id,

@@ -222,6 +222,7 @@ async function refresh() {
     document.getElementById("round-total").textContent = run.total_rounds === null ? "-" : String(run.total_rounds);
     document.getElementById("run-phase").textContent = run.phase;
     document.getElementById("devices-online").textContent = run.devices_online === null ? "-" : run.devices_online;
+    document.getElementById("run-privacy").textContent = run.privacy.summary;
     drawMethods(run.methods);
     drawDevices(devices.devices);
     drawAccuracy(rounds.rounds);

@@ -1,0 +1,114 @@
+# Benchmark (issue 28): DP-FedAvg at fleet scale against the non-private run of the same invocation; prints JSON.
+"""Runs `fl-bench simulate` with 500 virtual devices (pools of 50), 10% Poisson-sampled per round, on Type ii and
+Dirichlet 0.3 partitions: the non-private run (AveFL, the same participation) and DP-FedAvg calibrated to each
+target epsilon at delta 1e-5 over the run's rounds (dp_accounting's calibration chooses the noise multiplier), with
+the adaptive clip (median of the norms). For every run: the final and per-round accuracy, and from the store the
+accountant's epsilon, the last clip and the noise multiplier.
+
+    python benchmarks/dp_fleet.py --seeds 0 1 2 --rounds 30 --out /tmp/dpbench
+    python benchmarks/dp_fleet.py --seeds 0 --rounds 5 --out /tmp/dpbench   # the reduced check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from virtual_fleet import simulate_command
+
+from coordinator.dp_accountant import noise_for_epsilon
+from coordinator.store import RunStore
+
+DELTA = 1e-5
+
+
+def arguments() -> argparse.Namespace:
+    """The fleet, the partitions, the targets, the seeds and where the runs go."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", type=int, default=500)
+    parser.add_argument("--participation", type=float, default=0.1)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--partitions", nargs="+", default=["type2", "dirichlet:0.3"])
+    parser.add_argument("--epsilons", nargs="+", type=float, default=[8.0, 2.0])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--placement", choices=("central", "device"), default="central")
+    parser.add_argument("--clip", type=float, default=0.1, help="the first round's clip (adapted to the median)")
+    parser.add_argument("--out", type=Path, required=True)
+    return parser.parse_args()
+
+
+def private_options(args: argparse.Namespace, epsilon: float | None) -> tuple[list[str], float | None]:
+    """(the simulate flags of one setting, its noise multiplier): none for the non-private run."""
+    if epsilon is None:
+        return [], None
+    noise = noise_for_epsilon(epsilon, DELTA, args.participation, args.rounds)
+    flags = ["--dp", args.placement, "--dp-clip", str(args.clip), "--dp-noise-multiplier", f"{noise:.6f}"]
+    return [*flags, "--dp-clip-quantile", "0.5", "--dp-delta", str(DELTA)], noise
+
+
+def run_one(args: argparse.Namespace, partition: str, seed: int, epsilon: float | None) -> dict:
+    """One simulate run and what its output and store say."""
+    name = f"{partition.replace(':', '')}-seed{seed}-{'plain' if epsilon is None else f'eps{epsilon:g}'}"
+    folder = args.out / name
+    folder.mkdir(parents=True, exist_ok=True)
+    dp_flags, noise = private_options(args, epsilon)
+    extra = [*("--partition", partition, "--seed", str(seed), "--participation", str(args.participation)), *dp_flags]
+    started = time.monotonic()
+    with open(folder / "simulate.log", "wb") as log_stream:
+        done = subprocess.run(
+            simulate_command(args.devices, args.rounds, folder / "run", [*extra, "--strategy", "avefl"]),
+            stdout=subprocess.PIPE,
+            stderr=log_stream,
+            check=False,
+        )
+    lines = [json.loads(line) for line in done.stdout.decode().splitlines() if line.startswith("{")]
+    rounds = [line for line in lines if "round" in line]
+    with RunStore(folder / "run", read_only=True) as store:
+        reports = [record.report.get("dp", {}) for record in store.rounds()]
+    last = reports[-1] if reports else {}
+    return {
+        "partition": partition,
+        "seed": seed,
+        "target_epsilon": epsilon,
+        "exit_code": done.returncode,
+        "wall_seconds": round(time.monotonic() - started, 1),
+        "rounds_completed": len(rounds),
+        "final_accuracy": rounds[-1]["accuracy"] if rounds else None,
+        "round_accuracy": [line["accuracy"] for line in rounds],
+        "participants_per_round": [len(line["divergence"]) for line in rounds],
+        "epsilon": last.get("epsilon"),
+        "noise_multiplier": noise,
+        "delta_noise_multiplier": last.get("delta_noise_multiplier"),
+        "last_clip": last.get("clip"),
+        "clips": [report.get("clip") for report in reports],
+    }
+
+
+def main() -> None:
+    """Every partition, seed and setting (non-private first): each run on stderr as it ends, one JSON object at the
+    end."""
+    args = arguments()
+    settings: list[float | None] = [None, *args.epsilons]
+    runs = []
+    for partition in args.partitions:
+        for seed in args.seeds:
+            for epsilon in settings:
+                runs.append(run_one(args, partition, seed, epsilon))
+                print(json.dumps(runs[-1]), file=sys.stderr, flush=True)  # progress: each run as it ends
+    summary = {
+        "devices": args.devices,
+        "participation": args.participation,
+        "rounds": args.rounds,
+        "delta": DELTA,
+        "placement": args.placement,
+        "runs": runs,
+    }
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
