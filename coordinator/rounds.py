@@ -25,6 +25,7 @@ from protocol.errors import UsageError
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec
 from protocol.mqtt import IncomingMessage, MqttSession
 from protocol.tensors import Weights, spec_of, weights_hash
+from protocol.trained_set import trained_set
 
 log = logging.getLogger(__name__)
 
@@ -130,17 +131,19 @@ def sample_bounds(rules: RoundRules, strategy: Strategy, round_id: int) -> tuple
 
 
 def round_expectation(rules: RoundRules, strategy: Strategy, round_id: int, global_weights: Weights) -> Expectation:
-    """What a valid update of this round looks like."""
+    """What a valid update of this round looks like: the one place the expected layout is derived, as the tensors
+    the model spec trains (`trained_set`): what updates carry, validation checks and the round aggregates."""
     authenticator = rules.authenticator
+    trained = trained_set(rules.spec, global_weights)
     return Expectation(
         round_id,
         weights_hash(global_weights),
-        spec_of(global_weights),
+        spec_of(trained),
         rules.spec.num_classes,
         rules.policy.max_update_bytes,
         authenticator.check if authenticator else None,
         strategy.metric_bounds(rules.spec.num_classes),
-        global_weights,
+        trained,
         *sample_bounds(rules, strategy, round_id),
     )
 
@@ -195,17 +198,18 @@ class Coordinator:
     def open(self, round_id: int, global_weights: Weights, scratch: TensorScratch) -> OpenRound:
         """Takes back what a previous process spooled for the round, retains the model and announces the round
         (`scratch`: where a streamed round keeps its updates' weights until it closes)."""
-        base_hash = weights_hash(global_weights)
         rules = self.rules
         strategy = self.parts.closer.strategy
+        expected = round_expectation(rules, strategy, round_id, global_weights)
+        base_hash = expected.base_hash
         aggregator = make_aggregator(
             strategy,
-            global_weights,
+            expected.base,
             rules.suspects,
             scratch,
             rules.max_sample_share if sample_bounds(rules, strategy, round_id)[1] is None else 1.0,
+            model=global_weights,
         )
-        expected = round_expectation(rules, strategy, round_id, global_weights)
         collector = RoundCollector(expected, aggregator.absorb)
         online = sorted(self.parts.presence.online())
         participants = choose_participants(online, rules.policy.participation, rules.recipe.seed, round_id)

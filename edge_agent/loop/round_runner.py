@@ -24,6 +24,7 @@ from edge_agent.loop.schedule import acquires_in_round, round_in_active_round
 from protocol import messages
 from protocol.model_spec import ModelSpec, spec_hash
 from protocol.tensors import Weights
+from protocol.trained_set import trained_set
 from protocol.update_codec import ResidualStore, UpdateCodec, encode_update
 from protocol.wire import shown_names
 
@@ -123,7 +124,7 @@ class RoundRunner:
             if done is None:
                 break
             metrics = done
-        return self.update_of(announcement, models, metrics, global_weights) if participating else None
+        return self.update_of(announcement, spec, models, metrics, global_weights) if participating else None
 
     def run_step(
         self, models: RoundModels, round_id: int, step: int, acquires: bool, trains: bool
@@ -155,12 +156,18 @@ class RoundRunner:
         return metrics
 
     def update_of(
-        self, announcement: messages.RoundAnnouncement, models: RoundModels, metrics: dict[str, float], base: Weights
+        self,
+        announcement: messages.RoundAnnouncement,
+        spec: ModelSpec,
+        models: RoundModels,
+        metrics: dict[str, float],
+        base: Weights,
     ) -> messages.Update:
-        """The round's update: the trained weights (or their delta from the base, as the recipe encodes it) with
-        the counts and metrics strategies need."""
+        """The round's update: the tensors the spec trains (`trained_set`; a frozen backbone never travels), as
+        weights or their delta from the base as the recipe encodes them, with the counts and metrics strategies need."""
         codec = UpdateCodec.of(announcement.recipe)
-        encoded = encode_update(models.learner.weights(), base, codec, ResidualStore(self.data.state_dir))
+        trained, trained_base = trained_set(spec, models.learner.weights()), trained_set(spec, base)
+        encoded = encode_update(trained, trained_base, codec, ResidualStore(self.data.state_dir))
         return messages.Update(
             device_id=self.settings.device_id,
             round_id=announcement.round_id,
