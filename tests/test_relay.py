@@ -16,7 +16,7 @@ from coordinator.evaluation import Evaluator, LabelledSplit
 from coordinator.mean_strategies import FedAvg
 from coordinator.provision import provision
 from coordinator.relay import RELAY_STRATEGY, Relay, RelaySettings, SiteRounds, upstream_update
-from coordinator.rounds import RoundPolicy, RoundRules
+from coordinator.rounds import RoundPolicy, RoundRules, round_expectation
 from coordinator.scratch import TensorScratch
 from coordinator.server import ServerSettings
 from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
@@ -71,6 +71,19 @@ def test_the_upstream_update_carries_the_site_mean_and_total_count(tmp_path: Pat
     assert validate_update("relay-00", wire.encode(update), expectation()).num_samples == 80
     plain = dataclasses.replace(update, contributors=[], contributor_samples=[])
     assert b"contributor" not in wire.encode(plain)
+
+
+def test_a_relay_of_a_frozen_backbone_sends_the_trained_set_of_its_site_mean(tmp_path: Path) -> None:
+    """Upstream, a relay is a device: its update carries the tensors the spec trains (here the classifier) of the
+    committed site mean, and central validation of that spec accepts it."""
+    head = dataclasses.replace(DEFAULT_SPEC, trainable="head")
+    with committed_site_round(tmp_path / "relay") as store:
+        update = upstream_update(store, "relay-00", 1, weights_hash(BASE), head)
+        mean = store.checkpoints.load(1)
+    assert list(update.tensors) == ["fc2.weight", "fc2.bias"]
+    assert all(np.array_equal(update.tensors[name], mean[name]) for name in update.tensors)
+    central = round_expectation(RoundRules(messages.Recipe(), RoundPolicy(1), spec=head), FedAvg(), 1, BASE)
+    assert list(validate_update("relay-00", wire.encode(update), central).tensors) == ["fc2.weight", "fc2.bias"]
 
 
 @pytest.mark.parametrize(
