@@ -98,15 +98,11 @@ class VersionCollector(RoundCollector):
 
     def advance_expectation(self) -> None:
         """The collector's own expectation names the version being built (round id of rejections and acks)."""
-        model_hash, model = self.models[self.version]
-        self.expectation = dataclasses.replace(
-            self.expectation, round_id=self.version + 1, base_hash=model_hash, base=model
-        )
+        self.expectation = self.expectation_of(self.version)
 
     def expectation_of(self, base: int) -> Expectation:
-        """What an update trained from version `base` must look like (its hash, its model to decode against)."""
-        model_hash, model = self.models[base]
-        return dataclasses.replace(self.expectation, round_id=base + 1, base_hash=model_hash, base=model)
+        """What an update trained from version `base` must look like (its hash, its trained set to decode against)."""
+        return self.expectation.for_model(base + 1, *self.models[base])
 
     def offer(self, incoming: Incoming) -> tuple[messages.Update, bool]:
         """(update, is_new) as RoundCollector.offer, except that the update may come from any version in the window;

@@ -45,9 +45,15 @@ class BufferedAggregator(RoundAggregator):
     own models are viewed in the buffer's scratch (`trained`), not decoded again."""
 
     def __init__(
-        self, strategy: Strategy, base: Weights, policy: SuspectPolicy, server_lr: float, trained: TensorScratch
+        self,
+        strategy: Strategy,
+        base: Weights,
+        policy: SuspectPolicy,
+        server_lr: float,
+        trained: TensorScratch,
+        model: Weights,
     ) -> None:
-        super().__init__(strategy, base, policy)
+        super().__init__(strategy, base, policy, model=model)
         self.server_lr = server_lr
         self.trained = trained
         self.buffer = BufferSum()
@@ -57,7 +63,8 @@ class BufferedAggregator(RoundAggregator):
         self.folded: list[dict[str, Any]] = []
 
     def absorb_entry(self, entry: Buffered, trained_from: Weights, staleness: int) -> None:
-        """Takes one buffered update: the version it trained from and how many versions old that is."""
+        """Takes one buffered update: the trained set of the version it trained from and how many versions old that
+        is."""
         device = entry.update.device_id
         delta = delta_of(self.trained.get(device), trained_from)
         self.deltas[device], self.staleness[device], self.entries[device] = delta, staleness, entry
@@ -134,7 +141,12 @@ class AsyncCoordinator(Coordinator):
         the minimum), then folds and commits the next version."""
         timing = RoundTiming(time.time(), time.monotonic())
         aggregator = BufferedAggregator(
-            self.parts.closer.strategy, weights, self.rules.suspects, self.policy.server_lr, collector.tensors
+            self.parts.closer.strategy,
+            collector.expectation.base,
+            self.rules.suspects,
+            self.policy.server_lr,
+            collector.tensors,
+            weights,
         )
         self.announce_version(collector.version, weights)
         self.collect_buffer(collector, aggregator, timing)
@@ -168,7 +180,8 @@ class AsyncCoordinator(Coordinator):
         """Folds the buffer into the next version through the round closer (aggregate, evaluate, commit)."""
         entries = sorted(collector.buffer.values(), key=lambda entry: entry.update.device_id)
         for entry in entries:
-            aggregator.absorb_entry(entry, collector.models[entry.base][1], collector.version - entry.base)
+            trained_from = collector.expectation_of(entry.base).base
+            aggregator.absorb_entry(entry, trained_from, collector.version - entry.base)
         record = RoundCollector(
             collector.expectation,
             accepted={entry.update.device_id: entry.update for entry in entries},

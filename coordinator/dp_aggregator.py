@@ -50,8 +50,10 @@ class DpAggregator(StreamingAggregator):
         policy: SuspectPolicy,
         scratch: TensorScratch,
         plan: DpPlan,
+        *,
+        model: Weights,
     ) -> None:
-        super().__init__(strategy, base, policy, scratch)
+        super().__init__(strategy, base, policy, scratch, model=model)
         self.plan = plan
         self.within: dict[str, float] = {}
 

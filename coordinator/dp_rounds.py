@@ -126,9 +126,18 @@ class PrivateRounds:
         return poisson_sample(online, self.rate, seed, round_id)
 
     def aggregator(
-        self, strategy: Strategy, base: Weights, policy: SuspectPolicy, scratch: TensorScratch, online: int, chosen: int
+        self,
+        strategy: Strategy,
+        base: Weights,
+        policy: SuspectPolicy,
+        scratch: TensorScratch,
+        sampled: tuple[int, int],
+        *,
+        model: Weights,
     ) -> DpAggregator:
-        """The round's DP aggregator: `online` devices were sampled at the run's rate and `chosen` drawn."""
+        """The round's DP aggregator over the trained set `base` of the round's `model`: `sampled` = (online devices
+        sampled at the run's rate, devices drawn)."""
+        online, chosen = sampled
         if not streams(strategy):
             raise ValueError(f"strategy {strategy.name!r} does not fold updates as they arrive")
         central = self.recipe.dp == DP_CENTRAL
@@ -139,7 +148,7 @@ class PrivateRounds:
         plan = DpPlan(
             self.recipe.dp, round_dp, expected, self.rate, self.recipe.dp_clip_lr, self.rng, self.epsilon_after
         )
-        return DpAggregator(strategy, base, policy, scratch, plan)
+        return DpAggregator(strategy, base, policy, scratch, plan, model=model)
 
     def committed(self, report: dict[str, Any]) -> None:
         """Takes in a committed round's DP report: its event for the accountant, the next round's clip."""

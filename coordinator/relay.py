@@ -27,6 +27,7 @@ from protocol import messages, topics, wire
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec, spec_hash
 from protocol.mqtt import BrokerAddress, IncomingMessage, MqttSession
 from protocol.tensors import Weights
+from protocol.trained_set import trained_set
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +76,11 @@ def is_committed(store: RunStore, round_id: int) -> bool:
     return any(record.round_id == round_id for record in store.rounds())
 
 
-def upstream_update(store: RunStore, relay_id: str, round_id: int, base_hash: str) -> messages.Update:
+def upstream_update(store: RunStore, relay_id: str, round_id: int, base_hash: str, spec: ModelSpec) -> messages.Update:
     """The relay's one update for a central round, from what its site round committed: the site's sample-weighted
-    mean (the round's checkpoint), the total sample count, the summed class and label counts, and each site device
-    with its count (which central validation adds up against num_samples)."""
+    mean (the trained set of the round's checkpoint: head-sized for a frozen backbone, as a device's), the total
+    sample count, the summed class and label counts, and each site device with its count (which central validation
+    adds up against num_samples)."""
     records = [record for record in store.device_rounds(round_id) if record.accepted]
     counts = [record.num_samples for record in records]
     return messages.Update(
@@ -90,7 +92,7 @@ def upstream_update(store: RunStore, relay_id: str, round_id: int, base_hash: st
         class_counts=[sum(column) for column in zip(*(record.class_counts for record in records))],
         acquired_labels=sum(record.acquired_labels for record in records),
         metrics={},
-        tensors=store.checkpoints.load(round_id),
+        tensors=trained_set(spec, store.checkpoints.load(round_id)),
         nonce=os.urandom(16),
         contributors=[record.device_id for record in records],
         contributor_samples=counts,
@@ -230,7 +232,7 @@ class Relay:
         self.publish_status("training", round_id)
         encoder = self.artefacts.encoders.get(announcement.recipe.encoder, b"")
         self.site.run_round(announcement, self.artefacts.models[model_hash], spec, encoder)
-        update = upstream_update(self.store, self.settings.relay_id, round_id, model_hash)
+        update = upstream_update(self.store, self.settings.relay_id, round_id, model_hash, spec)
         self.sender.send(update, announcement.recipe.update_compression)
         log.info(
             "site round sent upstream round=%d devices=%d samples=%d",

@@ -14,6 +14,7 @@ from coordinator.divergence import flag_suspects, layer_divergence
 from coordinator.scratch import TensorScratch
 from coordinator.strategy_contract import Evaluate, Strategy, StreamingWeightedAverage, streams
 from protocol.tensors import Weights
+from protocol.trained_set import with_trained
 
 
 @dataclass(frozen=True)
@@ -52,11 +53,24 @@ class Aggregate:
 
 
 class RoundAggregator(ABC):
-    """Takes one round's accepted updates in any order and gives the same Aggregate for the same set of updates."""
+    """Takes one round's accepted updates in any order and gives the same Aggregate for the same set of updates.
 
-    def __init__(self, strategy: Strategy, base: Weights, policy: SuspectPolicy, max_share: float = 1.0) -> None:
+    Updates, the strategy, divergence and suspicion see the trained set only: `base` is the round's model's trained
+    tensors (as validation's Expectation has them). `model` is the round's whole model (None: `base` is all of it);
+    its frozen tensors complete the new global model and every model the server evaluates, untouched."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        base: Weights,
+        policy: SuspectPolicy,
+        max_share: float = 1.0,
+        *,
+        model: Weights | None = None,
+    ) -> None:
         self.strategy = strategy
         self.base = base
+        self.model = base if model is None else model
         self.policy = policy
         self.max_share = max_share
         self.from_base: dict[str, dict[str, float]] = {}
@@ -89,18 +103,27 @@ class RoundAggregator(ABC):
         return dataclasses.replace(update, num_samples=self.clipped[update.device_id])
 
     def finish(self, evaluate: Evaluate | None, visit: Callable[[ClientUpdate], None] | None = None) -> Aggregate:
-        """The round's Aggregate; `visit` sees every update's model once more (e.g. to score it) in device order."""
+        """The round's Aggregate (the round's model with its trained tensors aggregated); `visit` sees every update's
+        whole model once more (e.g. to score it) in device order."""
         suspects = suspects_by_divergence(dict(sorted(self.from_base.items())), self.policy)
         self.clipped = self.clipped_samples()
-        weights, report = self.combine(suspects, evaluate)
+        trained, report = self.combine(suspects, self.completing(evaluate))
         if self.clipped:
             report = {**report, "samples_clipped": {device: self.claims[device][0] for device in self.clipped}}
         divergence = {}
         for update in self.models():
-            divergence[update.device_id] = layer_divergence(update.weights, weights)
+            divergence[update.device_id] = layer_divergence(update.weights, trained)
             if visit is not None:
-                visit(update)
-        return Aggregate(weights, {**report, "suspects": suspects}, divergence, suspects)
+                visit(dataclasses.replace(update, weights=with_trained(self.model, update.weights)))
+        return Aggregate(with_trained(self.model, trained), {**report, "suspects": suspects}, divergence, suspects)
+
+    def completing(self, evaluate: Evaluate | None) -> Evaluate | None:
+        """`evaluate` of a trained set completed with the round's frozen tensors (a strategy chooses among trained
+        sets, the server evaluates whole models)."""
+        if evaluate is None:
+            return None
+        whole = evaluate
+        return lambda trained: whole(with_trained(self.model, trained))
 
     @abstractmethod
     def keep(self, update: ClientUpdate) -> None:
@@ -119,8 +142,16 @@ class RoundAggregator(ABC):
 class BatchAggregator(RoundAggregator):
     """Keeps every update until the round closes (strategies that need them all, or suspects to leave out)."""
 
-    def __init__(self, strategy: Strategy, base: Weights, policy: SuspectPolicy, max_share: float = 1.0) -> None:
-        super().__init__(strategy, base, policy, max_share)
+    def __init__(
+        self,
+        strategy: Strategy,
+        base: Weights,
+        policy: SuspectPolicy,
+        max_share: float = 1.0,
+        *,
+        model: Weights | None = None,
+    ) -> None:
+        super().__init__(strategy, base, policy, max_share, model=model)
         self.updates: dict[str, ClientUpdate] = {}
 
     def keep(self, update: ClientUpdate) -> None:
@@ -155,8 +186,10 @@ class StreamingAggregator(RoundAggregator):
         policy: SuspectPolicy,
         scratch: TensorScratch,
         max_share: float = 1.0,
+        *,
+        model: Weights | None = None,
     ) -> None:
-        super().__init__(strategy, base, policy, max_share)
+        super().__init__(strategy, base, policy, max_share, model=model)
         self.streaming = strategy
         self.running = strategy.begin()
         self.scratch = scratch
@@ -187,11 +220,18 @@ class StreamingAggregator(RoundAggregator):
 
 
 def make_aggregator(
-    strategy: Strategy, base: Weights, policy: SuspectPolicy, scratch: TensorScratch, max_share: float = 1.0
+    strategy: Strategy,
+    base: Weights,
+    policy: SuspectPolicy,
+    scratch: TensorScratch,
+    max_share: float = 1.0,
+    *,
+    model: Weights | None = None,
 ) -> RoundAggregator:
     """Streaming (keeping weights in `scratch`) when the strategy declares it folds updates as they arrive and no
     suspect is to be left out (that needs every update at the close), else batch; either caps one update's share
-    of a sample-weighted round at max_share per device it sums."""
+    of a sample-weighted round at max_share per device it sums, and aggregates the trained set `base` of the
+    round's whole `model`."""
     if streams(strategy) and not policy.exclude:
-        return StreamingAggregator(strategy, base, policy, scratch, max_share)
-    return BatchAggregator(strategy, base, policy, max_share)
+        return StreamingAggregator(strategy, base, policy, scratch, max_share, model=model)
+    return BatchAggregator(strategy, base, policy, max_share, model=model)

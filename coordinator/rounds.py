@@ -26,6 +26,7 @@ from protocol.errors import UsageError
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec
 from protocol.mqtt import IncomingMessage, MqttSession
 from protocol.tensors import Weights, spec_of, weights_hash
+from protocol.trained_set import trained_set
 
 log = logging.getLogger(__name__)
 
@@ -132,17 +133,19 @@ def sample_bounds(rules: RoundRules, strategy: Strategy, round_id: int) -> tuple
 
 
 def round_expectation(rules: RoundRules, strategy: Strategy, round_id: int, global_weights: Weights) -> Expectation:
-    """What a valid update of this round looks like."""
+    """What a valid update of this round looks like: the one place the expected layout is derived, as the tensors
+    the model spec trains (`trained_set`): what updates carry, validation checks and the round aggregates."""
     authenticator = rules.authenticator
+    trained = trained_set(rules.spec, global_weights)
     return Expectation(
         round_id,
         weights_hash(global_weights),
-        spec_of(global_weights),
+        spec_of(trained),
         rules.spec.num_classes,
         rules.policy.max_update_bytes,
         authenticator.check if authenticator else None,
         strategy.metric_bounds(rules.spec.num_classes),
-        global_weights,
+        trained,
         *sample_bounds(rules, strategy, round_id),
     )
 
@@ -204,12 +207,12 @@ class Coordinator:
     def open(self, round_id: int, global_weights: Weights, scratch: TensorScratch) -> OpenRound:
         """Takes back what a previous process spooled for the round, retains the model and announces the round
         (`scratch`: where a streamed round keeps its updates' weights until it closes)."""
-        base_hash = weights_hash(global_weights)
         rules = self.rules
         strategy = self.parts.closer.strategy
         online = self.online_devices()
-        aggregator, participants, recipe = self.round_plan(round_id, global_weights, scratch, online)
         expected = round_expectation(rules, strategy, round_id, global_weights)
+        base_hash = expected.base_hash
+        aggregator, participants, recipe = self.round_plan(round_id, expected.base, global_weights, scratch, online)
         collector = RoundCollector(expected, aggregator.absorb)
         opened = OpenRound(collector, aggregator, participants)
         self.parts.intake.resume_spooled(collector)
@@ -228,20 +231,21 @@ class Coordinator:
         return sorted(self.parts.presence.online())
 
     def round_plan(
-        self, round_id: int, global_weights: Weights, scratch: TensorScratch, online: list[str]
+        self, round_id: int, base: Weights, model: Weights, scratch: TensorScratch, online: list[str]
     ) -> tuple[RoundAggregator, list[str], messages.Recipe]:
-        """The round's aggregator, its participants ([] = all) and the recipe it announces: the run's own, or a
-        private run's (its Poisson sample, its DP aggregator, the clip as adapted so far)."""
+        """The round's aggregator (over the trained set `base` of the round's `model`), its participants ([] = all)
+        and the recipe it announces: the run's own, or a private run's (its Poisson sample, its DP aggregator, the
+        clip as adapted so far)."""
         rules, privacy = self.rules, self.parts.privacy
         strategy = self.parts.closer.strategy
         if privacy is not None:
             participants = privacy.participants(online, rules.recipe.seed, round_id)
             private = privacy.aggregator(
-                strategy, global_weights, rules.suspects, scratch, len(online), len(participants)
+                strategy, base, rules.suspects, scratch, (len(online), len(participants)), model=model
             )
             return private, participants, privacy.round_recipe(rules.recipe)
         share = rules.max_sample_share if sample_bounds(rules, strategy, round_id)[1] is None else 1.0
-        aggregator = make_aggregator(strategy, global_weights, rules.suspects, scratch, share)
+        aggregator = make_aggregator(strategy, base, rules.suspects, scratch, share, model=model)
         participants = choose_participants(online, rules.policy.participation, rules.recipe.seed, round_id)
         return aggregator, participants, rules.recipe
 

@@ -40,7 +40,8 @@ class Rejection(RefusalError):
 
 @dataclass(frozen=True)
 class Expectation:
-    """What a valid update for the current round looks like; `base` is the round's model, which delta-encoded
+    """What a valid update for the current round looks like: `spec` is the layout of the tensors the model spec
+    trains (the trained set, all an update carries), `base` those tensors of the round's model, which delta-encoded
     updates are decoded against. `min_samples` and `max_samples` bound one device's claimed sample count (a relay's
     bound is max_samples per contributor; None: no bound)."""
 
@@ -54,6 +55,12 @@ class Expectation:
     base: Weights = field(default_factory=dict)
     min_samples: int = 0
     max_samples: int | None = None
+
+    def for_model(self, round_id: int, model_hash: str, model: Weights) -> Expectation:
+        """This expectation for another round's model (asynchronous versions): its hash, and its tensors of the
+        trained set (the layout's names) to decode deltas against."""
+        base = {name: model[name] for name in self.spec}
+        return dataclasses.replace(self, round_id=round_id, base_hash=model_hash, base=base)
 
 
 @dataclass(frozen=True)
@@ -141,11 +148,13 @@ def with_weights(update: messages.Update, base: Weights) -> messages.Update:
 
 
 def check_tensors(update: messages.Update, expected: Expectation) -> None:
-    """Rejection unless the tensors have the model's layout and only finite values."""
+    """Rejection unless the tensors are exactly the trained set (a frozen tensor is refused, never ignored), in the
+    model's layout, with only finite values."""
     try:
         check_layout(expected.spec, update.tensors)
     except ValueError as error:
-        raise Rejection(RejectionKind.TENSOR_MISMATCH, f"tensor mismatch: {error}") from None
+        reason = f"tensor mismatch: an update carries the {len(expected.spec)} tensors the spec trains: {error}"
+        raise Rejection(RejectionKind.TENSOR_MISMATCH, reason) from None
     for name, array in update.tensors.items():
         if not np.all(np.isfinite(array)):
             raise Rejection(RejectionKind.NON_FINITE, f"non-finite values in tensor {name!r}")

@@ -1,5 +1,9 @@
-# Test helper: a coordinator assembled from its parts around a given session, store, strategy and evaluator.
+# Test helpers: a coordinator assembled from its parts around a given session, store, strategy and evaluator; a fake
+# session (no broker) for in-process rounds.
 from __future__ import annotations
+
+import queue
+from typing import Any
 
 import numpy as np
 
@@ -15,9 +19,9 @@ from coordinator.store import RoundRecord, RunStore
 from coordinator.strategy_contract import Strategy
 from coordinator.validation import Expectation
 from edge_agent.learning.models import build_model, weight_spec
-from protocol import messages
+from protocol import messages, topics, wire
 from protocol.model_spec import DEFAULT_SPEC
-from protocol.mqtt import BrokerAddress, MqttSession
+from protocol.mqtt import BrokerAddress, IncomingMessage, MqttSession
 from protocol.tensors import Weights, weights_hash
 
 NUM_CLASSES = DEFAULT_SPEC.num_classes
@@ -59,3 +63,38 @@ def commit_weights(coordinator: Coordinator, round_id: int, weights: Weights, ba
     collector = RoundCollector(Expectation(round_id, weights_hash(base), weight_spec(build_model()), NUM_CLASSES, 1))
     record = RoundRecord(round_id, 0.0, 1.0, "", None, 0, 0, 0, {}, {})
     coordinator.parts.closer.commit(collector, Aggregate(weights, {}, {}, {}), record, {})
+
+
+class FakeSession:
+    """The coordinator's side of a broker for one fleet: messages queued by the test, publications kept."""
+
+    def __init__(self, fleet: str) -> None:
+        self.fleet = fleet
+        self.inbox: queue.Queue[IncomingMessage] = queue.Queue()
+        self.published: list[tuple[str, bytes]] = []
+
+    def send(self, device_id: str, payload: bytes) -> None:
+        """Queues an update as a device publishes it."""
+        self.inbox.put(IncomingMessage(topics.UPDATE.build(fleet=self.fleet, device=device_id), payload, False))
+
+    def subscribe(self, topic: str, qos: int = 1) -> None:
+        """Nothing to subscribe to."""
+
+    def publish(self, topic: str, payload: bytes, retain: bool = False, qos: int = 1, wait: Any = None) -> bool:
+        """Keeps the publication."""
+        self.published.append((topic, payload))
+        return True
+
+    def acknowledge(self, message: IncomingMessage) -> None:
+        """Nothing to acknowledge."""
+
+    def next_message(self, timeout: float | None = None) -> IncomingMessage | None:
+        """The next queued message, or None at once."""
+        try:
+            return self.inbox.get_nowait()
+        except queue.Empty:
+            return None
+
+    def acks(self) -> list[messages.Ack]:
+        """The acks published so far."""
+        return [wire.decode(payload, messages.Ack) for topic, payload in self.published if topic.endswith("/ack")]

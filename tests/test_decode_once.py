@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import queue
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from coordinators import NUM_CLASSES
+from coordinators import NUM_CLASSES, FakeSession
 
 from coordinator import validation
 from coordinator.async_intake import AsyncPolicy
@@ -27,49 +26,14 @@ from coordinator.rounds import Coordinator, RoundParts, RoundPolicy, RoundRules
 from coordinator.store import RunStore
 from coordinator.strategies import make_strategy
 from edge_agent.learning.models import build_model, get_weights
-from protocol import messages, topics, wire
+from protocol import messages, wire
 from protocol.model_spec import DEFAULT_SPEC
-from protocol.mqtt import IncomingMessage
 from protocol.tensors import Weights, weights_hash
 from protocol.update_codec import UpdateCodec
 
 FLEET = "once"
 BASE = get_weights(build_model(seed=0))
 KEYS = {f"dev-{index}": os.urandom(32) for index in range(3)}
-
-
-class FakeSession:
-    """The coordinator's side of a broker: messages queued by the test, publications kept."""
-
-    def __init__(self) -> None:
-        self.inbox: queue.Queue[IncomingMessage] = queue.Queue()
-        self.published: list[tuple[str, bytes]] = []
-
-    def send(self, device_id: str, payload: bytes) -> None:
-        """Queues an update as a device publishes it."""
-        self.inbox.put(IncomingMessage(topics.UPDATE.build(fleet=FLEET, device=device_id), payload, False))
-
-    def subscribe(self, topic: str, qos: int = 1) -> None:
-        """Nothing to subscribe to."""
-
-    def publish(self, topic: str, payload: bytes, retain: bool = False, qos: int = 1, wait: Any = None) -> bool:
-        """Keeps the publication."""
-        self.published.append((topic, payload))
-        return True
-
-    def acknowledge(self, message: IncomingMessage) -> None:
-        """Nothing to acknowledge."""
-
-    def next_message(self, timeout: float | None = None) -> IncomingMessage | None:
-        """The next queued message, or None at once."""
-        try:
-            return self.inbox.get_nowait()
-        except queue.Empty:
-            return None
-
-    def acks(self) -> list[messages.Ack]:
-        """The acks published so far."""
-        return [wire.decode(payload, messages.Ack) for topic, payload in self.published if topic.endswith("/ack")]
 
 
 def counted(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
@@ -124,7 +88,7 @@ def update_payload(device: str, base: Weights, seed: int, encoding: str = "float
 def test_a_streamed_round_decodes_each_accepted_update_once_through_its_close(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, encoding: str
 ) -> None:
-    session = FakeSession()
+    session = FakeSession(FLEET)
     coordinator, _, _ = coordinator_in(tmp_path / "run", session, "avefl")
     for seed, device in enumerate(KEYS):
         session.send(device, update_payload(device, BASE, seed, encoding))
@@ -138,7 +102,7 @@ def test_a_secured_round_checks_each_signature_without_another_decode(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Three signed updates and a forged one: four decodes in all, the forged one's ack quoting its decoded id."""
-    session = FakeSession()
+    session = FakeSession(FLEET)
     coordinator, _, _ = coordinator_in(tmp_path / "run", session, "avefl", UpdateAuthenticator(KEYS))
     session.send("dev-0", update_payload("dev-0", BASE, 9, key=b"guessed"))
     for seed, (device, key) in enumerate(KEYS.items()):
@@ -155,7 +119,7 @@ def test_a_secured_round_checks_each_signature_without_another_decode(
 def test_an_asynchronous_version_decodes_each_buffered_update_once_through_its_fold(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    session = FakeSession()
+    session = FakeSession(FLEET)
     _, parts, rules = coordinator_in(tmp_path / "run", session, "avefl")
     rules = dataclasses.replace(rules, policy=dataclasses.replace(rules.policy, quorum=None))
     coordinator = AsyncCoordinator(FLEET, session, rules, parts, AsyncPolicy(buffer=3, max_staleness=1))

@@ -16,7 +16,7 @@ from coordinator.evaluation import Evaluator, LabelledSplit
 from coordinator.mean_strategies import FedAvg
 from coordinator.provision import provision
 from coordinator.relay import RELAY_STRATEGY, Relay, RelaySettings, SiteRounds, upstream_update
-from coordinator.rounds import RoundPolicy, RoundRules
+from coordinator.rounds import RoundPolicy, RoundRules, round_expectation
 from coordinator.scratch import TensorScratch
 from coordinator.server import ServerSettings
 from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
@@ -62,7 +62,7 @@ def test_the_upstream_update_carries_the_site_mean_and_total_count(tmp_path: Pat
     """num_samples is the site's total, the tensors its committed mean, each device listed with its count; central
     validation accepts it, and a device's update without contributions keeps its old bytes."""
     with committed_site_round(tmp_path / "relay") as store:
-        update = upstream_update(store, "relay-00", 1, weights_hash(BASE))
+        update = upstream_update(store, "relay-00", 1, weights_hash(BASE), DEFAULT_SPEC)
         mean = store.checkpoints.load(1)
     assert (update.num_samples, update.acquired_labels) == (80, 40)
     assert update.class_counts == [8] * NUM_CLASSES
@@ -71,6 +71,19 @@ def test_the_upstream_update_carries_the_site_mean_and_total_count(tmp_path: Pat
     assert validate_update("relay-00", wire.encode(update), expectation()).num_samples == 80
     plain = dataclasses.replace(update, contributors=[], contributor_samples=[])
     assert b"contributor" not in wire.encode(plain)
+
+
+def test_a_relay_of_a_frozen_backbone_sends_the_trained_set_of_its_site_mean(tmp_path: Path) -> None:
+    """Upstream, a relay is a device: its update carries the tensors the spec trains (here the classifier) of the
+    committed site mean, and central validation of that spec accepts it."""
+    head = dataclasses.replace(DEFAULT_SPEC, trainable="head")
+    with committed_site_round(tmp_path / "relay") as store:
+        update = upstream_update(store, "relay-00", 1, weights_hash(BASE), head)
+        mean = store.checkpoints.load(1)
+    assert list(update.tensors) == ["fc2.weight", "fc2.bias"]
+    assert all(np.array_equal(update.tensors[name], mean[name]) for name in update.tensors)
+    central = round_expectation(RoundRules(messages.Recipe(), RoundPolicy(1), spec=head), FedAvg(), 1, BASE)
+    assert list(validate_update("relay-00", wire.encode(update), central).tensors) == ["fc2.weight", "fc2.bias"]
 
 
 @pytest.mark.parametrize(
@@ -90,7 +103,7 @@ def test_a_relay_update_whose_counts_do_not_add_up_is_bad_counts(
 ) -> None:
     """A relay may not weigh more (or less) than its devices reported, nor list a device twice or a non-device."""
     with committed_site_round(tmp_path / "relay") as store:
-        update = upstream_update(store, "relay-00", 1, weights_hash(BASE))
+        update = upstream_update(store, "relay-00", 1, weights_hash(BASE), DEFAULT_SPEC)
     refused = rejection(dataclasses.replace(update, contributors=names, contributor_samples=counts))
     assert refused.kind == messages.RejectionKind.BAD_COUNTS
     assert expected in refused.reason
@@ -99,7 +112,7 @@ def test_a_relay_update_whose_counts_do_not_add_up_is_bad_counts(
 def test_too_many_contributors_is_bad_counts_in_a_bounded_reason(tmp_path: Path) -> None:
     """More than MAX_CONTRIBUTORS devices is refused before anything else is looked at."""
     with committed_site_round(tmp_path / "relay") as store:
-        update = upstream_update(store, "relay-00", 1, weights_hash(BASE))
+        update = upstream_update(store, "relay-00", 1, weights_hash(BASE), DEFAULT_SPEC)
     count = MAX_CONTRIBUTORS + 1
     names = [f"d{index}" for index in range(count)]
     refused = rejection(dataclasses.replace(update, contributors=names, contributor_samples=[0] * count))
@@ -134,7 +147,7 @@ def test_a_secured_central_coordinator_answers_relay_updates_on_the_wire(tmp_pat
         coordinator.start()
         opened = coordinator.open(1, BASE, TensorScratch(tmp_path / "scratch"))
         with committed_site_round(tmp_path / "relay") as relay_store:
-            honest = upstream_update(relay_store, "relay-00", 1, weights_hash(BASE))
+            honest = upstream_update(relay_store, "relay-00", 1, weights_hash(BASE), DEFAULT_SPEC)
         inflated = dataclasses.replace(upstream_update_like(honest), num_samples=800)
         signed = [wire.signed(wire.encode(update), key) for update in (inflated, upstream_update_like(honest))]
         for payload in (wire.encode(honest), *signed):

@@ -25,6 +25,7 @@ from protocol import messages
 from protocol.dp import DP_DEVICE, WITHIN_CLIP_METRIC, DpRound, privatised
 from protocol.model_spec import ModelSpec, spec_hash
 from protocol.tensors import Weights
+from protocol.trained_set import trained_set
 from protocol.update_codec import ResidualStore, UpdateCodec, encode_update
 from protocol.wire import shown_names
 
@@ -124,7 +125,7 @@ class RoundRunner:
             if done is None:
                 break
             metrics = done
-        return self.update_of(announcement, models, metrics, global_weights) if participating else None
+        return self.update_of(announcement, spec, models, metrics, global_weights) if participating else None
 
     def run_step(
         self, models: RoundModels, round_id: int, step: int, acquires: bool, trains: bool
@@ -156,16 +157,23 @@ class RoundRunner:
         return metrics
 
     def update_of(
-        self, announcement: messages.RoundAnnouncement, models: RoundModels, metrics: dict[str, float], base: Weights
+        self,
+        announcement: messages.RoundAnnouncement,
+        spec: ModelSpec,
+        models: RoundModels,
+        metrics: dict[str, float],
+        base: Weights,
     ) -> messages.Update:
-        """The round's update: the trained weights (or their delta from the base, as the recipe encodes it) with
-        the counts and metrics strategies need; under --dp device, clipped and noised here (fresh entropy) first."""
+        """The round's update: the tensors the spec trains (`trained_set`; a frozen backbone never travels), as
+        weights or their delta from the base as the recipe encodes them, with the counts and metrics strategies need;
+        under --dp device, clipped and noised here (fresh entropy) first."""
         codec = UpdateCodec.of(announcement.recipe)
-        weights = models.learner.weights()
+        trained, trained_base = trained_set(spec, models.learner.weights()), trained_set(spec, base)
         if announcement.recipe.dp == DP_DEVICE:
-            weights, within = privatised(weights, base, DpRound.announced(announcement), np.random.default_rng())
+            round_dp = DpRound.announced(announcement)
+            trained, within = privatised(trained, trained_base, round_dp, np.random.default_rng())
             metrics = {**metrics, WITHIN_CLIP_METRIC: within}
-        encoded = encode_update(weights, base, codec, ResidualStore(self.data.state_dir))
+        encoded = encode_update(trained, trained_base, codec, ResidualStore(self.data.state_dir))
         return messages.Update(
             device_id=self.settings.device_id,
             round_id=announcement.round_id,
