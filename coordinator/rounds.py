@@ -212,7 +212,7 @@ class Coordinator:
         online = self.online_devices()
         expected = round_expectation(rules, strategy, round_id, global_weights)
         base_hash = expected.base_hash
-        aggregator, participants, recipe = self.round_plan(round_id, expected.base, global_weights, scratch, online)
+        aggregator, participants, recipe = round_plan(self, round_id, expected.base, global_weights, scratch, online)
         collector = RoundCollector(expected, aggregator.absorb)
         opened = OpenRound(collector, aggregator, participants)
         self.parts.intake.resume_spooled(collector)
@@ -229,25 +229,6 @@ class Coordinator:
         while self.parts.privacy is not None and not self.parts.presence.online():
             self.handle_next(None)
         return sorted(self.parts.presence.online())
-
-    def round_plan(
-        self, round_id: int, base: Weights, model: Weights, scratch: TensorScratch, online: list[str]
-    ) -> tuple[RoundAggregator, list[str], messages.Recipe]:
-        """The round's aggregator (over the trained set `base` of the round's `model`), its participants ([] = all)
-        and the recipe it announces: the run's own, or a private run's (its Poisson sample, its DP aggregator, the
-        clip as adapted so far)."""
-        rules, privacy = self.rules, self.parts.privacy
-        strategy = self.parts.closer.strategy
-        if privacy is not None:
-            participants = privacy.participants(online, rules.recipe.seed, round_id)
-            private = privacy.aggregator(
-                strategy, base, rules.suspects, scratch, (len(online), len(participants)), model=model
-            )
-            return private, participants, privacy.round_recipe(rules.recipe)
-        share = rules.max_sample_share if sample_bounds(rules, strategy, round_id)[1] is None else 1.0
-        aggregator = make_aggregator(strategy, base, rules.suspects, scratch, share, model=model)
-        participants = choose_participants(online, rules.policy.participation, rules.recipe.seed, round_id)
-        return aggregator, participants, rules.recipe
 
     def needed(self, opened: OpenRound) -> int:
         """How many accepted updates close the round early (see Presence.needed)."""
@@ -316,3 +297,23 @@ class Coordinator:
         """A device's update (or its chunked transfer, dropped), for the open round if there is one."""
         collector, participants = (opened.collector, opened.participants) if opened else (None, [])
         self.parts.intake.on_update(device_id, message.payload, collector, participants, message.dropped)
+
+
+def round_plan(
+    coordinator: Coordinator, round_id: int, base: Weights, model: Weights, scratch: TensorScratch, online: list[str]
+) -> tuple[RoundAggregator, list[str], messages.Recipe]:
+    """The round's aggregator (over the trained set `base` of the round's `model`), its participants ([] = all)
+    and the recipe it announces: the run's own, or a private run's (its Poisson sample, its DP aggregator, the
+    clip as adapted so far)."""
+    rules, privacy = coordinator.rules, coordinator.parts.privacy
+    strategy = coordinator.parts.closer.strategy
+    if privacy is not None:
+        participants = privacy.participants(online, rules.recipe.seed, round_id)
+        private = privacy.aggregator(
+            strategy, base, rules.suspects, scratch, (len(online), len(participants)), model=model
+        )
+        return private, participants, privacy.round_recipe(rules.recipe)
+    share = rules.max_sample_share if sample_bounds(rules, strategy, round_id)[1] is None else 1.0
+    aggregator = make_aggregator(strategy, base, rules.suspects, scratch, share, model=model)
+    participants = choose_participants(online, rules.policy.participation, rules.recipe.seed, round_id)
+    return aggregator, participants, rules.recipe

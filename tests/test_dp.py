@@ -94,7 +94,7 @@ def dp_aggregator(
     base = {"w": np.zeros(SIZE, dtype=np.float32)}
     scratch = TensorScratch(tmp_path)
     plan = DpPlan(placement, round_dp, expected, 1.0, 0.2, np.random.default_rng(rng_seed), lambda event: 1.0)
-    return DpAggregator(AveFL(), base, SuspectPolicy(), scratch, plan)
+    return DpAggregator(AveFL(), base, SuspectPolicy(), scratch, plan, model=base)
 
 
 def test_central_placement_noises_the_sum_with_std_z_clip_and_divides_by_the_expected_count(tmp_path: Path) -> None:
