@@ -8,7 +8,7 @@ from coordinator.secagg_round import KEYS, MASKED, SHARES, SecAggSettings, Serve
 from coordinator.secagg_unmask import UnmaskStage
 from protocol import wire
 from protocol.messages import KeyAdvert, KeyRoster, MaskedInput, RejectionKind, ShareBundle, ShareDelivery
-from protocol.secagg import keys, shamir
+from protocol.secagg import graph, keys, shamir
 from protocol.secagg.checks import check_pairs, check_stage, check_within
 from protocol.secagg.errors import SecAggRefusal
 from protocol.secagg.fixed_point import FixedPoint, layout_of

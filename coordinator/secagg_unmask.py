@@ -29,7 +29,7 @@ class Rebuilt:
     forgers: list[str]
 
 
-def rebuild(owner: str, shares: Sequence[HeldShare], threshold: int, valid: Callable[[bytes], bool]) -> Rebuilt:
+def rebuild(owner: str, shares: Sequence[HeldShare], threshold: int, valid: Validity) -> Rebuilt:
     """The owner's secret from `threshold` of the shares, trying each cyclic window of them until one rebuilds a
     secret that `valid` accepts (its commitment or its public key), so up to len - threshold consecutive forged
     shares are outvoted; none: the round is abandoned."""
@@ -41,7 +41,7 @@ def rebuild(owner: str, shares: Sequence[HeldShare], threshold: int, valid: Call
             secret = shamir.combine(window)
         except SecAggRefusal:
             continue
-        if valid(secret):
+        if valid(owner, secret):
             return Rebuilt(
                 secret, [holder for holder, share in shares if shamir.interpolate(window, share.x) != share.y]
             )
@@ -173,10 +173,7 @@ class UnmaskStage(SecAggRound):
         held: dict[str, list[tuple[str, shamir.Share]]] = {}
         for owner, holder, share in zip(owners, holders, shares):
             held.setdefault(owner, []).append((holder, shamir.Share.from_bytes(share)))
-        return {
-            owner: rebuild(owner, pairs, self.threshold, lambda secret, o=owner: valid(o, secret))
-            for owner, pairs in held.items()
-        }
+        return {owner: rebuild(owner, pairs, self.threshold, valid) for owner, pairs in held.items()}
 
     def _seed_valid(self, owner: str, seed: bytes) -> bool:
         commitment = self.state.commitments[self.state.sharers.index(owner)]
