@@ -42,9 +42,8 @@ def rebuild(owner: str, shares: Sequence[HeldShare], threshold: int, valid: Vali
         except SecAggRefusal:
             continue
         if valid(owner, secret):
-            return Rebuilt(
-                secret, [holder for holder, share in shares if shamir.interpolate(window, share.x) != share.y]
-            )
+            polynomial = shamir.Polynomial(window)
+            return Rebuilt(secret, [holder for holder, share in shares if polynomial.at(share.x) != share.y])
     raise SecAggAbandoned(f"no {threshold} of the {len(shares)} shares of {shown(owner)} rebuild its secret")
 
 

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from secagg_rounds import SecureRound, head_updates, largest_error, plain_sum, via
 
+from bench.secagg_fleet import SecureRound, head_updates, largest_error, plain_sum
 from coordinator.secagg_round import ABANDONED
 from coordinator.secagg_server import SecAggServer
 from edge_agent.loop.secagg_device import SecAggDevice
@@ -112,7 +112,7 @@ def test_the_coordinator_never_holds_an_individual_update() -> None:
     fixed = FixedPoint(1.0, 5)
     plain = fixed.encode(flat(updates[device]))
     assert np.mean(flat(masked.masked) == plain) < 0.01
-    secure.server.on_masked(via(masked))
+    secure.server.on_masked(secure.sent(device, masked))
     snapshot = secure.server.snapshot()
     for secret in (plain.tobytes(), flat(updates[device]).astype(np.float32).tobytes()):
         assert secret[:64] not in snapshot
@@ -123,7 +123,7 @@ def test_forged_and_misaddressed_messages_are_refused_with_their_kinds() -> None
     secure = SecureRound.started(updates, dropout=0.05)
     server, devices = secure.server, secure.devices
     first = devices["dev000"]
-    refused(RejectionKind.REPLAY, server.on_keys, via(first.advert()))
+    refused(RejectionKind.REPLAY, server.on_keys, secure.sent("dev000", first.advert()))
     refused(RejectionKind.STALE_ROUND, server.on_keys, dataclasses.replace(first.advert(), round_id=6))
     other = SecAggDevice.start("dev001", 7).advert()
     refused(RejectionKind.DUPLICATE, server.on_keys, other)

@@ -53,17 +53,36 @@ def _evaluate(coefficients: Sequence[int], x: int) -> int:
 
 def interpolate(shares: Sequence[Share], at: int = 0) -> int:
     """The value at `at` of the polynomial through these points (Lagrange); their x must differ."""
-    if len({share.x for share in shares}) != len(shares):
-        raise SecAggRefusal(RejectionKind.FORGED_SHARE, "two shares of one secret name the same point")
-    total = 0
-    for i, share in enumerate(shares):
-        numerator, denominator = 1, 1
-        for j, other in enumerate(shares):
-            if i != j:
-                numerator = numerator * (at - other.x) % PRIME
-                denominator = denominator * (share.x - other.x) % PRIME
-        total = (total + share.y * numerator * pow(denominator, -1, PRIME)) % PRIME
-    return total
+    return Polynomial(shares).at(at)
+
+
+class Polynomial:
+    """The polynomial through a set of points, ready to evaluate anywhere in O(len) multiplications: its Lagrange
+    denominators are inverted once (how the coordinator checks every returned share against a rebuilt secret)."""
+
+    def __init__(self, shares: Sequence[Share]) -> None:
+        if len({share.x for share in shares}) != len(shares):
+            raise SecAggRefusal(RejectionKind.FORGED_SHARE, "two shares of one secret name the same point")
+        self.xs = [share.x for share in shares]
+        self.scaled = []  # y_i / prod_{j != i} (x_i - x_j)
+        for share in shares:
+            denominator = 1
+            for x in self.xs:
+                if x != share.x:
+                    denominator = denominator * (share.x - x) % PRIME
+            self.scaled.append(share.y * pow(denominator, -1, PRIME) % PRIME)
+
+    def at(self, point: int) -> int:
+        """The polynomial's value at `point`: sum_i scaled_i * prod_{j != i} (point - x_j), by prefix and suffix products."""
+        factors = [(point - x) % PRIME for x in self.xs]
+        suffix = [1] * (len(factors) + 1)
+        for i in range(len(factors) - 1, -1, -1):
+            suffix[i] = suffix[i + 1] * factors[i] % PRIME
+        total, prefix = 0, 1
+        for i, scaled in enumerate(self.scaled):
+            total = (total + scaled * prefix * suffix[i + 1]) % PRIME
+            prefix = prefix * factors[i] % PRIME
+        return total
 
 
 def combine(shares: Sequence[Share], size: int = 32) -> bytes:
