@@ -133,7 +133,10 @@ class SecureRound:
 def plain_sum(updates: dict[str, Weights], devices: Iterable[str]) -> Weights:
     """The float64 sum of these devices' updates."""
     chosen = list(devices)
-    return {name: np.sum([updates[d][name] for d in chosen], axis=0, dtype=np.float64) for name in updates[chosen[0]]}
+    return {
+        name: np.asarray(np.sum([updates[d][name] for d in chosen], axis=0, dtype=np.float64))
+        for name in updates[chosen[0]]
+    }
 
 
 def largest_error(total: Weights, expected: Weights) -> float:
