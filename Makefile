@@ -3,12 +3,18 @@ PYTHON ?= python3
 APT_PACKAGES := mosquitto dataset-fashion-mnist chromium chromium-driver
 STAMP := .make-stamps
 
-.PHONY: demo test lint install system-deps python-deps clean
+.PHONY: demo camera-demo test lint install system-deps python-deps clean
 
 demo: install
 	$(PYTHON) -m bench simulate --devices 4 --partition type1 --strategy avefl --rounds 10 \
 		--acquisitions-per-round 1 --labels-per-acquisition 400 --epochs 5 --sampler margin \
 		--mc-passes 10 --init-samples 100 --pool-size 12000 --seed 0
+
+# A camera fleet end to end: 4 devices of rendered scenes, EfficientNet-Lite0 (ImageNet, head-only) on the Pi Zero 2 W
+# profile, the bench's people answering label queries, 5 rounds of 20 labels; prints the curve and the report's path.
+camera-demo: install
+	$(PYTHON) benchmarks/camera_bench.py --backbones efficientnet-lite0 --samplers margin --seeds 0 \
+		--out runs/camera-demo-$$(date +%Y%m%d-%H%M%S)
 
 test: install
 	$(PYTHON) -m pytest -q

@@ -32,7 +32,8 @@ AGE_SECONDS = 3600.0  # written files are dated this long ago, so a field agent 
 @dataclass(frozen=True)
 class FleetSettings:
     """A camera fleet: devices, classes, scenes per class on each device, in the server's own labelled set (W0 and
-    the selection split) and in the test set, size, seed."""
+    the selection split) and in the test set, size, seed, and the backbone its model spec names (EfficientNet-Lite0
+    with ImageNet weights, head-only; or the from-scratch MobileNet, the baseline)."""
 
     devices: int = 4
     classes: tuple[SceneClass, ...] = DEFAULT_CLASSES
@@ -41,6 +42,7 @@ class FleetSettings:
     size: int = 96
     seed: int = 0
     server_per_class: int = 40
+    backbone: str = "efficientnet-lite0"
 
 
 def device_dir(out: Path, number: int) -> Path:
@@ -135,14 +137,24 @@ def build_fleet(out: Path, settings: FleetSettings, dataset: ImageDataset) -> di
     return {**summary, "server_images": len(own.labels), "test_images": len(test.labels)}
 
 
+BACKBONE_SPECS = {
+    "efficientnet-lite0": (
+        '[model]\narchitecture = "efficientnet-lite0"\npretrained = "imagenet"\ntrainable = "head"\n',
+        "std = [0.5, 0.5, 0.5]",
+    ),
+    "mobilenet": ('[model]\narchitecture = "mobilenet"\nwidth_multiplier = 0.25\n', "std = [0.25, 0.25, 0.25]"),
+}
+"""The [model] table and input std of each backbone a bench fleet can run: the pretrained edge backbone with a
+head-only update, or the from-scratch quarter-width MobileNet (the baseline row)."""
+
+
 def spec_toml(settings: FleetSettings) -> str:
-    """The fleet's model spec: the MobileNet-style network at a quarter width on RGB scenes of the fleet's size."""
+    """The fleet's model spec: its backbone on RGB scenes of the fleet's size, with the fleet's class names."""
     names = ", ".join(json.dumps(c.name) for c in settings.classes)
+    model, std = BACKBONE_SPECS[settings.backbone]
     return (
-        '[model]\narchitecture = "mobilenet"\nwidth_multiplier = 0.25\n\n'
-        f"[input]\nchannels = 3\nheight = {settings.size}\nwidth = {settings.size}\n"
-        "mean = [0.5, 0.5, 0.5]\nstd = [0.25, 0.25, 0.25]\n\n"
-        f"[classes]\nnames = [{names}]\n"
+        f"{model}\n[input]\nchannels = 3\nheight = {settings.size}\nwidth = {settings.size}\n"
+        f"mean = [0.5, 0.5, 0.5]\n{std}\n\n[classes]\nnames = [{names}]\n"
     )
 
 
@@ -158,14 +170,17 @@ def _classes_record(settings: FleetSettings) -> dict[str, Any]:
     }
 
 
-def camera_agent_command(broker_url: str, fleet: str, fleet_dir: Path, number: int, state_dir: Path) -> list[str]:
+def camera_agent_command(
+    broker_url: str, fleet: str, fleet_dir: Path, number: int, state_dir: Path, profile: Path | None = None
+) -> list[str]:
     """The `edge-agent run` of device NN of a fleet folder: its camera folder, the fleet's model spec, a folder
-    oracle under its state directory, exit when the run ends."""
+    oracle under its state directory, exit when the run ends; with a device profile when given."""
     return [
         *(sys.executable, "-m", "edge_agent", "run", "--broker", broker_url, "--fleet", fleet),
         *("--device-id", f"cam-{number}", "--pool-dir", str(device_dir(fleet_dir, number) / POOL_DIR)),
         *("--state-dir", str(state_dir), "--model-spec", str(fleet_dir / SPEC_FILE), "--settle-seconds", "0"),
         *("--scan-interval", "0.5", "--answer-wait", "120", "--exit-on-final", "--log-level", "info"),
+        *(("--profile", str(profile)) if profile else ()),
     ]
 
 

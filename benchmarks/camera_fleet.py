@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 
-from bench.camera_fleet import FleetSettings, build_fleet
+from bench.camera_fleet import BACKBONE_SPECS, FleetSettings, build_fleet
 from bench.camera_scenes import DEFAULT_CLASSES, parse_classes
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 
@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--server-per-class", type=int, default=DEFAULTS.server_per_class, help="the server's own")
     parser.add_argument("--size", type=int, default=DEFAULTS.size, help="scene side in pixels (e.g. 64 or 96)")
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed)
+    parser.add_argument("--backbone", choices=sorted(BACKBONE_SPECS), default=DEFAULTS.backbone)
     parser.add_argument("--data-dir", type=Path, help="the Fashion-MNIST folder (default: the installed dataset)")
     args = parser.parse_args()
     settings = FleetSettings(
@@ -44,6 +45,7 @@ def main() -> None:
         args.size,
         args.seed,
         args.server_per_class,
+        args.backbone,
     )
     started = time.perf_counter()
     summary = build_fleet(args.out, settings, load_fashion_mnist(args.data_dir))

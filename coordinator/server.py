@@ -34,6 +34,7 @@ from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.image_arrays import ImageDataset, load_npz_dataset
 from edge_agent.learning.encoder import OnnxEncoder, encoder_hash
 from edge_agent.learning.models import build_model, get_weights, set_weights
+from edge_agent.learning.pretrained_backbone import initial_model
 from edge_agent.learning.sampling import make_sampler
 from edge_agent.learning.training import TrainSettings, train_supervised
 from export.bundle_writer import ensure_bundle_files
@@ -135,9 +136,9 @@ def load_server_data(settings: ServerSettings) -> ServerData:
 
 
 def initial_weights(settings: ServerSettings, data: ServerData) -> Weights:
-    """W0: a seeded model (with the spec's initial weights file, if any) trained on the balanced init samples
+    """W0: a seeded model (its pretrained backbone and the spec's initial weights file, if any) trained on the balanced init samples
     (no training when there are none)."""
-    model = build_model(settings.spec, seed=settings.init.seed)
+    model = initial_model(settings.spec, seed=settings.init.seed)
     if settings.initial_weights is not None:
         found = read_weight_file(settings.initial_weights)
         set_weights(

@@ -19,7 +19,8 @@ from edge_agent.learning.bundle import (
     load_bundle,
 )
 from edge_agent.learning.mc_dropout import dropout_spec
-from edge_agent.learning.models import SplitDropoutModel, build_model, set_weights
+from edge_agent.learning.models import build_model, set_weights
+from edge_agent.learning.split_model import SplitDropoutModel
 from export import quantize
 from export.graph_names import DEFAULT_OPSET, FEATURES_NAME, IMAGES_INPUT, PENULTIMATE_OUTPUT, PROBABILITIES_OUTPUT
 from export.onnx_graphs import EXPORTER, export_graphs, export_penultimate, mask_input_names

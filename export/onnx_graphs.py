@@ -11,7 +11,7 @@ from onnx import numpy_helper
 from torch import nn
 
 from edge_agent.learning.mc_dropout import MaskedTailGraph, PenultimateGraph, PrefixGraph, as_split_model, dropout_spec
-from edge_agent.learning.models import SplitDropoutModel
+from edge_agent.learning.split_model import SplitDropoutModel
 from export.graph_names import (
     DEFAULT_OPSET,
     EMBEDDINGS_OUTPUT,

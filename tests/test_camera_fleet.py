@@ -46,7 +46,8 @@ def start_camera(broker: EmbeddedBroker, fleet_dir: Path, number: int, state_dir
 @pytest.mark.integration
 def test_a_five_class_rgb_fleet_runs_two_rounds_through_a_256_kb_broker(tmp_path: Path, fashion: ImageDataset):
     fleet_dir = tmp_path / "fleet"
-    build_fleet(fleet_dir, FleetSettings(devices=DEVICES, per_class=8, test_per_class=10, server_per_class=12), fashion)
+    settings = FleetSettings(DEVICES, per_class=8, test_per_class=10, server_per_class=12, backbone="mobilenet")
+    build_fleet(fleet_dir, settings, fashion)
     spec = load_model_spec(fleet_dir / SPEC_FILE).spec
     names = tuple(spec.class_names)
     assert spec.architecture == "mobilenet" and spec.image_shape == (96, 96, 3) and len(names) == 5

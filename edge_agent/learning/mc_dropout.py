@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from edge_agent.learning.mc_scorer import DropoutSpec, mc_probabilities
-from edge_agent.learning.models import SplitDropoutModel
+from edge_agent.learning.split_model import SplitDropoutModel
 
 
 def as_split_model(model: nn.Module) -> SplitDropoutModel:

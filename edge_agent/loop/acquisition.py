@@ -90,19 +90,21 @@ class Acquirer:
         return new, self.data.labels_at(new)
 
     def context(self, models: RoundModels, pool: np.ndarray, seed: int) -> AcquisitionContext:
-        """What the round's sampler may look at; each expensive view is computed once, on first use."""
-        images = self.data.images(pool)
+        """What the round's sampler may look at; each expensive view is computed once, on first use (the pool's
+        images are read only for a view that needs them)."""
+        samples = self.data.samples(pool)
+        images = cache(samples.images)
         recipe, learner = models.recipe, models.learner
         return AcquisitionContext(
             num_samples=len(pool),
             rng=np.random.default_rng(seed),
             class_counts=self.data.class_counts(),
             options=recipe.options,
-            probabilities=cache(lambda: mc_probabilities(self.settings, models, images, recipe.mc_passes, seed)),
-            own_logits=cache(lambda: learner.logits("own", images)),
-            global_logits=cache(lambda: learner.logits("global", images)),
-            embeddings=cache(lambda: self.embeddings(models, images)),
-            features=cache(lambda: learner.features(images)),
+            probabilities=cache(lambda: mc_probabilities(self.settings, models, samples, recipe.mc_passes, seed)),
+            own_logits=cache(lambda: learner.logits("own", images())),
+            global_logits=cache(lambda: learner.logits("global", images())),
+            embeddings=cache(lambda: self.embeddings(models, images())),
+            features=cache(lambda: learner.features(samples)),
         )
 
     def embeddings(self, models: RoundModels, pool_images: np.ndarray) -> Embeddings:
