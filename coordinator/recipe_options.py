@@ -10,6 +10,7 @@ from edge_agent.learning.lr_schedules import LR_SCHEDULES
 from edge_agent.learning.sampling import SAMPLERS
 from protocol import messages, wire
 from protocol.recipe_flags import DeclaredField, declared_fields
+from protocol.secagg.weighting import MODES
 from protocol.update_codec import ENCODINGS, SCALES
 
 RECIPE_TABLE_BEGIN = (
@@ -26,6 +27,7 @@ CHOICES: dict[str, Callable[[], Sequence[str]]] = {
     "update encoding": lambda: ENCODINGS,
     "update scales": lambda: SCALES,
     "update compression": lambda: wire.COMPRESSIONS,
+    "secure aggregation": lambda: MODES,
 }
 
 

@@ -118,6 +118,32 @@ class Recipe:
         omitted_at_default=True,
         choices="lr schedule",
     )
+    secure_aggregation: str = recipe_field(
+        "off",
+        "secagg: devices mask their updates (SecAgg+) so the coordinator learns only the survivors' weighted sum",
+        omitted_at_default=True,
+        choices="secure aggregation",
+    )
+    secagg_dropout: float = recipe_field(
+        0.1,
+        "secure aggregation: the fraction of a round's devices the neighbour graph is sized to lose",
+        omitted_at_default=True,
+        low=0.0,
+        high=0.5,
+        high_open=True,
+    )
+    secagg_clip: float = recipe_field(
+        1.0,
+        "secure aggregation: each coordinate of a device's weighted delta is clipped to +-this before fixed point",
+        omitted_at_default=True,
+        low=1e-6,
+    )
+    secagg_sample_cap: int = recipe_field(
+        1000,
+        "secure aggregation: a device weighs min(samples, cap) / cap (0: every device weighs the same)",
+        omitted_at_default=True,
+        low=0,
+    )
 
 
 @dataclass(frozen=True)

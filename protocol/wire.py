@@ -155,6 +155,17 @@ def decode(data: bytes, expected: type[M], max_bytes: int = DEFAULT_MAX_MESSAGE_
     return message
 
 
+def decode_any(data: bytes, expected: Sequence[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Any:
+    """Parses a message of whichever of the expected types its kind names (one topic, several kinds: secure
+    aggregation's stages); a kind none of them has is a WireError."""
+    envelope = _envelope(data, max_bytes)
+    kind = envelope.get("kind")
+    for cls in expected:
+        if kind == cls.KIND:
+            return _message(envelope, cls, max_bytes)
+    raise WireError(f"expected one of {shown_names([cls.KIND for cls in expected])}, got kind {shown(kind)}")
+
+
 def decode_update(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[Update, bytes]:
     """An update (with its envelope's signature) and the bytes that covers: the signed message as sent, or b""."""
     return _update(_envelope(data, max_bytes), max_bytes)
