@@ -18,7 +18,7 @@ from coordinator.store import RunStore
 from coordinator.strategies import make_strategy
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.loop.secagg_participant import SecAggParticipant
-from protocol import messages, topics
+from protocol import messages, topics, wire
 from protocol.errors import UsageError
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.mqtt import MqttSession
@@ -180,3 +180,37 @@ def test_conflicts_with_secure_aggregation_are_refused_in_one_line(
     with pytest.raises(UsageError) as caught:
         check_secure_settings(strategy, recipe, suspects, asynchronous)
     assert named in str(caught.value) and "\n" not in str(caught.value)
+
+
+class Recorded:
+    """A session that only records what is published (the resume test needs no broker)."""
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, bytes]] = []
+
+    def publish(self, topic: str, payload: bytes) -> None:
+        self.published.append((topic, payload))
+
+
+def test_a_restarted_coordinator_resumes_the_stage_and_sends_its_messages_again(tmp_path) -> None:
+    from bench.secagg_fleet import head_updates
+    from coordinator.secagg_live import LiveSecureRound, start_secure
+    from coordinator.secagg_round import SHARES
+    from edge_agent.loop.secagg_device import SecAggDevice
+
+    updates = head_updates(4)
+    ids = sorted(updates)
+    base = {name: np.zeros_like(array) for name, array in updates[ids[0]].items()}
+    with RunStore(tmp_path / "run") as store:
+        first = Recorded()
+        start = lambda: start_secure("run", 1, ids, base, DEFAULT_SPEC, RECIPE)  # noqa: E731
+        live = LiveSecureRound.opened(first, FLEET, store, start, 1)  # type: ignore[arg-type]
+        for device in ids:
+            live.on_message(device, wire.encode(SecAggDevice.start(device, 1).advert()))
+        rosters = live.server.rosters()
+        live.send([wire.encode(roster) for roster in rosters], save=True)
+        again = Recorded()
+        resumed = LiveSecureRound.opened(again, FLEET, store, start, 1)  # type: ignore[arg-type]
+    assert resumed.server.state.stage == SHARES and resumed.server.state.advertised == ids
+    assert again.published == first.published and len(again.published) == 4
+    assert {topic for topic, _ in again.published} == {topics.SECAGG_DOWN.build(fleet=FLEET, device=d) for d in ids}
