@@ -11,6 +11,7 @@ from edge_agent.learning.sampling import SAMPLERS
 from protocol import messages, wire
 from protocol.dp import DP_PLACEMENTS
 from protocol.recipe_flags import DeclaredField, declared_fields
+from protocol.secagg.weighting import MODES
 from protocol.update_codec import ENCODINGS, SCALES
 
 RECIPE_TABLE_BEGIN = (
@@ -28,6 +29,7 @@ CHOICES: dict[str, Callable[[], Sequence[str]]] = {
     "update scales": lambda: SCALES,
     "update compression": lambda: wire.COMPRESSIONS,
     "dp placement": lambda: DP_PLACEMENTS,
+    "secure aggregation": lambda: MODES,
 }
 
 

@@ -206,6 +206,9 @@ class Relay:
         chosen = not announcement.participants or self.settings.relay_id in announcement.participants
         if announcement.round_id <= self.last_answered_round or not chosen:
             return False
+        if announcement.recipe.secure_aggregation != "off":
+            log.error("relays refuse secure aggregation (not built yet): round %d not answered", announcement.round_id)
+            return False
         self.pending = announcement
         self.artefacts.follow("model", topics.MODEL.build(fleet=self.settings.fleet, hash=announcement.model_hash))
         if announcement.recipe.encoder:

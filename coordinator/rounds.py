@@ -1,6 +1,7 @@
 # The round loop: open a round (announce), collect updates until quorum or deadline, close it, commit, repeat.
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -18,11 +19,13 @@ from coordinator.presence import Presence
 from coordinator.publisher import RetainedPublisher
 from coordinator.round_aggregator import RoundAggregator, SuspectPolicy, make_aggregator
 from coordinator.scratch import TensorScratch
+from coordinator.secagg_live import LiveSecureRound, start_secure
 from coordinator.strategy_contract import Strategy
-from coordinator.validation import Expectation
+from coordinator.validation import Expectation, Rejection
 from edge_agent.loop.schedule import labels_by_round
 from protocol import messages, topics, wire
 from protocol.errors import UsageError
+from protocol.messages import RejectionKind
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec
 from protocol.mqtt import IncomingMessage, MqttSession
 from protocol.tensors import Weights, spec_of, weights_hash
@@ -99,6 +102,7 @@ class OpenRound:
     collector: RoundCollector
     aggregator: RoundAggregator
     participants: list[str]
+    secure: LiveSecureRound | None = None
 
 
 # A device topic's handler: the device id the topic names, the message, the open round (None: none is open).
@@ -106,11 +110,21 @@ DeviceHandler = Callable[[str, IncomingMessage, OpenRound | None], None]
 
 
 def device_routes(fleet: str, on_update: DeviceHandler, on_status: DeviceHandler) -> topics.Router[DeviceHandler]:
-    """What a coordinator takes from its fleet's devices, by topic: their updates and their status."""
+    """What a coordinator takes from its fleet's devices, by topic: their updates, their status and their
+    secure-round stage messages (taken by the open round's secure part, if it has one)."""
     router: topics.Router[DeviceHandler] = topics.Router()
     router.add(topics.UPDATE.bind(fleet=fleet), on_update)
     router.add(topics.STATUS.bind(fleet=fleet), on_status)
+    router.add(topics.SECAGG_UP.bind(fleet=fleet), on_secagg)
     return router
+
+
+def on_secagg(device_id: str, message: IncomingMessage, opened: OpenRound | None) -> None:
+    """A device's secure-round message, for the open secure round (else ignored, logged)."""
+    if opened is None or opened.secure is None or message.dropped is not None:
+        log.warning("secure-round message outside a secure round device=%s", device_id)
+        return
+    opened.secure.on_message(device_id, message.payload)
 
 
 def choose_participants(online: Sequence[str], participation: float, seed: int, round_id: int) -> list[str]:
@@ -194,6 +208,7 @@ class Coordinator:
             opened = self.open(round_id, global_weights, scratch)
             self.collect(opened, timing)
             presence = self.parts.presence.round_metrics(self.needed(opened), opened.collector.accepted)
+            presence.update(opened.secure.metrics() if opened.secure else {})
             new_weights, result = self.parts.closer.close(
                 opened.collector, opened.aggregator, timing, presence, opened.participants
             )
@@ -214,7 +229,8 @@ class Coordinator:
         base_hash = expected.base_hash
         aggregator, participants, recipe = round_plan(self, round_id, expected.base, global_weights, scratch, online)
         collector = RoundCollector(expected, aggregator.absorb)
-        opened = OpenRound(collector, aggregator, participants)
+        secure = secure_part(self, round_id, global_weights, participants or online)
+        opened = OpenRound(collector, aggregator, participants, secure)
         self.parts.intake.resume_spooled(collector)
         self.parts.publisher.publish_model(global_weights, base_hash)
         self.parts.publisher.publish_encoder(rules.recipe.encoder)
@@ -238,8 +254,13 @@ class Coordinator:
         )
 
     def collect(self, opened: OpenRound, timing: RoundTiming) -> None:
-        """Handles messages until the quorum is in, or the deadline passes with at least the minimum."""
+        """Handles messages until the quorum is in, or the deadline passes with at least the minimum (a secure round:
+        until its stages are done or it is abandoned)."""
         policy, collector = self.rules.policy, opened.collector
+        if opened.secure is not None:
+            result = opened.secure.collect(lambda: self.handle_next(opened), policy.round_timeout)
+            opened.secure.conclude(result, opened.collector, opened.aggregator, self.rules.spec)
+            return
         deadline = timing.monotonic + policy.round_timeout
         while len(collector.accepted) < self.needed(opened):
             if time.monotonic() >= deadline:
@@ -296,6 +317,10 @@ class Coordinator:
     def on_update(self, device_id: str, message: IncomingMessage, opened: OpenRound | None) -> None:
         """A device's update (or its chunked transfer, dropped), for the open round if there is one."""
         collector, participants = (opened.collector, opened.participants) if opened else (None, [])
+        if opened is not None and opened.secure is not None:
+            refusal = Rejection(RejectionKind.WRONG_STAGE, "a plain update in a secure round")
+            self.parts.intake.reject(device_id, opened.collector.round_id, refusal, message.payload)
+            return
         self.parts.intake.on_update(device_id, message.payload, collector, participants, message.dropped)
 
 
@@ -317,3 +342,16 @@ def round_plan(
     aggregator = make_aggregator(strategy, base, rules.suspects, scratch, share, model=model)
     participants = choose_participants(online, rules.policy.participation, rules.recipe.seed, round_id)
     return aggregator, participants, rules.recipe
+
+
+def secure_part(
+    coordinator: Coordinator, round_id: int, global_weights: Weights, selected: list[str]
+) -> LiveSecureRound | None:
+    """A round's secure part when the recipe asks for one, over the `selected` devices (the round's participants,
+    else the online ones); resumed if a previous process saved it."""
+    rules, parts = coordinator.rules, coordinator.parts
+    if rules.recipe.secure_aggregation == "off":
+        return None
+    args = (parts.publisher.run_id, round_id, selected, global_weights, rules.spec, rules.recipe)
+    start = functools.partial(start_secure, *args)
+    return LiveSecureRound.opened(coordinator.session, coordinator.fleet, parts.intake.store, start, round_id)

@@ -29,6 +29,7 @@ from coordinator.provision import load_secure_fleet
 from coordinator.publisher import Artefacts, RetainedPublisher
 from coordinator.round_aggregator import SuspectPolicy
 from coordinator.rounds import Coordinator, RoundParts, RoundPolicy, RoundRules
+from coordinator.secagg_live import check_secure_settings
 from coordinator.store import RunStore, stored_spec
 from coordinator.strategies import make_strategy
 from edge_agent.data.fashion_mnist import load_fashion_mnist
@@ -102,6 +103,7 @@ class ServerSettings:
         if self.asynchronous is not None:
             check_async_settings(self.strategy, self.suspects, self.policy.participation)
         check_sample_settings(self.seed_labels, self.max_sample_share)
+        check_secure_settings(self.strategy, self.recipe, self.suspects, self.asynchronous is not None)
 
 
 def check_sample_settings(seed_labels: int | None, max_sample_share: float) -> None:

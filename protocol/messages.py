@@ -1,5 +1,5 @@
 # The wire's messages as typed values: the round recipe, announcement, model, bundle, encoder, update, ack, status,
-# chunk, and the rejection kinds an ack names; `wire` encodes and decodes them.
+# chunk, secure aggregation's stages, and the rejection kinds an ack names; `wire` encodes and decodes them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -45,6 +45,10 @@ class RejectionKind(StrEnum):
     BAD_ENCODING = "bad_encoding"
     BAD_CHUNK = "bad_chunk"
     TRANSFER_LIMIT = "transfer_limit"
+    FORGED_SHARE = "forged_share"  # secure aggregation: a share that does not open, fit its point or rebuild its secret
+    WRONG_RECIPIENT = "wrong_recipient"  # secure aggregation: a share addressed to a device that must not hold it
+    UNSAFE_REQUEST = "unsafe_request"  # secure aggregation: an unmask request an honest device refuses
+    WRONG_STAGE = "wrong_stage"  # secure aggregation: a message for a stage the round is not in
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,32 @@ class Recipe:
         "DP: the adaptive clip's geometric learning rate eta",
         omitted_at_default=True,
         low=0.0,
+    )
+    secure_aggregation: str = recipe_field(
+        "off",
+        "secagg: devices mask their updates (SecAgg+) so the coordinator learns only the survivors' weighted sum",
+        omitted_at_default=True,
+        choices="secure aggregation",
+    )
+    secagg_dropout: float = recipe_field(
+        0.1,
+        "secure aggregation: the fraction of a round's devices the neighbour graph is sized to lose",
+        omitted_at_default=True,
+        low=0.0,
+        high=0.5,
+        high_open=True,
+    )
+    secagg_clip: float = recipe_field(
+        1.0,
+        "secure aggregation: each coordinate of a device's weighted delta is clipped to +-this before fixed point",
+        omitted_at_default=True,
+        low=1e-6,
+    )
+    secagg_sample_cap: int = recipe_field(
+        1000,
+        "secure aggregation: a device weighs min(samples, cap) / cap (0: every device weighs the same)",
+        omitted_at_default=True,
+        low=0,
     )
 
 
@@ -268,9 +298,131 @@ class Chunk:
     data: bytes
 
 
-Message = RoundAnnouncement | ModelMessage | BundleMessage | EncoderMessage | Update | Ack | Status | Chunk
+@dataclass(frozen=True)
+class KeyAdvert:
+    """Secure aggregation, stage 1, device to coordinator: the device's two X25519 public keys for this round, one
+    that seals the shares it sends and one that agrees its pairwise masks."""
+
+    KIND: ClassVar[str] = "secagg_keys"
+    device_id: str
+    round_id: int
+    cipher_key: bytes
+    mask_key: bytes
+
+
+@dataclass(frozen=True)
+class KeyRoster:
+    """Stage 1's answer, coordinator to one device: the round's secure-aggregation settings and its neighbours' public
+    keys (the neighbour graph is drawn from `graph_seed` over the devices that advertised keys)."""
+
+    KIND: ClassVar[str] = "secagg_roster"
+    run_id: str
+    device_id: str
+    round_id: int
+    graph_seed: bytes
+    threshold: int
+    min_survivors: int
+    clip: float
+    max_summands: int
+    neighbours: list[str]
+    cipher_keys: list[bytes]
+    mask_keys: list[bytes]
+
+
+@dataclass(frozen=True)
+class ShareBundle:
+    """Stage 2, device to coordinator: one sealed share record per neighbour (shares of its self-mask seed and of
+    its mask key, readable by that neighbour only) and a SHA-256 commitment to the seed."""
+
+    KIND: ClassVar[str] = "secagg_shares"
+    device_id: str
+    round_id: int
+    recipients: list[str]
+    ciphertexts: list[bytes]
+    seed_commitment: bytes
+
+
+@dataclass(frozen=True)
+class ShareDelivery:
+    """Stage 2's answer, coordinator to one device: the sealed share records its neighbours addressed to it."""
+
+    KIND: ClassVar[str] = "secagg_delivery"
+    device_id: str
+    round_id: int
+    senders: list[str]
+    ciphertexts: list[bytes]
+
+
+@dataclass(frozen=True)
+class MaskedInput:
+    """Stage 3, device to coordinator: its fixed-point update plus its self mask and pairwise masks (uint32)."""
+
+    KIND: ClassVar[str] = "secagg_masked"
+    device_id: str
+    round_id: int
+    masked: Tensors
+
+
+@dataclass(frozen=True)
+class UnmaskRequest:
+    """Stage 4, coordinator to one surviving device: which of its neighbours survived (their seed shares are asked)
+    and which dropped after sharing (their mask-key shares are asked), and how many survived in all."""
+
+    KIND: ClassVar[str] = "secagg_unmask"
+    device_id: str
+    round_id: int
+    survivors: list[str]
+    dropped: list[str]
+    survivor_count: int
+
+
+@dataclass(frozen=True)
+class UnmaskResponse:
+    """Stage 4's answer, device to coordinator: the seed shares and mask-key shares it was asked for and agreed to."""
+
+    KIND: ClassVar[str] = "secagg_reveal"
+    device_id: str
+    round_id: int
+    seed_owners: list[str]
+    seed_shares: list[bytes]
+    key_owners: list[str]
+    key_shares: list[bytes]
+
+
+SecAggMessage = KeyAdvert | KeyRoster | ShareBundle | ShareDelivery | MaskedInput | UnmaskRequest | UnmaskResponse
+SECAGG_TYPES = (KeyAdvert, KeyRoster, ShareBundle, ShareDelivery, MaskedInput, UnmaskRequest, UnmaskResponse)
+Message = (
+    RoundAnnouncement | ModelMessage | BundleMessage | EncoderMessage | Update | Ack | Status | Chunk | SecAggMessage
+)
 MESSAGE_TYPES: dict[str, type] = {
     cls.KIND: cls
-    for cls in (RoundAnnouncement, ModelMessage, BundleMessage, EncoderMessage, Update, Ack, Status, Chunk)
+    for cls in (
+        RoundAnnouncement,
+        ModelMessage,
+        BundleMessage,
+        EncoderMessage,
+        Update,
+        Ack,
+        Status,
+        Chunk,
+        *SECAGG_TYPES,
+    )
 }
-M = TypeVar("M", RoundAnnouncement, ModelMessage, BundleMessage, EncoderMessage, Update, Ack, Status, Chunk)
+M = TypeVar(
+    "M",
+    RoundAnnouncement,
+    ModelMessage,
+    BundleMessage,
+    EncoderMessage,
+    Update,
+    Ack,
+    Status,
+    Chunk,
+    KeyAdvert,
+    KeyRoster,
+    ShareBundle,
+    ShareDelivery,
+    MaskedInput,
+    UnmaskRequest,
+    UnmaskResponse,
+)

@@ -9,7 +9,7 @@ import re
 import typing
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
@@ -36,6 +36,7 @@ MAX_TENSOR_DIMS = 8
 MAX_TENSORS = 1024
 MAX_STRING_BYTES = 64 * 1024
 IDENTIFIER = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+R = TypeVar("R")
 ALLOWED_DTYPES = frozenset(
     np.dtype(name).newbyteorder("<").str
     for name in (
@@ -95,6 +96,21 @@ def encode(message: Message) -> bytes:
     return msgpack.packb({"v": WIRE_VERSION, "kind": message.KIND, **_to_wire(message)}, use_bin_type=True)
 
 
+def encode_record(record: Any) -> bytes:
+    """A dataclass of wire-typed fields with a KIND (a saved protocol state, not a message) as an envelope."""
+    return msgpack.packb({"v": WIRE_VERSION, "kind": record.KIND, **_to_wire(record)}, use_bin_type=True)
+
+
+def decode_record(data: bytes, cls: type[R], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> R:
+    """The record encode_record wrote, every field checked as a message's are (a WireError when it is not one)."""
+    envelope = _envelope(data, max_bytes)
+    kind = envelope.pop("kind", None)
+    if kind != getattr(cls, "KIND", None):
+        raise WireError(f"expected a {getattr(cls, 'KIND', '?')!r} record, got kind {shown(kind)}")
+    record: R = _from_fields(cls, envelope)
+    return record
+
+
 def deflated(payload: bytes) -> bytes:
     """An encoded message inside a deflate envelope (zlib, lossless): for metered links, where fp16 and int8 deltas
     shrink by a third to a half again. decode() unwraps it, whatever the expected kind."""
@@ -137,6 +153,17 @@ def decode(data: bytes, expected: type[M], max_bytes: int = DEFAULT_MAX_MESSAGE_
     envelope = _envelope(data, max_bytes)
     message: Any = _update(envelope, max_bytes)[0] if expected is Update else _message(envelope, expected, max_bytes)
     return message
+
+
+def decode_any(data: bytes, expected: Sequence[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Any:
+    """Parses a message of whichever of the expected types its kind names (one topic, several kinds: secure
+    aggregation's stages); a kind none of them has is a WireError."""
+    envelope = _envelope(data, max_bytes)
+    kind = envelope.get("kind")
+    for cls in expected:
+        if kind == cls.KIND:
+            return _message(envelope, cls, max_bytes)
+    raise WireError(f"expected one of {shown_names([cls.KIND for cls in expected])}, got kind {shown(kind)}")
 
 
 def decode_update(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[Update, bytes]:
@@ -265,6 +292,12 @@ def _str_list(where: str, value: Any) -> list[str]:
     return value
 
 
+def _bytes_list(where: str, value: Any) -> list[bytes]:
+    if not isinstance(value, list) or not all(isinstance(v, bytes) for v in value):
+        raise WireError(f"{where} must be a list of byte strings")
+    return value
+
+
 def _number_map(where: str, value: Any) -> dict[str, float]:
     if not isinstance(value, dict) or not all(isinstance(k, str) and _is_number(v) for k, v in value.items()):
         raise WireError(f"{where} must be a map of names to numbers")
@@ -314,6 +347,7 @@ CHECKERS: dict[Any, Callable[[str, Any], Any]] = {
     bytes: _plain(bytes, "bytes"),
     list[int]: _int_list,
     list[str]: _str_list,
+    list[bytes]: _bytes_list,
     dict[str, float]: _number_map,
     Tensors: _tensors,
     BundleFiles: _bundle_files,

@@ -17,7 +17,11 @@ FORBIDDEN = {
 }
 TORCH_FREE = (
     # the protocol room, every module of it: a device that never trains in torch speaks the whole protocol
-    *(f"protocol.{path.stem}" for path in sorted((ROOT / "protocol").glob("*.py")) if path.stem != "__init__"),
+    *(
+        ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        for path in sorted((ROOT / "protocol").rglob("*.py"))
+        if path.stem != "__init__"
+    ),
     # the command lines load a command's module only when it runs
     "coordinator.cli",
     "bench.cli",
@@ -38,6 +42,10 @@ TORCH_FREE = (
     "coordinator.async_intake",
     "coordinator.divergence",
     "coordinator.validation",
+    "coordinator.secagg_server",
+    "coordinator.secagg_unmask",
+    "coordinator.secagg_round",
+    "edge_agent.loop.secagg_device",
     "coordinator.method_flags",
     "protocol.tensors",
     "protocol.options",

@@ -112,6 +112,8 @@ def test_the_device_acl_comes_from_the_patterns() -> None:
         "pattern write fl/f/devices/%u/#",
         "pattern read fl/f/devices/%u/ack",
         "pattern read fl/f/devices/%u/ack/chunk/+",
+        "pattern read fl/f/devices/%u/secagg_in",
+        "pattern read fl/f/devices/%u/secagg_in/chunk/+",
         "pattern read fl/f/round",
         "pattern read fl/f/round/chunk/+",
         "pattern read fl/f/model/#",

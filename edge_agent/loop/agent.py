@@ -16,6 +16,7 @@ from edge_agent.loop.footprint import PhaseMeter
 from edge_agent.loop.inbound import device_router, handle_inbound
 from edge_agent.loop.outbox import OUTBOX_FOLDER, UpdateSender
 from edge_agent.loop.round_runner import RoundRunner
+from edge_agent.loop.secure_rounds import SecureRounds
 from protocol import messages, topics, wire
 from protocol.model_spec import ModelSpec
 from protocol.mqtt import IncomingMessage, LastWill, MqttSession, PayloadTooLargeError
@@ -143,6 +144,10 @@ class Agent:
         self.router = device_router(
             settings.fleet, settings.device_id, self.on_announcement, self.receive, self.artefacts, self.sender.on_ack
         )
+        self.secure = SecureRounds(settings.fleet, settings.device_id, session, data.state_dir)
+        self.router.add(
+            topics.SECAGG_DOWN.bind(fleet=settings.fleet, device=settings.device_id), self.secure.on_message
+        )
 
     @property
     def last_finished_round(self) -> int:
@@ -220,6 +225,7 @@ class Agent:
             return False
         self._pending, self._recipe = announcement, announcement.recipe
         self.artefacts.follow_round(self.settings.fleet, announcement, self.settings.scores_with_onnxruntime)
+        self.secure.on_announcement(announcement)
         return False
 
     def maybe_run_round(self) -> None:
@@ -243,7 +249,7 @@ class Agent:
             return
         announcement, update = held.announcement, held.update
         try:
-            if update is not None:
+            if update is not None and not self.secure.took(announcement, update, self.artefacts):
                 with self.meter.phase("publish"):
                     self.sender.send(update, announcement.recipe.update_compression)
         except (wire.WireError, PayloadTooLargeError) as error:

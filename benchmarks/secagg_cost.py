@@ -1,0 +1,104 @@
+# Secure aggregation's cost against plain summation in the same run: bytes and compute per device, coordinator
+# compute and state, at 10, 100 and 500 in-process devices with a head-sized update.
+"""Each run drives one SecAgg+ round through bench.secagg_fleet (every message encoded and decoded by the wire,
+real X25519, HKDF, AES-GCM, AES-CTR and Shamir) and, over the same updates, the plain round: each device sends an
+float32 `Update` of its head and the coordinator sums the decoded tensors. Per fleet size and seed it reports
+
+  neighbours, threshold          the graph's degree (grows as log n for a fixed tolerated dropout) and its threshold
+  device_bytes_sent/received     mean over devices, every stage message as the wire encodes it
+  plain_device_bytes_sent        the plain update message
+  device_seconds                 mean and max compute per device (keys, shares, masks, reveals)
+  server_seconds                 the coordinator's compute over all four stages
+  plain_server_seconds           decoding and summing the plain updates
+  server_state_bytes             the largest saved state of the round (the sealed shares it routes, the sum)
+  max_error, error_bound         the unmasked sum against the plain sum, and the fixed point's stated bound
+  peak_rss_mb                    the process's peak RSS (all devices and the coordinator share it)
+
+Usage: python benchmarks/secagg_cost.py [--devices 10 100 500] [--seeds 0 1 2] [--features 1280]
+       [--dropout 0.1] [--drop-before 0.05] [--drop-after 0.05]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from bench.secagg_fleet import SecureRound, head_updates, largest_error, plain_sum
+from protocol import wire
+from protocol.messages import Update
+from protocol.tensors import Weights
+
+
+def plain_round(updates: dict[str, Weights]) -> tuple[float, float]:
+    """Mean bytes of a plain float32 update message, and the coordinator's seconds to decode and sum them all."""
+    messages = [
+        wire.encode(Update(d, 7, f"u-{d}", "base", 10, [1] * 10, 10, {}, tensors)) for d, tensors in updates.items()
+    ]
+    start = time.perf_counter()
+    total: dict[str, np.ndarray] = {}
+    for data in messages:
+        for name, array in wire.decode(data, Update).tensors.items():
+            total[name] = total.get(name, 0) + array.astype(np.float64)
+    return statistics.fmean(len(m) for m in messages), time.perf_counter() - start
+
+
+def secure_round(updates: dict[str, Weights], args: argparse.Namespace) -> dict[str, Any]:
+    """One secure round with the asked dropouts, and what it cost."""
+    ids = sorted(updates)
+    before = ids[: round(args.drop_before * len(ids))]
+    after = ids[len(before) : len(before) + round(args.drop_after * len(ids))]
+    secure = SecureRound.started(updates, dropout=args.dropout, min_survivors=2)
+    secure.send_shares()
+    state_bytes = len(secure.server.snapshot())
+    secure.deliver()
+    masked = [d for d in ids if d not in before]
+    secure.mask(masked)
+    result = secure.unmask([d for d in masked if d not in after])
+    costs = secure.costs
+    return {
+        "neighbours": secure.server.degree,
+        "threshold": secure.server.threshold,
+        "device_bytes_sent": statistics.fmean(costs.sent[d] for d in masked),
+        "device_bytes_received": statistics.fmean(costs.received[d] for d in masked),
+        "device_seconds": statistics.fmean(costs.device_seconds[d] for d in masked),
+        "device_seconds_max": max(costs.device_seconds.values()),
+        "server_seconds": costs.server_seconds,
+        "server_state_bytes": state_bytes,
+        "max_error": largest_error(result.total, plain_sum(updates, masked)),
+        "error_bound": result.error_bound,
+    }
+
+
+def main() -> None:
+    """Runs every fleet size and seed and prints one JSON line each, then the means per size."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", type=int, nargs="+", default=[10, 100, 500])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--features", type=int, default=1280, help="head inputs: 10 x F + 10 floats per update")
+    parser.add_argument("--dropout", type=float, default=0.1, help="the dropout the graph is sized to survive")
+    parser.add_argument("--drop-before", type=float, default=0.05, help="fraction that drops before masking")
+    parser.add_argument("--drop-after", type=float, default=0.05, help="fraction that drops after masking")
+    args = parser.parse_args()
+    summary = []
+    for devices in args.devices:
+        rows = []
+        for seed in args.seeds:
+            updates = head_updates(devices, seed=seed, features=args.features)
+            plain_bytes, plain_seconds = plain_round(updates)
+            row = {"devices": devices, "seed": seed, "floats": 10 * args.features + 10, **secure_round(updates, args)}
+            row |= {"plain_device_bytes_sent": plain_bytes, "plain_server_seconds": plain_seconds}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        summary.append({key: statistics.fmean(r[key] for r in rows) for key in rows[0] if key != "seed"})
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"summary": summary, "peak_rss_mb": peak, "dropout": args.dropout}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+# A secure round's saved state on the coordinator and what every stage shares: its graph, threshold, context, the
+# checks on a device's message, and abandoning the round without revealing anything.
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import ClassVar, NoReturn
+
+import numpy as np
+
+from protocol import wire
+from protocol.messages import RejectionKind, Tensors
+from protocol.secagg import graph, keys
+from protocol.secagg.checks import check_round, check_stage
+from protocol.secagg.errors import SecAggAbandoned, SecAggRefusal
+
+KEYS, SHARES, MASKED, UNMASK, DONE, ABANDONED = "keys", "shares", "masked", "unmask", "done", "abandoned"
+
+
+@dataclass
+class SecAggSettings:
+    """A secure round's public settings: the clip of the fixed-point range, the fewest survivors whose sum may be
+    revealed, the seed the neighbour graph is drawn from (public: anyone can redraw the graph), and the dropout
+    fraction the graph's degree is chosen to survive."""
+
+    clip: float = 1.0
+    min_survivors: int = 2
+    graph_seed: bytes = b""
+    dropout: float = 0.3
+
+
+@dataclass
+class ServerSecAggState:
+    """All a coordinator holds in a secure round, saved with the round: public keys, sealed shares it routes and
+    cannot open, commitments, the running masked sum (never one device's input), and the shares sent back."""
+
+    KIND: ClassVar[str] = "secagg_server_state"
+    run_id: str
+    round_id: int
+    stage: str
+    graph_seed: bytes
+    clip: float
+    min_survivors: int
+    dropout: float
+    selected: list[str]
+    masked_sum: Tensors
+    advertised: list[str] = field(default_factory=list)
+    cipher_keys: list[bytes] = field(default_factory=list)
+    mask_keys: list[bytes] = field(default_factory=list)
+    sharers: list[str] = field(default_factory=list)
+    commitments: list[bytes] = field(default_factory=list)
+    share_senders: list[str] = field(default_factory=list)
+    share_recipients: list[str] = field(default_factory=list)
+    share_ciphertexts: list[bytes] = field(default_factory=list)
+    masked_from: list[str] = field(default_factory=list)
+    responders: list[str] = field(default_factory=list)
+    seed_owners: list[str] = field(default_factory=list)
+    seed_holders: list[str] = field(default_factory=list)
+    seed_shares: list[bytes] = field(default_factory=list)
+    key_owners: list[str] = field(default_factory=list)
+    key_holders: list[str] = field(default_factory=list)
+    key_shares: list[bytes] = field(default_factory=list)
+
+
+class SecAggRound:
+    """The state of one secure round and what all its stages need (the stages themselves are SecAggServer's)."""
+
+    def __init__(self, state: ServerSecAggState) -> None:
+        self.state = state
+
+    def snapshot(self) -> bytes:
+        """The state as bytes, for the run's store."""
+        return wire.encode_record(self.state)
+
+    @cached_property
+    def graph(self) -> dict[str, list[str]]:
+        """The neighbour graph over the devices that advertised keys, drawn from the public seed."""
+        advertised = self.state.advertised
+        return graph.neighbours(advertised, self.state.graph_seed, self.degree)
+
+    @property
+    def degree(self) -> int:
+        """Neighbours per device, for the devices that advertised keys and the dropout the round must survive."""
+        return graph.degree_for(len(self.state.advertised), self.state.dropout)
+
+    @property
+    def threshold(self) -> int:
+        """Shares that rebuild a secret: a strict majority of each device's neighbours."""
+        return graph.threshold_for(self.degree)
+
+    @property
+    def context(self) -> bytes:
+        """The round's binding for keys, seals and commitments."""
+        return keys.round_context(self.state.run_id, self.state.round_id)
+
+    def _check(self, device: str, round_id: int, stage: str, what: str, allowed: list[str]) -> None:
+        check_round(self.state.round_id, round_id)
+        if device not in allowed:
+            kind = RejectionKind.NOT_SELECTED if stage == KEYS else RejectionKind.WRONG_STAGE
+            raise SecAggRefusal(kind, f"{what} from {wire.shown(device)}, which is not in this stage of the round")
+        check_stage(self.state.stage, stage, what)
+
+    @staticmethod
+    def _once(device: str, done: list[str], what: str) -> None:
+        if device in done:
+            raise SecAggRefusal(RejectionKind.DUPLICATE, f"{wire.shown(device)} already sent {what} this round")
+
+    def _enough(self, devices: list[str], what: str) -> None:
+        if len(devices) < self.state.min_survivors:
+            self._abandon(f"{len(devices)} devices {what}, at least {self.state.min_survivors} must")
+
+    def _abandon(self, reason: str) -> NoReturn:
+        """Drops everything that could unmask anything (the sum, the shares) and ends the round unrevealed."""
+        state = self.state
+        state.stage = ABANDONED
+        state.masked_sum = {name: np.zeros_like(array) for name, array in state.masked_sum.items()}
+        for name in (
+            "share_ciphertexts",
+            "seed_shares",
+            "key_shares",
+            "seed_owners",
+            "key_owners",
+            "seed_holders",
+            "key_holders",
+        ):
+            setattr(state, name, [])
+        raise SecAggAbandoned(reason)

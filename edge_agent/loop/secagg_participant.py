@@ -1,0 +1,103 @@
+# A device's secure rounds over MQTT: the coordinator's stage messages in, the device's answers out, its state saved
+# atomically in the state directory after every step, and its masked update sent in place of the plain one.
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from edge_agent.loop.secagg_device import DELIVERED, SecAggDevice
+from protocol import messages, topics, wire
+from protocol.files import atomic_write_bytes, load_arrays, save_arrays
+from protocol.messages import KeyRoster, RejectionKind, ShareBundle, ShareDelivery, UnmaskRequest, UnmaskResponse
+from protocol.model_spec import ModelSpec, trainable_names
+from protocol.mqtt import IncomingMessage, MqttSession
+from protocol.secagg.errors import SecAggRefusal
+from protocol.secagg.weighting import device_weight, weighted_delta
+from protocol.tensors import Weights
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "secagg_round.rec"  # the device's secure-round state (its secrets included)
+PENDING_FILE = "secagg_pending.npz"  # the weighted delta waiting for the share delivery before it is masked
+INBOUND = (KeyRoster, ShareDelivery, UnmaskRequest)
+
+
+class SecAggParticipant:
+    """One device's part in the secure rounds of its fleet: `begin` a round (keys advertised), `on_message` for each
+    stage message, `send_update` for the round's trained update (masked once the shares have arrived)."""
+
+    def __init__(self, fleet: str, device_id: str, session: MqttSession, state_dir: Path) -> None:
+        self.device_id = device_id
+        self.session = session
+        self.path, self.pending_path = state_dir / STATE_FILE, state_dir / PENDING_FILE
+        self.topic = topics.SECAGG_UP.build(fleet=fleet, device=device_id)
+        self.device = SecAggDevice.restored(self.path.read_bytes()) if self.path.exists() else None
+        self.clip = self.device.state.clip if self.device else 0.0
+
+    def begin(self, announcement: messages.RoundAnnouncement) -> None:
+        """Stage 1: fresh keys for a new round (the saved ones for the round a restart interrupted), advertised."""
+        round_id = announcement.round_id
+        if self.device is None or self.device.state.round_id != round_id:
+            self.device = SecAggDevice.start(self.device_id, round_id)
+            self.pending_path.unlink(missing_ok=True)
+            self.save()
+        self.clip = announcement.recipe.secagg_clip
+        self.publish(self.device.advert())
+
+    def on_message(self, message: IncomingMessage) -> bool:
+        """A roster, share delivery or unmask request: answered, or refused with a log line (the state unchanged)."""
+        incoming = wire.decode_any(message.payload, INBOUND)
+        device = self.device
+        if device is None:
+            log.warning("secure-round message with no round begun kind=%s", incoming.KIND)
+            return False
+        try:
+            answer = self.answer(device, incoming)
+        except SecAggRefusal as refusal:
+            log.warning("secure-round message refused kind=%s reason=%s", refusal.kind, refusal.reason)
+            return False
+        self.save()
+        if answer is not None:
+            self.publish(answer)
+        self.mask_pending()
+        return False
+
+    def answer(
+        self, device: SecAggDevice, incoming: KeyRoster | ShareDelivery | UnmaskRequest
+    ) -> ShareBundle | UnmaskResponse | None:
+        """The device's answer to one stage message (None for a delivery, which it keeps)."""
+        if isinstance(incoming, KeyRoster):
+            if incoming.clip != self.clip:
+                raise SecAggRefusal(RejectionKind.UNSAFE_REQUEST, f"roster clip {incoming.clip:g} is not the recipe's")
+            return device.on_roster(incoming)
+        if isinstance(incoming, ShareDelivery):
+            device.on_delivery(incoming)
+            return None
+        return device.on_unmask(incoming)
+
+    def send_update(self, update: messages.Update, base: Weights, spec: ModelSpec, recipe: messages.Recipe) -> None:
+        """The round's update as its weighted delta of the trainable tensors, kept (atomically) until it is masked;
+        masked at once if the shares have already arrived. The plain update never leaves the device."""
+        names = trainable_names(spec, base)
+        weight = device_weight(update.num_samples, recipe.secagg_sample_cap)
+        save_arrays(self.pending_path, weighted_delta(update.tensors, base, names, weight, recipe.secagg_clip))
+        self.mask_pending()
+
+    def mask_pending(self) -> None:
+        """Masks and sends the kept delta once the device holds its neighbours' shares."""
+        device = self.device
+        if device is None or device.state.stage != DELIVERED or not self.pending_path.exists():
+            return
+        masked = device.masked_input(load_arrays(self.pending_path))
+        self.save()
+        self.pending_path.unlink()
+        self.publish(masked)
+
+    def save(self) -> None:
+        """The state, written atomically (a restart answers the round's next stage from it)."""
+        if self.device is not None:
+            atomic_write_bytes(self.path, self.device.snapshot())
+
+    def publish(self, message: messages.SecAggMessage) -> None:
+        """One stage message to the coordinator (QoS 1, chunked if large)."""
+        self.session.publish(self.topic, wire.encode(message))

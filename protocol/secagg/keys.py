@@ -1,0 +1,77 @@
+# Key agreement (X25519 through `cryptography`), the keys derived from it (HKDF-SHA256), and share encryption (AES-GCM).
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from protocol.messages import RejectionKind
+from protocol.secagg.errors import SecAggRefusal
+
+KEY_BYTES = 32
+NONCE_BYTES = 12
+MASK_PURPOSE = b"secagg-pairwise-mask"
+SHARE_PURPOSE = b"secagg-share-encryption"
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    """An X25519 key pair as raw bytes (what a device's saved state holds)."""
+
+    secret: bytes
+    public: bytes
+
+    @classmethod
+    def generate(cls) -> KeyPair:
+        """A fresh key pair."""
+        return cls.from_secret(X25519PrivateKey.generate().private_bytes_raw())
+
+    @classmethod
+    def from_secret(cls, secret: bytes) -> KeyPair:
+        """The pair a raw secret key makes (how the coordinator checks a rebuilt key against the advertised one)."""
+        public = X25519PrivateKey.from_private_bytes(secret).public_key()
+        return cls(secret, public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw))
+
+
+def agreed_key(secret: bytes, peer_public: bytes, purpose: bytes, context: bytes) -> bytes:
+    """The 32-byte key two devices share for one purpose and one round: HKDF-SHA256 of their X25519 secret, with the
+    purpose and the round's context (run, round) as info, so no key serves two rounds or two jobs."""
+    if len(peer_public) != KEY_BYTES:
+        raise SecAggRefusal(RejectionKind.UNDECODABLE, f"a public key has {len(peer_public)} bytes, not {KEY_BYTES}")
+    try:
+        shared = X25519PrivateKey.from_private_bytes(secret).exchange(X25519PublicKey.from_public_bytes(peer_public))
+    except ValueError:  # a low-order point: the exchange would give all zeros
+        raise SecAggRefusal(RejectionKind.UNDECODABLE, "a public key is not a usable X25519 key") from None
+    return HKDF(hashes.SHA256(), KEY_BYTES, salt=None, info=purpose + b"|" + context).derive(shared)
+
+
+def round_context(run_id: str, round_id: int) -> bytes:
+    """What every key and sealed share of one round is bound to: the run and the round."""
+    return f"{run_id}/{round_id}".encode()
+
+
+def share_context(context: bytes, sender: str, recipient: str) -> bytes:
+    """The associated data that binds an encrypted share to its round, sender and recipient."""
+    return b"|".join((context, sender.encode(), recipient.encode()))
+
+
+def encrypt(key: bytes, plaintext: bytes, associated: bytes) -> bytes:
+    """AES-256-GCM with a random nonce, the nonce first."""
+    nonce = os.urandom(NONCE_BYTES)
+    return nonce + AESGCM(key).encrypt(nonce, plaintext, associated)
+
+
+def decrypt(key: bytes, ciphertext: bytes, associated: bytes) -> bytes:
+    """The plaintext of encrypt's output; anything altered, or sealed for another sender, recipient or round, is a
+    forged_share refusal."""
+    try:
+        return AESGCM(key).decrypt(ciphertext[:NONCE_BYTES], ciphertext[NONCE_BYTES:], associated)
+    except (InvalidTag, ValueError):
+        raise SecAggRefusal(
+            RejectionKind.FORGED_SHARE, "an encrypted share does not open with the pair's key"
+        ) from None

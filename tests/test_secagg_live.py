@@ -1,0 +1,216 @@
+# Secure aggregation over a real mosquitto: a coordinator's round against five device participants, the committed
+# model (FedAvg of the survivors), a device gone after masking, too many gone (abandoned), what the run dir holds.
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from coordinators import local_coordinator
+
+from coordinator.evaluation import Evaluator, LabelledSplit
+from coordinator.round_aggregator import SuspectPolicy
+from coordinator.rounds import Coordinator, RoundPolicy
+from coordinator.secagg_live import check_secure_settings
+from coordinator.store import RunStore
+from coordinator.strategies import make_strategy
+from edge_agent.learning.models import build_model, get_weights
+from edge_agent.loop.secagg_participant import SecAggParticipant
+from protocol import messages, topics, wire
+from protocol.errors import UsageError
+from protocol.model_spec import DEFAULT_SPEC
+from protocol.mqtt import MqttSession
+from protocol.secagg.weighting import device_weight
+from protocol.tensors import Weights, weights_hash
+
+FLEET = "secure"
+DEVICES = [f"dev{i}" for i in range(5)]
+SAMPLES = [40, 100, 250, 10, 60]
+RECIPE = messages.Recipe(secure_aggregation="secagg", secagg_sample_cap=200)
+
+
+class Fleet:
+    """Five device participants, each on its own session, pumped from the test's thread."""
+
+    def __init__(self, broker_address, tmp_path: Path, base: Weights) -> None:
+        self.sessions: dict[str, MqttSession] = {}
+        self.devices: dict[str, SecAggParticipant] = {}
+        generator = np.random.default_rng(3)
+        self.trained = {
+            device: {
+                name: (array + generator.normal(0, 0.01, array.shape)).astype(np.float32)
+                for name, array in base.items()
+            }
+            for device in DEVICES
+        }
+        for device in DEVICES:
+            session = MqttSession(broker_address, client_id=device)
+            session.connect(timeout=10)
+            session.subscribe(topics.SECAGG_DOWN.build(fleet=FLEET, device=device))
+            self.sessions[device] = session
+            self.devices[device] = SecAggParticipant(FLEET, device, session, tmp_path / device)
+            (tmp_path / device).mkdir()
+
+    def begin(self, base: Weights, masking: list[str]) -> None:
+        """Every device advertises its keys; those `masking` keep their trained update (masked once their shares
+        arrive), the others never finish training."""
+        announcement = messages.RoundAnnouncement("run", 1, weights_hash(base), RECIPE, time.time() + 60)
+        for device, samples in zip(DEVICES, SAMPLES):
+            participant = self.devices[device]
+            participant.begin(announcement)
+            if device in masking:
+                update = messages.Update(device, 1, "u", "", samples, [], 0, {}, self.trained[device])
+                participant.send_update(update, base, DEFAULT_SPEC, RECIPE)
+
+    def pump(self, unmasking: list[str], until: threading.Thread) -> None:
+        """Hands each device its messages until the coordinator's thread ends; only `unmasking` devices answer an
+        unmask request (the others are gone after masking)."""
+        deadline = time.monotonic() + 60
+        while until.is_alive() and time.monotonic() < deadline:
+            for device, session in self.sessions.items():
+                message = session.next_message(timeout=0.01)
+                if message is None:
+                    continue
+                if device in unmasking or not message.payload.count(messages.UnmaskRequest.KIND.encode()):
+                    self.devices[device].on_message(message)
+                session.acknowledge(message)
+
+    def close(self) -> None:
+        for session in self.sessions.values():
+            session.close()
+
+
+def fedavg(trained: dict[str, Weights], base: Weights) -> Weights:
+    """The FedAvg a secure round must commit: weights min(samples, cap) / cap."""
+    weights = [device_weight(samples, RECIPE.secagg_sample_cap) for samples in SAMPLES]
+    return {name: np.average([trained[d][name] for d in DEVICES], axis=0, weights=weights) for name in base}
+
+
+def secure_round(broker, tmp_path: Path, fashion, unmasking: list[str], masking: list[str]) -> tuple:
+    """Runs round 1 of a secure run: `masking` devices send masked inputs, `unmasking` answer the unmask."""
+    base = get_weights(build_model(seed=0))
+    split = LabelledSplit.from_uint8(fashion.test_images[:20], fashion.test_labels[:20])
+    session = MqttSession(broker.address, client_id="coordinator")
+    fleet = Fleet(broker.address, tmp_path, base)
+    store = RunStore(tmp_path / "run")
+    try:
+        policy = RoundPolicy(rounds=1, round_timeout=3.0)
+        evaluator = Evaluator(DEFAULT_SPEC, split, split, 1, 0)
+        coordinator: Coordinator = local_coordinator(
+            FLEET, session, store, make_strategy("fedavg"), evaluator, policy, RECIPE
+        )
+        session.connect(timeout=10)
+        coordinator.start()
+        for device in DEVICES:
+            coordinator.parts.presence.statuses[device] = messages.Status(device, "online", time.time())
+        outcome: list = []
+        thread = threading.Thread(target=lambda: outcome.append(coordinator.run_round(1, base)))
+        thread.start()
+        fleet.begin(base, masking)
+        fleet.pump(unmasking, thread)
+        thread.join(timeout=30)
+        return base, fleet.trained, outcome[0], store
+    finally:
+        fleet.close()
+        session.close()
+
+
+def plain_bytes_in(folder: Path, trained: dict[str, Weights], base: Weights) -> list[str]:
+    """Files under `folder` that hold any device's plain weights or delta (the first tensor's bytes, which are
+    unique to the device: random noise on the model)."""
+    name = next(iter(base))
+    needles = [trained[d][name].tobytes()[:4096] for d in DEVICES]
+    needles += [(trained[d][name] - base[name]).tobytes()[:4096] for d in DEVICES]
+    return [str(path) for path in folder.rglob("*") if path.is_file() and any(n in path.read_bytes() for n in needles)]
+
+
+def test_a_secure_round_commits_fedavg_and_the_run_holds_no_plain_update(broker, tmp_path, fashion) -> None:
+    base, trained, (weights, result), store = secure_round(broker, tmp_path, fashion, DEVICES, DEVICES)
+    expected = fedavg(trained, base)
+    assert result.report.get("participants") is None
+    assert max(float(np.abs(weights[n] - expected[n]).max()) for n in base) < 1e-5
+    assert max(float(np.abs(weights[n] - base[n]).max()) for n in base) > 1e-3
+    metrics = store.rounds()[0].metrics
+    assert metrics["secure_aggregation"] == "committed" and metrics["secagg_survivors"] == 5
+    store.close()
+    assert plain_bytes_in(tmp_path / "run", trained, base) == []
+    assert plain_bytes_in(tmp_path / "dev0", trained, base) == []  # the device keeps only its weighted delta
+
+
+def test_a_device_gone_after_masking_still_counts(broker, tmp_path, fashion) -> None:
+    base, trained, (weights, _), store = secure_round(broker, tmp_path, fashion, DEVICES[1:], DEVICES)
+    expected = fedavg(trained, base)
+    assert max(float(np.abs(weights[n] - expected[n]).max()) for n in base) < 1e-5
+    assert store.rounds()[0].metrics["secagg_survivors"] == 5
+    store.close()
+
+
+def test_too_many_gone_abandons_the_round_and_reveals_nothing(broker, tmp_path, fashion) -> None:
+    base, _, (weights, _), store = secure_round(broker, tmp_path, fashion, DEVICES[:1], DEVICES[:1])
+    assert all(np.array_equal(weights[n], base[n]) for n in base)
+    metrics = store.rounds()[0].metrics
+    assert metrics["secure_aggregation"] == "abandoned" and metrics["secagg_reason"]
+    saved = (tmp_path / "run").rglob("secagg-1.rec")
+    store.close()
+    assert next(saved).exists()
+
+
+@pytest.mark.parametrize(
+    ("strategy", "recipe", "suspects", "asynchronous", "named"),
+    [
+        ("optfl", RECIPE, SuspectPolicy(), False, "--strategy optfl"),
+        ("median", RECIPE, SuspectPolicy(), False, "--strategy median"),
+        ("fedavg", RECIPE, SuspectPolicy(exclude=True), False, "--exclude-suspects"),
+        ("fedavg", RECIPE, SuspectPolicy(), True, "--mode async"),
+        (
+            "fedavg",
+            messages.Recipe(secure_aggregation="secagg", update_encoding="int8-delta"),
+            SuspectPolicy(),
+            False,
+            "--update-encoding",
+        ),
+        ("avefl", RECIPE, SuspectPolicy(), False, "--secagg-sample-cap 0"),
+    ],
+)
+def test_conflicts_with_secure_aggregation_are_refused_in_one_line(
+    strategy, recipe, suspects, asynchronous, named
+) -> None:
+    with pytest.raises(UsageError) as caught:
+        check_secure_settings(strategy, recipe, suspects, asynchronous)
+    assert named in str(caught.value) and "\n" not in str(caught.value)
+
+
+class Recorded:
+    """A session that only records what is published (the resume test needs no broker)."""
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, bytes]] = []
+
+    def publish(self, topic: str, payload: bytes) -> None:
+        self.published.append((topic, payload))
+
+
+def test_a_restarted_coordinator_resumes_the_stage_and_sends_its_messages_again(tmp_path) -> None:
+    from bench.secagg_fleet import head_updates
+    from coordinator.secagg_live import LiveSecureRound, start_secure
+    from coordinator.secagg_round import SHARES
+    from edge_agent.loop.secagg_device import SecAggDevice
+
+    updates = head_updates(4)
+    ids = sorted(updates)
+    base = {name: np.zeros_like(array) for name, array in updates[ids[0]].items()}
+    with RunStore(tmp_path / "run") as store:
+        first = Recorded()
+        start = lambda: start_secure("run", 1, ids, base, DEFAULT_SPEC, RECIPE)  # noqa: E731
+        live = LiveSecureRound.opened(first, FLEET, store, start, 1)  # type: ignore[arg-type]
+        for device in ids:
+            live.on_message(device, wire.encode(SecAggDevice.start(device, 1).advert()))
+        rosters = live.server.rosters()
+        live.send([wire.encode(roster) for roster in rosters], save=True)
+        again = Recorded()
+        resumed = LiveSecureRound.opened(again, FLEET, store, start, 1)  # type: ignore[arg-type]
+    assert resumed.server.state.stage == SHARES and resumed.server.state.advertised == ids
+    assert again.published == first.published and len(again.published) == 4
+    assert {topic for topic, _ in again.published} == {topics.SECAGG_DOWN.build(fleet=FLEET, device=d) for d in ids}
