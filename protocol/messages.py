@@ -10,6 +10,15 @@ import numpy as np
 
 from protocol.model_spec import ModelSpec
 from protocol.recipe_flags import OMITTED_KEY, recipe_field
+from protocol.secagg_messages import (
+    KeyAdvert,
+    KeyRoster,
+    MaskedInput,
+    ShareBundle,
+    ShareDelivery,
+    UnmaskRequest,
+    UnmaskResponse,
+)
 
 Tensors = dict[str, np.ndarray]
 
@@ -296,97 +305,6 @@ class Chunk:
     total_bytes: int
     digest: str
     data: bytes
-
-
-@dataclass(frozen=True)
-class KeyAdvert:
-    """Secure aggregation, stage 1, device to coordinator: the device's two X25519 public keys for this round, one
-    that seals the shares it sends and one that agrees its pairwise masks."""
-
-    KIND: ClassVar[str] = "secagg_keys"
-    device_id: str
-    round_id: int
-    cipher_key: bytes
-    mask_key: bytes
-
-
-@dataclass(frozen=True)
-class KeyRoster:
-    """Stage 1's answer, coordinator to one device: the round's secure-aggregation settings and its neighbours' public
-    keys (the neighbour graph is drawn from `graph_seed` over the devices that advertised keys)."""
-
-    KIND: ClassVar[str] = "secagg_roster"
-    run_id: str
-    device_id: str
-    round_id: int
-    graph_seed: bytes
-    threshold: int
-    min_survivors: int
-    clip: float
-    max_summands: int
-    neighbours: list[str]
-    cipher_keys: list[bytes]
-    mask_keys: list[bytes]
-
-
-@dataclass(frozen=True)
-class ShareBundle:
-    """Stage 2, device to coordinator: one sealed share record per neighbour (shares of its self-mask seed and of
-    its mask key, readable by that neighbour only) and a SHA-256 commitment to the seed."""
-
-    KIND: ClassVar[str] = "secagg_shares"
-    device_id: str
-    round_id: int
-    recipients: list[str]
-    ciphertexts: list[bytes]
-    seed_commitment: bytes
-
-
-@dataclass(frozen=True)
-class ShareDelivery:
-    """Stage 2's answer, coordinator to one device: the sealed share records its neighbours addressed to it."""
-
-    KIND: ClassVar[str] = "secagg_delivery"
-    device_id: str
-    round_id: int
-    senders: list[str]
-    ciphertexts: list[bytes]
-
-
-@dataclass(frozen=True)
-class MaskedInput:
-    """Stage 3, device to coordinator: its fixed-point update plus its self mask and pairwise masks (uint32)."""
-
-    KIND: ClassVar[str] = "secagg_masked"
-    device_id: str
-    round_id: int
-    masked: Tensors
-
-
-@dataclass(frozen=True)
-class UnmaskRequest:
-    """Stage 4, coordinator to one surviving device: which of its neighbours survived (their seed shares are asked)
-    and which dropped after sharing (their mask-key shares are asked), and how many survived in all."""
-
-    KIND: ClassVar[str] = "secagg_unmask"
-    device_id: str
-    round_id: int
-    survivors: list[str]
-    dropped: list[str]
-    survivor_count: int
-
-
-@dataclass(frozen=True)
-class UnmaskResponse:
-    """Stage 4's answer, device to coordinator: the seed shares and mask-key shares it was asked for and agreed to."""
-
-    KIND: ClassVar[str] = "secagg_reveal"
-    device_id: str
-    round_id: int
-    seed_owners: list[str]
-    seed_shares: list[bytes]
-    key_owners: list[str]
-    key_shares: list[bytes]
 
 
 SecAggMessage = KeyAdvert | KeyRoster | ShareBundle | ShareDelivery | MaskedInput | UnmaskRequest | UnmaskResponse

@@ -98,7 +98,7 @@ def encode(message: Message) -> bytes:
 
 def encode_record(record: Any) -> bytes:
     """A dataclass of wire-typed fields with a KIND (a saved protocol state, not a message) as an envelope."""
-    return msgpack.packb({"v": WIRE_VERSION, "kind": record.KIND, **_to_wire(record)}, use_bin_type=True)
+    return encode(typing.cast(Message, record))
 
 
 def decode_record(data: bytes, cls: type[R], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> R:
@@ -107,13 +107,11 @@ def decode_record(data: bytes, cls: type[R], max_bytes: int = DEFAULT_MAX_MESSAG
     kind = envelope.pop("kind", None)
     if kind != getattr(cls, "KIND", None):
         raise WireError(f"expected a {getattr(cls, 'KIND', '?')!r} record, got kind {shown(kind)}")
-    record: R = _from_fields(cls, envelope)
-    return record
+    return typing.cast(R, _from_fields(cls, envelope))
 
 
 def deflated(payload: bytes) -> bytes:
-    """An encoded message inside a deflate envelope (zlib, lossless): for metered links, where fp16 and int8 deltas
-    shrink by a third to a half again. decode() unwraps it, whatever the expected kind."""
+    """An encoded message in a deflate envelope (lossless, for metered links); decode() unwraps it for any kind."""
     envelope = {"v": WIRE_VERSION, "kind": DEFLATE, "size": len(payload), "data": zlib.compress(payload, 6)}
     return msgpack.packb(envelope, use_bin_type=True)
 
@@ -136,8 +134,8 @@ def _inflated(envelope: dict[str, Any], max_bytes: int) -> bytes:
 
 
 def signed(payload: bytes, key: bytes) -> bytes:
-    """An encoded update (deflated or not) in a signed envelope: the bytes as they are and their HMAC-SHA256 under the
-    sender's key (binding the nonce, device and round inside), checked over the very bytes decoded: no re-encoding."""
+    """An encoded update in a signed envelope: the bytes as they are and their HMAC-SHA256 under the sender's key,
+    checked over the very bytes decoded (no re-encoding)."""
     envelope = {"v": WIRE_VERSION, "kind": SIGNED, "data": payload, "signature": hmac.digest(key, payload, "sha256")}
     return msgpack.packb(envelope, use_bin_type=True)
 
@@ -148,16 +146,14 @@ def signature_valid(signed_bytes: bytes, signature: bytes, key: bytes) -> bool:
 
 
 def decode(data: bytes, expected: type[M], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> M:
-    """Parses and validates a message of the expected type (unwrapping one deflate envelope, and a signed envelope
-    around an update); every failure is a WireError saying why."""
+    """A checked message of the expected type (through one deflate and an update's signed envelope), or a WireError."""
     envelope = _envelope(data, max_bytes)
     message: Any = _update(envelope, max_bytes)[0] if expected is Update else _message(envelope, expected, max_bytes)
     return message
 
 
 def decode_any(data: bytes, expected: Sequence[Any], max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Any:
-    """Parses a message of whichever of the expected types its kind names (one topic, several kinds: secure
-    aggregation's stages); a kind none of them has is a WireError."""
+    """A message of whichever expected type its kind names (one topic, several kinds), else a WireError."""
     envelope = _envelope(data, max_bytes)
     kind = envelope.get("kind")
     for cls in expected:
@@ -280,22 +276,16 @@ def _number(where: str, value: Any) -> float:
     return float(value)
 
 
-def _int_list(where: str, value: Any) -> list[int]:
-    if not isinstance(value, list) or not all(_is_int(v) for v in value):
-        raise WireError(f"{where} must be a list of integers")
-    return value
+def _list_of(kind: type, what: str) -> Callable[[str, Any], list[Any]]:
+    """A checker for a list whose every item is of one Python type (bool is not an integer)."""
 
+    def check(where: str, value: Any) -> list[Any]:
+        items = value if isinstance(value, list) else [None]
+        if not all(isinstance(v, kind) and not (kind is int and isinstance(v, bool)) for v in items):
+            raise WireError(f"{where} must be a list of {what}")
+        return value
 
-def _str_list(where: str, value: Any) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise WireError(f"{where} must be a list of strings")
-    return value
-
-
-def _bytes_list(where: str, value: Any) -> list[bytes]:
-    if not isinstance(value, list) or not all(isinstance(v, bytes) for v in value):
-        raise WireError(f"{where} must be a list of byte strings")
-    return value
+    return check
 
 
 def _number_map(where: str, value: Any) -> dict[str, float]:
@@ -345,9 +335,9 @@ CHECKERS: dict[Any, Callable[[str, Any], Any]] = {
     float: _number,
     str: _plain(str, "a string"),
     bytes: _plain(bytes, "bytes"),
-    list[int]: _int_list,
-    list[str]: _str_list,
-    list[bytes]: _bytes_list,
+    list[int]: _list_of(int, "integers"),
+    list[str]: _list_of(str, "strings"),
+    list[bytes]: _list_of(bytes, "byte strings"),
     dict[str, float]: _number_map,
     Tensors: _tensors,
     BundleFiles: _bundle_files,
