@@ -256,28 +256,11 @@ class Coordinator:
     def collect(self, opened: OpenRound, timing: RoundTiming) -> None:
         """Handles messages until the quorum is in, or the deadline passes with at least the minimum (a secure round:
         until its stages are done or it is abandoned)."""
-        policy, collector = self.rules.policy, opened.collector
         if opened.secure is not None:
-            result = opened.secure.collect(lambda: self.handle_next(opened), policy.round_timeout)
+            result = opened.secure.collect(lambda: self.handle_next(opened), self.rules.policy.round_timeout)
             opened.secure.conclude(result, opened.collector, opened.aggregator, self.rules.spec)
             return
-        deadline = timing.monotonic + policy.round_timeout
-        while len(collector.accepted) < self.needed(opened):
-            if time.monotonic() >= deadline:
-                have = len(collector.accepted)
-                stragglers = self.parts.presence.stragglers(collector.accepted)
-                if have >= policy.min_devices:
-                    log.warning(
-                        "round deadline passed round=%d accepted=%d needed=%d stragglers=%s",
-                        *(collector.round_id, have, self.needed(opened), stragglers),
-                    )
-                    return
-                log.warning(
-                    "round deadline passed below the minimum round=%d accepted=%d min=%d; waiting longer",
-                    *(collector.round_id, have, policy.min_devices),
-                )
-                deadline = time.monotonic() + policy.round_timeout
-            self.handle_next(opened)
+        collect_until_quorum(self, opened, timing)
 
     def handle_next(self, opened: OpenRound | None) -> None:
         """Handles the messages waiting (the first within 0.2 s, then up to policy.batch without waiting, stopping at
@@ -355,3 +338,26 @@ def secure_part(
     args = (parts.publisher.run_id, round_id, selected, global_weights, rules.spec, rules.recipe)
     start = functools.partial(start_secure, *args)
     return LiveSecureRound.opened(coordinator.session, coordinator.fleet, parts.intake.store, start, round_id)
+
+
+def collect_until_quorum(coordinator: Coordinator, opened: OpenRound, timing: RoundTiming) -> None:
+    """A plain round's collection: messages until the quorum is in, or the deadline passes with at least the
+    minimum (below it, the deadline moves on and the round waits longer)."""
+    policy, collector = coordinator.rules.policy, opened.collector
+    deadline = timing.monotonic + policy.round_timeout
+    while len(collector.accepted) < coordinator.needed(opened):
+        if time.monotonic() >= deadline:
+            have = len(collector.accepted)
+            stragglers = coordinator.parts.presence.stragglers(collector.accepted)
+            if have >= policy.min_devices:
+                log.warning(
+                    "round deadline passed round=%d accepted=%d needed=%d stragglers=%s",
+                    *(collector.round_id, have, coordinator.needed(opened), stragglers),
+                )
+                return
+            log.warning(
+                "round deadline passed below the minimum round=%d accepted=%d min=%d; waiting longer",
+                *(collector.round_id, have, policy.min_devices),
+            )
+            deadline = time.monotonic() + policy.round_timeout
+        coordinator.handle_next(opened)
