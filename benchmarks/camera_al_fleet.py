@@ -104,7 +104,7 @@ def extract(model: torch.nn.Module, images: np.ndarray, what: str, batch: int = 
         for start in range(0, len(images), batch):
             out[start : start + batch] = model.prefix(torch.from_numpy(model_input(images[start : start + batch])))
             if start % (batch * 8) == 0:
-                progress(f"features {what}: {start + batch}/{len(images)}")
+                progress(f"features {what}: {min(start + batch, len(images))}/{len(images)}")
     return out
 
 
