@@ -19,6 +19,7 @@ Reported per sampler (over the seeds; label_efficiency's summary):
             accuracy, and that as a fraction of random's final label count (null where it never does)
   must_hold the default sampler's AULC >= random's + 0.02 and labels_to_random_final <= 50% of random's
   final_class_recall   per class, the federated head's final test accuracy on that class's scenes (mean over seeds)
+  ceiling_class_recall, ceiling_confusion   the same, and the confusion matrix, of the all-labels probe per seed
 
 Usage: python benchmarks/camera_al.py [--seeds 0 1 2] [--samplers random margin ...] [--devices 4]
        [--per-class 150] [--test-per-class 100] [--rounds 10] [--labels 10] [--epochs 20] [--size 96]
@@ -100,6 +101,13 @@ class Head:
         """Per class, the accuracy on that class's samples with dropout off."""
         right = np.argmax(features @ self.weight.T + self.bias, axis=1) == labels
         return [round(float(np.mean(right[labels == c])), 4) for c in range(len(TEN_CLASSES))]
+
+    def confusion(self, features: np.ndarray, labels: np.ndarray) -> list[list[int]]:
+        """Per true class (rows), how many of its samples the head (dropout off) calls each class (columns)."""
+        predicted = np.argmax(features @ self.weight.T + self.bias, axis=1)
+        return [
+            np.bincount(predicted[labels == c], minlength=len(TEN_CLASSES)).tolist() for c in range(len(TEN_CLASSES))
+        ]
 
     def trained(self, features: np.ndarray, labels: np.ndarray, settings: HeadSettings) -> Head:
         """A new head: train_classifier from this one."""
@@ -228,12 +236,12 @@ def run(fleet: dict[str, np.ndarray], sampler: str, seed: int, args: argparse.Na
     ]
 
 
-def ceiling(fleet: dict[str, np.ndarray], seed: int, devices: int) -> tuple[float, list[float]]:
-    """Test accuracy and per-class accuracy of the centralised probe on every pool label of every device."""
+def ceiling(fleet: dict[str, np.ndarray], seed: int, devices: int) -> tuple[float, list[float], list[list[int]]]:
+    """Test accuracy, per-class accuracy and confusion of the centralised probe on every pool label of every device."""
     features = np.concatenate([fleet[f"features_{n}"] for n in range(devices)])
     labels = np.concatenate([fleet[f"labels_{n}"] for n in range(devices)])
     probe, test = logistic_regression(features, labels, CEILING_EPOCHS, seed), test_set(fleet, devices)
-    return round(probe.accuracy(*test), 4), probe.class_recall(*test)
+    return round(probe.accuracy(*test), 4), probe.class_recall(*test), probe.confusion(*test)
 
 
 def test_set(fleet: dict[str, np.ndarray], devices: int) -> tuple[np.ndarray, np.ndarray]:
@@ -297,7 +305,7 @@ def parse_args() -> argparse.Namespace:
 
 def sweep(
     fleet: dict[str, np.ndarray], args: argparse.Namespace
-) -> tuple[list[dict[str, Any]], dict[int, tuple[float, list[float]]]]:
+) -> tuple[list[dict[str, Any]], dict[int, tuple[float, list[float], list[list[int]]]]]:
     """Every seed's all-labels ceiling and every sampler's runs under it, with progress."""
     runs: list[dict[str, Any]] = []
     ceilings = {}
@@ -332,8 +340,9 @@ def main() -> None:
         "fleet": {**asdict(shape), "imbalance": args.imbalance},
         "settings": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
         "extraction": {**extraction, **timing, "threads": torch.get_num_threads()},
-        "ceiling_all_labels": {seed: accuracy for seed, (accuracy, _) in ceilings.items()},
-        "ceiling_class_recall": {seed: recall for seed, (_, recall) in ceilings.items()},
+        "ceiling_all_labels": {seed: accuracy for seed, (accuracy, _, _) in ceilings.items()},
+        "ceiling_class_recall": {seed: recall for seed, (_, recall, _) in ceilings.items()},
+        "ceiling_confusion": {seed: confusion for seed, (_, _, confusion) in ceilings.items()},
         "summary": summary,
         "must_hold": must_hold(summary, runs) if {"random", RECIPE.sampler} <= summary["federated"].keys() else None,
         "final_class_recall": class_recalls(runs),

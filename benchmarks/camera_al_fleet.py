@@ -29,6 +29,7 @@ from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.image_arrays import model_input
 from edge_agent.learning.efficientnet import FEATURES
 from edge_agent.learning.pretrained_backbone import initial_model
+from edge_agent.learning.split_model import SplitDropoutModel
 from protocol.files import load_arrays, save_arrays
 from protocol.model_spec import CLASS_NAMES, ModelSpec, spec_hash
 
@@ -97,7 +98,7 @@ def render_fleet(shape: FleetShape) -> tuple[list[np.ndarray], list[np.ndarray]]
     return [scenes.arrays() for scenes in sets], [scenes.labels for scenes in sets]
 
 
-def extract(model: torch.nn.Module, images: np.ndarray, what: str, batch: int = 64) -> np.ndarray:
+def extract(model: SplitDropoutModel, images: np.ndarray, what: str, batch: int = 64) -> np.ndarray:
     """The backbone's pooled features (float32 (N, 1280)) of raw uint8 images, a batch at a time, with progress."""
     out = np.empty((len(images), FEATURES), dtype=np.float32)
     with torch.no_grad():
