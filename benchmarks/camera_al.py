@@ -1,7 +1,9 @@
 # Federated active learning of a head over frozen EfficientNet-Lite0 features on a 10-class camera fleet, per sampler.
-"""A camera fleet (bench.camera_scenes: Fashion-MNIST's ten classes rendered as RGB JPEG scenes), its devices' pools
-and a separate test set, embedded once by the zoo's EfficientNet-Lite0 with ImageNet weights (pixels / 255, 1280
-pooled features; cached under --work, keyed by the fleet and the spec's hash). Each round every device scores its
+"""A camera fleet (camera_al_fleet: Fashion-MNIST's ten classes rendered as RGB JPEG scenes), its devices' pools
+and a separate balanced test set, embedded once by the zoo's EfficientNet-Lite0 with ImageNet weights (pixels / 255,
+1280 pooled features; cached under --work, keyed by the fleet and the spec's hash). The pools are balanced, or with
+--imbalance R their class frequencies fall geometrically from the commonest class to the rarest, R : 1 (the same
+pool size; the new scenes it needs are rendered and embedded once). Each round every device scores its
 pool with the round's global head (the devices' MC-dropout loop, mc_scorer, over cached features), asks the
 sampler (SAMPLERS, through Sampler.choose: the cold start draws uniformly until a device holds --labels labels),
 trains the head from the global one on every label it holds (head_training.train_classifier, the recipe's SGD,
@@ -16,18 +18,18 @@ Reported per sampler (over the seeds; label_efficiency's summary):
   labels_to_random_final   the first label count at which the sampler's mean curve reaches random's mean final
             accuracy, and that as a fraction of random's final label count (null where it never does)
   must_hold the default sampler's AULC >= random's + 0.02 and labels_to_random_final <= 50% of random's
+  final_class_recall   per class, the federated head's final test accuracy on that class's scenes (mean over seeds)
+  ceiling_class_recall, ceiling_confusion   the same, and the confusion matrix, of the all-labels probe per seed
 
 Usage: python benchmarks/camera_al.py [--seeds 0 1 2] [--samplers random margin ...] [--devices 4]
        [--per-class 150] [--test-per-class 100] [--rounds 10] [--labels 10] [--epochs 20] [--size 96]
-       [--work DIR] [--figures DIR]   (JSON on stdout, progress on stderr)
+       [--imbalance 1] [--work DIR] [--figures DIR]   (JSON on stdout, progress on stderr)
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass
 from functools import cache
@@ -36,13 +38,19 @@ from typing import Any
 
 import numpy as np
 import torch
+from camera_al_fleet import (
+    TEN_CLASSES,
+    FleetShape,
+    extraction_ms,
+    fleet_features,
+    imbalanced_features,
+    lite0_spec,
+    progress,
+)
 from label_efficiency import plot, summarise
 
-from bench.camera_scenes import SceneClass, pick_items, render_set
 from coordinator.aggregation import ClientUpdate
 from coordinator.strategies import make_strategy
-from edge_agent.data.fashion_mnist import load_fashion_mnist
-from edge_agent.data.image_arrays import model_input
 from edge_agent.learning.efficientnet import FEATURES, EfficientNetLite0
 from edge_agent.learning.head_training import HeadSettings, softmax, train_classifier
 from edge_agent.learning.mc_scorer import DropoutSpec, mc_probabilities
@@ -50,10 +58,7 @@ from edge_agent.learning.ort_scorer import DEFAULT_BATCH, TAIL_ROWS
 from edge_agent.learning.pretrained_backbone import initial_model
 from edge_agent.learning.sampling import COLD_START, AcquisitionContext, Embeddings, make_sampler
 from protocol import messages
-from protocol.files import load_arrays, save_arrays
-from protocol.model_spec import CLASS_NAMES, ModelSpec, spec_hash
 
-TEN_CLASSES = tuple(SceneClass(name, source) for source, name in enumerate(CLASS_NAMES))
 SAMPLERS = ("random", "margin", "entropy", "bald", "power-margin", "badge", "coreset", "fast")
 HEAD = ("classifier_fc.weight", "classifier_fc.bias")
 RECIPE = messages.Recipe()
@@ -63,98 +68,6 @@ CEILING_EPOCHS = 30
 HEAD_EPOCHS = (
     20  # local epochs: with 10-100 labels a device takes 1-4 SGD steps an epoch; 5 epochs leave the head unfit
 )
-
-
-def progress(text: str) -> None:
-    """One progress line on stderr."""
-    print(f"[camera_al {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
-
-
-def lite0_spec(size: int) -> ModelSpec:
-    """The pretrained spec the fleet runs: EfficientNet-Lite0, ImageNet weights, head-only, ten classes."""
-    return ModelSpec(
-        architecture="efficientnet-lite0",
-        channels=3,
-        height=size,
-        width=size,
-        mean=[0.5] * 3,
-        std=[0.5] * 3,
-        class_names=[scene.name for scene in TEN_CLASSES],
-        trainable="head",
-        pretrained="imagenet",
-    )
-
-
-@dataclass(frozen=True)
-class FleetShape:
-    """The camera fleet: devices, scenes per class on each device and in the test set, input size, fleet seed."""
-
-    devices: int
-    per_class: int
-    test_per_class: int
-    size: int
-    seed: int = 0
-
-
-def render_fleet(shape: FleetShape) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """(images, labels) per device, then the test set last: scenes of distinct Fashion-MNIST items (training split
-    for the pools, test split for the test set), each class dealt evenly over the devices."""
-    dataset, rng = load_fashion_mnist(), np.random.default_rng([shape.seed, 0])
-    indices, labels = pick_items(dataset.train_labels, TEN_CLASSES, shape.per_class * shape.devices, rng)
-    shares = [
-        np.concatenate([np.flatnonzero(labels == c)[d :: shape.devices] for c in range(10)])
-        for d in range(shape.devices)
-    ]
-    sets = [
-        render_set(dataset.train_images[indices[share]], labels[share], shape.size, shape.seed, number + 1)
-        for number, share in enumerate(shares)
-    ]
-    test_indices, test_labels = pick_items(dataset.test_labels, TEN_CLASSES, shape.test_per_class, rng)
-    sets.append(render_set(dataset.test_images[test_indices], test_labels, shape.size, shape.seed, shape.devices + 1))
-    return [scenes.arrays() for scenes in sets], [scenes.labels for scenes in sets]
-
-
-def extract(model: torch.nn.Module, images: np.ndarray, what: str, batch: int = 64) -> np.ndarray:
-    """The backbone's pooled features (float32 (N, 1280)) of raw uint8 images, a batch at a time, with progress."""
-    out = np.empty((len(images), FEATURES), dtype=np.float32)
-    with torch.no_grad():
-        for start in range(0, len(images), batch):
-            out[start : start + batch] = model.prefix(torch.from_numpy(model_input(images[start : start + batch])))
-            if start % (batch * 8) == 0:
-                progress(f"features {what}: {start + batch}/{len(images)}")
-    return out
-
-
-def fleet_features(shape: FleetShape, work: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """{"features_N", "labels_N"} per device N and the test set (N = devices), from the cache when it holds this
-    fleet under this backbone, else rendered and embedded (and cached); with the extraction's timing."""
-    spec = lite0_spec(shape.size)
-    key = hashlib.sha256(json.dumps([asdict(shape), spec_hash(spec)]).encode()).hexdigest()[:16]
-    path = work / f"features-{key}.npz"
-    if path.is_file():
-        progress(f"features from the cache {path}")
-        return load_arrays(path), {"cache": str(path), "cached": True}
-    images, labels = render_fleet(shape)
-    model, arrays = initial_model(spec, 0).eval(), {}
-    started = time.perf_counter()
-    for number, (stack, truth) in enumerate(zip(images, labels)):
-        arrays[f"features_{number}"], arrays[f"labels_{number}"] = extract(model, stack, f"set {number}"), truth
-    seconds = time.perf_counter() - started
-    work.mkdir(parents=True, exist_ok=True)
-    save_arrays(path, arrays)
-    count = sum(len(stack) for stack in images)
-    return arrays, {"cache": str(path), "cached": False, "images": count, "ms_per_image": 1000 * seconds / count}
-
-
-def extraction_ms(size: int, count: int = 64) -> float:
-    """Milliseconds per image of the backbone in torch fp32 on this machine (random pixels, after a warm-up)."""
-    model = initial_model(lite0_spec(size), 0).eval()
-    images = torch.rand(count, 3, size, size)
-    with torch.no_grad():
-        model.prefix(images[:8])
-        started = time.perf_counter()
-        model.prefix(images)
-    return round(1000 * (time.perf_counter() - started) / count, 2)
 
 
 class Head:
@@ -183,6 +96,18 @@ class Head:
     def accuracy(self, features: np.ndarray, labels: np.ndarray) -> float:
         """Top-1 accuracy with dropout off."""
         return float(np.mean(np.argmax(features @ self.weight.T + self.bias, axis=1) == labels))
+
+    def class_recall(self, features: np.ndarray, labels: np.ndarray) -> list[float]:
+        """Per class, the accuracy on that class's samples with dropout off."""
+        right = np.argmax(features @ self.weight.T + self.bias, axis=1) == labels
+        return [round(float(np.mean(right[labels == c])), 4) for c in range(len(TEN_CLASSES))]
+
+    def confusion(self, features: np.ndarray, labels: np.ndarray) -> list[list[int]]:
+        """Per true class (rows), how many of its samples the head (dropout off) calls each class (columns)."""
+        predicted = np.argmax(features @ self.weight.T + self.bias, axis=1)
+        return [
+            np.bincount(predicted[labels == c], minlength=len(TEN_CLASSES)).tolist() for c in range(len(TEN_CLASSES))
+        ]
 
     def trained(self, features: np.ndarray, labels: np.ndarray, settings: HeadSettings) -> Head:
         """A new head: train_classifier from this one."""
@@ -304,17 +229,19 @@ def run(fleet: dict[str, np.ndarray], sampler: str, seed: int, args: argparse.Na
     base = {"sampler": sampler, "seed": seed, "labels": labels, "final_class_counts": counts.tolist()}
     weak = [np.mean(d.truth[d.weak[0]] == d.weak[1]) for d in devices if d.weak is not None]
     fast = {"weak_label_accuracy": round(float(np.mean(weak)), 4)} if weak else {}
+    recall = {"final_class_recall": head.class_recall(*test)}
     return [
-        {**base, **fast, "partition": "federated", "accuracy": federated},
+        {**base, **fast, **recall, "partition": "federated", "accuracy": federated},
         {**base, "partition": "centralised", "accuracy": central},
     ]
 
 
-def ceiling(fleet: dict[str, np.ndarray], seed: int, devices: int) -> float:
-    """Test accuracy of the centralised probe on every pool label of every device."""
+def ceiling(fleet: dict[str, np.ndarray], seed: int, devices: int) -> tuple[float, list[float], list[list[int]]]:
+    """Test accuracy, per-class accuracy and confusion of the centralised probe on every pool label of every device."""
     features = np.concatenate([fleet[f"features_{n}"] for n in range(devices)])
     labels = np.concatenate([fleet[f"labels_{n}"] for n in range(devices)])
-    return round(logistic_regression(features, labels, CEILING_EPOCHS, seed).accuracy(*test_set(fleet, devices)), 4)
+    probe, test = logistic_regression(features, labels, CEILING_EPOCHS, seed), test_set(fleet, devices)
+    return round(probe.accuracy(*test), 4), probe.class_recall(*test), probe.confusion(*test)
 
 
 def test_set(fleet: dict[str, np.ndarray], devices: int) -> tuple[np.ndarray, np.ndarray]:
@@ -322,17 +249,40 @@ def test_set(fleet: dict[str, np.ndarray], devices: int) -> tuple[np.ndarray, np
     return fleet[f"features_{devices}"], fleet[f"labels_{devices}"]
 
 
-def must_hold(summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The issue's check on the federated curves: the default sampler's AULC gain over random (>= 0.02) and the
-    share of random's labels it needed to reach random's final accuracy (<= 0.5)."""
+def paired_gains(runs: list[dict[str, Any]], sampler: str) -> list[float]:
+    """Per seed (the same W0, cold start and fleet), the sampler's federated AULC minus random's."""
+    aulc = {
+        (run["sampler"], run["seed"]): float(np.mean(run["accuracy"]))
+        for run in runs
+        if run["partition"] == "federated"
+    }
+    seeds = sorted(seed for name, seed in aulc if name == sampler and ("random", seed) in aulc)
+    return [round(aulc[sampler, seed] - aulc["random", seed], 4) for seed in seeds]
+
+
+def must_hold(summary: dict[str, dict[str, Any]], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's check on the federated curves: the default sampler's AULC gain over random (>= 0.02; also per
+    seed) and the share of random's labels it needed to reach random's final accuracy (<= 0.5)."""
     curve = summary["federated"][RECIPE.sampler]
     gain, share = curve["aulc_gain_over_random"], curve["fraction_of_random_labels"]
     return {
         "sampler": RECIPE.sampler,
         "aulc_gain_over_random": gain,
+        "aulc_gain_per_seed": paired_gains(runs, RECIPE.sampler),
         "fraction_of_random_labels": share,
         "aulc_holds": gain >= 0.02,
         "labels_hold": share is not None and share <= 0.5,
+    }
+
+
+def class_recalls(runs: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Per sampler, the federated head's final per-class test accuracy, the mean over seeds."""
+    federated = [run for run in runs if run["partition"] == "federated"]
+    return {
+        sampler: np.mean([run["final_class_recall"] for run in federated if run["sampler"] == sampler], 0)
+        .round(4)
+        .tolist()
+        for sampler in dict.fromkeys(run["sampler"] for run in federated)
     }
 
 
@@ -344,17 +294,19 @@ def parse_args() -> argparse.Namespace:
     sizes = (("devices", 4), ("per-class", 150), ("test-per-class", 100), ("rounds", 10), ("labels", 10))
     for flag, default in (*sizes, ("epochs", HEAD_EPOCHS), ("passes", RECIPE.mc_passes), ("size", 96)):
         parser.add_argument(f"--{flag}", type=int, default=default)
+    parser.add_argument("--imbalance", type=float, default=1.0, help="commonest : rarest class in a pool (1: balanced)")
     parser.add_argument("--work", type=Path, default=Path("runs") / "camera-al", help="the feature cache's folder")
     parser.add_argument("--figures", type=Path, help="write curves.png and default_vs_random.png here")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if not args.imbalance >= 1:
+        parser.error(f"--imbalance is the commonest class's count over the rarest's, at least 1; got {args.imbalance}")
+    return args
 
 
-def main() -> None:
-    """Features once (cached), every sampler and seed, the summary and the must-hold check as one JSON object."""
-    args = parse_args()
-    shape = FleetShape(args.devices, args.per_class, args.test_per_class, args.size)
-    timing = {f"{size}px_ms_per_image": extraction_ms(size) for size in (96, 160)}
-    fleet, extraction = fleet_features(shape, args.work)
+def sweep(
+    fleet: dict[str, np.ndarray], args: argparse.Namespace
+) -> tuple[list[dict[str, Any]], dict[int, tuple[float, list[float], list[list[int]]]]]:
+    """Every seed's all-labels ceiling and every sampler's runs under it, with progress."""
     runs: list[dict[str, Any]] = []
     ceilings = {}
     for seed in args.seeds:
@@ -364,6 +316,20 @@ def main() -> None:
             runs.extend(run(fleet, sampler, seed, args))
             seconds = time.perf_counter() - started
             progress(f"seed {seed} {sampler}: {runs[-2]['accuracy']} ({seconds:.0f} s)")
+    return runs, ceilings
+
+
+def main() -> None:
+    """Features once (cached), every sampler and seed, the summary and the must-hold check as one JSON object."""
+    args = parse_args()
+    shape = FleetShape(args.devices, args.per_class, args.test_per_class, args.size)
+    timing = {f"{size}px_ms_per_image": extraction_ms(size) for size in (96, 160)}
+    fleet, extraction = (
+        imbalanced_features(shape, args.imbalance, args.work)
+        if args.imbalance > 1
+        else fleet_features(shape, args.work)
+    )
+    runs, ceilings = sweep(fleet, args)
     summary = summarise(runs)
     if args.figures:
         args.figures.mkdir(parents=True, exist_ok=True)
@@ -371,12 +337,15 @@ def main() -> None:
         focus = {key: summary["federated"][key] for key in ("random", RECIPE.sampler) if key in summary["federated"]}
         plot({"federated: the default sampler and random": focus}, args.figures / "default_vs_random.png")
     result = {
-        "fleet": asdict(shape),
+        "fleet": {**asdict(shape), "imbalance": args.imbalance},
         "settings": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
         "extraction": {**extraction, **timing, "threads": torch.get_num_threads()},
-        "ceiling_all_labels": ceilings,
+        "ceiling_all_labels": {seed: accuracy for seed, (accuracy, _, _) in ceilings.items()},
+        "ceiling_class_recall": {seed: recall for seed, (_, recall, _) in ceilings.items()},
+        "ceiling_confusion": {seed: confusion for seed, (_, _, confusion) in ceilings.items()},
         "summary": summary,
-        "must_hold": must_hold(summary) if "random" in summary["federated"] else None,
+        "must_hold": must_hold(summary, runs) if {"random", RECIPE.sampler} <= summary["federated"].keys() else None,
+        "final_class_recall": class_recalls(runs),
         "runs": runs,
     }
     print(json.dumps(result))
