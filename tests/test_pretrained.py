@@ -198,3 +198,24 @@ def test_last_n_trains_only_its_blocks_the_head_convolution_and_the_classifier(t
     assert not learner.current.training
     optimizer = TrainSettings(1, 8, 0.05, weight_decay=1e-4).make_optimizer(learner.current)
     assert sum(len(group["params"]) for group in optimizer.param_groups) == len(trained)
+
+
+def test_a_head_only_model_trains_on_its_prefix_run_once_per_image_with_the_same_result() -> None:
+    from edge_agent.learning.models import build_model
+    from edge_agent.learning.training import run_epochs, train_supervised
+
+    spec = ModelSpec(**LITE0, height=64, width=64, class_names=list("abcde"), trainable="head")
+    rng = np.random.default_rng(0)
+    images, labels = rng.integers(0, 256, (12, 64, 64, 3), dtype=np.uint8), rng.integers(0, 5, 12)
+    settings = TrainSettings(3, 4, 0.05, 0.9, 5e-4, seed=1)
+    fast, whole = build_model(spec, seed=0), build_model(spec, seed=0)
+    calls: list[int] = []
+    fast.stem.register_forward_hook(lambda module, inputs, output: calls.append(len(output)))
+    train_supervised(fast, images, labels, settings)
+    run_epochs([whole], images, labels, settings, lambda x, y: torch.nn.functional.cross_entropy(whole(x), y))
+    assert sum(calls) == len(images), "the frozen prefix saw each image once, not once per epoch"
+    trained, reference = get_weights(fast), get_weights(whole)
+    assert all(np.array_equal(trained[name], reference[name]) for name in reference)
+    assert not np.array_equal(
+        trained["classifier_fc.weight"], get_weights(build_model(spec, seed=0))["classifier_fc.weight"]
+    )
