@@ -20,7 +20,7 @@ from pathlib import Path
 
 from virtual_fleet import simulate_command
 
-from coordinator.dp_accountant import noise_for_epsilon
+from protocol.dp_accountant import noise_for_epsilon
 from coordinator.store import RunStore
 
 DELTA = 1e-5
