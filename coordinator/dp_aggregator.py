@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 
 from coordinator.aggregation import ClientUpdate
-from protocol.dp_accountant import SampledGaussian
 from coordinator.round_aggregator import StreamingAggregator, SuspectPolicy
 from coordinator.scratch import TensorScratch
 from coordinator.strategy_contract import Evaluate, StreamingWeightedAverage
 from protocol.dp import DP_CENTRAL, WITHIN_CLIP_METRIC, DpRound, clip_delta, delta_of, l2_norm, next_clip
+from protocol.dp_accountant import SampledGaussian
 from protocol.tensors import Weights
 
 # Device placement: an update whose delta exceeds the clip by more than this many stds of its noise share's norm

@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 
-from protocol.dp_accountant import SampledGaussian, epsilon_of
 from coordinator.dp_aggregator import DpAggregator, DpPlan
 from coordinator.round_aggregator import SuspectPolicy
 from coordinator.scratch import TensorScratch
@@ -18,6 +17,7 @@ from coordinator.store import RunStore
 from coordinator.strategy_contract import Strategy, streams
 from protocol import messages
 from protocol.dp import DP_CENTRAL, DP_DEVICE, DP_OFF, DpRound
+from protocol.dp_accountant import SampledGaussian, epsilon_of
 from protocol.errors import UsageError
 from protocol.tensors import Weights
 
@@ -84,7 +84,9 @@ class PrivateRounds:
         self.recipe = recipe
         self.rate = rate
         self.settings = settings
-        self.events = [SampledGaussian(entry["sampling_rate"], entry["effective_noise_multiplier"]) for entry in history]
+        self.events = [
+            SampledGaussian(entry["sampling_rate"], entry["effective_noise_multiplier"]) for entry in history
+        ]
         self.clip = float(history[-1]["next_clip"]) if history else recipe.dp_clip
         self.rng = np.random.default_rng()  # fresh entropy: noise nobody predicts from the recipe's public seed
 

@@ -14,7 +14,6 @@ from bench.cli import main as bench_main
 from coordinator.aggregation import ClientUpdate
 from coordinator.dashboard.live import Counters
 from coordinator.dashboard.metrics import render_metrics
-from protocol.dp_accountant import SampledGaussian, epsilon_of, noise_for_epsilon
 from coordinator.dp_aggregator import DpAggregator, DpPlan
 from coordinator.dp_rounds import DpSettings, PrivateRounds, check_dp_settings, poisson_sample
 from coordinator.mean_strategies import AveFL
@@ -32,6 +31,7 @@ from protocol.dp import (
     next_clip,
     privatised,
 )
+from protocol.dp_accountant import SampledGaussian, epsilon_of, noise_for_epsilon
 from protocol.errors import UsageError
 
 SIZE = 200_000
@@ -161,7 +161,11 @@ def test_the_accountant_is_dp_accounting_composing_poisson_sampled_gaussians() -
     assert ours == pytest.approx(reference.get_epsilon(1e-5), rel=0.03)
     assert epsilon_of([], 1e-5) == 0.0 and epsilon_of([SampledGaussian(0.1, 0.0)], 1e-5) == math.inf
     z = noise_for_epsilon(2.0, 1e-5, 0.1, 40)
-    assert epsilon_of([SampledGaussian(0.1, z)] * 40, 1e-5) <= 2.0 < epsilon_of([SampledGaussian(0.1, z * 0.98)] * 40, 1e-5)
+    assert (
+        epsilon_of([SampledGaussian(0.1, z)] * 40, 1e-5)
+        <= 2.0
+        < epsilon_of([SampledGaussian(0.1, z * 0.98)] * 40, 1e-5)
+    )
 
 
 def test_poisson_sampling_includes_each_device_independently_at_the_rate() -> None:

@@ -9,11 +9,11 @@ import pytest
 
 from coordinator.dashboard.report import write_report
 from coordinator.dashboard.views import load_snapshot, run_view
-from protocol.dp_accountant import SampledGaussian, epsilon_of
 from coordinator.spool import Spool
 from coordinator.store import RunStore
 from protocol import messages, wire
 from protocol.dp import DpRound, clip_delta, delta_of, l2_norm
+from protocol.dp_accountant import SampledGaussian, epsilon_of
 from tests.fleet import (
     committed_rounds,
     fleet_shards,

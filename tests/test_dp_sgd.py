@@ -10,6 +10,12 @@ import numpy as np
 import pytest
 from dp_accounting import rdp
 
+from coordinator import evaluation
+from coordinator.closing import DEVICE_EPSILON, RoundCloser, RoundTiming
+from coordinator.intake import RoundCollector
+from coordinator.store import RunStore
+from coordinator.strategies import make_strategy
+from coordinator.validation import Expectation
 from edge_agent.learning.bundle import store_bundle
 from edge_agent.learning.dp_sgd import LEDGER_FILE, PrivateSteps
 from edge_agent.learning.head_learner import HeadLearner
@@ -203,3 +209,24 @@ def test_dp_sgd_still_learns_a_separable_problem_at_noise_one(tmp_path: Path) ->
         steps=private(tmp_path, 1.0, 1.0, 100, seed=4),
     )
     assert np.mean(np.argmax(features @ weight.T + bias, axis=1) == labels) > 0.95
+
+
+def reported(device: str, metrics: dict[str, float]) -> messages.Update:
+    """An accepted update of round 1 carrying these metrics (its tensors do not matter to the record)."""
+    return messages.Update(device, 1, device, "base", 4, [4], 4, metrics, {})
+
+
+def test_the_round_record_keeps_each_dp_sgd_devices_epsilon_and_a_plain_round_keeps_its_record(tmp_path: Path) -> None:
+    collector = RoundCollector(Expectation(1, "base", {}, 10, 1 << 20))
+    collector.accepted.update(
+        {"b": reported("b", {DP_SGD_EPSILON_METRIC: 2.5}), "a": reported("a", {DP_SGD_EPSILON_METRIC: 1.25})}
+    )
+    closer = RoundCloser(RunStore(tmp_path / "run"), make_strategy("avefl"), None, False, 0)  # type: ignore[arg-type]
+    record = closer.round_record(collector, RoundTiming(0.0, 0.0), evaluation.TestScores(0.5), {}, {}, {})
+    assert record.metrics[DEVICE_EPSILON] == {"a": 1.25, "b": 2.5}
+    plain = RoundCollector(Expectation(1, "base", {}, 10, 1 << 20))
+    plain.accepted["a"] = reported("a", {"train_loss": 0.5})
+    assert (
+        DEVICE_EPSILON
+        not in closer.round_record(plain, RoundTiming(0.0, 0.0), evaluation.TestScores(0.5), {}, {}, {}).metrics
+    )
