@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import dp_accounting
@@ -35,14 +35,19 @@ class SampledGaussian:
 
 def epsilon_of(events: Sequence[SampledGaussian], delta: float) -> float:
     """The epsilon at `delta` of all the releases composed (RDP); 0 for none, inf when one added no noise."""
-    if not events:
+    return epsilon_of_counts(Counter(events), delta)
+
+
+def epsilon_of_counts(counts: Mapping[SampledGaussian, int], delta: float) -> float:
+    """The epsilon at `delta` of each release composed as many times as counted (a device's DP-SGD ledger counts
+    its steps); 0 for none, inf when one taken added no noise."""
+    taken = {event: count for event, count in counts.items() if count > 0}
+    if not taken:
         return 0.0
-    if any(event.noise_multiplier <= 0.0 for event in events):
+    if any(event.noise_multiplier <= 0.0 for event in taken):
         return math.inf
     accountant = rdp.RdpAccountant(list(ORDERS))
-    for event, count in sorted(
-        Counter(events).items(), key=lambda item: (item[0].sampling_rate, item[0].noise_multiplier)
-    ):
+    for event, count in sorted(taken.items(), key=lambda item: (item[0].sampling_rate, item[0].noise_multiplier)):
         accountant.compose(event.dp_event(), count)
     return float(accountant.get_epsilon(delta))
 

@@ -1,4 +1,4 @@
-# DP-SGD on head-only devices: per-example clipping, the noise's std, Poisson batches, the accountant and its ledger.
+# DP-SGD on head-only devices (ALGORITHMS.md section 13.1): per-example clipping, the noise, Poisson batches, the ledger.
 from __future__ import annotations
 
 import dataclasses
@@ -171,9 +171,14 @@ def test_a_head_only_device_trains_dp_sgd_and_reports_the_epsilon_of_all_its_rou
     learner = head_learner(tmp_path)
     metrics = learner.train(data, recipe, seed=1)
     assert metrics[DP_SGD_EPSILON_METRIC] == pytest.approx(reference_epsilon(0.2, 1.5, 10, 1e-5), rel=1e-9)
-    assert learner.weights().keys() == get_weights(build_model(seed=0)).keys()
-    restarted = head_learner(tmp_path).train(data, recipe, seed=2)
+    again = head_learner(tmp_path)  # a restarted device: its ledger is all it remembers
+    restarted = again.train(data, recipe, seed=1)
     assert restarted[DP_SGD_EPSILON_METRIC] == pytest.approx(reference_epsilon(0.2, 1.5, 20, 1e-5), rel=1e-9)
+    head = learner.bundle.manifest.head
+    assert head is not None
+    first, second = learner.weights()[head.weight], again.weights()[head.weight]
+    assert not np.array_equal(first, second)  # the same seed: the batches and the noise come from fresh entropy
+    assert not np.array_equal(first, get_weights(build_model(seed=0))[head.weight])
 
 
 def test_dp_sgd_runs_on_head_only_devices_and_a_full_model_device_refuses_it_in_one_line(tmp_path: Path) -> None:

@@ -73,14 +73,13 @@ def record_steps(ledger: Path, rate: float, noise_multiplier: float, steps: int)
             break
     else:
         entries.append([rate, noise_multiplier, steps])
-    if steps:
-        journal.set(LEDGER_KEY, entries)
+    journal.set(LEDGER_KEY, entries)
     return entries
 
 
 def ledger_epsilon(entries: list[list[float]], delta: float) -> float:
     """The epsilon at `delta` of every step in the ledger: dp_accounting's RDP accountant composing
     PoissonSampled(q, Gaussian(z)) once per step (imported here: a device without DP-SGD needs no dp_accounting)."""
-    from protocol.dp_accountant import SampledGaussian, epsilon_of
+    from protocol.dp_accountant import SampledGaussian, epsilon_of_counts
 
-    return epsilon_of([SampledGaussian(q, z) for q, z, steps in entries for _ in range(int(steps))], delta)
+    return epsilon_of_counts({SampledGaussian(q, z): int(steps) for q, z, steps in entries}, delta)
