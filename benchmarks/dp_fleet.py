@@ -20,8 +20,8 @@ from pathlib import Path
 
 from virtual_fleet import simulate_command
 
-from coordinator.dp_accountant import noise_for_epsilon
 from coordinator.store import RunStore
+from protocol.dp_accountant import noise_for_epsilon
 
 DELTA = 1e-5
 

@@ -15,9 +15,11 @@ from coordinator.observer import RoundResult
 from coordinator.round_aggregator import Aggregate, RoundAggregator
 from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore, StrategyState
 from coordinator.strategy_contract import Strategy
+from protocol.dp import DP_SGD_EPSILON_METRIC
 from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)
+DEVICE_EPSILON = "device_dp_sgd_epsilon"  # round metrics: each DP-SGD device's example-level epsilon, as it reported
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,17 @@ class RoundEvaluator(Protocol):
 def latest_device_labels(store: RunStore) -> dict[str, int]:
     """Each device's oracle-label count as of its last accepted update, so a resumed run counts labels right."""
     return {record.device_id: record.acquired_labels for record in store.device_rounds() if record.accepted}
+
+
+def device_epsilons(collector: RoundCollector) -> dict[str, dict[str, float]]:
+    """{DEVICE_EPSILON: {device: epsilon}} for the accepted devices whose update reports a DP-SGD epsilon (each
+    device accounts its own examples), or {} when none does, so a round without DP-SGD keeps its record."""
+    spent = {
+        device: float(update.metrics[DP_SGD_EPSILON_METRIC])
+        for device, update in sorted(collector.accepted.items())
+        if DP_SGD_EPSILON_METRIC in update.metrics
+    }
+    return {DEVICE_EPSILON: spent} if spent else {}
 
 
 class RoundCloser:
@@ -121,6 +134,7 @@ class RoundCloser:
             self.device_labels[update.device_id] = update.acquired_labels
         metrics["class_accuracy"] = scores.per_class
         metrics["device_class_accuracy"] = {device: score.per_class for device, score in device_scores.items()}
+        metrics.update(device_epsilons(collector))
         labels = self.base_labels + sum(self.device_labels.values())
         accepted, rejected = len(collector.accepted), collector.rejection_count
         return RoundRecord(

@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 
 from coordinator.aggregation import ClientUpdate
-from coordinator.dp_accountant import RoundEvent
 from coordinator.round_aggregator import StreamingAggregator, SuspectPolicy
 from coordinator.scratch import TensorScratch
 from coordinator.strategy_contract import Evaluate, StreamingWeightedAverage
 from protocol.dp import DP_CENTRAL, WITHIN_CLIP_METRIC, DpRound, clip_delta, delta_of, l2_norm, next_clip
+from protocol.dp_accountant import SampledGaussian
 from protocol.tensors import Weights
 
 # Device placement: an update whose delta exceeds the clip by more than this many stds of its noise share's norm
@@ -35,7 +35,7 @@ class DpPlan:
     sampling_rate: float
     clip_lr: float
     rng: np.random.Generator
-    epsilon_after: Callable[[RoundEvent], float]
+    epsilon_after: Callable[[SampledGaussian], float]
 
 
 class DpAggregator(StreamingAggregator):
@@ -106,7 +106,7 @@ class DpAggregator(StreamingAggregator):
         count_noise = float(plan.rng.normal(0.0, round_dp.count_std)) if central and round_dp.adaptive else 0.0
         fraction = (math.fsum(self.within.values()) + count_noise) / plan.expected
         shared = 1.0 if central else min(1.0, reported / max(round_dp.participants, 1.0))
-        event = RoundEvent(plan.sampling_rate, round_dp.noise_multiplier * math.sqrt(shared))
+        event = SampledGaussian(plan.sampling_rate, round_dp.noise_multiplier * math.sqrt(shared))
         following = next_clip(round_dp.clip, fraction, round_dp.quantile, plan.clip_lr) if round_dp.adaptive else None
         return {
             "placement": plan.placement,

@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.dp_accountant import RoundEvent, epsilon_of
 from coordinator.dp_aggregator import DpAggregator, DpPlan
 from coordinator.round_aggregator import SuspectPolicy
 from coordinator.scratch import TensorScratch
@@ -18,6 +17,7 @@ from coordinator.store import RunStore
 from coordinator.strategy_contract import Strategy, streams
 from protocol import messages
 from protocol.dp import DP_CENTRAL, DP_DEVICE, DP_OFF, DpRound
+from protocol.dp_accountant import SampledGaussian, epsilon_of
 from protocol.errors import UsageError
 from protocol.tensors import Weights
 
@@ -84,7 +84,9 @@ class PrivateRounds:
         self.recipe = recipe
         self.rate = rate
         self.settings = settings
-        self.events = [RoundEvent(entry["sampling_rate"], entry["effective_noise_multiplier"]) for entry in history]
+        self.events = [
+            SampledGaussian(entry["sampling_rate"], entry["effective_noise_multiplier"]) for entry in history
+        ]
         self.clip = float(history[-1]["next_clip"]) if history else recipe.dp_clip
         self.rng = np.random.default_rng()  # fresh entropy: noise nobody predicts from the recipe's public seed
 
@@ -97,7 +99,7 @@ class PrivateRounds:
         """The epsilon (at the run's delta) of every committed round."""
         return epsilon_of(self.events, self.settings.delta)
 
-    def epsilon_after(self, event: RoundEvent) -> float:
+    def epsilon_after(self, event: SampledGaussian) -> float:
         """The epsilon once one more round, `event`, is composed."""
         return epsilon_of([*self.events, event], self.settings.delta)
 
@@ -106,7 +108,7 @@ class PrivateRounds:
         budget = self.settings.epsilon_budget
         if budget is None:
             return False
-        following = self.epsilon_after(RoundEvent(self.rate, self.recipe.dp_noise_multiplier))
+        following = self.epsilon_after(SampledGaussian(self.rate, self.recipe.dp_noise_multiplier))
         if following <= budget:
             return False
         log.warning(
@@ -152,7 +154,7 @@ class PrivateRounds:
 
     def committed(self, report: dict[str, Any]) -> None:
         """Takes in a committed round's DP report: its event for the accountant, the next round's clip."""
-        self.events.append(RoundEvent(report["sampling_rate"], report["effective_noise_multiplier"]))
+        self.events.append(SampledGaussian(report["sampling_rate"], report["effective_noise_multiplier"]))
         self.clip = float(report["next_clip"])
         if not math.isfinite(self.clip) or self.clip <= 0.0:
             raise ValueError(f"the adaptive clip left the positive numbers: {self.clip!r}")

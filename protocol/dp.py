@@ -14,6 +14,7 @@ DP_CENTRAL = "central"  # the coordinator clips each delta and noises the sum (a
 DP_DEVICE = "device"  # each device clips its own delta and adds its share of the noise
 DP_PLACEMENTS = (DP_OFF, DP_CENTRAL, DP_DEVICE)
 WITHIN_CLIP_METRIC = "dp_within_clip"  # device placement: 1 if the delta was within the clip, plus its noise share
+DP_SGD_EPSILON_METRIC = "dp_sgd_epsilon"  # a DP-SGD device: example-level epsilon of all its steps so far
 COUNT_NOISE_DIVISOR = 20.0  # Andrew et al. 2021: the clipped count's noise std is the expected participants / 20
 
 

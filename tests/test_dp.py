@@ -14,7 +14,6 @@ from bench.cli import main as bench_main
 from coordinator.aggregation import ClientUpdate
 from coordinator.dashboard.live import Counters
 from coordinator.dashboard.metrics import render_metrics
-from coordinator.dp_accountant import RoundEvent, epsilon_of, noise_for_epsilon
 from coordinator.dp_aggregator import DpAggregator, DpPlan
 from coordinator.dp_rounds import DpSettings, PrivateRounds, check_dp_settings, poisson_sample
 from coordinator.mean_strategies import AveFL
@@ -32,6 +31,7 @@ from protocol.dp import (
     next_clip,
     privatised,
 )
+from protocol.dp_accountant import SampledGaussian, epsilon_of, noise_for_epsilon
 from protocol.errors import UsageError
 
 SIZE = 200_000
@@ -157,11 +157,15 @@ def test_adaptive_clipping_spends_part_of_the_noise_on_the_count() -> None:
 def test_the_accountant_is_dp_accounting_composing_poisson_sampled_gaussians() -> None:
     reference = rdp.RdpAccountant()
     reference.compose(dp_accounting.PoissonSampledDpEvent(0.1, dp_accounting.GaussianDpEvent(1.2)), 30)
-    ours = epsilon_of([RoundEvent(0.1, 1.2)] * 30, 1e-5)
+    ours = epsilon_of([SampledGaussian(0.1, 1.2)] * 30, 1e-5)
     assert ours == pytest.approx(reference.get_epsilon(1e-5), rel=0.03)
-    assert epsilon_of([], 1e-5) == 0.0 and epsilon_of([RoundEvent(0.1, 0.0)], 1e-5) == math.inf
+    assert epsilon_of([], 1e-5) == 0.0 and epsilon_of([SampledGaussian(0.1, 0.0)], 1e-5) == math.inf
     z = noise_for_epsilon(2.0, 1e-5, 0.1, 40)
-    assert epsilon_of([RoundEvent(0.1, z)] * 40, 1e-5) <= 2.0 < epsilon_of([RoundEvent(0.1, z * 0.98)] * 40, 1e-5)
+    assert (
+        epsilon_of([SampledGaussian(0.1, z)] * 40, 1e-5)
+        <= 2.0
+        < epsilon_of([SampledGaussian(0.1, z * 0.98)] * 40, 1e-5)
+    )
 
 
 def test_poisson_sampling_includes_each_device_independently_at_the_rate() -> None:
@@ -174,7 +178,7 @@ def test_poisson_sampling_includes_each_device_independently_at_the_rate() -> No
 
 def test_the_budget_is_exhausted_exactly_when_the_next_round_would_cross_it() -> None:
     recipe = messages.Recipe(dp=DP_CENTRAL, dp_noise_multiplier=1.5)
-    spent = [epsilon_of([RoundEvent(0.5, 1.5)] * count, 1e-5) for count in range(1, 6)]
+    spent = [epsilon_of([SampledGaussian(0.5, 1.5)] * count, 1e-5) for count in range(1, 6)]
     budget = (spent[2] + spent[3]) / 2  # three rounds fit, a fourth would not
     history = []
     rounds = PrivateRounds(recipe, 0.5, DpSettings(1e-5, budget), history)

@@ -9,11 +9,11 @@ import pytest
 
 from coordinator.dashboard.report import write_report
 from coordinator.dashboard.views import load_snapshot, run_view
-from coordinator.dp_accountant import RoundEvent, epsilon_of
 from coordinator.spool import Spool
 from coordinator.store import RunStore
 from protocol import messages, wire
 from protocol.dp import DpRound, clip_delta, delta_of, l2_norm
+from protocol.dp_accountant import SampledGaussian, epsilon_of
 from tests.fleet import (
     committed_rounds,
     fleet_shards,
@@ -33,7 +33,7 @@ DEVICES = ("--quorum", "2", "--min-devices", "2", "--wait-devices", "2")
 
 def spent(rounds: int) -> float:
     """The epsilon of `rounds` rounds of every device (q = 1) at noise multiplier NOISE, delta 1e-5."""
-    return epsilon_of([RoundEvent(1.0, NOISE)] * rounds, 1e-5)
+    return epsilon_of([SampledGaussian(1.0, NOISE)] * rounds, 1e-5)
 
 
 def run_fleet(broker, run_dir: Path, fleet: str, processes: list, *options: str) -> None:

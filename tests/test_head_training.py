@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -26,6 +27,8 @@ from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.memory_budget import MemoryBudgetError, fit_to_budget
 from export.bundle_writer import ensure_bundle_files
 from protocol import messages, topics, wire
+from protocol.dp import DP_SGD_EPSILON_METRIC
+from protocol.dp_accountant import SampledGaussian, epsilon_of
 from protocol.mqtt import BrokerAddress, MqttSession
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -180,7 +183,8 @@ def test_an_agent_whose_profile_cannot_hold_its_trainer_refuses_to_start_in_one_
 
 
 @pytest.mark.integration
-def test_a_pi_zero_agent_trains_the_classifier_without_torch(tmp_path: Path, broker, processes) -> None:
+@pytest.mark.parametrize("rule", ["kept-labels", "dp-sgd"])
+def test_a_pi_zero_agent_trains_the_classifier_without_torch(tmp_path: Path, broker, processes, rule: str) -> None:
     [launch] = fleet_shards(tmp_path, 1)
     listener = MqttSession(broker.address, client_id="head-listener", session_expiry=0)
     listener.connect(timeout=10)
@@ -195,7 +199,7 @@ def test_a_pi_zero_agent_trains_the_classifier_without_torch(tmp_path: Path, bro
                 env=os.environ,
             )
         )
-    recipe = messages.Recipe(labels_per_acquisition=20, epochs=3, batch_size=8, mc_passes=3)
+    recipe = messages.Recipe(labels_per_acquisition=20, epochs=3, batch_size=8, mc_passes=3, local_rule=rule)
     announce_round(broker.address, "head", recipe, bundle_dir=tmp_path / "bundle")
     deadline, message = time.monotonic() + 120, None
     while message is None and time.monotonic() < deadline:
@@ -204,5 +208,9 @@ def test_a_pi_zero_agent_trains_the_classifier_without_torch(tmp_path: Path, bro
     update, base = wire.decode(message.payload, messages.Update), get_weights(build_model(seed=1))
     changed = sorted(name for name in base if not np.array_equal(update.tensors[name], base[name]))
     assert changed == ["fc2.bias", "fc2.weight"] and update.acquired_labels == 20
+    if rule == "dp-sgd":  # 3 epochs of ceil(n / 8) Poisson steps at q = 8 / n over the n labels the device holds
+        held = update.num_samples
+        spent = epsilon_of([SampledGaussian(8 / held, 1.0)] * (3 * math.ceil(held / 8)), 1e-5)
+        assert update.metrics[DP_SGD_EPSILON_METRIC] == pytest.approx(spent, rel=1e-9)
     wait_until(lambda: "footprint round=1" in log_text(launch.log_file), "the footprint line")
     listener.close()

@@ -35,7 +35,6 @@ TORCH_FREE = (
     "coordinator.robust_strategies",
     "coordinator.optimizer_strategies",
     "coordinator.round_aggregator",
-    "coordinator.dp_accountant",
     "coordinator.dp_aggregator",
     "coordinator.dp_rounds",
     "coordinator.buffered",

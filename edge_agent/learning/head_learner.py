@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -11,16 +12,28 @@ from edge_agent.data.device_data import Samples
 from edge_agent.data.feature_cache import FEATURES_FOLDER
 from edge_agent.learning.bundle import Bundle
 from edge_agent.learning.cached_prefix import CachedPrefix, prefix_frozen
-from edge_agent.learning.head_training import HeadSettings, train_classifier
+from edge_agent.learning.dp_sgd import LEDGER_FILE, PrivateSteps
+from edge_agent.learning.head_training import HeadSettings, SgdSteps, train_classifier
 from edge_agent.learning.learner import Learner, bundle_scorer
 from edge_agent.learning.local_data import LocalData
-from edge_agent.learning.local_rules import CLASSIFIER_ONLY, RuleBodies, SupervisedRule, make_local_rule
+from edge_agent.learning.local_rules import CLASSIFIER_ONLY, DpSgd, RuleBodies, SupervisedRule, make_local_rule
 from edge_agent.learning.ort_scorer import penultimate_features
 from edge_agent.loop.agent_settings import AgentSettings
 from protocol import messages
 from protocol.tensors import Weights
 
-Problem = tuple[np.ndarray, np.ndarray, np.ndarray | None]
+
+@dataclass(frozen=True)
+class Problem:
+    """What a rule has the classifier train on: rows, their labels, a fixed logit bias (or None), and how the SGD
+    steps are taken (plain, or DP-SGD's)."""
+
+    rows: np.ndarray
+    labels: np.ndarray
+    logit_bias: np.ndarray | None = None
+    steps: SgdSteps = field(default_factory=SgdSteps)
+
+
 HeadBody = Callable[[Any, LocalData, messages.Recipe, int, int], Problem]
 HEAD_BODIES: RuleBodies[HeadBody] = RuleBodies(CLASSIFIER_ONLY)
 
@@ -75,8 +88,8 @@ class HeadLearner(Learner):
         assert head is not None  # checked in the constructor
         weight = self._weights[head.weight]
         rule = make_local_rule(recipe.local_rule)
-        rows, labels, adjustment = HEAD_BODIES.body(rule)(rule, data, recipe, seed, len(weight))
-        features = self.penultimate(rows)
+        problem = HEAD_BODIES.body(rule)(rule, data, recipe, seed, len(weight))
+        features = self.penultimate(problem.rows)
         options = HeadSettings(
             recipe.epochs,
             recipe.batch_size,
@@ -87,9 +100,12 @@ class HeadLearner(Learner):
             seed,
             recipe.lr_schedule,
         )
-        weight, bias, loss = train_classifier(features, labels, weight, self._weights[head.bias], options, adjustment)
+        weight, bias, loss = train_classifier(
+            features, problem.labels, weight, self._weights[head.bias], options, problem.logit_bias, problem.steps
+        )
         self._weights[head.weight], self._weights[head.bias] = weight, bias
-        return {"train_loss": loss, "train_samples": float(len(rows))}
+        spent = problem.steps.spent(len(problem.rows), options)
+        return {"train_loss": loss, "train_samples": float(len(problem.rows)), **spent}
 
     def features(self, samples: Samples) -> np.ndarray:
         """Penultimate features of the samples under the bundle's graphs as shipped (what scores the pool)."""
@@ -116,4 +132,22 @@ def supervised_problem(
 ) -> Problem:
     """What the classifier trains on under a supervised rule: its training set and its logit bias (or None)."""
     images, labels = rule.training_set(data, recipe, seed)
-    return images, labels, rule.logit_bias(labels, num_classes, recipe)
+    return Problem(images, labels, rule.logit_bias(labels, num_classes, recipe))
+
+
+@HEAD_BODIES.attach(DpSgd)
+def private_problem(rule: DpSgd, data: LocalData, recipe: messages.Recipe, seed: int, num_classes: int) -> Problem:
+    """DP-SGD's problem: every label the device holds (human and weak), no logit bias (class counts are not
+    private), DP-SGD's steps with noise from fresh entropy and the ledger in the device's state directory."""
+    if data.state_dir is None:
+        raise ValueError("dp-sgd keeps its privacy ledger in the device's state directory, and this data has none")
+    images, labels = data.training_set()
+    steps = PrivateSteps(
+        rule.option_value(recipe.options, "dp_sgd_clip"),
+        rule.option_value(recipe.options, "dp_sgd_noise_multiplier"),
+        max(1, min(recipe.batch_size, len(labels))),
+        rule.option_value(recipe.options, "dp_sgd_delta"),
+        data.state_dir / LEDGER_FILE,
+        np.random.default_rng(),
+    )
+    return Problem(images, labels, None, steps)

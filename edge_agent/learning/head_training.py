@@ -30,19 +30,48 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return shifted / shifted.sum(axis=1, keepdims=True)
 
 
-def cross_entropy_gradients(
+def example_errors(
     features: np.ndarray, labels: np.ndarray, weight: np.ndarray, bias: np.ndarray, logit_bias: np.ndarray | None = None
-) -> tuple[float, np.ndarray, np.ndarray]:
-    """(mean cross-entropy, d loss / d weight, d loss / d bias) of logits = features @ weight.T + bias, plus a fixed
-    per-class logit_bias when given (the logit adjustment tau ln n_c; -inf for a class without labels)."""
+) -> tuple[float, np.ndarray]:
+    """(mean cross-entropy, 0 for no rows; p_i - y_i per row) of logits = features @ weight.T + bias, plus a fixed
+    per-class logit_bias when given (the logit adjustment tau ln n_c; -inf for a class without labels): row i's
+    gradient is (p_i - y_i) [x_i, 1]^T for the weight and bias together."""
     logits = features @ weight.T + bias
     probabilities = softmax(logits if logit_bias is None else logits + logit_bias)
     rows = np.arange(len(labels))
-    loss = float(-np.mean(np.log(np.maximum(probabilities[rows, labels], 1e-12))))
-    delta = probabilities
-    delta[rows, labels] -= 1.0
+    loss = float(-np.mean(np.log(np.maximum(probabilities[rows, labels], 1e-12)))) if len(labels) else 0.0
+    probabilities[rows, labels] -= 1.0
+    return loss, probabilities
+
+
+def cross_entropy_gradients(
+    features: np.ndarray, labels: np.ndarray, weight: np.ndarray, bias: np.ndarray, logit_bias: np.ndarray | None = None
+) -> tuple[float, np.ndarray, np.ndarray]:
+    """(mean cross-entropy, d loss / d weight, d loss / d bias) of the batch (see example_errors)."""
+    loss, delta = example_errors(features, labels, weight, bias, logit_bias)
     delta /= len(labels)
     return loss, delta.T @ features, delta.sum(axis=0)
+
+
+class SgdSteps:
+    """How train_classifier draws an epoch's mini-batches and takes a batch's gradient: plain SGD shuffles the rows
+    with the round's seed and takes the mean cross-entropy gradient; DP-SGD (edge_agent.learning.dp_sgd) overrides
+    all three methods."""
+
+    def batches(self, size: int, batch_size: int, rng: np.random.Generator) -> list[np.ndarray]:
+        """One epoch's mini-batches: the rows shuffled by the seeded rng, cut into pieces of batch_size."""
+        order = rng.permutation(size)
+        return [order[start : start + batch_size] for start in range(0, size, batch_size)]
+
+    def gradients(
+        self, features: np.ndarray, labels: np.ndarray, parameters: list[np.ndarray], logit_bias: np.ndarray | None
+    ) -> tuple[float, np.ndarray, np.ndarray]:
+        """(the batch's mean loss, the weight's gradient, the bias's gradient)."""
+        return cross_entropy_gradients(features, labels, parameters[0], parameters[1], logit_bias)
+
+    def spent(self, size: int, settings: HeadSettings) -> dict[str, float]:
+        """What the update reports about the privacy this training spent: nothing, for plain SGD."""
+        return {}
 
 
 def dropped(features: np.ndarray, rate: float, rng: np.random.Generator) -> np.ndarray:
@@ -60,29 +89,41 @@ def train_classifier(
     bias: np.ndarray,
     settings: HeadSettings,
     logit_bias: np.ndarray | None = None,
+    steps: SgdSteps | None = None,
 ) -> tuple[np.ndarray, np.ndarray, float]:
-    """(new weight, new bias, last epoch's mean loss): E seeded epochs of shuffled mini-batches of SGD, on the
-    logit-adjusted loss when a logit_bias is given."""
+    """(new weight, new bias, last epoch's mean loss): E seeded epochs of mini-batches of SGD, on the logit-adjusted
+    loss when a logit_bias is given; `steps` draws the batches and takes the gradients (plain SGD by default)."""
     if len(features) != len(labels):
         raise ValueError(f"{len(features)} feature rows but {len(labels)} labels")
+    steps = steps or SgdSteps()
     rng = np.random.default_rng(settings.seed)
     parameters = [weight.astype(np.float64), bias.astype(np.float64)]
     velocity = [np.zeros_like(parameter) for parameter in parameters]
     inputs, targets = features.astype(np.float64), np.asarray(labels, dtype=np.int64)
-    epoch_loss, starts = float("nan"), range(0, len(inputs), settings.batch_size)
+    epoch_loss, per_epoch = float("nan"), len(range(0, len(inputs), settings.batch_size))
     for epoch in range(settings.epochs):
-        order, total = rng.permutation(len(inputs)), 0.0
-        for step, start in enumerate(starts, start=epoch * len(starts)):
-            batch = order[start : start + settings.batch_size]
-            loss, *gradients = cross_entropy_gradients(
-                dropped(inputs[batch], settings.dropout, rng), targets[batch], parameters[0], parameters[1], logit_bias
+        total, seen = 0.0, 0
+        for step, batch in enumerate(steps.batches(len(inputs), settings.batch_size, rng), start=epoch * per_epoch):
+            loss, *gradients = steps.gradients(
+                dropped(inputs[batch], settings.dropout, rng), targets[batch], parameters, logit_bias
             )
-            rate = settings.learning_rate * lr_factor(settings.lr_schedule, step, settings.epochs * len(starts))
-            for parameter, gradient, buffer in zip(parameters, gradients, velocity):
-                gradient = gradient + settings.weight_decay * parameter
-                buffer *= settings.momentum
-                buffer += gradient
-                parameter -= rate * buffer
-            total += loss * len(batch)
-        epoch_loss = total / max(len(order), 1)
+            rate = settings.learning_rate * lr_factor(settings.lr_schedule, step, settings.epochs * per_epoch)
+            sgd_step(parameters, gradients, velocity, rate, settings)
+            total, seen = total + loss * len(batch), seen + len(batch)
+        epoch_loss = total / max(seen, 1)
     return parameters[0].astype(np.float32), parameters[1].astype(np.float32), epoch_loss
+
+
+def sgd_step(
+    parameters: list[np.ndarray],
+    gradients: list[np.ndarray],
+    velocity: list[np.ndarray],
+    rate: float,
+    settings: HeadSettings,
+) -> None:
+    """torch.optim.SGD's step, in place: weight decay added to the gradient, v = mu*v + g, p -= rate * v."""
+    for parameter, gradient, buffer in zip(parameters, gradients, velocity):
+        gradient = gradient + settings.weight_decay * parameter
+        buffer *= settings.momentum
+        buffer += gradient
+        parameter -= rate * buffer

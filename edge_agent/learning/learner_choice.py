@@ -6,7 +6,7 @@ from pathlib import Path
 from edge_agent.learning.bundle import Bundle
 from edge_agent.learning.head_learner import HeadLearner
 from edge_agent.learning.learner import Learner
-from edge_agent.learning.local_rules import CLASSIFIER_ONLY, runs_on
+from edge_agent.learning.local_rules import CLASSIFIER_ONLY, LOCAL_RULES, runs_on
 from edge_agent.learning.sampling import make_sampler
 from edge_agent.loop.agent_settings import AgentSettings
 from protocol import messages
@@ -15,10 +15,12 @@ from protocol.tensors import Weights
 
 
 def round_problem(settings: AgentSettings, recipe: messages.Recipe, bundle: Bundle | None) -> str | None:
-    """Why this device cannot do a round's work, or None: a head-only device refuses a rule that does not declare
-    it can train the classifier alone, a sampler that needs whole-model logits (KSAS) and a bundle without a
-    penultimate graph."""
+    """Why this device cannot do a round's work, or None: a full-model device refuses a rule that declares the
+    classifier alone (DP-SGD); a head-only device refuses a rule that does not declare it can train the classifier
+    alone, a sampler that needs whole-model logits (KSAS) and a bundle without a penultimate graph."""
     if settings.trainer != CLASSIFIER_ONLY:
+        if recipe.local_rule in LOCAL_RULES and not runs_on(recipe.local_rule, settings.trainer):
+            return f"local rule {recipe.local_rule!r} trains the classifier alone; this profile trains the whole model"
         return None
     if bundle is None or bundle.manifest.head is None:
         return "the round's bundle has no penultimate graph (exported before head-only training)"

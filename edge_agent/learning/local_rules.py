@@ -9,6 +9,7 @@ import numpy as np
 
 from edge_agent.learning.acquisition_scores import class_prior_bias
 from edge_agent.learning.local_data import LocalData
+from protocol.dp import DP_SGD_EPSILON_METRIC
 from protocol.messages import METRIC_MEME_ENTROPY, Recipe
 from protocol.options import Method, Option, Registry
 
@@ -121,6 +122,43 @@ class KCFU(LocalRule):
     name = "kcfu"
     summary = "KAFAL: balanced CE on all labels + Gamma-weighted distillation on mixup of unlabelled samples"
     options = (Option("nu", float, 0.5, "KCFU trade-off nu between L_client and L_comp", 0.0, 1.0, flag="--kcfu-nu"),)
+
+
+@LOCAL_RULES.register
+class DpSgd(LocalRule):
+    """DP-SGD on the classifier alone (Abadi et al. 2016): every label the device holds, each example's gradient
+    clipped, Gaussian noise on each Poisson-sampled batch's sum; the device accounts its own example-level epsilon.
+    A linear head makes per-example gradients cheap, so only the head-only trainer runs it."""
+
+    name = "dp-sgd"
+    summary = "DP-SGD on the classifier: every label, per-example clipped gradients, Gaussian noise (head-only devices)"
+    options = (
+        Option(
+            "dp_sgd_clip",
+            float,
+            1.0,
+            "dp-sgd: L2 norm each example's gradient (weight and bias) is clipped to",
+            low=0.0,
+        ),
+        Option(
+            "dp_sgd_noise_multiplier",
+            float,
+            1.0,
+            "dp-sgd: noise multiplier z (std z * clip on each batch's sum)",
+            low=0.0,
+        ),
+        Option(
+            "dp_sgd_delta",
+            float,
+            1e-5,
+            "dp-sgd: the delta the device's example-level epsilon is stated at",
+            1e-12,
+            1.0,
+            high_open=True,
+        ),
+    )
+    reported_metrics = (DP_SGD_EPSILON_METRIC,)
+    trainers = frozenset({CLASSIFIER_ONLY})
 
 
 def make_local_rule(name: str) -> LocalRule:

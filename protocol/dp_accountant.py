@@ -1,10 +1,10 @@
-# The privacy accountant: Google's dp_accounting (RDP) composing one Poisson-sampled Gaussian per committed round.
+# The privacy accountant: Google's dp_accounting (RDP) composing Poisson-sampled Gaussians (DP-FedAvg rounds, DP-SGD steps).
 from __future__ import annotations
 
 import logging
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import dp_accounting
@@ -17,31 +17,37 @@ logging.getLogger("absl").setLevel(logging.ERROR)
 
 
 @dataclass(frozen=True)
-class RoundEvent:
-    """One round as the accountant sees it: each device sampled independently with probability `sampling_rate`,
-    then a Gaussian of `noise_multiplier` (the noise actually added, over the clip) on the sum."""
+class SampledGaussian:
+    """One release as the accountant sees it: each unit (a device in a DP-FedAvg round, an example in a DP-SGD step)
+    sampled independently with probability `sampling_rate`, then a Gaussian of `noise_multiplier` (the noise actually
+    added, over the clip) on the sum."""
 
     sampling_rate: float
     noise_multiplier: float
 
     def dp_event(self) -> dp_accounting.DpEvent:
-        """The round as dp_accounting's event: PoissonSampled(q, Gaussian(z)), or the Gaussian alone when q = 1."""
+        """The release as dp_accounting's event: PoissonSampled(q, Gaussian(z)), or the Gaussian alone when q = 1."""
         gaussian = dp_accounting.GaussianDpEvent(self.noise_multiplier)
         if self.sampling_rate >= 1.0:
             return gaussian
         return dp_accounting.PoissonSampledDpEvent(self.sampling_rate, gaussian)
 
 
-def epsilon_of(events: Sequence[RoundEvent], delta: float) -> float:
-    """The epsilon at `delta` of all the rounds composed (RDP); 0 for none, inf when a round added no noise."""
-    if not events:
+def epsilon_of(events: Sequence[SampledGaussian], delta: float) -> float:
+    """The epsilon at `delta` of all the releases composed (RDP); 0 for none, inf when one added no noise."""
+    return epsilon_of_counts(Counter(events), delta)
+
+
+def epsilon_of_counts(counts: Mapping[SampledGaussian, int], delta: float) -> float:
+    """The epsilon at `delta` of each release composed as many times as counted (a device's DP-SGD ledger counts
+    its steps); 0 for none, inf when one taken added no noise."""
+    taken = {event: count for event, count in counts.items() if count > 0}
+    if not taken:
         return 0.0
-    if any(event.noise_multiplier <= 0.0 for event in events):
+    if any(event.noise_multiplier <= 0.0 for event in taken):
         return math.inf
     accountant = rdp.RdpAccountant(list(ORDERS))
-    for event, count in sorted(
-        Counter(events).items(), key=lambda item: (item[0].sampling_rate, item[0].noise_multiplier)
-    ):
+    for event, count in sorted(taken.items(), key=lambda item: (item[0].sampling_rate, item[0].noise_multiplier)):
         accountant.compose(event.dp_event(), count)
     return float(accountant.get_epsilon(delta))
 
@@ -52,7 +58,7 @@ def noise_for_epsilon(epsilon: float, delta: float, sampling_rate: float, rounds
     return float(
         dp_accounting.calibrate_dp_mechanism(
             lambda: rdp.RdpAccountant(list(ORDERS)),
-            lambda noise: dp_accounting.SelfComposedDpEvent(RoundEvent(sampling_rate, noise).dp_event(), rounds),
+            lambda noise: dp_accounting.SelfComposedDpEvent(SampledGaussian(sampling_rate, noise).dp_event(), rounds),
             epsilon,
             delta,
             dp_accounting.LowerEndpointAndGuess(0.05, 1.0),
