@@ -19,6 +19,8 @@ from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)
 
+SECURE_LABELS = "secagg_labels"  # a secure round's metric: the new labels of its survivors, known only as their sum
+
 
 @dataclass(frozen=True)
 class RoundTiming:
@@ -55,6 +57,7 @@ class RoundCloser:
         self.evaluate_devices = evaluate_devices
         self.base_labels = base_labels
         self.device_labels = latest_device_labels(store)
+        self.secure_labels = sum(int(record.metrics.get(SECURE_LABELS, 0)) for record in store.rounds())
         self.restore_strategy_state()
 
     def restore_strategy_state(self) -> None:
@@ -116,12 +119,14 @@ class RoundCloser:
         metrics: dict[str, Any],
         device_scores: dict[str, TestScores],
     ) -> RoundRecord:
-        """The round's record (its checkpoint hash is filled in at commit), counting every label used so far."""
+        """The round's record (its checkpoint hash is filled in at commit), counting every label used so far (a
+        secure round's devices report their new labels only as a sum, in its metrics)."""
         for update in collector.accepted.values():
             self.device_labels[update.device_id] = update.acquired_labels
+        self.secure_labels += int(metrics.get(SECURE_LABELS, 0))
         metrics["class_accuracy"] = scores.per_class
         metrics["device_class_accuracy"] = {device: score.per_class for device, score in device_scores.items()}
-        labels = self.base_labels + sum(self.device_labels.values())
+        labels = self.base_labels + sum(self.device_labels.values()) + self.secure_labels
         accepted, rejected = len(collector.accepted), collector.rejection_count
         return RoundRecord(
             *(collector.round_id, timing.wall, time.time(), "", scores.accuracy, labels, accepted, rejected),

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from coordinator.aggregation import ClientUpdate
+from coordinator.closing import SECURE_LABELS
 from coordinator.intake import RoundCollector
 from coordinator.round_aggregator import RoundAggregator, SuspectPolicy
 from coordinator.secagg_round import ABANDONED, DONE, KEYS, MASKED, SHARES, UNMASK, SecAggSettings
@@ -27,7 +28,7 @@ from protocol.model_spec import ModelSpec, trainable_names
 from protocol.mqtt import MqttSession
 from protocol.secagg import keys
 from protocol.secagg.errors import SecAggAbandoned, SecAggRefusal
-from protocol.secagg.weighting import mask_layout, secure_mean
+from protocol.secagg.weighting import label_count, mask_layout, secure_mean
 from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class LiveSecureRound:
         self.server, self.path, self.session, self.fleet, self.store = server, path, session, fleet, store
         self.outbound: list[bytes] = []
         self.reason = ""
+        self.labels = 0
 
     @classmethod
     def opened(
@@ -154,10 +156,12 @@ class LiveSecureRound:
     def conclude(
         self, result: SecAggResult | None, collector: RoundCollector, aggregator: RoundAggregator, spec: ModelSpec
     ) -> None:
-        """Gives the aggregator the round's one update and the record its survivors (see `conclude`)."""
+        """Gives the aggregator the round's one update and the record its survivors (see `conclude`), and counts the
+        survivors' new labels."""
         expectation = collector.expectation
         conclude(result, expectation.base, spec, self.server.state.clip, aggregator)
         collector.accepted.update(survivor_records(result, expectation.round_id, expectation.base_hash))
+        self.labels = label_count(result.total, self.server.fixed_point) if result is not None else 0
 
     def metrics(self) -> dict[str, Any]:
         """What the round's record says of the secure round (the dashboard shows it)."""
@@ -167,6 +171,7 @@ class LiveSecureRound:
             "secure_aggregation": outcome,
             "secagg_survivors": len(state.masked_from) if state.stage == DONE else 0,
             "secagg_reason": self.reason,
+            SECURE_LABELS: self.labels,
             "divergence_source": "aggregate",
         }
 

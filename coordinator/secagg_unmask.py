@@ -13,7 +13,7 @@ from protocol.messages import RejectionKind, UnmaskRequest, UnmaskResponse
 from protocol.secagg import keys, masks, shamir
 from protocol.secagg.checks import check_pairs, check_stage, check_within
 from protocol.secagg.errors import SecAggAbandoned, SecAggRefusal
-from protocol.secagg.fixed_point import FixedPoint, flat, layout_of, shaped
+from protocol.secagg.fixed_point import flat, layout_of, shaped
 from protocol.tensors import Weights
 from protocol.wire import shown
 
@@ -153,7 +153,7 @@ class UnmaskStage(SecAggRound):
             public,
             {owner: sorted(survivors.intersection(self.graph[owner])) for owner in dropped},
         )
-        fixed = FixedPoint(state.clip, max(len(state.selected), 1))
+        fixed = self.fixed_point
         total = fixed.decode_sum(unmasked(flat(state.masked_sum), plan))
         state.stage = DONE
         forgers = sorted({holder for rebuilt in (*seeds.values(), *dropped.values()) for holder in rebuilt.forgers})
