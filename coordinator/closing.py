@@ -13,13 +13,11 @@ from coordinator.evaluation import TestScores
 from coordinator.intake import RoundCollector
 from coordinator.observer import RoundResult
 from coordinator.round_aggregator import Aggregate, RoundAggregator
-from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore, StrategyState
+from coordinator.store import SECURE_LABELS, DeviceRoundRecord, RoundRecord, RunStore, StrategyState
 from coordinator.strategy_contract import Strategy
 from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)
-
-SECURE_LABELS = "secagg_labels"  # a secure round's metric: the new labels of its survivors, known only as their sum
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from coordinator.aggregation import ClientUpdate
-from coordinator.closing import SECURE_LABELS
+from coordinator.divergence import relative_divergence
 from coordinator.intake import RoundCollector
 from coordinator.round_aggregator import RoundAggregator, SuspectPolicy
 from coordinator.secagg_round import ABANDONED, DONE, KEYS, MASKED, SHARES, UNMASK, SecAggSettings
 from coordinator.secagg_server import SecAggServer
 from coordinator.secagg_unmask import SecAggResult
-from coordinator.store import RunStore
+from coordinator.store import AGGREGATE_CHANGE, SECURE_LABELS, RunStore
 from coordinator.strategies import STRATEGIES
 from protocol import messages, topics, wire
 from protocol.errors import UsageError
@@ -66,6 +66,7 @@ class LiveSecureRound:
         self.outbound: list[bytes] = []
         self.reason = ""
         self.labels = 0
+        self.change: dict[str, float] = {}
 
     @classmethod
     def opened(
@@ -156,12 +157,14 @@ class LiveSecureRound:
     def conclude(
         self, result: SecAggResult | None, collector: RoundCollector, aggregator: RoundAggregator, spec: ModelSpec
     ) -> None:
-        """Gives the aggregator the round's one update and the record its survivors (see `conclude`), and counts the
-        survivors' new labels."""
-        expectation = collector.expectation
-        conclude(result, expectation.base, spec, self.server.state.clip, aggregator)
+        """Gives the aggregator the round's one update and the record its survivors (see `conclude`), counts the
+        survivors' new labels, and measures the aggregate's per-layer change (divergence's stand-in: no device's own
+        update is seen)."""
+        expectation, base = collector.expectation, collector.expectation.base
+        mean = conclude(result, base, spec, self.server.state.clip, aggregator)
         collector.accepted.update(survivor_records(result, expectation.round_id, expectation.base_hash))
         self.labels = label_count(result.total, self.server.fixed_point) if result is not None else 0
+        self.change = {name: relative_divergence(base[name], mean[name]) for name in trainable_names(spec, base)}
 
     def metrics(self) -> dict[str, Any]:
         """What the round's record says of the secure round (the dashboard shows it)."""
@@ -173,6 +176,7 @@ class LiveSecureRound:
             "secagg_reason": self.reason,
             SECURE_LABELS: self.labels,
             "divergence_source": "aggregate",
+            AGGREGATE_CHANGE: self.change,
         }
 
 
@@ -199,14 +203,16 @@ def start_secure(
 
 def conclude(
     result: SecAggResult | None, base: Weights, spec: ModelSpec, clip: float, aggregator: RoundAggregator
-) -> None:
-    """Gives the aggregator the round's one update: the survivors' weighted mean (their summed weight as its
-    samples), or the round's own model when the round was abandoned (so the next round starts where this began)."""
+) -> Weights:
+    """Gives the aggregator the round's one update, and returns it: the survivors' weighted mean (their summed
+    weight as its samples), or the round's own model when the round was abandoned (so the next round starts where
+    this began)."""
     if result is None:
         aggregator.absorb(ClientUpdate(SECURE_SUM, base, 1.0))
-        return
+        return base
     mean, weight_sum = secure_mean(result.total, base, trainable_names(spec, base), clip)
     aggregator.absorb(ClientUpdate(SECURE_SUM, mean, weight_sum, {}, len(result.survivors)))
+    return mean
 
 
 def survivor_records(result: SecAggResult | None, round_id: int, base_hash: str) -> dict[str, messages.Update]:

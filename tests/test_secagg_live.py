@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from coordinators import FakeSession, local_coordinator
 
+from coordinator.dashboard.views import RunSnapshot, divergence_view, secure_view
 from coordinator.evaluation import Evaluator, LabelledSplit
 from coordinator.round_aggregator import SuspectPolicy
 from coordinator.rounds import Coordinator, RoundPolicy
@@ -141,6 +142,12 @@ def test_a_secure_round_commits_fedavg_and_the_run_holds_no_plain_update(broker,
     assert record.metrics["secure_aggregation"] == "committed" and record.metrics["secagg_survivors"] == 5
     assert record.metrics["secagg_labels"] == sum(LABELS) and record.labels == sum(LABELS)
     assert store.rejection_kinds() == {}
+    settings = {"settings": {"recipe": {"secure_aggregation": "secagg"}}}
+    snapshot = RunSnapshot(settings, store.rounds(), store.device_rounds())
+    assert "per-device divergence off" in secure_view(snapshot)["summary"]
+    divergence = divergence_view(snapshot, 1)
+    assert divergence is not None and divergence["devices"] == ["aggregate"]
+    assert divergence["layers"] == sorted(base) and all(0 < value < 1 for value in divergence["values"][0])
     store.close()
     assert plain_bytes_in(tmp_path / "run", trained, base) == []
     assert plain_bytes_in(tmp_path / "dev0", trained, base) == []  # the device keeps only its weighted delta
