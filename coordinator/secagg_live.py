@@ -111,8 +111,9 @@ class LiveSecureRound:
             server.on_reveal(message)
 
     def collect(self, handle_next: Callable[[], None], stage_timeout: float) -> SecAggResult | None:
-        """Runs the stages from where the round is: waits for each, closes it and sends its messages; the unmasked
-        result, or None when the round was abandoned (nothing revealed; `reason` says why)."""
+        """Runs the stages from where the round is (a round a dead process finished is finished again from its saved
+        shares): waits for each, closes it and sends its messages; the unmasked result, or None when the round was
+        abandoned (nothing revealed; `reason` says why)."""
         closes: dict[str, Callable[[], list[Any]]] = {
             KEYS: self.server.rosters,
             SHARES: self.server.deliveries,
@@ -122,7 +123,10 @@ class LiveSecureRound:
             while self.server.state.stage in closes:
                 self.wait(handle_next, stage_timeout)
                 self.send([wire.encode(message) for message in closes[self.server.state.stage]()], save=True)
-            self.wait(handle_next, stage_timeout)
+            if self.server.state.stage == ABANDONED:
+                raise SecAggAbandoned("abandoned before the coordinator restarted")
+            if self.server.state.stage == UNMASK:
+                self.wait(handle_next, stage_timeout)
             result = self.server.finish()
         except SecAggAbandoned as abandoned:
             self.reason = str(abandoned)[:300]
@@ -181,6 +185,30 @@ class LiveSecureRound:
 
 
 OUTBOUND = (messages.KeyRoster, messages.ShareDelivery, messages.UnmaskRequest)
+HELD_BYTES = 256 * 2**20  # the most secure-round messages held while no round is open may weigh
+
+
+class HeldMessages:
+    """Secure-round messages that arrived while no round was open (a restarted coordinator reads what the broker
+    queued for it before it reopens the round it resumes), kept up to HELD_BYTES and handed to the next round."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[str, bytes]] = []
+        self.size = 0
+
+    def hold(self, device_id: str, payload: bytes) -> None:
+        """Keeps one message for the next secure round (dropped, logged, beyond the bound)."""
+        if self.size + len(payload) > HELD_BYTES:
+            log.warning("secure-round message dropped: too much held before the round opened device=%s", device_id)
+            return
+        self.held.append((device_id, payload))
+        self.size += len(payload)
+
+    def release(self, live: LiveSecureRound) -> None:
+        """Hands every held message to the round now open (a stale one is refused there, with its kind)."""
+        held, self.held, self.size = self.held, [], 0
+        for device_id, payload in held:
+            live.on_message(device_id, payload)
 
 
 @dataclass(frozen=True)

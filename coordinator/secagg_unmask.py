@@ -133,9 +133,11 @@ class UnmaskStage(SecAggRound):
 
     def finish(self) -> SecAggResult:
         """Closes stage 4: rebuilds the survivors' seeds and the dropped devices' mask keys (each checked against its
-        commitment or public key), strips the masks and decodes the sum; too few good shares abandons the round."""
+        commitment or public key), strips the masks and decodes the sum; too few good shares abandons the round. A
+        finished round (saved by a process that died before committing it) gives the same sum again."""
         state = self.state
-        check_stage(state.stage, UNMASK, "the close of the unmask stage")
+        if state.stage != DONE:
+            check_stage(state.stage, UNMASK, "the close of the unmask stage")
         survivors = set(state.masked_from)
         try:
             seeds = self._rebuilt(state.seed_owners, state.seed_holders, state.seed_shares, self._seed_valid)

@@ -245,6 +245,8 @@ def test_both_sides_survive_a_restart_between_every_stage() -> None:
     restart()
     result = secure.unmask(updates)
     assert largest_error(result.total, plain_sum(updates, updates)) <= result.error_bound
+    again = SecAggServer.restored(secure.server.snapshot()).finish()  # died after finishing, before committing
+    assert all(np.array_equal(again.total[name], result.total[name]) for name in result.total)
 
 
 def test_settings_that_do_not_fit_are_usage_errors() -> None:
