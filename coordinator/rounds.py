@@ -273,9 +273,9 @@ class Coordinator:
 
     def handle_next(self, opened: OpenRound | None) -> None:
         """Handles the messages waiting (the first within 0.2 s, then up to policy.batch without waiting, stopping at
-        the quorum) as one batch: the updates it accepted are made durable with one fsync, and only then are the
-        devices acked and the messages acknowledged to the broker, so one received but not yet durable when the
-        process dies is redelivered, not lost."""
+        the quorum) as one batch: the updates it accepted (or a secure round's state) are made durable with one
+        fsync, and only then are the devices acked and the messages acknowledged to the broker, so one received but
+        not yet durable when the process dies is redelivered, not lost."""
         batch: list[IncomingMessage] = []
         message = self.session.next_message(timeout=0.2)
         while message is not None:
@@ -285,6 +285,8 @@ class Coordinator:
                 break
             message = self.session.next_message(timeout=0)
         self.parts.intake.commit()
+        if opened is not None and opened.secure is not None:
+            opened.secure.commit()
         for handled in batch:
             self.session.acknowledge(handled)
 

@@ -65,6 +65,7 @@ class LiveSecureRound:
         self.server, self.path, self.session, self.fleet, self.store = server, path, session, fleet, store
         self.outbound: list[bytes] = []
         self.reason = ""
+        self.unsaved = False
         self.labels = 0
         self.change: dict[str, float] = {}
 
@@ -85,7 +86,8 @@ class LiveSecureRound:
         return live
 
     def on_message(self, device_id: str, payload: bytes) -> None:
-        """A device's stage message: taken by the server and saved, or refused (logged and counted)."""
+        """A device's stage message: taken by the server (saved with the batch it came in, see `commit`), or refused
+        (logged and counted)."""
         try:
             message = wire.decode_any(payload, INBOUND)
             if message.device_id != device_id:
@@ -96,7 +98,7 @@ class LiveSecureRound:
             log.warning("secure-round message refused device=%s kind=%s reason=%s", device_id, refusal.kind, refusal)
             self.store.record_rejection(round_id, device_id, str(refusal)[:300], len(payload), refusal.kind)
             return
-        self.save()
+        self.unsaved = True
 
     def take(self, message: KeyAdvert | ShareBundle | MaskedInput | UnmaskResponse) -> None:
         """Hands a message to the server's method for its stage."""
@@ -137,12 +139,19 @@ class LiveSecureRound:
         return result
 
     def wait(self, handle_next: Callable[[], None], timeout: float) -> None:
-        """Handles messages until every device the stage waits for answered or its deadline passed."""
+        """Handles messages until every device the stage waits for answered or its deadline passed (logged: how many
+        answered, how long it took)."""
         expected, answered = WAITING[self.server.state.stage]
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
         state = self.server.state
-        while not set(getattr(state, expected)) <= set(getattr(state, answered)) and time.monotonic() < deadline:
+        while (
+            not set(getattr(state, expected)) <= set(getattr(state, answered)) and time.monotonic() < started + timeout
+        ):
             handle_next()
+        counts = (len(getattr(state, answered)), len(getattr(state, expected)), time.monotonic() - started)
+        log.info(
+            "secure stage closed round=%d stage=%s answered=%d of %d seconds=%.1f", state.round_id, state.stage, *counts
+        )
 
     def send(self, payloads: list[bytes], save: bool = False) -> None:
         """Publishes a stage's messages to their devices (saved first with the state, to be sent again on resume)."""
@@ -157,6 +166,13 @@ class LiveSecureRound:
     def save(self) -> None:
         """The server's state, written atomically beside the spool."""
         atomic_write_bytes(self.path, self.server.snapshot())
+        self.unsaved = False
+
+    def commit(self) -> None:
+        """Saves what a batch of messages changed, once, before the broker is told they were handled (one write per
+        batch: the state holds every sealed record in transit, megabytes at a few hundred devices)."""
+        if self.unsaved:
+            self.save()
 
     def conclude(
         self, result: SecAggResult | None, collector: RoundCollector, aggregator: RoundAggregator, spec: ModelSpec
@@ -209,6 +225,7 @@ class HeldMessages:
         held, self.held, self.size = self.held, [], 0
         for device_id, payload in held:
             live.on_message(device_id, payload)
+        live.commit()
 
 
 @dataclass(frozen=True)
