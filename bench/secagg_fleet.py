@@ -56,12 +56,13 @@ class SecureRound:
     def started(cls, updates: dict[str, Weights], **settings: Any) -> SecureRound:
         """Stage 1 done: every device advertised its keys."""
         ids = sorted(updates)
-        server = SecAggServer.start(
-            "run-a", ROUND, ids, updates[ids[0]], SecAggSettings(graph_seed=b"public", **settings)
-        )
+        config = SecAggSettings(graph_seed=b"public", **settings)
+        server = SecAggServer.start("run-a", ROUND, ids, updates[ids[0]], config)
         secure = cls(server, {}, updates)
+        start = SecAggDevice.start
         secure.devices = {
-            device: secure.on_device(device, lambda d=device: SecAggDevice.start(d, ROUND)) for device in ids
+            device: secure.on_device(device, lambda d=device: start(d, ROUND, config.clip, config.dropout))
+            for device in ids
         }
         for device, agent in secure.devices.items():
             secure.on_server(secure.server.on_keys, secure.sent(device, secure.on_device(device, agent.advert)))

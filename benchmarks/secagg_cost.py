@@ -1,5 +1,5 @@
 # Secure aggregation's cost against plain summation in the same run: bytes and compute per device, coordinator
-# compute and state, at 10, 100 and 500 in-process devices with a head-sized update.
+# compute and state, at 10, 100 and 500 in-process devices with a head-sized update; `mqtt`: over a real broker.
 """Each run drives one SecAgg+ round through bench.secagg_fleet (every message encoded and decoded by the wire,
 real X25519, HKDF, AES-GCM, AES-CTR and Shamir) and, over the same updates, the plain round: each device sends an
 float32 `Update` of its head and the coordinator sums the decoded tensors. Per fleet size and seed it reports
@@ -16,20 +16,29 @@ float32 `Update` of its head and the coordinator sums the decoded tensors. Per f
 
 Usage: python benchmarks/secagg_cost.py [--devices 10 100 500] [--seeds 0 1 2] [--features 1280]
        [--dropout 0.1] [--drop-before 0.05] [--drop-after 0.05]
+       python benchmarks/secagg_cost.py mqtt [--devices 10 100] [--rounds 2] [--out DIR]
+         (`fl-bench simulate` with virtual devices, plain then secure rounds on one embedded broker:
+          see secagg_mqtt.py for what it reports)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import secagg_mqtt
 
 from bench.secagg_fleet import SecureRound, head_updates, largest_error, plain_sum
+from coordinator.broker import DEFAULT_MAX_PACKET_BYTES, EmbeddedBroker
 from protocol import wire
 from protocol.messages import Update
 from protocol.tensors import Weights
@@ -75,8 +84,27 @@ def secure_round(updates: dict[str, Weights], args: argparse.Namespace) -> dict[
     }
 
 
+def over_mqtt(argv: list[str]) -> None:
+    """The `mqtt` mode: plain and secure simulate runs per fleet size on one embedded broker; one JSON line each,
+    then the whole report."""
+    parser = argparse.ArgumentParser(description=secagg_mqtt.__doc__)
+    parser.add_argument("--devices", type=int, nargs="+", default=[10, 100])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, help="keep the runs here (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    folder = args.out or Path(tempfile.mkdtemp(prefix="secagg-mqtt-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    with EmbeddedBroker(folder / "broker", max_packet_bytes=DEFAULT_MAX_PACKET_BYTES) as broker:
+        report = secagg_mqtt.compare(broker.address, args.devices, args.rounds, folder)
+    print(json.dumps({"machine": {"cores": os.cpu_count()}, **report}), flush=True)
+
+
 def main() -> None:
-    """Runs every fleet size and seed and prints one JSON line each, then the means per size."""
+    """Runs every fleet size and seed and prints one JSON line each, then the means per size (or, with `mqtt` first,
+    the bench over a broker)."""
+    if sys.argv[1:2] == ["mqtt"]:
+        over_mqtt(sys.argv[2:])
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, nargs="+", default=[10, 100, 500])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

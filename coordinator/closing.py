@@ -13,7 +13,7 @@ from coordinator.evaluation import TestScores
 from coordinator.intake import RoundCollector
 from coordinator.observer import RoundResult
 from coordinator.round_aggregator import Aggregate, RoundAggregator
-from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore, StrategyState
+from coordinator.store import SECURE_LABELS, DeviceRoundRecord, RoundRecord, RunStore, StrategyState
 from coordinator.strategy_contract import Strategy
 from protocol.dp import DP_SGD_EPSILON_METRIC
 from protocol.tensors import Weights
@@ -68,6 +68,7 @@ class RoundCloser:
         self.evaluate_devices = evaluate_devices
         self.base_labels = base_labels
         self.device_labels = latest_device_labels(store)
+        self.secure_labels = sum(int(record.metrics.get(SECURE_LABELS, 0)) for record in store.rounds())
         self.restore_strategy_state()
 
     def restore_strategy_state(self) -> None:
@@ -129,13 +130,15 @@ class RoundCloser:
         metrics: dict[str, Any],
         device_scores: dict[str, TestScores],
     ) -> RoundRecord:
-        """The round's record (its checkpoint hash is filled in at commit), counting every label used so far."""
+        """The round's record (its checkpoint hash is filled in at commit), counting every label used so far (a
+        secure round's devices report their new labels only as a sum, in its metrics)."""
         for update in collector.accepted.values():
             self.device_labels[update.device_id] = update.acquired_labels
+        self.secure_labels += int(metrics.get(SECURE_LABELS, 0))
         metrics["class_accuracy"] = scores.per_class
         metrics["device_class_accuracy"] = {device: score.per_class for device, score in device_scores.items()}
         metrics.update(device_epsilons(collector))
-        labels = self.base_labels + sum(self.device_labels.values())
+        labels = self.base_labels + sum(self.device_labels.values()) + self.secure_labels
         accepted, rejected = len(collector.accepted), collector.rejection_count
         return RoundRecord(
             *(collector.round_id, timing.wall, time.time(), "", scores.accuracy, labels, accepted, rejected),

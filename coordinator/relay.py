@@ -24,6 +24,7 @@ from edge_agent.loop.artefacts import RoundArtefacts
 from edge_agent.loop.inbound import device_router, handle_inbound
 from edge_agent.loop.outbox import OUTBOX_FOLDER, UpdateSender
 from protocol import messages, topics, wire
+from protocol.errors import UsageError
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec, spec_hash
 from protocol.mqtt import BrokerAddress, IncomingMessage, MqttSession
 from protocol.tensors import Weights
@@ -97,6 +98,18 @@ def upstream_update(store: RunStore, relay_id: str, round_id: int, base_hash: st
         contributors=[record.device_id for record in records],
         contributor_samples=counts,
     )
+
+
+def refuse_secure(announcement: messages.RoundAnnouncement) -> None:
+    """A UsageError (one line: the relay stops, exit 2) for a central run that asks for secure aggregation: a relay
+    cannot yet run it inside its site and forward the site's masked sum, and it will not send a plain update into a
+    secure run. A relay reads the retained announcement when it starts, so this stops it at start-up."""
+    mode = announcement.recipe.secure_aggregation
+    if mode != "off":
+        raise UsageError(
+            f"relays do not run secure aggregation yet: central run {wire.shown(announcement.run_id)} asks for "
+            f"--secure-aggregation {wire.shown(mode, 16)}; run it with devices on the central broker, or without it"
+        )
 
 
 class SiteRounds:
@@ -203,11 +216,9 @@ class Relay:
         if announcement.final:
             self.site.finish(announcement)
             return True
+        refuse_secure(announcement)
         chosen = not announcement.participants or self.settings.relay_id in announcement.participants
         if announcement.round_id <= self.last_answered_round or not chosen:
-            return False
-        if announcement.recipe.secure_aggregation != "off":
-            log.error("relays refuse secure aggregation (not built yet): round %d not answered", announcement.round_id)
             return False
         self.pending = announcement
         self.artefacts.follow("model", topics.MODEL.build(fleet=self.settings.fleet, hash=announcement.model_hash))

@@ -19,7 +19,7 @@ from coordinator.presence import Presence
 from coordinator.publisher import RetainedPublisher
 from coordinator.round_aggregator import RoundAggregator, SuspectPolicy, make_aggregator
 from coordinator.scratch import TensorScratch
-from coordinator.secagg_live import LiveSecureRound, start_secure
+from coordinator.secagg_live import HeldMessages, LiveSecureRound, start_secure
 from coordinator.strategy_contract import Strategy
 from coordinator.validation import Expectation, Rejection
 from edge_agent.loop.schedule import labels_by_round
@@ -109,22 +109,27 @@ class OpenRound:
 DeviceHandler = Callable[[str, IncomingMessage, OpenRound | None], None]
 
 
-def device_routes(fleet: str, on_update: DeviceHandler, on_status: DeviceHandler) -> topics.Router[DeviceHandler]:
+def device_routes(
+    fleet: str, on_update: DeviceHandler, on_status: DeviceHandler, held: HeldMessages
+) -> topics.Router[DeviceHandler]:
     """What a coordinator takes from its fleet's devices, by topic: their updates, their status and their
-    secure-round stage messages (taken by the open round's secure part, if it has one)."""
+    secure-round stage messages (taken by the open round's secure part, or `held` for it while no round is open)."""
     router: topics.Router[DeviceHandler] = topics.Router()
     router.add(topics.UPDATE.bind(fleet=fleet), on_update)
     router.add(topics.STATUS.bind(fleet=fleet), on_status)
-    router.add(topics.SECAGG_UP.bind(fleet=fleet), on_secagg)
+    router.add(topics.SECAGG_UP.bind(fleet=fleet), functools.partial(on_secagg, held))
     return router
 
 
-def on_secagg(device_id: str, message: IncomingMessage, opened: OpenRound | None) -> None:
-    """A device's secure-round message, for the open secure round (else ignored, logged)."""
-    if opened is None or opened.secure is None or message.dropped is not None:
+def on_secagg(held: HeldMessages, device_id: str, message: IncomingMessage, opened: OpenRound | None) -> None:
+    """A device's secure-round message, for the open secure round; held for the next one while no round is open
+    (a restarted coordinator reads what was queued for it before it reopens the round it resumes)."""
+    if message.dropped is not None or (opened is not None and opened.secure is None):
         log.warning("secure-round message outside a secure round device=%s", device_id)
-        return
-    opened.secure.on_message(device_id, message.payload)
+    elif opened is None or opened.secure is None:
+        held.hold(device_id, message.payload)
+    else:
+        opened.secure.on_message(device_id, message.payload)
 
 
 def choose_participants(online: Sequence[str], participation: float, seed: int, round_id: int) -> list[str]:
@@ -172,7 +177,8 @@ class Coordinator:
         self.session = session
         self.rules = rules
         self.parts = parts
-        self.router = device_routes(fleet, self.on_update, self.on_status)
+        self.held = HeldMessages()
+        self.router = device_routes(fleet, self.on_update, self.on_status, self.held)
 
     def start(self) -> None:
         """Subscribes to every device's updates and status."""
@@ -241,8 +247,11 @@ class Coordinator:
 
     def online_devices(self) -> list[str]:
         """The devices online now, sorted; a private round first waits for one (its sample and its noise shares are
-        drawn from them, so an empty fleet cannot mean "everyone")."""
-        while self.parts.privacy is not None and not self.parts.presence.online():
+        drawn from them, so an empty fleet cannot mean "everyone"), a secure round for --min-devices and at least
+        two (its devices are fixed when it opens: those online then)."""
+        secure = self.rules.recipe.secure_aggregation != "off"
+        fewest = max(self.rules.policy.min_devices, 2) if secure else int(self.parts.privacy is not None)
+        while len(self.parts.presence.online()) < fewest:
             self.handle_next(None)
         return sorted(self.parts.presence.online())
 
@@ -264,9 +273,9 @@ class Coordinator:
 
     def handle_next(self, opened: OpenRound | None) -> None:
         """Handles the messages waiting (the first within 0.2 s, then up to policy.batch without waiting, stopping at
-        the quorum) as one batch: the updates it accepted are made durable with one fsync, and only then are the
-        devices acked and the messages acknowledged to the broker, so one received but not yet durable when the
-        process dies is redelivered, not lost."""
+        the quorum) as one batch: the updates it accepted (or a secure round's state) are made durable with one
+        fsync, and only then are the devices acked and the messages acknowledged to the broker, so one received but
+        not yet durable when the process dies is redelivered, not lost."""
         batch: list[IncomingMessage] = []
         message = self.session.next_message(timeout=0.2)
         while message is not None:
@@ -276,6 +285,8 @@ class Coordinator:
                 break
             message = self.session.next_message(timeout=0)
         self.parts.intake.commit()
+        if opened is not None and opened.secure is not None:
+            opened.secure.commit()
         for handled in batch:
             self.session.acknowledge(handled)
 
@@ -337,7 +348,9 @@ def secure_part(
         return None
     args = (parts.publisher.run_id, round_id, selected, global_weights, rules.spec, rules.recipe)
     start = functools.partial(start_secure, *args)
-    return LiveSecureRound.opened(coordinator.session, coordinator.fleet, parts.intake.store, start, round_id)
+    live = LiveSecureRound.opened(coordinator.session, coordinator.fleet, parts.intake.store, start, round_id)
+    coordinator.held.release(live)
+    return live
 
 
 def collect_until_quorum(coordinator: Coordinator, opened: OpenRound, timing: RoundTiming) -> None:

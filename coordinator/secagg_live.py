@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from coordinator.aggregation import ClientUpdate
+from coordinator.divergence import relative_divergence
 from coordinator.intake import RoundCollector
 from coordinator.round_aggregator import RoundAggregator, SuspectPolicy
 from coordinator.secagg_round import ABANDONED, DONE, KEYS, MASKED, SHARES, UNMASK, SecAggSettings
 from coordinator.secagg_server import SecAggServer
 from coordinator.secagg_unmask import SecAggResult
-from coordinator.store import RunStore
+from coordinator.store import AGGREGATE_CHANGE, SECURE_LABELS, RunStore
 from coordinator.strategies import STRATEGIES
 from protocol import messages, topics, wire
 from protocol.errors import UsageError
@@ -27,7 +28,7 @@ from protocol.model_spec import ModelSpec, trainable_names
 from protocol.mqtt import MqttSession
 from protocol.secagg import keys
 from protocol.secagg.errors import SecAggAbandoned, SecAggRefusal
-from protocol.secagg.weighting import mask_layout, secure_mean
+from protocol.secagg.weighting import label_count, mask_layout, secure_mean
 from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,9 @@ class LiveSecureRound:
         self.server, self.path, self.session, self.fleet, self.store = server, path, session, fleet, store
         self.outbound: list[bytes] = []
         self.reason = ""
+        self.unsaved = False
+        self.labels = 0
+        self.change: dict[str, float] = {}
 
     @classmethod
     def opened(
@@ -82,7 +86,8 @@ class LiveSecureRound:
         return live
 
     def on_message(self, device_id: str, payload: bytes) -> None:
-        """A device's stage message: taken by the server and saved, or refused (logged and counted)."""
+        """A device's stage message: taken by the server (saved with the batch it came in, see `commit`), or refused
+        (logged and counted)."""
         try:
             message = wire.decode_any(payload, INBOUND)
             if message.device_id != device_id:
@@ -93,7 +98,7 @@ class LiveSecureRound:
             log.warning("secure-round message refused device=%s kind=%s reason=%s", device_id, refusal.kind, refusal)
             self.store.record_rejection(round_id, device_id, str(refusal)[:300], len(payload), refusal.kind)
             return
-        self.save()
+        self.unsaved = True
 
     def take(self, message: KeyAdvert | ShareBundle | MaskedInput | UnmaskResponse) -> None:
         """Hands a message to the server's method for its stage."""
@@ -108,8 +113,9 @@ class LiveSecureRound:
             server.on_reveal(message)
 
     def collect(self, handle_next: Callable[[], None], stage_timeout: float) -> SecAggResult | None:
-        """Runs the stages from where the round is: waits for each, closes it and sends its messages; the unmasked
-        result, or None when the round was abandoned (nothing revealed; `reason` says why)."""
+        """Runs the stages from where the round is (a round a dead process finished is finished again from its saved
+        shares): waits for each, closes it and sends its messages; the unmasked result, or None when the round was
+        abandoned (nothing revealed; `reason` says why)."""
         closes: dict[str, Callable[[], list[Any]]] = {
             KEYS: self.server.rosters,
             SHARES: self.server.deliveries,
@@ -119,7 +125,10 @@ class LiveSecureRound:
             while self.server.state.stage in closes:
                 self.wait(handle_next, stage_timeout)
                 self.send([wire.encode(message) for message in closes[self.server.state.stage]()], save=True)
-            self.wait(handle_next, stage_timeout)
+            if self.server.state.stage == ABANDONED:
+                raise SecAggAbandoned("abandoned before the coordinator restarted")
+            if self.server.state.stage == UNMASK:
+                self.wait(handle_next, stage_timeout)
             result = self.server.finish()
         except SecAggAbandoned as abandoned:
             self.reason = str(abandoned)[:300]
@@ -130,12 +139,19 @@ class LiveSecureRound:
         return result
 
     def wait(self, handle_next: Callable[[], None], timeout: float) -> None:
-        """Handles messages until every device the stage waits for answered or its deadline passed."""
+        """Handles messages until every device the stage waits for answered or its deadline passed (logged: how many
+        answered, how long it took)."""
         expected, answered = WAITING[self.server.state.stage]
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
         state = self.server.state
-        while not set(getattr(state, expected)) <= set(getattr(state, answered)) and time.monotonic() < deadline:
+        while (
+            not set(getattr(state, expected)) <= set(getattr(state, answered)) and time.monotonic() < started + timeout
+        ):
             handle_next()
+        counts = (len(getattr(state, answered)), len(getattr(state, expected)), time.monotonic() - started)
+        log.info(
+            "secure stage closed round=%d stage=%s answered=%d of %d seconds=%.1f", state.round_id, state.stage, *counts
+        )
 
     def send(self, payloads: list[bytes], save: bool = False) -> None:
         """Publishes a stage's messages to their devices (saved first with the state, to be sent again on resume)."""
@@ -150,14 +166,25 @@ class LiveSecureRound:
     def save(self) -> None:
         """The server's state, written atomically beside the spool."""
         atomic_write_bytes(self.path, self.server.snapshot())
+        self.unsaved = False
+
+    def commit(self) -> None:
+        """Saves what a batch of messages changed, once, before the broker is told they were handled (one write per
+        batch: the state holds every sealed record in transit, megabytes at a few hundred devices)."""
+        if self.unsaved:
+            self.save()
 
     def conclude(
         self, result: SecAggResult | None, collector: RoundCollector, aggregator: RoundAggregator, spec: ModelSpec
     ) -> None:
-        """Gives the aggregator the round's one update and the record its survivors (see `conclude`)."""
-        expectation = collector.expectation
-        conclude(result, expectation.base, spec, self.server.state.clip, aggregator)
+        """Gives the aggregator the round's one update and the record its survivors (see `conclude`), counts the
+        survivors' new labels, and measures the aggregate's per-layer change (divergence's stand-in: no device's own
+        update is seen)."""
+        expectation, base = collector.expectation, collector.expectation.base
+        mean = conclude(result, base, spec, self.server.state.clip, aggregator)
         collector.accepted.update(survivor_records(result, expectation.round_id, expectation.base_hash))
+        self.labels = label_count(result.total, self.server.fixed_point) if result is not None else 0
+        self.change = {name: relative_divergence(base[name], mean[name]) for name in trainable_names(spec, base)}
 
     def metrics(self) -> dict[str, Any]:
         """What the round's record says of the secure round (the dashboard shows it)."""
@@ -167,11 +194,38 @@ class LiveSecureRound:
             "secure_aggregation": outcome,
             "secagg_survivors": len(state.masked_from) if state.stage == DONE else 0,
             "secagg_reason": self.reason,
+            SECURE_LABELS: self.labels,
             "divergence_source": "aggregate",
+            AGGREGATE_CHANGE: self.change,
         }
 
 
 OUTBOUND = (messages.KeyRoster, messages.ShareDelivery, messages.UnmaskRequest)
+HELD_BYTES = 256 * 2**20  # the most secure-round messages held while no round is open may weigh
+
+
+class HeldMessages:
+    """Secure-round messages that arrived while no round was open (a restarted coordinator reads what the broker
+    queued for it before it reopens the round it resumes), kept up to HELD_BYTES and handed to the next round."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[str, bytes]] = []
+        self.size = 0
+
+    def hold(self, device_id: str, payload: bytes) -> None:
+        """Keeps one message for the next secure round (dropped, logged, beyond the bound)."""
+        if self.size + len(payload) > HELD_BYTES:
+            log.warning("secure-round message dropped: too much held before the round opened device=%s", device_id)
+            return
+        self.held.append((device_id, payload))
+        self.size += len(payload)
+
+    def release(self, live: LiveSecureRound) -> None:
+        """Hands every held message to the round now open (a stale one is refused there, with its kind)."""
+        held, self.held, self.size = self.held, [], 0
+        for device_id, payload in held:
+            live.on_message(device_id, payload)
+        live.commit()
 
 
 @dataclass(frozen=True)
@@ -194,14 +248,16 @@ def start_secure(
 
 def conclude(
     result: SecAggResult | None, base: Weights, spec: ModelSpec, clip: float, aggregator: RoundAggregator
-) -> None:
-    """Gives the aggregator the round's one update: the survivors' weighted mean (their summed weight as its
-    samples), or the round's own model when the round was abandoned (so the next round starts where this began)."""
+) -> Weights:
+    """Gives the aggregator the round's one update, and returns it: the survivors' weighted mean (their summed
+    weight as its samples), or the round's own model when the round was abandoned (so the next round starts where
+    this began)."""
     if result is None:
         aggregator.absorb(ClientUpdate(SECURE_SUM, base, 1.0))
-        return
+        return base
     mean, weight_sum = secure_mean(result.total, base, trainable_names(spec, base), clip)
     aggregator.absorb(ClientUpdate(SECURE_SUM, mean, weight_sum, {}, len(result.survivors)))
+    return mean
 
 
 def survivor_records(result: SecAggResult | None, round_id: int, base_hash: str) -> dict[str, messages.Update]:

@@ -13,6 +13,7 @@ from protocol.messages import RejectionKind, Tensors
 from protocol.secagg import graph, keys
 from protocol.secagg.checks import check_round, check_stage
 from protocol.secagg.errors import SecAggAbandoned, SecAggRefusal
+from protocol.secagg.fixed_point import FixedPoint
 
 KEYS, SHARES, MASKED, UNMASK, DONE, ABANDONED = "keys", "shares", "masked", "unmask", "done", "abandoned"
 
@@ -87,6 +88,11 @@ class SecAggRound:
     def threshold(self) -> int:
         """Shares that rebuild a secret: a strict majority of each device's neighbours."""
         return graph.threshold_for(self.degree)
+
+    @property
+    def fixed_point(self) -> FixedPoint:
+        """The round's fixed-point encoding: its clip, room for every selected device's input."""
+        return FixedPoint(self.state.clip, max(len(self.state.selected), 1))
 
     @property
     def context(self) -> bytes:

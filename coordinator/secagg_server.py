@@ -84,6 +84,7 @@ class SecAggServer(UnmaskStage):
                     state.min_survivors,
                     state.clip,
                     len(state.selected),
+                    len(state.advertised),
                     peers,
                     [state.cipher_keys[index[p]] for p in peers],
                     [state.mask_keys[index[p]] for p in peers],

@@ -13,7 +13,7 @@ from protocol.messages import RejectionKind, UnmaskRequest, UnmaskResponse
 from protocol.secagg import keys, masks, shamir
 from protocol.secagg.checks import check_pairs, check_stage, check_within
 from protocol.secagg.errors import SecAggAbandoned, SecAggRefusal
-from protocol.secagg.fixed_point import FixedPoint, flat, layout_of, shaped
+from protocol.secagg.fixed_point import flat, layout_of, shaped
 from protocol.tensors import Weights
 from protocol.wire import shown
 
@@ -133,9 +133,11 @@ class UnmaskStage(SecAggRound):
 
     def finish(self) -> SecAggResult:
         """Closes stage 4: rebuilds the survivors' seeds and the dropped devices' mask keys (each checked against its
-        commitment or public key), strips the masks and decodes the sum; too few good shares abandons the round."""
+        commitment or public key), strips the masks and decodes the sum; too few good shares abandons the round. A
+        finished round (saved by a process that died before committing it) gives the same sum again."""
         state = self.state
-        check_stage(state.stage, UNMASK, "the close of the unmask stage")
+        if state.stage != DONE:
+            check_stage(state.stage, UNMASK, "the close of the unmask stage")
         survivors = set(state.masked_from)
         try:
             seeds = self._rebuilt(state.seed_owners, state.seed_holders, state.seed_shares, self._seed_valid)
@@ -153,7 +155,7 @@ class UnmaskStage(SecAggRound):
             public,
             {owner: sorted(survivors.intersection(self.graph[owner])) for owner in dropped},
         )
-        fixed = FixedPoint(state.clip, max(len(state.selected), 1))
+        fixed = self.fixed_point
         total = fixed.decode_sum(unmasked(flat(state.masked_sum), plan))
         state.stage = DONE
         forgers = sorted({holder for rebuilt in (*seeds.values(), *dropped.values()) for holder in rebuilt.forgers})

@@ -17,6 +17,10 @@ from protocol.files import load_arrays, save_arrays
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec, spec_from_dict
 from protocol.tensors import Weights
 
+# A secure round's record keeps no device's update; its metrics carry these instead.
+SECURE_LABELS = "secagg_labels"  # the new labels of the round's survivors, known only as their sum
+AGGREGATE_CHANGE = "aggregate_divergence"  # divergence's stand-in: ||W_base - W_new|| / ||W_base|| per layer
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS config (
     id INTEGER PRIMARY KEY CHECK (id = 1),

@@ -22,7 +22,8 @@ class KeyAdvert:
 @dataclass(frozen=True)
 class KeyRoster:
     """Stage 1's answer, coordinator to one device: the round's secure-aggregation settings and its neighbours' public
-    keys (the neighbour graph is drawn from `graph_seed` over the devices that advertised keys)."""
+    keys (the neighbour graph is drawn from `graph_seed` over the `advertised` devices that advertised keys; a device
+    checks its neighbour count is what the recipe's dropout gives for that many)."""
 
     KIND: ClassVar[str] = "secagg_roster"
     run_id: str
@@ -33,6 +34,7 @@ class KeyRoster:
     min_survivors: int
     clip: float
     max_summands: int
+    advertised: int
     neighbours: list[str]
     cipher_keys: list[bytes]
     mask_keys: list[bytes]

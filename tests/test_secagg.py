@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from bench.secagg_fleet import SecureRound, head_updates, largest_error, plain_sum
+from bench.secagg_fleet import ROUND, SecureRound, head_updates, largest_error, plain_sum
 from coordinator.secagg_round import ABANDONED
 from coordinator.secagg_server import SecAggServer
 from edge_agent.loop.secagg_device import SecAggDevice
@@ -125,7 +125,7 @@ def test_forged_and_misaddressed_messages_are_refused_with_their_kinds() -> None
     first = devices["dev000"]
     refused(RejectionKind.REPLAY, server.on_keys, secure.sent("dev000", first.advert()))
     refused(RejectionKind.STALE_ROUND, server.on_keys, dataclasses.replace(first.advert(), round_id=6))
-    other = SecAggDevice.start("dev001", 7).advert()
+    other = SecAggDevice.start("dev001", 7, 1.0, 0.05).advert()
     refused(RejectionKind.DUPLICATE, server.on_keys, other)
     refused(RejectionKind.NOT_SELECTED, server.on_keys, dataclasses.replace(other, device_id="x" * 5000))
     rosters = {roster.device_id: roster for roster in server.rosters()}
@@ -210,6 +210,26 @@ def test_a_device_refuses_a_roster_whose_threshold_is_no_majority() -> None:
     refused(RejectionKind.OUT_OF_RANGE, device.on_roster, dataclasses.replace(roster, clip=1e12))
 
 
+def test_a_device_refuses_a_roster_that_departs_from_the_recipe() -> None:
+    updates = head_updates(40, seed=11)
+    secure = SecureRound.started(updates, dropout=0.05)
+    roster = secure.server.rosters()[0]
+    device = secure.devices[roster.device_id]
+    refused(RejectionKind.UNSAFE_REQUEST, device.on_roster, dataclasses.replace(roster, clip=0.5))
+    refused(RejectionKind.UNSAFE_REQUEST, device.on_roster, dataclasses.replace(roster, advertised=41))
+    sparser = dataclasses.replace(
+        roster,
+        neighbours=roster.neighbours[:6],
+        cipher_keys=roster.cipher_keys[:6],
+        mask_keys=roster.mask_keys[:6],
+        threshold=4,
+    )
+    refused(RejectionKind.UNSAFE_REQUEST, device.on_roster, sparser)
+    careful = SecAggDevice.start(roster.device_id, ROUND, 1.0, 0.3)
+    refused(RejectionKind.UNSAFE_REQUEST, careful.on_roster, roster)
+    assert len(device.on_roster(roster).recipients) == 14
+
+
 def test_both_sides_survive_a_restart_between_every_stage() -> None:
     updates = head_updates(8, seed=10)
     secure = SecureRound.started(updates)
@@ -225,6 +245,8 @@ def test_both_sides_survive_a_restart_between_every_stage() -> None:
     restart()
     result = secure.unmask(updates)
     assert largest_error(result.total, plain_sum(updates, updates)) <= result.error_bound
+    again = SecAggServer.restored(secure.server.snapshot()).finish()  # died after finishing, before committing
+    assert all(np.array_equal(again.total[name], result.total[name]) for name in result.total)
 
 
 def test_settings_that_do_not_fit_are_usage_errors() -> None:

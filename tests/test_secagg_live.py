@@ -2,20 +2,23 @@
 # model (FedAvg of the survivors), a device gone after masking, too many gone (abandoned), what the run dir holds.
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from coordinators import local_coordinator
+from coordinators import FakeSession, local_coordinator
 
+from coordinator.dashboard.views import RunSnapshot, divergence_view, secure_view
 from coordinator.evaluation import Evaluator, LabelledSplit
 from coordinator.round_aggregator import SuspectPolicy
 from coordinator.rounds import Coordinator, RoundPolicy
 from coordinator.secagg_live import check_secure_settings
 from coordinator.store import RunStore
 from coordinator.strategies import make_strategy
+from edge_agent.data.journal import Journal
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.loop.secagg_participant import SecAggParticipant
 from protocol import messages, topics, wire
@@ -28,6 +31,7 @@ from protocol.tensors import Weights, weights_hash
 FLEET = "secure"
 DEVICES = [f"dev{i}" for i in range(5)]
 SAMPLES = [40, 100, 250, 10, 60]
+LABELS = [3, 0, 12, 5, 7]  # each device's oracle labels so far
 RECIPE = messages.Recipe(secure_aggregation="secagg", secagg_sample_cap=200)
 
 
@@ -50,18 +54,20 @@ class Fleet:
             session.connect(timeout=10)
             session.subscribe(topics.SECAGG_DOWN.build(fleet=FLEET, device=device))
             self.sessions[device] = session
-            self.devices[device] = SecAggParticipant(FLEET, device, session, tmp_path / device)
             (tmp_path / device).mkdir()
+            journal = Journal(tmp_path / device / "state.json")
+            self.devices[device] = SecAggParticipant(FLEET, device, session, tmp_path / device, journal)
 
     def begin(self, base: Weights, masking: list[str]) -> None:
         """Every device advertises its keys; those `masking` keep their trained update (masked once their shares
         arrive), the others never finish training."""
         announcement = messages.RoundAnnouncement("run", 1, weights_hash(base), RECIPE, time.time() + 60)
-        for device, samples in zip(DEVICES, SAMPLES):
+        for device, samples, labels in zip(DEVICES, SAMPLES, LABELS):
             participant = self.devices[device]
             participant.begin(announcement)
+            participant.begin(announcement)  # the retained announcement seen again: no second advert
             if device in masking:
-                update = messages.Update(device, 1, "u", "", samples, [], 0, {}, self.trained[device])
+                update = messages.Update(device, 1, "u", "", samples, [], labels, {}, self.trained[device])
                 participant.send_update(update, base, DEFAULT_SPEC, RECIPE)
 
     def pump(self, unmasking: list[str], until: threading.Thread) -> None:
@@ -132,8 +138,16 @@ def test_a_secure_round_commits_fedavg_and_the_run_holds_no_plain_update(broker,
     assert result.report.get("participants") is None
     assert max(float(np.abs(weights[n] - expected[n]).max()) for n in base) < 1e-5
     assert max(float(np.abs(weights[n] - base[n]).max()) for n in base) > 1e-3
-    metrics = store.rounds()[0].metrics
-    assert metrics["secure_aggregation"] == "committed" and metrics["secagg_survivors"] == 5
+    record = store.rounds()[0]
+    assert record.metrics["secure_aggregation"] == "committed" and record.metrics["secagg_survivors"] == 5
+    assert record.metrics["secagg_labels"] == sum(LABELS) and record.labels == sum(LABELS)
+    assert store.rejection_kinds() == {}
+    settings = {"settings": {"recipe": {"secure_aggregation": "secagg"}}}
+    snapshot = RunSnapshot(settings, store.rounds(), store.device_rounds())
+    assert "per-device divergence off" in secure_view(snapshot)["summary"]
+    divergence = divergence_view(snapshot, 1)
+    assert divergence is not None and divergence["devices"] == ["aggregate"]
+    assert divergence["layers"] == sorted(base) and all(0 < value < 1 for value in divergence["values"][0])
     store.close()
     assert plain_bytes_in(tmp_path / "run", trained, base) == []
     assert plain_bytes_in(tmp_path / "dev0", trained, base) == []  # the device keeps only its weighted delta
@@ -152,6 +166,7 @@ def test_too_many_gone_abandons_the_round_and_reveals_nothing(broker, tmp_path, 
     assert all(np.array_equal(weights[n], base[n]) for n in base)
     metrics = store.rounds()[0].metrics
     assert metrics["secure_aggregation"] == "abandoned" and metrics["secagg_reason"]
+    assert metrics["secagg_labels"] == 0 and store.rounds()[0].labels == 0
     saved = (tmp_path / "run").rglob("secagg-1.rec")
     store.close()
     assert next(saved).exists()
@@ -182,16 +197,6 @@ def test_conflicts_with_secure_aggregation_are_refused_in_one_line(
     assert named in str(caught.value) and "\n" not in str(caught.value)
 
 
-class Recorded:
-    """A session that only records what is published (the resume test needs no broker)."""
-
-    def __init__(self) -> None:
-        self.published: list[tuple[str, bytes]] = []
-
-    def publish(self, topic: str, payload: bytes) -> None:
-        self.published.append((topic, payload))
-
-
 def test_a_restarted_coordinator_resumes_the_stage_and_sends_its_messages_again(tmp_path) -> None:
     from bench.secagg_fleet import head_updates
     from coordinator.secagg_live import LiveSecureRound, start_secure
@@ -202,15 +207,15 @@ def test_a_restarted_coordinator_resumes_the_stage_and_sends_its_messages_again(
     ids = sorted(updates)
     base = {name: np.zeros_like(array) for name, array in updates[ids[0]].items()}
     with RunStore(tmp_path / "run") as store:
-        first = Recorded()
-        start = lambda: start_secure("run", 1, ids, base, DEFAULT_SPEC, RECIPE)  # noqa: E731
-        live = LiveSecureRound.opened(first, FLEET, store, start, 1)  # type: ignore[arg-type]
+        first = FakeSession(FLEET)
+        start = functools.partial(start_secure, "run", 1, ids, base, DEFAULT_SPEC, RECIPE)
+        live = LiveSecureRound.opened(first, FLEET, store, start, 1)
         for device in ids:
-            live.on_message(device, wire.encode(SecAggDevice.start(device, 1).advert()))
+            live.on_message(device, wire.encode(SecAggDevice.start(device, 1, 1.0, 0.1).advert()))
         rosters = live.server.rosters()
         live.send([wire.encode(roster) for roster in rosters], save=True)
-        again = Recorded()
-        resumed = LiveSecureRound.opened(again, FLEET, store, start, 1)  # type: ignore[arg-type]
+        again = FakeSession(FLEET)
+        resumed = LiveSecureRound.opened(again, FLEET, store, start, 1)
     assert resumed.server.state.stage == SHARES and resumed.server.state.advertised == ids
     assert again.published == first.published and len(again.published) == 4
     assert {topic for topic, _ in again.published} == {topics.SECAGG_DOWN.build(fleet=FLEET, device=d) for d in ids}

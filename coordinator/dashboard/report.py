@@ -84,9 +84,11 @@ def run_table(run: dict, rounds: list[dict]) -> str:
         number(final["accuracy"]),
         final["labels"],
         run["privacy"]["summary"],
+        run["secure"]["summary"],
         time.strftime("%Y-%m-%d %H:%M:%S"),
     ]
-    headers = ["fleet", "strategy", "rounds", "final accuracy", "labels used", "differential privacy", "written"]
+    headers = ["fleet", "strategy", "rounds", "final accuracy", "labels used", "differential privacy"]
+    headers += ["secure aggregation", "written"]
     return table(headers, [row]) + privacy_table(run["privacy"])
 
 

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from coordinator.dashboard.live import LiveState
 from coordinator.method_flags import recipe_view
-from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore, stored_spec
+from coordinator.store import AGGREGATE_CHANGE, DeviceRoundRecord, RoundRecord, RunStore, stored_spec
 from protocol.model_spec import spec_hash
 
 T = TypeVar("T")
@@ -119,7 +119,22 @@ def run_view(snapshot: RunSnapshot, live: LiveState | None) -> dict:
         "round_opened_at": progress.get("round_opened_at"),
         "devices_online": live.online_count() if live else None,
         "privacy": privacy_view(snapshot),
+        "secure": secure_view(snapshot),
     }
+
+
+def secure_view(snapshot: RunSnapshot) -> dict:
+    """The run's secure aggregation: its mode, where divergence comes from (each device's update, or under secure
+    aggregation only the aggregate's per-layer change), the last round's outcome, and a one-line summary."""
+    mode = snapshot.config.get("settings", {}).get("recipe", {}).get("secure_aggregation", "off")
+    last: dict = next((r.metrics for r in reversed(snapshot.rounds) if "secure_aggregation" in r.metrics), {})
+    source = "devices" if mode == "off" else "aggregate"
+    summary = "off"
+    if mode != "off":
+        summary = f"{mode}: per-device divergence off, divergence is the aggregate's per-layer change"
+        if last:
+            summary += f"; last round {last['secure_aggregation']} ({last.get('secagg_survivors', 0)} survivors)"
+    return {"mode": mode, "divergence_source": source, "last_round": last.get("secure_aggregation"), "summary": summary}
 
 
 def privacy_view(snapshot: RunSnapshot) -> dict:
@@ -234,18 +249,20 @@ def find_round(snapshot: RunSnapshot, round_id: int) -> RoundRecord | None:
 
 
 def divergence_view(snapshot: RunSnapshot, round_id: int) -> dict | None:
-    """The round's per-layer divergence matrix (one row per device, one column per layer) and its suspects, or None
-    if the round is not committed."""
+    """The round's per-layer divergence matrix (one row per device, one column per layer; a secure round's one row
+    is the aggregate's change from the round's model) and its suspects, or None if the round is not committed."""
     record = find_round(snapshot, round_id)
     if record is None:
         return None
-    devices = [r for r in snapshot.device_rounds if r.round_id == round_id and r.divergence]
-    layers = sorted({layer for r in devices for layer in r.divergence})
+    rows = {r.device_id: r.divergence for r in snapshot.device_rounds if r.round_id == round_id and r.divergence}
+    if AGGREGATE_CHANGE in record.metrics:
+        rows["aggregate"] = record.metrics[AGGREGATE_CHANGE]
+    layers = sorted({layer for divergence in rows.values() for layer in divergence})
     return {
         "round": round_id,
         "layers": layers,
-        "devices": [r.device_id for r in devices],
-        "values": [[r.divergence.get(layer) for layer in layers] for r in devices],
+        "devices": list(rows),
+        "values": [[divergence.get(layer) for layer in layers] for divergence in rows.values()],
         "suspects": record.report.get("suspects", {}),
     }
 

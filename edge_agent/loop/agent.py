@@ -144,7 +144,7 @@ class Agent:
         self.router = device_router(
             settings.fleet, settings.device_id, self.on_announcement, self.receive, self.artefacts, self.sender.on_ack
         )
-        self.secure = SecureRounds(settings.fleet, settings.device_id, session, data.state_dir)
+        self.secure = SecureRounds(settings.fleet, settings.device_id, session, data.state_dir, data.journal)
         self.router.add(
             topics.SECAGG_DOWN.bind(fleet=settings.fleet, device=settings.device_id), self.secure.on_message
         )

@@ -19,7 +19,7 @@ from protocol.messages import (
     UnmaskRequest,
     UnmaskResponse,
 )
-from protocol.secagg import keys, masks, shamir
+from protocol.secagg import graph, keys, masks, shamir
 from protocol.secagg.checks import (
     check_addressed,
     check_pairs,
@@ -39,7 +39,8 @@ RECORD_BYTES = 2 * shamir.SHARE_BYTES  # a neighbour's sealed record: its seed s
 @dataclass(frozen=True)
 class DeviceSecAggState:
     """Everything a device needs to finish a round after a restart (its secrets included: it lives in the device's
-    own state directory). `revealed_*` remember which kind of share of which peer already left the device."""
+    own state directory). `clip` and `dropout` are the recipe's until a roster that matches them arrives;
+    `revealed_*` remember which kind of share of which peer already left the device."""
 
     KIND: ClassVar[str] = "secagg_device_state"
     device_id: str
@@ -52,6 +53,7 @@ class DeviceSecAggState:
     threshold: int = 0
     min_survivors: int = 0
     clip: float = 1.0
+    dropout: float = 0.3
     max_summands: int = 1
     neighbours: list[str] = field(default_factory=list)
     cipher_keys: list[bytes] = field(default_factory=list)
@@ -80,10 +82,11 @@ class SecAggDevice:
         self.state = state
 
     @classmethod
-    def start(cls, device_id: str, round_id: int) -> SecAggDevice:
-        """A device with fresh key pairs and a fresh self-mask seed for this round."""
+    def start(cls, device_id: str, round_id: int, clip: float, dropout: float) -> SecAggDevice:
+        """A device with fresh key pairs and a fresh self-mask seed for this round, expecting a roster with the
+        recipe's clip and a neighbour graph sized for its dropout."""
         secrets = (keys.KeyPair.generate().secret, keys.KeyPair.generate().secret, os.urandom(masks.SEED_BYTES))
-        return cls(DeviceSecAggState(device_id, round_id, ADVERTISED, *secrets))
+        return cls(DeviceSecAggState(device_id, round_id, ADVERTISED, *secrets, clip=clip, dropout=dropout))
 
     @classmethod
     def restored(cls, snapshot: bytes) -> SecAggDevice:
@@ -108,6 +111,7 @@ class SecAggDevice:
         check_pairs(roster.neighbours, roster.cipher_keys, "the roster's cipher keys")
         check_pairs(roster.neighbours, roster.mask_keys, "the roster's mask keys")
         _check_settings(roster, self.state.device_id)
+        _check_recipe(roster, self.state)
         state = dataclasses.replace(
             self.state,
             **{
@@ -200,6 +204,21 @@ def _check_settings(roster: KeyRoster, own_id: str) -> None:
         FixedPoint(roster.clip, roster.max_summands)
     except UsageError as error:
         raise SecAggRefusal(RejectionKind.OUT_OF_RANGE, str(error)) from None
+
+
+def _check_recipe(roster: KeyRoster, state: DeviceSecAggState) -> None:
+    """A roster that keeps the recipe: its clip, and as many neighbours as the recipe's dropout gives for the devices
+    the roster says advertised (at most those selected); fewer would need fewer colluders to rebuild a secret."""
+    if roster.clip != state.clip:
+        raise SecAggRefusal(
+            RejectionKind.UNSAFE_REQUEST, f"roster clip {roster.clip:g} is not the recipe's {state.clip:g}"
+        )
+    count, advertised = len(roster.neighbours), roster.advertised
+    if not count < advertised <= roster.max_summands or count != graph.degree_for(advertised, state.dropout):
+        raise SecAggRefusal(
+            RejectionKind.UNSAFE_REQUEST,
+            f"{count} neighbours among {wire.shown(advertised)} devices is not what dropout {state.dropout:g} gives",
+        )
 
 
 def _sealed_shares(state: DeviceSecAggState) -> ShareBundle:

@@ -5,14 +5,16 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from edge_agent.data.journal import Journal
 from edge_agent.loop.secagg_device import DELIVERED, SecAggDevice
 from protocol import messages, topics, wire
 from protocol.files import atomic_write_bytes, load_arrays, save_arrays
-from protocol.messages import KeyRoster, RejectionKind, ShareBundle, ShareDelivery, UnmaskRequest, UnmaskResponse
+from protocol.messages import KeyRoster, ShareBundle, ShareDelivery, UnmaskRequest, UnmaskResponse
 from protocol.model_spec import ModelSpec, trainable_names
 from protocol.mqtt import IncomingMessage, MqttSession
 from protocol.secagg.errors import SecAggRefusal
-from protocol.secagg.weighting import device_weight, weighted_delta
+from protocol.secagg.fixed_point import FixedPoint
+from protocol.secagg.weighting import LABELS, device_weight, in_fixed_units, weighted_delta
 from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)
@@ -20,29 +22,35 @@ log = logging.getLogger(__name__)
 STATE_FILE = "secagg_round.rec"  # the device's secure-round state (its secrets included)
 PENDING_FILE = "secagg_pending.npz"  # the weighted delta waiting for the share delivery before it is masked
 INBOUND = (KeyRoster, ShareDelivery, UnmaskRequest)
+ADVERTISED_KEY = "secagg_advertised_round"  # the journal's note of the last round whose keys this device sent
+REPORTED_KEY = "secagg_reported_labels"  # the journal's count of the labels this device's masked inputs carried
 
 
 class SecAggParticipant:
     """One device's part in the secure rounds of its fleet: `begin` a round (keys advertised), `on_message` for each
     stage message, `send_update` for the round's trained update (masked once the shares have arrived)."""
 
-    def __init__(self, fleet: str, device_id: str, session: MqttSession, state_dir: Path) -> None:
+    def __init__(self, fleet: str, device_id: str, session: MqttSession, state_dir: Path, journal: Journal) -> None:
         self.device_id = device_id
         self.session = session
+        self.journal = journal
         self.path, self.pending_path = state_dir / STATE_FILE, state_dir / PENDING_FILE
         self.topic = topics.SECAGG_UP.build(fleet=fleet, device=device_id)
         self.device = SecAggDevice.restored(self.path.read_bytes()) if self.path.exists() else None
-        self.clip = self.device.state.clip if self.device else 0.0
 
     def begin(self, announcement: messages.RoundAnnouncement) -> None:
-        """Stage 1: fresh keys for a new round (the saved ones for the round a restart interrupted), advertised."""
-        round_id = announcement.round_id
+        """Stage 1: fresh keys for a new round (the saved ones for the round a restart interrupted), advertised once
+        per round (the journal says which round's keys went out: a retained announcement seen again sends nothing)."""
+        round_id, recipe = announcement.round_id, announcement.recipe
         if self.device is None or self.device.state.round_id != round_id:
-            self.device = SecAggDevice.start(self.device_id, round_id)
+            self.device = SecAggDevice.start(self.device_id, round_id, recipe.secagg_clip, recipe.secagg_dropout)
             self.pending_path.unlink(missing_ok=True)
             self.save()
-        self.clip = announcement.recipe.secagg_clip
+        if self.journal.get(ADVERTISED_KEY) == round_id:
+            log.debug("secure-round keys already advertised round=%d", round_id)
+            return
         self.publish(self.device.advert())
+        self.journal.set(ADVERTISED_KEY, round_id)
 
     def on_message(self, message: IncomingMessage) -> bool:
         """A roster, share delivery or unmask request: answered, or refused with a log line (the state unchanged)."""
@@ -67,8 +75,6 @@ class SecAggParticipant:
     ) -> ShareBundle | UnmaskResponse | None:
         """The device's answer to one stage message (None for a delivery, which it keeps)."""
         if isinstance(incoming, KeyRoster):
-            if incoming.clip != self.clip:
-                raise SecAggRefusal(RejectionKind.UNSAFE_REQUEST, f"roster clip {incoming.clip:g} is not the recipe's")
             return device.on_roster(incoming)
         if isinstance(incoming, ShareDelivery):
             device.on_delivery(incoming)
@@ -76,20 +82,28 @@ class SecAggParticipant:
         return device.on_unmask(incoming)
 
     def send_update(self, update: messages.Update, base: Weights, spec: ModelSpec, recipe: messages.Recipe) -> None:
-        """The round's update as its weighted delta of the trainable tensors, kept (atomically) until it is masked;
-        masked at once if the shares have already arrived. The plain update never leaves the device."""
+        """The round's update as its weighted delta of the trainable tensors and the labels acquired since the last
+        masked input, kept (atomically) until it is masked; masked at once if the shares have already arrived. The
+        plain update never leaves the device."""
         names = trainable_names(spec, base)
         weight = device_weight(update.num_samples, recipe.secagg_sample_cap)
-        save_arrays(self.pending_path, weighted_delta(update.tensors, base, names, weight, recipe.secagg_clip))
+        labels = update.acquired_labels - int(self.journal.get(REPORTED_KEY, 0))
+        pending = weighted_delta(update.tensors, base, names, weight, recipe.secagg_clip, labels)
+        save_arrays(self.pending_path, pending)
         self.mask_pending()
 
     def mask_pending(self) -> None:
-        """Masks and sends the kept delta once the device holds its neighbours' shares."""
+        """Masks and sends the kept delta once the device holds its neighbours' shares; its labels are journalled
+        as reported (a round abandoned later does not count them)."""
         device = self.device
         if device is None or device.state.stage != DELIVERED or not self.pending_path.exists():
             return
-        masked = device.masked_input(load_arrays(self.pending_path))
+        pending = load_arrays(self.pending_path)
+        fixed = FixedPoint(device.state.clip, device.state.max_summands)
+        masked = device.masked_input(in_fixed_units(pending, fixed))
         self.save()
+        reported = int(self.journal.get(REPORTED_KEY, 0)) + int(pending[LABELS][0])
+        self.journal.set(REPORTED_KEY, reported)
         self.pending_path.unlink()
         self.publish(masked)
 

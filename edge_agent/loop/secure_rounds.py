@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from edge_agent.data.journal import Journal
 from edge_agent.loop.artefacts import RoundArtefacts
 from protocol import messages
 from protocol.mqtt import IncomingMessage, MqttSession
@@ -26,8 +27,9 @@ class SecureRounds:
     """What the agent does differently in a secure round: advertise keys on its announcement, answer the stage
     messages, and hand the trained update to the participant to be masked (its plain form never leaves)."""
 
-    def __init__(self, fleet: str, device_id: str, session: MqttSession, state_dir: Path) -> None:
-        self.fleet, self.device_id, self.session, self.state_dir = fleet, device_id, session, state_dir
+    def __init__(self, fleet: str, device_id: str, session: MqttSession, state_dir: Path, journal: Journal) -> None:
+        self.fleet, self.device_id, self.session = fleet, device_id, session
+        self.state_dir, self.journal = state_dir, journal
         self._participant: SecAggParticipant | None = None
         self.unable = False
 
@@ -40,7 +42,9 @@ class SecureRounds:
                 log.error("this device refuses secure aggregation: %s", str(error)[:200])
                 self.unable = True
                 return None
-            self._participant = SecAggParticipant(self.fleet, self.device_id, self.session, self.state_dir)
+            self._participant = SecAggParticipant(
+                self.fleet, self.device_id, self.session, self.state_dir, self.journal
+            )
         return self._participant
 
     def on_announcement(self, announcement: messages.RoundAnnouncement) -> None:

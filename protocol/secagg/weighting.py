@@ -1,5 +1,5 @@
-# What a secure round masks (each device's weighted delta of the spec's trainable tensors and its weight) and the
-# FedAvg mean the unmasked sum gives; the device and the coordinator share it, so both sides mask one layout.
+# What a secure round masks (each device's weighted delta of the spec's trainable tensors, its weight and its new
+# labels) and the FedAvg mean and label count the unmasked sum gives; both sides share it, so they mask one layout.
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -7,10 +7,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from protocol.secagg.errors import SecAggAbandoned
+from protocol.secagg.fixed_point import FixedPoint
 from protocol.tensors import Weights
 
 MODES = ("off", "secagg")  # the recipe's secure_aggregation values
 WEIGHT = "secagg.weight"  # the masked tensor that carries a device's weight (times the clip, to use the range)
+LABELS = "secagg.labels"  # the masked tensor that carries the labels a device acquired since its last masked input
 
 
 def device_weight(num_samples: int, cap: int) -> float:
@@ -19,14 +21,30 @@ def device_weight(num_samples: int, cap: int) -> float:
 
 
 def mask_layout(base: Weights, names: Sequence[str]) -> Weights:
-    """Zeros of what every device of the round masks: the trainable tensors and the weight."""
-    return {**{name: np.zeros_like(base[name], dtype=np.float32) for name in names}, WEIGHT: np.zeros(1, np.float32)}
+    """Zeros of what every device of the round masks: the trainable tensors, the weight and the new labels."""
+    counts = {WEIGHT: np.zeros(1, np.float32), LABELS: np.zeros(1, np.float32)}
+    return {**{name: np.zeros_like(base[name], dtype=np.float32) for name in names}, **counts}
 
 
-def weighted_delta(tensors: Weights, base: Weights, names: Sequence[str], weight: float, clip: float) -> Weights:
-    """What a device masks: weight * (its tensor - the round's model) for each trainable tensor, and weight * clip."""
+def weighted_delta(
+    tensors: Weights, base: Weights, names: Sequence[str], weight: float, clip: float, labels: int
+) -> Weights:
+    """What a device masks: weight * (its tensor - the round's model) for each trainable tensor, weight * clip, and
+    its new labels as a count (`in_fixed_units` turns it into whole fixed-point steps once the roster is known)."""
     delta = {name: (weight * (np.asarray(tensors[name], np.float64) - base[name])) for name in names}
-    return {**delta, WEIGHT: np.array([weight * clip])}
+    return {**delta, WEIGHT: np.array([weight * clip]), LABELS: np.array([float(max(labels, 0))])}
+
+
+def in_fixed_units(values: Weights, fixed: FixedPoint) -> Weights:
+    """The values with the label count as that many fixed-point steps (so the unmasked sum counts labels exactly;
+    a count beyond clip / step, about 2^31 / the round's devices, is cut to it)."""
+    most = np.floor(fixed.clip / fixed.step)
+    return {**values, LABELS: np.minimum(np.asarray(values[LABELS], np.float64), most) * fixed.step}
+
+
+def label_count(total: Weights, fixed: FixedPoint) -> int:
+    """The survivors' new labels: the unmasked sum's label coordinate in whole fixed-point steps."""
+    return round(float(total[LABELS][0]) / fixed.step)
 
 
 def secure_mean(total: Weights, base: Weights, names: Sequence[str], clip: float) -> tuple[Weights, float]:

@@ -223,6 +223,8 @@ async function refresh() {
     document.getElementById("run-phase").textContent = run.phase;
     document.getElementById("devices-online").textContent = run.devices_online === null ? "-" : run.devices_online;
     document.getElementById("run-privacy").textContent = run.privacy.summary;
+    document.getElementById("run-secure").textContent = run.secure.summary;
+    document.getElementById("divergence-source").hidden = run.secure.divergence_source !== "aggregate";
     drawMethods(run.methods);
     drawDevices(devices.devices);
     drawAccuracy(rounds.rounds);
