@@ -85,6 +85,7 @@ def run_fleet(args: argparse.Namespace, fleet_dir: Path, sampler: str, seed: int
         "seed": seed,
         "exit_codes": codes,
         **curve(work / "run"),
+        "device_peak_rss_mb": [device_peak_rss(work / f"cam-{number}.log") for number in range(len(states))],
         "seconds": round(time.perf_counter() - started, 1),
     }
     return {**result, **(centralised_probe(args, fleet_dir, spec, states, seed) if spec.pretrained else {})}
@@ -98,11 +99,12 @@ def run_processes(
     profile = HEAD_PROFILE if spec.pretrained else None
     with EmbeddedBroker(work / "broker", max_packet_bytes=args.max_message_bytes) as broker:
         url = broker.address.url
-        with open(work / "processes.log", "ab") as log:
+        with open(work / "coordinator.log", "ab") as log:
             processes = [
                 subprocess.Popen(coordinator_command(args, url, fleet_dir, work, *run), stdout=log, stderr=log)
             ]
-            for number, state in enumerate(states):
+        for number, state in enumerate(states):
+            with open(work / f"cam-{number}.log", "ab") as log:
                 command = camera_agent_command(url, "cameras", fleet_dir, number, state, profile)
                 processes.append(subprocess.Popen(command, stdout=log, stderr=log))
         people = PeopleAtTheOracles(fleet_dir, states, tuple(spec.class_names))
@@ -114,6 +116,15 @@ def run_processes(
             for process in processes:
                 if process.poll() is None:
                     process.kill()
+
+
+def device_peak_rss(log_file: Path) -> float:
+    """A field agent's highest per-phase peak RSS (MB, /proc VmHWM) over the run, from its `footprint` log lines."""
+    peaks = [0.0]
+    for line in log_file.read_text(errors="replace").splitlines():
+        if "footprint round=" in line:
+            peaks += [float(field.split("=")[1]) for field in line.split("peak_rss_mb ", 1)[1].split()]
+    return max(peaks)
 
 
 def centralised_probe(
