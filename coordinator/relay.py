@@ -154,7 +154,10 @@ class Relay:
         self.session = session
         self.site = site
         self.store = store
-        self.artefacts = RoundArtefacts(session, settings.site.run_dir / "upstream-bundles")
+        run_dir = settings.site.run_dir
+        self.artefacts = RoundArtefacts(
+            session, settings.fleet, run_dir / "upstream-bundles", run_dir / "upstream-backbone"
+        )
         self.sender = UpdateSender(settings.device, session, settings.site.run_dir / OUTBOX_FOLDER)
         self.pending: messages.RoundAnnouncement | None = None
         self.router = device_router(
