@@ -7,9 +7,15 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from fleet import pi_zero_fleet
 from onnx import numpy_helper
 
+from bench.simulate import simulate
 from coordinator.publisher import Artefacts, RetainedPublisher, bundle_message, model_message, split_of
+from coordinator.relay import RELAY_STRATEGY, Relay, RelaySettings, SiteRounds
+from coordinator.rounds import RoundPolicy, RoundRules
+from coordinator.server import ServerSettings
+from coordinator.store import RunStore
 from edge_agent.learning.bundle import MANIFEST_NAME, bundle_weights, load_bundle
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.learning.onnx_initializers import OnnxGraphError, graph_weights
@@ -87,18 +93,18 @@ def test_a_spec_that_trains_the_prefix_has_no_backbone_and_its_messages_are_as_b
     )
 
 
-def publisher_of(session: MqttSession, run_dir: Path) -> RetainedPublisher:
+def publisher_of(session: MqttSession, run_dir: Path, fleet: str = "f") -> RetainedPublisher:
     """A publisher of the head-only spec that exports each model's bundle under run_dir, as the coordinator does."""
 
     def files(weights: Weights, model_hash: str) -> dict[str, bytes]:
         return ensure_bundle_files(weights, run_dir / model_hash, HEAD_SPEC)
 
-    return RetainedPublisher(session, "f", "run", Artefacts(HEAD_SPEC, files))
+    return RetainedPublisher(session, fleet, "run", Artefacts(HEAD_SPEC, files))
 
 
-def device_artefacts(session: MqttSession, state: Path) -> RoundArtefacts:
+def device_artefacts(session: MqttSession, state: Path, fleet: str = "f") -> RoundArtefacts:
     """A device's artefacts over a state folder, following the announced model and its bundle."""
-    return RoundArtefacts(session, "f", state / "bundles", state / "backbone")
+    return RoundArtefacts(session, fleet, state / "bundles", state / "backbone")
 
 
 def take_in(session: MqttSession, artefacts: RoundArtefacts, model_hash: str, timeout: float = WAIT) -> list[str]:
@@ -194,3 +200,75 @@ def test_a_head_only_rounds_model_and_bundle_are_a_small_fraction_of_the_whole(t
     )
     assert split_bytes < 0.05 * whole_bytes, (split_bytes, whole_bytes)
     assert MANIFEST_NAME in bundle_message(files, model_hash, split).files
+
+
+def run_head_only_fleet(run_dir: Path, monkeypatch, split: bool) -> tuple[list[str], dict[str, list[int]]]:
+    """A 2-round head-only MobileNet run of 2 Pi Zero bench devices: its committed models' hashes and the bytes
+    retained, by kind (`split` False: the publisher ships every tensor and file, as before the backbone existed)."""
+    sizes: dict[str, list[int]] = {}
+    retain = RetainedPublisher.retain_current
+
+    def measured(self: RetainedPublisher, kind: str, topic: str, message) -> None:
+        if topic != self._retained.get(kind):
+            sizes.setdefault(kind.split(" ")[0], []).append(len(wire.encode(message())))
+        retain(self, kind, topic, message)
+
+    monkeypatch.setattr(RetainedPublisher, "retain_current", measured)
+    if not split:
+        monkeypatch.setattr("coordinator.publisher.split_of", lambda files: None)
+    settings, bench = pi_zero_fleet(run_dir, "backbone", rounds=2, mc_passes=4)
+    spec = ModelSpec("mobilenet", width_multiplier=0.25, trainable="head")
+    simulate(dataclasses.replace(settings, spec=spec), bench, lambda result: None)
+    store = RunStore(run_dir)
+    try:
+        models = [weights_hash(store.checkpoints.load(round_id)) for round_id in (0, 1, 2)]
+    finally:
+        store.close()
+    return models, sizes
+
+
+def test_a_head_only_fleet_downloads_the_backbone_once_and_commits_the_same_models(tmp_path, monkeypatch) -> None:
+    with monkeypatch.context() as patch:
+        whole_models, whole = run_head_only_fleet(tmp_path / "whole", patch, split=False)
+    models, sizes = run_head_only_fleet(tmp_path / "split", monkeypatch, split=True)
+    assert len(sizes["backbone"]) == 1 and len(sizes["model"]) == len(whole["model"]) == 2
+    per_round = [model + bundle for model, bundle in zip(sizes["model"], sizes["bundle"])]
+    whole_round = [model + bundle for model, bundle in zip(whole["model"], whole["bundle"])]
+    assert max(per_round) < 0.2 * min(whole_round), (per_round, whole_round)
+    assert models == whole_models and len(set(models)) == 3
+
+
+def test_a_relay_completes_the_model_from_the_central_backbone_and_retains_it_again_for_its_site(
+    tmp_path, broker, sessions
+) -> None:
+    central = sessions(broker.address, "central")
+    weights = model_of(HEAD_SPEC)
+    model_hash = weights_hash(weights)
+    publisher = publisher_of(central, tmp_path / "central", "central")
+    publisher.publish_model(weights, model_hash)
+
+    upstream, site_session = sessions(broker.address, "relay-00"), sessions(broker.address, "relay-00-site")
+    site = ServerSettings(run_dir=tmp_path / "relay", fleet="site", strategy=RELAY_STRATEGY, policy=RoundPolicy(1))
+    store = RunStore(site.run_dir)
+    rounds = SiteRounds(site, site_session, store, RoundRules(messages.Recipe(), site.policy))
+    relay = Relay(RelaySettings("relay-00", "central", site), upstream, rounds, store)
+    try:
+        announcement = messages.RoundAnnouncement("run", 1, model_hash, messages.Recipe(), 0.0)
+        relay.on_announcement(announcement)
+        while not relay.artefacts.ready(announcement, needs_bundle=False):
+            message = upstream.next_message(timeout=WAIT)
+            assert message is not None, "the relay did not get its model"
+            relay.handle(message)
+        assert weights_hash(relay.artefacts.models[model_hash]) == model_hash
+        assert list((tmp_path / "relay" / "upstream-backbone").glob(f"*{SUFFIX}"))
+
+        rounds.parts.publisher.artefacts = rounds.artefacts(HEAD_SPEC, b"")
+        rounds.parts.publisher.publish_model(relay.artefacts.models[model_hash], model_hash)
+        device = sessions(broker.address, "site-device")
+        artefacts = device_artefacts(device, tmp_path / "device", "site")
+        assert topics.BACKBONE.build(fleet="site", hash=next(iter(relay.artefacts.fetch.in_use["model"]))) in take_in(
+            device, artefacts, model_hash
+        )
+        assert weights_hash(artefacts.models[model_hash]) == model_hash
+    finally:
+        store.close()
