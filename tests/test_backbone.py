@@ -30,7 +30,7 @@ from protocol.mqtt import MqttSession
 from protocol.tensors import Weights, weights_hash
 
 WAIT = 20.0
-HEAD_SPEC = ModelSpec("mobilenet", 3, 32, 32, [0.5] * 3, [0.25] * 3, ["a", "b", "c"], 0.5, trainable="head")
+HEAD_SPEC = ModelSpec("mobilenet", 3, 32, 32, [0.5] * 3, [0.25] * 3, ["a", "b", "c"], 0.25, trainable="head")
 
 
 def model_of(spec: ModelSpec, seed: int = 0) -> Weights:
