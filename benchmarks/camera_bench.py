@@ -73,26 +73,8 @@ def run_fleet(args: argparse.Namespace, fleet_dir: Path, sampler: str, seed: int
     states = [work / f"cam-{n}" / "state" for n in range(args.devices)]
     for state in states:
         state.mkdir(parents=True, exist_ok=True)
-    names, profile = tuple(spec.class_names), HEAD_PROFILE if spec.pretrained else None
     started = time.perf_counter()
-    with EmbeddedBroker(work / "broker", max_packet_bytes=args.max_message_bytes) as broker:
-        url = broker.address.url
-        with open(work / "processes.log", "ab") as log:
-            processes = [
-                subprocess.Popen(coordinator_command(args, url, fleet_dir, work, sampler, seed), stdout=log, stderr=log)
-            ]
-            for number, state in enumerate(states):
-                command = camera_agent_command(url, "cameras", fleet_dir, number, state, profile)
-                processes.append(subprocess.Popen(command, stdout=log, stderr=log))
-        people = PeopleAtTheOracles(fleet_dir, states, names)
-        people.start()
-        try:
-            codes = [process.wait(timeout=WAIT_SECONDS) for process in processes]
-        finally:
-            people.stopped.set()
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
+    codes = run_processes(args, fleet_dir, work, spec, states, (sampler, seed))
     report = subprocess.run(
         [sys.executable, "-m", "coordinator", "report", str(work / "run")], capture_output=True, text=True, check=True
     )
@@ -106,6 +88,32 @@ def run_fleet(args: argparse.Namespace, fleet_dir: Path, sampler: str, seed: int
         "seconds": round(time.perf_counter() - started, 1),
     }
     return {**result, **(centralised_probe(args, fleet_dir, spec, states, seed) if spec.pretrained else {})}
+
+
+def run_processes(
+    args: argparse.Namespace, fleet_dir: Path, work: Path, spec: ModelSpec, states: list[Path], run: tuple[str, int]
+) -> list[int]:
+    """Broker, coordinator, one field agent per device (a pretrained fleet's on the head-only Pi Zero profile) and
+    the people answering, until every process exits; returns their exit codes."""
+    profile = HEAD_PROFILE if spec.pretrained else None
+    with EmbeddedBroker(work / "broker", max_packet_bytes=args.max_message_bytes) as broker:
+        url = broker.address.url
+        with open(work / "processes.log", "ab") as log:
+            processes = [
+                subprocess.Popen(coordinator_command(args, url, fleet_dir, work, *run), stdout=log, stderr=log)
+            ]
+            for number, state in enumerate(states):
+                command = camera_agent_command(url, "cameras", fleet_dir, number, state, profile)
+                processes.append(subprocess.Popen(command, stdout=log, stderr=log))
+        people = PeopleAtTheOracles(fleet_dir, states, tuple(spec.class_names))
+        people.start()
+        try:
+            return [process.wait(timeout=WAIT_SECONDS) for process in processes]
+        finally:
+            people.stopped.set()
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
 
 
 def centralised_probe(

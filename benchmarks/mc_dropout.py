@@ -36,7 +36,7 @@ def train_w0(out: Path | str) -> dict:
     from edge_agent.data.fashion_mnist import load_fashion_mnist
     from edge_agent.data.image_arrays import model_input
     from edge_agent.learning.models import build_model, get_weights
-    from export.bundle_writer import write_bundle
+    from export.bundle_writer import Int8Data, write_bundle
 
     out = Path(out)
     torch.manual_seed(0)
@@ -52,7 +52,7 @@ def train_w0(out: Path | str) -> dict:
         torch.nn.functional.cross_entropy(model(images[start : start + 64]), labels[start : start + 64]).backward()
         optimiser.step()
     save_shard(out / "pool.npz", Shard(data.train_images[:POOL_SIZE], data.train_labels[:POOL_SIZE].astype(np.int64)))
-    int8_data = (
+    int8_data = Int8Data(
         model_input(data.train_images[POOL_SIZE : POOL_SIZE + 512]),
         model_input(data.test_images),
         data.test_labels.astype(np.int64),

@@ -14,6 +14,7 @@ from coordinator.rounds import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings, load_encoder
 from coordinator.strategies import make_strategy
 from edge_agent.learning.local_rules import LOCAL_RULES, make_local_rule
+from edge_agent.learning.pretrained_backbone import check_pretrained_installed
 from edge_agent.learning.sampling import make_sampler
 from protocol import wire
 from protocol.chunks import given_packet_limit
@@ -90,7 +91,9 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
 
 def validate_recipe_names(settings: ServerSettings) -> None:
     """Fails fast, before any process starts, on a sampler, rule, strategy or update encoding nobody knows, a bad
-    method parameter, or a strategy that weighs updates by a metric the local rule does not report."""
+    method parameter, a strategy that weighs updates by a metric the local rule does not report, or a spec whose
+    pretrained weights are not installed."""
+    check_pretrained_installed(settings.spec)
     make_sampler(settings.recipe.sampler)
     rule = make_local_rule(settings.recipe.local_rule)
     strategy = make_strategy(settings.strategy, **settings.strategy_options)

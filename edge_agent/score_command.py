@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import resource
 import sys
@@ -13,11 +14,12 @@ from typing import Any
 
 import numpy as np
 
+from edge_agent.data.device_data import Samples
 from edge_agent.data.fashion_mnist import read_idx
 from edge_agent.data.image_arrays import IMAGE_SHAPE, check_images
 from edge_agent.data.image_files import FolderImages, InputSpec, read_image_folder
 from edge_agent.learning.acquisition_scores import top_k
-from edge_agent.learning.bundle import Bundle, BundleError, load_bundle
+from edge_agent.learning.bundle import Bundle, BundleError, bundle_weights, load_bundle
 from edge_agent.learning.mc_scorer import MCScorer
 from edge_agent.learning.sampling import make_heuristic
 from edge_agent.loop.profile import load_profile
@@ -103,17 +105,15 @@ def score_pool(
     threads: int = 0,
     precision: str = "fp32",
     providers: Sequence[str] = (CPU_PROVIDER,),
+    cache_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Scores a pool and returns the selection with images_per_second and peak_rss_mb (the command's JSON).
 
-    An array pool stays uint8 (memory-mapped for .npy) and is normalised a batch at a time. An image folder is
-    decoded to the bundle's input shape and normalisation (float32, 4 * C * H * W bytes an image; --limit bounds
-    it); its broken files are skipped, left in place and reported. batch_size None is the back end's
-    DEFAULT_BATCHES entry.
+    An array pool stays uint8 (memory-mapped for .npy); an image folder is decoded to the bundle's input (--limit
+    bounds it), its broken files skipped and reported. With cache_dir, the prefix outputs are kept there.
     """
     heuristic = make_heuristic(sampler)
-    if limit is not None and limit < 1:
-        raise UsageError(f"--limit must be at least 1, got {limit}")
+    check_score_request(backend, precision, limit, cache_dir)
     bundle = load_bundle(bundle_path)
     folder = (
         read_image_folder(pool_path, InputSpec.from_manifest(bundle.manifest), limit) if pool_path.is_dir() else None
@@ -123,12 +123,58 @@ def score_pool(
     batch_size = batch_size if batch_size is not None else DEFAULT_BATCHES.get(backend, DEFAULT_BATCHES["onnxruntime"])
     scorer = make_scorer(backend, bundle, batch_size, threads, precision, providers)
     started = time.perf_counter()
-    probabilities = scorer.probabilities(images, passes, seed) if heuristic.needs_probabilities else None
+    probabilities = None
+    if heuristic.needs_probabilities:
+        pool_key = pool_identity(pool_path, folder.files if folder is not None else None) if cache_dir else ""
+        probabilities = pool_probabilities(scorer, images, cache_dir, pool_key, passes, seed)
     scores = heuristic.scores(probabilities, len(images), np.random.default_rng(seed))
     selected = top_k(scores, top)
     seconds = time.perf_counter() - started
     run = {"backend": scorer.name, "precision": precision, "passes": passes, "sampler": sampler}
     return {**run, **selection_report(len(images), batch_size, selected, seconds), **_folder_report(folder, selected)}
+
+
+def check_score_request(backend: str, precision: str, limit: int | None, cache_dir: Path | None) -> None:
+    """A UsageError for a --limit below one, or a --cache-dir with another back end than onnxruntime at fp32."""
+    if cache_dir is not None and (backend, precision) != ("onnxruntime", "fp32"):
+        raise UsageError(
+            "--cache-dir keeps the fp32 prefix's outputs: use it with --backend onnxruntime --precision fp32"
+        )
+    if limit is not None and limit < 1:
+        raise UsageError(f"--limit must be at least 1, got {limit}")
+
+
+def pool_probabilities(
+    scorer: MCScorer, images: np.ndarray, cache_dir: Path | None, pool_key: str, passes: int, seed: int
+) -> np.ndarray:
+    """The pool's MC-dropout probabilities: through the feature cache in cache_dir when one is given."""
+    if cache_dir is None:
+        return scorer.probabilities(images, passes, seed)
+    return cached_probabilities(scorer, images, cache_dir, pool_key, passes, seed)
+
+
+def pool_identity(pool_path: Path, files: list[str] | None) -> str:
+    """What the positions of a pool index: the pool file (path, size, modification time), or an image folder's files
+    read, each with its size and modification time; a change gives another feature cache."""
+    paths = [pool_path] if files is None else [pool_path / name for name in files]
+    stats = [(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns) for path in paths]
+    return hashlib.sha256(json.dumps(stats).encode()).hexdigest()
+
+
+def cached_probabilities(
+    scorer: MCScorer, images: np.ndarray, cache_dir: Path, pool_key: str, passes: int, seed: int
+) -> np.ndarray:
+    """MC-dropout outputs of the pool through a feature cache in cache_dir (keyed by the bundle's prefix and the
+    pool): the prefix runs only on images not cached yet, then the tail alone over the cached rows."""
+    from edge_agent.learning.cached_prefix import CachedPrefix
+    from edge_agent.learning.ort_scorer import OrtMCDropout
+
+    assert isinstance(scorer, OrtMCDropout)  # score_pool allows the cache on onnxruntime only
+    bundle = scorer.bundle
+    weights = bundle_weights(bundle)
+    prefix = CachedPrefix(bundle, cache_dir, weights, scorer.batch_size, scorer.threads, scorer.providers, pool_key)
+    rows = prefix.rows(Samples(np.arange(len(images)), lambda indices: images[indices]))
+    return scorer.feature_probabilities(rows, passes, seed)
 
 
 def _folder_report(folder: FolderImages | None, selected: np.ndarray) -> dict[str, Any]:
@@ -172,6 +218,12 @@ def add_arguments(score: argparse.ArgumentParser) -> None:
     score.add_argument("--limit", type=int, help="score only the first N pool images (capped by --profile)")
     score.add_argument("--profile", type=Path, help="a firmware_configs/*.toml device profile")
     score.add_argument("--seed", type=int, default=0, help="seed of the dropout masks")
+    score.add_argument(
+        "--cache-dir",
+        type=Path,
+        help="keep the pool's prefix outputs here (float16, keyed by the bundle's prefix and the pool): a later run "
+        "with the same backbone and pool runs only the tail (onnxruntime, fp32)",
+    )
     score.add_argument("--json", action="store_true", help="print the result as one JSON line (the only format)")
     score.add_argument("--log-level", default="warning")
 
@@ -210,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
             threads=args.threads or settings["threads"],
             precision=args.precision,
             providers=settings["providers"],
+            cache_dir=args.cache_dir,
         )
     except BundleError as error:  # here the bundle is the user's file, not one a coordinator sent
         raise UsageError(str(error)) from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,24 +38,31 @@ INT8_GRAPHS = {"prefix": "prefix.int8.onnx", "tail": "tail.onnx"}
 PENULTIMATE_GRAPH = "penultimate.onnx"
 
 
-def _int8_section(
-    work: Path, calibration: np.ndarray, test_images: np.ndarray, test_labels: np.ndarray, mask_shapes: Any
-) -> dict[str, Any]:
-    """Quantizes the prefix and returns the manifest's record of the method and the test accuracy change."""
-    quantize.quantize_prefix(work / FP32_GRAPHS["prefix"], work / INT8_GRAPHS["prefix"], calibration)
-    accuracy = {
-        precision: quantize.deterministic_accuracy(
-            work / graphs["prefix"], work / graphs["tail"], mask_shapes, test_images, test_labels
-        )
-        for precision, graphs in (("fp32", FP32_GRAPHS), ("int8", INT8_GRAPHS))
-    }
+@dataclass(frozen=True)
+class Int8Data:
+    """What an int8 prefix is calibrated and checked on: calibration images and held-out check images (float32
+    pixel / 255, (N, C, H, W)), and the check images' labels when known (accuracy then joins the agreement)."""
+
+    calibration: np.ndarray
+    check: np.ndarray
+    labels: np.ndarray | None = None
+    held_out: bool = True
+    """False when the check images are the calibration images (a folder of a single image)."""
+
+
+def _int8_section(work: Path, data: Int8Data, mask_shapes: Any) -> dict[str, Any]:
+    """Quantizes the prefix and returns the manifest's record of the method and how int8 changes the answers."""
+    quantize.quantize_prefix(work / FP32_GRAPHS["prefix"], work / INT8_GRAPHS["prefix"], data.calibration)
+    fp32, int8 = (
+        quantize.deterministic_probabilities(work / graphs["prefix"], work / graphs["tail"], mask_shapes, data.check)
+        for graphs in (FP32_GRAPHS, INT8_GRAPHS)
+    )
     return {
         "method": quantize.METHOD,
-        "calibration_images": len(calibration),
-        "test_images": len(test_images),
-        "test_accuracy_fp32": accuracy["fp32"],
-        "test_accuracy_int8": accuracy["int8"],
-        "test_accuracy_change": accuracy["int8"] - accuracy["fp32"],
+        "calibration_images": len(data.calibration),
+        "check_images": len(data.check),
+        "check_held_out": data.held_out,
+        **quantize.int8_change(fp32, int8, data.labels),
     }
 
 
@@ -82,11 +90,11 @@ def write_bundle(
     out_dir: Path,
     spec: ModelSpec = DEFAULT_SPEC,
     opset: int = DEFAULT_OPSET,
-    int8_data: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    int8_data: Int8Data | None = None,
 ) -> BundleManifest:
     """Exports weights as a bundle in out_dir (created; must not hold a bundle yet) and returns its manifest.
 
-    int8_data = (normalised calibration images, normalised test images, test labels) adds the int8 prefix.
+    int8_data adds the int8 prefix, calibrated and checked on its images.
     Files go to a temporary folder first, so a failed export leaves no half bundle behind.
     """
     out_dir = Path(out_dir)
@@ -109,7 +117,7 @@ def write_files(
     weights: Weights,
     work: Path,
     opset: int,
-    int8_data: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+    int8_data: Int8Data | None,
 ) -> BundleManifest:
     """Writes the graphs and weights into `work`, checks them, and returns the manifest that lists them.
 
@@ -123,7 +131,7 @@ def write_files(
     graphs = {"fp32": FP32_GRAPHS}
     quantization = None
     if int8_data is not None:
-        quantization = _int8_section(work, *int8_data, dropout_spec(model).mask_shapes)
+        quantization = _int8_section(work, int8_data, dropout_spec(model).mask_shapes)
         graphs["int8"] = INT8_GRAPHS
     names = sorted({WEIGHTS_FILE, PENULTIMATE_GRAPH, *(name for parts in graphs.values() for name in parts.values())})
     for name in (name for name in names if name.endswith(".onnx")):

@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 
 from edge_agent.learning.acquisition_scores import bald_scores, entropy_scores, top_k
-from edge_agent.learning.batch_selection import class_balanced_top_k, kmeans_pp_outer, power_sample
+from edge_agent.learning.batch_selection import (
+    class_balanced_top_k,
+    k_center_greedy,
+    kmeans_pp_outer,
+    nearest_squared_distances,
+    power_sample,
+)
 from edge_agent.learning.local_data import LocalData, balanced_sample
 from edge_agent.learning.sampling import (
     AcquisitionContext,
@@ -68,6 +74,43 @@ def test_kmeans_pp_of_identical_rows_still_picks_distinct_ones() -> None:
     assert len(set(picked.tolist())) == 3
 
 
+def test_k_center_greedy_takes_the_farthest_cluster_first_then_the_next() -> None:
+    """Labelled centres sit on cluster A; the pool holds copies of A, a far cluster B and a nearer cluster C: the
+    first pick is in B, the second in C, and A is never picked while B and C hold a point."""
+    jitter = np.random.default_rng(0).normal(0, 0.01, (12, 2))
+    pool = np.concatenate([np.zeros((4, 2)), np.full((4, 2), 10.0), np.tile([[0.0, 4.0]], (4, 1))]) + jitter
+    picked = k_center_greedy(pool, np.zeros((3, 2)), 2, np.random.default_rng(0))
+    assert 4 <= picked[0] < 8 and 8 <= picked[1] < 12
+    assert sorted(k_center_greedy(pool, np.zeros((1, 2)), 20, np.random.default_rng(0)).tolist()) == list(range(12))
+
+
+def test_k_center_greedy_without_centres_starts_anywhere_and_then_goes_far() -> None:
+    pool = np.array([[0.0], [1.0], [2.0], [9.0]])
+    for seed in range(10):
+        picked = k_center_greedy(pool, np.zeros((0, 0)), 2, np.random.default_rng(seed))
+        assert picked[1] == (3 if picked[0] != 3 else 0), "the second pick is the farthest from the first"
+
+
+def test_nearest_distances_are_exact_and_refuse_mismatched_widths() -> None:
+    rows, centres = np.array([[0.0, 0.0], [3.0, 4.0]]), np.array([[3.0, 0.0], [3.0, 4.0], [0.0, 1.0]])
+    np.testing.assert_allclose(nearest_squared_distances(rows, centres, block=2), [1.0, 0.0])
+    assert np.isinf(nearest_squared_distances(rows, np.zeros((0, 0)))).all()
+    with pytest.raises(ValueError, match="one width"):
+        nearest_squared_distances(rows, np.zeros((2, 3)))
+    with pytest.raises(ValueError, match="pool features"):
+        k_center_greedy(np.zeros(5), np.zeros((0, 0)), 2, np.random.default_rng(0))
+
+
+def test_the_coreset_sampler_covers_what_the_labels_do_not() -> None:
+    """Its score is the distance to the nearest labelled sample; its batch starts in the uncovered cluster."""
+    features = np.concatenate([np.zeros((5, 3)), np.full((5, 3), 5.0)])
+    probs = np.full((2, 10, 2), 0.5)
+    context = context_of(probs, features, labelled=np.zeros((2, 3)))
+    sampler = make_sampler("coreset")
+    np.testing.assert_allclose(sampler.score_pool(context), [0.0] * 5 + [np.sqrt(75.0)] * 5)
+    assert 5 <= sampler.select(context, 2)[0] < 10
+
+
 def test_class_balanced_top_k_gives_each_predicted_class_its_share() -> None:
     scores = np.array([0.9, 0.8, 0.7, 0.6, 0.1, 0.05])
     predicted = np.array([0, 0, 0, 0, 1, 1])
@@ -83,8 +126,9 @@ def context_of(
     seed: int = 0,
     class_counts: np.ndarray | None = None,
     options: dict[str, float] | None = None,
+    labelled: np.ndarray | None = None,
 ) -> AcquisitionContext:
-    """An acquisition context over given MC-dropout probabilities and penultimate features."""
+    """An acquisition context over given MC-dropout probabilities, penultimate features and labelled features."""
     return AcquisitionContext(
         num_samples=probs.shape[1],
         rng=np.random.default_rng(seed),
@@ -95,18 +139,22 @@ def context_of(
         global_logits=lambda: np.zeros(0),
         embeddings=lambda: Embeddings(np.zeros(0), np.zeros(0), np.zeros(0)),
         features=cache(lambda: features),
+        labelled_features=cache(lambda: labelled if labelled is not None else np.zeros((0, 0))),
     )
 
 
-@pytest.mark.parametrize("name", ["power-entropy", "power-bald", "power-margin", "badge", "balanced-entropy"])
+@pytest.mark.parametrize(
+    "name", ["power-entropy", "power-bald", "power-margin", "badge", "coreset", "balanced-entropy"]
+)
 def test_every_batch_sampler_picks_distinct_pool_positions(name: str) -> None:
     rng = np.random.default_rng(2)
     logits = rng.normal(size=(5, 60, 4))
     probs = np.exp(logits) / np.exp(logits).sum(axis=-1, keepdims=True)
-    picked = make_sampler(name).select(context_of(probs, rng.normal(size=(60, 8))), 12)
+    features = rng.normal(size=(60, 8))
+    picked = make_sampler(name).select(context_of(probs, features), 12)
     assert len(picked) == 12 and len(set(picked.tolist())) == 12 and picked.min() >= 0 and picked.max() < 60
-    again = make_sampler(name).select(context_of(probs, rng.normal(size=(60, 8))), 12)
-    assert name == "badge" or again.tolist() == picked.tolist(), "the same seed draws the same batch"
+    again = make_sampler(name).select(context_of(probs, features), 12)
+    assert again.tolist() == picked.tolist(), "the same seed draws the same batch"
 
 
 def test_power_margin_with_a_huge_exponent_is_margins_top_k() -> None:

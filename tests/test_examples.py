@@ -11,7 +11,7 @@ from protocol.model_spec import DEFAULT_SPEC, load_model_spec, spec_hash
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SPEC_FILES = sorted(EXAMPLES.glob("*.toml"))
-EXPECTED = {"paper-cnn.toml", "rgb-camera.toml", "mobilenet-camera.toml"}
+EXPECTED = {"paper-cnn.toml", "rgb-camera.toml", "mobilenet-camera.toml", "camera-efficientnet.toml"}
 
 
 def test_the_documented_examples_exist() -> None:
@@ -40,7 +40,7 @@ def test_paper_cnn_example_is_the_default_spec() -> None:
     assert spec_hash(spec) == spec_hash(DEFAULT_SPEC)
 
 
-@pytest.mark.parametrize("name", ["rgb-camera.toml", "mobilenet-camera.toml"])
+@pytest.mark.parametrize("name", ["rgb-camera.toml", "mobilenet-camera.toml", "camera-efficientnet.toml"])
 def test_camera_examples_take_colour_images(name: str) -> None:
     """The camera examples are three-channel specs with their own class names and one mean and std per channel."""
     spec = load_model_spec(EXAMPLES / name).spec

@@ -1,5 +1,6 @@
 # FAST (ALGORITHMS.md section 5): prototype similarities and entropy, kNN weak labels, the query count, weak
-# labels that never overwrite human ones, and a frozen encoder (W0's penultimate layers, ONNX via onnxruntime).
+# labels that never overwrite human ones, and a frozen encoder (W0's penultimate layers, ONNX via onnxruntime);
+# the core-set on the same device acquirer (its labelled features are the device's human labels).
 from __future__ import annotations
 
 import hashlib
@@ -19,6 +20,7 @@ from edge_agent.data.device_data import DeviceData
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.image_arrays import model_input
 from edge_agent.learning.acquisition_scores import knn_labels, prototype_entropy, prototype_similarities
+from edge_agent.learning.batch_selection import k_center_greedy
 from edge_agent.learning.encoder import OnnxEncoder, encoder_hash
 from edge_agent.learning.learner_choice import make_learner
 from edge_agent.learning.models import build_model, get_weights
@@ -200,3 +202,20 @@ def test_encoder_message_round_trips_and_its_topic_names_the_hash(encoder_bytes)
     assert topics.ENCODER.build(fleet="f", hash=message.encoder_hash) == f"fl/f/encoder/{message.encoder_hash}"
     with pytest.raises(wire.WireError, match="expected a 'encoder' message"):
         wire.decode(wire.encode(messages.Ack("d", 1, "u", True)), messages.EncoderMessage)
+
+
+def test_the_device_gives_the_coreset_its_human_labels_features_as_centres(tmp_path, encoder_bytes) -> None:
+    """The acquirer's labelled_features are the learner's features of data.labelled(); the core-set's batch is
+    greedy k-center from them, as batch_selection computes it directly."""
+    agent = make_agent(tmp_path, 50, encoder_bytes)
+    recipe = messages.Recipe(sampler="coreset", labels_per_acquisition=6)
+    models = round_models(agent, build_model(seed=0), recipe)
+    pool = agent.data.pool_indices()
+    context = agent.rounds.acquirer.context(models, pool, 3)
+    human, _ = agent.data.labelled()
+    expected_centres = models.learner.features(agent.data.samples(human))
+    assert len(human) == 20 and expected_centres.shape == (20, 128)
+    np.testing.assert_array_equal(context.labelled_features(), expected_centres)
+    expected = pool[k_center_greedy(context.features(), expected_centres, 6, np.random.default_rng(3))]
+    answered, _ = agent.rounds.acquirer.acquire(models, make_sampler("coreset"), 3, round_id=1, acquisition=0)
+    assert sorted(answered.tolist()) == sorted(expected.tolist())

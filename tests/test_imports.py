@@ -56,6 +56,8 @@ TORCH_FREE = (
     "edge_agent.learning.acquisition_scores",
     "edge_agent.learning.batch_selection",
     "edge_agent.learning.head_learner",
+    "edge_agent.learning.cached_prefix",
+    "edge_agent.data.feature_cache",
     "edge_agent.learning.head_training",
     "edge_agent.learning.local_data",
     "edge_agent.loop.outbox",

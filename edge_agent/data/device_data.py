@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,6 +30,22 @@ class ImageSource(Protocol):
     def refresh(self) -> int:
         """Takes in what arrived since the last call; returns how many images joined (0 for a fixed stack)."""
         ...
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Some of a device's samples by their stable indices; their images are read only when asked for (a learner
+    over a feature cache may need none of them)."""
+
+    indices: np.ndarray
+    read: Callable[[np.ndarray], np.ndarray]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def images(self) -> np.ndarray:
+        """The samples' uint8 images, in index order (read now)."""
+        return self.read(self.indices)
 
 
 class StoredImages:
@@ -157,6 +175,10 @@ class DeviceData:
         """A uint8 copy of the images at these indices."""
         indices = checked_indices(indices, self.num_samples)
         return np.asarray(self.source.images()[indices])
+
+    def samples(self, indices: np.ndarray) -> Samples:
+        """These samples by index, their images read on demand."""
+        return Samples(checked_indices(indices, self.num_samples), self.images)
 
     def labels_at(self, indices: np.ndarray) -> np.ndarray:
         """The label of each of these samples, -1 where a sample is still unlabelled."""

@@ -48,6 +48,11 @@ def model_input(images: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(stack, dtype=np.float32) / np.float32(255.0)
 
 
+def as_model_input(images: np.ndarray) -> np.ndarray:
+    """Raw uint8 images as model inputs (model_input); model inputs already (float32 (N, C, H, W)) as they are."""
+    return model_input(images) if images.dtype == np.uint8 else np.ascontiguousarray(images)
+
+
 @dataclass(frozen=True)
 class ImageDataset:
     """A labelled data set's train and test splits: uint8 images (N, H, W) or (N, H, W, C), integer labels (N,)."""

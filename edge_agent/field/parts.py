@@ -93,9 +93,9 @@ class StreamAcquirer:
             learner = make_learner(self.settings, self.data.state_dir, latest.spec, latest.weights, latest.bundle)
             self._learner = (latest.weights, learner)
         models = RoundModels(self._learner[1], "", latest.recipe, latest.bundle)
-        images = self.data.images(new)
+        samples = self.data.samples(new)
         probabilities = (
-            mc_probabilities(self.settings, models, images, self.passes, seed) if sampler.needs_probabilities else None
+            mc_probabilities(self.settings, models, samples, self.passes, seed) if sampler.needs_probabilities else None
         )
         return sampler.scores(probabilities, len(new), np.random.default_rng(seed))
 

@@ -1,4 +1,5 @@
-# Batch-aware selections in pure numpy: stochastic power sampling, BADGE's k-means++, class-balanced top-k.
+# Batch-aware selections in pure numpy: stochastic power sampling, BADGE's k-means++, core-set's greedy k-center,
+# class-balanced top-k.
 from __future__ import annotations
 
 import numpy as np
@@ -38,6 +39,40 @@ def kmeans_pp_outer(left: np.ndarray, right: np.ndarray, k: int, rng: np.random.
         total = nearest.sum()
         weights = nearest / total if total > 0 else np.where(np.isin(np.arange(len(left)), picked), 0.0, 1.0)
         picked.append(int(rng.choice(len(left), p=weights / weights.sum())))
+    return np.asarray(picked, dtype=np.int64)
+
+
+def nearest_squared_distances(rows: np.ndarray, centres: np.ndarray, block: int = 256) -> np.ndarray:
+    """Each row's squared Euclidean distance to its nearest centre (inf for every row when there is no centre),
+    |x|^2 + |c|^2 - 2 x.c over blocks of centres, so memory stays rows x block."""
+    rows = np.asarray(rows, dtype=np.float64)
+    nearest = np.full(len(rows), np.inf)
+    if len(centres) == 0:
+        return nearest
+    centres = np.asarray(centres, dtype=np.float64)
+    if rows.ndim != 2 or centres.ndim != 2 or rows.shape[1] != centres.shape[1]:
+        raise ValueError(f"need (N, d) rows and (M, d) centres of one width, got {rows.shape} and {centres.shape}")
+    lengths = np.sum(rows**2, axis=1)
+    for start in range(0, len(centres), block):
+        part = centres[start : start + block]
+        squared = lengths[:, None] + np.sum(part**2, axis=1) - 2.0 * rows @ part.T
+        nearest = np.minimum(nearest, np.maximum(squared, 0.0).min(axis=1))
+    return nearest
+
+
+def k_center_greedy(pool: np.ndarray, centres: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Sener and Savarese's core-set batch: k distinct pool rows picked one at a time, each the row farthest from
+    its nearest centre, a pick joining the centres; with no centre the first pick is uniform."""
+    pool = np.asarray(pool, dtype=np.float64)
+    if pool.ndim != 2:
+        raise ValueError(f"the core-set needs (N, d) pool features, got shape {pool.shape}")
+    nearest = nearest_squared_distances(pool, centres)
+    picked: list[int] = []
+    while len(picked) < min(k, len(pool)):
+        choice = int(rng.integers(len(pool))) if not picked and np.isinf(nearest).all() else int(np.argmax(nearest))
+        picked.append(choice)
+        nearest = np.minimum(nearest, nearest_squared_distances(pool, pool[choice : choice + 1]))
+        nearest[picked] = -1.0
     return np.asarray(picked, dtype=np.int64)
 
 

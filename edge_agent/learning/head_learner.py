@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from edge_agent.data.device_data import Samples
+from edge_agent.data.feature_cache import FEATURES_FOLDER
 from edge_agent.learning.bundle import Bundle
+from edge_agent.learning.cached_prefix import CachedPrefix, prefix_frozen
 from edge_agent.learning.head_training import HeadSettings, train_classifier
 from edge_agent.learning.learner import Learner, bundle_scorer
 from edge_agent.learning.local_data import LocalData
 from edge_agent.learning.local_rules import CLASSIFIER_ONLY, RuleBodies, SupervisedRule, make_local_rule
-from edge_agent.learning.mc_scorer import MCScorer
 from edge_agent.learning.ort_scorer import penultimate_features
 from edge_agent.loop.agent_settings import AgentSettings
 from protocol import messages
@@ -26,32 +29,54 @@ class HeadLearner(Learner):
     """The round's global model with only its classifier trained: what a 512 MB device affords (no torch).
 
     It scores with the round's bundle as shipped (the global model), so a round with several acquisitions
-    scores each with the global model; the trained classifier goes into the update.
+    scores each with the global model; the trained classifier goes into the update. When the spec freezes the
+    bundle's prefix, each sample's prefix output is computed once and kept in the device's feature cache
+    (`state_dir/features`): scoring runs the tail alone over cached rows, and training the penultimate graph.
     """
 
-    def __init__(self, settings: AgentSettings, global_weights: Weights, bundle: Bundle | None) -> None:
+    def __init__(
+        self, settings: AgentSettings, state_dir: Path, global_weights: Weights, bundle: Bundle | None
+    ) -> None:
         if bundle is None or bundle.manifest.head is None:
             raise ValueError("head-only training needs the round's bundle with its penultimate graph")
         self.settings = settings
         self.bundle = bundle
         self._weights = dict(global_weights)
+        self.prefix = (
+            CachedPrefix(
+                bundle,
+                state_dir / FEATURES_FOLDER,
+                global_weights,
+                *(settings.inference_batch, settings.inference_threads, settings.execution_providers),
+            )
+            if prefix_frozen(bundle)
+            else None
+        )
 
     def weights(self) -> Weights:
         """The global weights with this round's classifier."""
         return dict(self._weights)
 
-    def scorer(self, bundle: Bundle | None) -> MCScorer:
-        """The bundle's graphs as shipped."""
-        return bundle_scorer(self.settings, bundle, None)
+    def probabilities(self, bundle: Bundle | None, samples: Samples, passes: int, seed: int) -> np.ndarray:
+        """MC-dropout outputs under the bundle's graphs as shipped: the tail alone over cached prefix outputs when
+        the prefix is frozen, else both graphs over the samples' images."""
+        scorer = bundle_scorer(self.settings, bundle, None)
+        if self.prefix is None:
+            return scorer.probabilities(samples.images(), passes, seed)
+        return scorer.feature_probabilities(self.prefix.rows(samples), passes, seed)
+
+    def rows(self, samples: Samples) -> np.ndarray:
+        """The samples' cached prefix outputs (frozen prefix), else their images."""
+        return samples.images() if self.prefix is None else self.prefix.rows(samples)
 
     def train(self, data: LocalData, recipe: messages.Recipe, seed: int) -> dict[str, float]:
-        """Softmax regression of the classifier on the recipe's rule's problem (its images, labels, logit bias)."""
+        """Softmax regression of the classifier on the recipe's rule's problem (its rows, labels, logit bias)."""
         head = self.bundle.manifest.head
         assert head is not None  # checked in the constructor
         weight = self._weights[head.weight]
         rule = make_local_rule(recipe.local_rule)
-        images, labels, adjustment = HEAD_BODIES.body(rule)(rule, data, recipe, seed, len(weight))
-        features = self.features(images)
+        rows, labels, adjustment = HEAD_BODIES.body(rule)(rule, data, recipe, seed, len(weight))
+        features = self.penultimate(rows)
         options = HeadSettings(
             recipe.epochs,
             recipe.batch_size,
@@ -64,13 +89,20 @@ class HeadLearner(Learner):
         )
         weight, bias, loss = train_classifier(features, labels, weight, self._weights[head.bias], options, adjustment)
         self._weights[head.weight], self._weights[head.bias] = weight, bias
-        return {"train_loss": loss, "train_samples": float(len(images))}
+        return {"train_loss": loss, "train_samples": float(len(rows))}
 
-    def features(self, images: np.ndarray) -> np.ndarray:
-        """Penultimate features of raw images under the bundle's graphs as shipped (what scores the pool)."""
+    def features(self, samples: Samples) -> np.ndarray:
+        """Penultimate features of the samples under the bundle's graphs as shipped (what scores the pool)."""
+        return self.penultimate(self.rows(samples))
+
+    def penultimate(self, rows: np.ndarray) -> np.ndarray:
+        """The classifier's input features of this learner's rows (cached prefix outputs or raw images)."""
         settings = self.settings
         return penultimate_features(
-            self.bundle, images, settings.inference_batch, settings.inference_threads, settings.execution_providers
+            self.bundle,
+            rows,
+            *(settings.inference_batch, settings.inference_threads, settings.execution_providers),
+            cached=self.prefix is not None,
         )
 
     def logits(self, which: str, images: np.ndarray) -> np.ndarray:

@@ -35,7 +35,7 @@ def make_learner(
     """The learner the profile asks for, over a model built from `spec`; torch is imported only for the full
     trainer (a head-only learner reads the same spec from its bundle's manifest)."""
     if settings.trainer == CLASSIFIER_ONLY:
-        return HeadLearner(settings, global_weights, bundle)
+        return HeadLearner(settings, state_dir, global_weights, bundle)
     from edge_agent.learning.torch_learner import TorchLearner
 
     return TorchLearner(settings, state_dir, spec, global_weights)

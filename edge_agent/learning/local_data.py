@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_agent.data.device_data import DeviceData
+from edge_agent.data.device_data import DeviceData, Samples
 from edge_agent.data.image_arrays import IMAGE_SHAPE
 from protocol.model_spec import CLASS_NAMES
 
@@ -25,6 +25,8 @@ class LocalData:
     round of the active round this is.
 
     state_dir is the device's private folder, for rules that keep state between rounds (DMLU's personalised model).
+    The images fields hold the learner's rows of those samples (`Learner.rows`): raw images, or a head learner's
+    cached prefix outputs; the rules only select and join rows.
     """
 
     new_images: np.ndarray
@@ -79,23 +81,34 @@ def balanced_sample(labels: np.ndarray, size: int, rng: np.random.Generator) -> 
     return interleaved[interleaved >= 0][:size]
 
 
-def training_view(data: DeviceData, new_indices: np.ndarray, new_labels: np.ndarray, round_in_active: int) -> LocalData:
+def training_view(
+    data: DeviceData,
+    new_indices: np.ndarray,
+    new_labels: np.ndarray,
+    round_in_active: int,
+    rows: Callable[[Samples], np.ndarray] = Samples.images,
+) -> LocalData:
     """The training view of the device's data after an acquisition (replay excludes the new batch); the pool is
-    read only if the rule asks for it (KCFU), never copied per step otherwise."""
+    read only if the rule asks for it (KCFU), never copied per step otherwise. `rows` gives what the learner trains
+    on for samples (their images by default; a head learner's cached prefix outputs), so the images fields hold
+    those rows; the four sets are read in one call."""
     labelled_indices, labelled_labels = data.labelled()
     replay_indices, replay_labels = data.replay()
     weak_indices, weak_labels = data.weak_labels()
     keep = ~np.isin(replay_indices, new_indices)
+    parts = [new_indices, replay_indices[keep], labelled_indices, weak_indices]
+    joined = rows(data.samples(np.concatenate(parts)))
+    new, replay, labelled, weak = np.split(joined, np.cumsum([len(part) for part in parts])[:-1])
     return LocalData(
-        new_images=data.images(new_indices),
+        new_images=new,
         new_labels=new_labels,
-        replay_images=data.images(replay_indices[keep]),
+        replay_images=replay,
         replay_labels=replay_labels[keep],
-        labelled_images=data.images(labelled_indices),
+        labelled_images=labelled,
         labelled_labels=labelled_labels,
-        unlabelled=cache(lambda: data.images(data.pool_indices())),
+        unlabelled=cache(lambda: rows(data.samples(data.pool_indices()))),
         state_dir=data.state_dir,
-        weak_images=data.images(weak_indices),
+        weak_images=weak,
         weak_labels=weak_labels,
         round_in_active_round=round_in_active,
         num_classes=data.num_classes,

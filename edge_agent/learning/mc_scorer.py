@@ -7,7 +7,7 @@ from typing import Protocol
 
 import numpy as np
 
-from edge_agent.data.image_arrays import model_input
+from edge_agent.data.image_arrays import as_model_input
 
 PrefixFunction = Callable[[np.ndarray], np.ndarray]
 TailFunction = Callable[[np.ndarray, Sequence[np.ndarray]], np.ndarray]
@@ -76,12 +76,17 @@ def batch_masks(
     return [buffer[:rows] for buffer in out]
 
 
-def check_pass_request(images: np.ndarray, passes: int, batch_size: int) -> None:
-    """Raises ValueError for a non-image array, fewer than one pass or a batch size below one."""
+def check_counts(passes: int, batch_size: int) -> None:
+    """Raises ValueError for fewer than one pass or a batch size below one."""
     if passes < 1:
         raise ValueError(f"MC passes must be at least 1, got {passes}")
     if batch_size < 1:
         raise ValueError(f"inference batch size must be at least 1, got {batch_size}")
+
+
+def check_pass_request(images: np.ndarray, passes: int, batch_size: int) -> None:
+    """Raises ValueError for a non-image array, fewer than one pass or a batch size below one."""
+    check_counts(passes, batch_size)
     scaled = images.ndim == 4 and images.dtype == np.float32
     raw = images.ndim in (3, 4) and images.dtype == np.uint8
     if not (scaled or raw):
@@ -133,27 +138,51 @@ def mc_probabilities(
 
     Images are model inputs (float32 (N, C, H, W) in [0, 1]) or raw uint8 (N, H, W) / (N, H, W, C); raw images are scaled a batch at a
     time, so a pool is never held as float32 (it may be a read-only memory map). Each batch of `batch_size`
-    images runs through the prefix once; the tail then runs on the batch's features replicated for as many
-    passes as fit in `tail_rows` rows per call (at least one pass; None: all passes in one call). Rows of a
-    call are pass-major; masks come from batch_masks, so the same seed gives the same passes whatever the
-    batch size and tail_rows. Mask and replication buffers are reused from batch to batch.
+    images runs through the prefix once, then the tail as mc_feature_probabilities runs it.
     """
     check_pass_request(images, passes, batch_size)
+
+    def batch_features(start: int, stop: int) -> np.ndarray:
+        """The prefix's output of images [start, stop)."""
+        batch = images[start:stop]
+        return prefix(as_model_input(batch))
+
+    return mc_feature_probabilities(batch_features, len(images), tail, spec, passes, seed, batch_size, tail_rows)
+
+
+def mc_feature_probabilities(
+    batch_features: Callable[[int, int], np.ndarray],
+    count: int,
+    tail: TailFunction,
+    spec: DropoutSpec,
+    passes: int,
+    seed: int,
+    batch_size: int,
+    tail_rows: int | None = None,
+) -> np.ndarray:
+    """(passes, N, C) float32 probabilities of N samples whose prefix outputs `batch_features(start, stop)` gives
+    (computed, or read from a feature cache): the tail r times per batch of `batch_size`.
+
+    The tail runs on a batch's features replicated for as many passes as fit in `tail_rows` rows per call (at
+    least one pass; None: all passes in one call). Rows of a call are pass-major; masks come from batch_masks by
+    sample position, so the same seed gives the same passes whatever the batch size, tail_rows, and whether the
+    features were computed or cached. Mask and replication buffers are reused from batch to batch.
+    """
+    check_counts(passes, batch_size)
     if tail_rows is not None and tail_rows < 1:
         raise ValueError(f"tail rows per call must be at least 1, got {tail_rows}")
     result = np.empty((passes, 0, 0), dtype=np.float32)
     mask_buffers: list[np.ndarray] | None = None
     replication_buffer: np.ndarray | None = None
-    for start in range(0, len(images), batch_size):
-        batch = images[start : start + batch_size]
-        features = prefix(model_input(batch) if batch.dtype == np.uint8 else np.ascontiguousarray(batch))
-        count = len(features)
-        masks = mask_buffers = batch_masks(seed, start, count, passes, spec, mask_buffers)
-        per_call = passes if tail_rows is None else max(1, min(passes, tail_rows // count))
-        if per_call > 1 and (replication_buffer is None or len(replication_buffer) < per_call * count):
-            replication_buffer = np.empty((per_call * count, *features.shape[1:]), dtype=features.dtype)
+    for start in range(0, count, batch_size):
+        features = batch_features(start, min(start + batch_size, count))
+        rows = len(features)
+        masks = mask_buffers = batch_masks(seed, start, rows, passes, spec, mask_buffers)
+        per_call = passes if tail_rows is None else max(1, min(passes, tail_rows // rows))
+        if per_call > 1 and (replication_buffer is None or len(replication_buffer) < per_call * rows):
+            replication_buffer = np.empty((per_call * rows, *features.shape[1:]), dtype=features.dtype)
         probs = tail_passes(tail, features, masks, passes, per_call, replication_buffer)
         if start == 0:
-            result = np.empty((passes, len(images), probs.shape[-1]), dtype=np.float32)
-        result[:, start : start + count] = probs
+            result = np.empty((passes, count, probs.shape[-1]), dtype=np.float32)
+        result[:, start : start + rows] = probs
     return result

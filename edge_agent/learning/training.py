@@ -49,12 +49,12 @@ class TrainSettings:
         )
 
     def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        """A fresh optimizer over the model's parameters."""
+        """A fresh optimizer over the parameters the spec trains (`requires_grad`): frozen blocks of a "head" or
+        "last:N" model get no optimizer state and no weight decay, so they stay bit for bit as received."""
+        trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
         if self.optimizer == "adam":
-            return torch.optim.Adam(model.parameters(), lr=self.learning_rate, weight_decay=self.weight_decay)
-        return torch.optim.SGD(
-            model.parameters(), lr=self.learning_rate, momentum=self.momentum, weight_decay=self.weight_decay
-        )
+            return torch.optim.Adam(trained, lr=self.learning_rate, weight_decay=self.weight_decay)
+        return torch.optim.SGD(trained, lr=self.learning_rate, momentum=self.momentum, weight_decay=self.weight_decay)
 
     def make_schedulers(
         self, optimizers: Sequence[torch.optim.Optimizer], total_steps: int

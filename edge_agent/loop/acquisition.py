@@ -9,6 +9,7 @@ import numpy as np
 from edge_agent.data.device_data import DeviceData
 from edge_agent.data.oracle import Oracle
 from edge_agent.learning.encoder import OnnxEncoder
+from edge_agent.learning.learner import Learner
 from edge_agent.learning.sampling import AcquisitionContext, Embeddings, Sampler
 from edge_agent.loop.agent_settings import AgentSettings, device_seed
 from edge_agent.loop.footprint import PhaseMeter
@@ -90,20 +91,28 @@ class Acquirer:
         return new, self.data.labels_at(new)
 
     def context(self, models: RoundModels, pool: np.ndarray, seed: int) -> AcquisitionContext:
-        """What the round's sampler may look at; each expensive view is computed once, on first use."""
-        images = self.data.images(pool)
+        """What the round's sampler may look at; each expensive view is computed once, on first use (the pool's
+        images are read only for a view that needs them)."""
+        samples = self.data.samples(pool)
+        images = cache(samples.images)
         recipe, learner = models.recipe, models.learner
         return AcquisitionContext(
             num_samples=len(pool),
             rng=np.random.default_rng(seed),
             class_counts=self.data.class_counts(),
             options=recipe.options,
-            probabilities=cache(lambda: mc_probabilities(self.settings, models, images, recipe.mc_passes, seed)),
-            own_logits=cache(lambda: learner.logits("own", images)),
-            global_logits=cache(lambda: learner.logits("global", images)),
-            embeddings=cache(lambda: self.embeddings(models, images)),
-            features=cache(lambda: learner.features(images)),
+            probabilities=cache(lambda: mc_probabilities(self.settings, models, samples, recipe.mc_passes, seed)),
+            own_logits=cache(lambda: learner.logits("own", images())),
+            global_logits=cache(lambda: learner.logits("global", images())),
+            embeddings=cache(lambda: self.embeddings(models, images())),
+            features=cache(lambda: learner.features(samples)),
+            labelled_features=cache(lambda: self.labelled_features(learner)),
         )
+
+    def labelled_features(self, learner: Learner) -> np.ndarray:
+        """Penultimate features of the human-labelled samples ((0, 0) when there are none): the core-set's centres."""
+        indices, _ = self.data.labelled()
+        return learner.features(self.data.samples(indices)) if len(indices) else np.zeros((0, 0), dtype=np.float32)
 
     def embeddings(self, models: RoundModels, pool_images: np.ndarray) -> Embeddings:
         """The round's frozen encoder applied to the pool and to the human-labelled samples (FAST's seeds)."""

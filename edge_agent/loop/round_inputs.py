@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edge_agent.data.device_data import Samples
 from edge_agent.learning.bundle import Bundle
 from edge_agent.learning.learner import Learner
 from edge_agent.loop.agent_settings import AgentSettings
@@ -27,9 +28,9 @@ class RoundModels:
 
 
 def mc_probabilities(
-    settings: AgentSettings, models: RoundModels, images: np.ndarray, passes: int, seed: int
+    settings: AgentSettings, models: RoundModels, samples: Samples, passes: int, seed: int
 ) -> np.ndarray:
-    """MC-dropout probabilities of raw pool images with the given passes, capped by the profile."""
+    """MC-dropout probabilities of pool samples with the given passes, capped by the profile."""
     passes = min(passes, settings.mc_passes_cap or passes)
-    log.info("scoring backend=%s passes=%d images=%d", settings.backend, passes, len(images))
-    return models.learner.scorer(models.bundle).probabilities(images, passes, seed)
+    log.info("scoring backend=%s passes=%d images=%d", settings.backend, passes, len(samples))
+    return models.learner.probabilities(models.bundle, samples, passes, seed)
