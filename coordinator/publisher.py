@@ -1,12 +1,15 @@
-# Retained messages a late device needs: the round announcement, the current model, its bundle and encoder.
+# Retained messages a late device needs: the round announcement, the current model, its bundle, backbone and encoder.
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
+from edge_agent.learning.bundle import MANIFEST_NAME, parsed_manifest
 from protocol import messages, topics, wire
+from protocol.backbone import BackboneSplit, backbone_split
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec, spec_hash
 from protocol.mqtt import MqttSession
 from protocol.tensors import Weights
@@ -26,8 +29,15 @@ class Artefacts:
     encoder: bytes = b""
 
 
+def split_of(files: dict[str, bytes] | None) -> BackboneSplit | None:
+    """The backbone split of a bundle's files (None: no bundle, or its spec's prefix is not frozen)."""
+    if files is None:
+        return None
+    return backbone_split(parsed_manifest(files[MANIFEST_NAME], MANIFEST_NAME))
+
+
 class RetainedPublisher:
-    """Keeps exactly the current model, bundle, encoder and announcement retained on the fleet's topics."""
+    """Keeps exactly the current model, bundle, backbone, encoder and announcement retained on the fleet's topics."""
 
     def __init__(self, session: MqttSession, fleet: str, run_id: str, artefacts: Artefacts) -> None:
         self.session = session
@@ -37,19 +47,33 @@ class RetainedPublisher:
         self._retained: dict[str, str] = {}
 
     def publish_model(self, weights: Weights, model_hash: str) -> None:
-        """Retains the weights (and their ONNX bundle) on hash topics, clearing the previous model's copies."""
-        spec = self.artefacts.spec
+        """Retains the weights (and their ONNX bundle) on hash topics, clearing the previous model's copies. A frozen
+        backbone's graphs are retained on their own hash topics, where they stay while they do not change, and the
+        model and bundle leave out what those graphs hold."""
+        bundle_files = self.artefacts.bundle_files
+        files = None if bundle_files is None else bundle_files(weights, model_hash)
+        split = split_of(files)
+        if split is not None and files is not None:
+            self.publish_backbone(split, files)
         self.retain_current(
             "model",
             topics.MODEL.build(fleet=self.fleet, hash=model_hash),
-            lambda: messages.ModelMessage(model_hash, spec, weights),
+            lambda: model_message(self.artefacts.spec, weights, model_hash, split),
         )
-        bundle_files = self.artefacts.bundle_files
-        if bundle_files is not None:
+        if files is not None:
             self.retain_current(
                 "bundle",
                 topics.BUNDLE.build(fleet=self.fleet, hash=model_hash),
-                lambda: messages.BundleMessage(model_hash, bundle_files(weights, model_hash)),
+                lambda: bundle_message(files, model_hash, split),
+            )
+
+    def publish_backbone(self, split: BackboneSplit, files: dict[str, bytes]) -> None:
+        """Retains each graph of a frozen backbone (fp32, int8) as its own message on the topic of its sha256."""
+        for name, digest in split.files.items():
+            self.retain_current(
+                f"backbone {name}",
+                topics.BACKBONE.build(fleet=self.fleet, hash=digest),
+                partial(messages.BackboneMessage, digest, files[name]),
             )
 
     def publish_encoder(self, encoder_hash: str) -> None:
@@ -98,3 +122,19 @@ class RetainedPublisher:
             announcement.model_hash[:12],
             announcement.final,
         )
+
+
+def model_message(spec: ModelSpec, weights: Weights, model_hash: str, split: BackboneSplit | None) -> messages.Message:
+    """The model message: every tensor, or (a frozen backbone) those its fp32 prefix graph does not hold."""
+    if split is None:
+        return messages.ModelMessage(model_hash, spec, weights)
+    rest = {name: array for name, array in weights.items() if name not in split.held}
+    return messages.ModelMessage(model_hash, spec, rest, backbone=split.graph)
+
+
+def bundle_message(files: dict[str, bytes], model_hash: str, split: BackboneSplit | None) -> messages.Message:
+    """The bundle message: every file, or (a frozen backbone) all but its graphs, which it names."""
+    if split is None:
+        return messages.BundleMessage(model_hash, files)
+    rest = {name: data for name, data in files.items() if name not in split.files}
+    return messages.BundleMessage(model_hash, rest, backbone=sorted(split.files))

@@ -148,10 +148,15 @@ class SiteRounds:
         if is_committed(self.store, announcement.round_id):
             log.info("site round already committed round=%d", announcement.round_id)
             return
-        bundles = bundle_exporter(dataclasses.replace(self.settings, spec=spec)) if self.settings.ship_bundles else None
         publisher = self.parts.publisher
-        publisher.artefacts, publisher.run_id = Artefacts(spec, bundles, encoder), announcement.run_id
+        publisher.artefacts, publisher.run_id = self.artefacts(spec, encoder), announcement.run_id
         self.coordinator(announcement.recipe, spec).run_round(announcement.round_id, weights)
+
+    def artefacts(self, spec: ModelSpec, encoder: bytes) -> Artefacts:
+        """What the site's models travel with: the central spec, the site's own bundle export (which splits off a
+        frozen backbone again, retained on the site broker) and the central encoder."""
+        bundles = bundle_exporter(dataclasses.replace(self.settings, spec=spec)) if self.settings.ship_bundles else None
+        return Artefacts(spec, bundles, encoder)
 
     def finish(self, announcement: messages.RoundAnnouncement) -> None:
         """Passes the central run's end on to the site devices."""
@@ -169,7 +174,10 @@ class Relay:
         self.session = session
         self.site = site
         self.store = store
-        self.artefacts = RoundArtefacts(session, settings.site.run_dir / "upstream-bundles")
+        run_dir = settings.site.run_dir
+        self.artefacts = RoundArtefacts(
+            session, settings.fleet, run_dir / "upstream-bundles", run_dir / "upstream-backbone"
+        )
         self.sender = UpdateSender(settings.device, session, settings.site.run_dir / OUTBOX_FOLDER)
         self.pending: messages.RoundAnnouncement | None = None
         self.router = device_router(

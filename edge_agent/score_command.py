@@ -19,13 +19,12 @@ from edge_agent.data.fashion_mnist import read_idx
 from edge_agent.data.image_arrays import IMAGE_SHAPE, check_images
 from edge_agent.data.image_files import FolderImages, InputSpec, read_image_folder
 from edge_agent.learning.acquisition_scores import top_k
-from edge_agent.learning.bundle import Bundle, BundleError, load_bundle
+from edge_agent.learning.bundle import Bundle, BundleError, bundle_weights, load_bundle
 from edge_agent.learning.mc_scorer import MCScorer
 from edge_agent.learning.sampling import make_heuristic
 from edge_agent.loop.profile import load_profile
 from protocol import messages
 from protocol.errors import UsageError
-from protocol.files import load_arrays
 
 BACKENDS = ("onnxruntime", "torch")
 CPU_PROVIDER = "CPUExecutionProvider"
@@ -172,7 +171,7 @@ def cached_probabilities(
 
     assert isinstance(scorer, OrtMCDropout)  # score_pool allows the cache on onnxruntime only
     bundle = scorer.bundle
-    weights = load_arrays(bundle.weights_path)
+    weights = bundle_weights(bundle)
     prefix = CachedPrefix(bundle, cache_dir, weights, scorer.batch_size, scorer.threads, scorer.providers, pool_key)
     rows = prefix.rows(Samples(np.arange(len(images)), lambda indices: images[indices]))
     return scorer.feature_probabilities(rows, passes, seed)

@@ -25,9 +25,10 @@ from edge_agent.learning.split_model import SplitDropoutModel
 from export import quantize
 from export.graph_names import DEFAULT_OPSET, FEATURES_NAME, IMAGES_INPUT, PENULTIMATE_OUTPUT, PROBABILITIES_OUTPUT
 from export.onnx_graphs import EXPORTER, export_graphs, export_penultimate, mask_input_names
+from protocol.backbone import frozen_prefix
 from protocol.errors import UsageError
 from protocol.files import atomic_write_bytes, save_arrays
-from protocol.manifest import PIXEL_INPUT, BundleManifest, DropoutSection, HeadSection
+from protocol.manifest import PIXEL_INPUT, BundleManifest, DropoutSection, HeadSection, weight_of_initializer
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec
 from protocol.tensors import Weights, weights_hash
 
@@ -73,8 +74,8 @@ def initializer_map(graph_path: Path, weights: Weights) -> dict[str, str]:
     graph shipped once per round also serves every later acquisition of that round.
     """
     graph = onnx.load(str(graph_path)).graph
-    names = (init.name for init in graph.initializer)
-    return {name: name.removeprefix("model.") for name in names if name.removeprefix("model.") in weights}
+    held = {init.name: weight_of_initializer(init.name) for init in graph.initializer}
+    return {name: weight for name, weight in held.items() if weight is not None and weight in weights}
 
 
 def _check_every_weight_mapped(initializers: dict[str, dict[str, str]], weights: Weights) -> None:
@@ -118,12 +119,15 @@ def write_files(
     opset: int,
     int8_data: Int8Data | None,
 ) -> BundleManifest:
-    """Writes the graphs and weights into `work`, checks them, and returns the manifest that lists them."""
+    """Writes the graphs and weights into `work`, checks them, and returns the manifest that lists them.
+
+    A frozen prefix's weights stay out of the weights file: its graph holds them (the backbone a device keeps)."""
     export_graphs(model, work / FP32_GRAPHS["prefix"], work / FP32_GRAPHS["tail"], opset)
     export_penultimate(model, work / PENULTIMATE_GRAPH, opset)
-    save_arrays(work / WEIGHTS_FILE, weights)
     initializers = {part: initializer_map(work / name, weights) for part, name in FP32_GRAPHS.items()}
     _check_every_weight_mapped(initializers, weights)
+    held = frozen_prefix(model.spec, initializers["prefix"].values())
+    save_arrays(work / WEIGHTS_FILE, {name: array for name, array in weights.items() if name not in held})
     graphs = {"fp32": FP32_GRAPHS}
     quantization = None
     if int8_data is not None:

@@ -10,6 +10,8 @@ from protocol.model_spec import ModelSpec, SpecError, spec_from_dict
 
 BUNDLE_FORMAT = "edge-fal-model-bundle"
 BUNDLE_VERSION = 2
+# The exporter names the initializer of model weight `w` `model.w` (graph constants have other names).
+WEIGHT_INITIALIZER_PREFIX = "model."
 MASK_ENCODING = (
     "float32, pre-scaled: 0 with probability p, else 1/(1-p); shape (rows, *mask_shape); all ones = dropout off"
 )
@@ -107,6 +109,11 @@ class BundleManifest:
         if raw.get("head") is not None:
             values["head"] = _section(HeadSection, raw["head"], f"{where}: head")
         return cls(**values)
+
+
+def weight_of_initializer(name: str) -> str | None:
+    """The model weight an exported graph's initializer holds (by the exporter's naming), None for a constant."""
+    return name.removeprefix(WEIGHT_INITIALIZER_PREFIX) if name.startswith(WEIGHT_INITIALIZER_PREFIX) else None
 
 
 def _required(field: dataclasses.Field) -> bool:

@@ -1,5 +1,5 @@
-# The wire's messages as typed values: the round recipe, announcement, model, bundle, encoder, update, ack, status,
-# chunk, secure aggregation's stages, and the rejection kinds an ack names; `wire` encodes and decodes them.
+# The wire's messages as typed values: the round recipe, announcement, model, bundle, frozen backbone, encoder, update,
+# ack, status, chunk, secure aggregation's stages, and the rejection kinds an ack names; `wire` encodes and decodes them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -205,12 +205,15 @@ class RoundAnnouncement:
 
 @dataclass(frozen=True)
 class ModelMessage:
-    """Published retained on the model topic named by its hash: the global weights themselves."""
+    """Published retained on the model topic named by its hash: the global weights themselves. With a frozen
+    backbone (`backbone`: the sha256 of the fp32 prefix graph, a `BackboneMessage`), the tensors that graph holds as
+    initializers are left out; a device completes the model from its stored copy and checks the whole hash."""
 
     KIND: ClassVar[str] = "model"
     model_hash: str
     spec: ModelSpec
     tensors: Tensors
+    backbone: str = field(default="", metadata=OMITTED_AT_DEFAULT)
 
 
 BundleFiles = dict[str, bytes]
@@ -222,11 +225,24 @@ class BundleMessage:
     """Published retained on the bundle topic of a model hash: that model's ONNX bundle, file by file.
 
     Devices that score with onnxruntime store the files, verify them against the manifest and run the graphs.
+    The files named in `backbone` (a frozen prefix's graphs) are left out: each travels once per run as a
+    `BackboneMessage` addressed by the sha256 the manifest lists for it.
     """
 
     KIND: ClassVar[str] = "bundle"
     model_hash: str
     files: BundleFiles
+    backbone: list[str] = field(default_factory=list, metadata=OMITTED_AT_DEFAULT)
+
+
+@dataclass(frozen=True)
+class BackboneMessage:
+    """Published retained on the backbone topic named by its sha256: one graph of a frozen prefix (fp32 or int8
+    ONNX bytes), which every round's model and bundle of the run reference instead of carrying it."""
+
+    KIND: ClassVar[str] = "backbone"
+    backbone_hash: str
+    data: bytes
 
 
 @dataclass(frozen=True)
@@ -310,7 +326,16 @@ class Chunk:
 SecAggMessage = KeyAdvert | KeyRoster | ShareBundle | ShareDelivery | MaskedInput | UnmaskRequest | UnmaskResponse
 SECAGG_TYPES = (KeyAdvert, KeyRoster, ShareBundle, ShareDelivery, MaskedInput, UnmaskRequest, UnmaskResponse)
 Message = (
-    RoundAnnouncement | ModelMessage | BundleMessage | EncoderMessage | Update | Ack | Status | Chunk | SecAggMessage
+    RoundAnnouncement
+    | ModelMessage
+    | BundleMessage
+    | BackboneMessage
+    | EncoderMessage
+    | Update
+    | Ack
+    | Status
+    | Chunk
+    | SecAggMessage
 )
 MESSAGE_TYPES: dict[str, type] = {
     cls.KIND: cls
@@ -318,6 +343,7 @@ MESSAGE_TYPES: dict[str, type] = {
         RoundAnnouncement,
         ModelMessage,
         BundleMessage,
+        BackboneMessage,
         EncoderMessage,
         Update,
         Ack,
@@ -331,6 +357,7 @@ M = TypeVar(
     RoundAnnouncement,
     ModelMessage,
     BundleMessage,
+    BackboneMessage,
     EncoderMessage,
     Update,
     Ack,

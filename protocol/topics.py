@@ -108,6 +108,7 @@ def is_identifier(level: str) -> bool:
 ROUND = Topic("fl/{fleet}/round")  # retained: the current round announcement
 MODEL = Topic("fl/{fleet}/model/{hash}")  # retained: global weights, addressed by their hash
 BUNDLE = Topic("fl/{fleet}/bundle/{hash}")  # retained: the ONNX bundle of the global model with this hash
+BACKBONE = Topic("fl/{fleet}/backbone/{hash}")  # retained: one graph of a frozen prefix, by its sha256
 ENCODER = Topic("fl/{fleet}/encoder/{hash}")  # retained: frozen-encoder ONNX bytes (FAST), by their sha256
 UPDATE = Topic("fl/{fleet}/devices/{device}/update")  # a device's update for a round
 ACK = Topic("fl/{fleet}/devices/{device}/ack")  # the coordinator's answer to one device's update
@@ -151,9 +152,9 @@ CHUNKS = ChunkTopic()
 
 def device_acl(fleet: str) -> list[str]:
     """The mosquitto ACL lines of a fleet's devices: each writes only under its own topics and reads only the
-    round, the models, their bundles, the encoders, its own acks and its own secure-aggregation messages (each with
-    the chunks a large message takes)."""
-    readable = (ACK, SECAGG_DOWN, ROUND, MODEL, BUNDLE, ENCODER)
+    round, the models, their bundles and backbones, the encoders, its own acks and its own secure-aggregation
+    messages (each with the chunks a large message takes)."""
+    readable = (ACK, SECAGG_DOWN, ROUND, MODEL, BUNDLE, BACKBONE, ENCODER)
     reads = [name for pattern in readable for name in CHUNKS.with_chunks(pattern.acl(fleet=fleet))]
     return [f"pattern write {DEVICE_OWN.acl(fleet=fleet)}", *(f"pattern read {name}" for name in reads)]
 

@@ -364,7 +364,7 @@ def test_a_model_above_10_mb_crosses_a_broker_with_a_1_mb_limit(tmp_path, sessio
         assert size > 12 * MIB and len(chunks.split(topic, b"x" * size, MIB)) == 13
 
         device = sessions(broker.address, "device")  # a late subscriber: every chunk comes from the retained copies
-        artefacts = RoundArtefacts(device, tmp_path / "bundles")
+        artefacts = RoundArtefacts(device, "f", tmp_path / "bundles", tmp_path / "backbone")
         artefacts.follow("model", topic)
         message = receive(device)
         assert (message.topic, message.retain, message.dropped) == (topic, True, None)

@@ -118,6 +118,7 @@ def test_the_device_acl_comes_from_the_patterns() -> None:
         "pattern read fl/f/round/chunk/+",
         "pattern read fl/f/model/#",
         "pattern read fl/f/bundle/#",
+        "pattern read fl/f/backbone/#",
         "pattern read fl/f/encoder/#",
     ]
     assert topics.FLEET_ALL.acl(fleet="f") == "fl/f/#"

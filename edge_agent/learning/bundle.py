@@ -7,9 +7,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge_agent.learning.onnx_initializers import OnnxGraphError, graph_weights
 from protocol.errors import FalError
-from protocol.files import atomic_write_bytes
+from protocol.files import atomic_write_bytes, load_arrays
 from protocol.manifest import BundleManifest, ManifestError
+from protocol.tensors import Weights, weights_hash
 
 MANIFEST_NAME = "manifest.json"
 PRECISIONS = ("fp32", "int8")
@@ -77,10 +79,15 @@ def _read_manifest(manifest_path: Path) -> BundleManifest:
     """The typed manifest, after checking it exists, parses and carries every key of the right kind."""
     if not manifest_path.is_file():
         raise BundleError(f"{manifest_path} is missing: not a model bundle (export one with fl-export)")
+    return parsed_manifest(manifest_path.read_bytes(), str(manifest_path))
+
+
+def parsed_manifest(data: bytes, where: str) -> BundleManifest:
+    """The typed manifest of manifest.json's bytes; BundleError naming `where` if it does not parse or check."""
     try:
-        return BundleManifest.from_json(json.loads(manifest_path.read_text()), str(manifest_path))
+        return BundleManifest.from_json(json.loads(data), where)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BundleError(f"{manifest_path}: corrupt manifest ({str(exc)[:200]})") from exc
+        raise BundleError(f"{where}: corrupt manifest ({str(exc)[:200]})") from exc
     except ManifestError as exc:
         raise BundleError(str(exc)) from None
 
@@ -114,6 +121,21 @@ def load_bundle(path: Path | str) -> Bundle:
     manifest = _read_manifest(bundle_dir / MANIFEST_NAME)
     _check_listed_files(bundle_dir, manifest)
     return Bundle(bundle_dir, manifest)
+
+
+def bundle_weights(bundle: Bundle) -> Weights:
+    """The whole model a verified bundle was exported from: its weights file and, for a frozen backbone (whose
+    weights the file leaves out), the fp32 prefix graph's initializers; checked against the manifest's hash."""
+    weights = load_arrays(bundle.weights_path)
+    if set(bundle.manifest.initializers.get("prefix", {}).values()) - set(weights):
+        prefix = bundle.graph_path("fp32", "prefix")
+        try:
+            weights = {**graph_weights(prefix.read_bytes()), **weights}
+        except OnnxGraphError as error:
+            raise BundleError(f"{prefix}: {error}") from None
+    if weights_hash(weights) != bundle.manifest.weights_hash:
+        raise BundleError(f"{bundle.weights_path}: weights hash differs from the manifest's weights_hash")
+    return weights
 
 
 def bundle_files(bundle: Bundle) -> dict[str, bytes]:

@@ -12,6 +12,7 @@ from edge_agent.data.oracle import Oracle
 from edge_agent.learning.bundle import Bundle
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.artefacts import BUNDLES_FOLDER, RoundArtefacts
+from edge_agent.loop.backbone_store import BACKBONE_FOLDER
 from edge_agent.loop.footprint import PhaseMeter
 from edge_agent.loop.inbound import device_router, handle_inbound
 from edge_agent.loop.outbox import OUTBOX_FOLDER, UpdateSender
@@ -134,7 +135,10 @@ class Agent:
         self.oracle = oracle
         self.background = background
         self.stop_event = threading.Event()
-        self.artefacts = RoundArtefacts(session, data.state_dir / BUNDLES_FOLDER)
+        state_dir = data.state_dir
+        self.artefacts = RoundArtefacts(
+            session, settings.fleet, state_dir / BUNDLES_FOLDER, state_dir / BACKBONE_FOLDER
+        )
         self.meter = PhaseMeter()
         self.rounds = RoundRunner(settings, data, oracle, self.artefacts, self.publish_status, self.meter)
         self.sender = UpdateSender(settings, session, data.state_dir / OUTBOX_FOLDER)
@@ -224,7 +228,7 @@ class Agent:
             log.debug("ignoring finished round %d", announcement.round_id)
             return False
         self._pending, self._recipe = announcement, announcement.recipe
-        self.artefacts.follow_round(self.settings.fleet, announcement, self.settings.scores_with_onnxruntime)
+        self.artefacts.follow_round(announcement, self.settings.scores_with_onnxruntime)
         self.secure.on_announcement(announcement)
         return False
 

@@ -1,4 +1,5 @@
-# What a round needs from the broker besides its announcement: the model, its ONNX bundle, the frozen encoder.
+# What a round needs from the broker besides its announcement: the model, its ONNX bundle, the frozen encoder, and
+# the frozen backbone graphs those two reference (kept in the state folder across rounds and restarts).
 from __future__ import annotations
 
 import logging
@@ -6,6 +7,8 @@ from pathlib import Path
 
 from edge_agent.learning.bundle import Bundle, BundleError, remove_other_bundles, store_bundle
 from edge_agent.learning.encoder import encoder_hash
+from edge_agent.loop.backbone_fetch import BackboneFetch
+from edge_agent.loop.backbone_store import BackboneStore
 from protocol import messages, topics, wire
 from protocol.model_spec import ModelSpec
 from protocol.mqtt import MqttSession
@@ -26,11 +29,14 @@ def content_matches(kind: str, announced: str, actual: str) -> bool:
 
 class RoundArtefacts:
     """The current model, bundle and encoder, each kept only once its content matches its hash, and the retained
-    topics followed for them (one per kind: following a new one leaves the previous)."""
+    topics followed for them (one per kind: following a new one leaves the previous). A model or bundle that
+    references backbone graphs the store lacks waits while their topics are followed."""
 
-    def __init__(self, session: MqttSession, bundles_dir: Path) -> None:
+    def __init__(self, session: MqttSession, fleet: str, bundles_dir: Path, backbone_dir: Path) -> None:
         self.session = session
+        self.fleet = fleet
         self.bundles_dir = bundles_dir
+        self.fetch = BackboneFetch(session, fleet, BackboneStore(backbone_dir))
         self.models: dict[str, Weights] = {}
         self.specs: dict[str, ModelSpec] = {}
         self.bundles: dict[str, Bundle] = {}
@@ -38,41 +44,60 @@ class RoundArtefacts:
         self.followed: dict[str, str] = {}
 
     def follow(self, kind: str, topic: str) -> None:
-        """Subscribes to the current topic of a kind (model, bundle, encoder), leaving the kind's previous one."""
+        """Subscribes to the current topic of a kind (model, bundle, encoder), leaving the kind's previous one (and
+        whatever of it waited for a backbone)."""
         previous = self.followed.get(kind)
         if topic == previous:
             return
         if previous is not None:
             self.session.unsubscribe(previous)
+        self.fetch.drop(kind)
         self.followed[kind] = topic
         self.session.subscribe(topic)
 
-    def follow_round(self, fleet: str, announcement: messages.RoundAnnouncement, with_bundle: bool) -> None:
+    def follow_round(self, announcement: messages.RoundAnnouncement, with_bundle: bool) -> None:
         """Follows what a round needs: its model, its ONNX bundle (`with_bundle`), its recipe's encoder if any."""
-        self.follow("model", topics.MODEL.build(fleet=fleet, hash=announcement.model_hash))
+        self.follow("model", topics.MODEL.build(fleet=self.fleet, hash=announcement.model_hash))
         if with_bundle:
-            self.follow("bundle", topics.BUNDLE.build(fleet=fleet, hash=announcement.model_hash))
+            self.follow("bundle", topics.BUNDLE.build(fleet=self.fleet, hash=announcement.model_hash))
         if announcement.recipe.encoder:
-            self.follow("encoder", topics.ENCODER.build(fleet=fleet, hash=announcement.recipe.encoder))
+            self.follow("encoder", topics.ENCODER.build(fleet=self.fleet, hash=announcement.recipe.encoder))
 
     def follows(self, kind: str, topic: str) -> bool:
         """Whether `topic` is the one followed for this kind (a message of a topic left behind is ignored)."""
+        if kind == "backbone":
+            return topic in self.fetch.topics
         return self.followed.get(kind) == topic
 
     def receive(self, kind: str, payload: bytes) -> None:
-        """Decodes and keeps a model, bundle or encoder of a followed topic (WireError if it is malformed)."""
+        """Decodes and keeps a model, bundle, backbone or encoder of a followed topic (WireError if malformed)."""
         if kind == "model":
             self.on_model(wire.decode(payload, messages.ModelMessage))
         elif kind == "bundle":
             self.on_bundle(wire.decode(payload, messages.BundleMessage))
+        elif kind == "backbone":
+            self.on_backbone(wire.decode(payload, messages.BackboneMessage))
         else:
             self.on_encoder(wire.decode(payload, messages.EncoderMessage))
 
     def on_model(self, message: messages.ModelMessage) -> None:
-        """Keeps the announced model (and the spec it is built from) once its content matches its hash."""
-        if content_matches("model", message.model_hash, weights_hash(message.tensors)):
-            self.models = {message.model_hash: message.tensors}
+        """Keeps the announced model (and the spec it is built from) once its content, completed from the stored
+        backbone it references, matches its hash."""
+        tensors = self.fetch.model(message)
+        if tensors is not None and content_matches("model", message.model_hash, weights_hash(tensors)):
+            self.models = {message.model_hash: tensors}
             self.specs = {message.model_hash: message.spec}
+
+    def on_backbone(self, message: messages.BackboneMessage) -> None:
+        """Stores a backbone graph something waits for, then takes in again the model or bundle that waited."""
+        waited = self.fetch.arrived(message)
+        for referencing in waited:
+            if isinstance(referencing, messages.ModelMessage):
+                self.on_model(referencing)
+            else:
+                self.on_bundle(referencing)
+        if waited:
+            self.fetch.settle()
 
     def on_encoder(self, message: messages.EncoderMessage) -> None:
         """Keeps the announced frozen encoder once its bytes match their sha256."""
@@ -83,7 +108,10 @@ class RoundArtefacts:
         """Stores the announced model's ONNX bundle under the state folder once every file verifies."""
         folder = self.bundles_dir / message.model_hash
         try:
-            bundle = store_bundle(folder, message.files)
+            files = self.fetch.bundle(message)
+            if files is None:
+                return
+            bundle = store_bundle(folder, files)
         except (BundleError, OSError) as error:
             log.warning("bundle rejected model=%s error=%s", message.model_hash[:12], error)
             return

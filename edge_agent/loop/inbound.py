@@ -1,5 +1,5 @@
 # What a device (and a relay, upstream) does with each message from its coordinator, routed by topic pattern: the
-# round announcement, the model, bundle and encoder it follows, the acks of its updates.
+# round announcement, the model, bundle, backbone and encoder it follows, the acks of its updates.
 from __future__ import annotations
 
 import logging
@@ -13,7 +13,12 @@ log = logging.getLogger(__name__)
 
 # A route's handler: True when the run is over for the device.
 Handler = Callable[[IncomingMessage], bool]
-ARTEFACT_TOPICS = {"model": topics.MODEL, "bundle": topics.BUNDLE, "encoder": topics.ENCODER}
+ARTEFACT_TOPICS = {
+    "model": topics.MODEL,
+    "bundle": topics.BUNDLE,
+    "backbone": topics.BACKBONE,
+    "encoder": topics.ENCODER,
+}
 
 
 def device_router(
@@ -25,7 +30,7 @@ def device_router(
     on_ack: Callable[[messages.Ack], None],
 ) -> topics.Router[Handler]:
     """The routes of a device's inbound messages: its fleet's round and its own acks (subscribed), and the model,
-    bundle and encoder topics (followed one at a time by `artefacts`; `receive` takes the kind and payload of one)."""
+    bundle, backbone and encoder topics (followed by `artefacts`; `receive` takes the kind and payload of one)."""
     router: topics.Router[Handler] = topics.Router()
     router.add(topics.ROUND.bind(fleet=fleet), lambda message: on_announcement(announcement_in(message)))
     router.add(topics.ACK.bind(fleet=fleet, device=device_id), acks_to(on_ack))
@@ -50,7 +55,7 @@ def acks_to(on_ack: Callable[[messages.Ack], None]) -> Handler:
 
 
 def artefacts_to(kind: str, artefacts: RoundArtefacts, receive: Callable[[str, bytes], None]) -> Handler:
-    """The handler that hands on a model, bundle or encoder if its topic is the one followed for its kind."""
+    """The handler that hands on a model, bundle, backbone or encoder if its topic is one followed for its kind."""
 
     def handle(message: IncomingMessage) -> bool:
         if artefacts.follows(kind, message.topic):
