@@ -147,7 +147,8 @@ class RoundRunner:
         metrics: dict[str, float] = {}
         if trains:
             with self.meter.phase("train"):
-                data = training_view(self.data, new_indices, new_labels, round_in_active_round(round_id, recipe))
+                active = round_in_active_round(round_id, recipe)
+                data = training_view(self.data, new_indices, new_labels, active, models.learner.rows)
                 metrics = models.learner.train(data, recipe, seed)
         log.info(
             "step done device=%s round=%d step=%d new=%d labelled=%d trained=%s seconds=%.1f",
