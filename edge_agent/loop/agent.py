@@ -145,13 +145,8 @@ class Agent:
         self._pending: messages.RoundAnnouncement | None = None
         self._recipe: messages.Recipe | None = None
         self.hold = UpdateHold(settings.slowdown)
-        self.router = device_router(
-            settings.fleet, settings.device_id, self.on_announcement, self.receive, self.artefacts, self.sender.on_ack
-        )
         self.secure = SecureRounds(settings.fleet, settings.device_id, session, data.state_dir, data.journal)
-        self.router.add(
-            topics.SECAGG_DOWN.bind(fleet=settings.fleet, device=settings.device_id), self.secure.on_message
-        )
+        self.router = agent_router(self)
 
     @property
     def last_finished_round(self) -> int:
@@ -270,3 +265,14 @@ class Agent:
         """Retained presence and progress for the coordinator and its dashboard."""
         round_id = self.last_finished_round if round_id is None else round_id
         publish_status(self.session, self.settings, state, round_id, self.data.num_labelled, self.meter.overall)
+
+
+def agent_router(agent: Agent) -> topics.Router:
+    """A device's routes: its fleet's round, models, bundles, backbones and encoders, its acks, and its own secure
+    aggregation messages."""
+    settings = agent.settings
+    router = device_router(
+        settings.fleet, settings.device_id, agent.on_announcement, agent.receive, agent.artefacts, agent.sender.on_ack
+    )
+    router.add(topics.SECAGG_DOWN.bind(fleet=settings.fleet, device=settings.device_id), agent.secure.on_message)
+    return router
