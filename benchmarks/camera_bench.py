@@ -12,7 +12,7 @@ features of exactly the labels the run used (the server's W0 scenes and every de
 test scenes.
 
 Usage: python benchmarks/camera_bench.py [--backbones efficientnet-lite0 mobilenet] [--samplers random margin]
-       [--seeds 0] [--devices 4] [--per-class 50] [--rounds 5] [--labels 20] [--epochs 5] [--init-epochs 30]
+       [--seeds 0] [--devices 4] [--per-class 50] [--rounds 5] [--labels 20] [--epochs 20] [--init-epochs 30]
        [--max-message-bytes 262144] [--out DIR]
 """
 
@@ -159,7 +159,7 @@ def main() -> None:
     parser.add_argument("--backbones", nargs="+", choices=sorted(BACKBONE_SPECS), default=list(BACKBONE_SPECS))
     parser.add_argument("--samplers", nargs="+", default=["random", "margin"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-    for flag, default in (("devices", 4), ("per-class", 50), ("rounds", 5), ("labels", 20), ("epochs", 5)):
+    for flag, default in (("devices", 4), ("per-class", 50), ("rounds", 5), ("labels", 20), ("epochs", 20)):
         parser.add_argument(f"--{flag}", type=int, default=default)
     parser.add_argument("--init-per-class", type=int, default=40, help="the server's labelled scenes per class (W0)")
     parser.add_argument("--init-epochs", type=int, default=30)

@@ -71,15 +71,16 @@ def test_agent_run_takes_its_settings_from_the_profile_and_the_command_line_wins
     settings = agent_settings(args, profile)
     assert (settings.backend, settings.inference_batch, settings.mc_passes_cap, settings.torch_threads) == (
         "onnxruntime",
-        32,
+        profile.inference_batch,
         10,
         2,
     )
+    assert profile.inference_batch == 4
     assert settings.profile == "raspberry-pi-zero-2w" and settings.scores_with_onnxruntime
     overridden = agent_settings(
-        EDGE_AGENT.parser("run").parse_args([*base, "--inference-batch", "8", "--torch-threads", "1"]), profile
+        EDGE_AGENT.parser("run").parse_args([*base, "--inference-batch", "16", "--torch-threads", "1"]), profile
     )
-    assert (overridden.inference_batch, overridden.torch_threads) == (8, 1)
+    assert (overridden.inference_batch, overridden.torch_threads) == (16, 1)
     address = broker_address(args.broker, profile)
     assert (address.tls, address.ca_file, address.key_file) == (
         True,
