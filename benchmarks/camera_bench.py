@@ -26,6 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from label_efficiency import plot, summarise
+
 from bench.camera_fleet import (
     BACKBONE_SPECS,
     POOL_DIR,
@@ -178,15 +181,28 @@ def main() -> None:
             for sampler in args.samplers:
                 runs.append(run_fleet(args, fleet_dir, sampler, seed))
                 print(json.dumps({"progress": f"{len(runs)}/{total}", "run": runs[-1]}), flush=True)
-    (args.out / "camera_bench.json").write_text(json.dumps({"runs": runs}, indent=1))
-    print(
-        json.dumps(
-            {
-                "out": str(args.out),
-                "final": {f"{r['backbone']}-{r['sampler']}-seed{r['seed']}": r["accuracy"][-1:] for r in runs},
-            }
-        )
-    )
+    summary = summarised(runs)
+    (args.out / "camera_bench.json").write_text(json.dumps({"runs": runs, "summary": summary}, indent=1))
+    if len(runs) > 1:
+        plot(summary["curves"], args.out / "camera_bench.png")
+    print(json.dumps({"out": str(args.out), **summary["probe"]}))
+
+
+def summarised(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per backbone and sampler, the seeds' curves (label_efficiency's summary: mean, band, AULC, final), and per
+    pretrained backbone and sampler the centralised probe's mean and the federated final's gap to it."""
+    curves = summarise([{**run, "partition": run["backbone"]} for run in runs])
+    probe: dict[str, Any] = {}
+    for key in sorted({(run["backbone"], run["sampler"]) for run in runs if "probe_accuracy" in run}):
+        chosen = [run for run in runs if (run["backbone"], run["sampler"]) == key]
+        gaps = [run["accuracy"][-1] - run["probe_accuracy"] for run in chosen]
+        probe["-".join(key)] = {
+            "final": [run["accuracy"][-1] for run in chosen],
+            "probe": [run["probe_accuracy"] for run in chosen],
+            "mean_gap_to_probe": round(float(np.mean(gaps)), 4),
+            "peak_rss_mb": max(max(run["device_peak_rss_mb"]) for run in chosen),
+        }
+    return {"curves": curves, "probe": probe}
 
 
 if __name__ == "__main__":
