@@ -74,7 +74,8 @@ def trained_device(
     data = DeviceData.create(tmp_path / spec.trainable.replace(":", "-") / device_id, images)
     data.add_labels(np.arange(8), labels[:8])
     settings = AgentSettings(FLEET, device_id)
-    artefacts = RoundArtefacts(FakeSession(FLEET), tmp_path / "bundles")  # type: ignore[arg-type]
+    session = FakeSession(FLEET)
+    artefacts = RoundArtefacts(session, FLEET, tmp_path / "bundles", tmp_path / "backbone")  # type: ignore[arg-type]
     runner = RoundRunner(settings, data, SimulatedOracle(labels), artefacts, lambda *_: None, PhaseMeter())
     learner = make_learner(settings, data.state_dir, spec, base, None)
     none = np.zeros(0, dtype=np.int64)
