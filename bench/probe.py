@@ -6,31 +6,23 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
 from scipy.optimize import minimize
 
 from coordinator.holdout import server_holdout
-from edge_agent.data.image_arrays import model_input
 from edge_agent.data.image_files import InputSpec
 from edge_agent.field.folder_pool import open_folder_data
 from edge_agent.learning.head_training import cross_entropy_gradients
 from edge_agent.learning.pretrained_backbone import initial_model
+from edge_agent.learning.training import prefix_outputs
 from protocol.model_spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
-FEATURE_BATCH = 64
 
-
-def backbone_features(spec: ModelSpec, images: np.ndarray, batch: int = FEATURE_BATCH) -> np.ndarray:
+def backbone_features(spec: ModelSpec, images: np.ndarray) -> np.ndarray:
     """The spec's frozen prefix (its pretrained backbone) over raw uint8 images: (N, D) float32, batch by batch."""
-    model = initial_model(spec, seed=0).eval()
-    rows = []
-    with torch.no_grad():
-        for start in range(0, len(images), batch):
-            rows.append(model.prefix(torch.from_numpy(model_input(images[start : start + batch]))).numpy())
-            log.info("probe features images=%d of=%d", min(start + batch, len(images)), len(images))
-    return np.concatenate(rows) if rows else np.zeros((0, 0), dtype=np.float32)
+    log.info("probe features images=%d", len(images))
+    return prefix_outputs(initial_model(spec, seed=0), images)
 
 
 def fit_probe(features: np.ndarray, labels: np.ndarray, num_classes: int, l2: float = 1e-3) -> np.ndarray:

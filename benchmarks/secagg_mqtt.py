@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import threading
 import time
 from collections import defaultdict
@@ -20,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from virtual_fleet import TreeSampler, by_kind, simulate_command
+from virtual_fleet import TreeSampler, by_kind, run_sampled, simulate_command
 
 from protocol.mqtt import BrokerAddress, MqttSession
 
@@ -70,19 +69,11 @@ def fleet_run(address: BrokerAddress, devices: int, rounds: int, folder: Path, s
     watcher.start()
     time.sleep(1.0)
     started = time.monotonic()
-    with open(folder / f"{fleet}.log", "wb") as log_stream:
-        process = subprocess.Popen(
-            simulate_command(devices, rounds, folder / fleet, extra), stdout=subprocess.PIPE, stderr=log_stream
-        )
-        sampler = TreeSampler(process.pid)
-        sampling = threading.Thread(target=sampler.run, daemon=True)
-        sampling.start()
-        output, _ = process.communicate()
-        sampler.stop.set()
-        sampling.join()
+    command = simulate_command(devices, rounds, folder / fleet, extra)
+    output, code, sampler = run_sampled(command, folder / f"{fleet}.log")
     counter.stop.set()
     watcher.join(timeout=60)
-    return summary(devices, rounds, output.decode(), process.returncode, time.monotonic() - started, counter, sampler)
+    return summary(devices, rounds, output.decode(), code, time.monotonic() - started, counter, sampler)
 
 
 def summary(

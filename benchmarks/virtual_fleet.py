@@ -173,26 +173,30 @@ def by_kind(processes: Iterable[ProcessPeak]) -> dict[str, dict[str, float]]:
     return kinds
 
 
-def measure(devices: int, rounds: int, folder: Path, extra: list[str]) -> dict:
-    """Runs one bench while sampling its process tree; its rounds, phases, updates, CPU and memory."""
-    log_file = folder / "simulate.log"
-    started = time.monotonic()
+def run_sampled(command: list[str], log_file: Path) -> tuple[bytes, int, TreeSampler]:
+    """Runs a command (its stderr to log_file) while sampling its process tree; (stdout, exit code, the sampler)."""
     with open(log_file, "wb") as log_stream:
-        process = subprocess.Popen(
-            simulate_command(devices, rounds, folder / "run", extra), stdout=subprocess.PIPE, stderr=log_stream
-        )
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_stream)
         sampler = TreeSampler(process.pid)
         thread = threading.Thread(target=sampler.run, daemon=True)
         thread.start()
         output, _ = process.communicate()
         sampler.stop.set()
         thread.join()
+    return output, process.returncode, sampler
+
+
+def measure(devices: int, rounds: int, folder: Path, extra: list[str]) -> dict:
+    """Runs one bench while sampling its process tree; its rounds, phases, updates, CPU and memory."""
+    log_file = folder / "simulate.log"
+    started = time.monotonic()
+    output, code, sampler = run_sampled(simulate_command(devices, rounds, folder / "run", extra), log_file)
     lines = [json.loads(line) for line in output.decode().splitlines() if line.startswith("{")]
     results = [line for line in lines if "round" in line]
     return {
         "devices": devices,
         "mode": "process-per-device" if "--process-per-device" in extra else "virtual",
-        "exit_code": process.returncode,
+        "exit_code": code,
         "wall_seconds": round(time.monotonic() - started, 1),
         "rounds_completed": len(results),
         "round_seconds": [r["seconds"] for r in results],
