@@ -105,6 +105,8 @@ def test_the_budget_shrinks_the_scoring_batch_or_refuses_with_the_numbers() -> N
     head = AgentSettings("f", "d", profile="small", trainer="head", inference_batch=256)
     assert fit_to_budget(head, 160, 4000).inference_batch == 128
     assert fit_to_budget(head, 1000, 4000).inference_batch == 256
+    camera = dataclasses.replace(head, inference_batch=4)  # a profile's small batch is kept, never raised
+    assert fit_to_budget(camera, 200, 4000).inference_batch == 4
     with pytest.raises(MemoryBudgetError, match="memory_budget_mb = 160 of profile 'small' is below the ~"):
         fit_to_budget(AgentSettings("f", "d", profile="small", trainer="full"), 160, 4000)
 
@@ -176,7 +178,7 @@ def test_an_agent_whose_profile_cannot_hold_its_trainer_refuses_to_start_in_one_
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-2000:]
     assert (
         done.stderr.startswith(
-            "fl-bench: memory_budget_mb = 160 of profile 'raspberry-pi-zero-2w' is below the ~383 MB a 'full' trainer needs with a pool of 250 images"
+            "fl-bench: memory_budget_mb = 200 of profile 'raspberry-pi-zero-2w' is below the ~381 MB a 'full' trainer needs with a pool of 250 images"
         )
         and "(a 'head' trainer needs no torch)" in done.stderr
     )

@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 # onnxruntime and numpy only.
 RUNTIME_FLOOR_MB = {"full": 380.0, "head": 92.0}
 MB_PER_BATCH_IMAGE = 0.33  # onnxruntime scoring: prefix activations and masks per image of the batch
-MIN_INFERENCE_BATCH = 8
+MIN_INFERENCE_BATCH = 1  # a profile's own smaller batch is kept: the Pi Zero scores 4 camera images at a time
 IMAGE_BYTES = 28 * 28
 
 
@@ -40,7 +40,6 @@ def fit_to_budget(settings: AgentSettings, budget_mb: int, pool_size: int) -> Ag
     batch = settings.inference_batch
     while batch > MIN_INFERENCE_BATCH and estimated_peak_mb(settings.trainer, pool_size, batch) > budget_mb:
         batch //= 2
-    batch = max(batch, MIN_INFERENCE_BATCH)
     if batch != settings.inference_batch:
         log.warning(
             "scoring batch cut to fit the memory budget budget_mb=%d batch=%d was=%d",
