@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import shutil
 import tempfile
 import zipfile
 from collections.abc import Mapping
@@ -48,6 +49,24 @@ def atomic_write_bytes(path: Path | str, data: bytes) -> None:
         os.replace(temp_name, path)
     except BaseException:
         Path(temp_name).unlink(missing_ok=True)
+        raise
+    fsync_directory(path.parent)
+
+
+def atomic_link(source: Path, path: Path) -> None:
+    """Replaces path with the file at source without reading it into memory: a hard link where the file system
+    allows one (both names then share the bytes), a streamed copy where it does not; atomic like the writes above."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.parent / f".{path.name}.{os.getpid()}.link"
+    temp.unlink(missing_ok=True)
+    try:
+        os.link(source, temp)
+    except OSError:
+        shutil.copyfile(source, temp)
+    try:
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
         raise
     fsync_directory(path.parent)
 

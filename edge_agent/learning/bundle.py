@@ -4,12 +4,13 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from edge_agent.learning.onnx_initializers import OnnxGraphError, graph_weights
 from protocol.errors import FalError
-from protocol.files import atomic_write_bytes, load_arrays
+from protocol.files import atomic_link, atomic_write_bytes, load_arrays
 from protocol.manifest import BundleManifest, ManifestError
 from protocol.tensors import Weights, weights_hash
 
@@ -144,17 +145,21 @@ def bundle_files(bundle: Bundle) -> dict[str, bytes]:
     return {name: (bundle.path / name).read_bytes() for name in names}
 
 
-def store_bundle(folder: Path | str, files: dict[str, bytes]) -> Bundle:
-    """Writes received bundle files into folder (each atomically; the manifest last) and verifies them.
+def store_bundle(folder: Path | str, files: dict[str, bytes], stored: Mapping[str, Path] | None = None) -> Bundle:
+    """Writes received bundle files into folder (each atomically; the manifest last), links in `stored` (files
+    already on disk by name: the device's backbone graphs) and verifies them all.
 
     A name with a folder in it, or a set of files that does not verify, raises BundleError naming the file.
     """
     folder = Path(folder)
+    stored = stored or {}
     if MANIFEST_NAME not in files:
         raise BundleError(f"{folder}: received bundle has no {MANIFEST_NAME}")
-    for name in files:
+    for name in [*files, *stored]:
         if Path(name).name != name or name in ("", ".", ".."):
             raise BundleError(f"{folder}: received bundle file name {name!r} must be a plain file name")
+    for name, source in stored.items():
+        atomic_link(source, folder / name)
     for name, data in sorted(files.items(), key=lambda item: item[0] == MANIFEST_NAME):
         atomic_write_bytes(folder / name, data)
     return load_bundle(folder)

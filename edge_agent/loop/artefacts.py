@@ -108,10 +108,10 @@ class RoundArtefacts:
         """Stores the announced model's ONNX bundle under the state folder once every file verifies."""
         folder = self.bundles_dir / message.model_hash
         try:
-            files = self.fetch.bundle(message)
-            if files is None:
+            received = self.fetch.bundle(message)
+            if received is None:
                 return
-            bundle = store_bundle(folder, files)
+            bundle = store_bundle(folder, *received)
         except (BundleError, OSError) as error:
             log.warning("bundle rejected model=%s error=%s", message.model_hash[:12], error)
             return

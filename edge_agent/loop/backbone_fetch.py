@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from edge_agent.learning.bundle import MANIFEST_NAME, parsed_manifest
 from edge_agent.loop.backbone_store import BackboneStore
@@ -38,20 +39,21 @@ class BackboneFetch:
         self.in_use["model"] = {message.backbone}
         return {**frozen, **message.tensors}
 
-    def bundle(self, message: messages.BundleMessage) -> dict[str, bytes] | None:
-        """The bundle's files with the backbone graphs it names, read from the store by the sha256 its manifest
-        lists (None: waiting for those the store lacks; BundleError for a manifest that does not parse)."""
+    def bundle(self, message: messages.BundleMessage) -> tuple[dict[str, bytes], dict[str, Path]] | None:
+        """The bundle's files as received and, by file name, the stored backbone graphs it names (verified against
+        the sha256 its manifest lists; None: waiting for those the store lacks; BundleError for a manifest that does
+        not parse). The graphs stay on disk: a bundle links them rather than reading megabytes into memory."""
         if not message.backbone:
-            return message.files
+            return message.files, {}
         manifest = parsed_manifest(message.files.get(MANIFEST_NAME, b""), f"bundle {message.model_hash[:12]}")
         digests = {name: manifest.files.get(name, "") for name in message.backbone}
-        graphs = {name: self.store.read(digest) for name, digest in digests.items()}
-        missing = {digests[name] for name, data in graphs.items() if data is None}
+        graphs = {name: self.store.verified_path(digest) for name, digest in digests.items()}
+        missing = {digests[name] for name, path in graphs.items() if path is None}
         if missing:
             self.wait("bundle", message, missing)
             return None
         self.in_use["bundle"] = set(digests.values())
-        return {**message.files, **{name: data for name, data in graphs.items() if data is not None}}
+        return message.files, {name: path for name, path in graphs.items() if path is not None}
 
     def wait(self, kind: str, message: Referencing, digests: set[str]) -> None:
         """Keeps a model or bundle until the backbone graphs it lacks arrive, following their topics."""

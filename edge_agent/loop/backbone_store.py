@@ -5,6 +5,7 @@ import hashlib
 import logging
 from pathlib import Path
 
+from edge_agent.learning.bundle import file_sha256
 from edge_agent.learning.onnx_initializers import OnnxGraphError, graph_weights
 from protocol.backbone import checked_digest
 from protocol.files import atomic_write_bytes
@@ -39,27 +40,28 @@ class BackboneStore:
         log.info("backbone stored hash=%s bytes=%d", digest[:12], len(data))
         return True
 
-    def read(self, digest: str) -> bytes | None:
-        """The stored graph's bytes once they hash to its name; None if missing or corrupt (then deleted)."""
+    def verified_path(self, digest: str) -> Path | None:
+        """The stored graph's file once its bytes (hashed in chunks, never held whole) match its name; None if
+        missing or corrupt (then deleted)."""
         path = self.path(digest)
         try:
-            data = path.read_bytes()
+            actual = file_sha256(path)
         except FileNotFoundError:
             return None
-        if hashlib.sha256(data).hexdigest() != digest:
+        if actual != digest:
             log.warning("stored backbone corrupt hash=%s; fetching it again", digest[:12])
             path.unlink(missing_ok=True)
             return None
-        return data
+        return path
 
     def weights(self, digest: str) -> Weights | None:
         """The model weights the stored fp32 graph holds (None: not held, or unreadable and deleted)."""
         if digest not in self._weights:
-            data = self.read(digest)
-            if data is None:
+            path = self.verified_path(digest)
+            if path is None:
                 return None
             try:
-                self._weights = {digest: graph_weights(data)}
+                self._weights = {digest: graph_weights(path.read_bytes())}
             except OnnxGraphError as error:
                 log.warning("backbone unreadable hash=%s error=%s", digest[:12], error)
                 self.path(digest).unlink(missing_ok=True)
