@@ -87,6 +87,10 @@ class FixedImages:
         """The stack."""
         return self.stack
 
+    def read(self, indices: np.ndarray) -> np.ndarray:
+        """A copy of the images at these indices."""
+        return self.stack[indices]
+
     def refresh(self) -> int:
         """Never grows."""
         return 0

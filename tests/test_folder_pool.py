@@ -106,6 +106,10 @@ def test_new_files_join_with_stable_indices_duplicates_and_unsettled_files_wait(
     assert [item.path for item in reopened.items] == ["0.png", "1.png", "2.png", "fresh.png"]
     assert np.array_equal(reopened.images(), images[[0, 1, 2, 3]])
     assert reopened.scan() == 0
+    copied = reopened.read(np.array([3, 0]))
+    copied[:] = 0  # a copy: the store's mapped pages (released after each read) still read back the images
+    assert np.array_equal(reopened.read(np.array([3, 0])), images[[3, 0]])
+    assert np.array_equal(reopened.images()[1], images[1])
 
 
 def test_a_crash_mid_append_is_cut_off_on_open(tmp_path, fashion):

@@ -27,6 +27,10 @@ class ImageSource(Protocol):
         """Every image so far, uint8 (N, H, W) or (N, H, W, C), indexed by the device's stable sample indices."""
         ...
 
+    def read(self, indices: np.ndarray) -> np.ndarray:
+        """A uint8 copy of the images at these (checked) indices."""
+        ...
+
     def refresh(self) -> int:
         """Takes in what arrived since the last call; returns how many images joined (0 for a fixed stack)."""
         ...
@@ -72,6 +76,10 @@ class StoredImages:
     def images(self) -> np.ndarray:
         """The whole stack (a read-only memory map)."""
         return self._images
+
+    def read(self, indices: np.ndarray) -> np.ndarray:
+        """A uint8 copy of the images at these indices."""
+        return np.take(self._images, indices, axis=0)
 
     def refresh(self) -> int:
         """A shard never grows."""
@@ -173,8 +181,7 @@ class DeviceData:
 
     def images(self, indices: np.ndarray) -> np.ndarray:
         """A uint8 copy of the images at these indices."""
-        indices = checked_indices(indices, self.num_samples)
-        return np.asarray(self.source.images()[indices])
+        return self.source.read(checked_indices(indices, self.num_samples))
 
     def samples(self, indices: np.ndarray) -> Samples:
         """These samples by index, their images read on demand."""
