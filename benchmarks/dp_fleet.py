@@ -5,7 +5,7 @@ target epsilon at delta 1e-5 over the run's rounds (dp_accounting's calibration 
 the adaptive clip (median of the norms). For every run: the final and per-round accuracy, and from the store the
 accountant's epsilon, the last clip and the noise multiplier.
 
-    python benchmarks/dp_fleet.py --seeds 0 1 2 --rounds 30 --out /tmp/dpbench
+    python benchmarks/dp_fleet.py --seeds 0 1 2 --rounds 20 --out /tmp/dpbench
     python benchmarks/dp_fleet.py --seeds 0 --rounds 5 --out /tmp/dpbench   # the reduced check
 """
 
@@ -37,6 +37,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--placement", choices=("central", "device"), default="central")
     parser.add_argument("--clip", type=float, default=0.1, help="the first round's clip (adapted to the median)")
+    parser.add_argument("--init-samples", type=int, default=500, help="the server's labelled samples for W0")
+    parser.add_argument("--init-epochs", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args()
 
@@ -57,6 +59,7 @@ def run_one(args: argparse.Namespace, partition: str, seed: int, epsilon: float 
     folder.mkdir(parents=True, exist_ok=True)
     dp_flags, noise = private_options(args, epsilon)
     extra = [*("--partition", partition, "--seed", str(seed), "--participation", str(args.participation)), *dp_flags]
+    extra += ["--init-samples", str(args.init_samples), "--init-epochs", str(args.init_epochs)]
     started = time.monotonic()
     with open(folder / "simulate.log", "wb") as log_stream:
         done = subprocess.run(
@@ -103,6 +106,8 @@ def main() -> None:
         "devices": args.devices,
         "participation": args.participation,
         "rounds": args.rounds,
+        "init_samples": args.init_samples,
+        "init_epochs": args.init_epochs,
         "delta": DELTA,
         "placement": args.placement,
         "runs": runs,
