@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from label_efficiency import plot, summarise
 from virtual_fleet import simulate_command
 
 from coordinator.store import RunStore
@@ -40,6 +41,9 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--init-samples", type=int, default=500, help="the server's labelled samples for W0")
     parser.add_argument("--init-epochs", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--from-runs", type=Path, help="summarise the run lines an earlier invocation printed on stderr (no new runs)"
+    )
     return parser.parse_args()
 
 
@@ -52,10 +56,20 @@ def private_options(args: argparse.Namespace, epsilon: float | None) -> tuple[li
     return [*flags, "--dp-clip-quantile", "0.5", "--dp-delta", str(DELTA)], noise
 
 
+def run_name(partition: str, seed: int, epsilon: float | None) -> str:
+    """The folder of one run under --out."""
+    return f"{partition.replace(':', '')}-seed{seed}-{'plain' if epsilon is None else f'eps{epsilon:g}'}"
+
+
+def store_labels(run_dir: Path) -> list[int]:
+    """The fleet's labels after each committed round (W0's included), from the run's store."""
+    with RunStore(run_dir, read_only=True) as store:
+        return [record.labels for record in store.rounds()]
+
+
 def run_one(args: argparse.Namespace, partition: str, seed: int, epsilon: float | None) -> dict:
     """One simulate run and what its output and store say."""
-    name = f"{partition.replace(':', '')}-seed{seed}-{'plain' if epsilon is None else f'eps{epsilon:g}'}"
-    folder = args.out / name
+    folder = args.out / run_name(partition, seed, epsilon)
     folder.mkdir(parents=True, exist_ok=True)
     dp_flags, noise = private_options(args, epsilon)
     extra = [*("--partition", partition, "--seed", str(seed), "--participation", str(args.participation)), *dp_flags]
@@ -82,6 +96,7 @@ def run_one(args: argparse.Namespace, partition: str, seed: int, epsilon: float 
         "rounds_completed": len(rounds),
         "final_accuracy": rounds[-1]["accuracy"] if rounds else None,
         "round_accuracy": [line["accuracy"] for line in rounds],
+        "labels": store_labels(folder / "run"),
         "participants_per_round": [len(line["divergence"]) for line in rounds],
         "epsilon": last.get("epsilon"),
         "noise_multiplier": noise,
@@ -91,13 +106,29 @@ def run_one(args: argparse.Namespace, partition: str, seed: int, epsilon: float 
     }
 
 
+def curves(runs: list[dict], out: Path) -> dict:
+    """Per partition, per setting: the seeds' accuracy against labels (mean, band, AULC, final) beside the
+    non-private run's, plotted to out/dp_fleet.png."""
+    for run in runs:
+        run["sampler"] = "non-private" if run["target_epsilon"] is None else f"epsilon {run['target_epsilon']:g}"
+        run["accuracy"] = run["round_accuracy"]
+        run.setdefault(
+            "labels", store_labels(out / run_name(run["partition"], run["seed"], run["target_epsilon"]) / "run")
+        )
+    summary = summarise(runs, baseline="non-private")
+    plot(summary, out / "dp_fleet.png", baseline="non-private")
+    return summary
+
+
 def main() -> None:
     """Every partition, seed and setting (non-private first): each run on stderr as it ends, one JSON object at the
-    end."""
+    end with the curves (or, with --from-runs, the curves of runs already made)."""
     args = arguments()
     settings: list[float | None] = [None, *args.epsilons]
     runs = []
-    for partition in args.partitions:
+    if args.from_runs:
+        runs = [json.loads(line) for line in args.from_runs.read_text().splitlines() if line.startswith("{")]
+    for partition in [] if args.from_runs else args.partitions:
         for seed in args.seeds:
             for epsilon in settings:
                 runs.append(run_one(args, partition, seed, epsilon))
@@ -110,6 +141,7 @@ def main() -> None:
         "init_epochs": args.init_epochs,
         "delta": DELTA,
         "placement": args.placement,
+        "curves": curves(runs, args.out),
         "runs": runs,
     }
     print(json.dumps(summary, indent=1))
