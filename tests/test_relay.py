@@ -23,9 +23,8 @@ from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
 from coordinator.validation import MAX_CONTRIBUTORS, MAX_REASON_CHARS, Expectation, Rejection, validate_update
 from edge_agent.learning.models import build_model, get_weights
 from protocol import messages, topics, wire
-from protocol.errors import UsageError
 from protocol.model_spec import DEFAULT_SPEC
-from protocol.mqtt import BrokerAddress, MqttSession
+from protocol.mqtt import MqttSession
 from protocol.tensors import spec_of, weights_hash
 
 NUM_CLASSES = DEFAULT_SPEC.num_classes
@@ -215,17 +214,3 @@ def test_a_relay_restarted_after_its_site_round_committed_answers_it_once_from_i
         assert len(store.rounds()) == 1
     assert (sent.round_id, sent.num_samples, sent.contributors) == (1, 80, ["dev-00", "dev-01"])
     assert central.next_message(timeout=0.5) is None
-
-
-def test_a_relay_asked_for_secure_aggregation_stops_in_one_line(tmp_path: Path) -> None:
-    """A secure central run (a round for this relay or not) stops the relay with a one-line UsageError: it neither
-    runs a secure site round nor sends a plain update into a secure run."""
-    upstream = MqttSession(BrokerAddress("127.0.0.1", 1), client_id="relay-00")
-    secure = dataclasses.replace(announcement(1), recipe=messages.Recipe(secure_aggregation="secagg"))
-    with RunStore(tmp_path / "relay") as store:
-        relay = relay_on(upstream, tmp_path / "relay", store)
-        for asked in (secure, dataclasses.replace(secure, participants=["relay-01"])):
-            with pytest.raises(UsageError) as caught:
-                relay.on_announcement(asked)
-            assert "secure aggregation" in str(caught.value) and "\n" not in str(caught.value)
-        assert relay.pending is None and store.rounds() == []
