@@ -1,4 +1,5 @@
-# A relay: runs its site's rounds on the site broker and answers each central round upstream as one signed device.
+# A relay: runs its site's rounds on the site broker and answers each central round upstream as one signed device
+# (under secure aggregation: a secure site round, and the site's mean as the relay's one masked input upstream).
 from __future__ import annotations
 
 import dataclasses
@@ -114,7 +115,9 @@ def upstream_update(
 class SiteRounds:
     """The site half: the coordinator's round machinery (intake, spool, FedAvg closing, retained publishing) on the
     site broker, one site round per central round with the central model and recipe, committed in the relay's own
-    store before anything goes upstream; a restarted relay resumes an open site round from its spool."""
+    store before anything goes upstream; a restarted relay resumes an open site round from its spool. A recipe that
+    asks for secure aggregation makes the site round a secure round among the site's devices (at least two): the
+    relay learns only the site's sum."""
 
     def __init__(self, settings: ServerSettings, session: MqttSession, store: RunStore, rules: RoundRules) -> None:
         self.settings = settings
@@ -175,7 +178,10 @@ def upstream_secure_rounds(settings: RelaySettings, session: MqttSession) -> Sec
 class Relay:
     """Upstream, one device of the central fleet: follows its announcements and models, answers each round it takes
     part in with its site round's one update through a durable outbox (signed, re-sent until acked), and journals
-    the rounds it answered in its store, so a restart neither loses nor repeats an answer."""
+    the rounds it answered in its store, so a restart neither loses nor repeats an answer. In a secure central run
+    the update goes to the relay's SecureRounds instead, masked as one participant's input weighted like a device
+    (its site's summed weight, capped at --secagg-sample-cap): the central coordinator learns only the sum over
+    relays and direct devices, never one site's sum."""
 
     def __init__(self, settings: RelaySettings, session: MqttSession, site: SiteRounds, store: RunStore) -> None:
         self.settings = settings
@@ -259,7 +265,8 @@ class Relay:
         self.answer(announcement, spec)
 
     def answer(self, announcement: messages.RoundAnnouncement, spec: ModelSpec) -> None:
-        """Runs (or takes back) the site round, sends its one update upstream, journals the round as answered."""
+        """Runs (or takes back) the site round, sends its one update upstream (in a secure run: hands it to be masked
+        once the central round's shares are in), journals the round as answered."""
         round_id, model_hash = announcement.round_id, announcement.model_hash
         self.publish_status("training", round_id)
         encoder = self.artefacts.encoders.get(announcement.recipe.encoder, b"")
