@@ -1,4 +1,5 @@
-# A relay: runs its site's rounds on the site broker and answers each central round upstream as one signed device.
+# A relay: runs its site's rounds on the site broker and answers each central round upstream as one signed device
+# (under secure aggregation: a secure site round, and the site's mean as the relay's one masked input upstream).
 from __future__ import annotations
 
 import dataclasses
@@ -16,17 +17,19 @@ from coordinator.presence import Presence
 from coordinator.publisher import Artefacts, RetainedPublisher
 from coordinator.rounds import Coordinator, RoundParts, RoundRules
 from coordinator.server import ServerSettings, bundle_exporter, coordinator_session, secured
-from coordinator.store import RunStore
+from coordinator.store import SECURE_WEIGHT, RunStore
 from coordinator.strategies import make_strategy
+from edge_agent.data.journal import Journal
 from edge_agent.loop.agent import last_will
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.artefacts import RoundArtefacts
 from edge_agent.loop.inbound import device_router, handle_inbound
 from edge_agent.loop.outbox import OUTBOX_FOLDER, UpdateSender
+from edge_agent.loop.secure_rounds import SecureRounds
 from protocol import messages, topics, wire
-from protocol.errors import UsageError
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec, spec_hash
 from protocol.mqtt import BrokerAddress, IncomingMessage, MqttSession
+from protocol.secagg.weighting import weighted_samples
 from protocol.tensors import Weights
 from protocol.trained_set import trained_set
 
@@ -36,6 +39,7 @@ log = logging.getLogger(__name__)
 RELAY_STRATEGY = "fedavg"
 RELAY_PROFILE = "relay"
 ANSWERED_KEY = "answered_round"
+UPSTREAM_SECAGG = "upstream-secagg"  # the run directory's folder of the relay's upstream secure-round state
 
 
 @dataclass(frozen=True)
@@ -77,45 +81,43 @@ def is_committed(store: RunStore, round_id: int) -> bool:
     return any(record.round_id == round_id for record in store.rounds())
 
 
-def upstream_update(store: RunStore, relay_id: str, round_id: int, base_hash: str, spec: ModelSpec) -> messages.Update:
-    """The relay's one update for a central round, from what its site round committed: the site's sample-weighted
-    mean (the trained set of the round's checkpoint: head-sized for a frozen backbone, as a device's), the total
-    sample count, the summed class and label counts, and each site device with its count (which central validation
-    adds up against num_samples)."""
-    records = [record for record in store.device_rounds(round_id) if record.accepted]
-    counts = [record.num_samples for record in records]
+def upstream_update(
+    store: RunStore, relay_id: str, round_id: int, base_hash: str, spec: ModelSpec, sample_cap: int = 0
+) -> messages.Update:
+    """The relay's one update for a central round, from what its site round committed: the site's weighted mean
+    (the trained set of the round's checkpoint: head-sized for a frozen backbone, as a device's), the labels its
+    site acquired so far (cumulative, as a device's), and the devices it sums. A plain site round gives the total
+    sample count, the summed class counts and each device with its count (which central validation adds up against
+    num_samples). A secure site round knows only sums: its samples are the survivors' summed weight in samples
+    (each capped at `sample_cap`, the recipe's --secagg-sample-cap), its survivors are listed with no count of
+    their own; such an update is masked upstream (SecureRounds), never sent or validated as it is."""
+    record = next(record for record in store.rounds() if record.round_id == round_id)
+    devices = [device for device in store.device_rounds(round_id) if device.accepted]
+    counts = [device.num_samples for device in devices]
+    secure_weight = record.metrics.get(SECURE_WEIGHT)
+    samples = sum(counts) if secure_weight is None else weighted_samples(float(secure_weight), sample_cap)
     return messages.Update(
         device_id=relay_id,
         round_id=round_id,
         update_id=uuid.uuid4().hex,
         base_hash=base_hash,
-        num_samples=sum(counts),
-        class_counts=[sum(column) for column in zip(*(record.class_counts for record in records))],
-        acquired_labels=sum(record.acquired_labels for record in records),
+        num_samples=samples,
+        class_counts=[sum(column) for column in zip(*(device.class_counts for device in devices))],
+        acquired_labels=record.labels,
         metrics={},
         tensors=trained_set(spec, store.checkpoints.load(round_id)),
         nonce=os.urandom(16),
-        contributors=[record.device_id for record in records],
+        contributors=[device.device_id for device in devices],
         contributor_samples=counts,
     )
-
-
-def refuse_secure(announcement: messages.RoundAnnouncement) -> None:
-    """A UsageError (one line: the relay stops, exit 2) for a central run that asks for secure aggregation: a relay
-    cannot yet run it inside its site and forward the site's masked sum, and it will not send a plain update into a
-    secure run. A relay reads the retained announcement when it starts, so this stops it at start-up."""
-    mode = announcement.recipe.secure_aggregation
-    if mode != "off":
-        raise UsageError(
-            f"relays do not run secure aggregation yet: central run {wire.shown(announcement.run_id)} asks for "
-            f"--secure-aggregation {wire.shown(mode, 16)}; run it with devices on the central broker, or without it"
-        )
 
 
 class SiteRounds:
     """The site half: the coordinator's round machinery (intake, spool, FedAvg closing, retained publishing) on the
     site broker, one site round per central round with the central model and recipe, committed in the relay's own
-    store before anything goes upstream; a restarted relay resumes an open site round from its spool."""
+    store before anything goes upstream; a restarted relay resumes an open site round from its spool. A recipe that
+    asks for secure aggregation makes the site round a secure round among the site's devices (at least two): the
+    relay learns only the site's sum."""
 
     def __init__(self, settings: ServerSettings, session: MqttSession, store: RunStore, rules: RoundRules) -> None:
         self.settings = settings
@@ -164,10 +166,22 @@ class SiteRounds:
         self.parts.publisher.announce_final(announcement.round_id, announcement.model_hash, announcement.recipe)
 
 
+def upstream_secure_rounds(settings: RelaySettings, session: MqttSession) -> SecureRounds:
+    """The relay's door to the central fleet's secure rounds, as a device's: its keys, shares and pending masked
+    input kept in the run directory's UPSTREAM_SECAGG folder, its journal there."""
+    state_dir = settings.site.run_dir / UPSTREAM_SECAGG
+    state_dir.mkdir(parents=True, exist_ok=True)
+    journal = Journal(state_dir / "journal.json")
+    return SecureRounds(settings.fleet, settings.relay_id, session, state_dir, journal)
+
+
 class Relay:
     """Upstream, one device of the central fleet: follows its announcements and models, answers each round it takes
     part in with its site round's one update through a durable outbox (signed, re-sent until acked), and journals
-    the rounds it answered in its store, so a restart neither loses nor repeats an answer."""
+    the rounds it answered in its store, so a restart neither loses nor repeats an answer. In a secure central run
+    the update goes to the relay's SecureRounds instead, masked as one participant's input weighted like a device
+    (its site's summed weight, capped at --secagg-sample-cap): the central coordinator learns only the sum over
+    relays and direct devices, never one site's sum."""
 
     def __init__(self, settings: RelaySettings, session: MqttSession, site: SiteRounds, store: RunStore) -> None:
         self.settings = settings
@@ -179,6 +193,7 @@ class Relay:
             session, settings.fleet, run_dir / "upstream-bundles", run_dir / "upstream-backbone"
         )
         self.sender = UpdateSender(settings.device, session, settings.site.run_dir / OUTBOX_FOLDER)
+        self.secure = upstream_secure_rounds(settings, session)
         self.pending: messages.RoundAnnouncement | None = None
         self.router = device_router(
             settings.fleet,
@@ -188,6 +203,7 @@ class Relay:
             self.artefacts,
             self.sender.on_ack,
         )
+        self.router.add(topics.SECAGG_DOWN.bind(fleet=settings.fleet, device=settings.relay_id), self.secure.on_message)
 
     @property
     def last_answered_round(self) -> int:
@@ -224,11 +240,11 @@ class Relay:
         if announcement.final:
             self.site.finish(announcement)
             return True
-        refuse_secure(announcement)
         chosen = not announcement.participants or self.settings.relay_id in announcement.participants
         if announcement.round_id <= self.last_answered_round or not chosen:
             return False
         self.pending = announcement
+        self.secure.on_announcement(announcement)
         self.artefacts.follow("model", topics.MODEL.build(fleet=self.settings.fleet, hash=announcement.model_hash))
         if announcement.recipe.encoder:
             self.artefacts.follow(
@@ -249,13 +265,16 @@ class Relay:
         self.answer(announcement, spec)
 
     def answer(self, announcement: messages.RoundAnnouncement, spec: ModelSpec) -> None:
-        """Runs (or takes back) the site round, sends its one update upstream, journals the round as answered."""
+        """Runs (or takes back) the site round, sends its one update upstream (in a secure run: hands it to be masked
+        once the central round's shares are in), journals the round as answered."""
         round_id, model_hash = announcement.round_id, announcement.model_hash
         self.publish_status("training", round_id)
         encoder = self.artefacts.encoders.get(announcement.recipe.encoder, b"")
         self.site.run_round(announcement, self.artefacts.models[model_hash], spec, encoder)
-        update = upstream_update(self.store, self.settings.relay_id, round_id, model_hash, spec)
-        self.sender.send(update, announcement.recipe.update_compression)
+        cap = announcement.recipe.secagg_sample_cap
+        update = upstream_update(self.store, self.settings.relay_id, round_id, model_hash, spec, cap)
+        if not self.secure.took(announcement, update, self.artefacts):
+            self.sender.send(update, announcement.recipe.update_compression)
         log.info(
             "site round sent upstream round=%d devices=%d samples=%d",
             *(round_id, len(update.contributors), update.num_samples),

@@ -18,7 +18,7 @@ from coordinator.round_aggregator import RoundAggregator, SuspectPolicy
 from coordinator.secagg_round import ABANDONED, DONE, KEYS, MASKED, SHARES, UNMASK, SecAggSettings
 from coordinator.secagg_server import SecAggServer
 from coordinator.secagg_unmask import SecAggResult
-from coordinator.store import AGGREGATE_CHANGE, SECURE_LABELS, RunStore
+from coordinator.store import AGGREGATE_CHANGE, SECURE_LABELS, SECURE_WEIGHT, RunStore
 from coordinator.strategies import STRATEGIES
 from protocol import messages, topics, wire
 from protocol.errors import UsageError
@@ -67,6 +67,7 @@ class LiveSecureRound:
         self.reason = ""
         self.unsaved = False
         self.labels = 0
+        self.weight = 0.0
         self.change: dict[str, float] = {}
 
     @classmethod
@@ -177,11 +178,11 @@ class LiveSecureRound:
     def conclude(
         self, result: SecAggResult | None, collector: RoundCollector, aggregator: RoundAggregator, spec: ModelSpec
     ) -> None:
-        """Gives the aggregator the round's one update and the record its survivors (see `conclude`), counts the
-        survivors' new labels, and measures the aggregate's per-layer change (divergence's stand-in: no device's own
-        update is seen)."""
+        """Gives the aggregator the round's one update and the record its survivors (see `conclude`), keeps the
+        survivors' summed weight and counts their new labels (a relay sends both upstream), and measures the
+        aggregate's per-layer change (divergence's stand-in: no device's own update is seen)."""
         expectation, base = collector.expectation, collector.expectation.base
-        mean = conclude(result, base, spec, self.server.state.clip, aggregator)
+        mean, self.weight = conclude(result, base, spec, self.server.state.clip, aggregator)
         collector.accepted.update(survivor_records(result, expectation.round_id, expectation.base_hash))
         self.labels = label_count(result.total, self.server.fixed_point) if result is not None else 0
         self.change = {name: relative_divergence(base[name], mean[name]) for name in trainable_names(spec, base)}
@@ -195,6 +196,7 @@ class LiveSecureRound:
             "secagg_survivors": len(state.masked_from) if state.stage == DONE else 0,
             "secagg_reason": self.reason,
             SECURE_LABELS: self.labels,
+            SECURE_WEIGHT: self.weight,
             "divergence_source": "aggregate",
             AGGREGATE_CHANGE: self.change,
         }
@@ -248,16 +250,16 @@ def start_secure(
 
 def conclude(
     result: SecAggResult | None, base: Weights, spec: ModelSpec, clip: float, aggregator: RoundAggregator
-) -> Weights:
-    """Gives the aggregator the round's one update, and returns it: the survivors' weighted mean (their summed
-    weight as its samples), or the round's own model when the round was abandoned (so the next round starts where
-    this began)."""
+) -> tuple[Weights, float]:
+    """Gives the aggregator the round's one update, and returns it with the survivors' summed weight: their
+    weighted mean (the summed weight as its samples), or the round's own model and no weight when the round was
+    abandoned (so the next round starts where this began, and a relay's site weighs nothing upstream)."""
     if result is None:
         aggregator.absorb(ClientUpdate(SECURE_SUM, base, 1.0))
-        return base
+        return base, 0.0
     mean, weight_sum = secure_mean(result.total, base, trainable_names(spec, base), clip)
     aggregator.absorb(ClientUpdate(SECURE_SUM, mean, weight_sum, {}, len(result.survivors)))
-    return mean
+    return mean, weight_sum
 
 
 def survivor_records(result: SecAggResult | None, round_id: int, base_hash: str) -> dict[str, messages.Update]:

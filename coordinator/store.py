@@ -19,6 +19,7 @@ from protocol.tensors import Weights
 
 # A secure round's record keeps no device's update; its metrics carry these instead.
 SECURE_LABELS = "secagg_labels"  # the new labels of the round's survivors, known only as their sum
+SECURE_WEIGHT = "secagg_weight"  # the survivors' summed weight (see protocol.secagg.weighting.device_weight)
 AGGREGATE_CHANGE = "aggregate_divergence"  # divergence's stand-in: ||W_base - W_new|| / ||W_base|| per layer
 
 _SCHEMA = """

@@ -1,8 +1,9 @@
 # Test helpers: a coordinator assembled from its parts around a given session, store, strategy and evaluator; a fake
-# session (no broker) for in-process rounds.
+# session (no broker) for in-process rounds; what a secure run's folders must not hold.
 from __future__ import annotations
 
 import queue
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,14 +49,16 @@ def local_coordinator(
     return Coordinator(fleet, session, RoundRules(recipe or messages.Recipe(), policy), parts)
 
 
+def blank_evaluator() -> Evaluator:
+    """Two blank test images: for a coordinator that here only validates and aggregates."""
+    split = LabelledSplit.from_uint8(np.zeros((2, 28, 28), dtype=np.uint8), np.zeros(2, dtype=np.int64))
+    return Evaluator(DEFAULT_SPEC, split, split, 1, 0)
+
+
 def coordinator_on(store: RunStore, strategy: Strategy) -> Coordinator:
     """A coordinator over a store that never connects (for restart tests of its committed state)."""
-    images = np.zeros((2, 28, 28), dtype=np.uint8)
-    split = LabelledSplit.from_uint8(images, np.zeros(2, dtype=np.int64))
     session = MqttSession(BrokerAddress("127.0.0.1", 1), client_id="never-connects")
-    return local_coordinator(
-        "fleet", session, store, strategy, Evaluator(DEFAULT_SPEC, split, split, 1, 0), RoundPolicy(3)
-    )
+    return local_coordinator("fleet", session, store, strategy, blank_evaluator(), RoundPolicy(3))
 
 
 def commit_weights(coordinator: Coordinator, round_id: int, weights: Weights, base: Weights) -> None:
@@ -98,3 +101,12 @@ class FakeSession:
     def acks(self) -> list[messages.Ack]:
         """The acks published so far."""
         return [wire.decode(payload, messages.Ack) for topic, payload in self.published if topic.endswith("/ack")]
+
+
+def plain_bytes_in(folder: Path, trained: dict[str, Weights], base: Weights) -> list[str]:
+    """Files under `folder` that hold any device's plain weights or delta (the first tensor's bytes, which are
+    unique to the device: random noise on the model)."""
+    name = next(iter(base))
+    needles = [weights[name].tobytes()[:4096] for weights in trained.values()]
+    needles += [(weights[name] - base[name]).tobytes()[:4096] for weights in trained.values()]
+    return [str(path) for path in folder.rglob("*") if path.is_file() and any(n in path.read_bytes() for n in needles)]

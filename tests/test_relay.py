@@ -8,11 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from coordinators import local_coordinator
+from coordinators import blank_evaluator, local_coordinator
 from fleet import FakeDevice, perturbed
 
 from coordinator.authentication import UpdateAuthenticator
-from coordinator.evaluation import Evaluator, LabelledSplit
 from coordinator.mean_strategies import FedAvg
 from coordinator.provision import provision
 from coordinator.relay import RELAY_STRATEGY, Relay, RelaySettings, SiteRounds, upstream_update
@@ -23,9 +22,8 @@ from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
 from coordinator.validation import MAX_CONTRIBUTORS, MAX_REASON_CHARS, Expectation, Rejection, validate_update
 from edge_agent.learning.models import build_model, get_weights
 from protocol import messages, topics, wire
-from protocol.errors import UsageError
 from protocol.model_spec import DEFAULT_SPEC
-from protocol.mqtt import BrokerAddress, MqttSession
+from protocol.mqtt import MqttSession
 from protocol.tensors import spec_of, weights_hash
 
 NUM_CLASSES = DEFAULT_SPEC.num_classes
@@ -125,12 +123,6 @@ def upstream_update_like(update: messages.Update) -> messages.Update:
     return dataclasses.replace(update, update_id=uuid.uuid4().hex, nonce=os.urandom(16))
 
 
-def tiny_evaluator() -> Evaluator:
-    """Two blank test images: the central coordinator here only validates and aggregates."""
-    split = LabelledSplit.from_uint8(np.zeros((2, 28, 28), dtype=np.uint8), np.zeros(2, dtype=np.int64))
-    return Evaluator(DEFAULT_SPEC, split, split, 1, 0)
-
-
 def test_a_secured_central_coordinator_answers_relay_updates_on_the_wire(tmp_path: Path, broker) -> None:
     """A relay provisioned as a device of the central fleet: its unsigned update is bad_signature, its signed update
     claiming more samples than its devices reported is bad_counts, its signed honest update is accepted and weighs
@@ -142,7 +134,7 @@ def test_a_secured_central_coordinator_answers_relay_updates_on_the_wire(tmp_pat
     session.connect(timeout=30)
     relay = FakeDevice(broker.address, "central", "relay-00")
     try:
-        coordinator = local_coordinator("central", session, store, FedAvg(), tiny_evaluator(), RoundPolicy(1))
+        coordinator = local_coordinator("central", session, store, FedAvg(), blank_evaluator(), RoundPolicy(1))
         authenticator = UpdateAuthenticator(secure.device_keys, store)
         coordinator.rules = dataclasses.replace(coordinator.rules, authenticator=authenticator)
         coordinator.start()
@@ -217,15 +209,20 @@ def test_a_relay_restarted_after_its_site_round_committed_answers_it_once_from_i
     assert central.next_message(timeout=0.5) is None
 
 
-def test_a_relay_asked_for_secure_aggregation_stops_in_one_line(tmp_path: Path) -> None:
-    """A secure central run (a round for this relay or not) stops the relay with a one-line UsageError: it neither
-    runs a secure site round nor sends a plain update into a secure run."""
-    upstream = MqttSession(BrokerAddress("127.0.0.1", 1), client_id="relay-00")
-    secure = dataclasses.replace(announcement(1), recipe=messages.Recipe(secure_aggregation="secagg"))
+@pytest.mark.parametrize(("weight", "cap", "samples"), [(1.7, 200, 340), (3.0, 0, 3), (0.0, 200, 0)])
+def test_a_secure_site_round_goes_upstream_as_its_summed_weight_and_cumulative_labels(
+    tmp_path: Path, weight: float, cap: int, samples: int
+) -> None:
+    """A secure site round's survivors carry no counts: the relay's samples are their summed weight in samples
+    (capped per device; one per device with no cap; none for an abandoned round), its labels the site's so far
+    (the record's cumulative count, as a device reports), its contributors the survivors."""
     with RunStore(tmp_path / "relay") as store:
-        relay = relay_on(upstream, tmp_path / "relay", store)
-        for asked in (secure, dataclasses.replace(secure, participants=["relay-01"])):
-            with pytest.raises(UsageError) as caught:
-                relay.on_announcement(asked)
-            assert "secure aggregation" in str(caught.value) and "\n" not in str(caught.value)
-        assert relay.pending is None and store.rounds() == []
+        for round_id, labels in ((1, 15), (2, 22)):
+            store.checkpoints.save(round_id, perturbed(BASE, seed=round_id))
+            survivors = [DeviceRoundRecord(round_id, d, True, "", 0, [], None, {}, 0, 0.0) for d in SITE_COUNTS]
+            metrics = {"secure_aggregation": "committed", "secagg_labels": labels - 15 * (round_id - 1)}
+            record = RoundRecord(round_id, 0.0, 1.0, "", None, labels, 2, 0, {}, {**metrics, "secagg_weight": weight})
+            store.commit_round(record, survivors)
+        update = upstream_update(store, "relay-00", 2, weights_hash(BASE), DEFAULT_SPEC, cap)
+    assert (update.num_samples, update.acquired_labels, update.class_counts) == (samples, 22, [])
+    assert update.contributors == sorted(SITE_COUNTS)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from coordinators import FakeSession, local_coordinator
+from coordinators import FakeSession, local_coordinator, plain_bytes_in
 
 from coordinator.dashboard.views import RunSnapshot, divergence_view, secure_view
 from coordinator.evaluation import Evaluator, LabelledSplit
@@ -121,15 +121,6 @@ def secure_round(broker, tmp_path: Path, fashion, unmasking: list[str], masking:
     finally:
         fleet.close()
         session.close()
-
-
-def plain_bytes_in(folder: Path, trained: dict[str, Weights], base: Weights) -> list[str]:
-    """Files under `folder` that hold any device's plain weights or delta (the first tensor's bytes, which are
-    unique to the device: random noise on the model)."""
-    name = next(iter(base))
-    needles = [trained[d][name].tobytes()[:4096] for d in DEVICES]
-    needles += [(trained[d][name] - base[name]).tobytes()[:4096] for d in DEVICES]
-    return [str(path) for path in folder.rglob("*") if path.is_file() and any(n in path.read_bytes() for n in needles)]
 
 
 def test_a_secure_round_commits_fedavg_and_the_run_holds_no_plain_update(broker, tmp_path, fashion) -> None:

@@ -20,6 +20,12 @@ def device_weight(num_samples: int, cap: int) -> float:
     return 1.0 if cap == 0 else min(max(num_samples, 0), cap) / cap
 
 
+def weighted_samples(weight_sum: float, cap: int) -> int:
+    """The samples a summed weight stands for, device_weight undone over a sum: each device's samples capped at
+    `cap` (one per device when cap is 0). A relay sends it upstream as its secure site round's num_samples."""
+    return round(weight_sum * cap) if cap > 0 else round(weight_sum)
+
+
 def mask_layout(base: Weights, names: Sequence[str]) -> Weights:
     """Zeros of what every device of the round masks: the trainable tensors, the weight and the new labels."""
     counts = {WEIGHT: np.zeros(1, np.float32), LABELS: np.zeros(1, np.float32)}
