@@ -27,6 +27,8 @@ from edge_agent.loop.inbound import device_router, handle_inbound
 from edge_agent.loop.outbox import OUTBOX_FOLDER, UpdateSender
 from edge_agent.loop.secure_rounds import SecureRounds
 from protocol import messages, topics, wire
+from protocol.dp import DP_CENTRAL, DP_DEVICE
+from protocol.errors import UsageError
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec, spec_hash
 from protocol.mqtt import BrokerAddress, IncomingMessage, MqttSession
 from protocol.secagg.weighting import weighted_samples
@@ -110,6 +112,18 @@ def upstream_update(
         contributors=[device.device_id for device in devices],
         contributor_samples=counts,
     )
+
+
+def refuse_device_dp(announcement: messages.RoundAnnouncement) -> None:
+    """A UsageError (one line: the relay stops, exit 2) for a central run with --dp device: each site device would
+    add its share of the noise for the central round's participants, and the relay's site mean would divide that
+    noise by the site's size, so the aggregate would carry less noise than the accountant counts. Under --dp central
+    a relay is one unit: the coordinator clips its site mean and noises the sum."""
+    if announcement.recipe.dp == DP_DEVICE:
+        raise UsageError(
+            f"relays cannot carry --dp {DP_DEVICE}: central run {wire.shown(announcement.run_id)} would be less noised "
+            f"than its accountant says; run it with --dp {DP_CENTRAL} (each relay's site one unit) or without relays"
+        )
 
 
 class SiteRounds:
@@ -240,6 +254,7 @@ class Relay:
         if announcement.final:
             self.site.finish(announcement)
             return True
+        refuse_device_dp(announcement)
         chosen = not announcement.participants or self.settings.relay_id in announcement.participants
         if announcement.round_id <= self.last_answered_round or not chosen:
             return False

@@ -22,8 +22,9 @@ from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
 from coordinator.validation import MAX_CONTRIBUTORS, MAX_REASON_CHARS, Expectation, Rejection, validate_update
 from edge_agent.learning.models import build_model, get_weights
 from protocol import messages, topics, wire
+from protocol.errors import UsageError
 from protocol.model_spec import DEFAULT_SPEC
-from protocol.mqtt import MqttSession
+from protocol.mqtt import BrokerAddress, MqttSession
 from protocol.tensors import spec_of, weights_hash
 
 NUM_CLASSES = DEFAULT_SPEC.num_classes
@@ -226,3 +227,20 @@ def test_a_secure_site_round_goes_upstream_as_its_summed_weight_and_cumulative_l
         update = upstream_update(store, "relay-00", 2, weights_hash(BASE), DEFAULT_SPEC, cap)
     assert (update.num_samples, update.acquired_labels, update.class_counts) == (samples, 22, [])
     assert update.contributors == sorted(SITE_COUNTS)
+
+
+def test_a_relay_asked_for_device_placed_dp_stops_in_one_line(tmp_path: Path) -> None:
+    """A central run with --dp device (a round for this relay or not) stops the relay with a one-line UsageError: its
+    site mean would divide the devices' noise shares, leaving the aggregate less noised than the accountant says."""
+    upstream = MqttSession(BrokerAddress("127.0.0.1", 1), client_id="relay-00")
+    noised = dataclasses.replace(announcement(1), recipe=messages.Recipe(dp="device", dp_noise_multiplier=1.0))
+    with RunStore(tmp_path / "relay") as store:
+        relay = relay_on(upstream, tmp_path / "relay", store)
+        for asked in (noised, dataclasses.replace(noised, participants=["relay-01"])):
+            with pytest.raises(UsageError) as caught:
+                relay.on_announcement(asked)
+            assert "--dp device" in str(caught.value) and "\n" not in str(caught.value)
+        assert relay.pending is None and store.rounds() == []
+        central = dataclasses.replace(announcement(1), recipe=messages.Recipe(dp="central", dp_noise_multiplier=1.0))
+        relay.on_announcement(central)
+        assert relay.pending == central
