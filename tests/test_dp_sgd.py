@@ -12,6 +12,7 @@ from dp_accounting import rdp
 
 from coordinator import evaluation
 from coordinator.closing import DEVICE_EPSILON, RoundCloser, RoundTiming
+from coordinator.dashboard.views import RunSnapshot, privacy_view
 from coordinator.intake import RoundCollector
 from coordinator.store import RunStore
 from coordinator.strategies import make_strategy
@@ -229,6 +230,11 @@ def test_the_round_record_keeps_each_dp_sgd_devices_epsilon_and_a_plain_round_ke
     closer = RoundCloser(RunStore(tmp_path / "run"), make_strategy("avefl"), None, False, 0)  # type: ignore[arg-type]
     record = closer.round_record(collector, RoundTiming(0.0, 0.0), evaluation.TestScores(0.5), {}, {}, {})
     assert record.metrics[DEVICE_EPSILON] == {"a": 1.25, "b": 2.5}
+    later = dataclasses.replace(record, round_id=2, metrics={DEVICE_EPSILON: {"a": 1.75}})
+    privacy = privacy_view(RunSnapshot(rounds=[record, later]))
+    assert privacy["dp_sgd_epsilons"] == {"a": 1.75, "b": 2.5}
+    assert privacy["summary"] == "DP-SGD on 2 devices: example-level epsilon up to 2.5"
+    assert privacy_view(RunSnapshot(rounds=[dataclasses.replace(record, metrics={})]))["summary"] == "off"
     plain = RoundCollector(Expectation(1, "base", {}, 10, 1 << 20))
     plain.accepted["a"] = reported("a", {"train_loss": 0.5})
     assert (

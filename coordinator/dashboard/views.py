@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from coordinator.closing import DEVICE_EPSILON
 from coordinator.dashboard.live import LiveState
 from coordinator.method_flags import recipe_view
 from coordinator.store import AGGREGATE_CHANGE, DeviceRoundRecord, RoundRecord, RunStore, stored_spec
@@ -137,16 +138,30 @@ def secure_view(snapshot: RunSnapshot) -> dict:
     return {"mode": mode, "divergence_source": source, "last_round": last.get("secure_aggregation"), "summary": summary}
 
 
+def dp_sgd_epsilons(rounds: list[RoundRecord]) -> dict[str, float]:
+    """Each DP-SGD device's example-level epsilon as its latest accepted update reported it (empty without DP-SGD)."""
+    latest: dict[str, float] = {}
+    for record in rounds:
+        latest.update(record.metrics.get(DEVICE_EPSILON, {}))
+    return latest
+
+
 def privacy_view(snapshot: RunSnapshot) -> dict:
     """The run's differential privacy: its placement, the epsilon spent by the committed rounds at the run's delta,
-    the budget, the last round's clip and noise multiplier, and a one-line summary ("off" for a non-private run)."""
+    the budget, the last round's clip and noise multiplier, the DP-SGD devices' own example-level epsilons, and a
+    one-line summary ("off" for a run with neither)."""
     settings = snapshot.config.get("settings", {})
     placement = settings.get("recipe", {}).get("dp", "off")
     dp = {"delta": 1e-5, "epsilon_budget": None, **settings.get("dp", {})}
     last: dict = next((record.report["dp"] for record in reversed(snapshot.rounds) if "dp" in record.report), {})
     epsilon = last.get("epsilon", 0.0) if placement != "off" else None
     budget = dp["epsilon_budget"]
-    summary = "off" if epsilon is None else f"{placement}: epsilon {epsilon:.3g} at delta {dp['delta']:g}"
+    devices = dp_sgd_epsilons(snapshot.rounds)
+    parts = [] if epsilon is None else [f"{placement}: epsilon {epsilon:.3g} at delta {dp['delta']:g}"]
+    if epsilon is not None and budget is not None:
+        parts[0] += f" of {budget:g}"
+    if devices:
+        parts.append(f"DP-SGD on {len(devices)} devices: example-level epsilon up to {max(devices.values()):.3g}")
     return {
         "placement": placement,
         "epsilon": epsilon,
@@ -154,7 +169,8 @@ def privacy_view(snapshot: RunSnapshot) -> dict:
         "epsilon_budget": budget,
         "clip": last.get("clip"),
         "noise_multiplier": last.get("noise_multiplier"),
-        "summary": summary + (f" of {budget:g}" if epsilon is not None and budget is not None else ""),
+        "dp_sgd_epsilons": devices,
+        "summary": "; ".join(parts) or "off",
     }
 
 
