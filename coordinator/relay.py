@@ -232,14 +232,20 @@ class Relay:
         self.publish_status("online")
         log.info("relay ready relay=%s fleet=%s last_round=%d", relay_id, fleet, self.last_answered_round)
         try:
-            while True:
-                self.sender.resend_due()
-                message = self.session.next_message(timeout=0.5)
-                if message is not None and self.handle(message):
-                    return
-                self.maybe_answer()
+            while not self.step():
+                pass
         finally:
             self.publish_status("offline")
+
+    def step(self) -> bool:
+        """One turn of the relay's loop: due updates re-sent, one upstream message handled, the pending round
+        answered once its model is in; True on the central run's final announcement."""
+        self.sender.resend_due()
+        message = self.session.next_message(timeout=0.5)
+        if message is not None and self.handle(message):
+            return True
+        self.maybe_answer()
+        return False
 
     def handle(self, message: IncomingMessage) -> bool:
         """Routes one upstream message; True on the central run's final announcement."""
