@@ -238,12 +238,16 @@ class Relay:
             self.publish_status("offline")
 
     def step(self) -> bool:
-        """One turn of the relay's loop: due updates re-sent, one upstream message handled, the pending round
-        answered once its model is in; True on the central run's final announcement."""
+        """One turn of the relay's loop: due updates re-sent, one upstream message handled and only then acknowledged
+        to the broker (see `upstream_session`), the pending round answered once its model is in; True on the central
+        run's final announcement."""
         self.sender.resend_due()
         message = self.session.next_message(timeout=0.5)
-        if message is not None and self.handle(message):
-            return True
+        if message is not None:
+            final = self.handle(message)
+            self.session.acknowledge(message)
+            if final:
+                return True
         self.maybe_answer()
         return False
 
@@ -321,21 +325,28 @@ class Relay:
         self.session.publish(topic, wire.encode(status), retain=True)
 
 
+def upstream_session(settings: RelaySettings, address: BrokerAddress) -> MqttSession:
+    """The relay's session on the central broker, as its device's (its last will), with manual acks: the central
+    coordinator sends a secure round's roster and share delivery once, and they reach the relay while its site round
+    runs; one received but not yet handled when the relay dies is delivered again on restart, not lost."""
+    return MqttSession(address, client_id=settings.relay_id, last_will=last_will(settings.device), manual_ack=True)
+
+
 def run_relay(settings: RelaySettings, upstream: BrokerAddress, site: BrokerAddress) -> None:
     """Connects to the central broker (as the relay's device) and the site broker (as the site's coordinator) and
     relays rounds until the central run ends."""
     store = RunStore(settings.site.run_dir, keep_updates=settings.site.keep_updates)
     site_address, authenticator = secured(settings.site, site, store)
     site_session = coordinator_session(settings.site, site_address)
-    upstream_session = MqttSession(upstream, client_id=settings.relay_id, last_will=last_will(settings.device))
+    central_session = upstream_session(settings, upstream)
     try:
         rules = RoundRules(messages.Recipe(), settings.site.policy, authenticator=authenticator)
         site_rounds = SiteRounds(settings.site, site_session, store, rules)
         site_session.connect()
-        upstream_session.connect()
+        central_session.connect()
         site_rounds.start()
-        Relay(settings, upstream_session, site_rounds, store).run()
+        Relay(settings, central_session, site_rounds, store).run()
     finally:
-        upstream_session.close()
+        central_session.close()
         site_session.close()
         store.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,14 +12,24 @@ import numpy as np
 from coordinators import blank_evaluator, local_coordinator, plain_bytes_in
 
 from coordinator.mean_strategies import FedAvg
-from coordinator.relay import RELAY_STRATEGY, Relay, RelaySettings, SiteRounds, upstream_update
+from coordinator.relay import (
+    RELAY_STRATEGY,
+    UPSTREAM_SECAGG,
+    Relay,
+    RelaySettings,
+    SiteRounds,
+    upstream_session,
+    upstream_update,
+)
 from coordinator.rounds import Coordinator, RoundPolicy, RoundRules
+from coordinator.secagg_live import INBOUND, OUTBOUND
 from coordinator.server import ServerSettings
 from coordinator.store import RoundRecord, RunStore
 from edge_agent.data.journal import Journal
 from edge_agent.learning.models import build_model, get_weights
-from edge_agent.loop.secagg_participant import SecAggParticipant
-from protocol import messages, topics
+from edge_agent.loop.secagg_device import SHARED
+from edge_agent.loop.secagg_participant import ADVERTISED_KEY, PENDING_FILE, SecAggParticipant
+from protocol import messages, topics, wire
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.mqtt import BrokerAddress, MqttSession
 from protocol.secagg.weighting import device_weight
@@ -79,32 +90,32 @@ class Participants:
         }
 
     def close(self) -> None:
-        for session in self.sessions.values():
-            session.close()
+        """Closes every device's session."""
+        close_all(list(self.sessions.values()))
 
 
-def site_relay(address: BrokerAddress, run_dir: Path, store: RunStore) -> tuple[Relay, list[MqttSession]]:
+def site_relay(
+    address: BrokerAddress, run_dir: Path, store: RunStore, timeout: float = 15.0
+) -> tuple[Relay, list[MqttSession]]:
     """relay-00 of central fleet `central`, coordinating site fleet `site` on the same broker, its site devices
     marked online (they publish no status here)."""
     site = ServerSettings(
-        run_dir=run_dir, fleet="site", strategy=RELAY_STRATEGY, policy=RoundPolicy(1, round_timeout=15)
+        run_dir=run_dir, fleet="site", strategy=RELAY_STRATEGY, policy=RoundPolicy(1, round_timeout=timeout)
     )
-    upstream, site_session = (
-        MqttSession(address, client_id="relay-00"),
-        MqttSession(address, client_id="coordinator-site"),
-    )
+    settings = RelaySettings("relay-00", "central", site)
+    upstream, site_session = upstream_session(settings, address), MqttSession(address, client_id="coordinator-site")
     upstream.connect(timeout=10)
     site_session.connect(timeout=10)
     site_rounds = SiteRounds(site, site_session, store, RoundRules(messages.Recipe(), site.policy))
     site_rounds.start()
     for device in SITE:
         site_rounds.parts.presence.statuses[device] = messages.Status(device, "online", time.time())
-    return Relay(RelaySettings("relay-00", "central", site), upstream, site_rounds, store), [upstream, site_session]
+    return Relay(settings, upstream, site_rounds, store), [upstream, site_session]
 
 
-def central_coordinator(session: MqttSession, store: RunStore) -> Coordinator:
+def central_coordinator(session: MqttSession, store: RunStore, timeout: float) -> Coordinator:
     """The central fleet's secure FedAvg coordinator, the relay and the direct devices marked online."""
-    policy = RoundPolicy(1, round_timeout=30)
+    policy = RoundPolicy(1, round_timeout=timeout)
     coordinator = local_coordinator("central", session, store, FedAvg(), blank_evaluator(), policy, RECIPE)
     coordinator.start()
     for device in ("relay-00", *DIRECT):
@@ -126,22 +137,37 @@ class TwoLevelRound:
     direct_devices: Participants
 
 
-def drive(relay: Relay, coordinator: Coordinator, site: Participants, direct: Participants) -> Weights:
-    """Runs central round 1 and the relay (until the central run's end) on their own threads while the test's
-    thread pumps every device; the central commit."""
+# How a test runs central round 1 with relay-00 over a run directory: the central commit.
+RelayRun = Callable[[BrokerAddress, Path, Coordinator, Participants, Participants], Weights]
+
+
+def central_round(coordinator: Coordinator) -> tuple[threading.Thread, list]:
+    """Central round 1 from BASE on its own thread, as the coordinator's process runs it; its outcome lands in the
+    list."""
     outcome: list = []
     central = threading.Thread(target=lambda: outcome.append(coordinator.run_round(1, BASE)))
-    relaying = threading.Thread(target=relay.run)
     central.start()
-    relaying.start()
-    site.train()
-    direct.train()
+    return central, outcome
+
+
+def pump_while(busy: threading.Thread, *fleets: Participants) -> None:
+    """Hands the fleets' devices their stage messages while `busy` runs (a minute at most), so its rounds go on."""
     deadline = time.monotonic() + 60
-    while central.is_alive() and time.monotonic() < deadline:
-        site.pump()
-        direct.pump()
-    central.join(timeout=5)
-    weights, _ = outcome[0]
+    while busy.is_alive() and time.monotonic() < deadline:
+        for fleet in fleets:
+            fleet.pump()
+
+
+def finish(
+    relay: Relay, coordinator: Coordinator, central: tuple[threading.Thread, list], *fleets: Participants
+) -> Weights:
+    """Runs the relay (until the central run's end) on its own thread while the test's thread pumps the fleets'
+    devices until the central round is over; the central commit, nothing plain sent upstream."""
+    relaying = threading.Thread(target=relay.run)
+    relaying.start()
+    pump_while(central[0], *fleets)
+    central[0].join(timeout=5)
+    weights, _ = central[1][0]
     coordinator.parts.publisher.announce_final(1, weights_hash(weights), RECIPE)
     relaying.join(timeout=10)
     assert not relaying.is_alive()
@@ -149,26 +175,62 @@ def drive(relay: Relay, coordinator: Coordinator, site: Participants, direct: Pa
     return weights
 
 
-def two_level_round(address: BrokerAddress, tmp_path: Path) -> TwoLevelRound:
-    """Central secure FedAvg round 1 over relay-00 (three site devices) and two direct devices."""
+def uninterrupted(
+    address: BrokerAddress, run_dir: Path, coordinator: Coordinator, site: Participants, direct: Participants
+) -> Weights:
+    """Central round 1 with relay-00 running throughout: the central commit."""
+    with RunStore(run_dir) as store:
+        relay, relay_sessions = site_relay(address, run_dir, store)
+        try:
+            central = central_round(coordinator)
+            site.train()
+            direct.train()
+            return finish(relay, coordinator, central, site, direct)
+        finally:
+            close_all(relay_sessions)
+
+
+def close_all(sessions: list[MqttSession]) -> None:
+    """Closes the sessions (a relay's, a fleet's)."""
+    for session in sessions:
+        session.close()
+
+
+def two_level_round(
+    address: BrokerAddress, tmp_path: Path, run: RelayRun = uninterrupted, timeout: float = 30.0
+) -> TwoLevelRound:
+    """Central secure FedAvg round 1 over relay-00 (three site devices) and two direct devices, run by `run`, each
+    secure stage waiting `timeout` seconds at most."""
     central_session = MqttSession(address, client_id="coordinator-central")
     central_session.connect(timeout=10)
-    central_store, relay_store = RunStore(tmp_path / "central"), RunStore(tmp_path / "relay")
-    relay, relay_sessions = site_relay(address, tmp_path / "relay", relay_store)
+    central_store = RunStore(tmp_path / "central")
     site = Participants(address, "site", SITE, tmp_path / "devices")
     direct = Participants(address, "central", DIRECT, tmp_path / "devices")
     try:
-        weights = drive(relay, central_coordinator(central_session, central_store), site, direct)
-        upstream = upstream_update(relay_store, "relay-00", 1, weights_hash(BASE), DEFAULT_SPEC, CAP)
-        site_mean, records = relay_store.checkpoints.load(1), (central_store.rounds()[0], relay_store.rounds()[0])
-        return TwoLevelRound(weights, records[0], site_mean, records[1], upstream, site, direct)
+        coordinator = central_coordinator(central_session, central_store, timeout)
+        weights = run(address, tmp_path / "relay", coordinator, site, direct)
+        with RunStore(tmp_path / "relay") as relay_store:
+            upstream = upstream_update(relay_store, "relay-00", 1, weights_hash(BASE), DEFAULT_SPEC, CAP)
+            site_mean, records = relay_store.checkpoints.load(1), (central_store.rounds()[0], relay_store.rounds())
+        assert len(records[1]) == 1  # one committed site round, however the relay ran
+        return TwoLevelRound(weights, records[0], site_mean, records[1][0], upstream, site, direct)
     finally:
         site.close()
         direct.close()
-        for session in (central_session, *relay_sessions):
-            session.close()
+        central_session.close()
         central_store.close()
-        relay_store.close()
+
+
+def expected_central(done: TwoLevelRound) -> Weights:
+    """The central commit a round over the relay's site mean (weighing one capped device) and the direct devices
+    must give: their weighted mean."""
+    inputs = [(done.site_mean, device_weight(done.upstream.num_samples, CAP))]
+    inputs += [(done.direct_devices.trained[d], device_weight(n, CAP)) for d, (n, _) in DIRECT.items()]
+    assert inputs[0][1] == 1.0  # the site's 390 samples weigh as much as one device holding the cap
+    return {
+        name: np.average([tensors[name] for tensors, _ in inputs], axis=0, weights=[w for _, w in inputs])
+        for name in BASE
+    }
 
 
 def test_a_relay_runs_its_site_round_securely_and_its_site_sum_is_one_masked_input_upstream(broker, tmp_path) -> None:
@@ -185,16 +247,86 @@ def test_a_relay_runs_its_site_round_securely_and_its_site_sum_is_one_masked_inp
     assert (done.upstream.num_samples, done.upstream.acquired_labels) == (round(site_weight * CAP), 15)
     assert done.upstream.contributors == sorted(SITE)
 
-    inputs = [(done.site_mean, device_weight(done.upstream.num_samples, CAP))]
-    inputs += [(done.direct_devices.trained[d], device_weight(n, CAP)) for d, (n, _) in DIRECT.items()]
-    expected = {
-        name: np.average([tensors[name] for tensors, _ in inputs], axis=0, weights=[w for _, w in inputs])
-        for name in BASE
-    }
-    assert inputs[0][1] == 1.0  # the site's 390 samples weigh as much as one device holding the cap
-    assert max(float(np.abs(done.weights[n] - expected[n]).max()) for n in BASE) < 1e-5
+    assert max(float(np.abs(done.weights[n] - expected_central(done)[n]).max()) for n in BASE) < 1e-5
     assert done.central.metrics["secure_aggregation"] == "committed" and done.central.metrics["secagg_survivors"] == 3
     assert done.central.labels == 15 + sum(labels for _, labels in DIRECT.values())
+    everyone = {**done.site_devices.trained, **done.direct_devices.trained}
+    assert plain_bytes_in(tmp_path / "relay", everyone, BASE) == []
+    assert plain_bytes_in(tmp_path / "central", everyone, BASE) == []
+
+
+def upstream_stage(relay: Relay) -> str:
+    """Where the relay's part in the central secure round stands (its participant's saved state)."""
+    participant = relay.secure.participant()
+    assert participant is not None and participant.device is not None
+    return participant.device.state.stage
+
+
+def answer_then_crash(relay: Relay, sessions: list[MqttSession]) -> None:
+    """relay.run's turns up to the crash: the retained announcement and model taken up (keys advertised), the round
+    answered (site round committed, the site's weighted delta pending), the central roster handled (its shares sent);
+    then, once the share delivery has reached the relay's session, the sessions closed with no graceful step."""
+    for topic_filter in relay.router.filters():
+        relay.session.subscribe(topic_filter)
+    deadline = time.monotonic() + 30
+    while (relay.last_answered_round < 1 or upstream_stage(relay) != SHARED) and time.monotonic() < deadline:
+        relay.step()
+    while not relay.session.has_message() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    close_all(sessions)
+
+
+def restarted(
+    address: BrokerAddress, run_dir: Path, coordinator: Coordinator, site: Participants, direct: Participants
+) -> Weights:
+    """Central round 1 with relay-00 crashed as `answer_then_crash` says (its store's connection gone with it), then
+    a new Relay over a new store, SiteRounds and sessions (same run directory and client ids, as run_relay builds
+    them) run to the end while only the direct devices are pumped; no site device is asked anything again."""
+    with RunStore(run_dir) as store:
+        relay, relay_sessions = site_relay(address, run_dir, store, timeout=8)
+        central = central_round(coordinator)
+        site.train()
+        direct.train()
+        crashing = threading.Thread(target=answer_then_crash, args=(relay, relay_sessions))
+        crashing.start()
+        pump_while(crashing, site, direct)
+    assert upstream_stage(relay) == SHARED and (run_dir / UPSTREAM_SECAGG / PENDING_FILE).exists()
+    unhandled = relay.session.next_message(timeout=1)  # received by the crashed relay, never handled
+    assert unhandled is not None and isinstance(wire.decode_any(unhandled.payload, OUTBOUND), messages.ShareDelivery)
+    with RunStore(run_dir) as store:
+        relay, relay_sessions = site_relay(address, run_dir, store, timeout=8)
+        try:
+            weights = finish(relay, coordinator, central, direct)
+        finally:
+            close_all(relay_sessions)
+    assert not any(session.has_message() for session in site.sessions.values())
+    return weights
+
+
+def sent_kinds(watcher: MqttSession) -> list[str]:
+    """The kinds of the secure-round messages the watcher saw relay-00 send upstream, in order."""
+    kinds = []
+    while (message := watcher.next_message(timeout=0.5)) is not None:
+        kinds.append(wire.decode_any(message.payload, INBOUND).KIND)
+    return kinds
+
+
+def test_a_relay_restarted_mid_secure_round_masks_its_site_mean_once(broker, tmp_path, sessions) -> None:
+    """A relay crashed after its site round committed and its site's delta went to SecureRounds (keys advertised,
+    shares sent), with the central share delivery received but not handled, then rebuilt over the same run
+    directory: it does not run its site round again nor advertise a second key set (the retained announcement seen
+    again, the journal says which round's keys went out), it takes the delivery again and masks its pending delta,
+    so the central round commits what the uninterrupted run commits, with nothing plain in any run folder and
+    nothing in the relay's outbox. (The crash point is the deterministic one after the shares went out; while the
+    relay's upstream session acknowledged messages on receipt, the delivery was lost there and the round abandoned.)"""
+    watcher = sessions(broker.address, "watch-relay-00")
+    watcher.subscribe(topics.SECAGG_UP.build(fleet="central", device="relay-00"))
+    done = two_level_round(broker.address, tmp_path, restarted, timeout=8)
+    assert sent_kinds(watcher) == [kind.KIND for kind in INBOUND]  # keys, shares, masked input, reveal: once each
+    assert Journal(tmp_path / "relay" / UPSTREAM_SECAGG / "journal.json").get(ADVERTISED_KEY) == 1
+    assert done.site.metrics["secure_aggregation"] == "committed" and done.site.metrics["secagg_survivors"] == 3
+    assert done.central.metrics["secure_aggregation"] == "committed" and done.central.metrics["secagg_survivors"] == 3
+    assert max(float(np.abs(done.weights[n] - expected_central(done)[n]).max()) for n in BASE) < 1e-5
     everyone = {**done.site_devices.trained, **done.direct_devices.trained}
     assert plain_bytes_in(tmp_path / "relay", everyone, BASE) == []
     assert plain_bytes_in(tmp_path / "central", everyone, BASE) == []
