@@ -14,6 +14,7 @@ from test_imports import imported_packages
 from bench.oracle import SimulatedOracle
 from edge_agent.data.device_data import DeviceData, initialise_store
 from edge_agent.data.feature_cache import FEATURES_FOLDER, FeatureCache
+from edge_agent.field.parts import PoolFeatures
 from edge_agent.learning.bundle import Bundle, load_bundle
 from edge_agent.learning.learner_choice import make_learner
 from edge_agent.learning.local_data import training_view
@@ -21,6 +22,7 @@ from edge_agent.learning.models import build_model, get_weights
 from edge_agent.learning.ort_scorer import OrtMCDropout
 from edge_agent.learning.sampling import make_sampler
 from edge_agent.loop.acquisition import Acquirer
+from edge_agent.loop.agent import LatestModel
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.footprint import PhaseMeter
 from edge_agent.loop.round_inputs import RoundModels
@@ -155,6 +157,25 @@ def test_a_changed_backbone_recomputes_the_cache_and_removes_the_old_one(
     assert len(list((data.state_dir / FEATURES_FOLDER).iterdir())) == 2  # one key's rows and meta
     fresh = OrtMCDropout(bundle, 16).probabilities(data.images(np.arange(IMAGES)), 6, 3)
     assert np.abs(scores - fresh).max() < 2e-3
+
+
+def test_a_head_only_field_device_caches_new_images_between_rounds_and_its_round_runs_no_backbone(
+    tmp_path: Path, backbone_rows: list[int]
+) -> None:
+    """PoolFeatures (a field device's between-round work) computes the features of images that entered the pool,
+    once; the round then scores from the cache alone. A bundle that is not the model's computes nothing."""
+    data, _ = device(tmp_path)
+    weights = get_weights(build_model(SPEC, seed=0))
+    bundle = export(weights, tmp_path / "bundle")
+    features = PoolFeatures(HEAD, data)
+    other = LatestModel(SPEC, get_weights(build_model(SPEC, seed=1)), messages.Recipe(), bundle)
+    features.take_in(other)
+    assert backbone_rows == [] and features.seen == 0
+    features.take_in(LatestModel(SPEC, weights, messages.Recipe(), bundle))
+    assert sum(backbone_rows) == IMAGES and features.seen == IMAGES
+    features.take_in(LatestModel(SPEC, weights, messages.Recipe(), bundle))
+    cached_scores(data, bundle, weights)
+    assert sum(backbone_rows) == IMAGES
 
 
 def flip_bytes(path: Path) -> None:

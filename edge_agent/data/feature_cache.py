@@ -87,13 +87,19 @@ class FeatureCache:
         """float16 rows (n, D) of these sample indices, in their order; rows not cached yet are computed with
         `extract` first (each sample's prefix runs once)."""
         indices = np.asarray(indices, dtype=np.int64)
-        if len(indices) and int(indices.min()) < 0:
-            raise ValueError(f"sample indices must be non-negative, got {int(indices.min())}")
-        meta = self._checked_meta(indices)
-        meta = self._fill(meta, np.unique(indices[~_present(meta, indices)]), extract)
+        meta = self.fill(indices, extract)
         if meta is None:
             return np.zeros((0, 0), dtype=ROW_DTYPE)
         return np.array(self._mapped(meta)[indices])
+
+    def fill(self, indices: np.ndarray, extract: Extractor) -> CacheMeta | None:
+        """Computes the rows of these sample indices not cached yet, returning the meta (None: nothing cached):
+        what `rows` reads, and what a device runs ahead of a round for the images that just entered its pool."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if len(indices) and int(indices.min()) < 0:
+            raise ValueError(f"sample indices must be non-negative, got {int(indices.min())}")
+        meta = self._checked_meta(indices)
+        return self._fill(meta, np.unique(indices[~_present(meta, indices)]), extract)
 
     def _remove_other_keys(self) -> None:
         """Deletes the rows and meta of every other key (a new prefix makes them useless)."""

@@ -15,6 +15,7 @@ from edge_agent.field.folder_oracle import FolderOracle, QueryBook
 from edge_agent.field.folder_pool import open_folder_data
 from edge_agent.field.label_ui import LabelServer, parse_listen_address
 from edge_agent.field.stream import BudgetSettings, BudgetState, decide, default_burst, start_state
+from edge_agent.learning.head_learner import device_prefix
 from edge_agent.learning.learner import Learner
 from edge_agent.learning.learner_choice import make_learner
 from edge_agent.learning.sampling import Heuristic, make_sampler
@@ -23,7 +24,7 @@ from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.profile import DeviceProfile
 from edge_agent.loop.round_inputs import RoundModels, mc_probabilities
 from protocol.model_spec import DEFAULT_SPEC, load_model_spec
-from protocol.tensors import Weights
+from protocol.tensors import Weights, weights_hash
 
 log = logging.getLogger(__name__)
 
@@ -100,21 +101,57 @@ class StreamAcquirer:
         return sampler.scores(probabilities, len(new), np.random.default_rng(seed))
 
 
-class FieldWork:
-    """Rescans the pool folder every scan_interval seconds and, with a stream, scores what arrived."""
+class PoolFeatures:
+    """A head-only device's feature cache kept level with its pool: the frozen backbone's features of the images
+    that entered the pool since the last look are computed between rounds, once per image, so a round scores and
+    trains from cached rows alone. The prefix session opens only while there is something to compute."""
 
-    def __init__(self, data: DeviceData, scan_interval: float, stream: StreamAcquirer | None = None) -> None:
+    def __init__(self, settings: AgentSettings, data: DeviceData) -> None:
+        self.settings = settings
+        self.data = data
+        self.seen = 0  # the store's sample count already taken in
+
+    def take_in(self, latest: LatestModel) -> None:
+        """Caches the features of the pool's images not looked at yet, under the newest model's bundle (only when
+        the bundle is that model's: its prefix is what the cache's key names)."""
+        bundle = latest.bundle
+        if bundle is None or self.data.num_samples == self.seen:
+            return
+        if bundle.manifest.weights_hash != weights_hash(latest.weights):
+            return
+        prefix = device_prefix(self.settings, self.data.state_dir, latest.weights, bundle)
+        if prefix is not None:
+            pool = self.data.pool_indices()
+            prefix.fill(self.data.samples(pool[pool >= self.seen]))
+        self.seen = self.data.num_samples
+
+
+class FieldWork:
+    """Rescans the pool folder every scan_interval seconds, computes the features of what arrived (a head-only
+    device with a frozen backbone) and, with a stream, scores it."""
+
+    def __init__(
+        self,
+        data: DeviceData,
+        scan_interval: float,
+        stream: StreamAcquirer | None = None,
+        features: PoolFeatures | None = None,
+    ) -> None:
         self.data = data
         self.scan_interval = scan_interval
         self.stream = stream
+        self.features = features
         self._next_scan = 0.0
 
     def tick(self, latest: LatestModel | None, round_id: int) -> None:
-        """Scans the folder when the interval has passed; scores new items once a global model has arrived."""
+        """Scans the folder when the interval has passed; once a global model has arrived, takes the new items'
+        features into the cache and scores them."""
         if time.monotonic() < self._next_scan:
             return
         self._next_scan = time.monotonic() + self.scan_interval
         self.data.refresh()
+        if latest is not None and self.features is not None:
+            self.features.take_in(latest)
         if self.stream is not None and latest is not None:
             self.stream.score_new(latest, round_id)
 
@@ -148,4 +185,5 @@ def open_field(
         budget = BudgetSettings(field.labels_per_hour, field.label_burst or default_burst(field.labels_per_hour))
         stream = StreamAcquirer(data, oracle, budget, settings, STREAM_PASSES)
     server = LabelServer(book, *listen).start() if listen else None
-    return FieldParts(data, oracle, FieldWork(data, field.scan_interval, stream), server)
+    features = PoolFeatures(settings, data) if settings.trainer == "head" else None
+    return FieldParts(data, oracle, FieldWork(data, field.scan_interval, stream, features), server)

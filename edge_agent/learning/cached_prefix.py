@@ -71,6 +71,10 @@ class CachedPrefix:
         images are read only then)."""
         return self.cache.rows(samples.indices, lambda indices: self.extract(samples.read(indices)))
 
+    def fill(self, samples: Samples) -> None:
+        """Computes the prefix outputs of the samples not cached yet (their images are read only then)."""
+        self.cache.fill(samples.indices, lambda indices: self.extract(samples.read(indices)))
+
     def extract(self, images: np.ndarray) -> np.ndarray:
         """The prefix's flattened outputs of raw uint8 images (the backbone pass the cache saves)."""
         if self._prefix is None:

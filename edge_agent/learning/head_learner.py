@@ -38,6 +38,19 @@ HeadBody = Callable[[Any, LocalData, messages.Recipe, int, int], Problem]
 HEAD_BODIES: RuleBodies[HeadBody] = RuleBodies(CLASSIFIER_ONLY)
 
 
+def device_prefix(settings: AgentSettings, state_dir: Path, weights: Weights, bundle: Bundle) -> CachedPrefix | None:
+    """The device's feature cache over the bundle's prefix (under `state_dir`, at the device's scoring batch,
+    threads and providers) when the spec freezes that prefix; None when the prefix trains."""
+    if not prefix_frozen(bundle):
+        return None
+    return CachedPrefix(
+        bundle,
+        state_dir / FEATURES_FOLDER,
+        weights,
+        *(settings.inference_batch, settings.inference_threads, settings.execution_providers),
+    )
+
+
 class HeadLearner(Learner):
     """The round's global model with only its classifier trained: what a 512 MB device affords (no torch).
 
@@ -55,16 +68,7 @@ class HeadLearner(Learner):
         self.settings = settings
         self.bundle = bundle
         self._weights = dict(global_weights)
-        self.prefix = (
-            CachedPrefix(
-                bundle,
-                state_dir / FEATURES_FOLDER,
-                global_weights,
-                *(settings.inference_batch, settings.inference_threads, settings.execution_providers),
-            )
-            if prefix_frozen(bundle)
-            else None
-        )
+        self.prefix = device_prefix(settings, state_dir, global_weights, bundle)
 
     def weights(self) -> Weights:
         """The global weights with this round's classifier."""
