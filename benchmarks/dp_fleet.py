@@ -1,12 +1,14 @@
 # Benchmark (issue 28): DP-FedAvg at fleet scale against the non-private run of the same invocation; prints JSON.
-"""Runs `fl-bench simulate` with 500 virtual devices (pools of 50), 10% Poisson-sampled per round, on Type ii and
-Dirichlet 0.3 partitions: the non-private run (AveFL, the same participation) and DP-FedAvg calibrated to each
-target epsilon at delta 1e-5 over the run's rounds (dp_accounting's calibration chooses the noise multiplier), with
-the adaptive clip (median of the norms). For every run: the final and per-round accuracy, and from the store the
-accountant's epsilon, the last clip and the noise multiplier.
+"""Runs `fl-bench simulate` with 500 virtual devices (pools of 50), 10% of them a round, on Type ii and Dirichlet 0.3
+partitions, W0 from the server's --init-samples: the non-private run (AveFL; a fixed-size draw of the devices) and
+DP-FedAvg calibrated to each target epsilon at delta 1e-5 over the run's rounds (dp_accounting's calibration chooses
+the noise multiplier; Poisson sampling, as the accountant assumes), with the adaptive clip (median of the norms). For
+every run: the final and per-round accuracy, the fleet's labels per round, and from the store the accountant's
+epsilon, the clips and the noise multiplier; per setting, the seeds' curve against labels beside the non-private
+run's (--out/dp_fleet.png).
 
-    python benchmarks/dp_fleet.py --seeds 0 1 2 --rounds 20 --out /tmp/dpbench
-    python benchmarks/dp_fleet.py --seeds 0 --rounds 5 --out /tmp/dpbench   # the reduced check
+    python benchmarks/dp_fleet.py --seeds 0 1 2 --rounds 20 --out /tmp/dpbench 2> progress.log
+    python benchmarks/dp_fleet.py --from-runs progress.log --out /tmp/dpbench   # the curves of runs already made
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=500)
     parser.add_argument("--participation", type=float, default=0.1)
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--partitions", nargs="+", default=["type2", "dirichlet:0.3"])
     parser.add_argument("--epsilons", nargs="+", type=float, default=[8.0, 2.0])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
