@@ -32,7 +32,7 @@ from export.graph_names import IMAGES_INPUT
 from protocol import messages
 from protocol.errors import UsageError
 from protocol.model_spec import ModelSpec
-from protocol.tensors import Weights
+from protocol.tensors import Weights, weights_hash
 
 SPEC = ModelSpec(
     architecture="rgb-cnn",
@@ -168,12 +168,13 @@ def test_a_head_only_field_device_caches_new_images_between_rounds_and_its_round
     weights = get_weights(build_model(SPEC, seed=0))
     bundle = export(weights, tmp_path / "bundle")
     features = PoolFeatures(HEAD, data)
-    other = LatestModel(SPEC, get_weights(build_model(SPEC, seed=1)), messages.Recipe(), bundle)
+    other_weights = get_weights(build_model(SPEC, seed=1))
+    other = LatestModel(SPEC, other_weights, messages.Recipe(), bundle, weights_hash(other_weights))
     features.take_in(other)
     assert backbone_rows == [] and features.seen == 0
-    features.take_in(LatestModel(SPEC, weights, messages.Recipe(), bundle))
+    features.take_in(LatestModel(SPEC, weights, messages.Recipe(), bundle, weights_hash(weights)))
     assert sum(backbone_rows) == IMAGES and features.seen == IMAGES
-    features.take_in(LatestModel(SPEC, weights, messages.Recipe(), bundle))
+    features.take_in(LatestModel(SPEC, weights, messages.Recipe(), bundle, weights_hash(weights)))
     cached_scores(data, bundle, weights)
     assert sum(backbone_rows) == IMAGES
 

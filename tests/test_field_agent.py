@@ -257,10 +257,10 @@ def test_stream_scores_with_the_recipes_sampler_and_refuses_one_that_needs_more(
     stream, book = stream_on(tmp_path, AgentSettings(FLEET, DEVICE))
     weights = get_weights(build_model(seed=9))
     with caplog.at_level("INFO", logger="edge_agent.field.parts"):
-        stream.score_new(LatestModel(DEFAULT_SPEC, weights, messages.Recipe(sampler="ksas"), None), round_id=1)
-        stream.score_new(LatestModel(DEFAULT_SPEC, weights, messages.Recipe(sampler="ksas"), None), round_id=1)
+        stream.score_new(LatestModel(DEFAULT_SPEC, weights, messages.Recipe(sampler="ksas"), None, ""), round_id=1)
+        stream.score_new(LatestModel(DEFAULT_SPEC, weights, messages.Recipe(sampler="ksas"), None, ""), round_id=1)
         assert stream.data.get_state("stream") is None and book.queries() == []
-        stream.score_new(LatestModel(DEFAULT_SPEC, weights, messages.Recipe(sampler="margin"), None), round_id=1)
+        stream.score_new(LatestModel(DEFAULT_SPEC, weights, messages.Recipe(sampler="margin"), None, ""), round_id=1)
     refused = [r for r in caplog.records if "stream acquisition refused sampler=ksas" in r.getMessage()]
     assert len(refused) == 1 and refused[0].levelname == "ERROR"
     assert stream.data.get_state("stream")["scored_upto"] == 6 and 1 <= len(book.queries()) <= 2
@@ -270,6 +270,6 @@ def test_stream_scores_with_the_recipes_sampler_and_refuses_one_that_needs_more(
 def test_stream_scores_through_the_agents_back_end(tmp_path) -> None:
     settings = AgentSettings(FLEET, DEVICE, backend="onnxruntime")
     stream, _ = stream_on(tmp_path, settings)
-    latest = LatestModel(DEFAULT_SPEC, get_weights(build_model(seed=9)), messages.Recipe(sampler="entropy"), None)
+    latest = LatestModel(DEFAULT_SPEC, get_weights(build_model(seed=9)), messages.Recipe(sampler="entropy"), None, "")
     with pytest.raises(ValueError, match="the onnxruntime back end needs the round's bundle"):
         stream.score_new(latest, round_id=1)

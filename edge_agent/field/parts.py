@@ -24,7 +24,7 @@ from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.profile import DeviceProfile
 from edge_agent.loop.round_inputs import RoundModels, mc_probabilities
 from protocol.model_spec import DEFAULT_SPEC, load_model_spec
-from protocol.tensors import Weights, weights_hash
+from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +115,7 @@ class PoolFeatures:
         """Caches the features of the pool's images not looked at yet, under the newest model's bundle (only when
         the bundle is that model's: its prefix is what the cache's key names)."""
         bundle = latest.bundle
-        if bundle is None or self.data.num_samples == self.seen:
-            return
-        if bundle.manifest.weights_hash != weights_hash(latest.weights):
+        if bundle is None or bundle.manifest.weights_hash != latest.model_hash or self.data.num_samples == self.seen:
             return
         prefix = device_prefix(self.settings, self.data.state_dir, latest.weights, bundle)
         if prefix is not None:

@@ -30,12 +30,14 @@ LAST_ROUND_KEY = "last_finished_round"
 
 @dataclass(frozen=True)
 class LatestModel:
-    """The newest global model a device holds, its spec, the recipe it was announced with, and its bundle (if any)."""
+    """The newest global model a device holds, its spec, the recipe it was announced with, its bundle (if any) and
+    its hash (verified when it arrived: whether the bundle is this model's is a comparison, not a rehash)."""
 
     spec: ModelSpec
     weights: Weights
     recipe: messages.Recipe
     bundle: Bundle | None
+    model_hash: str
 
 
 @dataclass(frozen=True)
@@ -203,7 +205,8 @@ class Agent:
         newest = self.artefacts.newest_model()
         if newest is None or self._recipe is None:
             return None
-        return LatestModel(*newest, self._recipe, next(iter(self.artefacts.bundles.values()), None))
+        model_hash, spec, weights = newest
+        return LatestModel(spec, weights, self._recipe, next(iter(self.artefacts.bundles.values()), None), model_hash)
 
     def handle(self, message: IncomingMessage) -> bool:
         """Routes one message; True when the run is over for this agent."""

@@ -129,6 +129,6 @@ class RoundArtefacts:
             return False
         return not announcement.recipe.encoder or announcement.recipe.encoder in self.encoders
 
-    def newest_model(self) -> tuple[ModelSpec, Weights] | None:
-        """The global model held now and its spec (None before the first)."""
-        return next(((self.specs[key], weights) for key, weights in self.models.items()), None)
+    def newest_model(self) -> tuple[str, ModelSpec, Weights] | None:
+        """The global model held now: its hash, its spec and its weights (None before the first)."""
+        return next(((key, self.specs[key], weights) for key, weights in self.models.items()), None)
