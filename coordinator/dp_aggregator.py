@@ -27,7 +27,8 @@ ROUNDING_SLACK = 1.01
 class DpPlan:
     """What a private round needs beyond the strategy: where the clipping and noise happen, the round's parameters
     (shared with the devices), the devices expected to contribute (q * online: the fixed denominator), the sampling
-    rate, the adaptive clip's learning rate, the noise's source, and the accountant's epsilon after a round event."""
+    rate, the adaptive clip's learning rate, the noise's source, the accountant's epsilon after a round event, and
+    whether the round is secure (its one update is the survivors' unmasked mean, checked by secagg_bounds)."""
 
     placement: str
     round_dp: DpRound
@@ -36,6 +37,7 @@ class DpPlan:
     clip_lr: float
     rng: np.random.Generator
     epsilon_after: Callable[[SampledGaussian], float]
+    secure: bool = False
 
 
 class DpAggregator(StreamingAggregator):
@@ -56,20 +58,34 @@ class DpAggregator(StreamingAggregator):
         super().__init__(strategy, base, policy, scratch, model=model)
         self.plan = plan
         self.within: dict[str, float] = {}
+        self.reported = 0
 
     def keep(self, update: ClientUpdate) -> None:
-        """Adds the update's delta, clipped here (central) or checked as clipped and noised (device), to the sum."""
-        round_dp = self.plan.round_dp
+        """Adds the update's delta, clipped here (central) or checked as clipped and noised (device), to the sum; a
+        secure round's one update is its survivors' mean, so their sum is its delta times their summed weight (each
+        device weighs 1), and no device's within-clip bit is known (an abandoned one's is the round's own model: it
+        released nothing and reports no device)."""
         delta = delta_of(update.weights, self.base)
-        if self.plan.placement == DP_CENTRAL:
-            delta, norm = clip_delta(delta, round_dp.clip)
-            within = float(norm <= round_dp.clip)
+        if self.plan.secure:
+            delta = {name: np.multiply(array, update.num_samples) for name, array in delta.items()}
+            self.reported += update.devices if any(np.any(array) for array in delta.values()) else 0
         else:
-            within = self.device_within(update, delta)
+            delta = self.private_delta(update, delta)
+            self.reported += 1
         self.running.add(update.device_id, delta, 1.0)
         self.scratch.put(update.device_id, update.weights)
         self.kept[update.device_id] = dataclasses.replace(update, weights={})
-        self.within[update.device_id] = within
+
+    def private_delta(self, update: ClientUpdate, delta: Weights) -> Weights:
+        """One device's delta: clipped here with its within-clip bit noted (central), or checked as clipped and
+        noised by the device, its bit read (device)."""
+        round_dp = self.plan.round_dp
+        if self.plan.placement == DP_CENTRAL:
+            delta, norm = clip_delta(delta, round_dp.clip)
+            self.within[update.device_id] = float(norm <= round_dp.clip)
+        else:
+            self.within[update.device_id] = self.device_within(update, delta)
+        return delta
 
     def device_within(self, update: ClientUpdate, delta: Weights) -> float:
         """A device-noised update's within-clip bit; ValueError when its delta is too long to have been clipped to
@@ -99,15 +115,20 @@ class DpAggregator(StreamingAggregator):
         return weights, {"dp": self.dp_report(central), "streamed": True}
 
     def dp_report(self, central: bool) -> dict[str, Any]:
-        """The round's privacy: its parameters, the noise multiplier actually achieved, the spent epsilon after it,
-        the noised fraction within the clip and the next round's clip."""
+        """The round's privacy: its parameters, the noise multiplier actually achieved (device placement: the noise
+        shares of the devices that reported; none in an abandoned secure round, which released nothing and is
+        counted at full noise), the spent epsilon after it, the noised fraction within the clip (None in a secure
+        round, which hides each bit) and the next round's clip."""
         plan, round_dp = self.plan, self.plan.round_dp
-        reported = len(self.within)
+        reported = self.reported
         count_noise = float(plan.rng.normal(0.0, round_dp.count_std)) if central and round_dp.adaptive else 0.0
-        fraction = (math.fsum(self.within.values()) + count_noise) / plan.expected
-        shared = 1.0 if central else min(1.0, reported / max(round_dp.participants, 1.0))
+        fraction = None if plan.secure else (math.fsum(self.within.values()) + count_noise) / plan.expected
+        released = reported if reported > 0 or not plan.secure else round_dp.participants
+        shared = 1.0 if central else min(1.0, released / max(round_dp.participants, 1.0))
         event = SampledGaussian(plan.sampling_rate, round_dp.noise_multiplier * math.sqrt(shared))
-        following = next_clip(round_dp.clip, fraction, round_dp.quantile, plan.clip_lr) if round_dp.adaptive else None
+        following = None
+        if round_dp.adaptive and fraction is not None:
+            following = next_clip(round_dp.clip, fraction, round_dp.quantile, plan.clip_lr)
         return {
             "placement": plan.placement,
             "clip": round_dp.clip,

@@ -147,8 +147,9 @@ class PrivateRounds:
         round_dp = DpRound(
             self.clip, self.recipe.dp_noise_multiplier, self.recipe.dp_clip_quantile, expected if central else chosen
         )
+        secure = self.recipe.secure_aggregation != "off"
         plan = DpPlan(
-            self.recipe.dp, round_dp, expected, self.rate, self.recipe.dp_clip_lr, self.rng, self.epsilon_after
+            self.recipe.dp, round_dp, expected, self.rate, self.recipe.dp_clip_lr, self.rng, self.epsilon_after, secure
         )
         return DpAggregator(strategy, base, policy, scratch, plan, model=model)
 

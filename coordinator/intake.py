@@ -165,10 +165,15 @@ class UpdateIntake:
             rejection.kind,
             rejection.reason,
         )
-        self.store.record_rejection(round_id, device_id, rejection.reason, size, rejection.kind)
-        self.observer.update_answered(device_id, round_id, size, rejection)
+        self.record(device_id, round_id, rejection, size)
         update_id = incoming.update.update_id[:128] if incoming else update_id_of(payload)
         self.ack(messages.Ack(device_id, round_id, update_id, False, rejection.reason, rejection.kind))
+
+    def record(self, device_id: str, round_id: int, rejection: Rejection, size: int) -> None:
+        """Counts a refused message of `size` bytes at once: in the store (named by its device) and to the observer
+        (the dashboard, and /metrics by kind). Updates and secure-round messages alike."""
+        self.store.record_rejection(round_id, device_id, rejection.reason, size, rejection.kind)
+        self.observer.update_answered(device_id, round_id, size, rejection)
 
     def ack(self, ack: messages.Ack) -> None:
         """Queues an ack for the device, published by the next commit."""

@@ -19,11 +19,13 @@ from coordinator.presence import Presence
 from coordinator.publisher import RetainedPublisher
 from coordinator.round_aggregator import RoundAggregator, SuspectPolicy, make_aggregator
 from coordinator.scratch import TensorScratch
-from coordinator.secagg_live import HeldMessages, LiveSecureRound, start_secure
+from coordinator.secagg_bounds import SumLimits
+from coordinator.secagg_live import HeldMessages, LiveParts, LiveSecureRound, start_secure
 from coordinator.strategy_contract import Strategy
 from coordinator.validation import Expectation, Rejection
 from edge_agent.loop.schedule import labels_by_round
 from protocol import messages, topics, wire
+from protocol.dp import DP_DEVICE, DpRound, device_share
 from protocol.errors import UsageError
 from protocol.messages import RejectionKind
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec
@@ -72,7 +74,8 @@ class RoundRules:
 
     For a strategy that weighs by samples: `seed_labels`, the labels a device holds before round 1 (None: unknown,
     so no per-device bound), and `max_sample_share`, the most of a round's weight one device's claim may carry where
-    no such bound is known (1: no cap; the command lines default to DEFAULT_MAX_SAMPLE_SHARE)."""
+    no such bound is known (1: no cap; the command lines default to DEFAULT_MAX_SAMPLE_SHARE). `relays`: the devices
+    whose updates may name contributors (--relay); any other device's that does is refused."""
 
     recipe: messages.Recipe
     policy: RoundPolicy
@@ -81,6 +84,7 @@ class RoundRules:
     spec: ModelSpec = DEFAULT_SPEC
     seed_labels: int | None = None
     max_sample_share: float = 1.0
+    relays: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -110,21 +114,29 @@ DeviceHandler = Callable[[str, IncomingMessage, OpenRound | None], None]
 
 
 def device_routes(
-    fleet: str, on_update: DeviceHandler, on_status: DeviceHandler, held: HeldMessages
+    fleet: str, on_update: DeviceHandler, on_status: DeviceHandler, on_secagg: DeviceHandler
 ) -> topics.Router[DeviceHandler]:
     """What a coordinator takes from its fleet's devices, by topic: their updates, their status and their
-    secure-round stage messages (taken by the open round's secure part, or `held` for it while no round is open)."""
+    secure-round stage messages."""
     router: topics.Router[DeviceHandler] = topics.Router()
     router.add(topics.UPDATE.bind(fleet=fleet), on_update)
     router.add(topics.STATUS.bind(fleet=fleet), on_status)
-    router.add(topics.SECAGG_UP.bind(fleet=fleet), functools.partial(on_secagg, held))
+    router.add(topics.SECAGG_UP.bind(fleet=fleet), on_secagg)
     return router
 
 
-def on_secagg(held: HeldMessages, device_id: str, message: IncomingMessage, opened: OpenRound | None) -> None:
+def on_secagg(
+    held: HeldMessages, intake: UpdateIntake, device_id: str, message: IncomingMessage, opened: OpenRound | None
+) -> None:
     """A device's secure-round message, for the open secure round; held for the next one while no round is open
-    (a restarted coordinator reads what was queued for it before it reopens the round it resumes)."""
-    if message.dropped is not None or (opened is not None and opened.secure is None):
+    (a restarted coordinator reads what was queued for it before it reopens the round it resumes). One that came in
+    chunks the session dropped (too large, bad chunks) is counted as a rejection naming its sender."""
+    if message.dropped is not None:
+        dropped = message.dropped
+        log.warning("secure-round message dropped device=%s kind=%s reason=%s", device_id, dropped.kind, dropped.reason)
+        round_id = opened.collector.round_id if opened is not None else 0
+        intake.record(device_id, round_id, Rejection(dropped.kind, dropped.reason), dropped.total_bytes)
+    elif opened is not None and opened.secure is None:
         log.warning("secure-round message outside a secure round device=%s", device_id)
     elif opened is None or opened.secure is None:
         held.hold(device_id, message.payload)
@@ -166,6 +178,7 @@ def round_expectation(rules: RoundRules, strategy: Strategy, round_id: int, glob
         strategy.metric_bounds(rules.spec.num_classes),
         trained,
         *sample_bounds(rules, strategy, round_id),
+        rules.relays,
     )
 
 
@@ -178,7 +191,8 @@ class Coordinator:
         self.rules = rules
         self.parts = parts
         self.held = HeldMessages()
-        self.router = device_routes(fleet, self.on_update, self.on_status, self.held)
+        on_secure = functools.partial(on_secagg, self.held, parts.intake)
+        self.router = device_routes(fleet, self.on_update, self.on_status, on_secure)
 
     def start(self) -> None:
         """Subscribes to every device's updates and status."""
@@ -348,9 +362,21 @@ def secure_part(
         return None
     args = (parts.publisher.run_id, round_id, selected, global_weights, rules.spec, rules.recipe)
     start = functools.partial(start_secure, *args)
-    live = LiveSecureRound.opened(coordinator.session, coordinator.fleet, parts.intake.store, start, round_id)
+    live_parts = LiveParts(coordinator.session, coordinator.fleet, parts.intake, sum_limits(rules.recipe, selected))
+    live = LiveSecureRound.opened(live_parts, start, round_id)
     coordinator.held.release(live)
     return live
+
+
+def sum_limits(recipe: messages.Recipe, selected: list[str]) -> SumLimits:
+    """What bounds an honest secure round's sum: equal weights with a sample cap of 0, and under --dp device the L2
+    clip every device applies and its share of the noise (the clip is fixed: secure aggregation refuses an adaptive
+    one at start-up)."""
+    if recipe.dp != DP_DEVICE:
+        return SumLimits(recipe.secagg_sample_cap == 0)
+    round_dp = DpRound(recipe.dp_clip, recipe.dp_noise_multiplier, 0.0, len(selected))
+    share = device_share(round_dp.sum_std, len(selected))
+    return SumLimits(recipe.secagg_sample_cap == 0, recipe.dp_clip, share)
 
 
 def collect_until_quorum(coordinator: Coordinator, opened: OpenRound, timing: RoundTiming) -> None:

@@ -13,14 +13,17 @@ from typing import Any, ClassVar
 
 from coordinator.aggregation import ClientUpdate
 from coordinator.divergence import relative_divergence
-from coordinator.intake import RoundCollector
+from coordinator.intake import RoundCollector, UpdateIntake
 from coordinator.round_aggregator import RoundAggregator, SuspectPolicy
+from coordinator.secagg_bounds import SumLimits, sum_refusal
 from coordinator.secagg_round import ABANDONED, DONE, KEYS, MASKED, SHARES, UNMASK, SecAggSettings
 from coordinator.secagg_server import SecAggServer
 from coordinator.secagg_unmask import SecAggResult
-from coordinator.store import AGGREGATE_CHANGE, SECURE_LABELS, SECURE_WEIGHT, RunStore
+from coordinator.store import AGGREGATE_CHANGE, SECURE_LABELS, SECURE_WEIGHT
 from coordinator.strategies import STRATEGIES
+from coordinator.validation import Rejection
 from protocol import messages, topics, wire
+from protocol.dp import DP_CENTRAL, DP_DEVICE
 from protocol.errors import UsageError
 from protocol.files import atomic_write_bytes
 from protocol.messages import KeyAdvert, MaskedInput, RejectionKind, ShareBundle, UnmaskResponse
@@ -42,7 +45,8 @@ WAITING[UNMASK] = ("masked_from", "responders")
 
 def check_secure_settings(strategy: str, recipe: messages.Recipe, suspects: SuspectPolicy, asynchronous: bool) -> None:
     """UsageError (one line naming the conflict) for what secure aggregation cannot honour: a strategy that needs
-    each device's update, leaving suspects out, asynchronous rounds, or an update encoding other than float32."""
+    each device's update, leaving suspects out, asynchronous rounds, an update encoding other than float32, and
+    DP that reads single updates (central placement clips each one; an adaptive clip reads each one's bit)."""
     if recipe.secure_aggregation == "off":
         return
     streaming = STRATEGIES.select(lambda known: known.streaming)
@@ -55,14 +59,36 @@ def check_secure_settings(strategy: str, recipe: messages.Recipe, suspects: Susp
     weighs = STRATEGIES.get(strategy).weighs_by_samples
     if weighs != (recipe.secagg_sample_cap > 0):
         raise UsageError(f"--strategy {strategy} needs --secagg-sample-cap {'above 0' if weighs else '0'}")
+    if recipe.dp == DP_CENTRAL:
+        raise UsageError(
+            "--dp central clips each device's delta on the coordinator, which --secure-aggregation hides from it: "
+            "use --dp device (each device clips and adds its noise share; the secure sum carries the full noise)"
+        )
+    if recipe.dp == DP_DEVICE and recipe.dp_clip_quantile > 0.0:
+        raise UsageError(
+            "--dp-clip-quantile adapts the clip from each device's within-clip bit, which --secure-aggregation "
+            "hides: keep a fixed clip (--dp-clip-quantile 0)"
+        )
+
+
+@dataclass(frozen=True)
+class LiveParts:
+    """What a live secure round works with: the session its stage messages go out on, the fleet, the intake that
+    counts refused messages (store, dashboard, /metrics) and holds the spool folder the round is saved in, and the
+    limits its unmasked sum is checked against."""
+
+    session: MqttSession
+    fleet: str
+    intake: UpdateIntake
+    limits: SumLimits
 
 
 class LiveSecureRound:
     """One secure round of a running coordinator: its SecAggServer, the file it is saved in, and what it sent last
     (the stage's messages, sent again after a restart)."""
 
-    def __init__(self, server: SecAggServer, path: Path, session: MqttSession, fleet: str, store: RunStore) -> None:
-        self.server, self.path, self.session, self.fleet, self.store = server, path, session, fleet, store
+    def __init__(self, server: SecAggServer, path: Path, parts: LiveParts) -> None:
+        self.server, self.path, self.parts = server, path, parts
         self.outbound: list[bytes] = []
         self.reason = ""
         self.unsaved = False
@@ -71,16 +97,14 @@ class LiveSecureRound:
         self.change: dict[str, float] = {}
 
     @classmethod
-    def opened(
-        cls, session: MqttSession, fleet: str, store: RunStore, start: Callable[[], SecAggServer], round_id: int
-    ) -> LiveSecureRound:
+    def opened(cls, parts: LiveParts, start: Callable[[], SecAggServer], round_id: int) -> LiveSecureRound:
         """The round saved by a process that died in it (its last stage's messages sent again), else a new one."""
-        path = store.spool.folder / f"secagg-{round_id}.rec"
+        path = parts.intake.store.spool.folder / f"secagg-{round_id}.rec"
         if not path.exists():
-            live = cls(start(), path, session, fleet, store)
+            live = cls(start(), path, parts)
             live.save()
             return live
-        live = cls(SecAggServer.restored(path.read_bytes()), path, session, fleet, store)
+        live = cls(SecAggServer.restored(path.read_bytes()), path, parts)
         log.info("secure round resumed round=%d stage=%s", round_id, live.server.state.stage)
         sent = path.with_suffix(".out")
         live.send(wire.decode_record(sent.read_bytes(), SentMessages).payloads if sent.exists() else [])
@@ -95,9 +119,8 @@ class LiveSecureRound:
                 raise SecAggRefusal(RejectionKind.WRONG_RECIPIENT, f"sent on {wire.shown(device_id)}'s topic")
             self.take(message)
         except (SecAggRefusal, wire.WireError) as refusal:
-            round_id = self.server.state.round_id
             log.warning("secure-round message refused device=%s kind=%s reason=%s", device_id, refusal.kind, refusal)
-            self.store.record_rejection(round_id, device_id, str(refusal)[:300], len(payload), refusal.kind)
+            self.record(device_id, Rejection(refusal.kind, str(refusal)), len(payload))
             return
         self.unsaved = True
 
@@ -128,9 +151,13 @@ class LiveSecureRound:
                 self.send([wire.encode(message) for message in closes[self.server.state.stage]()], save=True)
             if self.server.state.stage == ABANDONED:
                 raise SecAggAbandoned("abandoned before the coordinator restarted")
-            if self.server.state.stage == UNMASK:
+            unmasking = self.server.state.stage == UNMASK
+            if unmasking:
                 self.wait(handle_next, stage_timeout)
             result = self.server.finish()
+            if unmasking:
+                self.record_forgers(result.forgers)
+            self.check_sum(result)
         except SecAggAbandoned as abandoned:
             self.reason = str(abandoned)[:300]
             log.warning("secure round abandoned round=%d reason=%s", self.server.state.round_id, self.reason)
@@ -138,6 +165,25 @@ class LiveSecureRound:
             return None
         self.save()
         return result
+
+    def record_forgers(self, forgers: list[str]) -> None:
+        """Counts each survivor whose returned share was off its secret's polynomial (outvoted) as forged_share."""
+        for device in forgers:
+            reason = f"{wire.shown(device)} returned a share off its secret's polynomial at unmasking (outvoted)"
+            log.warning("secure-round share forged device=%s round=%d", device, self.server.state.round_id)
+            self.record(device, Rejection(RejectionKind.FORGED_SHARE, reason), 0)
+
+    def check_sum(self, result: SecAggResult) -> None:
+        """Refuses the round (abandoned: its sum dropped, the round's own model committed) when its unmasked sum
+        cannot be honest; counted as an out_of_range rejection of the secure sum (no one device can be named)."""
+        refusal = sum_refusal(result.total, len(result.survivors), self.server.fixed_point, self.parts.limits)
+        if refusal is not None:
+            self.record(SECURE_SUM, Rejection(RejectionKind.OUT_OF_RANGE, refusal), 0)
+            self.server.refuse(refusal)
+
+    def record(self, device_id: str, rejection: Rejection, size: int) -> None:
+        """Counts a refusal of this round in the store, on the dashboard and in /metrics."""
+        self.parts.intake.record(device_id, self.server.state.round_id, rejection, size)
 
     def wait(self, handle_next: Callable[[], None], timeout: float) -> None:
         """Handles messages until every device the stage waits for answered or its deadline passed (logged: how many
@@ -162,7 +208,7 @@ class LiveSecureRound:
         self.outbound = payloads
         for payload in payloads:
             device = wire.decode_any(payload, OUTBOUND).device_id
-            self.session.publish(topics.SECAGG_DOWN.build(fleet=self.fleet, device=device), payload)
+            self.parts.session.publish(topics.SECAGG_DOWN.build(fleet=self.parts.fleet, device=device), payload)
 
     def save(self) -> None:
         """The server's state, written atomically beside the spool."""

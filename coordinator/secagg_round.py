@@ -115,6 +115,10 @@ class SecAggRound:
         if len(devices) < self.state.min_survivors:
             self._abandon(f"{len(devices)} devices {what}, at least {self.state.min_survivors} must")
 
+    def refuse(self, reason: str) -> NoReturn:
+        """Ends a finished round unrevealed after all (its unmasked sum failed a check): abandoned, with `reason`."""
+        self._abandon(reason)
+
     def _abandon(self, reason: str) -> NoReturn:
         """Drops everything that could unmask anything (the sum, the shares) and ends the round unrevealed."""
         state = self.state

@@ -76,12 +76,12 @@ def unmasked(total: np.ndarray, plan: Unmasking) -> np.ndarray:
 @dataclass(frozen=True)
 class SecAggResult:
     """An unmasked round: the sum of the survivors' updates (float64, within the fixed point's bound of the plain
-    sum), who is in it, its error bound, and the holders whose returned shares were forged."""
+    sum), who is in it, its error bound, and the holders whose returned shares were forged (outvoted)."""
 
     total: Weights
     survivors: list[str]
     error_bound: float
-    forged: list[SecAggRefusal]
+    forgers: list[str]
 
 
 class UnmaskStage(SecAggRound):
@@ -159,12 +159,8 @@ class UnmaskStage(SecAggRound):
         total = fixed.decode_sum(unmasked(flat(state.masked_sum), plan))
         state.stage = DONE
         forgers = sorted({holder for rebuilt in (*seeds.values(), *dropped.values()) for holder in rebuilt.forgers})
-        forged = [
-            SecAggRefusal(RejectionKind.FORGED_SHARE, f"{wire.shown(h)} returned a share off its polynomial")
-            for h in forgers
-        ]
         return SecAggResult(
-            shaped(total, layout_of(state.masked_sum)), sorted(survivors), fixed.error_bound(len(survivors)), forged
+            shaped(total, layout_of(state.masked_sum)), sorted(survivors), fixed.error_bound(len(survivors)), forgers
         )
 
     def _rebuilt(

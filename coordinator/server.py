@@ -96,6 +96,7 @@ class ServerSettings:
     asynchronous: AsyncPolicy | None = None
     seed_labels: int | None = None
     max_sample_share: float = DEFAULT_MAX_SAMPLE_SHARE
+    relays: frozenset[str] = frozenset()
     dp: DpSettings = field(default_factory=DpSettings)
 
     def __post_init__(self) -> None:
@@ -297,6 +298,7 @@ def round_rules(settings: ServerSettings, authenticator: UpdateAuthenticator | N
         settings.spec,
         settings.seed_labels,
         settings.max_sample_share,
+        settings.relays,
     )
 
 

@@ -43,7 +43,8 @@ class Expectation:
     """What a valid update for the current round looks like: `spec` is the layout of the tensors the model spec
     trains (the trained set, all an update carries), `base` those tensors of the round's model, which delta-encoded
     updates are decoded against. `min_samples` and `max_samples` bound one device's claimed sample count (a relay's
-    bound is max_samples per contributor; None: no bound)."""
+    bound is max_samples per contributor; None: no bound). `relays`: the devices whose updates may name
+    contributors."""
 
     round_id: int
     base_hash: str
@@ -55,6 +56,7 @@ class Expectation:
     base: Weights = field(default_factory=dict)
     min_samples: int = 0
     max_samples: int | None = None
+    relays: frozenset[str] = frozenset()
 
     def for_model(self, round_id: int, model_hash: str, model: Weights) -> Expectation:
         """This expectation for another round's model (asynchronous versions): its hash, and its tensors of the
@@ -90,7 +92,7 @@ def validated(incoming: Incoming, expected: Expectation) -> messages.Update:
     update = with_weights(update, expected.base)
     check_tensors(update, expected)
     check_counts(update, expected.num_classes)
-    check_contributions(update)
+    check_contributions(update, expected.relays)
     check_sample_claim(update, expected)
     check_required_metrics(update.metrics, expected.required_metrics)
     return update
@@ -173,10 +175,17 @@ def check_counts(update: messages.Update, num_classes: int) -> None:
         raise Rejection(RejectionKind.BAD_COUNTS, f"class_counts must be {num_classes} non-negative integers")
 
 
-def check_contributions(update: messages.Update) -> None:
+def check_contributions(update: messages.Update, relays: frozenset[str]) -> None:
     """Rejection unless a relay's contributions (none for a device) are distinct device ids, each with a non-negative
-    sample count, that add up to the update's num_samples: a relay may not weigh more than its devices reported."""
+    sample count, that add up to the update's num_samples: a relay may not weigh more than its devices reported, and
+    only a device named as a relay may name contributors (each lifts its share cap, see ClientUpdate.devices)."""
     names, counts = update.contributors, update.contributor_samples
+    if (names or counts) and update.device_id not in relays:
+        raise Rejection(
+            RejectionKind.NOT_RELAY,
+            f"{wire.shown(update.device_id)} names {len(names)} contributors but is no relay of this fleet "
+            "(fl-coordinator run --relay names them)",
+        )
     if len(names) != len(counts):
         raise Rejection(
             RejectionKind.BAD_COUNTS, f"{len(names)} contributors but {len(counts)} contributor sample counts"

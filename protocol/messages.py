@@ -43,6 +43,7 @@ class RejectionKind(StrEnum):
     NON_FINITE = "non_finite"
     OUT_OF_RANGE = "out_of_range"
     BAD_COUNTS = "bad_counts"
+    NOT_RELAY = "not_relay"  # an update naming contributors from a device the coordinator was not told is a relay
     MISSING_METRIC = "missing_metric"
     BAD_METRIC = "bad_metric"
     DUPLICATE = "duplicate"

@@ -45,9 +45,10 @@ def committed_site_round(run_dir: Path) -> RunStore:
 
 
 def expectation(authenticator: UpdateAuthenticator | None = None) -> Expectation:
-    """Round 1 of the central fleet, from BASE."""
+    """Round 1 of the central fleet, from BASE, with relay-00 its relay."""
     check = authenticator.check if authenticator else None
-    return Expectation(1, weights_hash(BASE), spec_of(BASE), NUM_CLASSES, wire.DEFAULT_MAX_MESSAGE_BYTES, check)
+    size = wire.DEFAULT_MAX_MESSAGE_BYTES
+    return Expectation(1, weights_hash(BASE), spec_of(BASE), NUM_CLASSES, size, check, relays=frozenset({"relay-00"}))
 
 
 def rejection(update: messages.Update, expected: Expectation | None = None) -> Rejection:
@@ -82,7 +83,8 @@ def test_a_relay_of_a_frozen_backbone_sends_the_trained_set_of_its_site_mean(tmp
         mean = store.checkpoints.load(1)
     assert list(update.tensors) == ["fc2.weight", "fc2.bias"]
     assert all(np.array_equal(update.tensors[name], mean[name]) for name in update.tensors)
-    central = round_expectation(RoundRules(messages.Recipe(), RoundPolicy(1), spec=head), FedAvg(), 1, BASE)
+    rules = RoundRules(messages.Recipe(), RoundPolicy(1), spec=head, relays=frozenset({"relay-00"}))
+    central = round_expectation(rules, FedAvg(), 1, BASE)
     assert list(validate_update("relay-00", wire.encode(update), central).tensors) == ["fc2.weight", "fc2.bias"]
 
 
@@ -137,7 +139,8 @@ def test_a_secured_central_coordinator_answers_relay_updates_on_the_wire(tmp_pat
     try:
         coordinator = local_coordinator("central", session, store, FedAvg(), blank_evaluator(), RoundPolicy(1))
         authenticator = UpdateAuthenticator(secure.device_keys, store)
-        coordinator.rules = dataclasses.replace(coordinator.rules, authenticator=authenticator)
+        relays = frozenset({"relay-00"})
+        coordinator.rules = dataclasses.replace(coordinator.rules, authenticator=authenticator, relays=relays)
         coordinator.start()
         opened = coordinator.open(1, BASE, TensorScratch(tmp_path / "scratch"))
         with committed_site_round(tmp_path / "relay") as relay_store:

@@ -86,6 +86,7 @@ def test_relays_give_flat_fedavg_and_a_killed_relay_loses_no_acked_update(tmp_pa
         devices_a = site_shards(tmp_path / "shards-a", 20, slice(0, 3))
         devices_b = site_shards(tmp_path / "shards-b", 80, slice(3, 6))
         options = ("--strategy", "fedavg", "--rounds", str(ROUNDS), "--quorum", "2", "--min-devices", "2")
+        options += ("--relay", "relay-00", "--relay", "relay-01")
         more = ("--label-fraction", "0.1", "--keep-updates", "--no-bundles", "--secure", str(secure.folder))
         processes.append(start_coordinator(central.address, run_dir, CENTRAL, *options, *more))
         processes.append(start_relay(central.address, site_b.address, credentials_b, relay_b))

@@ -190,7 +190,10 @@ def test_conflicts_with_secure_aggregation_are_refused_in_one_line(
 
 def test_a_restarted_coordinator_resumes_the_stage_and_sends_its_messages_again(tmp_path) -> None:
     from bench.secagg_fleet import head_updates
-    from coordinator.secagg_live import LiveSecureRound, start_secure
+    from coordinator.intake import UpdateIntake
+    from coordinator.observer import RoundObserver
+    from coordinator.secagg_bounds import SumLimits
+    from coordinator.secagg_live import LiveParts, LiveSecureRound, start_secure
     from coordinator.secagg_round import SHARES
     from edge_agent.loop.secagg_device import SecAggDevice
 
@@ -200,13 +203,18 @@ def test_a_restarted_coordinator_resumes_the_stage_and_sends_its_messages_again(
     with RunStore(tmp_path / "run") as store:
         first = FakeSession(FLEET)
         start = functools.partial(start_secure, "run", 1, ids, base, DEFAULT_SPEC, RECIPE)
-        live = LiveSecureRound.opened(first, FLEET, store, start, 1)
+        limits = SumLimits(equal_weights=False)
+        live = LiveSecureRound.opened(
+            LiveParts(first, FLEET, UpdateIntake(FLEET, first, store, RoundObserver()), limits), start, 1
+        )
         for device in ids:
             live.on_message(device, wire.encode(SecAggDevice.start(device, 1, 1.0, 0.1).advert()))
         rosters = live.server.rosters()
         live.send([wire.encode(roster) for roster in rosters], save=True)
         again = FakeSession(FLEET)
-        resumed = LiveSecureRound.opened(again, FLEET, store, start, 1)
+        resumed = LiveSecureRound.opened(
+            LiveParts(again, FLEET, UpdateIntake(FLEET, again, store, RoundObserver()), limits), start, 1
+        )
     assert resumed.server.state.stage == SHARES and resumed.server.state.advertised == ids
     assert again.published == first.published and len(again.published) == 4
     assert {topic for topic, _ in again.published} == {topics.SECAGG_DOWN.build(fleet=FLEET, device=d) for d in ids}
