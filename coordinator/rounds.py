@@ -84,7 +84,7 @@ class RoundRules:
     spec: ModelSpec = DEFAULT_SPEC
     seed_labels: int | None = None
     max_sample_share: float = 1.0
-    relays: frozenset[str] = frozenset()
+    relays: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

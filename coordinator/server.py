@@ -96,7 +96,7 @@ class ServerSettings:
     asynchronous: AsyncPolicy | None = None
     seed_labels: int | None = None
     max_sample_share: float = DEFAULT_MAX_SAMPLE_SHARE
-    relays: frozenset[str] = frozenset()
+    relays: tuple[str, ...] = ()
     dp: DpSettings = field(default_factory=DpSettings)
 
     def __post_init__(self) -> None:

@@ -56,7 +56,7 @@ class Expectation:
     base: Weights = field(default_factory=dict)
     min_samples: int = 0
     max_samples: int | None = None
-    relays: frozenset[str] = frozenset()
+    relays: tuple[str, ...] = ()
 
     def for_model(self, round_id: int, model_hash: str, model: Weights) -> Expectation:
         """This expectation for another round's model (asynchronous versions): its hash, and its tensors of the
@@ -175,7 +175,7 @@ def check_counts(update: messages.Update, num_classes: int) -> None:
         raise Rejection(RejectionKind.BAD_COUNTS, f"class_counts must be {num_classes} non-negative integers")
 
 
-def check_contributions(update: messages.Update, relays: frozenset[str]) -> None:
+def check_contributions(update: messages.Update, relays: tuple[str, ...]) -> None:
     """Rejection unless a relay's contributions (none for a device) are distinct device ids, each with a non-negative
     sample count, that add up to the update's num_samples: a relay may not weigh more than its devices reported, and
     only a device named as a relay may name contributors (each lifts its share cap, see ClientUpdate.devices)."""

@@ -36,9 +36,11 @@ def local_coordinator(
     evaluator: Evaluator,
     policy: RoundPolicy,
     recipe: messages.Recipe | None = None,
+    observer: RoundObserver | None = None,
 ) -> Coordinator:
-    """A coordinator with no bundles, no encoder, no device evaluation and an observer that hears nothing."""
-    observer = RoundObserver()
+    """A coordinator with no bundles, no encoder, no device evaluation and an observer that hears nothing (unless
+    one is given: the dashboard's LiveState, to read /metrics)."""
+    observer = observer or RoundObserver()
     parts = RoundParts(
         presence=Presence(observer),
         intake=UpdateIntake(fleet, session, store, observer),

@@ -3,15 +3,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import queue
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
+import msgpack
 import numpy as np
+import paho.mqtt.client as paho
 import pytest
 from coordinators import blank_evaluator, local_coordinator
 from fleet import FakeDevice, perturbed
 
 from coordinator.authentication import UpdateAuthenticator
+from coordinator.dashboard.live import LiveState
+from coordinator.dashboard.metrics import render_metrics
 from coordinator.mean_strategies import FedAvg
 from coordinator.provision import provision
 from coordinator.relay import RELAY_STRATEGY, Relay, RelaySettings, SiteRounds, upstream_update
@@ -48,7 +55,7 @@ def expectation(authenticator: UpdateAuthenticator | None = None) -> Expectation
     """Round 1 of the central fleet, from BASE, with relay-00 its relay."""
     check = authenticator.check if authenticator else None
     size = wire.DEFAULT_MAX_MESSAGE_BYTES
-    return Expectation(1, weights_hash(BASE), spec_of(BASE), NUM_CLASSES, size, check, relays=frozenset({"relay-00"}))
+    return Expectation(1, weights_hash(BASE), spec_of(BASE), NUM_CLASSES, size, check, relays=("relay-00",))
 
 
 def rejection(update: messages.Update, expected: Expectation | None = None) -> Rejection:
@@ -83,7 +90,7 @@ def test_a_relay_of_a_frozen_backbone_sends_the_trained_set_of_its_site_mean(tmp
         mean = store.checkpoints.load(1)
     assert list(update.tensors) == ["fc2.weight", "fc2.bias"]
     assert all(np.array_equal(update.tensors[name], mean[name]) for name in update.tensors)
-    rules = RoundRules(messages.Recipe(), RoundPolicy(1), spec=head, relays=frozenset({"relay-00"}))
+    rules = RoundRules(messages.Recipe(), RoundPolicy(1), spec=head, relays=("relay-00",))
     central = round_expectation(rules, FedAvg(), 1, BASE)
     assert list(validate_update("relay-00", wire.encode(update), central).tensors) == ["fc2.weight", "fc2.bias"]
 
@@ -139,7 +146,7 @@ def test_a_secured_central_coordinator_answers_relay_updates_on_the_wire(tmp_pat
     try:
         coordinator = local_coordinator("central", session, store, FedAvg(), blank_evaluator(), RoundPolicy(1))
         authenticator = UpdateAuthenticator(secure.device_keys, store)
-        relays = frozenset({"relay-00"})
+        relays = ("relay-00",)
         coordinator.rules = dataclasses.replace(coordinator.rules, authenticator=authenticator, relays=relays)
         coordinator.start()
         opened = coordinator.open(1, BASE, TensorScratch(tmp_path / "scratch"))
@@ -247,3 +254,74 @@ def test_a_relay_asked_for_device_placed_dp_stops_in_one_line(tmp_path: Path) ->
         central = dataclasses.replace(announcement(1), recipe=messages.Recipe(dp="central", dp_noise_multiplier=1.0))
         relay.on_announcement(central)
         assert relay.pending == central
+
+
+def plain_update(device_id: str, contributors: int, samples: int) -> bytes:
+    """A wire v2 update, msgpack by hand, from a device that claims `contributors` site devices of `samples` each."""
+    tensors = {
+        name: {"dtype": "<f4", "shape": list(array.shape), "data": (array + 0.01).astype("<f4").tobytes()}
+        for name, array in BASE.items()
+    }
+    names = [f"site-{index:02d}" for index in range(contributors)]
+    fields = {
+        **{"v": 2, "kind": "update", "device_id": device_id, "round_id": 1, "update_id": uuid.uuid4().hex},
+        **{"base_hash": weights_hash(BASE), "num_samples": contributors * samples, "acquired_labels": 0},
+        **{"class_counts": [0] * NUM_CLASSES, "metrics": {}, "tensors": tensors},
+        **{"contributors": names, "contributor_samples": [samples] * contributors},
+    }
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def plain_acks(address: BrokerAddress, fleet: str, sent: dict[str, bytes], handle: Callable[[], None]) -> dict:
+    """Publishes each device's payload from a plain paho client on its own update topic and returns each device's
+    ack, as msgpack decodes it (`handle`: lets the coordinator take a batch of messages)."""
+    acks: queue.Queue = queue.Queue()
+    client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id="plain-claimer", protocol=paho.MQTTv5)
+    client.on_message = lambda _client, _data, message: acks.put(msgpack.unpackb(message.payload, raw=False))
+    client.connect(address.host, address.port)
+    client.loop_start()
+    try:
+        for device in sent:
+            client.subscribe(topics.ACK.build(fleet=fleet, device=device), qos=1)
+        time.sleep(0.5)
+        for device, payload in sent.items():
+            client.publish(topics.UPDATE.build(fleet=fleet, device=device), payload, qos=1).wait_for_publish(30)
+        answered: dict = {}
+        deadline = time.monotonic() + 30
+        while len(answered) < len(sent) and time.monotonic() < deadline:
+            handle()
+            while not acks.empty():
+                ack = acks.get()
+                answered[ack["device_id"]] = ack
+        return answered
+    finally:
+        client.loop_stop()
+        client.disconnect()
+
+
+def test_only_a_device_named_as_a_relay_may_claim_contributors(tmp_path: Path, broker) -> None:
+    """An open fleet, FedAvg with the 0.5 share cap: a plain client claiming 10 contributors of 10^8 samples (which
+    took 0.9999998 of the round) is refused as not_relay, named in its ack, the store and /metrics; the same claim
+    from relay-00, named with --relay, is accepted and its contributors lift its cap."""
+    store, live = RunStore(tmp_path / "central"), LiveState(1)
+    session = MqttSession(broker.address, client_id="coordinator-central", manual_ack=True)
+    session.connect(timeout=30)
+    try:
+        coordinator = local_coordinator(
+            "central", session, store, FedAvg(), blank_evaluator(), RoundPolicy(1), observer=live
+        )
+        coordinator.rules = dataclasses.replace(coordinator.rules, max_sample_share=0.5, relays=("relay-00",))
+        coordinator.start()
+        opened = coordinator.open(1, BASE, TensorScratch(tmp_path / "scratch"))
+        claims = {device: plain_update(device, 10, 10**8) for device in ("dev-07", "relay-00")}
+        acks = plain_acks(broker.address, "central", claims, lambda: coordinator.handle_next(opened))
+        kinds, rows = store.rejection_kinds(), store.rejections()
+    finally:
+        session.close()
+        store.close()
+    assert (acks["dev-07"]["accepted"], acks["dev-07"]["rejection"]) == (False, "not_relay")
+    reason = "'dev-07' names 10 contributors but is no relay of this fleet (fl-coordinator run --relay names them)"
+    assert acks["dev-07"]["reason"] == reason
+    assert acks["relay-00"]["accepted"] and list(opened.collector.accepted) == ["relay-00"]
+    assert kinds == {"not_relay": 1} and [row[:3] for row in rows] == [(1, "dev-07", reason)]
+    assert 'fl_updates_rejected_total{reason="not_relay"} 1' in render_metrics(live.counters(), 0, 1)
