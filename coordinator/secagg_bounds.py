@@ -44,7 +44,9 @@ def sum_refusal(total: Weights, survivors: int, fixed: FixedPoint, limits: SumLi
     if not -slack <= labels <= survivors * clip + slack:
         return f"refused: the summed label coordinate {labels:.6g} lies outside [0, {survivors} x the clip {clip:g}]"
     deltas = {name: array for name, array in total.items() if name not in (WEIGHT, LABELS)}
-    largest, name = max((float(np.max(np.abs(array), initial=0.0)), name) for name, array in deltas.items())
+    largest, name = max(
+        ((float(np.max(np.abs(array), initial=0.0)), name) for name, array in deltas.items()), default=(0.0, "")
+    )
     if largest > weight + 2 * slack:
         return (
             f"refused: a coordinate of {name[:64]} sums to {largest:.6g}, beyond the summed weight times the clip "

@@ -22,6 +22,7 @@ from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.metrics import render_metrics
 from coordinator.dp_rounds import DpSettings, PrivateRounds
 from coordinator.rounds import RoundPolicy
+from coordinator.secagg_bounds import SumLimits, sum_refusal
 from coordinator.secagg_live import SECURE_SUM
 from coordinator.store import RunStore
 from coordinator.strategies import make_strategy
@@ -33,6 +34,7 @@ from protocol.dp import DpRound, privatised
 from protocol.dp_accountant import SampledGaussian, epsilon_of
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.mqtt import MqttSession
+from protocol.secagg.fixed_point import FixedPoint
 from protocol.secagg.weighting import LABELS, WEIGHT
 from protocol.tensors import Weights, weights_hash
 
@@ -358,3 +360,34 @@ def test_dp_that_reads_single_updates_is_refused_under_secure_aggregation_in_one
     error = capsys.readouterr().err.strip()
     assert error.startswith(f"fl-coordinator: {named}") and "\n" not in error
     assert not (tmp_path / "run" / "run.sqlite").exists()
+
+
+def honest_total(weights: list[float], labels: list[int], fixed: FixedPoint) -> Weights:
+    """The decoded sum of devices with these weights and labels, each delta coordinate at +-clip (the extreme an
+    honest device can mask), as the fixed point encodes and adds them."""
+    rows = [
+        np.concatenate([weight * CLIP * np.array([1.0, -1.0, 0.5]), [weight * CLIP], [count * fixed.step]])
+        for weight, count in zip(weights, labels)
+    ]
+    total = fixed.decode_sum(np.sum([fixed.encode(row) for row in rows], axis=0, dtype=np.uint32))
+    return {"t": total[:3], WEIGHT: total[3:4], LABELS: total[4:5]}
+
+
+@pytest.mark.parametrize(
+    ("weights", "labels", "equal", "refusal"),
+    [
+        ([1.0, 1.0, 1.0], [3, 0, 7], True, None),
+        ([1.0, 0.35, 0.0], [3, 0, 7], False, None),
+        ([1.0, 1.0, 0.5], [0, 0, 0], True, "refused: the summed weight is 2.5, not the 3 survivors'"),
+        ([0.0, 0.0, 0.0], [0, 0, 0], False, "refused: the summed weight 0 lies outside (0, 3]"),
+        ([1.0, 1.0, 1.0], [0, -5, 0], True, "refused: the summed label coordinate"),
+    ],
+)
+def test_the_sum_checks_pass_every_honest_extreme_and_name_what_failed(
+    weights: list[float], labels: list[int], equal: bool, refusal: str | None
+) -> None:
+    """Honest sums at the clip's edge pass (with the fixed point's rounding); a cap-0 round whose weights are not
+    all 1, a zero summed weight and negative labels are refused, each with its reason."""
+    fixed = FixedPoint(CLIP, 3)
+    found = sum_refusal(honest_total(weights, labels, fixed), 3, fixed, SumLimits(equal))
+    assert (found, refusal) == (None, None) or (found and refusal and found.startswith(refusal))
