@@ -48,14 +48,6 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
         help="with a strategy that weighs by samples (fedavg, cadis, the server optimisers): the most of a round's "
         "weight one update's claimed samples may carry, per device it sums (the excess is clipped; 1: no cap)",
     )
-    run.add_argument(
-        "--relay",
-        action="append",
-        default=[],
-        metavar="DEVICE_ID",
-        help="a device of this fleet that is a relay (fl-coordinator relay), once per relay: only a relay's update may "
-        "name contributors, each of which counts towards --max-sample-share; any other's is refused as not_relay",
-    )
     run.add_argument("--rounds", type=int, default=10)
     run.add_argument("--min-devices", type=int, default=1, help="fewest updates a round may aggregate")
     run.add_argument("--quorum", type=int, help="updates that close a round early (default: every online device)")

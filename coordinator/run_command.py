@@ -26,6 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "samples and no label fractions, a claim above them plus the schedule's labels is refused (default: unknown)",
     )
     parser.add_argument(
+        "--relay",
+        action="append",
+        default=[],
+        metavar="DEVICE_ID",
+        help="a device of this fleet that is a relay (fl-coordinator relay), once per relay: only a relay's update may "
+        "name contributors, each of which counts towards --max-sample-share; any other's is refused as not_relay",
+    )
+    parser.add_argument(
         "--secure", type=Path, metavar="DIR", help="a folder from `provision`: broker login, ACL, signed updates only"
     )
 

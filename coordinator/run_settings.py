@@ -87,7 +87,7 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
         asynchronous=async_policy(args),
         seed_labels=getattr(args, "seed_labels", None),
         max_sample_share=args.max_sample_share,
-        relays=tuple(wire.given_identifier("--relay", name) for name in args.relay),
+        relays=tuple(wire.given_identifier("--relay", name) for name in getattr(args, "relay", [])),
         dp=DpSettings(args.dp_delta, args.dp_epsilon_budget),
     )
 
