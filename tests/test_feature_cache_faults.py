@@ -12,11 +12,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from test_feature_cache import SPEC, export
+from test_feature_cache import HEAD, SPEC, backbone_rows, export
 from test_folder_score import run_score
 
+from edge_agent.data.image_files import InputSpec
+from edge_agent.field.folder_pool import folder_pool_of, open_folder_data
+from edge_agent.field.parts import PoolFeatures
+from edge_agent.learning.bundle import load_bundle
+from edge_agent.learning.head_learner import device_prefix
 from edge_agent.learning.models import build_model, get_weights
-from protocol.tensors import Weights
+from edge_agent.loop.agent import LatestModel
+from protocol import messages
+from protocol.tensors import Weights, weights_hash
+
+__all__ = ["backbone_rows"]  # a fixture
 
 POOL = 40
 SCORE = ("--passes", "5", "--top", "10", "--seed", "3")
@@ -244,3 +253,72 @@ def test_an_immutable_cache_is_still_read_and_what_it_lacks_is_computed_without_
         selected, warnings = scored(bundle, pool.folder, cache)
         assert selected == pool.plain and len(warnings) == 2, warnings
         assert "rows=2 not_theirs=2" in warnings[0] and str(cache) in warnings[1]
+
+
+def replace_keeping_name_size_and_mtime(target: Path, source: Path) -> None:
+    """`cp -p source target`, then the target's old mtime set back (a restore, `rsync -t`): name, size, mtime kept."""
+    before = target.stat()
+    subprocess.run(["cp", "-p", str(source), str(target)], check=True)
+    os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (target.stat().st_size, target.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+
+@pytest.mark.parametrize("restarted", [False, True], ids=["while-running", "while-stopped"])
+def test_a_field_device_notices_a_replaced_image_and_keeps_the_old_label_with_the_old_pixels(
+    tmp_path: Path, bundle: Path, weights: Weights, backbone_rows: list[int], restarted: bool
+) -> None:
+    """A head-only field device with every pool image's features cached and image 7 labelled: 007.png replaced
+    with the same name, size and mtime. The new content joins as a new item whose features are computed (one
+    backbone image); item 7 keeps its decoded pixels, cached row and label (what the person saw)."""
+    images = pool_folder(tmp_path / "camera", count=12)
+    pool_folder(tmp_path / "elsewhere", seed=9, count=1)
+    state = tmp_path / "state"
+    data = open_folder_data(state, tmp_path / "camera", 100, InputSpec(3, 16, 16), 0, num_classes=3)
+    features = PoolFeatures(HEAD, data)
+    latest = LatestModel(SPEC, weights, messages.Recipe(), load_bundle(bundle), weights_hash(weights))
+    features.take_in(latest)
+    data.add_labels(np.array([7]), np.array([2]))
+    old_row = device_prefix(HEAD, state, weights, latest.bundle).rows(data.samples(np.array([7])))  # type: ignore[union-attr]
+    assert sum(backbone_rows) == 12
+    replace_keeping_name_size_and_mtime(tmp_path / "camera" / "007.png", tmp_path / "elsewhere" / "000.png")
+    if restarted:
+        data = open_folder_data(state, tmp_path / "camera", 100, InputSpec(3, 16, 16), 0, num_classes=3)
+        features = PoolFeatures(HEAD, data)
+    else:
+        assert data.refresh() == 1
+    pool = folder_pool_of(data)
+    assert data.num_samples == 13 and pool.item(12).path == pool.item(7).path == "007.png"
+    assert pool.item(12).sha256 != pool.item(7).sha256 and 12 in data.pool_indices().tolist()
+    features.take_in(latest)
+    assert sum(backbone_rows) == 13, "only the new content runs the backbone (a restart checks the others)"
+    backbone_rows.clear()
+    prefix = device_prefix(HEAD, state, weights, latest.bundle)
+    assert prefix is not None
+    rows = prefix.rows(data.samples(np.array([7, 12])))
+    assert backbone_rows == [] and np.array_equal(rows[0], old_row[0]) and not np.array_equal(rows[0], rows[1])
+    assert np.array_equal(rows[1], prefix.extract(data.images(np.array([12])))[0].astype(np.float16))
+    assert np.array_equal(data.images(np.array([7]))[0], images[7]) and data.labels_at(np.array([7, 12])).tolist() == [
+        2,
+        -1,
+    ]
+    assert open_folder_data(state, tmp_path / "camera", 100, InputSpec(3, 16, 16), 0, num_classes=3).num_samples == 13
+
+
+def test_a_pool_stored_before_digests_and_ctimes_were_kept_reopens_without_new_items(tmp_path: Path) -> None:
+    """items.jsonl lines without ctime_ns and inode, no digests.bin: the reopened pool hashes each file once (no
+    item joins), and computes the digests from images.u8."""
+    pool_folder(tmp_path / "camera", count=5)
+    data = open_folder_data(tmp_path / "state", tmp_path / "camera", 100, InputSpec(3, 16, 16), 0, num_classes=3)
+    digests = data.digests(np.arange(5))
+    items = tmp_path / "state" / "pool" / "items.jsonl"
+    lines = [json.loads(line) for line in items.read_text().splitlines()]
+    items.write_text(
+        "".join(
+            json.dumps({k: v for k, v in line.items() if k in ("path", "sha256", "size", "mtime_ns")}) + "\n"
+            for line in lines
+        )
+    )
+    (tmp_path / "state" / "pool" / "digests.bin").unlink()
+    reopened = open_folder_data(tmp_path / "state", tmp_path / "camera", 100, InputSpec(3, 16, 16), 0, num_classes=3)
+    assert reopened.num_samples == 5 and np.array_equal(reopened.digests(np.arange(5)), digests)
+    assert (tmp_path / "state" / "pool" / "digests.bin").stat().st_size == 5 * 32
