@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import json
 import signal
 import subprocess
@@ -24,10 +25,13 @@ from edge_agent.field.stream import BudgetSettings
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.loop.agent import LatestModel
 from edge_agent.loop.agent_settings import AgentSettings
-from protocol import messages, wire
+from export.bundle_writer import ensure_bundle_files
+from protocol import messages, topics, wire
 from protocol.model_spec import CLASS_NAMES, DEFAULT_SPEC
+from protocol.tensors import weights_hash
 
 DEVICE = "cam-1"
+PI_ZERO = Path(__file__).resolve().parent.parent / "firmware_configs" / "raspberry-pi-zero-2w.toml"
 RECIPE = messages.Recipe(
     sampler="entropy", labels_per_acquisition=5, acquisitions_per_round=1, epochs=1, batch_size=4, mc_passes=3
 )
@@ -273,3 +277,29 @@ def test_stream_scores_through_the_agents_back_end(tmp_path) -> None:
     latest = LatestModel(DEFAULT_SPEC, get_weights(build_model(seed=9)), messages.Recipe(sampler="entropy"), None, "")
     with pytest.raises(ValueError, match="the onnxruntime back end needs the round's bundle"):
         stream.score_new(latest, round_id=1)
+
+
+def test_a_head_only_field_agent_whose_feature_cache_cannot_be_written_keeps_running(tmp_path, camera) -> None:
+    """`features` in the state folder is a file (root cannot make a folder there): the Pi Zero agent computes its
+    features without keeping them, warns once naming the folder, and answers two rounds without a traceback."""
+    pool_dir, _ = camera
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "features").write_text("a file where the feature cache's folder would be")
+    spec = dataclasses.replace(DEFAULT_SPEC, trainable="head")
+    weights = get_weights(build_model(spec, seed=7))
+    bundle = messages.BundleMessage(weights_hash(weights), ensure_bundle_files(weights, tmp_path / "bundle", spec))
+    with field_run(tmp_path, pool_dir) as (coordinator, launch, _):
+        agent = launch("--answer-wait", "0", "--profile", str(PI_ZERO))
+        topic = topics.BUNDLE.build(fleet=FLEET, hash=bundle.model_hash)
+        coordinator.session.publish(topic, wire.encode(bundle), retain=True, wait=10)
+        for round_id in (1, 2):
+            coordinator.start_round(round_id, weights, recipe=RECIPE, spec=spec)
+            update = coordinator.next_on(
+                "update", 60, accept=lambda m: wire.decode(m.payload, messages.Update).round_id == round_id
+            )
+            assert update is not None, (tmp_path / "agent.log").read_text()[-3000:]
+        assert agent.poll() is None
+        stop(agent)
+    log = (tmp_path / "agent.log").read_text()
+    warned = [line for line in log.splitlines() if "feature cache folder cannot be written" in line]
+    assert len(warned) == 1 and str(tmp_path / "state" / "features") in warned[0] and "Traceback" not in log

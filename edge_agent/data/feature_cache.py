@@ -24,6 +24,7 @@ TAG_BYTES = DIGEST_BYTES = 32
 HALF, SINGLE = np.dtype("<f2"), np.dtype("<f4")
 ROW_DTYPES: dict[str, np.dtype] = {"f2": HALF, "f4": SINGLE}
 REPORTED_INDICES = 10
+_UNWRITABLE: set[Path] = set()  # folders this process has already warned cannot be written
 
 Extractor = Callable[[np.ndarray], np.ndarray]
 """Sample indices -> the prefix's output rows (n, D) of those samples: what the cache runs for rows it lacks."""
@@ -150,9 +151,11 @@ class FeatureCache:
         (self.folder / f"{self.key}.f16").unlink(missing_ok=True)
 
     def _read_only(self, error: OSError) -> None:
-        """Stops writing to the folder for this process, with one warning naming it."""
-        if self.writable:
-            self.writable = False
+        """Stops writing to the folder, with a warning naming it (once per folder and process: a device opens the
+        cache every round)."""
+        self.writable = False
+        if self.folder not in _UNWRITABLE:
+            _UNWRITABLE.add(self.folder)
             log.warning(
                 "feature cache folder cannot be written, features are computed and not kept folder=%s error=%s",
                 *(str(self.folder)[:300], str(error)[:200]),
