@@ -295,7 +295,9 @@ def test_a_head_only_field_agent_whose_feature_cache_cannot_be_written_keeps_run
         for round_id in (1, 2):
             coordinator.start_round(round_id, weights, recipe=RECIPE, spec=spec)
             update = coordinator.next_on(
-                "update", 60, accept=lambda m: wire.decode(m.payload, messages.Update).round_id == round_id
+                "update",
+                60,
+                accept=lambda m, wanted=round_id: wire.decode(m.payload, messages.Update).round_id == wanted,
             )
             assert update is not None, (tmp_path / "agent.log").read_text()[-3000:]
         assert agent.poll() is None
