@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ from PIL import Image
 from test_feature_cache import HEAD, SPEC, backbone_rows, export
 from test_folder_score import run_score
 
+from edge_agent.data.feature_cache import FeatureCache
 from edge_agent.data.image_files import InputSpec
 from edge_agent.field.folder_pool import folder_pool_of, open_folder_data
 from edge_agent.field.parts import PoolFeatures
@@ -322,3 +324,27 @@ def test_a_pool_stored_before_digests_and_ctimes_were_kept_reopens_without_new_i
     reopened = open_folder_data(tmp_path / "state", tmp_path / "camera", 100, InputSpec(3, 16, 16), 0, num_classes=3)
     assert reopened.num_samples == 5 and np.array_equal(reopened.digests(np.arange(5)), digests)
     assert (tmp_path / "state" / "pool" / "digests.bin").stat().st_size == 5 * 32
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [{"dim": 1 << 22}, {"dim": 1 << 30}, {"dim": 7}, {"capacity": 1 << 40}, {"dtype": "f4"}, {"key": "ab13"}],
+    ids=lambda edit: "-".join(f"{name}={value}" for name, value in edit.items()),
+)
+def test_a_meta_edited_to_claim_other_sizes_is_read_within_the_files_size_and_gives_the_same_rows(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, edit: dict
+) -> None:
+    """A meta claiming huge rows, a huge capacity, another width, type or key: no allocation beyond the file's
+    size, a warning, and the rows the prefix gives (exact in float16, so equal whatever the type)."""
+    digests = np.random.default_rng(0).integers(0, 256, (40, 32), dtype=np.uint8)
+
+    def extract(indices: np.ndarray) -> np.ndarray:
+        return (indices[:, None] + np.arange(16)[None, :]).astype(np.float32) / 8
+
+    first = FeatureCache(tmp_path, "ab12", batch_size=8).rows(np.arange(40), digests, extract)
+    meta = tmp_path / "ab12.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), **edit}))
+    with caplog.at_level(logging.WARNING):
+        again = FeatureCache(tmp_path, "ab12", batch_size=8).rows(np.arange(40), digests, extract)
+    assert np.array_equal(again, first) and "feature cache" in caplog.text
+    assert (tmp_path / "ab12.rows").stat().st_size < 1 << 20

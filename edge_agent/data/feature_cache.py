@@ -24,6 +24,7 @@ TAG_BYTES = DIGEST_BYTES = 32
 HALF, SINGLE = np.dtype("<f2"), np.dtype("<f4")
 ROW_DTYPES: dict[str, np.dtype] = {"f2": HALF, "f4": SINGLE}
 REPORTED_INDICES = 10
+MAX_DIM = 1 << 22  # values in a row, far above any prefix's (a meta claiming more is not read)
 _UNWRITABLE: set[Path] = set()  # folders this process has already warned cannot be written
 
 Extractor = Callable[[np.ndarray], np.ndarray]
@@ -70,22 +71,25 @@ class CacheMeta:
         if raw.get("key") != key:
             raise ValueError("written for another key")
         dim, kind, capacity = raw.get("dim"), raw.get("dtype"), raw.get("capacity")
-        if not isinstance(dim, int) or dim < 1 or kind not in ROW_DTYPES:
+        if not isinstance(dim, int) or not 1 <= dim <= MAX_DIM or kind not in ROW_DTYPES:
             raise ValueError("bad row width or type")
         if not isinstance(capacity, int) or capacity < 0 or capacity % GROW_ROWS:
             raise ValueError("bad capacity")
         return cls(key, dim, ROW_DTYPES[str(kind)], capacity)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Checked:
-    """The outcome of checking some indices' stored records: which hold a good row, the rows, and what failed."""
+    """The outcome of checking some indices' stored records: which hold a good row, and the rows ((n, D) when any
+    is good, (n, 0) when none is)."""
 
     good: np.ndarray
     rows: np.ndarray
-    foreign: int = 0
-    non_finite: int = 0
-    failed: np.ndarray | None = None
+
+    @classmethod
+    def nothing(cls, count: int) -> Checked:
+        """No good row among `count` indices."""
+        return cls(np.zeros(count, dtype=bool), np.zeros((count, 0), dtype=HALF))
 
 
 class FeatureCache:
@@ -171,11 +175,25 @@ class FeatureCache:
             self._read_only(error)
             return None
         try:
-            return CacheMeta.from_json(json.loads(raw), self.key)
+            meta = CacheMeta.from_json(json.loads(raw), self.key)
         except (ValueError, UnicodeDecodeError) as error:
             log.warning("feature cache meta unreadable, rebuilding key=%s error=%s", self.key[:12], str(error)[:200])
             self._drop()
             return None
+        return self._as_stored(meta)
+
+    def _as_stored(self, meta: CacheMeta) -> CacheMeta:
+        """The meta with no more capacity than the rows file holds (a shorter file was truncated: a warning)."""
+        try:
+            size = self.data_path.stat().st_size if self.data_path.is_file() else 0
+        except OSError as error:
+            self._read_only(error)
+            size = 0
+        held = size // meta.record.itemsize // GROW_ROWS * GROW_ROWS
+        if held >= meta.capacity:
+            return meta
+        log.warning("feature cache rows file shorter than its meta says key=%s bytes=%d", self.key[:12], size)
+        return CacheMeta(meta.key, meta.dim, meta.dtype, held)
 
     def _drop(self) -> None:
         """Removes this key's rows and meta (when the folder can be written)."""
@@ -187,41 +205,47 @@ class FeatureCache:
                 self._read_only(error)
 
     def _stored(self, meta: CacheMeta) -> np.ndarray:
-        """The rows file's whole records as a read-only memory map (no records when it is missing or empty)."""
-        size = self.data_path.stat().st_size if self.data_path.is_file() else 0
-        count = min(size // meta.record.itemsize, meta.capacity)
-        if size < meta.capacity * meta.record.itemsize:
-            log.warning("feature cache rows file shorter than its meta says key=%s bytes=%d", self.key[:12], size)
-        if not count:
+        """The rows file's records up to the meta's capacity as a read-only memory map (none when it has none)."""
+        if not meta.capacity:
             return np.zeros(0, dtype=meta.record)
-        return np.memmap(self.data_path, dtype=meta.record, mode="r", shape=(count,))
+        return np.memmap(self.data_path, dtype=meta.record, mode="r", shape=(meta.capacity,))
 
     def _check(self, meta: CacheMeta | None, indices: np.ndarray, digests: np.ndarray) -> Checked:
         """Which indices' stored rows are theirs (the tag of this key, their image's digest and the row), whole and
-        finite; one warning for those that are stored but fail."""
+        finite; one warning for those that are stored but fail. Each stored record is read once (memory bounded by
+        the file, whatever the meta claims)."""
         if meta is None or not len(indices):
-            return Checked(np.zeros(len(indices), dtype=bool), np.zeros((len(indices), 0), dtype=HALF))
+            return Checked.nothing(len(indices))
         try:
             stored = self._stored(meta)
         except OSError as error:
             self._read_only(error)
-            return Checked(np.zeros(len(indices), dtype=bool), np.zeros((len(indices), meta.dim), dtype=meta.dtype))
-        inside = indices < len(stored)
-        records = stored[np.where(inside, indices, 0)] if len(stored) else np.zeros(len(indices), dtype=meta.record)
-        written = inside & records["tag"].any(axis=1)
-        tied = written & self._tags_match(records, digests, written)
+            return Checked.nothing(len(indices))
+        inside = np.flatnonzero(indices < len(stored))
+        wanted, first, back = np.unique(indices[inside], return_index=True, return_inverse=True)
+        records = stored[wanted]
+        written = records["tag"].any(axis=1)
+        tied = written & self._tags_match(records, digests[inside][first], written)
         finite = np.isfinite(records["row"]).all(axis=1)
-        checked = Checked(tied & finite, np.ascontiguousarray(records["row"]))
-        checked.foreign, checked.non_finite = int((written & ~tied).sum()), int((tied & ~finite).sum())
-        if checked.foreign or checked.non_finite:
-            failed = np.flatnonzero(written & ~checked.good)
+        self._report(wanted, written & ~tied, tied & ~finite)
+        good = np.zeros(len(indices), dtype=bool)
+        good[inside] = (tied & finite)[back]
+        if not good.any():
+            return Checked.nothing(len(indices))
+        rows = np.zeros((len(indices), meta.dim), dtype=meta.dtype)
+        rows[inside] = records["row"][back]
+        return Checked(good, rows)
+
+    def _report(self, indices: np.ndarray, not_theirs: np.ndarray, not_finite: np.ndarray) -> None:
+        """One warning for the stored rows that failed their check: how many, why, and the first indices."""
+        failed = not_theirs | not_finite
+        if failed.any():
             log.warning(
                 "feature cache rows failed their check, recomputing key=%s rows=%d not_theirs=%d not_finite=%d "
                 "indices=%s",
-                *(self.key[:12], len(failed), checked.foreign, checked.non_finite),
-                indices[failed[:REPORTED_INDICES]].tolist(),
+                *(self.key[:12], int(failed.sum()), int(not_theirs.sum()), int(not_finite.sum())),
+                indices[failed][:REPORTED_INDICES].tolist(),
             )
-        return checked
 
     def _tags_match(self, records: np.ndarray, digests: np.ndarray, written: np.ndarray) -> np.ndarray:
         """Whether each written record's tag is the one its image's digest and its row give under this key."""
