@@ -191,10 +191,19 @@ def flip_bytes(path: Path) -> None:
     path.write_bytes(bytes(raw))
 
 
+def nan_rows(path: Path, meta: Path) -> None:
+    """Every row's values NaN (their tags kept)."""
+    record = np.dtype([("tag", np.uint8, (32,)), ("row", "<f2", (json.loads(meta.read_text())["dim"],))])
+    records = np.fromfile(path, dtype=record)
+    records["row"] = np.nan
+    records.tofile(path)
+
+
 @pytest.mark.parametrize(
     "damage",
     [
         ("flipped", lambda rows, meta: flip_bytes(rows)),
+        ("nan", nan_rows),
         ("truncated", lambda rows, meta: rows.write_bytes(rows.read_bytes()[:1000])),
         ("bad meta", lambda rows, meta: meta.write_text("{not json")),
         ("meta of another version", lambda rows, meta: meta.write_text(json.dumps({"version": 1}))),
