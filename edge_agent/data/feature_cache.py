@@ -226,14 +226,15 @@ class FeatureCache:
         records = stored[wanted]
         written = records["tag"].any(axis=1)
         tied = written & self._tags_match(records, digests[inside][first], written)
-        finite = np.isfinite(records["row"]).all(axis=1)
+        values = np.ascontiguousarray(records["row"])
+        finite = _finite_rows(values)
         self._report(wanted, written & ~tied, tied & ~finite)
         good = np.zeros(len(indices), dtype=bool)
         good[inside] = (tied & finite)[back]
         if not good.any():
             return Checked.nothing(len(indices))
         rows = np.zeros((len(indices), meta.dim), dtype=meta.dtype)
-        rows[inside] = records["row"][back]
+        rows[inside] = values[back]
         return Checked(good, rows)
 
     def _report(self, indices: np.ndarray, not_theirs: np.ndarray, not_finite: np.ndarray) -> None:
@@ -306,7 +307,7 @@ class FeatureCache:
     def _store(self, meta: CacheMeta, indices: np.ndarray, digests: np.ndarray, rows: np.ndarray) -> CacheMeta:
         """Writes the finite rows with their tags at their indices (growing the file by whole blocks, then its
         meta), synced; returns the meta. Rows that are not finite are not kept (a warning)."""
-        finite = np.isfinite(rows).all(axis=1)
+        finite = _finite_rows(rows)
         if not finite.all():
             log.warning(
                 "feature cache prefix gave rows that are not finite, not kept key=%s rows=%d indices=%s",
@@ -372,3 +373,11 @@ def _fits_half(rows: np.ndarray) -> bool:
     """Whether every finite value of the rows stays finite in float16 (|x| below 65520, which rounds to 65504)."""
     with np.errstate(over="ignore"):
         return bool(np.isfinite(rows.astype(HALF))[np.isfinite(rows)].all())
+
+
+def _finite_rows(rows: np.ndarray) -> np.ndarray:
+    """Which rows (n, D) hold finite values only; for float16, by the exponent bits (numpy's isfinite on float16
+    is ten times slower than this on a round's 10000 x 1280 values)."""
+    if rows.dtype != HALF:
+        return np.isfinite(rows).all(axis=1)
+    return ~((np.ascontiguousarray(rows).view(np.uint16) & 0x7C00) == 0x7C00).any(axis=1)
