@@ -348,3 +348,13 @@ def test_a_meta_edited_to_claim_other_sizes_is_read_within_the_files_size_and_gi
         again = FeatureCache(tmp_path, "ab12", batch_size=8).rows(np.arange(40), digests, extract)
     assert np.array_equal(again, first) and "feature cache" in caplog.text
     assert (tmp_path / "ab12.rows").stat().st_size < 1 << 20
+
+
+def test_a_cache_of_the_first_version_is_replaced_without_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "ab12.f16").write_bytes(b"\0" * 512)
+    (tmp_path / "ab12.json").write_text(json.dumps({"format": "edge-fal-feature-cache", "version": 1, "key": "ab12"}))
+    with caplog.at_level(logging.WARNING):
+        rows = FeatureCache(tmp_path, "ab12").rows(np.arange(3), np.zeros((3, 32), np.uint8), lambda i: np.ones((3, 2)))
+    assert rows.tolist() == [[1.0, 1.0]] * 3 and caplog.text == "" and not (tmp_path / "ab12.f16").exists()

@@ -152,7 +152,11 @@ class FeatureCache:
             if path.suffix in (".rows", ".f16", ".json") and path.stem != self.key and path.is_file():
                 log.info("feature cache removed key=%s", path.stem[:12])
                 path.unlink(missing_ok=True)
-        (self.folder / f"{self.key}.f16").unlink(missing_ok=True)
+        first_version = self.folder / f"{self.key}.f16"
+        if first_version.is_file():  # a cache of version 1 (per-block sha256): its rows are not tied to images
+            log.info("feature cache of version 1 removed key=%s", self.key[:12])
+            first_version.unlink()
+            self.meta_path.unlink(missing_ok=True)
 
     def _read_only(self, error: OSError) -> None:
         """Stops writing to the folder, with a warning naming it (once per folder and process: a device opens the
