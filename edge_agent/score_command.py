@@ -165,7 +165,10 @@ def cached_probabilities(
     scorer: MCScorer, images: np.ndarray, cache_dir: Path, pool_key: str, passes: int, seed: int
 ) -> np.ndarray:
     """MC-dropout outputs of the pool through a feature cache in cache_dir (keyed by the bundle's prefix and the
-    pool): the prefix runs only on images not cached yet, then the tail alone over the cached rows."""
+    pool): every image's pixels are hashed, the prefix runs only on images without a cached row that is theirs,
+    then the tail alone over the rows. A cache_dir that cannot be written is warned about once and not used for
+    storing (the result is the same)."""
+    from edge_agent.data.feature_cache import content_digests
     from edge_agent.learning.cached_prefix import CachedPrefix
     from edge_agent.learning.ort_scorer import OrtMCDropout
 
@@ -173,7 +176,10 @@ def cached_probabilities(
     bundle = scorer.bundle
     weights = bundle_weights(bundle)
     prefix = CachedPrefix(bundle, cache_dir, weights, scorer.batch_size, scorer.threads, scorer.providers, pool_key)
-    rows = prefix.rows(Samples(np.arange(len(images)), lambda indices: images[indices]))
+    digests = content_digests(images)
+    rows = prefix.rows(
+        Samples(np.arange(len(images)), lambda indices: images[indices], lambda indices: digests[indices])
+    )
     return scorer.feature_probabilities(rows, passes, seed)
 
 

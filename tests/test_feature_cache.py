@@ -13,7 +13,7 @@ from test_imports import imported_packages
 
 from bench.oracle import SimulatedOracle
 from edge_agent.data.device_data import DeviceData, initialise_store
-from edge_agent.data.feature_cache import FEATURES_FOLDER, FeatureCache
+from edge_agent.data.feature_cache import FEATURES_FOLDER, FeatureCache, content_digests
 from edge_agent.field.parts import PoolFeatures
 from edge_agent.learning.bundle import Bundle, load_bundle
 from edge_agent.learning.learner_choice import make_learner
@@ -97,6 +97,10 @@ class FixedImages:
         """Never grows."""
         return 0
 
+    def digests(self, indices: np.ndarray) -> np.ndarray:
+        """The content digests of the images at these indices."""
+        return content_digests(self.stack[indices])
+
 
 def device(tmp_path: Path) -> tuple[DeviceData, np.ndarray]:
     """A device of random 16x16 colour images and their true labels."""
@@ -126,7 +130,7 @@ def test_a_head_only_device_runs_the_backbone_once_per_image_across_three_rounds
         assert metrics["train_samples"] == 5 * round_id
         assert learner.weights()["fc2.weight"].tobytes() != weights["fc2.weight"].tobytes()
     assert sum(backbone_rows) == IMAGES
-    assert len(list((data.state_dir / FEATURES_FOLDER).glob("*.f16"))) == 1
+    assert len(list((data.state_dir / FEATURES_FOLDER).glob("*.rows"))) == 1
 
 
 def cached_scores(data: DeviceData, bundle: Bundle, weights: Weights) -> np.ndarray:
@@ -180,19 +184,29 @@ def test_a_head_only_field_device_caches_new_images_between_rounds_and_its_round
 
 
 def flip_bytes(path: Path) -> None:
-    """Flips a few bytes in the middle of a file."""
+    """Flips a few bytes an eighth into a file (inside the rows a device of 60 images wrote in a 256-row file)."""
     raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2 : len(raw) // 2 + 8] = bytes(255 - byte for byte in raw[len(raw) // 2 : len(raw) // 2 + 8])
+    at = len(raw) // 8
+    raw[at : at + 8] = bytes(255 - byte for byte in raw[at : at + 8])
     path.write_bytes(bytes(raw))
+
+
+def nan_rows(path: Path, meta: Path) -> None:
+    """Every row's values NaN (their tags kept)."""
+    record = np.dtype([("tag", np.uint8, (32,)), ("row", "<f2", (json.loads(meta.read_text())["dim"],))])
+    records = np.fromfile(path, dtype=record)
+    records["row"] = np.nan
+    records.tofile(path)
 
 
 @pytest.mark.parametrize(
     "damage",
     [
         ("flipped", lambda rows, meta: flip_bytes(rows)),
+        ("nan", nan_rows),
         ("truncated", lambda rows, meta: rows.write_bytes(rows.read_bytes()[:1000])),
         ("bad meta", lambda rows, meta: meta.write_text("{not json")),
-        ("meta of another block size", lambda rows, meta: meta.write_text(json.dumps({"block_rows": 3}))),
+        ("meta of another version", lambda rows, meta: meta.write_text(json.dumps({"version": 1}))),
     ],
     ids=lambda damage: damage[0],
 )
@@ -203,7 +217,7 @@ def test_a_damaged_cache_is_rebuilt_with_a_warning_and_scores_as_a_fresh_one(
     weights = get_weights(build_model(SPEC, seed=0))
     bundle = export(weights, tmp_path / "bundle")
     fresh = cached_scores(data, bundle, weights)
-    [rows] = (data.state_dir / FEATURES_FOLDER).glob("*.f16")
+    [rows] = (data.state_dir / FEATURES_FOLDER).glob("*.rows")
     damage[1](rows, rows.with_suffix(".json"))
     with caplog.at_level(logging.WARNING):
         rebuilt = cached_scores(data, bundle, weights)
@@ -239,23 +253,33 @@ def test_edge_agent_score_with_a_cache_dir_runs_the_backbone_once_and_selects_th
         score_pool(tmp_path / "bundle", pool, 5, 10, "entropy", precision="int8", cache_dir=tmp_path / "c")
 
 
-def test_the_cache_refuses_a_bad_key_and_rows_of_another_width(tmp_path: Path) -> None:
+def test_the_cache_refuses_a_bad_key_bad_digests_and_rows_of_another_width_within_one_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     with pytest.raises(ValueError, match="a feature cache key is a hex digest"):
         FeatureCache(tmp_path, "../escape")
-    cache = FeatureCache(tmp_path, "ab12", batch_size=4)
-    rows = cache.rows(np.array([0, 5]), lambda indices: np.ones((len(indices), 3), np.float32) * indices[:, None])
+    cache = FeatureCache(tmp_path, "ab12", batch_size=1)
+    digests = np.zeros((2, 32), np.uint8)
+    rows = cache.rows(
+        np.array([0, 5]), digests, lambda indices: np.ones((len(indices), 3), np.float32) * indices[:, None]
+    )
     assert rows.dtype == np.float16 and rows[:, 0].tolist() == [0.0, 5.0]
-    with pytest.raises(ValueError, match=r"the prefix gave rows \(1, 4\) for 1 samples"):
-        cache.rows(np.array([7]), lambda indices: np.ones((1, 4), np.float32))
+    widths = iter([3, 4])
+    with pytest.raises(ValueError, match=r"the prefix gave rows \(1, 4\), the cache holds rows of 3"):
+        cache.rows(np.array([7, 8]), digests, lambda indices: np.ones((1, next(widths)), np.float32))
+    with caplog.at_level(logging.WARNING):
+        wider = cache.rows(np.array([9]), digests[:1], lambda indices: np.ones((1, 4), np.float32))
+    assert wider.shape == (1, 4) and "rows do not fit its meta, starting again" in caplog.text
     with pytest.raises(ValueError, match="sample indices must be non-negative"):
-        cache.rows(np.array([-1]), lambda indices: np.ones((1, 3), np.float32))
+        cache.rows(np.array([-1]), digests[:1], lambda indices: np.ones((1, 3), np.float32))
+    with pytest.raises(ValueError, match=r"content digests must be \(2, 32\) uint8"):
+        cache.rows(np.array([0, 1]), digests[:1], lambda indices: np.ones((2, 3), np.float32))
 
 
 def test_the_cache_itself_needs_numpy_only() -> None:
     module = Path(__file__).resolve().parent.parent / "edge_agent" / "data" / "feature_cache.py"
     assert imported_packages(module) <= {
         "__future__",
-        "base64",
         "hashlib",
         "json",
         "logging",

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
+import hashlib
 import json
 import signal
 import subprocess
@@ -10,9 +12,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from browser import wait_for
 from test_agent import FLEET, FakeCoordinator
+from test_feature_cache_faults import OnDisk
 from test_folder_pool import write_png
 
 from coordinator.broker import EmbeddedBroker
@@ -24,10 +28,13 @@ from edge_agent.field.stream import BudgetSettings
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.loop.agent import LatestModel
 from edge_agent.loop.agent_settings import AgentSettings
-from protocol import messages, wire
+from export.bundle_writer import ensure_bundle_files
+from protocol import messages, topics, wire
 from protocol.model_spec import CLASS_NAMES, DEFAULT_SPEC
+from protocol.tensors import weights_hash
 
 DEVICE = "cam-1"
+PI_ZERO = Path(__file__).resolve().parent.parent / "firmware_configs" / "raspberry-pi-zero-2w.toml"
 RECIPE = messages.Recipe(
     sampler="entropy", labels_per_acquisition=5, acquisitions_per_round=1, epochs=1, batch_size=4, mc_passes=3
 )
@@ -273,3 +280,74 @@ def test_stream_scores_through_the_agents_back_end(tmp_path) -> None:
     latest = LatestModel(DEFAULT_SPEC, get_weights(build_model(seed=9)), messages.Recipe(sampler="entropy"), None, "")
     with pytest.raises(ValueError, match="the onnxruntime back end needs the round's bundle"):
         stream.score_new(latest, round_id=1)
+
+
+HEAD_SPEC = dataclasses.replace(DEFAULT_SPEC, trainable="head")
+HEAD_WEIGHTS = get_weights(build_model(HEAD_SPEC, seed=7))
+
+
+def launch_head_agent(tmp_path: Path, coordinator: FakeCoordinator, launch) -> subprocess.Popen:
+    """A Pi Zero (head-only) field agent, and the frozen-backbone model's bundle published for it."""
+    files = ensure_bundle_files(HEAD_WEIGHTS, tmp_path / "bundle", HEAD_SPEC)
+    bundle = messages.BundleMessage(weights_hash(HEAD_WEIGHTS), files)
+    agent = launch("--answer-wait", "0", "--profile", str(PI_ZERO))
+    topic = topics.BUNDLE.build(fleet=FLEET, hash=bundle.model_hash)
+    coordinator.session.publish(topic, wire.encode(bundle), retain=True, wait=10)
+    return agent
+
+
+def head_round(tmp_path: Path, coordinator: FakeCoordinator, round_id: int) -> None:
+    """Starts a round of the head-only model and waits for the device's update of it."""
+    coordinator.start_round(round_id, HEAD_WEIGHTS, recipe=RECIPE, spec=HEAD_SPEC)
+    update = coordinator.next_on(
+        "update", 60, accept=lambda m: wire.decode(m.payload, messages.Update).round_id == round_id
+    )
+    assert update is not None, (tmp_path / "agent.log").read_text()[-3000:]
+
+
+def test_a_head_only_field_agent_whose_feature_cache_cannot_be_written_keeps_running(tmp_path, camera) -> None:
+    """`features` in the state folder is a file (root cannot make a folder there): the Pi Zero agent computes its
+    features without keeping them, warns once naming the folder, and answers two rounds without a traceback."""
+    pool_dir, _ = camera
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "features").write_text("a file where the feature cache's folder would be")
+    with field_run(tmp_path, pool_dir) as (coordinator, launch, _):
+        agent = launch_head_agent(tmp_path, coordinator, launch)
+        for round_id in (1, 2):
+            head_round(tmp_path, coordinator, round_id)
+        assert agent.poll() is None
+        stop(agent)
+    log = (tmp_path / "agent.log").read_text()
+    warned = [line for line in log.splitlines() if "feature cache folder cannot be written" in line]
+    assert len(warned) == 1 and str(tmp_path / "state" / "features") in warned[0] and "Traceback" not in log
+
+
+def test_a_head_only_field_agent_restarted_on_nan_rows_with_forged_tags_recomputes_them_and_answers(
+    tmp_path, camera
+) -> None:
+    """The crash loop of issue 33: after a round, five cached rows are made NaN and their tags recomputed from
+    `pool/digests.bin` (a person with shell access and the layout). The restarted agent answers the next round,
+    with one warning naming the rows as not finite, and the rows on disk are finite again. The forged rows are of
+    images not asked in round 1 (those round 2 scores)."""
+    pool_dir, _ = camera
+    with field_run(tmp_path, pool_dir) as (coordinator, launch, book):
+        first = launch_head_agent(tmp_path, coordinator, launch)
+        head_round(tmp_path, coordinator, 1)
+        stop(first)
+        disk = OnDisk(tmp_path / "state" / "features")
+        digests = np.fromfile(tmp_path / "state" / "pool" / "digests.bin", np.uint8).reshape(-1, 32)
+        records, asked = disk.records(), {query.index for query in book.queries()}
+        forged = [index for index in range(30) if index not in asked][:5]  # rows round 2 scores
+        records["row"][forged] = np.nan
+        for index in forged:
+            tag = disk.meta["key"].encode() + digests[index].tobytes() + records["row"][index].tobytes()
+            records["tag"][index] = np.frombuffer(hashlib.sha256(tag).digest(), np.uint8)
+        disk.write(records)
+        restarted = (tmp_path / "agent.log").stat().st_size
+        agent = launch_head_agent(tmp_path, coordinator, launch)
+        head_round(tmp_path, coordinator, 2)
+        stop(agent)
+    log = (tmp_path / "agent.log").read_text()[restarted:]
+    failed = [line for line in log.splitlines() if "feature cache rows failed their check" in line]
+    assert len(failed) == 1 and "rows=5 not_theirs=0 not_finite=5" in failed[0] and "Traceback" not in log
+    assert np.isfinite(OnDisk(tmp_path / "state" / "features").records()["row"][:30]).all()

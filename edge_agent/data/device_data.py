@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from edge_agent.data.feature_cache import content_digests
 from edge_agent.data.image_arrays import as_index_array, check_images, check_labels
 from edge_agent.data.journal import Journal
 from edge_agent.data.labelled_record import HUMAN_SOURCES, LabelledRecord, source_code
@@ -35,14 +36,21 @@ class ImageSource(Protocol):
         """Takes in what arrived since the last call; returns how many images joined (0 for a fixed stack)."""
         ...
 
+    def digests(self, indices: np.ndarray) -> np.ndarray:
+        """The content digests (`feature_cache.content_digests`) of the images at these indices, (n, 32) uint8:
+        what ties a cached feature row to its image."""
+        ...
+
 
 @dataclass(frozen=True)
 class Samples:
     """Some of a device's samples by their stable indices; their images are read only when asked for (a learner
-    over a feature cache may need none of them)."""
+    over a feature cache may need none of them), their content digests (what a cached row is checked against) are
+    looked up by index."""
 
     indices: np.ndarray
     read: Callable[[np.ndarray], np.ndarray]
+    digest: Callable[[np.ndarray], np.ndarray]
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -50,6 +58,10 @@ class Samples:
     def images(self) -> np.ndarray:
         """The samples' uint8 images, in index order (read now)."""
         return self.read(self.indices)
+
+    def digests(self) -> np.ndarray:
+        """The samples' content digests, (n, 32) uint8, in index order."""
+        return self.digest(self.indices)
 
 
 class StoredImages:
@@ -64,6 +76,7 @@ class StoredImages:
         except (ValueError, OSError, EOFError) as exc:
             raise ValueError(f"{path}: corrupt image file ({str(exc)[:200]})") from exc
         check_images(self._images, str(path))
+        self._digests: np.ndarray | None = None
 
     @staticmethod
     def write(path: Path, images: np.ndarray) -> None:
@@ -84,6 +97,13 @@ class StoredImages:
     def refresh(self) -> int:
         """A shard never grows."""
         return 0
+
+    def digests(self, indices: np.ndarray) -> np.ndarray:
+        """Content digests of the images at these indices (the whole stack's, hashed once per process on first use:
+        a shard is written once)."""
+        if self._digests is None:
+            self._digests = content_digests(self._images)
+        return self._digests[indices]
 
 
 def initialise_store(state_dir: Path, replay_per_class: int = 5, num_classes: int = len(CLASS_NAMES)) -> None:
@@ -185,7 +205,11 @@ class DeviceData:
 
     def samples(self, indices: np.ndarray) -> Samples:
         """These samples by index, their images read on demand."""
-        return Samples(checked_indices(indices, self.num_samples), self.images)
+        return Samples(checked_indices(indices, self.num_samples), self.images, self.digests)
+
+    def digests(self, indices: np.ndarray) -> np.ndarray:
+        """The content digests of the images at these indices (what the feature cache ties rows to)."""
+        return self.source.digests(checked_indices(indices, self.num_samples))
 
     def labels_at(self, indices: np.ndarray) -> np.ndarray:
         """The label of each of these samples, -1 where a sample is still unlabelled."""

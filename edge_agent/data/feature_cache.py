@@ -1,13 +1,12 @@
-# A device's cache of frozen-prefix outputs: float16 rows by sample index, memory-mapped, checked per block (numpy only).
+# A device's cache of frozen-prefix outputs: rows by sample index, each tied to its image and prefix, checked on read.
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,30 +18,49 @@ log = logging.getLogger(__name__)
 
 FEATURES_FOLDER = "features"
 CACHE_FORMAT = "edge-fal-feature-cache"
-CACHE_VERSION = 1
-BLOCK_ROWS = 256
-ROW_DTYPE = np.dtype("<f2")
+CACHE_VERSION = 2
+GROW_ROWS = 256
+TAG_BYTES = DIGEST_BYTES = 32
+HALF, SINGLE = np.dtype("<f2"), np.dtype("<f4")
+ROW_DTYPES: dict[str, np.dtype] = {"f2": HALF, "f4": SINGLE}
+REPORTED_INDICES = 10
+MAX_DIM = 1 << 22  # values in a row, far above any prefix's (a meta claiming more is not read)
+_UNWRITABLE: set[Path] = set()  # folders this process has already warned cannot be written
 
 Extractor = Callable[[np.ndarray], np.ndarray]
 """Sample indices -> the prefix's output rows (n, D) of those samples: what the cache runs for rows it lacks."""
 
 
-@dataclass
+def content_digests(images: np.ndarray) -> np.ndarray:
+    """sha256 of each image's uint8 pixels (the model input the prefix sees), (n, 32) uint8; one image at a time,
+    so a memory-mapped stack is never copied whole."""
+    digests = np.zeros((len(images), DIGEST_BYTES), dtype=np.uint8)
+    for position, image in enumerate(images):
+        digests[position] = np.frombuffer(hashlib.sha256(np.ascontiguousarray(image).data).digest(), np.uint8)
+    return digests
+
+
+@dataclass(frozen=True)
 class CacheMeta:
-    """What the JSON beside the rows says: the key, the row width, each block's sha256 and which rows are filled."""
+    """What the JSON beside the rows says: the key, the row width and type, and how many rows the file was grown to
+    (a shorter file was truncated)."""
 
     key: str
     dim: int
-    blocks: list[str] = field(default_factory=list)
-    present: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    dtype: np.dtype
+    capacity: int = 0
+
+    @property
+    def record(self) -> np.dtype:
+        """One row's record in the rows file: its tag, then its values."""
+        return np.dtype([("tag", np.uint8, (TAG_BYTES,)), ("row", self.dtype, (self.dim,))])
 
     def to_json(self) -> dict[str, Any]:
-        """The meta as JSON-able values (the filled rows as a base64 bitmap)."""
-        bitmap = base64.b64encode(np.packbits(self.present).tobytes()).decode()
+        """The meta as JSON-able values."""
+        kind = "f2" if self.dtype == HALF else "f4"
         return {"format": CACHE_FORMAT, "version": CACHE_VERSION, "key": self.key, "dim": self.dim} | {
-            "block_rows": BLOCK_ROWS,
-            "blocks": self.blocks,
-            "present": bitmap,
+            "dtype": kind,
+            "capacity": self.capacity,
         }
 
     @classmethod
@@ -50,27 +68,41 @@ class CacheMeta:
         """The meta of `key` read back; ValueError when it is not exactly what to_json writes for that key."""
         if not isinstance(raw, dict) or raw.get("format") != CACHE_FORMAT or raw.get("version") != CACHE_VERSION:
             raise ValueError("not a feature cache meta of this version")
-        if raw.get("key") != key or raw.get("block_rows") != BLOCK_ROWS:
-            raise ValueError("written for another key or block size")
-        dim, blocks = raw.get("dim"), raw.get("blocks")
-        if not isinstance(dim, int) or dim < 1 or not isinstance(blocks, list):
-            raise ValueError("bad row width or block list")
-        if not all(isinstance(digest, str) and len(digest) == 64 for digest in blocks):
-            raise ValueError("bad block digests")
-        bits = np.unpackbits(np.frombuffer(base64.b64decode(str(raw.get("present")), validate=True), np.uint8))
-        if len(bits) != len(blocks) * BLOCK_ROWS:
-            raise ValueError("the row bitmap does not cover the blocks")
-        return cls(key, dim, list(blocks), bits.astype(bool))
+        if raw.get("key") != key:
+            raise ValueError("written for another key")
+        dim, kind, capacity = raw.get("dim"), raw.get("dtype"), raw.get("capacity")
+        if not isinstance(dim, int) or not 1 <= dim <= MAX_DIM or kind not in ROW_DTYPES:
+            raise ValueError("bad row width or type")
+        if not isinstance(capacity, int) or capacity < 0 or capacity % GROW_ROWS:
+            raise ValueError("bad capacity")
+        return cls(key, dim, ROW_DTYPES[str(kind)], capacity)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """The outcome of checking some indices' stored records: which hold a good row, and the rows ((n, D) when any
+    is good, (n, 0) when none is)."""
+
+    good: np.ndarray
+    rows: np.ndarray
+
+    @classmethod
+    def nothing(cls, count: int) -> Checked:
+        """No good row among `count` indices."""
+        return cls(np.zeros(count, dtype=bool), np.zeros((count, 0), dtype=HALF))
 
 
 class FeatureCache:
-    """The prefix outputs of one frozen prefix (its `key`), one float16 row per sample index, in `<key>.f16`
-    beside `<key>.json` under `folder`.
+    """The prefix outputs of one frozen prefix (its `key`), one row per sample index, in `<key>.rows` beside
+    `<key>.json` under `folder`.
 
-    Rows are computed once, when first asked for, in batches; the meta (each block's sha256, which rows are
-    filled) is rewritten atomically after each batch's rows are synced. Every block a read touches is checked
-    against its sha256 first: a block that does not match (flipped bytes, a truncated file) loses its rows,
-    which are computed again, with a warning. A cache of another key in the folder is removed on opening.
+    Each record is a 32-byte tag and the row (float16; float32 for a prefix whose finite outputs leave float16's
+    range): the tag is sha256(key, the image's content digest, the row's bytes), so a row counts only for the image
+    and prefix it was computed from, intact. Every row a read returns was checked against its tag and found
+    finite; one that fails (flipped bytes, rows swapped or copied from another image, pool or backbone, NaN or
+    inf) is computed again and rewritten, with one warning per read. A folder that cannot be written leaves the
+    cache read-only for this process (one warning naming it): missing rows are then computed and not kept.
+    A cache of another key in the folder is removed on opening.
     """
 
     def __init__(self, folder: Path, key: str, batch_size: int = 64) -> None:
@@ -79,124 +111,285 @@ class FeatureCache:
         if batch_size < 1:
             raise ValueError(f"feature batch size must be at least 1, got {batch_size}")
         self.folder, self.key, self.batch_size = Path(folder), key, batch_size
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.data_path, self.meta_path = self.folder / f"{key}.f16", self.folder / f"{key}.json"
-        self._remove_other_keys()
+        self.data_path, self.meta_path = self.folder / f"{key}.rows", self.folder / f"{key}.json"
+        self.writable = True
+        self._tag_prefix = hashlib.sha256(key.encode())
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._remove_other_keys()
+        except OSError as error:
+            self._read_only(error)
 
-    def rows(self, indices: np.ndarray, extract: Extractor) -> np.ndarray:
-        """float16 rows (n, D) of these sample indices, in their order; rows not cached yet are computed with
-        `extract` first (each sample's prefix runs once)."""
-        indices = np.asarray(indices, dtype=np.int64)
-        meta = self.fill(indices, extract)
-        if meta is None:
-            return np.zeros((0, 0), dtype=ROW_DTYPE)
-        return np.array(self._mapped(meta)[indices])
+    def rows(self, indices: np.ndarray, digests: np.ndarray, extract: Extractor) -> np.ndarray:
+        """Rows (n, D) of these sample indices, in their order, float16 (float32 for a wide-range prefix): cached
+        rows that pass their check, the others computed with `extract` now. `digests` are the images' content
+        digests (`content_digests`), (n, 32) uint8, in the indices' order."""
+        indices, digests = _checked_request(indices, digests)
+        meta = self._load_meta()
+        checked = self._check(meta, indices, digests)
+        missing = np.flatnonzero(~checked.good)
+        if not len(missing):
+            return checked.rows
+        computed, meta = self._compute(meta, indices[missing], digests[missing], extract, restart=True)
+        if computed is None:  # the meta did not fit this prefix's rows: the cache started again, every row anew
+            computed, _ = self._compute(meta, indices, digests, extract, restart=False)
+            assert computed is not None  # a computation that may not restart returns its rows
+            return computed
+        if len(missing) == len(indices):
+            return computed
+        out = checked.rows.astype(computed.dtype, copy=True)
+        out[missing] = computed
+        return out
 
-    def fill(self, indices: np.ndarray, extract: Extractor) -> CacheMeta | None:
-        """Computes the rows of these sample indices not cached yet, returning the meta (None: nothing cached):
-        what `rows` reads, and what a device runs ahead of a round for the images that just entered its pool."""
-        indices = np.asarray(indices, dtype=np.int64)
-        if len(indices) and int(indices.min()) < 0:
-            raise ValueError(f"sample indices must be non-negative, got {int(indices.min())}")
-        meta = self._checked_meta(indices)
-        return self._fill(meta, np.unique(indices[~_present(meta, indices)]), extract)
+    def fill(self, indices: np.ndarray, digests: np.ndarray, extract: Extractor) -> None:
+        """Computes the rows of these sample indices that are not cached (or fail their check): what a device runs
+        ahead of a round for the images that just entered its pool."""
+        self.rows(indices, digests, extract)
 
     def _remove_other_keys(self) -> None:
-        """Deletes the rows and meta of every other key (a new prefix makes them useless)."""
+        """Deletes the rows and meta of every other key (a new prefix makes them useless) and of older versions."""
         for path in self.folder.iterdir():
-            if path.suffix in (".f16", ".json") and path.stem != self.key and path.is_file():
+            if path.suffix in (".rows", ".f16", ".json") and path.stem != self.key and path.is_file():
                 log.info("feature cache removed key=%s", path.stem[:12])
                 path.unlink(missing_ok=True)
+        first_version = self.folder / f"{self.key}.f16"
+        if first_version.is_file():  # a cache of version 1 (per-block sha256): its rows are not tied to images
+            log.info("feature cache of version 1 removed key=%s", self.key[:12])
+            first_version.unlink()
+            self.meta_path.unlink(missing_ok=True)
+
+    def _read_only(self, error: OSError) -> None:
+        """Stops writing to the folder, with a warning naming it (once per folder and process: a device opens the
+        cache every round)."""
+        self.writable = False
+        if self.folder not in _UNWRITABLE:
+            _UNWRITABLE.add(self.folder)
+            log.warning(
+                "feature cache folder cannot be written, features are computed and not kept folder=%s error=%s",
+                *(str(self.folder)[:300], str(error)[:200]),
+            )
 
     def _load_meta(self) -> CacheMeta | None:
-        """The meta on disk, or None when there is none; a meta that does not parse is dropped with a warning."""
-        if not self.meta_path.is_file():
+        """The meta on disk, or None when there is none; a meta that does not parse drops the cache, with a warning."""
+        try:
+            if not self.meta_path.is_file():
+                return None
+            raw = self.meta_path.read_bytes()
+        except OSError as error:
+            self._read_only(error)
             return None
         try:
-            return CacheMeta.from_json(json.loads(self.meta_path.read_bytes()), self.key)
+            meta = CacheMeta.from_json(json.loads(raw), self.key)
         except (ValueError, UnicodeDecodeError) as error:
             log.warning("feature cache meta unreadable, rebuilding key=%s error=%s", self.key[:12], str(error)[:200])
-            self.meta_path.unlink(missing_ok=True)
-            self.data_path.unlink(missing_ok=True)
+            self._drop()
             return None
+        return self._as_stored(meta)
 
-    def _checked_meta(self, indices: np.ndarray) -> CacheMeta | None:
-        """The meta after checking every block the indices touch: a block that fails its sha256 loses its rows."""
-        meta = self._load_meta()
-        if meta is None or not len(indices):
+    def _as_stored(self, meta: CacheMeta) -> CacheMeta:
+        """The meta with no more capacity than the rows file holds (a shorter file was truncated: a warning)."""
+        try:
+            size = self.data_path.stat().st_size if self.data_path.is_file() else 0
+        except OSError as error:
+            self._read_only(error)
+            size = 0
+        held = size // meta.record.itemsize // GROW_ROWS * GROW_ROWS
+        if held >= meta.capacity:
             return meta
-        block_bytes = BLOCK_ROWS * meta.dim * ROW_DTYPE.itemsize
-        whole = self.data_path.stat().st_size // block_bytes if self.data_path.is_file() else 0
-        touched = np.union1d(indices // BLOCK_ROWS, np.arange(whole, len(meta.blocks)))
-        bad = [int(block) for block in touched[touched < len(meta.blocks)] if self._digest(meta, int(block)) is None]
-        if bad:
-            log.warning("feature cache blocks corrupt, recomputing key=%s blocks=%s", self.key[:12], bad[:10])
-            for block in bad:
-                meta.present[block * BLOCK_ROWS : (block + 1) * BLOCK_ROWS] = False
-            with open(self.data_path, "a+b") as handle:
-                os.ftruncate(handle.fileno(), max(os.fstat(handle.fileno()).st_size, len(meta.blocks) * block_bytes))
-            self._write_meta(meta, bad)
-        return meta
+        log.warning("feature cache rows file shorter than its meta says key=%s bytes=%d", self.key[:12], size)
+        return CacheMeta(meta.key, meta.dim, meta.dtype, held)
 
-    def _digest(self, meta: CacheMeta, block: int) -> str | None:
-        """The block's sha256 when the file holds it whole and it matches the meta's; None otherwise."""
-        actual = self._block_sha256(meta.dim, block)
-        return actual if actual == meta.blocks[block] else None
+    def _drop(self) -> None:
+        """Removes this key's rows and meta (when the folder can be written)."""
+        if self.writable:
+            try:
+                self.meta_path.unlink(missing_ok=True)
+                self.data_path.unlink(missing_ok=True)
+            except OSError as error:
+                self._read_only(error)
 
-    def _block_sha256(self, dim: int, block: int) -> str | None:
-        """sha256 of a block's bytes as the file holds them, None when the file ends before the block does."""
-        size = BLOCK_ROWS * dim * ROW_DTYPE.itemsize
-        if not self.data_path.is_file():
-            return None
-        with open(self.data_path, "rb") as handle:
-            handle.seek(block * size)
-            data = handle.read(size)
-        return hashlib.sha256(data).hexdigest() if len(data) == size else None
+    def _stored(self, meta: CacheMeta) -> np.ndarray:
+        """The rows file's records up to the meta's capacity as a read-only memory map (none when it has none)."""
+        if not meta.capacity:
+            return np.zeros(0, dtype=meta.record)
+        return np.memmap(self.data_path, dtype=meta.record, mode="r", shape=(meta.capacity,))
 
-    def _fill(self, meta: CacheMeta | None, missing: np.ndarray, extract: Extractor) -> CacheMeta | None:
-        """Computes the missing rows in batches, syncing each batch's rows before its meta; logs each batch."""
-        for start in range(0, len(missing), self.batch_size):
-            batch = missing[start : start + self.batch_size]
-            rows = np.asarray(extract(batch))
-            if rows.ndim != 2 or len(rows) != len(batch) or (meta is not None and rows.shape[1] != meta.dim):
-                raise ValueError(f"the prefix gave rows {rows.shape} for {len(batch)} samples")
-            meta = meta or CacheMeta(self.key, int(rows.shape[1]))
-            self._write_rows(meta, batch, rows.astype(ROW_DTYPE))
-            log.info(
-                "feature cache extended key=%s rows=%d/%d cached=%d",
-                *(self.key[:12], start + len(batch), len(missing), int(meta.present.sum())),
+    def _check(self, meta: CacheMeta | None, indices: np.ndarray, digests: np.ndarray) -> Checked:
+        """Which indices' stored rows are theirs (the tag of this key, their image's digest and the row), whole and
+        finite; one warning for those that are stored but fail. Each stored record is read once (memory bounded by
+        the file, whatever the meta claims)."""
+        if meta is None or not len(indices):
+            return Checked.nothing(len(indices))
+        try:
+            stored = self._stored(meta)
+        except OSError as error:
+            self._read_only(error)
+            return Checked.nothing(len(indices))
+        inside = np.flatnonzero(indices < len(stored))
+        if not len(inside):
+            return Checked.nothing(len(indices))
+        wanted, first, back = np.unique(indices[inside], return_index=True, return_inverse=True)
+        tags, values = np.asarray(stored["tag"][wanted]), np.asarray(stored["row"][wanted])
+        written = np.asarray(tags.any(axis=1))
+        tied = written & self._tags_match(tags, values, digests[inside][first], written)
+        finite = _finite_rows(values)
+        self._report(wanted, written & ~tied, tied & ~finite)
+        good = np.zeros(len(indices), dtype=bool)
+        good[inside] = (tied & finite)[back]
+        if not good.any():
+            return Checked.nothing(len(indices))
+        if np.array_equal(wanted, indices):  # a round's ascending indices: the rows as read
+            return Checked(good, values)
+        rows = np.zeros((len(indices), meta.dim), dtype=meta.dtype)
+        rows[inside] = values[back]
+        return Checked(good, rows)
+
+    def _report(self, indices: np.ndarray, not_theirs: np.ndarray, not_finite: np.ndarray) -> None:
+        """One warning for the stored rows that failed their check: how many, why, and the first indices."""
+        failed = not_theirs | not_finite
+        if failed.any():
+            log.warning(
+                "feature cache rows failed their check, recomputing key=%s rows=%d not_theirs=%d not_finite=%d "
+                "indices=%s",
+                *(self.key[:12], int(failed.sum()), int(not_theirs.sum()), int(not_finite.sum())),
+                indices[failed][:REPORTED_INDICES].tolist(),
             )
-        return meta
 
-    def _write_rows(self, meta: CacheMeta, indices: np.ndarray, rows: np.ndarray) -> None:
-        """Writes rows at their indices (growing the file by whole blocks), syncs, then records them in the meta."""
-        blocks = int(indices.max()) // BLOCK_ROWS + 1
-        row_bytes = meta.dim * ROW_DTYPE.itemsize
-        grown = max(blocks, len(meta.blocks))
+    def _tags_match(self, tags: np.ndarray, rows: np.ndarray, digests: np.ndarray, written: np.ndarray) -> np.ndarray:
+        """Whether each written row's tag is the one its image's digest and the row give under this key (the bytes
+        sliced in place: a round checks 10000 rows)."""
+        match = np.zeros(len(rows), dtype=bool)
+        tag_bytes, digest_bytes = tags.data.cast("B"), np.ascontiguousarray(digests).data.cast("B")
+        row_bytes, size = rows.data.cast("B"), rows.shape[1] * rows.dtype.itemsize
+        for position in np.flatnonzero(written).tolist():
+            tag = self._tag_prefix.copy()
+            tag.update(digest_bytes[position * DIGEST_BYTES : (position + 1) * DIGEST_BYTES])
+            tag.update(row_bytes[position * size : (position + 1) * size])
+            match[position] = tag.digest() == tag_bytes[position * TAG_BYTES : (position + 1) * TAG_BYTES]
+        return match
+
+    def _tag(self, digest: np.ndarray, row: np.ndarray) -> bytes:
+        """sha256(key, image content digest, row bytes): what ties a row to its image and this prefix."""
+        tag = self._tag_prefix.copy()
+        tag.update(digest.tobytes())
+        tag.update(np.ascontiguousarray(row).data)
+        return tag.digest()
+
+    def _compute(
+        self, meta: CacheMeta | None, indices: np.ndarray, digests: np.ndarray, extract: Extractor, restart: bool
+    ) -> tuple[np.ndarray | None, CacheMeta | None]:
+        """The rows of these indices computed in batches (each sample once), stored, in the cache's row type, and
+        the meta after them. With `restart`, rows that do not fit the meta read from disk (another width, values
+        beyond float16) start the cache again: (None, the new meta) is returned and the rows are to be computed
+        again under it; without, another width is a ValueError."""
+        unique, first, inverse = np.unique(indices, return_index=True, return_inverse=True)
+        parts: list[np.ndarray] = []
+        for start in range(0, len(unique), self.batch_size):
+            batch = slice(start, start + self.batch_size)
+            rows = np.asarray(extract(unique[batch]))
+            if rows.ndim != 2 or len(rows) != len(unique[batch]):
+                raise ValueError(f"the prefix gave rows {rows.shape} for {len(unique[batch])} samples")
+            if meta is not None and not _fits(meta, rows):
+                if not restart or parts:
+                    raise ValueError(f"the prefix gave rows {rows.shape}, the cache holds rows of {meta.dim}")
+                return None, self._restart(meta, rows)
+            meta = meta or self._new_meta(rows)
+            parts.append(rows.astype(meta.dtype))
+            meta = self._store(meta, unique[batch], digests[first[batch]], parts[-1])
+        return np.concatenate(parts)[inverse], meta
+
+    def _new_meta(self, rows: np.ndarray) -> CacheMeta:
+        """The meta of an empty cache for rows like these (float16 when they fit it)."""
+        return CacheMeta(self.key, int(rows.shape[1]), HALF if _fits_half(rows) else SINGLE)
+
+    def _restart(self, meta: CacheMeta, rows: np.ndarray) -> CacheMeta:
+        """Starts this key's cache again for rows like these (another width, or float32 for values beyond float16's
+        range; the old rows will all be computed again), with one warning; returns the new meta."""
+        fresh = CacheMeta(self.key, int(rows.shape[1]), HALF if _fits_half(rows) and meta.dtype == HALF else SINGLE)
+        finite = np.abs(rows[np.isfinite(rows)])
+        log.warning(
+            "feature cache rows do not fit its meta, starting again key=%s width=%d/%d largest=%.4g rows=%s",
+            *(self.key[:12], rows.shape[1], meta.dim, float(finite.max()) if finite.size else 0.0),
+            "float16" if fresh.dtype == HALF else "float32",
+        )
+        self._drop()
+        self._write_meta(fresh)
+        return fresh
+
+    def _store(self, meta: CacheMeta, indices: np.ndarray, digests: np.ndarray, rows: np.ndarray) -> CacheMeta:
+        """Writes the finite rows with their tags at their indices (growing the file by whole blocks, then its
+        meta), synced; returns the meta. Rows that are not finite are not kept (a warning)."""
+        finite = _finite_rows(rows)
+        if not finite.all():
+            log.warning(
+                "feature cache prefix gave rows that are not finite, not kept key=%s rows=%d indices=%s",
+                *(self.key[:12], int((~finite).sum()), indices[~finite][:REPORTED_INDICES].tolist()),
+            )
+        if not self.writable or not finite.any():
+            return meta
+        records = np.zeros(int(finite.sum()), dtype=meta.record)
+        records["row"] = rows[finite]
+        for position, digest in enumerate(digests[finite]):
+            records["tag"][position] = np.frombuffer(self._tag(digest, records["row"][position]), np.uint8)
+        try:
+            grown = self._write_records(meta, indices[finite], records)
+        except OSError as error:
+            self._read_only(error)
+            return meta
+        log.info("feature cache extended key=%s rows=%d capacity=%d", self.key[:12], len(records), grown.capacity)
+        return grown
+
+    def _write_records(self, meta: CacheMeta, indices: np.ndarray, records: np.ndarray) -> CacheMeta:
+        """pwrites the records at their indices and syncs; a file grown past the meta's capacity gets a new meta."""
+        capacity = max(meta.capacity, (int(indices.max()) // GROW_ROWS + 1) * GROW_ROWS)
+        size = meta.record.itemsize
         with open(self.data_path, "r+b" if self.data_path.exists() else "w+b") as handle:
-            os.ftruncate(handle.fileno(), max(os.fstat(handle.fileno()).st_size, grown * BLOCK_ROWS * row_bytes))
-            for index, row in zip(indices.tolist(), rows):
-                os.pwrite(handle.fileno(), row.tobytes(), index * row_bytes)
+            if os.fstat(handle.fileno()).st_size < capacity * size:
+                os.ftruncate(handle.fileno(), capacity * size)
+            for index, record in zip(indices.tolist(), records):
+                os.pwrite(handle.fileno(), record.tobytes(), index * size)
             os.fsync(handle.fileno())
-        meta.blocks += [""] * (grown - len(meta.blocks))
-        meta.present = np.concatenate([meta.present, np.zeros(grown * BLOCK_ROWS - len(meta.present), dtype=bool)])
-        meta.present[indices] = True
-        self._write_meta(meta, sorted({int(index) // BLOCK_ROWS for index in indices.tolist()}))
+        if capacity == meta.capacity:
+            return meta
+        grown = CacheMeta(meta.key, meta.dim, meta.dtype, capacity)
+        self._write_meta(grown)
+        return grown
 
-    def _write_meta(self, meta: CacheMeta, changed: list[int]) -> None:
-        """Rehashes the changed blocks from the file and replaces the meta atomically."""
-        for block in changed:
-            meta.blocks[block] = self._block_sha256(meta.dim, block) or ""
-        atomic_write_bytes(self.meta_path, json.dumps(meta.to_json()).encode())
+    def _write_meta(self, meta: CacheMeta) -> None:
+        """Replaces the meta atomically (a folder that cannot be written turns the cache read-only)."""
+        if not self.writable:
+            return
+        try:
+            atomic_write_bytes(self.meta_path, json.dumps(meta.to_json()).encode())
+        except OSError as error:
+            self._read_only(error)
 
-    def _mapped(self, meta: CacheMeta) -> np.ndarray:
-        """The rows file as a read-only (rows, dim) float16 memory map."""
-        return np.memmap(self.data_path, dtype=ROW_DTYPE, mode="r", shape=(len(meta.present), meta.dim))
+
+def _checked_request(indices: np.ndarray, digests: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The indices as int64 and their digests as (n, 32) uint8; ValueError for negatives or mismatched digests."""
+    indices = np.asarray(indices, dtype=np.int64)
+    digests = np.asarray(digests)
+    if len(indices) and int(indices.min()) < 0:
+        raise ValueError(f"sample indices must be non-negative, got {int(indices.min())}")
+    if digests.dtype != np.uint8 or digests.shape != (len(indices), DIGEST_BYTES):
+        raise ValueError(f"content digests must be ({len(indices)}, {DIGEST_BYTES}) uint8, got {digests.shape}")
+    return indices, digests
 
 
-def _present(meta: CacheMeta | None, indices: np.ndarray) -> np.ndarray:
-    """Which of the indices have a cached row."""
-    if meta is None:
-        return np.zeros(len(indices), dtype=bool)
-    inside = indices < len(meta.present)
-    return inside & meta.present[np.where(inside, indices, 0)]
+def _fits(meta: CacheMeta, rows: np.ndarray) -> bool:
+    """Whether rows fit a cache of this meta: its width, and its row type's range."""
+    return rows.shape[1] == meta.dim and (meta.dtype == SINGLE or _fits_half(rows))
+
+
+def _fits_half(rows: np.ndarray) -> bool:
+    """Whether every finite value of the rows stays finite in float16 (|x| below 65520, which rounds to 65504)."""
+    with np.errstate(over="ignore"):
+        return bool(np.isfinite(rows.astype(HALF))[np.isfinite(rows)].all())
+
+
+def _finite_rows(rows: np.ndarray) -> np.ndarray:
+    """Which rows (n, D) hold finite values only; for float16, by their magnitude bits (below 0x7C00, the all-ones
+    exponent of inf and NaN): numpy's isfinite on float16 is several times slower on a round's 10000 x 1280."""
+    if rows.dtype != HALF:
+        return np.isfinite(rows).all(axis=1)
+    return (np.ascontiguousarray(rows).view(np.uint16) & 0x7FFF).max(axis=1, initial=0) < 0x7C00

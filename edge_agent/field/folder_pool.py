@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_agent.data.device_data import IMAGES_FILE, LABELS_FILE, DeviceData, initialise_store
+from edge_agent.data.feature_cache import DIGEST_BYTES, content_digests
 from edge_agent.data.image_files import (
     MODEL_INPUT,
     QUARANTINE_DIR,
@@ -34,25 +35,43 @@ DEFAULT_SETTLE_SECONDS = 2.0
 
 @dataclass(frozen=True)
 class PoolItem:
-    """One image of the pool: where it was found (relative path), its content hash and the file's size/mtime."""
+    """One image of the pool: where it was found (relative path), its file's sha256, and the file's size, mtime,
+    ctime and inode when it joined (items stored before ctime and inode were kept read them as 0)."""
 
     path: str
     sha256: str
     size: int
     mtime_ns: int
+    ctime_ns: int = 0
+    inode: int = 0
+
+    @property
+    def signature(self) -> tuple[int, int, int, int]:
+        """What a scan compares a file's stat with: a change in any of these has the file hashed again."""
+        return (self.size, self.mtime_ns, self.ctime_ns, self.inode)
+
+
+def file_signature(stat: os.stat_result) -> tuple[int, int, int, int]:
+    """A file's size, mtime, ctime and inode: `cp -p`, `rsync -t` or a restore keep size and mtime but set ctime
+    (which no user call can set back) or bring a new inode."""
+    return (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino)
 
 
 class FolderPool:
     """Images found in a folder, decoded once into an append-only store; an item's index never changes.
 
-    Store files: items.jsonl (one PoolItem per line) and images.u8 (the decoded images, back to back). Images are
-    appended and synced before their lines, so a crash leaves at most a tail that the next open cuts off.
-    Files still being written (modified less than settle_seconds ago) wait for a later scan; files that do not
-    decode move to the quarantine folder. Nothing in the folder is ever deleted.
+    Store files: items.jsonl (one PoolItem per line), images.u8 (the decoded images, back to back) and digests.bin
+    (each decoded image's content digest, 32 bytes, what the feature cache ties rows to). Images and digests are
+    appended and synced before their lines, so a crash leaves at most a tail that the next open cuts off (digests
+    missing for stored images are computed from images.u8). Files still being written (modified less than
+    settle_seconds ago) wait for a later scan; files that do not decode move to the quarantine folder. A file whose
+    size, mtime, ctime or inode changed is hashed again, and new content joins as a new item (the old item keeps
+    its decoded image, labels and features). Nothing in the folder is ever deleted.
     """
 
     ITEMS_FILE = "items.jsonl"
     IMAGES_FILE = "images.u8"
+    DIGESTS_FILE = "digests.bin"
 
     def __init__(
         self,
@@ -75,7 +94,8 @@ class FolderPool:
         self.items = self._load_items()
         self._mapping: mmap.mmap | None = None
         self._images = self._map_images()
-        self._seen = {item.path: (item.size, item.mtime_ns) for item in self.items}
+        self._digests = self._load_digests()
+        self._seen = {item.path: item.signature for item in self.items}
         self._hashes = {item.sha256 for item in self.items}
 
     def __len__(self) -> int:
@@ -98,6 +118,10 @@ class FolderPool:
         """Scans the folder now (the image-source view of scan); returns how many items joined."""
         return self.scan()
 
+    def digests(self, indices: np.ndarray) -> np.ndarray:
+        """The content digests of the decoded images at these indices, (n, 32) uint8 (hashed once, when they joined)."""
+        return self._digests[indices]
+
     def item(self, index: int) -> PoolItem:
         """The pool item at an index."""
         return self.items[index]
@@ -108,19 +132,21 @@ class FolderPool:
         new_items: list[PoolItem] = []
         records: list[np.ndarray] = []
         for path, rel, stat in self._candidates():
-            signature = (stat.st_size, stat.st_mtime_ns)
+            signature = file_signature(stat)
             if self._seen.get(rel) == signature or now - stat.st_mtime < self.settle_seconds:
                 continue
-            self._seen[rel] = signature
+            replaced, self._seen[rel] = rel in self._seen, signature
+            digest = file_sha256(path)
+            if digest in self._hashes:
+                log.debug("known image file=%s", rel)
+                continue
             try:
                 record = decode_image(path, self.spec)
             except UnreadableImageError as error:
                 self._quarantine(path, rel, error)
                 continue
-            digest = file_sha256(path)
-            if digest in self._hashes:
-                log.debug("duplicate image file=%s", rel)
-                continue
+            if replaced:
+                log.info("pool file replaced, its new content joins as a new item file=%s", rel)
             self._hashes.add(digest)
             new_items.append(PoolItem(rel, digest, *signature))
             records.append(record)
@@ -150,12 +176,15 @@ class FolderPool:
         log.warning("quarantined file=%s to=%s reason=%s", rel, target, error)
 
     def _append(self, items: list[PoolItem], records: list[np.ndarray]) -> None:
-        """Appends images, then their index lines, each synced, and remaps the store."""
+        """Appends images and their digests, then their index lines, each synced, and remaps the store."""
         _append_synced(self.store_dir / self.IMAGES_FILE, b"".join(record.tobytes() for record in records))
+        digests = content_digests(np.stack(records))
+        _append_synced(self.store_dir / self.DIGESTS_FILE, digests.tobytes())
         lines = "".join(json.dumps(dataclasses.asdict(item), sort_keys=True) + "\n" for item in items)
         _append_synced(self.store_dir / self.ITEMS_FILE, lines.encode())
         self.items.extend(items)
         self._images = self._map_images()
+        self._digests = np.concatenate([self._digests, digests])
 
     def _load_items(self) -> list[PoolItem]:
         """The stored items; an unfinished last line (a crash mid-append) is cut off."""
@@ -187,6 +216,29 @@ class FolderPool:
         with open(path, "rb") as handle:
             self._mapping = mmap.mmap(handle.fileno(), needed, access=mmap.ACCESS_READ)
         return np.frombuffer(self._mapping, dtype=np.uint8).reshape(len(self.items), *self.spec.record_shape)
+
+    def _load_digests(self) -> np.ndarray:
+        """The stored images' content digests; a tail past the items is cut off, and digests missing (a store
+        written before they were kept, or a crash between the appends) are computed from images.u8 and appended."""
+        path = self.store_dir / self.DIGESTS_FILE
+        size = path.stat().st_size if path.is_file() else 0
+        needed = len(self.items) * DIGEST_BYTES
+        if size > needed:
+            os.truncate(path, needed)
+        kept = size - size % DIGEST_BYTES if size < needed else needed
+        digests = np.fromfile(path, np.uint8, kept).reshape(-1, DIGEST_BYTES) if kept else _no_digests()
+        if len(digests) < len(self.items):
+            if path.is_file():
+                os.truncate(path, kept)
+            missing = content_digests(self._images[len(digests) :])
+            _append_synced(path, missing.tobytes())
+            digests = np.concatenate([digests, missing])
+        return digests
+
+
+def _no_digests() -> np.ndarray:
+    """An empty (0, 32) digest array."""
+    return np.zeros((0, DIGEST_BYTES), dtype=np.uint8)
 
 
 def _append_synced(path: Path, data: bytes) -> None:

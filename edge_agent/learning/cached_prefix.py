@@ -67,13 +67,13 @@ class CachedPrefix:
         self._prefix: Callable[[np.ndarray], np.ndarray] | None = None
 
     def rows(self, samples: Samples) -> np.ndarray:
-        """float16 prefix outputs (n, D) of the samples, flattened; only rows not cached yet run the prefix (their
-        images are read only then)."""
-        return self.cache.rows(samples.indices, lambda indices: self.extract(samples.read(indices)))
+        """The prefix outputs (n, D) of the samples, flattened (float16, float32 for a prefix whose outputs leave
+        float16's range); only rows not cached (or failing their check) run the prefix, their images read only then."""
+        return self.cache.rows(samples.indices, samples.digests(), lambda indices: self.extract(samples.read(indices)))
 
     def fill(self, samples: Samples) -> None:
         """Computes the prefix outputs of the samples not cached yet (their images are read only then)."""
-        self.cache.fill(samples.indices, lambda indices: self.extract(samples.read(indices)))
+        self.cache.fill(samples.indices, samples.digests(), lambda indices: self.extract(samples.read(indices)))
 
     def extract(self, images: np.ndarray) -> np.ndarray:
         """The prefix's flattened outputs of raw uint8 images (the backbone pass the cache saves)."""
