@@ -92,8 +92,14 @@ class SecureRound:
             masked = self.on_device(device, self.devices[device].masked_input, self.updates[device])
             self.on_server(self.server.on_masked, self.sent(device, masked))
 
-    def unmask(self, answering: Iterable[str]) -> SecAggResult:
-        """Stage 4: these devices answer their unmask requests; then the coordinator finishes."""
+    def unmask(self, answering: Iterable[str], confirming: Iterable[str] | None = None) -> SecAggResult:
+        """Stage 4: the `confirming` devices (every survivor when None) confirm their views, then the `answering`
+        ones answer their unmask requests; then the coordinator finishes."""
+        self.confirm(confirming)
+        return self.reveal(answering)
+
+    def reveal(self, answering: Iterable[str]) -> SecAggResult:
+        """Stage 4b: these devices answer their unmask requests; then the coordinator finishes."""
         wanted = set(answering)
         for request in self.on_server(self.server.unmask_requests):
             device = request.device_id
@@ -101,6 +107,16 @@ class SecureRound:
                 response = self.on_device(device, self.devices[device].on_unmask, self.delivered(device, request))
                 self.on_server(self.server.on_reveal, self.sent(device, response))
         return self.on_server(self.server.finish)
+
+    def confirm(self, confirming: Iterable[str] | None = None) -> None:
+        """Stage 4a: these devices (every survivor when None) confirm the view they are sent."""
+        views = self.on_server(self.server.view_requests)
+        wanted = {view.device_id for view in views} if confirming is None else set(confirming)
+        for view in views:
+            device = view.device_id
+            if device in wanted:
+                confirmation = self.on_device(device, self.devices[device].on_view, self.delivered(device, view))
+                self.on_server(self.server.on_confirm, self.sent(device, confirmation))
 
     def sent(self, device: str, message: Any) -> Any:
         """The message as the coordinator reads it, its bytes counted as the device's upload."""

@@ -15,7 +15,7 @@ from coordinator.aggregation import ClientUpdate
 from coordinator.divergence import relative_divergence
 from coordinator.intake import RoundCollector
 from coordinator.round_aggregator import RoundAggregator, SuspectPolicy
-from coordinator.secagg_round import ABANDONED, DONE, KEYS, MASKED, SHARES, UNMASK, SecAggSettings
+from coordinator.secagg_round import ABANDONED, DONE, KEYS, MASKED, SHARES, UNMASK, VIEW, SecAggSettings
 from coordinator.secagg_server import SecAggServer
 from coordinator.secagg_unmask import SecAggResult
 from coordinator.store import AGGREGATE_CHANGE, SECURE_LABELS, SECURE_WEIGHT, RunStore
@@ -23,7 +23,7 @@ from coordinator.strategies import STRATEGIES
 from protocol import messages, topics, wire
 from protocol.errors import UsageError
 from protocol.files import atomic_write_bytes
-from protocol.messages import KeyAdvert, MaskedInput, RejectionKind, ShareBundle, UnmaskResponse
+from protocol.messages import KeyAdvert, MaskedInput, RejectionKind, ShareBundle, UnmaskResponse, ViewConfirmation
 from protocol.model_spec import ModelSpec, trainable_names
 from protocol.mqtt import MqttSession
 from protocol.secagg import keys
@@ -34,10 +34,10 @@ from protocol.tensors import Weights
 log = logging.getLogger(__name__)
 
 SECURE_SUM = "secure-sum"  # the one update a secure round gives its aggregator
-INBOUND = (KeyAdvert, ShareBundle, MaskedInput, UnmaskResponse)
+INBOUND = (KeyAdvert, ShareBundle, MaskedInput, ViewConfirmation, UnmaskResponse)
 # Each stage: whom the round waits for, who answered so far.
 WAITING = {KEYS: ("selected", "advertised"), SHARES: ("advertised", "sharers"), MASKED: ("sharers", "masked_from")}
-WAITING[UNMASK] = ("masked_from", "responders")
+WAITING[VIEW], WAITING[UNMASK] = ("masked_from", "viewers"), ("masked_from", "responders")
 
 
 def check_secure_settings(strategy: str, recipe: messages.Recipe, suspects: SuspectPolicy, asynchronous: bool) -> None:
@@ -101,7 +101,7 @@ class LiveSecureRound:
             return
         self.unsaved = True
 
-    def take(self, message: KeyAdvert | ShareBundle | MaskedInput | UnmaskResponse) -> None:
+    def take(self, message: KeyAdvert | ShareBundle | MaskedInput | ViewConfirmation | UnmaskResponse) -> None:
         """Hands a message to the server's method for its stage."""
         server = self.server
         if isinstance(message, KeyAdvert):
@@ -110,6 +110,8 @@ class LiveSecureRound:
             server.on_shares(message)
         elif isinstance(message, MaskedInput):
             server.on_masked(message)
+        elif isinstance(message, ViewConfirmation):
+            server.on_confirm(message)
         else:
             server.on_reveal(message)
 
@@ -120,7 +122,8 @@ class LiveSecureRound:
         closes: dict[str, Callable[[], list[Any]]] = {
             KEYS: self.server.rosters,
             SHARES: self.server.deliveries,
-            MASKED: self.server.unmask_requests,
+            MASKED: self.server.view_requests,
+            VIEW: self.server.unmask_requests,
         }
         try:
             while self.server.state.stage in closes:
@@ -202,7 +205,7 @@ class LiveSecureRound:
         }
 
 
-OUTBOUND = (messages.KeyRoster, messages.ShareDelivery, messages.UnmaskRequest)
+OUTBOUND = (messages.KeyRoster, messages.ShareDelivery, messages.SurvivorView, messages.UnmaskRequest)
 HELD_BYTES = 256 * 2**20  # the most secure-round messages held while no round is open may weigh
 
 

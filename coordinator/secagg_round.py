@@ -15,7 +15,9 @@ from protocol.secagg.checks import check_round, check_stage
 from protocol.secagg.errors import SecAggAbandoned, SecAggRefusal
 from protocol.secagg.fixed_point import FixedPoint
 
-KEYS, SHARES, MASKED, UNMASK, DONE, ABANDONED = "keys", "shares", "masked", "unmask", "done", "abandoned"
+KEYS, SHARES, MASKED, VIEW, UNMASK = "keys", "shares", "masked", "view", "unmask"
+DONE, ABANDONED = "done", "abandoned"
+SECRETS = ("share_ciphertexts", "seed_owners", "seed_holders", "seed_shares", "pair_owners", "pair_peers", "pair_seeds")
 
 
 @dataclass
@@ -33,7 +35,8 @@ class SecAggSettings:
 @dataclass
 class ServerSecAggState:
     """All a coordinator holds in a secure round, saved with the round: public keys, sealed shares it routes and
-    cannot open, commitments, the running masked sum (never one device's input), and the shares sent back."""
+    cannot open, commitments, the running masked sum (never one device's input), the survivors' confirmations it
+    routes, the pairwise seeds survivors revealed with dropped neighbours, and the seed shares sent back."""
 
     KIND: ClassVar[str] = "secagg_server_state"
     run_id: str
@@ -54,13 +57,17 @@ class ServerSecAggState:
     share_recipients: list[str] = field(default_factory=list)
     share_ciphertexts: list[bytes] = field(default_factory=list)
     masked_from: list[str] = field(default_factory=list)
+    viewers: list[str] = field(default_factory=list)
+    tag_senders: list[str] = field(default_factory=list)
+    tag_recipients: list[str] = field(default_factory=list)
+    tags: list[bytes] = field(default_factory=list)
+    pair_owners: list[str] = field(default_factory=list)
+    pair_peers: list[str] = field(default_factory=list)
+    pair_seeds: list[bytes] = field(default_factory=list)
     responders: list[str] = field(default_factory=list)
     seed_owners: list[str] = field(default_factory=list)
     seed_holders: list[str] = field(default_factory=list)
     seed_shares: list[bytes] = field(default_factory=list)
-    key_owners: list[str] = field(default_factory=list)
-    key_holders: list[str] = field(default_factory=list)
-    key_shares: list[bytes] = field(default_factory=list)
 
 
 class SecAggRound:
@@ -120,14 +127,6 @@ class SecAggRound:
         state = self.state
         state.stage = ABANDONED
         state.masked_sum = {name: np.zeros_like(array) for name, array in state.masked_sum.items()}
-        for name in (
-            "share_ciphertexts",
-            "seed_shares",
-            "key_shares",
-            "seed_owners",
-            "key_owners",
-            "seed_holders",
-            "key_holders",
-        ):
+        for name in SECRETS:
             setattr(state, name, [])
         raise SecAggAbandoned(reason)

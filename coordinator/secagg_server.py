@@ -14,13 +14,13 @@ from protocol.secagg.errors import SecAggRefusal
 from protocol.secagg.fixed_point import FixedPoint, layout_of
 from protocol.tensors import Weights
 
-SEALED_BYTES = keys.NONCE_BYTES + 2 * shamir.SHARE_BYTES + 16  # nonce, two shares, the GCM tag
+SEALED_BYTES = keys.NONCE_BYTES + shamir.SHARE_BYTES + 16  # nonce, the seed share, the GCM tag
 
 
 class SecAggServer(UnmaskStage):
     """One secure round on the coordinator: `on_*` take the devices' messages (a refused one raises SecAggRefusal),
     and each stage closes with the coordinator's messages for the next (`rosters`, `deliveries`,
-    `unmask_requests`) and finally `finish`; a round that cannot stay safe raises SecAggAbandoned."""
+    `view_requests`, `unmask_requests`) and finally `finish`; a round that cannot stay safe raises SecAggAbandoned."""
 
     @classmethod
     def start(

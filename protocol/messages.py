@@ -16,8 +16,10 @@ from protocol.secagg_messages import (
     MaskedInput,
     ShareBundle,
     ShareDelivery,
+    SurvivorView,
     UnmaskRequest,
     UnmaskResponse,
+    ViewConfirmation,
 )
 
 Tensors = dict[str, np.ndarray]
@@ -323,8 +325,28 @@ class Chunk:
     data: bytes
 
 
-SecAggMessage = KeyAdvert | KeyRoster | ShareBundle | ShareDelivery | MaskedInput | UnmaskRequest | UnmaskResponse
-SECAGG_TYPES = (KeyAdvert, KeyRoster, ShareBundle, ShareDelivery, MaskedInput, UnmaskRequest, UnmaskResponse)
+SecAggMessage = (
+    KeyAdvert
+    | KeyRoster
+    | ShareBundle
+    | ShareDelivery
+    | MaskedInput
+    | SurvivorView
+    | ViewConfirmation
+    | UnmaskRequest
+    | UnmaskResponse
+)
+SECAGG_TYPES = (
+    KeyAdvert,
+    KeyRoster,
+    ShareBundle,
+    ShareDelivery,
+    MaskedInput,
+    SurvivorView,
+    ViewConfirmation,
+    UnmaskRequest,
+    UnmaskResponse,
+)
 Message = (
     RoundAnnouncement
     | ModelMessage
@@ -368,6 +390,8 @@ M = TypeVar(
     ShareBundle,
     ShareDelivery,
     MaskedInput,
+    SurvivorView,
+    ViewConfirmation,
     UnmaskRequest,
     UnmaskResponse,
 )

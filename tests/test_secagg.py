@@ -13,7 +13,7 @@ from coordinator.secagg_round import ABANDONED
 from coordinator.secagg_server import SecAggServer
 from edge_agent.loop.secagg_device import SecAggDevice
 from protocol.errors import UsageError
-from protocol.messages import RejectionKind, ShareDelivery, UnmaskRequest
+from protocol.messages import RejectionKind, ShareDelivery, SurvivorView, UnmaskRequest
 from protocol.secagg.errors import SecAggAbandoned, SecAggRefusal
 from protocol.secagg.fixed_point import FixedPoint, flat
 
@@ -85,9 +85,9 @@ def test_more_drops_than_the_threshold_abandon_the_round_before_anything_is_aske
     secure.share()
     secure.mask(ids[:4])  # 6 of 10 drop: no device keeps the 5 surviving neighbours of 8 that a secret needs
     with pytest.raises(SecAggAbandoned):
-        secure.server.unmask_requests()
+        secure.server.view_requests()
     state = secure.server.state
-    assert state.stage == ABANDONED and state.seed_shares == state.key_shares == []
+    assert state.stage == ABANDONED and state.seed_shares == state.pair_seeds == []
     assert all(not array.any() for array in state.masked_sum.values())
     with pytest.raises(SecAggRefusal):
         secure.server.finish()
@@ -147,8 +147,11 @@ def test_forged_and_misaddressed_messages_are_refused_with_their_kinds() -> None
     refused(RejectionKind.FORGED_SHARE, devices["dev003"].on_delivery, forged)
     sender = target.senders[0]  # its record sealed for dev003, handed to another of its neighbours
     other = next(peer for peer in rosters[sender].neighbours if peer != "dev003")
-    readdressed = ShareDelivery(other, target.round_id, [sender], [target.ciphertexts[0]])
-    refused(RejectionKind.FORGED_SHARE, devices[other].on_delivery, readdressed)
+    theirs = deliveries[other]
+    records = [
+        target.ciphertexts[0] if peer == sender else sealed for peer, sealed in zip(theirs.senders, theirs.ciphertexts)
+    ]
+    refused(RejectionKind.FORGED_SHARE, devices[other].on_delivery, dataclasses.replace(theirs, ciphertexts=records))
     for device, delivery in deliveries.items():
         devices[device].on_delivery(delivery)
     refused(RejectionKind.WRONG_STAGE, devices["dev003"].on_delivery, target)
@@ -164,6 +167,7 @@ def test_a_forged_share_at_unmasking_is_outvoted_and_named() -> None:
     secure.share()
     secure.mask(updates)
     forger = "dev004"
+    secure.confirm()
     for request in secure.server.unmask_requests():
         response = secure.devices[request.device_id].on_unmask(request)
         if request.device_id == forger:
@@ -177,23 +181,65 @@ def test_a_forged_share_at_unmasking_is_outvoted_and_named() -> None:
     assert largest_error(result.total, plain_sum(updates, updates)) <= result.error_bound
 
 
-def test_an_honest_device_refuses_both_shares_of_one_peer() -> None:
-    updates = head_updates(6, seed=8)
+def test_a_device_with_fewer_than_threshold_shares_refuses_to_mask() -> None:
+    updates = head_updates(6, seed=12)
+    secure = SecureRound.started(updates)
+    secure.send_shares()
+    deliveries = {delivery.device_id: delivery for delivery in secure.server.deliveries()}
+    device, delivery = secure.devices["dev001"], deliveries["dev001"]
+    threshold = device.state.threshold
+    for count in (0, threshold - 1):
+        short = ShareDelivery("dev001", delivery.round_id, delivery.senders[:count], delivery.ciphertexts[:count])
+        refused(RejectionKind.UNSAFE_REQUEST, device.on_delivery, short)
+        assert device.state.stage == "shared" and device.state.held_from == []
+        refused(RejectionKind.WRONG_STAGE, device.masked_input, updates["dev001"])
+    device.on_delivery(delivery)
+    assert device.masked_input(updates["dev001"]).device_id == "dev001"
+
+
+def viewed(seed: int) -> tuple[SecureRound, dict[str, SurvivorView]]:
+    """A round of six devices, all masked, and the survivor view the coordinator sends each."""
+    updates = head_updates(6, seed=seed)
     secure = SecureRound.started(updates)
     secure.share()
     secure.mask(updates)
-    request = next(r for r in secure.server.unmask_requests() if r.device_id == "dev000")
-    device = secure.devices["dev000"]
-    peer = request.survivors[0]
-    both = UnmaskRequest("dev000", request.round_id, request.survivors, [peer], request.survivor_count)
-    refused(RejectionKind.UNSAFE_REQUEST, device.on_unmask, both)
-    device.on_unmask(request)
-    later = UnmaskRequest("dev000", request.round_id, [], [peer], request.survivor_count)
-    refused(RejectionKind.UNSAFE_REQUEST, device.on_unmask, later)
-    refused(RejectionKind.UNSAFE_REQUEST, device.on_unmask, dataclasses.replace(request, survivor_count=1))
-    refused(
-        RejectionKind.UNSAFE_REQUEST, device.on_unmask, dataclasses.replace(request, dropped=["dev000"], survivors=[])
+    return secure, {view.device_id: view for view in secure.server.view_requests()}
+
+
+def test_an_honest_device_keeps_one_view_and_reveals_only_what_it_allows() -> None:
+    secure, views = viewed(8)
+    device, view = secure.devices["dev000"], views["dev000"]
+    refused(RejectionKind.UNSAFE_REQUEST, device.on_view, dataclasses.replace(view, survivor_count=1))
+    refused(RejectionKind.UNSAFE_REQUEST, device.on_view, dataclasses.replace(view, survivors=["dev000"]))
+    confirmation = device.on_view(view)
+    assert device.on_view(view) == confirmation  # the same view again (a restart's resend): the same answer
+    assert confirmation.dropped == [] and len(confirmation.tags) == len(view.survivors) == 5
+    fewer = dataclasses.replace(view, survivors=view.survivors[1:])
+    refused(RejectionKind.UNSAFE_REQUEST, device.on_view, fewer)  # a second view would reveal a pairwise seed
+    for other, other_view in views.items():
+        secure.server.on_confirm(secure.devices[other].on_view(other_view) if other != "dev000" else confirmation)
+    requests = {request.device_id: request for request in secure.server.unmask_requests()}
+    request = requests["dev000"]
+    assert len(device.on_unmask(request).seed_shares) == 5
+    wrong_tag = dataclasses.replace(request, tags=[request.tags[1], request.tags[0], *request.tags[2:]])
+    refused(RejectionKind.UNSAFE_REQUEST, device.on_unmask, wrong_tag)
+    untagged = UnmaskRequest("dev000", request.round_id, request.senders[:1], [bytes(32)])
+    refused(RejectionKind.UNSAFE_REQUEST, device.on_unmask, untagged)
+    elsewhere = requests["dev002"]  # dev001's confirmation to dev002, replayed to dev000
+    replayed = UnmaskRequest(
+        "dev000", request.round_id, ["dev001"], [elsewhere.tags[elsewhere.senders.index("dev001")]]
     )
+    refused(RejectionKind.UNSAFE_REQUEST, device.on_unmask, replayed)
+
+
+def test_a_device_told_its_neighbours_dropped_gives_no_seed_share_without_their_confirmation() -> None:
+    secure, views = viewed(13)
+    device = secure.devices["dev002"]
+    alone = SurvivorView("dev002", ROUND, ["dev003"], 6)  # a lie: four living neighbours called dropped
+    confirmation = device.on_view(alone)
+    assert confirmation.dropped == ["dev000", "dev001", "dev004", "dev005"] and len(confirmation.pair_seeds) == 4
+    assert views["dev002"].survivors != alone.survivors
+    refused(RejectionKind.UNSAFE_REQUEST, device.on_unmask, UnmaskRequest("dev002", ROUND, ["dev000"], [bytes(32)]))
 
 
 def test_a_device_refuses_a_roster_whose_threshold_is_no_majority() -> None:
@@ -243,7 +289,9 @@ def test_both_sides_survive_a_restart_between_every_stage() -> None:
     restart()
     secure.mask(updates)
     restart()
-    result = secure.unmask(updates)
+    secure.confirm()
+    restart()
+    result = secure.reveal(updates)
     assert largest_error(result.total, plain_sum(updates, updates)) <= result.error_bound
     again = SecAggServer.restored(secure.server.snapshot()).finish()  # died after finishing, before committing
     assert all(np.array_equal(again.total[name], result.total[name]) for name in result.total)

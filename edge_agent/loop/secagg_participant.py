@@ -9,7 +9,15 @@ from edge_agent.data.journal import Journal
 from edge_agent.loop.secagg_device import DELIVERED, SecAggDevice
 from protocol import messages, topics, wire
 from protocol.files import atomic_write_bytes, load_arrays, save_arrays
-from protocol.messages import KeyRoster, ShareBundle, ShareDelivery, UnmaskRequest, UnmaskResponse
+from protocol.messages import (
+    KeyRoster,
+    ShareBundle,
+    ShareDelivery,
+    SurvivorView,
+    UnmaskRequest,
+    UnmaskResponse,
+    ViewConfirmation,
+)
 from protocol.model_spec import ModelSpec, trainable_names
 from protocol.mqtt import IncomingMessage, MqttSession
 from protocol.secagg.errors import SecAggRefusal
@@ -21,7 +29,7 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "secagg_round.rec"  # the device's secure-round state (its secrets included)
 PENDING_FILE = "secagg_pending.npz"  # the weighted delta waiting for the share delivery before it is masked
-INBOUND = (KeyRoster, ShareDelivery, UnmaskRequest)
+INBOUND = (KeyRoster, ShareDelivery, SurvivorView, UnmaskRequest)
 ADVERTISED_KEY = "secagg_advertised_round"  # the journal's note of the last round whose keys this device sent
 REPORTED_KEY = "secagg_reported_labels"  # the journal's count of the labels this device's masked inputs carried
 
@@ -53,7 +61,8 @@ class SecAggParticipant:
         self.journal.set(ADVERTISED_KEY, round_id)
 
     def on_message(self, message: IncomingMessage) -> bool:
-        """A roster, share delivery or unmask request: answered, or refused with a log line (the state unchanged)."""
+        """A roster, share delivery, survivor view or unmask request: answered, or refused with a log line (the state
+        unchanged)."""
         incoming = wire.decode_any(message.payload, INBOUND)
         device = self.device
         if device is None:
@@ -71,14 +80,16 @@ class SecAggParticipant:
         return False
 
     def answer(
-        self, device: SecAggDevice, incoming: KeyRoster | ShareDelivery | UnmaskRequest
-    ) -> ShareBundle | UnmaskResponse | None:
+        self, device: SecAggDevice, incoming: KeyRoster | ShareDelivery | SurvivorView | UnmaskRequest
+    ) -> ShareBundle | ViewConfirmation | UnmaskResponse | None:
         """The device's answer to one stage message (None for a delivery, which it keeps)."""
         if isinstance(incoming, KeyRoster):
             return device.on_roster(incoming)
         if isinstance(incoming, ShareDelivery):
             device.on_delivery(incoming)
             return None
+        if isinstance(incoming, SurvivorView):
+            return device.on_view(incoming)
         return device.on_unmask(incoming)
 
     def send_update(self, update: messages.Update, base: Weights, spec: ModelSpec, recipe: messages.Recipe) -> None:

@@ -1,11 +1,13 @@
 # Key agreement (X25519 through `cryptography`), the keys derived from it (HKDF-SHA256), and share encryption (AES-GCM).
 from __future__ import annotations
 
+import hmac
 import os
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import hmac as crypto_hmac
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
@@ -17,6 +19,8 @@ KEY_BYTES = 32
 NONCE_BYTES = 12
 MASK_PURPOSE = b"secagg-pairwise-mask"
 SHARE_PURPOSE = b"secagg-share-encryption"
+CONFIRM_PURPOSE = b"secagg-view-confirmation"
+TAG_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -75,3 +79,17 @@ def decrypt(key: bytes, ciphertext: bytes, associated: bytes) -> bytes:
         raise SecAggRefusal(
             RejectionKind.FORGED_SHARE, "an encrypted share does not open with the pair's key"
         ) from None
+
+
+def survivor_tag(key: bytes, context: bytes, sender: str, recipient: str) -> bytes:
+    """HMAC-SHA256, under the pair's confirmation key, of "the sender's view calls the recipient a survivor" in this
+    round: the recipient reveals a share of the sender's self-mask seed only with it (the coordinator routes it and
+    cannot make one)."""
+    mac = crypto_hmac.HMAC(key, hashes.SHA256())
+    mac.update(b"|".join((b"survivor", share_context(context, sender, recipient))))
+    return mac.finalize()
+
+
+def tag_valid(key: bytes, context: bytes, sender: str, recipient: str, tag: bytes) -> bool:
+    """Whether a tag is the sender's confirmation that it saw the recipient survive (compared in constant time)."""
+    return hmac.compare_digest(survivor_tag(key, context, sender, recipient), tag)
