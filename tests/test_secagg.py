@@ -103,6 +103,18 @@ def test_too_few_answers_to_the_unmask_requests_abandon_the_round() -> None:
     assert secure.server.state.stage == ABANDONED and secure.server.state.seed_shares == []
 
 
+def test_a_survivor_that_confirms_no_view_abandons_the_round_before_any_share_is_asked() -> None:
+    updates = head_updates(10, seed=14)
+    ids = sorted(updates)
+    secure = SecureRound.started(updates)
+    secure.share()
+    secure.mask(ids)
+    with pytest.raises(SecAggAbandoned, match="confirmed no view"):
+        secure.unmask(ids, confirming=ids[1:])  # dev000 masked, then went silent
+    state = secure.server.state
+    assert state.stage == ABANDONED and state.seed_shares == state.pair_seeds == []
+
+
 def test_the_coordinator_never_holds_an_individual_update() -> None:
     updates = head_updates(5, seed=5)
     secure = SecureRound.started(updates)

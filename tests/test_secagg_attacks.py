@@ -1,0 +1,302 @@
+# Issue 33's attacks on secure aggregation replayed over a real mosquitto: three real device participants, and a
+# malicious coordinator colluding with one device ("mal"), written as a plain paho + msgpack + cryptography client.
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from secagg_attacker import (
+    MASK_PURPOSE,
+    SHARE_PURPOSE,
+    MaliciousCoordinator,
+    Party,
+    agreed,
+    bound,
+    combine,
+    flat_tensors,
+    prg,
+    seal,
+    share_of,
+    unseal,
+)
+
+from edge_agent.data.journal import Journal
+from edge_agent.learning.models import build_model, get_weights
+from edge_agent.loop.secagg_participant import SecAggParticipant
+from protocol import messages, topics
+from protocol.model_spec import DEFAULT_SPEC, trainable_names
+from protocol.mqtt import MqttSession
+from protocol.secagg.fixed_point import FixedPoint, flat
+from protocol.secagg.weighting import device_weight, in_fixed_units, weighted_delta
+from protocol.tensors import Weights, weights_hash
+
+FLEET, RUN = "attacked", "run"
+HONEST = ["dev0", "dev1", "dev2"]
+TARGET = "dev0"
+RECIPE = messages.Recipe(secure_aggregation="secagg", secagg_sample_cap=200)  # FedAvg weights, as in the issue
+THRESHOLD, SUMMANDS = 2, 4  # 4 devices: 3 neighbours each (a complete graph), a strict majority of them
+SAMPLES, LABELS = 150, 4
+
+
+class HonestFleet:
+    """The three honest devices (the project's participants, each on its own MQTT session), run by one thread that
+    hands them their messages and the test's actions in turn."""
+
+    def __init__(self, address, tmp_path: Path, base: Weights) -> None:
+        self.base = base
+        self.actions: queue.Queue = queue.Queue()
+        self.sessions, self.participants = {}, {}
+        generator = np.random.default_rng(5)
+        self.trained = {
+            d: {n: (a + generator.normal(0, 0.01, a.shape)).astype(np.float32) for n, a in base.items()} for d in HONEST
+        }
+        for device in HONEST:
+            session = MqttSession(address, client_id=device)
+            session.connect(timeout=10)
+            session.subscribe(topics.SECAGG_DOWN.build(fleet=FLEET, device=device))
+            (tmp_path / device).mkdir()
+            journal = Journal(tmp_path / device / "state.json")
+            self.sessions[device] = session
+            self.participants[device] = SecAggParticipant(FLEET, device, session, tmp_path / device, journal)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.pump, daemon=True)
+        self.thread.start()
+
+    def pump(self) -> None:
+        """The fleet's thread: the test's actions and each device's messages, in turn, until stopped."""
+        while not self.stop.is_set():
+            with contextlib.suppress(queue.Empty):
+                self.actions.get_nowait()()
+            for device, session in self.sessions.items():
+                message = session.next_message(timeout=0.01)
+                if message is not None:
+                    self.participants[device].on_message(message)
+                    session.acknowledge(message)
+
+    def run(self, action: Callable[[], Any]) -> Any:
+        """Runs an action on the fleet's thread and returns its result."""
+        done: queue.Queue = queue.Queue()
+        self.actions.put(lambda: done.put(action()))
+        return done.get(timeout=30)
+
+    def begin(self, round_id: int) -> None:
+        """Every device advertises its keys for a round."""
+        announcement = messages.RoundAnnouncement(RUN, round_id, weights_hash(self.base), RECIPE, time.time() + 60)
+        self.run(lambda: [participant.begin(announcement) for participant in self.participants.values()])
+
+    def train(self, round_id: int, devices: list[str]) -> None:
+        """These devices hand their trained update to be masked (sent at once if their shares are in)."""
+
+        def send() -> None:
+            for device in devices:
+                update = messages.Update(device, round_id, "u", "", SAMPLES, [], LABELS, {}, self.trained[device])
+                self.participants[device].send_update(update, self.base, DEFAULT_SPEC, RECIPE)
+
+        self.run(send)
+
+    def stage(self, device: str) -> str:
+        """A device's secure-round stage."""
+        return self.run(lambda: self.participants[device].device.state.stage)
+
+    def truth(self, device: str) -> np.ndarray:
+        """What the device masked, decoded: its weighted delta, weight and labels in fixed point."""
+        names = trainable_names(DEFAULT_SPEC, self.base)
+        weight = device_weight(SAMPLES, RECIPE.secagg_sample_cap)
+        delta = weighted_delta(self.trained[device], self.base, names, weight, RECIPE.secagg_clip, LABELS)
+        fixed = FixedPoint(RECIPE.secagg_clip, SUMMANDS)
+        return fixed.decode_sum(fixed.encode(flat(in_fixed_units(delta, fixed))))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=10)
+        for session in self.sessions.values():
+            session.close()
+
+
+class Attack:
+    """One round the malicious coordinator runs against the honest fleet, up to the masked inputs."""
+
+    def __init__(self, fleet: HonestFleet, mal: MaliciousCoordinator, round_id: int) -> None:
+        self.fleet, self.mal, self.round_id = fleet, mal, round_id
+        self.context = f"{RUN}/{round_id}".encode()
+        fleet.begin(round_id)
+        adverts = mal.collect("secagg_keys", len(HONEST))
+        self.parties = {d: Party(a["cipher_key"], a["mask_key"]) for d, a in adverts.items()} | {mal.me: mal.keys}
+        for device in HONEST:
+            peers = self.neighbours(device)
+            mal.send(
+                device,
+                "secagg_roster",
+                run_id=RUN,
+                device_id=device,
+                round_id=round_id,
+                graph_seed=b"any",
+                threshold=THRESHOLD,
+                min_survivors=2,
+                clip=RECIPE.secagg_clip,
+                max_summands=SUMMANDS,
+                advertised=SUMMANDS,
+                neighbours=peers,
+                cipher_keys=[self.parties[p].cipher_public for p in peers],
+                mask_keys=[self.parties[p].mask_public for p in peers],
+            )
+        self.bundles = mal.collect("secagg_shares", len(HONEST))
+        self.stolen = {owner: self.opened(owner) for owner in HONEST}  # mal's own share of each honest seed
+
+    def neighbours(self, device: str) -> list[str]:
+        """Everyone else: four devices make a complete graph."""
+        return sorted(set(self.parties) - {device})
+
+    def opened(self, owner: str) -> bytes:
+        """The share of the owner's seed that the owner sealed for the colluding device."""
+        bundle = self.bundles[owner]
+        key = agreed(self.mal.keys.cipher_secret, self.parties[owner].cipher_public, SHARE_PURPOSE, self.context)
+        share = unseal(
+            key, bundle["ciphertexts"][bundle["recipients"].index(self.mal.me)], bound(self.context, owner, "mal")
+        )
+        assert share is not None
+        return share
+
+    def records_for(self, device: str) -> tuple[list[str], list[bytes]]:
+        """Every record addressed to a device: the other honest devices' and the colluder's own (a real share)."""
+        senders, sealed = [], []
+        for owner in HONEST:
+            if owner != device:
+                bundle = self.bundles[owner]
+                senders.append(owner)
+                sealed.append(bundle["ciphertexts"][bundle["recipients"].index(device)])
+        share, _ = share_of(b"\x01" * 32, THRESHOLD, 1 + self.neighbours(self.mal.me).index(device))
+        key = agreed(self.mal.keys.cipher_secret, self.parties[device].cipher_public, SHARE_PURPOSE, self.context)
+        return [*senders, self.mal.me], [*sealed, seal(key, share, bound(self.context, self.mal.me, device))]
+
+    def deliver(self, device: str, count: int | None = None) -> None:
+        """Sends a device its records (only the first `count` of them when given)."""
+        senders, sealed = self.records_for(device)
+        self.mal.send(
+            device,
+            "secagg_delivery",
+            device_id=device,
+            round_id=self.round_id,
+            senders=senders[:count],
+            ciphertexts=sealed[:count],
+        )
+
+    def masked(self) -> dict[str, np.ndarray]:
+        """Every honest device's shares delivered, updates trained: each one's masked input, kept apart."""
+        for device in HONEST:
+            self.deliver(device)
+        self.fleet.train(self.round_id, HONEST)
+        inputs = self.mal.collect("secagg_masked", len(HONEST))
+        return {device: flat_tensors(message["masked"]) for device, message in inputs.items()}
+
+    def split(self, views: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
+        """Each honest device told its own view of who survived; their confirmations."""
+        for device, survivors in views.items():
+            self.mal.send(
+                device, "secagg_view", device_id=device, round_id=self.round_id, survivors=survivors, survivor_count=4
+            )
+        return self.mal.collect("secagg_confirm", len(views))
+
+    def ask(self, holder: str, owner: str, tag: bytes) -> list[bytes]:
+        """Asks a holder for its share of the owner's seed with a tag; the shares that came back in 3 s."""
+        self.mal.send(holder, "secagg_unmask", device_id=holder, round_id=self.round_id, senders=[owner], tags=[tag])
+        return [
+            share
+            for message in self.mal.quiet(3.0)
+            if message.get("kind") == "secagg_reveal"
+            for name, share in zip(message["seed_owners"], message["seed_shares"])
+            if name == owner
+        ]
+
+    def committed(self, owner: str, seed: bytes) -> bool:
+        """Whether a rebuilt seed is the one the owner committed to."""
+        expected = hashlib.sha256(b"|".join((b"secagg-seed", self.context, owner.encode(), seed))).digest()
+        return expected == self.bundles[owner]["seed_commitment"]
+
+    def mask_seed(self, secret: bytes, peer: str) -> bytes:
+        """The pairwise mask seed of the holder of `secret` with a peer."""
+        return agreed(secret, self.parties[peer].mask_public, MASK_PURPOSE, self.context)
+
+
+def pairwise_seeds(confirmations: dict[str, dict[str, Any]], target: str) -> dict[str, bytes]:
+    """Every pairwise seed of the target the confirmations revealed, by its partner."""
+    seeds = {}
+    for device, message in confirmations.items():
+        for peer, seed in zip(message["dropped"], message["pair_seeds"]):
+            if target in (device, peer):
+                seeds[peer if device == target else device] = seed
+    return seeds
+
+
+def unmasked(masked: np.ndarray, seed: bytes | None, pairs: dict[str, bytes], owner: str) -> np.ndarray:
+    """The attacker's best estimate of one device's input: its masked input less every mask it knows, decoded."""
+    result = masked.astype(np.uint32, copy=True)
+    if seed is not None:
+        result -= prg(seed, result.size)
+    for peer, pair in pairs.items():
+        mask = prg(pair, result.size)
+        result = result - mask if owner < peer else result + mask
+    return FixedPoint(RECIPE.secagg_clip, SUMMANDS).decode_sum(result)
+
+
+@pytest.fixture
+def attacked(broker, tmp_path):
+    base = get_weights(build_model(seed=0))
+    fleet = HonestFleet(broker.address, tmp_path, base)
+    mal = MaliciousCoordinator(broker.address.host, broker.address.port, FLEET)
+    yield fleet, mal
+    mal.close()
+    fleet.close()
+
+
+def test_a_device_with_fewer_than_threshold_shares_sends_no_masked_input(attacked) -> None:
+    """Issue 33, item 1: a spoofed delivery with no shares, or fewer than the threshold, is refused; the device's
+    state is unchanged and nothing masked leaves it; a full delivery then gets its masked input."""
+    fleet, mal = attacked
+    attack = Attack(fleet, mal, 1)
+    fleet.train(1, [TARGET])
+    for count in (0, THRESHOLD - 1):
+        attack.deliver(TARGET, count)
+        assert [m for m in mal.quiet(2.0) if m.get("kind") == "secagg_masked"] == []
+        assert fleet.stage(TARGET) == "shared"
+    attack.deliver(TARGET)
+    assert list(mal.collect("secagg_masked", 1)) == [TARGET]
+
+
+@pytest.mark.parametrize("target_view", [["dev2", "mal"], ["dev1", "dev2", "mal"]])
+def test_split_survivor_views_and_one_colluder_recover_nothing(attacked, target_view) -> None:
+    """Issue 33, item 2, the collusion the issue saw (3 honest devices and one attacker, FedAvg): the coordinator
+    tells dev1 that dev0 survived and dev2 that it dropped, and dev0 either that dev1 dropped (so dev0 reveals its
+    pairwise seed with dev1) or that everyone survived. With one colluder (fewer than t = 2) the attacker rebuilds
+    dev0's self-mask seed only in the second case, and then lacks the pairwise mask dev0 shares with dev1: its
+    estimate of dev0's input is noise. The test's own knowledge of that one seed (read from dev0's saved state,
+    which the attacker does not have) shows the estimate is otherwise exact."""
+    fleet, mal = attacked
+    attack = Attack(fleet, mal, 1)
+    masked = attack.masked()
+    confirmations = attack.split({TARGET: target_view, "dev1": ["dev0", "dev2", "mal"], "dev2": ["dev1", "mal"]})
+    ours = confirmations[TARGET]
+    tags = dict(zip(ours["recipients"], ours["tags"]))
+    candidates = [tags["dev1"]] if "dev1" in tags else [*tags.values(), bytes(32)]
+    shares = [share for tag in candidates for share in attack.ask("dev1", TARGET, tag)]
+    assert len(shares) == ("dev1" in tags)  # dev1 gives its share only with dev0's own confirmation
+    seed = combine([attack.stolen[TARGET], *shares]) if shares else None
+    assert (seed is not None and attack.committed(TARGET, seed)) == ("dev1" in tags)
+    pairs = pairwise_seeds(confirmations, TARGET)
+    pairs["mal"] = attack.mask_seed(mal.keys.mask_secret, TARGET)
+    assert sorted(pairs) == (["dev1", "dev2", "mal"] if "dev1" not in tags else ["dev2", "mal"])
+    truth = fleet.truth(TARGET)
+    estimate = unmasked(masked[TARGET], seed, pairs, TARGET)
+    assert np.median(np.abs(estimate - truth)) > RECIPE.secagg_clip / 2  # noise over the whole +-4 range
+    if seed is not None:
+        secret = fleet.run(lambda: fleet.participants[TARGET].device.state.mask_secret)
+        known = {**pairs, "dev1": attack.mask_seed(secret, "dev1")}
+        assert np.abs(unmasked(masked[TARGET], seed, known, TARGET) - truth).max() < 1e-6
