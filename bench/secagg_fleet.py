@@ -15,6 +15,7 @@ from coordinator.secagg_server import SecAggServer
 from coordinator.secagg_unmask import SecAggResult
 from edge_agent.loop.secagg_device import SecAggDevice
 from protocol import wire
+from protocol.messages import DeliveryAck, ShareBundle
 from protocol.tensors import Weights
 
 ROUND = 7
@@ -69,22 +70,38 @@ class SecureRound:
         return secure
 
     def share(self) -> None:
-        """Stage 2 done: rosters out, bundles in, deliveries out."""
+        """Stage 2 done: rosters out, bundles in, deliveries out and acknowledged, complaints settled, partners out."""
         self.send_shares()
         self.deliver()
+        self.partner()
 
-    def send_shares(self) -> None:
-        """Stage 2's first half: rosters out, bundles in."""
+    def send_shares(self, altered: Callable[[ShareBundle], ShareBundle] = lambda bundle: bundle) -> None:
+        """Stage 2's first half: rosters out, bundles in (each as `altered` makes it: a test's forger)."""
         for roster in self.on_server(self.server.rosters):
             device = roster.device_id
             bundle = self.on_device(device, self.devices[device].on_roster, self.delivered(device, roster))
-            self.on_server(self.server.on_shares, self.sent(device, bundle))
+            self.on_server(self.server.on_shares, self.sent(device, altered(bundle)))
 
-    def deliver(self) -> None:
-        """Stage 2's second half: the sealed shares routed to their recipients."""
+    def deliver(self, altered: Callable[[DeliveryAck], DeliveryAck] = lambda ack: ack) -> None:
+        """Stage 2's second half: the sealed shares routed to their recipients, each delivery acknowledged (as
+        `altered` makes it: a test's false accuser)."""
         for delivery in self.on_server(self.server.deliveries):
             device = delivery.device_id
-            self.on_device(device, self.devices[device].on_delivery, self.delivered(device, delivery))
+            ack = self.on_device(device, self.devices[device].on_delivery, self.delivered(device, delivery))
+            self.on_server(self.server.on_ack, self.sent(device, altered(ack)))
+
+    def partner(self, silent: Iterable[str] = ()) -> None:
+        """Complaints settled by the accused senders' keys (the `silent` ones do not answer), then each device that
+        is still in the round told its mask partners."""
+        for complaint in self.on_server(self.server.key_requests):
+            device = complaint.device_id
+            if device in silent:
+                continue
+            reveal = self.on_device(device, self.devices[device].on_key_request, self.delivered(device, complaint))
+            self.on_server(self.server.on_key_reveal, self.sent(device, reveal))
+        for request in self.on_server(self.server.mask_requests):
+            device = request.device_id
+            self.on_device(device, self.devices[device].on_mask_request, self.delivered(device, request))
 
     def mask(self, senders: Iterable[str]) -> None:
         """Stage 3: these devices send their masked inputs."""

@@ -349,6 +349,7 @@ def secure_part(
     args = (parts.publisher.run_id, round_id, selected, global_weights, rules.spec, rules.recipe)
     start = functools.partial(start_secure, *args)
     live = LiveSecureRound.opened(coordinator.session, coordinator.fleet, parts.intake.store, start, round_id)
+    live.observer = parts.observer  # a device a complaint excluded counts in /metrics as a rejection
     coordinator.held.release(live)
     return live
 

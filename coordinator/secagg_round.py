@@ -15,7 +15,8 @@ from protocol.secagg.checks import check_round, check_stage
 from protocol.secagg.errors import SecAggAbandoned, SecAggRefusal
 from protocol.secagg.fixed_point import FixedPoint
 
-KEYS, SHARES, MASKED, VIEW, UNMASK = "keys", "shares", "masked", "view", "unmask"
+KEYS, SHARES, CHECK, RESOLVE, MASKED = "keys", "shares", "check", "resolve", "masked"
+VIEW, UNMASK = "view", "unmask"
 DONE, ABANDONED = "done", "abandoned"
 SECRETS = ("share_ciphertexts", "seed_owners", "seed_holders", "seed_shares", "pair_owners", "pair_peers", "pair_seeds")
 
@@ -35,8 +36,9 @@ class SecAggSettings:
 @dataclass
 class ServerSecAggState:
     """All a coordinator holds in a secure round, saved with the round: public keys, sealed shares it routes and
-    cannot open, commitments, the running masked sum (never one device's input), the survivors' confirmations it
-    routes, the pairwise seeds survivors revealed with dropped neighbours, and the seed shares sent back."""
+    cannot open, who holds whose record, complaints and the devices they excluded (with why), the devices that
+    mask, the running masked sum (never one device's input), the survivors' confirmations it routes, the pairwise
+    seeds survivors revealed with dropped partners, and the seed shares sent back."""
 
     KIND: ClassVar[str] = "secagg_server_state"
     run_id: str
@@ -56,6 +58,16 @@ class ServerSecAggState:
     share_senders: list[str] = field(default_factory=list)
     share_recipients: list[str] = field(default_factory=list)
     share_ciphertexts: list[bytes] = field(default_factory=list)
+    ackers: list[str] = field(default_factory=list)
+    held_owners: list[str] = field(default_factory=list)
+    held_holders: list[str] = field(default_factory=list)
+    accusers: list[str] = field(default_factory=list)
+    accused: list[str] = field(default_factory=list)
+    pair_keys: list[bytes] = field(default_factory=list)
+    revealers: list[str] = field(default_factory=list)
+    excluded: list[str] = field(default_factory=list)
+    exclusion_reasons: list[str] = field(default_factory=list)
+    maskers: list[str] = field(default_factory=list)
     masked_from: list[str] = field(default_factory=list)
     viewers: list[str] = field(default_factory=list)
     tag_senders: list[str] = field(default_factory=list)
@@ -105,6 +117,16 @@ class SecAggRound:
     def context(self) -> bytes:
         """The round's binding for keys, seals and commitments."""
         return keys.round_context(self.state.run_id, self.state.round_id)
+
+    def partners(self, device: str) -> list[str]:
+        """The device's neighbours that were asked to mask (its mask partners), sorted."""
+        return sorted(set(self.state.maskers).intersection(self.graph[device]))
+
+    def holders(self, owner: str, among: set[str]) -> set[str]:
+        """The owner's partners among `among` that hold its record (they can give a share of its seed)."""
+        state = self.state
+        held = {holder for o, holder in zip(state.held_owners, state.held_holders) if o == owner}
+        return held.intersection(among, self.partners(owner))
 
     def _check(self, device: str, round_id: int, stage: str, what: str, allowed: list[str]) -> None:
         check_round(self.state.round_id, round_id)

@@ -81,9 +81,9 @@ class UnmaskStage(SecAggRound):
         check_stage(state.stage, MASKED, "the close of the masked stage")
         survivors = set(state.masked_from)
         self._enough(state.masked_from, "sent masked inputs")
-        short = [d for d in sorted(survivors) if len(survivors.intersection(self.graph[d])) < self.threshold]
+        short = [d for d in sorted(survivors) if len(self.holders(d, survivors)) < self.threshold]
         if short:
-            self._abandon(f"{wire.shown_names(short)} have fewer than {self.threshold} surviving neighbours")
+            self._abandon(f"{wire.shown_names(short)} have fewer than {self.threshold} surviving holders")
         state.stage = VIEW
         return [
             SurvivorView(device, state.round_id, self._surviving(device), len(survivors))
@@ -100,7 +100,7 @@ class UnmaskStage(SecAggRound):
         check_pairs(confirmation.recipients, confirmation.tags, "the confirmations")
         check_pairs(confirmation.dropped, confirmation.pair_seeds, "the pairwise seeds")
         surviving = self._surviving(device)
-        gone = [peer for peer in self.graph[device] if peer not in surviving]
+        gone = [peer for peer in self.partners(device) if peer not in surviving]
         if sorted(confirmation.recipients) != surviving or sorted(confirmation.dropped) != gone:
             raise SecAggRefusal(RejectionKind.WRONG_RECIPIENT, "confirmations or seeds for other neighbours than asked")
         if any(len(tag) != keys.TAG_BYTES for tag in confirmation.tags) or any(
@@ -126,9 +126,11 @@ class UnmaskStage(SecAggRound):
             self._abandon(f"{wire.shown_names(silent)} sent a masked input and confirmed no view")
         state.stage = UNMASK
         inbox: dict[str, tuple[list[str], list[bytes]]] = {device: ([], []) for device in state.masked_from}
+        held = set(zip(state.held_owners, state.held_holders))
         for sender, recipient, tag in zip(state.tag_senders, state.tag_recipients, state.tags):
-            inbox[recipient][0].append(sender)
-            inbox[recipient][1].append(tag)
+            if (sender, recipient) in held:
+                inbox[recipient][0].append(sender)
+                inbox[recipient][1].append(tag)
         state.tag_senders, state.tag_recipients, state.tags = [], [], []
         return [UnmaskRequest(device, state.round_id, *inbox[device]) for device in state.masked_from]
 
@@ -179,8 +181,8 @@ class UnmaskStage(SecAggRound):
         )
 
     def _surviving(self, device: str) -> list[str]:
-        """The device's neighbours that sent a masked input (sorted)."""
-        return sorted(set(self.state.masked_from).intersection(self.graph[device]))
+        """The device's partners that sent a masked input (sorted)."""
+        return sorted(set(self.state.masked_from).intersection(self.partners(device)))
 
     def _rebuilt(self, owners: list[str], holders: list[str], shares: list[bytes]) -> dict[str, Rebuilt]:
         """Each survivor's seed from the shares its neighbours returned, checked against its commitment."""

@@ -11,9 +11,13 @@ import numpy as np
 from protocol.model_spec import ModelSpec
 from protocol.recipe_flags import OMITTED_KEY, recipe_field
 from protocol.secagg_messages import (
+    DeliveryAck,
     KeyAdvert,
     KeyRoster,
     MaskedInput,
+    MaskRequest,
+    RecordKeyRequest,
+    RecordKeyReveal,
     ShareBundle,
     ShareDelivery,
     SurvivorView,
@@ -330,6 +334,10 @@ SecAggMessage = (
     | KeyRoster
     | ShareBundle
     | ShareDelivery
+    | DeliveryAck
+    | RecordKeyRequest
+    | RecordKeyReveal
+    | MaskRequest
     | MaskedInput
     | SurvivorView
     | ViewConfirmation
@@ -341,6 +349,10 @@ SECAGG_TYPES = (
     KeyRoster,
     ShareBundle,
     ShareDelivery,
+    DeliveryAck,
+    RecordKeyRequest,
+    RecordKeyReveal,
+    MaskRequest,
     MaskedInput,
     SurvivorView,
     ViewConfirmation,
@@ -389,6 +401,10 @@ M = TypeVar(
     KeyRoster,
     ShareBundle,
     ShareDelivery,
+    DeliveryAck,
+    RecordKeyRequest,
+    RecordKeyReveal,
+    MaskRequest,
     MaskedInput,
     SurvivorView,
     ViewConfirmation,

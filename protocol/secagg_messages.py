@@ -65,6 +65,54 @@ class ShareDelivery:
 
 
 @dataclass(frozen=True)
+class DeliveryAck:
+    """Stage 2's answer, device to coordinator: whose records it holds, and a complaint against each sender whose
+    record carried the pair's MAC but did not open as one share, with the pair's record key as its proof (the
+    coordinator checks the MAC with it; the accused sender checks it is the pair's before settling the complaint)."""
+
+    KIND: ClassVar[str] = "secagg_ack"
+    device_id: str
+    round_id: int
+    held: list[str]
+    accused: list[str]
+    pair_keys: list[bytes]
+
+
+@dataclass(frozen=True)
+class RecordKeyRequest:
+    """A complaint to settle, coordinator to the accused sender: the accusers and the pair keys they gave."""
+
+    KIND: ClassVar[str] = "secagg_key_request"
+    device_id: str
+    round_id: int
+    accusers: list[str]
+    pair_keys: list[bytes]
+
+
+@dataclass(frozen=True)
+class RecordKeyReveal:
+    """The accused sender's answer: the ephemeral secret of its record to each accuser, so the coordinator opens
+    that record and tells who lied."""
+
+    KIND: ClassVar[str] = "secagg_key_reveal"
+    device_id: str
+    round_id: int
+    accusers: list[str]
+    ephemeral_secrets: list[bytes]
+
+
+@dataclass(frozen=True)
+class MaskRequest:
+    """Stage 3's start, coordinator to one device: the neighbours it masks with (those still in the round: not
+    excluded by a complaint, not silent)."""
+
+    KIND: ClassVar[str] = "secagg_mask"
+    device_id: str
+    round_id: int
+    partners: list[str]
+
+
+@dataclass(frozen=True)
 class MaskedInput:
     """Stage 3, device to coordinator: its fixed-point update plus its self mask and pairwise masks (uint32)."""
 

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 PRIME = 2**521 - 1
 SHARE_PURPOSE, MASK_PURPOSE = b"secagg-share-encryption", b"secagg-pairwise-mask"
-CONFIRM_PURPOSE = b"secagg-view-confirmation"
+CONFIRM_PURPOSE, RECORD_PURPOSE = b"secagg-view-confirmation", b"secagg-record-authentication"
 WAIT = 30.0
 
 
@@ -42,25 +42,42 @@ def bound(context: bytes, sender: str, recipient: str) -> bytes:
     return b"|".join((context, sender.encode(), recipient.encode()))
 
 
-def seal(key: bytes, plaintext: bytes, associated: bytes) -> bytes:
-    """AES-256-GCM, the nonce first."""
+def mac(key: bytes, data: bytes) -> bytes:
+    """HMAC-SHA256."""
+    digest = hmac.HMAC(key, hashes.SHA256())
+    digest.update(data)
+    return digest.finalize()
+
+
+def seal(
+    sender: Party, recipient_public: bytes, context: bytes, names: tuple[str, str], plaintext: bytes
+) -> tuple[bytes, bytes]:
+    """A record as the layout has it: a fresh ephemeral public key E, the nonce, AES-256-GCM under
+    HKDF(X25519(e, recipient)), and the HMAC under the pair's record key; with the ephemeral secret."""
+    ephemeral, public = raw(X25519PrivateKey.generate())
+    associated = bound(context, *names)
     nonce = os.urandom(12)
-    return nonce + AESGCM(key).encrypt(nonce, plaintext, associated)
+    body = (
+        public
+        + nonce
+        + AESGCM(agreed(ephemeral, recipient_public, SHARE_PURPOSE, context)).encrypt(nonce, plaintext, associated)
+    )
+    pair_key = agreed(sender.cipher_secret, recipient_public, RECORD_PURPOSE, context)
+    return body + mac(pair_key, associated + body), ephemeral
 
 
-def unseal(key: bytes, sealed: bytes, associated: bytes) -> bytes | None:
-    """The plaintext, or None when the record does not open."""
+def unseal(recipient: Party, sealed: bytes, context: bytes, names: tuple[str, str]) -> bytes | None:
+    """A record's plaintext opened by its recipient, or None when it does not open."""
+    key = agreed(recipient.cipher_secret, sealed[:32], SHARE_PURPOSE, context)
     try:
-        return AESGCM(key).decrypt(sealed[:12], sealed[12:], associated)
+        return AESGCM(key).decrypt(sealed[32:44], sealed[44:-32], bound(context, *names))
     except InvalidTag:
         return None
 
 
 def confirmation(key: bytes, context: bytes, sender: str, recipient: str) -> bytes:
     """The MAC saying "the sender saw the recipient survive"."""
-    mac = hmac.HMAC(key, hashes.SHA256())
-    mac.update(b"survivor|" + bound(context, sender, recipient))
-    return mac.finalize()
+    return mac(key, b"survivor|" + bound(context, sender, recipient))
 
 
 def share_of(secret: bytes, threshold: int, x: int) -> tuple[bytes, list[int]]:

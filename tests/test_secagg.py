@@ -13,7 +13,17 @@ from coordinator.secagg_round import ABANDONED
 from coordinator.secagg_server import SecAggServer
 from edge_agent.loop.secagg_device import SecAggDevice
 from protocol.errors import UsageError
-from protocol.messages import RejectionKind, ShareDelivery, SurvivorView, UnmaskRequest
+from protocol.messages import (
+    DeliveryAck,
+    MaskRequest,
+    RecordKeyRequest,
+    RejectionKind,
+    ShareBundle,
+    ShareDelivery,
+    SurvivorView,
+    UnmaskRequest,
+)
+from protocol.secagg import keys
 from protocol.secagg.errors import SecAggAbandoned, SecAggRefusal
 from protocol.secagg.fixed_point import FixedPoint, flat
 
@@ -153,20 +163,23 @@ def test_forged_and_misaddressed_messages_are_refused_with_their_kinds() -> None
     deliveries = {delivery.device_id: delivery for delivery in server.deliveries()}
     target = deliveries["dev003"]
     refused(RejectionKind.WRONG_RECIPIENT, devices["dev004"].on_delivery, target)
-    forged = dataclasses.replace(
-        target, ciphertexts=[bytes([target.ciphertexts[0][0] ^ 1]) + target.ciphertexts[0][1:], *target.ciphertexts[1:]]
-    )
-    refused(RejectionKind.FORGED_SHARE, devices["dev003"].on_delivery, forged)
-    sender = target.senders[0]  # its record sealed for dev003, handed to another of its neighbours
+    sender = target.senders[0]  # its record altered on the way, or sealed for dev003 and handed to another
+    altered = dataclasses.replace(target, ciphertexts=[b"\x01" + target.ciphertexts[0][1:], *target.ciphertexts[1:]])
     other = next(peer for peer in rosters[sender].neighbours if peer != "dev003")
     theirs = deliveries[other]
     records = [
         target.ciphertexts[0] if peer == sender else sealed for peer, sealed in zip(theirs.senders, theirs.ciphertexts)
     ]
-    refused(RejectionKind.FORGED_SHARE, devices[other].on_delivery, dataclasses.replace(theirs, ciphertexts=records))
+    for device, delivery in (("dev003", altered), (other, dataclasses.replace(theirs, ciphertexts=records))):
+        ack = SecAggDevice.restored(devices[device].snapshot()).on_delivery(delivery)  # passed over, nobody blamed
+        assert sender not in ack.held and ack.accused == [] and len(ack.held) == len(delivery.senders) - 1
     for device, delivery in deliveries.items():
-        devices[device].on_delivery(delivery)
+        server.on_ack(devices[device].on_delivery(delivery))
     refused(RejectionKind.WRONG_STAGE, devices["dev003"].on_delivery, target)
+    refused(RejectionKind.WRONG_STAGE, devices["dev000"].masked_input, updates["dev000"])  # its partners not known
+    assert server.key_requests() == []
+    for request in server.mask_requests():
+        devices[request.device_id].on_mask_request(request)
     masked = devices["dev000"].masked_input(updates["dev000"])
     server.on_masked(masked)
     refused(RejectionKind.DUPLICATE, server.on_masked, masked)
@@ -206,6 +219,10 @@ def test_a_device_with_fewer_than_threshold_shares_refuses_to_mask() -> None:
         assert device.state.stage == "shared" and device.state.held_from == []
         refused(RejectionKind.WRONG_STAGE, device.masked_input, updates["dev001"])
     device.on_delivery(delivery)
+    few = MaskRequest("dev001", ROUND, device.state.neighbours[: threshold - 1])
+    refused(RejectionKind.UNSAFE_REQUEST, device.on_mask_request, few)  # fewer partners than the threshold
+    assert device.state.stage == "delivered"
+    device.on_mask_request(MaskRequest("dev001", ROUND, device.state.neighbours))
     assert device.masked_input(updates["dev001"]).device_id == "dev001"
 
 
@@ -252,6 +269,87 @@ def test_a_device_told_its_neighbours_dropped_gives_no_seed_share_without_their_
     assert confirmation.dropped == ["dev000", "dev001", "dev004", "dev005"] and len(confirmation.pair_seeds) == 4
     assert views["dev002"].survivors != alone.survivors
     refused(RejectionKind.UNSAFE_REQUEST, device.on_unmask, UnmaskRequest("dev002", ROUND, ["dev000"], [bytes(32)]))
+
+
+def forging(forger: SecureRound, name: str, victims: Callable[[list[str]], list[str]]) -> Callable:
+    """A bundle alteration: the named device's records to its victims replaced by authentic ones (the pair's MAC)
+    that hold no share."""
+
+    def altered(bundle: ShareBundle) -> ShareBundle:
+        if bundle.device_id != name:
+            return bundle
+        state, hit = forger.devices[name].state, victims(bundle.recipients)
+        records = [
+            keys.seal_record(state.cipher_secret, state.peer_key(peer, True), state.context, name, peer, bytes(68))
+            if peer in hit
+            else sealed
+            for peer, sealed in zip(bundle.recipients, bundle.ciphertexts)
+        ]
+        return dataclasses.replace(bundle, ciphertexts=records)
+
+    return altered
+
+
+@pytest.mark.parametrize("victims", [lambda peers: peers[:1], lambda peers: peers], ids=["one", "every"])
+@pytest.mark.parametrize("answers", [True, False], ids=["reveals", "silent"])
+def test_a_forged_record_excludes_its_sender_and_the_round_commits_without_it(victims, answers) -> None:
+    updates = head_updates(6, seed=15)
+    secure = SecureRound.started(updates)
+    forger, honest = "dev002", [d for d in sorted(updates) if d != "dev002"]
+    secure.send_shares(forging(secure, forger, victims))
+    secure.deliver()
+    secure.partner(silent=[] if answers else [forger])
+    state = secure.server.state
+    assert state.excluded == [forger] and forger not in state.maskers
+    reason = state.exclusion_reasons[0]
+    assert reason.startswith(repr(forger)) and len(reason) <= 300
+    assert ("does not open" in reason) == answers and ("did not reveal" in reason) == (not answers)
+    refused(RejectionKind.WRONG_STAGE, secure.devices[forger].masked_input, updates[forger])  # never asked to mask
+    secure.mask(honest)
+    result = secure.unmask(honest)
+    assert result.survivors == honest
+    assert largest_error(result.total, plain_sum(updates, honest)) <= result.error_bound
+
+
+def test_a_false_complaint_excludes_the_accuser_and_keeps_the_accused() -> None:
+    updates = head_updates(6, seed=16)
+    secure = SecureRound.started(updates)
+    liar, victim = "dev004", "dev001"
+
+    def lie(ack: DeliveryAck) -> DeliveryAck:
+        if ack.device_id != liar:
+            return ack
+        state = secure.devices[liar].state
+        key = keys.agreed_key(state.cipher_secret, state.peer_key(victim, True), keys.RECORD_PURPOSE, state.context)
+        return dataclasses.replace(ack, held=[d for d in ack.held if d != victim], accused=[victim], pair_keys=[key])
+
+    secure.send_shares()
+    secure.deliver(lie)
+    secure.partner()
+    state = secure.server.state
+    assert state.excluded == [liar] and "opens as a share" in state.exclusion_reasons[0]
+    kept = [d for d in sorted(updates) if d != liar]
+    secure.mask(kept)
+    result = secure.unmask(kept)
+    assert result.survivors == kept and largest_error(result.total, plain_sum(updates, kept)) <= result.error_bound
+
+
+def test_a_complaint_whose_key_does_not_check_excludes_the_accuser() -> None:
+    updates = head_updates(6, seed=17)
+    secure = SecureRound.started(updates)
+    secure.send_shares()
+    liar = "dev003"
+    wrong = bytes(32)
+    secure.deliver(
+        lambda ack: (
+            dataclasses.replace(ack, accused=["dev000"], pair_keys=[wrong], held=ack.held[1:])
+            if ack.device_id == liar
+            else ack
+        )
+    )
+    assert secure.server.state.excluded == [liar] and secure.server.state.accused == []
+    device = secure.devices["dev000"]
+    refused(RejectionKind.UNSAFE_REQUEST, device.on_key_request, RecordKeyRequest("dev000", ROUND, [liar], [wrong]))
 
 
 def test_a_device_refuses_a_roster_whose_threshold_is_no_majority() -> None:

@@ -15,11 +15,9 @@ import numpy as np
 import pytest
 from secagg_attacker import (
     MASK_PURPOSE,
-    SHARE_PURPOSE,
     MaliciousCoordinator,
     Party,
     agreed,
-    bound,
     combine,
     flat_tensors,
     prg,
@@ -158,10 +156,8 @@ class Attack:
     def opened(self, owner: str) -> bytes:
         """The share of the owner's seed that the owner sealed for the colluding device."""
         bundle = self.bundles[owner]
-        key = agreed(self.mal.keys.cipher_secret, self.parties[owner].cipher_public, SHARE_PURPOSE, self.context)
-        share = unseal(
-            key, bundle["ciphertexts"][bundle["recipients"].index(self.mal.me)], bound(self.context, owner, "mal")
-        )
+        sealed = bundle["ciphertexts"][bundle["recipients"].index(self.mal.me)]
+        share = unseal(self.mal.keys, sealed, self.context, (owner, self.mal.me))
         assert share is not None
         return share
 
@@ -174,8 +170,8 @@ class Attack:
                 senders.append(owner)
                 sealed.append(bundle["ciphertexts"][bundle["recipients"].index(device)])
         share, _ = share_of(b"\x01" * 32, THRESHOLD, 1 + self.neighbours(self.mal.me).index(device))
-        key = agreed(self.mal.keys.cipher_secret, self.parties[device].cipher_public, SHARE_PURPOSE, self.context)
-        return [*senders, self.mal.me], [*sealed, seal(key, share, bound(self.context, self.mal.me, device))]
+        record, _ = seal(self.mal.keys, self.parties[device].cipher_public, self.context, (self.mal.me, device), share)
+        return [*senders, self.mal.me], [*sealed, record]
 
     def deliver(self, device: str, count: int | None = None) -> None:
         """Sends a device its records (only the first `count` of them when given)."""
@@ -189,11 +185,19 @@ class Attack:
             ciphertexts=sealed[:count],
         )
 
+    def partner(self, device: str) -> None:
+        """Tells a device to mask with all its neighbours."""
+        self.mal.send(device, "secagg_mask", device_id=device, round_id=self.round_id, partners=self.neighbours(device))
+
     def masked(self) -> dict[str, np.ndarray]:
-        """Every honest device's shares delivered, updates trained: each one's masked input, kept apart."""
+        """Every honest device's shares delivered (acknowledged), updates trained, partners named: each one's masked
+        input, kept apart."""
         for device in HONEST:
             self.deliver(device)
+        assert all(ack["accused"] == [] for ack in self.mal.collect("secagg_ack", len(HONEST)).values())
         self.fleet.train(self.round_id, HONEST)
+        for device in HONEST:
+            self.partner(device)
         inputs = self.mal.collect("secagg_masked", len(HONEST))
         return {device: flat_tensors(message["masked"]) for device, message in inputs.items()}
 
@@ -265,9 +269,11 @@ def test_a_device_with_fewer_than_threshold_shares_sends_no_masked_input(attacke
     fleet.train(1, [TARGET])
     for count in (0, THRESHOLD - 1):
         attack.deliver(TARGET, count)
-        assert [m for m in mal.quiet(2.0) if m.get("kind") == "secagg_masked"] == []
+        assert [m.get("kind") for m in mal.quiet(2.0)] == []  # no acknowledgement, nothing masked
         assert fleet.stage(TARGET) == "shared"
     attack.deliver(TARGET)
+    assert list(mal.collect("secagg_ack", 1)) == [TARGET]
+    attack.partner(TARGET)
     assert list(mal.collect("secagg_masked", 1)) == [TARGET]
 
 

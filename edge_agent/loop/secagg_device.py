@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import os
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -10,9 +11,13 @@ from typing import ClassVar
 from protocol import wire
 from protocol.errors import UsageError
 from protocol.messages import (
+    DeliveryAck,
     KeyAdvert,
     KeyRoster,
     MaskedInput,
+    MaskRequest,
+    RecordKeyRequest,
+    RecordKeyReveal,
     RejectionKind,
     ShareBundle,
     ShareDelivery,
@@ -34,14 +39,16 @@ from protocol.secagg.errors import SecAggRefusal
 from protocol.secagg.fixed_point import FixedPoint, flat, layout_of, shaped
 from protocol.tensors import Weights
 
-ADVERTISED, SHARED, DELIVERED, MASKED, VIEWED = "advertised", "shared", "delivered", "masked", "viewed"
+ADVERTISED, SHARED, DELIVERED, PARTNERED = "advertised", "shared", "delivered", "partnered"
+MASKED, VIEWED = "masked", "viewed"
 
 
 @dataclass(frozen=True)
 class DeviceSecAggState:
     """Everything a device needs to finish a round after a restart (its secrets included: it lives in the device's
-    own state directory). `clip` and `dropout` are the recipe's until a roster that matches them arrives; `view` is
-    the one set of surviving neighbours the device confirmed (it reveals by it and takes no other)."""
+    own state directory). `clip` and `dropout` are the recipe's until a roster that matches them arrives; `accused`
+    are the neighbours whose records did not open, `partners` those it masks with, `view` the one set of surviving
+    partners it confirmed (it reveals by it and takes no other)."""
 
     KIND: ClassVar[str] = "secagg_device_state"
     device_id: str
@@ -61,6 +68,8 @@ class DeviceSecAggState:
     mask_keys: list[bytes] = field(default_factory=list)
     held_from: list[str] = field(default_factory=list)
     held_records: list[bytes] = field(default_factory=list)
+    accused: list[str] = field(default_factory=list)
+    partners: list[str] = field(default_factory=list)
     view: list[str] = field(default_factory=list)
     survivor_count: int = 0
 
@@ -127,38 +136,94 @@ class SecAggDevice:
         self.state = state
         return bundle
 
-    def on_delivery(self, delivery: ShareDelivery) -> None:
-        """Stage 2's answer: open and keep each neighbour's share (a record that does not open refuses them all), and
-        only when at least `threshold` neighbours' shares arrived: with fewer, the device's own secret would rest on
-        fewer holders than the round promised, so it refuses and will send no masked input."""
+    def on_delivery(self, delivery: ShareDelivery) -> DeliveryAck:
+        """Stage 2's answer: keeps each neighbour's record that carries the pair's MAC and opens as one share, accuses
+        each sender whose authentic record does not (with the pair's record key as proof), and passes over a record
+        without the MAC (altered on the way: nobody can be blamed). Fewer than `threshold` records kept: the device's
+        secret would rest on fewer holders than the round promised, so it refuses and will send no masked input."""
         state = self.state
         self._check(delivery.device_id, delivery.round_id, SHARED, "a share delivery")
         check_pairs(delivery.senders, delivery.ciphertexts, "the delivery")
         check_within(delivery.senders, state.neighbours, RejectionKind.WRONG_RECIPIENT, "shares from non-neighbours")
-        if len(delivery.senders) < state.threshold:
+        held: dict[str, bytes] = {}
+        accused: dict[str, bytes] = {}
+        for sender, sealed in zip(delivery.senders, delivery.ciphertexts):
+            pair_key = self._pair_key(sender, keys.RECORD_PURPOSE)
+            associated = keys.share_context(state.context, sender, state.device_id)
+            if not keys.record_authentic(pair_key, sealed, associated):
+                continue
+            try:
+                held[sender] = self._opened(sender, sealed, associated)
+            except SecAggRefusal:
+                accused[sender] = pair_key
+        if len(held) < state.threshold:
             raise SecAggRefusal(
-                RejectionKind.UNSAFE_REQUEST,
-                f"shares from {len(delivery.senders)} neighbours, at least {state.threshold} needed to mask",
+                RejectionKind.UNSAFE_REQUEST, f"shares from {len(held)} neighbours, at least {state.threshold} needed"
             )
-        records = [self._opened(sender, sealed) for sender, sealed in zip(delivery.senders, delivery.ciphertexts)]
-        self.state = dataclasses.replace(state, held_from=list(delivery.senders), held_records=records, stage=DELIVERED)
+        self.state = dataclasses.replace(
+            state, held_from=list(held), held_records=list(held.values()), accused=list(accused), stage=DELIVERED
+        )
+        return DeliveryAck(state.device_id, state.round_id, list(held), list(accused), list(accused.values()))
+
+    def on_key_request(self, request: RecordKeyRequest) -> RecordKeyReveal:
+        """A complaint against this device's records: the ephemeral secret of its record to each accuser, only for
+        an accuser whose pair key is the pair's (so the accuser really complained: an honest one only does when the
+        record did not open, which never happens to an honest sender, so the record revealed is one a dishonest
+        accuser holds anyway)."""
+        state = self.state
+        check_addressed(state.device_id, request.device_id)
+        check_round(state.round_id, request.round_id)
+        if state.stage in (ADVERTISED, SHARED):
+            raise SecAggRefusal(
+                RejectionKind.WRONG_STAGE, f"a complaint arrived while the round is in stage {state.stage!r}"
+            )
+        check_pairs(request.accusers, request.pair_keys, "the complaint")
+        check_within(
+            request.accusers, state.neighbours, RejectionKind.UNSAFE_REQUEST, "complaints from non-neighbours:"
+        )
+        wrong = sorted(
+            accuser
+            for accuser, key in zip(request.accusers, request.pair_keys)
+            if not hmac.compare_digest(self._pair_key(accuser, keys.RECORD_PURPOSE), key)
+        )
+        if wrong:
+            raise SecAggRefusal(
+                RejectionKind.UNSAFE_REQUEST, f"complaints from {wire.shown_names(wrong)} without the pair key"
+            )
+        secrets = [keys.record_ephemeral(state.cipher_secret, state.context, accuser) for accuser in request.accusers]
+        return RecordKeyReveal(state.device_id, state.round_id, list(request.accusers), secrets)
+
+    def on_mask_request(self, request: MaskRequest) -> None:
+        """Stage 3's start: the neighbours still in the round become the device's mask partners (less any it
+        accused), once it holds at least `threshold` of their records."""
+        state = self.state
+        self._check(request.device_id, request.round_id, DELIVERED, "a mask request")
+        check_unique(request.partners, "the mask request")
+        check_within(request.partners, state.neighbours, RejectionKind.UNSAFE_REQUEST, "names non-neighbours:")
+        partners = sorted(set(request.partners) - set(state.accused))
+        held = [peer for peer in state.held_from if peer in partners]
+        if len(held) < state.threshold:
+            raise SecAggRefusal(
+                RejectionKind.UNSAFE_REQUEST, f"shares from {len(held)} partners, at least {state.threshold} needed"
+            )
+        self.state = dataclasses.replace(state, partners=partners, stage=PARTNERED)
 
     def masked_input(self, update: Weights) -> MaskedInput:
-        """Stage 3: the update in fixed point, plus the self mask, plus a pairwise mask with every neighbour of the
-        roster (whether or not its shares arrived: whoever holds a share of this device's seed is a mask partner,
-        so no share can be revealed without hiding a mask only that holder can take off)."""
+        """Stage 3: the update in fixed point, plus the self mask, plus a pairwise mask with every partner (whether
+        or not its record arrived: whoever holds a share of this device's seed is a mask partner, so no share can be
+        revealed without hiding a mask only that holder can take off)."""
         state = self.state
-        check_stage(state.stage, DELIVERED, "a request to mask the update")
+        check_stage(state.stage, PARTNERED, "a request to mask the update")
         encoded = FixedPoint(state.clip, state.max_summands).encode(flat(update))
-        pairs = [(masks.pairwise_sign(state.device_id, peer), self._mask_seed(peer)) for peer in state.neighbours]
+        pairs = [(masks.pairwise_sign(state.device_id, peer), self._mask_seed(peer)) for peer in state.partners]
         vector = masks.masked(encoded, state.self_seed, pairs)
         self.state = dataclasses.replace(state, stage=MASKED)
         return MaskedInput(state.device_id, state.round_id, shaped(vector, layout_of(update)))
 
     def on_view(self, view: SurvivorView) -> ViewConfirmation:
-        """Stage 4a: takes the coordinator's one view of which neighbours survived (the same view again gets the same
-        answer; another is refused), confirms it to each surviving neighbour with a MAC only that neighbour can
-        check, and reveals the pairwise mask seed of each other neighbour."""
+        """Stage 4a: takes the coordinator's one view of which partners survived (the same view again gets the same
+        answer; another is refused), confirms it to each surviving partner with a MAC only that partner can check,
+        and reveals the pairwise mask seed of each other partner."""
         state = self.state
         check_addressed(state.device_id, view.device_id)
         check_round(state.round_id, view.round_id)
@@ -171,8 +236,11 @@ class SecAggDevice:
             check_stage(state.stage, MASKED, "a survivor view")
         _check_view(state, view)
         survivors = sorted(view.survivors)
-        dropped = [peer for peer in state.neighbours if peer not in survivors]
-        tags = [keys.survivor_tag(self._confirm_key(peer), state.context, state.device_id, peer) for peer in survivors]
+        dropped = [peer for peer in state.partners if peer not in survivors]
+        tags = [
+            keys.survivor_tag(self._pair_key(peer, keys.CONFIRM_PURPOSE), state.context, state.device_id, peer)
+            for peer in survivors
+        ]
         seeds = [self._mask_seed(peer) for peer in dropped]
         self.state = dataclasses.replace(state, view=survivors, survivor_count=view.survivor_count, stage=VIEWED)
         return ViewConfirmation(state.device_id, state.round_id, survivors, tags, dropped, seeds)
@@ -189,7 +257,9 @@ class SecAggDevice:
         forged = sorted(
             sender
             for sender, tag in zip(request.senders, request.tags)
-            if not keys.tag_valid(self._confirm_key(sender), state.context, sender, state.device_id, tag)
+            if not keys.tag_valid(
+                self._pair_key(sender, keys.CONFIRM_PURPOSE), state.context, sender, state.device_id, tag
+            )
         )
         if forged:
             raise SecAggRefusal(
@@ -203,21 +273,20 @@ class SecAggDevice:
         check_round(self.state.round_id, round_id)
         check_stage(self.state.stage, stage, what)
 
-    def _opened(self, sender: str, sealed: bytes) -> bytes:
-        """A neighbour's record, opened with the pair's key and checked to be one share."""
+    def _opened(self, sender: str, sealed: bytes, associated: bytes) -> bytes:
+        """A neighbour's authentic record, opened with its ephemeral key and checked to be one share."""
         state = self.state
-        key = keys.agreed_key(state.cipher_secret, state.peer_key(sender, True), keys.SHARE_PURPOSE, state.context)
-        record = keys.decrypt(key, sealed, keys.share_context(state.context, sender, state.device_id))
-        shamir.Share.from_bytes(record)
-        return record
+        share = keys.open_record(state.cipher_secret, sealed[: keys.KEY_BYTES], sealed, associated, state.context)
+        shamir.Share.from_bytes(share)
+        return share
 
     def _mask_seed(self, peer: str) -> bytes:
         state = self.state
         return keys.agreed_key(state.mask_secret, state.peer_key(peer, False), keys.MASK_PURPOSE, state.context)
 
-    def _confirm_key(self, peer: str) -> bytes:
+    def _pair_key(self, peer: str, purpose: bytes) -> bytes:
         state = self.state
-        return keys.agreed_key(state.cipher_secret, state.peer_key(peer, True), keys.CONFIRM_PURPOSE, state.context)
+        return keys.agreed_key(state.cipher_secret, state.peer_key(peer, True), purpose, state.context)
 
 
 def _check_settings(roster: KeyRoster, own_id: str) -> None:
@@ -256,10 +325,12 @@ def _sealed_shares(state: DeviceSecAggState) -> ShareBundle:
     and the seed's commitment. The mask key is not shared: a dropped neighbour's masks are taken out by the
     survivors revealing their own pairwise seeds with it."""
     shares = shamir.split(state.self_seed, state.threshold, len(state.neighbours))
-    sealed = []
-    for peer, share in zip(state.neighbours, shares):
-        key = keys.agreed_key(state.cipher_secret, state.peer_key(peer, True), keys.SHARE_PURPOSE, state.context)
-        sealed.append(keys.encrypt(key, share.to_bytes(), keys.share_context(state.context, state.device_id, peer)))
+    sealed = [
+        keys.seal_record(
+            state.cipher_secret, state.peer_key(peer, True), state.context, state.device_id, peer, share.to_bytes()
+        )
+        for peer, share in zip(state.neighbours, shares)
+    ]
     commitment = masks.seed_commitment(state.context, state.device_id, state.self_seed)
     return ShareBundle(state.device_id, state.round_id, list(state.neighbours), sealed, commitment)
 
@@ -268,7 +339,7 @@ def _check_view(state: DeviceSecAggState, view: SurvivorView) -> None:
     """A view an honest device confirms: surviving neighbours named once each, none outside its roster, not itself,
     and at least the round's minimum of survivors in all (else the sum would be too few devices' updates)."""
     check_unique(view.survivors, "the survivor view")
-    check_within(view.survivors, state.neighbours, RejectionKind.UNSAFE_REQUEST, "calls non-neighbours survivors:")
+    check_within(view.survivors, state.partners, RejectionKind.UNSAFE_REQUEST, "calls non-partners survivors:")
     if view.survivor_count < max(state.min_survivors, len(view.survivors) + 1):
         raise SecAggRefusal(
             RejectionKind.UNSAFE_REQUEST,

@@ -20,6 +20,8 @@ NONCE_BYTES = 12
 MASK_PURPOSE = b"secagg-pairwise-mask"
 SHARE_PURPOSE = b"secagg-share-encryption"
 CONFIRM_PURPOSE = b"secagg-view-confirmation"
+RECORD_PURPOSE = b"secagg-record-authentication"
+EPHEMERAL_PURPOSE = b"secagg-record-ephemeral"
 TAG_BYTES = 32
 
 
@@ -85,11 +87,51 @@ def survivor_tag(key: bytes, context: bytes, sender: str, recipient: str) -> byt
     """HMAC-SHA256, under the pair's confirmation key, of "the sender's view calls the recipient a survivor" in this
     round: the recipient reveals a share of the sender's self-mask seed only with it (the coordinator routes it and
     cannot make one)."""
-    mac = crypto_hmac.HMAC(key, hashes.SHA256())
-    mac.update(b"|".join((b"survivor", share_context(context, sender, recipient))))
-    return mac.finalize()
+    return _mac(key, b"|".join((b"survivor", share_context(context, sender, recipient))))
 
 
 def tag_valid(key: bytes, context: bytes, sender: str, recipient: str, tag: bytes) -> bool:
     """Whether a tag is the sender's confirmation that it saw the recipient survive (compared in constant time)."""
     return hmac.compare_digest(survivor_tag(key, context, sender, recipient), tag)
+
+
+def record_ephemeral(cipher_secret: bytes, context: bytes, recipient: str) -> bytes:
+    """The sender's one-record X25519 secret for a recipient, derived from its cipher secret (so a restart gives it
+    again) by HKDF (so revealing it, to settle a complaint, exposes that one record and nothing else)."""
+    info = b"|".join((EPHEMERAL_PURPOSE, context, recipient.encode()))
+    return HKDF(hashes.SHA256(), KEY_BYTES, salt=None, info=info).derive(cipher_secret)
+
+
+def seal_record(
+    cipher_secret: bytes, recipient_public: bytes, context: bytes, sender: str, recipient: str, plaintext: bytes
+) -> bytes:
+    """A record only the recipient opens, whose sender the coordinator can later hold to it: the ephemeral public
+    key E, then AES-GCM under HKDF(X25519(e, recipient)), then an HMAC under the pair's record key (the recipient
+    knows the record is the sender's as sent: the coordinator cannot make one)."""
+    ephemeral = record_ephemeral(cipher_secret, context, recipient)
+    associated = share_context(context, sender, recipient)
+    key = agreed_key(ephemeral, recipient_public, SHARE_PURPOSE, context)
+    body = KeyPair.from_secret(ephemeral).public + encrypt(key, plaintext, associated)
+    pair_key = agreed_key(cipher_secret, recipient_public, RECORD_PURPOSE, context)
+    return body + _mac(pair_key, associated + body)
+
+
+def record_authentic(pair_key: bytes, sealed: bytes, associated: bytes) -> bool:
+    """Whether a record carries the pair's MAC (it left its sender as it is)."""
+    body = sealed[:-TAG_BYTES]
+    return len(sealed) > KEY_BYTES + TAG_BYTES and hmac.compare_digest(
+        _mac(pair_key, associated + body), sealed[-TAG_BYTES:]
+    )
+
+
+def open_record(secret: bytes, other_public: bytes, sealed: bytes, associated: bytes, context: bytes) -> bytes:
+    """A record's plaintext, opened by the recipient (its cipher secret, the record's E) or by whoever the sender
+    revealed the record's ephemeral secret to (that secret, the recipient's cipher key): forged_share when it does
+    not open."""
+    return decrypt(agreed_key(secret, other_public, SHARE_PURPOSE, context), sealed[KEY_BYTES:-TAG_BYTES], associated)
+
+
+def _mac(key: bytes, data: bytes) -> bytes:
+    mac = crypto_hmac.HMAC(key, hashes.SHA256())
+    mac.update(data)
+    return mac.finalize()
