@@ -133,12 +133,14 @@ class Party:
 @dataclass
 class MaliciousCoordinator:
     """A plain MQTT client that plays the coordinator of a fleet's secure round (and, colluding, one of its devices
-    named `me`): it reads the devices' stage messages and sends them whatever it likes."""
+    named `me`): it reads the devices' stage messages and sends them whatever it likes. `listen` is the topic it
+    reads under the fleet's devices (a device of its own reads its `secagg_in`)."""
 
     host: str
     port: int
     fleet: str
     me: str = "mal"
+    listen: str = "+/secagg"
     inbox: queue.Queue = field(default_factory=queue.Queue)
 
     def __post_init__(self) -> None:
@@ -146,7 +148,7 @@ class MaliciousCoordinator:
         self.client.on_message = lambda c, u, m: self.inbox.put((m.topic.split("/")[3], msgpack.unpackb(m.payload)))
         self.client.connect(self.host, self.port)
         self.client.loop_start()
-        self.client.subscribe(f"fl/{self.fleet}/devices/+/secagg", qos=1)
+        self.client.subscribe(f"fl/{self.fleet}/devices/{self.listen}", qos=1)
         self.keys = Party.fresh()
 
     def send(self, device: str, kind: str, **fields: Any) -> None:

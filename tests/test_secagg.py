@@ -395,7 +395,11 @@ def test_both_sides_survive_a_restart_between_every_stage() -> None:
         secure.devices = {d: SecAggDevice.restored(device.snapshot()) for d, device in secure.devices.items()}
 
     restart()
-    secure.share()
+    secure.send_shares()
+    restart()
+    secure.deliver()
+    restart()
+    secure.partner()
     restart()
     secure.mask(updates)
     restart()

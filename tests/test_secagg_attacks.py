@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
+import os
 import queue
 import threading
 import time
@@ -11,8 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
+from coordinators import local_coordinator
 from secagg_attacker import (
     MASK_PURPOSE,
     MaliciousCoordinator,
@@ -26,6 +30,12 @@ from secagg_attacker import (
     unseal,
 )
 
+from coordinator.dashboard.live import LiveState
+from coordinator.dashboard.metrics import render_metrics
+from coordinator.evaluation import Evaluator, LabelledSplit
+from coordinator.rounds import RoundPolicy
+from coordinator.store import RunStore
+from coordinator.strategies import make_strategy
 from edge_agent.data.journal import Journal
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.loop.secagg_participant import SecAggParticipant
@@ -306,3 +316,100 @@ def test_split_survivor_views_and_one_colluder_recover_nothing(attacked, target_
         secret = fleet.run(lambda: fleet.participants[TARGET].device.state.mask_secret)
         known = {**pairs, "dev1": attack.mask_seed(secret, "dev1")}
         assert np.abs(unmasked(masked[TARGET], seed, known, TARGET) - truth).max() < 1e-6
+
+
+class PlainForger:
+    """A device written from the message layouts (paho + msgpack + cryptography) that takes part in a real
+    coordinator's secure round and seals a record holding no share, under the pair's MAC, for each victim."""
+
+    def __init__(self, mal: MaliciousCoordinator, victims: Callable[[list[str]], list[str]], answers: bool) -> None:
+        self.mal, self.victims, self.answers = mal, victims, answers
+        self.ephemeral: dict[str, bytes] = {}
+
+    def publish(self, kind: str, **fields: Any) -> None:
+        payload = msgpack.packb({"v": 2, "kind": kind, "device_id": self.mal.me, **fields}, use_bin_type=True)
+        self.mal.client.publish(f"fl/{FLEET}/devices/{self.mal.me}/secagg", payload, qos=1).wait_for_publish(30)
+
+    def play(self, round_id: int) -> None:
+        """Advertises, shares (forging its victims' records), acknowledges, and settles or ignores complaints."""
+        keys = self.mal.keys
+        self.publish("secagg_keys", round_id=round_id, cipher_key=keys.cipher_public, mask_key=keys.mask_public)
+        roster = self.expect("secagg_roster")
+        context = f"{roster['run_id']}/{round_id}".encode()
+        peers, hit = roster["neighbours"], self.victims(roster["neighbours"])
+        seed, records = os.urandom(32), []
+        for x, (peer, public) in enumerate(zip(peers, roster["cipher_keys"]), start=1):
+            share, _ = share_of(seed, roster["threshold"], x)
+            record, self.ephemeral[peer] = seal(
+                keys, public, context, (self.mal.me, peer), bytes(68) if peer in hit else share
+            )
+            records.append(record)
+        commitment = hashlib.sha256(b"|".join((b"secagg-seed", context, self.mal.me.encode(), seed))).digest()
+        self.publish(
+            "secagg_shares", round_id=round_id, recipients=peers, ciphertexts=records, seed_commitment=commitment
+        )
+        delivery = self.expect("secagg_delivery")
+        self.publish("secagg_ack", round_id=round_id, held=delivery["senders"], accused=[], pair_keys=[])
+        if self.answers:
+            request = self.expect("secagg_key_request")
+            secrets = [self.ephemeral[accuser] for accuser in request["accusers"]]
+            self.publish(
+                "secagg_key_reveal", round_id=round_id, accusers=request["accusers"], ephemeral_secrets=secrets
+            )
+
+    def expect(self, kind: str) -> dict[str, Any]:
+        return self.mal.collect(kind, 1)[self.mal.me]
+
+
+@pytest.mark.parametrize(
+    ("victims", "answers"),
+    [(lambda peers: peers[:1], True), (lambda peers: peers, True), (lambda peers: peers, False)],
+    ids=["one-reveals", "every-reveals", "every-silent"],
+)
+def test_a_forged_record_over_mqtt_excludes_the_forger_and_commits_the_honest_mean(
+    broker, tmp_path, fashion, victims, answers
+) -> None:
+    """Issue 33, item 4, against a real coordinator: a plain device seals a record with no share (under the pair's
+    MAC) for one neighbour or for every one. Each victim keeps the others' records and complains; the forger reveals
+    the record's key (or says nothing) and is excluded; the round commits FedAvg of the three honest devices, the
+    forger named in a forged_share rejection, in the round's metrics and in /metrics."""
+    base = get_weights(build_model(seed=0))
+    fleet = HonestFleet(broker.address, tmp_path, base)
+    mal = MaliciousCoordinator(broker.address.host, broker.address.port, FLEET, listen="mal/secagg_in")
+    forger = PlainForger(mal, victims, answers)
+    session = MqttSession(broker.address, client_id="coordinator")
+    store = RunStore(tmp_path / "run")
+    try:
+        split = LabelledSplit.from_uint8(fashion.test_images[:20], fashion.test_labels[:20])
+        evaluator = Evaluator(DEFAULT_SPEC, split, split, 1, 0)
+        policy = RoundPolicy(rounds=1, round_timeout=3.0)
+        coordinator = local_coordinator(FLEET, session, store, make_strategy("fedavg"), evaluator, policy, RECIPE)
+        live = LiveState(1)
+        coordinator.parts = dataclasses.replace(coordinator.parts, observer=live)
+        session.connect(timeout=10)
+        coordinator.start()
+        for device in [*HONEST, mal.me]:
+            coordinator.parts.presence.statuses[device] = messages.Status(device, "online", time.time())
+        outcome: list = []
+        thread = threading.Thread(target=lambda: outcome.append(coordinator.run_round(1, base)))
+        thread.start()
+        fleet.begin(1)
+        fleet.train(1, HONEST)
+        forger.play(1)
+        thread.join(timeout=60)
+        weights, _ = outcome[0]
+        record = store.rounds()[0]
+        kinds = store.rejection_kinds()
+    finally:
+        mal.close()
+        fleet.close()
+        session.close()
+        store.close()
+    expected = {n: np.average([fleet.trained[d][n] for d in HONEST], axis=0) for n in base}  # equal samples
+    assert max(float(np.abs(weights[n] - expected[n]).max()) for n in base) < 1e-5
+    assert record.metrics["secure_aggregation"] == "committed" and record.metrics["secagg_survivors"] == 3
+    reason = record.metrics["secagg_excluded"][mal.me]
+    assert reason.startswith("'mal'") and len(reason) <= 300
+    assert ("does not open" in reason) == answers and ("did not reveal" in reason) == (not answers)
+    assert kinds == {"forged_share": 1}
+    assert 'fl_updates_rejected_total{reason="forged_share"} 1' in render_metrics(live.counters(), 0, 1)
