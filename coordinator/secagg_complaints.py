@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+from functools import cached_property
 
 from coordinator.secagg_round import CHECK, MASKED, RESOLVE, SecAggRound
 from protocol import wire
@@ -87,13 +88,21 @@ class ComplaintStage(SecAggRound):
         self._enough(state.maskers, "are left to mask")
         state.stage = MASKED
         state.share_senders, state.share_recipients, state.share_ciphertexts = [], [], []
+        self.__dict__.pop("inboxes", None)
         return [MaskRequest(d, state.round_id, self.partners(d)) for d in state.maskers]
+
+    @cached_property
+    def inboxes(self) -> dict[str, dict[str, bytes]]:
+        """The records in transit by recipient, then sender (fixed once the share stage closes)."""
+        state = self.state
+        inboxes: dict[str, dict[str, bytes]] = {}
+        for sender, recipient, sealed in zip(state.share_senders, state.share_recipients, state.share_ciphertexts):
+            inboxes.setdefault(recipient, {})[sender] = sealed
+        return inboxes
 
     def _delivered_to(self, device: str) -> dict[str, bytes]:
         """The records delivered to a device, by sender."""
-        state = self.state
-        routed = zip(state.share_senders, state.share_recipients, state.share_ciphertexts)
-        return {sender: sealed for sender, recipient, sealed in routed if recipient == device}
+        return self.inboxes.get(device, {})
 
     def _opens(self, sender: str, recipient: str, secret: bytes) -> bool:
         """Whether the sender's revealed ephemeral secret is its record's to the recipient and opens it as a share."""

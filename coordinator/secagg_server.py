@@ -119,12 +119,9 @@ class SecAggServer(ComplaintStage, UnmaskStage):
         check_stage(state.stage, SHARES, "the close of the share stage")
         self._enough(state.sharers, "shared their keys")
         state.stage = CHECK
-        inbox: dict[str, tuple[list[str], list[bytes]]] = {device: ([], []) for device in state.sharers}
-        for sender, recipient, sealed in zip(state.share_senders, state.share_recipients, state.share_ciphertexts):
-            if recipient in inbox:
-                inbox[recipient][0].append(sender)
-                inbox[recipient][1].append(sealed)
-        return [ShareDelivery(device, state.round_id, *inbox[device]) for device in state.sharers]
+        self.__dict__.pop("inboxes", None)
+        inboxes = {device: self.inboxes.get(device, {}) for device in state.sharers}
+        return [ShareDelivery(d, state.round_id, list(inbox), list(inbox.values())) for d, inbox in inboxes.items()]
 
     def on_masked(self, message: MaskedInput) -> None:
         """Stage 3: one masked input per device asked to mask, added to the running sum at once (nothing else kept)."""
