@@ -66,6 +66,7 @@ def secure_round(updates: dict[str, Weights], args: argparse.Namespace) -> dict[
     secure.send_shares()
     state_bytes = len(secure.server.snapshot())
     secure.deliver()
+    secure.partner()
     masked = [d for d in ids if d not in before]
     secure.mask(masked)
     result = secure.unmask([d for d in masked if d not in after])

@@ -31,6 +31,7 @@ class ComplaintStage(SecAggRound):
         )
         check_unique([*ack.held, *ack.accused], "the acknowledgement")
         state.ackers.append(device)
+        self.__dict__.pop("held_by", None)
         state.held_owners += ack.held
         state.held_holders += [device] * len(ack.held)
         for accused, pair_key in zip(ack.accused, ack.pair_keys):

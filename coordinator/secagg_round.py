@@ -122,11 +122,17 @@ class SecAggRound:
         """The device's neighbours that were asked to mask (its mask partners), sorted."""
         return sorted(set(self.state.maskers).intersection(self.graph[device]))
 
+    @cached_property
+    def held_by(self) -> dict[str, set[str]]:
+        """Who acknowledged holding each owner's record (fixed once the delivery check closes)."""
+        held: dict[str, set[str]] = {}
+        for owner, holder in zip(self.state.held_owners, self.state.held_holders):
+            held.setdefault(owner, set()).add(holder)
+        return held
+
     def holders(self, owner: str, among: set[str]) -> set[str]:
         """The owner's partners among `among` that hold its record (they can give a share of its seed)."""
-        state = self.state
-        held = {holder for o, holder in zip(state.held_owners, state.held_holders) if o == owner}
-        return held.intersection(among, self.partners(owner))
+        return self.held_by.get(owner, set()).intersection(among, self.partners(owner))
 
     def _check(self, device: str, round_id: int, stage: str, what: str, allowed: list[str]) -> None:
         check_round(self.state.round_id, round_id)

@@ -126,9 +126,8 @@ class UnmaskStage(SecAggRound):
             self._abandon(f"{wire.shown_names(silent)} sent a masked input and confirmed no view")
         state.stage = UNMASK
         inbox: dict[str, tuple[list[str], list[bytes]]] = {device: ([], []) for device in state.masked_from}
-        held = set(zip(state.held_owners, state.held_holders))
         for sender, recipient, tag in zip(state.tag_senders, state.tag_recipients, state.tags):
-            if (sender, recipient) in held:
+            if recipient in self.held_by.get(sender, set()):
                 inbox[recipient][0].append(sender)
                 inbox[recipient][1].append(tag)
         state.tag_senders, state.tag_recipients, state.tags = [], [], []

@@ -1,6 +1,7 @@
 # Key agreement (X25519 through `cryptography`), the keys derived from it (HKDF-SHA256), and share encryption (AES-GCM).
 from __future__ import annotations
 
+import functools
 import hmac
 import os
 from dataclasses import dataclass
@@ -50,10 +51,17 @@ def agreed_key(secret: bytes, peer_public: bytes, purpose: bytes, context: bytes
     if len(peer_public) != KEY_BYTES:
         raise SecAggRefusal(RejectionKind.UNDECODABLE, f"a public key has {len(peer_public)} bytes, not {KEY_BYTES}")
     try:
-        shared = X25519PrivateKey.from_private_bytes(secret).exchange(X25519PublicKey.from_public_bytes(peer_public))
+        shared = _private_key(secret).exchange(X25519PublicKey.from_public_bytes(peer_public))
     except ValueError:  # a low-order point: the exchange would give all zeros
         raise SecAggRefusal(RejectionKind.UNDECODABLE, "a public key is not a usable X25519 key") from None
     return HKDF(hashes.SHA256(), KEY_BYTES, salt=None, info=purpose + b"|" + context).derive(shared)
+
+
+@functools.lru_cache(maxsize=256)
+def _private_key(secret: bytes) -> X25519PrivateKey:
+    """The key object of a raw secret, built once: building it costs as much as an exchange, and a device agrees
+    several keys per neighbour with the same two secrets."""
+    return X25519PrivateKey.from_private_bytes(secret)
 
 
 def round_context(run_id: str, round_id: int) -> bytes:
