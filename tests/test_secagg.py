@@ -352,6 +352,43 @@ def test_a_complaint_whose_key_does_not_check_excludes_the_accuser() -> None:
     refused(RejectionKind.UNSAFE_REQUEST, device.on_key_request, RecordKeyRequest("dev000", ROUND, [liar], [wrong]))
 
 
+def test_bad_acknowledgements_reveals_and_confirmations_are_refused_with_bounded_reasons() -> None:
+    updates = head_updates(6, seed=18)
+    secure = SecureRound.started(updates)
+    server, forger = secure.server, "dev005"
+    secure.send_shares(forging(secure, forger, lambda peers: peers[:1]))
+    deliveries = {delivery.device_id: delivery for delivery in server.deliveries()}
+    acks = {device: secure.devices[device].on_delivery(delivery) for device, delivery in deliveries.items()}
+    victim = next(device for device, ack in acks.items() if ack.accused)
+    stranger = dataclasses.replace(acks["dev000"], held=["x" * 5000])
+    refused(RejectionKind.WRONG_RECIPIENT, server.on_ack, stranger)
+    twice = dataclasses.replace(acks["dev000"], held=acks["dev000"].held * 2)
+    refused(RejectionKind.DUPLICATE, server.on_ack, twice)
+    for ack in acks.values():
+        server.on_ack(ack)
+    refused(RejectionKind.DUPLICATE, server.on_ack, acks["dev000"])
+    (request,) = server.key_requests()
+    assert request.device_id == forger and request.accusers == [victim]
+    reveal = secure.devices[forger].on_key_request(request)
+    bystander = next(device for device in sorted(updates) if device not in (victim, forger))
+    refused(RejectionKind.WRONG_RECIPIENT, server.on_key_reveal, dataclasses.replace(reveal, accusers=[bystander]))
+    refused(RejectionKind.WRONG_STAGE, server.on_key_reveal, dataclasses.replace(reveal, device_id=bystander))
+    server.on_key_reveal(reveal)
+    refused(RejectionKind.DUPLICATE, server.on_key_reveal, reveal)
+    for mask_request in server.mask_requests():
+        secure.devices[mask_request.device_id].on_mask_request(mask_request)
+    kept = sorted(server.state.maskers)
+    secure.mask(kept)
+    views = {view.device_id: view for view in server.view_requests()}
+    confirmation = secure.devices["dev000"].on_view(views["dev000"])
+    wrong = dataclasses.replace(confirmation, recipients=confirmation.recipients[1:], tags=confirmation.tags[1:])
+    refused(RejectionKind.WRONG_RECIPIENT, server.on_confirm, wrong)
+    short = dataclasses.replace(confirmation, tags=[b"x", *confirmation.tags[1:]])
+    refused(RejectionKind.UNDECODABLE, server.on_confirm, short)
+    server.on_confirm(confirmation)
+    refused(RejectionKind.DUPLICATE, server.on_confirm, confirmation)
+
+
 def test_a_device_refuses_a_roster_whose_threshold_is_no_majority() -> None:
     updates = head_updates(6, seed=9)
     secure = SecureRound.started(updates)
