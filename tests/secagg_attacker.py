@@ -178,5 +178,6 @@ class MaliciousCoordinator:
         return seen
 
     def close(self) -> None:
+        """Disconnects."""
         self.client.disconnect()
         self.client.loop_stop()

@@ -123,6 +123,7 @@ class HonestFleet:
         return fixed.decode_sum(fixed.encode(flat(in_fixed_units(delta, fixed))))
 
     def close(self) -> None:
+        """Stops the fleet's thread and closes the sessions."""
         self.stop.set()
         self.thread.join(timeout=10)
         for session in self.sessions.values():
@@ -327,6 +328,7 @@ class PlainForger:
         self.ephemeral: dict[str, bytes] = {}
 
     def publish(self, kind: str, **fields: Any) -> None:
+        """One stage message from the forger, as the wire's msgpack envelope."""
         payload = msgpack.packb({"v": 2, "kind": kind, "device_id": self.mal.me, **fields}, use_bin_type=True)
         self.mal.client.publish(f"fl/{FLEET}/devices/{self.mal.me}/secagg", payload, qos=1).wait_for_publish(30)
 
@@ -358,6 +360,7 @@ class PlainForger:
             )
 
     def expect(self, kind: str) -> dict[str, Any]:
+        """The coordinator's next message of a kind to the forger."""
         return self.mal.collect(kind, 1)[self.mal.me]
 
 
