@@ -224,10 +224,9 @@ class Attack:
         """Asks a holder for its share of the owner's seed once with each tag, then for a share it will give (the
         control: the device answers in order, so once the control's answer is in, every earlier one is); the
         owner's shares that came back."""
-        for tag in [*tags, control[1]]:
-            senders = [owner] if tag is not control[1] else [control[0]]
+        for sender, tag in [*((owner, tag) for tag in tags), control]:
             self.mal.send(
-                holder, "secagg_unmask", device_id=holder, round_id=self.round_id, senders=senders, tags=[tag]
+                holder, "secagg_unmask", device_id=holder, round_id=self.round_id, senders=[sender], tags=[tag]
             )
         shares, deadline = [], time.monotonic() + 30
         while time.monotonic() < deadline:
