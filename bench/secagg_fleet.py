@@ -15,6 +15,7 @@ from coordinator.secagg_server import SecAggServer
 from coordinator.secagg_unmask import SecAggResult
 from edge_agent.loop.secagg_device import SecAggDevice
 from protocol import wire
+from protocol.messages import DeliveryAck, ShareBundle
 from protocol.tensors import Weights
 
 ROUND = 7
@@ -69,22 +70,38 @@ class SecureRound:
         return secure
 
     def share(self) -> None:
-        """Stage 2 done: rosters out, bundles in, deliveries out."""
+        """Stage 2 done: rosters out, bundles in, deliveries out and acknowledged, complaints settled, partners out."""
         self.send_shares()
         self.deliver()
+        self.partner()
 
-    def send_shares(self) -> None:
-        """Stage 2's first half: rosters out, bundles in."""
+    def send_shares(self, altered: Callable[[ShareBundle], ShareBundle] = lambda bundle: bundle) -> None:
+        """Stage 2's first half: rosters out, bundles in (each as `altered` makes it: a test's forger)."""
         for roster in self.on_server(self.server.rosters):
             device = roster.device_id
             bundle = self.on_device(device, self.devices[device].on_roster, self.delivered(device, roster))
-            self.on_server(self.server.on_shares, self.sent(device, bundle))
+            self.on_server(self.server.on_shares, self.sent(device, altered(bundle)))
 
-    def deliver(self) -> None:
-        """Stage 2's second half: the sealed shares routed to their recipients."""
+    def deliver(self, altered: Callable[[DeliveryAck], DeliveryAck] = lambda ack: ack) -> None:
+        """Stage 2's second half: the sealed shares routed to their recipients, each delivery acknowledged (as
+        `altered` makes it: a test's false accuser)."""
         for delivery in self.on_server(self.server.deliveries):
             device = delivery.device_id
-            self.on_device(device, self.devices[device].on_delivery, self.delivered(device, delivery))
+            ack = self.on_device(device, self.devices[device].on_delivery, self.delivered(device, delivery))
+            self.on_server(self.server.on_ack, self.sent(device, altered(ack)))
+
+    def partner(self, silent: Iterable[str] = ()) -> None:
+        """Complaints settled by the accused senders' keys (the `silent` ones do not answer), then each device that
+        is still in the round told its mask partners."""
+        for complaint in self.on_server(self.server.key_requests):
+            device = complaint.device_id
+            if device in silent:
+                continue
+            reveal = self.on_device(device, self.devices[device].on_key_request, self.delivered(device, complaint))
+            self.on_server(self.server.on_key_reveal, self.sent(device, reveal))
+        for request in self.on_server(self.server.mask_requests):
+            device = request.device_id
+            self.on_device(device, self.devices[device].on_mask_request, self.delivered(device, request))
 
     def mask(self, senders: Iterable[str]) -> None:
         """Stage 3: these devices send their masked inputs."""
@@ -92,8 +109,14 @@ class SecureRound:
             masked = self.on_device(device, self.devices[device].masked_input, self.updates[device])
             self.on_server(self.server.on_masked, self.sent(device, masked))
 
-    def unmask(self, answering: Iterable[str]) -> SecAggResult:
-        """Stage 4: these devices answer their unmask requests; then the coordinator finishes."""
+    def unmask(self, answering: Iterable[str], confirming: Iterable[str] | None = None) -> SecAggResult:
+        """Stage 4: the `confirming` devices (every survivor when None) confirm their views, then the `answering`
+        ones answer their unmask requests; then the coordinator finishes."""
+        self.confirm(confirming)
+        return self.reveal(answering)
+
+    def reveal(self, answering: Iterable[str]) -> SecAggResult:
+        """Stage 4b: these devices answer their unmask requests; then the coordinator finishes."""
         wanted = set(answering)
         for request in self.on_server(self.server.unmask_requests):
             device = request.device_id
@@ -101,6 +124,16 @@ class SecureRound:
                 response = self.on_device(device, self.devices[device].on_unmask, self.delivered(device, request))
                 self.on_server(self.server.on_reveal, self.sent(device, response))
         return self.on_server(self.server.finish)
+
+    def confirm(self, confirming: Iterable[str] | None = None) -> None:
+        """Stage 4a: these devices (every survivor when None) confirm the view they are sent."""
+        views = self.on_server(self.server.view_requests)
+        wanted = {view.device_id for view in views} if confirming is None else set(confirming)
+        for view in views:
+            device = view.device_id
+            if device in wanted:
+                confirmation = self.on_device(device, self.devices[device].on_view, self.delivered(device, view))
+                self.on_server(self.server.on_confirm, self.sent(device, confirmation))
 
     def sent(self, device: str, message: Any) -> Any:
         """The message as the coordinator reads it, its bytes counted as the device's upload."""

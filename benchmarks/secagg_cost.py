@@ -7,8 +7,8 @@ float32 `Update` of its head and the coordinator sums the decoded tensors. Per f
   neighbours, threshold          the graph's degree (grows as log n for a fixed tolerated dropout) and its threshold
   device_bytes_sent/received     mean over devices, every stage message as the wire encodes it
   plain_device_bytes_sent        the plain update message
-  device_seconds                 mean and max compute per device (keys, shares, masks, reveals)
-  server_seconds                 the coordinator's compute over all four stages
+  device_seconds                 mean and max compute per device (keys, records, masks, confirmations, reveals)
+  server_seconds                 the coordinator's compute over every stage
   plain_server_seconds           decoding and summing the plain updates
   server_state_bytes             the largest saved state of the round (the sealed shares it routes, the sum)
   max_error, error_bound         the unmasked sum against the plain sum, and the fixed point's stated bound
@@ -66,6 +66,7 @@ def secure_round(updates: dict[str, Weights], args: argparse.Namespace) -> dict[
     secure.send_shares()
     state_bytes = len(secure.server.snapshot())
     secure.deliver()
+    secure.partner()
     masked = [d for d in ids if d not in before]
     secure.mask(masked)
     result = secure.unmask([d for d in masked if d not in after])
@@ -111,7 +112,9 @@ def main() -> None:
     parser.add_argument("--features", type=int, default=1280, help="head inputs: 10 x F + 10 floats per update")
     parser.add_argument("--dropout", type=float, default=0.1, help="the dropout the graph is sized to survive")
     parser.add_argument("--drop-before", type=float, default=0.05, help="fraction that drops before masking")
-    parser.add_argument("--drop-after", type=float, default=0.05, help="fraction that drops after masking")
+    parser.add_argument(
+        "--drop-after", type=float, default=0.05, help="fraction that drops after masking and confirming its view"
+    )
     args = parser.parse_args()
     summary = []
     for devices in args.devices:

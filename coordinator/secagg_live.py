@@ -16,7 +16,18 @@ from coordinator.divergence import relative_divergence
 from coordinator.intake import RoundCollector, UpdateIntake
 from coordinator.round_aggregator import RoundAggregator, SuspectPolicy
 from coordinator.secagg_bounds import SumLimits, sum_refusal
-from coordinator.secagg_round import ABANDONED, DONE, KEYS, MASKED, SHARES, UNMASK, SecAggSettings
+from coordinator.secagg_round import (
+    ABANDONED,
+    CHECK,
+    DONE,
+    KEYS,
+    MASKED,
+    RESOLVE,
+    SHARES,
+    UNMASK,
+    VIEW,
+    SecAggSettings,
+)
 from coordinator.secagg_server import SecAggServer
 from coordinator.secagg_unmask import SecAggResult
 from coordinator.store import AGGREGATE_CHANGE, SECURE_LABELS, SECURE_WEIGHT
@@ -26,7 +37,16 @@ from protocol import messages, topics, wire
 from protocol.dp import DP_CENTRAL, DP_DEVICE
 from protocol.errors import UsageError
 from protocol.files import atomic_write_bytes
-from protocol.messages import KeyAdvert, MaskedInput, RejectionKind, ShareBundle, UnmaskResponse
+from protocol.messages import (
+    DeliveryAck,
+    KeyAdvert,
+    MaskedInput,
+    RecordKeyReveal,
+    RejectionKind,
+    ShareBundle,
+    UnmaskResponse,
+    ViewConfirmation,
+)
 from protocol.model_spec import ModelSpec, trainable_names
 from protocol.mqtt import MqttSession
 from protocol.secagg import keys
@@ -37,10 +57,12 @@ from protocol.tensors import Weights
 log = logging.getLogger(__name__)
 
 SECURE_SUM = "secure-sum"  # the one update a secure round gives its aggregator
-INBOUND = (KeyAdvert, ShareBundle, MaskedInput, UnmaskResponse)
+INBOUND = (KeyAdvert, ShareBundle, DeliveryAck, RecordKeyReveal, MaskedInput, ViewConfirmation, UnmaskResponse)
+Inbound = KeyAdvert | ShareBundle | DeliveryAck | RecordKeyReveal | MaskedInput | ViewConfirmation | UnmaskResponse
 # Each stage: whom the round waits for, who answered so far.
-WAITING = {KEYS: ("selected", "advertised"), SHARES: ("advertised", "sharers"), MASKED: ("sharers", "masked_from")}
-WAITING[UNMASK] = ("masked_from", "responders")
+WAITING = {KEYS: ("selected", "advertised"), SHARES: ("advertised", "sharers"), CHECK: ("sharers", "ackers")}
+WAITING[RESOLVE], WAITING[MASKED] = ("accused", "revealers"), ("maskers", "masked_from")
+WAITING[VIEW], WAITING[UNMASK] = ("masked_from", "viewers"), ("masked_from", "responders")
 
 
 def check_secure_settings(strategy: str, recipe: messages.Recipe, suspects: SuspectPolicy, asynchronous: bool) -> None:
@@ -95,6 +117,7 @@ class LiveSecureRound:
         self.labels = 0
         self.weight = 0.0
         self.change: dict[str, float] = {}
+        self.recorded: set[str] = set(server.state.excluded)
 
     @classmethod
     def opened(cls, parts: LiveParts, start: Callable[[], SecAggServer], round_id: int) -> LiveSecureRound:
@@ -124,15 +147,21 @@ class LiveSecureRound:
             return
         self.unsaved = True
 
-    def take(self, message: KeyAdvert | ShareBundle | MaskedInput | UnmaskResponse) -> None:
+    def take(self, message: Inbound) -> None:
         """Hands a message to the server's method for its stage."""
         server = self.server
         if isinstance(message, KeyAdvert):
             server.on_keys(message)
         elif isinstance(message, ShareBundle):
             server.on_shares(message)
+        elif isinstance(message, DeliveryAck):
+            server.on_ack(message)
+        elif isinstance(message, RecordKeyReveal):
+            server.on_key_reveal(message)
         elif isinstance(message, MaskedInput):
             server.on_masked(message)
+        elif isinstance(message, ViewConfirmation):
+            server.on_confirm(message)
         else:
             server.on_reveal(message)
 
@@ -143,12 +172,17 @@ class LiveSecureRound:
         closes: dict[str, Callable[[], list[Any]]] = {
             KEYS: self.server.rosters,
             SHARES: self.server.deliveries,
-            MASKED: self.server.unmask_requests,
+            CHECK: self.server.key_requests,
+            RESOLVE: self.server.mask_requests,
+            MASKED: self.server.view_requests,
+            VIEW: self.server.unmask_requests,
         }
         try:
             while self.server.state.stage in closes:
                 self.wait(handle_next, stage_timeout)
-                self.send([wire.encode(message) for message in closes[self.server.state.stage]()], save=True)
+                messages_out = closes[self.server.state.stage]()
+                self.record_exclusions()
+                self.send([wire.encode(message) for message in messages_out], save=True)
             if self.server.state.stage == ABANDONED:
                 raise SecAggAbandoned("abandoned before the coordinator restarted")
             unmasking = self.server.state.stage == UNMASK
@@ -200,6 +234,15 @@ class LiveSecureRound:
             "secure stage closed round=%d stage=%s answered=%d of %d seconds=%.1f", state.round_id, state.stage, *counts
         )
 
+    def record_exclusions(self) -> None:
+        """Each device a settled complaint excluded, named in a forged_share rejection (once)."""
+        state = self.server.state
+        for device, reason in zip(state.excluded, state.exclusion_reasons):
+            if device not in self.recorded:
+                log.warning("secure round excluded device=%s reason=%s", device, reason)
+                self.record(device, Rejection(RejectionKind.FORGED_SHARE, reason), 0)
+                self.recorded.add(device)
+
     def send(self, payloads: list[bytes], save: bool = False) -> None:
         """Publishes a stage's messages to their devices (saved first with the state, to be sent again on resume)."""
         if save:
@@ -241,6 +284,7 @@ class LiveSecureRound:
             "secure_aggregation": outcome,
             "secagg_survivors": len(state.masked_from) if state.stage == DONE else 0,
             "secagg_reason": self.reason,
+            "secagg_excluded": dict(zip(state.excluded, state.exclusion_reasons)),
             SECURE_LABELS: self.labels,
             SECURE_WEIGHT: self.weight,
             "divergence_source": "aggregate",
@@ -248,7 +292,14 @@ class LiveSecureRound:
         }
 
 
-OUTBOUND = (messages.KeyRoster, messages.ShareDelivery, messages.UnmaskRequest)
+OUTBOUND = (
+    messages.KeyRoster,
+    messages.ShareDelivery,
+    messages.RecordKeyRequest,
+    messages.MaskRequest,
+    messages.SurvivorView,
+    messages.UnmaskRequest,
+)
 HELD_BYTES = 256 * 2**20  # the most secure-round messages held while no round is open may weigh
 
 

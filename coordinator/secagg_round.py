@@ -15,7 +15,10 @@ from protocol.secagg.checks import check_round, check_stage
 from protocol.secagg.errors import SecAggAbandoned, SecAggRefusal
 from protocol.secagg.fixed_point import FixedPoint
 
-KEYS, SHARES, MASKED, UNMASK, DONE, ABANDONED = "keys", "shares", "masked", "unmask", "done", "abandoned"
+KEYS, SHARES, CHECK, RESOLVE, MASKED = "keys", "shares", "check", "resolve", "masked"
+VIEW, UNMASK = "view", "unmask"
+DONE, ABANDONED = "done", "abandoned"
+SECRETS = ("share_ciphertexts", "seed_owners", "seed_holders", "seed_shares", "pair_owners", "pair_peers", "pair_seeds")
 
 
 @dataclass
@@ -33,7 +36,9 @@ class SecAggSettings:
 @dataclass
 class ServerSecAggState:
     """All a coordinator holds in a secure round, saved with the round: public keys, sealed shares it routes and
-    cannot open, commitments, the running masked sum (never one device's input), and the shares sent back."""
+    cannot open, who holds whose record, complaints and the devices they excluded (with why), the devices that
+    mask, the running masked sum (never one device's input), the survivors' confirmations it routes, the pairwise
+    seeds survivors revealed with dropped partners, and the seed shares sent back."""
 
     KIND: ClassVar[str] = "secagg_server_state"
     run_id: str
@@ -53,14 +58,28 @@ class ServerSecAggState:
     share_senders: list[str] = field(default_factory=list)
     share_recipients: list[str] = field(default_factory=list)
     share_ciphertexts: list[bytes] = field(default_factory=list)
+    ackers: list[str] = field(default_factory=list)
+    held_owners: list[str] = field(default_factory=list)
+    held_holders: list[str] = field(default_factory=list)
+    accusers: list[str] = field(default_factory=list)
+    accused: list[str] = field(default_factory=list)
+    pair_keys: list[bytes] = field(default_factory=list)
+    revealers: list[str] = field(default_factory=list)
+    excluded: list[str] = field(default_factory=list)
+    exclusion_reasons: list[str] = field(default_factory=list)
+    maskers: list[str] = field(default_factory=list)
     masked_from: list[str] = field(default_factory=list)
+    viewers: list[str] = field(default_factory=list)
+    tag_senders: list[str] = field(default_factory=list)
+    tag_recipients: list[str] = field(default_factory=list)
+    tags: list[bytes] = field(default_factory=list)
+    pair_owners: list[str] = field(default_factory=list)
+    pair_peers: list[str] = field(default_factory=list)
+    pair_seeds: list[bytes] = field(default_factory=list)
     responders: list[str] = field(default_factory=list)
     seed_owners: list[str] = field(default_factory=list)
     seed_holders: list[str] = field(default_factory=list)
     seed_shares: list[bytes] = field(default_factory=list)
-    key_owners: list[str] = field(default_factory=list)
-    key_holders: list[str] = field(default_factory=list)
-    key_shares: list[bytes] = field(default_factory=list)
 
 
 class SecAggRound:
@@ -99,6 +118,22 @@ class SecAggRound:
         """The round's binding for keys, seals and commitments."""
         return keys.round_context(self.state.run_id, self.state.round_id)
 
+    def partners(self, device: str) -> list[str]:
+        """The device's neighbours that were asked to mask (its mask partners), sorted."""
+        return sorted(set(self.state.maskers).intersection(self.graph[device]))
+
+    @cached_property
+    def held_by(self) -> dict[str, set[str]]:
+        """Who acknowledged holding each owner's record (fixed once the delivery check closes)."""
+        held: dict[str, set[str]] = {}
+        for owner, holder in zip(self.state.held_owners, self.state.held_holders):
+            held.setdefault(owner, set()).add(holder)
+        return held
+
+    def holders(self, owner: str, among: set[str]) -> set[str]:
+        """The owner's partners among `among` that hold its record (they can give a share of its seed)."""
+        return self.held_by.get(owner, set()).intersection(among, self.partners(owner))
+
     def _check(self, device: str, round_id: int, stage: str, what: str, allowed: list[str]) -> None:
         check_round(self.state.round_id, round_id)
         if device not in allowed:
@@ -124,14 +159,6 @@ class SecAggRound:
         state = self.state
         state.stage = ABANDONED
         state.masked_sum = {name: np.zeros_like(array) for name, array in state.masked_sum.items()}
-        for name in (
-            "share_ciphertexts",
-            "seed_shares",
-            "key_shares",
-            "seed_owners",
-            "key_owners",
-            "seed_holders",
-            "key_holders",
-        ):
+        for name in SECRETS:
             setattr(state, name, [])
         raise SecAggAbandoned(reason)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from coordinator.secagg_round import KEYS, MASKED, SHARES, SecAggSettings, ServerSecAggState
+from coordinator.secagg_complaints import ComplaintStage
+from coordinator.secagg_round import CHECK, KEYS, MASKED, SHARES, SecAggSettings, ServerSecAggState
 from coordinator.secagg_unmask import UnmaskStage
 from protocol import wire
 from protocol.messages import KeyAdvert, KeyRoster, MaskedInput, RejectionKind, ShareBundle, ShareDelivery
@@ -14,13 +15,15 @@ from protocol.secagg.errors import SecAggRefusal
 from protocol.secagg.fixed_point import FixedPoint, layout_of
 from protocol.tensors import Weights
 
-SEALED_BYTES = keys.NONCE_BYTES + 2 * shamir.SHARE_BYTES + 16  # nonce, two shares, the GCM tag
+# the ephemeral public key, the nonce, the seed share, the GCM tag, the pair's MAC
+SEALED_BYTES = keys.KEY_BYTES + keys.NONCE_BYTES + shamir.SHARE_BYTES + 16 + keys.TAG_BYTES
 
 
-class SecAggServer(UnmaskStage):
+class SecAggServer(ComplaintStage, UnmaskStage):
     """One secure round on the coordinator: `on_*` take the devices' messages (a refused one raises SecAggRefusal),
-    and each stage closes with the coordinator's messages for the next (`rosters`, `deliveries`,
-    `unmask_requests`) and finally `finish`; a round that cannot stay safe raises SecAggAbandoned."""
+    and each stage closes with the coordinator's messages for the next (`rosters`, `deliveries`, `key_requests`,
+    `mask_requests`, `view_requests`, `unmask_requests`) and finally `finish`; a round that cannot stay safe raises
+    SecAggAbandoned."""
 
     @classmethod
     def start(
@@ -110,23 +113,20 @@ class SecAggServer(UnmaskStage):
         state.share_ciphertexts += bundle.ciphertexts
 
     def deliveries(self) -> list[ShareDelivery]:
-        """Closes stage 2: each device that shared gets the records its sharing neighbours sealed for it."""
+        """Closes stage 2: each device that shared gets the records its sharing neighbours sealed for it (kept until
+        the complaints about them are settled)."""
         state = self.state
         check_stage(state.stage, SHARES, "the close of the share stage")
         self._enough(state.sharers, "shared their keys")
-        state.stage = MASKED
-        inbox: dict[str, tuple[list[str], list[bytes]]] = {device: ([], []) for device in state.sharers}
-        for sender, recipient, sealed in zip(state.share_senders, state.share_recipients, state.share_ciphertexts):
-            if recipient in inbox:
-                inbox[recipient][0].append(sender)
-                inbox[recipient][1].append(sealed)
-        state.share_senders, state.share_recipients, state.share_ciphertexts = [], [], []
-        return [ShareDelivery(device, state.round_id, *inbox[device]) for device in state.sharers]
+        state.stage = CHECK
+        self.__dict__.pop("inboxes", None)
+        inboxes = {device: self.inboxes.get(device, {}) for device in state.sharers}
+        return [ShareDelivery(d, state.round_id, list(inbox), list(inbox.values())) for d, inbox in inboxes.items()]
 
     def on_masked(self, message: MaskedInput) -> None:
-        """Stage 3: one masked input per device that shared, added to the running sum at once (nothing else kept)."""
+        """Stage 3: one masked input per device asked to mask, added to the running sum at once (nothing else kept)."""
         state = self.state
-        self._check(message.device_id, message.round_id, MASKED, "a masked input", state.sharers)
+        self._check(message.device_id, message.round_id, MASKED, "a masked input", state.maskers)
         self._once(message.device_id, state.masked_from, "a masked input")
         expected = {name: (array.shape, np.dtype(np.uint32)) for name, array in state.masked_sum.items()}
         if {name: (array.shape, array.dtype) for name, array in message.masked.items()} != expected:

@@ -1,15 +1,15 @@
-# Secure aggregation's last stage on the coordinator: ask survivors for shares, rebuild secrets from them (telling
-# forged ones), strip the masks from the masked sum and decode the fixed-point total.
+# Secure aggregation's last stage on the coordinator: each survivor's one view of who survived (confirmed to its
+# neighbours), the seed shares that view allows, secrets rebuilt (telling forged shares), masks stripped, sum decoded.
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.secagg_round import DONE, MASKED, UNMASK, SecAggRound
+from coordinator.secagg_round import DONE, MASKED, UNMASK, VIEW, SecAggRound
 from protocol import wire
-from protocol.messages import RejectionKind, UnmaskRequest, UnmaskResponse
+from protocol.messages import RejectionKind, SurvivorView, UnmaskRequest, UnmaskResponse, ViewConfirmation
 from protocol.secagg import keys, masks, shamir
 from protocol.secagg.checks import check_pairs, check_stage, check_within
 from protocol.secagg.errors import SecAggAbandoned, SecAggRefusal
@@ -47,29 +47,15 @@ def rebuild(owner: str, shares: Sequence[HeldShare], threshold: int, valid: Vali
     raise SecAggAbandoned(f"no {threshold} of the {len(shares)} shares of {shown(owner)} rebuild its secret")
 
 
-@dataclass(frozen=True)
-class Unmasking:
-    """What removing the masks needs: the round's context, every survivor's rebuilt seed, every dropped device's
-    rebuilt mask key, the mask public keys, and which survivors masked with each dropped device."""
-
-    context: bytes
-    seeds: Mapping[str, bytes]
-    dropped_keys: Mapping[str, bytes]
-    mask_keys: Mapping[str, bytes]
-    masked_with: Mapping[str, Sequence[str]]
-
-
-def unmasked(total: np.ndarray, plan: Unmasking) -> np.ndarray:
-    """The masked sum less each survivor's self mask and less each mask a survivor shares with a dropped device
-    (the masks between survivors cancelled in the sum), mod 2^32."""
+def unmasked(total: np.ndarray, seeds: Sequence[bytes], pairs: Sequence[tuple[int, bytes]]) -> np.ndarray:
+    """The masked sum less each survivor's self mask (from its rebuilt seed) and less each pairwise mask a survivor
+    added with a neighbour that did not survive (sign, revealed seed); masks between survivors cancelled in the sum."""
     result = total.astype(np.uint32, copy=True)
-    for seed in plan.seeds.values():
+    for seed in seeds:
         result -= masks.prg(seed, result.size)
-    for dropped, secret in plan.dropped_keys.items():
-        for survivor in plan.masked_with[dropped]:
-            seed = keys.agreed_key(secret, plan.mask_keys[survivor], keys.MASK_PURPOSE, plan.context)
-            mask = masks.prg(seed, result.size)
-            result = result - mask if masks.pairwise_sign(survivor, dropped) > 0 else result + mask
+    for sign, seed in pairs:
+        mask = masks.prg(seed, result.size)
+        result = result - mask if sign > 0 else result + mask
     return result
 
 
@@ -85,96 +71,121 @@ class SecAggResult:
 
 
 class UnmaskStage(SecAggRound):
-    """Stage 4 of a secure round: the unmask requests, the shares that come back, the unmasked sum."""
+    """Stage 4 of a secure round: (a) each survivor's view of its surviving neighbours, confirmed to them and
+    answered with the pairwise seeds of the others; (b) the seed shares the confirmations allow; the unmasked sum."""
 
-    def unmask_requests(self) -> list[UnmaskRequest]:
-        """Closes stage 3: asks each survivor for its surviving neighbours' seed shares and its dropped neighbours'
-        key shares, only once every secret needed can still be rebuilt (else abandons before asking anything)."""
+    def view_requests(self) -> list[SurvivorView]:
+        """Closes stage 3: tells each survivor which of its neighbours survived, only once every survivor's seed can
+        still be rebuilt (else abandons before asking anything)."""
         state = self.state
         check_stage(state.stage, MASKED, "the close of the masked stage")
-        survivors, dropped = set(state.masked_from), set(state.sharers) - set(state.masked_from)
+        survivors = set(state.masked_from)
         self._enough(state.masked_from, "sent masked inputs")
-        short = [d for d in sorted(survivors | dropped) if len(survivors.intersection(self.graph[d])) < self.threshold]
+        short = [d for d in sorted(survivors) if len(self.holders(d, survivors)) < self.threshold]
         if short:
-            self._abandon(f"{wire.shown_names(short)} have fewer than {self.threshold} surviving neighbours")
-        state.stage = UNMASK
+            self._abandon(f"{wire.shown_names(short)} have fewer than {self.threshold} surviving holders")
+        state.stage = VIEW
         return [
-            UnmaskRequest(
-                device,
-                state.round_id,
-                sorted(survivors.intersection(self.graph[device])),
-                sorted(dropped.intersection(self.graph[device])),
-                len(survivors),
-            )
+            SurvivorView(device, state.round_id, self._surviving(device), len(survivors))
             for device in state.masked_from
         ]
 
+    def on_confirm(self, confirmation: ViewConfirmation) -> None:
+        """Stage 4a: a survivor's confirmations, one for each surviving neighbour, and its pairwise seeds, one for each
+        other neighbour (exactly those: a seed missing would leave a mask in the sum)."""
+        state = self.state
+        device = confirmation.device_id
+        self._check(device, confirmation.round_id, VIEW, "a view confirmation", state.masked_from)
+        self._once(device, state.viewers, "a view confirmation")
+        check_pairs(confirmation.recipients, confirmation.tags, "the confirmations")
+        check_pairs(confirmation.dropped, confirmation.pair_seeds, "the pairwise seeds")
+        surviving = self._surviving(device)
+        gone = [peer for peer in self.partners(device) if peer not in surviving]
+        if sorted(confirmation.recipients) != surviving or sorted(confirmation.dropped) != gone:
+            raise SecAggRefusal(RejectionKind.WRONG_RECIPIENT, "confirmations or seeds for other neighbours than asked")
+        if any(len(tag) != keys.TAG_BYTES for tag in confirmation.tags) or any(
+            len(seed) != masks.SEED_BYTES for seed in confirmation.pair_seeds
+        ):
+            raise SecAggRefusal(RejectionKind.UNDECODABLE, f"a tag or a pairwise seed is not {keys.TAG_BYTES} bytes")
+        state.viewers.append(device)
+        state.tag_senders += [device] * len(confirmation.recipients)
+        state.tag_recipients += confirmation.recipients
+        state.tags += confirmation.tags
+        state.pair_owners += [device] * len(confirmation.dropped)
+        state.pair_peers += confirmation.dropped
+        state.pair_seeds += confirmation.pair_seeds
+
+    def unmask_requests(self) -> list[UnmaskRequest]:
+        """Closes stage 4a: asks each survivor for the seed shares of its surviving neighbours, each with that
+        neighbour's confirmation; a survivor that confirmed nothing abandons the round (without its confirmation no
+        honest holder gives a share of its seed, and its masks with dropped neighbours stay in the sum)."""
+        state = self.state
+        check_stage(state.stage, VIEW, "the close of the view stage")
+        silent = sorted(set(state.masked_from) - set(state.viewers))
+        if silent:
+            self._abandon(f"{wire.shown_names(silent)} sent a masked input and confirmed no view")
+        state.stage = UNMASK
+        inbox: dict[str, tuple[list[str], list[bytes]]] = {device: ([], []) for device in state.masked_from}
+        for sender, recipient, tag in zip(state.tag_senders, state.tag_recipients, state.tags):
+            if recipient in self.held_by.get(sender, set()):
+                inbox[recipient][0].append(sender)
+                inbox[recipient][1].append(tag)
+        state.tag_senders, state.tag_recipients, state.tags = [], [], []
+        return [UnmaskRequest(device, state.round_id, *inbox[device]) for device in state.masked_from]
+
     def on_reveal(self, response: UnmaskResponse) -> None:
-        """Stage 4: a survivor's shares, only of the kinds and owners it was asked for."""
+        """Stage 4b: a survivor's seed shares, only of its surviving neighbours."""
         state = self.state
         self._check(response.device_id, response.round_id, UNMASK, "an unmask response", state.masked_from)
         self._once(response.device_id, state.responders, "an unmask response")
         check_pairs(response.seed_owners, response.seed_shares, "the seed shares")
-        check_pairs(response.key_owners, response.key_shares, "the key shares")
-        peers = self.graph[response.device_id]
-        survivors = [peer for peer in peers if peer in state.masked_from]
-        dropped = [peer for peer in peers if peer in state.sharers and peer not in state.masked_from]
-        check_within(response.seed_owners, survivors, RejectionKind.WRONG_RECIPIENT, "seed shares nobody asked for:")
-        check_within(response.key_owners, dropped, RejectionKind.WRONG_RECIPIENT, "key shares nobody asked for:")
-        for share in (*response.seed_shares, *response.key_shares):
+        surviving = self._surviving(response.device_id)
+        check_within(response.seed_owners, surviving, RejectionKind.WRONG_RECIPIENT, "seed shares nobody asked for:")
+        for share in response.seed_shares:
             shamir.Share.from_bytes(share)
         state.responders.append(response.device_id)
         state.seed_owners += response.seed_owners
         state.seed_holders += [response.device_id] * len(response.seed_owners)
         state.seed_shares += response.seed_shares
-        state.key_owners += response.key_owners
-        state.key_holders += [response.device_id] * len(response.key_owners)
-        state.key_shares += response.key_shares
 
     def finish(self) -> SecAggResult:
-        """Closes stage 4: rebuilds the survivors' seeds and the dropped devices' mask keys (each checked against its
-        commitment or public key), strips the masks and decodes the sum; too few good shares abandons the round. A
-        finished round (saved by a process that died before committing it) gives the same sum again."""
+        """Closes stage 4b: rebuilds the survivors' seeds (each checked against its commitment), strips the self masks
+        and the pairwise masks with dropped neighbours, and decodes the sum; too few good shares abandons the round.
+        A finished round (saved by a process that died before committing it) gives the same sum again."""
         state = self.state
         if state.stage != DONE:
             check_stage(state.stage, UNMASK, "the close of the unmask stage")
-        survivors = set(state.masked_from)
+        survivors = sorted(state.masked_from)
         try:
-            seeds = self._rebuilt(state.seed_owners, state.seed_holders, state.seed_shares, self._seed_valid)
-            dropped = self._rebuilt(state.key_owners, state.key_holders, state.key_shares, self._key_valid)
+            seeds = self._rebuilt(state.seed_owners, state.seed_holders, state.seed_shares)
         except SecAggAbandoned as error:
             self._abandon(str(error))
-        missing = (survivors - set(seeds)) | (set(state.sharers) - survivors - set(dropped))
+        missing = sorted(set(survivors) - set(seeds))
         if missing:
-            self._abandon(f"no shares came back for {wire.shown_names(sorted(missing))}")
-        public = dict(zip(state.advertised, state.mask_keys))
-        plan = Unmasking(
-            self.context,
-            {owner: rebuilt.secret for owner, rebuilt in seeds.items()},
-            {owner: rebuilt.secret for owner, rebuilt in dropped.items()},
-            public,
-            {owner: sorted(survivors.intersection(self.graph[owner])) for owner in dropped},
-        )
+            self._abandon(f"no shares came back for {wire.shown_names(missing)}")
+        pairs = [
+            (masks.pairwise_sign(owner, peer), seed)
+            for owner, peer, seed in zip(state.pair_owners, state.pair_peers, state.pair_seeds)
+        ]
         fixed = self.fixed_point
-        total = fixed.decode_sum(unmasked(flat(state.masked_sum), plan))
+        total = fixed.decode_sum(unmasked(flat(state.masked_sum), [seeds[d].secret for d in survivors], pairs))
         state.stage = DONE
-        forgers = sorted({holder for rebuilt in (*seeds.values(), *dropped.values()) for holder in rebuilt.forgers})
+        forgers = sorted({holder for rebuilt in seeds.values() for holder in rebuilt.forgers})
         return SecAggResult(
-            shaped(total, layout_of(state.masked_sum)), sorted(survivors), fixed.error_bound(len(survivors)), forgers
+            shaped(total, layout_of(state.masked_sum)), survivors, fixed.error_bound(len(survivors)), forgers
         )
 
-    def _rebuilt(
-        self, owners: list[str], holders: list[str], shares: list[bytes], valid: Validity
-    ) -> dict[str, Rebuilt]:
-        """Each owner's secret from the shares its neighbours returned."""
+    def _surviving(self, device: str) -> list[str]:
+        """The device's partners that sent a masked input (sorted)."""
+        return sorted(set(self.state.masked_from).intersection(self.partners(device)))
+
+    def _rebuilt(self, owners: list[str], holders: list[str], shares: list[bytes]) -> dict[str, Rebuilt]:
+        """Each survivor's seed from the shares its neighbours returned, checked against its commitment."""
         held: dict[str, list[tuple[str, shamir.Share]]] = {}
         for owner, holder, share in zip(owners, holders, shares):
             held.setdefault(owner, []).append((holder, shamir.Share.from_bytes(share)))
-        return {owner: rebuild(owner, pairs, self.threshold, valid) for owner, pairs in held.items()}
+        return {owner: rebuild(owner, pairs, self.threshold, self._seed_valid) for owner, pairs in held.items()}
 
     def _seed_valid(self, owner: str, seed: bytes) -> bool:
         commitment = self.state.commitments[self.state.sharers.index(owner)]
         return masks.seed_commitment(self.context, owner, seed) == commitment
-
-    def _key_valid(self, owner: str, secret: bytes) -> bool:
-        return keys.KeyPair.from_secret(secret).public == self.state.mask_keys[self.state.advertised.index(owner)]

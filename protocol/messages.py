@@ -11,13 +11,19 @@ import numpy as np
 from protocol.model_spec import ModelSpec
 from protocol.recipe_flags import OMITTED_KEY, recipe_field
 from protocol.secagg_messages import (
+    DeliveryAck,
     KeyAdvert,
     KeyRoster,
     MaskedInput,
+    MaskRequest,
+    RecordKeyRequest,
+    RecordKeyReveal,
     ShareBundle,
     ShareDelivery,
+    SurvivorView,
     UnmaskRequest,
     UnmaskResponse,
+    ViewConfirmation,
 )
 
 Tensors = dict[str, np.ndarray]
@@ -324,8 +330,36 @@ class Chunk:
     data: bytes
 
 
-SecAggMessage = KeyAdvert | KeyRoster | ShareBundle | ShareDelivery | MaskedInput | UnmaskRequest | UnmaskResponse
-SECAGG_TYPES = (KeyAdvert, KeyRoster, ShareBundle, ShareDelivery, MaskedInput, UnmaskRequest, UnmaskResponse)
+SecAggMessage = (
+    KeyAdvert
+    | KeyRoster
+    | ShareBundle
+    | ShareDelivery
+    | DeliveryAck
+    | RecordKeyRequest
+    | RecordKeyReveal
+    | MaskRequest
+    | MaskedInput
+    | SurvivorView
+    | ViewConfirmation
+    | UnmaskRequest
+    | UnmaskResponse
+)
+SECAGG_TYPES = (
+    KeyAdvert,
+    KeyRoster,
+    ShareBundle,
+    ShareDelivery,
+    DeliveryAck,
+    RecordKeyRequest,
+    RecordKeyReveal,
+    MaskRequest,
+    MaskedInput,
+    SurvivorView,
+    ViewConfirmation,
+    UnmaskRequest,
+    UnmaskResponse,
+)
 Message = (
     RoundAnnouncement
     | ModelMessage
@@ -368,7 +402,13 @@ M = TypeVar(
     KeyRoster,
     ShareBundle,
     ShareDelivery,
+    DeliveryAck,
+    RecordKeyRequest,
+    RecordKeyReveal,
+    MaskRequest,
     MaskedInput,
+    SurvivorView,
+    ViewConfirmation,
     UnmaskRequest,
     UnmaskResponse,
 )

@@ -1,4 +1,4 @@
-# Secure aggregation's wire messages (SecAgg+'s four stages, both ways); `messages` lists them among the wire's kinds.
+# Secure aggregation's wire messages (SecAgg+'s stages, both ways); `messages` lists them among the wire's kinds.
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,8 +42,8 @@ class KeyRoster:
 
 @dataclass(frozen=True)
 class ShareBundle:
-    """Stage 2, device to coordinator: one sealed share record per neighbour (shares of its self-mask seed and of
-    its mask key, readable by that neighbour only) and a SHA-256 commitment to the seed."""
+    """Stage 2, device to coordinator: one sealed share record per neighbour (a share of its self-mask seed,
+    readable by that neighbour only) and a SHA-256 commitment to the seed."""
 
     KIND: ClassVar[str] = "secagg_shares"
     device_id: str
@@ -65,6 +65,54 @@ class ShareDelivery:
 
 
 @dataclass(frozen=True)
+class DeliveryAck:
+    """Stage 2's answer, device to coordinator: whose records it holds, and a complaint against each sender whose
+    record carried the pair's MAC but did not open as one share, with the pair's record key as its proof (the
+    coordinator checks the MAC with it; the accused sender checks it is the pair's before settling the complaint)."""
+
+    KIND: ClassVar[str] = "secagg_ack"
+    device_id: str
+    round_id: int
+    held: list[str]
+    accused: list[str]
+    pair_keys: list[bytes]
+
+
+@dataclass(frozen=True)
+class RecordKeyRequest:
+    """A complaint to settle, coordinator to the accused sender: the accusers and the pair keys they gave."""
+
+    KIND: ClassVar[str] = "secagg_key_request"
+    device_id: str
+    round_id: int
+    accusers: list[str]
+    pair_keys: list[bytes]
+
+
+@dataclass(frozen=True)
+class RecordKeyReveal:
+    """The accused sender's answer: the ephemeral secret of its record to each accuser, so the coordinator opens
+    that record and tells who lied."""
+
+    KIND: ClassVar[str] = "secagg_key_reveal"
+    device_id: str
+    round_id: int
+    accusers: list[str]
+    ephemeral_secrets: list[bytes]
+
+
+@dataclass(frozen=True)
+class MaskRequest:
+    """Stage 3's start, coordinator to one device: the neighbours it masks with (those still in the round: not
+    excluded by a complaint, not silent)."""
+
+    KIND: ClassVar[str] = "secagg_mask"
+    device_id: str
+    round_id: int
+    partners: list[str]
+
+
+@dataclass(frozen=True)
 class MaskedInput:
     """Stage 3, device to coordinator: its fixed-point update plus its self mask and pairwise masks (uint32)."""
 
@@ -75,26 +123,50 @@ class MaskedInput:
 
 
 @dataclass(frozen=True)
-class UnmaskRequest:
-    """Stage 4, coordinator to one surviving device: which of its neighbours survived (their seed shares are asked)
-    and which dropped after sharing (their mask-key shares are asked), and how many survived in all."""
+class SurvivorView:
+    """Stage 4a, coordinator to one surviving device: which of its neighbours survived (sent a masked input), and
+    how many survived in all. The device keeps this one view for the round and answers by it."""
 
-    KIND: ClassVar[str] = "secagg_unmask"
+    KIND: ClassVar[str] = "secagg_view"
     device_id: str
     round_id: int
     survivors: list[str]
-    dropped: list[str]
     survivor_count: int
 
 
 @dataclass(frozen=True)
+class ViewConfirmation:
+    """Stage 4a's answer, device to coordinator: for each neighbour its view calls a survivor, a MAC (under a key
+    only the two share) saying so, for the coordinator to route to it; for each other neighbour, the pairwise mask
+    seed the device masked with, so the coordinator can take that mask out of the sum."""
+
+    KIND: ClassVar[str] = "secagg_confirm"
+    device_id: str
+    round_id: int
+    recipients: list[str]
+    tags: list[bytes]
+    dropped: list[str]
+    pair_seeds: list[bytes]
+
+
+@dataclass(frozen=True)
+class UnmaskRequest:
+    """Stage 4b, coordinator to one surviving device: the surviving neighbours whose self-mask seed shares are asked,
+    each with its confirmation that it saw this device survive."""
+
+    KIND: ClassVar[str] = "secagg_unmask"
+    device_id: str
+    round_id: int
+    senders: list[str]
+    tags: list[bytes]
+
+
+@dataclass(frozen=True)
 class UnmaskResponse:
-    """Stage 4's answer, device to coordinator: the seed shares and mask-key shares it was asked for and agreed to."""
+    """Stage 4b's answer, device to coordinator: the seed shares it was asked for and agreed to give."""
 
     KIND: ClassVar[str] = "secagg_reveal"
     device_id: str
     round_id: int
     seed_owners: list[str]
     seed_shares: list[bytes]
-    key_owners: list[str]
-    key_shares: list[bytes]

@@ -1,178 +1,183 @@
-# A malicious secure-aggregation device as a plain paho-mqtt + msgpack client written from the message layouts
-# (protocol/secagg_messages.py, wire v2 envelopes): it takes part in every stage but masks whatever it chooses (no
-# clip, any weight), can forge a share at unmasking and can claim a 17 MiB chunked message. Only the protocol's own
-# arithmetic comes from protocol.secagg (Shamir over GF(2^521 - 1), the X25519 / HKDF / AES-GCM seal, the AES-CTR
-# masks, the fixed point's scale): those are the protocol's definitions, and a copy of them would test nothing more.
+# A malicious party of secure aggregation written only from the message layouts (docs/ALGORITHMS.md section 14):
+# plain paho-mqtt, msgpack and `cryptography`, none of the project's code, so an attack test does not share its bugs.
 from __future__ import annotations
 
-import hashlib
 import os
 import queue
-import threading
+import secrets
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import numpy as np
 import paho.mqtt.client as paho
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes, hmac, serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from protocol.mqtt import BrokerAddress
-from protocol.secagg import keys, masks, shamir
-from protocol.secagg.fixed_point import FixedPoint
-
+PRIME = 2**521 - 1
+SHARE_PURPOSE, MASK_PURPOSE = b"secagg-share-encryption", b"secagg-pairwise-mask"
+CONFIRM_PURPOSE, RECORD_PURPOSE = b"secagg-view-confirmation", b"secagg-record-authentication"
 WAIT = 30.0
 
 
-def envelope(kind: str, **fields: Any) -> bytes:
-    """A wire v2 message: a msgpack map of the version, the kind and the fields."""
-    return msgpack.packb({"v": 2, "kind": kind, **fields}, use_bin_type=True)
+def raw(secret: X25519PrivateKey) -> tuple[bytes, bytes]:
+    """(secret, public) raw bytes of an X25519 key."""
+    public = secret.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return secret.private_bytes_raw(), public
 
 
-def raw_secret() -> bytes:
-    """A fresh X25519 secret key as its 32 raw bytes."""
-    return X25519PrivateKey.generate().private_bytes_raw()
+def agreed(secret: bytes, public: bytes, purpose: bytes, context: bytes) -> bytes:
+    """HKDF-SHA256 of the X25519 secret two parties share, bound to a purpose and the round."""
+    shared = X25519PrivateKey.from_private_bytes(secret).exchange(X25519PublicKey.from_public_bytes(public))
+    return HKDF(hashes.SHA256(), 32, salt=None, info=purpose + b"|" + context).derive(shared)
 
 
-def public_of(secret: bytes) -> bytes:
-    """The raw public key of a raw X25519 secret."""
-    public = X25519PrivateKey.from_private_bytes(secret).public_key()
-    return public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+def bound(context: bytes, sender: str, recipient: str) -> bytes:
+    """The associated data of a sealed record (and the body of a confirmation): round, sender, recipient."""
+    return b"|".join((context, sender.encode(), recipient.encode()))
 
 
-class SecAggAttacker:
-    """One malicious participant of a secure round on `fleet`: `values` is what it masks, by tensor name (the round's
-    layout: the trained tensors, `secagg.weight` and `secagg.labels`, already weighted, never clipped); `forge`
-    makes it return one altered seed share when asked to unmask."""
+def mac(key: bytes, data: bytes) -> bytes:
+    """HMAC-SHA256."""
+    digest = hmac.HMAC(key, hashes.SHA256())
+    digest.update(data)
+    return digest.finalize()
 
-    def __init__(
-        self, address: BrokerAddress, fleet: str, device_id: str, values: dict[str, np.ndarray], forge: bool = False
-    ) -> None:
-        self.fleet, self.device_id, self.values, self.forge = fleet, device_id, values, forge
-        self.cipher_secret, self.mask_secret, self.seed = raw_secret(), raw_secret(), os.urandom(32)
-        self.roster: dict[str, Any] = {}
-        self.held: dict[str, bytes] = {}
-        self.errors: queue.Queue[Exception] = queue.Queue()
-        subscribed = threading.Event()
-        self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=device_id, protocol=paho.MQTTv5)
-        self.client.on_message = self.on_message
-        self.client.on_connect = lambda client, *_: client.subscribe(f"fl/{fleet}/devices/{device_id}/secagg_in", 1)
-        self.client.on_subscribe = lambda *_: subscribed.set()
-        self.client.connect(address.host, address.port)
+
+def seal(
+    sender: Party, recipient_public: bytes, context: bytes, names: tuple[str, str], plaintext: bytes
+) -> tuple[bytes, bytes]:
+    """A record as the layout has it: a fresh ephemeral public key E, the nonce, AES-256-GCM under
+    HKDF(X25519(e, recipient)), and the HMAC under the pair's record key; with the ephemeral secret."""
+    ephemeral, public = raw(X25519PrivateKey.generate())
+    associated = bound(context, *names)
+    nonce = os.urandom(12)
+    body = (
+        public
+        + nonce
+        + AESGCM(agreed(ephemeral, recipient_public, SHARE_PURPOSE, context)).encrypt(nonce, plaintext, associated)
+    )
+    pair_key = agreed(sender.cipher_secret, recipient_public, RECORD_PURPOSE, context)
+    return body + mac(pair_key, associated + body), ephemeral
+
+
+def unseal(recipient: Party, sealed: bytes, context: bytes, names: tuple[str, str]) -> bytes | None:
+    """A record's plaintext opened by its recipient, or None when it does not open."""
+    key = agreed(recipient.cipher_secret, sealed[:32], SHARE_PURPOSE, context)
+    try:
+        return AESGCM(key).decrypt(sealed[32:44], sealed[44:-32], bound(context, *names))
+    except InvalidTag:
+        return None
+
+
+def confirmation(key: bytes, context: bytes, sender: str, recipient: str) -> bytes:
+    """The MAC saying "the sender saw the recipient survive"."""
+    return mac(key, b"survivor|" + bound(context, sender, recipient))
+
+
+def share_of(secret: bytes, threshold: int, x: int) -> tuple[bytes, list[int]]:
+    """One Shamir share (2-byte x, 66-byte y) of a random polynomial through the secret, and its coefficients."""
+    coefficients = [int.from_bytes(secret, "big"), *(secrets.randbelow(PRIME) for _ in range(threshold - 1))]
+    y = sum(c * pow(x, i, PRIME) for i, c in enumerate(coefficients)) % PRIME
+    return x.to_bytes(2, "big") + y.to_bytes(66, "big"), coefficients
+
+
+def combine(shares: list[bytes]) -> bytes:
+    """The 32-byte secret at x = 0 of the polynomial through these shares (Lagrange)."""
+    points = [(int.from_bytes(s[:2], "big"), int.from_bytes(s[2:], "big")) for s in shares]
+    total = 0
+    for xi, yi in points:
+        term = yi
+        for xj, _ in points:
+            if xj != xi:
+                term = term * xj % PRIME * pow(xj - xi, -1, PRIME) % PRIME
+        total = (total + term) % PRIME
+    return (total % (1 << 256)).to_bytes(32, "big")
+
+
+def prg(seed: bytes, length: int) -> np.ndarray:
+    """The AES-256-CTR keystream of a seed as uint32 (the masks)."""
+    encryptor = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
+    return np.frombuffer(encryptor.update(bytes(4 * length)) + encryptor.finalize(), dtype="<u4").astype(np.uint32)
+
+
+def flat_tensors(tensors: dict[str, dict[str, Any]]) -> np.ndarray:
+    """A masked input's tensors (wire maps of dtype, shape, data), flattened in sorted-name order."""
+    return np.concatenate([np.frombuffer(tensors[name]["data"], dtype="<u4") for name in sorted(tensors)])
+
+
+@dataclass
+class Party:
+    """Someone's round keys: the attacker's own, or an honest device's public ones as advertised."""
+
+    cipher_public: bytes
+    mask_public: bytes
+    cipher_secret: bytes = b""
+    mask_secret: bytes = b""
+
+    @classmethod
+    def fresh(cls) -> Party:
+        """A party with new key pairs (the attacker's)."""
+        (cipher_secret, cipher_public), (mask_secret, mask_public) = (
+            raw(X25519PrivateKey.generate()),
+            raw(X25519PrivateKey.generate()),
+        )
+        return cls(cipher_public, mask_public, cipher_secret, mask_secret)
+
+
+@dataclass
+class MaliciousCoordinator:
+    """A plain MQTT client that plays the coordinator of a fleet's secure round (and, colluding, one of its devices
+    named `me`): it reads the devices' stage messages and sends them whatever it likes. `listen` is the topic it
+    reads under the fleet's devices (a device of its own reads its `secagg_in`)."""
+
+    host: str
+    port: int
+    fleet: str
+    me: str = "mal"
+    listen: str = "+/secagg"
+    inbox: queue.Queue = field(default_factory=queue.Queue)
+
+    def __post_init__(self) -> None:
+        self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id="malicious", protocol=paho.MQTTv5)
+        self.client.on_message = lambda c, u, m: self.inbox.put((m.topic.split("/")[3], msgpack.unpackb(m.payload)))
+        self.client.connect(self.host, self.port)
         self.client.loop_start()
-        if not subscribed.wait(WAIT):
-            raise TimeoutError(f"{device_id} did not subscribe within {WAIT} s")
+        self.client.subscribe(f"fl/{self.fleet}/devices/{self.listen}", qos=1)
+        self.keys = Party.fresh()
 
-    @property
-    def up(self) -> str:
-        """The topic its stage messages go to."""
-        return f"fl/{self.fleet}/devices/{self.device_id}/secagg"
+    def send(self, device: str, kind: str, **fields: Any) -> None:
+        """A stage message to one device, as the wire's msgpack envelope."""
+        payload = msgpack.packb({"v": 2, "kind": kind, **fields}, use_bin_type=True)
+        self.client.publish(f"fl/{self.fleet}/devices/{device}/secagg_in", payload, qos=1).wait_for_publish(WAIT)
 
-    def publish(self, payload: bytes, topic: str | None = None) -> None:
-        """One QoS 1 message, waited for (from the test's thread)."""
-        self.client.publish(topic or self.up, payload, qos=1).wait_for_publish(WAIT)
+    def collect(self, kind: str, count: int, timeout: float = WAIT) -> dict[str, dict[str, Any]]:
+        """The next `count` messages of a kind, by sender (others read meanwhile are dropped)."""
+        got: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < count:
+            sender, message = self.inbox.get(timeout=max(0.01, deadline - time.monotonic()))
+            if message.get("kind") == kind:
+                got[sender] = message
+        return got
 
-    def advertise(self, round_id: int) -> None:
-        """Stage 1: its two public keys."""
-        cipher, mask = public_of(self.cipher_secret), public_of(self.mask_secret)
-        kind = "secagg_keys"
-        self.publish(envelope(kind, device_id=self.device_id, round_id=round_id, cipher_key=cipher, mask_key=mask))
-
-    def claim_too_large(self, total_bytes: int) -> None:
-        """The first chunk of a stage message that claims `total_bytes` (the rest never comes)."""
-        digest = hashlib.sha256(b"never sent").hexdigest()
-        chunk = envelope(
-            "chunk", transfer_id="a" * 32, index=0, count=2, total_bytes=total_bytes, digest=digest, data=b"x" * 1024
-        )
-        self.publish(chunk, f"{self.up}/chunk/0")
-
-    def on_message(self, client: paho.Client, userdata: object, message: paho.MQTTMessage) -> None:
-        """Answers the coordinator's stage messages (an error is kept for the test to raise)."""
-        try:
-            fields = msgpack.unpackb(message.payload, raw=False)
-            answer = {"secagg_roster": self.shares, "secagg_delivery": self.masked, "secagg_unmask": self.reveal}
-            client.publish(self.up, answer[fields["kind"]](fields), qos=1)
-        except Exception as error:  # reported to the test's thread by close(), not lost in paho's
-            self.errors.put(error)
-
-    def context(self) -> bytes:
-        """The round's binding (run and round) every key, seal and commitment uses."""
-        return keys.round_context(self.roster["run_id"], self.roster["round_id"])
-
-    def peer_key(self, peer: str, which: str) -> bytes:
-        """A neighbour's public key from the roster (`cipher_keys` or `mask_keys`)."""
-        return self.roster[which][self.roster["neighbours"].index(peer)]
-
-    def shares(self, roster: dict[str, Any]) -> bytes:
-        """Stage 2: its seed and mask key split t-of-k among its neighbours, each pair sealed for one of them."""
-        self.roster = roster
-        peers, threshold = roster["neighbours"], roster["threshold"]
-        seed_shares = shamir.split(self.seed, threshold, len(peers))
-        key_shares = shamir.split(self.mask_secret, threshold, len(peers))
-        sealed = []
-        for peer, seed_share, key_share in zip(peers, seed_shares, key_shares):
-            key = keys.agreed_key(
-                self.cipher_secret, self.peer_key(peer, "cipher_keys"), keys.SHARE_PURPOSE, self.context()
-            )
-            associated = keys.share_context(self.context(), self.device_id, peer)
-            sealed.append(keys.encrypt(key, seed_share.to_bytes() + key_share.to_bytes(), associated))
-        commitment = masks.seed_commitment(self.context(), self.device_id, self.seed)
-        return envelope(
-            "secagg_shares",
-            device_id=self.device_id,
-            round_id=roster["round_id"],
-            recipients=peers,
-            ciphertexts=sealed,
-            seed_commitment=commitment,
-        )
-
-    def masked(self, delivery: dict[str, Any]) -> bytes:
-        """Stage 3: its chosen values in fixed point (unclipped), plus its self mask and a pairwise mask with every
-        neighbour whose shares it holds."""
-        for sender, sealed in zip(delivery["senders"], delivery["ciphertexts"]):
-            key = keys.agreed_key(
-                self.cipher_secret, self.peer_key(sender, "cipher_keys"), keys.SHARE_PURPOSE, self.context()
-            )
-            self.held[sender] = keys.decrypt(key, sealed, keys.share_context(self.context(), sender, self.device_id))
-        bits = FixedPoint(self.roster["clip"], self.roster["max_summands"]).bits
-        names = sorted(self.values)
-        flat = np.concatenate([np.ravel(self.values[name]).astype(np.float64) for name in names])
-        total = np.rint(flat * 2.0**bits).astype(np.int64).astype(np.uint32) + masks.prg(self.seed, flat.size)
-        for peer in self.held:
-            seed = keys.agreed_key(
-                self.mask_secret, self.peer_key(peer, "mask_keys"), keys.MASK_PURPOSE, self.context()
-            )
-            mask = masks.prg(seed, flat.size)
-            total = total + mask if self.device_id < peer else total - mask
-        tensors, start = {}, 0
-        for name in names:
-            shape = list(np.shape(self.values[name]))
-            size = int(np.prod(shape))
-            data = total[start : start + size].astype("<u4").tobytes()
-            tensors[name] = {"dtype": "<u4", "shape": shape, "data": data}
-            start += size
-        return envelope("secagg_masked", device_id=self.device_id, round_id=self.roster["round_id"], masked=tensors)
-
-    def reveal(self, request: dict[str, Any]) -> bytes:
-        """Stage 4: the seed shares of the surviving neighbours and the key shares of the dropped ones it was asked
-        for; with `forge`, the first seed share altered."""
-        size = shamir.SHARE_BYTES
-        seeds = [self.held[peer][:size] for peer in request["survivors"]]
-        if self.forge and seeds:
-            seeds[0] = seeds[0][:-1] + bytes([seeds[0][-1] ^ 1])
-        return envelope(
-            "secagg_reveal",
-            device_id=self.device_id,
-            round_id=request["round_id"],
-            seed_owners=request["survivors"],
-            seed_shares=seeds,
-            key_owners=request["dropped"],
-            key_shares=[self.held[peer][size:] for peer in request["dropped"]],
-        )
+    def quiet(self, wait: float) -> list[dict[str, Any]]:
+        """Every message that arrives within `wait` seconds."""
+        seen = []
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                seen.append(self.inbox.get(timeout=0.05)[1])
+            except queue.Empty:
+                continue
+        return seen
 
     def close(self) -> None:
-        """Disconnects; any error its callbacks met is raised here."""
-        self.client.loop_stop()
+        """Disconnects."""
         self.client.disconnect()
-        if not self.errors.empty():
-            raise self.errors.get()
+        self.client.loop_stop()

@@ -42,6 +42,7 @@ TORCH_FREE = (
     "coordinator.divergence",
     "coordinator.validation",
     "coordinator.secagg_server",
+    "coordinator.secagg_complaints",
     "coordinator.secagg_unmask",
     "coordinator.secagg_round",
     "edge_agent.loop.secagg_device",

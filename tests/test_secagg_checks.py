@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from coordinators import blank_evaluator, local_coordinator
-from secagg_attacker import SecAggAttacker
+from secagg_cheat import SecAggAttacker
 
 from coordinator.cli import main
 from coordinator.dashboard.live import LiveState

@@ -8,7 +8,15 @@ import pytest
 
 from protocol import wire
 from protocol.errors import UsageError
-from protocol.messages import SECAGG_TYPES, KeyAdvert, MaskedInput, RejectionKind, UnmaskResponse
+from protocol.messages import (
+    SECAGG_TYPES,
+    DeliveryAck,
+    KeyAdvert,
+    MaskedInput,
+    RejectionKind,
+    UnmaskResponse,
+    ViewConfirmation,
+)
 from protocol.secagg import graph, keys, masks, shamir
 from protocol.secagg.errors import SecAggRefusal
 from protocol.secagg.fixed_point import FixedPoint
@@ -97,11 +105,13 @@ def test_every_stage_message_round_trips_the_wire() -> None:
     samples = [
         KeyAdvert("d1", 3, bytes(32), bytes([1]) * 32),
         MaskedInput("d1", 3, {"w": np.arange(6, dtype=np.uint32).reshape(2, 3)}),
-        UnmaskResponse("d1", 3, ["d2"], [b"x" * 68], [], []),
+        UnmaskResponse("d1", 3, ["d2"], [b"x" * 68]),
+        ViewConfirmation("d1", 3, ["d2"], [bytes(32)], ["d3"], [bytes([2]) * 32]),
+        DeliveryAck("d1", 3, ["d2"], ["d3"], [bytes([3]) * 32]),
     ]
     for message in samples:
         decoded = wire.decode(wire.encode(message), type(message))
         assert wire.encode(decoded) == wire.encode(message)
-    assert len(SECAGG_TYPES) == 7
+    assert len(SECAGG_TYPES) == 13
     with pytest.raises(wire.WireError):
         wire.decode(wire.encode(samples[2]).replace(b"seed_shares", b"seed_sharez"), UnmaskResponse)

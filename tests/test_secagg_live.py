@@ -1,5 +1,5 @@
 # Secure aggregation over a real mosquitto: a coordinator's round against five device participants, the committed
-# model (FedAvg of the survivors), a device gone after masking, too many gone (abandoned), what the run dir holds.
+# model (FedAvg of the survivors), a device gone after confirming its view, too many gone (abandoned), the run dir.
 from __future__ import annotations
 
 import functools
@@ -72,7 +72,7 @@ class Fleet:
 
     def pump(self, unmasking: list[str], until: threading.Thread) -> None:
         """Hands each device its messages until the coordinator's thread ends; only `unmasking` devices answer an
-        unmask request (the others are gone after masking)."""
+        unmask request (the others are gone after confirming their survivor view)."""
         deadline = time.monotonic() + 60
         while until.is_alive() and time.monotonic() < deadline:
             for device, session in self.sessions.items():
@@ -144,7 +144,7 @@ def test_a_secure_round_commits_fedavg_and_the_run_holds_no_plain_update(broker,
     assert plain_bytes_in(tmp_path / "dev0", trained, base) == []  # the device keeps only its weighted delta
 
 
-def test_a_device_gone_after_masking_still_counts(broker, tmp_path, fashion) -> None:
+def test_a_device_gone_after_confirming_its_view_still_counts(broker, tmp_path, fashion) -> None:
     base, trained, (weights, _), store = secure_round(broker, tmp_path, fashion, DEVICES[1:], DEVICES)
     expected = fedavg(trained, base)
     assert max(float(np.abs(weights[n] - expected[n]).max()) for n in base) < 1e-5

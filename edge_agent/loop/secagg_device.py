@@ -1,8 +1,9 @@
 # A device's side of secure aggregation (SecAgg+) as a state machine: advertise keys, share its secrets with its
-# neighbours, send its masked update, reveal the shares a safe unmask request asks for. Pure: no I/O, no torch.
+# neighbours, send its masked update, confirm one view of who survived, reveal by it. Pure: no I/O, no torch.
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import os
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -10,14 +11,20 @@ from typing import ClassVar
 from protocol import wire
 from protocol.errors import UsageError
 from protocol.messages import (
+    DeliveryAck,
     KeyAdvert,
     KeyRoster,
     MaskedInput,
+    MaskRequest,
+    RecordKeyRequest,
+    RecordKeyReveal,
     RejectionKind,
     ShareBundle,
     ShareDelivery,
+    SurvivorView,
     UnmaskRequest,
     UnmaskResponse,
+    ViewConfirmation,
 )
 from protocol.secagg import graph, keys, masks, shamir
 from protocol.secagg.checks import (
@@ -32,15 +39,16 @@ from protocol.secagg.errors import SecAggRefusal
 from protocol.secagg.fixed_point import FixedPoint, flat, layout_of, shaped
 from protocol.tensors import Weights
 
-ADVERTISED, SHARED, DELIVERED, MASKED = "advertised", "shared", "delivered", "masked"
-RECORD_BYTES = 2 * shamir.SHARE_BYTES  # a neighbour's sealed record: its seed share, then its mask-key share
+ADVERTISED, SHARED, DELIVERED, PARTNERED = "advertised", "shared", "delivered", "partnered"
+MASKED, VIEWED = "masked", "viewed"
 
 
 @dataclass(frozen=True)
 class DeviceSecAggState:
     """Everything a device needs to finish a round after a restart (its secrets included: it lives in the device's
-    own state directory). `clip` and `dropout` are the recipe's until a roster that matches them arrives;
-    `revealed_*` remember which kind of share of which peer already left the device."""
+    own state directory). `clip` and `dropout` are the recipe's until a roster that matches them arrives; `accused`
+    are the neighbours whose records did not open, `partners` those it masks with, `view` the one set of surviving
+    partners it confirmed (it reveals by it and takes no other)."""
 
     KIND: ClassVar[str] = "secagg_device_state"
     device_id: str
@@ -60,8 +68,10 @@ class DeviceSecAggState:
     mask_keys: list[bytes] = field(default_factory=list)
     held_from: list[str] = field(default_factory=list)
     held_records: list[bytes] = field(default_factory=list)
-    revealed_seeds: list[str] = field(default_factory=list)
-    revealed_keys: list[str] = field(default_factory=list)
+    accused: list[str] = field(default_factory=list)
+    partners: list[str] = field(default_factory=list)
+    view: list[str] = field(default_factory=list)
+    survivor_count: int = 0
 
     @property
     def context(self) -> bytes:
@@ -106,7 +116,7 @@ class SecAggDevice:
         )
 
     def on_roster(self, roster: KeyRoster) -> ShareBundle:
-        """Stage 2: split the self-mask seed and the mask key among the neighbours and seal each one's records."""
+        """Stage 2: split the self-mask seed among the neighbours and seal each one's share."""
         self._check(roster.device_id, roster.round_id, ADVERTISED, "a key roster")
         check_pairs(roster.neighbours, roster.cipher_keys, "the roster's cipher keys")
         check_pairs(roster.neighbours, roster.mask_keys, "the roster's mask keys")
@@ -126,68 +136,157 @@ class SecAggDevice:
         self.state = state
         return bundle
 
-    def on_delivery(self, delivery: ShareDelivery) -> None:
-        """Stage 2's answer: open and keep each neighbour's records (a record that does not open refuses them all)."""
+    def on_delivery(self, delivery: ShareDelivery) -> DeliveryAck:
+        """Stage 2's answer: keeps each neighbour's record that carries the pair's MAC and opens as one share, accuses
+        each sender whose authentic record does not (with the pair's record key as proof), and passes over a record
+        without the MAC (altered on the way: nobody can be blamed). Fewer than `threshold` records kept: the device's
+        secret would rest on fewer holders than the round promised, so it refuses and will send no masked input."""
+        state = self.state
         self._check(delivery.device_id, delivery.round_id, SHARED, "a share delivery")
         check_pairs(delivery.senders, delivery.ciphertexts, "the delivery")
-        check_within(
-            delivery.senders, self.state.neighbours, RejectionKind.WRONG_RECIPIENT, "shares from non-neighbours"
-        )
-        records = [self._opened(sender, sealed) for sender, sealed in zip(delivery.senders, delivery.ciphertexts)]
+        check_within(delivery.senders, state.neighbours, RejectionKind.WRONG_RECIPIENT, "shares from non-neighbours")
+        held: dict[str, bytes] = {}
+        accused: dict[str, bytes] = {}
+        for sender, sealed in zip(delivery.senders, delivery.ciphertexts):
+            pair_key = self._pair_key(sender, keys.RECORD_PURPOSE)
+            associated = keys.share_context(state.context, sender, state.device_id)
+            if not keys.record_authentic(pair_key, sealed, associated):
+                continue
+            try:
+                held[sender] = self._opened(sender, sealed, associated)
+            except SecAggRefusal:
+                accused[sender] = pair_key
+        if len(held) < state.threshold:
+            raise SecAggRefusal(
+                RejectionKind.UNSAFE_REQUEST, f"shares from {len(held)} neighbours, at least {state.threshold} needed"
+            )
         self.state = dataclasses.replace(
-            self.state, held_from=list(delivery.senders), held_records=records, stage=DELIVERED
+            state, held_from=list(held), held_records=list(held.values()), accused=list(accused), stage=DELIVERED
         )
+        return DeliveryAck(state.device_id, state.round_id, list(held), list(accused), list(accused.values()))
+
+    def on_key_request(self, request: RecordKeyRequest) -> RecordKeyReveal:
+        """A complaint against this device's records: the ephemeral secret of its record to each accuser, only for
+        an accuser whose pair key is the pair's (so the accuser really complained: an honest one only does when the
+        record did not open, which never happens to an honest sender, so the record revealed is one a dishonest
+        accuser holds anyway)."""
+        state = self.state
+        check_addressed(state.device_id, request.device_id)
+        check_round(state.round_id, request.round_id)
+        if state.stage in (ADVERTISED, SHARED):
+            raise SecAggRefusal(
+                RejectionKind.WRONG_STAGE, f"a complaint arrived while the round is in stage {state.stage!r}"
+            )
+        check_pairs(request.accusers, request.pair_keys, "the complaint")
+        check_within(
+            request.accusers, state.neighbours, RejectionKind.UNSAFE_REQUEST, "complaints from non-neighbours:"
+        )
+        wrong = sorted(
+            accuser
+            for accuser, key in zip(request.accusers, request.pair_keys)
+            if not hmac.compare_digest(self._pair_key(accuser, keys.RECORD_PURPOSE), key)
+        )
+        if wrong:
+            raise SecAggRefusal(
+                RejectionKind.UNSAFE_REQUEST, f"complaints from {wire.shown_names(wrong)} without the pair key"
+            )
+        secrets = [keys.record_ephemeral(state.cipher_secret, state.context, accuser) for accuser in request.accusers]
+        return RecordKeyReveal(state.device_id, state.round_id, list(request.accusers), secrets)
+
+    def on_mask_request(self, request: MaskRequest) -> None:
+        """Stage 3's start: the neighbours still in the round become the device's mask partners (less any it
+        accused), once it holds at least `threshold` of their records."""
+        state = self.state
+        self._check(request.device_id, request.round_id, DELIVERED, "a mask request")
+        check_unique(request.partners, "the mask request")
+        check_within(request.partners, state.neighbours, RejectionKind.UNSAFE_REQUEST, "names non-neighbours:")
+        partners = sorted(set(request.partners) - set(state.accused))
+        held = [peer for peer in state.held_from if peer in partners]
+        if len(held) < state.threshold:
+            raise SecAggRefusal(
+                RejectionKind.UNSAFE_REQUEST, f"shares from {len(held)} partners, at least {state.threshold} needed"
+            )
+        self.state = dataclasses.replace(state, partners=partners, stage=PARTNERED)
 
     def masked_input(self, update: Weights) -> MaskedInput:
-        """Stage 3: the update in fixed point, plus the self mask, plus a pairwise mask with each neighbour whose
-        shares arrived (exactly those who will mask with this device)."""
+        """Stage 3: the update in fixed point, plus the self mask, plus a pairwise mask with every partner (whether
+        or not its record arrived: whoever holds a share of this device's seed is a mask partner, so no share can be
+        revealed without hiding a mask only that holder can take off)."""
         state = self.state
-        check_stage(state.stage, DELIVERED, "a request to mask the update")
+        check_stage(state.stage, PARTNERED, "a request to mask the update")
         encoded = FixedPoint(state.clip, state.max_summands).encode(flat(update))
-        pairs = [(masks.pairwise_sign(state.device_id, peer), self._mask_seed(peer)) for peer in state.held_from]
+        pairs = [(masks.pairwise_sign(state.device_id, peer), self._mask_seed(peer)) for peer in state.partners]
         vector = masks.masked(encoded, state.self_seed, pairs)
         self.state = dataclasses.replace(state, stage=MASKED)
         return MaskedInput(state.device_id, state.round_id, shaped(vector, layout_of(update)))
 
-    def on_unmask(self, request: UnmaskRequest) -> UnmaskResponse:
-        """Stage 4: the seed shares of surviving neighbours and the mask-key shares of dropped ones, unless the request
-        would let the coordinator take both kinds of one peer's secrets (now or with an earlier answer)."""
-        self._check(request.device_id, request.round_id, MASKED, "an unmask request")
-        _check_request(self.state, request)
-        seeds = [self._held_share(peer, 0) for peer in request.survivors]
-        key_shares = [self._held_share(peer, 1) for peer in request.dropped]
+    def on_view(self, view: SurvivorView) -> ViewConfirmation:
+        """Stage 4a: takes the coordinator's one view of which partners survived (the same view again gets the same
+        answer; another is refused), confirms it to each surviving partner with a MAC only that partner can check,
+        and reveals the pairwise mask seed of each other partner."""
         state = self.state
-        self.state = dataclasses.replace(
-            state,
-            revealed_seeds=sorted({*state.revealed_seeds, *request.survivors}),
-            revealed_keys=sorted({*state.revealed_keys, *request.dropped}),
+        check_addressed(state.device_id, view.device_id)
+        check_round(state.round_id, view.round_id)
+        if state.stage == VIEWED and (sorted(view.survivors), view.survivor_count) != (
+            state.view,
+            state.survivor_count,
+        ):
+            raise SecAggRefusal(RejectionKind.UNSAFE_REQUEST, "a second, different view of the survivors")
+        if state.stage != VIEWED:
+            check_stage(state.stage, MASKED, "a survivor view")
+        _check_view(state, view)
+        survivors = sorted(view.survivors)
+        dropped = [peer for peer in state.partners if peer not in survivors]
+        tags = [
+            keys.survivor_tag(self._pair_key(peer, keys.CONFIRM_PURPOSE), state.context, state.device_id, peer)
+            for peer in survivors
+        ]
+        seeds = [self._mask_seed(peer) for peer in dropped]
+        self.state = dataclasses.replace(state, view=survivors, survivor_count=view.survivor_count, stage=VIEWED)
+        return ViewConfirmation(state.device_id, state.round_id, survivors, tags, dropped, seeds)
+
+    def on_unmask(self, request: UnmaskRequest) -> UnmaskResponse:
+        """Stage 4b: the seed share of each named neighbour that this device's view calls a survivor and that
+        confirmed it saw this device survive (so it revealed no pairwise seed with this device); anything else is
+        refused. The same request again gets the same answer."""
+        state = self.state
+        self._check(request.device_id, request.round_id, VIEWED, "an unmask request")
+        check_pairs(request.senders, request.tags, "the unmask request")
+        check_within(request.senders, state.view, RejectionKind.UNSAFE_REQUEST, "asks for shares of non-survivors")
+        check_within(request.senders, state.held_from, RejectionKind.UNSAFE_REQUEST, "asks for shares not held:")
+        forged = sorted(
+            sender
+            for sender, tag in zip(request.senders, request.tags)
+            if not keys.tag_valid(
+                self._pair_key(sender, keys.CONFIRM_PURPOSE), state.context, sender, state.device_id, tag
+            )
         )
-        return UnmaskResponse(
-            state.device_id, state.round_id, list(request.survivors), seeds, list(request.dropped), key_shares
-        )
+        if forged:
+            raise SecAggRefusal(
+                RejectionKind.UNSAFE_REQUEST, f"no valid confirmation from {wire.shown_names(forged)} that it saw"
+            )
+        shares = [state.held_records[state.held_from.index(sender)] for sender in request.senders]
+        return UnmaskResponse(state.device_id, state.round_id, list(request.senders), shares)
 
     def _check(self, addressee: str, round_id: int, stage: str, what: str) -> None:
         check_addressed(self.state.device_id, addressee)
         check_round(self.state.round_id, round_id)
         check_stage(self.state.stage, stage, what)
 
-    def _opened(self, sender: str, sealed: bytes) -> bytes:
-        """A neighbour's record, opened with the pair's key and checked to hold two shares of one point."""
+    def _opened(self, sender: str, sealed: bytes, associated: bytes) -> bytes:
+        """A neighbour's authentic record, opened with its ephemeral key and checked to be one share."""
         state = self.state
-        key = keys.agreed_key(state.cipher_secret, state.peer_key(sender, True), keys.SHARE_PURPOSE, state.context)
-        record = keys.decrypt(key, sealed, keys.share_context(state.context, sender, state.device_id))
-        halves = (record[: shamir.SHARE_BYTES], record[shamir.SHARE_BYTES :])
-        if len(record) != RECORD_BYTES or len({shamir.Share.from_bytes(half).x for half in halves}) != 1:
-            raise SecAggRefusal(RejectionKind.FORGED_SHARE, f"the record from {wire.shown(sender)} is not two shares")
-        return record
+        share = keys.open_record(state.cipher_secret, sealed[: keys.KEY_BYTES], sealed, associated, state.context)
+        shamir.Share.from_bytes(share)
+        return share
 
     def _mask_seed(self, peer: str) -> bytes:
         state = self.state
         return keys.agreed_key(state.mask_secret, state.peer_key(peer, False), keys.MASK_PURPOSE, state.context)
 
-    def _held_share(self, peer: str, which: int) -> bytes:
-        record = self.state.held_records[self.state.held_from.index(peer)]
-        return record[which * shamir.SHARE_BYTES : (which + 1) * shamir.SHARE_BYTES]
+    def _pair_key(self, peer: str, purpose: bytes) -> bytes:
+        state = self.state
+        return keys.agreed_key(state.cipher_secret, state.peer_key(peer, True), purpose, state.context)
 
 
 def _check_settings(roster: KeyRoster, own_id: str) -> None:
@@ -222,38 +321,28 @@ def _check_recipe(roster: KeyRoster, state: DeviceSecAggState) -> None:
 
 
 def _sealed_shares(state: DeviceSecAggState) -> ShareBundle:
-    """Shares of the seed and the mask key (x = the neighbour's place in the sorted list, 1-based), sealed per
-    neighbour, and the seed's commitment."""
-    count = len(state.neighbours)
-    seed_shares = shamir.split(state.self_seed, state.threshold, count)
-    key_shares = shamir.split(state.mask_secret, state.threshold, count)
-    sealed = []
-    for peer, seed_share, key_share in zip(state.neighbours, seed_shares, key_shares):
-        key = keys.agreed_key(state.cipher_secret, state.peer_key(peer, True), keys.SHARE_PURPOSE, state.context)
-        associated = keys.share_context(state.context, state.device_id, peer)
-        sealed.append(keys.encrypt(key, seed_share.to_bytes() + key_share.to_bytes(), associated))
+    """Shares of the self-mask seed (x = the neighbour's place in the sorted list, 1-based), sealed per neighbour,
+    and the seed's commitment. The mask key is not shared: a dropped neighbour's masks are taken out by the
+    survivors revealing their own pairwise seeds with it."""
+    shares = shamir.split(state.self_seed, state.threshold, len(state.neighbours))
+    sealed = [
+        keys.seal_record(
+            state.cipher_secret, state.peer_key(peer, True), state.context, state.device_id, peer, share.to_bytes()
+        )
+        for peer, share in zip(state.neighbours, shares)
+    ]
     commitment = masks.seed_commitment(state.context, state.device_id, state.self_seed)
     return ShareBundle(state.device_id, state.round_id, list(state.neighbours), sealed, commitment)
 
 
-def _check_request(state: DeviceSecAggState, request: UnmaskRequest) -> None:
-    """The refusals that keep a device's neighbours' updates hidden: one peer asked as both survivor and dropped
-    (in this request or across requests), the device itself called dropped, too few survivors, unheld shares."""
-    both = sorted(
-        ({*request.survivors} & {*request.dropped})
-        | ({*request.survivors} & {*state.revealed_keys})
-        | ({*request.dropped} & {*state.revealed_seeds})
-    )
-    if both:
-        raise SecAggRefusal(
-            RejectionKind.UNSAFE_REQUEST, f"asks both shares of {wire.shown_names(both)}; an honest device gives one"
-        )
-    if state.device_id in request.dropped or request.survivor_count < state.min_survivors:
+def _check_view(state: DeviceSecAggState, view: SurvivorView) -> None:
+    """A view an honest device confirms: surviving neighbours named once each, none outside its roster, not itself,
+    and at least the round's minimum of survivors in all (else the sum would be too few devices' updates)."""
+    check_unique(view.survivors, "the survivor view")
+    check_within(view.survivors, state.partners, RejectionKind.UNSAFE_REQUEST, "calls non-partners survivors:")
+    if view.survivor_count < max(state.min_survivors, len(view.survivors) + 1):
         raise SecAggRefusal(
             RejectionKind.UNSAFE_REQUEST,
-            f"{request.survivor_count} survivors (at least {state.min_survivors}), this device among the dropped: "
-            f"{state.device_id in request.dropped}",
+            f"{wire.shown(view.survivor_count)} survivors with {len(view.survivors)} surviving neighbours and this "
+            f"device (at least {state.min_survivors})",
         )
-    asked = [*request.survivors, *request.dropped]
-    check_unique(asked, "the unmask request")
-    check_within(asked, state.held_from, RejectionKind.UNSAFE_REQUEST, "asks for shares this device does not hold:")

@@ -6,10 +6,22 @@ import logging
 from pathlib import Path
 
 from edge_agent.data.journal import Journal
-from edge_agent.loop.secagg_device import DELIVERED, SecAggDevice
+from edge_agent.loop.secagg_device import PARTNERED, SecAggDevice
 from protocol import messages, topics, wire
 from protocol.files import atomic_write_bytes, load_arrays, save_arrays
-from protocol.messages import KeyRoster, ShareBundle, ShareDelivery, UnmaskRequest, UnmaskResponse
+from protocol.messages import (
+    DeliveryAck,
+    KeyRoster,
+    MaskRequest,
+    RecordKeyRequest,
+    RecordKeyReveal,
+    ShareBundle,
+    ShareDelivery,
+    SurvivorView,
+    UnmaskRequest,
+    UnmaskResponse,
+    ViewConfirmation,
+)
 from protocol.model_spec import ModelSpec, trainable_names
 from protocol.mqtt import IncomingMessage, MqttSession
 from protocol.secagg.errors import SecAggRefusal
@@ -21,7 +33,9 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "secagg_round.rec"  # the device's secure-round state (its secrets included)
 PENDING_FILE = "secagg_pending.npz"  # the weighted delta waiting for the share delivery before it is masked
-INBOUND = (KeyRoster, ShareDelivery, UnmaskRequest)
+INBOUND = (KeyRoster, ShareDelivery, RecordKeyRequest, MaskRequest, SurvivorView, UnmaskRequest)
+Inbound = KeyRoster | ShareDelivery | RecordKeyRequest | MaskRequest | SurvivorView | UnmaskRequest
+Answer = ShareBundle | DeliveryAck | RecordKeyReveal | ViewConfirmation | UnmaskResponse
 ADVERTISED_KEY = "secagg_advertised_round"  # the journal's note of the last round whose keys this device sent
 REPORTED_KEY = "secagg_reported_labels"  # the journal's count of the labels this device's masked inputs carried
 
@@ -53,7 +67,7 @@ class SecAggParticipant:
         self.journal.set(ADVERTISED_KEY, round_id)
 
     def on_message(self, message: IncomingMessage) -> bool:
-        """A roster, share delivery or unmask request: answered, or refused with a log line (the state unchanged)."""
+        """A stage message from the coordinator: answered, or refused with a log line (the state unchanged)."""
         incoming = wire.decode_any(message.payload, INBOUND)
         device = self.device
         if device is None:
@@ -70,20 +84,24 @@ class SecAggParticipant:
         self.mask_pending()
         return False
 
-    def answer(
-        self, device: SecAggDevice, incoming: KeyRoster | ShareDelivery | UnmaskRequest
-    ) -> ShareBundle | UnmaskResponse | None:
-        """The device's answer to one stage message (None for a delivery, which it keeps)."""
+    def answer(self, device: SecAggDevice, incoming: Inbound) -> Answer | None:
+        """The device's answer to one stage message (None for a mask request, which it keeps)."""
         if isinstance(incoming, KeyRoster):
             return device.on_roster(incoming)
         if isinstance(incoming, ShareDelivery):
-            device.on_delivery(incoming)
+            return device.on_delivery(incoming)
+        if isinstance(incoming, RecordKeyRequest):
+            return device.on_key_request(incoming)
+        if isinstance(incoming, MaskRequest):
+            device.on_mask_request(incoming)
             return None
+        if isinstance(incoming, SurvivorView):
+            return device.on_view(incoming)
         return device.on_unmask(incoming)
 
     def send_update(self, update: messages.Update, base: Weights, spec: ModelSpec, recipe: messages.Recipe) -> None:
         """The round's update as its weighted delta of the trainable tensors and the labels acquired since the last
-        masked input, kept (atomically) until it is masked; masked at once if the shares have already arrived. The
+        masked input, kept (atomically) until it is masked; masked at once if its partners are already known. The
         plain update never leaves the device."""
         names = trainable_names(spec, base)
         weight = device_weight(update.num_samples, recipe.secagg_sample_cap)
@@ -93,10 +111,10 @@ class SecAggParticipant:
         self.mask_pending()
 
     def mask_pending(self) -> None:
-        """Masks and sends the kept delta once the device holds its neighbours' shares; its labels are journalled
-        as reported (a round abandoned later does not count them)."""
+        """Masks and sends the kept delta once the device knows its mask partners; its labels are journalled as
+        reported (a round abandoned later does not count them)."""
         device = self.device
-        if device is None or device.state.stage != DELIVERED or not self.pending_path.exists():
+        if device is None or device.state.stage != PARTNERED or not self.pending_path.exists():
             return
         pending = load_arrays(self.pending_path)
         fixed = FixedPoint(device.state.clip, device.state.max_summands)
