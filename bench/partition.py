@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.holdout import NUM_CLASSES, checked_indices
+from coordinator.rounds.holdout import NUM_CLASSES, checked_indices
 from protocol.errors import UsageError
 
 MIN_DIRICHLET_SAMPLES = 10

@@ -9,16 +9,16 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from coordinator.closing import RoundCloser
-from coordinator.evaluation import TestScores
-from coordinator.intake import UpdateIntake
-from coordinator.observer import RoundObserver
-from coordinator.presence import Presence
-from coordinator.publisher import Artefacts, RetainedPublisher
-from coordinator.rounds import Coordinator, RoundParts, RoundRules
+from coordinator.intake.observer import RoundObserver
+from coordinator.intake.update_intake import UpdateIntake
+from coordinator.rounds.closing import RoundCloser
+from coordinator.rounds.evaluation import TestScores
+from coordinator.rounds.loop import Coordinator, RoundParts, RoundRules
+from coordinator.rounds.presence import Presence
+from coordinator.rounds.publisher import Artefacts, RetainedPublisher
 from coordinator.server import ServerSettings, bundle_exporter, coordinator_session, secured
-from coordinator.store import SECURE_WEIGHT, RunStore
-from coordinator.strategies import make_strategy
+from coordinator.storage.store import SECURE_WEIGHT, RunStore
+from coordinator.strategies.registry import make_strategy
 from edge_agent.data.journal import Journal
 from edge_agent.loop.agent import last_will
 from edge_agent.loop.agent_settings import AgentSettings

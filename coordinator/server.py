@@ -13,25 +13,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from coordinator.aggregation import DEFAULT_MAX_SAMPLE_SHARE
-from coordinator.async_intake import AsyncPolicy
-from coordinator.async_rounds import AsyncCoordinator, check_async_settings
-from coordinator.authentication import UpdateAuthenticator
-from coordinator.closing import RoundCloser
-from coordinator.dp_rounds import DpSettings, PrivateRounds, check_dp_settings
-from coordinator.evaluation import Evaluator, LabelledSplit
-from coordinator.holdout import server_holdout
-from coordinator.intake import UpdateIntake
-from coordinator.observer import RoundObserver, RoundResult
-from coordinator.presence import Presence
-from coordinator.pretrained import merge_initial_weights, read_weight_file
-from coordinator.provision import load_secure_fleet
-from coordinator.publisher import Artefacts, RetainedPublisher
-from coordinator.round_aggregator import SuspectPolicy
-from coordinator.rounds import Coordinator, RoundParts, RoundPolicy, RoundRules
-from coordinator.secagg_live import check_secure_settings
-from coordinator.store import RunStore, stored_spec
-from coordinator.strategies import make_strategy
+from coordinator.asynchronous.intake import AsyncPolicy
+from coordinator.asynchronous.rounds import AsyncCoordinator, check_async_settings
+from coordinator.fleet.provision import load_secure_fleet
+from coordinator.intake.authentication import UpdateAuthenticator
+from coordinator.intake.observer import RoundObserver, RoundResult
+from coordinator.intake.round_aggregator import SuspectPolicy
+from coordinator.intake.update_intake import UpdateIntake
+from coordinator.privacy.rounds import DpSettings, PrivateRounds, check_dp_settings
+from coordinator.rounds.closing import RoundCloser
+from coordinator.rounds.evaluation import Evaluator, LabelledSplit
+from coordinator.rounds.holdout import server_holdout
+from coordinator.rounds.loop import Coordinator, RoundParts, RoundPolicy, RoundRules
+from coordinator.rounds.presence import Presence
+from coordinator.rounds.publisher import Artefacts, RetainedPublisher
+from coordinator.secure.rounds import check_secure_settings
+from coordinator.storage.pretrained import merge_initial_weights, read_weight_file
+from coordinator.storage.store import RunStore, stored_spec
+from coordinator.strategies.aggregate import DEFAULT_MAX_SAMPLE_SHARE
+from coordinator.strategies.registry import make_strategy
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.image_arrays import ImageDataset, load_npz_dataset
 from edge_agent.learning.encoder import OnnxEncoder, encoder_hash

@@ -8,17 +8,17 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.closing import RoundCloser
-from coordinator.evaluation import Evaluator, LabelledSplit
-from coordinator.intake import RoundCollector, UpdateIntake
-from coordinator.observer import RoundObserver
-from coordinator.presence import Presence
-from coordinator.publisher import Artefacts, RetainedPublisher
-from coordinator.round_aggregator import Aggregate
-from coordinator.rounds import Coordinator, RoundParts, RoundPolicy, RoundRules
-from coordinator.store import RoundRecord, RunStore
-from coordinator.strategy_contract import Strategy
-from coordinator.validation import Expectation
+from coordinator.intake.observer import RoundObserver
+from coordinator.intake.round_aggregator import Aggregate
+from coordinator.intake.update_intake import RoundCollector, UpdateIntake
+from coordinator.intake.validation import Expectation
+from coordinator.rounds.closing import RoundCloser
+from coordinator.rounds.evaluation import Evaluator, LabelledSplit
+from coordinator.rounds.loop import Coordinator, RoundParts, RoundPolicy, RoundRules
+from coordinator.rounds.presence import Presence
+from coordinator.rounds.publisher import Artefacts, RetainedPublisher
+from coordinator.storage.store import RoundRecord, RunStore
+from coordinator.strategies.contract import Strategy
 from edge_agent.learning.models import build_model, weight_spec
 from protocol import messages, topics, wire
 from protocol.model_spec import DEFAULT_SPEC

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from fleet import FakeDevice, log_text, perturbed, start_coordinator, stop_all, wait_exit
 
-from coordinator.aggregation import ClientUpdate
-from coordinator.broker import EmbeddedBroker
-from coordinator.mean_strategies import AveFL
-from coordinator.store import RunStore
+from coordinator.fleet.broker import EmbeddedBroker
+from coordinator.storage.store import RunStore
+from coordinator.strategies.aggregate import ClientUpdate
+from coordinator.strategies.means import AveFL
 from protocol import messages, wire
 
 pytestmark = pytest.mark.integration

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from dp_accounting import rdp
 
-from coordinator import evaluation
-from coordinator.closing import DEVICE_EPSILON, RoundCloser, RoundTiming
 from coordinator.dashboard.views import RunSnapshot, privacy_view
-from coordinator.intake import RoundCollector
-from coordinator.store import RunStore
-from coordinator.strategies import make_strategy
-from coordinator.validation import Expectation
+from coordinator.intake.update_intake import RoundCollector
+from coordinator.intake.validation import Expectation
+from coordinator.rounds import evaluation
+from coordinator.rounds.closing import DEVICE_EPSILON, RoundCloser, RoundTiming
+from coordinator.storage.store import RunStore
+from coordinator.strategies.registry import make_strategy
 from edge_agent.learning.bundle import store_bundle
 from edge_agent.learning.dp_sgd import LEDGER_FILE, PrivateSteps
 from edge_agent.learning.head_learner import HeadLearner

@@ -15,7 +15,7 @@ from browser import wait_for
 from test_agent import FLEET, FakeCoordinator
 from test_folder_pool import write_png
 
-from coordinator.broker import EmbeddedBroker
+from coordinator.fleet.broker import EmbeddedBroker
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.field.folder_oracle import FolderOracle, QueryBook
 from edge_agent.field.folder_pool import folder_pool_of, open_folder_data

@@ -25,27 +25,27 @@ TORCH_FREE = (
     # the command lines load a command's module only when it runs
     "coordinator.cli",
     "bench.cli",
-    "coordinator.aggregation",
-    "coordinator.cadis",
-    "coordinator.server_optimizers",
+    "coordinator.strategies.aggregate",
+    "coordinator.strategies.cadis",
+    "coordinator.strategies.server_optimizers",
     "edge_agent.learning.local_data",
-    "coordinator.strategies",
-    "coordinator.strategy_contract",
-    "coordinator.mean_strategies",
-    "coordinator.robust_strategies",
-    "coordinator.optimizer_strategies",
-    "coordinator.round_aggregator",
-    "coordinator.dp_aggregator",
-    "coordinator.dp_rounds",
-    "coordinator.buffered",
-    "coordinator.async_intake",
-    "coordinator.divergence",
-    "coordinator.validation",
-    "coordinator.secagg_server",
-    "coordinator.secagg_unmask",
-    "coordinator.secagg_round",
+    "coordinator.strategies.registry",
+    "coordinator.strategies.contract",
+    "coordinator.strategies.means",
+    "coordinator.strategies.robust",
+    "coordinator.strategies.optimizers",
+    "coordinator.intake.round_aggregator",
+    "coordinator.privacy.dp_aggregator",
+    "coordinator.privacy.rounds",
+    "coordinator.asynchronous.buffer",
+    "coordinator.asynchronous.intake",
+    "coordinator.intake.divergence",
+    "coordinator.intake.validation",
+    "coordinator.secure.secagg_server",
+    "coordinator.secure.secagg_unmask",
+    "coordinator.secure.secagg_round",
     "edge_agent.loop.secagg_device",
-    "coordinator.method_flags",
+    "coordinator.commands.method_flags",
     "protocol.tensors",
     "protocol.options",
     "protocol.update_codec",
@@ -102,7 +102,7 @@ def test_a_room_imports_none_of_the_rooms_it_must_not(room: str) -> None:
 
 def test_the_import_rule_sees_function_level_imports(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    from coordinator.store import RunStore\n    import export.cli\n")
+    module.write_text("def f():\n    from coordinator.storage.store import RunStore\n    import export.cli\n")
     assert imported_packages(module) == {"coordinator", "export"}
 
 

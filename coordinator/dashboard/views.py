@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from coordinator.closing import DEVICE_EPSILON
+from coordinator.commands.method_flags import recipe_view
 from coordinator.dashboard.live import LiveState
-from coordinator.method_flags import recipe_view
-from coordinator.store import AGGREGATE_CHANGE, DeviceRoundRecord, RoundRecord, RunStore, stored_spec
+from coordinator.rounds.closing import DEVICE_EPSILON
+from coordinator.storage.store import AGGREGATE_CHANGE, DeviceRoundRecord, RoundRecord, RunStore, stored_spec
 from protocol.model_spec import spec_hash
 
 T = TypeVar("T")
