@@ -35,7 +35,7 @@ import numpy as np
 from bench.shard import Shard, load_shard
 from bench.simulate import BenchSettings, simulate
 from coordinator.intake.observer import RoundResult
-from coordinator.rounds.loop import RoundPolicy
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from edge_agent.data.device_data import LABELS_FILE
 from edge_agent.data.labelled_record import LabelledRecord

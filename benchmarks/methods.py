@@ -30,7 +30,7 @@ import numpy as np
 from bench.partition import partition_indices
 from bench.simulate import BenchSettings, simulate
 from coordinator.intake.observer import RoundResult
-from coordinator.rounds.loop import RoundPolicy
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.strategies.registry import make_strategy
 from edge_agent.learning.local_rules import make_local_rule

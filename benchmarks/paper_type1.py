@@ -22,7 +22,7 @@ from pathlib import Path
 
 from bench.simulate import BenchSettings, simulate
 from coordinator.intake.observer import RoundResult
-from coordinator.rounds.loop import RoundPolicy
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from protocol import messages
 

@@ -14,9 +14,12 @@ from coordinator.intake.update_intake import RoundCollector, UpdateIntake
 from coordinator.intake.validation import Expectation
 from coordinator.rounds.closing import RoundCloser
 from coordinator.rounds.evaluation import Evaluator, LabelledSplit
-from coordinator.rounds.loop import Coordinator, RoundParts, RoundPolicy, RoundRules
+from coordinator.rounds.loop import Coordinator, RoundParts
+from coordinator.rounds.mode import RoundMode
 from coordinator.rounds.presence import Presence
 from coordinator.rounds.publisher import Artefacts, RetainedPublisher
+from coordinator.rounds.rules import RoundPolicy, RoundRules
+from coordinator.secure.mode import SecureMode
 from coordinator.storage.store import RoundRecord, RunStore
 from coordinator.strategies.contract import Strategy
 from edge_agent.learning.models import build_model, weight_spec
@@ -45,6 +48,9 @@ def local_coordinator(
         publisher=RetainedPublisher(session, fleet, "run", Artefacts()),
         closer=RoundCloser(store, strategy, evaluator, evaluate_devices=False, base_labels=0),
         observer=observer,
+        mode=SecureMode(RoundMode(), session, fleet, store)
+        if recipe and recipe.secure_aggregation != "off"
+        else RoundMode(),
     )
     return Coordinator(fleet, session, RoundRules(recipe or messages.Recipe(), policy), parts)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.simulate import BenchSettings, DeviceLaunch, spawn_agent, write_shards
-from coordinator.rounds.loop import RoundPolicy
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.server import InitSettings, ServerData, ServerSettings, load_server_data
 from edge_agent.data.device_data import LABELS_FILE
 from edge_agent.data.labelled_record import source_code

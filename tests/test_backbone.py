@@ -12,8 +12,8 @@ from onnx import numpy_helper
 
 from bench.simulate import simulate
 from coordinator.relay import RELAY_STRATEGY, Relay, RelaySettings, SiteRounds
-from coordinator.rounds.loop import RoundPolicy, RoundRules
 from coordinator.rounds.publisher import Artefacts, RetainedPublisher, bundle_message, model_message, split_of
+from coordinator.rounds.rules import RoundPolicy, RoundRules
 from coordinator.server import ServerSettings
 from coordinator.storage.store import RunStore
 from edge_agent.learning.bundle import MANIFEST_NAME, bundle_weights, load_bundle

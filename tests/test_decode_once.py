@@ -20,9 +20,10 @@ from coordinator.intake.observer import RoundObserver
 from coordinator.intake.update_intake import UpdateIntake
 from coordinator.rounds.closing import RoundCloser
 from coordinator.rounds.evaluation import Evaluator, LabelledSplit
-from coordinator.rounds.loop import Coordinator, RoundParts, RoundPolicy, RoundRules
+from coordinator.rounds.loop import Coordinator, RoundParts
 from coordinator.rounds.presence import Presence
 from coordinator.rounds.publisher import Artefacts, RetainedPublisher
+from coordinator.rounds.rules import RoundPolicy, RoundRules
 from coordinator.storage.store import RunStore
 from coordinator.strategies.registry import make_strategy
 from edge_agent.learning.models import build_model, get_weights

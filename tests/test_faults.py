@@ -31,7 +31,7 @@ from bench.simulate import BenchSettings, simulate
 from coordinator.fleet.broker import port_is_free
 from coordinator.fleet.provision import provision
 from coordinator.intake.observer import RoundResult
-from coordinator.rounds.loop import RoundPolicy
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.storage.spool import Spool
 from coordinator.storage.store import RunStore

@@ -18,7 +18,8 @@ from coordinator.intake.round_aggregator import BatchAggregator, SuspectPolicy
 from coordinator.intake.update_intake import RoundCollector
 from coordinator.intake.validation import Expectation, Rejection, validate_update
 from coordinator.rounds.evaluation import Evaluator, LabelledSplit
-from coordinator.rounds.loop import Coordinator, OpenRound, RoundPolicy
+from coordinator.rounds.loop import Coordinator, OpenRound
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.storage.store import RunStore
 from coordinator.strategies.means import AveFL
 from edge_agent.learning.models import build_model, get_weights, weight_spec

@@ -16,9 +16,10 @@ from coordinator.intake.update_intake import UpdateIntake
 from coordinator.intake.validation import MAX_REASON_CHARS, Rejection, validate_update
 from coordinator.rounds.closing import RoundCloser
 from coordinator.rounds.evaluation import Evaluator, LabelledSplit
-from coordinator.rounds.loop import Coordinator, RoundParts, RoundPolicy, RoundRules, round_expectation
+from coordinator.rounds.loop import Coordinator, RoundParts, round_expectation
 from coordinator.rounds.presence import Presence
 from coordinator.rounds.publisher import Artefacts, RetainedPublisher
+from coordinator.rounds.rules import RoundPolicy, RoundRules
 from coordinator.storage.store import RunStore
 from coordinator.strategies.registry import STRATEGIES, make_strategy
 from edge_agent.data.device_data import DeviceData

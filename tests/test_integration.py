@@ -11,7 +11,7 @@ from fleet import pi_zero_fleet
 from bench.simulate import BenchSettings, simulate
 from coordinator.fleet.broker import EmbeddedBroker
 from coordinator.intake.observer import RoundResult
-from coordinator.rounds.loop import RoundPolicy
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.storage.store import RunStore
 from protocol import messages, topics, wire

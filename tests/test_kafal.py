@@ -20,7 +20,8 @@ from bench.shard import Shard, open_device_data
 from coordinator.intake.update_intake import RoundCollector
 from coordinator.intake.validation import Expectation
 from coordinator.rounds.evaluation import Evaluator, LabelledSplit
-from coordinator.rounds.loop import RoundPolicy, choose_participants
+from coordinator.rounds.mode import choose_participants
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.storage.store import RunStore
 from coordinator.strategies.aggregate import ClientUpdate
 from coordinator.strategies.registry import make_strategy

@@ -16,7 +16,7 @@ from bench.oracle import SimulatedOracle
 from bench.shard import load_shard, open_device_data
 from coordinator.intake.observer import RoundResult
 from coordinator.intake.round_aggregator import SuspectPolicy
-from coordinator.rounds.loop import RoundPolicy
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings, initial_weights, run_server
 from coordinator.storage.store import RunStore
 from edge_agent.loop.agent import Agent

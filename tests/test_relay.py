@@ -16,7 +16,8 @@ from coordinator.intake.authentication import UpdateAuthenticator
 from coordinator.intake.scratch import TensorScratch
 from coordinator.intake.validation import MAX_CONTRIBUTORS, MAX_REASON_CHARS, Expectation, Rejection, validate_update
 from coordinator.relay import RELAY_STRATEGY, Relay, RelaySettings, SiteRounds, upstream_update
-from coordinator.rounds.loop import RoundPolicy, RoundRules, round_expectation
+from coordinator.rounds.loop import round_expectation
+from coordinator.rounds.rules import RoundPolicy, RoundRules
 from coordinator.server import ServerSettings
 from coordinator.storage.store import DeviceRoundRecord, RoundRecord, RunStore
 from coordinator.strategies.means import FedAvg

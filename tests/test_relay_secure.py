@@ -20,7 +20,8 @@ from coordinator.relay import (
     upstream_session,
     upstream_update,
 )
-from coordinator.rounds.loop import Coordinator, RoundPolicy, RoundRules
+from coordinator.rounds.loop import Coordinator
+from coordinator.rounds.rules import RoundPolicy, RoundRules
 from coordinator.secure.rounds import INBOUND, OUTBOUND
 from coordinator.server import ServerSettings
 from coordinator.storage.store import RoundRecord, RunStore

@@ -14,7 +14,8 @@ from coordinators import FakeSession, local_coordinator, plain_bytes_in
 from coordinator.dashboard.views import RunSnapshot, divergence_view, secure_view
 from coordinator.intake.round_aggregator import SuspectPolicy
 from coordinator.rounds.evaluation import Evaluator, LabelledSplit
-from coordinator.rounds.loop import Coordinator, RoundPolicy
+from coordinator.rounds.loop import Coordinator
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.secure.rounds import check_secure_settings
 from coordinator.storage.store import RunStore
 from coordinator.strategies.registry import make_strategy

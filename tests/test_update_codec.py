@@ -17,7 +17,7 @@ from coordinator.intake.scratch import TensorScratch
 from coordinator.intake.update_intake import RoundCollector
 from coordinator.intake.validation import MAX_REASON_CHARS, Expectation, Rejection, decoded, validate_update
 from coordinator.rounds.evaluation import Evaluator, LabelledSplit
-from coordinator.rounds.loop import RoundPolicy
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.storage.store import RunStore
 from coordinator.strategies.registry import make_strategy

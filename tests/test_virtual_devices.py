@@ -13,7 +13,7 @@ import pytest
 from bench.cli import main as bench_main
 from bench.simulate import BenchSettings, simulate
 from coordinator.intake.observer import RoundResult
-from coordinator.rounds.loop import RoundPolicy
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from protocol import messages
 

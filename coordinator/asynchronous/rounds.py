@@ -14,7 +14,8 @@ from coordinator.intake.scratch import TensorScratch
 from coordinator.intake.update_intake import RoundCollector
 from coordinator.intake.validation import Rejection, decoded
 from coordinator.rounds.closing import RoundTiming
-from coordinator.rounds.loop import Coordinator, OpenRound, RoundParts, RoundRules, round_expectation
+from coordinator.rounds.loop import Coordinator, OpenRound, RoundParts, round_expectation
+from coordinator.rounds.rules import RoundRules
 from coordinator.strategies.aggregate import ClientUpdate
 from coordinator.strategies.contract import Evaluate, Strategy
 from coordinator.strategies.registry import STRATEGIES

@@ -9,7 +9,7 @@ from coordinator.commands.method_flags import add_method_choice, add_method_flag
 from coordinator.commands.recipe_options import add_recipe_options
 from coordinator.intake.round_aggregator import SuspectPolicy
 from coordinator.privacy.rounds import DpSettings
-from coordinator.rounds.loop import DEFAULT_BATCH
+from coordinator.rounds.rules import DEFAULT_BATCH
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.strategies.aggregate import DEFAULT_MAX_SAMPLE_SHARE
 from edge_agent.learning.training import OPTIMIZERS

@@ -11,7 +11,7 @@ from coordinator.commands.recipe_options import recipe_from
 from coordinator.commands.round_options import DEFAULT_MAX_STALENESS
 from coordinator.intake.round_aggregator import SuspectPolicy
 from coordinator.privacy.rounds import DpSettings
-from coordinator.rounds.loop import RoundPolicy
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings, load_encoder
 from coordinator.strategies.registry import make_strategy
 from edge_agent.learning.local_rules import LOCAL_RULES, make_local_rule

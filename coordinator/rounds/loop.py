@@ -1,32 +1,24 @@
 # The round loop: open a round (announce), collect updates until quorum or deadline, close it, commit, repeat.
 from __future__ import annotations
 
-import functools
 import logging
-import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from coordinator.intake.authentication import UpdateAuthenticator
 from coordinator.intake.observer import RoundObserver, RoundResult
-from coordinator.intake.round_aggregator import RoundAggregator, SuspectPolicy, make_aggregator
+from coordinator.intake.round_aggregator import RoundAggregator
 from coordinator.intake.scratch import TensorScratch
 from coordinator.intake.update_intake import RoundCollector, UpdateIntake
 from coordinator.intake.validation import Expectation, Rejection
-from coordinator.privacy.rounds import PrivateRounds
 from coordinator.rounds.closing import RoundCloser, RoundTiming
+from coordinator.rounds.mode import Opening, RoundMode, StagedRound
 from coordinator.rounds.presence import Presence
 from coordinator.rounds.publisher import RetainedPublisher
-from coordinator.secure.rounds import HeldMessages, LiveSecureRound, start_secure
+from coordinator.rounds.rules import RoundRules, sample_bounds
 from coordinator.strategies.contract import Strategy
-from edge_agent.loop.schedule import labels_by_round
-from protocol import messages, topics, wire
-from protocol.errors import UsageError
+from protocol import topics
 from protocol.messages import RejectionKind
-from protocol.model_spec import DEFAULT_SPEC, ModelSpec
 from protocol.mqtt import IncomingMessage, MqttSession
 from protocol.tensors import Weights, spec_of, weights_hash
 from protocol.trained_set import trained_set
@@ -34,75 +26,28 @@ from protocol.trained_set import trained_set
 log = logging.getLogger(__name__)
 
 
-DEFAULT_BATCH = 32  # messages handled per group commit at most (also the broker's in-flight window for us)
-
-
-@dataclass(frozen=True)
-class RoundPolicy:
-    """When a round may close: the quorum, the minimum and the deadline; and how many messages one group commit of
-    the spool takes at most (`batch`)."""
-
-    rounds: int
-    min_devices: int = 1
-    quorum: int | None = None
-    round_timeout: float = 600.0
-    max_update_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
-    participation: float = 1.0
-    batch: int = DEFAULT_BATCH
-
-    def __post_init__(self) -> None:
-        if self.batch < 1:
-            raise UsageError(f"--spool-batch must be at least 1, got {self.batch}")
-        if not 0.0 < self.participation <= 1.0:
-            raise UsageError(f"--participation must lie in (0, 1], got {self.participation}")
-        if self.rounds < 1:
-            raise UsageError(f"--rounds must be at least 1, got {self.rounds}")
-        if self.min_devices < 1:
-            raise UsageError(f"--min-devices must be at least 1, got {self.min_devices}")
-        if self.quorum is not None and self.quorum < self.min_devices:
-            raise UsageError(f"--quorum {self.quorum} is below --min-devices {self.min_devices}")
-        if self.round_timeout <= 0:
-            raise UsageError(f"--round-timeout must be positive, got {self.round_timeout}")
-
-
-@dataclass(frozen=True)
-class RoundRules:
-    """What every round follows: the recipe devices get, when rounds close, how suspects are treated, and who may
-    send (None: any device; else signed updates of provisioned devices only), and the model spec (class count).
-
-    For a strategy that weighs by samples: `seed_labels`, the labels a device holds before round 1 (None: unknown,
-    so no per-device bound), and `max_sample_share`, the most of a round's weight one device's claim may carry where
-    no such bound is known (1: no cap; the command lines default to DEFAULT_MAX_SAMPLE_SHARE)."""
-
-    recipe: messages.Recipe
-    policy: RoundPolicy
-    suspects: SuspectPolicy = field(default_factory=SuspectPolicy)
-    authenticator: UpdateAuthenticator | None = None
-    spec: ModelSpec = DEFAULT_SPEC
-    seed_labels: int | None = None
-    max_sample_share: float = 1.0
-
-
 @dataclass(frozen=True)
 class RoundParts:
-    """The coordinator's collaborators: presence, intake, retained publishing, closing, and who hears about it."""
+    """The coordinator's collaborators: presence, intake, retained publishing, closing, who hears about it, and the
+    run's round mode (plain unless the assembly chooses another)."""
 
     presence: Presence
     intake: UpdateIntake
     publisher: RetainedPublisher
     closer: RoundCloser
     observer: RoundObserver
-    privacy: PrivateRounds | None = None
+    mode: RoundMode = field(default_factory=RoundMode)
 
 
 @dataclass(frozen=True)
 class OpenRound:
-    """A round being collected: its collector, its aggregator and the devices chosen to train ([] = all)."""
+    """A round being collected: its collector, its aggregator, the devices chosen to train ([] = all) and its own
+    stages if its mode runs some (a secure round)."""
 
     collector: RoundCollector
     aggregator: RoundAggregator
     participants: list[str]
-    secure: LiveSecureRound | None = None
+    staged: StagedRound | None = None
 
 
 # A device topic's handler: the device id the topic names, the message, the open round (None: none is open).
@@ -110,45 +55,15 @@ DeviceHandler = Callable[[str, IncomingMessage, OpenRound | None], None]
 
 
 def device_routes(
-    fleet: str, on_update: DeviceHandler, on_status: DeviceHandler, held: HeldMessages
+    fleet: str, on_update: DeviceHandler, on_status: DeviceHandler, on_stage: DeviceHandler
 ) -> topics.Router[DeviceHandler]:
     """What a coordinator takes from its fleet's devices, by topic: their updates, their status and their
-    secure-round stage messages (taken by the open round's secure part, or `held` for it while no round is open)."""
+    secure-round stage messages."""
     router: topics.Router[DeviceHandler] = topics.Router()
     router.add(topics.UPDATE.bind(fleet=fleet), on_update)
     router.add(topics.STATUS.bind(fleet=fleet), on_status)
-    router.add(topics.SECAGG_UP.bind(fleet=fleet), functools.partial(on_secagg, held))
+    router.add(topics.SECAGG_UP.bind(fleet=fleet), on_stage)
     return router
-
-
-def on_secagg(held: HeldMessages, device_id: str, message: IncomingMessage, opened: OpenRound | None) -> None:
-    """A device's secure-round message, for the open secure round; held for the next one while no round is open
-    (a restarted coordinator reads what was queued for it before it reopens the round it resumes)."""
-    if message.dropped is not None or (opened is not None and opened.secure is None):
-        log.warning("secure-round message outside a secure round device=%s", device_id)
-    elif opened is None or opened.secure is None:
-        held.hold(device_id, message.payload)
-    else:
-        opened.secure.on_message(device_id, message.payload)
-
-
-def choose_participants(online: Sequence[str], participation: float, seed: int, round_id: int) -> list[str]:
-    """KAFAL's S_t: a seeded random ceil(R*K) of the K online devices, sorted; [] (everyone) when R = 1."""
-    if participation >= 1.0 or not online:
-        return []
-    count = math.ceil(participation * len(online))
-    rng = np.random.default_rng([seed, round_id])
-    return sorted(rng.choice(sorted(online), size=count, replace=False).tolist())
-
-
-def sample_bounds(rules: RoundRules, strategy: Strategy, round_id: int) -> tuple[int, int | None]:
-    """(fewest, most) samples one device may claim in this round: at least 1 and at most its seeds plus what the
-    schedule let it acquire so far when the strategy weighs by samples (no bound where either is unknown)."""
-    if not strategy.weighs_by_samples:
-        return 0, None
-    acquired = labels_by_round(rules.recipe, round_id)
-    seeds = rules.seed_labels
-    return 1, (None if acquired is None or seeds is None else seeds + acquired)
 
 
 def round_expectation(rules: RoundRules, strategy: Strategy, round_id: int, global_weights: Weights) -> Expectation:
@@ -177,8 +92,7 @@ class Coordinator:
         self.session = session
         self.rules = rules
         self.parts = parts
-        self.held = HeldMessages()
-        self.router = device_routes(fleet, self.on_update, self.on_status, self.held)
+        self.router = device_routes(fleet, self.on_update, self.on_status, self.on_stage)
 
     def start(self) -> None:
         """Subscribes to every device's updates and status."""
@@ -199,7 +113,7 @@ class Coordinator:
         would exceed its budget); returns the final global model."""
         last = self.rules.policy.rounds
         for round_id in range(first_round, self.rules.policy.rounds + 1):
-            if self.parts.privacy is not None and self.parts.privacy.exhausted(round_id):
+            if self.parts.mode.exhausted(round_id):
                 last = round_id - 1
                 break
             global_weights, result = self.run_round(round_id, global_weights)
@@ -214,12 +128,11 @@ class Coordinator:
             opened = self.open(round_id, global_weights, scratch)
             self.collect(opened, timing)
             presence = self.parts.presence.round_metrics(self.needed(opened), opened.collector.accepted)
-            presence.update(opened.secure.metrics() if opened.secure else {})
+            presence.update(opened.staged.metrics() if opened.staged else {})
             new_weights, result = self.parts.closer.close(
                 opened.collector, opened.aggregator, timing, presence, opened.participants
             )
-        if self.parts.privacy is not None:
-            self.parts.privacy.committed(result.report["dp"])
+        self.parts.mode.committed(result.report)
         counts = (len(opened.collector.accepted), opened.collector.rejection_count, result.accuracy, result.seconds)
         log.info("round closed round=%d accepted=%d rejected=%d accuracy=%.4f seconds=%.1f", round_id, *counts)
         self.parts.observer.round_closed(result)
@@ -233,24 +146,23 @@ class Coordinator:
         online = self.online_devices()
         expected = round_expectation(rules, strategy, round_id, global_weights)
         base_hash = expected.base_hash
-        aggregator, participants, recipe = round_plan(self, round_id, expected.base, global_weights, scratch, online)
-        collector = RoundCollector(expected, aggregator.absorb)
-        secure = secure_part(self, round_id, global_weights, participants or online)
-        opened = OpenRound(collector, aggregator, participants, secure)
+        mode = self.parts.mode
+        plan = mode.plan(rules, strategy, Opening(round_id, expected.base, global_weights, scratch, online))
+        collector = RoundCollector(expected, plan.aggregator.absorb)
+        run_id, selected = self.parts.publisher.run_id, plan.participants or online
+        staged = mode.staged(rules, run_id, round_id, global_weights, selected)
+        opened = OpenRound(collector, plan.aggregator, plan.participants, staged)
         self.parts.intake.resume_spooled(collector)
         self.parts.publisher.publish_model(global_weights, base_hash)
         self.parts.publisher.publish_encoder(rules.recipe.encoder)
         deadline = time.time() + rules.policy.round_timeout
-        self.parts.publisher.announce(round_id, base_hash, recipe, deadline, participants)
+        self.parts.publisher.announce(round_id, base_hash, plan.recipe, deadline, plan.participants)
         self.parts.observer.round_opened(round_id, self.needed(opened))
         return opened
 
     def online_devices(self) -> list[str]:
-        """The devices online now, sorted; a private round first waits for one (its sample and its noise shares are
-        drawn from them, so an empty fleet cannot mean "everyone"), a secure round for --min-devices and at least
-        two (its devices are fixed when it opens: those online then)."""
-        secure = self.rules.recipe.secure_aggregation != "off"
-        fewest = max(self.rules.policy.min_devices, 2) if secure else int(self.parts.privacy is not None)
+        """The devices online now, sorted, once as many are as the run's mode waits for (RoundMode.fewest_online)."""
+        fewest = self.parts.mode.fewest_online(self.rules)
         while len(self.parts.presence.online()) < fewest:
             self.handle_next(None)
         return sorted(self.parts.presence.online())
@@ -265,9 +177,9 @@ class Coordinator:
     def collect(self, opened: OpenRound, timing: RoundTiming) -> None:
         """Handles messages until the quorum is in, or the deadline passes with at least the minimum (a secure round:
         until its stages are done or it is abandoned)."""
-        if opened.secure is not None:
-            result = opened.secure.collect(lambda: self.handle_next(opened), self.rules.policy.round_timeout)
-            opened.secure.conclude(result, opened.collector, opened.aggregator, self.rules.spec)
+        if opened.staged is not None:
+            result = opened.staged.collect(lambda: self.handle_next(opened), self.rules.policy.round_timeout)
+            opened.staged.conclude(result, opened.collector, opened.aggregator, self.rules.spec)
             return
         collect_until_quorum(self, opened, timing)
 
@@ -285,8 +197,8 @@ class Coordinator:
                 break
             message = self.session.next_message(timeout=0)
         self.parts.intake.commit()
-        if opened is not None and opened.secure is not None:
-            opened.secure.commit()
+        if opened is not None and opened.staged is not None:
+            opened.staged.commit()
         for handled in batch:
             self.session.acknowledge(handled)
 
@@ -308,49 +220,24 @@ class Coordinator:
         if message.dropped is None:
             self.parts.presence.on_status(device_id, message.payload)
 
+    def on_stage(self, device_id: str, message: IncomingMessage, opened: OpenRound | None) -> None:
+        """A device's stage message, for the open round's stages; held by the mode for the next round while no round
+        is open (a restarted coordinator reads what was queued for it before it reopens the round it resumes)."""
+        if opened is None and message.dropped is None:
+            self.parts.mode.hold(device_id, message.payload)
+        elif opened is None or opened.staged is None or message.dropped is not None:
+            log.warning("secure-round message outside a secure round device=%s", device_id)
+        else:
+            opened.staged.on_message(device_id, message.payload)
+
     def on_update(self, device_id: str, message: IncomingMessage, opened: OpenRound | None) -> None:
         """A device's update (or its chunked transfer, dropped), for the open round if there is one."""
         collector, participants = (opened.collector, opened.participants) if opened else (None, [])
-        if opened is not None and opened.secure is not None:
+        if opened is not None and opened.staged is not None:
             refusal = Rejection(RejectionKind.WRONG_STAGE, "a plain update in a secure round")
             self.parts.intake.reject(device_id, opened.collector.round_id, refusal, message.payload)
             return
         self.parts.intake.on_update(device_id, message.payload, collector, participants, message.dropped)
-
-
-def round_plan(
-    coordinator: Coordinator, round_id: int, base: Weights, model: Weights, scratch: TensorScratch, online: list[str]
-) -> tuple[RoundAggregator, list[str], messages.Recipe]:
-    """The round's aggregator (over the trained set `base` of the round's `model`), its participants ([] = all)
-    and the recipe it announces: the run's own, or a private run's (its Poisson sample, its DP aggregator, the
-    clip as adapted so far)."""
-    rules, privacy = coordinator.rules, coordinator.parts.privacy
-    strategy = coordinator.parts.closer.strategy
-    if privacy is not None:
-        participants = privacy.participants(online, rules.recipe.seed, round_id)
-        private = privacy.aggregator(
-            strategy, base, rules.suspects, scratch, (len(online), len(participants)), model=model
-        )
-        return private, participants, privacy.round_recipe(rules.recipe)
-    share = rules.max_sample_share if sample_bounds(rules, strategy, round_id)[1] is None else 1.0
-    aggregator = make_aggregator(strategy, base, rules.suspects, scratch, share, model=model)
-    participants = choose_participants(online, rules.policy.participation, rules.recipe.seed, round_id)
-    return aggregator, participants, rules.recipe
-
-
-def secure_part(
-    coordinator: Coordinator, round_id: int, global_weights: Weights, selected: list[str]
-) -> LiveSecureRound | None:
-    """A round's secure part when the recipe asks for one, over the `selected` devices (the round's participants,
-    else the online ones); resumed if a previous process saved it."""
-    rules, parts = coordinator.rules, coordinator.parts
-    if rules.recipe.secure_aggregation == "off":
-        return None
-    args = (parts.publisher.run_id, round_id, selected, global_weights, rules.spec, rules.recipe)
-    start = functools.partial(start_secure, *args)
-    live = LiveSecureRound.opened(coordinator.session, coordinator.fleet, parts.intake.store, start, round_id)
-    coordinator.held.release(live)
-    return live
 
 
 def collect_until_quorum(coordinator: Coordinator, opened: OpenRound, timing: RoundTiming) -> None:
