@@ -88,13 +88,16 @@ def fleet_shards(directory: Path, devices: int, partition: str = "iid", pool_siz
     )
 
 
-def start_coordinator(address: BrokerAddress | None, run_dir: Path, fleet: str, *options: str) -> subprocess.Popen:
-    """`python -m coordinator run` against the broker (None: its embedded one), logging to RUN_DIR/coordinator.log."""
+def start_coordinator(
+    address: BrokerAddress | None, run_dir: Path, fleet: str, *options: str, prelude: str | None = None
+) -> subprocess.Popen:
+    """`python -m coordinator run` against the broker (None: its embedded one), logging to RUN_DIR/coordinator.log;
+    with a `prelude`, `python -c PRELUDE coordinator run ...` instead (the prelude runs the module, as WITHOUT_TORCH)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     broker = ["--broker", address.url] if address is not None else []
     command = [
         sys.executable,
-        "-m",
+        *(["-m"] if prelude is None else ["-c", prelude]),
         "coordinator",
         "run",
         *broker,

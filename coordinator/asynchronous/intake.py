@@ -10,7 +10,7 @@ from pathlib import Path
 from coordinator.intake.scratch import TensorScratch
 from coordinator.intake.update_intake import RoundCollector
 from coordinator.intake.validation import Expectation, Incoming, Rejection, check_sender, validated
-from coordinator.strategies.aggregate import check_magnitude
+from coordinator.strategies.aggregate import OutOfRange, check_magnitude
 from protocol import messages
 from protocol.errors import UsageError
 from protocol.messages import RejectionKind
@@ -114,8 +114,8 @@ class VersionCollector(RoundCollector):
         update = validated(incoming, self.expectation_of(base))
         try:
             check_magnitude(update.tensors)
-        except ValueError as error:
-            raise Rejection(RejectionKind.OUT_OF_RANGE, f"out of range: {error}") from None
+        except OutOfRange as error:
+            raise Rejection(error.kind, f"out of range: {error}") from None
         digest = hashlib.sha256(incoming.payload).hexdigest()
         previous = self.taken(device_id, base)
         if previous is not None:

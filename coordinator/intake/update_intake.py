@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from coordinator.intake.observer import RoundObserver
 from coordinator.intake.validation import Expectation, Incoming, Rejection, contributing_devices, decoded, validated
 from coordinator.storage.store import RunStore
-from coordinator.strategies.aggregate import ClientUpdate
+from coordinator.strategies.aggregate import ClientUpdate, OutOfRange
 from protocol import messages, topics, wire
 from protocol.messages import RejectionKind
 from protocol.mqtt import MqttSession
@@ -54,7 +54,10 @@ class RoundCollector:
 
     def offer(self, incoming: Incoming) -> tuple[messages.Update, bool]:
         """(update, is_new): a valid first update is new; a byte-identical redelivery of the accepted one is not;
-        anything else from a device that already has an accepted update is a duplicate Rejection."""
+        anything else from a device that already has an accepted update is a duplicate Rejection. Values the
+        aggregator cannot take (its OutOfRange) are the device's out_of_range Rejection; any other exception the
+        aggregator raises is a bug and propagates: the coordinator stops with its traceback, and the update is
+        neither acked nor stored as the device's fault (the broker redelivers it to the restarted process)."""
         update = validated(incoming, self.expectation)
         device_id, digest = incoming.device_id, hashlib.sha256(incoming.payload).hexdigest()
         previous = self.accepted.get(device_id)
@@ -64,8 +67,8 @@ class RoundCollector:
             raise Rejection(RejectionKind.DUPLICATE, duplicate_reason(device_id, previous, update, self.round_id))
         try:
             self.absorb(client_update(update))
-        except ValueError as error:
-            raise Rejection(RejectionKind.OUT_OF_RANGE, f"out of range: {error}") from None
+        except OutOfRange as error:
+            raise Rejection(error.kind, f"out of range: {error}") from None
         update = dataclasses.replace(update, tensors={})
         self.accepted[device_id] = update
         self.digests[device_id] = digest

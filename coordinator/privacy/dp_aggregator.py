@@ -11,7 +11,7 @@ import numpy as np
 
 from coordinator.intake.round_aggregator import StreamingAggregator, SuspectPolicy
 from coordinator.intake.scratch import TensorScratch
-from coordinator.strategies.aggregate import ClientUpdate
+from coordinator.strategies.aggregate import ClientUpdate, OutOfRange
 from coordinator.strategies.contract import Evaluate, StreamingWeightedAverage
 from protocol.dp import DP_CENTRAL, WITHIN_CLIP_METRIC, DpRound, clip_delta, delta_of, l2_norm, next_clip
 from protocol.dp_accountant import SampledGaussian
@@ -72,7 +72,7 @@ class DpAggregator(StreamingAggregator):
         self.within[update.device_id] = within
 
     def device_within(self, update: ClientUpdate, delta: Weights) -> float:
-        """A device-noised update's within-clip bit; ValueError when its delta is too long to have been clipped to
+        """A device-noised update's within-clip bit; OutOfRange when its delta is too long to have been clipped to
         the round's clip, or its bit too far from {0, 1} for its share of the count's noise."""
         round_dp = self.plan.round_dp
         share = math.sqrt(max(round_dp.participants, 1.0))
@@ -80,10 +80,10 @@ class DpAggregator(StreamingAggregator):
         allowed = ROUNDING_SLACK * (round_dp.clip + round_dp.sum_std / share * (math.sqrt(size) + NOISE_NORM_SLACK))
         norm = l2_norm(delta)
         if norm > allowed:
-            raise ValueError(f"the delta's norm {norm:.4g} exceeds the clip {round_dp.clip:.4g} and its noise")
+            raise OutOfRange(f"the delta's norm {norm:.4g} exceeds the clip {round_dp.clip:.4g} and its noise")
         within = float(update.metrics.get(WITHIN_CLIP_METRIC, math.nan))
         if not abs(within - 0.5) <= 0.5 + NOISE_NORM_SLACK * round_dp.count_std / share:
-            raise ValueError(f"metric {WITHIN_CLIP_METRIC!r} = {within:.4g} is not a noised 0 or 1")
+            raise OutOfRange(f"metric {WITHIN_CLIP_METRIC!r} = {within:.4g} is not a noised 0 or 1")
         return within
 
     def combine(self, suspects: dict[str, list[str]], evaluate: Evaluate | None) -> tuple[Weights, dict[str, Any]]:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from protocol.errors import RefusalError
+from protocol.messages import RejectionKind
 from protocol.tensors import Weights, WeightSpec, check_layout, spec_of
 
 FRACTION_BITS = 48  # each term c_i * W_i is rounded to a multiple of 2^-48 (far below float32 resolution)
@@ -15,6 +17,13 @@ LIMB_BITS = 32  # a term on that grid is split into a high and a low int64 limb
 LIMIT = 2.0**46  # |sum of terms| must stay below this (checked per tensor, so the high limb can never wrap)
 MAX_ABS_WEIGHT = 2.0**30  # a weight beyond this is refused at intake: no model trains to it, and sums stay in range
 DEFAULT_MAX_SAMPLE_SHARE = 0.5  # the command lines' cap: no device's claimed samples outweigh all the others together
+
+
+class OutOfRange(RefusalError, ValueError):
+    """Values an aggregate cannot take (beyond MAX_ABS_WEIGHT, beyond the exact sum's range, beyond a DP round's
+    clip): the device's update is refused as out_of_range. Any other error raised while aggregating is a bug."""
+
+    kind = RejectionKind.OUT_OF_RANGE
 
 
 @dataclass(frozen=True)
@@ -35,7 +44,7 @@ class ExactSum:
     Each x_i is first rounded to the grid of multiples of 2^-FRACTION_BITS (a deterministic function of x_i
     alone), then added as two int64 limbs. Integer addition is exact, so any order of the same terms gives the
     same bits; the only rounding is per term, at most 2^-49 absolute. A term or running total beyond LIMIT in
-    magnitude is a ValueError before anything is added (the limbs then cannot overflow).
+    magnitude is OutOfRange before anything is added (the limbs then cannot overflow).
     """
 
     def __init__(self, shape: tuple[int, ...]) -> None:
@@ -48,10 +57,10 @@ class ExactSum:
         self.add_checked(values, self.check(values))
 
     def check(self, values: np.ndarray) -> float:
-        """The largest magnitude in values; ValueError (nothing changed) if adding them would leave the range."""
+        """The largest magnitude in values; OutOfRange (nothing changed) if adding them would leave the range."""
         largest = float(np.max(np.abs(values), initial=0.0))
         if not largest < LIMIT or self.bound + largest >= LIMIT:
-            raise ValueError(f"values up to {largest:.3g} would take the sum beyond {LIMIT:.3g}")
+            raise OutOfRange(f"values up to {largest:.3g} would take the sum beyond {LIMIT:.3g}")
         return largest
 
     def add_checked(self, values: np.ndarray, largest: float) -> None:
@@ -124,11 +133,11 @@ class RunningSum:
 
 
 def check_magnitude(weights: Weights) -> None:
-    """ValueError naming the tensor when a value exceeds MAX_ABS_WEIGHT (the aggregate's range guard)."""
+    """OutOfRange naming the tensor when a value exceeds MAX_ABS_WEIGHT (the aggregate's range guard)."""
     for name, array in weights.items():
         largest = float(np.max(np.abs(array), initial=0.0))
         if not largest <= MAX_ABS_WEIGHT:
-            raise ValueError(f"tensor {name[:64]!r} has values up to {largest:.3g}, beyond {MAX_ABS_WEIGHT:.3g}")
+            raise OutOfRange(f"tensor {name[:64]!r} has values up to {largest:.3g}, beyond {MAX_ABS_WEIGHT:.3g}")
 
 
 def normalised(coefficients: Sequence[float] | np.ndarray) -> np.ndarray:
