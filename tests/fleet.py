@@ -225,6 +225,12 @@ class FakeDevice:
         )
         return messages.Update(**{**fields, **changes})
 
+    def announce_online(self) -> None:
+        """Publishes the device's retained online status, as an agent does once connected."""
+        status = wire.encode(messages.Status(self.device_id, "online", time.time()))
+        topic = topics.STATUS.build(fleet=self.fleet, device=self.device_id)
+        assert self.session.publish(topic, status, retain=True, wait=30.0)
+
     def publish(self, payload: bytes, device_id: str | None = None) -> None:
         """Publishes raw bytes on a device's update topic (its own by default) and waits for the broker."""
         topic = topics.UPDATE.build(fleet=self.fleet, device=device_id or self.device_id)
