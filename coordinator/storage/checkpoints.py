@@ -3,14 +3,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from coordinator.storage.database import Database
 from coordinator.storage.spool import check_round_id, round_name
 from protocol.files import load_arrays, save_arrays
 from protocol.tensors import Weights, weights_hash
-
-if TYPE_CHECKING:
-    from coordinator.storage.store import Database
 
 
 class Checkpoints:
