@@ -78,7 +78,7 @@ def trained_device(
     session = FakeSession(FLEET)
     artefacts = RoundArtefacts(session, FLEET, tmp_path / "bundles", tmp_path / "backbone")  # type: ignore[arg-type]
     runner = RoundRunner(settings, data, SimulatedOracle(labels), artefacts, lambda *_: None, PhaseMeter())
-    learner = make_learner(settings, data.state_dir, spec, base, None)
+    learner = make_learner(settings.compute, data.state_dir, spec, base, None)
     none = np.zeros(0, dtype=np.int64)
     metrics = learner.train(training_view(data, none, none, 1), recipe, seed)
     announcement = messages.RoundAnnouncement("run", 1, weights_hash(base), recipe, 0.0, spec_hash=spec_hash(spec))

@@ -92,7 +92,7 @@ class RoundRunner:
         """The profile's learner over the global weights, and the round's artefacts."""
         bundle = self.artefacts.bundles.get(announcement.model_hash)
         encoder = self.artefacts.encoders.get(announcement.recipe.encoder)
-        learner = make_learner(self.settings, self.data.state_dir, spec, global_weights, bundle)
+        learner = make_learner(self.settings.compute, self.data.state_dir, spec, global_weights, bundle)
         return RoundModels(learner, announcement.model_hash, announcement.recipe, bundle, encoder)
 
     def run(
@@ -104,7 +104,7 @@ class RoundRunner:
         participating = not announcement.participants or self.settings.device_id in announcement.participants
         bundle = self.artefacts.bundles.get(announcement.model_hash)
         problem = (
-            round_problem(self.settings, recipe, bundle)
+            round_problem(self.settings.compute, recipe, bundle)
             or announced_spec_problem(announcement, spec)
             or spec_problem(spec, self.data, self.oracle)
             or codec_problem(recipe)
