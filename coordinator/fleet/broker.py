@@ -81,6 +81,7 @@ def previous_port(work_dir: Path) -> int | None:
     """The port an earlier broker of this work dir listened on, if it is free again (devices reconnect there)."""
     try:
         port = int((Path(work_dir) / PORT_FILE).read_text())
+    # int() raises ValueError for a damaged port file: then no port is remembered
     except (OSError, ValueError):
         return None
     return port if 0 < port < 65536 and port_is_free(port) else None

@@ -181,6 +181,7 @@ def load_secure_fleet(folder: Path) -> SecureFleet:
     try:
         raw_keys = json.loads((folder / "keys.json").read_text())
         keys = {wire.check_identifier("device id", device): bytes.fromhex(key) for device, key in raw_keys.items()}
+    # json and bytes.fromhex raise ValueError for a damaged keys.json: the operator's file to fix
     except (ValueError, AttributeError, TypeError) as error:
         raise UsageError(f"{folder / 'keys.json'}: not a map of device ids to hex keys ({error})") from None
     coordinator = load_credentials(folder / "coordinator.json")
@@ -291,5 +292,6 @@ def _san(host: str):
 
     try:
         return x509.IPAddress(ipaddress.ip_address(host))
+    # ipaddress raises ValueError for a host that is no address: it is a DNS name
     except ValueError:
         return x509.DNSName(host)

@@ -12,7 +12,7 @@ import numpy as np
 from protocol import messages, wire
 from protocol.errors import RefusalError
 from protocol.messages import RejectionKind
-from protocol.tensors import Weights, WeightSpec, check_layout
+from protocol.tensors import LayoutError, Weights, WeightSpec, check_layout
 from protocol.update_codec import CodecError, Encoded, decode_update
 
 METRIC_TOLERANCE = 1e-4
@@ -152,7 +152,7 @@ def check_tensors(update: messages.Update, expected: Expectation) -> None:
     model's layout, with only finite values."""
     try:
         check_layout(expected.spec, update.tensors)
-    except ValueError as error:
+    except LayoutError as error:
         reason = f"tensor mismatch: an update carries the {len(expected.spec)} tensors the spec trains: {error}"
         raise Rejection(RejectionKind.TENSOR_MISMATCH, reason) from None
     for name, array in update.tensors.items():

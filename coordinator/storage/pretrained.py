@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from protocol.errors import UsageError
-from protocol.files import load_arrays
+from protocol.files import UnreadableFileError, load_arrays
 from protocol.tensors import Weights
 from protocol.wire import shown_names
 
@@ -30,7 +30,7 @@ def read_weight_file(path: Path) -> Weights:
         return {item.name.removeprefix("model."): numpy_helper.to_array(item) for item in graph.initializer}
     try:
         return load_arrays(path)
-    except (OSError, ValueError) as error:
+    except (OSError, UnreadableFileError) as error:
         raise UsageError(f"initial weights {path}: not a readable .npz ({str(error)[:120]})") from None
 
 

@@ -74,6 +74,7 @@ def _to_json(value: Any, what: str) -> str:
     """JSON text for a record field; a value JSON cannot hold is a ValueError naming the field."""
     try:
         return json.dumps(value, sort_keys=True)
+    # json raises ValueError for a circular value: the caller's record, named in the error
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{what} is not JSON-serialisable: {exc}") from exc
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from protocol.errors import RefusalError
 from protocol.messages import RejectionKind
-from protocol.tensors import Weights, WeightSpec, check_layout, spec_of
+from protocol.tensors import LayoutError, Weights, WeightSpec, check_layout, spec_of
 
 FRACTION_BITS = 48  # each term c_i * W_i is rounded to a multiple of 2^-48 (far below float32 resolution)
 LIMB_BITS = 32  # a term on that grid is split into a high and a low int64 limb
@@ -105,7 +105,7 @@ class RunningSum:
             self.sums = {name: ExactSum(array.shape) for name, array in weights.items()}
         try:
             check_layout(self.spec, weights)
-        except ValueError as error:
+        except LayoutError as error:
             raise ValueError(f"the update of {device_id} differs in tensor names, shapes or dtypes: {error}") from None
         terms = {name: np.multiply(array, coefficient, dtype=np.float64) for name, array in weights.items()}
         largest = {name: self.sums[name].check(term) for name, term in terms.items()}
@@ -196,7 +196,7 @@ def check_same_layout(weight_sets: Sequence[Weights]) -> None:
     for index, weights in enumerate(weight_sets[1:], start=1):
         try:
             check_layout(reference, weights)
-        except ValueError as error:
+        except LayoutError as error:
             raise ValueError(f"weight set {index} differs: {error}") from None
 
 

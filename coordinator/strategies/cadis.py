@@ -178,6 +178,7 @@ class CadisState:
             counts = np.asarray(state["counts"], dtype=np.int64).reshape(len(devices), len(devices))
             threshold, step = float(state["threshold"]), int(state["step"])
             split = bool(state.get("split", False))  # states stored before the option have none
+        # float(), int() and numpy raise ValueError for a malformed stored state: the store's damage, not a device's
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"stored cadis state is malformed: {str(error)[:200]}") from None
         if len(set(devices)) != len(devices) or np.any(counts < 0) or step < 0:

@@ -23,6 +23,7 @@ from edge_agent.loop.round_inputs import RoundModels
 from edge_agent.loop.schedule import acquires_in_round, round_in_active_round
 from protocol import messages
 from protocol.dp import DP_DEVICE, WITHIN_CLIP_METRIC, DpRound, privatised
+from protocol.errors import UsageError
 from protocol.model_spec import ModelSpec, spec_hash
 from protocol.tensors import Weights
 from protocol.trained_set import trained_set
@@ -196,6 +197,6 @@ def codec_problem(recipe: messages.Recipe) -> str | None:
     """Why this device cannot encode its update as the recipe asks (e.g. an encoding it does not know), or None."""
     try:
         UpdateCodec.of(recipe)
-    except ValueError as error:
+    except UsageError as error:
         return str(error)
     return None
