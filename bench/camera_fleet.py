@@ -80,6 +80,7 @@ def read_answer_key(path: Path, class_names: tuple[str, ...]) -> dict[str, int]:
             raise ValueError(f"{path}: line {number} has {len(row)} columns, expected file,label")
         try:
             key[row[0]] = parse_label(row[1], class_names)
+        # parse_label's ValueError: a line of the answer key, named
         except ValueError as error:
             raise ValueError(f"{path}: line {number}: {error}") from None
     return key

@@ -41,6 +41,7 @@ def load_device_entries(path: Path) -> list[DeviceEntry]:
     try:
         listed = json.loads(path.read_text())["devices"]
         return [DeviceEntry(str(d["device_id"]), Path(d["log_file"]), [str(a) for a in d["argv"]]) for d in listed]
+    # json raises ValueError for a damaged devices file: the file named
     except (ValueError, KeyError, TypeError) as error:
         raise UsageError(f"{path} is not a devices file: {str(error)[:200]}") from None
 

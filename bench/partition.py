@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.holdout import NUM_CLASSES, checked_indices
+from coordinator.rounds.holdout import NUM_CLASSES, checked_indices
 from protocol.errors import UsageError
 
 MIN_DIRICHLET_SAMPLES = 10
@@ -38,6 +38,7 @@ def parse_partition(spec: str) -> PartitionSpec:
         raise UsageError(_UNKNOWN.format(spec))
     try:
         alpha = float(alpha_text)
+    # float() raises ValueError for the person's ALPHA text
     except ValueError:
         raise UsageError(f"partition {spec!r}: ALPHA must be a number > 0, got {alpha_text!r}") from None
     if not math.isfinite(alpha) or alpha <= 0:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import minimize
 
-from coordinator.holdout import server_holdout
+from coordinator.rounds.holdout import server_holdout
 from edge_agent.data.image_files import InputSpec
 from edge_agent.field.folder_pool import open_folder_data
 from edge_agent.learning.head_training import cross_entropy_gradients

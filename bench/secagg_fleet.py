@@ -10,9 +10,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from coordinator.secagg_round import SecAggSettings
-from coordinator.secagg_server import SecAggServer
-from coordinator.secagg_unmask import SecAggResult
+from coordinator.secure.secagg_round import SecAggSettings
+from coordinator.secure.secagg_server import SecAggServer
+from coordinator.secure.secagg_unmask import SecAggResult
 from edge_agent.loop.secagg_device import SecAggDevice
 from protocol import wire
 from protocol.messages import DeliveryAck, ShareBundle

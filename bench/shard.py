@@ -61,6 +61,7 @@ def load_shard(path: Path | str) -> Shard:
             raise ValueError(f"{path}: a shard holds {', '.join(SHARD_ARRAYS)}, found {sorted(arrays)}")
         shard = Shard(**{name: arrays[name] for name in arrays})
         _check_shard(shard, str(path))
+    # load_arrays' UnreadableFileError and the shard checks' ValueErrors: the person's shard file
     except ValueError as error:
         raise UsageError(str(error)) from None
     return dataclasses.replace(

@@ -18,9 +18,9 @@ import numpy as np
 
 from bench.partition import partition_indices
 from bench.shard import Shard, save_shard
-from coordinator.broker import embedded_broker, embedded_packet_limit
-from coordinator.observer import RoundObserver, RoundResult
-from coordinator.provision import SecureFleet, device_names, load_secure_fleet, provision
+from coordinator.fleet.broker import embedded_broker, embedded_packet_limit
+from coordinator.fleet.provision import SecureFleet, device_names, load_secure_fleet, provision
+from coordinator.intake.observer import RoundObserver, RoundResult
 from coordinator.server import ServerData, ServerSettings, load_server_data, run_server
 from protocol.errors import UsageError
 from protocol.mqtt import BrokerAddress

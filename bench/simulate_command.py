@@ -7,10 +7,10 @@ import dataclasses
 
 from bench.bench_options import add_bench_options, bench_settings
 from bench.simulate import simulate
-from coordinator.report_command import write_report
-from coordinator.round_console import RoundPrinter, dashboard_for
-from coordinator.round_options import add_round_options
-from coordinator.run_settings import server_settings, validate_recipe_names
+from coordinator.commands.report import write_report
+from coordinator.commands.round_console import RoundPrinter, dashboard_for
+from coordinator.commands.round_options import add_round_options
+from coordinator.commands.run_settings import server_settings, validate_recipe_names
 from protocol.errors import UsageError
 from protocol.mqtt import parse_broker_url
 

@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 
 from bench.simulate import BenchSettings, simulate, slow_devices
-from coordinator.async_intake import AsyncPolicy
-from coordinator.rounds import RoundPolicy
+from coordinator.asynchronous.intake import AsyncPolicy
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
-from coordinator.store import RunStore
+from coordinator.storage.store import RunStore
 from protocol import messages
 
 

@@ -25,8 +25,8 @@ import numpy as np
 from label_efficiency import RunSpec, Scale, run_one
 
 from bench.partition import cluster_members
-from coordinator.cadis import CadisState, cluster_sizes, q_matrix, running_similarity
-from coordinator.store import RunStore
+from coordinator.storage.store import RunStore
+from coordinator.strategies.cadis import CadisState, cluster_sizes, q_matrix, running_similarity
 
 
 def stored_states(run_dir: Path) -> list[tuple[int, CadisState, float]]:

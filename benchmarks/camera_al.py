@@ -49,8 +49,8 @@ from camera_al_fleet import (
 )
 from label_efficiency import plot, summarise
 
-from coordinator.aggregation import ClientUpdate
-from coordinator.strategies import make_strategy
+from coordinator.strategies.aggregate import ClientUpdate
+from coordinator.strategies.registry import make_strategy
 from edge_agent.learning.efficientnet import FEATURES, EfficientNetLite0
 from edge_agent.learning.head_training import HeadSettings, softmax, train_classifier
 from edge_agent.learning.mc_scorer import DropoutSpec, mc_probabilities

@@ -41,8 +41,8 @@ from bench.camera_fleet import (
     device_dir,
 )
 from bench.probe import backbone_features, fit_probe, fleet_labels, probe_accuracy
-from coordinator.broker import EmbeddedBroker
-from coordinator.store import RunStore
+from coordinator.fleet.broker import EmbeddedBroker
+from coordinator.storage.store import RunStore
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.image_arrays import load_npz_dataset
 from protocol.model_spec import ModelSpec, load_model_spec

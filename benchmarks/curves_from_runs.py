@@ -12,7 +12,7 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from coordinator.store import RunStore
+from coordinator.storage.store import RunStore
 
 RUN_NAME = re.compile(r"^(?P<partition>[^-]+)-(?P<sampler>.+)-seed(?P<seed>\d+)$")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.report import write_report
 from coordinator.dashboard.server import Dashboard, ListenAddress
-from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
+from coordinator.storage.store import DeviceRoundRecord, RoundRecord, RunStore
 
 LAYERS = [
     f"{block}.{kind}" for block in ("conv1", "conv2", "conv3", "conv4", "fc1", "fc2") for kind in ("weight", "bias")

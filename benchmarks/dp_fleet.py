@@ -23,7 +23,7 @@ from pathlib import Path
 from label_efficiency import plot, summarise
 from virtual_fleet import simulate_command
 
-from coordinator.store import RunStore
+from coordinator.storage.store import RunStore
 from protocol.dp_accountant import noise_for_epsilon
 
 DELTA = 1e-5

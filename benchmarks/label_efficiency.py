@@ -34,8 +34,8 @@ import numpy as np
 
 from bench.shard import Shard, load_shard
 from bench.simulate import BenchSettings, simulate
-from coordinator.observer import RoundResult
-from coordinator.rounds import RoundPolicy
+from coordinator.intake.observer import RoundResult
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from edge_agent.data.device_data import LABELS_FILE
 from edge_agent.data.labelled_record import LabelledRecord

@@ -29,10 +29,10 @@ import numpy as np
 
 from bench.partition import partition_indices
 from bench.simulate import BenchSettings, simulate
-from coordinator.observer import RoundResult
-from coordinator.rounds import RoundPolicy
+from coordinator.intake.observer import RoundResult
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
-from coordinator.strategies import make_strategy
+from coordinator.strategies.registry import make_strategy
 from edge_agent.learning.local_rules import make_local_rule
 from edge_agent.learning.sampling import make_sampler
 from protocol import messages

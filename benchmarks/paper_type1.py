@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from bench.simulate import BenchSettings, simulate
-from coordinator.observer import RoundResult
-from coordinator.rounds import RoundPolicy
+from coordinator.intake.observer import RoundResult
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from protocol import messages
 

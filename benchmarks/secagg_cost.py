@@ -38,7 +38,7 @@ import numpy as np
 import secagg_mqtt
 
 from bench.secagg_fleet import SecureRound, head_updates, largest_error, plain_sum
-from coordinator.broker import DEFAULT_MAX_PACKET_BYTES, EmbeddedBroker
+from coordinator.fleet.broker import DEFAULT_MAX_PACKET_BYTES, EmbeddedBroker
 from protocol import wire
 from protocol.messages import Update
 from protocol.tensors import Weights

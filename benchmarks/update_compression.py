@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 from label_efficiency import RunSpec, Scale, add_scale_options, curve_of, read_run_lines, run_one, scale_of
 
-from coordinator.store import RunStore
+from coordinator.storage.store import RunStore
 
 ENCODINGS: dict[str, dict[str, Any]] = {
     "float32": {},

@@ -1,1 +1,1 @@
-# Coordinator: broker, round state machine, aggregation, storage and the bench simulator.
+# The coordinator: two assemblies (server.py for a fleet, relay.py for a site) over rooms, and its command line.

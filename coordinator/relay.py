@@ -9,16 +9,19 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from coordinator.closing import RoundCloser
-from coordinator.evaluation import TestScores
-from coordinator.intake import UpdateIntake
-from coordinator.observer import RoundObserver
-from coordinator.presence import Presence
-from coordinator.publisher import Artefacts, RetainedPublisher
-from coordinator.rounds import Coordinator, RoundParts, RoundRules
+from coordinator.intake.observer import RoundObserver
+from coordinator.intake.update_intake import UpdateIntake
+from coordinator.rounds.closing import RoundCloser
+from coordinator.rounds.evaluation import TestScores
+from coordinator.rounds.loop import Coordinator, RoundParts
+from coordinator.rounds.mode import RoundMode
+from coordinator.rounds.presence import Presence
+from coordinator.rounds.publisher import Artefacts, RetainedPublisher
+from coordinator.rounds.rules import RoundRules
+from coordinator.secure.mode import SecureMode
 from coordinator.server import ServerSettings, bundle_exporter, coordinator_session, secured
-from coordinator.store import SECURE_WEIGHT, RunStore
-from coordinator.strategies import make_strategy
+from coordinator.storage.store import SECURE_WEIGHT, RunStore
+from coordinator.strategies.registry import make_strategy
 from edge_agent.data.journal import Journal
 from edge_agent.loop.agent import last_will
 from edge_agent.loop.agent_settings import AgentSettings
@@ -150,7 +153,10 @@ class SiteRounds:
     def coordinator(self, recipe: messages.Recipe, spec: ModelSpec) -> Coordinator:
         """A site coordinator following the central round's recipe and model spec."""
         rules = dataclasses.replace(self.rules, recipe=recipe, spec=spec)
-        return Coordinator(self.settings.fleet, self.session, rules, self.parts)
+        mode = RoundMode()
+        if recipe.secure_aggregation != "off":
+            mode = SecureMode(mode, self.session, self.settings.fleet, self.parts.intake)
+        return Coordinator(self.settings.fleet, self.session, rules, dataclasses.replace(self.parts, mode=mode))
 
     def start(self) -> None:
         """Subscribes to the site devices' updates and status."""

@@ -13,25 +13,27 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from coordinator.aggregation import DEFAULT_MAX_SAMPLE_SHARE
-from coordinator.async_intake import AsyncPolicy
-from coordinator.async_rounds import AsyncCoordinator, check_async_settings
-from coordinator.authentication import UpdateAuthenticator
-from coordinator.closing import RoundCloser
-from coordinator.dp_rounds import DpSettings, PrivateRounds, check_dp_settings
-from coordinator.evaluation import Evaluator, LabelledSplit
-from coordinator.holdout import server_holdout
-from coordinator.intake import UpdateIntake
-from coordinator.observer import RoundObserver, RoundResult
-from coordinator.presence import Presence
-from coordinator.pretrained import merge_initial_weights, read_weight_file
-from coordinator.provision import load_secure_fleet
-from coordinator.publisher import Artefacts, RetainedPublisher
-from coordinator.round_aggregator import SuspectPolicy
-from coordinator.rounds import Coordinator, RoundParts, RoundPolicy, RoundRules
-from coordinator.secagg_live import check_secure_settings
-from coordinator.store import RunStore, stored_spec
-from coordinator.strategies import make_strategy
+from coordinator.asynchronous.intake import AsyncPolicy
+from coordinator.asynchronous.rounds import AsyncCoordinator, check_async_settings
+from coordinator.fleet.provision import load_secure_fleet
+from coordinator.intake.authentication import UpdateAuthenticator
+from coordinator.intake.observer import RoundObserver, RoundResult
+from coordinator.intake.round_aggregator import SuspectPolicy
+from coordinator.intake.update_intake import UpdateIntake
+from coordinator.privacy.mode import PrivateMode
+from coordinator.privacy.rounds import DpSettings, check_dp_settings
+from coordinator.rounds.closing import RoundCloser
+from coordinator.rounds.evaluation import Evaluator, LabelledSplit
+from coordinator.rounds.holdout import server_holdout
+from coordinator.rounds.loop import Coordinator, RoundParts
+from coordinator.rounds.mode import RoundMode
+from coordinator.rounds.presence import Presence
+from coordinator.rounds.publisher import Artefacts, RetainedPublisher
+from coordinator.rounds.rules import RoundPolicy, RoundRules
+from coordinator.storage.pretrained import merge_initial_weights, read_weight_file
+from coordinator.storage.store import RunStore, stored_spec
+from coordinator.strategies.aggregate import DEFAULT_MAX_SAMPLE_SHARE
+from coordinator.strategies.registry import make_strategy
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.image_arrays import ImageDataset, load_npz_dataset
 from edge_agent.learning.encoder import OnnxEncoder, encoder_hash
@@ -104,7 +106,10 @@ class ServerSettings:
         if self.asynchronous is not None:
             check_async_settings(self.strategy, self.suspects, self.policy.participation)
         check_sample_settings(self.seed_labels, self.max_sample_share)
-        check_secure_settings(self.strategy, self.recipe, self.suspects, self.asynchronous is not None)
+        if self.recipe.secure_aggregation != "off":
+            from coordinator.secure.rounds import check_secure_settings  # cryptography: loaded by secure runs only
+
+            check_secure_settings(self.strategy, self.recipe, self.suspects, self.asynchronous is not None)
 
 
 def check_sample_settings(seed_labels: int | None, max_sample_share: float) -> None:
@@ -367,21 +372,28 @@ def round_parts(
     strategy = make_strategy(settings.strategy, **settings.strategy_options)
     evaluator = build_evaluator(settings, data)
     bundles = bundle_exporter(settings) if settings.ship_bundles else None
+    intake = UpdateIntake(settings.fleet, session, store, observer)
     return RoundParts(
         presence=Presence(observer, dead_devices),
-        intake=UpdateIntake(settings.fleet, session, store, observer),
+        intake=intake,
         publisher=RetainedPublisher(session, settings.fleet, run_id, Artefacts(settings.spec, bundles, encoder)),
         closer=RoundCloser(store, strategy, evaluator, settings.evaluate_devices, len(data.init_indices)),
         observer=observer,
-        privacy=private_rounds(settings, store),
+        mode=round_mode(settings, intake, session),
     )
 
 
-def private_rounds(settings: ServerSettings, store: RunStore) -> PrivateRounds | None:
-    """A private run's rounds as its committed rounds left them (None when the recipe asks for no DP)."""
-    if settings.recipe.dp == DP_OFF:
-        return None
-    return PrivateRounds.of_store(store, settings.recipe, settings.policy.participation, settings.dp)
+def round_mode(settings: ServerSettings, intake: UpdateIntake, session: MqttSession) -> RoundMode:
+    """The run's round mode as the recipe asks: plain, private (as its committed rounds left it), secure over either.
+    SecAgg+'s module (and with it `cryptography`) is imported only by a run that asks for secure aggregation."""
+    mode = RoundMode()
+    if settings.recipe.dp != DP_OFF:
+        mode = PrivateMode.of_store(intake.store, settings.recipe, settings.policy.participation, settings.dp)
+    if settings.recipe.secure_aggregation == "off":
+        return mode
+    from coordinator.secure.mode import SecureMode
+
+    return SecureMode(mode, session, settings.fleet, intake)
 
 
 def bundle_exporter(settings: ServerSettings) -> Callable[[Weights, str], dict[str, bytes]]:

@@ -40,6 +40,7 @@ def _read_npz_images(path: Path) -> np.ndarray:
             if not isinstance(archive, np.lib.npyio.NpzFile) or "images" not in archive.files:
                 raise ValueError("not a shard archive with an images array")
             return archive["images"]
+    # numpy raises ValueError for a damaged archive: the person's file
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
         raise UsageError(f"{path}: corrupt or unreadable array archive ({exc})") from exc
 
@@ -56,6 +57,7 @@ def load_pool_images(path: Path, limit: int | None = None, image_shape: tuple[in
     if path.suffix == ".npy":
         try:
             images = np.load(path, mmap_mode="r", allow_pickle=False)
+        # numpy raises ValueError for a damaged .npy: the person's file
         except (ValueError, OSError, EOFError) as exc:
             raise UsageError(f"{path}: corrupt or unreadable .npy array ({exc})") from exc
     else:

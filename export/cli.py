@@ -18,7 +18,7 @@ from protocol.commands import reported
 from protocol.errors import UsageError
 from protocol.files import load_arrays
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec, load_model_spec
-from protocol.tensors import Weights, check_layout
+from protocol.tensors import LayoutError, Weights, check_layout
 
 CALIBRATION_IMAGES = 512
 FOLDER_IMAGES = 256
@@ -139,7 +139,7 @@ def export_file(args: argparse.Namespace) -> int:
     spec = load_model_spec(args.model_spec).spec if args.model_spec else DEFAULT_SPEC
     try:
         check_layout(weight_spec(build_model(spec)), weights)
-    except ValueError as error:
+    except LayoutError as error:
         raise UsageError(f"{args.weights}: {error}") from None
     export_weights(weights, str(args.weights), args, spec)
     return 0

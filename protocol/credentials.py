@@ -68,6 +68,7 @@ def load_credentials(path: Path) -> Credentials:
             hmac_key=bytes.fromhex(_string(body.get("hmac_key", ""), "hmac_key")),
             **{name: _tls_path(path, body.get(name), name) for name in TLS_FIELDS},
         )
+    # bytes.fromhex and the field checks raise ValueError for a bad credential file: the person's to fix
     except (KeyError, ValueError) as error:
         raise UsageError(f"credential file {path}: {error}") from None
     return credentials

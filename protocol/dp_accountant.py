@@ -1,4 +1,5 @@
 # The privacy accountant: Google's dp_accounting (RDP) composing Poisson-sampled Gaussians (DP-FedAvg rounds, DP-SGD steps).
+# dp_accounting is imported by the functions that compose, so a run that asks for no DP never loads it.
 from __future__ import annotations
 
 import logging
@@ -6,9 +7,11 @@ import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import dp_accounting
-from dp_accounting import rdp
+if TYPE_CHECKING:
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
 
 # Integer orders (and a few below 2 for large budgets): the fractional defaults make the library log convergence
 # warnings for small noise, and the bound they add is at most a few percent.
@@ -27,6 +30,8 @@ class SampledGaussian:
 
     def dp_event(self) -> dp_accounting.DpEvent:
         """The release as dp_accounting's event: PoissonSampled(q, Gaussian(z)), or the Gaussian alone when q = 1."""
+        import dp_accounting
+
         gaussian = dp_accounting.GaussianDpEvent(self.noise_multiplier)
         if self.sampling_rate >= 1.0:
             return gaussian
@@ -46,7 +51,7 @@ def epsilon_of_counts(counts: Mapping[SampledGaussian, int], delta: float) -> fl
         return 0.0
     if any(event.noise_multiplier <= 0.0 for event in taken):
         return math.inf
-    accountant = rdp.RdpAccountant(list(ORDERS))
+    accountant = rdp_accountant()
     for event, count in sorted(taken.items(), key=lambda item: (item[0].sampling_rate, item[0].noise_multiplier)):
         accountant.compose(event.dp_event(), count)
     return float(accountant.get_epsilon(delta))
@@ -55,9 +60,11 @@ def epsilon_of_counts(counts: Mapping[SampledGaussian, int], delta: float) -> fl
 def noise_for_epsilon(epsilon: float, delta: float, sampling_rate: float, rounds: int) -> float:
     """The smallest noise multiplier (to 0.1%) whose `rounds` rounds at `sampling_rate` spend at most `epsilon` at
     `delta` (dp_accounting's calibration, by bisection)."""
+    import dp_accounting
+
     return float(
         dp_accounting.calibrate_dp_mechanism(
-            lambda: rdp.RdpAccountant(list(ORDERS)),
+            rdp_accountant,
             lambda noise: dp_accounting.SelfComposedDpEvent(SampledGaussian(sampling_rate, noise).dp_event(), rounds),
             epsilon,
             delta,
@@ -65,3 +72,10 @@ def noise_for_epsilon(epsilon: float, delta: float, sampling_rate: float, rounds
             tol=1e-3,
         )
     )
+
+
+def rdp_accountant() -> RdpAccountant:
+    """A fresh RDP accountant over ORDERS."""
+    from dp_accounting import rdp
+
+    return rdp.RdpAccountant(list(ORDERS))

@@ -104,6 +104,7 @@ def check_npz_members(path: Path | str, archive: zipfile.ZipFile) -> None:
             with archive.open(info) as member:
                 dtype, declared = npy_declared(member)
                 held = info.file_size - member.tell()
+        # numpy's .npy header parser and zipfile raise ValueError for a damaged archive: the file's fault, named
         except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
             raise UnreadableFileError(f"{path}: array {name!r} is not a readable .npy ({str(error)[:100]})") from None
         if dtype.hasobject:
@@ -133,5 +134,6 @@ def load_arrays(path: Path | str) -> dict[str, np.ndarray]:
     with checked_npz(path, io.BytesIO(path.read_bytes())) as loaded:
         try:
             return {name: loaded[name] for name in loaded.files}
+        # numpy raises ValueError for a damaged member: the file's fault, named
         except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
             raise UnreadableFileError(f"{path}: corrupt or unreadable array archive ({str(error)[:120]})") from None

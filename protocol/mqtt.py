@@ -66,6 +66,7 @@ def parse_broker_url(url: str) -> BrokerAddress:
         raise UsageError(f"broker URL {url!r} must look like mqtt://HOST:PORT or mqtts://HOST:PORT")
     try:
         port = parsed.port or (8883 if parsed.scheme == "mqtts" else 1883)
+    # urllib raises ValueError for a port that is no number in 0..65535: the person's URL
     except ValueError:
         raise UsageError(f"broker URL {url!r} has an invalid port") from None
     return BrokerAddress(

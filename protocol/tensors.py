@@ -5,6 +5,8 @@ import hashlib
 
 import numpy as np
 
+from protocol.errors import FalError
+
 Weights = dict[str, np.ndarray]
 WeightSpec = dict[str, tuple[tuple[int, ...], str]]
 
@@ -14,21 +16,27 @@ def spec_of(weights: Weights) -> WeightSpec:
     return {name: (tuple(array.shape), str(array.dtype)) for name, array in weights.items()}
 
 
+class LayoutError(FalError, ValueError):
+    """Weights whose tensor names, shapes or dtypes differ from the layout they must have."""
+
+
 def check_layout(spec: WeightSpec, weights: Weights) -> None:
-    """Raises ValueError naming the first tensor whose name, shape or dtype differs from the spec.
+    """Raises LayoutError naming the first tensor whose name, shape or dtype differs from the spec.
 
     Name lists in the message are capped, so a weight set with thousands of stray names gives a short error.
     """
     missing = sorted(set(spec) - set(weights))
     extra = sorted(set(weights) - set(spec))
     if missing or extra:
-        raise ValueError(f"tensor names differ from the model: missing {_capped(missing)}, unexpected {_capped(extra)}")
+        raise LayoutError(
+            f"tensor names differ from the model: missing {_capped(missing)}, unexpected {_capped(extra)}"
+        )
     for name, (shape, dtype) in spec.items():
         array = weights[name]
         if tuple(array.shape) != shape:
-            raise ValueError(f"tensor {name!r} has shape {tuple(array.shape)}, expected {shape}")
+            raise LayoutError(f"tensor {name!r} has shape {tuple(array.shape)}, expected {shape}")
         if str(array.dtype) != dtype:
-            raise ValueError(f"tensor {name!r} has dtype {array.dtype}, expected {dtype}")
+            raise LayoutError(f"tensor {name!r} has dtype {array.dtype}, expected {dtype}")
 
 
 def _capped(names: list[str], shown: int = 5) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from protocol.errors import RefusalError, UsageError
-from protocol.files import load_arrays, save_arrays
+from protocol.files import UnreadableFileError, load_arrays, save_arrays
 from protocol.messages import Recipe, RejectionKind, Update
 from protocol.tensors import Weights, WeightSpec, spec_of
 from protocol.wire import COMPRESSIONS, shown, shown_names
@@ -66,7 +66,7 @@ class UpdateCodec:
 
     @classmethod
     def of(cls, recipe: Recipe) -> UpdateCodec:
-        """The codec a recipe chooses, checked (ValueError saying what does not fit)."""
+        """The codec a recipe chooses, checked (UsageError saying what does not fit)."""
         return cls(
             recipe.update_encoding, recipe.update_scales, recipe.update_top_k, recipe.update_compression
         ).checked()
@@ -246,7 +246,7 @@ class ResidualStore:
             return None
         try:
             residual = load_arrays(self.path)
-        except ValueError as error:
+        except UnreadableFileError as error:
             log.warning("residual unreadable, starting afresh error=%s", error)
             return None
         return residual if spec_of(residual) == spec_of(base) else None

@@ -212,6 +212,7 @@ def _unpack(data: bytes, max_bytes: int) -> dict[str, Any]:
             max_map_len=MAX_TENSORS + 64,
             max_ext_len=0,
         )
+    # msgpack raises ValueError for malformed bytes and for its limits: the sender's message, refused
     except (ValueError, TypeError, msgpack.UnpackException, msgpack.ExtraData) as error:
         detail = f": {str(error)[:200]}" if str(error) else ""
         raise WireError(f"undecodable msgpack ({type(error).__name__}{detail})") from None

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from fleet import WAIT, stop_all
 
-from coordinator.broker import EmbeddedBroker, free_loopback_port
+from coordinator.fleet.broker import EmbeddedBroker, free_loopback_port
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.image_arrays import ImageDataset
 from protocol.mqtt import BrokerAddress, MqttSession

@@ -8,17 +8,20 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.closing import RoundCloser
-from coordinator.evaluation import Evaluator, LabelledSplit
-from coordinator.intake import RoundCollector, UpdateIntake
-from coordinator.observer import RoundObserver
-from coordinator.presence import Presence
-from coordinator.publisher import Artefacts, RetainedPublisher
-from coordinator.round_aggregator import Aggregate
-from coordinator.rounds import Coordinator, RoundParts, RoundPolicy, RoundRules
-from coordinator.store import RoundRecord, RunStore
-from coordinator.strategy_contract import Strategy
-from coordinator.validation import Expectation
+from coordinator.intake.observer import RoundObserver
+from coordinator.intake.round_aggregator import Aggregate
+from coordinator.intake.update_intake import RoundCollector, UpdateIntake
+from coordinator.intake.validation import Expectation
+from coordinator.rounds.closing import RoundCloser
+from coordinator.rounds.evaluation import Evaluator, LabelledSplit
+from coordinator.rounds.loop import Coordinator, RoundParts
+from coordinator.rounds.mode import RoundMode
+from coordinator.rounds.presence import Presence
+from coordinator.rounds.publisher import Artefacts, RetainedPublisher
+from coordinator.rounds.rules import RoundPolicy, RoundRules
+from coordinator.secure.mode import SecureMode
+from coordinator.storage.store import RoundRecord, RunStore
+from coordinator.strategies.contract import Strategy
 from edge_agent.learning.models import build_model, weight_spec
 from protocol import messages, topics, wire
 from protocol.model_spec import DEFAULT_SPEC
@@ -41,12 +44,16 @@ def local_coordinator(
     """A coordinator with no bundles, no encoder, no device evaluation and an observer that hears nothing (unless
     one is given: the dashboard's LiveState, to read /metrics)."""
     observer = observer or RoundObserver()
+    intake = UpdateIntake(fleet, session, store, observer)
     parts = RoundParts(
         presence=Presence(observer),
-        intake=UpdateIntake(fleet, session, store, observer),
+        intake=intake,
         publisher=RetainedPublisher(session, fleet, "run", Artefacts()),
         closer=RoundCloser(store, strategy, evaluator, evaluate_devices=False, base_labels=0),
         observer=observer,
+        mode=SecureMode(RoundMode(), session, fleet, intake)
+        if recipe and recipe.secure_aggregation != "off"
+        else RoundMode(),
     )
     return Coordinator(fleet, session, RoundRules(recipe or messages.Recipe(), policy), parts)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.simulate import BenchSettings, DeviceLaunch, spawn_agent, write_shards
-from coordinator.rounds import RoundPolicy
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.server import InitSettings, ServerData, ServerSettings, load_server_data
 from edge_agent.data.device_data import LABELS_FILE
 from edge_agent.data.labelled_record import source_code
@@ -88,13 +88,16 @@ def fleet_shards(directory: Path, devices: int, partition: str = "iid", pool_siz
     )
 
 
-def start_coordinator(address: BrokerAddress | None, run_dir: Path, fleet: str, *options: str) -> subprocess.Popen:
-    """`python -m coordinator run` against the broker (None: its embedded one), logging to RUN_DIR/coordinator.log."""
+def start_coordinator(
+    address: BrokerAddress | None, run_dir: Path, fleet: str, *options: str, prelude: str | None = None
+) -> subprocess.Popen:
+    """`python -m coordinator run` against the broker (None: its embedded one), logging to RUN_DIR/coordinator.log;
+    with a `prelude`, `python -c PRELUDE coordinator run ...` instead (the prelude runs the module, as WITHOUT_TORCH)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     broker = ["--broker", address.url] if address is not None else []
     command = [
         sys.executable,
-        "-m",
+        *(["-m"] if prelude is None else ["-c", prelude]),
         "coordinator",
         "run",
         *broker,
@@ -221,6 +224,12 @@ class FakeDevice:
             nonce=os.urandom(16),
         )
         return messages.Update(**{**fields, **changes})
+
+    def announce_online(self) -> None:
+        """Publishes the device's retained online status, as an agent does once connected."""
+        status = wire.encode(messages.Status(self.device_id, "online", time.time()))
+        topic = topics.STATUS.build(fleet=self.fleet, device=self.device_id)
+        assert self.session.publish(topic, status, retain=True, wait=30.0)
 
     def publish(self, payload: bytes, device_id: str | None = None) -> None:
         """Publishes raw bytes on a device's update topic (its own by default) and waits for the broker."""

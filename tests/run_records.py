@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
+from coordinator.storage.store import DeviceRoundRecord, RoundRecord, RunStore
 
 DEVICES = ("dev-00", "dev-01", "dev-02")
 LAYERS = ("conv1.weight", "fc2.bias")

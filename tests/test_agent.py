@@ -11,7 +11,7 @@ import pytest
 
 from bench.oracle import SimulatedOracle
 from bench.shard import Shard, open_device_data
-from coordinator.broker import EmbeddedBroker
+from coordinator.fleet.broker import EmbeddedBroker
 from edge_agent.data.device_data import DeviceData
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.learning.models import build_model, get_weights

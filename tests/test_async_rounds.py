@@ -10,12 +10,12 @@ import pytest
 from fleet import FakeDevice, committed_rounds, kill, log_text, perturbed, start_coordinator, wait_exit
 
 from bench.cli import main as bench_main
-from coordinator.aggregation import ClientUpdate
-from coordinator.async_intake import AsyncPolicy, VersionCollector
-from coordinator.buffered import delta_of, fold_buffer, staleness_weight
-from coordinator.mean_strategies import AveFL
-from coordinator.store import RunStore
-from coordinator.validation import MAX_REASON_CHARS, Expectation, Rejection, decoded
+from coordinator.asynchronous.buffer import delta_of, fold_buffer, staleness_weight
+from coordinator.asynchronous.intake import AsyncPolicy, VersionCollector
+from coordinator.intake.validation import MAX_REASON_CHARS, Expectation, Rejection, decoded
+from coordinator.storage.store import RunStore
+from coordinator.strategies.aggregate import ClientUpdate
+from coordinator.strategies.means import AveFL
 from protocol import messages, wire
 from protocol.tensors import spec_of, weights_hash
 

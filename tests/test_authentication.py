@@ -8,10 +8,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from coordinator.authentication import UpdateAuthenticator
-from coordinator.intake import RoundCollector
-from coordinator.store import RunStore
-from coordinator.validation import Expectation, Rejection, decoded
+from coordinator.intake.authentication import UpdateAuthenticator
+from coordinator.intake.update_intake import RoundCollector
+from coordinator.intake.validation import Expectation, Rejection, decoded
+from coordinator.storage.store import RunStore
 from edge_agent.learning.models import build_model, get_weights, weight_spec
 from protocol import messages, wire
 from protocol.model_spec import DEFAULT_SPEC

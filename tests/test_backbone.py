@@ -11,11 +11,11 @@ from fleet import pi_zero_fleet
 from onnx import numpy_helper
 
 from bench.simulate import simulate
-from coordinator.publisher import Artefacts, RetainedPublisher, bundle_message, model_message, split_of
 from coordinator.relay import RELAY_STRATEGY, Relay, RelaySettings, SiteRounds
-from coordinator.rounds import RoundPolicy, RoundRules
+from coordinator.rounds.publisher import Artefacts, RetainedPublisher, bundle_message, model_message, split_of
+from coordinator.rounds.rules import RoundPolicy, RoundRules
 from coordinator.server import ServerSettings
-from coordinator.store import RunStore
+from coordinator.storage.store import RunStore
 from edge_agent.learning.bundle import MANIFEST_NAME, bundle_weights, load_bundle
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.learning.onnx_initializers import OnnxGraphError, graph_weights
@@ -215,7 +215,7 @@ def run_head_only_fleet(run_dir: Path, monkeypatch, split: bool) -> tuple[list[s
 
     monkeypatch.setattr(RetainedPublisher, "retain_current", measured)
     if not split:
-        monkeypatch.setattr("coordinator.publisher.split_of", lambda files: None)
+        monkeypatch.setattr("coordinator.rounds.publisher.split_of", lambda files: None)
     settings, bench = pi_zero_fleet(run_dir, "backbone", rounds=2, mc_passes=4)
     spec = ModelSpec("mobilenet", width_multiplier=0.25, trainable="head")
     simulate(dataclasses.replace(settings, spec=spec), bench, lambda result: None)

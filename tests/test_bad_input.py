@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from fleet import FakeDevice, log_text, perturbed, start_coordinator, stop_all, wait_exit
 
-from coordinator.aggregation import ClientUpdate
-from coordinator.broker import EmbeddedBroker
-from coordinator.mean_strategies import AveFL
-from coordinator.store import RunStore
+from coordinator.fleet.broker import EmbeddedBroker
+from coordinator.storage.store import RunStore
+from coordinator.strategies.aggregate import ClientUpdate
+from coordinator.strategies.means import AveFL
 from protocol import messages, wire
 
 pytestmark = pytest.mark.integration
@@ -44,8 +44,8 @@ def bad_updates(
     good = perturbed(base, seed=99)
     first = next(iter(good))
     renamed = {(f"{name}.renamed" if name == first else name): array for name, array in good.items()}
-    nan, inf = good[first].copy(), good[first].copy()
-    nan.flat[0], inf.flat[-1] = np.nan, np.inf
+    nan, inf, huge = good[first].copy(), good[first].copy(), good[first].copy()
+    nan.flat[0], inf.flat[-1], huge.flat[0] = np.nan, np.inf, 2.0**31
 
     def valid(tensors: dict[str, np.ndarray] = good, **changes) -> messages.Update:
         return rogue.update(announcement, tensors, **changes)
@@ -67,6 +67,7 @@ def bad_updates(
         ),
         ("NaN", wire.encode(valid(tensors=with_tensor(good, first, nan))), "non-finite values"),
         ("infinity", wire.encode(valid(tensors=with_tensor(good, first, inf))), "non-finite values"),
+        ("beyond the aggregate's range", wire.encode(valid(tensors=with_tensor(good, first, huge))), "out of range"),
         ("over the size limit", wire.encode(valid(nonce=bytes(wire.DEFAULT_MAX_MESSAGE_BYTES))), "too large"),
     ]
 
@@ -129,6 +130,7 @@ def test_every_bad_update_is_rejected_with_its_reason_and_never_reaches_the_mode
         assert log.count(f"reason={reason}\n") == count, reason  # logged once per rejected update
     with RunStore(run_dir) as store:
         assert store.rejection_counts() == dict(Counter(reasons))
+        assert store.rejection_kinds()["out_of_range"] == 1
         assert [(r.accepted, r.rejected) for r in store.rounds()] == [(2, len(cases) + 1), (2, 1)]
         first_model, second_model = store.checkpoints.load(1), store.checkpoints.load(2)
     for model, expected in (
@@ -168,3 +170,42 @@ def test_a_huge_update_with_many_unknown_fields_gets_a_short_reason_everywhere(t
         assert store.rejection_kinds() == {"undecodable": 1}
     [line] = [line for line in log_text(run_dir / "coordinator.log").splitlines() if "update rejected" in line]
     assert len(line.encode()) < 1024 and "kind=undecodable" in line
+
+
+# The coordinator's run with a bug planted in its strategy: every update the mean folds raises a plain ValueError.
+BUGGY_STRATEGY = """
+import runpy, sys
+from coordinator.strategies.contract import StreamingWeightedAverage
+def accumulate(self, running, update):
+    raise ValueError("planted bug in the strategy")
+StreamingWeightedAverage.accumulate = accumulate
+sys.argv = sys.argv[1:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_bug_inside_the_strategy_stops_the_coordinator_with_its_traceback_and_blames_no_device(
+    tmp_path: Path,
+) -> None:
+    """A ValueError raised inside the strategy while an update is folded is the coordinator's bug, not the device's
+    out-of-range update: the process exits with the traceback in its log, the update is neither acked nor stored as
+    a rejection, and no round is committed."""
+    run_dir = tmp_path / "run"
+    with EmbeddedBroker(tmp_path / "broker") as broker:
+        coordinator = start_coordinator(
+            broker.address, run_dir, FLEET, "--rounds", "1", "--quorum", "1", prelude=BUGGY_STRATEGY
+        )
+        device = FakeDevice(broker.address, FLEET, "dev-a")
+        try:
+            announcement, base = device.current_round()
+            device.publish(wire.encode(device.update(announcement, perturbed(base, seed=1))))
+            assert wait_exit(coordinator, "coordinator") == 1
+            assert device.session.next_message(timeout=0.5) is None  # no ack: nothing was decided about the update
+        finally:
+            device.close()
+            stop_all([coordinator])
+    log = log_text(run_dir / "coordinator.log")
+    assert "Traceback (most recent call last)" in log and "ValueError: planted bug in the strategy" in log
+    assert "update rejected" not in log and "out of range" not in log
+    with RunStore(run_dir) as store:
+        assert store.rejections() == [] and store.rounds() == []

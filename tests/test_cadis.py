@@ -11,8 +11,9 @@ from coordinators import commit_weights, coordinator_on
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.aggregation import ClientUpdate
-from coordinator.cadis import (
+from coordinator.storage.store import RoundRecord, RunStore, StrategyState
+from coordinator.strategies.aggregate import ClientUpdate
+from coordinator.strategies.cadis import (
     CADIS_INITIAL_THRESHOLD,
     CADIS_THRESHOLD_CAP,
     cadis_coefficients,
@@ -24,9 +25,8 @@ from coordinator.cadis import (
     q_matrix,
     split_threshold,
 )
-from coordinator.mean_strategies import CADIS, FedAvg
-from coordinator.store import RoundRecord, RunStore, StrategyState
-from coordinator.strategies import make_strategy
+from coordinator.strategies.means import CADIS, FedAvg
+from coordinator.strategies.registry import make_strategy
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.learning.local_data import LocalData
 from edge_agent.learning.local_rules import CadisKD

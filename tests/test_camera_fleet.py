@@ -22,10 +22,10 @@ from bench.camera_fleet import (
     device_dir,
     read_answer_key,
 )
-from coordinator.broker import EmbeddedBroker
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.server import Dashboard, ListenAddress
-from coordinator.store import RunStore
+from coordinator.fleet.broker import EmbeddedBroker
+from coordinator.storage.store import RunStore
 from edge_agent.data.image_arrays import ImageDataset
 from edge_agent.data.image_files import InputSpec
 from edge_agent.field.folder_pool import folder_pool_of, open_folder_data

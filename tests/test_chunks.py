@@ -18,12 +18,12 @@ import pytest
 from fleet import FakeDevice, log_text, perturbed, pi_zero_fleet, start_coordinator, stop_all, wait_exit
 
 from bench.simulate import simulate
-from coordinator.aggregation import ClientUpdate
-from coordinator.broker import DEFAULT_MAX_PACKET_BYTES, EmbeddedBroker, free_loopback_port, mosquitto_config
-from coordinator.mean_strategies import AveFL
-from coordinator.observer import RoundResult
-from coordinator.publisher import Artefacts, RetainedPublisher
-from coordinator.store import RunStore
+from coordinator.fleet.broker import DEFAULT_MAX_PACKET_BYTES, EmbeddedBroker, free_loopback_port, mosquitto_config
+from coordinator.intake.observer import RoundResult
+from coordinator.rounds.publisher import Artefacts, RetainedPublisher
+from coordinator.storage.store import RunStore
+from coordinator.strategies.aggregate import ClientUpdate
+from coordinator.strategies.means import AveFL
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.artefacts import RoundArtefacts

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.strategies import STRATEGIES
+from coordinator.strategies.registry import STRATEGIES
 from edge_agent.learning.local_rules import LOCAL_RULES
 
 
@@ -80,8 +80,8 @@ def test_bench_device_with_missing_shard_fails_cleanly(tmp_path: Path) -> None:
 
 def test_suspect_options_reach_the_policy_by_name(tmp_path: Path) -> None:
     from bench.cli import FL_BENCH
-    from coordinator.round_aggregator import SuspectPolicy
-    from coordinator.run_settings import server_settings
+    from coordinator.commands.run_settings import server_settings
+    from coordinator.intake.round_aggregator import SuspectPolicy
 
     parser = FL_BENCH.parser("simulate")
     args = parser.parse_args(

@@ -15,9 +15,9 @@ from run_records import DEVICES, LAYERS, LOCAL_ACCURACY, STALE, fill_store
 
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.server import Dashboard, ListenAddress, dashboard_token, parse_listen_address
-from coordinator.observer import RoundResult
-from coordinator.store import RoundRecord, RunStore
-from coordinator.validation import Rejection
+from coordinator.intake.observer import RoundResult
+from coordinator.intake.validation import Rejection
+from coordinator.storage.store import RoundRecord, RunStore
 from protocol import messages
 
 

@@ -12,19 +12,20 @@ import numpy as np
 import pytest
 from coordinators import NUM_CLASSES, FakeSession
 
-from coordinator import validation
-from coordinator.async_intake import AsyncPolicy
-from coordinator.async_rounds import AsyncCoordinator
-from coordinator.authentication import UpdateAuthenticator
-from coordinator.closing import RoundCloser
-from coordinator.evaluation import Evaluator, LabelledSplit
-from coordinator.intake import UpdateIntake
-from coordinator.observer import RoundObserver
-from coordinator.presence import Presence
-from coordinator.publisher import Artefacts, RetainedPublisher
-from coordinator.rounds import Coordinator, RoundParts, RoundPolicy, RoundRules
-from coordinator.store import RunStore
-from coordinator.strategies import make_strategy
+from coordinator.asynchronous.intake import AsyncPolicy
+from coordinator.asynchronous.rounds import AsyncCoordinator
+from coordinator.intake import validation
+from coordinator.intake.authentication import UpdateAuthenticator
+from coordinator.intake.observer import RoundObserver
+from coordinator.intake.update_intake import UpdateIntake
+from coordinator.rounds.closing import RoundCloser
+from coordinator.rounds.evaluation import Evaluator, LabelledSplit
+from coordinator.rounds.loop import Coordinator, RoundParts
+from coordinator.rounds.presence import Presence
+from coordinator.rounds.publisher import Artefacts, RetainedPublisher
+from coordinator.rounds.rules import RoundPolicy, RoundRules
+from coordinator.storage.store import RunStore
+from coordinator.strategies.registry import make_strategy
 from edge_agent.learning.models import build_model, get_weights
 from protocol import messages, wire
 from protocol.model_spec import DEFAULT_SPEC

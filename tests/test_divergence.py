@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from coordinator.divergence import fleet_divergence, layer_divergence
+from coordinator.intake.divergence import fleet_divergence, layer_divergence
 from protocol.tensors import Weights
 
 SHAPES = {"conv.weight": (8, 1, 4, 4), "conv.bias": (8,), "fc.weight": (10, 32)}

@@ -11,14 +11,14 @@ from dp_accounting import rdp
 from scipy import stats
 
 from bench.cli import main as bench_main
-from coordinator.aggregation import ClientUpdate
 from coordinator.dashboard.live import Counters
 from coordinator.dashboard.metrics import render_metrics
-from coordinator.dp_aggregator import DpAggregator, DpPlan
-from coordinator.dp_rounds import DpSettings, PrivateRounds, check_dp_settings, poisson_sample
-from coordinator.mean_strategies import AveFL
-from coordinator.round_aggregator import SuspectPolicy
-from coordinator.scratch import TensorScratch
+from coordinator.intake.round_aggregator import SuspectPolicy
+from coordinator.intake.scratch import TensorScratch
+from coordinator.privacy.dp_aggregator import DpAggregator, DpPlan
+from coordinator.privacy.rounds import DpSettings, PrivateRounds, check_dp_settings, poisson_sample
+from coordinator.strategies.aggregate import ClientUpdate
+from coordinator.strategies.means import AveFL
 from protocol import messages
 from protocol.dp import (
     DP_CENTRAL,

@@ -9,8 +9,8 @@ import pytest
 
 from coordinator.dashboard.report import write_report
 from coordinator.dashboard.views import load_snapshot, run_view
-from coordinator.spool import Spool
-from coordinator.store import RunStore
+from coordinator.storage.spool import Spool
+from coordinator.storage.store import RunStore
 from protocol import messages, wire
 from protocol.dp import DpRound, clip_delta, delta_of, l2_norm
 from protocol.dp_accountant import SampledGaussian, epsilon_of

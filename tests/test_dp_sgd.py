@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from dp_accounting import rdp
 
-from coordinator import evaluation
-from coordinator.closing import DEVICE_EPSILON, RoundCloser, RoundTiming
 from coordinator.dashboard.views import RunSnapshot, privacy_view
-from coordinator.intake import RoundCollector
-from coordinator.store import RunStore
-from coordinator.strategies import make_strategy
-from coordinator.validation import Expectation
+from coordinator.intake.update_intake import RoundCollector
+from coordinator.intake.validation import Expectation
+from coordinator.rounds import evaluation
+from coordinator.rounds.closing import DEVICE_EPSILON, RoundCloser, RoundTiming
+from coordinator.storage.store import RunStore
+from coordinator.strategies.registry import make_strategy
 from edge_agent.learning.bundle import store_bundle
 from edge_agent.learning.dp_sgd import LEDGER_FILE, PrivateSteps
 from edge_agent.learning.head_learner import HeadLearner
@@ -154,7 +154,7 @@ def head_learner(tmp_path: Path) -> HeadLearner:
     """A head-only learner over a fresh model's bundle (its prefix trains, so rows are images)."""
     weights = get_weights(build_model(seed=0))
     bundle = store_bundle(tmp_path / "bundle", ensure_bundle_files(weights, tmp_path / "export"))
-    return HeadLearner(AgentSettings("f", "d", trainer="head"), tmp_path, weights, bundle)
+    return HeadLearner(AgentSettings("f", "d", trainer="head").compute, tmp_path, weights, bundle)
 
 
 def local_data(tmp_path: Path, rows: int) -> LocalData:
@@ -184,11 +184,11 @@ def test_a_head_only_device_trains_dp_sgd_and_reports_the_epsilon_of_all_its_rou
 
 def test_dp_sgd_runs_on_head_only_devices_and_a_full_model_device_refuses_it_in_one_line(tmp_path: Path) -> None:
     recipe = messages.Recipe(local_rule="dp-sgd")
-    assert round_problem(AgentSettings("f", "d"), recipe, None) == (
+    assert round_problem(AgentSettings("f", "d").compute, recipe, None) == (
         "local rule 'dp-sgd' trains the classifier alone; this profile trains the whole model"
     )
     learner = head_learner(tmp_path)
-    assert round_problem(AgentSettings("f", "d", trainer="head"), recipe, learner.bundle) is None
+    assert round_problem(AgentSettings("f", "d", trainer="head").compute, recipe, learner.bundle) is None
 
 
 def test_dp_sgd_refuses_options_out_of_range_and_data_without_a_state_directory(tmp_path: Path) -> None:

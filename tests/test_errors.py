@@ -7,7 +7,7 @@ import pkgutil
 
 import pytest
 
-from coordinator.validation import Rejection
+from coordinator.intake.validation import Rejection
 from protocol.chunks import ChunkingError
 from protocol.errors import FalError, RefusalError, UsageError
 from protocol.messages import RejectionKind

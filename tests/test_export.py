@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 
-from coordinator.store import RunStore
+from coordinator.storage.store import RunStore
 from edge_agent.learning.bundle import BundleError, bundle_files, load_bundle, store_bundle
 from edge_agent.learning.mc_dropout import TorchMCDropout
 from edge_agent.learning.models import build_model, get_weights

@@ -116,7 +116,7 @@ def make_agent(tmp_path: Path, pool_size: int, encoder: bytes) -> Agent:
 
 def round_models(agent: Agent, model, recipe: messages.Recipe) -> RoundModels:
     """The round's models as the agent builds them: a learner over the model's weights, the held encoder."""
-    learner = make_learner(agent.settings, agent.data.state_dir, DEFAULT_SPEC, get_weights(model), None)
+    learner = make_learner(agent.settings.compute, agent.data.state_dir, DEFAULT_SPEC, get_weights(model), None)
     return RoundModels(learner, "base", recipe, encoder=agent.artefacts.encoders.get(recipe.encoder))
 
 

@@ -28,15 +28,15 @@ from fleet import (
 )
 
 from bench.simulate import BenchSettings, simulate
-from coordinator.aggregation import ClientUpdate
-from coordinator.broker import port_is_free
-from coordinator.mean_strategies import AveFL
-from coordinator.observer import RoundResult
-from coordinator.provision import provision
-from coordinator.rounds import RoundPolicy
+from coordinator.fleet.broker import port_is_free
+from coordinator.fleet.provision import provision
+from coordinator.intake.observer import RoundResult
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
-from coordinator.spool import Spool
-from coordinator.store import RunStore
+from coordinator.storage.spool import Spool
+from coordinator.storage.store import RunStore
+from coordinator.strategies.aggregate import ClientUpdate
+from coordinator.strategies.means import AveFL
 from edge_agent.data.device_data import IMAGES_FILE, LABELS_FILE, STATE_FILE
 from protocol import messages, wire
 from protocol.credentials import load_credentials

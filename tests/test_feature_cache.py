@@ -122,7 +122,7 @@ def test_a_head_only_device_runs_the_backbone_once_per_image_across_three_rounds
     for round_id, sampler in enumerate(("entropy", "badge", "bald"), start=1):
         weights = with_new_classifier(weights, round_id)
         bundle = export(weights, tmp_path / f"bundle{round_id}")
-        learner = make_learner(HEAD, data.state_dir, SPEC, weights, bundle)
+        learner = make_learner(HEAD.compute, data.state_dir, SPEC, weights, bundle)
         models = RoundModels(learner, "", messages.Recipe(**{**recipe.__dict__, "sampler": sampler}), bundle)
         new, labels = acquirer.acquire(models, make_sampler(sampler), round_id, round_id, 0)
         assert len(new) == 5
@@ -135,7 +135,7 @@ def test_a_head_only_device_runs_the_backbone_once_per_image_across_three_rounds
 
 def cached_scores(data: DeviceData, bundle: Bundle, weights: Weights) -> np.ndarray:
     """MC-dropout outputs of every sample through a head learner (and so the device's feature cache)."""
-    learner = make_learner(HEAD, data.state_dir, SPEC, weights, bundle)
+    learner = make_learner(HEAD.compute, data.state_dir, SPEC, weights, bundle)
     return learner.probabilities(bundle, data.samples(np.arange(IMAGES)), 6, 3)
 
 
@@ -231,7 +231,7 @@ def test_a_trained_prefix_or_a_full_model_device_keeps_no_cache(tmp_path: Path) 
     data, _ = device(tmp_path)
     whole = ModelSpec(**{**SPEC.__dict__, "trainable": "all"})
     weights = get_weights(build_model(whole, seed=0))
-    learner = make_learner(HEAD, data.state_dir, whole, weights, export(weights, tmp_path / "bundle", whole))
+    learner = make_learner(HEAD.compute, data.state_dir, whole, weights, export(weights, tmp_path / "bundle", whole))
     assert learner.probabilities(learner.bundle, data.samples(np.arange(4)), 2, 0).shape == (2, 4, 3)  # type: ignore[attr-defined]
     assert not (data.state_dir / FEATURES_FOLDER).exists()
 

@@ -19,7 +19,7 @@ from test_agent import FLEET, FakeCoordinator
 from test_feature_cache_faults import OnDisk
 from test_folder_pool import write_png
 
-from coordinator.broker import EmbeddedBroker
+from coordinator.fleet.broker import EmbeddedBroker
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.field.folder_oracle import FolderOracle, QueryBook
 from edge_agent.field.folder_pool import folder_pool_of, open_folder_data

@@ -12,10 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.aggregation import ClientUpdate, entropy_coefficients
-from coordinator.mean_strategies import FMLU, AveFL
-from coordinator.strategies import make_strategy
-from coordinator.validation import Expectation, Rejection, validate_update
+from coordinator.intake.validation import Expectation, Rejection, validate_update
+from coordinator.strategies.aggregate import ClientUpdate, entropy_coefficients
+from coordinator.strategies.means import FMLU, AveFL
+from coordinator.strategies.registry import make_strategy
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.learning.local_data import LocalData
 from edge_agent.learning.local_rules import DMLU

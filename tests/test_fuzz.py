@@ -13,14 +13,15 @@ from fleet import server_data
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.broker import EmbeddedBroker
-from coordinator.evaluation import Evaluator, LabelledSplit
-from coordinator.intake import RoundCollector
-from coordinator.mean_strategies import AveFL
-from coordinator.round_aggregator import BatchAggregator, SuspectPolicy
-from coordinator.rounds import Coordinator, OpenRound, RoundPolicy
-from coordinator.store import RunStore
-from coordinator.validation import Expectation, Rejection, validate_update
+from coordinator.fleet.broker import EmbeddedBroker
+from coordinator.intake.round_aggregator import BatchAggregator, SuspectPolicy
+from coordinator.intake.update_intake import RoundCollector
+from coordinator.intake.validation import Expectation, Rejection, validate_update
+from coordinator.rounds.evaluation import Evaluator, LabelledSplit
+from coordinator.rounds.loop import Coordinator, OpenRound
+from coordinator.rounds.rules import RoundPolicy
+from coordinator.storage.store import RunStore
+from coordinator.strategies.means import AveFL
 from edge_agent.learning.models import build_model, get_weights, weight_spec
 from protocol import messages, wire
 from protocol.model_spec import DEFAULT_SPEC

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 from fleet import WAIT
 
-from coordinator.intake import RoundCollector, UpdateIntake
-from coordinator.observer import RoundObserver
-from coordinator.spool import Spool
-from coordinator.store import RunStore
-from coordinator.validation import Expectation
+from coordinator.intake.observer import RoundObserver
+from coordinator.intake.update_intake import RoundCollector, UpdateIntake
+from coordinator.intake.validation import Expectation
+from coordinator.storage.spool import Spool
+from coordinator.storage.store import RunStore
 from protocol import messages, topics, wire
 from protocol.tensors import spec_of, weights_hash
 
@@ -50,7 +50,7 @@ def test_a_torn_segment_tail_is_ignored_and_a_restart_appends_a_new_segment(tmp_
 WRITER = """
 import sys
 from pathlib import Path
-from coordinator.spool import Spool
+from coordinator.storage.spool import Spool
 spool = Spool(Path(sys.argv[1]))
 for batch in range(10_000):
     for index in range(8):

@@ -112,7 +112,7 @@ def test_the_budget_shrinks_the_scoring_batch_or_refuses_with_the_numbers() -> N
 
 
 def test_a_head_only_device_refuses_what_needs_the_whole_model_with_a_reason(tmp_path: Path) -> None:
-    head, full = AgentSettings("f", "d", trainer="head"), AgentSettings("f", "d")
+    head, full = AgentSettings("f", "d", trainer="head").compute, AgentSettings("f", "d").compute
     bundle = store_bundle(
         tmp_path / "bundle", ensure_bundle_files(get_weights(build_model(seed=0)), tmp_path / "export")
     )
@@ -143,7 +143,7 @@ class NewestLabels(SupervisedRule):
 
 
 def test_a_head_only_device_accepts_a_rule_by_what_it_declares_not_by_its_name(tmp_path: Path) -> None:
-    head = AgentSettings("f", "d", trainer="head")
+    head = AgentSettings("f", "d", trainer="head").compute
     bundle = store_bundle(
         tmp_path / "bundle", ensure_bundle_files(get_weights(build_model(seed=0)), tmp_path / "export")
     )

@@ -9,18 +9,19 @@ import pytest
 from coordinators import FakeSession
 
 from bench.oracle import SimulatedOracle
-from coordinator.async_intake import AsyncPolicy
-from coordinator.async_rounds import AsyncCoordinator
-from coordinator.closing import RoundCloser
-from coordinator.evaluation import Evaluator, LabelledSplit
-from coordinator.intake import UpdateIntake
-from coordinator.observer import RoundObserver
-from coordinator.presence import Presence
-from coordinator.publisher import Artefacts, RetainedPublisher
-from coordinator.rounds import Coordinator, RoundParts, RoundPolicy, RoundRules, round_expectation
-from coordinator.store import RunStore
-from coordinator.strategies import STRATEGIES, make_strategy
-from coordinator.validation import MAX_REASON_CHARS, Rejection, validate_update
+from coordinator.asynchronous.intake import AsyncPolicy
+from coordinator.asynchronous.rounds import AsyncCoordinator
+from coordinator.intake.observer import RoundObserver
+from coordinator.intake.update_intake import UpdateIntake
+from coordinator.intake.validation import MAX_REASON_CHARS, Rejection, validate_update
+from coordinator.rounds.closing import RoundCloser
+from coordinator.rounds.evaluation import Evaluator, LabelledSplit
+from coordinator.rounds.loop import Coordinator, RoundParts, round_expectation
+from coordinator.rounds.presence import Presence
+from coordinator.rounds.publisher import Artefacts, RetainedPublisher
+from coordinator.rounds.rules import RoundPolicy, RoundRules
+from coordinator.storage.store import RunStore
+from coordinator.strategies.registry import STRATEGIES, make_strategy
 from edge_agent.data.device_data import DeviceData
 from edge_agent.learning.learner_choice import make_learner
 from edge_agent.learning.local_data import training_view
@@ -77,7 +78,7 @@ def trained_device(
     session = FakeSession(FLEET)
     artefacts = RoundArtefacts(session, FLEET, tmp_path / "bundles", tmp_path / "backbone")  # type: ignore[arg-type]
     runner = RoundRunner(settings, data, SimulatedOracle(labels), artefacts, lambda *_: None, PhaseMeter())
-    learner = make_learner(settings, data.state_dir, spec, base, None)
+    learner = make_learner(settings.compute, data.state_dir, spec, base, None)
     none = np.zeros(0, dtype=np.int64)
     metrics = learner.train(training_view(data, none, none, 1), recipe, seed)
     announcement = messages.RoundAnnouncement("run", 1, weights_hash(base), recipe, 0.0, spec_hash=spec_hash(spec))

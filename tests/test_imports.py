@@ -25,28 +25,34 @@ TORCH_FREE = (
     # the command lines load a command's module only when it runs
     "coordinator.cli",
     "bench.cli",
-    "coordinator.aggregation",
-    "coordinator.cadis",
-    "coordinator.server_optimizers",
+    "coordinator.strategies.aggregate",
+    "coordinator.strategies.cadis",
+    "coordinator.strategies.server_optimizers",
     "edge_agent.learning.local_data",
-    "coordinator.strategies",
-    "coordinator.strategy_contract",
-    "coordinator.mean_strategies",
-    "coordinator.robust_strategies",
-    "coordinator.optimizer_strategies",
-    "coordinator.round_aggregator",
-    "coordinator.dp_aggregator",
-    "coordinator.dp_rounds",
-    "coordinator.buffered",
-    "coordinator.async_intake",
-    "coordinator.divergence",
-    "coordinator.validation",
-    "coordinator.secagg_server",
-    "coordinator.secagg_complaints",
-    "coordinator.secagg_unmask",
-    "coordinator.secagg_round",
+    "coordinator.strategies.registry",
+    "coordinator.strategies.contract",
+    "coordinator.strategies.means",
+    "coordinator.strategies.robust",
+    "coordinator.strategies.optimizers",
+    "coordinator.intake.round_aggregator",
+    # the round loop's mode seam and the three modes that fill it
+    "coordinator.rounds.mode",
+    "coordinator.rounds.rules",
+    "coordinator.privacy.mode",
+    "coordinator.secure.mode",
+    "coordinator.privacy.dp_aggregator",
+    "coordinator.privacy.rounds",
+    "coordinator.asynchronous.buffer",
+    "coordinator.asynchronous.intake",
+    "coordinator.intake.divergence",
+    "coordinator.intake.validation",
+    "coordinator.secure.secagg_server",
+    "coordinator.secure.secagg_complaints",
+    "coordinator.secure.secagg_unmask",
+    "coordinator.secure.secagg_bounds",
+    "coordinator.secure.secagg_round",
     "edge_agent.loop.secagg_device",
-    "coordinator.method_flags",
+    "coordinator.commands.method_flags",
     "protocol.tensors",
     "protocol.options",
     "protocol.update_codec",
@@ -61,6 +67,7 @@ TORCH_FREE = (
     "edge_agent.loop.round_runner",
     "edge_agent.loop.acquisition",
     "edge_agent.learning.learner",
+    "edge_agent.learning.compute",
     "edge_agent.learning.learner_choice",
     "edge_agent.learning.local_rules",
     "edge_agent.learning.sampling",
@@ -103,7 +110,7 @@ def test_a_room_imports_none_of_the_rooms_it_must_not(room: str) -> None:
 
 def test_the_import_rule_sees_function_level_imports(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    from coordinator.store import RunStore\n    import export.cli\n")
+    module.write_text("def f():\n    from coordinator.storage.store import RunStore\n    import export.cli\n")
     assert imported_packages(module) == {"coordinator", "export"}
 
 
@@ -122,26 +129,28 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement of a module, function-level ones included, less those under `if TYPE_CHECKING:`."""
+def runtime_imports(tree: ast.AST, type_only: bool = False) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of a module, function-level ones included, less those under `if TYPE_CHECKING:`
+    (with `type_only`, those too)."""
     found: list[ast.Import | ast.ImportFrom] = []
     pending: list[ast.AST] = [tree]
     while pending:
         node = pending.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             found.append(node)
-        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        elif not type_only and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             pending.extend(node.orelse)
         else:
             pending.extend(ast.iter_child_nodes(node))
     return found
 
 
-def imported_modules(name: str, tree: ast.AST, modules: set[str], package: bool) -> set[str]:
+def imported_modules(name: str, tree: ast.AST, modules: set[str], package: bool, type_only: bool = False) -> set[str]:
     """The room modules a module imports: `import a.b` imports a and a.b, `from a import b` the module a.b when
-    there is one (else a), a relative import resolved against the module's package."""
+    there is one (else a), a relative import resolved against the module's package (`type_only`: imports under
+    `if TYPE_CHECKING:` count too)."""
     targets: set[str] = set()
-    for node in runtime_imports(tree):
+    for node in runtime_imports(tree, type_only):
         if isinstance(node, ast.Import):
             dotted = [alias.name for alias in node.names]
             targets.update(".".join(each.split(".")[:depth]) for each in dotted for depth in range(1, 1 + len(each)))
@@ -153,12 +162,12 @@ def imported_modules(name: str, tree: ast.AST, modules: set[str], package: bool)
     return (targets & modules) - {name}
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Each module of the runtime rooms and the room modules it imports."""
+def import_graph(type_only: bool = False) -> dict[str, set[str]]:
+    """Each module of the runtime rooms and the room modules it imports (`type_only`: type-only imports too)."""
     paths = {module_name(path): path for room in RUNTIME_ROOMS for path in (ROOT / room).rglob("*.py")}
     modules = set(paths)
     return {
-        name: imported_modules(name, ast.parse(path.read_text()), modules, path.name == "__init__.py")
+        name: imported_modules(name, ast.parse(path.read_text()), modules, path.name == "__init__.py", type_only)
         for name, path in paths.items()
     }
 
@@ -206,3 +215,83 @@ def test_the_cycle_finder_sees_function_level_and_from_imports(tmp_path: Path) -
     graph = {name: imported_modules(name, ast.parse(code), modules, False) for name, code in sources.items()}
     assert graph == {"pkg.a": {"pkg", "pkg.b"}, "pkg.b": {"pkg", "pkg.c"}, "pkg.c": {"pkg", "pkg.a"}}
     assert import_cycles({**graph, "pkg": set()}) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
+
+
+# The coordinator's rooms, lowest first: a module imports its own room and earlier levels' rooms only (type-only
+# imports included), so no import circle runs between rooms. The top level holds the two assemblies (server.py,
+# relay.py) and the command line; every other module lives in a room.
+COORDINATOR_LEVELS = (
+    ("strategies", "storage", "fleet"),
+    ("intake",),
+    ("rounds",),
+    ("privacy", "secure", "asynchronous", "dashboard"),
+    ("server",),
+    ("relay",),
+    ("commands",),
+    ("cli",),
+    ("__main__",),
+)
+TOP_LEVEL = {"__init__.py", "__main__.py", "cli.py", "server.py", "relay.py"}
+# Rooms inside a package that must not import another of its rooms (type-only imports included).
+INNER_FORBIDDEN = {"edge_agent.learning": ("edge_agent.loop",)}
+
+
+def coordinator_level(module: str) -> int | None:
+    """The level of a coordinator module's room (None: the package itself, or not the coordinator's)."""
+    parts = module.split(".")
+    if parts[0] != "coordinator" or len(parts) == 1:
+        return None
+    return next(level for level, rooms in enumerate(COORDINATOR_LEVELS) if parts[1] in rooms)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, imported) for every import of a coordinator module from another room at its own level or later."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        level = coordinator_level(module)
+        for target in sorted(targets):
+            other = coordinator_level(target)
+            same_room = module.split(".")[:2] == target.split(".")[:2]
+            if level is not None and other is not None and other >= level and not same_room:
+                found.append((module, target))
+    return found
+
+
+def test_the_coordinator_top_level_holds_the_assemblies_and_rooms_only() -> None:
+    top = ROOT / "coordinator"
+    assert {path.name for path in top.glob("*.py")} == TOP_LEVEL
+    folders = {path.name for path in top.iterdir() if path.is_dir() and (path / "__init__.py").exists()}
+    assert folders == {room for rooms in COORDINATOR_LEVELS for room in rooms} - {"server", "relay", "cli", "__main__"}
+
+
+def test_the_coordinator_rooms_import_only_earlier_rooms_type_only_imports_included() -> None:
+    assert upward_imports(import_graph(type_only=True)) == []
+
+
+def test_the_coordinator_has_no_import_cycle_type_only_imports_included() -> None:
+    graph = import_graph(type_only=True)
+    coordinator = {name: {t for t in targets if t.startswith("coordinator")} for name, targets in graph.items()}
+    assert import_cycles({name: t for name, t in coordinator.items() if name.startswith("coordinator")}) == []
+
+
+def test_the_room_order_sees_an_upward_import() -> None:
+    graph = {"coordinator.intake.validation": {"coordinator.rounds.loop"}, "coordinator.rounds.loop": set()}
+    assert upward_imports(graph) == [("coordinator.intake.validation", "coordinator.rounds.loop")]
+    assert upward_imports({"coordinator.secure.mode": {"coordinator.privacy.mode"}}) != []
+    assert (
+        upward_imports({"coordinator.rounds.loop": {"coordinator.rounds.mode", "coordinator.intake.update_intake"}})
+        == []
+    )
+
+
+@pytest.mark.parametrize("room", sorted(INNER_FORBIDDEN))
+def test_an_inner_room_imports_none_of_its_siblings_it_must_not(room: str) -> None:
+    graph = import_graph(type_only=True)
+    offences = {
+        (module, target)
+        for module, targets in graph.items()
+        if module.startswith(room + ".")
+        for target in targets
+        if target.startswith(INNER_FORBIDDEN[room])
+    }
+    assert sorted(offences) == []

@@ -9,11 +9,11 @@ import pytest
 from fleet import pi_zero_fleet
 
 from bench.simulate import BenchSettings, simulate
-from coordinator.broker import EmbeddedBroker
-from coordinator.observer import RoundResult
-from coordinator.rounds import RoundPolicy
+from coordinator.fleet.broker import EmbeddedBroker
+from coordinator.intake.observer import RoundResult
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
-from coordinator.store import RunStore
+from coordinator.storage.store import RunStore
 from protocol import messages, topics, wire
 from protocol.mqtt import MqttSession
 from protocol.tensors import weights_hash

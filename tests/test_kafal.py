@@ -17,13 +17,14 @@ from hypothesis.extra.numpy import arrays
 
 from bench.oracle import SimulatedOracle
 from bench.shard import Shard, open_device_data
-from coordinator.aggregation import ClientUpdate
-from coordinator.evaluation import Evaluator, LabelledSplit
-from coordinator.intake import RoundCollector
-from coordinator.rounds import RoundPolicy, choose_participants
-from coordinator.store import RunStore
-from coordinator.strategies import make_strategy
-from coordinator.validation import Expectation
+from coordinator.intake.update_intake import RoundCollector
+from coordinator.intake.validation import Expectation
+from coordinator.rounds.evaluation import Evaluator, LabelledSplit
+from coordinator.rounds.mode import choose_participants
+from coordinator.rounds.rules import RoundPolicy
+from coordinator.storage.store import RunStore
+from coordinator.strategies.aggregate import ClientUpdate
+from coordinator.strategies.registry import make_strategy
 from edge_agent.data.device_data import DeviceData
 from edge_agent.learning.acquisition_scores import class_prior_bias, ksas_scores
 from edge_agent.learning.local_data import LocalData, training_view

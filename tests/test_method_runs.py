@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.store import RunStore
+from coordinator.storage.store import RunStore
 from edge_agent.learning.torch_rules import PRIVATE_MODEL_FILE
 from protocol import messages, wire
 from protocol.files import load_arrays

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.cli import main
-from coordinator.store import RunStore
+from coordinator.storage.store import RunStore
 from edge_agent.data.device_data import DeviceData
 
 pytestmark = pytest.mark.integration

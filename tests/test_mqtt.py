@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.broker import EmbeddedBroker, port_is_free
+from coordinator.fleet.broker import EmbeddedBroker, port_is_free
 from protocol.mqtt import (
     BrokerAddress,
     IncomingMessage,

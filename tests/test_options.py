@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from bench.cli import main
-from coordinator.method_flags import TABLE_BEGIN, TABLE_END, options_table, recipe_view
+from coordinator.commands.method_flags import TABLE_BEGIN, TABLE_END, options_table
+from coordinator.dashboard.views import recipe_view
 from edge_agent.learning.sampling import SAMPLERS, AcquisitionContext, Sampler
 from protocol import messages
 from protocol.options import Method, Option, Registry

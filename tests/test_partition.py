@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from bench.partition import PartitionSpec, parse_partition, partition_indices
-from coordinator.holdout import server_holdout
+from coordinator.rounds.holdout import server_holdout
 from edge_agent.data.fashion_mnist import DEFAULT_DATA_DIR, read_idx
 
 

@@ -14,11 +14,11 @@ from fleet import FakeDevice, fleet_shards, server_data
 
 from bench.oracle import SimulatedOracle
 from bench.shard import load_shard, open_device_data
-from coordinator.observer import RoundResult
-from coordinator.round_aggregator import SuspectPolicy
-from coordinator.rounds import RoundPolicy
+from coordinator.intake.observer import RoundResult
+from coordinator.intake.round_aggregator import SuspectPolicy
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings, initial_weights, run_server
-from coordinator.store import RunStore
+from coordinator.storage.store import RunStore
 from edge_agent.loop.agent import Agent
 from edge_agent.loop.agent_settings import AgentSettings
 from protocol import messages, wire

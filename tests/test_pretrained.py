@@ -180,7 +180,7 @@ def test_last_n_trains_only_its_blocks_the_head_convolution_and_the_classifier(t
         **LITE0, height=32, width=32, class_names=["a", "b", "c"], pretrained="imagenet", trainable="last:2"
     )
     start = get_weights(initial_model(spec, seed=0))
-    learner = TorchLearner(AgentSettings(fleet="f", device_id="d"), tmp_path, spec, start)
+    learner = TorchLearner(AgentSettings(fleet="f", device_id="d").compute, tmp_path, spec, start)
     rng = np.random.default_rng(0)
     images, labels = rng.integers(0, 256, (24, 32, 32, 3), dtype=np.uint8), rng.integers(0, 3, 24)
     empty = images[:0]

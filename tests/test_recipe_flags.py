@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.cli import main as bench_main
-from coordinator.recipe_options import RECIPE_TABLE_BEGIN, RECIPE_TABLE_END, recipe_table
+from coordinator.commands.recipe_options import RECIPE_TABLE_BEGIN, RECIPE_TABLE_END, recipe_table
 from protocol import messages, wire
 from protocol.recipe_flags import declared_fields, recipe_field
 

@@ -16,17 +16,18 @@ import pytest
 from coordinators import blank_evaluator, local_coordinator
 from fleet import FakeDevice, perturbed
 
-from coordinator.authentication import UpdateAuthenticator
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.metrics import render_metrics
-from coordinator.mean_strategies import FedAvg
-from coordinator.provision import provision
+from coordinator.fleet.provision import provision
+from coordinator.intake.authentication import UpdateAuthenticator
+from coordinator.intake.scratch import TensorScratch
+from coordinator.intake.validation import MAX_CONTRIBUTORS, MAX_REASON_CHARS, Expectation, Rejection, validate_update
 from coordinator.relay import RELAY_STRATEGY, Relay, RelaySettings, SiteRounds, upstream_update
-from coordinator.rounds import RoundPolicy, RoundRules, round_expectation
-from coordinator.scratch import TensorScratch
+from coordinator.rounds.loop import round_expectation
+from coordinator.rounds.rules import RoundPolicy, RoundRules
 from coordinator.server import ServerSettings
-from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
-from coordinator.validation import MAX_CONTRIBUTORS, MAX_REASON_CHARS, Expectation, Rejection, validate_update
+from coordinator.storage.store import DeviceRoundRecord, RoundRecord, RunStore
+from coordinator.strategies.means import FedAvg
 from edge_agent.learning.models import build_model, get_weights
 from protocol import messages, topics, wire
 from protocol.errors import UsageError

@@ -10,12 +10,12 @@ import pytest
 from fleet import kill, log_text, server_data, start_agent, start_coordinator, wait_exit, wait_until
 
 from bench.simulate import BenchSettings, DeviceLaunch, write_shards
-from coordinator.aggregation import ClientUpdate
-from coordinator.broker import EmbeddedBroker, free_loopback_port
-from coordinator.mean_strategies import AveFL, FedAvg
-from coordinator.provision import broker_config_lines, provision
-from coordinator.spool import Spool
-from coordinator.store import RunStore
+from coordinator.fleet.broker import EmbeddedBroker, free_loopback_port
+from coordinator.fleet.provision import broker_config_lines, provision
+from coordinator.storage.spool import Spool
+from coordinator.storage.store import RunStore
+from coordinator.strategies.aggregate import ClientUpdate
+from coordinator.strategies.means import AveFL, FedAvg
 from edge_agent.loop.outbox import OUTBOX_FOLDER
 from protocol import messages, wire
 from protocol.mqtt import BrokerAddress

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 from coordinators import blank_evaluator, local_coordinator, plain_bytes_in
 
-from coordinator.mean_strategies import FedAvg
 from coordinator.relay import (
     RELAY_STRATEGY,
     UPSTREAM_SECAGG,
@@ -21,10 +20,12 @@ from coordinator.relay import (
     upstream_session,
     upstream_update,
 )
-from coordinator.rounds import Coordinator, RoundPolicy, RoundRules
-from coordinator.secagg_live import INBOUND, OUTBOUND
+from coordinator.rounds.loop import Coordinator
+from coordinator.rounds.rules import RoundPolicy, RoundRules
+from coordinator.secure.rounds import INBOUND, OUTBOUND
 from coordinator.server import ServerSettings
-from coordinator.store import RoundRecord, RunStore
+from coordinator.storage.store import RoundRecord, RunStore
+from coordinator.strategies.means import FedAvg
 from edge_agent.data.journal import Journal
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.loop.secagg_device import SHARED

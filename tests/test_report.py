@@ -15,8 +15,8 @@ from PIL import Image
 from run_records import fill_store
 
 from coordinator.dashboard.report import write_report
-from coordinator.evaluation import class_accuracies
-from coordinator.store import RunStore
+from coordinator.rounds.evaluation import class_accuracies
+from coordinator.storage.store import RunStore
 
 CHARTS = 5  # accuracy per round, accuracy against labels, divergence heatmap, per-class accuracy, timeline
 

@@ -4,11 +4,11 @@ import json
 import numpy as np
 import pytest
 
-from coordinator.aggregation import ClientUpdate, coordinate_median, trimmed_count, trimmed_mean
-from coordinator.divergence import flag_suspects, fleet_divergence, robust_z_scores, suspect_scores
-from coordinator.mean_strategies import AveFL
-from coordinator.robust_strategies import Median, TrimmedMean
-from coordinator.strategies import make_strategy
+from coordinator.intake.divergence import flag_suspects, fleet_divergence, robust_z_scores, suspect_scores
+from coordinator.strategies.aggregate import ClientUpdate, coordinate_median, trimmed_count, trimmed_mean
+from coordinator.strategies.means import AveFL
+from coordinator.strategies.registry import make_strategy
+from coordinator.strategies.robust import Median, TrimmedMean
 from protocol.tensors import Weights
 
 SHAPES = {"conv.weight": (4, 1, 3, 3), "conv.bias": (4,), "fc.weight": (2, 4)}

@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.aggregation import ClientUpdate, ExactSum, RunningSum, weighted_average
-from coordinator.mean_strategies import AveFL
-from coordinator.robust_strategies import Median
-from coordinator.round_aggregator import BatchAggregator, RoundAggregator, StreamingAggregator, SuspectPolicy
-from coordinator.scratch import TensorScratch
-from coordinator.strategies import make_strategy
-from coordinator.strategy_contract import Strategy, StreamingWeightedAverage
+from coordinator.intake.round_aggregator import BatchAggregator, RoundAggregator, StreamingAggregator, SuspectPolicy
+from coordinator.intake.scratch import TensorScratch
+from coordinator.strategies.aggregate import ClientUpdate, ExactSum, RunningSum, weighted_average
+from coordinator.strategies.contract import Strategy, StreamingWeightedAverage
+from coordinator.strategies.means import AveFL
+from coordinator.strategies.registry import make_strategy
+from coordinator.strategies.robust import Median
 from edge_agent.learning.models import build_model, get_weights
 from protocol.tensors import Weights
 

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from fleet import FakeDevice, perturbed, start_coordinator, stop_all, wait_exit
 
-from coordinator.aggregation import ClientUpdate, capped_weights
-from coordinator.broker import EmbeddedBroker
-from coordinator.mean_strategies import FedAvg
-from coordinator.round_aggregator import BatchAggregator, StreamingAggregator, SuspectPolicy
-from coordinator.scratch import TensorScratch
-from coordinator.store import RunStore
+from coordinator.fleet.broker import EmbeddedBroker
+from coordinator.intake.round_aggregator import BatchAggregator, StreamingAggregator, SuspectPolicy
+from coordinator.intake.scratch import TensorScratch
+from coordinator.storage.store import RunStore
+from coordinator.strategies.aggregate import ClientUpdate, capped_weights
+from coordinator.strategies.means import FedAvg
 from protocol import messages, wire
 
 FLEET = "claims"

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.scratch import ALIGNMENT, TensorScratch
+from coordinator.intake.scratch import ALIGNMENT, TensorScratch
 
 
 def weight_set(seed: int) -> dict[str, np.ndarray]:

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from bench.secagg_fleet import ROUND, SecureRound, head_updates, largest_error, plain_sum
-from coordinator.secagg_round import ABANDONED
-from coordinator.secagg_server import SecAggServer
+from coordinator.secure.secagg_round import ABANDONED
+from coordinator.secure.secagg_server import SecAggServer
 from edge_agent.loop.secagg_device import SecAggDevice
 from protocol.errors import UsageError
 from protocol.messages import (

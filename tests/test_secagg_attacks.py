@@ -32,10 +32,10 @@ from secagg_attacker import (
 
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.metrics import render_metrics
-from coordinator.evaluation import Evaluator, LabelledSplit
-from coordinator.rounds import RoundPolicy
-from coordinator.store import RunStore
-from coordinator.strategies import make_strategy
+from coordinator.rounds.evaluation import Evaluator, LabelledSplit
+from coordinator.rounds.loop import RoundPolicy
+from coordinator.storage.store import RunStore
+from coordinator.strategies.registry import make_strategy
 from edge_agent.data.journal import Journal
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.loop.secagg_participant import SecAggParticipant

@@ -20,12 +20,12 @@ from secagg_cheat import SecAggAttacker
 from coordinator.cli import main
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.metrics import render_metrics
-from coordinator.dp_rounds import DpSettings, PrivateRounds
-from coordinator.rounds import RoundPolicy
-from coordinator.secagg_bounds import SumLimits, sum_refusal
-from coordinator.secagg_live import SECURE_SUM
-from coordinator.store import RunStore
-from coordinator.strategies import make_strategy
+from coordinator.privacy.rounds import DpSettings, PrivateRounds
+from coordinator.rounds.loop import RoundPolicy
+from coordinator.secure.rounds import SECURE_SUM
+from coordinator.secure.secagg_bounds import SumLimits, sum_refusal
+from coordinator.storage.store import RunStore
+from coordinator.strategies.registry import make_strategy
 from edge_agent.data.journal import Journal
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.loop.secagg_participant import SecAggParticipant

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from fleet import LABELS, committed_rounds, fleet_shards, kill, start_agent, start_coordinator, wait_exit, wait_until
 
-from coordinator.secagg_round import ServerSecAggState
-from coordinator.store import RunStore
+from coordinator.secure.secagg_round import ServerSecAggState
+from coordinator.storage.store import RunStore
 from protocol import wire
 from protocol.tensors import weights_hash
 

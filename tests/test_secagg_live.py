@@ -12,12 +12,13 @@ import pytest
 from coordinators import FakeSession, local_coordinator, plain_bytes_in
 
 from coordinator.dashboard.views import RunSnapshot, divergence_view, secure_view
-from coordinator.evaluation import Evaluator, LabelledSplit
-from coordinator.round_aggregator import SuspectPolicy
-from coordinator.rounds import Coordinator, RoundPolicy
-from coordinator.secagg_live import check_secure_settings
-from coordinator.store import RunStore
-from coordinator.strategies import make_strategy
+from coordinator.intake.round_aggregator import SuspectPolicy
+from coordinator.rounds.evaluation import Evaluator, LabelledSplit
+from coordinator.rounds.loop import Coordinator
+from coordinator.rounds.rules import RoundPolicy
+from coordinator.secure.rounds import check_secure_settings
+from coordinator.storage.store import RunStore
+from coordinator.strategies.registry import make_strategy
 from edge_agent.data.journal import Journal
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.loop.secagg_participant import SecAggParticipant
@@ -190,11 +191,11 @@ def test_conflicts_with_secure_aggregation_are_refused_in_one_line(
 
 def test_a_restarted_coordinator_resumes_the_stage_and_sends_its_messages_again(tmp_path) -> None:
     from bench.secagg_fleet import head_updates
-    from coordinator.intake import UpdateIntake
-    from coordinator.observer import RoundObserver
-    from coordinator.secagg_bounds import SumLimits
-    from coordinator.secagg_live import LiveParts, LiveSecureRound, start_secure
-    from coordinator.secagg_round import SHARES
+    from coordinator.intake.observer import RoundObserver
+    from coordinator.intake.update_intake import UpdateIntake
+    from coordinator.secure.rounds import LiveParts, LiveSecureRound, start_secure
+    from coordinator.secure.secagg_bounds import SumLimits
+    from coordinator.secure.secagg_round import SHARES
     from edge_agent.loop.secagg_device import SecAggDevice
 
     updates = head_updates(4)

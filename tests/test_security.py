@@ -11,12 +11,12 @@ import paho.mqtt.client as paho
 import pytest
 
 from bench.simulate import BenchSettings, secure_bench, simulate
-from coordinator.broker import EmbeddedBroker, embedded_broker
-from coordinator.observer import RoundResult
-from coordinator.provision import broker_config_lines, device_names, load_secure_fleet, password_hash, provision
-from coordinator.rounds import RoundPolicy
+from coordinator.fleet.broker import EmbeddedBroker, embedded_broker
+from coordinator.fleet.provision import broker_config_lines, device_names, load_secure_fleet, password_hash, provision
+from coordinator.intake.observer import RoundResult
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
-from coordinator.store import RunStore
+from coordinator.storage.store import RunStore
 from edge_agent.learning.models import build_model, get_weights
 from protocol import messages, topics, wire
 from protocol.credentials import load_credentials

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from coordinators import commit_weights, coordinator_on
 
-from coordinator.aggregation import ClientUpdate
-from coordinator.mean_strategies import FedAvg
-from coordinator.server_optimizers import adam_moment, adaptive_step, momentum_step, yogi_moment
-from coordinator.store import RunStore
-from coordinator.strategies import make_strategy
+from coordinator.storage.store import RunStore
+from coordinator.strategies.aggregate import ClientUpdate
+from coordinator.strategies.means import FedAvg
+from coordinator.strategies.registry import make_strategy
+from coordinator.strategies.server_optimizers import adam_moment, adaptive_step, momentum_step, yogi_moment
 from edge_agent.learning.models import build_model, get_weights
 
 BASE = {"w": np.array([0.0, 1.0, -2.0], dtype=np.float32)}

@@ -1,4 +1,4 @@
-# Tests for coordinator.store: records, checkpoints, rejections and the spool, on real files, across reopen.
+# Tests for coordinator.storage.store: records, checkpoints, rejections and the spool, on real files, across reopen.
 from __future__ import annotations
 
 import sqlite3
@@ -6,7 +6,7 @@ import sqlite3
 import numpy as np
 import pytest
 
-from coordinator.store import DeviceRoundRecord, RoundRecord, RunStore
+from coordinator.storage.store import DeviceRoundRecord, RoundRecord, RunStore
 from edge_agent.learning.models import build_model, get_weights
 from protocol.files import save_arrays
 from protocol.tensors import weights_hash

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.aggregation import ClientUpdate, weighted_average
-from coordinator.mean_strategies import AveFL, FedAvg, MixFL, OptFL
-from coordinator.strategies import STRATEGIES, make_strategy
+from coordinator.strategies.aggregate import ClientUpdate, weighted_average
+from coordinator.strategies.means import AveFL, FedAvg, MixFL, OptFL
+from coordinator.strategies.registry import STRATEGIES, make_strategy
 from edge_agent.learning.models import build_model, get_weights, set_weights
 from protocol.tensors import Weights
 

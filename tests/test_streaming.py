@@ -6,14 +6,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.aggregation import ClientUpdate, weighted_average
-from coordinator.intake import RoundCollector
-from coordinator.mean_strategies import AveFL, FedAvg
-from coordinator.robust_strategies import Median
-from coordinator.round_aggregator import BatchAggregator, StreamingAggregator, SuspectPolicy, make_aggregator
-from coordinator.scratch import TensorScratch
-from coordinator.strategies import make_strategy
-from coordinator.validation import Expectation, decoded
+from coordinator.intake.round_aggregator import BatchAggregator, StreamingAggregator, SuspectPolicy, make_aggregator
+from coordinator.intake.scratch import TensorScratch
+from coordinator.intake.update_intake import RoundCollector
+from coordinator.intake.validation import Expectation, decoded
+from coordinator.strategies.aggregate import ClientUpdate, weighted_average
+from coordinator.strategies.means import AveFL, FedAvg
+from coordinator.strategies.registry import make_strategy
+from coordinator.strategies.robust import Median
 from edge_agent.learning.models import build_model, get_weights, weight_spec
 from protocol import messages, wire
 from protocol.model_spec import DEFAULT_SPEC

@@ -12,15 +12,15 @@ import pytest
 from coordinators import local_coordinator
 
 from bench.simulate import BenchSettings, simulate
-from coordinator.broker import EmbeddedBroker
-from coordinator.evaluation import Evaluator, LabelledSplit
-from coordinator.intake import RoundCollector
-from coordinator.rounds import RoundPolicy
-from coordinator.scratch import TensorScratch
+from coordinator.fleet.broker import EmbeddedBroker
+from coordinator.intake.scratch import TensorScratch
+from coordinator.intake.update_intake import RoundCollector
+from coordinator.intake.validation import MAX_REASON_CHARS, Expectation, Rejection, decoded, validate_update
+from coordinator.rounds.evaluation import Evaluator, LabelledSplit
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
-from coordinator.store import RunStore
-from coordinator.strategies import make_strategy
-from coordinator.validation import MAX_REASON_CHARS, Expectation, Rejection, decoded, validate_update
+from coordinator.storage.store import RunStore
+from coordinator.strategies.registry import make_strategy
 from edge_agent.learning.models import build_model, get_weights
 from protocol import messages, wire
 from protocol.messages import RejectionKind

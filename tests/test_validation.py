@@ -1,4 +1,4 @@
-# Tests for coordinator.validation and RoundCollector: one test per rejection reason, on the paper CNN's real spec.
+# Tests for coordinator.intake.validation and RoundCollector: one test per rejection reason, on the paper CNN's real spec.
 from __future__ import annotations
 
 import dataclasses
@@ -7,8 +7,8 @@ import hashlib
 import numpy as np
 import pytest
 
-from coordinator.intake import RoundCollector
-from coordinator.validation import Expectation, Rejection, decoded, validate_update
+from coordinator.intake.update_intake import RoundCollector
+from coordinator.intake.validation import Expectation, Rejection, decoded, validate_update
 from edge_agent.learning.models import build_model, get_weights, weight_spec
 from protocol import messages, wire
 from protocol.messages import RejectionKind

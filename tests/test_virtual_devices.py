@@ -12,8 +12,8 @@ import pytest
 
 from bench.cli import main as bench_main
 from bench.simulate import BenchSettings, simulate
-from coordinator.observer import RoundResult
-from coordinator.rounds import RoundPolicy
+from coordinator.intake.observer import RoundResult
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings
 from protocol import messages
 

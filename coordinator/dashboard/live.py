@@ -5,8 +5,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from coordinator.observer import RoundObserver, RoundResult
-from coordinator.validation import Rejection
+from coordinator.intake.observer import RoundObserver, RoundResult
+from coordinator.intake.validation import Rejection
 from protocol import messages
 
 

@@ -168,6 +168,7 @@ def sweep_section(run_dir: Path) -> list[str]:
     parts = ["<h2>Label efficiency of the sweep this run belongs to</h2>", image(figure.read_bytes(), SWEEP_FIGURE)]
     try:
         summary = json.loads((run_dir.parent / SWEEP_SUMMARY).read_text())["summary"]
+    # json raises ValueError for a damaged sweep summary: the report then shows the figure alone
     except (OSError, ValueError, KeyError, TypeError):
         return parts
     header = ["partition", "sampler", "seeds", "AULC", "final", "AULC gain over random", "labels to random's final"]

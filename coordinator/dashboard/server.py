@@ -57,6 +57,7 @@ class ListenAddress:
             return True
         try:
             return ipaddress.ip_address(self.host).is_loopback
+        # ipaddress raises ValueError for a host name that is no address: not a loopback literal
         except ValueError:
             return False
 

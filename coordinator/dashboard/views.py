@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from coordinator.closing import DEVICE_EPSILON
 from coordinator.dashboard.live import LiveState
-from coordinator.method_flags import recipe_view
-from coordinator.store import AGGREGATE_CHANGE, DeviceRoundRecord, RoundRecord, RunStore, stored_spec
+from coordinator.rounds.closing import DEVICE_EPSILON
+from coordinator.storage.store import AGGREGATE_CHANGE, DeviceRoundRecord, RoundRecord, RunStore, stored_spec
+from coordinator.strategies.method_kinds import method_kinds
 from protocol.model_spec import spec_hash
 
 T = TypeVar("T")
@@ -296,3 +296,28 @@ def class_accuracy_view(snapshot: RunSnapshot, round_id: int) -> dict | None:
         "aggregate": aggregate,
         "devices": record.metrics.get("device_class_accuracy", {}),
     }
+
+
+def recipe_view(sampler: str, local_rule: str, strategy: str, options: dict[str, float]) -> list[dict[str, Any]]:
+    """Each chosen method with its options (value, default, help): what the dashboard's recipe view shows."""
+    chosen = {"sampler": sampler, "local rule": local_rule, "strategy": strategy}
+    view: list[dict[str, Any]] = []
+    for kind in method_kinds():
+        name = chosen[kind.label]
+        if name not in kind.registry:
+            view.append({"kind": kind.label, "method": name, "summary": "", "options": []})
+            continue
+        method = kind.registry.get(name)
+        declared = method.options
+        view.append(
+            {
+                "kind": kind.label,
+                "method": name,
+                "summary": method.summary,
+                "options": [
+                    {"flag": o.cli_flag, "value": options.get(o.key, o.default), "default": o.default, "help": o.help}
+                    for o in declared
+                ],
+            }
+        )
+    return view

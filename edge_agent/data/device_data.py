@@ -73,6 +73,7 @@ class StoredImages:
             raise FileNotFoundError(f"{path} is missing; the device state directory is incomplete")
         try:
             self._images = np.load(path, mmap_mode="r", allow_pickle=False)
+        # numpy raises ValueError for a damaged .npy: the state directory's damage, named
         except (ValueError, OSError, EOFError) as exc:
             raise ValueError(f"{path}: corrupt image file ({str(exc)[:200]})") from exc
         check_images(self._images, str(path))

@@ -100,6 +100,7 @@ class InputSpec:
         norm = manifest.normalisation
         try:
             return cls(shape[0], shape[1], shape[2], _numbers(norm.mean), _numbers(norm.std), float(norm.scale))
+        # float() raises ValueError for a manifest's non-numeric normalisation: the bundle's fault, named
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{where}: input_shape or normalisation: {str(exc)[:REASON_CHARS]}") from None
 
@@ -147,6 +148,7 @@ def decode_image(path: Path, spec: InputSpec) -> np.ndarray:
         raise UnreadableImageError(path, "not an image") from None
     except Image.DecompressionBombError as exc:
         raise UnreadableImageError(path, f"decompression bomb guard: {str(exc)[:REASON_CHARS]}") from None
+    # Pillow raises ValueError for some broken files: the image's fault, reported as unreadable
     except (OSError, SyntaxError, ValueError) as exc:
         raise UnreadableImageError(path, f"unreadable or truncated image ({str(exc)[:REASON_CHARS]})") from None
 

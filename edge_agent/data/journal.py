@@ -36,6 +36,7 @@ class Journal:
         updated = {**self._state, key: value}
         try:
             encoded = json.dumps(updated, allow_nan=False, sort_keys=True).encode()
+        # json raises ValueError for NaN (allow_nan=False) or a circular value: the caller's, named
         except (TypeError, ValueError) as exc:
             raise ValueError(f"state value for {key!r} is not JSON-serialisable: {exc}") from exc
         atomic_write_bytes(self.path, encoded)

@@ -101,6 +101,7 @@ class QueryBook:
                 )
                 for row in rows
             ]
+        # float() raises ValueError for a damaged query index: the file's damage, named
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}: not a query index ({exc})") from exc
 
@@ -122,6 +123,7 @@ class QueryBook:
                 if len(row) != 2:
                     raise ValueError(f"expected 2 columns (file,label), got {len(row)}")
                 found[Path(row[0].strip()).name] = parse_label(row[1], self.class_names)
+            # parse_label's ValueError: a person's line in labels.csv, reported once and skipped
             except ValueError as error:
                 self._report_once(f"{self.labels_path}: line {number} skipped: {error}", tuple(row))
         return found

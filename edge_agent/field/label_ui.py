@@ -83,6 +83,7 @@ class LabelHandler(BaseHTTPRequestHandler):
         try:
             name, label = form["query"][0], int(form["label"][0])
             self.book.record_answer(name, label)
+        # int() of the form's label and record_answer's refusals (no such query, a label out of range): the person's input
         except (KeyError, ValueError) as error:
             self._send(HTTPStatus.BAD_REQUEST, "text/plain", f"label not saved: {str(error)[:200]}\n".encode())
             return

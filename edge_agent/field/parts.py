@@ -91,7 +91,9 @@ class StreamAcquirer:
     def scores(self, sampler: Heuristic, latest: LatestModel, new: np.ndarray, seed: int) -> np.ndarray:
         """The sampler's scores of the new items under the newest global model, on the agent's back end."""
         if self._learner is None or self._learner[0] is not latest.weights:
-            learner = make_learner(self.settings, self.data.state_dir, latest.spec, latest.weights, latest.bundle)
+            learner = make_learner(
+                self.settings.compute, self.data.state_dir, latest.spec, latest.weights, latest.bundle
+            )
             self._learner = (latest.weights, learner)
         models = RoundModels(self._learner[1], "", latest.recipe, latest.bundle)
         samples = self.data.samples(new)
@@ -117,7 +119,7 @@ class PoolFeatures:
         bundle = latest.bundle
         if bundle is None or bundle.manifest.weights_hash != latest.model_hash or self.data.num_samples == self.seen:
             return
-        prefix = device_prefix(self.settings, self.data.state_dir, latest.weights, bundle)
+        prefix = device_prefix(self.settings.compute, self.data.state_dir, latest.weights, bundle)
         if prefix is not None:
             pool = self.data.pool_indices()
             prefix.fill(self.data.samples(pool[pool >= self.seen]))

@@ -66,6 +66,7 @@ class BudgetState:
                 tuple(float(s) for s in value["scores"]),
                 tuple(float(t) for t in value["times"]),
             )
+        # float() raises ValueError for a malformed saved budget: the journal's damage, named
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a stream budget state: {value!r} ({exc})") from exc
         if len(state.scores) != len(state.times):

@@ -12,13 +12,13 @@ from edge_agent.data.device_data import Samples
 from edge_agent.data.feature_cache import FEATURES_FOLDER
 from edge_agent.learning.bundle import Bundle
 from edge_agent.learning.cached_prefix import CachedPrefix, prefix_frozen
+from edge_agent.learning.compute import ComputeSettings
 from edge_agent.learning.dp_sgd import LEDGER_FILE, PrivateSteps
 from edge_agent.learning.head_training import HeadSettings, SgdSteps, train_classifier
 from edge_agent.learning.learner import Learner, bundle_scorer
 from edge_agent.learning.local_data import LocalData
 from edge_agent.learning.local_rules import CLASSIFIER_ONLY, DpSgd, RuleBodies, SupervisedRule, make_local_rule
 from edge_agent.learning.ort_scorer import penultimate_features
-from edge_agent.loop.agent_settings import AgentSettings
 from protocol import messages
 from protocol.tensors import Weights
 
@@ -38,7 +38,7 @@ HeadBody = Callable[[Any, LocalData, messages.Recipe, int, int], Problem]
 HEAD_BODIES: RuleBodies[HeadBody] = RuleBodies(CLASSIFIER_ONLY)
 
 
-def device_prefix(settings: AgentSettings, state_dir: Path, weights: Weights, bundle: Bundle) -> CachedPrefix | None:
+def device_prefix(settings: ComputeSettings, state_dir: Path, weights: Weights, bundle: Bundle) -> CachedPrefix | None:
     """The device's feature cache over the bundle's prefix (under `state_dir`, at the device's scoring batch,
     threads and providers) when the spec freezes that prefix; None when the prefix trains."""
     if not prefix_frozen(bundle):
@@ -61,7 +61,7 @@ class HeadLearner(Learner):
     """
 
     def __init__(
-        self, settings: AgentSettings, state_dir: Path, global_weights: Weights, bundle: Bundle | None
+        self, settings: ComputeSettings, state_dir: Path, global_weights: Weights, bundle: Bundle | None
     ) -> None:
         if bundle is None or bundle.manifest.head is None:
             raise ValueError("head-only training needs the round's bundle with its penultimate graph")

@@ -7,8 +7,8 @@ import numpy as np
 
 from edge_agent.data.device_data import Samples
 from edge_agent.learning.bundle import Bundle
+from edge_agent.learning.compute import ComputeSettings
 from edge_agent.learning.local_data import LocalData
-from edge_agent.loop.agent_settings import AgentSettings
 from protocol import messages
 from protocol.tensors import Weights
 
@@ -40,7 +40,7 @@ class Learner(Protocol):
         """Deterministic penultimate features (N, D) of the samples under the model that scores them (BADGE)."""
 
 
-def bundle_scorer(settings: AgentSettings, bundle: Bundle | None, weights: Weights | None) -> OrtMCDropout:
+def bundle_scorer(settings: ComputeSettings, bundle: Bundle | None, weights: Weights | None) -> OrtMCDropout:
     """The onnxruntime scorer over the round's bundle, with `weights` in place of the bundle's own (None: as shipped)."""
     from edge_agent.learning.ort_scorer import OrtMCDropout
 

@@ -4,17 +4,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from edge_agent.learning.bundle import Bundle
+from edge_agent.learning.compute import ComputeSettings
 from edge_agent.learning.head_learner import HeadLearner
 from edge_agent.learning.learner import Learner
 from edge_agent.learning.local_rules import CLASSIFIER_ONLY, LOCAL_RULES, runs_on
 from edge_agent.learning.sampling import make_sampler
-from edge_agent.loop.agent_settings import AgentSettings
 from protocol import messages
 from protocol.model_spec import ModelSpec
 from protocol.tensors import Weights
 
 
-def round_problem(settings: AgentSettings, recipe: messages.Recipe, bundle: Bundle | None) -> str | None:
+def round_problem(settings: ComputeSettings, recipe: messages.Recipe, bundle: Bundle | None) -> str | None:
     """Why this device cannot do a round's work, or None: a full-model device refuses a rule that declares the
     classifier alone (DP-SGD); a head-only device refuses a rule that does not declare it can train the classifier
     alone, a sampler that needs whole-model logits (KSAS) and a bundle without a penultimate graph."""
@@ -32,7 +32,7 @@ def round_problem(settings: AgentSettings, recipe: messages.Recipe, bundle: Bund
 
 
 def make_learner(
-    settings: AgentSettings, state_dir: Path, spec: ModelSpec, global_weights: Weights, bundle: Bundle | None
+    settings: ComputeSettings, state_dir: Path, spec: ModelSpec, global_weights: Weights, bundle: Bundle | None
 ) -> Learner:
     """The learner the profile asks for, over a model built from `spec`; torch is imported only for the full
     trainer (a head-only learner reads the same spec from its bundle's manifest)."""

@@ -11,6 +11,7 @@ from torch import nn
 from edge_agent.data.device_data import Samples
 from edge_agent.data.image_arrays import model_input
 from edge_agent.learning.bundle import Bundle
+from edge_agent.learning.compute import ComputeSettings
 from edge_agent.learning.learner import Learner, bundle_scorer
 from edge_agent.learning.local_data import LocalData
 from edge_agent.learning.local_rules import make_local_rule
@@ -18,7 +19,6 @@ from edge_agent.learning.mc_dropout import TorchMCDropout, predict_features, pre
 from edge_agent.learning.mc_scorer import MCScorer
 from edge_agent.learning.models import build_model, get_weights, set_weights
 from edge_agent.learning.torch_rules import train_rule
-from edge_agent.loop.agent_settings import AgentSettings
 from protocol import messages
 from protocol.files import load_arrays, save_arrays
 from protocol.model_spec import ModelSpec
@@ -40,7 +40,7 @@ def own_model(state_dir: Path, spec: ModelSpec, current: nn.Module) -> nn.Module
 class TorchLearner(Learner):
     """The round's model in torch (current, trained by the local rule) beside a frozen copy of the global one."""
 
-    def __init__(self, settings: AgentSettings, state_dir: Path, spec: ModelSpec, global_weights: Weights) -> None:
+    def __init__(self, settings: ComputeSettings, state_dir: Path, spec: ModelSpec, global_weights: Weights) -> None:
         torch.set_num_threads(settings.torch_threads)
         self.settings = settings
         self.state_dir = state_dir

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from edge_agent.learning.compute import ComputeSettings
 from protocol import wire
 from protocol.errors import UsageError
 
@@ -15,15 +16,15 @@ class AgentSettings:
     fleet: str
     device_id: str
     profile: str = "simulated"
-    inference_batch: int = 256
-    torch_threads: int = 1
+    inference_batch: int = ComputeSettings.inference_batch
+    torch_threads: int = ComputeSettings.torch_threads
     exit_on_final: bool = False
     max_update_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
-    backend: str = "torch"
-    trainer: str = "full"
+    backend: str = ComputeSettings.backend
+    trainer: str = ComputeSettings.trainer
     memory_budget_mb: int | None = None
-    inference_threads: int = 0
-    execution_providers: tuple[str, ...] = ("CPUExecutionProvider",)
+    inference_threads: int = ComputeSettings.inference_threads
+    execution_providers: tuple[str, ...] = ComputeSettings.execution_providers
     mc_passes_cap: int | None = None
     stream: bool = False
     signing_key: bytes = b""
@@ -34,9 +35,21 @@ class AgentSettings:
             raise UsageError(f"--slowdown must lie in [1, 1000], got {self.slowdown}")
 
     @property
+    def compute(self) -> ComputeSettings:
+        """How the device runs its models, as the learning room reads it."""
+        return ComputeSettings(
+            self.backend,
+            self.trainer,
+            self.inference_batch,
+            self.inference_threads,
+            self.execution_providers,
+            self.torch_threads,
+        )
+
+    @property
     def scores_with_onnxruntime(self) -> bool:
         """True when the device scores its pool with the coordinator's ONNX bundle rather than with torch."""
-        return self.backend == "onnxruntime"
+        return self.compute.scores_with_onnxruntime
 
 
 def device_seed(device_id: str) -> int:

@@ -23,6 +23,7 @@ from edge_agent.loop.round_inputs import RoundModels
 from edge_agent.loop.schedule import acquires_in_round, round_in_active_round
 from protocol import messages
 from protocol.dp import DP_DEVICE, WITHIN_CLIP_METRIC, DpRound, privatised
+from protocol.errors import UsageError
 from protocol.model_spec import ModelSpec, spec_hash
 from protocol.tensors import Weights
 from protocol.trained_set import trained_set
@@ -92,7 +93,7 @@ class RoundRunner:
         """The profile's learner over the global weights, and the round's artefacts."""
         bundle = self.artefacts.bundles.get(announcement.model_hash)
         encoder = self.artefacts.encoders.get(announcement.recipe.encoder)
-        learner = make_learner(self.settings, self.data.state_dir, spec, global_weights, bundle)
+        learner = make_learner(self.settings.compute, self.data.state_dir, spec, global_weights, bundle)
         return RoundModels(learner, announcement.model_hash, announcement.recipe, bundle, encoder)
 
     def run(
@@ -104,7 +105,7 @@ class RoundRunner:
         participating = not announcement.participants or self.settings.device_id in announcement.participants
         bundle = self.artefacts.bundles.get(announcement.model_hash)
         problem = (
-            round_problem(self.settings, recipe, bundle)
+            round_problem(self.settings.compute, recipe, bundle)
             or announced_spec_problem(announcement, spec)
             or spec_problem(spec, self.data, self.oracle)
             or codec_problem(recipe)
@@ -196,6 +197,6 @@ def codec_problem(recipe: messages.Recipe) -> str | None:
     """Why this device cannot encode its update as the recipe asks (e.g. an encoding it does not know), or None."""
     try:
         UpdateCodec.of(recipe)
-    except ValueError as error:
+    except UsageError as error:
         return str(error)
     return None

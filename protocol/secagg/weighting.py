@@ -38,7 +38,7 @@ def weighted_delta(
     """What a device masks: weight * (its tensor - the round's model, each coordinate clipped to +-clip) for each
     trainable tensor, weight * clip, and its new labels as a count (`in_fixed_units` turns it into whole fixed-point
     steps once the roster is known). Clipping before weighting keeps every coordinate of a sum within the summed
-    weight times the clip, which the coordinator checks (`coordinator.secagg_bounds`)."""
+    weight times the clip, which the coordinator checks (`coordinator.secure.secagg_bounds`)."""
     delta = {name: weight * np.clip(np.asarray(tensors[name], np.float64) - base[name], -clip, clip) for name in names}
     return {**delta, WEIGHT: np.array([weight * clip]), LABELS: np.array([float(max(labels, 0))])}
 

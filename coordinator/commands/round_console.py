@@ -1,0 +1,105 @@
+# What a person watches while rounds run: each round's line (or JSON), the closing summary, the live dashboard.
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from coordinator.dashboard.live import LiveState
+from coordinator.dashboard.server import Dashboard, dashboard_token, parse_listen_address
+from coordinator.intake.observer import RoundResult
+from coordinator.server import ServerSettings
+from protocol.errors import UsageError
+
+
+class RoundPrinter:
+    """Prints each round as it closes (a JSON line, or a human progress line) and the summary at the end."""
+
+    def __init__(self, as_json: bool, total_rounds: int) -> None:
+        self.as_json = as_json
+        self.total_rounds = total_rounds
+        self.results: list[RoundResult] = []
+        self.started = time.monotonic()
+
+    def __call__(self, result: RoundResult) -> None:
+        self.results.append(result)
+        devices = sorted(result.device_accuracy)
+        if self.as_json:
+            print(
+                json.dumps(
+                    {
+                        "round": result.round_id,
+                        "accuracy": result.accuracy,
+                        "device_accuracy": [result.device_accuracy[d] for d in devices],
+                        "devices": devices,
+                        "labels": result.labels,
+                        "divergence": {d: list(layers.values()) for d, layers in sorted(result.divergence.items())},
+                        "seconds": round(result.seconds, 3),
+                        "rejected": result.rejected,
+                        "suspects": result.suspects,
+                        **({"epsilon": result.report["dp"]["epsilon"]} if "dp" in result.report else {}),
+                    }
+                ),
+                flush=True,
+            )
+        else:
+            local = " ".join(f"{result.device_accuracy[d]:.3f}" for d in devices)
+            print(
+                f"round {result.round_id:>3}/{self.total_rounds}  global acc {result.accuracy:.4f}  "
+                f"devices [{local}]  labels {result.labels}  {result.seconds:.1f}s"
+                + (f"  rejected {len(result.rejected)}" if result.rejected else "")
+                + (f"  suspects {','.join(sorted(result.suspects))}" if result.suspects else "")
+                + (f"  epsilon {result.report['dp']['epsilon']:.3g}" if "dp" in result.report else ""),
+                flush=True,
+            )
+
+    def summary(self, run_dir: Path, report: Path | None = None) -> None:
+        """The closing line (JSON) or table (human), naming the run's HTML report when one was written."""
+        if not self.results:
+            return
+        last = self.results[-1]
+        summary = {
+            "final_accuracy": last.accuracy,
+            "best_device_accuracy": max(last.device_accuracy.values(), default=None),
+            "rounds": len(self.results),
+            "labels": last.labels,
+            "seconds": round(time.monotonic() - self.started, 3),
+            "run_dir": str(run_dir),
+            "report": None if report is None else str(report),
+        }
+        if self.as_json:
+            print(json.dumps({"summary": summary}), flush=True)
+            return
+        devices = sorted({d for r in self.results for d in r.device_accuracy})
+        print()
+        print("round  global  " + "  ".join(f"{d:>7}" for d in devices) + "   labels  seconds")
+        for r in self.results:
+            cells = "  ".join(f"{r.device_accuracy[d]:7.4f}" if d in r.device_accuracy else "      -" for d in devices)
+            print(f"{r.round_id:>5}  {r.accuracy:.4f}  {cells}  {r.labels:>7}  {r.seconds:7.1f}")
+        print(
+            f"\nfinal global accuracy {summary['final_accuracy']:.4f}; {summary['labels']} labels; "
+            f"{summary['seconds']:.0f}s; run stored in {run_dir}"
+        )
+        if report is not None:
+            print(f"report: {report}")
+
+
+@contextlib.contextmanager
+def dashboard_for(args: argparse.Namespace, settings: ServerSettings) -> Iterator[LiveState | None]:
+    """The live state of a dashboard served for the run's duration if --dashboard asks for one, else None."""
+    if args.dashboard is None:
+        if args.dashboard_token is not None:
+            raise UsageError("--dashboard-token needs --dashboard")
+        yield None
+        return
+    address = parse_listen_address(args.dashboard)
+    token = dashboard_token(address, args.dashboard_token, settings.run_dir)
+    live = LiveState(settings.policy.rounds)
+    with Dashboard(address, settings.run_dir, live, token) as dashboard:
+        where = f"{dashboard.url}#token={token}" if token and args.dashboard_token is None else dashboard.url
+        print(f"dashboard at {where}", file=sys.stderr, flush=True)
+        yield live

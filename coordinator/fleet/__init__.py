@@ -1,0 +1,1 @@
+# Who may talk: the fleet's provisioning (passwords, ACL, keys, TLS) and the embedded broker.

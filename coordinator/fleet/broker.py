@@ -1,0 +1,193 @@
+# The embedded default broker: a private mosquitto on a free loopback port, with persistence, stopped on exit.
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from coordinator.fleet.provision import SecureFleet, broker_config_lines
+from protocol.errors import UsageError
+from protocol.mqtt import BrokerAddress
+
+log = logging.getLogger(__name__)
+
+PORT_FILE = "port"
+# The largest MQTT packet the embedded broker takes (mosquitto's max_packet_size, which MQTT v5 clients learn from
+# the CONNACK's Maximum Packet Size); larger messages travel in chunks (protocol.chunks).
+DEFAULT_MAX_PACKET_BYTES = 1024 * 1024
+PR_SET_PDEATHSIG = 1
+
+
+class BrokerError(UsageError):
+    """The embedded broker could not be started (mosquitto missing, or it exited: its log says why); the user's
+    setup, so the command shows it in one line."""
+
+
+def free_loopback_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def mosquitto_config(
+    port: int, work_dir: Path, extra_lines: tuple[str, ...] = (), max_packet_bytes: int | None = None
+) -> str:
+    """A mosquitto.conf for one loopback listener with on-disk persistence (QoS 1 survives a broker restart) and,
+    if given, a packet size limit it announces to MQTT v5 clients (message_size_limit is not announced: a client
+    over it is disconnected without having been told)."""
+    lines = [
+        f"listener {port} 127.0.0.1",
+        "allow_anonymous true",
+        "persistence true",
+        f"persistence_location {work_dir}/",
+        "autosave_interval 1",
+        "max_queued_messages 100000",
+        f"log_dest file {work_dir / 'mosquitto.log'}",
+        "log_type error",
+        "log_type warning",
+        "log_type notice",
+    ]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        # Started as root, mosquitto switches to the 'mosquitto' user, which cannot write work_dir: it then runs
+        # without its log and, silently, without persistence. Stay the user that owns work_dir.
+        lines.append("user root")
+    if max_packet_bytes is not None:
+        lines.append(f"max_packet_size {max_packet_bytes}")
+    lines.extend(extra_lines)
+    return "\n".join(lines) + "\n"
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a listener can bind 127.0.0.1:port right now. Like mosquitto's, the probe sets SO_REUSEADDR: a closed
+    connection of an earlier broker lingering in TIME_WAIT on the port (for a minute) does not keep a new one off it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def previous_port(work_dir: Path) -> int | None:
+    """The port an earlier broker of this work dir listened on, if it is free again (devices reconnect there)."""
+    try:
+        port = int((Path(work_dir) / PORT_FILE).read_text())
+    # int() raises ValueError for a damaged port file: then no port is remembered
+    except (OSError, ValueError):
+        return None
+    return port if 0 < port < 65536 and port_is_free(port) else None
+
+
+def stop_with_parent() -> None:
+    """Runs in the broker's child process before exec: on Linux, SIGTERM it when its parent dies, even by SIGKILL
+    (mosquitto then saves its persistence and exits instead of lingering as an orphan on the port)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def wait_for_port(host: str, port: int, timeout: float) -> bool:
+    """Whether a TCP connect to host:port succeeds within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+class EmbeddedBroker:
+    """Starts mosquitto on a loopback port in `work_dir`; a context manager that always stops it.
+
+    Without an explicit port it reuses the port an earlier broker of the same work dir had (when free), so that a
+    coordinator restarted on its run directory after a crash is found by its devices where they left it.
+    `max_packet_bytes` is the largest packet it takes (None: no limit); clients learn it when they connect.
+    """
+
+    def __init__(
+        self,
+        work_dir: Path,
+        port: int | None = None,
+        extra_config: tuple[str, ...] = (),
+        tls: bool = False,
+        max_packet_bytes: int | None = DEFAULT_MAX_PACKET_BYTES,
+    ) -> None:
+        self.work_dir = Path(work_dir)
+        self.port = port or previous_port(self.work_dir) or free_loopback_port()
+        self.extra_config = extra_config
+        self.tls = tls
+        self.max_packet_bytes = max_packet_bytes
+        self._process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> BrokerAddress:
+        """The broker's address for clients."""
+        return BrokerAddress(host="127.0.0.1", port=self.port, tls=self.tls)
+
+    def start(self, timeout: float = 10.0) -> EmbeddedBroker:
+        """Writes the config and launches mosquitto; raises BrokerError if it does not listen in time."""
+        binary = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
+        if binary is None:
+            raise BrokerError("mosquitto is not installed: run `apt-get install mosquitto` (or `make install`)")
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        config_path = self.work_dir / "mosquitto.conf"
+        config_path.write_text(mosquitto_config(self.port, self.work_dir, self.extra_config, self.max_packet_bytes))
+        self._process = subprocess.Popen(
+            [binary, "-c", str(config_path)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            preexec_fn=stop_with_parent,
+        )
+        if not wait_for_port("127.0.0.1", self.port, timeout):
+            self.stop()
+            raise BrokerError(f"mosquitto did not start on port {self.port}; see {self.work_dir / 'mosquitto.log'}")
+        (self.work_dir / PORT_FILE).write_text(str(self.port))
+        log.info("broker started url=%s pid=%s", self.address.url, self._process.pid)
+        return self
+
+    def stop(self) -> None:
+        """Terminates mosquitto (it saves its persistence file on a clean exit)."""
+        if self._process is None:
+            return
+        if self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        if self._process.stderr is not None:
+            self._process.stderr.close()
+        self._process = None
+
+    def __enter__(self) -> EmbeddedBroker:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def embedded_packet_limit(configured: int | None) -> int:
+    """The embedded broker's packet limit: the run's --max-message-bytes, else DEFAULT_MAX_PACKET_BYTES."""
+    return configured or DEFAULT_MAX_PACKET_BYTES
+
+
+def embedded_broker(
+    work_dir: Path, secure: SecureFleet | None = None, max_packet_bytes: int | None = DEFAULT_MAX_PACKET_BYTES
+) -> EmbeddedBroker:
+    """The embedded broker, locked to a provisioned fleet's passwords, ACL (and TLS) when `secure` is given."""
+    if secure is None:
+        return EmbeddedBroker(work_dir, max_packet_bytes=max_packet_bytes)
+    return EmbeddedBroker(
+        work_dir, extra_config=broker_config_lines(secure), tls=secure.tls, max_packet_bytes=max_packet_bytes
+    )

@@ -1,0 +1,1 @@
+# An update's way in: validation, authentication, the round's aggregator, divergence, the scratch, what observers hear.

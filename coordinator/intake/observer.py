@@ -1,0 +1,41 @@
+# What the round machinery tells those who watch it (the dashboard): a closed round's result, and the events.
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coordinator.intake.validation import Rejection
+from protocol import messages
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What one closed round produced, for progress lines, JSON output and summaries."""
+
+    round_id: int
+    accuracy: float
+    device_accuracy: dict[str, float]
+    labels: int
+    divergence: dict[str, dict[str, float]]
+    seconds: float
+    rejected: dict[str, str]
+    report: dict
+    suspects: dict[str, list[str]] = field(default_factory=dict)
+
+
+class RoundObserver:
+    """Hears what the coordinator sees as it happens: device presence, answered updates, round boundaries.
+
+    This base hears nothing; the dashboard's live state overrides it. Called from the coordinator's loop only.
+    """
+
+    def device_status(self, device_id: str, status: messages.Status | None) -> None:
+        """A device's status message arrived (None: its retained status was cleared)."""
+
+    def update_answered(self, device_id: str, round_id: int, size: int, rejection: Rejection | None) -> None:
+        """An update of `size` bytes was acked: accepted when rejection is None, else rejected for that reason."""
+
+    def round_opened(self, round_id: int, needed: int) -> None:
+        """A round was announced; `needed` accepted updates close it early."""
+
+    def round_closed(self, result: RoundResult) -> None:
+        """A round was aggregated, evaluated and committed."""

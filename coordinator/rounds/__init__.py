@@ -1,0 +1,1 @@
+# The round loop and what it drives: presence, publishing, closing, evaluation, the round mode seam.
