@@ -16,6 +16,10 @@ DP_PLACEMENTS = (DP_OFF, DP_CENTRAL, DP_DEVICE)
 WITHIN_CLIP_METRIC = "dp_within_clip"  # device placement: 1 if the delta was within the clip, plus its noise share
 DP_SGD_EPSILON_METRIC = "dp_sgd_epsilon"  # a DP-SGD device: example-level epsilon of all its steps so far
 COUNT_NOISE_DIVISOR = 20.0  # Andrew et al. 2021: the clipped count's noise std is the expected participants / 20
+# Device placement: a delta (or a secure round's sum of them) that exceeds the clip by more than this many stds of its
+# noise's norm (and the float32 and fp16 rounding of what was sent, ROUNDING_SLACK) was not clipped, and is refused.
+NOISE_NORM_SLACK = 6.0
+ROUNDING_SLACK = 1.01
 
 
 def delta_of(weights: Weights, base: Weights) -> Weights:

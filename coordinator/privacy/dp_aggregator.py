@@ -13,14 +13,19 @@ from coordinator.intake.round_aggregator import StreamingAggregator, SuspectPoli
 from coordinator.intake.scratch import TensorScratch
 from coordinator.strategies.aggregate import ClientUpdate, OutOfRange
 from coordinator.strategies.contract import Evaluate, StreamingWeightedAverage
-from protocol.dp import DP_CENTRAL, WITHIN_CLIP_METRIC, DpRound, clip_delta, delta_of, l2_norm, next_clip
+from protocol.dp import (
+    DP_CENTRAL,
+    NOISE_NORM_SLACK,
+    ROUNDING_SLACK,
+    WITHIN_CLIP_METRIC,
+    DpRound,
+    clip_delta,
+    delta_of,
+    l2_norm,
+    next_clip,
+)
 from protocol.dp_accountant import SampledGaussian
 from protocol.tensors import Weights
-
-# Device placement: an update whose delta exceeds the clip by more than this many stds of its noise share's norm
-# (and the float32 and fp16 rounding of what was sent, ROUNDING_SLACK) was not clipped, and is refused.
-NOISE_NORM_SLACK = 6.0
-ROUNDING_SLACK = 1.01
 
 
 @dataclass(frozen=True)

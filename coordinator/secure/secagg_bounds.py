@@ -8,9 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.privacy.dp_aggregator import NOISE_NORM_SLACK, ROUNDING_SLACK
 from protocol import messages
-from protocol.dp import DP_DEVICE, DpRound, device_share, l2_norm
+from protocol.dp import DP_DEVICE, NOISE_NORM_SLACK, ROUNDING_SLACK, DpRound, device_share, l2_norm
 from protocol.secagg.fixed_point import FixedPoint
 from protocol.secagg.weighting import LABELS, WEIGHT
 from protocol.tensors import Weights
