@@ -3,7 +3,7 @@ PYTHON ?= python3
 APT_PACKAGES := mosquitto dataset-fashion-mnist chromium chromium-driver
 STAMP := .make-stamps
 
-.PHONY: demo camera-demo test lint install system-deps python-deps clean
+.PHONY: demo camera-demo test lint docs install system-deps python-deps clean
 
 demo: install
 	$(PYTHON) -m bench simulate --devices 4 --partition type1 --strategy avefl --rounds 10 \
@@ -18,6 +18,10 @@ camera-demo: install
 
 test: install
 	$(PYTHON) -m pytest -q
+
+# The guides as a static site in site/ (mkdocs.yml: strict, so a broken link or a page outside the nav fails).
+docs: python-deps
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict
 
 lint: python-deps
 	$(PYTHON) -m ruff check .
@@ -43,4 +47,4 @@ $(STAMP)/python: pyproject.toml
 	@touch $@
 
 clean:
-	rm -rf $(STAMP) runs .pytest_cache
+	rm -rf $(STAMP) runs site .pytest_cache

@@ -48,21 +48,28 @@ def probe_accuracy(probe: np.ndarray, num_classes: int, features: np.ndarray, la
     return float(np.mean(np.argmax(features @ weight.T + bias, axis=1) == labels))
 
 
-def fleet_labels(
+def fleet_label_blocks(
     server: tuple[np.ndarray, np.ndarray],
     init_samples: int,
     seed: int,
     states: Sequence[tuple[Path, Path]],
     spec: ModelSpec,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Every labelled image a run trained on: the server's W0 samples (the coordinator's own seeded holdout) and
-    each device's human labels (state dir, pool dir), as (uint8 images, labels)."""
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every labelled image a run trained on, as (uint8 images, labels) blocks: first the server's W0 samples (the
+    coordinator's own seeded holdout), then each device's human labels (state dir, pool dir) in labelling order."""
     images, labels = server
     init, _, _ = server_holdout(labels, init_samples, 0, np.random.default_rng(seed), spec.num_classes)
-    parts, answers = [images[init]], [labels[init]]
+    blocks = [(images[init], labels[init])]
     for state_dir, pool_dir in states:
         data = open_folder_data(state_dir, pool_dir, 10**6, InputSpec(*spec.input_shape), 0.0, (), spec.num_classes)
         indices, device_labels = data.labelled()
-        parts.append(data.images(indices))
-        answers.append(device_labels)
-    return np.concatenate(parts), np.concatenate(answers)
+        blocks.append((data.images(indices), device_labels))
+    return blocks
+
+
+def leading_rows(sizes: Sequence[int], taken: Sequence[int]) -> np.ndarray:
+    """Row indices, into blocks of these sizes stacked in order, of the first taken[i] rows of each block i (all of
+    a block that holds fewer): the labels a run had used by some round, when each block is in labelling order."""
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    parts = [start + np.arange(min(size, count)) for start, size, count in zip(starts, sizes, taken)]
+    return np.concatenate([np.zeros(0, dtype=np.int64), *parts]).astype(np.int64)

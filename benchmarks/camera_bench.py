@@ -1,5 +1,7 @@
 # The field bench on colour images: a camera fleet, its model spec, field agents and their people, per sampler.
-"""Prints one JSON line per run and a summary: accuracy against labels of a camera fleet (Fashion-MNIST items
+"""Prints one line a round of each run (labels, accuracy, the centralised probe's accuracy on the same labels, the
+slowest device's peak RSS) and a summary table with each run's report (`--json`: one JSON line per run and a
+summary instead): accuracy against labels of a camera fleet (Fashion-MNIST items
 rendered as RGB JPEG scenes, bench.camera_scenes) learning with the fleet's model spec, through real field agents
 (`edge-agent run --pool-dir --model-spec`) whose folder oracles are answered by the bench's people, a real
 coordinator (`fl-coordinator run --model-spec --dataset`) and an embedded mosquitto whose packet limit makes every
@@ -13,12 +15,13 @@ test scenes.
 
 Usage: python benchmarks/camera_bench.py [--backbones efficientnet-lite0 mobilenet] [--samplers random margin]
        [--seeds 0] [--devices 4] [--per-class 50] [--rounds 5] [--labels 20] [--epochs 20] [--init-epochs 30]
-       [--max-message-bytes 262144] [--out DIR]
+       [--max-message-bytes 262144] [--out DIR] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -29,6 +32,7 @@ from typing import Any
 import numpy as np
 from label_efficiency import plot, summarise
 
+from bench.camera_console import RoundRow, footprint_peaks, round_line, round_rows, summary
 from bench.camera_fleet import (
     BACKBONE_SPECS,
     POOL_DIR,
@@ -40,7 +44,7 @@ from bench.camera_fleet import (
     camera_agent_command,
     device_dir,
 )
-from bench.probe import backbone_features, fit_probe, fleet_labels, probe_accuracy
+from bench.probe import backbone_features, fit_probe, fleet_label_blocks, leading_rows, probe_accuracy
 from coordinator.fleet.broker import EmbeddedBroker
 from coordinator.storage.store import RunStore
 from edge_agent.data.fashion_mnist import load_fashion_mnist
@@ -69,8 +73,9 @@ def coordinator_command(
 
 
 def run_fleet(args: argparse.Namespace, fleet_dir: Path, sampler: str, seed: int) -> dict[str, Any]:
-    """One run: broker, coordinator, one field agent per device and the people; returns its curve and sizes (and
-    the centralised probe's accuracy on the same labels for a pretrained backbone)."""
+    """One run: broker, coordinator, one field agent per device and the people; returns its curve and sizes, its
+    rounds as a person reads them (and the centralised probe's accuracy on the same labels for a pretrained
+    backbone, after each round and on every label the run used)."""
     spec = load_model_spec(fleet_dir / SPEC_FILE).spec
     work = args.out / f"{spec.architecture}-{sampler}-seed{seed}"
     states = [work / f"cam-{n}" / "state" for n in range(args.devices)]
@@ -81,6 +86,8 @@ def run_fleet(args: argparse.Namespace, fleet_dir: Path, sampler: str, seed: int
     report = subprocess.run(
         [sys.executable, "-m", "coordinator", "report", str(work / "run")], capture_output=True, text=True, check=True
     )
+    logs = {f"cam-{number}": work / f"cam-{number}.log" for number in range(len(states))}
+    rows = round_rows(work / "run", logs)
     result = {
         "backbone": spec.architecture,
         "report": report.stdout.strip(),
@@ -88,10 +95,14 @@ def run_fleet(args: argparse.Namespace, fleet_dir: Path, sampler: str, seed: int
         "seed": seed,
         "exit_codes": codes,
         **curve(work / "run"),
-        "device_peak_rss_mb": [device_peak_rss(work / f"cam-{number}.log") for number in range(len(states))],
+        "device_peak_rss_mb": [max(footprint_peaks(log).values(), default=0.0) for log in logs.values()],
         "seconds": round(time.perf_counter() - started, 1),
     }
-    return {**result, **(centralised_probe(args, fleet_dir, spec, states, seed) if spec.pretrained else {})}
+    if spec.pretrained:
+        probe = centralised_probe(args, fleet_dir, spec, states, seed, rows)
+        rows = [dataclasses.replace(row, probe_accuracy=value) for row, value in zip(rows, probe.pop("by_round"))]
+        result.update(probe)
+    return {**result, "rounds": [dataclasses.asdict(row) for row in rows]}
 
 
 def run_processes(
@@ -121,27 +132,26 @@ def run_processes(
                     process.kill()
 
 
-def device_peak_rss(log_file: Path) -> float:
-    """A field agent's highest per-phase peak RSS (MB, /proc VmHWM) over the run, from its `footprint` log lines."""
-    peaks = [0.0]
-    for line in log_file.read_text(errors="replace").splitlines():
-        if "footprint round=" in line:
-            peaks += [float(field.split("=")[1]) for field in line.split("peak_rss_mb ", 1)[1].split()]
-    return max(peaks)
-
-
 def centralised_probe(
-    args: argparse.Namespace, fleet_dir: Path, spec: ModelSpec, states: list[Path], seed: int
+    args: argparse.Namespace, fleet_dir: Path, spec: ModelSpec, states: list[Path], seed: int, rows: list[RoundRow]
 ) -> dict[str, Any]:
-    """A logistic regression on the backbone's features of every label the run used, tested on the same scenes."""
+    """A logistic regression on the backbone's features of every label the run used, tested on the same scenes;
+    and after each round, one on the labels the run had used by then (the server's and each device's first ones)."""
     server = load_npz_dataset(fleet_dir / SERVER_FILE, spec.image_shape, spec.num_classes)
     pools = [(state, device_dir(fleet_dir, number) / POOL_DIR) for number, state in enumerate(states)]
-    images, labels = fleet_labels(
-        (server.train_images, server.train_labels), 5 * args.init_per_class, seed, pools, spec
-    )
-    probe = fit_probe(backbone_features(spec, images), labels, spec.num_classes)
-    test = probe_accuracy(probe, spec.num_classes, backbone_features(spec, server.test_images), server.test_labels)
-    return {"probe_labels": len(labels), "probe_accuracy": round(test, 4)}
+    blocks = fleet_label_blocks((server.train_images, server.train_labels), 5 * args.init_per_class, seed, pools, spec)
+    features = backbone_features(spec, np.concatenate([images for images, _ in blocks]))
+    labels = np.concatenate([block_labels for _, block_labels in blocks])
+    test = backbone_features(spec, server.test_images), server.test_labels
+    sizes = [len(block_labels) for _, block_labels in blocks]
+
+    def accuracy(taken: list[int]) -> float:
+        chosen = leading_rows(sizes, taken)
+        probe = fit_probe(features[chosen], labels[chosen], spec.num_classes)
+        return round(probe_accuracy(probe, spec.num_classes, *test), 4)
+
+    by_round = [accuracy([sizes[0], *(row.device_labels[f"cam-{n}"] for n in range(len(states)))]) for row in rows]
+    return {"probe_labels": len(labels), "probe_accuracy": accuracy(sizes), "by_round": by_round}
 
 
 def curve(run_dir: Path) -> dict[str, Any]:
@@ -168,6 +178,7 @@ def main() -> None:
     parser.add_argument("--init-epochs", type=int, default=30)
     parser.add_argument("--max-message-bytes", type=int, default=256 * 1024)
     parser.add_argument("--out", type=Path, default=Path("runs") / f"camera-bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    parser.add_argument("--json", action="store_true", help="one JSON line per run and the summary, for machines")
     args = parser.parse_args()
     dataset, runs = load_fashion_mnist(), []
     total = len(args.backbones) * len(args.seeds) * len(args.samplers)
@@ -179,13 +190,32 @@ def main() -> None:
         build_fleet(fleet_dir, settings, dataset)
         for seed in args.seeds:
             for sampler in args.samplers:
+                if not args.json:
+                    print(
+                        f"\nrun {len(runs) + 1}/{total}: {backbone}, {sampler}, seed {seed}, {args.devices} devices, "
+                        f"{args.rounds} rounds (logs in {args.out})",
+                        flush=True,
+                    )
                 runs.append(run_fleet(args, fleet_dir, sampler, seed))
-                print(json.dumps({"progress": f"{len(runs)}/{total}", "run": runs[-1]}), flush=True)
-    summary = summarised(runs)
-    (args.out / "camera_bench.json").write_text(json.dumps({"runs": runs, "summary": summary}, indent=1))
+                print_run(runs[-1], f"{len(runs)}/{total}", args)
+    results = summarised(runs)
+    results_file = args.out / "camera_bench.json"
+    results_file.write_text(json.dumps({"runs": runs, "summary": results}, indent=1))
     if len(runs) > 1:
-        plot(summary["curves"], args.out / "camera_bench.png")
-    print(json.dumps({"out": str(args.out), **summary["probe"]}))
+        plot(results["curves"], args.out / "camera_bench.png")
+    if args.json:
+        print(json.dumps({"out": str(args.out), **results["probe"]}))
+    else:
+        print(summary(runs, results_file))
+
+
+def print_run(run: dict[str, Any], progress: str, args: argparse.Namespace) -> None:
+    """A finished run: its JSON line (`--json`), or one line a round for a person."""
+    if args.json:
+        print(json.dumps({"progress": progress, "run": run}), flush=True)
+        return
+    for row in run["rounds"]:
+        print(round_line(row, args.rounds), flush=True)
 
 
 def summarised(runs: list[dict[str, Any]]) -> dict[str, Any]:

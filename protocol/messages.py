@@ -70,7 +70,7 @@ class RejectionKind(StrEnum):
 @dataclass(frozen=True)
 class Recipe:
     """What a device does in one round: how to acquire labels and how to train on them. Each field with a flag
-    declares it here, once: the command line, its checks, the README's recipe table and the wire follow from it."""
+    declares it here, once: the command line, its checks, the docs' recipe table and the wire follow from it."""
 
     sampler: str = recipe_field("margin", "how a device picks the samples it asks labels for", choices="sampler")
     labels_per_acquisition: int = recipe_field(400, "labels a device asks for in each acquisition", low=0)

@@ -16,7 +16,7 @@ class Option:
     """One numeric parameter of a method (sampler, local rule, strategy).
 
     `key` is its name in the recipe's options map (or the strategy's constructor keyword); `flag` is the
-    command-line flag that sets it. The command line, recipe validation, the README's option table and the
+    command-line flag that sets it. The command line, recipe validation, the docs' option table and the
     dashboard's recipe view all read this one declaration.
     """
 

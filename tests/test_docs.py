@@ -1,17 +1,26 @@
-# The docs live in the repository: every link and cited file resolves inside a clone, and the README's lists match the code.
+# The docs live in the repository: every link and cited file resolves inside a clone, the site builds strictly, the
+# README stays a front page, and the docs' lists match the code.
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import yaml
 
 from protocol.messages import RejectionKind
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "examples").glob("*.md"))]
+README = ROOT / "README.md"
+PAGES = sorted((ROOT / "docs").rglob("*.md"))
+DOCS = [README, *PAGES, *sorted((ROOT / "examples").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 CITED_FILE = re.compile(
     r"`((?:docs|examples|benchmarks|tests|protocol|edge_agent|coordinator|export|bench|firmware_configs)/[\w./-]+\.(?:md|py|toml|sh))`"
 )
+README_MOST_LINES = 250
 
 
 def test_no_doc_points_outside_the_repository() -> None:
@@ -20,6 +29,8 @@ def test_no_doc_points_outside_the_repository() -> None:
 
 
 def test_every_relative_link_and_cited_file_resolves() -> None:
+    """As GitHub shows them: the README from the root (its links into docs/ included), every docs page from its
+    folder, cited code paths from the root."""
     missing = []
     for doc in DOCS:
         text = doc.read_text()
@@ -32,6 +43,49 @@ def test_every_relative_link_and_cited_file_resolves() -> None:
     assert missing == []
 
 
-def test_the_readme_names_every_rejection_kind() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert [kind.value for kind in RejectionKind if f"`{kind.value}`" not in readme] == []
+def test_the_readme_is_a_front_page_whose_links_stay_in_the_site() -> None:
+    """Under 250 lines, and every relative link goes into docs/ (the site's home page, docs/hooks/home_page.py's
+    index.md, rewrites exactly those)."""
+    text = README.read_text()
+    assert len(text.splitlines()) < README_MOST_LINES
+    relative = [target for target in LINK.findall(text) if not re.match(r"[a-z]+://", target)]
+    assert relative and [target for target in relative if not target.startswith("docs/")] == []
+
+
+def nav_pages(entries: list) -> list[str]:
+    """Every page path a MkDocs nav names, depth first."""
+    pages: list[str] = []
+    for entry in entries:
+        value = next(iter(entry.values())) if isinstance(entry, dict) else entry
+        pages += nav_pages(value) if isinstance(value, list) else [value]
+    return pages
+
+
+def test_every_docs_page_is_in_the_nav() -> None:
+    """The nav names each page once (and the home page, the README): no page is an orphan, none is listed twice."""
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=yaml.SafeLoader)
+    listed = nav_pages(config["nav"])
+    on_disk = ["index.md", *(str(path.relative_to(ROOT / "docs")) for path in PAGES)]
+    assert sorted(listed) == sorted(on_disk)
+
+
+def test_the_site_builds_in_strict_mode(tmp_path: Path) -> None:
+    """`make docs`' build: a broken link or anchor, or a page outside the nav, fails it."""
+    build = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert build.returncode == 0, build.stderr[-3000:]
+    home = (tmp_path / "site" / "index.html").read_text()
+    assert 'href="camera.html"' in home and 'href="docs/' not in home
+    guide = (tmp_path / "site" / "camera.html").read_text()
+    assert 'href="index.html#the-camera-path-in-ten-lines"' in guide and "README.md" not in guide
+
+
+def test_the_protocol_page_names_every_rejection_kind() -> None:
+    protocol = (ROOT / "docs" / "protocol.md").read_text()
+    assert [kind.value for kind in RejectionKind if f"`{kind.value}`" not in protocol] == []

@@ -1,4 +1,4 @@
-# Method options declared once: their checks, the registries, the generated flags, the README table, a toy method.
+# Method options declared once: their checks, the registries, the generated flags, the reference table, a toy method.
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -14,7 +14,7 @@ from edge_agent.learning.sampling import SAMPLERS, AcquisitionContext, Sampler
 from protocol import messages
 from protocol.options import Method, Option, Registry
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "reference.md"
 
 
 class ToySampler(Sampler):
@@ -86,8 +86,8 @@ def test_a_toy_sampler_is_one_class_and_one_registration_away_from_the_cli(toy_s
     assert not (tmp_path / "run" / "devices").exists()
 
 
-def test_the_readme_table_is_the_generated_one() -> None:
-    text = README.read_text()
+def test_the_reference_page_table_is_the_generated_one() -> None:
+    text = REFERENCE.read_text()
     assert text.count(TABLE_BEGIN) == 1 and text.count(TABLE_END) == 1
     assert text.split(TABLE_BEGIN)[1].split(TABLE_END)[0].strip() == options_table()
 

@@ -1,4 +1,4 @@
-# The round recipe's flags come from one declaration per field: the command line, its checks, the wire, the README.
+# The round recipe's flags come from one declaration per field: the command line, its checks, the wire, the docs.
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -12,7 +12,7 @@ from coordinator.commands.recipe_options import RECIPE_TABLE_BEGIN, RECIPE_TABLE
 from protocol import messages, wire
 from protocol.recipe_flags import declared_fields, recipe_field
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "reference.md"
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,8 @@ def toy_recipe() -> Iterator[type[messages.Recipe]]:
         yield ToyRecipe
 
 
-def test_the_readme_recipe_table_is_the_generated_one() -> None:
-    text = README.read_text()
+def test_the_reference_page_recipe_table_is_the_generated_one() -> None:
+    text = REFERENCE.read_text()
     assert text.count(RECIPE_TABLE_BEGIN) == 1 and text.count(RECIPE_TABLE_END) == 1
     assert text.split(RECIPE_TABLE_BEGIN)[1].split(RECIPE_TABLE_END)[0].strip() == recipe_table()
 

@@ -91,7 +91,7 @@ def check_recipe_options(sampler: str, local_rule: str, options: dict[str, float
 
 
 def options_table() -> str:
-    """The markdown table of every registered method and its options (what the README shows)."""
+    """The markdown table of every registered method and its options (what docs/reference.md shows)."""
     rows = [
         "| kind | method | what it does | option | type | default | range |",
         "| --- | --- | --- | --- | --- | --- | --- |",

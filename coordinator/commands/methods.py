@@ -1,4 +1,4 @@
-# `fl-coordinator methods`: every registered method with its options, and the README's generated tables.
+# `fl-coordinator methods`: every registered method with its options, and the reference page's generated tables.
 from __future__ import annotations
 
 import argparse
@@ -8,16 +8,16 @@ from coordinator.commands.recipe_options import recipe_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Plain text, or one of the README's markdown tables."""
+    """Plain text, or one of docs/reference.md's markdown tables."""
     parser.add_argument(
-        "--markdown", action="store_true", help="the README's method-options table (default: plain text)"
+        "--markdown", action="store_true", help="docs/reference.md's method-options table (default: plain text)"
     )
-    parser.add_argument("--recipe-markdown", action="store_true", help="the README's recipe-flags table")
+    parser.add_argument("--recipe-markdown", action="store_true", help="docs/reference.md's recipe-flags table")
     parser.add_argument("--log-level", default="warning")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Prints every registered method with its options: the README's markdown table, or plain lines."""
+    """Prints every registered method with its options: the reference page's markdown table, or plain lines."""
     if args.recipe_markdown:
         print(recipe_table())
         return 0

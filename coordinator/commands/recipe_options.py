@@ -76,7 +76,7 @@ def recipe_from(args: argparse.Namespace, options: dict[str, float]) -> messages
 
 
 def recipe_table() -> str:
-    """The markdown table of the recipe's flags (what the README shows)."""
+    """The markdown table of the recipe's flags (what docs/reference.md shows)."""
     rows = ["| flag | type | default | range or choices | what it sets |", "| --- | --- | --- | --- | --- |"]
     for declared in recipe_fields():
         default = declared.default if declared.flag.choices else f"{declared.default:g}"

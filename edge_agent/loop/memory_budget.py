@@ -9,7 +9,7 @@ from protocol.errors import UsageError
 
 log = logging.getLogger(__name__)
 
-# Measured with benchmarks/agent_footprint.py (x86, 2 cores; see README "Memory"): the peak RSS of a round less its
+# Measured with benchmarks/agent_footprint.py (x86, 2 cores; see docs/field.md, "What a device can afford"): the peak RSS of a round less its
 # pool and scoring batch. A full trainer imports torch (245 MB alone) and trains with autograd; a head trainer runs
 # onnxruntime and numpy only.
 RUNTIME_FLOOR_MB = {"full": 380.0, "head": 92.0}
