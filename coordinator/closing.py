@@ -11,7 +11,7 @@ from typing import Any, Protocol
 from coordinator.aggregation import ClientUpdate
 from coordinator.evaluation import TestScores
 from coordinator.intake import RoundCollector
-from coordinator.observer import RoundResult
+from coordinator.observer import PEAK_RSS, RoundResult
 from coordinator.round_aggregator import Aggregate, RoundAggregator
 from coordinator.store import SECURE_LABELS, DeviceRoundRecord, RoundRecord, RunStore, StrategyState
 from coordinator.strategy_contract import Strategy
@@ -108,7 +108,7 @@ class RoundCloser:
         seconds = time.monotonic() - timing.monotonic
         result = RoundResult(
             *(collector.round_id, scores.accuracy, device_accuracy, record.labels, aggregate.divergence, seconds),
-            *(dict(collector.rejected), report, aggregate.suspects),
+            *(dict(collector.rejected), report, aggregate.suspects, self.base_labels, dict(presence.get(PEAK_RSS, {}))),
         )
         return aggregate.weights, result
 
