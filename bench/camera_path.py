@@ -5,6 +5,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,14 +30,15 @@ def guide_command(name: str, guide: Path = GUIDE) -> list[str]:
     return shlex.split(found.group(1).replace("\\\n", " "), comments=True)
 
 
-def with_values(words: Sequence[str], values: Mapping[str, str]) -> list[str]:
-    """The command with each named flag's value replaced (the flag must be there: a site changes values only),
-    its program run by this Python (`python -m PACKAGE`)."""
+def with_values(words: Sequence[str], values: Mapping[str, str | None]) -> list[str]:
+    """The command with each named flag's value replaced, or the flag and its value left out for None (the flag
+    must be there: a site changes values only), its program run by this Python (`python -m PACKAGE`)."""
     out = list(words)
     for flag, value in values.items():
         if flag not in out:
             raise ValueError(f"the guide's {words[0]} command has no {flag}")
-        out[out.index(flag) + 1] = value
+        at = out.index(flag)
+        out[at : at + 2] = [] if value is None else [flag, value]
     return [sys.executable, "-m", PROGRAMS[out[0]], *out[1:]]
 
 
@@ -53,6 +55,7 @@ class CameraSite:
     labels: int
     coordinator_flags: tuple[str, ...] = ()
     agent_flags: tuple[str, ...] = field(default=("--settle-seconds", "0", "--scan-interval", "0.5"))
+    profile: Path | None = PROFILE  # None: no board profile (a from-scratch model's devices train it all in torch)
 
     @property
     def run_dir(self) -> Path:
@@ -76,12 +79,12 @@ class CameraSite:
 
     def agent_command(self, number: int) -> list[str]:
         """The guide's `edge-agent run` of device NN: its camera folder, state folder, the fleet's spec, the board
-        profile, this site's broker."""
+        profile (if any), this site's broker."""
         values = {
             **{"--broker": f"mqtt://127.0.0.1:{self.port}", "--device-id": f"cam-{number}"},
             **{"--pool-dir": str(device_dir(self.fleet_dir, number) / POOL_DIR)},
             **{"--state-dir": str(self.state_dir(number)), "--model-spec": str(self.fleet_dir / SPEC_FILE)},
-            "--profile": str(PROFILE),
+            "--profile": None if self.profile is None else str(self.profile),
         }
         return [*with_values(guide_command("device"), values), *self.agent_flags]
 
@@ -91,20 +94,37 @@ class CameraSite:
         return [sys.executable, "-m", PROGRAMS[words[0]], *words[1:-1], str(self.run_dir)]
 
 
+BROKER_LINE = "embedded broker listening at "  # the coordinator's line once its broker takes connections
+
+
+def broker_listening(out: Path, coordinator: subprocess.Popen, timeout: float) -> bool:
+    """Waits until the coordinator's stdout says its broker listens (as a person starts the devices after reading
+    it); False when the coordinator exits first or the timeout passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and coordinator.poll() is None:
+        if BROKER_LINE in out.read_text(errors="replace"):
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def run_camera_site(site: CameraSite, timeout: float) -> list[int]:
-    """The coordinator and one agent per device by the guide's commands (logs in the work folder: the
-    coordinator's stdout in coordinator.out), with the bench's people answering, until all exit; their exit codes."""
+    """The coordinator, then (once its broker listens) one agent per device by the guide's commands (logs in the
+    work folder: the coordinator's stdout in coordinator.out), with the bench's people answering, until all exit;
+    their exit codes (the coordinator's alone when it stopped before its broker listened)."""
     names = tuple(load_model_spec(site.fleet_dir / SPEC_FILE).spec.class_names)
     for number in range(site.devices):
         site.state_dir(number).mkdir(parents=True, exist_ok=True)
-    with open(site.work / "coordinator.out", "ab") as out, open(site.work / "coordinator.log", "ab") as log:
-        processes = [subprocess.Popen(site.coordinator_command(), stdout=out, stderr=log)]
-    for number in range(site.devices):
-        with open(site.work / f"cam-{number}.log", "ab") as log:
-            processes.append(subprocess.Popen(site.agent_command(number), stdout=log, stderr=log))
+    out = site.work / "coordinator.out"
+    with open(out, "ab") as stdout, open(site.work / "coordinator.log", "ab") as log:
+        processes = [subprocess.Popen(site.coordinator_command(), stdout=stdout, stderr=log)]
     people = PeopleAtTheOracles(site.fleet_dir, [site.state_dir(n) for n in range(site.devices)], names)
-    people.start()
     try:
+        if broker_listening(out, processes[0], timeout):
+            for number in range(site.devices):
+                with open(site.work / f"cam-{number}.log", "ab") as log:
+                    processes.append(subprocess.Popen(site.agent_command(number), stdout=log, stderr=log))
+            people.start()
         return [process.wait(timeout=timeout) for process in processes]
     finally:
         people.stopped.set()
