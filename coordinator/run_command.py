@@ -52,10 +52,16 @@ def run(args: argparse.Namespace) -> int:
     printer.say(split_line(settings, data))
     with dashboard_for(args, settings) as live:
         serve = functools.partial(
-            run_server, settings, on_round=printer, data=data, wait_for_devices=args.wait_devices, observer=live
+            run_server,
+            settings,
+            on_round=printer,
+            data=data,
+            wait_for_devices=args.wait_devices,
+            observer=live,
+            say=printer.say,
         )
         if args.broker:
-            serve(parse_broker_url(args.broker), say=printer.say)
+            serve(parse_broker_url(args.broker))
         else:
             with embedded_broker(
                 settings.run_dir / "broker",
@@ -65,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
             ) as broker:
                 for line in broker_lines(broker, listen is not None and not listen.loopback):
                     printer.say(line)
-                serve(broker.address, say=printer.say)
+                serve(broker.address)
     printer.summary(settings.run_dir)
     return 0
 
@@ -78,9 +84,13 @@ def broker_lines(broker: EmbeddedBroker, reachable: bool) -> list[str]:
     if not reachable:
         lines.append("devices on this machine only: give --broker-listen 0.0.0.0:PORT for devices on other machines")
         return lines
-    scheme = "mqtts" if listening.tls else "mqtt"
-    where = "this machine's name or address" if listening.host in LOCAL_CLIENT_HOSTS else listening.host
-    lines.append(f"devices connect with --broker {scheme}://HOST:{listening.port}, HOST being {where}")
+    if listening.host in LOCAL_CLIENT_HOSTS:
+        scheme = "mqtts" if listening.tls else "mqtt"
+        lines.append(
+            f"devices connect with --broker {scheme}://HOST:{listening.port}, HOST being this machine's name or address"
+        )
+    else:
+        lines.append(f"devices connect with --broker {listening.url}")
     if not broker.extra_config:
         lines.append(
             "warning: no broker login: anyone who reaches this port may publish to the fleet; on a network you do "

@@ -170,3 +170,12 @@ def test_the_round_line_shows_the_servers_labels_apart_and_the_largest_peak() ->
     assert labels_words(result) == "280 (server 200 + devices 80)"
     assert peak_words(result.peak_rss_mb) == "  peak RSS 176 MB (cam-2)"
     assert peak_words({}) == ""
+
+
+def test_a_broker_on_one_named_address_is_the_address_devices_use(tmp_path: Path) -> None:
+    broker = EmbeddedBroker(tmp_path / "broker", port=1883, host="192.0.2.7")
+    assert broker.address == BrokerAddress("192.0.2.7", 1883)
+    assert broker_lines(broker, reachable=True)[:2] == [
+        "embedded broker listening at mqtt://192.0.2.7:1883",
+        "devices connect with --broker mqtt://192.0.2.7:1883",
+    ]
