@@ -12,7 +12,7 @@ from coordinator.provision import load_secure_fleet
 from coordinator.round_console import RoundPrinter, dashboard_for
 from coordinator.round_options import add_round_options
 from coordinator.run_settings import server_settings, validate_recipe_names
-from coordinator.server import load_server_data, run_server, split_line
+from coordinator.server import evaluation_line, load_server_data, run_server, split_line
 from protocol.errors import UsageError
 from protocol.mqtt import parse_broker_url
 
@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     printer = RoundPrinter(args.json, settings.policy.rounds)
     data = load_server_data(settings)
     printer.say(split_line(settings, data))
+    printer.say(evaluation_line(settings, data))
     with dashboard_for(args, settings) as live:
         serve = functools.partial(
             run_server,

@@ -162,6 +162,14 @@ def split_line(settings: ServerSettings, data: ServerData) -> str:
     )
 
 
+def evaluation_line(settings: ServerSettings, data: ServerData) -> str:
+    """The start-up line saying what the coordinator measures after each round, and what --no-device-eval changes."""
+    tested = f"after each round the global model is measured on {evaluated_count(settings, data)} test images"
+    if settings.evaluate_devices:
+        return f"{tested}, and so is each device's model (one more pass a device; --no-device-eval skips them)"
+    return f"{tested}; devices' own models are not (--no-device-eval)"
+
+
 def selection_words(strategy: str, selects: bool, count: int) -> str:
     """What the split line says of the selection split: kept for a strategy that picks its model on it, else
     set aside unused (a flag asked for it) or none."""

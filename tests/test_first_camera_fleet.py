@@ -44,6 +44,7 @@ def test_the_guides_commands_train_a_fleet_of_other_classes(tmp_path: Path, fash
     out = (tmp_path / "coordinator.out").read_text()
     assert codes == [0] * (DEVICES + 1), out + (tmp_path / "coordinator.log").read_text()[-3000:]
     assert "server data: W0 trains on 40 of server.npz's 40 labelled images, none kept for selection" in out
+    assert "after each round the global model is measured on 50 test images; devices' own models are not" in out
     assert re.search(r"W0 test accuracy 0\.\d{4} \(trained on the server's 40 labelled images\)", out)
     assert f"embedded broker listening at mqtt://127.0.0.1:{site.port}" in out
     for round_id in range(1, ROUNDS + 1):

@@ -179,3 +179,11 @@ def test_a_broker_on_one_named_address_is_the_address_devices_use(tmp_path: Path
         "embedded broker listening at mqtt://192.0.2.7:1883",
         "devices connect with --broker mqtt://192.0.2.7:1883",
     ]
+
+
+def test_the_stream_help_says_what_the_code_scores_with() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "edge_agent", "run", "--help"], capture_output=True, text=True, timeout=60, check=True
+    )
+    words = " ".join(result.stdout.split())
+    assert "with the recipe's sampler" in words and "entropy" not in words
