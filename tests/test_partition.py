@@ -166,7 +166,7 @@ def test_server_holdout_balanced_and_disjoint(train_labels):
 
 
 def test_server_holdout_too_many_requested(train_labels):
-    with pytest.raises(ValueError, match="class 0 has 6000 samples"):
+    with pytest.raises(ValueError, match="--init-samples 60010: class 0 has 6000 labelled images"):
         server_holdout(train_labels, 60010, 0, np.random.default_rng(0))
-    with pytest.raises(ValueError, match="only 59900 samples remain"):
+    with pytest.raises(ValueError, match="--validation-samples 60000: only 59900 labelled images remain"):
         server_holdout(train_labels, 100, 60000, np.random.default_rng(0))

@@ -19,7 +19,8 @@ def add_arguments(provision_parser: argparse.ArgumentParser) -> None:
         "--tls-host",
         action="append",
         dest="tls_hosts",
-        help="a name or IP the broker certificate is valid for (repeatable; default localhost and 127.0.0.1)",
+        help="a name or IP the broker certificate is valid for, as devices reach it (repeatable); localhost and "
+        "127.0.0.1 always (the coordinator's own connection to an embedded broker)",
     )
     provision_parser.add_argument("--log-level", default="warning")
 
@@ -32,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
         args.out,
         tls=args.tls,
         prefix=args.prefix,
-        tls_hosts=tuple(args.tls_hosts or DEFAULT_TLS_HOSTS),
+        tls_hosts=tuple(dict.fromkeys([*(args.tls_hosts or ()), *DEFAULT_TLS_HOSTS])),
     )
     for device in sorted(secure.device_keys):
         print(f"{device} {secure.device_credentials(device)}")

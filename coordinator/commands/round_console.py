@@ -37,6 +37,8 @@ class RoundPrinter:
                         "device_accuracy": [result.device_accuracy[d] for d in devices],
                         "devices": devices,
                         "labels": result.labels,
+                        "server_labels": result.server_labels,
+                        "peak_rss_mb": result.peak_rss_mb,
                         "divergence": {d: list(layers.values()) for d, layers in sorted(result.divergence.items())},
                         "seconds": round(result.seconds, 3),
                         "rejected": result.rejected,
@@ -50,12 +52,17 @@ class RoundPrinter:
             local = " ".join(f"{result.device_accuracy[d]:.3f}" for d in devices)
             print(
                 f"round {result.round_id:>3}/{self.total_rounds}  global acc {result.accuracy:.4f}  "
-                f"devices [{local}]  labels {result.labels}  {result.seconds:.1f}s"
+                f"devices [{local}]  labels {labels_words(result)}  {result.seconds:.1f}s"
+                + peak_words(result.peak_rss_mb)
                 + (f"  rejected {len(result.rejected)}" if result.rejected else "")
                 + (f"  suspects {','.join(sorted(result.suspects))}" if result.suspects else "")
                 + (f"  epsilon {result.report['dp']['epsilon']:.3g}" if "dp" in result.report else ""),
                 flush=True,
             )
+
+    def say(self, line: str) -> None:
+        """A start-up line: on stdout for a person, on stderr under --json (stdout stays one JSON object a line)."""
+        print(line, file=sys.stderr if self.as_json else sys.stdout, flush=True)
 
     def summary(self, run_dir: Path, report: Path | None = None) -> None:
         """The closing line (JSON) or table (human), naming the run's HTML report when one was written."""
@@ -86,6 +93,19 @@ class RoundPrinter:
         )
         if report is not None:
             print(f"report: {report}")
+
+
+def labels_words(result: RoundResult) -> str:
+    """The round's label count, the server's and the devices' shown apart."""
+    return f"{result.labels} (server {result.server_labels} + devices {result.labels - result.server_labels})"
+
+
+def peak_words(peaks: dict[str, float]) -> str:
+    """The largest device peak RSS of the round and whose it is ('' when no device reported one)."""
+    if not peaks:
+        return ""
+    device = max(sorted(peaks), key=peaks.__getitem__)
+    return f"  peak RSS {peaks[device]:.0f} MB ({device})"
 
 
 @contextlib.contextmanager

@@ -137,11 +137,22 @@ def add_server_data_options(parser: argparse.ArgumentParser) -> None:
         help="the fleet's own labelled images as .npz (train_images, train_labels, test_images, test_labels), "
         "shaped as the model spec says; W0, selection and test accuracy come from it",
     )
-    server.add_argument("--init-samples", type=int, default=InitSettings.samples, help="balanced samples for W0")
+    server.add_argument(
+        "--init-samples",
+        type=int,
+        default=InitSettings.samples,
+        help="W0's class-balanced labelled images (default: every --dataset image outside the selection split; "
+        "on Fashion-MNIST the paper's 100)",
+    )
     server.add_argument("--init-epochs", type=int, default=InitSettings.epochs)
     server.add_argument("--init-lr", type=float, default=InitSettings.learning_rate)
     server.add_argument("--init-optimizer", default=InitSettings.optimizer, choices=OPTIMIZERS)
-    server.add_argument("--validation-samples", type=int, default=1000, help="OptFL/MixFL selection split size")
+    server.add_argument(
+        "--validation-samples",
+        type=int,
+        help="the selection split OptFL/MixFL pick their model on (default: a quarter of --dataset, at most 1000, "
+        "for those strategies, none for the others; on Fashion-MNIST the paper's 1000)",
+    )
     server.add_argument("--selection-passes", type=int, default=10, help="MC passes of the BNN selection accuracy")
     server.add_argument("--test-samples", type=int, help="evaluate on the first N test images (default: all 10k)")
     server.add_argument("--no-device-eval", action="store_true", help="skip the test accuracy of each device model")

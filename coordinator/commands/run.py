@@ -3,15 +3,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
+import functools
 from pathlib import Path
 
 from coordinator.commands.round_console import RoundPrinter, dashboard_for
 from coordinator.commands.round_options import add_round_options
 from coordinator.commands.run_settings import server_settings, validate_recipe_names
-from coordinator.fleet.broker import embedded_broker, embedded_packet_limit
+from coordinator.dashboard.server import parse_listen_address
+from coordinator.fleet.broker import LOCAL_CLIENT_HOSTS, EmbeddedBroker, embedded_broker, embedded_packet_limit
 from coordinator.fleet.provision import load_secure_fleet
-from coordinator.server import run_server
+from coordinator.server import evaluation_line, load_server_data, run_server, split_line
+from protocol.errors import UsageError
 from protocol.mqtt import parse_broker_url
 
 
@@ -36,24 +38,71 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--secure", type=Path, metavar="DIR", help="a folder from `provision`: broker login, ACL, signed updates only"
     )
+    parser.add_argument(
+        "--broker-listen",
+        metavar="[HOST:]PORT",
+        help="where the embedded broker listens (0.0.0.0:1883: every address, for devices on other machines; "
+        "default: a free loopback port); with --secure, its login, ACL and TLS",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    """Coordinates a field fleet through an external or embedded broker."""
+    """Coordinates a field fleet through an external or embedded broker. The server's data is loaded and split
+    before any broker starts, so a start that fails on it leaves nothing behind."""
     settings = dataclasses.replace(server_settings(args, default_fleet="fleet"), secure_dir=args.secure)
     validate_recipe_names(settings)
+    if args.broker and args.broker_listen:
+        raise UsageError("--broker-listen sets up the embedded broker; with --broker HOST the run uses that one")
+    listen = parse_listen_address(args.broker_listen, "--broker-listen") if args.broker_listen else None
     secure = load_secure_fleet(args.secure) if args.secure else None
     printer = RoundPrinter(args.json, settings.policy.rounds)
+    data = load_server_data(settings)
+    printer.say(split_line(settings, data))
+    printer.say(evaluation_line(settings, data))
     with dashboard_for(args, settings) as live:
+        serve = functools.partial(
+            run_server,
+            settings,
+            on_round=printer,
+            data=data,
+            wait_for_devices=args.wait_devices,
+            observer=live,
+            say=printer.say,
+        )
         if args.broker:
-            run_server(
-                settings, parse_broker_url(args.broker), printer, wait_for_devices=args.wait_devices, observer=live
-            )
+            serve(parse_broker_url(args.broker))
         else:
             with embedded_broker(
-                settings.run_dir / "broker", secure, embedded_packet_limit(settings.broker_max_packet_bytes)
+                settings.run_dir / "broker",
+                secure,
+                embedded_packet_limit(settings.broker_max_packet_bytes),
+                None if listen is None else (listen.host, listen.port),
             ) as broker:
-                print(f"embedded broker listening at {broker.address.url}", file=sys.stderr, flush=True)
-                run_server(settings, broker.address, printer, wait_for_devices=args.wait_devices, observer=live)
+                for line in broker_lines(broker, listen is not None and not listen.loopback):
+                    printer.say(line)
+                serve(broker.address)
     printer.summary(settings.run_dir)
     return 0
+
+
+def broker_lines(broker: EmbeddedBroker, reachable: bool) -> list[str]:
+    """What a person needs to know of the embedded broker: where it listens and the --broker devices use, or
+    that only this machine can reach it; off loopback without a login, that anyone on the network may publish."""
+    listening = broker.listening
+    lines = [f"embedded broker listening at {listening.url}"]
+    if not reachable:
+        lines.append("devices on this machine only: give --broker-listen 0.0.0.0:PORT for devices on other machines")
+        return lines
+    if listening.host in LOCAL_CLIENT_HOSTS:
+        scheme = "mqtts" if listening.tls else "mqtt"
+        lines.append(
+            f"devices connect with --broker {scheme}://HOST:{listening.port}, HOST being this machine's name or address"
+        )
+    else:
+        lines.append(f"devices connect with --broker {listening.url}")
+    if not broker.extra_config:
+        lines.append(
+            "warning: no broker login: anyone who reaches this port may publish to the fleet; on a network you do "
+            "not trust, run `fl-coordinator provision` and --secure DIR"
+        )
+    return lines

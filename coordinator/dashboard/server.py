@@ -62,11 +62,12 @@ class ListenAddress:
             return False
 
 
-def parse_listen_address(text: str) -> ListenAddress:
-    """[HOST:]PORT -> ListenAddress (loopback 127.0.0.1 without a host; [::1]:PORT for IPv6); else ValueError."""
+def parse_listen_address(text: str, flag: str = "--dashboard") -> ListenAddress:
+    """[HOST:]PORT -> ListenAddress (loopback 127.0.0.1 without a host; [::1]:PORT for IPv6); else a UsageError
+    naming `flag`."""
     match = re.fullmatch(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]:|(?P<host>[A-Za-z0-9.-]+):)?(?P<port>\d{1,5})", text)
     if match is None or int(match["port"]) > 65535:
-        raise UsageError(f"--dashboard must look like [HOST:]PORT (e.g. 8080 or 0.0.0.0:8080), got {text!r}")
+        raise UsageError(f"{flag} must look like [HOST:]PORT (e.g. 8080 or 0.0.0.0:8080), got {text!r}")
     return ListenAddress(match["v6"] or match["host"] or "127.0.0.1", int(match["port"]))
 
 

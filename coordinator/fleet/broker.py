@@ -1,4 +1,4 @@
-# The embedded default broker: a private mosquitto on a free loopback port, with persistence, stopped on exit.
+# The embedded default broker: a private mosquitto on a free loopback port (or a given address), with persistence.
 from __future__ import annotations
 
 import ctypes
@@ -23,6 +23,9 @@ PORT_FILE = "port"
 # the CONNACK's Maximum Packet Size); larger messages travel in chunks (protocol.chunks).
 DEFAULT_MAX_PACKET_BYTES = 1024 * 1024
 PR_SET_PDEATHSIG = 1
+LOOPBACK = "127.0.0.1"
+# Where a process on the broker's own machine connects to a listener bound to every address.
+LOCAL_CLIENT_HOSTS = {"0.0.0.0": LOOPBACK, "::": "::1"}
 
 
 class BrokerError(UsageError):
@@ -38,13 +41,17 @@ def free_loopback_port() -> int:
 
 
 def mosquitto_config(
-    port: int, work_dir: Path, extra_lines: tuple[str, ...] = (), max_packet_bytes: int | None = None
+    port: int,
+    work_dir: Path,
+    extra_lines: tuple[str, ...] = (),
+    max_packet_bytes: int | None = None,
+    host: str = LOOPBACK,
 ) -> str:
-    """A mosquitto.conf for one loopback listener with on-disk persistence (QoS 1 survives a broker restart) and,
-    if given, a packet size limit it announces to MQTT v5 clients (message_size_limit is not announced: a client
-    over it is disconnected without having been told)."""
+    """A mosquitto.conf for one listener (loopback unless `host` says otherwise) with on-disk persistence (QoS 1
+    survives a broker restart) and, if given, a packet size limit it announces to MQTT v5 clients
+    (message_size_limit is not announced: a client over it is disconnected without having been told)."""
     lines = [
-        f"listener {port} 127.0.0.1",
+        f"listener {port} {host}",
         "allow_anonymous true",
         "persistence true",
         f"persistence_location {work_dir}/",
@@ -107,7 +114,8 @@ def wait_for_port(host: str, port: int, timeout: float) -> bool:
 
 
 class EmbeddedBroker:
-    """Starts mosquitto on a loopback port in `work_dir`; a context manager that always stops it.
+    """Starts mosquitto in `work_dir` on a loopback port, or on `host` (0.0.0.0: every address, so devices on other
+    machines reach it); a context manager that always stops it.
 
     Without an explicit port it reuses the port an earlier broker of the same work dir had (when free), so that a
     coordinator restarted on its run directory after a crash is found by its devices where they left it.
@@ -121,18 +129,25 @@ class EmbeddedBroker:
         extra_config: tuple[str, ...] = (),
         tls: bool = False,
         max_packet_bytes: int | None = DEFAULT_MAX_PACKET_BYTES,
+        host: str = LOOPBACK,
     ) -> None:
         self.work_dir = Path(work_dir)
         self.port = port or previous_port(self.work_dir) or free_loopback_port()
         self.extra_config = extra_config
         self.tls = tls
         self.max_packet_bytes = max_packet_bytes
+        self.host = host
         self._process: subprocess.Popen | None = None
 
     @property
     def address(self) -> BrokerAddress:
-        """The broker's address for clients."""
-        return BrokerAddress(host="127.0.0.1", port=self.port, tls=self.tls)
+        """The broker's address for clients on this machine (the coordinator's own session)."""
+        return BrokerAddress(host=LOCAL_CLIENT_HOSTS.get(self.host, self.host), port=self.port, tls=self.tls)
+
+    @property
+    def listening(self) -> BrokerAddress:
+        """The address the broker listens on, as its URL names it (0.0.0.0: every address of this machine)."""
+        return BrokerAddress(host=self.host, port=self.port, tls=self.tls)
 
     def start(self, timeout: float = 10.0) -> EmbeddedBroker:
         """Writes the config and launches mosquitto; raises BrokerError if it does not listen in time."""
@@ -141,16 +156,21 @@ class EmbeddedBroker:
             raise BrokerError("mosquitto is not installed: run `apt-get install mosquitto` (or `make install`)")
         self.work_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.work_dir / "mosquitto.conf"
-        config_path.write_text(mosquitto_config(self.port, self.work_dir, self.extra_config, self.max_packet_bytes))
+        config_path.write_text(
+            mosquitto_config(self.port, self.work_dir, self.extra_config, self.max_packet_bytes, self.host)
+        )
         self._process = subprocess.Popen(
             [binary, "-c", str(config_path)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             preexec_fn=stop_with_parent,
         )
-        if not wait_for_port("127.0.0.1", self.port, timeout):
+        if not wait_for_port(self.address.host, self.port, timeout):
             self.stop()
-            raise BrokerError(f"mosquitto did not start on port {self.port}; see {self.work_dir / 'mosquitto.log'}")
+            raise BrokerError(
+                f"mosquitto did not start on {self.host} port {self.port} (in use, or not this machine's address?); "
+                f"see {self.work_dir / 'mosquitto.log'}"
+            )
         (self.work_dir / PORT_FILE).write_text(str(self.port))
         log.info("broker started url=%s pid=%s", self.address.url, self._process.pid)
         return self
@@ -183,11 +203,13 @@ def embedded_packet_limit(configured: int | None) -> int:
 
 
 def embedded_broker(
-    work_dir: Path, secure: SecureFleet | None = None, max_packet_bytes: int | None = DEFAULT_MAX_PACKET_BYTES
+    work_dir: Path,
+    secure: SecureFleet | None = None,
+    max_packet_bytes: int | None = DEFAULT_MAX_PACKET_BYTES,
+    listen: tuple[str, int] | None = None,
 ) -> EmbeddedBroker:
-    """The embedded broker, locked to a provisioned fleet's passwords, ACL (and TLS) when `secure` is given."""
-    if secure is None:
-        return EmbeddedBroker(work_dir, max_packet_bytes=max_packet_bytes)
-    return EmbeddedBroker(
-        work_dir, extra_config=broker_config_lines(secure), tls=secure.tls, max_packet_bytes=max_packet_bytes
-    )
+    """The embedded broker, locked to a provisioned fleet's passwords, ACL (and TLS) when `secure` is given; on
+    `listen` (host, port) when given, else a loopback port."""
+    host, port = listen or (LOOPBACK, None)
+    extra, tls = (broker_config_lines(secure), secure.tls) if secure is not None else ((), False)
+    return EmbeddedBroker(work_dir, port, extra, tls, max_packet_bytes, host)

@@ -11,6 +11,14 @@ NORM_ORDERS: dict[str, int] = {"l2": 2, "l1": 1}
 MAD_SCALE = 1.4826  # 1 / Phi^-1(3/4): makes 1.4826 * MAD estimate the standard deviation of normal data
 MAD_FLOOR = 1e-12  # the MAD is taken as at least MAD_FLOOR * |median| (MAD_FLOOR itself when the median is 0)
 MIN_DEVICES_TO_JUDGE = 3  # with fewer devices there is no majority to call one of them an outlier
+# With fewer trained tensors than this (a classifier head: its weight and its bias) each tensor's score compares
+# noise (a 5-number bias moves as much by chance as by intent): the whole update is judged as one.
+MIN_TENSORS_PER_LAYER = 4
+WHOLE_UPDATE = "whole-update"  # the name suspicion gives the whole update when it judges it as one
+# A whole update's MAD is floored at this share of the median: judged over a handful of devices, three honest
+# heads that happen to agree closely would otherwise make a fourth a few percent further an outlier. At the default
+# threshold 3.5 an update must then lie more than 26% beyond the median (1 + 3.5 * 1.4826 * 0.05).
+WHOLE_UPDATE_MAD_FLOOR = 0.05
 
 
 def check_norm(norm: str) -> None:
@@ -55,6 +63,22 @@ def layer_divergence(device_weights: Weights, aggregate: Weights, norm: str = "l
     return {name: relative_divergence(array, aggregate[name], norm) for name, array in device_weights.items()}
 
 
+def whole_divergence(device_weights: Weights, reference: Weights, norm: str = "l2") -> float:
+    """||W_i - W_ref|| / ||W_i|| over every tensor of the update taken as one vector (layer_divergence's checks)."""
+    layer_divergence(device_weights, reference, norm)
+    names = sorted(device_weights)
+    device = np.concatenate([np.asarray(device_weights[name], dtype=np.float64).ravel() for name in names])
+    return relative_divergence(device, np.concatenate([np.ravel(reference[name]) for name in names]), norm)
+
+
+def suspicion_divergence(device_weights: Weights, base: Weights) -> dict[str, float]:
+    """What suspicion scores of an update: each tensor's divergence from the base model, or for an update of fewer
+    than MIN_TENSORS_PER_LAYER tensors the whole update's, under the name WHOLE_UPDATE."""
+    if len(device_weights) < MIN_TENSORS_PER_LAYER:
+        return {WHOLE_UPDATE: whole_divergence(device_weights, base)}
+    return layer_divergence(device_weights, base)
+
+
 def fleet_divergence(
     updates: Mapping[str, Weights], aggregate: Weights, norm: str = "l2"
 ) -> dict[str, dict[str, float]]:
@@ -63,8 +87,9 @@ def fleet_divergence(
     return {device: layer_divergence(weights, aggregate, norm) for device, weights in updates.items()}
 
 
-def robust_z_scores(values: Sequence[float]) -> np.ndarray:
-    """(x - median) / (1.4826 * MAD) per value, MAD = median(|x - median|), floored at MAD_FLOOR (see above).
+def robust_z_scores(values: Sequence[float], mad_floor: float = MAD_FLOOR) -> np.ndarray:
+    """(x - median) / (1.4826 * MAD) per value, MAD = median(|x - median|), floored at mad_floor * |median|
+    (mad_floor itself for a zero median).
 
     All zeros for fewer than MIN_DEVICES_TO_JUDGE values. An infinite value (an all-zero device layer, see
     relative_divergence) scores +inf and is left out of the median and the MAD. Raises ValueError for a
@@ -80,14 +105,15 @@ def robust_z_scores(values: Sequence[float]) -> np.ndarray:
     if finite.any():
         center = float(np.median(x[finite]))
         mad = float(np.median(np.abs(x[finite] - center)))
-        scores[finite] = (x[finite] - center) / (MAD_SCALE * max(mad, MAD_FLOOR * (abs(center) or 1.0)))
+        scores[finite] = (x[finite] - center) / (MAD_SCALE * max(mad, mad_floor * (abs(center) or 1.0)))
     return scores
 
 
 def suspect_scores(fleet: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
     """Device id -> layer -> robust z-score of that device's divergence among all devices' on the layer.
 
-    Every device must report the same layers (as fleet_divergence gives); see robust_z_scores for the score.
+    Every device must report the same layers (as fleet_divergence gives); see robust_z_scores for the score (a
+    WHOLE_UPDATE's MAD floored at WHOLE_UPDATE_MAD_FLOOR of the median).
     """
     devices = list(fleet)
     if not devices:
@@ -102,7 +128,8 @@ def suspect_scores(fleet: Mapping[str, Mapping[str, float]]) -> dict[str, dict[s
             )
     scores: dict[str, dict[str, float]] = {device: {} for device in devices}
     for layer in layers:
-        for device, z in zip(devices, robust_z_scores([fleet[device][layer] for device in devices])):
+        floor = WHOLE_UPDATE_MAD_FLOOR if layer == WHOLE_UPDATE else MAD_FLOOR
+        for device, z in zip(devices, robust_z_scores([fleet[device][layer] for device in devices], floor)):
             scores[device][layer] = float(z)
     return scores
 

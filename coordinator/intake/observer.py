@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from coordinator.intake.validation import Rejection
 from protocol import messages
 
+PEAK_RSS = "peak_rss_mb"  # a round's metrics key: device -> peak RSS (MB) from its last status
+
 
 @dataclass(frozen=True)
 class RoundResult:
@@ -20,6 +22,8 @@ class RoundResult:
     rejected: dict[str, str]
     report: dict
     suspects: dict[str, list[str]] = field(default_factory=dict)
+    server_labels: int = 0  # of `labels`, the server's own (W0's); the rest are the devices'
+    peak_rss_mb: dict[str, float] = field(default_factory=dict)  # each device's peak RSS as its last status said
 
 
 class RoundObserver:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.intake.divergence import flag_suspects, layer_divergence
+from coordinator.intake.divergence import flag_suspects, layer_divergence, suspicion_divergence
 from coordinator.intake.scratch import TensorScratch
 from coordinator.strategies.aggregate import ClientUpdate, capped_weights, check_magnitude
 from coordinator.strategies.contract import Evaluate, Strategy, StreamingWeightedAverage, streams
@@ -24,7 +24,8 @@ class SuspectPolicy:
     Suspicion is judged on each update's divergence from the round's base model (the last committed global model,
     which nothing sent this round can move), in batch and streamed rounds alike. A device is a suspect when at
     least `min_layer_fraction` of its layers have a robust z-score above `threshold` (single layers of a few
-    devices cross it by chance).
+    devices cross it by chance); an update of fewer than divergence.MIN_TENSORS_PER_LAYER tensors (a classifier
+    head) is judged as one whole (divergence.suspicion_divergence).
     """
 
     threshold: float = 3.5
@@ -81,7 +82,7 @@ class RoundAggregator(ABC):
         """Takes an accepted update; ValueError (nothing kept) when it cannot be aggregated."""
         check_magnitude(update.weights)
         self.keep(update)
-        self.from_base[update.device_id] = layer_divergence(update.weights, self.base)
+        self.from_base[update.device_id] = suspicion_divergence(update.weights, self.base)
         self.claims[update.device_id] = (update.num_samples, update.devices)
 
     def clipped_samples(self) -> dict[str, float]:

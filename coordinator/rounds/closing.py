@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from coordinator.intake.observer import RoundResult
+from coordinator.intake.observer import PEAK_RSS, RoundResult
 from coordinator.intake.round_aggregator import Aggregate, RoundAggregator
 from coordinator.intake.update_intake import RoundCollector
 from coordinator.rounds.evaluation import TestScores
@@ -108,7 +108,7 @@ class RoundCloser:
         seconds = time.monotonic() - timing.monotonic
         result = RoundResult(
             *(collector.round_id, scores.accuracy, device_accuracy, record.labels, aggregate.divergence, seconds),
-            *(dict(collector.rejected), report, aggregate.suspects),
+            *(dict(collector.rejected), report, aggregate.suspects, self.base_labels, dict(presence.get(PEAK_RSS, {}))),
         )
         return aggregate.weights, result
 

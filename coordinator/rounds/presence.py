@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection
 
-from coordinator.intake.observer import RoundObserver
+from coordinator.intake.observer import PEAK_RSS, RoundObserver
 from protocol import messages, wire
 
 log = logging.getLogger(__name__)
@@ -49,8 +49,16 @@ class Presence:
         return sorted((offline | self.dead_devices()) - set(accepted))
 
     def round_metrics(self, quorum: int, accepted: Collection[str]) -> dict:
-        """A round's quorum and who was missing: online devices that sent nothing, devices known offline."""
-        return {"quorum": quorum, "stragglers": self.stragglers(accepted), "offline": self.missing(accepted)}
+        """A round's quorum, who was missing (online devices that sent nothing, devices known offline) and each
+        device's peak RSS as its last status reported it (devices that report one)."""
+        return {
+            "quorum": quorum,
+            "stragglers": self.stragglers(accepted),
+            "offline": self.missing(accepted),
+            PEAK_RSS: {
+                device: status.peak_rss_mb for device, status in sorted(self.statuses.items()) if status.peak_rss_mb
+            },
+        }
 
     def needed(self, quorum: int | None, min_devices: int, participants: list[str], accepted: Collection[str]) -> int:
         """How many accepted updates close the round early: the quorum less the devices known dead (a bench's

@@ -37,7 +37,8 @@ def add_field_arguments(run: argparse.ArgumentParser) -> None:
     field.add_argument(
         "--stream",
         action="store_true",
-        help="score each new image on arrival and ask for it when its entropy passes the budget's threshold",
+        help="score each new image on arrival with the recipe's sampler (MC dropout, the newest global model) and ask "
+        "for it when its score passes the budget's threshold",
     )
     field.add_argument("--labels-per-hour", type=float, default=30.0, help="--stream's labelling budget")
     field.add_argument(

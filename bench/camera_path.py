@@ -1,0 +1,134 @@
+# The camera path of docs/first-camera-fleet.md as the bench runs it: the guide's own commands, a site's values put in.
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.camera_fleet import POOL_DIR, SERVER_FILE, SPEC_FILE, PeopleAtTheOracles, device_dir
+from protocol.model_spec import load_model_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+GUIDE = ROOT / "docs" / "first-camera-fleet.md"
+PROGRAMS = {"fl-coordinator": "coordinator", "edge-agent": "edge_agent"}
+PROFILE = ROOT / "firmware_configs" / "raspberry-pi-zero-2w.toml"
+"""The board profile the guide's devices run (its copy is /etc/edge-agent/profile.toml on a Pi Zero 2 W)."""
+
+
+def guide_command(name: str, guide: Path = GUIDE) -> list[str]:
+    """The words of the command in the fenced block right after `<!-- first-camera-fleet: NAME -->`; ValueError
+    when the guide has no such block."""
+    pattern = rf"<!-- first-camera-fleet: {re.escape(name)} -->\n```sh\n(.*?)```"
+    found = re.search(pattern, guide.read_text(), re.DOTALL)
+    if found is None:
+        raise ValueError(f"{guide} has no sh block marked first-camera-fleet: {name}")
+    return shlex.split(found.group(1).replace("\\\n", " "), comments=True)
+
+
+def with_values(words: Sequence[str], values: Mapping[str, str | None]) -> list[str]:
+    """The command with each named flag's value replaced, or the flag and its value left out for None (the flag
+    must be there: a site changes values only), its program run by this Python (`python -m PACKAGE`)."""
+    out = list(words)
+    for flag, value in values.items():
+        if flag not in out:
+            raise ValueError(f"the guide's {words[0]} command has no {flag}")
+        at = out.index(flag)
+        out[at : at + 2] = [] if value is None else [flag, value]
+    return [sys.executable, "-m", PROGRAMS[out[0]], *out[1:]]
+
+
+@dataclass(frozen=True)
+class CameraSite:
+    """Where the guide's commands run on one machine: a fleet folder (bench.camera_fleet), a work folder, the
+    broker's loopback port, the rounds and labels a round, and flags a sweep adds to either side."""
+
+    fleet_dir: Path
+    work: Path
+    port: int
+    devices: int
+    rounds: int
+    labels: int
+    coordinator_flags: tuple[str, ...] = ()
+    agent_flags: tuple[str, ...] = field(default=("--settle-seconds", "0", "--scan-interval", "0.5"))
+    profile: Path | None = PROFILE  # None: no board profile (a from-scratch model's devices train it all in torch)
+
+    @property
+    def run_dir(self) -> Path:
+        """The coordinator's run folder."""
+        return self.work / "run"
+
+    def state_dir(self, number: int) -> Path:
+        """Device NN's state folder."""
+        return self.work / f"cam-{number}" / "state"
+
+    def coordinator_command(self) -> list[str]:
+        """The guide's `fl-coordinator run`, with this site's files, port, fleet size, rounds and labels."""
+        count = str(self.devices)
+        values = {
+            **{"--model-spec": str(self.fleet_dir / SPEC_FILE), "--dataset": str(self.fleet_dir / SERVER_FILE)},
+            **{"--run-dir": str(self.run_dir), "--broker-listen": f"127.0.0.1:{self.port}"},
+            **{"--wait-devices": count, "--min-devices": count, "--rounds": str(self.rounds)},
+            "--labels-per-acquisition": str(self.labels),
+        }
+        return [*with_values(guide_command("coordinator"), values), *self.coordinator_flags]
+
+    def agent_command(self, number: int) -> list[str]:
+        """The guide's `edge-agent run` of device NN: its camera folder, state folder, the fleet's spec, the board
+        profile (if any), this site's broker."""
+        values = {
+            **{"--broker": f"mqtt://127.0.0.1:{self.port}", "--device-id": f"cam-{number}"},
+            **{"--pool-dir": str(device_dir(self.fleet_dir, number) / POOL_DIR)},
+            **{"--state-dir": str(self.state_dir(number)), "--model-spec": str(self.fleet_dir / SPEC_FILE)},
+            "--profile": None if self.profile is None else str(self.profile),
+        }
+        return [*with_values(guide_command("device"), values), *self.agent_flags]
+
+    def report_command(self) -> list[str]:
+        """The guide's `fl-coordinator report` of this site's run."""
+        words = guide_command("after")
+        return [sys.executable, "-m", PROGRAMS[words[0]], *words[1:-1], str(self.run_dir)]
+
+
+BROKER_LINE = "embedded broker listening at "  # the coordinator's line once its broker takes connections
+
+
+def broker_listening(out: Path, coordinator: subprocess.Popen, timeout: float) -> bool:
+    """Waits until the coordinator's stdout says its broker listens (as a person starts the devices after reading
+    it); False when the coordinator exits first or the timeout passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and coordinator.poll() is None:
+        if BROKER_LINE in out.read_text(errors="replace"):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def run_camera_site(site: CameraSite, timeout: float) -> list[int]:
+    """The coordinator, then (once its broker listens) one agent per device by the guide's commands (logs in the
+    work folder: the coordinator's stdout in coordinator.out), with the bench's people answering, until all exit;
+    their exit codes (the coordinator's alone when it stopped before its broker listened)."""
+    names = tuple(load_model_spec(site.fleet_dir / SPEC_FILE).spec.class_names)
+    for number in range(site.devices):
+        site.state_dir(number).mkdir(parents=True, exist_ok=True)
+    out = site.work / "coordinator.out"
+    with open(out, "ab") as stdout, open(site.work / "coordinator.log", "ab") as log:
+        processes = [subprocess.Popen(site.coordinator_command(), stdout=stdout, stderr=log)]
+    people = PeopleAtTheOracles(site.fleet_dir, [site.state_dir(n) for n in range(site.devices)], names)
+    try:
+        if broker_listening(out, processes[0], timeout):
+            for number in range(site.devices):
+                with open(site.work / f"cam-{number}.log", "ab") as log:
+                    processes.append(subprocess.Popen(site.agent_command(number), stdout=log, stderr=log))
+            people.start()
+        return [process.wait(timeout=timeout) for process in processes]
+    finally:
+        people.stopped.set()
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()

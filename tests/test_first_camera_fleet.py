@@ -1,0 +1,61 @@
+# The guide docs/first-camera-fleet.md, run as written: its coordinator and device commands on a generated fleet.
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bench.camera_fleet import FleetSettings, build_fleet
+from bench.camera_path import CameraSite, guide_command, run_camera_site, with_values
+from bench.camera_scenes import parse_classes
+from coordinator.fleet.broker import free_loopback_port
+from coordinator.storage.store import RunStore
+from edge_agent.data.image_arrays import ImageDataset
+
+CLASSES = "sneaker=Sneaker,sandal=Sandal,coat=Coat,pullover=Pullover,shirt=Shirt"
+DEVICES = 4
+ROUNDS = 2
+
+
+def test_the_guide_has_the_commands_a_fleet_needs_to_start_together() -> None:
+    coordinator, device = guide_command("coordinator"), guide_command("device")
+    assert coordinator[:2] == ["fl-coordinator", "run"] and device[:2] == ["edge-agent", "run"]
+    for flag in ("--broker-listen", "--wait-devices", "--min-devices", "--round-timeout", "--no-device-eval"):
+        assert flag in coordinator
+    assert "--exit-on-final" in device and "--profile" in device
+
+
+def test_a_site_changes_only_values_of_flags_the_guide_has() -> None:
+    with pytest.raises(ValueError, match="has no --quorum"):
+        with_values(guide_command("coordinator"), {"--quorum": "3"})
+
+
+@pytest.mark.integration
+def test_the_guides_commands_train_a_fleet_of_other_classes(tmp_path: Path, fashion: ImageDataset) -> None:
+    fleet_dir = tmp_path / "fleet"
+    settings = FleetSettings(
+        DEVICES, parse_classes(CLASSES), per_class=10, test_per_class=10, size=64, seed=7, server_per_class=8
+    )
+    build_fleet(fleet_dir, settings, fashion)
+    site = CameraSite(fleet_dir, tmp_path, free_loopback_port(), DEVICES, ROUNDS, labels=10)
+    codes = run_camera_site(site, timeout=300)
+    out = (tmp_path / "coordinator.out").read_text()
+    assert codes == [0] * (DEVICES + 1), out + (tmp_path / "coordinator.log").read_text()[-3000:]
+    assert "server data: W0 trains on 40 of server.npz's 40 labelled images, none kept for selection" in out
+    assert "after each round the global model is measured on 50 test images; devices' own models are not" in out
+    assert re.search(r"W0 test accuracy 0\.\d{4} \(trained on the server's 40 labelled images\)", out)
+    assert f"embedded broker listening at mqtt://127.0.0.1:{site.port}" in out
+    for round_id in range(1, ROUNDS + 1):
+        line = next(line for line in out.splitlines() if line.startswith(f"round {round_id:>3}/{ROUNDS}"))
+        assert re.search(r"global acc 0\.\d{4}", line), line
+        assert f"(server 40 + devices {DEVICES * 10 * round_id})" in line, line
+        assert re.search(r"peak RSS \d+ MB \(cam-\d\)", line), line
+    agent_log = (tmp_path / "cam-0.log").read_text()
+    assert "the profile's storage_path /var/lib/edge-agent is not used" in agent_log
+    assert "is plain TCP: the profile's tls_ca, tls_cert, tls_key apply to mqtts:// only" in agent_log
+    with RunStore(site.run_dir, read_only=True) as store:
+        assert 0.0 <= (store.config() or {})["w0_accuracy"] <= 1.0
+        assert len(store.rounds()) == ROUNDS
+    subprocess.run(site.report_command(), check=True, capture_output=True, timeout=120)
