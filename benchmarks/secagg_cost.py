@@ -16,7 +16,7 @@ float32 `Update` of its head and the coordinator sums the decoded tensors. Per f
 
 Usage: python benchmarks/secagg_cost.py [--devices 10 100 500] [--seeds 0 1 2] [--features 1280]
        [--dropout 0.1] [--drop-before 0.05] [--drop-after 0.05]
-       python benchmarks/secagg_cost.py mqtt [--devices 10 100] [--rounds 2] [--out DIR]
+       python benchmarks/secagg_cost.py mqtt [--devices 10 100] [--rounds 2] [--out DIR] [--trees NAME=DIR ...]
          (`fl-bench simulate` with virtual devices, plain then secure rounds on one embedded broker:
           see secagg_mqtt.py for what it reports)
 """
@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import secagg_mqtt
+from load import named_tree
 
 from bench.secagg_fleet import SecureRound, head_updates, largest_error, plain_sum
 from coordinator.fleet.broker import DEFAULT_MAX_PACKET_BYTES, EmbeddedBroker
@@ -92,11 +93,19 @@ def over_mqtt(argv: list[str]) -> None:
     parser.add_argument("--devices", type=int, nargs="+", default=[10, 100])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, help="keep the runs here (default: a temporary folder)")
+    parser.add_argument(
+        "--trees",
+        nargs="+",
+        type=named_tree,
+        default=[("this", Path(__file__).resolve().parents[1])],
+        metavar="NAME=DIR",
+        help="checkouts whose simulate runs each size in turn (before=DIR after=DIR: a change's cost in one run)",
+    )
     args = parser.parse_args(argv)
     folder = args.out or Path(tempfile.mkdtemp(prefix="secagg-mqtt-"))
     folder.mkdir(parents=True, exist_ok=True)
     with EmbeddedBroker(folder / "broker", max_packet_bytes=DEFAULT_MAX_PACKET_BYTES) as broker:
-        report = secagg_mqtt.compare(broker.address, args.devices, args.rounds, folder)
+        report = secagg_mqtt.compare(broker.address, args.devices, args.rounds, folder, args.trees)
     print(json.dumps({"machine": {"cores": os.cpu_count()}, **report}), flush=True)
 
 

@@ -11,6 +11,7 @@ out. The process tree is sampled from /proc: the coordinator's CPU seconds and p
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import threading
 import time
@@ -59,9 +60,12 @@ class ByteCounter:
             self.received[device] += size
 
 
-def fleet_run(address: BrokerAddress, devices: int, rounds: int, folder: Path, secure: bool) -> dict[str, Any]:
-    """One `fl-bench simulate` on the shared broker, its devices' bytes counted and its processes sampled."""
-    fleet = f"{'secure' if secure else 'plain'}{devices}"
+def fleet_run(
+    address: BrokerAddress, devices: int, rounds: int, folder: Path, secure: bool, prefix: str = ""
+) -> dict[str, Any]:
+    """One `fl-bench simulate` on the shared broker (its fleet named by `prefix`, the mode and the size, so runs
+    never share retained topics), its devices' bytes counted and its processes sampled."""
+    fleet = f"{prefix}{'secure' if secure else 'plain'}{devices}"
     mode = ["--secure-aggregation", "secagg"] if secure else []
     extra = ["--broker", address.url, "--fleet", fleet, "--strategy", "fedavg", *mode]
     counter = ByteCounter(address, fleet)
@@ -105,16 +109,23 @@ def per_round(counts: dict[str, int], rounds: int) -> int:
     return round(statistics.fmean(counts.values()) / rounds) if counts else 0
 
 
-def compare(address: BrokerAddress, sizes: list[int], rounds: int, folder: Path) -> dict[str, Any]:
-    """Plain then secure rounds at each fleet size on one broker, each pair printed as it finishes; the ratios."""
+def compare(
+    address: BrokerAddress, sizes: list[int], rounds: int, folder: Path, trees: list[tuple[str, Path]]
+) -> dict[str, Any]:
+    """Plain then secure rounds at each fleet size on one broker, with each checkout's code in turn (its simulate
+    run with PYTHONPATH on it), each pair printed as it finishes; the ratios."""
     rows = []
     for devices in sizes:
-        plain = fleet_run(address, devices, rounds, folder, secure=False)
-        secure = fleet_run(address, devices, rounds, folder, secure=True)
-        row = {"devices": devices, "plain": plain, "secure": secure, "ratios": ratios(plain, secure)}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-    return {"rounds": rounds, "runs": str(folder), "sizes": rows}
+        for name, tree in trees:
+            os.environ["PYTHONPATH"] = str(tree)
+            runs = folder / name
+            runs.mkdir(parents=True, exist_ok=True)
+            plain = fleet_run(address, devices, rounds, runs, secure=False, prefix=name)
+            secure = fleet_run(address, devices, rounds, runs, secure=True, prefix=name)
+            row = {"tree": name, "devices": devices, "plain": plain, "secure": secure, "ratios": ratios(plain, secure)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return {"rounds": rounds, "runs": str(folder), "trees": {name: str(tree) for name, tree in trees}, "sizes": rows}
 
 
 def ratios(plain: dict[str, Any], secure: dict[str, Any]) -> dict[str, float | None]:
