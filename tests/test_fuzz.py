@@ -157,4 +157,4 @@ def test_the_coordinator_handler_never_raises(
     coordinator.dispatch(IncomingMessage(topic, payload, False), opened)
     if opened is not None:
         for device, update in collector.accepted.items():
-            assert validate_update(device, wire.encode(update), EXPECTATION).update_id == update.update_id
+            assert validate_update(device, payload, EXPECTATION).update_id == update.update_id
