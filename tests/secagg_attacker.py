@@ -1,11 +1,15 @@
-# A malicious party of secure aggregation written only from the message layouts (docs/ALGORITHMS.md section 14):
+# Malicious parties of secure aggregation written only from the message layouts (docs/ALGORITHMS.md section 14): a
+# coordinator, and a device's stages (`PlainDevice`, driven by the attack tests' forger and by tests/secagg_cheat.py);
 # plain paho-mqtt, msgpack and `cryptography`, none of the project's code, so an attack test does not share its bugs.
 from __future__ import annotations
 
+import hashlib
+import math
 import os
 import queue
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +27,11 @@ PRIME = 2**521 - 1
 SHARE_PURPOSE, MASK_PURPOSE = b"secagg-share-encryption", b"secagg-pairwise-mask"
 CONFIRM_PURPOSE, RECORD_PURPOSE = b"secagg-view-confirmation", b"secagg-record-authentication"
 WAIT = 30.0
+
+
+def envelope(kind: str, **fields: Any) -> bytes:
+    """A wire v2 message: a msgpack map of the version, the kind and the fields."""
+    return msgpack.packb({"v": 2, "kind": kind, **fields}, use_bin_type=True)
 
 
 def raw(secret: X25519PrivateKey) -> tuple[bytes, bytes]:
@@ -80,11 +89,12 @@ def confirmation(key: bytes, context: bytes, sender: str, recipient: str) -> byt
     return mac(key, b"survivor|" + bound(context, sender, recipient))
 
 
-def share_of(secret: bytes, threshold: int, x: int) -> tuple[bytes, list[int]]:
-    """One Shamir share (2-byte x, 66-byte y) of a random polynomial through the secret, and its coefficients."""
+def split(secret: bytes, threshold: int, holders: int) -> list[bytes]:
+    """Shamir shares (2-byte x, 66-byte y) of the secret for x = 1..holders, on one random polynomial of degree
+    threshold - 1 whose value at 0 is the secret."""
     coefficients = [int.from_bytes(secret, "big"), *(secrets.randbelow(PRIME) for _ in range(threshold - 1))]
-    y = sum(c * pow(x, i, PRIME) for i, c in enumerate(coefficients)) % PRIME
-    return x.to_bytes(2, "big") + y.to_bytes(66, "big"), coefficients
+    values = (sum(c * pow(x, i, PRIME) for i, c in enumerate(coefficients)) % PRIME for x in range(1, holders + 1))
+    return [x.to_bytes(2, "big") + y.to_bytes(66, "big") for x, y in enumerate(values, start=1)]
 
 
 def combine(shares: list[bytes]) -> bytes:
@@ -104,6 +114,16 @@ def prg(seed: bytes, length: int) -> np.ndarray:
     """The AES-256-CTR keystream of a seed as uint32 (the masks)."""
     encryptor = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
     return np.frombuffer(encryptor.update(bytes(4 * length)) + encryptor.finalize(), dtype="<u4").astype(np.uint32)
+
+
+def commitment(context: bytes, owner: str, seed: bytes) -> bytes:
+    """The owner's commitment to its self-mask seed: SHA-256 of "secagg-seed", the round, its id and the seed."""
+    return hashlib.sha256(b"|".join((b"secagg-seed", context, owner.encode(), seed))).digest()
+
+
+def fraction_bits(clip: float, summands: int) -> int:
+    """The fixed point's fraction bits: the largest b with summands * (clip * 2^b + 1/2) below 2^31."""
+    return math.floor(math.log2(((2**31 - 1) / summands - 0.5) / clip))
 
 
 def flat_tensors(tensors: dict[str, dict[str, Any]]) -> np.ndarray:
@@ -130,6 +150,149 @@ class Party:
         return cls(cipher_public, mask_public, cipher_secret, mask_secret)
 
 
+# Each stage message a device answers: the answer's kind and the PlainDevice method that makes it.
+ANSWERS = {
+    "secagg_roster": ("secagg_shares", "shares"),
+    "secagg_delivery": ("secagg_ack", "ack"),
+    "secagg_key_request": ("secagg_key_reveal", "key_reveal"),
+    "secagg_mask": ("secagg_masked", "masked"),
+    "secagg_view": ("secagg_confirm", "confirm"),
+    "secagg_unmask": ("secagg_reveal", "reveal"),
+}
+
+
+def no_one(peers: list[str]) -> list[str]:
+    """Nobody: the neighbours an honest device forges a record for."""
+    return []
+
+
+@dataclass
+class PlainDevice:
+    """A device's side of a secure round, written from the message layouts: `answer` takes a coordinator's stage
+    message and returns the device's answer, the transport left to whoever drives it. It follows the protocol but
+    where told otherwise: `victims` picks the neighbours whose record it seals with no share in it, `inputs` is
+    what it masks by tensor name (already weighted, never clipped: any value the fixed point's 32 bits hold), and
+    `forge` alters the first seed share it reveals at unmasking."""
+
+    device_id: str
+    keys: Party = field(default_factory=Party.fresh)
+    victims: Callable[[list[str]], list[str]] = no_one
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    forge: bool = False
+    seed: bytes = field(default_factory=lambda: os.urandom(32))
+    roster: dict[str, Any] = field(default_factory=dict)
+    ephemeral: dict[str, bytes] = field(default_factory=dict)
+    held: dict[str, bytes] = field(default_factory=dict)
+    partners: list[str] = field(default_factory=list)
+
+    def advert(self, round_id: int) -> bytes:
+        """Stage 1: its two public keys."""
+        keys = self.keys
+        return envelope(
+            "secagg_keys",
+            device_id=self.device_id,
+            round_id=round_id,
+            cipher_key=keys.cipher_public,
+            mask_key=keys.mask_public,
+        )
+
+    def answer(self, message: dict[str, Any]) -> bytes:
+        """Its answer to one of the coordinator's stage messages, as the wire's envelope."""
+        kind, method = ANSWERS[message["kind"]]
+        fields = getattr(self, method)(message)
+        return envelope(kind, device_id=self.device_id, round_id=message["round_id"], **fields)
+
+    @property
+    def context(self) -> bytes:
+        """The round's binding (run and round) every key, seal and commitment uses."""
+        return f"{self.roster['run_id']}/{self.roster['round_id']}".encode()
+
+    def peer(self, name: str) -> Party:
+        """A neighbour's public keys, as the roster gives them."""
+        index = self.roster["neighbours"].index(name)
+        return Party(self.roster["cipher_keys"][index], self.roster["mask_keys"][index])
+
+    def mask_seed(self, name: str) -> bytes:
+        """The pairwise mask seed it shares with a neighbour."""
+        return agreed(self.keys.mask_secret, self.peer(name).mask_public, MASK_PURPOSE, self.context)
+
+    def shares(self, roster: dict[str, Any]) -> dict[str, Any]:
+        """Stage 2: its seed split t-of-k among its neighbours (x = the place in the roster), each share sealed in
+        a record for its holder (a victim's record holds 68 zero bytes), and the seed's commitment."""
+        self.roster = roster
+        peers = roster["neighbours"]
+        hit, records = self.victims(peers), []
+        for peer, share in zip(peers, split(self.seed, roster["threshold"], len(peers))):
+            plaintext = bytes(len(share)) if peer in hit else share
+            record, self.ephemeral[peer] = seal(
+                self.keys, self.peer(peer).cipher_public, self.context, (self.device_id, peer), plaintext
+            )
+            records.append(record)
+        return {
+            "recipients": peers,
+            "ciphertexts": records,
+            "seed_commitment": commitment(self.context, self.device_id, self.seed),
+        }
+
+    def ack(self, delivery: dict[str, Any]) -> dict[str, Any]:
+        """Stage 2's check: keeps the share of each record that opens and says whose it holds (it accuses no one)."""
+        for sender, sealed in zip(delivery["senders"], delivery["ciphertexts"]):
+            share = unseal(self.keys, sealed, self.context, (sender, self.device_id))
+            if share is not None:
+                self.held[sender] = share
+        return {"held": list(self.held), "accused": [], "pair_keys": []}
+
+    def key_reveal(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A complaint against its records: the ephemeral secret of its record to each accuser."""
+        accusers = request["accusers"]
+        return {"accusers": accusers, "ephemeral_secrets": [self.ephemeral[accuser] for accuser in accusers]}
+
+    def masked(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Stage 3: its inputs in fixed point (unclipped), plus its self mask and a pairwise mask with every partner
+        the request names."""
+        self.partners = sorted(request["partners"])
+        names = sorted(self.inputs)
+        scale = 2.0 ** fraction_bits(self.roster["clip"], self.roster["max_summands"])
+        flat = np.concatenate([np.ravel(self.inputs[name]).astype(np.float64) for name in names])
+        total = np.rint(flat * scale).astype(np.int64).astype(np.uint32) + prg(self.seed, flat.size)
+        for peer in self.partners:
+            mask = prg(self.mask_seed(peer), flat.size)
+            total = total + mask if self.device_id < peer else total - mask
+        tensors, start = {}, 0
+        for name in names:
+            shape = list(np.shape(self.inputs[name]))
+            size = math.prod(shape)
+            data = total[start : start + size].astype("<u4").tobytes()
+            tensors[name] = {"dtype": "<u4", "shape": shape, "data": data}
+            start += size
+        return {"masked": tensors}
+
+    def confirm(self, view: dict[str, Any]) -> dict[str, Any]:
+        """Stage 4a: a confirmation to each partner the view calls a survivor, and its pairwise seed with each
+        other partner."""
+        survivors = sorted(view["survivors"])
+        dropped = [peer for peer in self.partners if peer not in survivors]
+        keys = [
+            agreed(self.keys.cipher_secret, self.peer(p).cipher_public, CONFIRM_PURPOSE, self.context)
+            for p in survivors
+        ]
+        tags = [confirmation(key, self.context, self.device_id, peer) for key, peer in zip(keys, survivors)]
+        return {
+            "recipients": survivors,
+            "tags": tags,
+            "dropped": dropped,
+            "pair_seeds": [self.mask_seed(peer) for peer in dropped],
+        }
+
+    def reveal(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Stage 4b: the seed share of each sender asked for (the confirmations unchecked); with `forge`, the first
+        one altered."""
+        shares = [self.held[sender] for sender in request["senders"]]
+        if self.forge and shares:
+            shares[0] = shares[0][:-1] + bytes([shares[0][-1] ^ 1])
+        return {"seed_owners": request["senders"], "seed_shares": shares}
+
+
 @dataclass
 class MaliciousCoordinator:
     """A plain MQTT client that plays the coordinator of a fleet's secure round (and, colluding, one of its devices
@@ -153,7 +316,7 @@ class MaliciousCoordinator:
 
     def send(self, device: str, kind: str, **fields: Any) -> None:
         """A stage message to one device, as the wire's msgpack envelope."""
-        payload = msgpack.packb({"v": 2, "kind": kind, **fields}, use_bin_type=True)
+        payload = envelope(kind, **fields)
         self.client.publish(f"fl/{self.fleet}/devices/{device}/secagg_in", payload, qos=1).wait_for_publish(WAIT)
 
     def collect(self, kind: str, count: int, timeout: float = WAIT) -> dict[str, dict[str, Any]]:

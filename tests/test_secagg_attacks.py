@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
-import os
 import queue
 import threading
 import time
@@ -13,7 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 import pytest
 from coordinators import local_coordinator
@@ -21,12 +17,14 @@ from secagg_attacker import (
     MASK_PURPOSE,
     MaliciousCoordinator,
     Party,
+    PlainDevice,
     agreed,
     combine,
+    commitment,
     flat_tensors,
     prg,
     seal,
-    share_of,
+    split,
     unseal,
 )
 
@@ -180,7 +178,8 @@ class Attack:
                 bundle = self.bundles[owner]
                 senders.append(owner)
                 sealed.append(bundle["ciphertexts"][bundle["recipients"].index(device)])
-        share, _ = share_of(b"\x01" * 32, THRESHOLD, 1 + self.neighbours(self.mal.me).index(device))
+        peers = self.neighbours(self.mal.me)
+        share = split(b"\x01" * 32, THRESHOLD, len(peers))[peers.index(device)]
         record, _ = seal(self.mal.keys, self.parties[device].cipher_public, self.context, (self.mal.me, device), share)
         return [*senders, self.mal.me], [*sealed, record]
 
@@ -239,8 +238,7 @@ class Attack:
 
     def committed(self, owner: str, seed: bytes) -> bool:
         """Whether a rebuilt seed is the one the owner committed to."""
-        expected = hashlib.sha256(b"|".join((b"secagg-seed", self.context, owner.encode(), seed))).digest()
-        return expected == self.bundles[owner]["seed_commitment"]
+        return commitment(self.context, owner, seed) == self.bundles[owner]["seed_commitment"]
 
     def mask_seed(self, secret: bytes, peer: str) -> bytes:
         """The pairwise mask seed of the holder of `secret` with a peer."""
@@ -327,48 +325,23 @@ def test_split_survivor_views_and_one_colluder_recover_nothing(attacked, target_
 
 
 class PlainForger:
-    """A device written from the message layouts (paho + msgpack + cryptography) that takes part in a real
-    coordinator's secure round and seals a record holding no share, under the pair's MAC, for each victim."""
+    """A plain device (`PlainDevice`, written from the message layouts) that takes part in a real coordinator's
+    secure round on the malicious client's connection and seals a record holding no share, under the pair's MAC,
+    for each victim; it settles the complaints against it (`answers`) or stays silent."""
 
     def __init__(self, mal: MaliciousCoordinator, victims: Callable[[list[str]], list[str]], answers: bool) -> None:
-        self.mal, self.victims, self.answers = mal, victims, answers
-        self.ephemeral: dict[str, bytes] = {}
+        self.mal, self.answers = mal, answers
+        self.device = PlainDevice(mal.me, mal.keys, victims)
 
-    def publish(self, kind: str, **fields: Any) -> None:
-        """One stage message from the forger, as the wire's msgpack envelope."""
-        payload = msgpack.packb({"v": 2, "kind": kind, "device_id": self.mal.me, **fields}, use_bin_type=True)
+    def publish(self, payload: bytes) -> None:
+        """One stage message from the forger."""
         self.mal.client.publish(f"fl/{FLEET}/devices/{self.mal.me}/secagg", payload, qos=1).wait_for_publish(30)
 
     def play(self, round_id: int) -> None:
         """Advertises, shares (forging its victims' records), acknowledges, and settles or ignores complaints."""
-        keys = self.mal.keys
-        self.publish("secagg_keys", round_id=round_id, cipher_key=keys.cipher_public, mask_key=keys.mask_public)
-        roster = self.expect("secagg_roster")
-        context = f"{roster['run_id']}/{round_id}".encode()
-        peers, hit = roster["neighbours"], self.victims(roster["neighbours"])
-        seed, records = os.urandom(32), []
-        for x, (peer, public) in enumerate(zip(peers, roster["cipher_keys"]), start=1):
-            share, _ = share_of(seed, roster["threshold"], x)
-            record, self.ephemeral[peer] = seal(
-                keys, public, context, (self.mal.me, peer), bytes(68) if peer in hit else share
-            )
-            records.append(record)
-        commitment = hashlib.sha256(b"|".join((b"secagg-seed", context, self.mal.me.encode(), seed))).digest()
-        self.publish(
-            "secagg_shares", round_id=round_id, recipients=peers, ciphertexts=records, seed_commitment=commitment
-        )
-        delivery = self.expect("secagg_delivery")
-        self.publish("secagg_ack", round_id=round_id, held=delivery["senders"], accused=[], pair_keys=[])
-        if self.answers:
-            request = self.expect("secagg_key_request")
-            secrets = [self.ephemeral[accuser] for accuser in request["accusers"]]
-            self.publish(
-                "secagg_key_reveal", round_id=round_id, accusers=request["accusers"], ephemeral_secrets=secrets
-            )
-
-    def expect(self, kind: str) -> dict[str, Any]:
-        """The coordinator's next message of a kind to the forger."""
-        return self.mal.collect(kind, 1)[self.mal.me]
+        self.publish(self.device.advert(round_id))
+        for kind in ["secagg_roster", "secagg_delivery", *(["secagg_key_request"] if self.answers else [])]:
+            self.publish(self.device.answer(self.mal.collect(kind, 1)[self.mal.me]))
 
 
 @pytest.mark.parametrize(
@@ -393,9 +366,9 @@ def test_a_forged_record_over_mqtt_excludes_the_forger_and_commits_the_honest_me
         split = LabelledSplit.from_uint8(fashion.test_images[:20], fashion.test_labels[:20])
         evaluator = Evaluator(DEFAULT_SPEC, split, split, 1, 0)
         policy = RoundPolicy(rounds=1, round_timeout=3.0)
-        coordinator = local_coordinator(FLEET, session, store, make_strategy("fedavg"), evaluator, policy, RECIPE)
         live = LiveState(1)
-        coordinator.parts = dataclasses.replace(coordinator.parts, observer=live)
+        strategy = make_strategy("fedavg")
+        coordinator = local_coordinator(FLEET, session, store, strategy, evaluator, policy, RECIPE, live)
         session.connect(timeout=10)
         coordinator.start()
         for device in [*HONEST, mal.me]:

@@ -1,7 +1,7 @@
 # What a coordinator checks of a secure round, against malicious devices on a real mosquitto: one that encodes 4x the
 # weight cap, one beyond the clip, one inside the bounds (the damage ALGORITHMS.md section 14 states), one that
 # forges a share and claims a 17 MiB stage message, one that skips the DP clip; and DP under secure aggregation
-# (device placement runs, central is refused). The attacker is tests/secagg_attacker.py.
+# (device placement runs, central is refused). The cheating device is tests/secagg_cheat.py, a plain client.
 from __future__ import annotations
 
 import dataclasses
