@@ -31,7 +31,7 @@ from secagg_attacker import (
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.metrics import render_metrics
 from coordinator.rounds.evaluation import Evaluator, LabelledSplit
-from coordinator.rounds.loop import RoundPolicy
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.storage.store import RunStore
 from coordinator.strategies.registry import make_strategy
 from edge_agent.data.journal import Journal

@@ -21,7 +21,7 @@ from coordinator.cli import main
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.metrics import render_metrics
 from coordinator.privacy.rounds import DpSettings, PrivateRounds
-from coordinator.rounds.loop import RoundPolicy
+from coordinator.rounds.rules import RoundPolicy
 from coordinator.secure.rounds import SECURE_SUM
 from coordinator.secure.secagg_bounds import SumLimits, sum_refusal
 from coordinator.storage.store import RunStore
