@@ -61,10 +61,12 @@ class ByteCounter:
 
 
 def fleet_run(
-    address: BrokerAddress, devices: int, rounds: int, folder: Path, secure: bool, prefix: str = ""
+    address: BrokerAddress, devices: int, rounds: int, folder: Path, secure: bool, tree: tuple[str, Path] | None = None
 ) -> dict[str, Any]:
     """One `fl-bench simulate` on the shared broker (its fleet named by `prefix`, the mode and the size, so runs
-    never share retained topics), its devices' bytes counted and its processes sampled."""
+    never share retained topics), its devices' bytes counted and its processes sampled. With a `tree` (name, checkout)
+    the simulate run is that checkout's code: run in it, with it on PYTHONPATH for every process it starts."""
+    prefix, cwd = tree if tree else ("", None)
     fleet = f"{prefix}{'secure' if secure else 'plain'}{devices}"
     mode = ["--secure-aggregation", "secagg"] if secure else []
     extra = ["--broker", address.url, "--fleet", fleet, "--strategy", "fedavg", *mode]
@@ -74,7 +76,9 @@ def fleet_run(
     time.sleep(1.0)
     started = time.monotonic()
     command = simulate_command(devices, rounds, folder / fleet, extra)
-    output, code, sampler = run_sampled(command, folder / f"{fleet}.log")
+    if cwd is not None:
+        os.environ["PYTHONPATH"] = str(cwd)
+    output, code, sampler = run_sampled(command, folder / f"{fleet}.log", cwd)
     counter.stop.set()
     watcher.join(timeout=60)
     return summary(devices, rounds, output.decode(), code, time.monotonic() - started, counter, sampler)
@@ -117,11 +121,10 @@ def compare(
     rows = []
     for devices in sizes:
         for name, tree in trees:
-            os.environ["PYTHONPATH"] = str(tree)
             runs = folder / name
             runs.mkdir(parents=True, exist_ok=True)
-            plain = fleet_run(address, devices, rounds, runs, secure=False, prefix=name)
-            secure = fleet_run(address, devices, rounds, runs, secure=True, prefix=name)
+            plain = fleet_run(address, devices, rounds, runs, secure=False, tree=(name, tree))
+            secure = fleet_run(address, devices, rounds, runs, secure=True, tree=(name, tree))
             row = {"tree": name, "devices": devices, "plain": plain, "secure": secure, "ratios": ratios(plain, secure)}
             print(json.dumps(row), flush=True)
             rows.append(row)

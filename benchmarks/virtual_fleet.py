@@ -173,10 +173,11 @@ def by_kind(processes: Iterable[ProcessPeak]) -> dict[str, dict[str, float]]:
     return kinds
 
 
-def run_sampled(command: list[str], log_file: Path) -> tuple[bytes, int, TreeSampler]:
-    """Runs a command (its stderr to log_file) while sampling its process tree; (stdout, exit code, the sampler)."""
+def run_sampled(command: list[str], log_file: Path, cwd: Path | None = None) -> tuple[bytes, int, TreeSampler]:
+    """Runs a command (its stderr to log_file; in `cwd`, whose code `python -m` then runs) while sampling its process
+    tree; (stdout, exit code, the sampler)."""
     with open(log_file, "wb") as log_stream:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_stream)
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_stream, cwd=cwd)
         sampler = TreeSampler(process.pid)
         thread = threading.Thread(target=sampler.run, daemon=True)
         thread.start()
