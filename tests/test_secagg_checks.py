@@ -20,8 +20,10 @@ from secagg_cheat import SecAggAttacker
 from coordinator.cli import main
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.metrics import render_metrics
+from coordinator.privacy.mode import PrivateMode
 from coordinator.privacy.rounds import DpSettings, PrivateRounds
 from coordinator.rounds.rules import RoundPolicy
+from coordinator.secure.mode import SecureMode
 from coordinator.secure.rounds import SECURE_SUM
 from coordinator.secure.secagg_bounds import SumLimits, sum_refusal
 from coordinator.storage.store import RunStore
@@ -140,8 +142,9 @@ def attacked_round(broker, tmp_path: Path, setup: Setup) -> Outcome:
         strategy = make_strategy(setup.strategy)
         coordinator = local_coordinator(FLEET, session, store, strategy, blank_evaluator(), policy, recipe, live)
         if recipe.dp != "off":
-            privacy = PrivateRounds(recipe, 1.0, DpSettings(), [])
-            coordinator.parts = dataclasses.replace(coordinator.parts, privacy=privacy)
+            private = PrivateMode(PrivateRounds(recipe, 1.0, DpSettings(), []))
+            mode = SecureMode(private, session, FLEET, coordinator.parts.intake)
+            coordinator.parts = dataclasses.replace(coordinator.parts, mode=mode)
         session.connect(timeout=10)
         coordinator.start()
         for device in setup.devices:

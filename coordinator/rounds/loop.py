@@ -227,7 +227,9 @@ class Coordinator:
         came in chunks the session dropped (too large, bad chunks) is counted as a rejection naming its sender."""
         if message.dropped is not None:
             dropped = message.dropped
-            log.warning("stage message dropped device=%s kind=%s reason=%s", device_id, dropped.kind, dropped.reason)
+            log.warning(
+                "secure-round message dropped device=%s kind=%s reason=%s", device_id, dropped.kind, dropped.reason
+            )
             round_id = opened.collector.round_id if opened is not None else 0
             rejection = Rejection(dropped.kind, dropped.reason)
             self.parts.intake.record(device_id, round_id, rejection, dropped.total_bytes)
