@@ -141,3 +141,12 @@ def test_memory_and_clock_refusals_name_what_was_found() -> None:
     assert not memory_check(100, "MemTotal: 1 kB\n").ok
     assert not clock_check(0.0).ok and "1970-01-01" in clock_check(0.0).line
     assert clock_check(CLOCK_FLOOR).ok
+
+
+def test_missing_tls_files_are_named_rather_than_called_unreachable(tmp_path: Path) -> None:
+    code, lines = doctor(f"mqtts://127.0.0.1:{free_loopback_port()}", tmp_path / "state")  # the profile's TLS files
+    assert code == 1
+    assert failures(lines) == [
+        "FAIL broker: the TLS files (ca /etc/edge-agent/tls/ca.crt, cert /etc/edge-agent/tls/device.crt, key "
+        "/etc/edge-agent/tls/device.key) cannot be used: [Errno 2] No such file or directory"
+    ]

@@ -164,11 +164,15 @@ def broker_check(address: BrokerAddress, timeout: float = BROKER_SECONDS) -> Ver
     client = paho.Client(callback_api_version=paho.CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
     client.on_connect = on_connect
     login = f" as {address.username!r}" if address.username is not None else ""
-    try:
-        if address.username is not None:
-            client.username_pw_set(address.username, address.password)
-        if address.tls:
+    if address.username is not None:
+        client.username_pw_set(address.username, address.password)
+    if address.tls:
+        files = f"ca {address.ca_file}, cert {address.cert_file}, key {address.key_file}"
+        try:
             client.tls_set(ca_certs=address.ca_file, certfile=address.cert_file, keyfile=address.key_file)
+        except (OSError, ssl.SSLError, ValueError) as error:
+            return Verdict("broker", False, f"the TLS files ({files}) cannot be used: {error}")
+    try:
         client.connect(address.host, address.port, keepalive=30)
     except (OSError, ssl.SSLError, ValueError) as error:
         return Verdict("broker", False, f"{address.url} cannot be reached{login}: {error}")
