@@ -91,8 +91,6 @@ class HostSide:
     work: Path
     wheel: Path
     fleet: Path
-    cnn_pool: Path
-    camera_pool: Path
     selections: dict[str, list]
 
 
@@ -143,7 +141,7 @@ def prepare_host(work: Path, log: Path) -> HostSide:
         bundle: json.loads(host_run([*edge_agent, *score_argv("", work, bundle)[1:]], log))[field]
         for bundle, (_, _, field) in SCORES.items()
     }
-    return HostSide(work, wheel, work / "fleet", work / "cnn-pool.npy", work / "fleet/device-00/pool", selections)
+    return HostSide(work, wheel, work / "fleet", selections)
 
 
 def agent_requirements(onnxruntime: str | None) -> list[str]:
