@@ -96,7 +96,7 @@ class HostSide:
 
 SCORES = {
     "paper-CNN": ("bundle-cnn", "cnn-pool.npy", "indices"),
-    "EfficientNet-Lite0 head-only": ("bundle-efficientnet", "fleet/device-00/pool", "files"),
+    "EfficientNet-Lite0 head-only": ("bundle-efficientnet", "scenes", "files"),
 }
 """Bundle name -> (its folder, its pool, the JSON field the selections are compared on: files for an image folder)."""
 
@@ -110,12 +110,14 @@ def score_argv(edge_agent: str, work: Path, bundle: str) -> list[str]:
 
 
 def prepare_host(work: Path, log: Path) -> HostSide:
-    """The project's wheel (built from a copy of the tree, so the clone stays clean), a one-device-per-board camera
-    fleet, the paper-CNN bundle and the fleet's EfficientNet-Lite0 head-only bundle (96 px, the Pi Zero's size),
-    and the host's selection with each."""
+    """The project's wheel (built from a copy of the tree, so the clone stays clean), a camera fleet of one device
+    per (release, board) with 20 scenes each (a round needs no more, and each costs a backbone pass under
+    emulation), the paper-CNN bundle over 50 Fashion-MNIST images and the fleet's EfficientNet-Lite0 head-only
+    bundle (96 px, the Pi Zero's size) over 50 test scenes, and the host's selection with each."""
     import numpy as np
 
-    from bench.camera_fleet import SPEC_FILE, FleetSettings, build_fleet
+    from bench.camera_fleet import SPEC_FILE, FleetSettings, build_fleet, write_pool
+    from bench.camera_scenes import DEFAULT_CLASSES, pick_items, render_set
     from edge_agent.data.fashion_mnist import load_fashion_mnist
     from edge_agent.learning.models import build_model, get_weights
     from protocol.files import save_arrays
@@ -129,8 +131,10 @@ def prepare_host(work: Path, log: Path) -> HostSide:
     )
     (wheel,) = work.glob("edge_fal-*.whl")
     dataset = load_fashion_mnist()
-    settings = FleetSettings(len(BOARDS) * len(RELEASES), per_class=10, test_per_class=10, server_per_class=12)
+    settings = FleetSettings(len(BOARDS) * len(RELEASES), per_class=4, test_per_class=10, server_per_class=12)
     build_fleet(work / "fleet", settings, dataset)
+    items, labels = pick_items(dataset.test_labels, DEFAULT_CLASSES, 10, np.random.default_rng(0))
+    write_pool(work / "scenes", render_set(dataset.test_images[items], labels, settings.size, 0, 0), "scene")
     np.save(work / "cnn-pool.npy", dataset.test_images[:50])
     save_arrays(work / "cnn-weights.npz", get_weights(build_model(seed=0)))
     export = [sys.executable, "-m", "export", "--out"]
