@@ -39,7 +39,7 @@ def add_arguments(run: argparse.ArgumentParser) -> None:
 def add_device_arguments(run: argparse.ArgumentParser) -> None:
     """Every option of a device but where its pool comes from: the broker and identity, the profile and its
     overrides, the folder oracle, the label page and stream acquisition (a bench device adds its shard)."""
-    run.add_argument("--broker", required=True, help="mqtt://HOST:PORT or mqtts://HOST:PORT")
+    add_board_arguments(run)
     run.add_argument(
         "--max-message-bytes",
         type=int,
@@ -48,19 +48,6 @@ def add_device_arguments(run: argparse.ArgumentParser) -> None:
     )
     run.add_argument("--fleet", help="fleet name (default: the credential file's)")
     run.add_argument("--device-id", help="this device's id (default: the credential file's)")
-    run.add_argument(
-        "--credentials",
-        type=Path,
-        help="credential file from `fl-coordinator provision`: broker login, TLS files, signing key",
-    )
-    run.add_argument(
-        "--state-dir",
-        type=Path,
-        help="where labels and progress persist (default: the profile's storage_path, else ./agent-state/ID)",
-    )
-    run.add_argument(
-        "--profile", type=Path, help="device profile (firmware_configs/*.toml): back end, threads, batch, MC cap, MQTT"
-    )
     run.add_argument("--torch-threads", type=int, help="torch threads (default: the profile's, else 1)")
     run.add_argument("--inference-batch", type=int, help="images per scoring batch (default: the profile's, else 256)")
     run.add_argument("--exit-on-final", action="store_true", help="exit when the coordinator ends the run")
@@ -72,6 +59,24 @@ def add_device_arguments(run: argparse.ArgumentParser) -> None:
     )
     run.add_argument("--log-level", default="info")
     add_field_arguments(run)
+
+
+def add_board_arguments(parser: argparse.ArgumentParser) -> None:
+    """What `run` and `doctor` share: the broker, the credential file, the state folder and the device profile."""
+    parser.add_argument("--broker", required=True, help="mqtt://HOST:PORT or mqtts://HOST:PORT")
+    parser.add_argument(
+        "--credentials",
+        type=Path,
+        help="credential file from `fl-coordinator provision`: broker login, TLS files, signing key",
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        help="where labels and progress persist (default: the profile's storage_path, else ./agent-state/ID)",
+    )
+    parser.add_argument(
+        "--profile", type=Path, help="device profile (firmware_configs/*.toml): back end, threads, batch, MC cap, MQTT"
+    )
 
 
 def device_identity(args: argparse.Namespace, credentials: Credentials | None) -> tuple[str, str]:

@@ -21,6 +21,7 @@ from fleet import (
     watch_status,
 )
 
+from coordinator.fleet.broker import free_loopback_port
 from protocol import messages
 
 FLEET = "hygiene"
@@ -145,3 +146,27 @@ def test_the_systemd_units_stop_ends_the_agent_it_runs_cleanly_and_in_time(tmp_p
     agent.send_signal(getattr(signal, service["KillSignal"]))
     assert wait_exit(agent, "the unit's agent after its KillSignal", timeout=float(service["TimeoutStopSec"])) == 0
     assert time.monotonic() - sent < STOP_SECONDS, log_text(tmp_path / "agent.log")[-2000:]
+
+
+@pytest.mark.integration
+def test_the_systemd_units_doctor_lets_a_ready_board_start_and_names_what_stops_a_broken_one(
+    tmp_path: Path, broker
+) -> None:
+    """The unit's ExecStartPre as this machine runs it: exit 0 on a board that can serve; with the broker's address
+    wrong, exit 1 (systemd then does not start the agent) and one line naming the broker in the journal."""
+    service = unit_service_section(ROOT / "firmware_configs" / "edge-agent.service")
+    paths = {
+        "/etc/edge-agent/profile.toml": ROOT / "firmware_configs" / "raspberry-pi-zero-2w.toml",
+        "/var/lib/edge-agent": tmp_path / "state",
+    }
+    ready = {"EDGE_BROKER": broker.address.url, "EDGE_DOCTOR_ARGS": ""}
+    done = subprocess.run(unit_command(service["ExecStartPre"], ready, paths), capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.endswith("ready: this board can serve its fleet\n"), done.stdout
+    dead = f"mqtt://127.0.0.1:{free_loopback_port()}"
+    done = subprocess.run(
+        unit_command(service["ExecStartPre"], {**ready, "EDGE_BROKER": dead}, paths), capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    assert [line for line in done.stdout.splitlines() if line.startswith("FAIL")] == [
+        f"FAIL broker: {dead} cannot be reached: [Errno 111] Connection refused"
+    ]
