@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -25,6 +26,19 @@ def test_the_guide_has_the_commands_a_fleet_needs_to_start_together() -> None:
     for flag in ("--broker-listen", "--wait-devices", "--min-devices", "--round-timeout", "--no-device-eval"):
         assert flag in coordinator
     assert "--exit-on-final" in device and "--profile" in device
+
+
+def test_the_readme_camera_path_is_the_guides_commands_word_for_word() -> None:
+    """The front page's camera path restates nothing: its coordinator and device commands are the guide's, which the
+    test below runs."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(r"## The camera path in ten lines.*?```sh\n(.*?)```", readme, re.DOTALL)
+    assert block is not None
+    commands = [
+        shlex.split(line, comments=True) for line in block.group(1).replace("\\\n", " ").splitlines() if line.strip()
+    ]
+    assert guide_command("coordinator") in commands
+    assert guide_command("device") in commands
 
 
 def test_a_site_changes_only_values_of_flags_the_guide_has() -> None:
