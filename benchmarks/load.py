@@ -295,6 +295,18 @@ def named_tree(text: str) -> tuple[str, Path]:
     return name, Path(folder).resolve()
 
 
+def add_trees_option(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """`--trees NAME=DIR ...`: the checkouts whose code a benchmark runs in turn (default: this one)."""
+    parser.add_argument(
+        "--trees",
+        nargs="+",
+        type=named_tree,
+        default=[("this", Path(__file__).resolve().parents[1])],
+        metavar="NAME=DIR",
+        help=help_text,
+    )
+
+
 def add_ratios(rows: list[dict], baseline_tree: str) -> None:
     """Each row's speed against one fsync per update (same tree), and its speed and memory against the baseline
     tree's row of the same setting (same run, same machine)."""
@@ -335,14 +347,10 @@ def main() -> int:
     parser.add_argument(
         "--strategy", nargs="+", default=["avefl"], help="avefl/fedavg stream; median keeps every update (for contrast)"
     )
-    parser.add_argument(
-        "--trees",
-        nargs="+",
-        type=named_tree,
-        default=[("this", Path(__file__).resolve().parents[1])],
-        metavar="NAME=DIR",
-        help="coordinators to compare, each the code of one checkout (before=DIR after=DIR), run in turn for every "
-        "row; the first is the baseline of the ratios",
+    add_trees_option(
+        parser,
+        "coordinators to compare, each the code of one checkout (before=DIR after=DIR), run in turn for every row; "
+        "the first is the baseline of the ratios",
     )
     args = parser.parse_args()
     os.environ.setdefault("PYTHONPATH", str(Path(__file__).resolve().parents[1]))

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 import secagg_mqtt
-from load import named_tree
+from load import add_trees_option
 
 from bench.secagg_fleet import SecureRound, head_updates, largest_error, plain_sum
 from coordinator.fleet.broker import DEFAULT_MAX_PACKET_BYTES, EmbeddedBroker
@@ -93,13 +93,8 @@ def over_mqtt(argv: list[str]) -> None:
     parser.add_argument("--devices", type=int, nargs="+", default=[10, 100])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, help="keep the runs here (default: a temporary folder)")
-    parser.add_argument(
-        "--trees",
-        nargs="+",
-        type=named_tree,
-        default=[("this", Path(__file__).resolve().parents[1])],
-        metavar="NAME=DIR",
-        help="checkouts whose simulate runs each size in turn (before=DIR after=DIR: a change's cost in one run)",
+    add_trees_option(
+        parser, "checkouts whose simulate runs each size in turn (before=DIR after=DIR: a change's cost in one run)"
     )
     args = parser.parse_args(argv)
     folder = args.out or Path(tempfile.mkdtemp(prefix="secagg-mqtt-"))
