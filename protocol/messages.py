@@ -25,6 +25,7 @@ from protocol.secagg_messages import (
     UnmaskResponse,
     ViewConfirmation,
 )
+from protocol.serving_messages import ServingMessage
 
 Tensors = dict[str, np.ndarray]
 
@@ -370,6 +371,7 @@ Message = (
     | Ack
     | Status
     | Chunk
+    | ServingMessage
     | SecAggMessage
 )
 MESSAGE_TYPES: dict[str, type] = {
@@ -384,6 +386,7 @@ MESSAGE_TYPES: dict[str, type] = {
         Ack,
         Status,
         Chunk,
+        ServingMessage,
         *SECAGG_TYPES,
     )
 }
@@ -398,6 +401,7 @@ M = TypeVar(
     Ack,
     Status,
     Chunk,
+    ServingMessage,
     KeyAdvert,
     KeyRoster,
     ShareBundle,

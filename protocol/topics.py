@@ -110,11 +110,13 @@ MODEL = Topic("fl/{fleet}/model/{hash}")  # retained: global weights, addressed 
 BUNDLE = Topic("fl/{fleet}/bundle/{hash}")  # retained: the ONNX bundle of the global model with this hash
 BACKBONE = Topic("fl/{fleet}/backbone/{hash}")  # retained: one graph of a frozen prefix, by its sha256
 ENCODER = Topic("fl/{fleet}/encoder/{hash}")  # retained: frozen-encoder ONNX bytes (FAST), by their sha256
+SERVING = Topic("fl/{fleet}/serving")  # retained: the serving version (the model devices predict with)
 UPDATE = Topic("fl/{fleet}/devices/{device}/update")  # a device's update for a round
 ACK = Topic("fl/{fleet}/devices/{device}/ack")  # the coordinator's answer to one device's update
 STATUS = Topic("fl/{fleet}/devices/{device}/status")  # retained: a device's presence and progress
 SECAGG_UP = Topic("fl/{fleet}/devices/{device}/secagg")  # a device's secure-aggregation stage messages
 SECAGG_DOWN = Topic("fl/{fleet}/devices/{device}/secagg_in")  # the coordinator's stage messages to one device
+PREDICTIONS = Topic("fl/{fleet}/devices/{device}/predictions")  # a device's predictions, batched, when the fleet asks
 DEVICE_OWN = Topic("fl/{fleet}/devices/{device}/{leaf}")  # any topic of one device: what it may write
 FLEET_ALL = Topic("fl/{fleet}/{rest}")  # any topic of one fleet: what its coordinator may read and write
 
@@ -152,9 +154,9 @@ CHUNKS = ChunkTopic()
 
 def device_acl(fleet: str) -> list[str]:
     """The mosquitto ACL lines of a fleet's devices: each writes only under its own topics and reads only the
-    round, the models, their bundles and backbones, the encoders, its own acks and its own secure-aggregation
-    messages (each with the chunks a large message takes)."""
-    readable = (ACK, SECAGG_DOWN, ROUND, MODEL, BUNDLE, BACKBONE, ENCODER)
+    round, the serving version, the models, their bundles and backbones, the encoders, its own acks and its own
+    secure-aggregation messages (each with the chunks a large message takes)."""
+    readable = (ACK, SECAGG_DOWN, ROUND, SERVING, MODEL, BUNDLE, BACKBONE, ENCODER)
     reads = [name for pattern in readable for name in CHUNKS.with_chunks(pattern.acl(fleet=fleet))]
     return [f"pattern write {DEVICE_OWN.acl(fleet=fleet)}", *(f"pattern read {name}" for name in reads)]
 

@@ -116,6 +116,8 @@ def test_the_device_acl_comes_from_the_patterns() -> None:
         "pattern read fl/f/devices/%u/secagg_in/chunk/+",
         "pattern read fl/f/round",
         "pattern read fl/f/round/chunk/+",
+        "pattern read fl/f/serving",
+        "pattern read fl/f/serving/chunk/+",
         "pattern read fl/f/model/#",
         "pattern read fl/f/bundle/#",
         "pattern read fl/f/backbone/#",
