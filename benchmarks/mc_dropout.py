@@ -7,17 +7,25 @@ back end's default batch; their peak RSS is checked against issue #3's target (R
 
 The `zoo` section does the same for every model of the zoo (a seeded, untrained model: speed does not depend on the
 weights) on ZOO_POOL random images of the model's input shape: the naive loop against the project's onnxruntime
-scorer on the same model, each in its own process, with images/s, peak RSS and the prefix cache's speed-up."""
+scorer on the same model, each in its own process, with images/s, peak RSS and the prefix cache's speed-up.
+
+With `--trees NAME=DIR ...` it compares checkouts instead: the `--rows` (default: onnxruntime int8, batch 256) on one
+bundle and pool (built by the first tree, the oldest), each row run with each tree's own code, interleaved `--repeats` times, with every tree's speed
+against the first's paired by repeat (how wave 4 told a slower scorer from a busier machine)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from load import add_trees_option
 
 POOL_SIZE = 4000
 PASSES = 20
@@ -163,23 +171,64 @@ ROWS = {
 }
 
 
-def run_row(out: Path, name: str, *extra: str) -> dict:
-    """Measures one row in a fresh interpreter and returns its JSON record (with torch_imported)."""
+THIS_TREE = Path(__file__).resolve().parents[1]
+
+
+def run_row(out: Path, name: str, *extra: str, tree: Path = THIS_TREE) -> dict:
+    """Measures one row in a fresh interpreter, with `tree`'s code (its own copy of this script), and returns its JSON
+    record (with torch_imported)."""
     result = subprocess.run(
-        [sys.executable, __file__, "--row", name, "--dir", str(out), *extra], capture_output=True, text=True, check=True
+        [sys.executable, str(tree / "benchmarks" / "mc_dropout.py"), "--row", name, "--dir", str(out), *extra],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree)},
     )
     return json.loads(result.stdout)
 
 
-def in_subprocess(function: str, *args: object) -> Any:
-    """Calls one of this module's functions in a fresh interpreter and returns its JSON result. The inputs are built
-    there so that this process stays small: a child's peak RSS counts the parent's pages it forked from."""
+def compare_trees(out: Path, trees: list[tuple[str, Path]], rows: list[str], repeats: int) -> dict:
+    """The same rows on the same bundle and pool (built by the first tree: the oldest, whose bundle every later tree
+    reads) with each tree's code, interleaved `repeats` times so that a drift of the machine falls on every tree
+    alike; each tree's speed against the first tree's, paired by repeat."""
+    in_subprocess("train_w0", out, tree=trees[0][1])
+    speeds: dict[str, dict[str, list[float]]] = {row: {name: [] for name, _ in trees} for row in rows}
+    for _ in range(repeats):
+        for row in rows:
+            for name, tree in trees:
+                speeds[row][name].append(run_row(out, row, tree=tree)["images_per_second"])
+    baseline = trees[0][0]
+    summary = {}
+    for row, by_tree in speeds.items():
+        summary[row] = {
+            name: {
+                "images_per_second": values,
+                "mean": round(statistics.mean(values), 1),
+                f"paired_ratio_vs_{baseline}": [round(v / b, 3) for v, b in zip(values, by_tree[baseline])],
+            }
+            for name, values in by_tree.items()
+        }
+    return {"trees": {name: str(tree) for name, tree in trees}, "repeats": repeats, "rows": summary}
+
+
+def in_subprocess(function: str, *args: object, tree: Path = THIS_TREE) -> Any:
+    """Calls one of this module's functions (`tree`'s copy of it) in a fresh interpreter and returns its JSON result.
+    The inputs are built there so that this process stays small: a child's peak RSS counts the parent's pages it
+    forked from."""
     call = f"{function}(*{[str(arg) if isinstance(arg, Path) else arg for arg in args]!r})"
     code = (
-        f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import mc_dropout; "
+        f"import json, sys; sys.path.insert(0, {str(tree / 'benchmarks')!r}); import mc_dropout; "
         f"from pathlib import Path; print(json.dumps(mc_dropout.{call}))"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+    )
     return json.loads(result.stdout)
 
 
@@ -238,6 +287,9 @@ def main() -> None:
     parser.add_argument("--dir", type=Path)
     parser.add_argument("--pool-file", default="pool.npz")
     parser.add_argument("--zoo-only", action="store_true", help="only the zoo section")
+    add_trees_option(parser, "compare these checkouts' scorers row by row (the first is the baseline)")
+    parser.add_argument("--rows", nargs="+", choices=ROWS, default=["onnxruntime-int8-batch256"], help="with --trees")
+    parser.add_argument("--repeats", type=int, default=5, help="with --trees: interleaved runs of each row and tree")
     args = parser.parse_args()
     if args.row:
         kind, spec, batch = ROWS[args.row]
@@ -248,6 +300,9 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as temp:
         out = Path(temp)
+        if len(args.trees) > 1:
+            print(json.dumps(compare_trees(out, args.trees, args.rows, args.repeats), indent=1))
+            return
         zoo = zoo_section(out)
         if args.zoo_only:
             print(json.dumps({"pool": ZOO_POOL, "passes": PASSES, "threads": THREADS, "zoo": zoo}, indent=1))
