@@ -62,19 +62,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def int8_data(args: argparse.Namespace, spec: ModelSpec) -> Int8Data | None:
-    """What --int8 calibrates and checks on: --calibration, else Fashion-MNIST for the default spec; None without
-    --int8."""
+def check_int8_request(args: argparse.Namespace, spec: ModelSpec) -> None:
+    """A UsageError for --calibration without --int8, --int8 of a spec of one's own without --calibration, or a
+    --calibration that is neither a folder nor a .npz: checked before a model is built or anything is written."""
     if not args.int8:
         if args.calibration is not None:
             raise UsageError("--calibration is used only with --int8")
-        return None
-    if args.calibration is not None:
-        return calibration_data(args.calibration, spec)
-    if spec != DEFAULT_SPEC:
+        return
+    if args.calibration is None and spec != DEFAULT_SPEC:
         raise UsageError(
             "--int8 with a model spec of your own needs --calibration IMAGES_DIR_OR_NPZ (images like yours)"
         )
+    if args.calibration is not None and args.calibration.suffix != ".npz" and not args.calibration.is_dir():
+        raise UsageError(f"--calibration {args.calibration}: neither a folder of images nor a data set .npz")
+
+
+def int8_data(args: argparse.Namespace, spec: ModelSpec) -> Int8Data | None:
+    """What --int8 calibrates and checks on: --calibration, else Fashion-MNIST for the default spec; None without
+    --int8."""
+    check_int8_request(args, spec)
+    if not args.int8:
+        return None
+    if args.calibration is not None:
+        return calibration_data(args.calibration, spec)
     dataset = load_fashion_mnist(args.data_dir)
     return Int8Data(
         model_input(dataset.train_images[:CALIBRATION_IMAGES]),
@@ -93,8 +103,6 @@ def calibration_data(path: Path, spec: ModelSpec) -> Int8Data:
             model_input(dataset.test_images[:CALIBRATION_IMAGES]),
             dataset.test_labels[:CALIBRATION_IMAGES].astype(np.int64),
         )
-    if not path.is_dir():
-        raise UsageError(f"--calibration {path}: neither a folder of images nor a data set .npz")
     images = read_image_folder(path, InputSpec(spec.channels, spec.height, spec.width), FOLDER_IMAGES).images
     if len(images) == 1:
         return Int8Data(images, images, held_out=False)
@@ -137,6 +145,7 @@ def export_file(args: argparse.Namespace) -> int:
         raise UsageError(f"weights file {args.weights} does not exist")
     weights = load_arrays(args.weights)
     spec = load_model_spec(args.model_spec).spec if args.model_spec else DEFAULT_SPEC
+    check_int8_request(args, spec)
     try:
         check_layout(weight_spec(build_model(spec)), weights)
     except LayoutError as error:
@@ -155,6 +164,7 @@ def export_initial_model(args: argparse.Namespace) -> int:
         raise UsageError(
             f"{args.model_spec} names initial_weights {spec_file.initial_weights.name}: export that file with --weights"
         )
+    check_int8_request(args, spec_file.spec)
     weights = get_weights(initial_model(spec_file.spec, args.seed))
     export_weights(weights, f"the initial model of {args.model_spec} (seed {args.seed})", args, spec_file.spec)
     return 0
