@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import ClassVar, TypeVar
+from typing import ClassVar, Protocol, TypeVar
 
 import numpy as np
 
@@ -361,37 +361,15 @@ SECAGG_TYPES = (
     UnmaskRequest,
     UnmaskResponse,
 )
-Message = (
-    RoundAnnouncement
-    | ModelMessage
-    | BundleMessage
-    | BackboneMessage
-    | EncoderMessage
-    | Update
-    | Ack
-    | Status
-    | Chunk
-    | ServingMessage
-    | SecAggMessage
-)
-MESSAGE_TYPES: dict[str, type] = {
-    cls.KIND: cls
-    for cls in (
-        RoundAnnouncement,
-        ModelMessage,
-        BundleMessage,
-        BackboneMessage,
-        EncoderMessage,
-        Update,
-        Ack,
-        Status,
-        Chunk,
-        ServingMessage,
-        *SECAGG_TYPES,
-    )
-}
-M = TypeVar(
-    "M",
+
+
+class Message(Protocol):
+    """Any message the wire carries: a frozen dataclass whose KIND names it in the envelope."""
+
+    KIND: ClassVar[str]
+
+
+WIRE_TYPES: tuple[type[Message], ...] = (
     RoundAnnouncement,
     ModelMessage,
     BundleMessage,
@@ -402,17 +380,7 @@ M = TypeVar(
     Status,
     Chunk,
     ServingMessage,
-    KeyAdvert,
-    KeyRoster,
-    ShareBundle,
-    ShareDelivery,
-    DeliveryAck,
-    RecordKeyRequest,
-    RecordKeyReveal,
-    MaskRequest,
-    MaskedInput,
-    SurvivorView,
-    ViewConfirmation,
-    UnmaskRequest,
-    UnmaskResponse,
+    *SECAGG_TYPES,
 )
+MESSAGE_TYPES: dict[str, type[Message]] = {cls.KIND: cls for cls in WIRE_TYPES}
+M = TypeVar("M", bound=Message)
