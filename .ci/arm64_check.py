@@ -277,7 +277,7 @@ def field_round(installs: list[Install], boards: tuple[Board, ...], host: HostSi
     """One round of the camera fleet: a coordinator on the host (its own mosquitto on a loopback port), one field
     agent per (release, board) on the Pi Zero 2 W profile, the bench's people answering their queries; every
     device's update must be accepted. Returns the accepted updates."""
-    from bench.camera_fleet import SERVER_FILE, SPEC_FILE, PeopleAtTheOracles, camera_agent_command
+    from bench.camera_fleet import SERVER_FILE, SPEC_FILE, PeopleAtTheOracles, camera_agent_command, stop_site
     from coordinator.fleet.broker import EmbeddedBroker
     from coordinator.storage.store import RunStore
     from protocol.model_spec import load_model_spec
@@ -308,11 +308,7 @@ def field_round(installs: list[Install], boards: tuple[Board, ...], host: HostSi
         try:
             watch(processes, devices, host.work)
         finally:
-            people.stopped.set()
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
+            stop_site(people, processes)
     records = RunStore(run_dir).device_rounds(1)
     refused = [f"{r.device_id}: {r.reason}" for r in records if not r.accepted]
     if refused or len(records) != len(devices):

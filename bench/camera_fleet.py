@@ -5,6 +5,7 @@ import csv
 import io
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -201,3 +202,13 @@ class PeopleAtTheOracles(threading.Thread):
         while not self.stopped.wait(self.period):
             for book, key in self.books:
                 answer_queries(book, key)
+
+
+def stop_site(people: PeopleAtTheOracles, processes: list[subprocess.Popen]) -> None:
+    """Stops the bench's people and kills whatever of the site's processes still runs (a run's last step, also when
+    it failed)."""
+    people.stopped.set()
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

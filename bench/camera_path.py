@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.camera_fleet import POOL_DIR, SERVER_FILE, SPEC_FILE, PeopleAtTheOracles, device_dir
+from bench.camera_fleet import POOL_DIR, SERVER_FILE, SPEC_FILE, PeopleAtTheOracles, device_dir, stop_site
 from protocol.model_spec import load_model_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,8 +127,4 @@ def run_camera_site(site: CameraSite, timeout: float) -> list[int]:
             people.start()
         return [process.wait(timeout=timeout) for process in processes]
     finally:
-        people.stopped.set()
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        stop_site(people, processes)

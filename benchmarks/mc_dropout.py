@@ -177,8 +177,13 @@ THIS_TREE = Path(__file__).resolve().parents[1]
 def run_row(out: Path, name: str, *extra: str, tree: Path = THIS_TREE) -> dict:
     """Measures one row in a fresh interpreter, with `tree`'s code (its own copy of this script), and returns its JSON
     record (with torch_imported)."""
+    return in_tree(tree, str(tree / "benchmarks" / "mc_dropout.py"), "--row", name, "--dir", str(out), *extra)
+
+
+def in_tree(tree: Path, *arguments: str) -> Any:
+    """The JSON a fresh interpreter prints when it runs `arguments` in `tree`, with that tree's code first."""
     result = subprocess.run(
-        [sys.executable, str(tree / "benchmarks" / "mc_dropout.py"), "--row", name, "--dir", str(out), *extra],
+        [sys.executable, *arguments],
         capture_output=True,
         text=True,
         check=True,
@@ -221,15 +226,7 @@ def in_subprocess(function: str, *args: object, tree: Path = THIS_TREE) -> Any:
         f"import json, sys; sys.path.insert(0, {str(tree / 'benchmarks')!r}); import mc_dropout; "
         f"from pathlib import Path; print(json.dumps(mc_dropout.{call}))"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=tree,
-        env={**os.environ, "PYTHONPATH": str(tree)},
-    )
-    return json.loads(result.stdout)
+    return in_tree(tree, "-c", code)
 
 
 def zoo_section(out: Path) -> dict:
