@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,10 @@ from coordinator.fleet.broker import EmbeddedBroker, free_loopback_port
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.image_arrays import ImageDataset
 from protocol.mqtt import BrokerAddress, MqttSession
+
+# Every process a test starts inherits it: a child that dies of a signal (SIGSEGV, SIGABRT) writes each thread's
+# Python traceback into its log, which the failing test prints.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -30,11 +30,11 @@ STOP_SECONDS = 2.0
 LONG_TRAINING = messages.Recipe(labels_per_acquisition=20, epochs=2000, batch_size=8, mc_passes=2)
 
 
-def seconds_to_stop(process: subprocess.Popen) -> float:
-    """SIGTERM, then how long the process took to exit (it must exit cleanly)."""
+def seconds_to_stop(process: subprocess.Popen, log_file: Path) -> float:
+    """SIGTERM, then how long the process took to exit (it must exit cleanly; else its log's tail says how not)."""
     sent = time.monotonic()
     process.send_signal(signal.SIGTERM)
-    assert wait_exit(process, "the agent after SIGTERM", timeout=30) == 0
+    assert wait_exit(process, "the agent after SIGTERM", timeout=30) == 0, log_text(log_file)[-3000:]
     return time.monotonic() - sent
 
 
@@ -48,7 +48,7 @@ def test_an_agent_exits_within_two_seconds_of_sigterm(state: str, tmp_path: Path
         processes.append(agent)
         wait_until(lambda: "mqtt connecting" in log_text(launch.log_file), "the agent trying its absent broker")
         time.sleep(1.0)
-        assert seconds_to_stop(agent) < STOP_SECONDS, log_text(launch.log_file)[-2000:]
+        assert seconds_to_stop(agent, launch.log_file) < STOP_SECONDS, log_text(launch.log_file)[-2000:]
         return
     watcher = watch_status(broker.address, FLEET)
     agent = start_agent(launch, broker.address, FLEET)
@@ -63,7 +63,7 @@ def test_an_agent_exits_within_two_seconds_of_sigterm(state: str, tmp_path: Path
         broker.stop()
         wait_until(lambda: "mqtt disconnected" in log_text(launch.log_file), "the agent noticing the broker is gone")
         time.sleep(1.5)
-    assert seconds_to_stop(agent) < STOP_SECONDS, log_text(launch.log_file)[-2000:]
+    assert seconds_to_stop(agent, launch.log_file) < STOP_SECONDS, log_text(launch.log_file)[-2000:]
 
 
 def agent_pids(run_dir: Path) -> list[int]:
