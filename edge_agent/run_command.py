@@ -20,6 +20,7 @@ from protocol.shutdown import raise_on_sigterm
 if TYPE_CHECKING:  # the agent's parts load their runtimes; `edge-agent score` must not
     from edge_agent.data.device_data import DeviceData
     from edge_agent.data.oracle import Oracle
+    from edge_agent.field.central import CentralLabelling
     from edge_agent.field.label_ui import LabelServer
     from edge_agent.loop.agent import Agent, BackgroundWork
     from edge_agent.loop.agent_settings import AgentSettings
@@ -190,6 +191,7 @@ class DevicePool:
     oracle: Oracle
     work: BackgroundWork | None = None
     label_server: LabelServer | None = None
+    central: CentralLabelling | None = None
 
 
 # Opens a device's pool from its parsed arguments, its state folder, its settings and its profile (if any).
@@ -207,7 +209,7 @@ def open_folder_pool(
     if profile is not None:
         settings = fit_to_budget(settings, profile.memory_budget_mb, profile.pool_size_cap)
     field = open_field(field_settings(args), state_dir, settings, profile)
-    return DevicePool(settings, field.data, field.oracle, field.work, field.label_server)
+    return DevicePool(settings, field.data, field.oracle, field.work, field.label_server, field.central)
 
 
 @dataclasses.dataclass
@@ -247,6 +249,8 @@ def open_device(args: argparse.Namespace, open_pool: OpenPool = open_folder_pool
     pool = open_pool(args, state_dir, settings, profile)
     agent = Agent(pool.settings, session, pool.data, pool.oracle, pool.work)
     pool.oracle.stop_with(agent.stop_event)  # a person's answers are awaited only while the agent runs
+    if pool.central is not None:
+        pool.central.attach(session, agent.router)
     return OpenedDevice(agent, session, pool.label_server)
 
 

@@ -8,6 +8,7 @@ from typing import ClassVar, TypeVar
 
 import numpy as np
 
+from protocol.label_messages import AnswerReceipt, LabelAnswer, LabelQuery
 from protocol.model_spec import ModelSpec
 from protocol.recipe_flags import OMITTED_KEY, recipe_field
 from protocol.secagg_messages import (
@@ -372,6 +373,9 @@ Message = (
     | Status
     | Chunk
     | ServingMessage
+    | LabelQuery
+    | LabelAnswer
+    | AnswerReceipt
     | SecAggMessage
 )
 MESSAGE_TYPES: dict[str, type] = {
@@ -387,6 +391,9 @@ MESSAGE_TYPES: dict[str, type] = {
         Status,
         Chunk,
         ServingMessage,
+        LabelQuery,
+        LabelAnswer,
+        AnswerReceipt,
         *SECAGG_TYPES,
     )
 }
@@ -402,6 +409,9 @@ M = TypeVar(
     Status,
     Chunk,
     ServingMessage,
+    LabelQuery,
+    LabelAnswer,
+    AnswerReceipt,
     KeyAdvert,
     KeyRoster,
     ShareBundle,

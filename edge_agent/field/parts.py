@@ -10,6 +10,7 @@ import numpy as np
 
 from edge_agent.data.device_data import DeviceData
 from edge_agent.data.image_files import InputSpec
+from edge_agent.field.central import CentralLabelling
 from edge_agent.field.field_options import FieldSettings
 from edge_agent.field.folder_oracle import FolderOracle, QueryBook
 from edge_agent.field.folder_pool import open_folder_data
@@ -128,7 +129,8 @@ class PoolFeatures:
 
 class FieldWork:
     """Rescans the pool folder every scan_interval seconds, computes the features of what arrived (a head-only
-    device with a frozen backbone) and, with a stream, scores it."""
+    device with a frozen backbone), with a stream scores it, and with the central queue sends its queries and
+    applies its answers."""
 
     def __init__(
         self,
@@ -136,11 +138,13 @@ class FieldWork:
         scan_interval: float,
         stream: StreamAcquirer | None = None,
         features: PoolFeatures | None = None,
+        central: CentralLabelling | None = None,
     ) -> None:
         self.data = data
         self.scan_interval = scan_interval
         self.stream = stream
         self.features = features
+        self.central = central
         self._next_scan = 0.0
 
     def tick(self, latest: LatestModel | None, round_id: int) -> None:
@@ -154,16 +158,20 @@ class FieldWork:
             self.features.take_in(latest)
         if self.stream is not None and latest is not None:
             self.stream.score_new(latest, round_id)
+        if self.central is not None:
+            self.central.tick()
 
 
 @dataclass
 class FieldParts:
-    """What a field agent runs with: its data, oracle, between-round work and (optional) label page."""
+    """What a field agent runs with: its data, oracle, between-round work, (optional) label page and (optional)
+    link to the fleet's labelling queue."""
 
     data: DeviceData
     oracle: FolderOracle
     work: FieldWork
     label_server: LabelServer | None
+    central: CentralLabelling | None = None
 
 
 def open_field(
@@ -186,4 +194,8 @@ def open_field(
         stream = StreamAcquirer(data, oracle, budget, settings, STREAM_PASSES)
     server = LabelServer(book, *listen).start() if listen else None
     features = PoolFeatures(settings, data) if settings.trainer == "head" else None
-    return FieldParts(data, oracle, FieldWork(data, field.scan_interval, stream, features), server)
+    central = None
+    if field.labelling == "central":
+        central = CentralLabelling(settings.fleet, settings.device_id, oracle, field.query_image_side)
+    work = FieldWork(data, field.scan_interval, stream, features, central)
+    return FieldParts(data, oracle, work, server, central)

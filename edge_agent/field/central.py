@@ -1,0 +1,126 @@
+# --labelling central: a field device sends each query's image and the model's guess to its fleet's labelling queue
+# and takes the people's answers back into its answer book (the one answer path), acknowledging each once stored.
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+
+from PIL import Image
+
+from edge_agent.data.answers import Delivery, Road
+from edge_agent.data.device_data import DeviceData
+from edge_agent.data.oracle import Guess
+from edge_agent.field.folder_oracle import FolderOracle, Query
+from protocol import label_messages, topics, wire
+from protocol.mqtt import IncomingMessage, MqttSession, PayloadTooLargeError
+
+log = logging.getLogger(__name__)
+
+SENT_KEY = "central_queries_sent"
+PUBLISH_WAIT_SECONDS = 10.0
+MEDIA_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}
+
+
+def query_image(path: Path, max_side: int | None) -> tuple[bytes, str]:
+    """A query's image as sent: the file as captured, or (with `max_side`, or a type the queue does not take) a PNG
+    no larger than max_side on either side."""
+    media_type = MEDIA_TYPES.get(path.suffix.lower())
+    if max_side is None and media_type is not None:
+        return path.read_bytes(), media_type
+    with Image.open(path) as image:
+        image.load()
+        if max_side is not None:
+            image.thumbnail((max_side, max_side))
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+    return buffer.getvalue(), "image/png"
+
+
+class CentralLabelling:
+    """The device's side of the fleet's labelling queue. Queries not yet confirmed by the broker (a journal key
+    lists those that were) are published on the device's queries topic at QoS 1, chunked by the session like an
+    update; an answer from the queue is delivered to the answer book (durable) before its receipt goes back, so the
+    queue resends it until the device has stored it, and a repeated one changes nothing."""
+
+    def __init__(self, fleet: str, device_id: str, oracle: FolderOracle, max_side: int | None) -> None:
+        self.fleet = fleet
+        self.device_id = device_id
+        self.session: MqttSession | None = None
+        self.oracle = oracle
+        self.max_side = max_side
+        oracle.keeps_guesses = True
+
+    @property
+    def data(self) -> DeviceData:
+        """The device's data (its journal and labelled store)."""
+        return self.oracle.data
+
+    def attach(self, session: MqttSession, router: topics.Router) -> None:
+        """Sends and receives through the agent's session: adds the route of this device's answers to the agent's
+        router (subscribed when the agent starts)."""
+        self.session = session
+        router.add(topics.LABEL_ANSWERS.bind(fleet=self.fleet, device=self.device_id), self.on_answer)
+
+    @property
+    def attached(self) -> MqttSession:
+        """The agent's session (a RuntimeError before `attach`: a wiring bug)."""
+        if self.session is None:
+            raise RuntimeError("central labelling used before it was attached to the agent's session")
+        return self.session
+
+    def on_answer(self, message: IncomingMessage) -> bool:
+        """Stores one answer from the queue, then sends its receipt (a WireError for a malformed message)."""
+        answer = wire.decode(message.payload, label_messages.LabelAnswer)
+        try:
+            delivery = self.oracle.book.record_answer(
+                answer.query_id, answer.label, Road.CENTRAL, answer.answered_by, answer.answered_at
+            )
+        # record_answer's refusals (no such query here, a label outside the spec): settled as refused, not stored
+        except ValueError as error:
+            log.warning("central answer refused query=%s error=%s", wire.shown(answer.query_id), error)
+            delivery = None
+        if delivery is Delivery.CONFLICT:
+            log.warning("central answer differs from the one stored first query=%s", answer.query_id)
+        receipt = label_messages.AnswerReceipt(self.device_id, answer.query_id, delivery is not None)
+        self.attached.publish(
+            topics.LABEL_RECEIPTS.build(fleet=self.fleet, device=self.device_id), wire.encode(receipt)
+        )
+        return False
+
+    def tick(self) -> None:
+        """Moves stored answers into the labelled store and sends the queries the broker has not confirmed."""
+        if self.session is None:
+            return
+        indices, labels = self.oracle.collect()
+        if len(indices):
+            self.data.add_labels(indices, labels)
+            log.info("answers applied device=%s labels=%d", self.device_id, len(indices))
+        sent = set(self.data.get_state(SENT_KEY, []))
+        answered = self.oracle.book.stored_answers()
+        for query in self.oracle.book.queries():
+            if query.query_id not in sent and query.name not in answered and self.send(query):
+                sent.add(query.query_id)
+                self.data.set_state(SENT_KEY, sorted(sent))
+
+    def send(self, query: Query) -> bool:
+        """Publishes one query; True once the broker confirmed it (False: broker away, or the query cannot be sent,
+        which is logged and left pending on the device's own roads)."""
+        guess = self.oracle.guesses.get(query.index, Guess(-1, 0.0, 0.0, 0.0))
+        try:
+            image, media_type = query_image(self.oracle.book.image_path(query), self.max_side)
+            message = label_messages.LabelQuery(
+                self.device_id, query.query_id, image, media_type, query.asked_at, *_guess_fields(guess)
+            )
+            topic = topics.LABEL_QUERIES.build(fleet=self.fleet, device=self.device_id)
+            return self.attached.publish(topic, wire.encode(message), wait=PUBLISH_WAIT_SECONDS)
+        # a copy gone or unreadable (OSError, PIL's errors are OSError or ValueError) or a query beyond the message
+        # limit: the query stays answerable on the device's own page and labels.csv
+        except (OSError, ValueError, PayloadTooLargeError) as error:
+            log.warning("query not sent to the queue query=%s error=%s", query.query_id, str(error)[:200])
+            return True
+
+
+def _guess_fields(guess: Guess) -> tuple[int, float, float, float]:
+    """A guess as the query message's fields."""
+    return guess.label, guess.probability, guess.uncertainty, guess.score
