@@ -1,5 +1,5 @@
-# The central labelling queue on the wire: a device's query (its image and the model's guess), a person's answer, the
-# device's receipt that the answer is stored.
+# The central labelling queue on the wire: a device's query (its image and the model's guess), the queue's receipt of
+# it, a person's answer, the device's receipt that the answer is stored.
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,6 +28,17 @@ class LabelQuery:
     probability: float = 0.0
     uncertainty: float = 0.0
     score: float = 0.0
+
+
+@dataclass(frozen=True)
+class QueryReceipt:
+    """The queue's word to a device that a query is on disk (`queued`), or refused for good (`refusal`, a short
+    stable label: too_large, undecodable, bad_query, device_full, queue_full); either settles the query's resends."""
+
+    KIND: ClassVar[str] = "query_receipt"
+    query_id: str
+    queued: bool
+    refusal: str = ""
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import ClassVar, TypeVar
 
 import numpy as np
 
-from protocol.label_messages import AnswerReceipt, LabelAnswer, LabelQuery
+from protocol.label_messages import AnswerReceipt, LabelAnswer, LabelQuery, QueryReceipt
 from protocol.model_spec import ModelSpec
 from protocol.recipe_flags import OMITTED_KEY, recipe_field
 from protocol.secagg_messages import (
@@ -374,6 +374,7 @@ Message = (
     | Chunk
     | ServingMessage
     | LabelQuery
+    | QueryReceipt
     | LabelAnswer
     | AnswerReceipt
     | SecAggMessage
@@ -392,6 +393,7 @@ MESSAGE_TYPES: dict[str, type] = {
         Chunk,
         ServingMessage,
         LabelQuery,
+        QueryReceipt,
         LabelAnswer,
         AnswerReceipt,
         *SECAGG_TYPES,
@@ -410,6 +412,7 @@ M = TypeVar(
     Chunk,
     ServingMessage,
     LabelQuery,
+    QueryReceipt,
     LabelAnswer,
     AnswerReceipt,
     KeyAdvert,

@@ -119,7 +119,9 @@ SECAGG_DOWN = Topic("fl/{fleet}/devices/{device}/secagg_in")  # the coordinator'
 PREDICTIONS = Topic("fl/{fleet}/devices/{device}/predictions")  # a device's predictions, batched, when the fleet asks
 LABEL_QUERIES = Topic("fl/{fleet}/devices/{device}/queries")  # central labelling: a device's query images, chunked
 LABEL_RECEIPTS = Topic("fl/{fleet}/devices/{device}/answered")  # central labelling: a device's receipts of answers
-LABEL_ANSWERS = Topic("fl/{fleet}/devices/{device}/answers")  # central labelling: the people's answers to one device
+LABEL_ANSWERS = Topic(
+    "fl/{fleet}/devices/{device}/answers"
+)  # central labelling: answers and query receipts to one device
 DEVICE_OWN = Topic("fl/{fleet}/devices/{device}/{leaf}")  # any topic of one device: what it may write
 FLEET_ALL = Topic("fl/{fleet}/{rest}")  # any topic of one fleet: what its coordinator may read and write
 

@@ -1,5 +1,6 @@
-# The labelling desk: its own MQTT session takes devices' queries into the queue (stored before the broker is acked)
-# and sends each decided answer to its device until the device's receipt says it is stored.
+# The labelling desk: its own MQTT session takes devices' queries into the queue (stored before the broker is acked
+# and the device gets its receipt) and sends each decided answer to its device until the device's receipt says it is
+# stored.
 from __future__ import annotations
 
 import logging
@@ -78,6 +79,11 @@ class LabellingDesk:
             self._refuse(device, refusal.value, wire.shown(query.query_id))
         else:
             log.info("query queued device=%s query=%s bytes=%d", device, query.query_id, len(query.image))
+        if wire.IDENTIFIER.fullmatch(query.query_id):
+            receipt = label_messages.QueryReceipt(
+                query.query_id, refusal is None, "" if refusal is None else refusal.value
+            )
+            self.session.publish(topics.LABEL_ANSWERS.build(fleet=self.fleet, device=device), wire.encode(receipt))
 
     def on_receipt(self, message: IncomingMessage, device: str) -> None:
         """Settles an answer the device says it stored (or refused)."""

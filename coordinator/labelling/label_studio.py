@@ -101,10 +101,9 @@ def import_tasks(queue: LabelQueue, tasks: list[Any]) -> ImportCounts:
     for task in tasks:
         data = task.get("data") if isinstance(task, dict) else None
         answer = chosen(task) if isinstance(data, dict) else None
-        if answer is None:
+        if answer is None or not isinstance(data, dict):
             counts.unanswered += 1
             continue
-        assert isinstance(data, dict)
         device, query_id, (choice, who) = data.get("device"), data.get("query_id"), answer
         if not isinstance(device, str) or not isinstance(query_id, str) or choice not in names:
             counts.refused += 1

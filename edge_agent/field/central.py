@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import logging
+import time
 from pathlib import Path
 
 from PIL import Image
@@ -17,8 +18,10 @@ from protocol.mqtt import IncomingMessage, MqttSession, PayloadTooLargeError
 
 log = logging.getLogger(__name__)
 
-SENT_KEY = "central_queries_sent"
-PUBLISH_WAIT_SECONDS = 10.0
+SETTLED_KEY = "central_queries_settled"
+RESEND_SECONDS = 30.0
+MAX_RESEND_SECONDS = 3600.0
+MAX_QUERY_IMAGE_BYTES = 2 * 1024 * 1024  # the queue's default bound: a larger image is not sent (downscale it)
 MEDIA_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}
 
 
@@ -38,10 +41,11 @@ def query_image(path: Path, max_side: int | None) -> tuple[bytes, str]:
 
 
 class CentralLabelling:
-    """The device's side of the fleet's labelling queue. Queries not yet confirmed by the broker (a journal key
-    lists those that were) are published on the device's queries topic at QoS 1, chunked by the session like an
-    update; an answer from the queue is delivered to the answer book (durable) before its receipt goes back, so the
-    queue resends it until the device has stored it, and a repeated one changes nothing."""
+    """The device's side of the fleet's labelling queue. Each query the queue has not confirmed (a journal key
+    lists those it did) is published on the device's queries topic at QoS 1, chunked by the session like an update,
+    and again after RESEND_SECONDS, doubling up to an hour, until the queue's receipt comes (a queue that was not
+    listening yet gets it later). An answer from the queue is delivered to the answer book (durable) before its
+    receipt goes back, so the queue resends it until the device has stored it, and a repeated one changes nothing."""
 
     def __init__(self, fleet: str, device_id: str, oracle: FolderOracle, max_side: int | None) -> None:
         self.fleet = fleet
@@ -49,6 +53,7 @@ class CentralLabelling:
         self.session: MqttSession | None = None
         self.oracle = oracle
         self.max_side = max_side
+        self.next_send: dict[str, tuple[float, float]] = {}
         oracle.keeps_guesses = True
 
     @property
@@ -60,7 +65,7 @@ class CentralLabelling:
         """Sends and receives through the agent's session: adds the route of this device's answers to the agent's
         router (subscribed when the agent starts)."""
         self.session = session
-        router.add(topics.LABEL_ANSWERS.bind(fleet=self.fleet, device=self.device_id), self.on_answer)
+        router.add(topics.LABEL_ANSWERS.bind(fleet=self.fleet, device=self.device_id), self.on_message)
 
     @property
     def attached(self) -> MqttSession:
@@ -69,9 +74,26 @@ class CentralLabelling:
             raise RuntimeError("central labelling used before it was attached to the agent's session")
         return self.session
 
-    def on_answer(self, message: IncomingMessage) -> bool:
-        """Stores one answer from the queue, then sends its receipt (a WireError for a malformed message)."""
-        answer = wire.decode(message.payload, label_messages.LabelAnswer)
+    def on_message(self, message: IncomingMessage) -> bool:
+        """An answer or a query's receipt from the queue (a WireError for a malformed message)."""
+        received = wire.decode_any(message.payload, (label_messages.LabelAnswer, label_messages.QueryReceipt))
+        if isinstance(received, label_messages.QueryReceipt):
+            self.settle(received.query_id)
+            if not received.queued:
+                log.warning("query refused by the queue query=%s kind=%s", received.query_id, received.refusal[:32])
+        else:
+            self.store(received)
+        return False
+
+    def settle(self, query_id: str) -> None:
+        """Notes that the queue holds (or refused) a query: it is not sent again."""
+        settled = set(self.data.get_state(SETTLED_KEY, []))
+        if query_id not in settled:
+            self.data.set_state(SETTLED_KEY, sorted(settled | {query_id}))
+        self.next_send.pop(query_id, None)
+
+    def store(self, answer: label_messages.LabelAnswer) -> None:
+        """Stores one answer from the queue in the answer book, then sends its receipt."""
         try:
             delivery = self.oracle.book.record_answer(
                 answer.query_id, answer.label, Road.CENTRAL, answer.answered_by, answer.answered_at
@@ -86,39 +108,48 @@ class CentralLabelling:
         self.attached.publish(
             topics.LABEL_RECEIPTS.build(fleet=self.fleet, device=self.device_id), wire.encode(receipt)
         )
-        return False
 
     def tick(self) -> None:
-        """Moves stored answers into the labelled store and sends the queries the broker has not confirmed."""
+        """Moves stored answers into the labelled store and sends the queries the queue has not confirmed, when
+        their time has come."""
         if self.session is None:
             return
         indices, labels = self.oracle.collect()
         if len(indices):
             self.data.add_labels(indices, labels)
             log.info("answers applied device=%s labels=%d", self.device_id, len(indices))
-        sent = set(self.data.get_state(SENT_KEY, []))
+        settled = set(self.data.get_state(SETTLED_KEY, []))
         answered = self.oracle.book.stored_answers()
+        now = time.monotonic()
         for query in self.oracle.book.queries():
-            if query.query_id not in sent and query.name not in answered and self.send(query):
-                sent.add(query.query_id)
-                self.data.set_state(SENT_KEY, sorted(sent))
+            due = self.next_send.get(query.query_id, (now, 0.0))[0]
+            if query.query_id not in settled and query.name not in answered and now >= due:
+                self.send(query)
 
-    def send(self, query: Query) -> bool:
-        """Publishes one query; True once the broker confirmed it (False: broker away, or the query cannot be sent,
-        which is logged and left pending on the device's own roads)."""
+    def send(self, query: Query) -> None:
+        """Publishes one query and schedules its resend; a query that cannot be sent (its copy gone or unreadable,
+        its image beyond the queue's bound) is logged and settled: it stays answerable on the device's own roads."""
+        previous = self.next_send.get(query.query_id)
+        wait = RESEND_SECONDS if previous is None else min(previous[1] * 2, MAX_RESEND_SECONDS)
+        self.next_send[query.query_id] = (time.monotonic() + wait, wait)
         guess = self.oracle.guesses.get(query.index, Guess(-1, 0.0, 0.0, 0.0))
         try:
             image, media_type = query_image(self.oracle.book.image_path(query), self.max_side)
+            if len(image) > MAX_QUERY_IMAGE_BYTES:
+                raise ValueError(
+                    f"its image of {len(image)} bytes is over {MAX_QUERY_IMAGE_BYTES} (--query-image-side)"
+                )
             message = label_messages.LabelQuery(
                 self.device_id, query.query_id, image, media_type, query.asked_at, *_guess_fields(guess)
             )
-            topic = topics.LABEL_QUERIES.build(fleet=self.fleet, device=self.device_id)
-            return self.attached.publish(topic, wire.encode(message), wait=PUBLISH_WAIT_SECONDS)
-        # a copy gone or unreadable (OSError, PIL's errors are OSError or ValueError) or a query beyond the message
-        # limit: the query stays answerable on the device's own page and labels.csv
+            self.attached.publish(
+                topics.LABEL_QUERIES.build(fleet=self.fleet, device=self.device_id), wire.encode(message)
+            )
+        # a copy gone or unreadable (OSError; PIL's errors are OSError or ValueError), an image over the bound, a
+        # message over the session's limit
         except (OSError, ValueError, PayloadTooLargeError) as error:
             log.warning("query not sent to the queue query=%s error=%s", query.query_id, str(error)[:200])
-            return True
+            self.settle(query.query_id)
 
 
 def _guess_fields(guess: Guess) -> tuple[int, float, float, float]:
