@@ -12,6 +12,7 @@ from pathlib import Path
 from PIL import Image
 
 from protocol import wire
+from protocol.errors import FalError
 from protocol.files import atomic_write_bytes
 from protocol.label_messages import NONE_OF_THESE, QUERY_MEDIA_TYPES, LabelQuery
 
@@ -47,7 +48,7 @@ class QueueRefusal(StrEnum):
     QUEUE_FULL = "queue_full"
 
 
-class AnswerError(Exception):
+class AnswerError(FalError):
     """A person's answer the queue refuses, with the HTTP status that says why (404 unknown query, 409 answered
     already or voted already, 400 a label not in the spec)."""
 
