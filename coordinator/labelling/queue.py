@@ -130,6 +130,7 @@ class LabelQueue:
         self.voters = voters
         self._lock = threading.Lock()
         self._conn = sqlite3.connect(self.folder / DATABASE, check_same_thread=False, isolation_level=None, timeout=30)
+        self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")
         for statement in SCHEMA:
             self._conn.execute(statement)

@@ -46,7 +46,7 @@ class StoredAnswer:
 
 
 class AnswerBook:
-    """STATE/labelling/answers.sqlite: one row per query id, written in one durable transaction (synchronous FULL)
+    """STATE/labelling/answers.sqlite: one row per query id, written in one durable transaction (WAL, synchronous FULL)
     before `deliver` returns, so a road acknowledges an answer (a page's redirect, a receipt to the coordinator)
     only once it survives a crash. Delivering the same answer again, by any road, changes nothing."""
 
@@ -55,6 +55,7 @@ class AnswerBook:
         self.path = path
         self._lock = threading.Lock()
         self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
+        self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")
         self._conn.execute(SCHEMA)
 
