@@ -72,7 +72,7 @@ class LabellingDesk:
         try:
             query = wire.decode(message.payload, label_messages.LabelQuery)
         except wire.WireError as error:
-            self._refuse(device, "undecodable", str(error))
+            self._refuse(device, "bad_message", str(error))
             return
         refusal = self.queue.add(query, device)
         if refusal is not None:
@@ -90,7 +90,7 @@ class LabellingDesk:
         try:
             receipt = wire.decode(message.payload, label_messages.AnswerReceipt)
         except wire.WireError as error:
-            self._refuse(device, "undecodable", str(error))
+            self._refuse(device, "bad_message", str(error))
             return
         if receipt.device_id == device and self.queue.delivered(device, receipt.query_id):
             with self._lock:
