@@ -13,8 +13,10 @@ from PIL import Image
 from coordinator.labelling.label_studio import NONE_CHOICE, export_tasks, import_tasks, labelling_config
 from coordinator.labelling.queue import AnswerError, LabelQueue, QueueLimits, QueueRefusal
 from protocol.label_messages import NONE_OF_THESE, LabelQuery
+from protocol.model_spec import CLASS_NAMES
 
 CLASSES = ("cat", "dog", "bird")
+CLASS_NAMES_OF_SPEC = tuple(CLASS_NAMES)  # the default spec's, which the command reads without --model-spec
 
 
 def png(value: int = 0, side: int = 8) -> bytes:
@@ -147,3 +149,37 @@ def test_label_studio_tasks_go_out_and_their_annotations_come_back(tmp_path: Pat
     ]
     assert (counts.refused, counts.unanswered) == (1, 2)
     assert import_tasks(queue, annotated[:1]).refused == 1, "an answered query is not answered again"
+
+
+def test_the_labelling_command_exports_imports_and_refuses_bad_input_in_one_line(tmp_path: Path, capsys) -> None:
+    from coordinator.cli import main
+
+    queue = LabelQueue(tmp_path / "run", CLASS_NAMES_OF_SPEC)
+    queue.add(query("a", "q1"), "a")
+    assert main(["labelling", "export", str(tmp_path / "run"), "--out", str(tmp_path / "ls")]) == 0
+    tasks = json.loads((tmp_path / "ls" / "tasks.json").read_text())
+    tasks[0]["annotations"] = [{"result": [{"type": "choices", "value": {"choices": ["Bag"]}}], "completed_by": 3}]
+    (tmp_path / "done.json").write_text(json.dumps(tasks))
+    assert main(["labelling", "import", str(tmp_path / "run"), str(tmp_path / "done.json")]) == 0
+    assert "1 answers decided" in capsys.readouterr().out
+    assert queue.get("a", "q1").label == CLASS_NAMES_OF_SPEC.index("Bag")
+    (tmp_path / "bad.json").write_text("{not json")
+    bad = [
+        ["import", str(tmp_path / "run"), str(tmp_path / "bad.json")],
+        ["import", str(tmp_path / "run"), str(tmp_path / "ls" / "config.xml")],
+        [
+            "serve",
+            str(tmp_path / "run"),
+            "--broker",
+            "mqtt://127.0.0.1:1",
+            "--dashboard",
+            "0",
+            "--answers-per-query",
+            "0",
+        ],
+        ["serve", str(tmp_path / "run"), "--broker", "mqtt://127.0.0.1:1", "--dashboard", "0", "--max-image-mb", "100"],
+    ]
+    for arguments in bad:
+        assert main(["labelling", *arguments]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("fl-coordinator: "), lines

@@ -21,10 +21,13 @@ from edge_agent.data.oracle import guesses_of
 from edge_agent.field.central import SETTLED_KEY, CentralLabelling, query_image
 from edge_agent.field.folder_oracle import FolderOracle, QueryBook
 from edge_agent.field.folder_pool import open_folder_data
+from edge_agent.field.parts import StreamAcquirer
+from edge_agent.field.stream import BudgetSettings
 from edge_agent.learning.learner_choice import make_learner
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.learning.sampling import make_sampler
 from edge_agent.loop.acquisition import Acquirer
+from edge_agent.loop.agent import LatestModel
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.footprint import PhaseMeter
 from edge_agent.loop.inbound import handle_inbound
@@ -177,3 +180,18 @@ def test_an_answer_waits_for_a_device_whose_session_expired_and_a_stray_one_is_s
         step=device.step,
     )
     device.session.close()
+
+
+def test_a_stream_notes_the_guess_of_each_image_it_asks_for(tmp_path: Path) -> None:
+    images = load_fashion_mnist().test_images
+    for i in range(6):
+        write_png(tmp_path / "camera" / f"{i}.png", images[i], age_seconds=30 - i)
+    data = open_folder_data(tmp_path / "state", tmp_path / "camera", pool_cap=10, settle_seconds=0)
+    oracle = FolderOracle(QueryBook(tmp_path / "labelling"), data, wait_seconds=0)
+    CentralLabelling(FLEET, DEVICE, oracle, None)  # it asks the oracle to keep guesses
+    stream = StreamAcquirer(data, oracle, BudgetSettings(3600.0, 2.0), AgentSettings(FLEET, DEVICE), 2)
+    weights = get_weights(build_model(DEFAULT_SPEC, seed=9))
+    stream.score_new(LatestModel(DEFAULT_SPEC, weights, messages.Recipe(sampler="margin"), None, ""), round_id=1)
+    asked = {query.index for query in oracle.book.queries()}
+    assert asked and set(oracle.guesses) == asked
+    assert all(0 <= guess.label < 10 and 0 < guess.probability <= 1 for guess in oracle.guesses.values())

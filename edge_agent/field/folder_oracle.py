@@ -132,11 +132,12 @@ class QueryBook:
     def stored_answers(self) -> dict[str, int]:
         """Query name -> stored label (DECLINED included), after delivering labels.csv's rows to the answer book."""
         by_id = {query.query_id: query for query in self.queries()}
+        stored = self.store.labels()
         for name, label in self.csv_answers().items():
             query = by_id.get(Path(name).stem)
-            if query is not None and query.name == name:
+            if query is not None and query.name == name and query.query_id not in stored:
                 self.store.deliver(query.query_id, label, Road.LABELS_CSV)
-        stored = self.store.labels()
+                stored = self.store.labels()
         return {query.name: stored[query_id] for query_id, query in by_id.items() if query_id in stored}
 
     def csv_answers(self) -> dict[str, int]:

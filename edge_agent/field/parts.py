@@ -10,6 +10,7 @@ import numpy as np
 
 from edge_agent.data.device_data import DeviceData
 from edge_agent.data.image_files import InputSpec
+from edge_agent.data.oracle import guesses_of
 from edge_agent.field.central import CentralLabelling
 from edge_agent.field.field_options import FieldSettings
 from edge_agent.field.folder_oracle import FolderOracle, QueryBook
@@ -65,7 +66,7 @@ class StreamAcquirer:
         if first >= end:
             return
         new = np.arange(first, end)
-        scores = self.scores(sampler, latest, new, seed=first)
+        scores, probabilities = self.scores(sampler, latest, new, seed=first)
         now = time.time()
         state = BudgetState.from_json(saved["budget"]) if "budget" in saved else start_state(self.budget, now)
         asked = []
@@ -75,6 +76,9 @@ class StreamAcquirer:
                 asked.append(index)
         self.data.set_state(STREAM_STATE_KEY, {"scored_upto": end, "budget": state.to_json()})
         self.oracle.start_round(round_id)
+        chosen = np.isin(new, asked)
+        if self.oracle.wants_guesses() and probabilities is not None and chosen.any():
+            self.oracle.note_guesses(new[chosen], guesses_of(probabilities[:, chosen], scores[chosen]))
         self.oracle.ask(np.array(asked, dtype=np.int64))
         log.info(
             "stream scored sampler=%s new=%d asked=%d tokens=%.2f max_score=%.3f",
@@ -89,8 +93,11 @@ class StreamAcquirer:
                 "stream acquisition refused sampler=%s reason=it needs more than MC-dropout probabilities", sampler
             )
 
-    def scores(self, sampler: Heuristic, latest: LatestModel, new: np.ndarray, seed: int) -> np.ndarray:
-        """The sampler's scores of the new items under the newest global model, on the agent's back end."""
+    def scores(
+        self, sampler: Heuristic, latest: LatestModel, new: np.ndarray, seed: int
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The sampler's scores of the new items under the newest global model, on the agent's back end, and the
+        MC-dropout probabilities they came from (None for a sampler that needs none)."""
         if self._learner is None or self._learner[0] is not latest.weights:
             learner = make_learner(
                 self.settings.compute, self.data.state_dir, latest.spec, latest.weights, latest.bundle
@@ -101,7 +108,7 @@ class StreamAcquirer:
         probabilities = (
             mc_probabilities(self.settings, models, samples, self.passes, seed) if sampler.needs_probabilities else None
         )
-        return sampler.scores(probabilities, len(new), np.random.default_rng(seed))
+        return sampler.scores(probabilities, len(new), np.random.default_rng(seed)), probabilities
 
 
 class PoolFeatures:

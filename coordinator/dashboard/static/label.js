@@ -65,9 +65,10 @@ async function show(reply) {
   }
   document.getElementById("query-device").textContent = current.device;
   document.getElementById("query-id").textContent = current.query_id;
-  document.getElementById("query-guess").textContent = current.guess_name || "no guess yet";
-  document.getElementById("query-probability").textContent = current.probability.toFixed(2);
-  document.getElementById("query-uncertainty").textContent = current.uncertainty.toFixed(2);
+  const guessed = current.guess_name !== null;
+  document.getElementById("query-guess").textContent = guessed ? current.guess_name : "no guess yet";
+  document.getElementById("query-probability").textContent = guessed ? current.probability.toFixed(2) : "-";
+  document.getElementById("query-uncertainty").textContent = guessed ? current.uncertainty.toFixed(2) : "-";
   await showImage(current);
 }
 
