@@ -214,15 +214,19 @@ def open_folder_pool(
 
 @dataclasses.dataclass
 class OpenedDevice:
-    """One device's agent with what it holds open: its MQTT session (not yet connected) and its label page."""
+    """One device's agent with what it holds open: its MQTT session (not yet connected), its label page and its link
+    to the fleet's labelling queue (`--labelling central`), whose thread reads the session's answers topic."""
 
     agent: Agent
     session: MqttSession
     label_server: LabelServer | None = None
+    central: CentralLabelling | None = None
 
     def close(self) -> None:
-        """Disconnects the session and stops the label page (if any)."""
+        """Disconnects the sessions and stops the label page and the labelling link (if any)."""
         self.session.close()
+        if self.central is not None:
+            self.central.close()
         if self.label_server is not None:
             self.label_server.stop()
 
@@ -250,8 +254,8 @@ def open_device(args: argparse.Namespace, open_pool: OpenPool = open_folder_pool
     agent = Agent(pool.settings, session, pool.data, pool.oracle, pool.work)
     pool.oracle.stop_with(agent.stop_event)  # a person's answers are awaited only while the agent runs
     if pool.central is not None:
-        pool.central.attach(session, agent.router)
-    return OpenedDevice(agent, session, pool.label_server)
+        pool.central.open(session)
+    return OpenedDevice(agent, session, pool.label_server, pool.central)
 
 
 def serve(device: OpenedDevice) -> int:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import io
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from coordinator.labelling.desk import LabellingDesk
 from coordinator.labelling.queue import LabelQueue, QueueLimits
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.oracle import guesses_of
-from edge_agent.field.central import SETTLED_KEY, CentralLabelling, query_image
+from edge_agent.field.central import CentralLabelling, query_image
 from edge_agent.field.folder_oracle import FolderOracle, QueryBook
 from edge_agent.field.folder_pool import open_folder_data
 from edge_agent.field.parts import StreamAcquirer
@@ -30,7 +31,6 @@ from edge_agent.loop.acquisition import Acquirer
 from edge_agent.loop.agent import LatestModel
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.footprint import PhaseMeter
-from edge_agent.loop.inbound import handle_inbound
 from edge_agent.loop.round_inputs import RoundModels
 from protocol import label_messages, messages, topics, wire
 from protocol.model_spec import CLASS_NAMES, DEFAULT_SPEC
@@ -59,22 +59,22 @@ class Device:
             write_png(root / "camera" / f"{i}.png", images[i], age_seconds=30 - i)
         self.data = open_folder_data(root / "state", root / "camera", pool_cap=10, settle_seconds=0)
         self.oracle = FolderOracle(QueryBook(root / "state" / "labelling"), self.data, wait_seconds=0)
-        self.central = CentralLabelling(FLEET, DEVICE, self.oracle, None)
         self.broker, self.session_expiry = broker, session_expiry
         self.connect()
 
     def connect(self) -> None:
+        """Opens the link over a fresh session of the device (the agent's session, which the link shares)."""
+        self.central = CentralLabelling(FLEET, DEVICE, self.oracle, None)
         self.session = MqttSession(self.broker.address, client_id=DEVICE, session_expiry=self.session_expiry)
-        self.router = topics.Router()
-        self.central.attach(self.session, self.router)
+        self.central.open(self.session)
         self.session.connect()
-        for topic_filter in self.router.filters():
-            self.session.subscribe(topic_filter)
+
+    def close(self) -> None:
+        self.central.close()
+        self.session.close()
 
     def step(self) -> None:
-        """What the agent's loop does: its messages, then the field work's tick."""
-        while (message := self.session.next_message(timeout=0)) is not None:
-            handle_inbound(self.router, message, "fleet")
+        """What the agent's loop does between messages: the field work's tick."""
         self.central.tick()
 
 
@@ -108,7 +108,7 @@ def test_an_acquisition_sends_its_queries_with_the_model_guess(tmp_path: Path, b
     )
     asked = device.oracle.book.queries()
     assert len(asked) == 2
-    wait_until(lambda: len(device.data.get_state(SETTLED_KEY, [])) == 2, "the queue's receipts", step=device.step)
+    wait_until(lambda: len(device.oracle.book.store.queued()) == 2, "the queue's receipts", step=device.step)
     queued = {query.query_id: query for query in desk.queue.all()}
     assert set(queued) == {query.query_id for query in asked}
     for query in asked:
@@ -118,7 +118,7 @@ def test_an_acquisition_sends_its_queries_with_the_model_guess(tmp_path: Path, b
         assert 0 <= shown.guess < 10 and 0 < shown.probability <= 1 and 0 <= shown.uncertainty <= 1
     image = desk.queue.image_path(DEVICE, asked[0].query_id, "image/png").read_bytes()
     assert image == device.oracle.book.image_path(asked[0]).read_bytes(), "the file as captured"
-    device.session.close()
+    device.close()
 
 
 def test_a_downscaled_query_image_is_a_png_within_its_side(tmp_path: Path) -> None:
@@ -158,12 +158,12 @@ def test_bad_queries_get_bounded_refusals_and_the_desk_goes_on(tmp_path: Path, b
 
 
 def test_an_answer_waits_for_a_device_whose_session_expired_and_a_stray_one_is_settled(
-    tmp_path: Path, broker, desk
+    tmp_path: Path, broker, desk, sessions
 ) -> None:
     device = Device(tmp_path, broker, session_expiry=1)
     device.oracle.ask(np.array([0, 1]))
     wait_until(lambda: len(desk.queue.all()) == 2, "the queries queued", step=device.step)
-    device.session.close()
+    device.close()
     time.sleep(1.5)  # the broker forgets the device's session: only the desk's resends can reach it now
     first = desk.queue.all()[0]
     desk.send(desk.queue.answer(DEVICE, first.query_id, 4, "ana"))
@@ -171,15 +171,16 @@ def test_an_answer_waits_for_a_device_whose_session_expired_and_a_stray_one_is_s
     device.connect()
     wait_until(lambda: desk.queue.undelivered() == [], "the answer's receipt", step=device.step)
     assert device.oracle.book.stored_answers() == {device.oracle.book.queries()[0].name: 4}
+    device.step()  # the agent's next tick applies it
     assert device.data.labelled()[0].tolist() == [device.oracle.book.queries()[0].index]
+    receipts = sessions(broker.address, "receipts")
+    receipts.subscribe(topics.LABEL_RECEIPTS.build(fleet=FLEET, device=DEVICE))
     stray = label_messages.LabelAnswer("never-asked", 1, "ana", 1.0)
-    device.session.publish(topics.LABEL_ANSWERS.build(fleet=FLEET, device=DEVICE), wire.encode(stray))
-    wait_until(
-        lambda: len(device.oracle.book.store.answers()) == 1 and not device.session.has_message(),
-        "the stray",
-        step=device.step,
-    )
-    device.session.close()
+    receipts.publish(topics.LABEL_ANSWERS.build(fleet=FLEET, device=DEVICE), wire.encode(stray))
+    receipt = wire.decode(receipts.next_message(timeout=10).payload, label_messages.AnswerReceipt)
+    assert (receipt.query_id, receipt.stored) == ("never-asked", False), "refused, and settled all the same"
+    assert len(device.oracle.book.store.answers()) == 1
+    device.close()
 
 
 def test_a_stream_notes_the_guess_of_each_image_it_asks_for(tmp_path: Path) -> None:
@@ -195,3 +196,20 @@ def test_a_stream_notes_the_guess_of_each_image_it_asks_for(tmp_path: Path) -> N
     asked = {query.index for query in oracle.book.queries()}
     assert asked and set(oracle.guesses) == asked
     assert all(0 <= guess.label < 10 and 0 < guess.probability <= 1 for guess in oracle.guesses.values())
+
+
+def test_a_round_waiting_for_answers_gets_the_queues_answer_meanwhile(tmp_path: Path, broker, desk) -> None:
+    device = Device(tmp_path, broker)
+    device.oracle.wait_seconds = 30.0
+
+    def person() -> None:
+        wait_until(lambda: len(desk.queue.all()) == 1, "the round's query in the queue")
+        desk.send(desk.queue.answer(DEVICE, desk.queue.all()[0].query_id, 6, "ana"))
+
+    answering = threading.Thread(target=person)
+    answering.start()
+    started = time.monotonic()
+    indices, labels = device.oracle.label(np.array([2]))
+    answering.join()
+    assert (indices.tolist(), labels.tolist()) == ([2], [6]) and time.monotonic() - started < 20
+    device.close()

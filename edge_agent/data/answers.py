@@ -13,7 +13,8 @@ ANSWERS_FILE = "answers.sqlite"
 DECLINED = -1
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS answers (query_id TEXT PRIMARY KEY, label INTEGER NOT NULL, road TEXT NOT NULL, "
-    "answered_by TEXT NOT NULL, answered_at REAL NOT NULL, stored_at REAL NOT NULL)"
+    "answered_by TEXT NOT NULL, answered_at REAL NOT NULL, stored_at REAL NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS queued (query_id TEXT PRIMARY KEY)",
 )
 
 
@@ -46,9 +47,10 @@ class StoredAnswer:
 
 
 class AnswerBook:
-    """STATE/labelling/answers.sqlite: one row per query id, written in one durable transaction (WAL, synchronous FULL)
+    """ORACLE_DIR/answers.sqlite: one row per query id, written in one durable transaction (WAL, synchronous FULL)
     before `deliver` returns, so a road acknowledges an answer (a page's redirect, a receipt to the coordinator)
-    only once it survives a crash. Delivering the same answer again, by any road, changes nothing."""
+    only once it survives a crash. Delivering the same answer again, by any road, changes nothing. Beside the
+    answers: which queries the fleet's central queue confirmed holding (`--labelling central`)."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -57,7 +59,8 @@ class AnswerBook:
         self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")
-        self._conn.execute(SCHEMA)
+        for statement in SCHEMA:
+            self._conn.execute(statement)
 
     def deliver(
         self, query_id: str, label: int, road: Road, answered_by: str = "", answered_at: float = 0.0
@@ -93,6 +96,16 @@ class AnswerBook:
                 "SELECT query_id, label, road, answered_by, answered_at FROM answers ORDER BY stored_at, rowid"
             ).fetchall()
         return [StoredAnswer(str(q), int(label), str(road), str(who), float(at)) for q, label, road, who, at in rows]
+
+    def note_queued(self, query_id: str) -> None:
+        """Notes that the fleet's labelling queue holds (or refused for good) a query: it is not sent again."""
+        with self._lock:
+            self._conn.execute("INSERT OR IGNORE INTO queued VALUES (?)", (query_id,))
+
+    def queued(self) -> set[str]:
+        """The query ids the fleet's labelling queue holds or refused."""
+        with self._lock:
+            return {str(query_id) for (query_id,) in self._conn.execute("SELECT query_id FROM queued")}
 
     def close(self) -> None:
         """Closes the database."""

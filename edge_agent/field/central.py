@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import logging
+import queue
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from protocol.mqtt import IncomingMessage, MqttSession, PayloadTooLargeError
 
 log = logging.getLogger(__name__)
 
-SETTLED_KEY = "central_queries_settled"
+SCAN_SECONDS = 1.0
 RESEND_SECONDS = 30.0
 MAX_RESEND_SECONDS = 3600.0
 MAX_QUERY_IMAGE_BYTES = 2 * 1024 * 1024  # the queue's default bound: a larger image is not sent (downscale it)
@@ -41,11 +43,15 @@ def query_image(path: Path, max_side: int | None) -> tuple[bytes, str]:
 
 
 class CentralLabelling:
-    """The device's side of the fleet's labelling queue. Each query the queue has not confirmed (a journal key
-    lists those it did) is published on the device's queries topic at QoS 1, chunked by the session like an update,
-    and again after RESEND_SECONDS, doubling up to an hour, until the queue's receipt comes (a queue that was not
-    listening yet gets it later). An answer from the queue is delivered to the answer book (durable) before its
-    receipt goes back, so the queue resends it until the device has stored it, and a repeated one changes nothing."""
+    """The device's side of the fleet's labelling queue, on its own thread over the agent's session (one login, one
+    session), so a round's queries go out and their answers reach the answer book while the agent's loop waits in
+    the round.
+
+    Each query the queue has not confirmed (the answer book lists those it did) is published on the device's
+    queries topic at QoS 1, chunked by the session like an update, and again after RESEND_SECONDS, doubling up to
+    an hour, until the queue's receipt comes (a queue that was not listening yet gets it later). An answer from the
+    queue is delivered to the answer book (durable) before its receipt goes back, so the queue sends it again until
+    the device has stored it (a device killed in between gets it again), and a repeated one changes nothing."""
 
     def __init__(self, fleet: str, device_id: str, oracle: FolderOracle, max_side: int | None) -> None:
         self.fleet = fleet
@@ -54,79 +60,47 @@ class CentralLabelling:
         self.oracle = oracle
         self.max_side = max_side
         self.next_send: dict[str, tuple[float, float]] = {}
+        self._stop = threading.Event()
+        self._inbox: queue.Queue[IncomingMessage] = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name="labelling-link", daemon=True)
         oracle.keeps_guesses = True
 
     @property
     def data(self) -> DeviceData:
-        """The device's data (its journal and labelled store)."""
+        """The device's data (its labelled store)."""
         return self.oracle.data
 
-    def attach(self, session: MqttSession, router: topics.Router) -> None:
-        """Sends and receives through the agent's session: adds the route of this device's answers to the agent's
-        router (subscribed when the agent starts)."""
+    def open(self, session: MqttSession) -> None:
+        """Reads the device's answers topic of the agent's session (diverted to this link's thread, before the
+        session connects) and starts the thread."""
         self.session = session
-        router.add(topics.LABEL_ANSWERS.bind(fleet=self.fleet, device=self.device_id), self.on_message)
+        session.divert(topics.LABEL_ANSWERS.build(fleet=self.fleet, device=self.device_id), self._inbox.put)
+        self._thread.start()
 
-    @property
-    def attached(self) -> MqttSession:
-        """The agent's session (a RuntimeError before `attach`: a wiring bug)."""
-        if self.session is None:
-            raise RuntimeError("central labelling used before it was attached to the agent's session")
-        return self.session
-
-    def on_message(self, message: IncomingMessage) -> bool:
-        """An answer or a query's receipt from the queue (a WireError for a malformed message)."""
-        received = wire.decode_any(message.payload, (label_messages.LabelAnswer, label_messages.QueryReceipt))
-        if isinstance(received, label_messages.QueryReceipt):
-            self.settle(received.query_id)
-            if not received.queued:
-                log.warning("query refused by the queue query=%s kind=%s", received.query_id, received.refusal[:32])
-        else:
-            self.store(received)
-        return False
-
-    def settle(self, query_id: str) -> None:
-        """Notes that the queue holds (or refused) a query: it is not sent again."""
-        settled = set(self.data.get_state(SETTLED_KEY, []))
-        if query_id not in settled:
-            self.data.set_state(SETTLED_KEY, sorted(settled | {query_id}))
-        self.next_send.pop(query_id, None)
-
-    def store(self, answer: label_messages.LabelAnswer) -> None:
-        """Stores one answer from the queue in the answer book, then sends its receipt."""
-        try:
-            delivery = self.oracle.book.record_answer(
-                answer.query_id, answer.label, Road.CENTRAL, answer.answered_by, answer.answered_at
-            )
-        # record_answer's refusals (no such query here, a label outside the spec): settled as refused, not stored
-        except ValueError as error:
-            log.warning("central answer refused query=%s error=%s", wire.shown(answer.query_id), error)
-            delivery = None
-        if delivery is Delivery.CONFLICT:
-            log.warning("central answer differs from the one stored first query=%s", answer.query_id)
-        receipt = label_messages.AnswerReceipt(self.device_id, answer.query_id, delivery is not None)
-        self.attached.publish(
-            topics.LABEL_RECEIPTS.build(fleet=self.fleet, device=self.device_id), wire.encode(receipt)
-        )
+    def close(self) -> None:
+        """Stops the thread (the session is the agent's)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
 
     def tick(self) -> None:
-        """Moves stored answers into the labelled store and sends the queries the queue has not confirmed, when
-        their time has come."""
-        if self.session is None:
-            return
+        """On the agent's thread: moves the answers stored since into the labelled store."""
         indices, labels = self.oracle.collect()
         if len(indices):
             self.data.add_labels(indices, labels)
             log.info("answers applied device=%s labels=%d", self.device_id, len(indices))
-        settled = set(self.data.get_state(SETTLED_KEY, []))
+
+    def send_due(self, session: MqttSession) -> None:
+        """Sends each query the queue has not confirmed and nobody answered, when its time has come."""
+        queued = self.oracle.book.store.queued()
         answered = self.oracle.book.stored_answers()
         now = time.monotonic()
         for query in self.oracle.book.queries():
             due = self.next_send.get(query.query_id, (now, 0.0))[0]
-            if query.query_id not in settled and query.name not in answered and now >= due:
-                self.send(query)
+            if query.query_id not in queued and query.name not in answered and now >= due:
+                self.send(session, query)
 
-    def send(self, query: Query) -> None:
+    def send(self, session: MqttSession, query: Query) -> None:
         """Publishes one query and schedules its resend; a query that cannot be sent (its copy gone or unreadable,
         its image beyond the queue's bound) is logged and settled: it stays answerable on the device's own roads."""
         previous = self.next_send.get(query.query_id)
@@ -142,14 +116,58 @@ class CentralLabelling:
             message = label_messages.LabelQuery(
                 self.device_id, query.query_id, image, media_type, query.asked_at, *_guess_fields(guess)
             )
-            self.attached.publish(
-                topics.LABEL_QUERIES.build(fleet=self.fleet, device=self.device_id), wire.encode(message)
-            )
+            session.publish(topics.LABEL_QUERIES.build(fleet=self.fleet, device=self.device_id), wire.encode(message))
         # a copy gone or unreadable (OSError; PIL's errors are OSError or ValueError), an image over the bound, a
         # message over the session's limit
         except (OSError, ValueError, PayloadTooLargeError) as error:
             log.warning("query not sent to the queue query=%s error=%s", query.query_id, str(error)[:200])
-            self.settle(query.query_id)
+            self.oracle.book.store.note_queued(query.query_id)
+
+    def handle(self, session: MqttSession, message: IncomingMessage) -> None:
+        """One message from the queue: a query's receipt settles the query; an answer is stored, then receipted.
+        A malformed message is logged (bounded) and dropped."""
+        try:
+            received = wire.decode_any(message.payload, (label_messages.LabelAnswer, label_messages.QueryReceipt))
+        except wire.WireError as error:
+            log.warning("ignored bad labelling message topic=%s error=%s", message.topic[:200], error)
+            received = None
+        if isinstance(received, label_messages.QueryReceipt):
+            self.oracle.book.store.note_queued(received.query_id)
+            self.next_send.pop(received.query_id, None)
+            if not received.queued:
+                log.warning("query refused by the queue query=%s kind=%s", received.query_id, received.refusal[:32])
+        elif isinstance(received, label_messages.LabelAnswer):
+            self.store(session, received)
+
+    def store(self, session: MqttSession, answer: label_messages.LabelAnswer) -> None:
+        """Stores one answer from the queue in the answer book, then sends its receipt."""
+        try:
+            delivery: Delivery | None = self.oracle.book.record_answer(
+                answer.query_id, answer.label, Road.CENTRAL, answer.answered_by, answer.answered_at
+            )
+        # record_answer's refusals (no such query here, a label outside the spec): settled as refused, not stored
+        except ValueError as error:
+            log.warning("central answer refused query=%s error=%s", wire.shown(answer.query_id), error)
+            delivery = None
+        if delivery is Delivery.CONFLICT:
+            log.warning("central answer differs from the one stored first query=%s", answer.query_id)
+        receipt = label_messages.AnswerReceipt(self.device_id, answer.query_id, delivery is not None)
+        session.publish(topics.LABEL_RECEIPTS.build(fleet=self.fleet, device=self.device_id), wire.encode(receipt))
+
+    def _serve(self) -> None:
+        """The link's thread: messages from the queue as they come, new and due queries once a second (so a round
+        that waits for its answers has its queries out and its answers in meanwhile)."""
+        session, next_scan = self.session, 0.0
+        while session is not None and not self._stop.is_set():
+            try:
+                message: IncomingMessage | None = self._inbox.get(timeout=0.2)
+            except queue.Empty:
+                message = None
+            if message is not None:
+                self.handle(session, message)
+            if time.monotonic() >= next_scan:
+                next_scan = time.monotonic() + SCAN_SECONDS
+                self.send_due(session)
 
 
 def _guess_fields(guess: Guess) -> tuple[int, float, float, float]:
