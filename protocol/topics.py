@@ -166,6 +166,16 @@ def device_acl(fleet: str) -> list[str]:
     return [f"pattern write {DEVICE_OWN.acl(fleet=fleet)}", *(f"pattern read {name}" for name in reads)]
 
 
+def labelling_acl(fleet: str) -> list[str]:
+    """The mosquitto ACL topic lines of a fleet's labelling desk (its own login: least privilege): it reads every
+    device's queries and answer receipts and writes every device's answers (each with its chunks), nothing else."""
+    reads = (LABEL_QUERIES, LABEL_RECEIPTS)
+    return [
+        *(f"topic read {pattern.filter(fleet=fleet)}/{MULTI_LEVEL}" for pattern in reads),
+        f"topic write {LABEL_ANSWERS.filter(fleet=fleet)}/{MULTI_LEVEL}",
+    ]
+
+
 class Router(Generic[H]):
     """Topic patterns mapped to handlers: an incoming topic goes to the handler of the first pattern it matches,
     with the parameters it names. Routes marked `subscribed` give the session's subscriptions (their filters)."""

@@ -26,6 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     serve.add_argument("--broker", required=True, help="mqtt://[user:pass@]HOST:PORT of the fleet's broker")
     serve.add_argument("--fleet", default="default")
+    serve.add_argument(
+        "--credentials",
+        type=Path,
+        metavar="FILE",
+        help="a secured fleet's labelling.json (from `provision`): the desk's own login, TLS files",
+    )
     serve.add_argument("--model-spec", type=Path, help="the fleet's TOML model spec (its class names)")
     serve.add_argument("--dashboard", required=True, metavar="[HOST:]PORT", help="where the labelling page listens")
     serve.add_argument("--dashboard-token", help="the page's bearer token (default: generated off loopback)")
@@ -75,6 +81,7 @@ def serve(args: argparse.Namespace) -> int:
     """Runs the desk and the labelling page until SIGTERM or Ctrl-C."""
     from coordinator.dashboard.server import Dashboard, dashboard_token, parse_listen_address
     from coordinator.labelling.desk import LabellingDesk
+    from protocol.credentials import load_credentials
     from protocol.mqtt import MqttSession, parse_broker_url
     from protocol.reassembly import ChunkLimits
 
@@ -84,8 +91,14 @@ def serve(args: argparse.Namespace) -> int:
     queue = open_queue(args, args.answers_per_query)
     token = dashboard_token(address, args.dashboard_token, args.run_dir)
     largest = queue.limits.image_bytes + 64 * 1024
+    broker = parse_broker_url(args.broker)
+    if args.credentials is not None:
+        credentials = load_credentials(args.credentials)
+        if credentials.fleet != args.fleet:
+            raise UsageError(f"{args.credentials} is for fleet {credentials.fleet!r}, not {args.fleet!r}")
+        broker = credentials.apply_to(broker)
     session = MqttSession(
-        parse_broker_url(args.broker),
+        broker,
         client_id=f"labelling-{args.fleet}",
         manual_ack=True,
         chunk_limits=ChunkLimits(max_message_bytes=largest, sender_bytes=2 * largest, total_bytes=64 * MIB),
