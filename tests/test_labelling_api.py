@@ -17,7 +17,7 @@ from coordinator.dashboard.server import Dashboard, ListenAddress
 from coordinator.labelling.desk import LabellingDesk
 from coordinator.labelling.queue import LabelQueue
 from protocol import topics, wire
-from protocol.label_messages import LabelAnswer, LabelQuery
+from protocol.label_messages import LabelAnswer, LabelQuery, QueryReceipt
 
 FLEET = "lab"
 TOKEN = "a-token-of-sixteen-chars"
@@ -124,3 +124,26 @@ def test_an_open_loopback_dashboard_takes_posts_only_with_the_same_origin_header
             assert status == 200
     finally:
         desk.stop()
+
+
+def test_a_run_serves_the_labelling_page_on_its_dashboard_beside_its_rounds(tmp_path: Path, broker, sessions) -> None:
+    from coordinator.commands.labelling import with_labelling
+    from coordinator.server import ServerSettings
+
+    settings = ServerSettings(run_dir=tmp_path / "run", fleet=FLEET)
+    device = sessions(broker.address, "cam-1")
+    device.subscribe(topics.LABEL_ANSWERS.build(fleet=FLEET, device="cam-1"))
+    heard: list[tuple[str, object]] = []
+
+    def rounds(address) -> None:
+        """Stands in for the run's rounds: meanwhile a device asks and a person answers on the dashboard's page."""
+        query = LabelQuery("cam-1", "q1", png(), "image/png", 1.0, 2, 0.5, 0.5, 0.5)
+        device.publish(topics.LABEL_QUERIES.build(fleet=FLEET, device="cam-1"), wire.encode(query))
+        heard.append(("receipt", wire.decode(device.next_message(timeout=10).payload, QueryReceipt).queued))
+        status, _ = call(dashboard.url + "api/label/answer", "POST", answer(query_id="q1", label=1), authorised())
+        heard.append(("answer", status))
+        heard.append(("sent", wire.decode(device.next_message(timeout=10).payload, LabelAnswer).label))
+
+    with Dashboard(ListenAddress("127.0.0.1", 0), settings.run_dir, None, TOKEN) as dashboard:
+        with_labelling(rounds, settings, dashboard)(broker.address)
+    assert heard == [("receipt", True), ("answer", 200), ("sent", 1)]

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,9 +16,14 @@ from protocol.model_spec import load_model_spec
 from protocol.shutdown import Terminated, raise_on_sigterm
 
 if TYPE_CHECKING:  # the queue loads PIL and sqlite only when an action runs
+    from coordinator.dashboard.server import Dashboard
+    from coordinator.labelling.desk import LabellingDesk
     from coordinator.labelling.queue import LabelQueue
+    from coordinator.server import ServerSettings
+    from protocol.mqtt import BrokerAddress
 
 MIB = 1024 * 1024
+LABELLING_CREDENTIALS = "labelling.json"  # the desk's login in a provisioned folder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,50 +84,88 @@ def open_queue(args: argparse.Namespace, voters: int = 1) -> LabelQueue:
     return LabelQueue(args.run_dir, class_names(args.model_spec), limits, voters)
 
 
+@contextlib.contextmanager
+def desk_running(
+    fleet: str, broker: BrokerAddress, queue: LabelQueue, resend_seconds: float = 30.0
+) -> Iterator[LabellingDesk]:
+    """The desk on its own session (client `labelling-<fleet>`, manual acks, transfers bounded by the queue's image
+    bound) for the duration of a with-block; the queue is closed after."""
+    from coordinator.labelling.desk import LabellingDesk
+    from protocol.mqtt import MqttSession
+    from protocol.reassembly import ChunkLimits
+
+    largest = queue.limits.image_bytes + 64 * 1024
+    session = MqttSession(
+        broker,
+        client_id=f"labelling-{fleet}",
+        manual_ack=True,
+        chunk_limits=ChunkLimits(max_message_bytes=largest, sender_bytes=2 * largest, total_bytes=64 * MIB),
+    )
+    try:
+        session.connect()
+        desk = LabellingDesk(fleet, session, queue, resend_seconds).start()
+        try:
+            yield desk
+        finally:
+            desk.stop()
+    finally:
+        session.close()
+        queue.close()
+
+
+def with_labelling(
+    serve: Callable[[BrokerAddress], object], settings: ServerSettings, dashboard: Dashboard
+) -> Callable[[BrokerAddress], None]:
+    """`fl-coordinator run --labelling`: the run's rounds with the desk beside them on the same broker (a secured
+    fleet's desk logs in with the provisioned labelling.json) and the labelling page on the run's dashboard."""
+    from coordinator.labelling.queue import LabelQueue
+
+    def serving(address: BrokerAddress) -> None:
+        secure = settings.secure_dir
+        login = desk_login(address, None if secure is None else secure / LABELLING_CREDENTIALS, settings.fleet)
+        queue = LabelQueue(settings.run_dir, tuple(settings.spec.class_names))
+        with desk_running(settings.fleet, login, queue) as desk:
+            dashboard.server.labelling = desk
+            print(f"labelling page at {dashboard.url}label (the dashboard's token)", file=sys.stderr, flush=True)
+            serve(address)
+
+    return serving
+
+
+def desk_login(broker: BrokerAddress, credentials_file: Path | None, fleet: str) -> BrokerAddress:
+    """The broker address with the desk's own login from a provisioned labelling.json (as is without one)."""
+    from protocol.credentials import load_credentials
+
+    if credentials_file is None:
+        return broker
+    credentials = load_credentials(credentials_file)
+    if credentials.fleet != fleet:
+        raise UsageError(f"{credentials_file} is for fleet {credentials.fleet!r}, not {fleet!r}")
+    return credentials.apply_to(broker)
+
+
 def serve(args: argparse.Namespace) -> int:
     """Runs the desk and the labelling page until SIGTERM or Ctrl-C."""
     from coordinator.dashboard.server import Dashboard, dashboard_token, parse_listen_address
-    from coordinator.labelling.desk import LabellingDesk
-    from protocol.credentials import load_credentials
-    from protocol.mqtt import MqttSession, parse_broker_url
-    from protocol.reassembly import ChunkLimits
+    from protocol.mqtt import parse_broker_url
 
     if args.resend_seconds <= 0:
         raise UsageError(f"--resend-seconds must be positive, got {args.resend_seconds}")
     address = parse_listen_address(args.dashboard)
     queue = open_queue(args, args.answers_per_query)
+    broker = desk_login(parse_broker_url(args.broker), args.credentials, args.fleet)
     token = dashboard_token(address, args.dashboard_token, args.run_dir)
-    largest = queue.limits.image_bytes + 64 * 1024
-    broker = parse_broker_url(args.broker)
-    if args.credentials is not None:
-        credentials = load_credentials(args.credentials)
-        if credentials.fleet != args.fleet:
-            raise UsageError(f"{args.credentials} is for fleet {credentials.fleet!r}, not {args.fleet!r}")
-        broker = credentials.apply_to(broker)
-    session = MqttSession(
-        broker,
-        client_id=f"labelling-{args.fleet}",
-        manual_ack=True,
-        chunk_limits=ChunkLimits(max_message_bytes=largest, sender_bytes=2 * largest, total_bytes=64 * MIB),
-    )
     raise_on_sigterm()
-    session.connect()
-    desk = LabellingDesk(args.fleet, session, queue, args.resend_seconds).start()
     try:
-        with Dashboard(address, args.run_dir, None, token, desk) as dashboard:
-            where = (
-                f"{dashboard.url}label#token={token}"
-                if token and args.dashboard_token is None
-                else f"{dashboard.url}label"
-            )
-            print(f"labelling page at {where}", file=sys.stderr, flush=True)
+        with (
+            desk_running(args.fleet, broker, queue, args.resend_seconds) as desk,
+            Dashboard(address, args.run_dir, None, token, desk) as dashboard,
+        ):
+            shown = f"#token={token}" if token and args.dashboard_token is None else ""
+            print(f"labelling page at {dashboard.url}label{shown}", file=sys.stderr, flush=True)
             threading.Event().wait()
     except (KeyboardInterrupt, Terminated):
         pass
-    finally:
-        desk.stop()
-        session.close()
-        queue.close()
     return 0
 
 
