@@ -9,6 +9,8 @@ from typing import ClassVar
 NONE_OF_THESE = -1
 # The image types a query may carry (what the device's camera folder holds, or a downscaled PNG).
 QUERY_MEDIA_TYPES = ("image/png", "image/jpeg")
+# The largest query image a queue takes by default (a device does not send a larger one: it is downscaled instead).
+DEFAULT_MAX_IMAGE_BYTES = 2 * 1024 * 1024
 
 
 @dataclass(frozen=True)

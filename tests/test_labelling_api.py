@@ -104,6 +104,8 @@ def test_bad_requests_get_their_own_bounded_status(served) -> None:
         assert len(reply) < 500 and "error" in json.loads(reply)
     assert call(url + "api/label/next?person=ana")[0] == 401
     assert call(url + "api/label/image/cam-1/q9", headers=authorised())[0] == 404
+    queue.image_path("cam-1", "q2", "image/png").unlink()
+    assert call(url + "api/label/image/cam-1/q2", headers=authorised())[0] == 410
     assert queue.get("cam-1", "q2").label is None, "nothing refused was stored"
     assert call(url + "label")[0] == 200, "the page itself is public; its data is not"
 

@@ -74,7 +74,11 @@ def get(desk: LabellingDesk, path: str, parameters: dict[str, list[str]]) -> Rep
     query = desk.queue.get(match[1], match[2]) if match else None
     if query is None:
         return error(HTTPStatus.NOT_FOUND, f"no such query image {wire.shown(path)}")
-    image = desk.queue.image_path(query.device, query.query_id, query.media_type).read_bytes()
+    try:
+        image = desk.queue.image_path(query.device, query.query_id, query.media_type).read_bytes()
+    # the file removed or unreadable under the queue (a person cleaning RUN_DIR/labelling): gone, not a crash
+    except OSError:
+        return error(HTTPStatus.GONE, f"the image of query {wire.shown(query.query_id)} is no longer on disk")
     return Reply(HTTPStatus.OK, data=image, content_type=query.media_type)
 
 

@@ -14,7 +14,7 @@ from PIL import Image
 from protocol import wire
 from protocol.errors import FalError
 from protocol.files import atomic_write_bytes
-from protocol.label_messages import NONE_OF_THESE, QUERY_MEDIA_TYPES, LabelQuery
+from protocol.label_messages import DEFAULT_MAX_IMAGE_BYTES, NONE_OF_THESE, QUERY_MEDIA_TYPES, LabelQuery
 
 QUEUE_FOLDER = "labelling"
 DATABASE = "queue.sqlite"
@@ -64,7 +64,7 @@ class QueueLimits:
 
     per_device: int = 500
     total: int = 10000
-    image_bytes: int = 2 * 1024 * 1024
+    image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,6 @@ log = logging.getLogger(__name__)
 SCAN_SECONDS = 1.0
 RESEND_SECONDS = 30.0
 MAX_RESEND_SECONDS = 3600.0
-MAX_QUERY_IMAGE_BYTES = 2 * 1024 * 1024  # the queue's default bound: a larger image is not sent (downscale it)
 MEDIA_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}
 
 
@@ -109,9 +108,9 @@ class CentralLabelling:
         guess = self.oracle.guesses.get(query.index, Guess(-1, 0.0, 0.0, 0.0))
         try:
             image, media_type = query_image(self.oracle.book.image_path(query), self.max_side)
-            if len(image) > MAX_QUERY_IMAGE_BYTES:
+            if len(image) > label_messages.DEFAULT_MAX_IMAGE_BYTES:
                 raise ValueError(
-                    f"its image of {len(image)} bytes is over {MAX_QUERY_IMAGE_BYTES} (--query-image-side)"
+                    f"its image of {len(image)} bytes is over {label_messages.DEFAULT_MAX_IMAGE_BYTES} (--query-image-side)"
                 )
             message = label_messages.LabelQuery(
                 self.device_id, query.query_id, image, media_type, query.asked_at, *_guess_fields(guess)
