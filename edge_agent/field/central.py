@@ -134,7 +134,9 @@ class CentralLabelling:
             self.oracle.book.store.note_queued(received.query_id)
             self.next_send.pop(received.query_id, None)
             if not received.queued:
-                log.warning("query refused by the queue query=%s kind=%s", received.query_id, received.refusal[:32])
+                log.warning(
+                    "query refused by the queue query=%s kind=%s", wire.shown(received.query_id), received.refusal[:32]
+                )
         elif isinstance(received, label_messages.LabelAnswer):
             self.store(session, received)
 
