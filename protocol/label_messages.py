@@ -1,5 +1,5 @@
 # The central labelling queue on the wire: a device's query (its image and the model's guess), the queue's receipt of
-# it, a person's answer, the device's receipt that the answer is stored.
+# it, a person's answer, the device's receipt that the answer is stored, and an answer given on the device itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -64,3 +64,15 @@ class AnswerReceipt:
     device_id: str
     query_id: str
     stored: bool = True
+
+
+@dataclass(frozen=True)
+class LocalAnswer:
+    """A device's word that one of its queued queries was answered by another road (its own page, labels.csv): the
+    queue closes the query with that answer, so nobody labels it twice."""
+
+    KIND: ClassVar[str] = "local_answer"
+    device_id: str
+    query_id: str
+    label: int
+    road: str

@@ -8,7 +8,7 @@ from typing import ClassVar, TypeVar
 
 import numpy as np
 
-from protocol.label_messages import AnswerReceipt, LabelAnswer, LabelQuery, QueryReceipt
+from protocol.label_messages import AnswerReceipt, LabelAnswer, LabelQuery, LocalAnswer, QueryReceipt
 from protocol.model_spec import ModelSpec
 from protocol.recipe_flags import OMITTED_KEY, recipe_field
 from protocol.secagg_messages import (
@@ -377,6 +377,7 @@ Message = (
     | QueryReceipt
     | LabelAnswer
     | AnswerReceipt
+    | LocalAnswer
     | SecAggMessage
 )
 MESSAGE_TYPES: dict[str, type] = {
@@ -396,6 +397,7 @@ MESSAGE_TYPES: dict[str, type] = {
         QueryReceipt,
         LabelAnswer,
         AnswerReceipt,
+        LocalAnswer,
         *SECAGG_TYPES,
     )
 }
@@ -415,6 +417,7 @@ M = TypeVar(
     QueryReceipt,
     LabelAnswer,
     AnswerReceipt,
+    LocalAnswer,
     KeyAdvert,
     KeyRoster,
     ShareBundle,

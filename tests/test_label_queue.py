@@ -111,6 +111,16 @@ def test_k_people_decide_by_majority_and_one_person_votes_once(tmp_path: Path) -
     assert decided is not None and (decided.label, decided.answered_by) == (1, "ana,cy")
 
 
+def test_a_device_closes_a_query_it_answered_itself_once_and_only_with_a_class(queue: LabelQueue) -> None:
+    queue.add(query("a", "q1"), "a")
+    assert not queue.answered_on_device("a", "q1", 3, "page"), "not a class of the spec"
+    assert queue.answered_on_device("a", "q1", 2, "<script>")
+    assert (queue.get("a", "q1").label, queue.get("a", "q1").answered_by) == (2, "a:device")
+    assert not queue.answered_on_device("a", "q1", 1, "page") and queue.undelivered() == []
+    with pytest.raises(AnswerError):
+        queue.answer("a", "q1", 1, "ana")
+
+
 def test_an_answer_waits_for_its_device_across_a_reopen(tmp_path: Path) -> None:
     queue = LabelQueue(tmp_path, CLASSES)
     queue.add(query("a", "q1"), "a")

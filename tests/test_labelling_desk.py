@@ -213,3 +213,16 @@ def test_a_round_waiting_for_answers_gets_the_queues_answer_meanwhile(tmp_path: 
     answering.join()
     assert (indices.tolist(), labels.tolist()) == ([2], [6]) and time.monotonic() - started < 20
     device.close()
+
+
+def test_a_query_answered_on_the_device_leaves_the_queue(tmp_path: Path, broker, desk) -> None:
+    device = Device(tmp_path, broker)
+    device.oracle.ask(np.array([0, 1]))
+    wait_until(lambda: len(device.oracle.book.store.queued()) == 2, "both queries in the queue")
+    on_page = device.oracle.book.queries()[0]
+    device.oracle.book.record_answer(on_page.name, 3)  # the device's own page
+    wait_until(lambda: desk.queue.get(DEVICE, on_page.query_id).label == 3, "the queue told")
+    closed = desk.queue.get(DEVICE, on_page.query_id)
+    assert closed.answered_by == f"{DEVICE}:page" and desk.queue.undelivered() == []
+    assert desk.queue.next_for("ana").query_id == device.oracle.book.queries()[1].query_id
+    device.close()

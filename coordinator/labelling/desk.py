@@ -86,11 +86,17 @@ class LabellingDesk:
             self.session.publish(topics.LABEL_ANSWERS.build(fleet=self.fleet, device=device), wire.encode(receipt))
 
     def on_receipt(self, message: IncomingMessage, device: str) -> None:
-        """Settles an answer the device says it stored (or refused)."""
+        """Settles an answer the device says it stored (or refused), or closes a query the device answered itself."""
         try:
-            receipt = wire.decode(message.payload, label_messages.AnswerReceipt)
+            receipt = wire.decode_any(message.payload, (label_messages.AnswerReceipt, label_messages.LocalAnswer))
         except wire.WireError as error:
             self._refuse(device, "bad_message", str(error))
+            return
+        if isinstance(receipt, label_messages.LocalAnswer):
+            if receipt.device_id == device and self.queue.answered_on_device(
+                device, receipt.query_id, receipt.label, receipt.road
+            ):
+                log.info("query answered on its device device=%s query=%s", device, receipt.query_id)
             return
         if receipt.device_id == device and self.queue.delivered(device, receipt.query_id):
             with self._lock:

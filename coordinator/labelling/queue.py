@@ -22,6 +22,7 @@ IMAGES = "images"
 FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG"}
 SUFFIXES = {"image/png": ".png", "image/jpeg": ".jpg"}
 MAX_PIXELS = 4096 * 4096
+DEVICE_ROADS = ("page", "labels.csv")  # the roads a device answers by besides the queue (edge_agent.data.answers)
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS queries (device TEXT NOT NULL, query_id TEXT NOT NULL, media_type TEXT NOT NULL, "
     "image_bytes INTEGER NOT NULL, guess INTEGER NOT NULL, probability REAL NOT NULL, uncertainty REAL NOT NULL, "
@@ -251,6 +252,21 @@ class LabelQueue:
             raise AnswerError(404, f"no query {wire.shown(query_id)} of device {wire.shown(device)}")
         with self._lock:
             self._conn.execute("INSERT OR IGNORE INTO skips VALUES (?, ?, ?)", (device, query_id, person))
+
+    def answered_on_device(self, device: str, query_id: str, label: int, road: str) -> bool:
+        """Closes an open query its device answered by another road (delivered already: it is the device's own
+        answer); False for no such open query or a label outside the spec."""
+        if not (0 <= label < len(self.class_names) or label == NONE_OF_THESE):
+            return False
+        who = f"{device}:{road if road in DEVICE_ROADS else 'device'}"
+        now = time.time()
+        with self._lock:
+            cursor = self._conn.execute(
+                "UPDATE queries SET label = ?, answered_by = ?, answered_at = ?, delivered_at = ? "
+                "WHERE device = ? AND query_id = ? AND label IS NULL",
+                (label, who, now, now, device, query_id),
+            )
+        return cursor.rowcount > 0
 
     def undelivered(self) -> list[Decided]:
         """Decided answers the device has not confirmed storing yet, oldest first."""

@@ -15,6 +15,7 @@ SCHEMA = (
     "CREATE TABLE IF NOT EXISTS answers (query_id TEXT PRIMARY KEY, label INTEGER NOT NULL, road TEXT NOT NULL, "
     "answered_by TEXT NOT NULL, answered_at REAL NOT NULL, stored_at REAL NOT NULL)",
     "CREATE TABLE IF NOT EXISTS queued (query_id TEXT PRIMARY KEY)",
+    "CREATE TABLE IF NOT EXISTS reported (query_id TEXT PRIMARY KEY)",
 )
 
 
@@ -50,7 +51,8 @@ class AnswerBook:
     """ORACLE_DIR/answers.sqlite: one row per query id, written in one durable transaction (WAL, synchronous FULL)
     before `deliver` returns, so a road acknowledges an answer (a page's redirect, a receipt to the coordinator)
     only once it survives a crash. Delivering the same answer again, by any road, changes nothing. Beside the
-    answers: which queries the fleet's central queue confirmed holding (`--labelling central`)."""
+    answers: which queries the fleet's central queue confirmed holding, and which answers given on the device it was
+    told of (`--labelling central`)."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -106,6 +108,16 @@ class AnswerBook:
         """The query ids the fleet's labelling queue holds or refused."""
         with self._lock:
             return {str(query_id) for (query_id,) in self._conn.execute("SELECT query_id FROM queued")}
+
+    def note_reported(self, query_id: str) -> None:
+        """Notes that the queue was told of an answer given on the device (it is not told again)."""
+        with self._lock:
+            self._conn.execute("INSERT OR IGNORE INTO reported VALUES (?)", (query_id,))
+
+    def reported(self) -> set[str]:
+        """The query ids whose device-side answers the queue was told of."""
+        with self._lock:
+            return {str(query_id) for (query_id,) in self._conn.execute("SELECT query_id FROM reported")}
 
     def close(self) -> None:
         """Closes the database."""

@@ -90,9 +90,18 @@ class CentralLabelling:
             log.info("answers applied device=%s labels=%d", self.device_id, len(indices))
 
     def send_due(self, session: MqttSession) -> None:
-        """Sends each query the queue has not confirmed and nobody answered, when its time has come."""
-        queued = self.oracle.book.store.queued()
+        """Sends each query the queue has not confirmed and nobody answered, when its time has come; tells the
+        queue of its queries answered on the device (its page, labels.csv), so nobody labels them twice."""
+        store = self.oracle.book.store
+        queued = store.queued()
         answered = self.oracle.book.stored_answers()
+        reported = store.reported()
+        for stored in store.answers():
+            if stored.road != Road.CENTRAL and stored.query_id in queued and stored.query_id not in reported:
+                local = label_messages.LocalAnswer(self.device_id, stored.query_id, stored.label, stored.road)
+                topic = topics.LABEL_RECEIPTS.build(fleet=self.fleet, device=self.device_id)
+                session.publish(topic, wire.encode(local))
+                store.note_reported(stored.query_id)
         now = time.monotonic()
         for query in self.oracle.book.queries():
             due = self.next_send.get(query.query_id, (now, 0.0))[0]
