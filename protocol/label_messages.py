@@ -9,6 +9,9 @@ from typing import ClassVar
 NONE_OF_THESE = -1
 # The image types a query may carry (what the device's camera folder holds, or a downscaled PNG).
 QUERY_MEDIA_TYPES = ("image/png", "image/jpeg")
+# Why a queue refuses a query (a QueryReceipt's `refusal`); a device sends one refused for a full queue again later.
+QUERY_REFUSALS = ("too_large", "undecodable", "bad_query", "device_full", "queue_full")
+RETRIED_REFUSALS = ("device_full", "queue_full")
 # The largest query image a queue takes by default (a device does not send a larger one: it is downscaled instead).
 DEFAULT_MAX_IMAGE_BYTES = 2 * 1024 * 1024
 
@@ -34,8 +37,9 @@ class LabelQuery:
 
 @dataclass(frozen=True)
 class QueryReceipt:
-    """The queue's word to a device that a query is on disk (`queued`), or refused for good (`refusal`, a short
-    stable label: too_large, undecodable, bad_query, device_full, queue_full); either settles the query's resends."""
+    """The queue's word to a device that a query is on disk (`queued`), or refused (`refusal`, one of
+    QUERY_REFUSALS): for good, which settles the query's resends, or for now (RETRIED_REFUSALS: the queue is full),
+    which leaves them running."""
 
     KIND: ClassVar[str] = "query_receipt"
     query_id: str

@@ -12,7 +12,7 @@ from PIL import Image
 
 from coordinator.labelling.label_studio import NONE_CHOICE, export_tasks, import_tasks, labelling_config
 from coordinator.labelling.queue import AnswerError, LabelQueue, QueueLimits, QueueRefusal
-from protocol.label_messages import NONE_OF_THESE, LabelQuery
+from protocol.label_messages import NONE_OF_THESE, QUERY_REFUSALS, LabelQuery
 from protocol.model_spec import CLASS_NAMES
 
 CLASSES = ("cat", "dog", "bird")
@@ -119,6 +119,20 @@ def test_a_device_closes_a_query_it_answered_itself_once_and_only_with_a_class(q
     assert not queue.answered_on_device("a", "q1", 1, "page") and queue.undelivered() == []
     with pytest.raises(AnswerError):
         queue.answer("a", "q1", 1, "ana")
+
+
+def test_answered_queries_beyond_the_kept_number_leave_the_disk(tmp_path: Path) -> None:
+    queue = LabelQueue(tmp_path, CLASSES, QueueLimits(kept_answered=2))
+    for number in range(4):
+        queue.add(query("a", f"q{number}"), "a")
+        queue.answer("a", f"q{number}", 1, "ana")
+        queue.delivered("a", f"q{number}")
+    assert [q.query_id for q in queue.all()] == ["q2", "q3"]
+    assert sorted(path.name for path in (queue.folder / "images" / "a").iterdir()) == ["q2.png", "q3.png"]
+
+
+def test_the_refusal_kinds_are_the_wires() -> None:
+    assert tuple(QueueRefusal) == QUERY_REFUSALS
 
 
 def test_an_answer_waits_for_its_device_across_a_reopen(tmp_path: Path) -> None:

@@ -53,18 +53,18 @@ def wait_until(condition, what: str, timeout: float = 20.0, step=None) -> None:
 class Device:
     """A field device's labelling parts on a real session: its folder oracle, its central link and router."""
 
-    def __init__(self, root: Path, broker, session_expiry: int = 3600) -> None:
+    def __init__(self, root: Path, broker, session_expiry: int = 3600, resend_seconds: float = 30.0) -> None:
         images = load_fashion_mnist().test_images
         for i in range(6):
             write_png(root / "camera" / f"{i}.png", images[i], age_seconds=30 - i)
         self.data = open_folder_data(root / "state", root / "camera", pool_cap=10, settle_seconds=0)
         self.oracle = FolderOracle(QueryBook(root / "state" / "labelling"), self.data, wait_seconds=0)
-        self.broker, self.session_expiry = broker, session_expiry
+        self.broker, self.session_expiry, self.resend_seconds = broker, session_expiry, resend_seconds
         self.connect()
 
     def connect(self) -> None:
         """Opens the link over a fresh session of the device (the agent's session, which the link shares)."""
-        self.central = CentralLabelling(FLEET, DEVICE, self.oracle, None)
+        self.central = CentralLabelling(FLEET, DEVICE, self.oracle, None, self.resend_seconds)
         self.session = MqttSession(self.broker.address, client_id=DEVICE, session_expiry=self.session_expiry)
         self.central.open(self.session)
         self.session.connect()
@@ -226,3 +226,24 @@ def test_a_query_answered_on_the_device_leaves_the_queue(tmp_path: Path, broker,
     assert closed.answered_by == f"{DEVICE}:page" and desk.queue.undelivered() == []
     assert desk.queue.next_for("ana").query_id == device.oracle.book.queries()[1].query_id
     device.close()
+
+
+def test_a_query_refused_for_a_full_queue_is_sent_again_when_there_is_room(tmp_path: Path, broker) -> None:
+    queue = LabelQueue(tmp_path / "run", tuple(CLASS_NAMES), QueueLimits(per_device=1))
+    session = MqttSession(broker.address, client_id="small-desk", manual_ack=True)
+    session.connect()
+    small = LabellingDesk(FLEET, session, queue, resend_seconds=0.3).start()
+    device = Device(tmp_path, broker, resend_seconds=0.5)
+    try:
+        device.oracle.ask(np.array([0, 1]))
+        wait_until(lambda: small.refusals["device_full"] >= 1 and len(queue.all()) == 1, "one queued, one refused")
+        wait_until(lambda: len(device.oracle.book.store.queued()) == 1, "the first query's receipt")
+        time.sleep(0.3)
+        assert len(device.oracle.book.store.queued()) == 1, "the refused one is not settled"
+        small.send(queue.answer(DEVICE, queue.all()[0].query_id, 2, "ana"))
+        wait_until(lambda: len(queue.all()) == 2, "the second query queued once there is room", step=device.step)
+        assert len(device.oracle.book.store.queued()) == 2
+    finally:
+        device.close()
+        small.stop()
+        session.close()

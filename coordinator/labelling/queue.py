@@ -61,11 +61,13 @@ class AnswerError(FalError):
 
 @dataclass(frozen=True)
 class QueueLimits:
-    """How much the queue keeps: open queries per device and in all, and the largest image accepted."""
+    """How much the queue keeps: open queries per device and in all, the largest image accepted, and how many
+    answered queries its devices have stored stay on disk (the newest; older ones' rows and images are removed)."""
 
     per_device: int = 500
     total: int = 10000
     image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    kept_answered: int = 10000
 
 
 @dataclass(frozen=True)
@@ -266,6 +268,7 @@ class LabelQueue:
                 "WHERE device = ? AND query_id = ? AND label IS NULL",
                 (label, who, now, now, device, query_id),
             )
+            self._prune()
         return cursor.rowcount > 0
 
     def undelivered(self) -> list[Decided]:
@@ -285,7 +288,20 @@ class LabelQueue:
                 "AND delivered_at IS NULL",
                 (time.time(), device, query_id),
             )
+            self._prune()
         return cursor.rowcount > 0
+
+    def _prune(self) -> None:
+        """Removes the answered, delivered queries beyond the newest `kept_answered`: rows, votes, skips, images."""
+        old = self._conn.execute(
+            "SELECT device, query_id, media_type FROM queries WHERE delivered_at IS NOT NULL "
+            "ORDER BY answered_at DESC, rowid DESC LIMIT -1 OFFSET ?",
+            (self.limits.kept_answered,),
+        ).fetchall()
+        for device, query_id, media_type in old:
+            self.image_path(device, query_id, media_type).unlink(missing_ok=True)
+            for table in ("queries", "votes", "skips"):
+                self._conn.execute(f"DELETE FROM {table} WHERE device = ? AND query_id = ?", (device, query_id))
 
     def depth(self) -> dict[str, int]:
         """Open queries per device."""

@@ -47,17 +47,25 @@ class CentralLabelling:
     the round.
 
     Each query the queue has not confirmed (the answer book lists those it did) is published on the device's
-    queries topic at QoS 1, chunked by the session like an update, and again after RESEND_SECONDS, doubling up to
+    queries topic at QoS 1, chunked by the session like an update, and again after `resend_seconds` (RESEND_SECONDS), doubling up to
     an hour, until the queue's receipt comes (a queue that was not listening yet gets it later). An answer from the
     queue is delivered to the answer book (durable) before its receipt goes back, so the queue sends it again until
     the device has stored it (a device killed in between gets it again), and a repeated one changes nothing."""
 
-    def __init__(self, fleet: str, device_id: str, oracle: FolderOracle, max_side: int | None) -> None:
+    def __init__(
+        self,
+        fleet: str,
+        device_id: str,
+        oracle: FolderOracle,
+        max_side: int | None,
+        resend_seconds: float = RESEND_SECONDS,
+    ) -> None:
         self.fleet = fleet
         self.device_id = device_id
         self.session: MqttSession | None = None
         self.oracle = oracle
         self.max_side = max_side
+        self.resend_seconds = resend_seconds
         self.next_send: dict[str, tuple[float, float]] = {}
         self._stop = threading.Event()
         self._inbox: queue.Queue[IncomingMessage] = queue.Queue()
@@ -112,7 +120,7 @@ class CentralLabelling:
         """Publishes one query and schedules its resend; a query that cannot be sent (its copy gone or unreadable,
         its image beyond the queue's bound) is logged and settled: it stays answerable on the device's own roads."""
         previous = self.next_send.get(query.query_id)
-        wait = RESEND_SECONDS if previous is None else min(previous[1] * 2, MAX_RESEND_SECONDS)
+        wait = self.resend_seconds if previous is None else min(previous[1] * 2, MAX_RESEND_SECONDS)
         self.next_send[query.query_id] = (time.monotonic() + wait, wait)
         guess = self.oracle.guesses.get(query.index, Guess(-1, 0.0, 0.0, 0.0))
         try:
@@ -132,14 +140,16 @@ class CentralLabelling:
             self.oracle.book.store.note_queued(query.query_id)
 
     def handle(self, session: MqttSession, message: IncomingMessage) -> None:
-        """One message from the queue: a query's receipt settles the query; an answer is stored, then receipted.
-        A malformed message is logged (bounded) and dropped."""
+        """One message from the queue: a query's receipt settles the query (unless the queue was full: its resends
+        go on); an answer is stored, then receipted. A malformed message is logged (bounded) and dropped."""
         try:
             received = wire.decode_any(message.payload, (label_messages.LabelAnswer, label_messages.QueryReceipt))
         except wire.WireError as error:
             log.warning("ignored bad labelling message topic=%s error=%s", message.topic[:200], error)
             received = None
-        if isinstance(received, label_messages.QueryReceipt):
+        if isinstance(received, label_messages.QueryReceipt) and received.refusal in label_messages.RETRIED_REFUSALS:
+            log.info("query waits for room in the queue query=%s", wire.shown(received.query_id))
+        elif isinstance(received, label_messages.QueryReceipt):
             self.oracle.book.store.note_queued(received.query_id)
             self.next_send.pop(received.query_id, None)
             if not received.queued:
