@@ -247,3 +247,20 @@ def test_a_query_refused_for_a_full_queue_is_sent_again_when_there_is_room(tmp_p
         device.close()
         small.stop()
         session.close()
+
+
+def test_a_query_far_over_the_bound_is_dropped_in_its_chunks(tmp_path: Path, broker, sessions) -> None:
+    from coordinator.commands.labelling import desk_running
+
+    queue = LabelQueue(tmp_path / "run", tuple(CLASS_NAMES), QueueLimits(image_bytes=100_000))
+    sender = sessions(broker.address, "cam-big")
+    huge = label_messages.LabelQuery("cam-big", "huge", b"\xff" * 3_000_000, "image/jpeg", 1.0)
+    with desk_running(FLEET, broker.address, queue) as running:
+        sender.publish(topics.LABEL_QUERIES.build(fleet=FLEET, device="cam-big"), wire.encode(huge), wait=30)
+        wait_until(lambda: running.refusals["transfer_dropped"] >= 1, "the transfer dropped")
+        assert queue.all() == [] and not (queue.folder / "images").exists()
+        small = io.BytesIO()
+        Image.fromarray(np.zeros((8, 8), dtype=np.uint8)).save(small, format="PNG")
+        fine = label_messages.LabelQuery("cam-big", "fine", small.getvalue(), "image/png", 1.0)
+        sender.publish(topics.LABEL_QUERIES.build(fleet=FLEET, device="cam-big"), wire.encode(fine))
+        wait_until(lambda: [q.query_id for q in queue.all()] == ["fine"], "the desk going on")
