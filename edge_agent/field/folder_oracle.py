@@ -136,8 +136,10 @@ class QueryBook:
         for name, label in self.csv_answers().items():
             query = by_id.get(Path(name).stem)
             if query is not None and query.name == name and query.query_id not in stored:
-                self.store.deliver(query.query_id, label, Road.LABELS_CSV)
-                stored = self.store.labels()
+                if self.store.deliver(query.query_id, label, Road.LABELS_CSV) is Delivery.STORED:
+                    stored[query.query_id] = label
+                else:  # another road stored its answer meanwhile
+                    stored = self.store.labels()
         return {query.name: stored[query_id] for query_id, query in by_id.items() if query_id in stored}
 
     def csv_answers(self) -> dict[str, int]:
@@ -257,7 +259,7 @@ class FolderOracle(Oracle):
         return new_queries
 
     def pending(self) -> np.ndarray:
-        """Indices asked but not yet in the labelled store."""
+        """Indices asked but neither in the labelled store nor answered 'none of these'."""
         labelled = set(self.data.labelled()[0].tolist())
         asked = {q.index for q in self.book.queries()}
         return np.array(sorted(asked - labelled - self.book.declined()), dtype=np.int64)
