@@ -29,8 +29,10 @@ def open_shard_pool(
 ) -> run_command.DevicePool:
     """A bench device's pool: the shard's images (its seeds labelled once) with the oracle that knows their labels;
     the scoring batch fits the profile's budget for the shard's size."""
-    if args.stream or args.label_ui:
-        raise UsageError("--stream and --label-ui need a folder pool (`edge-agent run --pool-dir`)")
+    if args.stream or args.label_ui or args.labelling != "device":
+        raise UsageError(
+            "--stream, --label-ui and --labelling central need a folder pool (`edge-agent run --pool-dir`)"
+        )
     if not args.data.is_file():
         raise UsageError(f"{args.data}: no such shard file")
     shard = load_shard(args.data)

@@ -38,6 +38,12 @@ FL_COORDINATOR = CommandLine(
             STOPS,
         ),
         Command(
+            "labelling",
+            "serve the fleet's labelling queue and page; export or import it as Label Studio tasks",
+            "coordinator.commands.labelling",
+            STOPS,
+        ),
+        Command(
             "encoder",
             "fit FAST's frozen encoder (PCA) on unlabelled images and write its ONNX",
             "coordinator.commands.encoder",

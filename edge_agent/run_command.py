@@ -20,6 +20,7 @@ from protocol.shutdown import raise_on_sigterm
 if TYPE_CHECKING:  # the agent's parts load their runtimes; `edge-agent score` must not
     from edge_agent.data.device_data import DeviceData
     from edge_agent.data.oracle import Oracle
+    from edge_agent.field.central import CentralLabelling
     from edge_agent.field.label_ui import LabelServer
     from edge_agent.loop.agent import Agent, BackgroundWork
     from edge_agent.loop.agent_settings import AgentSettings
@@ -190,6 +191,7 @@ class DevicePool:
     oracle: Oracle
     work: BackgroundWork | None = None
     label_server: LabelServer | None = None
+    central: CentralLabelling | None = None
 
 
 # Opens a device's pool from its parsed arguments, its state folder, its settings and its profile (if any).
@@ -207,20 +209,24 @@ def open_folder_pool(
     if profile is not None:
         settings = fit_to_budget(settings, profile.memory_budget_mb, profile.pool_size_cap)
     field = open_field(field_settings(args), state_dir, settings, profile)
-    return DevicePool(settings, field.data, field.oracle, field.work, field.label_server)
+    return DevicePool(settings, field.data, field.oracle, field.work, field.label_server, field.central)
 
 
 @dataclasses.dataclass
 class OpenedDevice:
-    """One device's agent with what it holds open: its MQTT session (not yet connected) and its label page."""
+    """One device's agent with what it holds open: its MQTT session (not yet connected), its label page and its link
+    to the fleet's labelling queue (`--labelling central`), whose thread reads the session's answers topic."""
 
     agent: Agent
     session: MqttSession
     label_server: LabelServer | None = None
+    central: CentralLabelling | None = None
 
     def close(self) -> None:
-        """Disconnects the session and stops the label page (if any)."""
+        """Disconnects the sessions and stops the label page and the labelling link (if any)."""
         self.session.close()
+        if self.central is not None:
+            self.central.close()
         if self.label_server is not None:
             self.label_server.stop()
 
@@ -247,7 +253,9 @@ def open_device(args: argparse.Namespace, open_pool: OpenPool = open_folder_pool
     pool = open_pool(args, state_dir, settings, profile)
     agent = Agent(pool.settings, session, pool.data, pool.oracle, pool.work)
     pool.oracle.stop_with(agent.stop_event)  # a person's answers are awaited only while the agent runs
-    return OpenedDevice(agent, session, pool.label_server)
+    if pool.central is not None:
+        pool.central.open(session)
+    return OpenedDevice(agent, session, pool.label_server, pool.central)
 
 
 def serve(device: OpenedDevice) -> int:

@@ -8,6 +8,7 @@ from typing import ClassVar, Protocol, TypeVar
 
 import numpy as np
 
+from protocol.label_messages import AnswerReceipt, LabelAnswer, LabelQuery, LocalAnswer, QueryReceipt
 from protocol.model_spec import ModelSpec
 from protocol.recipe_flags import OMITTED_KEY, recipe_field
 from protocol.secagg_messages import (
@@ -380,6 +381,11 @@ WIRE_TYPES: tuple[type[Message], ...] = (
     Status,
     Chunk,
     ServingMessage,
+    LabelQuery,
+    QueryReceipt,
+    LabelAnswer,
+    AnswerReceipt,
+    LocalAnswer,
     *SECAGG_TYPES,
 )
 MESSAGE_TYPES: dict[str, type[Message]] = {cls.KIND: cls for cls in WIRE_TYPES}

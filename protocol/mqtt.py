@@ -275,6 +275,7 @@ class MqttSession:
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message
+        self._diverted: list[tuple[str, Callable[[IncomingMessage], None]]] = []
 
     def connect(self, timeout: float = 30.0) -> None:
         """Starts the network thread and waits for the first CONNACK; it reconnects by itself afterwards."""
@@ -304,6 +305,13 @@ class MqttSession:
         """Subscribes (to the topic and its chunks) now and again after every reconnect."""
         for name in self._subscriptions.add(topic, qos):
             self._client.subscribe(name, qos=qos)
+
+    def divert(self, topic: str, take: Callable[[IncomingMessage], None]) -> None:
+        """Subscribes to `topic` (a filter) and hands its whole messages to `take` on paho's network thread instead
+        of the owner's queue: a second reader of one session (a device has one login, so one session), which must
+        only enqueue. Call it before `connect`."""
+        self._diverted.append((topic, take))
+        self.subscribe(topic)
 
     def unsubscribe(self, topic: str) -> None:
         """Stops a subscription (and its chunks) for good, dropping its unfinished transfers."""
@@ -379,4 +387,12 @@ class MqttSession:
 
     def _on_message(self, client, userdata, message) -> None:
         got = IncomingMessage(message.topic, bytes(message.payload), bool(message.retain), message.mid, message.qos)
-        self.inbox.deliver(got, self.backlog.put, self.acknowledge)
+        self.inbox.deliver(got, self._put, self.acknowledge)
+
+    def _put(self, message: IncomingMessage) -> None:
+        """A whole message to its reader: a diverted topic's taker, else the owner's queue."""
+        for topic, take in self._diverted:
+            if paho.topic_matches_sub(topic, message.topic):
+                take(message)
+                return
+        self.backlog.put(message)

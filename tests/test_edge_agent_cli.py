@@ -59,7 +59,10 @@ def test_a_bench_device_refuses_the_folder_only_options_in_one_line(tmp_path: Pa
     argv = ["device", "--broker", "mqtt://127.0.0.1:1", "--fleet", "f", "--device-id", "d", "--data", str(launch.shard)]
     assert bench_main([*argv, "--state-dir", str(tmp_path / "state"), "--stream"]) == 2
     error = capsys.readouterr().err.strip()
-    assert error == "fl-bench: --stream and --label-ui need a folder pool (`edge-agent run --pool-dir`)"
+    assert (
+        error
+        == "fl-bench: --stream, --label-ui and --labelling central need a folder pool (`edge-agent run --pool-dir`)"
+    )
 
 
 @pytest.mark.integration

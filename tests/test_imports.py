@@ -223,7 +223,7 @@ def test_the_cycle_finder_sees_function_level_and_from_imports(tmp_path: Path) -
 COORDINATOR_LEVELS = (
     ("strategies", "storage", "fleet"),
     ("intake",),
-    ("rounds",),
+    ("rounds", "labelling"),
     ("privacy", "secure", "asynchronous", "dashboard"),
     ("server",),
     ("relay",),

@@ -117,8 +117,9 @@ class Client:
 
 
 def login(address: BrokerAddress, fleet_dir: Path, who: str, tls: bool = False, client_id: str = "") -> Client:
-    """A connected client with the credentials from the provisioned folder ('coordinator' or a device id)."""
-    path = fleet_dir / ("coordinator.json" if who == "coordinator" else f"devices/{who}.json")
+    """A connected client with the credentials from the provisioned folder ('coordinator', 'labelling' or a device
+    id)."""
+    path = fleet_dir / (f"{who}.json" if who in ("coordinator", "labelling") else f"devices/{who}.json")
     credentials = load_credentials(path)
     tls_files = (
         {"ca_certs": credentials.ca_file, "certfile": credentials.cert_file, "keyfile": credentials.key_file}
@@ -132,10 +133,11 @@ def login(address: BrokerAddress, fleet_dir: Path, who: str, tls: bool = False, 
 
 def test_provision_writes_private_secrets_and_mosquitto_compatible_hashes(fleet_dir) -> None:
     assert device_names(3) == ["dev-00", "dev-01", "dev-02"]
-    for secret in ["passwd", "keys.json", "coordinator.json", "devices/dev-01.json", "tls/ca.key", "tls/broker.key"]:
+    secrets = ["passwd", "keys.json", "coordinator.json", "labelling.json", "devices/dev-01.json", "tls/ca.key"]
+    for secret in [*secrets, "tls/broker.key"]:
         assert stat.S_IMODE((fleet_dir / secret).stat().st_mode) == 0o600, secret
     users = [line.split(":")[0] for line in (fleet_dir / "passwd").read_text().splitlines()]
-    assert users == ["coordinator", "dev-00", "dev-01", "dev-02"]
+    assert users == ["coordinator", "labelling", "dev-00", "dev-01", "dev-02"]
     keys = json.loads((fleet_dir / "keys.json").read_text())
     credentials = load_credentials(fleet_dir / "devices" / "dev-01.json")
     assert credentials.hmac_key.hex() == keys["dev-01"] and len(credentials.hmac_key) == 32
@@ -210,6 +212,30 @@ def test_a_device_reads_its_own_acks_and_the_round_but_not_another_device_acks(p
     coordinator.client.publish(topics.ROUND.build(fleet=FLEET), b"round", qos=1)
     assert [m[2] for m in snoop.messages()] == [b"dev-00", b"round"]
     for client in (coordinator, snoop):
+        client.close()
+
+
+def test_the_labelling_login_reads_queries_and_receipts_and_writes_answers_only(plain_broker, fleet_dir) -> None:
+    desk = login(plain_broker.address, fleet_dir, "labelling")
+    for topic in (topics.LABEL_QUERIES, topics.LABEL_RECEIPTS, topics.UPDATE):
+        desk.client.subscribe(topic.filter(fleet=FLEET), qos=1)
+        assert desk.expect("suback")[1] == 1
+    device = login(plain_broker.address, fleet_dir, "dev-00")
+    for topic in (topics.LABEL_QUERIES, topics.LABEL_RECEIPTS, topics.UPDATE):
+        device.client.publish(topic.build(fleet=FLEET, device="dev-00"), topic.template.encode(), qos=1)
+        assert device.expect("puback")[1] == 0
+    assert sorted(m[2] for m in desk.messages()) == sorted(
+        [topics.LABEL_QUERIES.template.encode(), topics.LABEL_RECEIPTS.template.encode()]
+    ), "no update reaches the labelling desk"
+    device.client.subscribe(topics.LABEL_ANSWERS.build(fleet=FLEET, device="dev-00"), qos=1)
+    assert device.expect("suback")[1] == 1
+    desk.client.publish(topics.LABEL_ANSWERS.build(fleet=FLEET, device="dev-00"), b"answer", qos=1)
+    assert desk.expect("puback")[1] == 0
+    for forbidden in (topics.ROUND.build(fleet=FLEET), topics.UPDATE.build(fleet=FLEET, device="dev-00")):
+        desk.client.publish(forbidden, b"forged", qos=1)
+        assert desk.expect("puback")[1] == 0x87  # Not authorized
+    assert [m[2] for m in device.messages()] == [b"answer"]
+    for client in (desk, device):
         client.close()
 
 

@@ -114,6 +114,8 @@ def test_the_device_acl_comes_from_the_patterns() -> None:
         "pattern read fl/f/devices/%u/ack/chunk/+",
         "pattern read fl/f/devices/%u/secagg_in",
         "pattern read fl/f/devices/%u/secagg_in/chunk/+",
+        "pattern read fl/f/devices/%u/answers",
+        "pattern read fl/f/devices/%u/answers/chunk/+",
         "pattern read fl/f/round",
         "pattern read fl/f/round/chunk/+",
         "pattern read fl/f/serving",

@@ -38,4 +38,9 @@ def run(args: argparse.Namespace) -> int:
     for device in sorted(secure.device_keys):
         print(f"{device} {secure.device_credentials(device)}")
     print(f"coordinator: fl-coordinator run --fleet {secure.fleet} --secure {secure.folder}", file=sys.stderr)
+    print(
+        f"labelling desk: fl-coordinator labelling serve RUN_DIR --fleet {secure.fleet} "
+        f"--credentials {secure.folder / 'labelling.json'} ...",
+        file=sys.stderr,
+    )
     return 0

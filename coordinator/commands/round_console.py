@@ -111,6 +111,13 @@ def peak_words(peaks: dict[str, float]) -> str:
 @contextlib.contextmanager
 def dashboard_for(args: argparse.Namespace, settings: ServerSettings) -> Iterator[LiveState | None]:
     """The live state of a dashboard served for the run's duration if --dashboard asks for one, else None."""
+    with dashboard_of(args, settings) as dashboard:
+        yield None if dashboard is None else dashboard.server.live
+
+
+@contextlib.contextmanager
+def dashboard_of(args: argparse.Namespace, settings: ServerSettings) -> Iterator[Dashboard | None]:
+    """The dashboard served for the run's duration (with its live state) if --dashboard asks for one, else None."""
     if args.dashboard is None:
         if args.dashboard_token is not None:
             raise UsageError("--dashboard-token needs --dashboard")
@@ -122,4 +129,4 @@ def dashboard_for(args: argparse.Namespace, settings: ServerSettings) -> Iterato
     with Dashboard(address, settings.run_dir, live, token) as dashboard:
         where = f"{dashboard.url}#token={token}" if token and args.dashboard_token is None else dashboard.url
         print(f"dashboard at {where}", file=sys.stderr, flush=True)
-        yield live
+        yield dashboard

@@ -4,9 +4,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
-from coordinator.commands.round_console import RoundPrinter, dashboard_for
+from coordinator.commands.labelling import with_labelling
+from coordinator.commands.round_console import RoundPrinter, dashboard_of
 from coordinator.commands.round_options import add_round_options
 from coordinator.commands.run_settings import server_settings, validate_recipe_names
 from coordinator.dashboard.server import parse_listen_address
@@ -14,7 +16,7 @@ from coordinator.fleet.broker import LOCAL_CLIENT_HOSTS, EmbeddedBroker, embedde
 from coordinator.fleet.provision import load_secure_fleet
 from coordinator.server import evaluation_line, load_server_data, run_server, split_line
 from protocol.errors import UsageError
-from protocol.mqtt import parse_broker_url
+from protocol.mqtt import BrokerAddress, parse_broker_url
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--secure", type=Path, metavar="DIR", help="a folder from `provision`: broker login, ACL, signed updates only"
     )
     parser.add_argument(
+        "--labelling",
+        action="store_true",
+        help="keep the fleet's labelling queue (RUN_DIR/labelling) and serve its page at /label on the dashboard: "
+        "devices run with --labelling central send their queried images there",
+    )
+    parser.add_argument(
         "--broker-listen",
         metavar="[HOST:]PORT",
         help="where the embedded broker listens (0.0.0.0:1883: every address, for devices on other machines; "
@@ -59,16 +67,20 @@ def run(args: argparse.Namespace) -> int:
     data = load_server_data(settings)
     printer.say(split_line(settings, data))
     printer.say(evaluation_line(settings, data))
-    with dashboard_for(args, settings) as live:
-        serve = functools.partial(
+    if args.labelling and args.dashboard is None:
+        raise UsageError("--labelling needs --dashboard: the labelling page is served there")
+    with dashboard_of(args, settings) as dashboard:
+        serve: Callable[[BrokerAddress], object] = functools.partial(
             run_server,
             settings,
             on_round=printer,
             data=data,
             wait_for_devices=args.wait_devices,
-            observer=live,
+            observer=None if dashboard is None else dashboard.server.live,
             say=printer.say,
         )
+        if args.labelling and dashboard is not None:
+            serve = with_labelling(serve, settings, dashboard)
         if args.broker:
             serve(parse_broker_url(args.broker))
         else:

@@ -1,4 +1,5 @@
-# The dashboard's HTTP server on a background thread: static page, JSON API and /metrics, bearer token off loopback.
+# The dashboard's HTTP server on a background thread: static pages, JSON API, /metrics and the labelling API, bearer
+# token off loopback.
 from __future__ import annotations
 
 import hmac
@@ -10,11 +11,15 @@ import re
 import secrets
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
+from coordinator.dashboard import labelling_api
+from coordinator.dashboard.labelling_api import Reply
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from coordinator.dashboard.metrics import render_metrics
@@ -27,6 +32,7 @@ from coordinator.dashboard.views import (
     rounds_view,
     run_view,
 )
+from coordinator.labelling.desk import LabellingDesk
 from protocol.errors import UsageError
 from protocol.files import atomic_write_bytes
 
@@ -37,7 +43,13 @@ STATIC_FILES = {
     "/": ("index.html", "text/html; charset=utf-8"),
     "/dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8"),
     "/dashboard.css": ("dashboard.css", "text/css; charset=utf-8"),
+    "/label": ("label.html", "text/html; charset=utf-8"),
+    "/label.js": ("label.js", "text/javascript; charset=utf-8"),
 }
+LABEL_API = "/api/label/"
+# Without a bearer token (loopback) a POST must carry this header: a cross-site page cannot send it without a CORS
+# preflight, which this server never grants, so no other site can post answers through a person's browser.
+SAME_ORIGIN_HEADER = ("X-Requested-With", "edge-fal")
 ROUND_PATH = re.compile(r"/api/rounds/(\d+)/(divergence|class-accuracy)")
 TOKEN_FILE = "dashboard-token"
 LOOPBACK_NAMES = {"localhost"}
@@ -92,7 +104,14 @@ class DashboardHTTPServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, address: ListenAddress, run_dir: Path, live: LiveState | None, token: str | None) -> None:
+    def __init__(
+        self,
+        address: ListenAddress,
+        run_dir: Path,
+        live: LiveState | None,
+        token: str | None,
+        labelling: LabellingDesk | None = None,
+    ) -> None:
         self.address_family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
         try:
             super().__init__((address.host, address.port), DashboardHandler)
@@ -103,6 +122,7 @@ class DashboardHTTPServer(ThreadingHTTPServer):
         self.snapshots = SnapshotCache(run_dir)
         self.live = live
         self.token = token
+        self.labelling = labelling
 
 
 class DashboardHandler(BaseHTTPRequestHandler):
@@ -124,9 +144,56 @@ class DashboardHandler(BaseHTTPRequestHandler):
             )
         elif path == "/metrics":
             self.send_body(HTTPStatus.OK, self.metrics().encode(), METRICS_CONTENT_TYPE)
+        elif path.startswith(LABEL_API):
+            self.send_reply(
+                self.label_reply(lambda desk: labelling_api.get(desk, path, parse_qs(urlsplit(self.path).query)))
+            )
         else:
             status, body = self.api(path)
             self.send_json(status, body)
+
+    def do_POST(self) -> None:
+        """The labelling API's answers and skips: JSON, with the token (or, on an open loopback dashboard, the
+        same-origin header), from this page's origin only."""
+        path = self.path.split("?", 1)[0]
+        length = self.headers.get("Content-Length", "")
+        if not path.startswith(LABEL_API):
+            self.send_reply(labelling_api.error(HTTPStatus.NOT_FOUND, f"no such path {path[:100]!r}"))
+        elif not length.isdigit() or int(length) > labelling_api.MAX_BODY_BYTES:
+            self.send_reply(labelling_api.error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "a body of at most 4096 bytes"))
+        elif self.server.token is not None and not self.authorised():
+            self.send_json(
+                HTTPStatus.UNAUTHORIZED, {"error": "a bearer token is required"}, {"WWW-Authenticate": "Bearer"}
+            )
+        elif not self.same_origin():
+            self.send_reply(labelling_api.error(HTTPStatus.FORBIDDEN, "posts come from the labelling page only"))
+        elif self.headers.get("Content-Type", "").split(";")[0].strip() != "application/json":
+            self.send_reply(labelling_api.error(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "the body must be application/json"))
+        else:
+            body = self.rfile.read(int(length))
+            self.send_reply(self.label_reply(lambda desk: labelling_api.post(desk, path, body)))
+
+    def same_origin(self) -> bool:
+        """Whether a POST comes from this server's own page: an Origin header, when sent, naming this host, and
+        (with no token to prove it) the same-origin header."""
+        origin = self.headers.get("Origin")
+        if origin is not None and urlsplit(origin).netloc != self.headers.get("Host", ""):
+            return False
+        name, value = SAME_ORIGIN_HEADER
+        return self.server.token is not None or self.headers.get(name) == value
+
+    def label_reply(self, answer: Callable[[LabellingDesk], Reply]) -> Reply:
+        """The labelling API's reply, or 404 when this coordinator keeps no labelling queue."""
+        if self.server.labelling is None:
+            return labelling_api.error(HTTPStatus.NOT_FOUND, "this coordinator keeps no labelling queue")
+        return answer(self.server.labelling)
+
+    def send_reply(self, reply: Reply) -> None:
+        """Sends a labelling API reply: JSON, or raw bytes."""
+        if reply.body is not None:
+            self.send_json(reply.status, reply.body)
+        else:
+            self.send_body(reply.status, reply.data, reply.content_type)
 
     def authorised(self) -> bool:
         """True without a token, or when the Authorization header carries it."""
@@ -186,8 +253,15 @@ class DashboardHandler(BaseHTTPRequestHandler):
 class Dashboard:
     """The dashboard server running on a background thread for the duration of a with-block."""
 
-    def __init__(self, address: ListenAddress, run_dir: Path, live: LiveState | None, token: str | None) -> None:
-        self.server = DashboardHTTPServer(address, run_dir, live, token)
+    def __init__(
+        self,
+        address: ListenAddress,
+        run_dir: Path,
+        live: LiveState | None,
+        token: str | None,
+        labelling: LabellingDesk | None = None,
+    ) -> None:
+        self.server = DashboardHTTPServer(address, run_dir, live, token, labelling)
         self.thread = threading.Thread(target=self.server.serve_forever, name="dashboard", daemon=True)
 
     @property

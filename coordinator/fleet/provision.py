@@ -18,6 +18,8 @@ from protocol.errors import UsageError
 from protocol.files import atomic_write_bytes
 
 COORDINATOR_USERNAME = "coordinator"
+LABELLING_USERNAME = "labelling"  # the labelling desk's own login (`fl-coordinator labelling serve --credentials`)
+SERVICE_USERNAMES = (COORDINATOR_USERNAME, LABELLING_USERNAME)
 PASSWORD_ITERATIONS = 101  # what mosquitto_passwd 2.0 writes for its $7$ (PBKDF2-SHA512) hashes
 DEFAULT_TLS_HOSTS = ("localhost", "127.0.0.1")
 CERT_DAYS = 825
@@ -70,8 +72,9 @@ def device_names(count: int, prefix: str = "dev") -> list[str]:
     if count < 1:
         raise UsageError(f"--devices must be at least 1, got {count}")
     names = [wire.check_identifier("device id", f"{prefix}-{index:02d}") for index in range(count)]
-    if COORDINATOR_USERNAME in names:
-        raise UsageError(f"a device may not be called {COORDINATOR_USERNAME!r}")
+    taken = sorted(set(SERVICE_USERNAMES) & set(names))
+    if taken:
+        raise UsageError(f"a device may not be called {taken[0]!r}")
     return names
 
 
@@ -83,11 +86,13 @@ def password_hash(password: str, salt: bytes | None = None) -> str:
 
 
 def acl_text(fleet: str) -> str:
-    """The coordinator may do anything in the fleet; a device writes only under its own topics (by username, %u,
-    never the spoofable client id) and reads only the round, the models, their ONNX bundles, the FAST encoder and
-    its own acks, each with its chunks (protocol.topics writes the device lines from the topic patterns)."""
+    """The coordinator may do anything in the fleet; the labelling desk reads the devices' queries and receipts and
+    writes their answers; a device writes only under its own topics (by username, %u, never the spoofable client
+    id) and reads only the round, the models, their ONNX bundles, the FAST encoder and its own acks and answers,
+    each with its chunks (protocol.topics writes the lines from the topic patterns)."""
     coordinator = [f"user {COORDINATOR_USERNAME}", f"topic readwrite {topics.FLEET_ALL.acl(fleet=fleet)}"]
-    return "\n".join([*coordinator, "", *topics.device_acl(fleet), ""])
+    labelling = [f"user {LABELLING_USERNAME}", *topics.labelling_acl(fleet)]
+    return "\n".join([*coordinator, "", *labelling, "", *topics.device_acl(fleet), ""])
 
 
 def broker_config_lines(secure: SecureFleet) -> tuple[str, ...]:
@@ -131,7 +136,7 @@ def provision(
     if (out / "keys.json").exists():
         raise UsageError(f"{out} already holds a provisioned fleet; choose a new --out folder")
     out.mkdir(parents=True, exist_ok=True)
-    passwords = {name: secrets.token_urlsafe(24) for name in [COORDINATOR_USERNAME, *names]}
+    passwords = {name: secrets.token_urlsafe(24) for name in [*SERVICE_USERNAMES, *names]}
     keys = {name: secrets.token_bytes(32) for name in names}
     tls_files = write_tls_files(out / "tls", names, tls_hosts) if tls else {}
     write_secret(out / "passwd", "".join(f"{user}:{password_hash(pw)}\n" for user, pw in passwords.items()))
@@ -156,12 +161,11 @@ def write_credentials(
     keys: dict[str, bytes],
     tls_files: dict[str, TlsPaths],
 ) -> None:
-    """coordinator.json and one devices/<id>.json per device: login, signing key (devices) and TLS files."""
-    coordinator = COORDINATOR_USERNAME
-    tls_of = {name: tls_files.get(name, TlsPaths()) for name in [coordinator, *names]}
-    save_credentials(
-        out / "coordinator.json", Credentials(fleet, coordinator, passwords[coordinator], **tls_of[coordinator])
-    )
+    """coordinator.json, labelling.json (the labelling desk's) and one devices/<id>.json per device: login, signing
+    key (devices) and TLS files."""
+    tls_of = {name: tls_files.get(name, TlsPaths()) for name in [*SERVICE_USERNAMES, *names]}
+    for service in SERVICE_USERNAMES:
+        save_credentials(out / f"{service}.json", Credentials(fleet, service, passwords[service], **tls_of[service]))
     for name in names:
         save_credentials(
             out / "devices" / f"{name}.json",
@@ -222,7 +226,7 @@ def write_tls_files(folder: Path, names: list[str], hosts: tuple[str, ...]) -> d
     save("ca", ca_key, ca_cert)
     save("broker", broker_key, broker_cert)
     files: dict[str, TlsPaths] = {}
-    for user in [COORDINATOR_USERNAME, *names]:
+    for user in [*SERVICE_USERNAMES, *names]:
         key = ec.generate_private_key(ec.SECP256R1())
         save(f"clients/{user}", key, _certificate(key, user, ca_key, ca_cert, client=True))
         files[user] = TlsPaths(

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,3 +33,35 @@ class Oracle(ABC):
         """The class names a person answers with, which the model spec must list in the same order (None: the
         oracle answers with class numbers, as the bench's does)."""
         return None
+
+    def wants_guesses(self) -> bool:
+        """Whether the queries it is asked go to people with the model's guess (the central labelling queue)."""
+        return False
+
+    def note_guesses(self, indices: np.ndarray, guesses: list[Guess]) -> None:
+        """Told the model's guess of each sample about to be asked (only when `wants_guesses`)."""
+        return None
+
+
+@dataclass(frozen=True)
+class Guess:
+    """The model's view of one queried image when it was asked: its class, that class's mean probability over the
+    MC-dropout passes, the uncertainty (the mean's entropy over log(classes), in [0, 1]) and the sampler's score."""
+
+    label: int
+    probability: float
+    uncertainty: float
+    score: float
+
+
+def guesses_of(probs: np.ndarray, scores: np.ndarray | None) -> list[Guess]:
+    """One Guess per sample of MC-dropout probabilities (passes, samples, classes); the uncertainty stands in for
+    a score the sampler did not give."""
+    mean = probs.mean(axis=0)
+    entropy = -(mean * np.log(np.clip(mean, 1e-12, 1.0))).sum(axis=1) / np.log(mean.shape[1])
+    labels = mean.argmax(axis=1)
+    worth = entropy if scores is None else scores
+    return [
+        Guess(int(label), float(mean[row, label]), float(entropy[row]), float(worth[row]))
+        for row, label in enumerate(labels)
+    ]

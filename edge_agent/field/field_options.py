@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge_agent.field.folder_pool import DEFAULT_SETTLE_SECONDS
+from protocol.errors import UsageError
+
+LABELLING_MODES = ("device", "central")
 
 
 def add_field_arguments(run: argparse.ArgumentParser) -> None:
@@ -27,6 +30,20 @@ def add_field_arguments(run: argparse.ArgumentParser) -> None:
         help="seconds an acquisition waits for answers before training on what is answered",
     )
     field.add_argument("--label-ui", metavar="[HOST:]PORT", help="serve the labelling page (loopback by default)")
+    field.add_argument(
+        "--labelling",
+        choices=LABELLING_MODES,
+        default="device",
+        help="where people answer queries: on the device only (its page, labels.csv), or also in the fleet's central "
+        "queue (`central`: each query's image leaves the device for the coordinator's labelling page)",
+    )
+    field.add_argument(
+        "--query-image-side",
+        type=int,
+        metavar="PIXELS",
+        help="--labelling central: send each query image downscaled to at most this side, as PNG (default: the file "
+        "as captured)",
+    )
     field.add_argument("--scan-interval", type=float, default=5.0, help="seconds between scans of the pool folder")
     field.add_argument(
         "--settle-seconds",
@@ -62,10 +79,14 @@ class FieldSettings:
     stream: bool = False
     labels_per_hour: float = 30.0
     label_burst: float | None = None
+    labelling: str = "device"
+    query_image_side: int | None = None
 
 
 def field_settings(args: argparse.Namespace) -> FieldSettings:
     """FieldSettings from parsed `edge-agent run` arguments (with --pool-dir)."""
+    if args.query_image_side is not None and not 8 <= args.query_image_side <= 4096:
+        raise UsageError(f"--query-image-side must be 8..4096 pixels, got {args.query_image_side}")
     return FieldSettings(
         pool_dir=args.pool_dir,
         model_spec=args.model_spec,
@@ -77,4 +98,6 @@ def field_settings(args: argparse.Namespace) -> FieldSettings:
         stream=args.stream,
         labels_per_hour=args.labels_per_hour,
         label_burst=args.label_burst,
+        labelling=args.labelling,
+        query_image_side=args.query_image_side,
     )

@@ -1,4 +1,5 @@
-# The folder oracle: queries are copied to DIR/queries/<round>/ with an index; answers come from DIR/labels.csv.
+# The folder oracle: queries are copied to DIR/queries/<round>/ with an index; answers, by any road, are stored in
+# DIR/answers.sqlite (labels.csv's rows delivered there as they are read).
 from __future__ import annotations
 
 import csv
@@ -13,8 +14,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from edge_agent.data.answers import ANSWERS_FILE, DECLINED, AnswerBook, Delivery, Road
 from edge_agent.data.device_data import DeviceData
-from edge_agent.data.oracle import Oracle
+from edge_agent.data.oracle import Guess, Oracle
 from edge_agent.field.folder_pool import folder_pool_of
 from edge_agent.learning.bundle import file_sha256
 from protocol.files import atomic_write_bytes
@@ -44,6 +46,11 @@ class Query:
         """The copy's file name, unique across rounds: what labels.csv refers to."""
         return Path(self.file).name
 
+    @property
+    def query_id(self) -> str:
+        """The query's key in the answer book and on the wire: its copy's name without the suffix."""
+        return Path(self.file).stem
+
 
 INDEX_FIELDS = tuple(field.name for field in dataclasses.fields(Query))
 
@@ -69,10 +76,12 @@ def parse_label(value: str, class_names: tuple[str, ...]) -> int:
 
 
 class QueryBook:
-    """The files a person or labelling tool shares with the agent: queries/index.csv, the copies, and labels.csv.
+    """The files a person or labelling tool shares with the agent: queries/index.csv, the copies, labels.csv, and
+    the answer book every answer is stored in (answers.sqlite), whichever road it came by.
 
     labels.csv has rows `file,label` (file: the copy's name or path under queries/; label: class number or name);
-    the last row for a file wins. Bad rows are logged once and skipped. Writes are atomic (whole-file replace).
+    of the rows one read finds for a file the last wins, and it is delivered to the answer book, where the first
+    answer stored for a query stays. Bad rows are logged once and skipped. Index writes are atomic.
     """
 
     def __init__(self, oracle_dir: Path | str, class_names: tuple[str, ...] = CLASS_NAMES) -> None:
@@ -80,8 +89,8 @@ class QueryBook:
         self.class_names = class_names
         self.queries_dir = self.oracle_dir / QUERIES_DIR
         self.labels_path = self.oracle_dir / LABELS_FILE
-        self._lock = threading.Lock()
         self._reported: set[tuple[str, ...]] = set()
+        self.store = AnswerBook(self.oracle_dir / ANSWERS_FILE)
 
     def queries(self) -> list[Query]:
         """Every query ever asked, in the order asked."""
@@ -116,6 +125,24 @@ class QueryBook:
         return self.queries_dir / query.file
 
     def answers(self) -> dict[str, int]:
+        """Query name -> class number of every answered query (labels.csv's new rows delivered first); a query
+        answered 'none of these' is left out."""
+        return {name: label for name, label in self.stored_answers().items() if label != DECLINED}
+
+    def stored_answers(self) -> dict[str, int]:
+        """Query name -> stored label (DECLINED included), after delivering labels.csv's rows to the answer book."""
+        by_id = {query.query_id: query for query in self.queries()}
+        stored = self.store.labels()
+        for name, label in self.csv_answers().items():
+            query = by_id.get(Path(name).stem)
+            if query is not None and query.name == name and query.query_id not in stored:
+                if self.store.deliver(query.query_id, label, Road.LABELS_CSV) is Delivery.STORED:
+                    stored[query.query_id] = label
+                else:  # another road stored its answer meanwhile
+                    stored = self.store.labels()
+        return {query.name: stored[query_id] for query_id, query in by_id.items() if query_id in stored}
+
+    def csv_answers(self) -> dict[str, int]:
         """Query name -> class number, from labels.csv (absent file: no answers)."""
         found: dict[str, int] = {}
         for number, row in self._label_rows():
@@ -140,19 +167,27 @@ class QueryBook:
         ]
 
     def pending(self) -> list[Query]:
-        """Queries with no answer in labels.csv yet."""
-        answered = self.answers()
+        """Queries with no stored answer yet."""
+        answered = self.stored_answers()
         return [query for query in self.queries() if query.name not in answered]
 
-    def record_answer(self, name: str, label: int) -> None:
-        """Adds one answer to labels.csv at once (whole-file atomic replace); ValueError for an unknown query."""
-        if name not in {query.name for query in self.queries()}:
-            raise ValueError(f"no query named {name!r}")
-        if not 0 <= label < len(self.class_names):
+    def declined(self) -> set[int]:
+        """Pool indices of the queries answered 'none of these' (never labelled, never asked again)."""
+        stored = self.store.labels()
+        return {query.index for query in self.queries() if stored.get(query.query_id) == DECLINED}
+
+    def record_answer(
+        self, name: str, label: int, road: Road = Road.PAGE, answered_by: str = "", answered_at: float = 0.0
+    ) -> Delivery:
+        """Delivers one answer to the answer book (durable when it returns; a repeated delivery changes nothing);
+        `name` is the query's copy name or its id; ValueError for an unknown query or a label outside the classes
+        (DECLINED: none of these)."""
+        query = next((q for q in self.queries() if name in (q.name, q.query_id)), None)
+        if query is None:
+            raise ValueError(f"no query named {name[:80]!r}")
+        if not (0 <= label < len(self.class_names) or label == DECLINED):
             raise ValueError(f"label {label} is outside 0..{len(self.class_names) - 1}")
-        with self._lock:
-            rows = [tuple(row) for _, row in self._label_rows()]
-            atomic_write_bytes(self.labels_path, _csv_bytes(LABELS_HEADER, rows + [(name, str(label))]))
+        return self.store.deliver(query.query_id, label, road, answered_by, answered_at)
 
     def _report_once(self, message: str, key: tuple[str, ...]) -> None:
         """Logs a bad labels.csv row the first time it is seen."""
@@ -190,6 +225,16 @@ class FolderOracle(Oracle):
         self.stop_event = stop_event or threading.Event()
         self.poll_seconds = poll_seconds
         self.round_id = 0
+        self.keeps_guesses = False  # set by the central labelling queue, which sends each query with its guess
+        self.guesses: dict[int, Guess] = {}
+
+    def wants_guesses(self) -> bool:
+        """Whether queries go to the fleet's labelling queue with the model's guess."""
+        return self.keeps_guesses
+
+    def note_guesses(self, indices: np.ndarray, guesses: list[Guess]) -> None:
+        """Keeps the model's guess of each sample about to be asked, for the query it becomes."""
+        self.guesses.update(zip(indices.tolist(), guesses))
 
     def stop_with(self, event: threading.Event) -> None:
         """A wait for answers ends when `event` (its agent's stop) is set."""
@@ -214,9 +259,10 @@ class FolderOracle(Oracle):
         return new_queries
 
     def pending(self) -> np.ndarray:
-        """Indices asked but not yet in the labelled store."""
+        """Indices asked but neither in the labelled store nor answered 'none of these'."""
         labelled = set(self.data.labelled()[0].tolist())
-        return np.array(sorted({q.index for q in self.book.queries()} - labelled), dtype=np.int64)
+        asked = {q.index for q in self.book.queries()}
+        return np.array(sorted(asked - labelled - self.book.declined()), dtype=np.int64)
 
     def collect(self) -> tuple[np.ndarray, np.ndarray]:
         """(indices, labels) of answered queries not yet in the labelled store."""
@@ -230,7 +276,7 @@ class FolderOracle(Oracle):
         """Asks for indices, waits up to wait_seconds for their answers, returns everything answered so far."""
         waiting = {query.name for query in self.ask(np.asarray(indices, dtype=np.int64))}
         deadline = time.monotonic() + self.wait_seconds
-        while waiting - set(self.book.answers()) and time.monotonic() < deadline:
+        while waiting - set(self.book.stored_answers()) and time.monotonic() < deadline:
             if self.stop_event.wait(self.poll_seconds):
                 break
         answered = self.collect()

@@ -1,4 +1,4 @@
-# The on-device labelling page: pending queries with one button per class; a click writes labels.csv at once.
+# The on-device labelling page: pending queries with one button per class; a click stores the answer at once.
 from __future__ import annotations
 
 import html
@@ -74,7 +74,7 @@ class LabelHandler(BaseHTTPRequestHandler):
         self._send(HTTPStatus.NOT_FOUND, "text/plain", b"not found\n")
 
     def do_POST(self) -> None:
-        """Saves one answer, then sends the browser back to the page."""
+        """Stores one answer in the answer book (durable before the redirect), then sends the browser back."""
         length = int(self.headers.get("Content-Length") or 0)
         if urllib.parse.urlsplit(self.path).path != "/label" or not 0 < length <= MAX_FORM_BYTES:
             self._send(HTTPStatus.BAD_REQUEST, "text/plain", b"expected a small form posted to /label\n")

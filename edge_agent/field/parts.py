@@ -10,6 +10,8 @@ import numpy as np
 
 from edge_agent.data.device_data import DeviceData
 from edge_agent.data.image_files import InputSpec
+from edge_agent.data.oracle import guesses_of
+from edge_agent.field.central import CentralLabelling
 from edge_agent.field.field_options import FieldSettings
 from edge_agent.field.folder_oracle import FolderOracle, QueryBook
 from edge_agent.field.folder_pool import open_folder_data
@@ -64,7 +66,7 @@ class StreamAcquirer:
         if first >= end:
             return
         new = np.arange(first, end)
-        scores = self.scores(sampler, latest, new, seed=first)
+        scores, probabilities = self.scores(sampler, latest, new, seed=first)
         now = time.time()
         state = BudgetState.from_json(saved["budget"]) if "budget" in saved else start_state(self.budget, now)
         asked = []
@@ -74,6 +76,9 @@ class StreamAcquirer:
                 asked.append(index)
         self.data.set_state(STREAM_STATE_KEY, {"scored_upto": end, "budget": state.to_json()})
         self.oracle.start_round(round_id)
+        chosen = np.isin(new, asked)
+        if self.oracle.wants_guesses() and probabilities is not None and chosen.any():
+            self.oracle.note_guesses(new[chosen], guesses_of(probabilities[:, chosen], scores[chosen]))
         self.oracle.ask(np.array(asked, dtype=np.int64))
         log.info(
             "stream scored sampler=%s new=%d asked=%d tokens=%.2f max_score=%.3f",
@@ -88,8 +93,11 @@ class StreamAcquirer:
                 "stream acquisition refused sampler=%s reason=it needs more than MC-dropout probabilities", sampler
             )
 
-    def scores(self, sampler: Heuristic, latest: LatestModel, new: np.ndarray, seed: int) -> np.ndarray:
-        """The sampler's scores of the new items under the newest global model, on the agent's back end."""
+    def scores(
+        self, sampler: Heuristic, latest: LatestModel, new: np.ndarray, seed: int
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The sampler's scores of the new items under the newest global model, on the agent's back end, and the
+        MC-dropout probabilities they came from (None for a sampler that needs none)."""
         if self._learner is None or self._learner[0] is not latest.weights:
             learner = make_learner(
                 self.settings.compute, self.data.state_dir, latest.spec, latest.weights, latest.bundle
@@ -100,7 +108,7 @@ class StreamAcquirer:
         probabilities = (
             mc_probabilities(self.settings, models, samples, self.passes, seed) if sampler.needs_probabilities else None
         )
-        return sampler.scores(probabilities, len(new), np.random.default_rng(seed))
+        return sampler.scores(probabilities, len(new), np.random.default_rng(seed)), probabilities
 
 
 class PoolFeatures:
@@ -128,7 +136,8 @@ class PoolFeatures:
 
 class FieldWork:
     """Rescans the pool folder every scan_interval seconds, computes the features of what arrived (a head-only
-    device with a frozen backbone) and, with a stream, scores it."""
+    device with a frozen backbone), with a stream scores it, and with the central queue sends its queries and
+    applies its answers."""
 
     def __init__(
         self,
@@ -136,11 +145,13 @@ class FieldWork:
         scan_interval: float,
         stream: StreamAcquirer | None = None,
         features: PoolFeatures | None = None,
+        central: CentralLabelling | None = None,
     ) -> None:
         self.data = data
         self.scan_interval = scan_interval
         self.stream = stream
         self.features = features
+        self.central = central
         self._next_scan = 0.0
 
     def tick(self, latest: LatestModel | None, round_id: int) -> None:
@@ -154,16 +165,20 @@ class FieldWork:
             self.features.take_in(latest)
         if self.stream is not None and latest is not None:
             self.stream.score_new(latest, round_id)
+        if self.central is not None:
+            self.central.tick()
 
 
 @dataclass
 class FieldParts:
-    """What a field agent runs with: its data, oracle, between-round work and (optional) label page."""
+    """What a field agent runs with: its data, oracle, between-round work, (optional) label page and (optional)
+    link to the fleet's labelling queue."""
 
     data: DeviceData
     oracle: FolderOracle
     work: FieldWork
     label_server: LabelServer | None
+    central: CentralLabelling | None = None
 
 
 def open_field(
@@ -186,4 +201,8 @@ def open_field(
         stream = StreamAcquirer(data, oracle, budget, settings, STREAM_PASSES)
     server = LabelServer(book, *listen).start() if listen else None
     features = PoolFeatures(settings, data) if settings.trainer == "head" else None
-    return FieldParts(data, oracle, FieldWork(data, field.scan_interval, stream, features), server)
+    central = None
+    if field.labelling == "central":
+        central = CentralLabelling(settings.fleet, settings.device_id, oracle, field.query_image_side)
+    work = FieldWork(data, field.scan_interval, stream, features, central)
+    return FieldParts(data, oracle, work, server, central)

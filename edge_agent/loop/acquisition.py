@@ -7,10 +7,10 @@ from functools import cache
 import numpy as np
 
 from edge_agent.data.device_data import DeviceData
-from edge_agent.data.oracle import Oracle
+from edge_agent.data.oracle import Guess, Oracle, guesses_of
 from edge_agent.learning.encoder import OnnxEncoder
 from edge_agent.learning.learner import Learner
-from edge_agent.learning.sampling import AcquisitionContext, Embeddings, Sampler
+from edge_agent.learning.sampling import AcquisitionContext, Embeddings, Heuristic, Sampler
 from edge_agent.loop.agent_settings import AgentSettings, device_seed
 from edge_agent.loop.footprint import PhaseMeter
 from edge_agent.loop.round_inputs import RoundModels, mc_probabilities
@@ -69,8 +69,11 @@ class Acquirer:
                 context = self.context(models, pool, seed)
                 budget = labels_per_acquisition(models.recipe, self.own_samples)
                 with self.meter.phase("score"):
-                    queried = pool[sampler.choose(context, budget)]
+                    chosen = sampler.choose(context, budget)
+                    queried = pool[chosen]
                     proposed = sampler.weak_labels(context)
+                    if self.oracle.wants_guesses() and len(chosen):
+                        self.oracle.note_guesses(queried, self.guesses(sampler, context, chosen))
                 weak = None if proposed is None else (pool, proposed)
             self.remember_batch(round_id, acquisition, queried)
         with self.meter.phase("label"):
@@ -89,6 +92,12 @@ class Acquirer:
             self.data.set_weak_labels(weak[0][unanswered], weak[1][unanswered])
         new = np.union1d(queried[labelled_before], answered)
         return new, self.data.labels_at(new)
+
+    def guesses(self, sampler: Sampler, context: AcquisitionContext, chosen: np.ndarray) -> list[Guess]:
+        """The model's guesses of the chosen samples, from the round's MC-dropout probabilities (computed once per
+        acquisition), with the sampler's scores when it scores each sample."""
+        scores = sampler.score_pool(context)[chosen] if isinstance(sampler, Heuristic) else None
+        return guesses_of(context.probabilities()[:, chosen], scores)
 
     def context(self, models: RoundModels, pool: np.ndarray, seed: int) -> AcquisitionContext:
         """What the round's sampler may look at; each expensive view is computed once, on first use (the pool's

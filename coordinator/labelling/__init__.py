@@ -1,0 +1,1 @@
+# The fleet's labelling queue: the devices' queries on disk, people's answers stored before devices are told.

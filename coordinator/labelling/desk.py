@@ -1,0 +1,137 @@
+# The labelling desk: its own MQTT session takes devices' queries into the queue (stored before the broker is acked
+# and the device gets its receipt) and sends each decided answer to its device until the device's receipt says it is
+# stored.
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+
+from coordinator.labelling.queue import Decided, LabelQueue
+from protocol import label_messages, topics, wire
+from protocol.mqtt import IncomingMessage, MqttSession
+
+log = logging.getLogger(__name__)
+
+RESEND_SECONDS = 30.0
+MAX_RESEND_SECONDS = 3600.0
+
+
+class LabellingDesk:
+    """Runs on a background thread: queries in (each acknowledged to the broker only once queued or refused),
+    receipts in, answers out (QoS 1). An undelivered answer is sent when decided, at every start (so a coordinator
+    killed before a receipt sends it again) and again after `resend_seconds`, doubling up to an hour, for as long as
+    its device stays away; the device stores an answer once however often it comes."""
+
+    def __init__(
+        self, fleet: str, session: MqttSession, queue: LabelQueue, resend_seconds: float = RESEND_SECONDS
+    ) -> None:
+        self.fleet = fleet
+        self.session = session
+        self.queue = queue
+        self.resend_seconds = resend_seconds
+        self.refusals: Counter[str] = Counter()
+        self._next: dict[tuple[str, str], tuple[float, float]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="labelling-desk", daemon=True)
+        self.router: topics.Router = topics.Router()
+        self.router.add(topics.LABEL_QUERIES.bind(fleet=fleet), self.on_query)
+        self.router.add(topics.LABEL_RECEIPTS.bind(fleet=fleet), self.on_receipt)
+
+    def start(self) -> LabellingDesk:
+        """Subscribes and starts the thread."""
+        for topic_filter in self.router.filters():
+            self.session.subscribe(topic_filter)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stops the thread (the session is its owner's to close)."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def send(self, decided: Decided) -> None:
+        """Publishes a decided answer to its device (QoS 1) and schedules its resend."""
+        answer = label_messages.LabelAnswer(decided.query_id, decided.label, decided.answered_by, decided.answered_at)
+        key = (decided.device, decided.query_id)
+        with self._lock:
+            previous = self._next.get(key)
+            wait = self.resend_seconds if previous is None else min(previous[1] * 2, MAX_RESEND_SECONDS)
+            self._next[key] = (time.monotonic() + wait, wait)
+        topic = topics.LABEL_ANSWERS.build(fleet=self.fleet, device=decided.device)
+        self.session.publish(topic, wire.encode(answer))
+        log.info("answer sent device=%s query=%s label=%d", decided.device, decided.query_id, decided.label)
+
+    def on_query(self, message: IncomingMessage, device: str) -> None:
+        """Queues one device's query (a refused or malformed one is counted and logged, never raised)."""
+        if message.dropped or not message.payload:
+            self._refuse(device, "transfer_dropped", message.dropped.kind if message.dropped else "empty")
+            return
+        try:
+            query = wire.decode(message.payload, label_messages.LabelQuery)
+        except wire.WireError as error:
+            self._refuse(device, "bad_message", str(error))
+            return
+        refusal = self.queue.add(query, device)
+        if refusal is not None:
+            self._refuse(device, refusal.value, wire.shown(query.query_id))
+        else:
+            log.info("query queued device=%s query=%s bytes=%d", device, query.query_id, len(query.image))
+        if wire.IDENTIFIER.fullmatch(query.query_id):
+            receipt = label_messages.QueryReceipt(
+                query.query_id, refusal is None, "" if refusal is None else refusal.value
+            )
+            self.session.publish(topics.LABEL_ANSWERS.build(fleet=self.fleet, device=device), wire.encode(receipt))
+
+    def on_receipt(self, message: IncomingMessage, device: str) -> None:
+        """Settles an answer the device says it stored (or refused), or closes a query the device answered itself."""
+        try:
+            receipt = wire.decode_any(message.payload, (label_messages.AnswerReceipt, label_messages.LocalAnswer))
+        except wire.WireError as error:
+            self._refuse(device, "bad_message", str(error))
+            return
+        if isinstance(receipt, label_messages.LocalAnswer):
+            if receipt.device_id == device and self.queue.answered_on_device(
+                device, receipt.query_id, receipt.label, receipt.road
+            ):
+                log.info("query answered on its device device=%s query=%s", device, receipt.query_id)
+            return
+        if receipt.device_id == device and self.queue.delivered(device, receipt.query_id):
+            with self._lock:
+                self._next.pop((device, receipt.query_id), None)
+            log.info("answer stored on device=%s query=%s stored=%s", device, receipt.query_id, receipt.stored)
+
+    def resend_due(self) -> None:
+        """Sends every undelivered answer whose time has come (all of them at the first call)."""
+        now = time.monotonic()
+        for decided in self.queue.undelivered():
+            with self._lock:
+                due = self._next.get((decided.device, decided.query_id), (now, 0.0))[0]
+            if now >= due:
+                self.send(decided)
+
+    def _serve(self) -> None:
+        """The desk's loop: messages as they come, resends once a second."""
+        next_resend = 0.0
+        while not self._stop.is_set():
+            message = self.session.next_message(timeout=0.2)
+            if message is not None:
+                self._handle(message)
+            if time.monotonic() >= next_resend:
+                next_resend = time.monotonic() + 1.0
+                self.resend_due()
+
+    def _handle(self, message: IncomingMessage) -> None:
+        """Routes one message, then acknowledges it to the broker (the queue has stored what it keeps)."""
+        found = self.router.route(message.topic)
+        if found is not None:
+            handler, values = found
+            handler(message, values["device"])
+        self.session.acknowledge(message)
+
+    def _refuse(self, device: str, kind: str, detail: str) -> None:
+        """Counts and logs one refused message (its detail cut short)."""
+        self.refusals[kind] += 1
+        log.warning("labelling message refused device=%s kind=%s detail=%s", device, kind, detail[:200])

@@ -1,0 +1,195 @@
+# --labelling central: a field device sends each query's image and the model's guess to its fleet's labelling queue
+# and takes the people's answers back into its answer book (the one answer path), acknowledging each once stored.
+from __future__ import annotations
+
+import io
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+
+from PIL import Image
+
+from edge_agent.data.answers import Delivery, Road
+from edge_agent.data.device_data import DeviceData
+from edge_agent.data.oracle import Guess
+from edge_agent.field.folder_oracle import FolderOracle, Query
+from protocol import label_messages, topics, wire
+from protocol.mqtt import IncomingMessage, MqttSession, PayloadTooLargeError
+
+log = logging.getLogger(__name__)
+
+SCAN_SECONDS = 1.0
+RESEND_SECONDS = 30.0
+MAX_RESEND_SECONDS = 3600.0
+MEDIA_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}
+
+
+def query_image(path: Path, max_side: int | None) -> tuple[bytes, str]:
+    """A query's image as sent: the file as captured, or (with `max_side`, or a type the queue does not take) a PNG
+    no larger than max_side on either side."""
+    media_type = MEDIA_TYPES.get(path.suffix.lower())
+    if max_side is None and media_type is not None:
+        return path.read_bytes(), media_type
+    with Image.open(path) as image:
+        image.load()
+        if max_side is not None:
+            image.thumbnail((max_side, max_side))
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+    return buffer.getvalue(), "image/png"
+
+
+class CentralLabelling:
+    """The device's side of the fleet's labelling queue, on its own thread over the agent's session (one login, one
+    session), so a round's queries go out and their answers reach the answer book while the agent's loop waits in
+    the round.
+
+    Each query the queue has not confirmed (the answer book lists those it did) is published on the device's
+    queries topic at QoS 1, chunked by the session like an update, and again after `resend_seconds` (RESEND_SECONDS), doubling up to
+    an hour, until the queue's receipt comes (a queue that was not listening yet gets it later). An answer from the
+    queue is delivered to the answer book (durable) before its receipt goes back, so the queue sends it again until
+    the device has stored it (a device killed in between gets it again), and a repeated one changes nothing."""
+
+    def __init__(
+        self,
+        fleet: str,
+        device_id: str,
+        oracle: FolderOracle,
+        max_side: int | None,
+        resend_seconds: float = RESEND_SECONDS,
+    ) -> None:
+        self.fleet = fleet
+        self.device_id = device_id
+        self.session: MqttSession | None = None
+        self.oracle = oracle
+        self.max_side = max_side
+        self.resend_seconds = resend_seconds
+        self.next_send: dict[str, tuple[float, float]] = {}
+        self._stop = threading.Event()
+        self._inbox: queue.Queue[IncomingMessage] = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name="labelling-link", daemon=True)
+        oracle.keeps_guesses = True
+
+    @property
+    def data(self) -> DeviceData:
+        """The device's data (its labelled store)."""
+        return self.oracle.data
+
+    def open(self, session: MqttSession) -> None:
+        """Reads the device's answers topic of the agent's session (diverted to this link's thread, before the
+        session connects) and starts the thread."""
+        self.session = session
+        session.divert(topics.LABEL_ANSWERS.build(fleet=self.fleet, device=self.device_id), self._inbox.put)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stops the thread (the session is the agent's)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def tick(self) -> None:
+        """On the agent's thread: moves the answers stored since into the labelled store."""
+        indices, labels = self.oracle.collect()
+        if len(indices):
+            self.data.add_labels(indices, labels)
+            log.info("answers applied device=%s labels=%d", self.device_id, len(indices))
+
+    def send_due(self, session: MqttSession) -> None:
+        """Sends each query the queue has not confirmed and nobody answered, when its time has come; tells the
+        queue of its queries answered on the device (its page, labels.csv), so nobody labels them twice."""
+        store = self.oracle.book.store
+        queued = store.queued()
+        answered = self.oracle.book.stored_answers()
+        reported = store.reported()
+        for stored in store.answers():
+            if stored.road != Road.CENTRAL and stored.query_id in queued and stored.query_id not in reported:
+                local = label_messages.LocalAnswer(self.device_id, stored.query_id, stored.label, stored.road)
+                topic = topics.LABEL_RECEIPTS.build(fleet=self.fleet, device=self.device_id)
+                session.publish(topic, wire.encode(local))
+                store.note_reported(stored.query_id)
+        now = time.monotonic()
+        for query in self.oracle.book.queries():
+            due = self.next_send.get(query.query_id, (now, 0.0))[0]
+            if query.query_id not in queued and query.name not in answered and now >= due:
+                self.send(session, query)
+
+    def send(self, session: MqttSession, query: Query) -> None:
+        """Publishes one query and schedules its resend; a query that cannot be sent (its copy gone or unreadable,
+        its image beyond the queue's bound) is logged and settled: it stays answerable on the device's own roads."""
+        previous = self.next_send.get(query.query_id)
+        wait = self.resend_seconds if previous is None else min(previous[1] * 2, MAX_RESEND_SECONDS)
+        self.next_send[query.query_id] = (time.monotonic() + wait, wait)
+        guess = self.oracle.guesses.get(query.index, Guess(-1, 0.0, 0.0, 0.0))
+        try:
+            image, media_type = query_image(self.oracle.book.image_path(query), self.max_side)
+            if len(image) > label_messages.DEFAULT_MAX_IMAGE_BYTES:
+                raise ValueError(
+                    f"its image of {len(image)} bytes is over {label_messages.DEFAULT_MAX_IMAGE_BYTES} (--query-image-side)"
+                )
+            message = label_messages.LabelQuery(
+                self.device_id, query.query_id, image, media_type, query.asked_at, *_guess_fields(guess)
+            )
+            session.publish(topics.LABEL_QUERIES.build(fleet=self.fleet, device=self.device_id), wire.encode(message))
+        # a copy gone or unreadable (OSError; PIL's errors are OSError or ValueError), an image over the bound, a
+        # message over the session's limit
+        except (OSError, ValueError, PayloadTooLargeError) as error:
+            log.warning("query not sent to the queue query=%s error=%s", query.query_id, str(error)[:200])
+            self.oracle.book.store.note_queued(query.query_id)
+
+    def handle(self, session: MqttSession, message: IncomingMessage) -> None:
+        """One message from the queue: a query's receipt settles the query (unless the queue was full: its resends
+        go on); an answer is stored, then receipted. A malformed message is logged (bounded) and dropped."""
+        try:
+            received = wire.decode_any(message.payload, (label_messages.LabelAnswer, label_messages.QueryReceipt))
+        except wire.WireError as error:
+            log.warning("ignored bad labelling message topic=%s error=%s", message.topic[:200], error)
+            received = None
+        if isinstance(received, label_messages.QueryReceipt) and received.refusal in label_messages.RETRIED_REFUSALS:
+            log.info("query waits for room in the queue query=%s", wire.shown(received.query_id))
+        elif isinstance(received, label_messages.QueryReceipt):
+            self.oracle.book.store.note_queued(received.query_id)
+            self.next_send.pop(received.query_id, None)
+            if not received.queued:
+                log.warning(
+                    "query refused by the queue query=%s kind=%s", wire.shown(received.query_id), received.refusal[:32]
+                )
+        elif isinstance(received, label_messages.LabelAnswer):
+            self.store(session, received)
+
+    def store(self, session: MqttSession, answer: label_messages.LabelAnswer) -> None:
+        """Stores one answer from the queue in the answer book, then sends its receipt."""
+        try:
+            delivery: Delivery | None = self.oracle.book.record_answer(
+                answer.query_id, answer.label, Road.CENTRAL, answer.answered_by, answer.answered_at
+            )
+        # record_answer's refusals (no such query here, a label outside the spec): settled as refused, not stored
+        except ValueError as error:
+            log.warning("central answer refused query=%s error=%s", wire.shown(answer.query_id), error)
+            delivery = None
+        if delivery is Delivery.CONFLICT:
+            log.warning("central answer differs from the one stored first query=%s", answer.query_id)
+        receipt = label_messages.AnswerReceipt(self.device_id, answer.query_id, delivery is not None)
+        session.publish(topics.LABEL_RECEIPTS.build(fleet=self.fleet, device=self.device_id), wire.encode(receipt))
+
+    def _serve(self) -> None:
+        """The link's thread: messages from the queue as they come, new and due queries once a second (so a round
+        that waits for its answers has its queries out and its answers in meanwhile)."""
+        session, next_scan = self.session, 0.0
+        while session is not None and not self._stop.is_set():
+            try:
+                message: IncomingMessage | None = self._inbox.get(timeout=0.2)
+            except queue.Empty:
+                message = None
+            if message is not None:
+                self.handle(session, message)
+            if time.monotonic() >= next_scan:
+                next_scan = time.monotonic() + SCAN_SECONDS
+                self.send_due(session)
+
+
+def _guess_fields(guess: Guess) -> tuple[int, float, float, float]:
+    """A guess as the query message's fields."""
+    return guess.label, guess.probability, guess.uncertainty, guess.score

@@ -1,0 +1,82 @@
+# The central labelling queue on the wire: a device's query (its image and the model's guess), the queue's receipt of
+# it, a person's answer, the device's receipt that the answer is stored, and an answer given on the device itself.
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+# An answer's label when the person saw none of the spec's classes in the image.
+NONE_OF_THESE = -1
+# The image types a query may carry (what the device's camera folder holds, or a downscaled PNG).
+QUERY_MEDIA_TYPES = ("image/png", "image/jpeg")
+# Why a queue refuses a query (a QueryReceipt's `refusal`); a device sends one refused for a full queue again later.
+QUERY_REFUSALS = ("too_large", "undecodable", "bad_query", "device_full", "queue_full")
+RETRIED_REFUSALS = ("device_full", "queue_full")
+# The largest query image a queue takes by default (a device does not send a larger one: it is downscaled instead).
+DEFAULT_MAX_IMAGE_BYTES = 2 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class LabelQuery:
+    """One image a device asks its fleet's people to label, on the device's queries topic (chunked like updates):
+    the query's id on the device, the image as captured (or downscaled), and the model's current view of it: its
+    guess (a class index, -1 when the device had no model yet), that class's probability, the MC-dropout
+    uncertainty and the sampler's score (what the queue orders by)."""
+
+    KIND: ClassVar[str] = "label_query"
+    device_id: str
+    query_id: str
+    image: bytes
+    media_type: str
+    asked_at: float
+    guess: int = -1
+    probability: float = 0.0
+    uncertainty: float = 0.0
+    score: float = 0.0
+
+
+@dataclass(frozen=True)
+class QueryReceipt:
+    """The queue's word to a device that a query is on disk (`queued`), or refused (`refusal`, one of
+    QUERY_REFUSALS): for good, which settles the query's resends, or for now (RETRIED_REFUSALS: the queue is full),
+    which leaves them running."""
+
+    KIND: ClassVar[str] = "query_receipt"
+    query_id: str
+    queued: bool
+    refusal: str = ""
+
+
+@dataclass(frozen=True)
+class LabelAnswer:
+    """A person's answer to one query, sent to its device (QoS 1, resent until the device's receipt): a class index,
+    or NONE_OF_THESE; who answered and when."""
+
+    KIND: ClassVar[str] = "label_answer"
+    query_id: str
+    label: int
+    answered_by: str
+    answered_at: float
+
+
+@dataclass(frozen=True)
+class AnswerReceipt:
+    """A device's word that an answer is stored in its answer book (sent only after the store is durable);
+    `stored` is False when the device refused it (an unknown query), which settles it all the same."""
+
+    KIND: ClassVar[str] = "answer_receipt"
+    device_id: str
+    query_id: str
+    stored: bool = True
+
+
+@dataclass(frozen=True)
+class LocalAnswer:
+    """A device's word that one of its queued queries was answered by another road (its own page, labels.csv): the
+    queue closes the query with that answer, so nobody labels it twice."""
+
+    KIND: ClassVar[str] = "local_answer"
+    device_id: str
+    query_id: str
+    label: int
+    road: str

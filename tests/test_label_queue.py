@@ -1,0 +1,209 @@
+# The coordinator's labelling queue on disk: bounded intake of devices' queries (refusals for images too large or not
+# images), the order people see them in, answers and majorities, delivery, and Label Studio's task format both ways.
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from coordinator.labelling.label_studio import NONE_CHOICE, export_tasks, import_tasks, labelling_config
+from coordinator.labelling.queue import AnswerError, LabelQueue, QueueLimits, QueueRefusal
+from protocol.label_messages import NONE_OF_THESE, QUERY_REFUSALS, LabelQuery
+from protocol.model_spec import CLASS_NAMES
+
+CLASSES = ("cat", "dog", "bird")
+CLASS_NAMES_OF_SPEC = tuple(CLASS_NAMES)  # the default spec's, which the command reads without --model-spec
+
+
+def png(value: int = 0, side: int = 8) -> bytes:
+    """A small real PNG."""
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((side, side), value, dtype=np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def query(device: str, query_id: str, guess: int = 0, score: float = 0.5, image: bytes | None = None) -> LabelQuery:
+    """A device's query of a small PNG."""
+    return LabelQuery(device, query_id, image or png(), "image/png", 1.0, guess, 0.6, 0.4, score)
+
+
+@pytest.fixture()
+def queue(tmp_path: Path) -> LabelQueue:
+    return LabelQueue(tmp_path, CLASSES, QueueLimits(per_device=3, total=5, image_bytes=4096))
+
+
+def test_queries_are_kept_once_and_bounded_per_device_and_in_all(queue: LabelQueue) -> None:
+    assert [queue.add(query("a", f"q{i}"), "a") for i in range(3)] == [None] * 3
+    assert queue.add(query("a", "q0"), "a") is None, "a resent query is kept once"
+    assert queue.add(query("a", "q3"), "a") is QueueRefusal.DEVICE_FULL
+    assert [queue.add(query("b", f"q{i}"), "b") for i in range(3)] == [None, None, QueueRefusal.QUEUE_FULL]
+    assert queue.depth() == {"a": 3, "b": 2}
+    queue.answer("a", "q0", 1, "ana")
+    assert queue.add(query("a", "q3"), "a") is None, "an answered query frees its place"
+    assert queue.image_path("a", "q3", "image/png").read_bytes() == png()
+
+
+def test_bad_images_and_queries_are_refused_with_their_kind(queue: LabelQueue) -> None:
+    big = png(side=200) + b"\0" * 5000
+    cases = {
+        QueueRefusal.TOO_LARGE: query("a", "big", image=big),
+        QueueRefusal.UNDECODABLE: query("a", "junk", image=b"\x89PNG\r\n\x1a\n" + b"\0" * 100),
+        QueueRefusal.BAD_QUERY: query("a", "../escape"),
+    }
+    for kind, bad in cases.items():
+        assert queue.add(bad, "a") is kind
+    jpeg_declared_png = query("a", "type", image=png())
+    assert queue.add(LabelQuery(**{**jpeg_declared_png.__dict__, "media_type": "image/jpeg"}), "a") is (
+        QueueRefusal.UNDECODABLE
+    )
+    assert queue.add(query("b", "other"), "a") is QueueRefusal.BAD_QUERY, "a device speaks for itself only"
+    assert queue.add(query("a", "guess", guess=3), "a") is QueueRefusal.BAD_QUERY
+    assert queue.all() == [] and not (queue.folder / "images").exists()
+
+
+def test_the_rarest_predicted_class_comes_first_then_the_score(tmp_path: Path) -> None:
+    queue = LabelQueue(tmp_path, CLASSES)
+    for device, query_id, guess, score in (
+        ("a", "q1", 0, 0.9),
+        ("a", "q2", 1, 0.2),
+        ("b", "q3", 1, 0.8),
+        ("b", "q4", 0, 0.1),
+    ):
+        queue.add(query(device, query_id, guess, score), device)
+    seen = []
+    while (shown := queue.next_for("ana")) is not None:
+        seen.append(shown.query_id)
+        queue.answer(shown.device, shown.query_id, shown.guess, "ana")
+    assert seen == ["q1", "q3", "q2", "q4"], "after a cat, the dogs (now rarer) come first, by score"
+
+
+def test_answers_are_refused_clearly_and_skips_are_per_person(queue: LabelQueue) -> None:
+    queue.add(query("a", "q1"), "a")
+    statuses = []
+    for device, query_id, label in (("a", "nope", 1), ("x", "q1", 1), ("a", "q1", 3), ("a", "q1", -2)):
+        with pytest.raises(AnswerError) as refused:
+            queue.answer(device, query_id, label, "ana")
+        statuses.append(refused.value.status)
+    assert statuses == [404, 404, 400, 400]
+    queue.skip("a", "q1", "ana")
+    assert queue.next_for("ana") is None and queue.next_for("bo") is not None
+    decided = queue.answer("a", "q1", NONE_OF_THESE, "bo")
+    assert decided is not None and (decided.label, decided.answered_by) == (NONE_OF_THESE, "bo")
+    with pytest.raises(AnswerError) as refused:
+        queue.answer("a", "q1", 1, "cy")
+    assert refused.value.status == 409
+
+
+def test_k_people_decide_by_majority_and_one_person_votes_once(tmp_path: Path) -> None:
+    queue = LabelQueue(tmp_path, CLASSES, voters=3)
+    queue.add(query("a", "q1"), "a")
+    assert queue.answer("a", "q1", 1, "ana") is None
+    with pytest.raises(AnswerError) as refused:
+        queue.answer("a", "q1", 1, "ana")
+    assert refused.value.status == 409
+    assert queue.answer("a", "q1", 2, "bo") is None
+    assert queue.next_for("ana") is None and queue.next_for("cy") is not None
+    decided = queue.answer("a", "q1", 1, "cy")
+    assert decided is not None and (decided.label, decided.answered_by) == (1, "ana,cy")
+
+
+def test_a_device_closes_a_query_it_answered_itself_once_and_only_with_a_class(queue: LabelQueue) -> None:
+    queue.add(query("a", "q1"), "a")
+    assert not queue.answered_on_device("a", "q1", 3, "page"), "not a class of the spec"
+    assert queue.answered_on_device("a", "q1", 2, "<script>")
+    assert (queue.get("a", "q1").label, queue.get("a", "q1").answered_by) == (2, "a:device")
+    assert not queue.answered_on_device("a", "q1", 1, "page") and queue.undelivered() == []
+    with pytest.raises(AnswerError):
+        queue.answer("a", "q1", 1, "ana")
+
+
+def test_answered_queries_beyond_the_kept_number_leave_the_disk(tmp_path: Path) -> None:
+    queue = LabelQueue(tmp_path, CLASSES, QueueLimits(kept_answered=2))
+    for number in range(4):
+        queue.add(query("a", f"q{number}"), "a")
+        queue.answer("a", f"q{number}", 1, "ana")
+        queue.delivered("a", f"q{number}")
+    assert [q.query_id for q in queue.all()] == ["q2", "q3"]
+    assert sorted(path.name for path in (queue.folder / "images" / "a").iterdir()) == ["q2.png", "q3.png"]
+
+
+def test_the_refusal_kinds_are_the_wires() -> None:
+    assert tuple(QueueRefusal) == QUERY_REFUSALS
+
+
+def test_an_answer_waits_for_its_device_across_a_reopen(tmp_path: Path) -> None:
+    queue = LabelQueue(tmp_path, CLASSES)
+    queue.add(query("a", "q1"), "a")
+    queue.answer("a", "q1", 2, "ana")
+    queue.close()
+    reopened = LabelQueue(tmp_path, CLASSES)
+    assert [(d.device, d.query_id, d.label) for d in reopened.undelivered()] == [("a", "q1", 2)]
+    assert reopened.delivered("a", "q1") and not reopened.delivered("a", "q1")
+    assert reopened.undelivered() == []
+
+
+def test_label_studio_tasks_go_out_and_their_annotations_come_back(tmp_path: Path) -> None:
+    queue = LabelQueue(tmp_path / "run", CLASSES)
+    for query_id in ("q1", "q2", "q3", "q4"):
+        queue.add(query("a", query_id, guess=1), "a")
+    queue.answer("a", "q4", 0, "ana")
+    tasks = export_tasks(queue, tmp_path / "out", "/data/local-files/?d=", only_open=False)
+    assert len(tasks) == 4 and (tmp_path / "out" / "images" / "a" / "q1.png").read_bytes() == png()
+    first = tasks[0]
+    assert first["data"] == {"image": "/data/local-files/?d=images/a/q1.png", "device": "a", "query_id": "q1"}
+    assert first["predictions"][0]["result"][0]["value"] == {"choices": ["dog"]}
+    assert tasks[3]["annotations"][0]["result"][0]["value"] == {"choices": ["cat"]}
+    assert '<Choice value="bird"/>' in labelling_config(CLASSES)
+    annotated = json.loads(json.dumps(tasks[:3]))
+    annotated[0]["annotations"] = [{"result": [{"type": "choices", "value": {"choices": ["bird"]}}], "completed_by": 7}]
+    annotated[1]["annotations"] = [
+        {"result": [{"type": "choices", "value": {"choices": ["horse"]}}], "completed_by": 7}
+    ]
+    annotated[2]["annotations"] = [
+        {"result": [{"type": "choices", "value": {"choices": [NONE_CHOICE]}}], "completed_by": 7}
+    ]
+    counts = import_tasks(queue, [*annotated, {"data": {}}, "junk"])
+    assert [(d.query_id, d.label, d.answered_by) for d in counts.decided] == [
+        ("q1", 2, "label-studio:7"),
+        ("q3", NONE_OF_THESE, "label-studio:7"),
+    ]
+    assert (counts.refused, counts.unanswered) == (1, 2)
+    assert import_tasks(queue, annotated[:1]).refused == 1, "an answered query is not answered again"
+
+
+def test_the_labelling_command_exports_imports_and_refuses_bad_input_in_one_line(tmp_path: Path, capsys) -> None:
+    from coordinator.cli import main
+
+    queue = LabelQueue(tmp_path / "run", CLASS_NAMES_OF_SPEC)
+    queue.add(query("a", "q1"), "a")
+    assert main(["labelling", "export", str(tmp_path / "run"), "--out", str(tmp_path / "ls")]) == 0
+    tasks = json.loads((tmp_path / "ls" / "tasks.json").read_text())
+    tasks[0]["annotations"] = [{"result": [{"type": "choices", "value": {"choices": ["Bag"]}}], "completed_by": 3}]
+    (tmp_path / "done.json").write_text(json.dumps(tasks))
+    assert main(["labelling", "import", str(tmp_path / "run"), str(tmp_path / "done.json")]) == 0
+    assert "1 answers decided" in capsys.readouterr().out
+    assert queue.get("a", "q1").label == CLASS_NAMES_OF_SPEC.index("Bag")
+    (tmp_path / "bad.json").write_text("{not json")
+    bad = [
+        ["import", str(tmp_path / "run"), str(tmp_path / "bad.json")],
+        ["import", str(tmp_path / "run"), str(tmp_path / "ls" / "config.xml")],
+        [
+            "serve",
+            str(tmp_path / "run"),
+            "--broker",
+            "mqtt://127.0.0.1:1",
+            "--dashboard",
+            "0",
+            "--answers-per-query",
+            "0",
+        ],
+        ["serve", str(tmp_path / "run"), "--broker", "mqtt://127.0.0.1:1", "--dashboard", "0", "--max-image-mb", "100"],
+    ]
+    for arguments in bad:
+        assert main(["labelling", *arguments]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("fl-coordinator: "), lines
