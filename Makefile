@@ -16,8 +16,11 @@ camera-demo: install
 	$(PYTHON) benchmarks/camera_bench.py --backbones efficientnet-lite0 --samplers margin --seeds 0 \
 		--out runs/camera-demo-$$(date +%Y%m%d-%H%M%S)
 
+# Two workers on the 2-core machine (most integration tests wait on processes and deadlines), then the tests that
+# time a process against the wall clock, by themselves.
 test: install
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n 2 -m "not alone"
+	$(PYTHON) -m pytest -q -m alone
 
 # The guides as a static site in site/ (mkdocs.yml: strict, so a broken link or a page outside the nav fails).
 docs: python-deps

@@ -39,6 +39,7 @@ def seconds_to_stop(process: subprocess.Popen, log_file: Path) -> float:
 
 
 @pytest.mark.integration
+@pytest.mark.alone
 @pytest.mark.parametrize("state", ["connecting", "idle", "reconnecting", "training"])
 def test_an_agent_exits_within_two_seconds_of_sigterm(state: str, tmp_path: Path, broker, processes) -> None:
     [launch] = fleet_shards(tmp_path, 1)
