@@ -69,6 +69,8 @@ def test_the_budget_stops_the_run_before_the_round_that_would_cross_it_and_survi
     assert log_text(run_dir / "coordinator.log").count("privacy budget reached: stopping before round 4,") == 1
     with RunStore(run_dir, read_only=True) as store:
         epsilons = [record.report["dp"]["epsilon"] for record in store.rounds()]
+        gated = [(event.round_id, event.who) for event in store.serving.events()]
+    assert gated == [(1, "gate"), (2, "gate"), (3, "gate")]  # each noised aggregate judged once, across the restart
     assert epsilons == pytest.approx([spent(1), spent(2), spent(3)], rel=1e-9)
     privacy = run_view(load_snapshot(run_dir), None)["privacy"]
     assert privacy["epsilon"] == epsilons[-1] and privacy["summary"].startswith(f"central: epsilon {spent(3):.3g}")

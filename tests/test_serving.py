@@ -1,19 +1,22 @@
 # The serving version on the coordinator: the promotion gate (pure), the stored history, `promote` and `rollback`.
 from __future__ import annotations
 
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
+from coordinators import ServingRecorder
 
 from coordinator.cli import main
+from coordinator.dashboard.report import write_report
+from coordinator.dashboard.server import Dashboard, ListenAddress
+from coordinator.dashboard.views import load_snapshot, rounds_view, run_view
 from coordinator.rounds.promotion import ModelScores, PromotionGate, largest_class_drop, verdict
 from coordinator.rounds.serving import W0_ACCURACY, W0_CLASS_ACCURACY, ServingKeeper
 from coordinator.storage.serving_history import GATE, HELD, PERSON, PROMOTED, ROLLED_BACK, serving_stack
 from coordinator.storage.store import RoundRecord, RunStore
-from protocol import wire
 from protocol.errors import UsageError
-from protocol.serving_messages import ServingMessage
 from protocol.tensors import weights_hash
 
 NAMES = ("cat", "dog", "cow")
@@ -97,22 +100,9 @@ def filled_run(run_dir: Path) -> None:
             store.commit_round(each, [])
 
 
-class Recorder:
-    """A stand-in publisher that keeps what it was asked to publish."""
-
-    run_id = "r"
-
-    def __init__(self) -> None:
-        self.published: list[ServingMessage] = []
-
-    def publish_serving(self, message: ServingMessage, weights: dict[str, np.ndarray]) -> None:
-        assert weights_hash(weights) == message.model_hash
-        self.published.append(wire.decode(wire.encode(message), ServingMessage))
-
-
 def test_the_keeper_decides_each_round_once_and_publishes_what_serves(tmp_path: Path) -> None:
     filled_run(tmp_path)
-    recorder = Recorder()
+    recorder = ServingRecorder()
     with RunStore(tmp_path) as store:
         keeper = ServingKeeper(store, recorder, PromotionGate(), NAMES)  # type: ignore[arg-type]
         keeper.refresh()
@@ -136,7 +126,7 @@ def coordinator_cli(*argv: str) -> int:
 
 def test_promote_and_rollback_walk_the_history(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     filled_run(tmp_path)
-    recorder = Recorder()
+    recorder = ServingRecorder()
     with RunStore(tmp_path) as store:
         ServingKeeper(store, recorder, PromotionGate(), NAMES).refresh()  # type: ignore[arg-type]
     assert coordinator_cli("promote", str(tmp_path), "--round", "2") == 0
@@ -189,3 +179,22 @@ def test_a_promotion_with_no_round_committed_says_so(tmp_path: Path, capsys: pyt
         store.set_config({"run_id": "r"})
     assert coordinator_cli("promote", str(tmp_path), "--round", "1") == 2
     assert "no such committed round (the run has committed none yet)" in capsys.readouterr().err
+
+
+def test_the_dashboard_metrics_and_report_show_what_serves_and_why_a_round_does_not(tmp_path: Path) -> None:
+    filled_run(tmp_path / "run")
+    with RunStore(tmp_path / "run") as store:
+        ServingKeeper(store, ServingRecorder(), PromotionGate(), NAMES).refresh()  # type: ignore[arg-type]
+    snapshot = load_snapshot(tmp_path / "run")
+    serving = run_view(snapshot, None)["serving"]
+    assert serving["version"] == 3 and serving["held"]["round"] == 4
+    assert (
+        serving["summary"]
+        == "round 3; round 4 not promoted: the round was abandoned: its model is the one it started from"
+    )
+    assert [row["serving"]["decision"] for row in rounds_view(snapshot)] == [PROMOTED, HELD, PROMOTED, HELD]
+    with Dashboard(ListenAddress("127.0.0.1", 0), tmp_path / "run", None, None) as dashboard:
+        metrics = urllib.request.urlopen(dashboard.url + "metrics", timeout=10).read().decode()
+    assert "\nfl_serving_version 3\n" in metrics
+    page = write_report(tmp_path / "run").read_text()
+    assert "<h2>Serving version</h2>" in page and "is below the serving model&#x27;s 0.6000" in page
