@@ -6,17 +6,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from coordinators import ServingRecorder
+from coordinators import FakeSession, ServingRecorder
 
 from coordinator.cli import main
 from coordinator.dashboard.report import write_report
 from coordinator.dashboard.server import Dashboard, ListenAddress
 from coordinator.dashboard.views import load_snapshot, rounds_view, run_view
 from coordinator.rounds.promotion import ModelScores, PromotionGate, largest_class_drop, verdict
+from coordinator.rounds.publisher import Artefacts, RetainedPublisher
 from coordinator.rounds.serving import W0_ACCURACY, W0_CLASS_ACCURACY, ServingKeeper
 from coordinator.storage.serving_history import GATE, HELD, PERSON, PROMOTED, ROLLED_BACK, serving_stack
 from coordinator.storage.store import RoundRecord, RunStore
+from protocol import topics
 from protocol.errors import UsageError
+from protocol.serving_messages import ServingMessage
 from protocol.tensors import weights_hash
 
 NAMES = ("cat", "dog", "cow")
@@ -198,3 +201,26 @@ def test_the_dashboard_metrics_and_report_show_what_serves_and_why_a_round_does_
     assert "\nfl_serving_version 3\n" in metrics
     page = write_report(tmp_path / "run").read_text()
     assert "<h2>Serving version</h2>" in page and "is below the serving model&#x27;s 0.6000" in page
+
+
+def test_the_serving_model_stays_retained_while_the_latest_moves_on() -> None:
+    session = FakeSession("f")
+    publisher = RetainedPublisher(session, "f", "r", Artefacts())  # type: ignore[arg-type]
+    models = {name: weights_of(index) for index, name in enumerate("abc")}
+    hashes = {name: weights_hash(weights) for name, weights in models.items()}
+
+    def model_topics() -> list[tuple[str, bool]]:
+        """(model name, cleared) of each publication on a model topic since the last call."""
+        names = {topics.MODEL.build(fleet="f", hash=model_hash): name for name, model_hash in hashes.items()}
+        found = [(names[topic], payload == b"") for topic, payload in session.published if topic in names]
+        session.published.clear()
+        return found
+
+    publisher.publish_serving(ServingMessage("r", 0, hashes["a"], 1.0), models["a"])
+    publisher.publish_model(models["a"], hashes["a"])
+    assert model_topics() == [("a", False)]  # one copy for both roles
+    publisher.publish_model(models["b"], hashes["b"])
+    publisher.publish_model(models["c"], hashes["c"])
+    assert model_topics() == [("b", False), ("c", False), ("b", True)]  # a serves: never cleared
+    publisher.publish_serving(ServingMessage("r", 3, hashes["c"], 2.0), models["c"])
+    assert model_topics() == [("a", True)]  # c is retained already; a no longer serves
