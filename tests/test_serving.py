@@ -1,6 +1,7 @@
 # The serving version on the coordinator: the promotion gate (pure), the stored history, `promote` and `rollback`.
 from __future__ import annotations
 
+import sqlite3
 import urllib.request
 from pathlib import Path
 
@@ -224,3 +225,15 @@ def test_the_serving_model_stays_retained_while_the_latest_moves_on() -> None:
     assert model_topics() == [("b", False), ("c", False), ("b", True)]  # a serves: never cleared
     publisher.publish_serving(ServingMessage("r", 3, hashes["c"], 2.0), models["c"])
     assert model_topics() == [("a", True)]  # c is retained already; a no longer serves
+
+
+def test_a_store_from_before_serving_versions_reads_and_catches_up(tmp_path: Path) -> None:
+    filled_run(tmp_path)
+    with sqlite3.connect(tmp_path / "run.sqlite") as connection:
+        connection.execute("DROP TABLE serving")
+    with RunStore(tmp_path, read_only=True) as store:  # a report of an old run: nothing to create, nothing served
+        assert store.serving.events() == [] and store.revision()[3] is None
+    assert run_view(load_snapshot(tmp_path), None)["serving"]["version"] == 0
+    with RunStore(tmp_path) as store:  # its coordinator restarted: the table made, every round decided in order
+        ServingKeeper(store, ServingRecorder(), PromotionGate(), NAMES).refresh()  # type: ignore[arg-type]
+        assert store.serving.serving_version() == 3 and store.serving.undecided_rounds() == []
