@@ -127,7 +127,11 @@ class RoundArtefacts:
         if not content_matches(kind, message.model_hash, bundle.manifest.weights_hash):
             return
         self.keep_bundle(kind, bundle, message.model_hash)
-        log.info("bundle stored kind=%s model=%s files=%d", kind, message.model_hash[:12], len(message.files))
+        log.info("bundle stored model=%s files=%d kind=%s", message.model_hash[:12], len(message.files), kind)
+
+    def held_bundles(self, kind: str) -> dict[str, Bundle]:
+        """The bundle a kind holds ("bundle": the latest model's, "serving": the serving version's), by hash."""
+        return self.bundles if kind == "bundle" else self.serving_bundles
 
     def keep_bundle(self, kind: str, bundle: Bundle, model_hash: str) -> None:
         """Keeps a verified bundle as the kind's only one (its other bundle folders deleted)."""
@@ -137,27 +141,33 @@ class RoundArtefacts:
         else:
             self.serving_bundles = {model_hash: bundle}
 
-    def serve_latest(self, model_hash: str) -> Bundle | None:
-        """The latest model's bundle, linked into the serving folder and kept as the serving bundle, when it is the
-        model of `model_hash` (a promotion of the model the device holds: nothing to fetch); None otherwise."""
-        latest = self.bundles.get(model_hash)
-        if latest is None:
-            return None
+    def bundle_of(self, kind: str, model_hash: str) -> Bundle | None:
+        """The kind's bundle of `model_hash`: held, or the other kind's of the same model linked into the kind's
+        folder (the serving version promoted from the model the device holds, or a round announced with the model
+        that serves: the broker does not send a retained message the session completed once again); None if
+        neither holds it."""
+        held = self.held_bundles(kind).get(model_hash)
+        other = self.held_bundles("serving" if kind == "bundle" else "bundle").get(model_hash)
+        if held is not None or other is None:
+            return held
+        folder = (self.bundles_dir if kind == "bundle" else self.serving_dir) / model_hash
         try:
-            manifest = (latest.path / MANIFEST_NAME).read_bytes()
-            stored = {name: latest.path / name for name in latest.manifest.files}
-            bundle = store_bundle(self.serving_dir / model_hash, {MANIFEST_NAME: manifest}, stored)
+            manifest = (other.path / MANIFEST_NAME).read_bytes()
+            bundle = store_bundle(
+                folder, {MANIFEST_NAME: manifest}, {name: other.path / name for name in other.manifest.files}
+            )
         except (BundleError, OSError) as error:
-            log.warning("bundle not linked for serving model=%s error=%s", model_hash[:12], error)
+            log.warning("bundle not linked kind=%s model=%s error=%s", kind, model_hash[:12], error)
             return None
-        self.keep_bundle("serving", bundle, model_hash)
+        self.keep_bundle(kind, bundle, model_hash)
+        log.info("bundle stored model=%s files=%d kind=%s linked", model_hash[:12], len(other.manifest.files), kind)
         return bundle
 
     def ready(self, announcement: messages.RoundAnnouncement, needs_bundle: bool) -> bool:
         """Whether everything the announced round needs has arrived."""
         if announcement.model_hash not in self.models:
             return False
-        if needs_bundle and announcement.model_hash not in self.bundles:
+        if needs_bundle and self.bundle_of("bundle", announcement.model_hash) is None:
             return False
         return not announcement.recipe.encoder or announcement.recipe.encoder in self.encoders
 

@@ -95,15 +95,15 @@ class ServingSlot:
         ):
             return
         self.wanted = message
-        held = self.artefacts.serving_bundles.get(message.model_hash) or self.artefacts.serve_latest(message.model_hash)
-        if held is None:
+        if self.artefacts.bundle_of("serving", message.model_hash) is None:
             self.artefacts.follow("serving", topics.BUNDLE.build(fleet=self.fleet, hash=message.model_hash))
         self.settle()
 
     def settle(self) -> None:
-        """Serves the wanted version once its bundle is held: kept on disk, then every listener told."""
+        """Serves the wanted version once its bundle is held (fetched, or the latest model's of the same hash): kept
+        on disk, then every listener told."""
         wanted = self.wanted
-        bundle = None if wanted is None else self.artefacts.serving_bundles.get(wanted.model_hash)
+        bundle = None if wanted is None else self.artefacts.bundle_of("serving", wanted.model_hash)
         if wanted is None or bundle is None:
             return
         version = ServingVersion(wanted.version, wanted.model_hash, bundle, wanted.publish_predictions)
