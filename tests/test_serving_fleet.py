@@ -13,14 +13,17 @@ from fleet import WAIT, FakeDevice, perturbed, server_data, start_coordinator, w
 
 from coordinator.storage.serving_history import GATE, HELD, PERSON, PROMOTED, ROLLED_BACK
 from coordinator.storage.store import RunStore
-from edge_agent.learning.bundle import bundle_weights
+from edge_agent.learning.bundle import bundle_weights, store_bundle
 from edge_agent.learning.models import build_model, get_weights, set_weights
 from edge_agent.learning.training import TrainSettings, train_supervised
 from edge_agent.loop.artefacts import RoundArtefacts
 from edge_agent.loop.inbound import device_router, handle_inbound
 from edge_agent.loop.serving import STATE_FILE, ServingSlot, ServingVersion
+from export.bundle_writer import ensure_bundle_files
 from protocol import topics, wire
+from protocol.model_spec import DEFAULT_SPEC
 from protocol.mqtt import BrokerAddress, MqttSession
+from protocol.serving_messages import ServingMessage
 from protocol.tensors import weights_hash
 
 FLEET = "serving"
@@ -151,3 +154,24 @@ def artefacts_in(state_dir: Path) -> RoundArtefacts:
     """A restarted device's artefacts over its state folder (a session that never connects: nothing arrives)."""
     session = MqttSession(BrokerAddress("127.0.0.1", 1), client_id="never-connects")
     return RoundArtefacts(session, FLEET, state_dir / "bundles", state_dir / "backbone")
+
+
+def test_a_promotion_of_the_held_model_links_its_bundle_and_a_state_folder_that_refuses_the_note_costs_nothing(
+    tmp_path: Path, caplog
+) -> None:
+    weights = get_weights(build_model(seed=3))
+    model_hash = weights_hash(weights)
+    artefacts = artefacts_in(tmp_path)
+    files = ensure_bundle_files(weights, tmp_path / "export", DEFAULT_SPEC)
+    artefacts.keep_bundle("bundle", store_bundle(tmp_path / "bundles" / model_hash, files), model_hash)
+    slot = ServingSlot(FLEET, artefacts)
+    slot.on_message(ServingMessage("r", 4, "../" + model_hash[3:], 1.0))  # no sha256: ignored, nothing followed
+    assert slot.current() is None and artefacts.followed == {}
+    (tmp_path / "serving" / STATE_FILE).mkdir(parents=True)  # the note cannot be written
+    slot.on_message(ServingMessage("r", 4, model_hash, 1.0))
+    current = slot.current()
+    assert current is not None and (current.version, current.bundle.path) == (4, tmp_path / "serving" / model_hash)
+    assert (current.bundle.path / "weights.npz").stat().st_ino == (
+        tmp_path / "bundles" / model_hash / "weights.npz"
+    ).stat().st_ino
+    assert artefacts.followed == {} and "serving version not kept on disk" in caplog.text

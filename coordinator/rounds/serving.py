@@ -34,13 +34,10 @@ def round_scores(record: RoundRecord) -> ModelScores:
     return ModelScores(record.accuracy, list(record.metrics.get("class_accuracy", [])), abandoned)
 
 
-def version_scores(store: RunStore, version: int) -> ModelScores:
-    """The held-out scores of a version: W0's from the run's config (0), else its round's record."""
-    if version == 0:
-        config = store.config() or {}
-        return ModelScores(config.get(W0_ACCURACY), list(config.get(W0_CLASS_ACCURACY, [])))
-    record = next((each for each in store.rounds() if each.round_id == version), None)
-    return ModelScores(None) if record is None else round_scores(record)
+def w0_scores(store: RunStore) -> ModelScores:
+    """W0's held-out scores, kept in the run's config before round 1 (unmeasured in a store from before that)."""
+    config = store.config() or {}
+    return ModelScores(config.get(W0_ACCURACY), list(config.get(W0_CLASS_ACCURACY, [])))
 
 
 class ServingKeeper:
@@ -83,7 +80,7 @@ class ServingKeeper:
         records = {record.round_id: record for record in self.store.rounds()}
         candidate = round_scores(records[round_id])
         scores = {version: round_scores(record) for version, record in records.items()}
-        scores[0] = version_scores(self.store, 0)
+        scores[0] = w0_scores(self.store)
 
         def decision(stack: list[int]) -> ServingDecision:
             if stack[-1] == round_id:

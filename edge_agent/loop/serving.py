@@ -112,7 +112,10 @@ class ServingSlot:
             "model_hash": version.model_hash,
             "publish_predictions": version.publish_predictions,
         }
-        atomic_write_bytes(self.artefacts.serving_dir / STATE_FILE, json.dumps(kept).encode())
+        try:
+            atomic_write_bytes(self.artefacts.serving_dir / STATE_FILE, json.dumps(kept).encode())
+        except OSError as error:  # a full or read-only card costs serving at once after a restart, not the device
+            log.warning("serving version not kept on disk error=%s", wire.shown(str(error), 200))
         self._current, self.wanted = version, None
         log.info("serving version=%d model=%s", version.version, version.model_hash[:12])
         for listener in self.listeners:
