@@ -44,6 +44,18 @@ FL_COORDINATOR = CommandLine(
             STOPS,
         ),
         Command(
+            "promote",
+            "make a committed round's model the serving version (a running coordinator publishes it)",
+            "coordinator.commands.promote",
+            STOPS,
+        ),
+        Command(
+            "rollback",
+            "make the version that served before the current one serve again",
+            "coordinator.commands.rollback",
+            STOPS,
+        ),
+        Command(
             "encoder",
             "fit FAST's frozen encoder (PCA) on unlabelled images and write its ONNX",
             "coordinator.commands.encoder",

@@ -28,8 +28,10 @@ from coordinator.rounds.holdout import server_holdout, split_sizes
 from coordinator.rounds.loop import Coordinator, RoundParts
 from coordinator.rounds.mode import RoundMode
 from coordinator.rounds.presence import Presence
+from coordinator.rounds.promotion import PromotionGate
 from coordinator.rounds.publisher import Artefacts, RetainedPublisher
 from coordinator.rounds.rules import RoundPolicy, RoundRules
+from coordinator.rounds.serving import W0_ACCURACY, W0_CLASS_ACCURACY, ServingKeeper
 from coordinator.storage.pretrained import merge_initial_weights, read_weight_file
 from coordinator.storage.store import RunStore, stored_spec
 from coordinator.strategies.aggregate import DEFAULT_MAX_SAMPLE_SHARE
@@ -101,6 +103,8 @@ class ServerSettings:
     max_sample_share: float = DEFAULT_MAX_SAMPLE_SHARE
     relays: tuple[str, ...] = ()
     dp: DpSettings = field(default_factory=DpSettings)
+    promotion: PromotionGate = field(default_factory=PromotionGate)
+    publish_predictions: bool = False
 
     def __post_init__(self) -> None:
         check_dp_settings(self.recipe, self.strategy, self.suspects, self.asynchronous is not None, self.dp)
@@ -326,8 +330,9 @@ def run_server(
         rules = round_rules(settings, authenticator, encoder)
         parts = round_parts(settings, data, store, session, run_id, encoder, observer or RoundObserver(), dead_devices)
         coordinator = make_coordinator(settings, session, rules, parts)
+        measured = w0_accuracy(store, parts.closer.evaluator, weights, first_round)
         if say is not None:
-            say(w0_line(w0_accuracy(store, parts.closer.evaluator, weights, first_round), len(data.init_indices)))
+            say(w0_line(measured, len(data.init_indices)))
         session.connect()
         coordinator.start()
         if wait_for_devices:
@@ -339,15 +344,13 @@ def run_server(
         store.close()
 
 
-W0_ACCURACY = "w0_accuracy"  # the run config's key of W0's test accuracy
-
-
 def w0_accuracy(store: RunStore, evaluator: RoundEvaluator, weights: Weights, first_round: int) -> float | None:
-    """W0's test accuracy: measured and kept in the run's config before round 1, read back when a run resumes
-    (None for a run stored before it was kept)."""
+    """W0's test accuracy: measured (with each class's, which the promotion gate compares round 1 with) and kept in
+    the run's config before round 1, read back when a run resumes (None for a run stored before it was kept)."""
     config = store.config() or {}
     if W0_ACCURACY not in config and first_round == 1:
-        config[W0_ACCURACY] = evaluator.test_scores(weights).accuracy
+        scores = evaluator.test_scores(weights)
+        config[W0_ACCURACY], config[W0_CLASS_ACCURACY] = scores.accuracy, scores.per_class
         store.set_config(config)
     return config.get(W0_ACCURACY)
 
@@ -440,13 +443,16 @@ def round_parts(
     evaluator = build_evaluator(settings, data)
     bundles = bundle_exporter(settings) if settings.ship_bundles else None
     intake = UpdateIntake(settings.fleet, session, store, observer)
+    publisher = RetainedPublisher(session, settings.fleet, run_id, Artefacts(settings.spec, bundles, encoder))
+    names = settings.spec.class_names
     return RoundParts(
         presence=Presence(observer, dead_devices),
         intake=intake,
-        publisher=RetainedPublisher(session, settings.fleet, run_id, Artefacts(settings.spec, bundles, encoder)),
+        publisher=publisher,
         closer=RoundCloser(store, strategy, evaluator, settings.evaluate_devices, len(data.init_indices)),
         observer=observer,
         mode=round_mode(settings, intake, session),
+        serving=ServingKeeper(store, publisher, settings.promotion, names, settings.publish_predictions),
     )
 
 

@@ -17,8 +17,10 @@ from coordinator.rounds.evaluation import Evaluator, LabelledSplit
 from coordinator.rounds.loop import Coordinator, RoundParts
 from coordinator.rounds.mode import RoundMode
 from coordinator.rounds.presence import Presence
+from coordinator.rounds.promotion import PromotionGate
 from coordinator.rounds.publisher import Artefacts, RetainedPublisher
 from coordinator.rounds.rules import RoundPolicy, RoundRules
+from coordinator.rounds.serving import ServingKeeper
 from coordinator.secure.mode import SecureMode
 from coordinator.storage.store import RoundRecord, RunStore
 from coordinator.strategies.contract import Strategy
@@ -26,6 +28,7 @@ from edge_agent.learning.models import build_model, weight_spec
 from protocol import messages, topics, wire
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.mqtt import BrokerAddress, IncomingMessage, MqttSession
+from protocol.serving_messages import ServingMessage
 from protocol.tensors import Weights, weights_hash
 
 NUM_CLASSES = DEFAULT_SPEC.num_classes
@@ -119,3 +122,26 @@ def plain_bytes_in(folder: Path, trained: dict[str, Weights], base: Weights) -> 
     needles = [weights[name].tobytes()[:4096] for weights in trained.values()]
     needles += [(weights[name] - base[name]).tobytes()[:4096] for weights in trained.values()]
     return [str(path) for path in folder.rglob("*") if path.is_file() and any(n in path.read_bytes() for n in needles)]
+
+
+class ServingRecorder:
+    """A stand-in for the retained publisher's serving side: keeps each serving message it is asked to publish,
+    after checking the weights are the model it names."""
+
+    run_id = "run"
+
+    def __init__(self) -> None:
+        self.published: list[ServingMessage] = []
+
+    def publish_serving(self, message: ServingMessage, weights: Weights) -> None:
+        """Keeps the message, as the wire carries it."""
+        assert weights_hash(weights) == message.model_hash
+        self.published.append(wire.decode(wire.encode(message), ServingMessage))
+
+
+def gate_decisions(store: RunStore) -> tuple[list[tuple[int, str, int]], ServingRecorder]:
+    """Runs the serving keeper (default gate) over a store: its (round, decision, serving) events and what it
+    published."""
+    recorder = ServingRecorder()
+    ServingKeeper(store, recorder, PromotionGate(), DEFAULT_SPEC.class_names).refresh()  # type: ignore[arg-type]
+    return [(event.round_id, event.decision, event.serving) for event in store.serving.events()], recorder

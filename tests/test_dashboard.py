@@ -133,6 +133,7 @@ def test_metrics_in_prometheus_text_format(served: str) -> None:
     assert samples == {
         "fl_rounds_completed_total": 1,
         "fl_current_round": 2,
+        "fl_serving_version": 0,
         "fl_updates_accepted_total": 3,
         'fl_updates_rejected_total{reason="stale_round"}': 1,
         'fl_updates_rejected_total{reason="undecodable"}': 1,

@@ -144,6 +144,10 @@ def watch_dashboard(browser: WebDriver, url: str) -> None:
     cells = browser.evaluate("return document.querySelectorAll('#divergence-heatmap g.heat-row rect').length")
     assert cells == DEVICES * 12  # the paper CNN's 12 tensors
     assert browser.evaluate("return document.querySelectorAll('#timeline tbody tr').length") >= 1
+    serving = browser.evaluate("return document.getElementById('run-serving').textContent")
+    assert serving.startswith(("W0", "round ")), serving  # which round's model the devices predict with (and why not)
+    decided = "return [...document.querySelectorAll('#timeline tbody tr')].map(r => r.lastChild.textContent)"
+    assert all(cell in ("promoted", "-") or cell.startswith("not promoted: ") for cell in browser.evaluate(decided))
     assert browser.evaluate("return document.getElementById('connection').className") == "ok"
     shot = browser.screenshot(ARTIFACTS / "dashboard.png")
     print(f"dashboard screenshot: {shot}")

@@ -1,6 +1,7 @@
 # Private runs over a real mosquitto: the budget stop, the spent epsilon across a restart, device-noised spools.
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from coordinator.dashboard.report import write_report
 from coordinator.dashboard.views import load_snapshot, run_view
 from coordinator.storage.spool import Spool
 from coordinator.storage.store import RunStore
+from edge_agent.loop.serving import STATE_FILE
 from protocol import messages, wire
 from protocol.dp import DpRound, clip_delta, delta_of, l2_norm
 from protocol.dp_accountant import SampledGaussian, epsilon_of
@@ -56,7 +58,8 @@ def test_the_budget_stops_the_run_before_the_round_that_would_cross_it_and_survi
         *("--dp-epsilon-budget", str((spent(3) + spent(4)) / 2), *DEVICES),
     )
     coordinator = start_coordinator(broker.address, run_dir, "budget", *options)
-    agents = [start_agent(launch, broker.address, "budget") for launch in fleet_shards(run_dir, devices=2)]
+    launches = fleet_shards(run_dir, devices=2)
+    agents = [start_agent(launch, broker.address, "budget") for launch in launches]
     processes.extend([coordinator, *agents])
     wait_until(lambda: len(committed_rounds(run_dir)) >= 2, "two committed rounds")
     kill(coordinator)
@@ -69,6 +72,11 @@ def test_the_budget_stops_the_run_before_the_round_that_would_cross_it_and_survi
     assert log_text(run_dir / "coordinator.log").count("privacy budget reached: stopping before round 4,") == 1
     with RunStore(run_dir, read_only=True) as store:
         epsilons = [record.report["dp"]["epsilon"] for record in store.rounds()]
+        gated = [(event.round_id, event.who) for event in store.serving.events()]
+        served = {0, *(event.serving for event in store.serving.events())}
+    assert gated == [(1, "gate"), (2, "gate"), (3, "gate")]  # each noised aggregate judged once, across the restart
+    for launch in launches:  # each agent followed the serving version beside its rounds
+        assert json.loads((launch.state_dir / "serving" / STATE_FILE).read_text())["version"] in served
     assert epsilons == pytest.approx([spent(1), spent(2), spent(3)], rel=1e-9)
     privacy = run_view(load_snapshot(run_dir), None)["privacy"]
     assert privacy["epsilon"] == epsilons[-1] and privacy["summary"].startswith(f"central: epsilon {spent(3):.3g}")

@@ -101,7 +101,9 @@ def test_devices_with_an_onnxruntime_profile_score_with_the_shipped_bundle(tmp_p
     assert [r.round_id for r in results] == [1, 2]
     with RunStore(settings.run_dir) as store:
         hashes = [weights_hash(store.checkpoints.load(0)), store.rounds()[0].model_hash]
-    assert sorted(p.name for p in (settings.run_dir / "bundles").iterdir()) == sorted(hashes)
+        serving = weights_hash(store.checkpoints.load(store.serving.serving_version()))
+    exported = sorted(p.name for p in (settings.run_dir / "bundles").iterdir())
+    assert exported == sorted({*hashes, serving}), "the announced models' bundles, and the serving version's"
     for device in ("dev-00", "dev-01"):
         log = next(settings.run_dir.rglob(f"{device}/agent.log")).read_text()
         assert all(f"bundle stored model={h[:12]}" in log for h in hashes)

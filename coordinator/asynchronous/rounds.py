@@ -194,6 +194,7 @@ class AsyncCoordinator(Coordinator):
         presence = {"quorum": self.policy.buffer, "stragglers": [], "offline": self.parts.presence.missing([])}
         weights, result = self.parts.closer.close(record, aggregator, timing, presence, [])
         collector.fold_next(weights)
+        self.refresh_serving()
         staleness = ",".join(str(item["staleness"]) for item in aggregator.folded)
         counts = (result.round_id, len(entries), staleness, result.accuracy, result.seconds)
         log.info("version committed round=%d folded=%d staleness=%s accuracy=%.4f seconds=%.1f", *counts)

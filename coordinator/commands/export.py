@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from coordinator.storage.store import RunStore, stored_spec
+from coordinator.storage.store import existing_run, stored_spec
 from export.cli import add_bundle_options, export_weights
 from protocol.errors import UsageError
 
@@ -19,9 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Exports a run's checkpoint (the latest, or --round N) as a verified device bundle."""
-    if not (args.run_dir / "run.sqlite").is_file():
-        raise UsageError(f"{args.run_dir} is not a run directory (no run.sqlite)")
-    with RunStore(args.run_dir) as store:
+    with existing_run(args.run_dir) as store:
         round_id = store.checkpoints.latest_round() if args.round is None else args.round
         if round_id is None:
             raise UsageError(f"{args.run_dir} holds no checkpoints yet")

@@ -9,6 +9,7 @@ from coordinator.commands.method_flags import add_method_choice, add_method_flag
 from coordinator.commands.recipe_options import add_recipe_options
 from coordinator.intake.round_aggregator import SuspectPolicy
 from coordinator.privacy.rounds import DpSettings
+from coordinator.rounds.promotion import PromotionGate
 from coordinator.rounds.rules import DEFAULT_BATCH
 from coordinator.server import InitSettings, ServerSettings
 from coordinator.strategies.aggregate import DEFAULT_MAX_SAMPLE_SHARE
@@ -20,6 +21,7 @@ DEFAULT_MAX_STALENESS = 4
 def add_round_options(parser: argparse.ArgumentParser) -> None:
     """Options shared by `run` and `simulate`: the run, the round policy, the recipe, the server data."""
     add_run_options(parser)
+    add_serving_options(parser)
     add_async_options(parser)
     add_dp_options(parser)
     add_transfer_options(parser)
@@ -61,6 +63,31 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--dashboard-token",
         help="bearer token the API requires (default: none on loopback, else generated into RUN_DIR/dashboard-token)",
+    )
+
+
+def add_serving_options(parser: argparse.ArgumentParser) -> None:
+    """When a committed round's model starts serving (the model devices predict with), and what devices publish."""
+    serving = parser.add_argument_group("serving version (the promotion gate)")
+    serving.add_argument(
+        "--promotion-tolerance",
+        type=float,
+        default=PromotionGate.tolerance_points,
+        metavar="POINTS",
+        help="a committed round serves when its held-out accuracy is at least the serving model's less this many "
+        "percentage points (and no class falls by more than --promotion-max-class-drop)",
+    )
+    serving.add_argument(
+        "--promotion-max-class-drop",
+        type=float,
+        default=PromotionGate.max_class_drop_points,
+        metavar="POINTS",
+        help="the most percentage points one class's held-out recall may fall for a round to serve",
+    )
+    serving.add_argument(
+        "--publish-predictions",
+        action="store_true",
+        help="ask devices (in the serving message) to publish their predictions on their predictions topic",
     )
 
 

@@ -11,6 +11,7 @@ from coordinator.commands.recipe_options import recipe_from
 from coordinator.commands.round_options import DEFAULT_MAX_STALENESS
 from coordinator.intake.round_aggregator import SuspectPolicy
 from coordinator.privacy.rounds import DpSettings
+from coordinator.rounds.promotion import PromotionGate
 from coordinator.rounds.rules import RoundPolicy
 from coordinator.server import InitSettings, ServerSettings, load_encoder
 from coordinator.strategies.registry import make_strategy
@@ -89,6 +90,8 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
         max_sample_share=args.max_sample_share,
         relays=tuple(wire.given_identifier("--relay", name) for name in getattr(args, "relay", [])),
         dp=DpSettings(args.dp_delta, args.dp_epsilon_budget),
+        promotion=PromotionGate(args.promotion_tolerance, args.promotion_max_class_drop),
+        publish_predictions=args.publish_predictions,
     )
 
 

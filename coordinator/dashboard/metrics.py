@@ -22,8 +22,9 @@ def metric(name: str, kind: str, help_text: str, samples: Sequence[tuple[str, fl
     ]
 
 
-def render_metrics(counters: Counters, devices_online: int, current_round: int) -> str:
-    """The /metrics body: rounds, updates by outcome (rejections by reason), devices online, aggregation, bytes."""
+def render_metrics(counters: Counters, devices_online: int, current_round: int, serving_version: int = 0) -> str:
+    """The /metrics body: rounds, updates by outcome (rejections by reason), devices online, aggregation, bytes,
+    the serving version."""
     rejected = [
         (f'{{reason="{escape_label(kind)}"}}', count) for kind, count in sorted(counters.rejected_by_kind.items())
     ]
@@ -35,6 +36,12 @@ def render_metrics(counters: Counters, devices_online: int, current_round: int) 
             [("", counters.rounds_completed)],
         )
         + metric("fl_current_round", "gauge", "The round being collected (0 before the first).", [("", current_round)])
+        + metric(
+            "fl_serving_version",
+            "gauge",
+            "The round whose model devices predict with (0: the initial model W0).",
+            [("", serving_version)],
+        )
         + metric("fl_updates_accepted_total", "counter", "Device updates accepted.", [("", counters.updates_accepted)])
         + metric("fl_updates_rejected_total", "counter", "Device updates rejected, by the kind of reason.", rejected)
         + metric("fl_devices_online", "gauge", "Devices whose last status is not offline.", [("", devices_online)])

@@ -70,7 +70,8 @@ def report_html(snapshot: RunSnapshot, sweep: list[str] | None = None) -> str:
     ]
     if not rounds:
         return page(title, [*parts, "<p>No round has been committed yet.</p>"])
-    return page(title, parts + charts_section(snapshot, rounds) + (sweep or []) + timeline_section(rounds))
+    serving = serving_section(run["serving"])
+    return page(title, parts + charts_section(snapshot, rounds) + (sweep or []) + timeline_section(rounds) + serving)
 
 
 def run_table(run: dict, rounds: list[dict]) -> str:
@@ -199,6 +200,25 @@ def timeline_section(rounds: list[dict]) -> list[str]:
         for r in rounds
     ]
     return ["<h2>Round timeline</h2>", image(charts.timeline_chart(rounds), "round timeline"), table(header, rows)]
+
+
+def serving_section(serving: dict) -> list[str]:
+    """The serving-version history: each decision on a round (the gate's or a person's), what served after it,
+    and why."""
+    rows = [
+        [
+            event["round"],
+            event["decision"].replace("_", " "),
+            "W0" if event["serving"] == 0 else f"round {event['serving']}",
+            event["who"],
+            event["reason"],
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event["at"])),
+        ]
+        for event in serving["history"]
+    ]
+    headers = ["round", "decision", "serving after it", "by", "why", "when"]
+    lead = f"<p>Serving now: {html.escape(serving['summary'])}.</p>"
+    return ["<h2>Serving version</h2>", lead, table(headers, rows) if rows else "<p>No decision yet: W0 serves.</p>"]
 
 
 def page(title: str, parts: list[str]) -> str:

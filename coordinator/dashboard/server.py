@@ -33,6 +33,7 @@ from coordinator.dashboard.views import (
     run_view,
 )
 from coordinator.labelling.desk import LabellingDesk
+from coordinator.storage.serving_history import serving_stack
 from protocol.errors import UsageError
 from protocol.files import atomic_write_bytes
 
@@ -223,9 +224,11 @@ class DashboardHandler(BaseHTTPRequestHandler):
         return HTTPStatus.OK, body
 
     def metrics(self) -> str:
-        """The Prometheus body from the live state (all zero when the server runs without one)."""
+        """The Prometheus body from the live state (all zero when the server runs without one) and the store's
+        serving version."""
         live = self.server.live or LiveState(total_rounds=0)
-        return render_metrics(live.counters(), live.online_count(), live.progress()["round"])
+        serving = serving_stack(self.server.snapshots.get().serving)[-1]
+        return render_metrics(live.counters(), live.online_count(), live.progress()["round"], serving)
 
     def send_json(self, status: HTTPStatus, body: dict, headers: dict[str, str] | None = None) -> None:
         """Sends body as strict JSON (non-finite numbers become null)."""

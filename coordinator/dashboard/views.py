@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from coordinator.dashboard.live import LiveState
 from coordinator.rounds.closing import DEVICE_EPSILON
+from coordinator.storage.serving_history import HELD, ServingEvent, serving_stack
 from coordinator.storage.store import AGGREGATE_CHANGE, DeviceRoundRecord, RoundRecord, RunStore, stored_spec
 from coordinator.strategies.method_kinds import method_kinds
 from protocol.model_spec import spec_hash
@@ -27,11 +28,14 @@ class RunSnapshot:
     rounds: list[RoundRecord] = field(default_factory=list)
     device_rounds: list[DeviceRoundRecord] = field(default_factory=list)
     rejections: list[Rejection] = field(default_factory=list)
+    serving: list[ServingEvent] = field(default_factory=list)
 
 
 def snapshot_of(store: RunStore) -> RunSnapshot:
     """Everything committed in the store."""
-    return RunSnapshot(store.config() or {}, store.rounds(), store.device_rounds(), store.rejections())
+    return RunSnapshot(
+        store.config() or {}, store.rounds(), store.device_rounds(), store.rejections(), store.serving.events()
+    )
 
 
 def load_snapshot(run_dir: Path) -> RunSnapshot:
@@ -121,6 +125,44 @@ def run_view(snapshot: RunSnapshot, live: LiveState | None) -> dict:
         "devices_online": live.online_count() if live else None,
         "privacy": privacy_view(snapshot),
         "secure": secure_view(snapshot),
+        "serving": serving_view(snapshot),
+    }
+
+
+SERVING_HISTORY = 50  # the serving decisions the run view lists, the latest last
+
+
+def serving_view(snapshot: RunSnapshot) -> dict:
+    """The serving version (the model devices predict with) apart from the latest round's model: which round
+    serves (0: W0) and since when, the latest round the gate held and why, the recent decisions, and a one-line
+    summary."""
+    events = snapshot.serving
+    version = serving_stack(events)[-1]
+    since = next(
+        (event.recorded_at for event in reversed(events) if event.serving == version and event.decision != HELD), None
+    )
+    held = next((event for event in reversed(events) if event.decision == HELD), None)
+    summary = "W0" if version == 0 else f"round {version}"
+    if held is not None:
+        summary += f"; round {held.round_id} not promoted: {held.reason}"
+    return {
+        "version": version,
+        "since": since,
+        "held": None if held is None else {"round": held.round_id, "reason": held.reason},
+        "history": [serving_event_view(event) for event in events[-SERVING_HISTORY:]],
+        "summary": summary,
+    }
+
+
+def serving_event_view(event: ServingEvent) -> dict:
+    """One serving decision as the dashboard and the report show it."""
+    return {
+        "round": event.round_id,
+        "decision": event.decision,
+        "serving": event.serving,
+        "reason": event.reason,
+        "who": event.who,
+        "at": event.recorded_at,
     }
 
 
@@ -226,10 +268,11 @@ def devices_view(snapshot: RunSnapshot, live: LiveState | None) -> list[dict]:
 
 
 def rounds_view(snapshot: RunSnapshot) -> list[dict]:
-    """One row per committed round: timing, accuracy, labels, quorum, stragglers, rejections, suspects and each
-    device's local accuracy."""
+    """One row per committed round: timing, accuracy, labels, quorum, stragglers, rejections, suspects, each
+    device's local accuracy and the promotion gate's decision on it."""
     devices_by_round = grouped(snapshot.device_rounds, lambda r: r.round_id)
     rejections_by_round = grouped(snapshot.rejections, lambda rejection: rejection[0])
+    gate = {event.round_id: event for event in snapshot.serving if event.who == "gate"}
     rows = []
     for record in snapshot.rounds:
         devices = devices_by_round.get(record.round_id, [])
@@ -254,6 +297,7 @@ def rounds_view(snapshot: RunSnapshot) -> list[dict]:
                 "aggregation_seconds": record.report.get("aggregation_seconds"),
                 "dp": record.report.get("dp"),
                 "device_accuracy": {r.device_id: r.local_accuracy for r in devices if r.local_accuracy is not None},
+                "serving": serving_event_view(gate[record.round_id]) if record.round_id in gate else None,
             }
         )
     return rows

@@ -16,6 +16,7 @@ from coordinator.rounds.mode import Opening, RoundMode, StagedRound
 from coordinator.rounds.presence import Presence
 from coordinator.rounds.publisher import RetainedPublisher
 from coordinator.rounds.rules import RoundRules, sample_bounds
+from coordinator.rounds.serving import ServingKeeper
 from coordinator.strategies.contract import Strategy
 from protocol import topics
 from protocol.messages import RejectionKind
@@ -28,8 +29,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RoundParts:
-    """The coordinator's collaborators: presence, intake, retained publishing, closing, who hears about it, and the
-    run's round mode (plain unless the assembly chooses another)."""
+    """The coordinator's collaborators: presence, intake, retained publishing, closing, who hears about it, the
+    run's round mode (plain unless the assembly chooses another) and the serving version's keeper (None: a relay's
+    site rounds, which serve nothing)."""
 
     presence: Presence
     intake: UpdateIntake
@@ -37,6 +39,7 @@ class RoundParts:
     closer: RoundCloser
     observer: RoundObserver
     mode: RoundMode = field(default_factory=RoundMode)
+    serving: ServingKeeper | None = None
 
 
 @dataclass(frozen=True)
@@ -96,9 +99,15 @@ class Coordinator:
         self.router = device_routes(fleet, self.on_update, self.on_status, self.on_stage)
 
     def start(self) -> None:
-        """Subscribes to every device's updates and status."""
+        """Subscribes to every device's updates and status, and publishes the serving version."""
         for topic_filter in self.router.filters():
             self.session.subscribe(topic_filter)
+        self.refresh_serving()
+
+    def refresh_serving(self) -> None:
+        """Decides the rounds committed since at the promotion gate and publishes what serves now."""
+        if self.parts.serving is not None:
+            self.parts.serving.refresh()
 
     def wait_for_devices(self, count: int, timeout: float) -> int:
         """Processes status messages until `count` devices (less those known dead) are online or the timeout passes;
@@ -134,6 +143,7 @@ class Coordinator:
                 opened.collector, opened.aggregator, timing, presence, opened.participants
             )
         self.parts.mode.committed(result.report)
+        self.refresh_serving()
         counts = (len(opened.collector.accepted), opened.collector.rejection_count, result.accuracy, result.seconds)
         log.info("round closed round=%d accepted=%d rejected=%d accuracy=%.4f seconds=%.1f", round_id, *counts)
         self.parts.observer.round_closed(result)
@@ -188,7 +198,8 @@ class Coordinator:
         """Handles the messages waiting (the first within 0.2 s, then up to policy.batch without waiting, stopping at
         the quorum) as one batch: the updates it accepted (or a secure round's state) are made durable with one
         fsync, and only then are the devices acked and the messages acknowledged to the broker, so one received but
-        not yet durable when the process dies is redelivered, not lost."""
+        not yet durable when the process dies is redelivered, not lost. Then a person's promote or rollback in the
+        store is published (looked for once a second)."""
         batch: list[IncomingMessage] = []
         message = self.session.next_message(timeout=0.2)
         while message is not None:
@@ -202,6 +213,8 @@ class Coordinator:
             opened.staged.commit()
         for handled in batch:
             self.session.acknowledge(handled)
+        if self.parts.serving is not None:
+            self.parts.serving.poll()
 
     def quorum_reached(self, opened: OpenRound) -> bool:
         """Whether the round has the accepted updates that close it early."""

@@ -1,4 +1,4 @@
-# Retained messages a late device needs: the round announcement, the current model, its bundle, backbone and encoder.
+# Retained messages a late device needs: the announcement, the latest and the serving model (bundle, backbone), encoder.
 from __future__ import annotations
 
 import logging
@@ -12,6 +12,7 @@ from protocol import messages, topics, wire
 from protocol.backbone import BackboneSplit, backbone_split
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec, spec_hash
 from protocol.mqtt import MqttSession
+from protocol.serving_messages import ServingMessage
 from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ def split_of(files: dict[str, bytes] | None) -> BackboneSplit | None:
 
 
 class RetainedPublisher:
-    """Keeps exactly the current model, bundle, backbone, encoder and announcement retained on the fleet's topics."""
+    """Keeps exactly the current model, bundle, backbone, encoder and announcement retained on the fleet's topics,
+    and the serving version's model, bundle and backbone beside them."""
 
     def __init__(self, session: MqttSession, fleet: str, run_id: str, artefacts: Artefacts) -> None:
         self.session = session
@@ -47,31 +49,43 @@ class RetainedPublisher:
         self._retained: dict[str, str] = {}
 
     def publish_model(self, weights: Weights, model_hash: str) -> None:
-        """Retains the weights (and their ONNX bundle) on hash topics, clearing the previous model's copies. A frozen
-        backbone's graphs are retained on their own hash topics, where they stay while they do not change, and the
-        model and bundle leave out what those graphs hold."""
+        """Retains the weights (and their ONNX bundle) on hash topics, clearing the previous model's copies (unless
+        the serving version holds them). A frozen backbone's graphs are retained on their own hash topics, where
+        they stay while they do not change, and the model and bundle leave out what those graphs hold."""
+        self.retain_model("", weights, model_hash)
+
+    def publish_serving(self, message: ServingMessage, weights: Weights) -> None:
+        """Retains the serving version's model and bundle (kinds of their own, so they stay retained while it
+        serves, whatever the latest round's model is), then the serving message that names them."""
+        self.retain_model("serving ", weights, message.model_hash)
+        topic = topics.SERVING.build(fleet=self.fleet)
+        self.session.publish(topic, wire.encode(message), retain=True, wait=RETAIN_WAIT_SECONDS)
+
+    def retain_model(self, role: str, weights: Weights, model_hash: str) -> None:
+        """Retains a model, its bundle and backbone graphs as the kinds of a role ("": the latest round's model,
+        "serving ": the serving version's)."""
         bundle_files = self.artefacts.bundle_files
         files = None if bundle_files is None else bundle_files(weights, model_hash)
         split = split_of(files)
         if split is not None and files is not None:
-            self.publish_backbone(split, files)
+            self.publish_backbone(split, files, role)
         self.retain_current(
-            "model",
+            f"{role}model",
             topics.MODEL.build(fleet=self.fleet, hash=model_hash),
             lambda: model_message(self.artefacts.spec, weights, model_hash, split),
         )
         if files is not None:
             self.retain_current(
-                "bundle",
+                f"{role}bundle",
                 topics.BUNDLE.build(fleet=self.fleet, hash=model_hash),
                 lambda: bundle_message(files, model_hash, split),
             )
 
-    def publish_backbone(self, split: BackboneSplit, files: dict[str, bytes]) -> None:
+    def publish_backbone(self, split: BackboneSplit, files: dict[str, bytes], role: str = "") -> None:
         """Retains each graph of a frozen backbone (fp32, int8) as its own message on the topic of its sha256."""
         for name, digest in split.files.items():
             self.retain_current(
-                f"backbone {name}",
+                f"{role}backbone {name}",
                 topics.BACKBONE.build(fleet=self.fleet, hash=digest),
                 partial(messages.BackboneMessage, digest, files[name]),
             )
@@ -86,13 +100,16 @@ class RetainedPublisher:
             )
 
     def retain_current(self, kind: str, topic: str, message: Callable[[], messages.Message]) -> None:
-        """Retains one message of a kind on its topic unless it is already there, then clears the kind's previous
-        topic, so a new subscriber finds only the current model (retained messages replay to everyone)."""
+        """Retains one message of a kind on its topic unless it is already there (as this kind's or another's: the
+        topics are content-addressed), then clears the kind's previous topic unless another kind still holds it,
+        so a new subscriber finds only the current and the serving models (retained messages replay to everyone)."""
         previous = self._retained.get(kind)
         if topic == previous:
             return
-        self.session.publish(topic, wire.encode(message()), retain=True, wait=RETAIN_WAIT_SECONDS)
-        if previous is not None:  # waited for, so a device subscribing next finds none of the old chunks
+        others = {held for other, held in self._retained.items() if other != kind}
+        if topic not in others:
+            self.session.publish(topic, wire.encode(message()), retain=True, wait=RETAIN_WAIT_SECONDS)
+        if previous is not None and previous not in others:  # waited for: a device subscribing next finds none of it
             self.session.publish(previous, b"", retain=True, wait=RETAIN_WAIT_SECONDS)
         self._retained[kind] = topic
 

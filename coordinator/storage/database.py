@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 SCHEMA = """
@@ -57,6 +57,15 @@ CREATE TABLE IF NOT EXISTS rejections (
     recorded_at REAL NOT NULL,
     kind TEXT NOT NULL DEFAULT ''
 );
+CREATE TABLE IF NOT EXISTS serving (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    round_id INTEGER NOT NULL,
+    decision TEXT NOT NULL,
+    serving INTEGER NOT NULL,
+    reason TEXT NOT NULL,
+    who TEXT NOT NULL,
+    recorded_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS nonces (
     device_id TEXT NOT NULL,
     nonce BLOB NOT NULL,
@@ -97,6 +106,22 @@ class Database:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
                 for sql, params in statements:
+                    self._conn.execute(sql, params)
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    def write_after_reading(
+        self, statements_of: Callable[[Callable[..., list[tuple]]], Sequence[tuple[str, tuple]]]
+    ) -> None:
+        """Runs the statements `statements_of` builds from what it reads, reads and writes in one transaction that
+        holds the write lock throughout: another process's writer cannot slip in between what was read and what is
+        written from it."""
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                for sql, params in statements_of(lambda query, args=(): self._conn.execute(query, args).fetchall()):
                     self._conn.execute(sql, params)
             except BaseException:
                 self._conn.execute("ROLLBACK")

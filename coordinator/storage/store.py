@@ -12,7 +12,9 @@ from typing import Any
 
 from coordinator.storage.checkpoints import Checkpoints
 from coordinator.storage.database import Database
+from coordinator.storage.serving_history import ServingHistory
 from coordinator.storage.spool import Spool, check_device_id, check_round_id
+from protocol.errors import UsageError
 from protocol.files import load_arrays, save_arrays
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec, spec_from_dict
 from protocol.tensors import Weights
@@ -160,6 +162,7 @@ class RunStore:
             (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         self.database = Database(self.run_dir / "run.sqlite", read_only)
         self.checkpoints = Checkpoints(self.run_dir / "checkpoints", self.database)
+        self.serving = ServingHistory(self.database)
 
     def __enter__(self) -> RunStore:
         """The store itself; closed on leaving the with-block."""
@@ -245,11 +248,12 @@ class RunStore:
         return int(self.database.read(query, (str(device_id), bytes(nonce)))[0][0])
 
     def revision(self) -> tuple:
-        """Changes whenever the config is set, a round commits or a rejection is recorded: readers that cache what
-        they read compare it instead of re-reading every record."""
+        """Changes whenever the config is set, a round commits, a rejection or a serving decision is recorded:
+        readers that cache what they read compare it instead of re-reading every record."""
+        serving = "(SELECT MAX(id) FROM serving)" if self.serving.present() else "NULL"
         return self.database.read(
             "SELECT (SELECT body FROM config WHERE id = 1), (SELECT MAX(round_id) FROM rounds), "
-            "(SELECT MAX(id) FROM rejections)"
+            f"(SELECT MAX(id) FROM rejections), {serving}"
         )[0]
 
     def rejections(self) -> list[tuple[int, str, str, int, float]]:
@@ -265,6 +269,14 @@ class RunStore:
     def rejection_counts(self) -> dict[str, int]:
         """How many updates were rejected for each reason, over the whole run."""
         return dict(self.database.read("SELECT reason, COUNT(*) FROM rejections GROUP BY reason ORDER BY reason"))
+
+
+def existing_run(run_dir: Path) -> RunStore:
+    """The store of a run directory a person named (its schema brought up to date); a UsageError in one line when
+    the folder holds no run."""
+    if not (Path(run_dir) / "run.sqlite").is_file():
+        raise UsageError(f"{run_dir} is not a run directory (no run.sqlite)")
+    return RunStore(run_dir)
 
 
 def stored_spec(config: dict | None) -> ModelSpec:

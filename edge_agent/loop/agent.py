@@ -18,6 +18,7 @@ from edge_agent.loop.inbound import device_router, handle_inbound
 from edge_agent.loop.outbox import OUTBOX_FOLDER, UpdateSender
 from edge_agent.loop.round_runner import RoundRunner
 from edge_agent.loop.secure_rounds import SecureRounds
+from edge_agent.loop.serving import ServingSlot
 from protocol import messages, topics, wire
 from protocol.model_spec import ModelSpec
 from protocol.mqtt import IncomingMessage, LastWill, MqttSession, PayloadTooLargeError
@@ -141,6 +142,7 @@ class Agent:
         self.artefacts = RoundArtefacts(
             session, settings.fleet, state_dir / BUNDLES_FOLDER, state_dir / BACKBONE_FOLDER
         )
+        self.serving = ServingSlot(settings.fleet, self.artefacts)
         self.meter = PhaseMeter()
         self.rounds = RoundRunner(settings, data, oracle, self.artefacts, self.publish_status, self.meter)
         self.sender = UpdateSender(settings, session, data.state_dir / OUTBOX_FOLDER)
@@ -213,9 +215,11 @@ class Agent:
         return handle_inbound(self.router, message, "fleet")
 
     def receive(self, kind: str, payload: bytes) -> None:
-        """Takes in a followed model, bundle or encoder (its decoding counted as the receive phase)."""
+        """Takes in a followed model, bundle (the latest's or the serving version's), backbone or encoder (its
+        decoding counted as the receive phase); the serving version changes once its bundle is in."""
         with self.meter.phase("receive"):
             self.artefacts.receive(kind, payload)
+        self.serving.settle()
 
     def on_announcement(self, announcement: messages.RoundAnnouncement) -> bool:
         """Remembers the newest unfinished round and asks for its model; True on the final announcement."""
@@ -271,11 +275,12 @@ class Agent:
 
 
 def agent_router(agent: Agent) -> topics.Router:
-    """A device's routes: its fleet's round, models, bundles, backbones and encoders, its acks, and its own secure
-    aggregation messages."""
+    """A device's routes: its fleet's round, serving version, models, bundles, backbones and encoders, its acks,
+    and its own secure aggregation messages."""
     settings = agent.settings
     router = device_router(
         settings.fleet, settings.device_id, agent.on_announcement, agent.receive, agent.artefacts, agent.sender.on_ack
     )
     router.add(topics.SECAGG_DOWN.bind(fleet=settings.fleet, device=settings.device_id), agent.secure.on_message)
+    router.add(topics.SERVING.bind(fleet=settings.fleet), agent.serving.handle)
     return router

@@ -39,10 +39,13 @@ class BackboneFetch:
         self.in_use["model"] = {message.backbone}
         return {**frozen, **message.tensors}
 
-    def bundle(self, message: messages.BundleMessage) -> tuple[dict[str, bytes], dict[str, Path]] | None:
+    def bundle(
+        self, message: messages.BundleMessage, kind: str = "bundle"
+    ) -> tuple[dict[str, bytes], dict[str, Path]] | None:
         """The bundle's files as received and, by file name, the stored backbone graphs it names (verified against
-        the sha256 its manifest lists; None: waiting for those the store lacks; BundleError for a manifest that does
-        not parse). The graphs stay on disk: a bundle links them rather than reading megabytes into memory."""
+        the sha256 its manifest lists; None: waiting, as `kind`, for those the store lacks; BundleError for a
+        manifest that does not parse). The graphs stay on disk: a bundle links them rather than reading megabytes
+        into memory."""
         if not message.backbone:
             return message.files, {}
         manifest = parsed_manifest(message.files.get(MANIFEST_NAME, b""), f"bundle {message.model_hash[:12]}")
@@ -50,9 +53,9 @@ class BackboneFetch:
         graphs = {name: self.store.verified_path(digest) for name, digest in digests.items()}
         missing = {digests[name] for name, path in graphs.items() if path is None}
         if missing:
-            self.wait("bundle", message, missing)
+            self.wait(kind, message, missing)
             return None
-        self.in_use["bundle"] = set(digests.values())
+        self.in_use[kind] = set(digests.values())
         return message.files, {name: path for name, path in graphs.items() if path is not None}
 
     def wait(self, kind: str, message: Referencing, digests: set[str]) -> None:
@@ -79,12 +82,13 @@ class BackboneFetch:
             self.session.subscribe(topic)
         self.topics = wanted
 
-    def arrived(self, message: messages.BackboneMessage) -> list[Referencing]:
-        """Stores a wanted graph that hashes to its name and returns what waited, no longer waiting: taken in again,
-        what still lacks a graph waits anew, and `settle` then follows and keeps only what is wanted."""
+    def arrived(self, message: messages.BackboneMessage) -> list[tuple[str, Referencing]]:
+        """Stores a wanted graph that hashes to its name and returns what waited (with the kind it waited as), no
+        longer waiting: taken in again, what still lacks a graph waits anew, and `settle` then follows and keeps
+        only what is wanted."""
         if message.backbone_hash not in self.wanted() or not self.store.keep(message.backbone_hash, message.data):
             return []
-        waited = [referencing for referencing, _ in self.waiting.values()]
+        waited = [(kind, referencing) for kind, (referencing, _) in self.waiting.items()]
         self.waiting = {}
         return waited
 

@@ -13,12 +13,14 @@ log = logging.getLogger(__name__)
 
 # A route's handler: True when the run is over for the device.
 Handler = Callable[[IncomingMessage], bool]
-ARTEFACT_TOPICS = {
-    "model": topics.MODEL,
-    "bundle": topics.BUNDLE,
-    "backbone": topics.BACKBONE,
-    "encoder": topics.ENCODER,
-}
+# The artefact topics and the kinds that follow them: a bundle topic is the latest model's, the serving version's, or
+# both (the same content-addressed topic).
+ARTEFACT_TOPICS = (
+    (topics.MODEL, ("model",)),
+    (topics.BUNDLE, ("bundle", "serving")),
+    (topics.BACKBONE, ("backbone",)),
+    (topics.ENCODER, ("encoder",)),
+)
 
 
 def device_router(
@@ -34,8 +36,8 @@ def device_router(
     router: topics.Router[Handler] = topics.Router()
     router.add(topics.ROUND.bind(fleet=fleet), lambda message: on_announcement(announcement_in(message)))
     router.add(topics.ACK.bind(fleet=fleet, device=device_id), acks_to(on_ack))
-    for kind, pattern in ARTEFACT_TOPICS.items():
-        router.add(pattern.bind(fleet=fleet), artefacts_to(kind, artefacts, receive), subscribed=False)
+    for pattern, kinds in ARTEFACT_TOPICS:
+        router.add(pattern.bind(fleet=fleet), artefacts_to(kinds, artefacts, receive), subscribed=False)
     return router
 
 
@@ -54,12 +56,13 @@ def acks_to(on_ack: Callable[[messages.Ack], None]) -> Handler:
     return handle
 
 
-def artefacts_to(kind: str, artefacts: RoundArtefacts, receive: Callable[[str, bytes], None]) -> Handler:
-    """The handler that hands on a model, bundle, backbone or encoder if its topic is one followed for its kind."""
+def artefacts_to(kinds: tuple[str, ...], artefacts: RoundArtefacts, receive: Callable[[str, bytes], None]) -> Handler:
+    """The handler that hands on a model, bundle, backbone or encoder as each kind that follows its topic."""
 
     def handle(message: IncomingMessage) -> bool:
-        if artefacts.follows(kind, message.topic):
-            receive(kind, message.payload)
+        for kind in kinds:
+            if artefacts.follows(kind, message.topic):
+                receive(kind, message.payload)
         return False
 
     return handle

@@ -142,6 +142,9 @@ function drawTimeline(rounds) {
          r.rejections.length ? "rejected" : null);
     cell(row, Object.keys(r.suspects).length ? Object.keys(r.suspects).join(", ") : "-");
     cell(row, fixed(r.accuracy, 4));
+    const gate = r.serving;
+    cell(row, gate === null ? "-" : gate.decision === "held" ? `not promoted: ${gate.reason}` : gate.decision,
+         gate !== null && gate.decision === "held" ? "held" : null);
     body.appendChild(row);
   }
 }
@@ -224,6 +227,7 @@ async function refresh() {
     document.getElementById("devices-online").textContent = run.devices_online === null ? "-" : run.devices_online;
     document.getElementById("run-privacy").textContent = run.privacy.summary;
     document.getElementById("run-secure").textContent = run.secure.summary;
+    document.getElementById("run-serving").textContent = run.serving.summary;
     document.getElementById("divergence-source").hidden = run.secure.divergence_source !== "aggregate";
     drawMethods(run.methods);
     drawDevices(devices.devices);
