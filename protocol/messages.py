@@ -9,6 +9,7 @@ from typing import ClassVar, TypeVar
 import numpy as np
 
 from protocol.model_spec import ModelSpec
+from protocol.prediction_messages import PredictionBatch
 from protocol.recipe_flags import OMITTED_KEY, recipe_field
 from protocol.secagg_messages import (
     DeliveryAck,
@@ -372,6 +373,7 @@ Message = (
     | Status
     | Chunk
     | ServingMessage
+    | PredictionBatch
     | SecAggMessage
 )
 MESSAGE_TYPES: dict[str, type] = {
@@ -387,6 +389,7 @@ MESSAGE_TYPES: dict[str, type] = {
         Status,
         Chunk,
         ServingMessage,
+        PredictionBatch,
         *SECAGG_TYPES,
     )
 }
@@ -402,6 +405,7 @@ M = TypeVar(
     Status,
     Chunk,
     ServingMessage,
+    PredictionBatch,
     KeyAdvert,
     KeyRoster,
     ShareBundle,

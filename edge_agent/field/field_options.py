@@ -40,6 +40,11 @@ def add_field_arguments(run: argparse.ArgumentParser) -> None:
         help="score each new image on arrival with the recipe's sampler (MC dropout, the newest global model) and ask "
         "for it when its score passes the budget's threshold",
     )
+    field.add_argument(
+        "--repredict",
+        action="store_true",
+        help="a new serving model predicts every image the device holds again (default: only images not predicted yet)",
+    )
     field.add_argument("--labels-per-hour", type=float, default=30.0, help="--stream's labelling budget")
     field.add_argument(
         "--label-burst",
@@ -62,6 +67,7 @@ class FieldSettings:
     stream: bool = False
     labels_per_hour: float = 30.0
     label_burst: float | None = None
+    repredict: bool = False
 
 
 def field_settings(args: argparse.Namespace) -> FieldSettings:
@@ -77,4 +83,5 @@ def field_settings(args: argparse.Namespace) -> FieldSettings:
         stream=args.stream,
         labels_per_hour=args.labels_per_hour,
         label_burst=args.label_burst,
+        repredict=args.repredict,
     )

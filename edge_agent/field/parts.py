@@ -10,20 +10,25 @@ import numpy as np
 
 from edge_agent.data.device_data import DeviceData
 from edge_agent.data.image_files import InputSpec
+from edge_agent.data.predictions_log import PREDICTIONS_FOLDER, PredictionLog
 from edge_agent.field.field_options import FieldSettings
 from edge_agent.field.folder_oracle import FolderOracle, QueryBook
-from edge_agent.field.folder_pool import open_folder_data
+from edge_agent.field.folder_pool import folder_pool_of, open_folder_data
 from edge_agent.field.label_ui import LabelServer, parse_listen_address
+from edge_agent.field.predicting import PoolPredictions
 from edge_agent.field.stream import BudgetSettings, BudgetState, decide, default_burst, start_state
 from edge_agent.learning.head_learner import device_prefix
 from edge_agent.learning.learner import Learner
 from edge_agent.learning.learner_choice import make_learner
+from edge_agent.learning.predict import ServingModel
 from edge_agent.learning.sampling import Heuristic, make_sampler
 from edge_agent.loop.agent import LatestModel
 from edge_agent.loop.agent_settings import AgentSettings
-from edge_agent.loop.profile import DeviceProfile
+from edge_agent.loop.profile import DEFAULT_PREDICTIONS_LOG_MB, DeviceProfile
 from edge_agent.loop.round_inputs import RoundModels, mc_probabilities
+from protocol import messages
 from protocol.model_spec import DEFAULT_SPEC, load_model_spec
+from protocol.prediction_messages import PredictionBatch
 from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)
@@ -128,7 +133,7 @@ class PoolFeatures:
 
 class FieldWork:
     """Rescans the pool folder every scan_interval seconds, computes the features of what arrived (a head-only
-    device with a frozen backbone) and, with a stream, scores it."""
+    device with a frozen backbone), with a stream scores it, and predicts it with the serving model."""
 
     def __init__(
         self,
@@ -136,24 +141,30 @@ class FieldWork:
         scan_interval: float,
         stream: StreamAcquirer | None = None,
         features: PoolFeatures | None = None,
+        predictions: PoolPredictions | None = None,
     ) -> None:
         self.data = data
         self.scan_interval = scan_interval
         self.stream = stream
         self.features = features
+        self.predictions = predictions
         self._next_scan = 0.0
 
-    def tick(self, latest: LatestModel | None, round_id: int) -> None:
+    def tick(self, latest: LatestModel | None, round_id: int, serving: ServingModel | None) -> PredictionBatch | None:
         """Scans the folder when the interval has passed; once a global model has arrived, takes the new items'
-        features into the cache and scores them."""
-        if time.monotonic() < self._next_scan:
-            return
-        self._next_scan = time.monotonic() + self.scan_interval
-        self.data.refresh()
-        if latest is not None and self.features is not None:
-            self.features.take_in(latest)
-        if self.stream is not None and latest is not None:
-            self.stream.score_new(latest, round_id)
+        features into the cache and scores them. Every turn, predicts the next images not predicted under the
+        serving model yet (the recipe's MC-dropout passes); returns them (None when none was)."""
+        if time.monotonic() >= self._next_scan:
+            self._next_scan = time.monotonic() + self.scan_interval
+            self.data.refresh()
+            if latest is not None and self.features is not None:
+                self.features.take_in(latest)
+            if self.stream is not None and latest is not None:
+                self.stream.score_new(latest, round_id)
+        if self.predictions is None:
+            return None
+        passes = latest.recipe.mc_passes if latest is not None else messages.Recipe().mc_passes
+        return self.predictions.tick(serving, passes)
 
 
 @dataclass
@@ -186,4 +197,9 @@ def open_field(
         stream = StreamAcquirer(data, oracle, budget, settings, STREAM_PASSES)
     server = LabelServer(book, *listen).start() if listen else None
     features = PoolFeatures(settings, data) if settings.trainer == "head" else None
-    return FieldParts(data, oracle, FieldWork(data, field.scan_interval, stream, features), server)
+    log_mb = profile.predictions_log_mb if profile else DEFAULT_PREDICTIONS_LOG_MB
+    predictions_log = PredictionLog(state_dir / PREDICTIONS_FOLDER, log_mb << 20)
+    predictions = PoolPredictions(
+        data, folder_pool_of(data), settings, predictions_log, tuple(spec.class_names), field.repredict
+    )
+    return FieldParts(data, oracle, FieldWork(data, field.scan_interval, stream, features, predictions), server)

@@ -10,17 +10,20 @@ from typing import Protocol
 from edge_agent.data.device_data import DeviceData
 from edge_agent.data.oracle import Oracle
 from edge_agent.learning.bundle import Bundle
+from edge_agent.learning.predict import ServingModel
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.artefacts import BUNDLES_FOLDER, RoundArtefacts
 from edge_agent.loop.backbone_store import BACKBONE_FOLDER
 from edge_agent.loop.footprint import PhaseMeter
 from edge_agent.loop.inbound import device_router, handle_inbound
 from edge_agent.loop.outbox import OUTBOX_FOLDER, UpdateSender
+from edge_agent.loop.prediction_publisher import PredictionPublisher
 from edge_agent.loop.round_runner import RoundRunner
 from edge_agent.loop.secure_rounds import SecureRounds
 from protocol import messages, topics, wire
 from protocol.model_spec import ModelSpec
 from protocol.mqtt import IncomingMessage, LastWill, MqttSession, PayloadTooLargeError
+from protocol.prediction_messages import PredictionBatch
 from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)
@@ -83,10 +86,30 @@ class UpdateHold:
 
 
 class BackgroundWork(Protocol):
-    """Work the main loop does between messages (a field device's folder scans and stream scoring)."""
+    """Work the main loop does between messages (a field device's folder scans, stream scoring and predictions)."""
 
-    def tick(self, latest: LatestModel | None, round_id: int) -> None:
-        """Called every loop turn with the newest global model (None before the first) and the round worked toward."""
+    def tick(self, latest: LatestModel | None, round_id: int, serving: ServingModel | None) -> PredictionBatch | None:
+        """Called every loop turn with the newest global model (None before the first), the round worked toward and
+        the serving model (None before one serves); returns the predictions it made (None: none)."""
+
+
+class ServingSource(Protocol):
+    """Which model the device predicts with ("serving"), and whether the fleet asks for its predictions."""
+
+    def serving(self) -> ServingModel | None:
+        """The serving model with its bundle (None before one serves)."""
+
+    def publish_predictions(self) -> bool:
+        """Whether the device publishes its predictions on its predictions topic."""
+
+
+@dataclass(frozen=True)
+class LatestServing:
+    """The latest model as the serving one: what a device predicts with while its fleet promotes none apart."""
+
+    version: int
+    model_hash: str
+    bundle: Bundle
 
 
 def last_will(settings: AgentSettings) -> LastWill:
@@ -130,7 +153,10 @@ class Agent:
         data: DeviceData,
         oracle: Oracle,
         background: BackgroundWork | None = None,
+        serving: ServingSource | None = None,
     ) -> None:
+        """`serving` gives the model the device predicts with; without one the latest model serves, and the device
+        publishes no predictions."""
         self.settings = settings
         self.session = session
         self.data = data
@@ -148,6 +174,9 @@ class Agent:
         self._recipe: messages.Recipe | None = None
         self.hold = UpdateHold(settings.slowdown)
         self.secure = SecureRounds(settings.fleet, settings.device_id, session, data.state_dir, data.journal)
+        self.serving_source = serving
+        self.predictions = PredictionPublisher(settings.fleet, settings.device_id, session)
+        self._latest_version: tuple[str, int] | None = None
         self.router = agent_router(self)
 
     @property
@@ -192,7 +221,10 @@ class Agent:
         self.sender.resend_due()
         self.release_held()
         if self.background is not None:
-            self.background.tick(self.latest_model(), self.last_finished_round + 1)
+            made = self.background.tick(self.latest_model(), self.last_finished_round + 1, self.serving_model())
+            wanted = self.serving_source is not None and self.serving_source.publish_predictions()
+            if made is not None and wanted:
+                self.predictions.publish(made)
         self.maybe_run_round()
         return False
 
@@ -208,6 +240,19 @@ class Agent:
         model_hash, spec, weights = newest
         return LatestModel(spec, weights, self._recipe, next(iter(self.artefacts.bundles.values()), None), model_hash)
 
+    def serving_model(self) -> ServingModel | None:
+        """The model the device predicts with: its serving source's, else the latest model with its bundle (its
+        version: the round it was announced for, less one)."""
+        if self.serving_source is not None:
+            return self.serving_source.serving()
+        latest = self.latest_model()
+        if latest is None or latest.bundle is None or self._latest_version is None:
+            return None
+        model_hash, version = self._latest_version
+        if model_hash != latest.model_hash or latest.bundle.manifest.weights_hash != model_hash:
+            return None
+        return LatestServing(version, model_hash, latest.bundle)
+
     def handle(self, message: IncomingMessage) -> bool:
         """Routes one message; True when the run is over for this agent."""
         return handle_inbound(self.router, message, "fleet")
@@ -219,6 +264,7 @@ class Agent:
 
     def on_announcement(self, announcement: messages.RoundAnnouncement) -> bool:
         """Remembers the newest unfinished round and asks for its model; True on the final announcement."""
+        self._latest_version = (announcement.model_hash, announcement.round_id - 1)
         if announcement.final:
             log.info("run finished run=%s round=%d", announcement.run_id, announcement.round_id)
             return self.settings.exit_on_final
