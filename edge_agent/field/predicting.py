@@ -130,6 +130,7 @@ class PoolPredictions:
             probabilities = scoring.scorer.probabilities(samples.images(), passes, seed)
         else:
             probabilities = scoring.scorer.feature_probabilities(scoring.prefix.rows(samples), passes, seed)
+            scoring.prefix.close()  # rows the scan had not cached opened it: a round's own prefix must not meet it
         found = verdicts(probabilities)
         classes = found.classes.tolist()
         now = time.time()
