@@ -158,7 +158,7 @@ class DashboardHandler(BaseHTTPRequestHandler):
     def metrics(self) -> str:
         """The Prometheus body from the live state (all zero when the server runs without one)."""
         live = self.server.live or LiveState(total_rounds=0)
-        return render_metrics(live.counters(), live.online_count(), live.progress()["round"])
+        return render_metrics(live.counters(), live.online_count(), live.progress()["round"], live.predictions())
 
     def send_json(self, status: HTTPStatus, body: dict, headers: dict[str, str] | None = None) -> None:
         """Sends body as strict JSON (non-finite numbers become null)."""

@@ -15,7 +15,7 @@ from edge_agent.field.field_options import FieldSettings
 from edge_agent.field.folder_oracle import FolderOracle, QueryBook
 from edge_agent.field.folder_pool import folder_pool_of, open_folder_data
 from edge_agent.field.label_ui import LabelServer, parse_listen_address
-from edge_agent.field.predicting import PoolPredictions
+from edge_agent.field.predicting import Known, PoolPredictions
 from edge_agent.field.stream import BudgetSettings, BudgetState, decide, default_burst, start_state
 from edge_agent.learning.head_learner import device_prefix
 from edge_agent.learning.learner import Learner
@@ -163,8 +163,10 @@ class FieldWork:
                 self.stream.score_new(latest, round_id)
         if self.predictions is None:
             return None
-        passes = latest.recipe.mc_passes if latest is not None else messages.Recipe().mc_passes
-        return self.predictions.tick(serving, passes)
+        if latest is None:
+            return self.predictions.tick(serving, messages.Recipe().mc_passes)
+        known = Known(latest.weights, latest.bundle) if latest.bundle is not None else None
+        return self.predictions.tick(serving, latest.recipe.mc_passes, known)
 
 
 @dataclass

@@ -10,7 +10,7 @@ import numpy as np
 from edge_agent.data.device_data import DeviceData, Samples
 from edge_agent.data.predictions_log import PredictionLog
 from edge_agent.field.folder_pool import FolderPool
-from edge_agent.learning.bundle import bundle_weights
+from edge_agent.learning.bundle import Bundle, bundle_weights
 from edge_agent.learning.cached_prefix import CachedPrefix, prefix_frozen
 from edge_agent.learning.head_learner import device_prefix
 from edge_agent.learning.learner import bundle_scorer
@@ -18,11 +18,34 @@ from edge_agent.learning.ort_scorer import OrtMCDropout
 from edge_agent.learning.predict import ServingModel, verdicts
 from edge_agent.loop.agent_settings import AgentSettings
 from protocol.prediction_messages import PredictionBatch
+from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)
 
 LEDGER_KEY = "predictions"
 PER_TICK = 256  # images predicted per loop turn: the agent answers its messages between turns
+
+
+@dataclass(frozen=True)
+class Known:
+    """A model the device already holds in memory, with its bundle (the latest)."""
+
+    weights: Weights
+    bundle: Bundle
+
+
+def prefix_weights(bundle: Bundle, known: Known | None) -> Weights:
+    """Weights holding the bundle's prefix, which its feature cache's key hashes: those of a model held already when
+    its bundle's fp32 prefix graph is this one's (same sha256: a frozen backbone's always is), else the bundle's own,
+    read from its files (13.5 MB for EfficientNet-Lite0, once per serving model)."""
+    if known is not None and graph_sha256(known.bundle) == graph_sha256(bundle):
+        return known.weights
+    return bundle_weights(bundle)
+
+
+def graph_sha256(bundle: Bundle) -> str:
+    """The sha256 of the bundle's fp32 prefix graph, as its manifest lists it."""
+    return bundle.manifest.files[bundle.manifest.graphs["fp32"]["prefix"]]
 
 
 @dataclass(frozen=True)
@@ -77,9 +100,11 @@ class PoolPredictions:
         saved = self.data.get_state(LEDGER_KEY)
         return None if saved is None else Ledger(int(saved["version"]), str(saved["model_hash"]), int(saved["upto"]))
 
-    def tick(self, serving: ServingModel | None, passes: int) -> PredictionBatch | None:
+    def tick(self, serving: ServingModel | None, passes: int, known: Known | None = None) -> PredictionBatch | None:
         """Predicts up to PER_TICK images not yet predicted under `serving` (None: nothing serves yet) with `passes`
-        MC-dropout passes (within the profile's cap); returns them as one batch (None when nothing was predicted)."""
+        MC-dropout passes (within the profile's cap); returns them as one batch (None when nothing was predicted).
+        `known`: a model the device holds with its bundle (the latest), whose weights stand in for the serving
+        bundle's when both bundles have one prefix graph."""
         if serving is None:
             return None
         passes = min(passes, self.settings.mc_passes_cap or passes)
@@ -88,7 +113,7 @@ class PoolPredictions:
         if ledger.upto >= end:
             return None
         indices = np.arange(ledger.upto, end)
-        batch = self.predict(serving, self.data.samples(indices), passes)
+        batch = self.predict(serving, self.data.samples(indices), passes, known)
         self.log.append([{**row, "index": int(index)} for row, index in zip(batch.rows(), indices.tolist())])
         self.data.set_state(LEDGER_KEY, Ledger(serving.version, serving.model_hash, end).to_json())
         return batch
@@ -122,9 +147,11 @@ class PoolPredictions:
             self.data.set_state(LEDGER_KEY, ledger.to_json())
         return ledger
 
-    def predict(self, serving: ServingModel, samples: Samples, passes: int) -> PredictionBatch:
+    def predict(
+        self, serving: ServingModel, samples: Samples, passes: int, known: Known | None = None
+    ) -> PredictionBatch:
         """The serving model's predictions of these samples (MC dropout, `passes` passes over the tail)."""
-        scoring = self.scorer(serving)
+        scoring = self.scorer(serving, known)
         seed = serving.version
         if scoring.prefix is None:
             probabilities = scoring.scorer.probabilities(samples.images(), passes, seed)
@@ -151,13 +178,13 @@ class PoolPredictions:
         """The spec's name of a class index (its number where the spec names fewer classes)."""
         return self.class_names[index] if index < len(self.class_names) else str(index)
 
-    def scorer(self, serving: ServingModel) -> ServingScorer:
+    def scorer(self, serving: ServingModel, known: Known | None = None) -> ServingScorer:
         """The serving model's scorer, opened once per model (with the feature cache when its prefix is frozen)."""
         if self._scorer is None or self._scorer.model_hash != serving.model_hash:
             bundle = serving.bundle
             compute, state_dir = self.settings.compute, self.data.state_dir
             scorer = bundle_scorer(compute, bundle, None)
             frozen = prefix_frozen(bundle)
-            prefix = device_prefix(compute, state_dir, bundle_weights(bundle), bundle) if frozen else None
+            prefix = device_prefix(compute, state_dir, prefix_weights(bundle, known), bundle) if frozen else None
             self._scorer = ServingScorer(serving.model_hash, scorer, prefix)
         return self._scorer
