@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 from protocol.errors import FalError
 
+UNCERTAIN = 0.5  # a prediction whose uncertainty is above this counts as uncertain (the fleet watches their share)
 MAX_BATCH = 1000  # predictions in one message (a device sends at most PUBLISH_BATCH; an observer refuses more)
 COLUMNS = ("files", "content_hashes", "class_indices", "class_names", "probabilities", "uncertainties", "times")
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from coordinator.intake.observer import RoundObserver
 from protocol import wire
-from protocol.prediction_messages import BatchError, PredictionBatch, check_batch
+from protocol.prediction_messages import UNCERTAIN, BatchError, PredictionBatch, check_batch
 from protocol.reassembly import Dropped
 
 log = logging.getLogger(__name__)
@@ -18,7 +18,6 @@ log = logging.getLogger(__name__)
 MAX_BATCH_BYTES = 1 << 20  # a device's batch of 256 predictions is ~35 KB
 HOURS_KEPT = 24
 MAX_CLASSES = 64  # class names counted per device (more are summed under "other")
-UNCERTAIN = 0.5  # as edge_agent.learning.predict.UNCERTAIN: above it a prediction counts as uncertain
 DRIFT_JUMP = 0.2  # the last hour's uncertain share this far above the hours before flags the device
 DRIFT_MIN_RECENT = 20  # predictions the last hour needs before its share is trusted
 DRIFT_MIN_BASELINE = 50  # predictions the hours before need

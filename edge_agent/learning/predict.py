@@ -8,8 +8,6 @@ import numpy as np
 
 from edge_agent.learning.bundle import Bundle
 
-UNCERTAIN = 0.5  # an uncertainty above this counts as an uncertain prediction (the fleet's share of them is watched)
-
 
 class ServingModel(Protocol):
     """The model a device predicts with ("serving", as opposed to the "latest" model it trains): its version (the
