@@ -168,6 +168,24 @@ def test_a_log_that_cannot_be_written_warns_once_and_the_device_keeps_predicting
     assert predictions.ledger().upto == 7 and predictions.log.lost == 7
 
 
+def test_a_journal_that_cannot_be_written_is_one_warning_and_predicting_goes_on(tmp_path, servings, caplog) -> None:
+    """state.json turned into a folder (its atomic replace fails, as on a full disk): no image is predicted twice
+    by the running process, one warning says a restart may."""
+    pool_with(tmp_path / "camera", 5)
+    predictions = predictor(tmp_path)
+    (tmp_path / "state" / "state.json").unlink()
+    (tmp_path / "state" / "state.json").mkdir()
+    with caplog.at_level(logging.WARNING, logger="edge_agent.field.predicting"):
+        assert len(predictions.tick(servings[0], passes=2)) == 5
+        assert predictions.tick(servings[0], passes=2) is None
+        pool_with(tmp_path / "camera", 2, first=5)
+        predictions.data.refresh()
+        assert len(predictions.tick(servings[0], passes=2)) == 2
+    warned = [record.getMessage() for record in caplog.records if "ledger not kept" in record.getMessage()]
+    assert len(warned) == 1 and len(warned[0]) < 400
+    assert sorted(line["index"] for line in logged(tmp_path / "state")) == list(range(7))
+
+
 class Source:
     """A serving slot: one serving version, and whether the fleet asks for the device's predictions."""
 

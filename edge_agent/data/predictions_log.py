@@ -21,6 +21,11 @@ def segment_path(folder: Path, number: int) -> Path:
     return folder / f"predictions-{number:06d}.jsonl"
 
 
+def segment_number(path: Path) -> int:
+    """The number of a segment's path (one `segments` listed)."""
+    return int(path.name[len("predictions-") : -len(".jsonl")])
+
+
 class PredictionLog:
     """`STATE_DIR/predictions/predictions-NNNNNN.jsonl`: one JSON object a line, appended and synced; a new segment
     starts when the current one would pass max_bytes / SEGMENTS, and the oldest segments are deleted while all of
@@ -84,7 +89,7 @@ class PredictionLog:
         """Appends the lines across segments, then trims the oldest segments to the bound."""
         self.folder.mkdir(parents=True, exist_ok=True)
         segments = self.segments()
-        number = int(SEGMENT_NAME.fullmatch(segments[-1].name).group(1)) if segments else 1  # type: ignore[union-attr]
+        number = segment_number(segments[-1]) if segments else 1
         path = segment_path(self.folder, number)
         size = _complete(path)
         pending: list[bytes] = []

@@ -94,11 +94,28 @@ class PoolPredictions:
         self.log, self.class_names, self.repredict = log_file, class_names, repredict
         self._scorer: ServingScorer | None = None
         self._recovered = False
+        self._noted: Ledger | None = None  # the ledger as this process last noted it (the journal may not have it)
+        self._unnoted = False  # the journal could not be written at the last note
 
     def ledger(self) -> Ledger | None:
-        """The journal's ledger (None before the first serving version)."""
+        """The ledger as last noted, else the journal's (None before the first serving version)."""
+        if self._noted is not None:
+            return self._noted
         saved = self.data.get_state(LEDGER_KEY)
         return None if saved is None else Ledger(int(saved["version"]), str(saved["model_hash"]), int(saved["upto"]))
+
+    def note(self, ledger: Ledger) -> None:
+        """Adopts the ledger and writes it to the journal; a journal that cannot be written (a full disk) is one
+        warning: the process goes on from the ledger it holds, and a restart may predict those images again."""
+        self._noted = ledger
+        try:
+            self.data.set_state(LEDGER_KEY, ledger.to_json())
+        except OSError as error:
+            if not self._unnoted:
+                log.warning("predictions ledger not kept error=%s: a restart may predict some images again", error)
+            self._unnoted = True
+            return
+        self._unnoted = False
 
     def tick(self, serving: ServingModel | None, passes: int, known: Known | None = None) -> PredictionBatch | None:
         """Predicts up to PER_TICK images not yet predicted under `serving` (None: nothing serves yet) with `passes`
@@ -115,7 +132,7 @@ class PoolPredictions:
         indices = np.arange(ledger.upto, end)
         batch = self.predict(serving, self.data.samples(indices), passes, known)
         self.log.append([{**row, "index": int(index)} for row, index in zip(batch.rows(), indices.tolist())])
-        self.data.set_state(LEDGER_KEY, Ledger(serving.version, serving.model_hash, end).to_json())
+        self.note(Ledger(serving.version, serving.model_hash, end))
         return batch
 
     def current_ledger(self, serving: ServingModel) -> Ledger:
@@ -125,11 +142,11 @@ class PoolPredictions:
         if ledger is not None and not self._recovered:
             ledger = self.recover(ledger)
         self._recovered = True
-        if ledger is not None and ledger.model_hash == serving.model_hash:
+        if ledger is not None and (ledger.version, ledger.model_hash) == (serving.version, serving.model_hash):
             return ledger
         start = 0 if self.repredict or ledger is None else ledger.upto
         fresh = Ledger(serving.version, serving.model_hash, start)
-        self.data.set_state(LEDGER_KEY, fresh.to_json())
+        self.note(fresh)
         log.info(
             "serving version predicts version=%d model=%s from_index=%d", fresh.version, fresh.model_hash[:12], start
         )
@@ -144,7 +161,7 @@ class PoolPredictions:
         upto = max(ledger.upto, int(last["index"]) + 1)
         if upto != ledger.upto:
             ledger = Ledger(ledger.version, ledger.model_hash, upto)
-            self.data.set_state(LEDGER_KEY, ledger.to_json())
+            self.note(ledger)
         return ledger
 
     def predict(
