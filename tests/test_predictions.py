@@ -300,14 +300,21 @@ def test_predict_prints_one_line_per_image_as_json_or_csv_without_torch(tmp_path
 
 @pytest.mark.parametrize(
     "where, message",
-    [("no-such-folder", "does not exist"), ("a-file", "is not a folder"), ("bad-bundle", "manifest.json is missing")],
+    [
+        ("no-such-folder", "does not exist"),
+        ("a-file", "is not a folder"),
+        ("bad-bundle", "manifest.json is missing"),
+        ("camera --passes 0", "--passes must be at least 1"),
+        ("camera --limit 0", "--limit must be at least 1"),
+    ],
 )
-def test_predict_refuses_a_bad_folder_or_bundle_in_one_line(tmp_path, servings, where, message) -> None:
+def test_predict_refuses_a_bad_folder_bundle_or_count_in_one_line(tmp_path, servings, where, message) -> None:
     (tmp_path / "a-file").write_text("x")
     (tmp_path / "bad-bundle").mkdir()
     pool_with(tmp_path / "camera", 1)
-    bundle = tmp_path / "bad-bundle" if where == "bad-bundle" else servings[0].bundle.path
-    pool = tmp_path / "camera" if where == "bad-bundle" else tmp_path / where
-    result = run_predict("--bundle", str(bundle), "--pool", str(pool))
+    folder, *extra = where.split()
+    bundle = tmp_path / "bad-bundle" if folder == "bad-bundle" else servings[0].bundle.path
+    pool = tmp_path / "camera" if folder == "bad-bundle" else tmp_path / folder
+    result = run_predict("--bundle", str(bundle), "--pool", str(pool), *extra)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr
