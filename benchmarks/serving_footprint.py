@@ -13,10 +13,10 @@ mosquitto, played a coordinator's round 1 (model, bundle, announcement; a person
 labels.csv) and, once the pool is predicted (serving on), round 2. The agent's overall peak RSS (its status:
 /proc VmHWM per phase), the highest of its VmRSS sampled every 5 ms from outside (the agent's phases reset VmHWM,
 so background work just before a phase shows only there) and its per-round footprint lines, serving on
-(the latest model serves) against serving off (the same agent with `PoolPredictions.tick` replaced by a no-op in
-the benchmark's launcher only). The profile's budget: 200 MB.
+(the latest model serves) against serving off (`PoolPredictions.tick` replaced by a no-op in the benchmark's
+launcher, which starts both runs the same way). The profile's budget: 200 MB.
 
-Usage: python benchmarks/serving_footprint.py [--images 500] [--skip-rounds]
+Usage: python benchmarks/serving_footprint.py [--images 500] [--skip-rounds] [--out DIR]
 """
 
 from __future__ import annotations
@@ -62,10 +62,11 @@ SPEC_TOML = (
     '[model]\narchitecture = "efficientnet-lite0"\ntrainable = "head"\n\n[input]\nchannels = 3\nheight = 96\n'
     'width = 96\nmean = [0.5, 0.5, 0.5]\nstd = [0.5, 0.5, 0.5]\n\n[classes]\nnames = ["' + '", "'.join(CLASSES) + '"]\n'
 )
-SERVING_OFF = (
-    "import sys; import edge_agent.field.predicting as p; p.PoolPredictions.tick = lambda *arguments: None; "
-    "from edge_agent.cli import main; sys.exit(main(sys.argv[1:]))"
+LAUNCHER = (  # both runs start the same way, so they differ only in the predictions
+    "import sys; import edge_agent.field.predicting as p; {off}from edge_agent.cli import main; "
+    "sys.exit(main(sys.argv[1:]))"
 )
+NO_PREDICTIONS = "p.PoolPredictions.tick = lambda *arguments: None; "
 RECIPE = messages.Recipe(labels_per_acquisition=20, epochs=5, batch_size=32, mc_passes=10, sampler="margin")
 
 
@@ -229,7 +230,7 @@ def rounds(
     name = "on" if serving else "off"  # a device id of its own: no persistent session carries over
     state, log_file, device = work / f"state-{name}", work / f"agent-{name}.log", f"cam-{name}"
     command = [
-        *((sys.executable, "-m", "edge_agent") if serving else (sys.executable, "-c", SERVING_OFF)),
+        *(sys.executable, "-c", LAUNCHER.format(off="" if serving else NO_PREDICTIONS)),
         *("run", "--broker", broker.address.url, "--fleet", FLEET, "--device-id", device, "--pool-dir", str(pool)),
         *("--state-dir", str(state), "--profile", str(PROFILE), "--model-spec", str(work / "spec.toml")),
         *("--settle-seconds", "0", "--scan-interval", "0.5", "--answer-wait", "300", "--log-level", "info"),
@@ -273,9 +274,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=500)
     parser.add_argument("--skip-rounds", action="store_true", help="only the per-image cost")
+    parser.add_argument("--out", type=Path, help="keep the work folder (agent logs, state folders) here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
-        work = Path(folder)
+        work = Path(folder) if args.out is None else args.out
+        work.mkdir(parents=True, exist_ok=True)
         (work / "spec.toml").write_text(SPEC_TOML)
         spec = load_model_spec(work / "spec.toml").spec
         weights = get_weights(build_model(spec, seed=0))

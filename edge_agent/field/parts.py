@@ -152,21 +152,23 @@ class FieldWork:
 
     def tick(self, latest: LatestModel | None, round_id: int, serving: ServingModel | None) -> PredictionBatch | None:
         """Scans the folder when the interval has passed; once a global model has arrived, takes the new items'
-        features into the cache and scores them. Every turn, predicts the next images not predicted under the
-        serving model yet (the recipe's MC-dropout passes); returns them (None when none was)."""
-        if time.monotonic() >= self._next_scan:
-            self._next_scan = time.monotonic() + self.scan_interval
-            self.data.refresh()
-            if latest is not None and self.features is not None:
-                self.features.take_in(latest)
-            if self.stream is not None and latest is not None:
-                self.stream.score_new(latest, round_id)
+        features into the cache and scores them; then predicts the next images not predicted under the serving
+        model yet (the recipe's MC-dropout passes), from the rows just cached, and returns them (None: none was)."""
+        if time.monotonic() < self._next_scan:
+            return None
+        self._next_scan = time.monotonic() + self.scan_interval
+        known = Known(latest.weights, latest.bundle) if latest is not None and latest.bundle is not None else None
+        if self.predictions is not None and serving is not None:
+            self.predictions.scorer(serving, known)  # opened before the scan's backbone pass, not above its memory
+        self.data.refresh()
+        if latest is not None and self.features is not None:
+            self.features.take_in(latest)
+        if self.stream is not None and latest is not None:
+            self.stream.score_new(latest, round_id)
         if self.predictions is None:
             return None
-        if latest is None:
-            return self.predictions.tick(serving, messages.Recipe().mc_passes)
-        known = Known(latest.weights, latest.bundle) if latest.bundle is not None else None
-        return self.predictions.tick(serving, latest.recipe.mc_passes, known)
+        passes = latest.recipe.mc_passes if latest is not None else messages.Recipe().mc_passes
+        return self.predictions.tick(serving, passes, known)
 
 
 @dataclass

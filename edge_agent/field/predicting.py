@@ -23,7 +23,7 @@ from protocol.tensors import Weights
 log = logging.getLogger(__name__)
 
 LEDGER_KEY = "predictions"
-PER_TICK = 256  # images predicted per loop turn: the agent answers its messages between turns
+PER_TICK = 256  # images predicted per folder scan: the agent answers its messages between scans
 
 
 @dataclass(frozen=True)
