@@ -19,6 +19,8 @@ from fleet import WITHOUT_TORCH
 from test_field_agent import field_run, head_round, kill, launch_head_agent, stop
 from test_folder_pool import write_png
 
+from coordinator.dashboard.live import LiveState
+from coordinator.intake.predictions import PredictionIntake
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.predictions_log import PREDICTIONS_FOLDER, PredictionLog, segment_path
 from edge_agent.field.folder_oracle import FolderOracle, QueryBook
@@ -202,6 +204,8 @@ class Source:
 @pytest.mark.parametrize("publish", [True, False])
 def test_predictions_are_published_when_the_fleet_asks_and_only_then(tmp_path, servings, publish, broker) -> None:
     pool_with(tmp_path / "camera", 9)
+    live = LiveState(total_rounds=1)
+    coordinator = PredictionIntake(live)  # the coordinator's side, fed what the broker delivered
     listener = MqttSession(broker.address, client_id="listener")
     listener.connect(timeout=10)
     listener.subscribe(topics.PREDICTIONS.filter(fleet=FLEET))
@@ -224,6 +228,7 @@ def test_predictions_are_published_when_the_fleet_asks_and_only_then(tmp_path, s
             if message is not None and message.topic.endswith("/predictions"):
                 assert message.topic == topics.PREDICTIONS.build(fleet=FLEET, device=DEVICE)
                 received.append(check_batch(wire.decode(message.payload, PredictionBatch)))
+                coordinator.on_predictions(DEVICE, message.payload, message.dropped)
     finally:
         agent.finish()
         session.close()
@@ -236,6 +241,7 @@ def test_predictions_are_published_when_the_fleet_asks_and_only_then(tmp_path, s
         (DEVICE, 0, servings[0].model_hash)
     }
     assert [file for batch in received for file in batch.files] == [f"{i:03d}.png" for i in range(9)]
+    assert live.predictions()[DEVICE]["per_hour"] == 9 and live.counters().predictions_refused == 0
 
 
 def test_a_batch_whose_columns_disagree_is_refused_in_one_bounded_line() -> None:
