@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 import pytest
+from browser import ARTIFACTS, headless_chromium, needs_chromium, wait_for
+from run_records import DEVICES, fill_store
 
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.metrics import render_metrics
+from coordinator.dashboard.server import Dashboard, ListenAddress
 from coordinator.intake.predictions import DevicePredictions, PredictionIntake
 from coordinator.rounds.loop import device_routes
 from protocol import topics, wire
@@ -83,3 +87,24 @@ def test_the_coordinator_routes_a_devices_predictions_topic_to_the_intake() -> N
     found = router.route(topics.PREDICTIONS.build(fleet="plant", device="cam-7"))
     assert found is not None and found[1] == {"device": "cam-7"}
     assert topics.PREDICTIONS.filter(fleet="plant") in router.filters()
+
+
+@needs_chromium
+def test_the_dashboard_page_shows_each_devices_predictions(tmp_path: Path) -> None:
+    """The real page in headless chromium: a predicting device's row shows its predictions this hour, its class mix
+    and its uncertain share; a device that publishes none shows dashes. A screenshot is kept in test-artifacts/."""
+    fill_store(tmp_path / "run")
+    live = LiveState(total_rounds=2)
+    live.predictions_received(DEVICES[0], batch(DEVICES[0], 40, 10))
+    script = (
+        "return [...document.querySelectorAll('#devices tbody tr')]"
+        ".map(r => [...r.cells].slice(-3).map(c => c.textContent))"
+    )
+    served = Dashboard(ListenAddress("127.0.0.1", 0), tmp_path / "run", live, None)
+    with served as dashboard, headless_chromium(tmp_path / "chromium-profile") as browser:
+        browser.open(dashboard.url)
+        rows = wait_for(lambda: browser.evaluate(script) or None, 60, "the device table")
+        shot = browser.screenshot(ARTIFACTS / "dashboard-predictions.png")
+    assert rows[0] == ["40", "person 50%, vehicle 50%", "25%"]
+    assert rows[1] == ["-", "-", "-"]
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
