@@ -52,6 +52,12 @@ def test_a_jump_in_the_uncertain_share_is_flagged_only_with_enough_predictions()
     assert summary["uncertain_share_last_hour"] == pytest.approx(27 / 30)
     assert summary["uncertain_share_before"] == pytest.approx(12 / 120)
     assert summary["class_mix"] == pytest.approx({"person": 0.5, "vehicle": 0.5})
+    assert [(hour["hour"], hour["predictions"]) for hour in summary["hours"]] == [
+        (0, 40),
+        (3600, 40),
+        (7200, 40),
+        (10800, 30),
+    ]
     assert counts.summary(30 * HOUR)["per_hour"] == 0 and counts.summary(30 * HOUR)["class_mix"] == {}
 
 

@@ -75,7 +75,8 @@ class DevicePredictions:
 
     def summary(self, now: float) -> dict[str, Any]:
         """Predictions in the last hour, the class mix and uncertain share over the hours kept, the last hour's
-        uncertain share and the hours' before, and whether it jumped (drift)."""
+        uncertain share and the hours' before, whether it jumped (drift), and each kept hour's count and uncertain
+        share (its start in Unix seconds): the device over time."""
         current = int(now // 3600)
         kept = [counts for hour, counts in self.hours.items() if current - HOURS_KEPT < hour <= current]
         recent = self.hours.get(current, HourCounts())
@@ -92,6 +93,11 @@ class DevicePredictions:
             "uncertain_share_last_hour": share(recent),
             "uncertain_share_before": share(baseline),
             "drift": uncertain_jump(recent, baseline),
+            "hours": [
+                {"hour": hour * 3600, "predictions": counts.predictions, "uncertain_share": share(counts)}
+                for hour, counts in sorted(self.hours.items())
+                if current - HOURS_KEPT < hour <= current
+            ],
         }
 
 
