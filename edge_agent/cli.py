@@ -1,4 +1,4 @@
-# The edge-agent command line: `run` serves a fleet's rounds from a folder pool; `score` scores a pool; `doctor` checks.
+# The edge-agent command line: `run` serves a fleet's rounds; `score` and `predict` read a pool; `doctor` checks.
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -14,6 +14,11 @@ EDGE_AGENT = CommandLine(
             "score",
             "score a pool file or image folder with a model bundle and print one JSON line",
             "edge_agent.score_command",
+        ),
+        Command(
+            "predict",
+            "predict each image of a folder with a model bundle: class, probability, uncertainty (JSON lines or CSV)",
+            "edge_agent.predict_command",
         ),
         Command(
             "doctor",

@@ -10,6 +10,7 @@ import numpy as np
 
 from protocol.label_messages import AnswerReceipt, LabelAnswer, LabelQuery, LocalAnswer, QueryReceipt
 from protocol.model_spec import ModelSpec
+from protocol.prediction_messages import PredictionBatch
 from protocol.recipe_flags import OMITTED_KEY, recipe_field
 from protocol.secagg_messages import (
     DeliveryAck,
@@ -381,6 +382,7 @@ WIRE_TYPES: tuple[type[Message], ...] = (
     Status,
     Chunk,
     ServingMessage,
+    PredictionBatch,
     LabelQuery,
     QueryReceipt,
     LabelAnswer,

@@ -289,6 +289,12 @@ def _list_of(kind: type, what: str) -> Callable[[str, Any], list[Any]]:
     return check
 
 
+def _number_list(where: str, value: Any) -> list[float]:
+    if not isinstance(value, list) or not all(_is_number(v) for v in value):
+        raise WireError(f"{where} must be a list of numbers")
+    return [float(v) for v in value]
+
+
 def _number_map(where: str, value: Any) -> dict[str, float]:
     if not isinstance(value, dict) or not all(isinstance(k, str) and _is_number(v) for k, v in value.items()):
         raise WireError(f"{where} must be a map of names to numbers")
@@ -337,6 +343,7 @@ CHECKERS: dict[Any, Callable[[str, Any], Any]] = {
     str: _plain(str, "a string"),
     bytes: _plain(bytes, "bytes"),
     list[int]: _list_of(int, "integers"),
+    list[float]: _number_list,
     list[str]: _list_of(str, "strings"),
     list[bytes]: _list_of(bytes, "byte strings"),
     dict[str, float]: _number_map,

@@ -21,6 +21,7 @@ from export.bundle_writer import ensure_bundle_files
 from protocol import messages, topics, wire
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec
 from protocol.mqtt import MqttSession
+from protocol.serving_messages import ServingMessage
 from protocol.tensors import weights_hash
 
 FLEET = "agent-test"
@@ -78,6 +79,12 @@ class FakeCoordinator:
         self.session.publish(
             topics.BUNDLE.build(fleet=FLEET, hash=message.model_hash), wire.encode(message), retain=True, wait=10
         )
+
+    def serve(self, version: int, weights: dict, publish_predictions: bool = False) -> None:
+        """Promotes the weights as the coordinator does: the retained serving message naming their hash (their
+        bundle is published apart)."""
+        message = ServingMessage("run-1", version, weights_hash(weights), time.time(), publish_predictions)
+        self.session.publish(topics.SERVING.build(fleet=FLEET), wire.encode(message), retain=True, wait=10)
 
     def next_on(self, leaf: str, timeout: float, accept=lambda message: True):
         deadline = time.monotonic() + timeout

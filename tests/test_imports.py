@@ -82,8 +82,14 @@ TORCH_FREE = (
     "edge_agent.loop.footprint",
     "edge_agent.loop.memory_budget",
     "edge_agent.field.parts",
-    # `edge-agent score` over an image folder
+    # predictions on a device (the Pi Zero predicts with its serving model's bundle)
+    "edge_agent.field.predicting",
+    "edge_agent.learning.predict",
+    "edge_agent.data.predictions_log",
+    "edge_agent.loop.prediction_publisher",
+    # `edge-agent score` and `edge-agent predict` over an image folder
     "edge_agent.score_command",
+    "edge_agent.predict_command",
     "edge_agent.data.image_files",
 )
 

@@ -6,8 +6,12 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from coordinator.intake.observer import RoundObserver, RoundResult
+from coordinator.intake.predictions import DevicePredictions
 from coordinator.intake.validation import Rejection
 from protocol import messages
+from protocol.prediction_messages import PredictionBatch
+
+MAX_PREDICTING_DEVICES = 10000  # devices whose predictions are counted (a fleet's; more are not)
 
 
 @dataclass
@@ -44,6 +48,8 @@ class Counters:
     aggregation_seconds_sum: float = 0.0
     aggregations: int = 0
     dp_epsilon: float | None = None  # a private run: the epsilon its last committed round left spent
+    predictions_received: int = 0
+    predictions_refused: int = 0  # batches
 
 
 class LiveState(RoundObserver):
@@ -59,6 +65,7 @@ class LiveState(RoundObserver):
         self._phase = "starting"
         self._round_opened_at = 0.0
         self._needed = 0
+        self._predictions: dict[str, DevicePredictions] = {}
 
     def device_status(self, device_id: str, status: messages.Status | None) -> None:
         """Records presence: 'offline' comes from the device or from its last will; None forgets the device."""
@@ -87,6 +94,28 @@ class LiveState(RoundObserver):
                 kind = str(rejection.kind)
                 self._counters.rejected_by_kind[kind] = self._counters.rejected_by_kind.get(kind, 0) + 1
 
+    def predictions_received(self, device_id: str, batch: PredictionBatch) -> None:
+        """Counts a device's predictions by the hour they arrived (devices beyond MAX_PREDICTING_DEVICES are only
+        counted in the total)."""
+        with self._lock:
+            self._counters.predictions_received += len(batch)
+            known = self._predictions.get(device_id)
+            if known is None and len(self._predictions) < MAX_PREDICTING_DEVICES:
+                known = self._predictions[device_id] = DevicePredictions()
+            if known is not None:
+                known.add(batch, time.time())
+
+    def predictions_refused(self, device_id: str) -> None:
+        """Counts a refused batch."""
+        with self._lock:
+            self._counters.predictions_refused += 1
+
+    def predictions(self) -> dict[str, dict]:
+        """Device id -> its predictions' summary (per hour, class mix, uncertain shares, drift), now."""
+        with self._lock:
+            now = time.time()
+            return {device: counts.summary(now) for device, counts in sorted(self._predictions.items())}
+
     def round_opened(self, round_id: int, needed: int) -> None:
         """The round now collecting updates and how many close it."""
         with self._lock:
@@ -103,13 +132,15 @@ class LiveState(RoundObserver):
             self._phase = "finished" if result.round_id >= self.total_rounds else "closed"
 
     def devices(self) -> dict[str, dict]:
-        """Device id -> presence and last answer, as plain data."""
+        """Device id -> presence, last answer and predictions' summary, as plain data."""
+        predictions = self.predictions()
         with self._lock:
-            ids = sorted(set(self._devices) | set(self._answers))
+            ids = sorted(set(self._devices) | set(self._answers) | set(predictions))
             return {
                 device: {
                     **asdict(self._devices.get(device, DevicePresence())),
                     "last_update": asdict(self._answers[device]) if device in self._answers else None,
+                    "predictions": predictions.get(device),
                 }
                 for device in ids
             }

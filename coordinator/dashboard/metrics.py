@@ -22,9 +22,61 @@ def metric(name: str, kind: str, help_text: str, samples: Sequence[tuple[str, fl
     ]
 
 
-def render_metrics(counters: Counters, devices_online: int, current_round: int, serving_version: int = 0) -> str:
-    """The /metrics body: rounds, updates by outcome (rejections by reason), devices online, aggregation, bytes,
-    the serving version."""
+def prediction_metrics(counters: Counters, predictions: dict[str, dict]) -> list[str]:
+    """The predictions' families: totals, and per device the last hour's count, the uncertain share, the drift flag
+    and the predicted class mix (over the hours the coordinator keeps)."""
+    per_device: dict[str, list[tuple[str, float]]] = {"per_hour": [], "uncertain": [], "drift": [], "mix": []}
+    for device, summary in predictions.items():
+        label = f'device="{escape_label(device)}"'
+        per_device["per_hour"].append((f"{{{label}}}", summary["per_hour"]))
+        if summary["uncertain_share"] is not None:
+            per_device["uncertain"].append((f"{{{label}}}", float(summary["uncertain_share"])))
+        per_device["drift"].append((f"{{{label}}}", int(summary["drift"])))
+        for name, fraction in summary["class_mix"].items():
+            per_device["mix"].append((f'{{{label},class="{escape_label(name)}"}}', float(fraction)))
+    return (
+        metric(
+            "fl_predictions_received_total",
+            "counter",
+            "Predictions received from devices.",
+            [("", counters.predictions_received)],
+        )
+        + metric(
+            "fl_prediction_batches_refused_total",
+            "counter",
+            "Prediction batches refused (undecodable, inconsistent, another device's).",
+            [("", counters.predictions_refused)],
+        )
+        + metric(
+            "fl_device_predictions_last_hour", "gauge", "A device's predictions this hour.", per_device["per_hour"]
+        )
+        + metric(
+            "fl_device_uncertain_share",
+            "gauge",
+            "A device's share of uncertain predictions (normalised entropy above 0.5) over the last 24 hours.",
+            per_device["uncertain"],
+        )
+        + metric(
+            "fl_device_prediction_drift",
+            "gauge",
+            "1 when a device's uncertain share this hour jumped 0.2 above its share in the hours before.",
+            per_device["drift"],
+        )
+        + metric("fl_device_predicted_class_share", "gauge", "A device's predicted class mix.", per_device["mix"])
+    )
+
+
+def render_metrics(
+    counters: Counters,
+    devices_online: int,
+    current_round: int,
+    *,
+    serving_version: int = 0,
+    predictions: dict[str, dict] | None = None,
+) -> str:
+    """The /metrics body: rounds, updates by outcome (rejections by reason), devices online, aggregation, bytes, the
+    serving version, and the devices' predictions once any came in (a fleet whose serving message does not ask for
+    them has none)."""
     rejected = [
         (f'{{reason="{escape_label(kind)}"}}', count) for kind, count in sorted(counters.rejected_by_kind.items())
     ]
@@ -58,6 +110,8 @@ def render_metrics(counters: Counters, devices_online: int, current_round: int, 
             [("", counters.bytes_received)],
         )
     )
+    if counters.predictions_received or counters.predictions_refused:
+        lines += prediction_metrics(counters, predictions or {})
     if counters.dp_epsilon is not None:
         lines += metric(
             "fl_dp_epsilon_spent",

@@ -228,7 +228,13 @@ class DashboardHandler(BaseHTTPRequestHandler):
         serving version."""
         live = self.server.live or LiveState(total_rounds=0)
         serving = serving_stack(self.server.snapshots.get().serving)[-1]
-        return render_metrics(live.counters(), live.online_count(), live.progress()["round"], serving)
+        return render_metrics(
+            live.counters(),
+            live.online_count(),
+            live.progress()["round"],
+            serving_version=serving,
+            predictions=live.predictions(),
+        )
 
     def send_json(self, status: HTTPStatus, body: dict, headers: dict[str, str] | None = None) -> None:
         """Sends body as strict JSON (non-finite numbers become null)."""

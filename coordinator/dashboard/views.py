@@ -238,7 +238,8 @@ def last_answer_from_store(accepted: list[DeviceRoundRecord], rejections: list[R
 
 def devices_view(snapshot: RunSnapshot, live: LiveState | None) -> list[dict]:
     """One row per device: presence, last seen, profile, rounds joined, labelled count and class histogram of its
-    latest accepted update, its latest local accuracy, and its last update's size and ack."""
+    latest accepted update, its latest local accuracy, its last update's size and ack, and its predictions (per
+    hour, class mix, uncertain share, drift; None when it has published none to this coordinator)."""
     present = live.devices() if live else {}
     accepted_by_device = grouped((r for r in snapshot.device_rounds if r.accepted), lambda r: r.device_id)
     rejections_by_device = grouped(snapshot.rejections, lambda rejection: rejection[1])
@@ -262,6 +263,7 @@ def devices_view(snapshot: RunSnapshot, live: LiveState | None) -> list[dict]:
                 "local_accuracy": latest.local_accuracy if latest else None,
                 "last_update": presence.get("last_update")
                 or last_answer_from_store(records, rejections_by_device.get(device, [])),
+                "predictions": presence.get("predictions"),
             }
         )
     return rows

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from coordinator.intake.validation import Rejection
 from protocol import messages
+from protocol.prediction_messages import PredictionBatch
 
 PEAK_RSS = "peak_rss_mb"  # a round's metrics key: device -> peak RSS (MB) from its last status
 
@@ -27,7 +28,8 @@ class RoundResult:
 
 
 class RoundObserver:
-    """Hears what the coordinator sees as it happens: device presence, answered updates, round boundaries.
+    """Hears what the coordinator sees as it happens: device presence, answered updates, round boundaries, the
+    devices' predictions.
 
     This base hears nothing; the dashboard's live state overrides it. Called from the coordinator's loop only.
     """
@@ -40,6 +42,12 @@ class RoundObserver:
 
     def round_opened(self, round_id: int, needed: int) -> None:
         """A round was announced; `needed` accepted updates close it early."""
+
+    def predictions_received(self, device_id: str, batch: PredictionBatch) -> None:
+        """A device's checked batch of predictions arrived (on its predictions topic)."""
+
+    def predictions_refused(self, device_id: str) -> None:
+        """A device's batch of predictions did not decode or check, and was dropped."""
 
     def round_closed(self, result: RoundResult) -> None:
         """A round was aggregated, evaluated and committed."""

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coordinator.intake.observer import RoundObserver, RoundResult
+from coordinator.intake.predictions import PredictionIntake
 from coordinator.intake.round_aggregator import RoundAggregator
 from coordinator.intake.scratch import TensorScratch
 from coordinator.intake.update_intake import RoundCollector, UpdateIntake
@@ -58,14 +59,19 @@ DeviceHandler = Callable[[str, IncomingMessage, OpenRound | None], None]
 
 
 def device_routes(
-    fleet: str, on_update: DeviceHandler, on_status: DeviceHandler, on_stage: DeviceHandler
+    fleet: str,
+    on_update: DeviceHandler,
+    on_status: DeviceHandler,
+    on_stage: DeviceHandler,
+    on_predictions: DeviceHandler,
 ) -> topics.Router[DeviceHandler]:
-    """What a coordinator takes from its fleet's devices, by topic: their updates, their status and their
-    secure-round stage messages."""
+    """What a coordinator takes from its fleet's devices, by topic: their updates, their status, their
+    secure-round stage messages and their predictions."""
     router: topics.Router[DeviceHandler] = topics.Router()
     router.add(topics.UPDATE.bind(fleet=fleet), on_update)
     router.add(topics.STATUS.bind(fleet=fleet), on_status)
     router.add(topics.SECAGG_UP.bind(fleet=fleet), on_stage)
+    router.add(topics.PREDICTIONS.bind(fleet=fleet), on_predictions)
     return router
 
 
@@ -96,10 +102,12 @@ class Coordinator:
         self.session = session
         self.rules = rules
         self.parts = parts
-        self.router = device_routes(fleet, self.on_update, self.on_status, self.on_stage)
+        self.predictions = PredictionIntake(parts.observer)
+        self.router = device_routes(fleet, self.on_update, self.on_status, self.on_stage, self.on_predictions)
 
     def start(self) -> None:
-        """Subscribes to every device's updates and status, and publishes the serving version."""
+        """Subscribes to every device's updates, status, stage messages and predictions, and publishes the serving
+        version."""
         for topic_filter in self.router.filters():
             self.session.subscribe(topic_filter)
         self.refresh_serving()
@@ -233,6 +241,10 @@ class Coordinator:
         """A device's status (a broken chunked status says nothing)."""
         if message.dropped is None:
             self.parts.presence.on_status(device_id, message.payload)
+
+    def on_predictions(self, device_id: str, message: IncomingMessage, opened: OpenRound | None) -> None:
+        """A device's batch of predictions (checked, then counted for the dashboard and /metrics)."""
+        self.predictions.on_predictions(device_id, message.payload, message.dropped)
 
     def on_stage(self, device_id: str, message: IncomingMessage, opened: OpenRound | None) -> None:
         """A device's stage message, for the open round's stages; held by the mode for the next round while no round

@@ -203,7 +203,8 @@ class SkippedFile:
 
 @dataclass(frozen=True)
 class FolderImages:
-    """A folder's images as model inputs: float32 (N, C, H, W), the file of each row, the files skipped and why."""
+    """A folder's images as model inputs, float32 (N, C, H, W), or as raw uint8 records (N, *record_shape), as a
+    device's pool keeps them; the file of each row, the files skipped and why."""
 
     images: np.ndarray
     files: list[str]
@@ -220,8 +221,9 @@ class FolderImages:
         }
 
 
-def read_image_folder(folder: Path, spec: InputSpec, limit: int | None = None) -> FolderImages:
-    """The first `limit` readable images of a folder (all without a limit), in relative-path order, as model inputs.
+def read_image_folder(folder: Path, spec: InputSpec, limit: int | None = None, raw: bool = False) -> FolderImages:
+    """The first `limit` readable images of a folder (all without a limit), in relative-path order, as model inputs
+    (`raw`: as the uint8 records a device's pool decodes, which the scorers scale a batch at a time).
 
     Broken, truncated, oversized and non-image files are skipped with their reason and never touched; the
     quarantine folder of a field device is not read. UsageError when no file at all is a readable image.
@@ -229,14 +231,16 @@ def read_image_folder(folder: Path, spec: InputSpec, limit: int | None = None) -
     if not folder.is_dir():
         raise UsageError(f"pool folder {folder} does not exist")
     found = folder_files(folder, {(folder / QUARANTINE_DIR).resolve()})
-    images = np.empty((len(found) if limit is None else min(limit, len(found)), *spec.shape), dtype=np.float32)
+    count = len(found) if limit is None else min(limit, len(found))
+    shape, dtype, decode = (spec.record_shape, np.uint8, decode_image) if raw else (spec.shape, np.float32, load_image)
+    images = np.empty((count, *shape), dtype=dtype)
     files: list[str] = []
     skipped: list[SkippedFile] = []
     for path, relative, _ in found:
         if len(files) == len(images):
             break
         try:
-            images[len(files)] = load_image(path, spec)
+            images[len(files)] = decode(path, spec)
         except UnreadableImageError as error:
             skipped.append(SkippedFile(relative, error.reason))
             continue

@@ -57,6 +57,11 @@ def add_field_arguments(run: argparse.ArgumentParser) -> None:
         help="score each new image on arrival with the recipe's sampler (MC dropout, the newest global model) and ask "
         "for it when its score passes the budget's threshold",
     )
+    field.add_argument(
+        "--repredict",
+        action="store_true",
+        help="a new serving model predicts every image the device holds again (default: only images not predicted yet)",
+    )
     field.add_argument("--labels-per-hour", type=float, default=30.0, help="--stream's labelling budget")
     field.add_argument(
         "--label-burst",
@@ -81,6 +86,7 @@ class FieldSettings:
     label_burst: float | None = None
     labelling: str = "device"
     query_image_side: int | None = None
+    repredict: bool = False
 
 
 def field_settings(args: argparse.Namespace) -> FieldSettings:
@@ -100,4 +106,5 @@ def field_settings(args: argparse.Namespace) -> FieldSettings:
         label_burst=args.label_burst,
         labelling=args.labelling,
         query_image_side=args.query_image_side,
+        repredict=args.repredict,
     )

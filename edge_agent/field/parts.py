@@ -11,21 +11,26 @@ import numpy as np
 from edge_agent.data.device_data import DeviceData
 from edge_agent.data.image_files import InputSpec
 from edge_agent.data.oracle import guesses_of
+from edge_agent.data.predictions_log import PREDICTIONS_FOLDER, PredictionLog
 from edge_agent.field.central import CentralLabelling
 from edge_agent.field.field_options import FieldSettings
 from edge_agent.field.folder_oracle import FolderOracle, QueryBook
-from edge_agent.field.folder_pool import open_folder_data
+from edge_agent.field.folder_pool import folder_pool_of, open_folder_data
 from edge_agent.field.label_ui import LabelServer, parse_listen_address
+from edge_agent.field.predicting import Known, PoolPredictions
 from edge_agent.field.stream import BudgetSettings, BudgetState, decide, default_burst, start_state
 from edge_agent.learning.head_learner import device_prefix
 from edge_agent.learning.learner import Learner
 from edge_agent.learning.learner_choice import make_learner
+from edge_agent.learning.predict import ServingModel
 from edge_agent.learning.sampling import Heuristic, make_sampler
 from edge_agent.loop.agent import LatestModel
 from edge_agent.loop.agent_settings import AgentSettings
-from edge_agent.loop.profile import DeviceProfile
+from edge_agent.loop.profile import DEFAULT_PREDICTIONS_LOG_MB, DeviceProfile
 from edge_agent.loop.round_inputs import RoundModels, mc_probabilities
+from protocol import messages
 from protocol.model_spec import DEFAULT_SPEC, load_model_spec
+from protocol.prediction_messages import PredictionBatch
 from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)
@@ -136,8 +141,8 @@ class PoolFeatures:
 
 class FieldWork:
     """Rescans the pool folder every scan_interval seconds, computes the features of what arrived (a head-only
-    device with a frozen backbone), with a stream scores it, and with the central queue sends its queries and
-    applies its answers."""
+    device with a frozen backbone), with a stream scores it, with the central queue sends its queries and applies its
+    answers, and predicts it with the serving model."""
 
     def __init__(
         self,
@@ -146,20 +151,26 @@ class FieldWork:
         stream: StreamAcquirer | None = None,
         features: PoolFeatures | None = None,
         central: CentralLabelling | None = None,
+        predictions: PoolPredictions | None = None,
     ) -> None:
         self.data = data
         self.scan_interval = scan_interval
         self.stream = stream
         self.features = features
         self.central = central
+        self.predictions = predictions
         self._next_scan = 0.0
 
-    def tick(self, latest: LatestModel | None, round_id: int) -> None:
+    def tick(self, latest: LatestModel | None, round_id: int, serving: ServingModel | None) -> PredictionBatch | None:
         """Scans the folder when the interval has passed; once a global model has arrived, takes the new items'
-        features into the cache and scores them."""
+        features into the cache and scores them; then predicts the next images not predicted under the serving
+        model yet (the recipe's MC-dropout passes), from the rows just cached, and returns them (None: none was)."""
         if time.monotonic() < self._next_scan:
-            return
+            return None
         self._next_scan = time.monotonic() + self.scan_interval
+        known = Known(latest.weights, latest.bundle) if latest is not None and latest.bundle is not None else None
+        if self.predictions is not None and serving is not None:
+            self.predictions.scorer(serving, known)  # opened before the scan's backbone pass, not above its memory
         self.data.refresh()
         if latest is not None and self.features is not None:
             self.features.take_in(latest)
@@ -167,6 +178,10 @@ class FieldWork:
             self.stream.score_new(latest, round_id)
         if self.central is not None:
             self.central.tick()
+        if self.predictions is None:
+            return None
+        passes = latest.recipe.mc_passes if latest is not None else messages.Recipe().mc_passes
+        return self.predictions.tick(serving, passes, known)
 
 
 @dataclass
@@ -204,5 +219,10 @@ def open_field(
     central = None
     if field.labelling == "central":
         central = CentralLabelling(settings.fleet, settings.device_id, oracle, field.query_image_side)
-    work = FieldWork(data, field.scan_interval, stream, features, central)
+    log_mb = profile.predictions_log_mb if profile else DEFAULT_PREDICTIONS_LOG_MB
+    predictions_log = PredictionLog(state_dir / PREDICTIONS_FOLDER, log_mb << 20)
+    predictions = PoolPredictions(
+        data, folder_pool_of(data), settings, predictions_log, tuple(spec.class_names), field.repredict
+    )
+    work = FieldWork(data, field.scan_interval, stream, features, central, predictions)
     return FieldParts(data, oracle, work, server, central)

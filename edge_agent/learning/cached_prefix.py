@@ -75,6 +75,10 @@ class CachedPrefix:
         """Computes the prefix outputs of the samples not cached yet (their images are read only then)."""
         self.cache.fill(samples.indices, samples.digests(), lambda indices: self.extract(samples.read(indices)))
 
+    def close(self) -> None:
+        """Lets the prefix session go (about 47 MB for EfficientNet-Lite0); it opens again when a row is missing."""
+        self._prefix = None
+
     def extract(self, images: np.ndarray) -> np.ndarray:
         """The prefix's flattened outputs of raw uint8 images (the backbone pass the cache saves)."""
         if self._prefix is None:

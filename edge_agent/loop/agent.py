@@ -10,18 +10,21 @@ from typing import Protocol
 from edge_agent.data.device_data import DeviceData
 from edge_agent.data.oracle import Oracle
 from edge_agent.learning.bundle import Bundle
+from edge_agent.learning.predict import ServingModel
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.artefacts import BUNDLES_FOLDER, RoundArtefacts
 from edge_agent.loop.backbone_store import BACKBONE_FOLDER
 from edge_agent.loop.footprint import PhaseMeter
 from edge_agent.loop.inbound import device_router, handle_inbound
 from edge_agent.loop.outbox import OUTBOX_FOLDER, UpdateSender
+from edge_agent.loop.prediction_publisher import PredictionPublisher
 from edge_agent.loop.round_runner import RoundRunner
 from edge_agent.loop.secure_rounds import SecureRounds
 from edge_agent.loop.serving import ServingSlot
 from protocol import messages, topics, wire
 from protocol.model_spec import ModelSpec
 from protocol.mqtt import IncomingMessage, LastWill, MqttSession, PayloadTooLargeError
+from protocol.prediction_messages import PredictionBatch
 from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)
@@ -84,10 +87,11 @@ class UpdateHold:
 
 
 class BackgroundWork(Protocol):
-    """Work the main loop does between messages (a field device's folder scans and stream scoring)."""
+    """Work the main loop does between messages (a field device's folder scans, stream scoring and predictions)."""
 
-    def tick(self, latest: LatestModel | None, round_id: int) -> None:
-        """Called every loop turn with the newest global model (None before the first) and the round worked toward."""
+    def tick(self, latest: LatestModel | None, round_id: int, serving: ServingModel | None) -> PredictionBatch | None:
+        """Called every loop turn with the newest global model (None before the first), the round worked toward and
+        the serving model (None before one serves); returns the predictions it made (None: none)."""
 
 
 def last_will(settings: AgentSettings) -> LastWill:
@@ -150,6 +154,7 @@ class Agent:
         self._recipe: messages.Recipe | None = None
         self.hold = UpdateHold(settings.slowdown)
         self.secure = SecureRounds(settings.fleet, settings.device_id, session, data.state_dir, data.journal)
+        self.predictions = PredictionPublisher(settings.fleet, settings.device_id, session)
         self.router = agent_router(self)
 
     @property
@@ -194,7 +199,10 @@ class Agent:
         self.sender.resend_due()
         self.release_held()
         if self.background is not None:
-            self.background.tick(self.latest_model(), self.last_finished_round + 1)
+            serving = self.serving.current()
+            made = self.background.tick(self.latest_model(), self.last_finished_round + 1, serving)
+            if made is not None and serving is not None and serving.publish_predictions:
+                self.predictions.publish(made)
         self.maybe_run_round()
         return False
 

@@ -14,6 +14,7 @@ from protocol.errors import UsageError
 
 BACKENDS = ("torch", "onnxruntime")
 TRAINERS = (FULL_MODEL, CLASSIFIER_ONLY)
+DEFAULT_PREDICTIONS_LOG_MB = 64
 
 
 class ProfileError(UsageError):
@@ -45,6 +46,7 @@ class DeviceProfile:
     storage_path: str
     mqtt: MqttProfile
     trainer: str = "full"
+    predictions_log_mb: int = DEFAULT_PREDICTIONS_LOG_MB  # the predictions log's bound on disk (rotated segments)
 
 
 def _type_name(expected: Any) -> str:
@@ -96,7 +98,14 @@ def _check_values(profile: DeviceProfile, where: str) -> None:
     """Ranges and choices the types alone do not express."""
     if profile.backend not in BACKENDS:
         raise ProfileError(f"{where}: key 'backend': expected one of {', '.join(BACKENDS)}, got {profile.backend!r}")
-    for key in ("threads", "inference_batch", "mc_passes_cap", "memory_budget_mb", "pool_size_cap"):
+    for key in (
+        "threads",
+        "inference_batch",
+        "mc_passes_cap",
+        "memory_budget_mb",
+        "pool_size_cap",
+        "predictions_log_mb",
+    ):
         if getattr(profile, key) < 1:
             raise ProfileError(f"{where}: key {key!r}: expected a positive integer, got {getattr(profile, key)}")
     if profile.trainer not in TRAINERS:

@@ -55,6 +55,19 @@ function histogram(counts) {
   return chart;
 }
 
+function drawPredictions(row, predictions) {
+  if (!predictions) {
+    for (let column = 0; column < 3; column++) cell(row, "-");
+    return;
+  }
+  cell(row, String(predictions.per_hour));
+  const mix = Object.entries(predictions.class_mix).slice(0, 3);
+  cell(row, mix.length ? mix.map(([name, share]) => `${name} ${(100 * share).toFixed(0)}%`).join(", ") : "-");
+  const uncertain = predictions.uncertain_share === null ? "-" : `${(100 * predictions.uncertain_share).toFixed(0)}%`;
+  if (predictions.drift) cell(row, `${uncertain}, drift: uncertain share jumped`, "rejected");
+  else cell(row, uncertain);
+}
+
 function drawDevices(devices) {
   const body = document.querySelector("#devices tbody");
   body.replaceChildren();
@@ -74,6 +87,7 @@ function drawDevices(devices) {
     if (!update) cell(row, "-");
     else if (update.accepted) cell(row, "accepted", "accepted");
     else cell(row, "rejected: " + update.reason, "rejected");
+    drawPredictions(row, device.predictions);
     body.appendChild(row);
   }
 }
