@@ -22,7 +22,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.simulate import BenchSettings, DeviceLaunch, spawn_agent, write_shards  # noqa: E402
 from coordinator.fleet.broker import EmbeddedBroker  # noqa: E402
-from coordinator.server import InitSettings, ServerSettings, load_server_data  # noqa: E402
+from coordinator.setup.server_data import load_server_data  # noqa: E402
+from coordinator.setup.settings import InitSettings, ServerSettings  # noqa: E402
 from edge_agent.learning.models import build_model, get_weights  # noqa: E402
 from edge_agent.loop.profile import load_profile  # noqa: E402
 from export.bundle_writer import ensure_bundle_files  # noqa: E402

@@ -36,7 +36,7 @@ from bench.shard import Shard, load_shard
 from bench.simulate import BenchSettings, simulate
 from coordinator.intake.observer import RoundResult
 from coordinator.rounds.rules import RoundPolicy
-from coordinator.server import InitSettings, ServerSettings
+from coordinator.setup.settings import InitSettings, ServerSettings
 from edge_agent.data.device_data import LABELS_FILE
 from edge_agent.data.labelled_record import LabelledRecord
 from edge_agent.learning.lr_schedules import LR_SCHEDULES
