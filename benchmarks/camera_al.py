@@ -60,14 +60,15 @@ from camera_al_fleet import (
     mixed_features,
     progress,
 )
-from camera_al_stats import TABLE_HEAD, intervals, table
-from label_efficiency import plot, sampler_and_options, summarise
+from camera_al_stats import TABLE_HEAD, figures, intervals, table
+from curves import sampler_and_options, summarise
 
 from bench.camera_scenes import parse_classes
 from coordinator.strategies.aggregate import ClientUpdate
 from coordinator.strategies.registry import make_strategy
 from edge_agent.learning.efficientnet import FEATURES, EfficientNetLite0
 from edge_agent.learning.head_training import HeadSettings, softmax, train_classifier
+from edge_agent.learning.local_rules import KeptLabels
 from edge_agent.learning.mc_scorer import DropoutSpec, mc_probabilities
 from edge_agent.learning.ort_scorer import DEFAULT_BATCH, TAIL_ROWS
 from edge_agent.learning.pretrained_backbone import initial_model
@@ -92,6 +93,7 @@ HEAD_EPOCHS = (
     20  # local epochs: with 10-100 labels a device takes 1-4 SGD steps an epoch; 5 epochs leave the head unfit
 )
 SELECTION_ROWS = 10000
+KEPT_LABELS = KeptLabels()
 
 
 class Head:
@@ -136,9 +138,11 @@ class Head:
         predicted = np.argmax(features @ self.weight.T + self.bias, axis=1)
         return [np.bincount(predicted[labels == c], minlength=self.classes).tolist() for c in range(self.classes)]
 
-    def trained(self, features: np.ndarray, labels: np.ndarray, settings: HeadSettings) -> Head:
-        """A new head: train_classifier from this one."""
-        weight, bias, _ = train_classifier(features, labels, self.weight, self.bias, settings)
+    def trained(
+        self, features: np.ndarray, labels: np.ndarray, settings: HeadSettings, logit_bias: np.ndarray | None = None
+    ) -> Head:
+        """A new head: train_classifier from this one (on the logit-adjusted loss when a logit_bias is given)."""
+        weight, bias, _ = train_classifier(features, labels, self.weight, self.bias, settings, logit_bias)
         return Head(weight, bias)
 
     def weights(self) -> dict[str, np.ndarray]:
@@ -247,14 +251,15 @@ def head_settings(epochs: int, dropout: float, seed: int) -> HeadSettings:
 
 
 def federated_round(devices: list[Device], sampler: str, head: Head, args: argparse.Namespace, step: int) -> Head:
-    """Every device acquires and trains from the global head on all it holds (the recipe's epochs, at least
-    --min-steps SGD steps); FedAvg by labelled-sample count."""
+    """Every device acquires and trains from the global head on all it holds (kept-labels: the recipe's epochs, at
+    least --min-steps SGD steps, the loss adjusted by --logit-adjustment); FedAvg by labelled-sample count."""
     updates = []
     for number, device in enumerate(devices):
         acquire(device, sampler, head, args.labels, args.passes, step + number)
         features, labels = device.training_set()
         epochs = local_epochs(args.epochs, args.min_steps, len(labels), RECIPE.batch_size)
-        trained = head.trained(features, labels, head_settings(epochs, DROPOUT, step + number))
+        logit_bias = KEPT_LABELS.logit_bias(labels, head.classes, args.rule_recipe)
+        trained = head.trained(features, labels, head_settings(epochs, DROPOUT, step + number), logit_bias)
         updates.append(ClientUpdate(f"cam-{number}", trained.weights(), float(len(labels))))
     weights, _ = make_strategy("fedavg").aggregate(head.weights(), updates, None)
     return Head(*(weights[name] for name in HEAD))
@@ -362,6 +367,9 @@ def parse_args() -> argparse.Namespace:
     for flag, default in (*sizes, ("epochs", HEAD_EPOCHS), ("passes", RECIPE.mc_passes), ("size", 96)):
         parser.add_argument(f"--{flag}", type=int, default=default)
     parser.add_argument("--min-steps", type=int, default=0, help="local SGD steps a device takes at least a round")
+    parser.add_argument(
+        "--logit-adjustment", type=float, default=0.0, help="kept-labels' tau on the devices (-inf for absent classes)"
+    )
     mix = parser.add_mutually_exclusive_group()
     mix.add_argument("--imbalance", type=float, default=1.0, help="commonest : rarest class in a pool (1: balanced)")
     mix.add_argument("--long-tail", type=float, help="pools whose class of rank r holds a share ~ r^-ALPHA")
@@ -370,11 +378,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--work", type=Path, default=Path("runs") / "camera-al", help="the feature cache's folder")
     parser.add_argument("--figures", type=Path, help="write curves.png, default_vs_random.png and table.md here")
     parser.add_argument("--setting", help="the setting's name in the table (default: from the mix and size)")
+    parser.add_argument(
+        "--features-only", action="store_true", help="render and embed the fleet into --work, then stop"
+    )
     args = parser.parse_args()
     if not args.imbalance >= 1:
         parser.error(f"--imbalance is the commonest class's count over the rarest's, at least 1; got {args.imbalance}")
     if args.long_tail is not None and not args.long_tail > 0:
         parser.error(f"--long-tail is the power law's exponent, above 0; got {args.long_tail}")
+    args.rule_recipe = messages.Recipe(options={"logit_adjustment": args.logit_adjustment})
     for spelling in args.samplers:
         try:
             recipe_options(spelling, args.labels)
@@ -459,9 +471,12 @@ def main() -> None:
     """Features once (cached), every sampler and seed, the summary, intervals and must-holds as one JSON object."""
     args = parse_args()
     shape = FleetShape(args.devices, args.per_class, args.test_per_class, args.size, classes=args.classes)
-    timing = {f"{size}px_ms_per_image": extraction_ms(size) for size in (96, 160)}
     mix = mix_of(args)
     fleet, extraction = mixed_features(shape, mix, args.work)
+    if args.features_only:
+        print(json.dumps({"fleet": {**asdict(shape), "mix": asdict(mix)}, "extraction": extraction}))
+        return
+    timing = {f"{size}px_ms_per_image": extraction_ms(size) for size in (96, 160)}
     selection = selection_seconds(fleet, args)
     progress(f"selection over {SELECTION_ROWS} cached rows: {selection}")
     runs, ceilings = sweep(fleet, args)
@@ -469,11 +484,13 @@ def main() -> None:
     rows = table(setting_name(args), summary, found)
     if args.figures:
         args.figures.mkdir(parents=True, exist_ok=True)
-        plot(summary, args.figures / "curves.png")
-        focus = {key: summary["federated"][key] for key in ("random", CAMERA_DEFAULT) if key in summary["federated"]}
-        plot({"federated: the camera default and random": focus}, args.figures / "default_vs_random.png")
         (args.figures / "table.md").write_text(f"{TABLE_HEAD}\n{rows}\n")
-    settings = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
+        figures(summary, args.figures, CAMERA_DEFAULT)
+    settings = {
+        key: (str(value) if isinstance(value, Path) else value)
+        for key, value in vars(args).items()
+        if key != "rule_recipe"
+    }
     result = {
         "fleet": {**asdict(shape), "mix": asdict(mix)},
         "settings": {**settings, "classes": [[scene.name, scene.source] for scene in args.classes]},

@@ -3,14 +3,23 @@
 round): the paired 90% t-intervals of a sampler's AULC gain over random and of the share of random's labels it needs
 to reach random's final accuracy (per seed: the same W0, cold start and fleet), the federated curve's gap to the
 centralised probe on the same labels, and the markdown table the docs quote.
+
+Usage: python benchmarks/camera_al_stats.py OUT/*/camera_al.json [--figures]
+  prints one markdown table over the settings and each setting's must-hold checks; --figures draws curves.png and
+  default_vs_random.png beside each JSON (for JSON written where matplotlib was missing)
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+from curves import plot
 
 T_95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812}
 """The t distribution's 0.95 quantile by degrees of freedom (a two-sided 90% interval); 1.645 beyond 10 is within
@@ -125,3 +134,35 @@ TABLE_HEAD = (
     "90% CI) | rounds 1 / 2 / 3 | final | worst mean gap to the probe (points) |\n"
     "| --- | --- | --- | --- | --- | --- | --- | --- |"
 )
+
+
+def figures(summary: dict[str, Any], folder: Path, default: str) -> None:
+    """curves.png (every sampler, federated and centralised) and default_vs_random.png in the folder; where
+    matplotlib is missing (a lent accelerator), one line on stderr and no figures (`--figures` draws them later)."""
+    try:
+        plot(summary, folder / "curves.png")
+    except ImportError:
+        print("no matplotlib here: no figures (camera_al_stats.py --figures draws them)", file=sys.stderr, flush=True)
+        return
+    focus = {key: summary["federated"][key] for key in ("random", default) if key in summary["federated"]}
+    plot({"federated: the camera default and random": focus}, folder / "default_vs_random.png")
+
+
+def main() -> None:
+    """The settings' table rows under one head, then each setting's must-hold checks; figures on request."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="+", type=Path, help="camera_al.py's JSON, one per setting")
+    parser.add_argument("--figures", action="store_true", help="draw each JSON's figures beside it")
+    args = parser.parse_args()
+    rows, checks = [], []
+    for path in args.results:
+        result = json.loads(path.read_text())
+        rows.append(result["table"].split("\n", 2)[2])
+        checks.append(f"- `{path}`: {json.dumps(result['must_hold'])}")
+        if args.figures and result["must_hold"]:
+            figures(result["summary"], path.parent, result["must_hold"]["sampler"])
+    print("\n".join([TABLE_HEAD, *rows, "", *checks]))
+
+
+if __name__ == "__main__":
+    main()
