@@ -368,7 +368,7 @@ def parse_args() -> argparse.Namespace:
         parser.add_argument(f"--{flag}", type=int, default=default)
     parser.add_argument("--min-steps", type=int, default=0, help="local SGD steps a device takes at least a round")
     parser.add_argument(
-        "--logit-adjustment", type=float, default=0.0, help="kept-labels' tau on the devices (-inf for absent classes)"
+        "--logit-adjustment", type=float, default=1.0, help="kept-labels' tau on the devices (the camera path's 1)"
     )
     mix = parser.add_mutually_exclusive_group()
     mix.add_argument("--imbalance", type=float, default=1.0, help="commonest : rarest class in a pool (1: balanced)")

@@ -440,7 +440,7 @@ class TypicalitySampler(Sampler):
 FIRST_LABELS = Option(
     "first_labels",
     int,
-    30,
+    10,
     "phased samplers: below this many human labels on a device the first sampler chooses, the second after",
     low=0.0,
 )
