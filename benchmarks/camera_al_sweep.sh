@@ -3,7 +3,7 @@
 # Usage: bash benchmarks/camera_al_sweep.sh OUT [JOBS] [SEEDS...]   (CAMERA_AL_EXTRA="--per-class 20 --rounds 3": a smoke run)
 #   (on a lent machine: bash benchmarks/device_carry.sh here, then bash benchmarks/on_device.sh bash benchmarks/camera_al_sweep.sh OUT there)
 # Settings: balanced 96 px, imbalanced 20:1 at 96 and 160 px, a long tail (share ~ rank^-1.5) at 96 px. The fleets are rendered
-# and embedded first (on the GPU when torch sees one), two at a time, cached in OUT/work; then the four settings run side by
+# and embedded first (on the GPU when torch sees one), the 160 px ones beside the 96 px ones, cached in OUT/work; then the four settings run side by
 # side, JOBS processes in all (default: every core), each on one thread; then OUT/table.md gathers the settings' rows and checks.
 set -euo pipefail
 out=$(realpath -m "${1:?usage: camera_al_sweep.sh OUT [JOBS] [SEEDS...]}")
@@ -26,13 +26,12 @@ features() {
 }
 started=$(date +%s)
 for name in "${!flags[@]}"; do mkdir -p "$out/$name"; : >"$out/$name.log"; done
-both() {  # two settings' features side by side; either failing stops the sweep
-  features "$1" & local first=$!
-  features "$2" & local second=$!
-  wait "$first" && wait "$second"
-}
-both balanced-96 imbalanced20-160
-both imbalanced20-96 longtail-96
+features imbalanced20-160 & big=$!  # renders and embeds the balanced 160 px fleet first, then its new scenes
+features balanced-96
+features imbalanced20-96 & small=$!  # both read the balanced 96 px fleet's cache
+features longtail-96
+wait "$small"
+wait "$big"
 echo "features: $(($(date +%s) - started)) s" >&2
 share=$(((jobs + 3) / 4))
 pids=()
