@@ -28,7 +28,7 @@ Reported per sampler (over the seeds; label_efficiency's summary):
   final_class_recall   per class, the federated head's final test accuracy on that class's scenes (mean over seeds)
   ceiling_class_recall, ceiling_confusion   the same, and the confusion matrix, of the all-labels probe per seed
   selection_seconds    one acquisition of the camera default over 10000 cached rows (resampled from the pools),
-            in its TypiClust phase and its margin phase, MC-dropout passes included
+            holding 0 labels (its TypiClust phase), 20 and 40 (its margin phase), MC-dropout passes included
   table     the markdown rows docs/benchmarks/camera_al_sweep quotes (also table.md beside the figures)
 
 Usage: python benchmarks/camera_al.py [--seeds 0 1 2 3 4] [--samplers random margin ...] [--devices 4]
@@ -437,7 +437,7 @@ def sweep(fleet: dict[str, np.ndarray], args: argparse.Namespace) -> tuple[list[
 def selection_seconds(fleet: dict[str, np.ndarray], args: argparse.Namespace) -> dict[str, Any]:
     """One acquisition of 10 by the camera default over 10000 cached rows (drawn from the pools with replacement,
     float16 as the feature cache stores them, read as float32), with a fresh head's 10 MC-dropout passes: in its
-    TypiClust phase (no labels yet, and with 20) and its margin phase (40 labels)."""
+    TypiClust phase (no labels yet) and in its margin phase (20 and 40 labels, first_labels being 10)."""
     rng = np.random.default_rng(0)
     rows = np.concatenate([fleet[f"features_{n}"] for n in range(args.devices)])
     truth = np.concatenate([fleet[f"labels_{n}"] for n in range(args.devices)])
