@@ -9,13 +9,13 @@ every device scores its pool with the round's global head (the devices' MC-dropo
 features), asks the sampler (SAMPLERS, through Sampler.choose: a sampler that needs the head draws uniformly until a
 device holds --labels labels, the cold start; one whose first choice needs no model, TypiClust first, chooses from
 the first label), trains the head from the global one on every label it holds (head_training.train_classifier, the
-recipe's SGD, --epochs 20, and at least --min-steps SGD steps, a cold-start trial), and the coordinator's FedAvg
-averages the heads by labelled-sample count. In the same run, per round:
-a centralised logistic regression (the same train_classifier, from zero, no dropout) on the same pooled labels and
-features; per seed, the all-labels ceiling (every pool label pooled). A sampler may carry recipe options after a
+recipe's SGD, --epochs 20, and at least --min-steps SGD steps, a cold-start trial; kept-labels' logit adjustment
+--logit-adjustment 1, the camera path's), and the coordinator's FedAvg averages the heads by labelled-sample count.
+In the same run, per round: a centralised logistic regression (the same train_classifier, from zero, no dropout) on
+the same pooled labels and features; per seed, the all-labels ceiling (every pool label pooled). A sampler may carry recipe options after a
 colon (NAME:key=value,...), each spelling its own curve. --jobs runs seeds and samplers in that many processes.
 
-Reported per sampler (over the seeds; label_efficiency's summary):
+Reported per sampler (over the seeds; the summary of curves.py):
   aulc      area under the learning curve: the mean test accuracy over the rounds; each round adds the same
             number of labels, so it is the area under accuracy against labels divided by the label range
   labels_to_random_final   the first label count at which the sampler's mean curve reaches random's mean final
@@ -33,8 +33,9 @@ Reported per sampler (over the seeds; label_efficiency's summary):
 
 Usage: python benchmarks/camera_al.py [--seeds 0 1 2 3 4] [--samplers random margin ...] [--devices 4]
        [--per-class 150] [--test-per-class 100] [--rounds 10] [--labels 10] [--epochs 20] [--min-steps 0]
-       [--size 96] [--imbalance R | --long-tail ALPHA] [--classes NAME=SOURCE,...] [--jobs N] [--work DIR]
-       [--figures DIR]   (JSON on stdout, progress on stderr)
+       [--logit-adjustment 1] [--size 96] [--imbalance R | --long-tail ALPHA] [--classes NAME=SOURCE,...]
+       [--jobs N] [--work DIR] [--figures DIR] [--setting NAME] [--features-only]
+       (JSON on stdout, progress on stderr; camera_al_sweep.sh runs the must-hold settings)
 """
 
 from __future__ import annotations
