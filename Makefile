@@ -11,9 +11,10 @@ demo: install
 		--mc-passes 10 --init-samples 100 --pool-size 12000 --seed 0
 
 # A camera fleet end to end: 4 devices of rendered scenes, EfficientNet-Lite0 (ImageNet, head-only) on the Pi Zero 2 W
-# profile, the bench's people answering label queries, 5 rounds of 20 labels; prints the curve and the report's path.
+# profile, the bench's people answering label queries, 5 rounds of 20 labels, the camera path's sampler (the guide's
+# typical-then-balanced-margin); prints the curve and the report's path.
 camera-demo: install
-	$(PYTHON) benchmarks/camera_bench.py --backbones efficientnet-lite0 --samplers margin --seeds 0 \
+	$(PYTHON) benchmarks/camera_bench.py --backbones efficientnet-lite0 --samplers typical-then-balanced-margin --seeds 0 \
 		--out runs/camera-demo-$$(date +%Y%m%d-%H%M%S)
 
 # Two workers on the 2-core machine (most integration tests wait on processes and deadlines), then the tests that
