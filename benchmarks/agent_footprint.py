@@ -67,15 +67,20 @@ class Announcer:
 
     def wait_idle_after(self, round_id: int, timeout: float) -> messages.Status:
         """The device's status once it reports round `round_id` done."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            message = self.session.next_message(timeout=0.5)
-            if message is None or not message.payload:
-                continue
-            status = wire.decode(message.payload, messages.Status)
-            if status.state == "idle" and status.round_id >= round_id:
-                return status
-        raise TimeoutError(f"the device did not finish round {round_id} within {timeout:.0f}s")
+        return idle_after(self.session, round_id, timeout)
+
+
+def idle_after(session: MqttSession, round_id: int, timeout: float) -> messages.Status:
+    """The status a device retains once it reports round `round_id` done, read from `session` (subscribed to it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        message = session.next_message(timeout=0.5)
+        if message is None or not message.payload:
+            continue
+        status = wire.decode(message.payload, messages.Status)
+        if status.state == "idle" and status.round_id >= round_id:
+            return status
+    raise TimeoutError(f"the device did not finish round {round_id} within {timeout:.0f}s")
 
 
 def footprint_lines(log_file: Path) -> list[dict[str, float]]:
