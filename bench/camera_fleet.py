@@ -235,7 +235,8 @@ class PeopleAtThePage(BenchPeople):
     """One person at the fleet's labelling page (the coordinator's dashboard at `url`, `/label`): through the page's
     own HTTP API and with the dashboard's token, as the page's script in a browser calls it, they take the next
     query, look at its image, answer its scene's class (or skip an image they do not know), until none is open.
-    Each poll also keeps the coordinator's device table (`/api/devices`: the predictions devices published)."""
+    Each poll also keeps the coordinator's device table (`/api/devices`: the predictions devices published), and
+    the last refusal it met (for a run that went wrong: a wrong token's 401 would otherwise only show as no labels)."""
 
     def __init__(self, fleet_dir: Path, devices: int, class_names: tuple[str, ...], url: str, token: str):
         super().__init__()
@@ -243,6 +244,7 @@ class PeopleAtThePage(BenchPeople):
         self.url, self.token = url.rstrip("/"), token
         self.person = "bench-person"
         self.devices: list[dict[str, Any]] = []
+        self.last_refusal = ""
 
     def call(self, path: str, body: dict[str, Any] | None = None) -> bytes:
         """One request to the dashboard with the token (a POST with a JSON body); its reply's bytes. urllib's
@@ -269,8 +271,8 @@ class PeopleAtThePage(BenchPeople):
                 shown = json.loads(self.call(path, form if label is None else {**form, "label": label}))["query"]
                 answered += 0 if label is None else 1
         # urllib.error.URLError and HTTPError are OSErrors: the page refused or is not there; the next pass asks again
-        except OSError:
-            pass
+        except OSError as refused:
+            self.last_refusal = str(refused)[:200]
         return answered
 
 

@@ -93,7 +93,7 @@ def test_the_field_loop_labels_through_the_page_and_serves_a_version(tmp_path: P
     codes = run_camera_site(site, timeout=300, people=people)
     out = (tmp_path / "coordinator.out").read_text()
     assert codes == [0] * (devices + 1), out + (tmp_path / "coordinator.log").read_text()[-3000:]
-    assert people.answered == devices * 5 * ROUNDS
+    assert people.answered == devices * 5 * ROUNDS, people.last_refusal
     with RunStore(site.run_dir, read_only=True) as store:
         decisions = [event for event in store.serving.events() if event.who == "gate"]
         assert [event.round_id for event in decisions] == list(range(1, ROUNDS + 1))
