@@ -1,4 +1,4 @@
-# The guide docs/first-camera-fleet.md, run as written (and with the field loop's flags): its commands on a generated fleet.
+# The guide docs/first-camera-fleet.md run as written (and with the field loop's flags) on a generated fleet.
 from __future__ import annotations
 
 import re
