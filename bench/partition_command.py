@@ -6,7 +6,8 @@ from pathlib import Path
 
 from bench.bench_options import add_bench_options, bench_settings
 from bench.simulate import write_shards
-from coordinator.server import InitSettings, ServerSettings, load_server_data
+from coordinator.setup.server_data import load_server_data
+from coordinator.setup.settings import InitSettings, ServerSettings
 
 
 def add_arguments(partition: argparse.ArgumentParser) -> None:

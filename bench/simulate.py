@@ -21,7 +21,9 @@ from bench.shard import Shard, save_shard
 from coordinator.fleet.broker import embedded_broker, embedded_packet_limit
 from coordinator.fleet.provision import SecureFleet, device_names, load_secure_fleet, provision
 from coordinator.intake.observer import RoundObserver, RoundResult
-from coordinator.server import ServerData, ServerSettings, load_server_data, run_server
+from coordinator.server import run_server
+from coordinator.setup.server_data import ServerData, load_server_data
+from coordinator.setup.settings import ServerSettings
 from protocol.errors import UsageError
 from protocol.mqtt import BrokerAddress
 

@@ -22,7 +22,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.simulate import BenchSettings, DeviceLaunch, spawn_agent, write_shards  # noqa: E402
 from coordinator.fleet.broker import EmbeddedBroker  # noqa: E402
-from coordinator.server import InitSettings, ServerSettings, load_server_data  # noqa: E402
+from coordinator.setup.server_data import load_server_data  # noqa: E402
+from coordinator.setup.settings import InitSettings, ServerSettings  # noqa: E402
 from edge_agent.learning.models import build_model, get_weights  # noqa: E402
 from edge_agent.loop.profile import load_profile  # noqa: E402
 from export.bundle_writer import ensure_bundle_files  # noqa: E402
@@ -66,15 +67,20 @@ class Announcer:
 
     def wait_idle_after(self, round_id: int, timeout: float) -> messages.Status:
         """The device's status once it reports round `round_id` done."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            message = self.session.next_message(timeout=0.5)
-            if message is None or not message.payload:
-                continue
-            status = wire.decode(message.payload, messages.Status)
-            if status.state == "idle" and status.round_id >= round_id:
-                return status
-        raise TimeoutError(f"the device did not finish round {round_id} within {timeout:.0f}s")
+        return idle_after(self.session, round_id, timeout)
+
+
+def idle_after(session: MqttSession, round_id: int, timeout: float) -> messages.Status:
+    """The status a device retains once it reports round `round_id` done, read from `session` (subscribed to it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        message = session.next_message(timeout=0.5)
+        if message is None or not message.payload:
+            continue
+        status = wire.decode(message.payload, messages.Status)
+        if status.state == "idle" and status.round_id >= round_id:
+            return status
+    raise TimeoutError(f"the device did not finish round {round_id} within {timeout:.0f}s")
 
 
 def footprint_lines(log_file: Path) -> list[dict[str, float]]:

@@ -29,7 +29,7 @@ import numpy as np
 from bench.simulate import BenchSettings, simulate, slow_devices
 from coordinator.asynchronous.intake import AsyncPolicy
 from coordinator.rounds.rules import RoundPolicy
-from coordinator.server import InitSettings, ServerSettings
+from coordinator.setup.settings import InitSettings, ServerSettings
 from coordinator.storage.store import RunStore
 from protocol import messages
 

@@ -1,11 +1,13 @@
 # The camera_al benchmark's fleets: balanced or class-imbalanced pools of rendered scenes, embedded once and cached.
-"""A camera fleet for benchmarks/camera_al.py: Fashion-MNIST's ten classes rendered by bench.camera_scenes as RGB
-JPEG scenes, every device's pool and a separate balanced test set, embedded once by the zoo's EfficientNet-Lite0 with
-ImageNet weights (pixels / 255, 1280 pooled features) and cached under the work folder, keyed by the fleet and the
+"""A camera fleet for benchmarks/camera_al.py: Fashion-MNIST's ten classes (or a class list of the fleet's own,
+NAME=SOURCE as bench camera_fleet takes it) rendered by bench.camera_scenes as RGB JPEG scenes, every device's pool
+and a separate balanced test set, embedded once by the zoo's EfficientNet-Lite0 with ImageNet weights (pixels / 255,
+1280 pooled features; on the GPU when torch sees one) and cached under the work folder, keyed by the fleet and the
 spec's hash.
 
-The balanced fleet holds per_class scenes of every class on each device. The class-imbalanced fleet keeps the pool's
-size (per_class x 10 per device) with class frequencies falling geometrically by a ratio (commonest : rarest) in an
+The balanced fleet holds per_class scenes of every class on each device. A class-imbalanced fleet keeps the pool's
+size (per_class x C per device) with class frequencies falling from the commonest class to the rarest, geometrically
+by a ratio (commonest : rarest) or as a power law of the class's rank (a long tail: share ~ rank^-alpha), in an
 order of commonness drawn with the fleet's seed: it keeps the balanced fleet's scenes where a class needs no more,
 and renders new scenes of Fashion-MNIST items the balanced fleet does not show for the common classes, so only
 those are embedded anew. Its test set is the balanced fleet's.
@@ -42,8 +44,9 @@ def progress(text: str) -> None:
     print(f"[camera_al {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
-def lite0_spec(size: int) -> ModelSpec:
-    """The pretrained spec the fleet runs: EfficientNet-Lite0, ImageNet weights, head-only, ten classes."""
+def lite0_spec(size: int, classes: tuple[SceneClass, ...] = TEN_CLASSES) -> ModelSpec:
+    """The pretrained spec the fleet runs: EfficientNet-Lite0, ImageNet weights, head-only, on the fleet's classes
+    (the ten by default; the backbone, and so the cached features, are the same for any)."""
     return ModelSpec(
         architecture="efficientnet-lite0",
         channels=3,
@@ -51,7 +54,7 @@ def lite0_spec(size: int) -> ModelSpec:
         width=size,
         mean=[0.5] * 3,
         std=[0.5] * 3,
-        class_names=[scene.name for scene in TEN_CLASSES],
+        class_names=[scene.name for scene in classes],
         trainable="head",
         pretrained="imagenet",
     )
@@ -59,24 +62,30 @@ def lite0_spec(size: int) -> ModelSpec:
 
 @dataclass(frozen=True)
 class FleetShape:
-    """The camera fleet: devices, scenes per class on each device and in the test set, input size, fleet seed."""
+    """The camera fleet: devices, scenes per class on each device and in the test set, input size, fleet seed, and
+    its classes (Fashion-MNIST's ten by default)."""
 
     devices: int
     per_class: int
     test_per_class: int
     size: int
     seed: int = 0
+    classes: tuple[SceneClass, ...] = TEN_CLASSES
 
 
-def fleet_key(*parts: Any) -> str:
-    """The cache's key: a hash of the fleet's description and the backbone's spec hash."""
-    return hashlib.sha256(json.dumps([*parts, spec_hash(lite0_spec(parts[0]["size"]))]).encode()).hexdigest()[:16]
+def fleet_key(shape: FleetShape, *parts: Any) -> str:
+    """The cache's key: a hash of the fleet's description (its classes only when not the ten) and the backbone's
+    spec hash."""
+    described = {key: value for key, value in asdict(shape).items() if key != "classes"}
+    if shape.classes != TEN_CLASSES:
+        described["classes"] = [[scene.name, scene.source] for scene in shape.classes]
+    return hashlib.sha256(json.dumps([described, *parts, spec_hash(lite0_spec(shape.size))]).encode()).hexdigest()[:16]
 
 
 def pool_items(shape: FleetShape, train_labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.random.Generator]:
     """The balanced pools' Fashion-MNIST items (training split) and classes, and the generator that draws the test's."""
     rng = np.random.default_rng([shape.seed, 0])
-    indices, labels = pick_items(train_labels, TEN_CLASSES, shape.per_class * shape.devices, rng)
+    indices, labels = pick_items(train_labels, shape.classes, shape.per_class * shape.devices, rng)
     return indices, labels, rng
 
 
@@ -86,42 +95,48 @@ def render_fleet(shape: FleetShape) -> tuple[list[np.ndarray], list[np.ndarray]]
     dataset = load_fashion_mnist()
     indices, labels, rng = pool_items(shape, dataset.train_labels)
     shares = [
-        np.concatenate([np.flatnonzero(labels == c)[d :: shape.devices] for c in range(10)])
+        np.concatenate([np.flatnonzero(labels == c)[d :: shape.devices] for c in range(len(shape.classes))])
         for d in range(shape.devices)
     ]
     sets = [
         render_set(dataset.train_images[indices[share]], labels[share], shape.size, shape.seed, number + 1)
         for number, share in enumerate(shares)
     ]
-    test_indices, test_labels = pick_items(dataset.test_labels, TEN_CLASSES, shape.test_per_class, rng)
+    test_indices, test_labels = pick_items(dataset.test_labels, shape.classes, shape.test_per_class, rng)
     sets.append(render_set(dataset.test_images[test_indices], test_labels, shape.size, shape.seed, shape.devices + 1))
     return [scenes.arrays() for scenes in sets], [scenes.labels for scenes in sets]
 
 
 def extract(model: SplitDropoutModel, images: np.ndarray, what: str, batch: int = 64) -> np.ndarray:
-    """The backbone's pooled features (float32 (N, 1280)) of raw uint8 images, a batch at a time, with progress."""
+    """The backbone's pooled features (float32 (N, 1280)) of raw uint8 images, a batch at a time on the model's
+    device, with progress."""
     out = np.empty((len(images), FEATURES), dtype=np.float32)
+    device = next(model.parameters()).device
     with torch.no_grad():
         for start in range(0, len(images), batch):
-            out[start : start + batch] = model.prefix(torch.from_numpy(model_input(images[start : start + batch])))
+            inputs = torch.from_numpy(model_input(images[start : start + batch])).to(device)
+            out[start : start + batch] = model.prefix(inputs).cpu().numpy()
             if start % (batch * 8) == 0:
                 progress(f"features {what}: {min(start + batch, len(images))}/{len(images)}")
     return out
 
 
 def embed_sets(images: list[np.ndarray], size: int) -> tuple[list[np.ndarray], dict[str, Any]]:
-    """Every set's features, and how many images that took at how many milliseconds each."""
-    model = initial_model(lite0_spec(size), 0).eval()
+    """Every set's features (on the GPU when torch sees one), and how many images that took at how many
+    milliseconds each."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = initial_model(lite0_spec(size), 0).eval().to(device)
     started = time.perf_counter()
     features = [extract(model, stack, f"set {number}") for number, stack in enumerate(images)]
     count = sum(len(stack) for stack in images)
-    return features, {"images": count, "ms_per_image": 1000 * (time.perf_counter() - started) / max(count, 1)}
+    seconds = time.perf_counter() - started
+    return features, {"images": count, "ms_per_image": 1000 * seconds / max(count, 1), "device": device}
 
 
 def fleet_features(shape: FleetShape, work: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """{"features_N", "labels_N"} per device N and the test set (N = devices), from the cache when it holds this
     fleet under this backbone, else rendered and embedded (and cached); with the extraction's timing."""
-    path = work / f"features-{fleet_key(asdict(shape))}.npz"
+    path = work / f"features-{fleet_key(shape)}.npz"
     if path.is_file():
         progress(f"features from the cache {path}")
         return load_arrays(path), {"cache": str(path), "cached": True}
@@ -134,11 +149,34 @@ def fleet_features(shape: FleetShape, work: Path) -> tuple[dict[str, np.ndarray]
     return arrays, {"cache": str(path), "cached": False, **timing}
 
 
-def geometric_counts(pool: int, ratio: float, seed: int) -> np.ndarray:
-    """Scenes per class (by class index) in a pool of `pool`: frequencies falling geometrically by `ratio` from the
-    commonest class to the rarest (largest remainders keep the sum), the order of commonness drawn with `seed`."""
-    classes = len(TEN_CLASSES)
-    share = ratio ** (-np.arange(classes) / (classes - 1))
+@dataclass(frozen=True)
+class ClassMix:
+    """How a pool's classes are mixed: `geometric` (commonest : rarest = `value`, 1 is balanced) or `long-tail`
+    (the class of rank r, 1 the commonest, holds a share ~ r^-value)."""
+
+    kind: str
+    value: float
+
+    @property
+    def balanced(self) -> bool:
+        """Whether every class is as common as every other."""
+        return self.kind == "geometric" and self.value == 1
+
+    def shares(self, classes: int) -> np.ndarray:
+        """Each rank's share of the pool, commonest first."""
+        if self.kind == "geometric":
+            return self.value ** (-np.arange(classes) / (classes - 1))
+        return (1.0 + np.arange(classes)) ** -self.value
+
+    def key(self) -> list[Any]:
+        """What the cache's key holds of the mix (the geometric ratio alone, as before long tails existed)."""
+        return [self.value] if self.kind == "geometric" else [self.kind, self.value]
+
+
+def mix_counts(pool: int, mix: ClassMix, classes: int, seed: int) -> np.ndarray:
+    """Scenes per class (by class index) in a pool of `pool`: frequencies falling by the mix from the commonest
+    class to the rarest (largest remainders keep the sum), the order of commonness drawn with `seed`."""
+    share = mix.shares(classes)
     exact = pool * share / share.sum()
     ranked = np.floor(exact).astype(np.int64)
     ranked[np.argsort(ranked - exact)[: pool - int(ranked.sum())]] += 1
@@ -155,9 +193,9 @@ def extra_scenes(shape: FleetShape, counts: np.ndarray) -> tuple[list[np.ndarray
     missing, rng = np.maximum(counts - shape.per_class, 0), np.random.default_rng([shape.seed, 3])
     fresh = [
         rng.choice(np.setdiff1d(np.flatnonzero(dataset.train_labels == scene.source), used), n * shape.devices, False)
-        for scene, n in zip(TEN_CLASSES, missing)
+        for scene, n in zip(shape.classes, missing)
     ]
-    classes = np.repeat(np.arange(len(TEN_CLASSES)), missing)
+    classes = np.repeat(np.arange(len(shape.classes)), missing)
     images, labels = [], []
     for device in range(shape.devices):
         items = np.concatenate([chosen[device :: shape.devices] for chosen in fresh])
@@ -172,11 +210,12 @@ def kept_positions(labels: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.concatenate([np.flatnonzero(labels == c)[:count] for c, count in enumerate(counts)])
 
 
-def imbalanced_features(shape: FleetShape, ratio: float, work: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def imbalanced_features(shape: FleetShape, mix: ClassMix, work: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The class-imbalanced fleet's arrays (as fleet_features names them, each pool shuffled), from its cache or
     built from the balanced fleet's and the new scenes' features; with the pools' class counts."""
-    counts = geometric_counts(shape.per_class * len(TEN_CLASSES), ratio, shape.seed)
-    path = work / f"features-imbalanced-{fleet_key(asdict(shape), ratio)}.npz"
+    classes = len(shape.classes)
+    counts = mix_counts(shape.per_class * classes, mix, classes, shape.seed)
+    path = work / f"features-imbalanced-{fleet_key(shape, *mix.key())}.npz"
     info: dict[str, Any] = {"cache": str(path), "cached": path.is_file(), "pool_class_counts": counts.tolist()}
     if path.is_file():
         progress(f"features from the cache {path}")
@@ -193,6 +232,11 @@ def imbalanced_features(shape: FleetShape, ratio: float, work: Path) -> tuple[di
         arrays[f"features_{device}"], arrays[f"labels_{device}"] = pool[order], truth[order]
     save_arrays(path, arrays)
     return arrays, {**info, **timing}
+
+
+def mixed_features(shape: FleetShape, mix: ClassMix, work: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The fleet's arrays and how they were made: balanced, or class-imbalanced by the mix."""
+    return fleet_features(shape, work) if mix.balanced else imbalanced_features(shape, mix, work)
 
 
 def extraction_ms(size: int, count: int = 64) -> float:

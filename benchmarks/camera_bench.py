@@ -22,7 +22,7 @@ dashboard's token, /api/label/next, the image, /api/label/answer), knowing each 
 line says whether the promotion gate promoted it and which version serves; the summary prints the serving version,
 each device's predictions and the answers given on the page.
 
-Usage: python benchmarks/camera_bench.py [--backbones efficientnet-lite0 mobilenet] [--samplers random margin]
+Usage: python benchmarks/camera_bench.py [--backbones efficientnet-lite0 mobilenet] [--samplers random typical-then-balanced-margin]
        [--seeds 0] [--devices 4] [--per-class 50] [--rounds 5] [--labels 20] [--epochs 20] [--init-epochs 30]
        [--max-message-bytes 262144] [--classes boot=9,bag=8,shirt=0,trouser=1,dress=3] [--out DIR] [--json] [--loop]
 """
@@ -177,7 +177,7 @@ def main() -> None:
     """Builds the fleet once, runs every sampler and seed one after another, prints each run and the summary."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backbones", nargs="+", choices=sorted(BACKBONE_SPECS), default=list(BACKBONE_SPECS))
-    parser.add_argument("--samplers", nargs="+", default=["random", "margin"])
+    parser.add_argument("--samplers", nargs="+", default=["random", "typical-then-balanced-margin"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     for flag, default in (("devices", 4), ("per-class", 50), ("rounds", 5), ("labels", 20), ("epochs", 20)):
         parser.add_argument(f"--{flag}", type=int, default=default)

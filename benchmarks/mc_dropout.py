@@ -181,14 +181,15 @@ def run_row(out: Path, name: str, *extra: str, tree: Path = THIS_TREE) -> dict:
 
 
 def in_tree(tree: Path, *arguments: str) -> Any:
-    """The JSON a fresh interpreter prints when it runs `arguments` in `tree`, with that tree's code first."""
+    """The JSON a fresh interpreter prints when it runs `arguments` in `tree`, with that tree's code first on the
+    path (before what PYTHONPATH already names)."""
     result = subprocess.run(
         [sys.executable, *arguments],
         capture_output=True,
         text=True,
         check=True,
         cwd=tree,
-        env={**os.environ, "PYTHONPATH": str(tree)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))},
     )
     return json.loads(result.stdout)
 

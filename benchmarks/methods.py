@@ -31,7 +31,7 @@ from bench.partition import partition_indices
 from bench.simulate import BenchSettings, simulate
 from coordinator.intake.observer import RoundResult
 from coordinator.rounds.rules import RoundPolicy
-from coordinator.server import InitSettings, ServerSettings
+from coordinator.setup.settings import InitSettings, ServerSettings
 from coordinator.strategies.registry import make_strategy
 from edge_agent.learning.local_rules import make_local_rule
 from edge_agent.learning.sampling import make_sampler

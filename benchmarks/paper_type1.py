@@ -23,7 +23,7 @@ from pathlib import Path
 from bench.simulate import BenchSettings, simulate
 from coordinator.intake.observer import RoundResult
 from coordinator.rounds.rules import RoundPolicy
-from coordinator.server import InitSettings, ServerSettings
+from coordinator.setup.settings import InitSettings, ServerSettings
 from protocol import messages
 
 EVERY = dict(strategy="avefl", rounds=10, acquisitions=1, sampler="random", seeds=5)

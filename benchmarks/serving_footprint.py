@@ -38,6 +38,8 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from agent_footprint import idle_after  # noqa: E402
+
 from coordinator.fleet.broker import EmbeddedBroker  # noqa: E402
 from edge_agent.data.image_files import InputSpec  # noqa: E402
 from edge_agent.data.predictions_log import PREDICTIONS_FOLDER, PredictionLog  # noqa: E402
@@ -164,15 +166,7 @@ class Coordinator:
 
     def idle_after(self, round_id: int, timeout: float) -> messages.Status:
         """The device's status once it reports round `round_id` done."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            message = self.session.next_message(timeout=0.5)
-            if message is None or not message.payload:
-                continue
-            status = wire.decode(message.payload, messages.Status)
-            if status.state == "idle" and status.round_id >= round_id:
-                return status
-        raise TimeoutError(f"the device did not finish round {round_id} within {timeout:.0f}s")
+        return idle_after(self.session, round_id, timeout)
 
     def clear(self) -> None:
         """Removes the retained announcement (the next agent starts from nothing)."""

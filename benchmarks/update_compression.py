@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from label_efficiency import RunSpec, Scale, add_scale_options, curve_of, read_run_lines, run_one, scale_of
+from curves import curve_of
+from label_efficiency import RunSpec, Scale, add_scale_options, read_run_lines, run_one, scale_of
 
 from coordinator.storage.store import RunStore
 

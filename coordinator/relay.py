@@ -19,7 +19,8 @@ from coordinator.rounds.presence import Presence
 from coordinator.rounds.publisher import Artefacts, RetainedPublisher
 from coordinator.rounds.rules import RoundRules
 from coordinator.secure.mode import SecureMode
-from coordinator.server import ServerSettings, bundle_exporter, coordinator_session, secured
+from coordinator.server import bundle_exporter, coordinator_session, secured
+from coordinator.setup.settings import ServerSettings
 from coordinator.storage.store import SECURE_WEIGHT, RunStore
 from coordinator.strategies.registry import make_strategy
 from edge_agent.data.journal import Journal

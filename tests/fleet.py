@@ -15,7 +15,8 @@ import numpy as np
 
 from bench.simulate import BenchSettings, DeviceLaunch, spawn_agent, write_shards
 from coordinator.rounds.rules import RoundPolicy
-from coordinator.server import InitSettings, ServerData, ServerSettings, load_server_data
+from coordinator.setup.server_data import ServerData, load_server_data
+from coordinator.setup.settings import InitSettings, ServerSettings
 from edge_agent.data.device_data import LABELS_FILE
 from edge_agent.data.labelled_record import source_code
 from edge_agent.learning.models import build_model, get_weights

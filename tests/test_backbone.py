@@ -14,7 +14,7 @@ from bench.simulate import simulate
 from coordinator.relay import RELAY_STRATEGY, Relay, RelaySettings, SiteRounds
 from coordinator.rounds.publisher import Artefacts, RetainedPublisher, bundle_message, model_message, split_of
 from coordinator.rounds.rules import RoundPolicy, RoundRules
-from coordinator.server import ServerSettings
+from coordinator.setup.settings import ServerSettings
 from coordinator.storage.store import RunStore
 from edge_agent.learning.bundle import MANIFEST_NAME, bundle_weights, load_bundle
 from edge_agent.learning.models import build_model, get_weights

@@ -144,7 +144,19 @@ def context_of(
 
 
 @pytest.mark.parametrize(
-    "name", ["power-entropy", "power-bald", "power-margin", "badge", "coreset", "balanced-entropy"]
+    "name",
+    [
+        "power-entropy",
+        "power-bald",
+        "power-margin",
+        "badge",
+        "coreset",
+        "balanced-entropy",
+        "balanced-margin",
+        "typiclust",
+        "typical-then-margin",
+        "typical-then-balanced-margin",
+    ],
 )
 def test_every_batch_sampler_picks_distinct_pool_positions(name: str) -> None:
     rng = np.random.default_rng(2)

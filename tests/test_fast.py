@@ -15,7 +15,7 @@ from hypothesis.extra.numpy import arrays
 
 from bench.oracle import SimulatedOracle
 from bench.shard import Shard, open_device_data
-from coordinator.server import load_encoder
+from coordinator.setup.encoder import load_encoder
 from edge_agent.data.device_data import DeviceData
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.image_arrays import model_input

@@ -32,7 +32,7 @@ from coordinator.fleet.broker import port_is_free
 from coordinator.fleet.provision import provision
 from coordinator.intake.observer import RoundResult
 from coordinator.rounds.rules import RoundPolicy
-from coordinator.server import InitSettings, ServerSettings
+from coordinator.setup.settings import InitSettings, ServerSettings
 from coordinator.storage.spool import Spool
 from coordinator.storage.store import RunStore
 from coordinator.strategies.aggregate import ClientUpdate

@@ -20,7 +20,7 @@ from edge_agent.learning.learner_choice import make_learner
 from edge_agent.learning.local_data import training_view
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.learning.ort_scorer import OrtMCDropout
-from edge_agent.learning.sampling import make_sampler
+from edge_agent.learning.sampling import BalancedMargin, TypicalitySampler, make_sampler
 from edge_agent.loop.acquisition import Acquirer
 from edge_agent.loop.agent import LatestModel
 from edge_agent.loop.agent_settings import AgentSettings
@@ -131,6 +131,34 @@ def test_a_head_only_device_runs_the_backbone_once_per_image_across_three_rounds
         assert learner.weights()["fc2.weight"].tobytes() != weights["fc2.weight"].tobytes()
     assert sum(backbone_rows) == IMAGES
     assert len(list((data.state_dir / FEATURES_FOLDER).glob("*.rows"))) == 1
+
+
+def test_a_head_only_device_runs_the_camera_default_on_its_cached_rows(
+    tmp_path: Path, backbone_rows: list[int]
+) -> None:
+    """typical-then-balanced-margin on a head-only device: its TypiClust phase clusters the feature cache's rows
+    (the pool's and, once labelled, the human labels'), its margin phase scores them; the backbone runs once per
+    image over both phases, and the TypiClust batch is the one batch_selection computes from the cached rows."""
+    data, truth = device(tmp_path)
+    acquirer = Acquirer(HEAD, data, SimulatedOracle(truth), PhaseMeter())
+    weights = get_weights(build_model(SPEC, seed=0))
+    options = {"first_labels": 5.0, "typical_clusters": 8.0}
+    recipe = messages.Recipe(
+        sampler="typical-then-balanced-margin", labels_per_acquisition=5, epochs=1, batch_size=8, mc_passes=4
+    )
+    recipe = messages.Recipe(**{**recipe.__dict__, "options": options})
+    sampler = make_sampler(recipe.sampler)
+    for round_id in (1, 2):
+        bundle = export(with_new_classifier(weights, round_id), tmp_path / f"bundle{round_id}")
+        learner = make_learner(HEAD.compute, data.state_dir, SPEC, weights, bundle)
+        models = RoundModels(learner, "", recipe, bundle)
+        context = acquirer.context(models, data.pool_indices(), round_id)
+        assert type(sampler.phase(context)) is (TypicalitySampler if round_id == 1 else BalancedMargin)
+        expected = data.pool_indices()[sampler.phase(context).select(context, 5)]
+        new, labels = acquirer.acquire(models, sampler, round_id, round_id, 0)
+        assert sorted(new.tolist()) == sorted(expected.tolist())
+        learner.train(training_view(data, new, labels, 1, learner.rows), recipe, round_id)
+    assert sum(backbone_rows) == IMAGES
 
 
 def cached_scores(data: DeviceData, bundle: Bundle, weights: Weights) -> np.ndarray:

@@ -231,6 +231,7 @@ COORDINATOR_LEVELS = (
     ("intake",),
     ("rounds", "labelling"),
     ("privacy", "secure", "asynchronous", "dashboard"),
+    ("setup",),
     ("server",),
     ("relay",),
     ("commands",),

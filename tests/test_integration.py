@@ -12,7 +12,7 @@ from bench.simulate import BenchSettings, simulate
 from coordinator.fleet.broker import EmbeddedBroker
 from coordinator.intake.observer import RoundResult
 from coordinator.rounds.rules import RoundPolicy
-from coordinator.server import InitSettings, ServerSettings
+from coordinator.setup.settings import InitSettings, ServerSettings
 from coordinator.storage.store import RunStore
 from protocol import messages, topics, wire
 from protocol.mqtt import MqttSession

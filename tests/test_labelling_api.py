@@ -130,7 +130,7 @@ def test_an_open_loopback_dashboard_takes_posts_only_with_the_same_origin_header
 
 def test_a_run_serves_the_labelling_page_on_its_dashboard_beside_its_rounds(tmp_path: Path, broker, sessions) -> None:
     from coordinator.commands.labelling import with_labelling
-    from coordinator.server import ServerSettings
+    from coordinator.setup.settings import ServerSettings
 
     settings = ServerSettings(run_dir=tmp_path / "run", fleet=FLEET)
     device = sessions(broker.address, "cam-1")

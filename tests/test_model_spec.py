@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.server import ServerSettings, check_same_spec, settings_as_dict
+from coordinator.setup.resume import check_same_spec
+from coordinator.setup.settings import ServerSettings, settings_as_dict
 from coordinator.storage.pretrained import merge_initial_weights, read_weight_file
 from edge_agent.data.image_arrays import model_input
 from edge_agent.learning.bundle import load_bundle

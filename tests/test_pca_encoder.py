@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from coordinator.cli import main as coordinator_main
-from coordinator.server import load_encoder
+from coordinator.setup.encoder import load_encoder
 from edge_agent.data.image_arrays import model_input
 from edge_agent.learning.encoder import OnnxEncoder
 from export.pca_encoder import PcaBasis, fit_pca, pca_encoder_onnx

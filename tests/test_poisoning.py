@@ -17,7 +17,9 @@ from bench.shard import load_shard, open_device_data
 from coordinator.intake.observer import RoundResult
 from coordinator.intake.round_aggregator import SuspectPolicy
 from coordinator.rounds.rules import RoundPolicy
-from coordinator.server import InitSettings, ServerSettings, initial_weights, run_server
+from coordinator.server import run_server
+from coordinator.setup.server_data import initial_weights
+from coordinator.setup.settings import InitSettings, ServerSettings
 from coordinator.storage.store import RunStore
 from edge_agent.loop.agent import Agent
 from edge_agent.loop.agent_settings import AgentSettings

@@ -25,7 +25,7 @@ from coordinator.intake.validation import MAX_CONTRIBUTORS, MAX_REASON_CHARS, Ex
 from coordinator.relay import RELAY_STRATEGY, Relay, RelaySettings, SiteRounds, upstream_update
 from coordinator.rounds.loop import round_expectation
 from coordinator.rounds.rules import RoundPolicy, RoundRules
-from coordinator.server import ServerSettings
+from coordinator.setup.settings import ServerSettings
 from coordinator.storage.store import DeviceRoundRecord, RoundRecord, RunStore
 from coordinator.strategies.means import FedAvg
 from edge_agent.learning.models import build_model, get_weights

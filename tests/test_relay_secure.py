@@ -23,7 +23,7 @@ from coordinator.relay import (
 from coordinator.rounds.loop import Coordinator
 from coordinator.rounds.rules import RoundPolicy, RoundRules
 from coordinator.secure.rounds import INBOUND, OUTBOUND
-from coordinator.server import ServerSettings
+from coordinator.setup.settings import ServerSettings
 from coordinator.storage.store import RoundRecord, RunStore
 from coordinator.strategies.means import FedAvg
 from edge_agent.data.journal import Journal

@@ -15,7 +15,7 @@ from coordinator.fleet.broker import EmbeddedBroker, embedded_broker
 from coordinator.fleet.provision import broker_config_lines, device_names, load_secure_fleet, password_hash, provision
 from coordinator.intake.observer import RoundResult
 from coordinator.rounds.rules import RoundPolicy
-from coordinator.server import InitSettings, ServerSettings
+from coordinator.setup.settings import InitSettings, ServerSettings
 from coordinator.storage.store import RunStore
 from edge_agent.learning.models import build_model, get_weights
 from protocol import messages, topics, wire

@@ -18,7 +18,7 @@ from coordinator.intake.update_intake import RoundCollector
 from coordinator.intake.validation import MAX_REASON_CHARS, Expectation, Rejection, decoded, validate_update
 from coordinator.rounds.evaluation import Evaluator, LabelledSplit
 from coordinator.rounds.rules import RoundPolicy
-from coordinator.server import InitSettings, ServerSettings
+from coordinator.setup.settings import InitSettings, ServerSettings
 from coordinator.storage.store import RunStore
 from coordinator.strategies.registry import make_strategy
 from edge_agent.learning.models import build_model, get_weights

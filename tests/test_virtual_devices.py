@@ -14,7 +14,7 @@ from bench.cli import main as bench_main
 from bench.simulate import BenchSettings, simulate
 from coordinator.intake.observer import RoundResult
 from coordinator.rounds.rules import RoundPolicy
-from coordinator.server import InitSettings, ServerSettings
+from coordinator.setup.settings import InitSettings, ServerSettings
 from protocol import messages
 
 pytestmark = pytest.mark.integration

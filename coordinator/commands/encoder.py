@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.server import checked_encoder
+from coordinator.setup.encoder import checked_encoder
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.image_arrays import model_input
 from edge_agent.data.image_files import InputSpec, read_image_folder

@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # the queue loads PIL and sqlite only when an action runs
     from coordinator.dashboard.server import Dashboard
     from coordinator.labelling.desk import LabellingDesk
     from coordinator.labelling.queue import LabelQueue
-    from coordinator.server import ServerSettings
+    from coordinator.setup.settings import ServerSettings
     from protocol.mqtt import BrokerAddress
 
 MIB = 1024 * 1024

@@ -9,7 +9,7 @@ from coordinator.fleet.broker import embedded_broker, embedded_packet_limit
 from coordinator.fleet.provision import load_secure_fleet
 from coordinator.relay import RELAY_STRATEGY, RelaySettings, run_relay
 from coordinator.rounds.rules import RoundPolicy
-from coordinator.server import ServerSettings
+from coordinator.setup.settings import ServerSettings
 from protocol import wire
 from protocol.chunks import given_packet_limit
 from protocol.credentials import Credentials, load_credentials

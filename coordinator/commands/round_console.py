@@ -12,7 +12,7 @@ from pathlib import Path
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.server import Dashboard, dashboard_token, parse_listen_address
 from coordinator.intake.observer import RoundResult
-from coordinator.server import ServerSettings
+from coordinator.setup.settings import ServerSettings
 from protocol.errors import UsageError
 
 

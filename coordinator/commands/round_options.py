@@ -11,7 +11,7 @@ from coordinator.intake.round_aggregator import SuspectPolicy
 from coordinator.privacy.rounds import DpSettings
 from coordinator.rounds.promotion import PromotionGate
 from coordinator.rounds.rules import DEFAULT_BATCH
-from coordinator.server import InitSettings, ServerSettings
+from coordinator.setup.settings import InitSettings, ServerSettings
 from coordinator.strategies.aggregate import DEFAULT_MAX_SAMPLE_SHARE
 from edge_agent.learning.training import OPTIMIZERS
 

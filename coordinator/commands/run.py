@@ -14,7 +14,8 @@ from coordinator.commands.run_settings import server_settings, validate_recipe_n
 from coordinator.dashboard.server import parse_listen_address
 from coordinator.fleet.broker import LOCAL_CLIENT_HOSTS, EmbeddedBroker, embedded_broker, embedded_packet_limit
 from coordinator.fleet.provision import load_secure_fleet
-from coordinator.server import evaluation_line, load_server_data, run_server, split_line
+from coordinator.server import run_server
+from coordinator.setup.server_data import evaluation_line, load_server_data, split_line
 from protocol.errors import UsageError
 from protocol.mqtt import BrokerAddress, parse_broker_url
 

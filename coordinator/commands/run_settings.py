@@ -13,7 +13,8 @@ from coordinator.intake.round_aggregator import SuspectPolicy
 from coordinator.privacy.rounds import DpSettings
 from coordinator.rounds.promotion import PromotionGate
 from coordinator.rounds.rules import RoundPolicy
-from coordinator.server import InitSettings, ServerSettings, load_encoder
+from coordinator.setup.encoder import load_encoder
+from coordinator.setup.settings import InitSettings, ServerSettings
 from coordinator.strategies.registry import make_strategy
 from edge_agent.learning.local_rules import LOCAL_RULES, make_local_rule
 from edge_agent.learning.pretrained_backbone import check_pretrained_installed

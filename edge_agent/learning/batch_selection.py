@@ -1,6 +1,8 @@
 # Batch-aware selections in pure numpy: stochastic power sampling, BADGE's k-means++, core-set's greedy k-center,
-# class-balanced top-k.
+# class-balanced top-k, TypiClust's k-means and typicality.
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -96,3 +98,99 @@ def class_balanced_top_k(scores: np.ndarray, predicted: np.ndarray, k: int, num_
     rest = order[~np.isin(order, chosen)][: max(k - len(chosen), 0)]
     picked = np.concatenate([chosen, rest])
     return picked[np.argsort(-scores[picked], kind="stable")]
+
+
+def principal_rows(rows: np.ndarray, others: np.ndarray, dims: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """`rows` and `others` (same width; `others` may be empty) centred on rows' mean and projected on rows' top
+    `dims` principal directions, found by a randomised range finder (Halko et al. 2011: one product with a Gaussian
+    test matrix, an SVD of the (dims + 8)-row matrix its basis gives), so k-means runs in few dimensions without a
+    (D, D) covariance; float32, and no centred copy of the (N, D) rows is made."""
+    rows = np.asarray(rows, dtype=np.float32)
+    if rows.ndim != 2 or len(rows) == 0:
+        raise ValueError(f"need a non-empty (N, d) array of pool features, got shape {rows.shape}")
+    mean = rows.mean(axis=0, dtype=np.float64).astype(np.float32)
+    width = min(dims + 8, rows.shape[1], len(rows))
+    test = rng.standard_normal((rows.shape[1], width)).astype(np.float32)
+    basis, _ = np.linalg.qr(rows @ test - mean @ test)
+    small = basis.T @ rows - np.outer(basis.sum(axis=0), mean)
+    _, _, directions = np.linalg.svd(small, full_matrices=False)
+    directions = directions[: min(dims, len(directions))]
+    projected = [rows @ directions.T - mean @ directions.T]
+    if len(others):
+        others = np.asarray(others, dtype=np.float32)
+        projected.append(others @ directions.T - mean @ directions.T)
+    else:
+        projected.append(np.zeros((0, len(directions)), dtype=np.float32))
+    return projected
+
+
+def kmeans(rows: np.ndarray, k: int, rng: np.random.Generator, iterations: int = 20) -> np.ndarray:
+    """Each row's cluster (0..k-1, k clipped to the rows) after k-means++ seeding and at most `iterations` Lloyd
+    steps (stopping when no row moves); a cluster that empties keeps its centre."""
+    rows = np.asarray(rows, dtype=np.float64)
+    k = min(k, len(rows))
+    if k < 1:
+        return np.zeros(len(rows), dtype=np.int64)
+    centres = rows[[int(rng.integers(len(rows)))]]
+    nearest = nearest_squared_distances(rows, centres)
+    while len(centres) < k:
+        total = nearest.sum()
+        pick = int(rng.choice(len(rows), p=nearest / total)) if total > 0 else int(rng.integers(len(rows)))
+        centres = np.vstack([centres, rows[pick]])
+        nearest = np.minimum(nearest, nearest_squared_distances(rows, rows[pick : pick + 1]))
+    assignment = np.full(len(rows), -1, dtype=np.int64)
+    for _ in range(iterations):
+        squared = np.sum(rows**2, axis=1)[:, None] + np.sum(centres**2, axis=1) - 2.0 * rows @ centres.T
+        moved = np.argmin(squared, axis=1)
+        if np.array_equal(moved, assignment):
+            break
+        assignment = moved
+        sizes = np.bincount(assignment, minlength=k)
+        sums = np.stack([np.bincount(assignment, weights=column, minlength=k) for column in rows.T], axis=1)
+        centres = np.where(sizes[:, None] > 0, sums / np.maximum(sizes, 1)[:, None], centres)
+    return assignment
+
+
+def typicality(rows: np.ndarray, neighbours: int, block: int = 256) -> np.ndarray:
+    """TypiClust's typicality of each row among `rows`: minus the mean Euclidean distance to its `neighbours`
+    nearest other rows (clipped to the rows there are; 0 for a lone row), so the densest point scores highest.
+    Distances in blocks of rows, so memory stays block x N."""
+    rows = np.asarray(rows, dtype=np.float64)
+    count = min(neighbours, len(rows) - 1)
+    if count < 1:
+        return np.zeros(len(rows))
+    lengths = np.sum(rows**2, axis=1)
+    scores = np.empty(len(rows))
+    for start in range(0, len(rows), block):
+        part = rows[start : start + block]
+        squared = np.maximum(lengths[start : start + block, None] + lengths - 2.0 * part @ rows.T, 0.0)
+        squared[np.arange(len(part)), np.arange(start, start + len(part))] = np.inf
+        closest = np.partition(squared, count - 1, axis=1)[:, :count]
+        scores[start : start + block] = -np.sqrt(closest).mean(axis=1)
+    return scores
+
+
+def typical_picks(
+    clusters: np.ndarray, covered: np.ndarray, scores_of: Callable[[np.ndarray], np.ndarray], k: int
+) -> np.ndarray:
+    """TypiClust's batch (Hacohen et al., ICML 2022): the most typical row of each of the largest clusters that no
+    label covers yet; once every cluster holds a label or a pick, again round the clusters, fewest labels and
+    picks first, then largest. `clusters` is each pool row's cluster, `covered` the labels (human and picked) per
+    cluster, `scores_of(members)` the typicality of a cluster's rows (asked once per cluster picked from)."""
+    clusters = np.asarray(clusters, dtype=np.int64)
+    held = np.asarray(covered, dtype=np.int64).copy()
+    sizes = np.bincount(clusters, minlength=len(held))
+    queues: dict[int, np.ndarray | None] = {int(c): None for c in np.unique(clusters)}
+    picked: list[int] = []
+    while len(picked) < min(k, len(clusters)):
+        cluster = min(queues, key=lambda c: (held[c], -sizes[c], c))
+        queue = queues[cluster]
+        if queue is None:
+            rows = np.flatnonzero(clusters == cluster)
+            queue = rows[top_k(scores_of(rows), len(rows))]
+        picked.append(int(queue[0]))
+        held[cluster] += 1
+        queues[cluster] = queue[1:]
+        if len(queue) == 1:
+            del queues[cluster]
+    return np.asarray(picked, dtype=np.int64)

@@ -1,5 +1,5 @@
 # The samplers a recipe names: what each asks of the device (probabilities, logits, embeddings), how it scores the
-# pool and chooses its batch (top-k, a power draw over any score sampler, k-means++, core-set, class-balanced), by name.
+# pool and chooses its batch (top-k, a power draw, k-means++, core-set, class-balanced, TypiClust, phases), by name.
 from __future__ import annotations
 
 from abc import abstractmethod
@@ -24,9 +24,13 @@ from edge_agent.learning.batch_selection import (
     badge_parts,
     class_balanced_top_k,
     k_center_greedy,
+    kmeans,
     kmeans_pp_outer,
     nearest_squared_distances,
     power_sample,
+    principal_rows,
+    typical_picks,
+    typicality,
 )
 from protocol.options import Method, Option, Registry
 
@@ -359,6 +363,135 @@ class BalancedEntropy(Sampler):
         return class_balanced_top_k(entropy_scores(probs), predicted, budget, probs.shape[2])
 
 
+class BalancedMargin(Sampler):
+    """Smallest margin first; where the pool's predicted class mix is skewed (its commonest predicted class at least
+    `balance_skew` times its rarest), the top margins per predicted class, an equal share each, so a batch reaches
+    the classes the pool holds few of (rare-class-seeking, after SIMILAR and DIRECT)."""
+
+    name = "balanced-margin"
+    summary = "smallest top-two margin; per predicted class, an equal share each, where the pool's mix is skewed"
+    options = (
+        COLD_START,
+        Option(
+            "balance_skew",
+            float,
+            3.0,
+            "balanced-margin: the commonest : rarest predicted class ratio from which batches are class-balanced",
+            low=1.0,
+            flag="--balance-skew",
+        ),
+    )
+
+    def score_pool(self, context: AcquisitionContext) -> np.ndarray:
+        """margin_scores of the pool's MC-dropout probabilities."""
+        return margin_scores(context.probabilities())
+
+    def select(self, context: AcquisitionContext, budget: int) -> np.ndarray:
+        """class_balanced_top_k of the margins over the predicted (MC-dropout mean) classes when the predicted mix
+        is skewed (a class predicted for no sample counts as rarest), else their top-k."""
+        probs = context.probabilities()
+        scores, classes = margin_scores(probs), probs.shape[2]
+        predicted = np.argmax(probs.mean(axis=0), axis=1)
+        counts = np.bincount(predicted, minlength=classes)
+        if counts.max() < self.option_value(context.options, "balance_skew") * max(counts.min(), 1):
+            return top_k(scores, budget)
+        return class_balanced_top_k(scores, predicted, budget, classes)
+
+
+class TypicalitySampler(Sampler):
+    """TypiClust (Hacohen et al., ICML 2022): k-means of the pool and the human-labelled samples in the penultimate
+    features (a head-only device's cached backbone rows), into as many clusters as labels after this batch (capped);
+    the batch is the most typical sample of each of the largest clusters no label covers. No model output is used,
+    so it chooses well before the head knows anything: a device's first acquisitions."""
+
+    name = "typiclust"
+    summary = "TypiClust: the most typical sample of each of the largest clusters no label covers (no model needed)"
+    options = (
+        COLD_START,
+        Option("typical_dims", int, 32, "TypiClust: principal directions k-means runs in", low=1.0),
+        Option("typical_neighbours", int, 20, "TypiClust: neighbours a sample's typicality averages", low=1.0),
+        Option("typical_clusters", int, 100, "TypiClust: most clusters (labels + batch, capped here)", low=1.0),
+    )
+
+    def clustered(self, context: AcquisitionContext, budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(the pool's projected features, each pool sample's cluster, labels per cluster) for a batch of `budget`."""
+        dims, most = (int(self.option_value(context.options, key)) for key in ("typical_dims", "typical_clusters"))
+        pool, labelled = principal_rows(context.features(), context.labelled_features(), dims, context.rng)
+        clusters = kmeans(np.vstack([pool, labelled]), min(len(labelled) + budget, most), context.rng)
+        return pool, clusters[: len(pool)], np.bincount(clusters[len(pool) :], minlength=clusters.max() + 1)
+
+    def score_pool(self, context: AcquisitionContext) -> np.ndarray:
+        """Each sample's typicality within its cluster."""
+        pool, clusters, _ = self.clustered(context, 0)
+        neighbours = int(self.option_value(context.options, "typical_neighbours"))
+        scores = np.zeros(len(pool))
+        for cluster in np.unique(clusters):
+            members = np.flatnonzero(clusters == cluster)
+            scores[members] = typicality(pool[members], neighbours)
+        return scores
+
+    def select(self, context: AcquisitionContext, budget: int) -> np.ndarray:
+        """typical_picks over the clusters, typicality computed for the clusters it picks from only."""
+        pool, clusters, covered = self.clustered(context, budget)
+        neighbours = int(self.option_value(context.options, "typical_neighbours"))
+        return typical_picks(clusters, covered, lambda members: typicality(pool[members], neighbours), budget)
+
+
+FIRST_LABELS = Option(
+    "first_labels",
+    int,
+    10,
+    "phased samplers: below this many human labels on a device the first sampler chooses, the second after",
+    low=0.0,
+)
+
+
+class PhasedSampler(Sampler):
+    """Two samplers by the device's human labels: `first` while it holds fewer than `first_labels`, `then` after
+    (a subclass names both); it asks the device for what either asks and takes both samplers' options."""
+
+    first: ClassVar[type[Sampler]]
+    then: ClassVar[type[Sampler]]
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """Needs and options are the union of the two samplers' (first_labels added)."""
+        super().__init_subclass__(**kwargs)
+        cls.needs_encoder = cls.first.needs_encoder or cls.then.needs_encoder
+        cls.needs_model_logits = cls.first.needs_model_logits or cls.then.needs_model_logits
+        declared = (*cls.first.options, *cls.then.options, FIRST_LABELS)
+        cls.options = tuple({option.key: option for option in declared}.values())
+
+    def phase(self, context: AcquisitionContext) -> Sampler:
+        """The sampler that chooses now."""
+        first = context.class_counts.sum() < FIRST_LABELS.read(context.options)
+        return (self.first if first else self.then)()
+
+    def score_pool(self, context: AcquisitionContext) -> np.ndarray:
+        """The scores of the sampler that chooses now."""
+        return self.phase(context).score_pool(context)
+
+    def select(self, context: AcquisitionContext, budget: int) -> np.ndarray:
+        """The batch of the sampler that chooses now."""
+        return self.phase(context).select(context, budget)
+
+
+class TypicalThenMargin(PhasedSampler):
+    """TypiClust for a device's first labels, then the smallest margin."""
+
+    name = "typical-then-margin"
+    summary = "TypiClust for a device's first labels, then the smallest top-two margin"
+    first, then = TypicalitySampler, MarginHeuristic
+
+
+class TypicalThenBalancedMargin(PhasedSampler):
+    """TypiClust for a device's first labels, then balanced-margin (class-balanced where the pool's mix is skewed):
+    the camera path's default sampler."""
+
+    name = "typical-then-balanced-margin"
+    summary = "TypiClust for a device's first labels, then margin, class-balanced where the predicted mix is skewed"
+    first, then = TypicalitySampler, BalancedMargin
+
+
 for registered in (
     RandomHeuristic,
     EntropyHeuristic,
@@ -373,6 +506,10 @@ for registered in (
     BadgeSampler,
     CoresetSampler,
     BalancedEntropy,
+    BalancedMargin,
+    TypicalitySampler,
+    TypicalThenMargin,
+    TypicalThenBalancedMargin,
 ):
     SAMPLERS.register(registered)
 

@@ -1,0 +1,89 @@
+# A run's settings: what the coordinator needs to run a fleet's rounds, checked as one value.
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from coordinator.asynchronous.intake import AsyncPolicy
+from coordinator.asynchronous.rounds import check_async_settings
+from coordinator.intake.round_aggregator import SuspectPolicy
+from coordinator.privacy.rounds import DpSettings, check_dp_settings
+from coordinator.rounds.promotion import PromotionGate
+from coordinator.rounds.rules import RoundPolicy
+from coordinator.strategies.aggregate import DEFAULT_MAX_SAMPLE_SHARE
+from protocol import messages
+from protocol.model_spec import DEFAULT_SPEC, ModelSpec
+
+
+@dataclass(frozen=True)
+class InitSettings:
+    """How the server trains W0 from its labelled samples (Alg. 4/5, t = 0); `samples` None lets the split follow
+    the data (coordinator.holdout.split_sizes: the paper's 100 balanced on Fashion-MNIST, all of a fleet's own)."""
+
+    samples: int | None = None
+    epochs: int = 50
+    learning_rate: float = 1e-3
+    batch_size: int = 32
+    weight_decay: float = 5e-4
+    optimizer: str = "adam"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Everything the coordinator needs to run a fleet's rounds."""
+
+    run_dir: Path
+    fleet: str = "fleet"
+    strategy: str = "avefl"
+    recipe: messages.Recipe = field(default_factory=messages.Recipe)
+    policy: RoundPolicy = field(default_factory=lambda: RoundPolicy(rounds=10))
+    init: InitSettings = field(default_factory=InitSettings)
+    spec: ModelSpec = DEFAULT_SPEC
+    initial_weights: Path | None = None
+    validation_samples: int | None = None  # None: as coordinator.holdout.split_sizes chooses
+    selection_passes: int = 10
+    test_samples: int | None = None
+    evaluate_devices: bool = True
+    strategy_options: dict[str, float] = field(default_factory=dict)
+    suspects: SuspectPolicy = field(default_factory=SuspectPolicy)
+    data_dir: Path | None = None
+    dataset: Path | None = None
+    torch_threads: int | None = None
+    ship_bundles: bool = True
+    secure_dir: Path | None = None
+    encoder_path: Path | None = None
+    keep_updates: bool = False
+    broker_max_packet_bytes: int | None = None
+    transfer_memory_mb: int = 128
+    transfer_timeout: float = 120.0
+    asynchronous: AsyncPolicy | None = None
+    seed_labels: int | None = None
+    max_sample_share: float = DEFAULT_MAX_SAMPLE_SHARE
+    relays: tuple[str, ...] = ()
+    dp: DpSettings = field(default_factory=DpSettings)
+    promotion: PromotionGate = field(default_factory=PromotionGate)
+    publish_predictions: bool = False
+
+    def __post_init__(self) -> None:
+        check_dp_settings(self.recipe, self.strategy, self.suspects, self.asynchronous is not None, self.dp)
+        if self.asynchronous is not None:
+            check_async_settings(self.strategy, self.suspects, self.policy.participation)
+        check_sample_settings(self.seed_labels, self.max_sample_share)
+        if self.recipe.secure_aggregation != "off":
+            from coordinator.secure.rounds import check_secure_settings  # cryptography: loaded by secure runs only
+
+            check_secure_settings(self.strategy, self.recipe, self.suspects, self.asynchronous is not None)
+
+
+def check_sample_settings(seed_labels: int | None, max_sample_share: float) -> None:
+    """ValueError naming the flag when the seed count is negative or the share cap lies outside (0, 1]."""
+    if seed_labels is not None and seed_labels < 0:
+        raise ValueError(f"--seed-labels must be at least 0, got {seed_labels}")
+    if not 0.0 < max_sample_share <= 1.0:
+        raise ValueError(f"--max-sample-share must lie in (0, 1], got {max_sample_share}")
+
+
+def settings_as_dict(settings: ServerSettings) -> dict:
+    """JSON-able settings for the store (paths as strings)."""
+    return {key: str(value) if isinstance(value, Path) else value for key, value in asdict(settings).items()}
