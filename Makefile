@@ -10,11 +10,14 @@ demo: install
 		--acquisitions-per-round 1 --labels-per-acquisition 400 --epochs 5 --sampler margin \
 		--mc-passes 10 --init-samples 100 --pool-size 12000 --seed 0
 
-# A camera fleet end to end: 4 devices of rendered scenes, EfficientNet-Lite0 (ImageNet, head-only) on the Pi Zero 2 W
-# profile, the bench's people answering label queries, 5 rounds of 20 labels, the camera path's sampler (the guide's
-# typical-then-balanced-margin); prints the curve and the report's path.
+# The field loop on a camera fleet: 4 devices of rendered scenes, EfficientNet-Lite0 (ImageNet, head-only) on the Pi
+# Zero 2 W profile, predicting with the serving model; the camera path's sampler (the guide's
+# typical-then-balanced-margin); the bench's person answers their queries on the coordinator's labelling page (its
+# HTTP API, the dashboard's token); 5 rounds of 20 labels, each promoted only if it is no worse; prints each round's
+# gate decision, the serving version, predictions per device and the report's path.
 camera-demo: install
-	$(PYTHON) benchmarks/camera_bench.py --backbones efficientnet-lite0 --samplers typical-then-balanced-margin --seeds 0 \
+	$(PYTHON) benchmarks/camera_bench.py --backbones efficientnet-lite0 --samplers typical-then-balanced-margin \
+		--seeds 0 --loop \
 		--out runs/camera-demo-$$(date +%Y%m%d-%H%M%S)
 
 # Two workers on the 2-core machine (most integration tests wait on processes and deadlines), then the tests that

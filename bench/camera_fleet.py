@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import os
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,25 +188,95 @@ def camera_agent_command(
     ]
 
 
-class PeopleAtTheOracles(threading.Thread):
-    """The bench's people: each device's person answers its pending queries from its answer key, by class name,
-    every `period` seconds until stopped."""
+class BenchPeople(threading.Thread):
+    """The bench's people: every `period` seconds until stopped, they answer what is asked of them (`answer`)."""
 
-    def __init__(self, fleet_dir: Path, states: list[Path], class_names: tuple[str, ...], period: float = 0.3):
+    def __init__(self, period: float = 0.3) -> None:
         super().__init__(daemon=True)
-        keys = [read_answer_key(device_dir(fleet_dir, n) / ANSWERS_FILE, class_names) for n in range(len(states))]
-        self.books = [(QueryBook(state / "labelling", class_names), key) for state, key in zip(states, keys)]
         self.period = period
         self.stopped = threading.Event()
+        self.answered = 0
+
+    def answer(self) -> int:
+        """Answers what is asked now; how many."""
+        raise NotImplementedError
 
     def run(self) -> None:
         """Answers until stopped."""
         while not self.stopped.wait(self.period):
-            for book, key in self.books:
-                answer_queries(book, key)
+            self.answered += self.answer()
 
 
-def stop_site(people: PeopleAtTheOracles, processes: list[subprocess.Popen]) -> None:
+class PeopleAtTheOracles(BenchPeople):
+    """Each device's person answers its pending queries from its answer key, by class name, in its folder oracle."""
+
+    def __init__(self, fleet_dir: Path, states: list[Path], class_names: tuple[str, ...], period: float = 0.3):
+        super().__init__(period)
+        keys = [read_answer_key(device_dir(fleet_dir, n) / ANSWERS_FILE, class_names) for n in range(len(states))]
+        self.books = [(QueryBook(state / "labelling", class_names), key) for state, key in zip(states, keys)]
+
+    def answer(self) -> int:
+        """Every device's pending queries its key knows."""
+        return sum(answer_queries(book, key) for book, key in self.books)
+
+
+def scene_key(fleet_dir: Path, devices: int, class_names: tuple[str, ...]) -> dict[str, int]:
+    """sha256 (hex) of each pool file's bytes -> its class: how the bench's person knows a scene by sight (a query's
+    image is the file as the camera wrote it)."""
+    key = {}
+    for number in range(devices):
+        pool = device_dir(fleet_dir, number) / POOL_DIR
+        for name, label in read_answer_key(device_dir(fleet_dir, number) / ANSWERS_FILE, class_names).items():
+            key[hashlib.sha256((pool / name).read_bytes()).hexdigest()] = label
+    return key
+
+
+class PeopleAtThePage(BenchPeople):
+    """One person at the fleet's labelling page (the coordinator's dashboard at `url`, `/label`): through the page's
+    own HTTP API and with the dashboard's token, as the page's script in a browser calls it, they take the next
+    query, look at its image, answer its scene's class (or skip an image they do not know), until none is open.
+    Each poll also keeps the coordinator's device table (`/api/devices`: the predictions devices published), and
+    the last refusal it met (for a run that went wrong: a wrong token's 401 would otherwise only show as no labels)."""
+
+    def __init__(self, fleet_dir: Path, devices: int, class_names: tuple[str, ...], url: str, token: str):
+        super().__init__()
+        self.key = scene_key(fleet_dir, devices, class_names)
+        self.url, self.token = url.rstrip("/"), token
+        self.person = "bench-person"
+        self.devices: list[dict[str, Any]] = []
+        self.last_refusal = ""
+
+    def call(self, path: str, body: dict[str, Any] | None = None) -> bytes:
+        """One request to the dashboard with the token (a POST with a JSON body); its reply's bytes. urllib's
+        errors (refused before the page serves or after the run, an HTTP error status) are OSErrors."""
+        headers = {"Authorization": f"Bearer {self.token}"}
+        data = None if body is None else json.dumps(body).encode()
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        request = urllib.request.Request(self.url + path, data=data, headers=headers)
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.read()
+
+    def answer(self) -> int:
+        """The open queries, one after another as the page shows them; how many were answered. A refused request
+        (the coordinator not yet or no longer serving, a query answered meanwhile: 409) ends this pass."""
+        answered = 0
+        try:
+            self.devices = json.loads(self.call("/api/devices"))["devices"]
+            shown = json.loads(self.call(f"/api/label/next?person={self.person}"))["query"]
+            while shown is not None and not self.stopped.is_set():
+                label = self.key.get(hashlib.sha256(self.call(shown["image"])).hexdigest())
+                form = {"device": shown["device"], "query_id": shown["query_id"], "person": self.person}
+                path = "/api/label/skip" if label is None else "/api/label/answer"
+                shown = json.loads(self.call(path, form if label is None else {**form, "label": label}))["query"]
+                answered += 0 if label is None else 1
+        # urllib.error.URLError and HTTPError are OSErrors: the page refused or is not there; the next pass asks again
+        except OSError as refused:
+            self.last_refusal = str(refused)[:200]
+        return answered
+
+
+def stop_site(people: BenchPeople, processes: list[subprocess.Popen]) -> None:
     """Stops the bench's people and kills whatever of the site's processes still runs (a run's last step, also when
     it failed)."""
     people.stopped.set()

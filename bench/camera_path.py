@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import secrets
 import shlex
 import subprocess
 import sys
@@ -10,7 +11,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.camera_fleet import POOL_DIR, SERVER_FILE, SPEC_FILE, PeopleAtTheOracles, device_dir, stop_site
+from bench.camera_fleet import (
+    POOL_DIR,
+    SERVER_FILE,
+    SPEC_FILE,
+    BenchPeople,
+    PeopleAtTheOracles,
+    PeopleAtThePage,
+    device_dir,
+    stop_site,
+)
 from protocol.model_spec import load_model_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +53,31 @@ def with_values(words: Sequence[str], values: Mapping[str, str | None]) -> list[
 
 
 @dataclass(frozen=True)
+class CentralLabelling:
+    """The field loop's labelling on a site: the coordinator's dashboard (loopback, this port, this token) serves
+    the fleet's labelling page, devices send their queries there and publish their predictions."""
+
+    port: int
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+
+    @property
+    def url(self) -> str:
+        """The dashboard's address."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def coordinator_flags(self) -> tuple[str, ...]:
+        """What the coordinator adds: the dashboard with its token, the labelling queue, predictions published."""
+        return (
+            "--dashboard",
+            f"127.0.0.1:{self.port}",
+            "--dashboard-token",
+            self.token,
+            "--labelling",
+            "--publish-predictions",
+        )
+
+
+@dataclass(frozen=True)
 class CameraSite:
     """Where the guide's commands run on one machine: a fleet folder (bench.camera_fleet), a work folder, the
     broker's loopback port, the rounds and labels a round, and flags a sweep adds to either side."""
@@ -56,6 +91,14 @@ class CameraSite:
     coordinator_flags: tuple[str, ...] = ()
     agent_flags: tuple[str, ...] = field(default=("--settle-seconds", "0", "--scan-interval", "0.5"))
     profile: Path | None = PROFILE  # None: no board profile (a from-scratch model's devices train it all in torch)
+    central: CentralLabelling | None = None  # None: each device's person answers at its folder oracle
+
+    def people(self, class_names: tuple[str, ...]) -> BenchPeople:
+        """The bench's people: one person at the fleet's labelling page (central), else one at each device's
+        folder oracle."""
+        if self.central is not None:
+            return PeopleAtThePage(self.fleet_dir, self.devices, class_names, self.central.url, self.central.token)
+        return PeopleAtTheOracles(self.fleet_dir, [self.state_dir(n) for n in range(self.devices)], class_names)
 
     @property
     def run_dir(self) -> Path:
@@ -75,7 +118,8 @@ class CameraSite:
             **{"--wait-devices": count, "--min-devices": count, "--rounds": str(self.rounds)},
             "--labels-per-acquisition": str(self.labels),
         }
-        return [*with_values(guide_command("coordinator"), values), *self.coordinator_flags]
+        loop = () if self.central is None else self.central.coordinator_flags()
+        return [*with_values(guide_command("coordinator"), values), *self.coordinator_flags, *loop]
 
     def agent_command(self, number: int) -> list[str]:
         """The guide's `edge-agent run` of device NN: its camera folder, state folder, the fleet's spec, the board
@@ -86,7 +130,8 @@ class CameraSite:
             **{"--state-dir": str(self.state_dir(number)), "--model-spec": str(self.fleet_dir / SPEC_FILE)},
             "--profile": None if self.profile is None else str(self.profile),
         }
-        return [*with_values(guide_command("device"), values), *self.agent_flags]
+        loop = () if self.central is None else ("--labelling", "central")
+        return [*with_values(guide_command("device"), values), *self.agent_flags, *loop]
 
     def report_command(self) -> list[str]:
         """The guide's `fl-coordinator report` of this site's run."""
@@ -108,17 +153,18 @@ def broker_listening(out: Path, coordinator: subprocess.Popen, timeout: float) -
     return False
 
 
-def run_camera_site(site: CameraSite, timeout: float) -> list[int]:
+def run_camera_site(site: CameraSite, timeout: float, people: BenchPeople | None = None) -> list[int]:
     """The coordinator, then (once its broker listens) one agent per device by the guide's commands (logs in the
-    work folder: the coordinator's stdout in coordinator.out), with the bench's people answering, until all exit;
-    their exit codes (the coordinator's alone when it stopped before its broker listened)."""
+    work folder: the coordinator's stdout in coordinator.out), with the bench's people answering (the site's
+    own, unless given), until all exit; their exit codes (the coordinator's alone when it stopped before its
+    broker listened)."""
     names = tuple(load_model_spec(site.fleet_dir / SPEC_FILE).spec.class_names)
     for number in range(site.devices):
         site.state_dir(number).mkdir(parents=True, exist_ok=True)
     out = site.work / "coordinator.out"
     with open(out, "ab") as stdout, open(site.work / "coordinator.log", "ab") as log:
         processes = [subprocess.Popen(site.coordinator_command(), stdout=stdout, stderr=log)]
-    people = PeopleAtTheOracles(site.fleet_dir, [site.state_dir(n) for n in range(site.devices)], names)
+    people = site.people(names) if people is None else people
     try:
         if broker_listening(out, processes[0], timeout):
             for number in range(site.devices):

@@ -14,9 +14,17 @@ baseline row). A pretrained run also reports the centralised probe: a logistic r
 features of exactly the labels the run used (the server's W0 scenes and every device's answers), on the same
 test scenes.
 
+With `--loop` the run is the field loop (`make camera-demo`): the coordinator also serves its dashboard with a
+token, the fleet's labelling queue and page (`--labelling`) and asks devices for their predictions
+(`--publish-predictions`); devices run with `--labelling central` and predict every image with the serving model;
+the bench's person answers every query on the page through the same HTTP API the page's script calls (the
+dashboard's token, /api/label/next, the image, /api/label/answer), knowing each scene by its image. Each round's
+line says whether the promotion gate promoted it and which version serves; the summary prints the serving version,
+each device's predictions and the answers given on the page.
+
 Usage: python benchmarks/camera_bench.py [--backbones efficientnet-lite0 mobilenet] [--samplers random typical-then-balanced-margin]
        [--seeds 0] [--devices 4] [--per-class 50] [--rounds 5] [--labels 20] [--epochs 20] [--init-epochs 30]
-       [--max-message-bytes 262144] [--classes boot=9,bag=8,shirt=0,trouser=1,dress=3] [--out DIR] [--json]
+       [--max-message-bytes 262144] [--classes boot=9,bag=8,shirt=0,trouser=1,dress=3] [--out DIR] [--json] [--loop]
 """
 
 from __future__ import annotations
@@ -33,9 +41,19 @@ from typing import Any
 import numpy as np
 from label_efficiency import plot, summarise
 
-from bench.camera_console import RoundRow, footprint_peaks, round_line, round_rows, summary
-from bench.camera_fleet import BACKBONE_SPECS, POOL_DIR, SERVER_FILE, SPEC_FILE, FleetSettings, build_fleet, device_dir
-from bench.camera_path import CameraSite, run_camera_site
+from bench.camera_console import RoundRow, footprint_peaks, logged_predictions, round_line, round_rows, summary
+from bench.camera_fleet import (
+    BACKBONE_SPECS,
+    POOL_DIR,
+    SERVER_FILE,
+    SPEC_FILE,
+    BenchPeople,
+    FleetSettings,
+    PeopleAtThePage,
+    build_fleet,
+    device_dir,
+)
+from bench.camera_path import CameraSite, CentralLabelling, run_camera_site
 from bench.camera_scenes import DEFAULT_CLASSES, parse_classes
 from bench.probe import backbone_features, fit_probe, fleet_label_blocks, leading_rows, probe_accuracy
 from coordinator.fleet.broker import free_loopback_port
@@ -73,10 +91,14 @@ def run_fleet(args: argparse.Namespace, fleet_dir: Path, sampler: str, seed: int
     work = args.out / f"{spec.architecture}-{sampler}-seed{seed}"
     work.mkdir(parents=True, exist_ok=True)
     flags = sweep_flags(args, sampler, seed)
-    site = CameraSite(fleet_dir, work, free_loopback_port(), args.devices, args.rounds, args.labels, flags)
+    central = CentralLabelling(free_loopback_port()) if args.loop else None
+    site = CameraSite(
+        fleet_dir, work, free_loopback_port(), args.devices, args.rounds, args.labels, flags, central=central
+    )
     site = site if spec.pretrained else dataclasses.replace(site, profile=None)
+    people = site.people(tuple(spec.class_names))
     started = time.perf_counter()
-    codes = run_camera_site(site, WAIT_SECONDS)
+    codes = run_camera_site(site, WAIT_SECONDS, people)
     states = [site.state_dir(number) for number in range(args.devices)]
     report = subprocess.run(
         [sys.executable, "-m", "coordinator", "report", str(site.run_dir)], capture_output=True, text=True, check=True
@@ -92,12 +114,27 @@ def run_fleet(args: argparse.Namespace, fleet_dir: Path, sampler: str, seed: int
         **curve(site.run_dir),
         "device_peak_rss_mb": [max(footprint_peaks(log).values(), default=0.0) for log in logs.values()],
         "seconds": round(time.perf_counter() - started, 1),
+        **served(site, people),
     }
     if spec.pretrained:
         probe = centralised_probe(args, fleet_dir, spec, states, seed, rows)
         rows = [dataclasses.replace(row, probe_accuracy=value) for row, value in zip(rows, probe.pop("by_round"))]
         result.update(probe)
     return {**result, "rounds": [dataclasses.asdict(row) for row in rows]}
+
+
+def served(site: CameraSite, people: BenchPeople) -> dict[str, Any]:
+    """What the fleet serves after the run: the serving version (0: W0), each device's predictions (its log's
+    lines); with central labelling, the answers the bench's person gave on the page and each device's predictions
+    the coordinator was sent (its /api/devices, last read during the run)."""
+    with RunStore(site.run_dir, read_only=True) as store:
+        version = store.serving.serving_version()
+    logged = {f"cam-{n}": len(logged_predictions(site.state_dir(n))) for n in range(site.devices)}
+    result: dict[str, Any] = {"serving_version": version, "predictions": logged}
+    if isinstance(people, PeopleAtThePage):
+        published = {row["device_id"]: (row["predictions"] or {}).get("total", 0) for row in people.devices}
+        result.update(page_answers=people.answered, predictions_published=published)
+    return result
 
 
 def centralised_probe(
@@ -155,6 +192,12 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=Path("runs") / f"camera-bench-{time.strftime('%Y%m%d-%H%M%S')}")
     parser.add_argument("--json", action="store_true", help="one JSON line per run and the summary, for machines")
+    parser.add_argument(
+        "--loop",
+        action="store_true",
+        help="the field loop: the coordinator's dashboard serves the fleet's labelling page (--labelling) and asks for "
+        "predictions, devices label centrally, the bench's person answers on the page through its HTTP API",
+    )
     args = parser.parse_args()
     dataset, runs = load_fashion_mnist(), []
     total = len(args.backbones) * len(args.seeds) * len(args.samplers)

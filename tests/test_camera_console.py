@@ -11,6 +11,8 @@ from run_records import DEVICES, fill_store
 
 from bench.camera_console import SUMMARY_HEADERS, footprint_peaks, round_line, round_rows, summary, table
 from bench.probe import leading_rows
+from coordinator.storage.serving_history import GATE, HELD, PROMOTED, ServingDecision
+from coordinator.storage.store import RunStore
 from edge_agent.loop.footprint import PhaseMeter
 from protocol.logs import LOG_FORMAT
 
@@ -73,6 +75,30 @@ def test_a_round_line_splits_the_labels_between_server_and_devices(tmp_path: Pat
         "round  2/5  labels  220 (server 100 + devices 120)  accuracy 0.7000  probe 0.8123  "
         "slowest dev-02 peak 180 MB  12.5s"
     )
+
+
+def test_a_round_line_ends_with_the_gates_decision_and_the_serving_version(tmp_path: Path) -> None:
+    fill_store(tmp_path / "run")
+    with RunStore(tmp_path / "run") as store:
+        store.serving.record(lambda served: ServingDecision(1, PROMOTED, "accuracy 0.6000 is no worse", GATE))
+        store.serving.record(lambda served: ServingDecision(2, HELD, "class 3 recall fell", GATE))
+    rows = round_rows(tmp_path / "run", {})
+    assert [(row.gate, row.serving) for row in rows] == [(PROMOTED, 1), (HELD, 1)]
+    assert round_line(dataclasses.asdict(rows[0]), total_rounds=5).endswith("12.5s  promoted, serving round 1")
+    assert round_line(dataclasses.asdict(rows[1]), total_rounds=5).endswith("12.5s  held, serving round 1")
+
+
+def test_the_summary_names_what_each_fleet_serves_and_what_it_predicted(tmp_path: Path) -> None:
+    run = {
+        **dict.fromkeys(("backbone", "sampler", "report"), "x"),
+        **{"seed": 0, "labels": [10], "accuracy": [0.5], "device_peak_rss_mb": [100.0], "seconds": 1.0},
+        **{"serving_version": 0, "predictions": {"cam-0": 50, "cam-1": 48}},
+    }
+    central = {**run, "serving_version": 3, "page_answers": 40, "predictions_published": {"cam-0": 50, "cam-1": 48}}
+    lines = summary([run, central], tmp_path / "camera_bench.json").splitlines()
+    assert "serving (x, x, seed 0): W0; predictions per device: cam-0 50, cam-1 48" in lines
+    assert "serving (x, x, seed 0): round 3; predictions per device: cam-0 50, cam-1 48" in lines
+    assert "labelling page (x, x, seed 0): 40 answers; predictions published: cam-0 50, cam-1 48" in lines
 
 
 def test_the_summary_table_has_a_row_per_run_and_names_each_report(tmp_path: Path) -> None:

@@ -162,7 +162,7 @@ def test_api_follows_the_store_as_rounds_commit(tmp_path: Path) -> None:
 def test_api_answers_before_the_store_exists(tmp_path: Path) -> None:
     with Dashboard(ListenAddress("127.0.0.1", 0), tmp_path / "not-yet", LiveState(3), None) as dashboard:
         assert get_json(dashboard.url + "api/rounds") == (200, {"rounds": []})
-        assert get_json(dashboard.url + "api/devices") == (200, {"devices": []})
+        assert get_json(dashboard.url + "api/devices") == (200, {"devices": [], "labelling": None})
         run = get_json(dashboard.url + "api/run")[1]
         assert (run["phase"], run["round"], run["total_rounds"]) == ("starting", 0, 3)
     assert not (tmp_path / "not-yet").exists()

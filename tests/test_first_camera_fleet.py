@@ -1,4 +1,4 @@
-# The guide docs/first-camera-fleet.md, run as written: its coordinator and device commands on a generated fleet.
+# The guide docs/first-camera-fleet.md run as written (and with the field loop's flags) on a generated fleet.
 from __future__ import annotations
 
 import re
@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.camera_fleet import FleetSettings, build_fleet
-from bench.camera_path import CameraSite, guide_command, run_camera_site, with_values
+from bench.camera_console import logged_predictions
+from bench.camera_fleet import FleetSettings, PeopleAtThePage, build_fleet
+from bench.camera_path import CameraSite, CentralLabelling, guide_command, run_camera_site, with_values
 from bench.camera_scenes import parse_classes
 from coordinator.fleet.broker import free_loopback_port
 from coordinator.storage.store import RunStore
@@ -73,3 +74,34 @@ def test_the_guides_commands_train_a_fleet_of_other_classes(tmp_path: Path, fash
         assert 0.0 <= (store.config() or {})["w0_accuracy"] <= 1.0
         assert len(store.rounds()) == ROUNDS
     subprocess.run(site.report_command(), check=True, capture_output=True, timeout=120)
+
+
+@pytest.mark.integration
+def test_the_field_loop_labels_through_the_page_and_serves_a_version(tmp_path: Path, fashion: ImageDataset) -> None:
+    """The guide's commands with the field loop's flags: devices label centrally and predict, the bench's person
+    answers every query through the dashboard's labelling API with its token, and each round's gate decides."""
+    fleet_dir, devices = tmp_path / "fleet", 2
+    settings = FleetSettings(
+        devices, parse_classes(CLASSES), per_class=6, test_per_class=10, size=64, seed=3, server_per_class=8
+    )
+    build_fleet(fleet_dir, settings, fashion)
+    site = CameraSite(
+        fleet_dir, tmp_path, free_loopback_port(), devices, ROUNDS, 5, central=CentralLabelling(free_loopback_port())
+    )
+    people = site.people(tuple(c.name for c in settings.classes))
+    assert isinstance(people, PeopleAtThePage)
+    codes = run_camera_site(site, timeout=300, people=people)
+    out = (tmp_path / "coordinator.out").read_text()
+    assert codes == [0] * (devices + 1), out + (tmp_path / "coordinator.log").read_text()[-3000:]
+    assert people.answered == devices * 5 * ROUNDS, people.last_refusal
+    with RunStore(site.run_dir, read_only=True) as store:
+        decisions = [event for event in store.serving.events() if event.who == "gate"]
+        assert [event.round_id for event in decisions] == list(range(1, ROUNDS + 1))
+        assert {event.decision for event in decisions} <= {"promoted", "held"}
+        assert all(record.labels == 40 + devices * 5 * record.round_id for record in store.rounds())
+    for number in range(devices):
+        rows = logged_predictions(site.state_dir(number))
+        assert len({row["file"] for row in rows}) == settings.per_class * len(settings.classes)
+        assert {row["serving_version"] for row in rows} <= {0, *range(1, ROUNDS + 1)}
+    published = {row["device_id"]: (row["predictions"] or {}).get("total", 0) for row in people.devices}
+    assert published == {f"cam-{n}": settings.per_class * len(settings.classes) for n in range(devices)}

@@ -104,13 +104,13 @@ def test_the_dashboard_page_shows_each_devices_predictions(tmp_path: Path) -> No
     live.predictions_received(DEVICES[0], batch(DEVICES[0], 40, 10))
     script = (
         "return [...document.querySelectorAll('#devices tbody tr')]"
-        ".map(r => [...r.cells].slice(-3).map(c => c.textContent))"
+        ".map(r => [...r.cells].slice(-4).map(c => c.textContent))"
     )
     served = Dashboard(ListenAddress("127.0.0.1", 0), tmp_path / "run", live, None)
     with served as dashboard, headless_chromium(tmp_path / "chromium-profile") as browser:
         browser.open(dashboard.url)
         rows = wait_for(lambda: browser.evaluate(script) or None, 60, "the device table")
         shot = browser.screenshot(ARTIFACTS / "dashboard-predictions.png")
-    assert rows[0] == ["40", "person 50%, vehicle 50%", "25%"]
-    assert rows[1] == ["-", "-", "-"]
+    assert rows[0] == ["40", "person 50%, vehicle 50%", "25%", "-"]  # no labelling queue: its column a dash
+    assert rows[1] == ["-", "-", "-", "-"]
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -207,3 +208,15 @@ def test_the_labelling_command_exports_imports_and_refuses_bad_input_in_one_line
         assert main(["labelling", *arguments]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("fl-coordinator: "), lines
+
+
+def test_the_status_counts_open_queries_their_age_and_each_persons_last_hour(queue: LabelQueue) -> None:
+    for device, query_id in (("cam-1", "a"), ("cam-1", "b"), ("cam-2", "c")):
+        queue.add(query(device, query_id), device)
+    queue.answer("cam-2", "c", 1, "ana")
+    now = time.time()
+    status = queue.status(now + 30)
+    assert {device: count for device, (count, _) in status.open_by_device.items()} == {"cam-1": 2}
+    assert 30 <= status.open_by_device["cam-1"][1] < 60
+    assert status.answers_last_hour == {"ana": 1}
+    assert queue.status(now + 3700).answers_last_hour == {}

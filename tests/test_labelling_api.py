@@ -149,3 +149,18 @@ def test_a_run_serves_the_labelling_page_on_its_dashboard_beside_its_rounds(tmp_
     with Dashboard(ListenAddress("127.0.0.1", 0), settings.run_dir, None, TOKEN) as dashboard:
         with_labelling(rounds, settings, dashboard)(broker.address)
     assert heard == [("receipt", True), ("answer", 200), ("sent", 1)]
+
+
+def test_the_dashboard_and_metrics_show_the_queue_per_device_and_the_people(served) -> None:
+    url, _, _ = served
+    assert call(url + "api/label/answer", "POST", answer(), authorised())[0] == 200
+    status, body = call(url + "api/devices", headers=authorised())
+    view = json.loads(body)
+    row = next(row for row in view["devices"] if row["device_id"] == "cam-1")
+    assert status == 200 and row["label_queue"]["open"] == 1 and row["label_queue"]["oldest_age_seconds"] >= 0
+    assert view["labelling"] == {"open": 1, "people": [{"person": "ana", "answers_last_hour": 1}]}
+    status, body = call(url + "metrics", headers=authorised())
+    text = body.decode()
+    assert 'fl_labelling_open_queries{device="cam-1"} 1' in text
+    assert 'fl_labelling_oldest_open_seconds{device="cam-1"} ' in text
+    assert 'fl_labelling_answers_last_hour{person="ana"} 1' in text

@@ -47,6 +47,15 @@ def test_the_gate_holds_a_round_where_one_class_falls_too_far() -> None:
     assert held.reason == "class cat recall fell 6.0 points (0.8000 to 0.7400), more than 5"
 
 
+def test_a_fall_or_a_loss_of_exactly_the_bound_is_within_it_despite_float_rounding() -> None:
+    """0.89 - 0.84 is 0.05000000000000004 in floats: the camera demo's 100 test images a class make drops of exactly
+    the bound common, and they must not hold a round; neither must an accuracy exactly at the tolerance's floor."""
+    gate = PromotionGate(tolerance_points=0.5, max_class_drop_points=5.0)
+    assert verdict(gate, scores(0.826, 0.84, 0.9, 0.9), scores(0.822, 0.89, 0.9, 0.9), NAMES).promote
+    assert verdict(gate, scores(0.741), scores(0.746), NAMES).promote
+    assert not verdict(gate, scores(0.826, 0.83, 0.9, 0.9), scores(0.822, 0.89, 0.9, 0.9), NAMES).promote
+
+
 def test_the_gate_judges_unmeasured_and_abandoned_rounds() -> None:
     gate = PromotionGate()
     assert not verdict(gate, ModelScores(0.9, abandoned=True), scores(0.1), NAMES).promote

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from coordinator.dashboard.live import Counters
+from coordinator.labelling.queue import QueueStatus
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -66,6 +67,28 @@ def prediction_metrics(counters: Counters, predictions: dict[str, dict]) -> list
     )
 
 
+def labelling_metrics(status: QueueStatus) -> list[str]:
+    """The labelling queue's families: per device its open queries and the oldest one's age, per person the answers
+    given in the last hour."""
+    devices = [(f'{{device="{escape_label(device)}"}}', value) for device, value in status.open_by_device.items()]
+    people = [(f'{{person="{escape_label(person)}"}}', count) for person, count in status.answers_last_hour.items()]
+    return (
+        metric(
+            "fl_labelling_open_queries",
+            "gauge",
+            "Open queries of a device in the fleet's labelling queue.",
+            [(label, count) for label, (count, _) in devices],
+        )
+        + metric(
+            "fl_labelling_oldest_open_seconds",
+            "gauge",
+            "Seconds since the queue received a device's oldest open query.",
+            [(label, float(age)) for label, (_, age) in devices],
+        )
+        + metric("fl_labelling_answers_last_hour", "gauge", "Answers a person gave in the last hour.", people)
+    )
+
+
 def render_metrics(
     counters: Counters,
     devices_online: int,
@@ -73,10 +96,11 @@ def render_metrics(
     *,
     serving_version: int = 0,
     predictions: dict[str, dict] | None = None,
+    labelling: QueueStatus | None = None,
 ) -> str:
     """The /metrics body: rounds, updates by outcome (rejections by reason), devices online, aggregation, bytes, the
-    serving version, and the devices' predictions once any came in (a fleet whose serving message does not ask for
-    them has none)."""
+    serving version, the devices' predictions once any came in (a fleet whose serving message does not ask for
+    them has none), and the labelling queue when the coordinator keeps one."""
     rejected = [
         (f'{{reason="{escape_label(kind)}"}}', count) for kind, count in sorted(counters.rejected_by_kind.items())
     ]
@@ -112,6 +136,8 @@ def render_metrics(
     )
     if counters.predictions_received or counters.predictions_refused:
         lines += prediction_metrics(counters, predictions or {})
+    if labelling is not None:
+        lines += labelling_metrics(labelling)
     if counters.dp_epsilon is not None:
         lines += metric(
             "fl_dp_epsilon_spent",

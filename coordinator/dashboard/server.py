@@ -11,6 +11,7 @@ import re
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -29,10 +30,12 @@ from coordinator.dashboard.views import (
     devices_view,
     divergence_view,
     json_safe,
+    labelling_view,
     rounds_view,
     run_view,
 )
 from coordinator.labelling.desk import LabellingDesk
+from coordinator.labelling.queue import QueueStatus
 from coordinator.storage.serving_history import serving_stack
 from protocol.errors import UsageError
 from protocol.files import atomic_write_bytes
@@ -210,7 +213,8 @@ class DashboardHandler(BaseHTTPRequestHandler):
         if path == "/api/run":
             return HTTPStatus.OK, run_view(snapshot, live)
         if path == "/api/devices":
-            return HTTPStatus.OK, {"devices": devices_view(snapshot, live)}
+            status = self.queue_status()
+            return HTTPStatus.OK, {"devices": devices_view(snapshot, live, status), "labelling": labelling_view(status)}
         if path == "/api/rounds":
             return HTTPStatus.OK, {"rounds": rounds_view(snapshot)}
         match = ROUND_PATH.fullmatch(path)
@@ -234,7 +238,13 @@ class DashboardHandler(BaseHTTPRequestHandler):
             live.progress()["round"],
             serving_version=serving,
             predictions=live.predictions(),
+            labelling=self.queue_status(),
         )
+
+    def queue_status(self) -> QueueStatus | None:
+        """The labelling queue's depth, ages and people now (None without a queue)."""
+        desk = self.server.labelling
+        return None if desk is None else desk.queue.status(time.time())
 
     def send_json(self, status: HTTPStatus, body: dict, headers: dict[str, str] | None = None) -> None:
         """Sends body as strict JSON (non-finite numbers become null)."""

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from coordinator.dashboard.live import LiveState
+from coordinator.labelling.queue import QueueStatus
 from coordinator.rounds.closing import DEVICE_EPSILON
 from coordinator.storage.serving_history import HELD, ServingEvent, serving_stack
 from coordinator.storage.store import AGGREGATE_CHANGE, DeviceRoundRecord, RoundRecord, RunStore, stored_spec
@@ -236,15 +237,17 @@ def last_answer_from_store(accepted: list[DeviceRoundRecord], rejections: list[R
     return max(candidates, key=lambda answer: float(answer["answered_at"]), default=None)  # type: ignore[arg-type]
 
 
-def devices_view(snapshot: RunSnapshot, live: LiveState | None) -> list[dict]:
+def devices_view(snapshot: RunSnapshot, live: LiveState | None, queue: QueueStatus | None = None) -> list[dict]:
     """One row per device: presence, last seen, profile, rounds joined, labelled count and class histogram of its
-    latest accepted update, its latest local accuracy, its last update's size and ack, and its predictions (per
-    hour, class mix, uncertain share, drift; None when it has published none to this coordinator)."""
+    latest accepted update, its latest local accuracy, its last update's size and ack, its predictions (per
+    hour, class mix, uncertain share, drift; None when it has published none to this coordinator), and its open
+    queries in the fleet's labelling queue with the oldest one's age (None without a queue)."""
     present = live.devices() if live else {}
+    waiting = {} if queue is None else queue.open_by_device
     accepted_by_device = grouped((r for r in snapshot.device_rounds if r.accepted), lambda r: r.device_id)
     rejections_by_device = grouped(snapshot.rejections, lambda rejection: rejection[1])
     rows = []
-    for device in sorted(set(accepted_by_device) | set(rejections_by_device) | set(present)):
+    for device in sorted(set(accepted_by_device) | set(rejections_by_device) | set(present) | set(waiting)):
         records = accepted_by_device.get(device, [])
         latest = records[-1] if records else None
         presence = present.get(device, {})
@@ -264,9 +267,27 @@ def devices_view(snapshot: RunSnapshot, live: LiveState | None) -> list[dict]:
                 "last_update": presence.get("last_update")
                 or last_answer_from_store(records, rejections_by_device.get(device, [])),
                 "predictions": presence.get("predictions"),
+                "label_queue": None if queue is None else label_queue_view(*waiting.get(device, (0, 0.0))),
             }
         )
     return rows
+
+
+def label_queue_view(open_queries: int, oldest_age: float) -> dict:
+    """A device's share of the labelling queue: its open queries and the oldest one's age (None when none is open)."""
+    return {"open": open_queries, "oldest_age_seconds": round(oldest_age, 1) if open_queries else None}
+
+
+def labelling_view(queue: QueueStatus | None) -> dict | None:
+    """The fleet's labelling queue at a glance: open queries in all, and each person's answers in the last hour
+    (most first); None when the coordinator keeps no queue."""
+    if queue is None:
+        return None
+    people = sorted(queue.answers_last_hour.items(), key=lambda item: (-item[1], item[0]))
+    return {
+        "open": sum(count for count, _ in queue.open_by_device.values()),
+        "people": [{"person": person, "answers_last_hour": count} for person, count in people],
+    }
 
 
 def rounds_view(snapshot: RunSnapshot) -> list[dict]:

@@ -116,6 +116,15 @@ def image_refusal(image: bytes, media_type: str, limits: QueueLimits) -> QueueRe
     return None
 
 
+@dataclass(frozen=True)
+class QueueStatus:
+    """The queue at a glance: per device its open queries and the oldest one's age (seconds since the queue received
+    it), and per person the answers they gave in the last hour (the fleet's labelling rate)."""
+
+    open_by_device: dict[str, tuple[int, float]]
+    answers_last_hour: dict[str, int]
+
+
 class LabelQueue:
     """RUN_DIR/labelling/: queue.sqlite (queries, votes, skips; every write one durable transaction) and
     images/<device>/<query id>.<ext>. A query is decided when one label holds a majority of `voters` votes (1: the
@@ -308,6 +317,20 @@ class LabelQueue:
         with self._lock:
             rows = self._conn.execute("SELECT device, COUNT(*) FROM queries WHERE label IS NULL GROUP BY device")
             return {str(device): int(count) for device, count in rows}
+
+    def status(self, now: float) -> QueueStatus:
+        """Open queries and the oldest one's age per device, and answers per person in the hour before `now`."""
+        with self._lock:
+            open_rows = self._conn.execute(
+                "SELECT device, COUNT(*), MIN(received_at) FROM queries WHERE label IS NULL GROUP BY device"
+            ).fetchall()
+            people = self._conn.execute(
+                "SELECT person, COUNT(*) FROM votes WHERE voted_at > ? GROUP BY person", (now - 3600.0,)
+            ).fetchall()
+        return QueueStatus(
+            {str(device): (int(count), max(0.0, now - float(oldest))) for device, count, oldest in open_rows},
+            {str(person): int(count) for person, count in people},
+        )
 
     def close(self) -> None:
         """Closes the database."""

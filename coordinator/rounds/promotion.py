@@ -9,6 +9,9 @@ from protocol.errors import UsageError
 DEFAULT_TOLERANCE_POINTS = 0.5
 DEFAULT_MAX_CLASS_DROP_POINTS = 5.0
 ABANDONED = "abandoned"  # a secure round's outcome in its metrics when its sum was refused
+# Points a comparison forgives for float rounding: a class that fell exactly the bound (0.89 to 0.84 is
+# 5.000000000000004 points in floats), or a round exactly at the tolerance's floor, is within it.
+ROUNDING_POINTS = 1e-6
 
 
 @dataclass(frozen=True)
@@ -73,14 +76,14 @@ def verdict(gate: PromotionGate, candidate: ModelScores, serving: ModelScores, c
     if serving.accuracy is None:
         return Verdict(True, f"accuracy {candidate.accuracy:.4f}; the serving model was not measured")
     floor = serving.accuracy - gate.tolerance_points / 100.0
-    if candidate.accuracy < floor:
+    if points(candidate.accuracy - floor) < -ROUNDING_POINTS:
         return Verdict(
             False,
             f"accuracy {candidate.accuracy:.4f} is below the serving model's {serving.accuracy:.4f} "
             f"less {gate.tolerance_points:g} points",
         )
     drop = largest_class_drop(candidate.per_class, serving.per_class)
-    if drop is not None and drop[1] > gate.max_class_drop_points:
+    if drop is not None and drop[1] > gate.max_class_drop_points + ROUNDING_POINTS:
         index, fell = drop
         name = class_names[index] if index < len(class_names) else str(index)
         return Verdict(

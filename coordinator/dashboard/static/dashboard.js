@@ -88,8 +88,25 @@ function drawDevices(devices) {
     else if (update.accepted) cell(row, "accepted", "accepted");
     else cell(row, "rejected: " + update.reason, "rejected");
     drawPredictions(row, device.predictions);
+    drawQueue(row, device.label_queue);
     body.appendChild(row);
   }
+}
+
+// A device's open queries in the fleet's labelling queue and how long the oldest has waited ("-" without a queue).
+function drawQueue(row, queue) {
+  if (!queue) cell(row, "-");
+  else if (!queue.open) cell(row, "0 open");
+  else cell(row, `${queue.open} open, oldest ${ago(Date.now() / 1000 - queue.oldest_age_seconds)}`);
+}
+
+// Who labels the fleet: each person's answers in the last hour (hidden when the coordinator keeps no queue).
+function drawLabellers(labelling) {
+  const note = document.getElementById("labellers");
+  note.hidden = !labelling;
+  if (!labelling) return;
+  const people = labelling.people.map(person => `${person.person} ${person.answers_last_hour}`).join(", ");
+  note.textContent = `labelling queue: ${labelling.open} open; answers in the last hour: ${people || "none"}`;
 }
 
 // A line chart of series [{name, colour, points: [[x, y], ...]}] into an <svg> with a 480x260 viewBox.
@@ -245,6 +262,7 @@ async function refresh() {
     document.getElementById("divergence-source").hidden = run.secure.divergence_source !== "aggregate";
     drawMethods(run.methods);
     drawDevices(devices.devices);
+    drawLabellers(devices.labelling);
     drawAccuracy(rounds.rounds);
     drawTimeline(rounds.rounds);
     const round = fillRoundChoice(rounds.rounds);
