@@ -38,7 +38,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agent_footprint import idle_after  # noqa: E402
+from agent_footprint import footprint_lines, idle_after  # noqa: E402
 
 from coordinator.fleet.broker import EmbeddedBroker  # noqa: E402
 from edge_agent.data.image_files import InputSpec  # noqa: E402
@@ -201,16 +201,6 @@ class RssSampler(threading.Thread):
             self.peak_kb = max([self.peak_kb, *rss])
 
 
-def footprints(log_file: Path) -> list[dict[str, float]]:
-    """The agent's footprint lines (phase -> MB), in order."""
-    rows = []
-    for line in log_file.read_text(errors="replace").splitlines():
-        if "footprint round=" in line:
-            fields = line.split("peak_rss_mb ", 1)[1].split()
-            rows.append({key: float(value) for key, value in (field.split("=") for field in fields)})
-    return rows
-
-
 def logged_predictions(state: Path) -> int:
     """Lines in the agent's predictions log."""
     segments = PredictionLog(state / PREDICTIONS_FOLDER, 1).segments()
@@ -258,7 +248,7 @@ def rounds(
         "predicted": predicted,
         "overall_peak_mb": final.peak_rss_mb,
         "sampled_peak_mb": round(sampler.peak_kb / 1024, 1),
-        "rounds": footprints(log_file),
+        "rounds": footprint_lines(log_file),
         "seconds": round(time.monotonic() - started, 1),
     }
 
