@@ -46,13 +46,14 @@ def run_server(
     device_wait_timeout: float = 60.0,
     observer: RoundObserver | None = None,
     dead_devices: Callable[[], set[str]] = set,
-    say: Callable[[str], None] | None = None,
+    say: Callable[[str], None] = log.info,
 ) -> Weights:
     """Runs (or resumes) the whole run against the broker at `address`; returns the final global model.
 
     `observer` (e.g. the dashboard's live state) hears presence, acks and round boundaries as they happen.
     `dead_devices` names devices known to be gone for good (the bench's crashed agents): no round waits for them.
-    `say` hears the start-up lines a person reads (W0's test accuracy, measured once and kept in the store).
+    `say` hears the start-up lines a person reads (W0's test accuracy, measured once and kept in the store; logged
+    when no one reads them).
     """
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
@@ -66,9 +67,7 @@ def run_server(
         rules = round_rules(settings, authenticator, encoder)
         parts = round_parts(settings, data, store, session, run_id, encoder, observer or RoundObserver(), dead_devices)
         coordinator = make_coordinator(settings, session, rules, parts)
-        measured = w0_accuracy(store, parts.closer.evaluator, weights, first_round)
-        if say is not None:
-            say(w0_line(measured, len(data.init_indices)))
+        say(w0_line(w0_accuracy(store, parts.closer.evaluator, weights, first_round), len(data.init_indices)))
         session.connect()
         coordinator.start()
         if wait_for_devices:

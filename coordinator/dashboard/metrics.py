@@ -23,18 +23,25 @@ def metric(name: str, kind: str, help_text: str, samples: Sequence[tuple[str, fl
     ]
 
 
+def device_prediction_samples(predictions: dict[str, dict]) -> dict[str, list[tuple[str, float]]]:
+    """Per device, the samples of each predictions gauge: the last hour's count, the uncertain share (where any),
+    the drift flag and, per class, the predicted class mix."""
+    samples: dict[str, list[tuple[str, float]]] = {"per_hour": [], "uncertain": [], "drift": [], "mix": []}
+    for device, summary in predictions.items():
+        label = f'device="{escape_label(device)}"'
+        samples["per_hour"].append((f"{{{label}}}", summary["per_hour"]))
+        if summary["uncertain_share"] is not None:
+            samples["uncertain"].append((f"{{{label}}}", float(summary["uncertain_share"])))
+        samples["drift"].append((f"{{{label}}}", int(summary["drift"])))
+        for name, fraction in summary["class_mix"].items():
+            samples["mix"].append((f'{{{label},class="{escape_label(name)}"}}', float(fraction)))
+    return samples
+
+
 def prediction_metrics(counters: Counters, predictions: dict[str, dict]) -> list[str]:
     """The predictions' families: totals, and per device the last hour's count, the uncertain share, the drift flag
     and the predicted class mix (over the hours the coordinator keeps)."""
-    per_device: dict[str, list[tuple[str, float]]] = {"per_hour": [], "uncertain": [], "drift": [], "mix": []}
-    for device, summary in predictions.items():
-        label = f'device="{escape_label(device)}"'
-        per_device["per_hour"].append((f"{{{label}}}", summary["per_hour"]))
-        if summary["uncertain_share"] is not None:
-            per_device["uncertain"].append((f"{{{label}}}", float(summary["uncertain_share"])))
-        per_device["drift"].append((f"{{{label}}}", int(summary["drift"])))
-        for name, fraction in summary["class_mix"].items():
-            per_device["mix"].append((f'{{{label},class="{escape_label(name)}"}}', float(fraction)))
+    per_device = device_prediction_samples(predictions)
     return (
         metric(
             "fl_predictions_received_total",
