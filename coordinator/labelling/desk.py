@@ -11,11 +11,11 @@ from collections import Counter
 from coordinator.labelling.queue import Decided, LabelQueue
 from protocol import label_messages, topics, wire
 from protocol.mqtt import IncomingMessage, MqttSession
+from protocol.resend import ResendSchedule
 
 log = logging.getLogger(__name__)
 
 RESEND_SECONDS = 30.0
-MAX_RESEND_SECONDS = 3600.0
 
 
 class LabellingDesk:
@@ -30,9 +30,8 @@ class LabellingDesk:
         self.fleet = fleet
         self.session = session
         self.queue = queue
-        self.resend_seconds = resend_seconds
         self.refusals: Counter[str] = Counter()
-        self._next: dict[tuple[str, str], tuple[float, float]] = {}
+        self.resends: ResendSchedule[tuple[str, str]] = ResendSchedule(resend_seconds)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="labelling-desk", daemon=True)
@@ -57,9 +56,7 @@ class LabellingDesk:
         answer = label_messages.LabelAnswer(decided.query_id, decided.label, decided.answered_by, decided.answered_at)
         key = (decided.device, decided.query_id)
         with self._lock:
-            previous = self._next.get(key)
-            wait = self.resend_seconds if previous is None else min(previous[1] * 2, MAX_RESEND_SECONDS)
-            self._next[key] = (time.monotonic() + wait, wait)
+            self.resends.sent(key)
         topic = topics.LABEL_ANSWERS.build(fleet=self.fleet, device=decided.device)
         self.session.publish(topic, wire.encode(answer))
         log.info("answer sent device=%s query=%s label=%d", decided.device, decided.query_id, decided.label)
@@ -100,7 +97,7 @@ class LabellingDesk:
             return
         if receipt.device_id == device and self.queue.delivered(device, receipt.query_id):
             with self._lock:
-                self._next.pop((device, receipt.query_id), None)
+                self.resends.settle((device, receipt.query_id))
             log.info("answer stored on device=%s query=%s stored=%s", device, receipt.query_id, receipt.stored)
 
     def resend_due(self) -> None:
@@ -108,8 +105,8 @@ class LabellingDesk:
         now = time.monotonic()
         for decided in self.queue.undelivered():
             with self._lock:
-                due = self._next.get((decided.device, decided.query_id), (now, 0.0))[0]
-            if now >= due:
+                due = self.resends.due((decided.device, decided.query_id), now)
+            if due:
                 self.send(decided)
 
     def _serve(self) -> None:

@@ -17,12 +17,12 @@ from edge_agent.data.oracle import Guess
 from edge_agent.field.folder_oracle import FolderOracle, Query
 from protocol import label_messages, topics, wire
 from protocol.mqtt import IncomingMessage, MqttSession, PayloadTooLargeError
+from protocol.resend import ResendSchedule
 
 log = logging.getLogger(__name__)
 
 SCAN_SECONDS = 1.0
 RESEND_SECONDS = 30.0
-MAX_RESEND_SECONDS = 3600.0
 MEDIA_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}
 
 
@@ -65,8 +65,7 @@ class CentralLabelling:
         self.session: MqttSession | None = None
         self.oracle = oracle
         self.max_side = max_side
-        self.resend_seconds = resend_seconds
-        self.next_send: dict[str, tuple[float, float]] = {}
+        self.resends: ResendSchedule[str] = ResendSchedule(resend_seconds)
         self._stop = threading.Event()
         self._inbox: queue.Queue[IncomingMessage] = queue.Queue()
         self._thread = threading.Thread(target=self._serve, name="labelling-link", daemon=True)
@@ -112,16 +111,13 @@ class CentralLabelling:
                 store.note_reported(stored.query_id)
         now = time.monotonic()
         for query in self.oracle.book.queries():
-            due = self.next_send.get(query.query_id, (now, 0.0))[0]
-            if query.query_id not in queued and query.name not in answered and now >= due:
+            if query.query_id not in queued and query.name not in answered and self.resends.due(query.query_id, now):
                 self.send(session, query)
 
     def send(self, session: MqttSession, query: Query) -> None:
         """Publishes one query and schedules its resend; a query that cannot be sent (its copy gone or unreadable,
         its image beyond the queue's bound) is logged and settled: it stays answerable on the device's own roads."""
-        previous = self.next_send.get(query.query_id)
-        wait = self.resend_seconds if previous is None else min(previous[1] * 2, MAX_RESEND_SECONDS)
-        self.next_send[query.query_id] = (time.monotonic() + wait, wait)
+        self.resends.sent(query.query_id)
         guess = self.oracle.guesses.get(query.index, Guess(-1, 0.0, 0.0, 0.0))
         try:
             image, media_type = query_image(self.oracle.book.image_path(query), self.max_side)
@@ -151,7 +147,7 @@ class CentralLabelling:
             log.info("query waits for room in the queue query=%s", wire.shown(received.query_id))
         elif isinstance(received, label_messages.QueryReceipt):
             self.oracle.book.store.note_queued(received.query_id)
-            self.next_send.pop(received.query_id, None)
+            self.resends.settle(received.query_id)
             if not received.queued:
                 log.warning(
                     "query refused by the queue query=%s kind=%s", wire.shown(received.query_id), received.refusal[:32]

@@ -12,6 +12,7 @@ from protocol import messages, topics, wire
 from protocol.files import atomic_write_bytes
 from protocol.messages import RejectionKind
 from protocol.mqtt import MqttSession
+from protocol.resend import ResendSchedule, doubled_wait
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class Outbox:
 def next_resend_wait(previous: float | None) -> float:
     """Seconds until an unanswered update goes out again: RESEND_SECONDS after the first send, then twice the
     previous wait, at most MAX_RESEND_SECONDS."""
-    return RESEND_SECONDS if previous is None else min(previous * 2, MAX_RESEND_SECONDS)
+    return doubled_wait(previous, RESEND_SECONDS, MAX_RESEND_SECONDS)
 
 
 class UpdateSender:
@@ -90,7 +91,7 @@ class UpdateSender:
         self.settings = settings
         self.session = session
         self.outbox = Outbox(folder)
-        self._next_send: dict[str, tuple[float, float]] = {}
+        self.resends: ResendSchedule[str] = ResendSchedule(RESEND_SECONDS, MAX_RESEND_SECONDS)
 
     @property
     def topic(self) -> str:
@@ -109,9 +110,7 @@ class UpdateSender:
 
     def publish(self, entry: OutboxEntry, payload: bytes, wait: float | None = None) -> None:
         """Publishes one outbox entry's bytes and schedules its next resend (the wait doubling each time)."""
-        previous = self._next_send.get(entry.update_id)
-        resend_wait = next_resend_wait(None if previous is None else previous[1])
-        self._next_send[entry.update_id] = (time.monotonic() + resend_wait, resend_wait)
+        self.resends.sent(entry.update_id)
         fields = (self.settings.device_id, entry.round_id, entry.update_id)
         if self.session.publish(self.topic, payload, wait=wait):
             log.info("update published device=%s round=%d update=%s bytes=%d", *fields, len(payload))
@@ -122,7 +121,7 @@ class UpdateSender:
         """Publishes again every unanswered update whose resend time has come (all of them after a start)."""
         now = time.monotonic()
         for entry in self.outbox.pending():
-            if now >= self._next_send.get(entry.update_id, (now, 0.0))[0]:
+            if self.resends.due(entry.update_id, now):
                 log.info("update re-sent from the outbox round=%d update=%s", entry.round_id, entry.update_id)
                 self.publish(entry, entry.payload())
 
@@ -136,4 +135,4 @@ class UpdateSender:
             if ack.rejection in UNSETTLED_KINDS:
                 return
         if self.outbox.settle(ack.update_id):
-            self._next_send.pop(ack.update_id, None)
+            self.resends.settle(ack.update_id)
