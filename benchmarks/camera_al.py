@@ -68,20 +68,15 @@ from curves import sampler_and_options, summarise
 from bench.camera_scenes import parse_classes
 from coordinator.strategies.aggregate import ClientUpdate
 from coordinator.strategies.registry import make_strategy
+from edge_agent.learning.batch_samplers import PhasedSampler, TypicalitySampler
 from edge_agent.learning.efficientnet import FEATURES, EfficientNetLite0
 from edge_agent.learning.head_training import HeadSettings, softmax, train_classifier
+from edge_agent.learning.heuristics import COLD_START, AcquisitionContext, Embeddings
 from edge_agent.learning.local_rules import KeptLabels
 from edge_agent.learning.mc_scorer import DropoutSpec, mc_probabilities
 from edge_agent.learning.ort_scorer import DEFAULT_BATCH, TAIL_ROWS
 from edge_agent.learning.pretrained_backbone import initial_model
-from edge_agent.learning.sampling import (
-    COLD_START,
-    AcquisitionContext,
-    Embeddings,
-    PhasedSampler,
-    TypicalitySampler,
-    make_sampler,
-)
+from edge_agent.learning.sampling import make_sampler
 from protocol import messages
 
 CAMERA_DEFAULT = "typical-then-balanced-margin"

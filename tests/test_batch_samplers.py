@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from edge_agent.learning.acquisition_scores import bald_scores, entropy_scores, top_k
+from edge_agent.learning.batch_samplers import FastSampler, KsasSampler, PowerSampler
 from edge_agent.learning.batch_selection import (
     class_balanced_top_k,
     k_center_greedy,
@@ -14,15 +15,9 @@ from edge_agent.learning.batch_selection import (
     nearest_squared_distances,
     power_sample,
 )
+from edge_agent.learning.heuristics import AcquisitionContext, Embeddings
 from edge_agent.learning.local_data import LocalData, balanced_sample
-from edge_agent.learning.sampling import (
-    AcquisitionContext,
-    Embeddings,
-    FastSampler,
-    KsasSampler,
-    PowerSampler,
-    make_sampler,
-)
+from edge_agent.learning.sampling import make_sampler
 
 
 def test_power_sampling_with_a_huge_exponent_is_top_k() -> None:

@@ -15,12 +15,13 @@ from bench.oracle import SimulatedOracle
 from edge_agent.data.device_data import DeviceData, initialise_store
 from edge_agent.data.feature_cache import FEATURES_FOLDER, FeatureCache, content_digests
 from edge_agent.field.parts import PoolFeatures
+from edge_agent.learning.batch_samplers import BalancedMargin, TypicalitySampler
 from edge_agent.learning.bundle import Bundle, load_bundle
 from edge_agent.learning.learner_choice import make_learner
 from edge_agent.learning.local_data import training_view
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.learning.ort_scorer import OrtMCDropout
-from edge_agent.learning.sampling import BalancedMargin, TypicalitySampler, make_sampler
+from edge_agent.learning.sampling import make_sampler
 from edge_agent.loop.acquisition import Acquirer
 from edge_agent.loop.agent import LatestModel
 from edge_agent.loop.agent_settings import AgentSettings

@@ -71,6 +71,8 @@ TORCH_FREE = (
     "edge_agent.learning.learner_choice",
     "edge_agent.learning.local_rules",
     "edge_agent.learning.sampling",
+    "edge_agent.learning.heuristics",
+    "edge_agent.learning.batch_samplers",
     "edge_agent.learning.acquisition_scores",
     "edge_agent.learning.batch_selection",
     "edge_agent.learning.head_learner",

@@ -10,7 +10,8 @@ import pytest
 from bench.cli import main
 from coordinator.commands.method_flags import TABLE_BEGIN, TABLE_END, options_table
 from coordinator.dashboard.views import recipe_view
-from edge_agent.learning.sampling import SAMPLERS, AcquisitionContext, Sampler
+from edge_agent.learning.heuristics import AcquisitionContext, Sampler
+from edge_agent.learning.sampling import SAMPLERS
 from protocol import messages
 from protocol.options import Method, Option, Registry
 

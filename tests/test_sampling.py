@@ -11,17 +11,15 @@ from edge_agent.learning.acquisition_scores import (
     margin_scores,
     top_k,
 )
-from edge_agent.learning.sampling import (
-    SAMPLERS,
+from edge_agent.learning.heuristics import (
     BaldHeuristic,
     EntropyHeuristic,
     Heuristic,
     LeastConfidenceHeuristic,
     MarginHeuristic,
     RandomHeuristic,
-    heuristic_names,
-    make_heuristic,
 )
+from edge_agent.learning.sampling import SAMPLERS, heuristic_names, make_heuristic
 
 # r=2 passes, N=2 samples, C=3 classes; indexed [pass, sample, class].
 HAND_PROBS = np.array(

@@ -7,16 +7,10 @@ import numpy as np
 import pytest
 
 from edge_agent.learning.acquisition_scores import margin_scores, top_k
+from edge_agent.learning.batch_samplers import PhasedSampler, TypicalitySampler
 from edge_agent.learning.batch_selection import kmeans, principal_rows, typical_picks, typicality
-from edge_agent.learning.sampling import (
-    SAMPLERS,
-    AcquisitionContext,
-    Embeddings,
-    MarginHeuristic,
-    PhasedSampler,
-    TypicalitySampler,
-    make_sampler,
-)
+from edge_agent.learning.heuristics import AcquisitionContext, Embeddings, MarginHeuristic
+from edge_agent.learning.sampling import SAMPLERS, make_sampler
 
 
 def blobs(sizes: tuple[int, ...], width: int = 6, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -20,10 +20,11 @@ from edge_agent.field.label_ui import LabelServer, parse_listen_address
 from edge_agent.field.predicting import Known, PoolPredictions
 from edge_agent.field.stream import BudgetSettings, BudgetState, decide, default_burst, start_state
 from edge_agent.learning.head_learner import device_prefix
+from edge_agent.learning.heuristics import Heuristic
 from edge_agent.learning.learner import Learner
 from edge_agent.learning.learner_choice import make_learner
 from edge_agent.learning.predict import ServingModel
-from edge_agent.learning.sampling import Heuristic, make_sampler
+from edge_agent.learning.sampling import make_sampler
 from edge_agent.loop.agent import LatestModel
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.profile import DEFAULT_PREDICTIONS_LOG_MB, DeviceProfile
