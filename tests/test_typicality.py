@@ -1,14 +1,23 @@
-# TypiClust, balanced-margin and the phased samplers over small numpy arrays: clusters, typicality, picks, edges.
+# TypiClust, balanced-margin, level-margin and the phased samplers over small numpy arrays: clusters, typicality,
+# quotas, picks, edges.
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 
 import numpy as np
 import pytest
 
 from edge_agent.learning.acquisition_scores import margin_scores, top_k
-from edge_agent.learning.batch_samplers import PhasedSampler, TypicalitySampler
-from edge_agent.learning.batch_selection import kmeans, principal_rows, typical_picks, typicality
+from edge_agent.learning.batch_samplers import LevelMargin, PhasedSampler, TypicalitySampler
+from edge_agent.learning.batch_selection import (
+    kmeans,
+    level_quotas,
+    principal_rows,
+    quota_picks,
+    typical_picks,
+    typicality,
+)
 from edge_agent.learning.heuristics import AcquisitionContext, Embeddings, MarginHeuristic
 from edge_agent.learning.sampling import SAMPLERS, make_sampler
 
@@ -28,10 +37,13 @@ def context_of(
     options: dict[str, float] | None = None,
     labels_held: int = 0,
     classes: int = 3,
+    counts: np.ndarray | None = None,
 ) -> AcquisitionContext:
-    """An acquisition context over pool features, labelled features and (if given) MC-dropout probabilities."""
-    counts = np.zeros(classes)
-    counts[0] = labels_held
+    """An acquisition context over pool features, labelled features and (if given) MC-dropout probabilities; the
+    class counts given, or `labels_held` labels all of class 0."""
+    if counts is None:
+        counts = np.zeros(classes)
+        counts[0] = labels_held
     return AcquisitionContext(
         num_samples=len(features),
         rng=np.random.default_rng(5),
@@ -146,6 +158,40 @@ def test_balanced_margin_balances_a_skewed_predicted_mix_and_is_margin_otherwise
         context_of(np.zeros((50, 2)), probs=probabilities_predicting(skewed, 3), options={"balance_skew": 100}), 6
     )
     np.testing.assert_array_equal(never, top_k(margin_scores(probabilities_predicting(skewed, 3)), 6))
+
+
+def test_level_quotas_fill_the_emptiest_classes_first_and_skip_what_is_excluded() -> None:
+    assert level_quotas(np.array([5, 0, 2, 9]), 6).tolist() == [0, 4, 2, 0], "1 and 2 rise to 4 together"
+    assert level_quotas(np.array([1, np.inf, 0, 5]), 5).tolist() == [2, 0, 3, 0]
+    assert level_quotas(np.array([3, 3, 3]), 4).tolist() == [2, 1, 1], "a tie goes to the lower index"
+    assert level_quotas(np.array([1, 2]), 0).tolist() == [0, 0]
+    assert level_quotas(np.array([np.inf, np.inf]), 3).tolist() == [0, 0], "nothing to level: no quota"
+
+
+def test_quota_picks_take_the_predicted_by_score_then_the_most_probable_and_never_twice() -> None:
+    mean = np.array([[0.9, 0.1], [0.8, 0.2], [0.6, 0.4], [0.7, 0.3], [0.3, 0.7]])
+    scores = np.array([0.1, 0.5, 0.9, 0.3, 0.2])
+    picked = quota_picks(scores, mean, np.array([2, 3]))
+    assert picked.tolist() == [4, 2, 3, 1, 0], "class 1: its one predicted row, then the most probable of it"
+    assert len(set(picked.tolist())) == len(picked)
+    assert quota_picks(scores, mean, np.array([9, 0])).tolist() == [2, 1, 3, 0, 4], "the pool runs out"
+    assert quota_picks(scores[:0], mean[:0], np.array([1, 1])).shape == (0,)
+    with pytest.raises(ValueError, match="C quotas"):
+        quota_picks(scores, mean, np.array([1, 1, 1]))
+
+
+def test_level_margin_levels_the_counts_over_the_classes_the_pool_is_predicted_to_hold() -> None:
+    predicted = np.array([0] * 30 + [1] * 15 + [2] * 5)
+    probs = probabilities_predicting(predicted, 4)
+    context = context_of(np.zeros((50, 2)), probs=probs, classes=4, counts=np.array([6.0, 2.0, 0.0, 0.0]))
+    picked = make_sampler("level-margin").select(context, 6)
+    assert np.bincount(predicted[picked], minlength=4).tolist() == [0, 2, 4, 0], "class 3: no predicted sample"
+    scores = margin_scores(probs)
+    of_two = np.flatnonzero(predicted == 2)
+    assert set(picked[predicted[picked] == 2].tolist()) == set(of_two[np.argsort(-scores[of_two])][:4].tolist())
+    phased = make_sampler("typical-then-level-margin")
+    assert type(phased.phase(replace(context, class_counts=np.array([5.0, 4.0, 0.0, 0.0])))) is TypicalitySampler
+    assert type(phased.phase(replace(context, class_counts=np.array([5.0, 5.0, 0.0, 0.0])))) is LevelMargin
 
 
 def test_a_phased_sampler_runs_typiclust_below_first_labels_and_margin_after() -> None:

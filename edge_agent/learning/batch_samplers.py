@@ -21,9 +21,11 @@ from edge_agent.learning.batch_selection import (
     k_center_greedy,
     kmeans,
     kmeans_pp_outer,
+    level_quotas,
     nearest_squared_distances,
     power_sample,
     principal_rows,
+    quota_picks,
     typical_picks,
     typicality,
 )
@@ -223,6 +225,29 @@ class BalancedMargin(Sampler):
         return class_balanced_top_k(scores, predicted, budget, classes)
 
 
+class LevelMargin(Sampler):
+    """Quotas that level the device's label counts: each label of the batch in turn goes to the class with the
+    fewest (labels held plus quota so far) among the classes the pool is predicted to hold, and each class's quota is
+    filled by the samples predicted as it with the smallest margins, then, where too few are, by those most probably
+    of it. Where balanced-margin gives every predicted class an equal share, this one aims at the counts after the
+    batch, so a class the device holds few labels of gets more than one share."""
+
+    name = "level-margin"
+    summary = "per predicted class, quotas that level the device's label counts; in each, the smallest margins"
+
+    def score_pool(self, context: AcquisitionContext) -> np.ndarray:
+        """margin_scores of the pool's MC-dropout probabilities."""
+        return margin_scores(context.probabilities())
+
+    def select(self, context: AcquisitionContext, budget: int) -> np.ndarray:
+        """level_quotas of the class counts over the predicted classes, then quota_picks by margin."""
+        probs = context.probabilities()
+        mean = probs.mean(axis=0)
+        predicted = np.bincount(np.argmax(mean, axis=1), minlength=probs.shape[2])
+        quotas = level_quotas(np.where(predicted > 0, context.class_counts, np.inf), budget)
+        return quota_picks(margin_scores(probs), mean, quotas)
+
+
 class TypicalitySampler(Sampler):
     """TypiClust (Hacohen et al., ICML 2022): k-means of the pool and the human-labelled samples in the penultimate
     features (a head-only device's cached backbone rows), into as many clusters as labels after this batch (capped);
@@ -315,3 +340,11 @@ class TypicalThenBalancedMargin(PhasedSampler):
     name = "typical-then-balanced-margin"
     summary = "TypiClust for a device's first labels, then margin, class-balanced where the predicted mix is skewed"
     first, then = TypicalitySampler, BalancedMargin
+
+
+class TypicalThenLevelMargin(PhasedSampler):
+    """TypiClust for a device's first labels, then level-margin (quotas that level the label counts per class)."""
+
+    name = "typical-then-level-margin"
+    summary = "TypiClust for a device's first labels, then margin in quotas that level the label counts per class"
+    first, then = TypicalitySampler, LevelMargin

@@ -1,5 +1,5 @@
 # Batch-aware selections in pure numpy: stochastic power sampling, BADGE's k-means++, core-set's greedy k-center,
-# class-balanced top-k, TypiClust's k-means and typicality.
+# class-balanced top-k and quotas that level label counts, TypiClust's k-means and typicality.
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -194,3 +194,35 @@ def typical_picks(
         if len(queue) == 1:
             del queues[cluster]
     return np.asarray(picked, dtype=np.int64)
+
+
+def level_quotas(counts: np.ndarray, budget: int) -> np.ndarray:
+    """How many of a batch of `budget` each class gets so that the label counts after it are as level as they can
+    be (water-filling: each label in turn to the class with the fewest, the lower index on a tie); a class counted
+    inf gets none, and with every class inf the batch has no quota at all."""
+    counts = np.asarray(counts, dtype=np.float64)
+    quotas = np.zeros(len(counts), dtype=np.int64)
+    if not np.isfinite(counts).any():
+        return quotas
+    for _ in range(max(budget, 0)):
+        quotas[int(np.argmin(counts + quotas))] += 1
+    return quotas
+
+
+def quota_picks(scores: np.ndarray, mean_probs: np.ndarray, quotas: np.ndarray) -> np.ndarray:
+    """Each class's quota of samples, the largest quota first: the samples predicted (argmax of `mean_probs`) as
+    the class with the highest scores, then, where too few are left, those with the highest probability of it; no
+    sample twice, and fewer than asked only where the pool runs out."""
+    scores, mean_probs = np.asarray(scores, dtype=np.float64), np.asarray(mean_probs, dtype=np.float64)
+    if mean_probs.ndim != 2 or len(mean_probs) != len(scores) or len(quotas) != mean_probs.shape[1]:
+        raise ValueError(f"need (N, C) probabilities, N scores and C quotas; got {mean_probs.shape}, {scores.shape}")
+    predicted, order = np.argmax(mean_probs, axis=1), top_k(scores, len(scores))
+    free = np.ones(len(scores), dtype=bool)
+    picked: list[np.ndarray] = []
+    for c in np.argsort(-np.asarray(quotas), kind="stable"):
+        want = int(quotas[c])
+        for ranked in (order[predicted[order] == c], top_k(mean_probs[:, c], len(scores))):
+            take = ranked[free[ranked]][:want]
+            free[take], want = False, want - len(take)
+            picked.append(take)
+    return np.concatenate([np.zeros(0, np.int64), *picked]).astype(np.int64)

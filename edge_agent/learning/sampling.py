@@ -9,11 +9,13 @@ from edge_agent.learning.batch_samplers import (
     CoresetSampler,
     FastSampler,
     KsasSampler,
+    LevelMargin,
     PowerBald,
     PowerEntropy,
     PowerMargin,
     TypicalitySampler,
     TypicalThenBalancedMargin,
+    TypicalThenLevelMargin,
     TypicalThenMargin,
 )
 from edge_agent.learning.heuristics import (
@@ -44,9 +46,11 @@ for registered in (
     CoresetSampler,
     BalancedEntropy,
     BalancedMargin,
+    LevelMargin,
     TypicalitySampler,
     TypicalThenMargin,
     TypicalThenBalancedMargin,
+    TypicalThenLevelMargin,
 ):
     SAMPLERS.register(registered)
 
