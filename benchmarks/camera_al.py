@@ -4,7 +4,9 @@ scenes), its devices' pools and a separate balanced test set, embedded once by t
 ImageNet weights (pixels / 255, 1280 pooled features; on the GPU when torch sees one; cached under --work, keyed by
 the fleet and the spec's hash). The pools are balanced, or with --imbalance R their class frequencies fall
 geometrically from the commonest class to the rarest, R : 1, or with --long-tail ALPHA as a power law of the class's
-rank (share ~ rank^-ALPHA) (the same pool size; the new scenes it needs are rendered and embedded once). Each round
+rank (share ~ rank^-ALPHA) (the same pool size; the new scenes it needs are rendered and embedded once). With
+--dirichlet ALPHA the same scenes are dealt to the devices non-IID: each class's scenes in Dirichlet(ALPHA) shares
+over the devices (camera_al_fleet.redealt; pool sizes then differ). Each round
 every device scores its pool with the round's global head (the devices' MC-dropout loop, mc_scorer, over cached
 features), asks the sampler (SAMPLERS, through Sampler.choose: a sampler that needs the head draws uniformly until a
 device holds --labels labels, the cold start; one whose first choice needs no model, TypiClust first, chooses from
@@ -12,8 +14,13 @@ the first label), trains the head from the global one on every label it holds (h
 recipe's SGD, --epochs 20, and at least --min-steps SGD steps, a cold-start trial; kept-labels' logit adjustment
 --logit-adjustment 1, the camera path's), and the coordinator's FedAvg averages the heads by labelled-sample count.
 In the same run, per round: a centralised logistic regression (the same train_classifier, from zero, no dropout) on
-the same pooled labels and features; per seed, the all-labels ceiling (every pool label pooled). A sampler may carry recipe options after a
-colon (NAME:key=value,...), each spelling its own curve. --jobs runs seeds and samplers in that many processes.
+the same pooled labels and features; per seed, the all-labels ceiling (every pool label pooled). A sampler may carry
+recipe options after a colon (NAME:key=value,...), each spelling its own curve. Two spellings are the benchmark's own:
+"fleet:NAME" runs NAME with the fleet's label counts per class (the sum over the devices, what the coordinator sees
+in the updates) in place of the device's, scaled to the device's total, to measure fleet-level selection; and
+"oracle-balanced", not a sampler (it reads the answers), gives each device the labels that level its class counts,
+drawn uniformly within each class: the most that class balancing alone could buy. --jobs runs seeds and samplers in
+that many processes.
 
 Reported per sampler (over the seeds; the summary of curves.py):
   aulc      area under the learning curve: the mean test accuracy over the rounds; each round adds the same
@@ -23,8 +30,9 @@ Reported per sampler (over the seeds; the summary of curves.py):
   intervals per sampler, paired by seed with random (camera_al_stats): the AULC gain (points) and the share of
             random's labels needed to reach random's final accuracy, each with its 90% t-interval; the federated
             curve's gap to the centralised probe per round
-  must_hold the camera default's checks: the AULC gain's interval above +2 points (imbalanced) or -0.5
-            (balanced), reach <= 50% of random's labels, and the federated curve within 5 points of the probe
+  must_hold the camera default's checks (IID fleets; null with --dirichlet): the AULC gain's interval above +2
+            points (imbalanced) or -0.5 (balanced), reach <= 50% of random's labels, and the federated curve within
+            5 points of the probe
   final_class_recall   per class, the federated head's final test accuracy on that class's scenes (mean over seeds)
   ceiling_class_recall, ceiling_confusion   the same, and the confusion matrix, of the all-labels probe per seed
   selection_seconds    one acquisition of the camera default over 10000 cached rows (resampled from the pools),
@@ -34,7 +42,8 @@ Reported per sampler (over the seeds; the summary of curves.py):
 
 Usage: python benchmarks/camera_al.py [--seeds 0 1 2 3 4] [--samplers random margin ...] [--devices 4]
        [--per-class 150] [--test-per-class 100] [--rounds 10] [--labels 10] [--epochs 20] [--min-steps 0]
-       [--logit-adjustment 1] [--size 96] [--imbalance R | --long-tail ALPHA] [--classes NAME=SOURCE,...]
+       [--logit-adjustment 1] [--size 96] [--imbalance R | --long-tail ALPHA] [--dirichlet ALPHA]
+       [--classes NAME=SOURCE,...]
        [--jobs N] [--work DIR] [--figures DIR] [--setting NAME] [--features-only]
        (JSON on stdout, progress on stderr; camera_al_sweep.sh runs the must-hold settings)
 """
@@ -61,6 +70,7 @@ from camera_al_fleet import (
     lite0_spec,
     mixed_features,
     progress,
+    redealt,
 )
 from camera_al_stats import TABLE_HEAD, figures, intervals, table
 from curves import sampler_and_options, summarise
@@ -69,6 +79,7 @@ from bench.camera_scenes import parse_classes
 from coordinator.strategies.aggregate import ClientUpdate
 from coordinator.strategies.registry import make_strategy
 from edge_agent.learning.batch_samplers import PhasedSampler, TypicalitySampler
+from edge_agent.learning.batch_selection import level_quotas
 from edge_agent.learning.efficientnet import FEATURES, EfficientNetLite0
 from edge_agent.learning.head_training import HeadSettings, softmax, train_classifier
 from edge_agent.learning.heuristics import COLD_START, AcquisitionContext, Embeddings
@@ -80,6 +91,8 @@ from edge_agent.learning.sampling import make_sampler
 from protocol import messages
 
 CAMERA_DEFAULT = "typical-then-balanced-margin"
+ORACLE = "oracle-balanced"  # not a sampler: it reads the answers; the upper bound on what class balancing buys
+FLEET_LEVEL = "fleet:"  # a spelling's prefix: its sampler reads the fleet's class counts (what the coordinator sees)
 SAMPLERS = ("random", "margin", CAMERA_DEFAULT, "typical-then-margin", "typiclust", "balanced-margin", "power-margin")
 HEAD = ("classifier_fc.weight", "classifier_fc.bias")
 RECIPE = messages.Recipe()
@@ -192,16 +205,23 @@ def recipe_options(spelling: str, budget: int) -> tuple[str, dict[str, float]]:
 
 
 def context_of(
-    device: Device, pool: np.ndarray, head: Head, options: dict[str, float], passes: int, step: int
+    device: Device,
+    pool: np.ndarray,
+    head: Head,
+    options: dict[str, float],
+    passes: int,
+    step: int,
+    counts: np.ndarray | None = None,
 ) -> AcquisitionContext:
     """What a device's sampler sees over `pool`: the head's MC-dropout probabilities, the cached features as the
-    penultimate features and FAST's embeddings, the human labels' features as the labelled ones."""
+    penultimate features and FAST's embeddings, the human labels' features as the labelled ones, and as class
+    counts the device's own (or `counts`)."""
     features, human = device.features[pool], device.features[device.labelled]
     labels = device.truth[device.labelled]
     return AcquisitionContext(
         num_samples=len(pool),
         rng=np.random.default_rng(step),
-        class_counts=np.bincount(labels, minlength=head.classes),
+        class_counts=np.bincount(labels, minlength=head.classes) if counts is None else counts,
         options=options,
         probabilities=cache(lambda: head.probabilities(features, passes, step)),
         own_logits=no_logits,
@@ -212,18 +232,36 @@ def context_of(
     )
 
 
-def acquire(device: Device, spelling: str, head: Head, budget: int, passes: int, step: int) -> None:
+def acquire(device: Device, spelling: str, head: Head, budget: int, passes: int, step: int, fleet: np.ndarray) -> None:
     """One acquisition as the device's acquirer makes it: the sampler's choice over the pool, the person's answers,
-    and FAST's weak labels for the rest."""
-    pool = device.pool()
+    and FAST's weak labels for the rest. `fleet` is the fleet's label counts per class, which a "fleet:" spelling's
+    sampler reads in place of the device's own, scaled to the device's total (the fleet's class mix)."""
+    pool, held = device.pool(), np.bincount(device.truth[device.labelled], minlength=head.classes)
+    if spelling == ORACLE:
+        device.labelled = np.concatenate([device.labelled, pool[oracle_batch(device.truth[pool], held, budget, step)]])
+        return
+    fleet_level, spelling = spelling.startswith(FLEET_LEVEL), spelling.removeprefix(FLEET_LEVEL)
+    counts = fleet * held.sum() / max(fleet.sum(), 1) if fleet_level else None
     name, options = recipe_options(spelling, budget)
     sampler = make_sampler(name)
-    context = context_of(device, pool, head, options, passes, step)
+    context = context_of(device, pool, head, options, passes, step, counts)
     picked = pool[sampler.choose(context, budget)]
     weak = sampler.weak_labels(context) if len(device.labelled) else None
     device.labelled = np.concatenate([device.labelled, picked])
     if weak is not None:
         device.weak = (pool, weak)
+
+
+def oracle_batch(truth: np.ndarray, held: np.ndarray, budget: int, seed: int) -> np.ndarray:
+    """The oracle's batch (it reads the answers): quotas that level the device's label counts over the classes its
+    pool still holds, each quota drawn uniformly from that class's scenes: the most class-balanced labels a device
+    could be given, an upper bound on what class balancing alone buys."""
+    rng = np.random.default_rng(seed)
+    left = np.bincount(truth, minlength=len(held))
+    quotas = level_quotas(np.where(left > 0, held, np.inf), budget)
+    return np.concatenate(
+        [rng.choice(np.flatnonzero(truth == c), min(q, left[c]), replace=False) for c, q in enumerate(quotas)]
+    ).astype(np.int64)
 
 
 def local_epochs(epochs: int, min_steps: int, rows: int, batch_size: int) -> int:
@@ -251,8 +289,9 @@ def federated_round(devices: list[Device], sampler: str, head: Head, args: argpa
     """Every device acquires and trains from the global head on all it holds (kept-labels: the recipe's epochs, at
     least --min-steps SGD steps, the loss adjusted by --logit-adjustment); FedAvg by labelled-sample count."""
     updates = []
+    fleet = np.sum([np.bincount(d.truth[d.labelled], minlength=head.classes) for d in devices], axis=0)
     for number, device in enumerate(devices):
-        acquire(device, sampler, head, args.labels, args.passes, step + number)
+        acquire(device, sampler, head, args.labels, args.passes, step + number, fleet)
         features, labels = device.training_set()
         epochs = local_epochs(args.epochs, args.min_steps, len(labels), RECIPE.batch_size)
         logit_bias = KEPT_LABELS.logit_bias(labels, head.classes, args.rule_recipe)
@@ -370,6 +409,9 @@ def parse_args() -> argparse.Namespace:
     mix = parser.add_mutually_exclusive_group()
     mix.add_argument("--imbalance", type=float, default=1.0, help="commonest : rarest class in a pool (1: balanced)")
     mix.add_argument("--long-tail", type=float, help="pools whose class of rank r holds a share ~ r^-ALPHA")
+    parser.add_argument(
+        "--dirichlet", type=float, help="deal each class over the devices in Dirichlet(ALPHA) shares (non-IID)"
+    )
     parser.add_argument("--classes", type=parse_classes, default=TEN_CLASSES, help="NAME=SOURCE,... (default: ten)")
     parser.add_argument("--jobs", type=int, default=1, help="processes running the seeds and samplers")
     parser.add_argument("--work", type=Path, default=Path("runs") / "camera-al", help="the feature cache's folder")
@@ -383,10 +425,12 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--imbalance is the commonest class's count over the rarest's, at least 1; got {args.imbalance}")
     if args.long_tail is not None and not args.long_tail > 0:
         parser.error(f"--long-tail is the power law's exponent, above 0; got {args.long_tail}")
+    if args.dirichlet is not None and not args.dirichlet > 0:
+        parser.error(f"--dirichlet is the concentration, above 0; got {args.dirichlet}")
     args.rule_recipe = messages.Recipe(options={"logit_adjustment": args.logit_adjustment})
-    for spelling in args.samplers:
+    for spelling in (spelling for spelling in args.samplers if spelling != ORACLE):
         try:
-            recipe_options(spelling, args.labels)
+            recipe_options(spelling.removeprefix(FLEET_LEVEL), args.labels)
         except (KeyError, ValueError) as error:
             parser.error(f"--samplers {spelling[:60]!r}: {str(error)[:200]}")
     return args
@@ -465,7 +509,8 @@ def setting_name(args: argparse.Namespace) -> str:
         if mix.balanced
         else (f"long tail {mix.value:g}" if mix.kind == "long-tail" else f"imbalanced {mix.value:g}:1")
     )
-    return args.setting or f"{shown}, {args.size} px"
+    dealt = "" if args.dirichlet is None else f", Dirichlet {args.dirichlet:g}"
+    return args.setting or f"{shown}, {args.size} px{dealt}"
 
 
 def main() -> None:
@@ -477,6 +522,8 @@ def main() -> None:
     if args.features_only:
         print(json.dumps({"fleet": {**asdict(shape), "mix": asdict(mix)}, "extraction": extraction}))
         return
+    if args.dirichlet is not None:
+        fleet = redealt(fleet, args.devices, args.dirichlet, shape.seed)
     timing = {f"{size}px_ms_per_image": extraction_ms(size) for size in (96, 160)}
     selection = selection_seconds(fleet, args)
     progress(f"selection over {SELECTION_ROWS} cached rows: {selection}")
@@ -502,7 +549,7 @@ def main() -> None:
         "ceiling_confusion": {seed: found_ceiling["confusion"] for seed, found_ceiling in ceilings.items()},
         "summary": summary,
         "intervals": found,
-        "must_hold": must_hold(summary, found, mix.balanced),
+        "must_hold": must_hold(summary, found, mix.balanced) if args.dirichlet is None else None,  # asked of IID fleets
         "table": f"{TABLE_HEAD}\n{rows}",
         "final_class_recall": class_recalls(runs),
         "runs": runs,

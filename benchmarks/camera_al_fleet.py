@@ -248,3 +248,23 @@ def extraction_ms(size: int, count: int = 64) -> float:
         started = time.perf_counter()
         model.prefix(images)
     return round(1000 * (time.perf_counter() - started) / count, 2)
+
+
+def redealt(fleet: dict[str, np.ndarray], devices: int, alpha: float, seed: int) -> dict[str, np.ndarray]:
+    """The same scenes dealt to the devices unevenly by class (non-IID): each class's scenes of all the pools split
+    over the devices in Dirichlet(alpha) proportions drawn with `seed` (small alpha: a class lives on few devices),
+    each pool shuffled; the test set is kept. The pools' sizes then differ."""
+    rng = np.random.default_rng([seed, 5])
+    features = np.concatenate([fleet[f"features_{n}"] for n in range(devices)])
+    labels = np.concatenate([fleet[f"labels_{n}"] for n in range(devices)])
+    owners = np.empty(len(labels), dtype=np.int64)
+    for c in np.unique(labels):
+        rows = rng.permutation(np.flatnonzero(labels == c))
+        cuts = np.round(np.cumsum(rng.dirichlet(np.full(devices, alpha)))[:-1] * len(rows)).astype(np.int64)
+        for device, part in enumerate(np.split(rows, cuts)):
+            owners[part] = device
+    dealt = {key: fleet[key] for key in (f"features_{devices}", f"labels_{devices}")}
+    for device in range(devices):
+        mine = rng.permutation(np.flatnonzero(owners == device))
+        dealt[f"features_{device}"], dealt[f"labels_{device}"] = features[mine], labels[mine]
+    return dealt
