@@ -72,7 +72,7 @@ from camera_al_fleet import (
     progress,
     redealt,
 )
-from camera_al_stats import TABLE_HEAD, figures, intervals, table
+from camera_al_stats import DEFAULT, ORACLE, TABLE_HEAD, figures, intervals, table
 from curves import sampler_and_options, summarise
 
 from bench.camera_scenes import parse_classes
@@ -90,8 +90,7 @@ from edge_agent.learning.pretrained_backbone import initial_model
 from edge_agent.learning.sampling import make_sampler
 from protocol import messages
 
-CAMERA_DEFAULT = "typical-then-balanced-margin"
-ORACLE = "oracle-balanced"  # not a sampler: it reads the answers; the upper bound on what class balancing buys
+CAMERA_DEFAULT = DEFAULT
 FLEET_LEVEL = "fleet:"  # a spelling's prefix: its sampler reads the fleet's class counts (what the coordinator sees)
 SAMPLERS = ("random", "margin", CAMERA_DEFAULT, "typical-then-margin", "typiclust", "balanced-margin", "power-margin")
 HEAD = ("classifier_fc.weight", "classifier_fc.bias")
@@ -533,7 +532,8 @@ def main() -> None:
     if args.figures:
         args.figures.mkdir(parents=True, exist_ok=True)
         (args.figures / "table.md").write_text(f"{TABLE_HEAD}\n{rows}\n")
-        figures(summary, args.figures, CAMERA_DEFAULT)
+        names = [scene.name for scene in args.classes]
+        figures(summary, args.figures, CAMERA_DEFAULT, class_recalls(runs), names)
     settings = {
         key: (str(value) if isinstance(value, Path) else value)
         for key, value in vars(args).items()

@@ -21,6 +21,9 @@ from typing import Any
 import numpy as np
 from curves import plot
 
+DEFAULT = "typical-then-balanced-margin"  # the camera path's sampler, the one the must-holds judge
+ORACLE = "oracle-balanced"  # camera_al's class-balanced oracle: it reads the answers, the bound on class balancing
+
 T_95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812}
 """The t distribution's 0.95 quantile by degrees of freedom (a two-sided 90% interval); 1.645 beyond 10 is within
 0.17 of the exact value for any df above 10, and the sweeps here have 5-10 seeds."""
@@ -136,16 +139,46 @@ TABLE_HEAD = (
 )
 
 
-def figures(summary: dict[str, Any], folder: Path, default: str) -> None:
-    """curves.png (every sampler, federated and centralised) and default_vs_random.png in the folder; where
-    matplotlib is missing (a lent accelerator), one line on stderr and no figures (`--figures` draws them later)."""
+def figures(
+    summary: dict[str, Any],
+    folder: Path,
+    default: str,
+    recalls: dict[str, list[float]] | None = None,
+    names: tuple[str, ...] | list[str] = (),
+) -> None:
+    """curves.png (every sampler, federated and centralised), default_vs_random.png (with the class-balanced oracle
+    where it ran) and, given the final per-class recalls, recall.png (random, the default, the oracle) in the
+    folder; where matplotlib is missing (a lent accelerator), one line on stderr and no figures (`--figures` draws
+    them later)."""
     try:
         plot(summary, folder / "curves.png")
     except ImportError:
         print("no matplotlib here: no figures (camera_al_stats.py --figures draws them)", file=sys.stderr, flush=True)
         return
-    focus = {key: summary["federated"][key] for key in ("random", default) if key in summary["federated"]}
-    plot({"federated: the camera default and random": focus}, folder / "default_vs_random.png")
+    shown = [key for key in ("random", default, ORACLE) if key in summary["federated"]]
+    focus = {key: summary["federated"][key] for key in shown}
+    plot(
+        {"federated: the camera default, random and the class-balanced oracle": focus}, folder / "default_vs_random.png"
+    )
+    if recalls:
+        recall_bars({key: recalls[key] for key in shown if key in recalls}, list(names), folder / "recall.png")
+
+
+def recall_bars(recalls: dict[str, list[float]], names: list[str], path: Path) -> None:
+    """One group of bars per class: each sampler's final federated recall of that class (mean over seeds)."""
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(10, 4))
+    width = 0.8 / max(len(recalls), 1)
+    for number, (sampler, recall) in enumerate(recalls.items()):
+        axis.bar(np.arange(len(recall)) + number * width, recall, width, label=sampler)
+    axis.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names, rotation=30, fontsize=8)
+    axis.set(ylabel="final test recall (mean over seeds)", ylim=(0, 1.15))
+    axis.grid(alpha=0.3, axis="y")
+    axis.legend(fontsize=8, loc="upper center", ncols=3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
 
 
 def main() -> None:
@@ -159,8 +192,9 @@ def main() -> None:
         result = json.loads(path.read_text())
         rows.append(result["table"].split("\n", 2)[2])
         checks.append(f"- `{path}`: {json.dumps(result['must_hold'])}")
-        if args.figures and result["must_hold"]:
-            figures(result["summary"], path.parent, result["must_hold"]["sampler"])
+        if args.figures:
+            names = [name for name, _ in result["settings"]["classes"]]
+            figures(result["summary"], path.parent, DEFAULT, result.get("final_class_recall"), names)
     print("\n".join([TABLE_HEAD, *rows, "", *checks]))
 
 
