@@ -157,9 +157,7 @@ def figures(
         return
     shown = [key for key in ("random", default, ORACLE) if key in summary["federated"]]
     focus = {key: summary["federated"][key] for key in shown}
-    plot(
-        {"federated: the camera default, random and the class-balanced oracle": focus}, folder / "default_vs_random.png"
-    )
+    plot({"federated: default, random, class-balanced oracle": focus}, folder / "default_vs_random.png")
     if recalls:
         recall_bars({key: recalls[key] for key in shown if key in recalls}, list(names), folder / "recall.png")
 
