@@ -2,7 +2,7 @@
 # class-balanced top-k and quotas that level label counts, TypiClust's k-means and typicality.
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -217,12 +217,21 @@ def quota_picks(scores: np.ndarray, mean_probs: np.ndarray, quotas: np.ndarray) 
     if mean_probs.ndim != 2 or len(mean_probs) != len(scores) or len(quotas) != mean_probs.shape[1]:
         raise ValueError(f"need (N, C) probabilities, N scores and C quotas; got {mean_probs.shape}, {scores.shape}")
     predicted, order = np.argmax(mean_probs, axis=1), top_k(scores, len(scores))
+
+    def ranked(c: int) -> Iterator[np.ndarray]:
+        """Class c's candidates, best first: the predicted ones by score, then (ranked only when needed) all by
+        probability of c."""
+        yield order[predicted[order] == c]
+        yield top_k(mean_probs[:, c], len(scores))
+
     free = np.ones(len(scores), dtype=bool)
     picked: list[np.ndarray] = []
     for c in np.argsort(-np.asarray(quotas), kind="stable"):
         want = int(quotas[c])
-        for ranked in (order[predicted[order] == c], top_k(mean_probs[:, c], len(scores))):
-            take = ranked[free[ranked]][:want]
+        for candidates in ranked(int(c)) if want else ():
+            take = candidates[free[candidates]][:want]
             free[take], want = False, want - len(take)
             picked.append(take)
+            if not want:
+                break
     return np.concatenate([np.zeros(0, np.int64), *picked]).astype(np.int64)
