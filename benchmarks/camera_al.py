@@ -252,14 +252,13 @@ def acquire(device: Device, spelling: str, head: Head, budget: int, passes: int,
 
 
 def oracle_batch(truth: np.ndarray, held: np.ndarray, budget: int, seed: int) -> np.ndarray:
-    """The oracle's batch (it reads the answers): quotas that level the device's label counts over the classes its
-    pool still holds, each quota drawn uniformly from that class's scenes: the most class-balanced labels a device
+    """The oracle's batch (it reads the answers): quotas that level the device's label counts, none beyond what its
+    pool still holds of a class, each quota drawn uniformly from that class's scenes: the most class-balanced labels a device
     could be given, an upper bound on what class balancing alone buys."""
     rng = np.random.default_rng(seed)
-    left = np.bincount(truth, minlength=len(held))
-    quotas = level_quotas(np.where(left > 0, held, np.inf), budget)
+    quotas = level_quotas(held, budget, caps=np.bincount(truth, minlength=len(held)))
     return np.concatenate(
-        [rng.choice(np.flatnonzero(truth == c), min(q, left[c]), replace=False) for c, q in enumerate(quotas)]
+        [rng.choice(np.flatnonzero(truth == c), q, replace=False) for c, q in enumerate(quotas)]
     ).astype(np.int64)
 
 

@@ -166,6 +166,9 @@ def test_level_quotas_fill_the_emptiest_classes_first_and_skip_what_is_excluded(
     assert level_quotas(np.array([3, 3, 3]), 4).tolist() == [2, 1, 1], "a tie goes to the lower index"
     assert level_quotas(np.array([1, 2]), 0).tolist() == [0, 0]
     assert level_quotas(np.array([np.inf, np.inf]), 3).tolist() == [0, 0], "nothing to level: no quota"
+    capped = level_quotas(np.array([0, 4, 1]), 7, caps=np.array([2, 9, 0]))
+    assert capped.tolist() == [2, 5, 0], "class 0 stops at its cap, class 2 has none left, the rest go to 1"
+    assert level_quotas(np.array([0, 0]), 5, caps=np.array([1, 2])).tolist() == [1, 2], "fewer where none has room"
 
 
 def test_quota_picks_take_the_predicted_by_score_then_the_most_probable_and_never_twice() -> None:

@@ -196,16 +196,19 @@ def typical_picks(
     return np.asarray(picked, dtype=np.int64)
 
 
-def level_quotas(counts: np.ndarray, budget: int) -> np.ndarray:
+def level_quotas(counts: np.ndarray, budget: int, caps: np.ndarray | None = None) -> np.ndarray:
     """How many of a batch of `budget` each class gets so that the label counts after it are as level as they can
     be (water-filling: each label in turn to the class with the fewest, the lower index on a tie); a class counted
-    inf gets none, and with every class inf the batch has no quota at all."""
+    inf gets none, a class gets at most its cap (when `caps` are given), and the quotas sum to less than the budget
+    only where no class can take more."""
     counts = np.asarray(counts, dtype=np.float64)
+    room = np.full(len(counts), np.inf) if caps is None else np.asarray(caps, dtype=np.float64)
     quotas = np.zeros(len(counts), dtype=np.int64)
-    if not np.isfinite(counts).any():
-        return quotas
     for _ in range(max(budget, 0)):
-        quotas[int(np.argmin(counts + quotas))] += 1
+        level = np.where(quotas < room, counts + quotas, np.inf)
+        if not np.isfinite(level).any():
+            break
+        quotas[int(np.argmin(level))] += 1
     return quotas
 
 
