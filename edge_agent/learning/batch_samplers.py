@@ -190,7 +190,16 @@ class BalancedEntropy(Sampler):
         return class_balanced_top_k(entropy_scores(probs), predicted, budget, probs.shape[2])
 
 
-class BalancedMargin(Sampler):
+class MarginQuotas(Sampler):
+    """A sampler whose per-sample score is the top-two margin of the MC-dropout probabilities (the smallest first)
+    and whose batch is split into per-class quotas by a subclass's `select`: balanced and level margin."""
+
+    def score_pool(self, context: AcquisitionContext) -> np.ndarray:
+        """margin_scores of the pool's MC-dropout probabilities."""
+        return margin_scores(context.probabilities())
+
+
+class BalancedMargin(MarginQuotas):
     """Smallest margin first; where the pool's predicted class mix is skewed (its commonest predicted class at least
     `balance_skew` times its rarest), the top margins per predicted class, an equal share each, so a batch reaches
     the classes the pool holds few of (rare-class-seeking, after SIMILAR and DIRECT)."""
@@ -209,10 +218,6 @@ class BalancedMargin(Sampler):
         ),
     )
 
-    def score_pool(self, context: AcquisitionContext) -> np.ndarray:
-        """margin_scores of the pool's MC-dropout probabilities."""
-        return margin_scores(context.probabilities())
-
     def select(self, context: AcquisitionContext, budget: int) -> np.ndarray:
         """class_balanced_top_k of the margins over the predicted (MC-dropout mean) classes when the predicted mix
         is skewed (a class predicted for no sample counts as rarest), else their top-k."""
@@ -225,7 +230,7 @@ class BalancedMargin(Sampler):
         return class_balanced_top_k(scores, predicted, budget, classes)
 
 
-class LevelMargin(Sampler):
+class LevelMargin(MarginQuotas):
     """Quotas that level the device's label counts: each label of the batch in turn goes to the class with the
     fewest (labels held plus quota so far) among the classes the pool is predicted to hold, and each class's quota is
     filled by the samples predicted as it with the smallest margins, then, where too few are, by those most probably
@@ -234,10 +239,6 @@ class LevelMargin(Sampler):
 
     name = "level-margin"
     summary = "per predicted class, quotas that level the device's label counts; in each, the smallest margins"
-
-    def score_pool(self, context: AcquisitionContext) -> np.ndarray:
-        """margin_scores of the pool's MC-dropout probabilities."""
-        return margin_scores(context.probabilities())
 
     def select(self, context: AcquisitionContext, budget: int) -> np.ndarray:
         """level_quotas of the class counts over the predicted classes, then quota_picks by margin."""
