@@ -6,23 +6,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_folder_pool import write_png
+from test_folder_pool import camera_oracle
 
 from edge_agent.data.answers import DECLINED, AnswerBook, Delivery, Road
-from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.labelled_record import LabelledRecord
-from edge_agent.field.folder_oracle import FolderOracle, QueryBook
-from edge_agent.field.folder_pool import open_folder_data
+from edge_agent.field.folder_oracle import FolderOracle
 
 
 @pytest.fixture()
 def oracle(tmp_path: Path) -> FolderOracle:
     """Four real PNG queries in round 1, asked by the folder oracle itself."""
-    images = load_fashion_mnist().test_images
-    for i in range(4):
-        write_png(tmp_path / "camera" / f"{i}.png", images[i], age_seconds=30 - i)
-    data = open_folder_data(tmp_path / "state", tmp_path / "camera", pool_cap=10, settle_seconds=0)
-    oracle = FolderOracle(QueryBook(tmp_path / "labelling"), data, wait_seconds=0)
+    oracle = camera_oracle(tmp_path, 4)
     oracle.start_round(1)
     oracle.ask(np.arange(4))
     return oracle

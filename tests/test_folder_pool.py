@@ -12,6 +12,7 @@ from PIL import Image
 
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.image_files import MODEL_INPUT, InputSpec, UnreadableImageError, decode_image
+from edge_agent.field.folder_oracle import FolderOracle, QueryBook
 from edge_agent.field.folder_pool import FolderPool, folder_pool_of, open_folder_data
 from protocol.errors import UsageError
 
@@ -29,6 +30,16 @@ def write_png(path: Path, image: np.ndarray, age_seconds: float = 10.0) -> Path:
     stamp = time.time() - age_seconds
     os.utime(path, (stamp, stamp))
     return path
+
+
+def camera_oracle(folder: Path, images: int) -> FolderOracle:
+    """A folder oracle over `images` real Fashion-MNIST PNGs in folder/camera (the first the oldest), with the
+    device's state and query book beside them; it answers without waiting."""
+    pictures = load_fashion_mnist().test_images
+    for i in range(images):
+        write_png(folder / "camera" / f"{i}.png", pictures[i], age_seconds=30 - i)
+    data = open_folder_data(folder / "state", folder / "camera", pool_cap=10, settle_seconds=0)
+    return FolderOracle(QueryBook(folder / "labelling"), data, wait_seconds=0)
 
 
 def write_jpeg(path: Path, image: np.ndarray) -> Path:

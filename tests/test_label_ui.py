@@ -11,11 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_folder_pool import write_png
+from test_folder_pool import camera_oracle
 
-from edge_agent.data.fashion_mnist import load_fashion_mnist
-from edge_agent.field.folder_oracle import FolderOracle, QueryBook
-from edge_agent.field.folder_pool import open_folder_data
+from edge_agent.field.folder_oracle import QueryBook
 from edge_agent.field.label_ui import LabelServer, parse_listen_address
 
 CHROMIUM = "/usr/bin/chromium"
@@ -35,11 +33,7 @@ ELEMENT_KEY = "element-6066-11e4-a52e-4f735466cecf"
 @pytest.fixture()
 def book(tmp_path: Path) -> QueryBook:
     """Three real PNG queries in round 1, written by the folder oracle itself."""
-    images = load_fashion_mnist().test_images
-    for i in range(3):
-        write_png(tmp_path / "camera" / f"{i}.png", images[i], age_seconds=30 - i)
-    data = open_folder_data(tmp_path / "state", tmp_path / "camera", pool_cap=10, settle_seconds=0)
-    oracle = FolderOracle(QueryBook(tmp_path / "labelling"), data, wait_seconds=0)
+    oracle = camera_oracle(tmp_path, 3)
     oracle.start_round(1)
     oracle.ask(np.arange(3))
     return oracle.book

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from test_folder_pool import write_png
+from test_folder_pool import camera_oracle, write_png
 
 from coordinator.labelling.desk import LabellingDesk
 from coordinator.labelling.queue import LabelQueue, QueueLimits
@@ -184,13 +184,9 @@ def test_an_answer_waits_for_a_device_whose_session_expired_and_a_stray_one_is_s
 
 
 def test_a_stream_notes_the_guess_of_each_image_it_asks_for(tmp_path: Path) -> None:
-    images = load_fashion_mnist().test_images
-    for i in range(6):
-        write_png(tmp_path / "camera" / f"{i}.png", images[i], age_seconds=30 - i)
-    data = open_folder_data(tmp_path / "state", tmp_path / "camera", pool_cap=10, settle_seconds=0)
-    oracle = FolderOracle(QueryBook(tmp_path / "labelling"), data, wait_seconds=0)
+    oracle = camera_oracle(tmp_path, 6)
     CentralLabelling(FLEET, DEVICE, oracle, None)  # it asks the oracle to keep guesses
-    stream = StreamAcquirer(data, oracle, BudgetSettings(3600.0, 2.0), AgentSettings(FLEET, DEVICE), 2)
+    stream = StreamAcquirer(oracle.data, oracle, BudgetSettings(3600.0, 2.0), AgentSettings(FLEET, DEVICE), 2)
     weights = get_weights(build_model(DEFAULT_SPEC, seed=9))
     stream.score_new(LatestModel(DEFAULT_SPEC, weights, messages.Recipe(sampler="margin"), None, ""), round_id=1)
     asked = {query.index for query in oracle.book.queries()}
