@@ -105,13 +105,30 @@ def render_metrics(
     predictions: dict[str, dict] | None = None,
     labelling: QueueStatus | None = None,
 ) -> str:
-    """The /metrics body: rounds, updates by outcome (rejections by reason), devices online, aggregation, bytes, the
-    serving version, the devices' predictions once any came in (a fleet whose serving message does not ask for
-    them has none), and the labelling queue when the coordinator keeps one."""
+    """The /metrics body: the rounds' metrics, the devices' predictions once any came in (a fleet whose serving
+    message does not ask for them has none), the labelling queue when the coordinator keeps one, and the DP spend."""
+    lines = round_metrics(counters, devices_online, current_round, serving_version)
+    if counters.predictions_received or counters.predictions_refused:
+        lines += prediction_metrics(counters, predictions or {})
+    if labelling is not None:
+        lines += labelling_metrics(labelling)
+    if counters.dp_epsilon is not None:
+        lines += metric(
+            "fl_dp_epsilon_spent",
+            "gauge",
+            "Differential privacy: the epsilon the committed rounds spent, at the run's delta.",
+            [("", counters.dp_epsilon)],
+        )
+    return "\n".join(lines) + "\n"
+
+
+def round_metrics(counters: Counters, devices_online: int, current_round: int, serving_version: int) -> list[str]:
+    """Rounds, updates by outcome (rejections by reason), devices online, aggregation time, bytes received and the
+    serving version."""
     rejected = [
         (f'{{reason="{escape_label(kind)}"}}', count) for kind, count in sorted(counters.rejected_by_kind.items())
     ]
-    lines = (
+    return (
         metric(
             "fl_rounds_completed_total",
             "counter",
@@ -141,15 +158,3 @@ def render_metrics(
             [("", counters.bytes_received)],
         )
     )
-    if counters.predictions_received or counters.predictions_refused:
-        lines += prediction_metrics(counters, predictions or {})
-    if labelling is not None:
-        lines += labelling_metrics(labelling)
-    if counters.dp_epsilon is not None:
-        lines += metric(
-            "fl_dp_epsilon_spent",
-            "gauge",
-            "Differential privacy: the epsilon the committed rounds spent, at the run's delta.",
-            [("", counters.dp_epsilon)],
-        )
-    return "\n".join(lines) + "\n"
