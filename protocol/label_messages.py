@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from protocol.bounds import LABEL_RANGE, SCORE_RANGE, TIME_RANGE, UNIT_RANGE, bounded
+
 # An answer's label when the person saw none of the spec's classes in the image.
 NONE_OF_THESE = -1
 # The image types a query may carry (what the device's camera folder holds, or a downscaled PNG).
@@ -28,11 +30,11 @@ class LabelQuery:
     query_id: str
     image: bytes
     media_type: str
-    asked_at: float
-    guess: int = -1
-    probability: float = 0.0
-    uncertainty: float = 0.0
-    score: float = 0.0
+    asked_at: float = bounded(within=TIME_RANGE)
+    guess: int = bounded(-1, within=LABEL_RANGE)
+    probability: float = bounded(0.0, within=UNIT_RANGE)
+    uncertainty: float = bounded(0.0, within=UNIT_RANGE)
+    score: float = bounded(0.0, within=SCORE_RANGE)
 
 
 @dataclass(frozen=True)
@@ -54,9 +56,9 @@ class LabelAnswer:
 
     KIND: ClassVar[str] = "label_answer"
     query_id: str
-    label: int
+    label: int = bounded(within=LABEL_RANGE)
     answered_by: str
-    answered_at: float
+    answered_at: float = bounded(within=TIME_RANGE)
 
 
 @dataclass(frozen=True)
@@ -78,5 +80,5 @@ class LocalAnswer:
     KIND: ClassVar[str] = "local_answer"
     device_id: str
     query_id: str
-    label: int
+    label: int = bounded(within=LABEL_RANGE)
     road: str

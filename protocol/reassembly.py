@@ -316,7 +316,7 @@ def chunk_problem(chunk: messages.Chunk, topic_index: int | None, max_bytes: int
     """What is wrong with a chunk on its own (kind, reason), or None."""
     bad = RejectionKind.BAD_CHUNK
     if not wire.IDENTIFIER.fullmatch(chunk.transfer_id):
-        return bad, f"bad chunk: transfer id {wire.shown(chunk.transfer_id)} must match {wire.IDENTIFIER.pattern}"
+        return bad, f"bad chunk: transfer id {wire.shown(chunk.transfer_id)} must be {wire.IDENTIFIER_RULE}"
     if not DIGEST.fullmatch(chunk.digest):
         return bad, f"bad chunk: digest {wire.shown(chunk.digest)} is not a sha256 in lowercase hex"
     if chunk.total_bytes > max_bytes:

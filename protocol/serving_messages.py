@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from protocol.bounds import INT_RANGE, TIME_RANGE, bounded
+
 
 @dataclass(frozen=True)
 class ServingMessage:
@@ -14,7 +16,7 @@ class ServingMessage:
 
     KIND: ClassVar[str] = "serving"
     run_id: str
-    version: int
+    version: int = bounded(within=(0, INT_RANGE[1]))
     model_hash: str
-    promoted_at: float
+    promoted_at: float = bounded(within=TIME_RANGE)
     publish_predictions: bool = False

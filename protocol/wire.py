@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import msgpack
 import numpy as np
 
+from protocol.bounds import INT_RANGE, bounds_of
 from protocol.errors import RefusalError, UsageError
 from protocol.messages import (
     MAX_BUNDLE_FILES,
@@ -35,7 +36,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_TENSOR_DIMS = 8
 MAX_TENSORS = 1024
 MAX_STRING_BYTES = 64 * 1024
-IDENTIFIER = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# Letters, digits, "_", "." and "-", never "." or ".." alone (a topic level and a file name: no way out of a folder).
+IDENTIFIER = re.compile(r"^(?!\.{1,2}$)[A-Za-z0-9_.-]{1,64}$")
+IDENTIFIER_RULE = "1 to 64 letters, digits, '_', '.' or '-', and not '.' or '..'"
 R = TypeVar("R")
 ALLOWED_DTYPES = frozenset(
     np.dtype(name).newbyteorder("<").str
@@ -252,19 +255,30 @@ def _from_fields(cls: type, raw: dict[str, Any]) -> Any:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise WireError(f"{label} message is missing field {f.name!r}")
             continue
-        values[f.name] = _check_value(f"{label}.{f.name}", hints[f.name], raw[f.name])
+        values[f.name] = _within(f"{label}.{f.name}", f, _check_value(f"{label}.{f.name}", hints[f.name], raw[f.name]))
     return cls(**values)
 
 
+def _within(where: str, f: dataclasses.Field, value: Any) -> Any:
+    """The value when the field declares no range or it lies inside it (both ends included), else a WireError."""
+    within = bounds_of(f)
+    if within is not None and not within[0] <= value <= within[1]:
+        raise WireError(f"{where} must be within [{within[0]:g}, {within[1]:g}], got {shown(value, 32)}")
+    return value
+
+
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """True for a finite int or float that is not a bool: no number on the wire is NaN or infinite."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return INT_RANGE[0] <= value <= INT_RANGE[1] if isinstance(value, int) else math.isfinite(value)
 
 
 def _plain(kind: type, what: str) -> Callable[[str, Any], Any]:
     """A checker for a plain value of one Python type."""
 
     def check(where: str, value: Any) -> Any:
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        if not isinstance(value, kind) or (kind is int and not _is_int(value)):
             raise WireError(f"{where} must be {what}")
         return value
 
@@ -273,7 +287,7 @@ def _plain(kind: type, what: str) -> Callable[[str, Any], Any]:
 
 def _number(where: str, value: Any) -> float:
     if not _is_number(value):
-        raise WireError(f"{where} must be a number")
+        raise WireError(f"{where} must be a finite number, got {shown(value, 32)}")
     return float(value)
 
 
@@ -282,7 +296,7 @@ def _list_of(kind: type, what: str) -> Callable[[str, Any], list[Any]]:
 
     def check(where: str, value: Any) -> list[Any]:
         items = value if isinstance(value, list) else [None]
-        if not all(isinstance(v, kind) and not (kind is int and isinstance(v, bool)) for v in items):
+        if not all(isinstance(v, kind) and not (kind is int and not _is_int(v)) for v in items):
             raise WireError(f"{where} must be a list of {what}")
         return value
 
@@ -291,13 +305,13 @@ def _list_of(kind: type, what: str) -> Callable[[str, Any], list[Any]]:
 
 def _number_list(where: str, value: Any) -> list[float]:
     if not isinstance(value, list) or not all(_is_number(v) for v in value):
-        raise WireError(f"{where} must be a list of numbers")
+        raise WireError(f"{where} must be a list of finite numbers")
     return [float(v) for v in value]
 
 
 def _number_map(where: str, value: Any) -> dict[str, float]:
     if not isinstance(value, dict) or not all(isinstance(k, str) and _is_number(v) for k, v in value.items()):
-        raise WireError(f"{where} must be a map of names to numbers")
+        raise WireError(f"{where} must be a map of names to finite numbers")
     return {k: float(v) for k, v in value.items()}
 
 
@@ -316,8 +330,6 @@ def _bundle_files(where: str, value: Any) -> BundleFiles:
         raise WireError(f"{where} has {len(value)} files, more than {MAX_BUNDLE_FILES}")
     for name in value:
         check_identifier("bundle file name", name)
-        if name in (".", ".."):
-            raise WireError(f"{where}: {shown(name)} is not a file name")
     return value
 
 
@@ -386,13 +398,14 @@ def _omitted(value: Any, f: dataclasses.Field) -> bool:
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """True for an int (not a bool) that fits int64, as SQLite and numpy store it."""
+    return isinstance(value, int) and not isinstance(value, bool) and INT_RANGE[0] <= value <= INT_RANGE[1]
 
 
 def check_identifier(kind: str, value: str) -> str:
     """Fleet and device ids become topic levels and file names: letters, digits, '_', '.', '-' only."""
     if not isinstance(value, str) or not IDENTIFIER.fullmatch(value):
-        raise WireError(f"{kind} {shown(value)} must match {IDENTIFIER.pattern}")
+        raise WireError(f"{kind} {shown(value)} must be {IDENTIFIER_RULE}")
     return value
 
 

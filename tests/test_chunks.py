@@ -204,7 +204,7 @@ def test_a_wrong_digest_is_found_once_the_whole_is_in():
     [
         ({"index": 7}, "index 7 (topic level 0) is not one of"),
         ({"data": b"short"}, "chunk 0 holds 5 bytes, its share is"),
-        ({"transfer_id": "../x"}, "transfer id '../x' must match"),
+        ({"transfer_id": "../x"}, "transfer id '../x' must be 1 to 64"),
         ({"digest": "XYZ"}, "digest 'XYZ' is not a sha256"),
         ({"count": 0}, "0 chunks cannot carry"),
     ],

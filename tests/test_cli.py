@@ -44,7 +44,7 @@ def test_missing_dataset_says_how_to_install_it(tmp_path: Path) -> None:
         ("--local-rule", "magic", "unknown local rule 'magic'"),
         ("--partition", "type9", "unknown partition 'type9'"),
         ("--broker", "http://x", "must look like mqtt://HOST:PORT"),
-        ("--fleet", "a/b", "fleet 'a/b' must match"),
+        ("--fleet", "a/b", "fleet 'a/b' must be 1 to 64"),
         ("--model-spec", "no-such-spec.toml", "no-such-spec.toml: no such model spec file"),
         ("--dataset", "own.npz", "simulate deals Fashion-MNIST shards to its bench devices"),
     ],

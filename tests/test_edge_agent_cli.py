@@ -26,8 +26,8 @@ def run_argv(tmp_path: Path, *options: str) -> list[str]:
     "options, message",
     [
         ((), "--device-id and --fleet are required without --credentials"),
-        (("--fleet", "a/b", "--device-id", "d"), "fleet 'a/b' must match"),
-        (("--fleet", "f", "--device-id", "d e"), "device id 'd e' must match"),
+        (("--fleet", "a/b", "--device-id", "d"), "fleet 'a/b' must be 1 to 64"),
+        (("--fleet", "f", "--device-id", "d e"), "device id 'd e' must be 1 to 64"),
         (("--fleet", "f", "--device-id", "d", "--broker", "http://x"), "must look like mqtt://HOST:PORT"),
         (("--fleet", "f", "--device-id", "d", "--max-message-bytes", "10"), "--max-message-bytes must be at least"),
         (("--fleet", "f", "--device-id", "d", "--slowdown", "0.5"), "--slowdown must lie in [1, 1000]"),

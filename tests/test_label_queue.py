@@ -220,3 +220,21 @@ def test_the_status_counts_open_queries_their_age_and_each_persons_last_hour(que
     assert 30 <= status.open_by_device["cam-1"][1] < 60
     assert status.answers_last_hour == {"ana": 1}
     assert queue.status(now + 3700).answers_last_hour == {}
+
+
+def test_one_device_claims_cannot_starve_another(tmp_path: Path) -> None:
+    """An insider queues 40 queries claiming the top score and a class nobody answered yet; an honest device's two
+    low-scored queries are both among the first four: each device takes one place in each turn."""
+    queue = LabelQueue(tmp_path, CLASSES)
+    for number in range(40):
+        queue.add(query("spam", f"s{number}", guess=2, score=1e9), "spam")
+    queue.add(query("honest", "h1", guess=0, score=0.01), "honest")
+    queue.add(query("honest", "h2", guess=1, score=0.0), "honest")
+    seen = []
+    for _ in range(6):
+        shown = queue.next_for("ana")
+        assert shown is not None
+        seen.append(shown.device)
+        queue.answer(shown.device, shown.query_id, shown.guess, "ana")
+    assert seen[:2] == ["spam", "honest"] and seen[:4].count("honest") == 2, seen
+    assert seen[4:] == ["spam", "spam"], "once the honest device has nothing open, the insider's queries follow"

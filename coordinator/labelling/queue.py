@@ -169,28 +169,34 @@ class LabelQueue:
             if self._one("SELECT COUNT(*) FROM queries WHERE label IS NULL") >= self.limits.total:
                 return QueueRefusal.QUEUE_FULL
             atomic_write_bytes(self.image_path(device, query.query_id, query.media_type), query.image)
-            numbers = [query.probability, query.uncertainty, query.score]
             self._conn.execute(
                 "INSERT INTO queries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL, NULL, NULL)",
                 (
                     *(device, query.query_id, query.media_type, len(query.image), query.guess),
-                    *(float(value) if abs(value) < float("inf") else 0.0 for value in numbers),
-                    *(query.asked_at, time.time()),
+                    *(query.probability, query.uncertainty, query.score, query.asked_at, time.time()),
                 ),
             )
         return None
 
     def next_for(self, person: str) -> QueuedQuery | None:
-        """The open query worth most to the fleet that this person has neither answered nor skipped: rarest
-        predicted class first (the fewest answers of that class so far), then the devices' score, then age."""
+        """The open query worth most to the fleet that this person has neither answered nor skipped, each device
+        taking its turn: a device's queries are ranked among themselves (rarest predicted class first, by the fewest
+        answers of that class so far, then the device's score, then age) after the ones already answered, and every
+        device's n-th comes before any device's (n+1)-th (ties: rarest class, then age). So what a device claims (its
+        guesses, its scores) orders only its own queries: one device's hundred queries take one place in each turn,
+        never the page."""
         with self._lock:
             row = self._conn.execute(
-                f"SELECT {QUERY_COLUMNS} FROM queries q LEFT JOIN (SELECT label AS class, COUNT(*) AS answered "
-                "FROM queries WHERE label IS NOT NULL GROUP BY label) c ON c.class = q.guess "
+                f"SELECT {QUERY_COLUMNS} FROM (SELECT q.*, COALESCE(c.answered, 0) AS rarity, COALESCE(d.answered, 0) "
+                "+ ROW_NUMBER() OVER (PARTITION BY q.device ORDER BY COALESCE(c.answered, 0), q.score DESC, "
+                "q.received_at) AS turn FROM queries q LEFT JOIN (SELECT label AS class, COUNT(*) AS answered "
+                "FROM queries WHERE label IS NOT NULL GROUP BY label) c ON c.class = q.guess LEFT JOIN (SELECT "
+                "device AS asker, COUNT(*) AS answered FROM queries WHERE label IS NOT NULL GROUP BY device) d "
+                "ON d.asker = q.device "
                 "WHERE q.label IS NULL AND NOT EXISTS (SELECT 1 FROM votes v WHERE v.device = q.device AND "
                 "v.query_id = q.query_id AND v.person = ?) AND NOT EXISTS (SELECT 1 FROM skips s WHERE "
-                "s.device = q.device AND s.query_id = q.query_id AND s.person = ?) "
-                "ORDER BY COALESCE(c.answered, 0), q.score DESC, q.received_at LIMIT 1",
+                "s.device = q.device AND s.query_id = q.query_id AND s.person = ?)) "
+                "ORDER BY turn, rarity, received_at LIMIT 1",
                 (person, person),
             ).fetchone()
         return None if row is None else QueuedQuery(*row)

@@ -16,6 +16,7 @@ from edge_agent.data.device_data import DeviceData
 from edge_agent.data.oracle import Guess
 from edge_agent.field.folder_oracle import FolderOracle, Query
 from protocol import label_messages, topics, wire
+from protocol.bounds import SCORE_RANGE, UNIT_RANGE, clamped
 from protocol.mqtt import IncomingMessage, MqttSession, PayloadTooLargeError
 from protocol.resend import ResendSchedule
 
@@ -187,5 +188,6 @@ class CentralLabelling:
 
 
 def _guess_fields(guess: Guess) -> tuple[int, float, float, float]:
-    """A guess as the query message's fields."""
-    return guess.label, guess.probability, guess.uncertainty, guess.score
+    """A guess as the query message's fields, each inside the range the queue's wire check takes."""
+    unit = (clamped(guess.probability, UNIT_RANGE), clamped(guess.uncertainty, UNIT_RANGE))
+    return guess.label, *unit, clamped(guess.score, SCORE_RANGE)
