@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 BOUNDS_KEY = "wire_bounds"  # the field metadata key protocol.wire reads
 # Every integer field fits SQLite's INTEGER and numpy's int64 (msgpack also carries uint64).
@@ -17,9 +16,10 @@ SCORE_RANGE = (-1e9, 1e9)
 LABEL_RANGE = (-1, 1 << 16)
 
 
-def bounded(default: Any = dataclasses.MISSING, *, within: tuple[float, float]) -> Any:
-    """A message dataclass field whose value the wire refuses outside `within` (both ends included)."""
-    return dataclasses.field(default=default, metadata={BOUNDS_KEY: within})
+def within(low: float, high: float) -> dict[str, tuple[float, float]]:
+    """A message dataclass field's metadata (`field(metadata=within(...))`): the wire refuses its value outside
+    [low, high]."""
+    return {BOUNDS_KEY: (low, high)}
 
 
 def bounds_of(field: dataclasses.Field) -> tuple[float, float] | None:

@@ -2,10 +2,10 @@
 # it, a person's answer, the device's receipt that the answer is stored, and an answer given on the device itself.
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
-from protocol.bounds import LABEL_RANGE, SCORE_RANGE, TIME_RANGE, UNIT_RANGE, bounded
+from protocol.bounds import LABEL_RANGE, SCORE_RANGE, TIME_RANGE, UNIT_RANGE, within
 
 # An answer's label when the person saw none of the spec's classes in the image.
 NONE_OF_THESE = -1
@@ -30,11 +30,11 @@ class LabelQuery:
     query_id: str
     image: bytes
     media_type: str
-    asked_at: float = bounded(within=TIME_RANGE)
-    guess: int = bounded(-1, within=LABEL_RANGE)
-    probability: float = bounded(0.0, within=UNIT_RANGE)
-    uncertainty: float = bounded(0.0, within=UNIT_RANGE)
-    score: float = bounded(0.0, within=SCORE_RANGE)
+    asked_at: float = field(metadata=within(*TIME_RANGE))
+    guess: int = field(default=-1, metadata=within(*LABEL_RANGE))
+    probability: float = field(default=0.0, metadata=within(*UNIT_RANGE))
+    uncertainty: float = field(default=0.0, metadata=within(*UNIT_RANGE))
+    score: float = field(default=0.0, metadata=within(*SCORE_RANGE))
 
 
 @dataclass(frozen=True)
@@ -56,9 +56,9 @@ class LabelAnswer:
 
     KIND: ClassVar[str] = "label_answer"
     query_id: str
-    label: int = bounded(within=LABEL_RANGE)
+    label: int = field(metadata=within(*LABEL_RANGE))
     answered_by: str
-    answered_at: float = bounded(within=TIME_RANGE)
+    answered_at: float = field(metadata=within(*TIME_RANGE))
 
 
 @dataclass(frozen=True)
@@ -80,5 +80,5 @@ class LocalAnswer:
     KIND: ClassVar[str] = "local_answer"
     device_id: str
     query_id: str
-    label: int = bounded(within=LABEL_RANGE)
+    label: int = field(metadata=within(*LABEL_RANGE))
     road: str

@@ -8,7 +8,7 @@ from typing import ClassVar, Protocol, TypeVar
 
 import numpy as np
 
-from protocol.bounds import INT_RANGE, TIME_RANGE, bounded
+from protocol.bounds import INT_RANGE, TIME_RANGE, within
 from protocol.label_messages import AnswerReceipt, LabelAnswer, LabelQuery, LocalAnswer, QueryReceipt
 from protocol.model_spec import ModelSpec
 from protocol.prediction_messages import PredictionBatch
@@ -312,11 +312,11 @@ class Status:
     KIND: ClassVar[str] = "status"
     device_id: str
     state: str
-    timestamp: float = bounded(within=TIME_RANGE)
-    round_id: int = bounded(0, within=(0, INT_RANGE[1]))
-    labelled: int = bounded(0, within=(0, INT_RANGE[1]))
+    timestamp: float = field(metadata=within(*TIME_RANGE))
+    round_id: int = field(default=0, metadata=within(0, INT_RANGE[1]))
+    labelled: int = field(default=0, metadata=within(0, INT_RANGE[1]))
     profile: str = ""
-    peak_rss_mb: float = bounded(0.0, within=(0.0, 1e9))
+    peak_rss_mb: float = field(default=0.0, metadata=within(0.0, 1e9))
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 # The serving version on the wire: which model devices predict with, apart from the latest round's model they train.
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
-from protocol.bounds import INT_RANGE, TIME_RANGE, bounded
+from protocol.bounds import INT_RANGE, TIME_RANGE, within
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,7 @@ class ServingMessage:
 
     KIND: ClassVar[str] = "serving"
     run_id: str
-    version: int = bounded(within=(0, INT_RANGE[1]))
+    version: int = field(metadata=within(0, INT_RANGE[1]))
     model_hash: str
-    promoted_at: float = bounded(within=TIME_RANGE)
+    promoted_at: float = field(metadata=within(*TIME_RANGE))
     publish_predictions: bool = False

@@ -153,7 +153,10 @@ def test_bad_queries_get_bounded_refusals_and_the_desk_goes_on(tmp_path: Path, b
         receipts[receipt.query_id] = (receipt.queued, receipt.refusal)
     assert receipts == {"junk": (False, "undecodable"), "huge": (False, "too_large"), "good": (True, "")}
     expected = {"bad_message": 2, "undecodable": 1, "too_large": 1}
-    wait_until(lambda: desk.refusals == expected, "every refusal counted by its kind")
+    wait_until(
+        lambda: desk.refusals == {("cam-x", kind): count for kind, count in expected.items()},
+        "every refusal counted by its kind",
+    )
     assert [query.query_id for query in desk.queue.all()] == ["good"]
 
 
@@ -232,7 +235,9 @@ def test_a_query_refused_for_a_full_queue_is_sent_again_when_there_is_room(tmp_p
     device = Device(tmp_path, broker, resend_seconds=0.5)
     try:
         device.oracle.ask(np.array([0, 1]))
-        wait_until(lambda: small.refusals["device_full"] >= 1 and len(queue.all()) == 1, "one queued, one refused")
+        wait_until(
+            lambda: small.refusals[(DEVICE, "device_full")] >= 1 and len(queue.all()) == 1, "one queued, one refused"
+        )
         wait_until(lambda: len(device.oracle.book.store.queued()) == 1, "the first query's receipt")
         time.sleep(0.3)
         assert len(device.oracle.book.store.queued()) == 1, "the refused one is not settled"
@@ -253,7 +258,7 @@ def test_a_query_far_over_the_bound_is_dropped_in_its_chunks(tmp_path: Path, bro
     huge = label_messages.LabelQuery("cam-big", "huge", b"\xff" * 3_000_000, "image/jpeg", 1.0)
     with desk_running(FLEET, broker.address, queue) as running:
         sender.publish(topics.LABEL_QUERIES.build(fleet=FLEET, device="cam-big"), wire.encode(huge), wait=30)
-        wait_until(lambda: running.refusals["transfer_dropped"] >= 1, "the transfer dropped")
+        wait_until(lambda: running.refusals[("cam-big", "transfer_dropped")] >= 1, "the transfer dropped")
         assert queue.all() == [] and not (queue.folder / "images").exists()
         small = io.BytesIO()
         Image.fromarray(np.zeros((8, 8), dtype=np.uint8)).save(small, format="PNG")

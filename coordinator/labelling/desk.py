@@ -1,6 +1,6 @@
 # The labelling desk: its own MQTT session takes devices' queries into the queue (stored before the broker is acked
 # and the device gets its receipt) and sends each decided answer to its device until the device's receipt says it is
-# stored.
+# stored; a supervised part (protocol.supervision).
 from __future__ import annotations
 
 import logging
@@ -12,10 +12,14 @@ from coordinator.labelling.queue import Decided, LabelQueue
 from protocol import label_messages, topics, wire
 from protocol.mqtt import IncomingMessage, MqttSession
 from protocol.resend import ResendSchedule
+from protocol.supervision import MAX_SENDERS, OTHER_SENDERS, Health, MessageGuard, SupervisedThread
 
 log = logging.getLogger(__name__)
 
 RESEND_SECONDS = 30.0
+PART = "labelling-desk"
+OTHER_TOPIC = "(topic)"  # the sender of a message on a topic that names no device
+SET_ASIDE = "set-aside"  # the queue folder's folder of messages that failed the desk's handler
 
 
 class LabellingDesk:
@@ -25,16 +29,23 @@ class LabellingDesk:
     its device stays away; the device stores an answer once however often it comes."""
 
     def __init__(
-        self, fleet: str, session: MqttSession, queue: LabelQueue, resend_seconds: float = RESEND_SECONDS
+        self,
+        fleet: str,
+        session: MqttSession,
+        queue: LabelQueue,
+        resend_seconds: float = RESEND_SECONDS,
+        health: Health | None = None,
     ) -> None:
         self.fleet = fleet
         self.session = session
         self.queue = queue
-        self.refusals: Counter[str] = Counter()
+        self.health = health or Health()
+        self.refusals: Counter[tuple[str, str]] = Counter()
         self.resends: ResendSchedule[tuple[str, str]] = ResendSchedule(resend_seconds)
+        self.guard = MessageGuard(PART, self.health, queue.folder / SET_ASIDE)
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="labelling-desk", daemon=True)
+        self._pending: IncomingMessage | None = None
+        self._thread = SupervisedThread(PART, self._serve, self.health)
         self.router: topics.Router = topics.Router()
         self.router.add(topics.LABEL_QUERIES.bind(fleet=fleet), self.on_query)
         self.router.add(topics.LABEL_RECEIPTS.bind(fleet=fleet), self.on_receipt)
@@ -48,8 +59,7 @@ class LabellingDesk:
 
     def stop(self) -> None:
         """Stops the thread (the session is its owner's to close)."""
-        self._stop.set()
-        self._thread.join(timeout=10)
+        self._thread.stop()
 
     def send(self, decided: Decided) -> None:
         """Publishes a decided answer to its device (QoS 1) and schedules its resend."""
@@ -109,26 +119,35 @@ class LabellingDesk:
             if due:
                 self.send(decided)
 
-    def _serve(self) -> None:
-        """The desk's loop: messages as they come, resends once a second."""
+    def _serve(self, stop: threading.Event) -> None:
+        """The desk's loop: messages as they come (a message whose handler failed first, when the loop restarts),
+        resends once a second."""
         next_resend = 0.0
-        while not self._stop.is_set():
-            message = self.session.next_message(timeout=0.2)
+        while not stop.is_set():
+            message = self._pending or self.session.next_message(timeout=0.2)
             if message is not None:
+                self._pending = message
                 self._handle(message)
+                self._pending = None
             if time.monotonic() >= next_resend:
                 next_resend = time.monotonic() + 1.0
                 self.resend_due()
 
     def _handle(self, message: IncomingMessage) -> None:
-        """Routes one message, then acknowledges it to the broker (the queue has stored what it keeps)."""
+        """Routes one message under the desk's guard, then acknowledges it to the broker (the queue has stored what
+        it keeps, or the message was set aside); a topic that names no device of this fleet is refused."""
         found = self.router.route(message.topic)
-        if found is not None:
+        if found is None:
+            self._refuse(OTHER_TOPIC, "bad_topic", message.topic)
+        else:
             handler, values = found
-            handler(message, values["device"])
+            device = values["device"]
+            self.guard.handle(message.topic, message.payload, device, lambda: handler(message, device))
         self.session.acknowledge(message)
 
     def _refuse(self, device: str, kind: str, detail: str) -> None:
-        """Counts and logs one refused message (its detail cut short)."""
-        self.refusals[kind] += 1
+        """Counts (by sender, bounded like the health's) and logs one refused message (its detail cut short)."""
+        named = {who for who, _ in self.refusals}
+        who = device if device in named or len(named) < MAX_SENDERS else OTHER_SENDERS
+        self.refusals[(who, kind)] += 1
         log.warning("labelling message refused device=%s kind=%s detail=%s", device, kind, detail[:200])

@@ -2,6 +2,7 @@
 # and takes the people's answers back into its answer book (the one answer path), acknowledging each once stored.
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import queue
@@ -19,12 +20,15 @@ from protocol import label_messages, topics, wire
 from protocol.bounds import SCORE_RANGE, UNIT_RANGE, clamped
 from protocol.mqtt import IncomingMessage, MqttSession, PayloadTooLargeError
 from protocol.resend import ResendSchedule
+from protocol.supervision import Health, MessageGuard, SupervisedThread
 
 log = logging.getLogger(__name__)
 
 SCAN_SECONDS = 1.0
 RESEND_SECONDS = 30.0
 MEDIA_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}
+PART = "labelling-link"
+QUEUE = "labelling-queue"  # who the link's messages come from, as its set-aside counts name them
 
 
 def query_image(path: Path, max_side: int | None) -> tuple[bytes, str]:
@@ -60,6 +64,7 @@ class CentralLabelling:
         oracle: FolderOracle,
         max_side: int | None,
         resend_seconds: float = RESEND_SECONDS,
+        health: Health | None = None,
     ) -> None:
         self.fleet = fleet
         self.device_id = device_id
@@ -67,9 +72,11 @@ class CentralLabelling:
         self.oracle = oracle
         self.max_side = max_side
         self.resends: ResendSchedule[str] = ResendSchedule(resend_seconds)
-        self._stop = threading.Event()
+        self.health = health or Health()
+        self.guard = MessageGuard(PART, self.health, None)
         self._inbox: queue.Queue[IncomingMessage] = queue.Queue()
-        self._thread = threading.Thread(target=self._serve, name="labelling-link", daemon=True)
+        self._pending: IncomingMessage | None = None
+        self._thread = SupervisedThread(PART, self._serve, self.health)
         oracle.keeps_guesses = True
 
     @property
@@ -86,9 +93,7 @@ class CentralLabelling:
 
     def close(self) -> None:
         """Stops the thread (the session is the agent's)."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
+        self._thread.stop()
 
     def tick(self) -> None:
         """On the agent's thread: moves the answers stored since into the labelled store."""
@@ -171,20 +176,29 @@ class CentralLabelling:
         receipt = label_messages.AnswerReceipt(self.device_id, answer.query_id, delivery is not None)
         session.publish(topics.LABEL_RECEIPTS.build(fleet=self.fleet, device=self.device_id), wire.encode(receipt))
 
-    def _serve(self) -> None:
-        """The link's thread: messages from the queue as they come, new and due queries once a second (so a round
-        that waits for its answers has its queries out and its answers in meanwhile)."""
+    def _serve(self, stop: threading.Event) -> None:
+        """The link's thread: messages from the queue as they come (one whose handling failed first, when the loop
+        restarts; the broker redelivers nothing while the session lives), new and due queries once a second (so a
+        round that waits for its answers has its queries out and its answers in meanwhile)."""
         session, next_scan = self.session, 0.0
-        while session is not None and not self._stop.is_set():
-            try:
-                message: IncomingMessage | None = self._inbox.get(timeout=0.2)
-            except queue.Empty:
-                message = None
+        while session is not None and not stop.is_set():
+            message = self._pending or self._next_message()
             if message is not None:
-                self.handle(session, message)
+                self._pending = message
+                self.guard.handle(
+                    message.topic, message.payload, QUEUE, functools.partial(self.handle, session, message)
+                )
+                self._pending = None
             if time.monotonic() >= next_scan:
                 next_scan = time.monotonic() + SCAN_SECONDS
                 self.send_due(session)
+
+    def _next_message(self) -> IncomingMessage | None:
+        """The next message from the queue, or None after a short wait."""
+        try:
+            return self._inbox.get(timeout=0.2)
+        except queue.Empty:
+            return None
 
 
 def _guess_fields(guess: Guess) -> tuple[int, float, float, float]:
