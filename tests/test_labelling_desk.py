@@ -35,6 +35,7 @@ from edge_agent.loop.round_inputs import RoundModels
 from protocol import label_messages, messages, topics, wire
 from protocol.model_spec import CLASS_NAMES, DEFAULT_SPEC
 from protocol.mqtt import MqttSession
+from protocol.supervision import Health
 
 FLEET = "lab"
 DEVICE = "cam-1"
@@ -256,7 +257,7 @@ def test_a_query_far_over_the_bound_is_dropped_in_its_chunks(tmp_path: Path, bro
     queue = LabelQueue(tmp_path / "run", tuple(CLASS_NAMES), QueueLimits(image_bytes=100_000))
     sender = sessions(broker.address, "cam-big")
     huge = label_messages.LabelQuery("cam-big", "huge", b"\xff" * 3_000_000, "image/jpeg", 1.0)
-    with desk_running(FLEET, broker.address, queue) as running:
+    with desk_running(FLEET, broker.address, queue, Health()) as running:
         sender.publish(topics.LABEL_QUERIES.build(fleet=FLEET, device="cam-big"), wire.encode(huge), wait=30)
         wait_until(lambda: running.refusals[("cam-big", "transfer_dropped")] >= 1, "the transfer dropped")
         assert queue.all() == [] and not (queue.folder / "images").exists()

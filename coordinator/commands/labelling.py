@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from protocol.errors import UsageError
 from protocol.model_spec import load_model_spec
 from protocol.shutdown import Terminated, raise_on_sigterm
+from protocol.supervision import Health
 
 if TYPE_CHECKING:  # the queue loads PIL and sqlite only when an action runs
     from coordinator.dashboard.server import Dashboard
@@ -86,10 +87,10 @@ def open_queue(args: argparse.Namespace, voters: int = 1) -> LabelQueue:
 
 @contextlib.contextmanager
 def desk_running(
-    fleet: str, broker: BrokerAddress, queue: LabelQueue, resend_seconds: float = 30.0
+    fleet: str, broker: BrokerAddress, queue: LabelQueue, health: Health, resend_seconds: float = 30.0
 ) -> Iterator[LabellingDesk]:
     """The desk on its own session (client `labelling-<fleet>`, manual acks, transfers bounded by the queue's image
-    bound) for the duration of a with-block; the queue is closed after."""
+    bound) for the duration of a with-block, its health in `health` (the page's); the queue is closed after."""
     from coordinator.labelling.desk import LabellingDesk
     from protocol.mqtt import MqttSession
     from protocol.reassembly import ChunkLimits
@@ -103,7 +104,7 @@ def desk_running(
     )
     try:
         session.connect()
-        desk = LabellingDesk(fleet, session, queue, resend_seconds).start()
+        desk = LabellingDesk(fleet, session, queue, resend_seconds, health).start()
         try:
             yield desk
         finally:
@@ -124,7 +125,7 @@ def with_labelling(
         secure = settings.secure_dir
         login = desk_login(address, None if secure is None else secure / LABELLING_CREDENTIALS, settings.fleet)
         queue = LabelQueue(settings.run_dir, tuple(settings.spec.class_names))
-        with desk_running(settings.fleet, login, queue) as desk:
+        with desk_running(settings.fleet, login, queue, dashboard.server.health) as desk:
             dashboard.server.labelling = desk
             print(f"labelling page at {dashboard.url}label (the dashboard's token)", file=sys.stderr, flush=True)
             serve(address)
@@ -155,11 +156,12 @@ def serve(args: argparse.Namespace) -> int:
     queue = open_queue(args, args.answers_per_query)
     broker = desk_login(parse_broker_url(args.broker), args.credentials, args.fleet)
     token = dashboard_token(address, args.dashboard_token, args.run_dir)
+    health = Health()
     raise_on_sigterm()
     try:
         with (
-            desk_running(args.fleet, broker, queue, args.resend_seconds) as desk,
-            Dashboard(address, args.run_dir, None, token, desk) as dashboard,
+            desk_running(args.fleet, broker, queue, health, args.resend_seconds) as desk,
+            Dashboard(address, args.run_dir, None, token, desk, health) as dashboard,
         ):
             shown = f"#token={token}" if token and args.dashboard_token is None else ""
             print(f"labelling page at {dashboard.url}label{shown}", file=sys.stderr, flush=True)

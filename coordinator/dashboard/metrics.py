@@ -5,6 +5,7 @@ from collections.abc import Sequence
 
 from coordinator.dashboard.live import Counters
 from coordinator.labelling.queue import QueueStatus
+from protocol.supervision import Health
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -74,11 +75,15 @@ def prediction_metrics(counters: Counters, predictions: dict[str, dict]) -> list
     )
 
 
-def labelling_metrics(status: QueueStatus) -> list[str]:
+def labelling_metrics(status: QueueStatus, refused: dict[tuple[str, str], int]) -> list[str]:
     """The labelling queue's families: per device its open queries and the oldest one's age, per person the answers
-    given in the last hour."""
+    given in the last hour, and the desk's refusals by sender and kind."""
     devices = [(f'{{device="{escape_label(device)}"}}', value) for device, value in status.open_by_device.items()]
     people = [(f'{{person="{escape_label(person)}"}}', count) for person, count in status.answers_last_hour.items()]
+    refusals = [
+        (f'{{device="{escape_label(device)}",kind="{escape_label(kind)}"}}', count)
+        for (device, kind), count in sorted(refused.items())
+    ]
     return (
         metric(
             "fl_labelling_open_queries",
@@ -93,7 +98,37 @@ def labelling_metrics(status: QueueStatus) -> list[str]:
             [(label, float(age)) for label, (_, age) in devices],
         )
         + metric("fl_labelling_answers_last_hour", "gauge", "Answers a person gave in the last hour.", people)
+        + metric("fl_labelling_refused_total", "counter", "Messages the labelling desk refused, by sender.", refusals)
     )
+
+
+def health_metrics(health: Health) -> list[str]:
+    """The supervised parts' families: whether each is up, how often it restarted, and the messages each set aside
+    after failing to handle them, by sender."""
+    parts, set_aside = health.snapshot()
+    return (
+        metric("fl_part_up", "gauge", "1 while a supervised part runs, 0 while it restarts.", _by_part(parts, "up"))
+        + metric(
+            "fl_part_restarts_total",
+            "counter",
+            "Times a supervised part failed and restarted.",
+            _by_part(parts, "restarts"),
+        )
+        + metric(
+            "fl_messages_set_aside_total",
+            "counter",
+            "Messages a part set aside after its handler failed on them three times, by sender.",
+            [
+                (f'{{part="{escape_label(part)}",sender="{escape_label(sender)}"}}', count)
+                for (part, sender), count in sorted(set_aside.items())
+            ],
+        )
+    )
+
+
+def _by_part(parts: Sequence, attribute: str) -> list[tuple[str, float]]:
+    """One sample per part of one of its health's attributes."""
+    return [(f'{{part="{escape_label(part.name)}"}}', int(getattr(part, attribute))) for part in parts]
 
 
 def render_metrics(
@@ -104,14 +139,19 @@ def render_metrics(
     serving_version: int = 0,
     predictions: dict[str, dict] | None = None,
     labelling: QueueStatus | None = None,
+    labelling_refused: dict[tuple[str, str], int] | None = None,
+    health: Health | None = None,
 ) -> str:
     """The /metrics body: the rounds' metrics, the devices' predictions once any came in (a fleet whose serving
-    message does not ask for them has none), the labelling queue when the coordinator keeps one, and the DP spend."""
+    message does not ask for them has none), the labelling queue when the coordinator keeps one, the supervised
+    parts' health, and the DP spend."""
     lines = round_metrics(counters, devices_online, current_round, serving_version)
     if counters.predictions_received or counters.predictions_refused:
         lines += prediction_metrics(counters, predictions or {})
     if labelling is not None:
-        lines += labelling_metrics(labelling)
+        lines += labelling_metrics(labelling, labelling_refused or {})
+    if health is not None:
+        lines += health_metrics(health)
     if counters.dp_epsilon is not None:
         lines += metric(
             "fl_dp_epsilon_spent",

@@ -29,6 +29,7 @@ from coordinator.dashboard.views import (
     class_accuracy_view,
     devices_view,
     divergence_view,
+    health_view,
     json_safe,
     labelling_view,
     rounds_view,
@@ -39,6 +40,7 @@ from coordinator.labelling.queue import QueueStatus
 from coordinator.storage.serving_history import serving_stack
 from protocol.errors import UsageError
 from protocol.files import atomic_write_bytes
+from protocol.supervision import Health
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +117,7 @@ class DashboardHTTPServer(ThreadingHTTPServer):
         live: LiveState | None,
         token: str | None,
         labelling: LabellingDesk | None = None,
+        health: Health | None = None,
     ) -> None:
         self.address_family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
         try:
@@ -127,6 +130,7 @@ class DashboardHTTPServer(ThreadingHTTPServer):
         self.live = live
         self.token = token
         self.labelling = labelling
+        self.health = health or Health()
 
 
 class DashboardHandler(BaseHTTPRequestHandler):
@@ -211,7 +215,7 @@ class DashboardHandler(BaseHTTPRequestHandler):
         """(status, body) of a JSON API path, read from a fresh store snapshot and the live state."""
         live, snapshot = self.server.live, self.server.snapshots.get()
         if path == "/api/run":
-            return HTTPStatus.OK, run_view(snapshot, live)
+            return HTTPStatus.OK, {**run_view(snapshot, live), "health": health_view(self.server.health)}
         if path == "/api/devices":
             status = self.queue_status()
             return HTTPStatus.OK, {"devices": devices_view(snapshot, live, status), "labelling": labelling_view(status)}
@@ -239,6 +243,8 @@ class DashboardHandler(BaseHTTPRequestHandler):
             serving_version=serving,
             predictions=live.predictions(),
             labelling=self.queue_status(),
+            labelling_refused=None if self.server.labelling is None else dict(self.server.labelling.refusals),
+            health=self.server.health,
         )
 
     def queue_status(self) -> QueueStatus | None:
@@ -279,8 +285,9 @@ class Dashboard:
         live: LiveState | None,
         token: str | None,
         labelling: LabellingDesk | None = None,
+        health: Health | None = None,
     ) -> None:
-        self.server = DashboardHTTPServer(address, run_dir, live, token, labelling)
+        self.server = DashboardHTTPServer(address, run_dir, live, token, labelling, health)
         self.thread = threading.Thread(target=self.server.serve_forever, name="dashboard", daemon=True)
 
     @property

@@ -16,6 +16,7 @@ from coordinator.storage.serving_history import HELD, ServingEvent, serving_stac
 from coordinator.storage.store import AGGREGATE_CHANGE, DeviceRoundRecord, RoundRecord, RunStore, stored_spec
 from coordinator.strategies.method_kinds import method_kinds
 from protocol.model_spec import spec_hash
+from protocol.supervision import Health
 
 T = TypeVar("T")
 Rejection = tuple[int, str, str, int, float]  # round id, device id, reason, bytes, recorded at
@@ -287,6 +288,21 @@ def labelling_view(queue: QueueStatus | None) -> dict | None:
     return {
         "open": sum(count for count, _ in queue.open_by_device.values()),
         "people": [{"person": person, "answers_last_hour": count} for person, count in people],
+    }
+
+
+def health_view(health: Health) -> dict:
+    """The supervised parts at a glance: each part's state, restarts and last failure, and the messages set aside
+    by sender (the dashboard shows a part that is down or restarted, and who sent what the parts set aside)."""
+    parts, set_aside = health.snapshot()
+    return {
+        "parts": [
+            {"part": p.name, "up": p.up, "restarts": p.restarts, "last_error": p.last_error, "failed_at": p.failed_at}
+            for p in sorted(parts, key=lambda part: part.name)
+        ],
+        "set_aside": [
+            {"part": part, "sender": sender, "messages": count} for (part, sender), count in sorted(set_aside.items())
+        ],
     }
 
 

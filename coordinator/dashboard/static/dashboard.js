@@ -109,6 +109,20 @@ function drawLabellers(labelling) {
   note.textContent = `labelling queue: ${labelling.open} open; answers in the last hour: ${people || "none"}`;
 }
 
+// The supervised parts: hidden while every part is up and none restarted or set a message aside; else each part's
+// state and restarts with its last failure, and who sent the messages the parts set aside.
+function drawHealth(health) {
+  const note = document.getElementById("health");
+  const troubled = health.parts.filter(part => !part.up || part.restarts);
+  note.hidden = !troubled.length && !health.set_aside.length;
+  if (note.hidden) return;
+  const parts = troubled.map(part =>
+    `${part.part} ${part.up ? "up" : "restarting"}, ${part.restarts} restarts (last: ${part.last_error})`);
+  const aside = health.set_aside.map(item => `${item.messages} from ${item.sender} (${item.part})`);
+  note.textContent = `parts: ${parts.join("; ") || "all up"}; set aside: ${aside.join(", ") || "none"}`;
+  note.className = troubled.some(part => !part.up) ? "note down" : "note";
+}
+
 // A line chart of series [{name, colour, points: [[x, y], ...]}] into an <svg> with a 480x260 viewBox.
 function lineChart(target, series, xLabel, yLabel) {
   target.replaceChildren();
@@ -263,6 +277,7 @@ async function refresh() {
     drawMethods(run.methods);
     drawDevices(devices.devices);
     drawLabellers(devices.labelling);
+    drawHealth(run.health);
     drawAccuracy(rounds.rounds);
     drawTimeline(rounds.rounds);
     const round = fillRoundChoice(rounds.rounds);
