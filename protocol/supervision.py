@@ -152,17 +152,16 @@ class MessageGuard:
         self._failures: dict[str, int] = {}
 
     def handle(self, topic: str, payload: bytes, sender: str, handler: Callable[[], None]) -> bool:
-        """Runs `handler` for the message; True when it ran, False when the message was set aside (now, or by
-        earlier failures). Re-raises a failure below the limit."""
+        """Runs `handler` for the message; True when it ran, False when it failed for the last time and the message
+        was set aside (the same message sent again later is a new one). Re-raises a failure below the limit."""
         key = message_key(topic, payload)
-        if self._failures.get(key, 0) >= self.attempts:
-            return False
         try:
             handler()
         except Exception as error:
             self._failures[key] = failures = self._failures.get(key, 0) + 1
             if failures < self.attempts:
                 raise
+            del self._failures[key]
             log.exception("message set aside part=%s sender=%s failures=%d", self.part, sender[:64], failures)
             self._set_aside(key, topic, payload, sender, error)
             return False

@@ -1,0 +1,266 @@
+# The field loop keeps running when one party misbehaves, with real processes: a plain paho + msgpack client (none
+# of the project's code) sends the labelling desk of `fl-coordinator labelling serve` non-finite, out-of-range and
+# out-of-folder queries, and forges an answer to a real `edge-agent run --labelling central`; the desk's images sit
+# on a full tmpfs. Every part keeps working or comes back by itself, the sender is named in /metrics, nothing is
+# redelivered forever, and no answer is lost.
+from __future__ import annotations
+
+import io
+import json
+import queue
+import signal
+import subprocess
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import paho.mqtt.client as paho
+import pytest
+from browser import free_port, wait_for
+from PIL import Image
+from test_central_labelling import FLEET, TOKEN, asked_queries, desk, device, index_of, labelled, open_count
+
+from coordinator.fleet.broker import EmbeddedBroker
+from coordinator.labelling.queue import IMAGES, QUEUE_FOLDER
+from edge_agent.data.answers import AnswerBook
+from edge_agent.field.folder_oracle import QueryBook
+
+pytestmark = pytest.mark.integration
+
+SENDER = "cam-x"
+
+
+def packed(kind: str, **fields: object) -> bytes:
+    """A wire message as a malicious client writes it: plain msgpack, no project code."""
+    return msgpack.packb({"v": 2, "kind": kind, **fields}, use_bin_type=True)
+
+
+def png() -> bytes:
+    """A small real PNG."""
+    buffer = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8), dtype=np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def query(query_id: str, **changed: object) -> bytes:
+    """A query of the attacker's device as plain msgpack, with any field changed."""
+    fields: dict[str, object] = {
+        "device_id": SENDER,
+        "query_id": query_id,
+        "image": png(),
+        "media_type": "image/png",
+        "asked_at": 1.7e9,
+    }
+    return packed("label_query", **{**fields, **changed})
+
+
+class PlainClient:
+    """A paho client of its own, reading what the desk sends the device it claims to be."""
+
+    inbox: queue.Queue[tuple[str, dict]]
+
+    def __init__(self, port: int, client_id: str) -> None:
+        self.inbox: queue.Queue[tuple[str, dict]] = queue.Queue()
+        self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv5)
+        self.client.on_message = lambda c, u, m: self.inbox.put((m.topic, msgpack.unpackb(m.payload)))
+        self.client.connect("127.0.0.1", port)
+        self.client.loop_start()
+
+    def send(self, topic: str, payload: bytes) -> None:
+        self.client.publish(topic, payload, qos=1).wait_for_publish(timeout=10)
+
+    def receipt(self, timeout: float = 20.0) -> dict:
+        return self.inbox.get(timeout=timeout)[1]
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def metrics(url: str) -> str:
+    """The desk's /metrics body."""
+    request = urllib.request.Request(url + "metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return response.read().decode()
+
+
+def sample(text: str, name_and_labels: str) -> float:
+    """One sample's value in a /metrics body (0 when it is absent)."""
+    for line in text.splitlines():
+        if line.startswith(name_and_labels + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@contextmanager
+def running_desk(root: Path, broker: EmbeddedBroker) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`fl-coordinator labelling serve` until the with-block ends (SIGTERM)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/"
+    process = desk(broker, root, port)
+    try:
+        wait_for(lambda: _up(url), 60, "the desk's page")
+        yield url, process
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+
+
+def _up(url: str) -> bool:
+    try:
+        metrics(url)
+        return True
+    except OSError:
+        return False
+
+
+def test_non_finite_out_of_range_and_out_of_folder_queries_are_refused_and_never_redelivered(tmp_path: Path) -> None:
+    with EmbeddedBroker(tmp_path / "broker") as broker:
+        attacker = PlainClient(broker.port, SENDER)
+        attacker.client.subscribe(f"fl/{FLEET}/devices/{SENDER}/answers", qos=1)
+        try:
+            with running_desk(tmp_path, broker) as (url, _):
+                topic = f"fl/{FLEET}/devices/{SENDER}/queries"
+                for bad in (
+                    query("nan", asked_at=float("nan")),
+                    query("inf", probability=float("inf")),
+                    query("huge", score=1e300),
+                    query("wide", guess=2**64 - 1),
+                ):
+                    attacker.send(topic, bad)
+                attacker.send(f"fl/{FLEET}/devices/../queries", query("escape", device_id=".."))
+                attacker.send(topic, query("good"))
+                assert attacker.receipt() == {
+                    "v": 2,
+                    "kind": "query_receipt",
+                    "query_id": "good",
+                    "queued": True,
+                    "refusal": "",
+                }
+                body = wait_for(
+                    lambda: (
+                        (text := metrics(url))
+                        and sample(text, f'fl_labelling_refused_total{{device="{SENDER}",kind="bad_message"}}') == 4
+                        and text
+                    ),
+                    20,
+                    "four refusals naming the sender",
+                )
+                assert sample(body, 'fl_labelling_refused_total{device="(topic)",kind="bad_topic"}') == 1
+                assert sample(body, 'fl_part_up{part="labelling-desk"}') == 1
+                assert open_count(url) == 1
+            assert not list(tmp_path.rglob("escape*")), "no image written for the '..' device, inside the folder or out"
+            log = (tmp_path / "desk.log").read_text()
+            assert "Traceback" not in log and "must be a finite number" in log
+            assert max(len(line) for line in log.splitlines()) < 600, "no log line grows with the input"
+
+            with running_desk(tmp_path, broker) as (url, _):
+                attacker.send(f"fl/{FLEET}/devices/{SENDER}/queries", query("after"))
+                assert attacker.receipt()["query_id"] == "after"
+                assert (
+                    sample(metrics(url), f'fl_labelling_refused_total{{device="{SENDER}",kind="bad_message"}}') == 0
+                ), "the refused messages were acknowledged: a restarted desk does not get them again"
+        finally:
+            attacker.close()
+
+
+@pytest.fixture()
+def full_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """The queue's image folder on a 64 KiB tmpfs, filled to the last byte."""
+    images = tmp_path / "run" / QUEUE_FOLDER / IMAGES
+    images.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(images)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode()[:120]}")
+    try:
+        filler = images / "filler"
+        with open(filler, "wb", buffering=0) as handle:
+            try:
+                while True:
+                    handle.write(b"\0" * 4096)
+            except OSError:
+                pass
+        yield filler
+    finally:
+        subprocess.run(["umount", "-l", str(images)], check=False)
+
+
+def test_a_full_disk_sets_the_query_aside_and_the_desk_comes_back(tmp_path: Path, full_tmpfs: Path) -> None:
+    with EmbeddedBroker(tmp_path / "broker") as broker:
+        attacker = PlainClient(broker.port, SENDER)
+        attacker.client.subscribe(f"fl/{FLEET}/devices/{SENDER}/answers", qos=1)
+        try:
+            with running_desk(tmp_path, broker) as (url, process):
+                topic = f"fl/{FLEET}/devices/{SENDER}/queries"
+                attacker.send(topic, query("q1"))
+                text = wait_for(
+                    lambda: (
+                        (body := metrics(url))
+                        and sample(body, f'fl_messages_set_aside_total{{part="labelling-desk",sender="{SENDER}"}}') == 1
+                        and body
+                    ),
+                    30,
+                    "the query set aside after three failures",
+                )
+                assert sample(text, 'fl_part_restarts_total{part="labelling-desk"}') == 2
+                wait_for(lambda: sample(metrics(url), 'fl_part_up{part="labelling-desk"}') == 1, 10, "the desk up")
+                full_tmpfs.unlink()
+                attacker.send(topic, query("q1"))  # the device's resend, once there is room
+                assert attacker.receipt() == {
+                    "v": 2,
+                    "kind": "query_receipt",
+                    "query_id": "q1",
+                    "queued": True,
+                    "refusal": "",
+                }
+                assert open_count(url) == 1 and process.poll() is None
+            log = (tmp_path / "desk.log").read_text()
+            assert "No space left on device" in log and "message set aside" in log
+            kept = list((tmp_path / "run" / QUEUE_FOLDER / "set-aside").glob("*.payload"))
+            assert [path.read_bytes() for path in kept] == [query("q1")]
+        finally:
+            attacker.close()
+
+
+def test_a_forged_answer_with_a_non_finite_time_leaves_the_device_link_working(tmp_path: Path) -> None:
+    state = asked_queries(tmp_path, "cam-a", 0)
+    with EmbeddedBroker(tmp_path / "broker") as broker:
+        forger = PlainClient(broker.port, "forger")
+        processes: list[subprocess.Popen] = []
+        try:
+            with running_desk(tmp_path, broker) as (url, _):
+                processes.append(device(broker, tmp_path, "cam-a"))
+                wait_for(lambda: open_count(url) == 2, 60, "the device's queries in the queue")
+                asked = [asked.query_id for asked in QueryBook(state / "labelling").queries()]
+                forged = packed(
+                    "label_answer", query_id=asked[0], label=1, answered_by="mallory", answered_at=float("nan")
+                )
+                forger.send(f"fl/{FLEET}/devices/cam-a/answers", forged)
+                _answer(url, "cam-a", asked[0], 5)
+                wait_for(lambda: labelled(state) == {index_of(state, asked[0]): 5}, 30, "the person's answer stored")
+                assert processes[0].poll() is None
+            stored = AnswerBook(state / "labelling" / "answers.sqlite").answers()
+            assert [(a.label, a.answered_by) for a in stored] == [(5, "anonymous")]
+            log = (tmp_path / "cam-a.log").read_text()
+            assert "Traceback" not in log and "must be a finite number" in log
+        finally:
+            forger.close()
+            for process in processes:
+                process.kill()
+                process.wait(timeout=30)
+
+
+def _answer(url: str, device_id: str, query_id: str, label: int) -> None:
+    """A person's answer through the page's API, with the token."""
+    body = json.dumps({"device": device_id, "query_id": query_id, "label": label, "person": "anonymous"}).encode()
+    request = urllib.request.Request(
+        url + "api/label/answer",
+        data=body,
+        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=5) as response:
+        assert response.status == 200
