@@ -32,6 +32,7 @@ from protocol.dp import DP_OFF
 from protocol.errors import UsageError
 from protocol.mqtt import MANUAL_ACK_WINDOW, BrokerAddress, MqttSession
 from protocol.reassembly import MIB, ChunkLimits
+from protocol.supervision import LEDGER, SET_ASIDE, MessageGuard
 from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)
@@ -171,6 +172,9 @@ def round_parts(
         observer=observer,
         mode=round_mode(settings, intake, session),
         serving=ServingKeeper(store, publisher, settings.promotion, names, settings.publish_predictions),
+        guard=MessageGuard(
+            "coordinator", observer.health, settings.run_dir / SET_ASIDE, ledger=settings.run_dir / SET_ASIDE / LEDGER
+        ),
     )
 
 

@@ -69,6 +69,7 @@ class RejectionKind(StrEnum):
     WRONG_RECIPIENT = "wrong_recipient"  # secure aggregation: a share addressed to a device that must not hold it
     UNSAFE_REQUEST = "unsafe_request"  # secure aggregation: an unmask request an honest device refuses
     WRONG_STAGE = "wrong_stage"  # secure aggregation: a message for a stage the round is not in
+    SET_ASIDE = "set_aside"  # a message whose handling failed three times (a bug: the log has its traceback)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import threading
 import time
@@ -10,10 +11,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from protocol.files import atomic_write_bytes
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 FIRST_BACKOFF_SECONDS = 1.0
 MAX_BACKOFF_SECONDS = 30.0
@@ -22,6 +25,9 @@ MAX_SENDERS = 100  # senders counted by name; the rest under OTHER_SENDERS, so /
 OTHER_SENDERS = "(other)"
 KEPT_MESSAGES = 20  # set-aside messages kept for inspection, newest first
 ERROR_CHARACTERS = 200
+LEDGER_KEYS = 64  # messages whose failures a ledger remembers
+SET_ASIDE = "set-aside"  # the folder (in a run or state directory) of set-aside messages and the ledger
+LEDGER = "ledger.json"
 
 
 @dataclass
@@ -132,6 +138,19 @@ class SupervisedThread:
                 self.health.running(self.name)
 
 
+def read_ledger(path: Path) -> dict[str, int]:
+    """The failure counts a ledger holds ({} for none, or for one that does not read as such: it only ever
+    delays setting a message aside by a few attempts)."""
+    try:
+        counts = json.loads(path.read_bytes())
+    # no ledger yet, or a torn or foreign file: start counting afresh
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(counts, dict):
+        return {}
+    return {key: value for key, value in counts.items() if isinstance(key, str) and type(value) is int}
+
+
 def message_key(topic: str, payload: bytes) -> str:
     """What identifies one message across redeliveries: sha256 of its topic and payload."""
     return hashlib.sha256(topic.encode() + b"\0" + payload).hexdigest()
@@ -139,34 +158,61 @@ def message_key(topic: str, payload: bytes) -> str:
 
 class MessageGuard:
     """Runs a part's handler of one message under the rule: a handler that raises is counted against the message
-    (by `message_key`) and the exception goes on to the part's supervisor (which logs it and restarts the part, which
-    handles the message again); the ATTEMPTS-th failure sets the message aside instead: its payload kept in `folder`
-    (the newest KEPT_MESSAGES), a bounded warning naming its sender, counted in `health`, and the caller acknowledges
-    it. So a poison message costs a few seconds, never the part."""
+    (by `message_key`) and the exception goes on to the part's supervisor (a thread's, which logs it and restarts
+    the part, which handles the message again; or the process's, which exits with the traceback for systemd to
+    restart it, and the broker delivers the message again); the ATTEMPTS-th failure sets the message aside instead:
+    its payload kept in `folder` (the newest KEPT_MESSAGES), a bounded warning naming its sender, counted in
+    `health`, and the caller acknowledges it. So a poison message costs a few seconds (or restarts), never the part.
 
-    def __init__(self, part: str, health: Health, folder: Path | None, attempts: int = ATTEMPTS) -> None:
+    A part whose failures end the process keeps the counts in `ledger` (a JSON file of the last LEDGER_KEYS
+    messages that failed), so they outlive the process."""
+
+    def __init__(
+        self, part: str, health: Health, folder: Path | None, attempts: int = ATTEMPTS, ledger: Path | None = None
+    ) -> None:
         self.part = part
         self.health = health
         self.folder = folder
         self.attempts = attempts
-        self._failures: dict[str, int] = {}
+        self.ledger = ledger
+        self._failures: dict[str, int] = read_ledger(ledger) if ledger is not None else {}
 
-    def handle(self, topic: str, payload: bytes, sender: str, handler: Callable[[], None]) -> bool:
-        """Runs `handler` for the message; True when it ran, False when it failed for the last time and the message
-        was set aside (the same message sent again later is a new one). Re-raises a failure below the limit."""
+    def handle(self, topic: str, payload: bytes, sender: str, handler: Callable[[], R]) -> R | None:
+        """What `handler` returns for the message; None when it failed for the last time and the message was set
+        aside (the same message sent again later is a new one). Re-raises a failure below the limit."""
         key = message_key(topic, payload)
+        if self._failures.get(key, 0) >= self.attempts:
+            self._forget(key)
+            log.warning(
+                "message set aside part=%s sender=%s after failures in earlier processes", self.part, sender[:64]
+            )
+            self._set_aside(key, topic, payload, sender, RuntimeError("failed in earlier processes"))
+            return None
         try:
-            handler()
+            result = handler()
         except Exception as error:
             self._failures[key] = failures = self._failures.get(key, 0) + 1
             if failures < self.attempts:
+                self._save()
                 raise
-            del self._failures[key]
+            self._forget(key)
             log.exception("message set aside part=%s sender=%s failures=%d", self.part, sender[:64], failures)
             self._set_aside(key, topic, payload, sender, error)
-            return False
+            return None
+        if key in self._failures:
+            self._forget(key)
+        return result
+
+    def _forget(self, key: str) -> None:
+        """Drops a message's count (handled, or set aside: the same message sent again later is a new one)."""
         self._failures.pop(key, None)
-        return True
+        self._save()
+
+    def _save(self) -> None:
+        """Writes the counts to the ledger, if the part keeps one (the newest LEDGER_KEYS)."""
+        if self.ledger is not None:
+            kept = dict(list(self._failures.items())[-LEDGER_KEYS:])
+            atomic_write_bytes(self.ledger, json.dumps(kept).encode())
 
     def _set_aside(self, key: str, topic: str, payload: bytes, sender: str, error: Exception) -> None:
         """Keeps the message for inspection (a write that fails is one warning: the count and the log remain)."""

@@ -2,13 +2,14 @@
 # specific rejection on the device's ack topic, counts and logs it once, and aggregates only the valid updates.
 from __future__ import annotations
 
+import sqlite3
 from collections import Counter
 from pathlib import Path
 
 import msgpack
 import numpy as np
 import pytest
-from fleet import FakeDevice, log_text, perturbed, start_coordinator, stop_all, wait_exit
+from fleet import FakeDevice, log_text, perturbed, start_coordinator, stop_all, wait_exit, wait_until
 
 from coordinator.fleet.broker import EmbeddedBroker
 from coordinator.storage.store import RunStore
@@ -172,6 +173,12 @@ def test_a_huge_update_with_many_unknown_fields_gets_a_short_reason_everywhere(t
     assert len(line.encode()) < 1024 and "kind=undecodable" in line
 
 
+def set_aside_rejections(run_dir: Path) -> int:
+    """The set_aside rejections a running coordinator's store holds (read-only)."""
+    with sqlite3.connect(f"file:{run_dir / 'run.sqlite'}?mode=ro", uri=True) as connection:
+        return connection.execute("SELECT COUNT(*) FROM rejections WHERE kind = 'set_aside'").fetchone()[0]
+
+
 # The coordinator's run with a bug planted in its strategy: every update the mean folds raises a plain ValueError.
 BUGGY_STRATEGY = """
 import runpy, sys
@@ -209,3 +216,40 @@ def test_a_bug_inside_the_strategy_stops_the_coordinator_with_its_traceback_and_
     assert "update rejected" not in log and "out of range" not in log
     with RunStore(run_dir) as store:
         assert store.rejections() == [] and store.rounds() == []
+
+
+def test_an_update_that_stops_the_coordinator_three_times_is_set_aside_not_redelivered_forever(
+    tmp_path: Path,
+) -> None:
+    """The planted bug again, with the coordinator restarted as systemd would: the broker redelivers the update to
+    each new process; the first two exit with the traceback, the third sets the update aside (kept, its device
+    named in a set_aside rejection) and goes on serving."""
+    run_dir = tmp_path / "run"
+    with EmbeddedBroker(tmp_path / "broker") as broker:
+        device = FakeDevice(broker.address, FLEET, "dev-a")
+        processes = []
+        try:
+            for start in range(3):
+                processes.append(
+                    start_coordinator(
+                        broker.address, run_dir, FLEET, "--rounds", "1", "--quorum", "1", prelude=BUGGY_STRATEGY
+                    )
+                )
+                if start == 0:
+                    announcement, base = device.current_round()
+                    device.publish(wire.encode(device.update(announcement, perturbed(base, seed=1))))
+                if start < 2:
+                    assert wait_exit(processes[-1], f"coordinator {start + 1}") == 1
+            wait_until(lambda: set_aside_rejections(run_dir) == 1, "the update set aside by the third coordinator")
+            assert len(list((run_dir / "set-aside").glob("*.payload"))) == 1, "kept for inspection"
+            assert processes[-1].poll() is None, "the third coordinator goes on"
+        finally:
+            device.close()
+            stop_all(processes)
+    log = log_text(run_dir / "coordinator.log")
+    assert log.count("ValueError: planted bug in the strategy") == 3
+    assert "message set aside part=coordinator sender=dev-a failures=3" in log
+    with RunStore(run_dir) as store:
+        [(_, device_id, reason, _, _)] = store.rejections()
+        assert device_id == "dev-a" and reason.startswith("set aside: its handling failed 3 times")
+        assert store.rejection_kinds() == {"set_aside": 1}

@@ -30,7 +30,9 @@ HOSTILE_FLOATS = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from([math.nan, math.inf, -math.inf, 1e300, -1e300, 3e38, -0.0, 5e-324]),
 )
-HOSTILE_INTS = st.one_of(st.integers(-(2**63), 2**64 - 1), st.sampled_from([-1, 2**63, 2**64 - 1, -(2**63)]))  # msgpack's range
+HOSTILE_INTS = st.one_of(
+    st.integers(-(2**63), 2**64 - 1), st.sampled_from([-1, 2**63, 2**64 - 1, -(2**63)])
+)  # msgpack's range
 SCALARS = st.one_of(st.none(), st.booleans(), HOSTILE_INTS, HOSTILE_FLOATS, st.text(max_size=8), st.binary(max_size=8))
 HOSTILE = st.recursive(
     SCALARS,

@@ -54,7 +54,7 @@ def test_a_message_failing_three_times_is_set_aside_and_named(tmp_path: Path) ->
     for _ in range(2):
         with pytest.raises(ValueError):
             guard.handle("fl/f/devices/cam-x/queries", b"poison", "cam-x", handler)
-    assert guard.handle("fl/f/devices/cam-x/queries", b"poison", "cam-x", handler) is False
+    assert guard.handle("fl/f/devices/cam-x/queries", b"poison", "cam-x", handler) is None
     assert len(calls) == 3
     assert health.snapshot()[1] == {("desk", "cam-x"): 1}
     kept = sorted((tmp_path / "aside").iterdir())
@@ -62,7 +62,7 @@ def test_a_message_failing_three_times_is_set_aside_and_named(tmp_path: Path) ->
     assert kept[0].read_bytes() == b"poison"
     note = kept[1].read_text()
     assert "sender=cam-x" in note and len(note) < 600, "the note is bounded whatever the error's size"
-    assert guard.handle("fl/f/devices/cam-x/queries", b"poison", "cam-x", lambda: None) is True, (
+    assert guard.handle("fl/f/devices/cam-x/queries", b"poison", "cam-x", lambda: "handled") == "handled", (
         "the same message sent again later is handled afresh"
     )
 
@@ -84,5 +84,5 @@ def test_a_set_aside_folder_that_cannot_be_written_loses_only_the_copy(tmp_path:
     def handler() -> None:
         raise RuntimeError("bug")
 
-    assert guard.handle("t", b"p", "queue", handler) is False
+    assert guard.handle("t", b"p", "queue", handler) is None
     assert health.snapshot()[1] == {("link", "queue"): 1}

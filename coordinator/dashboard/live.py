@@ -56,6 +56,7 @@ class LiveState(RoundObserver):
     """The coordinator's live view for the dashboard; updated from the coordinator loop, read from HTTP threads."""
 
     def __init__(self, total_rounds: int) -> None:
+        super().__init__()
         self.total_rounds = total_rounds
         self._lock = threading.Lock()
         self._devices: dict[str, DevicePresence] = {}

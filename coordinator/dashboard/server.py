@@ -130,7 +130,7 @@ class DashboardHTTPServer(ThreadingHTTPServer):
         self.live = live
         self.token = token
         self.labelling = labelling
-        self.health = health or Health()
+        self.health = health or (live.health if live is not None else Health())
 
 
 class DashboardHandler(BaseHTTPRequestHandler):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from coordinator.intake.validation import Rejection
 from protocol import messages
 from protocol.prediction_messages import PredictionBatch
+from protocol.supervision import Health
 
 PEAK_RSS = "peak_rss_mb"  # a round's metrics key: device -> peak RSS (MB) from its last status
 
@@ -32,7 +33,11 @@ class RoundObserver:
     devices' predictions.
 
     This base hears nothing; the dashboard's live state overrides it. Called from the coordinator's loop only.
+    Its `health` is the process's supervised parts' (what the dashboard shows of them).
     """
+
+    def __init__(self) -> None:
+        self.health = Health()
 
     def device_status(self, device_id: str, status: messages.Status | None) -> None:
         """A device's status message arrived (None: its retained status was cleared)."""

@@ -12,14 +12,13 @@ from coordinator.labelling.queue import Decided, LabelQueue
 from protocol import label_messages, topics, wire
 from protocol.mqtt import IncomingMessage, MqttSession
 from protocol.resend import ResendSchedule
-from protocol.supervision import MAX_SENDERS, OTHER_SENDERS, Health, MessageGuard, SupervisedThread
+from protocol.supervision import MAX_SENDERS, OTHER_SENDERS, SET_ASIDE, Health, MessageGuard, SupervisedThread
 
 log = logging.getLogger(__name__)
 
 RESEND_SECONDS = 30.0
 PART = "labelling-desk"
 OTHER_TOPIC = "(topic)"  # the sender of a message on a topic that names no device
-SET_ASIDE = "set-aside"  # the queue folder's folder of messages that failed the desk's handler
 
 
 class LabellingDesk:

@@ -22,6 +22,7 @@ from coordinator.strategies.contract import Strategy
 from protocol import topics
 from protocol.messages import RejectionKind
 from protocol.mqtt import IncomingMessage, MqttSession
+from protocol.supervision import MessageGuard
 from protocol.tensors import Weights, spec_of, weights_hash
 from protocol.trained_set import trained_set
 
@@ -31,8 +32,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RoundParts:
     """The coordinator's collaborators: presence, intake, retained publishing, closing, who hears about it, the
-    run's round mode (plain unless the assembly chooses another) and the serving version's keeper (None: a relay's
-    site rounds, which serve nothing)."""
+    run's round mode (plain unless the assembly chooses another), the serving version's keeper (None: a relay's
+    site rounds, which serve nothing) and the guard its device messages are handled under (None: unguarded)."""
 
     presence: Presence
     intake: UpdateIntake
@@ -41,6 +42,7 @@ class RoundParts:
     observer: RoundObserver
     mode: RoundMode = field(default_factory=RoundMode)
     serving: ServingKeeper | None = None
+    guard: MessageGuard | None = None
 
 
 @dataclass(frozen=True)
@@ -229,13 +231,27 @@ class Coordinator:
         return len(opened.collector.accepted) >= self.needed(opened)
 
     def dispatch(self, message: IncomingMessage, opened: OpenRound | None) -> None:
-        """Routes a status or update message; nothing a device sends can raise out of here."""
+        """Routes a status or update message; nothing a device sends can raise out of here. Under the run's guard,
+        whatever else raises is a bug: counted against the message, and the process exits with its traceback (to be
+        restarted); the third time a message does so, it is set aside and named instead of redelivered forever."""
         found = self.router.route(message.topic)
         if found is None:
             log.warning("message on an unexpected topic topic=%s", message.topic[:200])
             return
         handler, parameters = found
-        handler(parameters["device"], message, opened)
+        device = parameters["device"]
+        if self.parts.guard is None:
+            handler(device, message, opened)
+            return
+
+        def handled() -> bool:
+            handler(device, message, opened)
+            return True
+
+        if self.parts.guard.handle(message.topic, message.payload, device, handled) is None:
+            reason = f"set aside: its handling failed {self.parts.guard.attempts} times (the log has the traceback)"
+            round_id = 0 if opened is None else opened.collector.expectation.round_id
+            self.parts.intake.record(device, round_id, Rejection(RejectionKind.SET_ASIDE, reason), len(message.payload))
 
     def on_status(self, device_id: str, message: IncomingMessage, opened: OpenRound | None) -> None:
         """A device's status (a broken chunked status says nothing)."""

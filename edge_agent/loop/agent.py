@@ -25,9 +25,12 @@ from protocol import messages, topics, wire
 from protocol.model_spec import ModelSpec
 from protocol.mqtt import IncomingMessage, LastWill, MqttSession, PayloadTooLargeError
 from protocol.prediction_messages import PredictionBatch
+from protocol.supervision import LEDGER, SET_ASIDE, Health, MessageGuard
 from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)
+
+COORDINATOR = "coordinator"  # who the fleet topics a device reads come from, as its set-aside counts name them
 
 LAST_ROUND_KEY = "last_finished_round"
 
@@ -156,6 +159,8 @@ class Agent:
         self.secure = SecureRounds(settings.fleet, settings.device_id, session, data.state_dir, data.journal)
         self.predictions = PredictionPublisher(settings.fleet, settings.device_id, session)
         self.router = agent_router(self)
+        aside = state_dir / SET_ASIDE
+        self.guard = MessageGuard("agent", Health(), aside, ledger=aside / LEDGER)
 
     @property
     def last_finished_round(self) -> int:
@@ -219,8 +224,13 @@ class Agent:
         return LatestModel(spec, weights, self._recipe, next(iter(self.artefacts.bundles.values()), None), model_hash)
 
     def handle(self, message: IncomingMessage) -> bool:
-        """Routes one message; True when the run is over for this agent."""
-        return handle_inbound(self.router, message, "fleet")
+        """Routes one message under the device's guard; True when the run is over for this agent. Whatever raises is
+        a bug: the process exits with its traceback (systemd restarts it), and a message that did so three times
+        (a retained one comes again at every start) is set aside instead of crash-looping the device."""
+        handled = self.guard.handle(
+            message.topic, message.payload, COORDINATOR, lambda: handle_inbound(self.router, message, "fleet")
+        )
+        return bool(handled)
 
     def receive(self, kind: str, payload: bytes) -> None:
         """Takes in a followed model, bundle (the latest's or the serving version's), backbone or encoder (its
