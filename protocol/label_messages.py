@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from protocol.bounds import LABEL_RANGE, SCORE_RANGE, TIME_RANGE, UNIT_RANGE, within
+from protocol.recipe_flags import OMITTED_KEY
 
 # An answer's label when the person saw none of the spec's classes in the image.
 NONE_OF_THESE = -1
 # The image types a query may carry (what the device's camera folder holds, or a downscaled PNG).
 QUERY_MEDIA_TYPES = ("image/png", "image/jpeg")
 # Why a queue refuses a query (a QueryReceipt's `refusal`); a device sends one refused for a full queue again later.
-QUERY_REFUSALS = ("too_large", "undecodable", "bad_query", "device_full", "queue_full")
+QUERY_REFUSALS = ("too_large", "undecodable", "bad_query", "unknown_device", "device_full", "queue_full")
 RETRIED_REFUSALS = ("device_full", "queue_full")
+
+
+def signature_field() -> Any:
+    """A secured fleet's signature on a labelling message (protocol.label_signing); left out of an open fleet's
+    messages, which keep the bytes they had."""
+    return field(default=b"", metadata={OMITTED_KEY: True})
+
+
 # The largest query image a queue takes by default (a device does not send a larger one: it is downscaled instead).
 DEFAULT_MAX_IMAGE_BYTES = 2 * 1024 * 1024
 
@@ -47,6 +56,7 @@ class QueryReceipt:
     query_id: str
     queued: bool
     refusal: str = ""
+    signature: bytes = signature_field()
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,7 @@ class LabelAnswer:
     label: int = field(metadata=within(*LABEL_RANGE))
     answered_by: str
     answered_at: float = field(metadata=within(*TIME_RANGE))
+    signature: bytes = signature_field()
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,7 @@ class AnswerReceipt:
     device_id: str
     query_id: str
     stored: bool = True
+    signature: bytes = signature_field()
 
 
 @dataclass(frozen=True)
@@ -82,3 +94,4 @@ class LocalAnswer:
     query_id: str
     label: int = field(metadata=within(*LABEL_RANGE))
     road: str
+    signature: bytes = signature_field()

@@ -244,7 +244,7 @@ def test_a_query_refused_for_a_full_queue_is_sent_again_when_there_is_room(tmp_p
         assert len(device.oracle.book.store.queued()) == 1, "the refused one is not settled"
         small.send(queue.answer(DEVICE, queue.all()[0].query_id, 2, "ana"))
         wait_until(lambda: len(queue.all()) == 2, "the second query queued once there is room", step=device.step)
-        assert len(device.oracle.book.store.queued()) == 2
+        wait_until(lambda: len(device.oracle.book.store.queued()) == 2, "its receipt back at the device")
     finally:
         device.close()
         small.stop()
@@ -257,7 +257,7 @@ def test_a_query_far_over_the_bound_is_dropped_in_its_chunks(tmp_path: Path, bro
     queue = LabelQueue(tmp_path / "run", tuple(CLASS_NAMES), QueueLimits(image_bytes=100_000))
     sender = sessions(broker.address, "cam-big")
     huge = label_messages.LabelQuery("cam-big", "huge", b"\xff" * 3_000_000, "image/jpeg", 1.0)
-    with desk_running(FLEET, broker.address, queue, Health()) as running:
+    with desk_running(FLEET, broker.address, queue, Health(), None) as running:
         sender.publish(topics.LABEL_QUERIES.build(fleet=FLEET, device="cam-big"), wire.encode(huge), wait=30)
         wait_until(lambda: running.refusals[("cam-big", "transfer_dropped")] >= 1, "the transfer dropped")
         assert queue.all() == [] and not (queue.folder / "images").exists()

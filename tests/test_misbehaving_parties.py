@@ -21,12 +21,17 @@ import paho.mqtt.client as paho
 import pytest
 from browser import free_port, wait_for
 from PIL import Image
-from test_central_labelling import FLEET, TOKEN, asked_queries, desk, device, index_of, labelled, open_count
+from test_central_labelling import FLEET, TOKEN, asked_queries, desk, device, index_of, labelled, open_count, start
 
 from coordinator.fleet.broker import EmbeddedBroker
+from coordinator.fleet.provision import LABELLING_KEYS, broker_config_lines, load_secure_fleet, provision
 from coordinator.labelling.queue import IMAGES, QUEUE_FOLDER
 from edge_agent.data.answers import AnswerBook
 from edge_agent.field.folder_oracle import QueryBook
+from protocol import wire
+from protocol.credentials import load_credentials
+from protocol.label_messages import LabelAnswer
+from protocol.label_signing import labelling_key, sign
 
 pytestmark = pytest.mark.integration
 
@@ -264,3 +269,81 @@ def _answer(url: str, device_id: str, query_id: str, label: int) -> None:
     )
     with urllib.request.urlopen(request, timeout=5) as response:
         assert response.status == 200
+
+
+@pytest.fixture(scope="module")
+def secured_fleet(tmp_path_factory) -> Path:
+    """A provisioned fleet of one device (no TLS: the ACL and the signatures are what is tested)."""
+    folder = tmp_path_factory.mktemp("secured") / "fleet"
+    provision(FLEET, 1, folder, prefix="cam")
+    return folder
+
+
+def test_in_a_secured_fleet_only_the_desks_signed_answers_count(tmp_path: Path, secured_fleet: Path) -> None:
+    """A party holding the desk's broker login but not its keys (a leaked labelling.json, the broker's operator)
+    sends the device an unsigned answer and one signed with a key of its own; with the coordinator's login it sends
+    the desk a receipt for the device: the device stores only the person's answer, and the desk refuses the
+    receipt, naming the device it claims."""
+    state = asked_queries(tmp_path, "cam-00", 0)
+    keys = json.loads((secured_fleet / LABELLING_KEYS).read_text())
+    assert bytes.fromhex(keys["cam-00"]) == labelling_key(
+        load_credentials(secured_fleet / "devices/cam-00.json").hmac_key
+    )
+    secure = load_secure_fleet(secured_fleet)
+    lines = tuple(line for line in broker_config_lines(secure) if line.startswith(("allow_", "password_", "acl_")))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/"
+    with EmbeddedBroker(tmp_path / "broker", extra_config=lines) as broker:
+        desk_login = ["--credentials", str(secured_fleet / "labelling.json")]
+        served = start(
+            [
+                *("coordinator", "labelling", "serve", str(tmp_path / "run"), "--broker", broker.address.url),
+                *("--fleet", FLEET, "--dashboard", str(port), "--dashboard-token", TOKEN, "--resend-seconds", "1"),
+                *desk_login,
+            ],
+            tmp_path / "desk.log",
+        )
+        agent = start(
+            [
+                *("edge_agent", "run", "--broker", broker.address.url, "--fleet", FLEET),
+                *("--credentials", str(secured_fleet / "devices/cam-00.json")),
+                *("--pool-dir", str(tmp_path / "cam-00" / "camera"), "--state-dir", str(state)),
+                *("--labelling", "central", "--scan-interval", "0.3", "--settle-seconds", "0"),
+            ],
+            tmp_path / "cam-00.log",
+        )
+        login = load_credentials(secured_fleet / "labelling.json")
+        forger = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id="forger", protocol=paho.MQTTv5)
+        forger.username_pw_set(login.username, login.password)
+        try:
+            wait_for(lambda: _up(url) and open_count(url) == 2, 60, "the device's queries in the secured queue")
+            asked = [query.query_id for query in QueryBook(state / "labelling").queries()]
+            assert forger.connect("127.0.0.1", broker.port) == 0
+            forger.loop_start()
+            fields = {"query_id": asked[0], "label": 1, "answered_by": "mallory", "answered_at": 1.7e9}
+            own_key = labelling_key(b"\1" * 32)
+            forged = LabelAnswer(**fields)
+            for payload in (packed("label_answer", **fields), wire.encode(sign(forged, own_key, FLEET, "cam-00"))):
+                forger.publish(f"fl/{FLEET}/devices/cam-00/answers", payload, qos=1).wait_for_publish(10)
+            receipt = packed("answer_receipt", device_id="cam-00", query_id=asked[0], stored=True)
+            other = load_credentials(secured_fleet / "coordinator.json")  # the one other login that writes receipts
+            forger.disconnect()
+            forger.username_pw_set(other.username, other.password)
+            assert forger.reconnect() == 0
+            forger.publish(f"fl/{FLEET}/devices/cam-00/answered", receipt, qos=1).wait_for_publish(10)
+            _answer(url, "cam-00", asked[0], 5)
+            wait_for(lambda: labelled(state) == {index_of(state, asked[0]): 5}, 30, "the person's answer stored")
+            refused = 'fl_labelling_refused_total{device="cam-00",kind="bad_signature"}'
+            wait_for(lambda: sample(metrics(url), refused) == 1, 10, "the forged receipt refused, naming the device")
+        finally:
+            forger.loop_stop()
+            forger.disconnect()
+            for process in (agent, served):
+                process.send_signal(signal.SIGTERM)
+                process.wait(timeout=30)
+    device_log = (tmp_path / "cam-00.log").read_text()
+    assert device_log.count("labelling message without the desk's signature ignored kind=label_answer") == 2
+    assert [(a.label, a.answered_by) for a in AnswerBook(state / "labelling" / "answers.sqlite").answers()] == [
+        (5, "anonymous")
+    ]
+    assert "labelling message refused device=cam-00 kind=bad_signature" in (tmp_path / "desk.log").read_text()

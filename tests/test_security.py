@@ -133,7 +133,15 @@ def login(address: BrokerAddress, fleet_dir: Path, who: str, tls: bool = False, 
 
 def test_provision_writes_private_secrets_and_mosquitto_compatible_hashes(fleet_dir) -> None:
     assert device_names(3) == ["dev-00", "dev-01", "dev-02"]
-    secrets = ["passwd", "keys.json", "coordinator.json", "labelling.json", "devices/dev-01.json", "tls/ca.key"]
+    secrets = [
+        "passwd",
+        "keys.json",
+        "labelling-keys.json",
+        "coordinator.json",
+        "labelling.json",
+        "devices/dev-01.json",
+    ]
+    secrets.append("tls/ca.key")
     for secret in [*secrets, "tls/broker.key"]:
         assert stat.S_IMODE((fleet_dir / secret).stat().st_mode) == 0o600, secret
     users = [line.split(":")[0] for line in (fleet_dir / "passwd").read_text().splitlines()]

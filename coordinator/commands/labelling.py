@@ -87,10 +87,16 @@ def open_queue(args: argparse.Namespace, voters: int = 1) -> LabelQueue:
 
 @contextlib.contextmanager
 def desk_running(
-    fleet: str, broker: BrokerAddress, queue: LabelQueue, health: Health, resend_seconds: float = 30.0
+    fleet: str,
+    broker: BrokerAddress,
+    queue: LabelQueue,
+    health: Health,
+    keys: dict[str, bytes] | None,
+    resend_seconds: float = 30.0,
 ) -> Iterator[LabellingDesk]:
     """The desk on its own session (client `labelling-<fleet>`, manual acks, transfers bounded by the queue's image
-    bound) for the duration of a with-block, its health in `health` (the page's); the queue is closed after."""
+    bound) for the duration of a with-block, its health in `health` (the page's), signing with a secured fleet's
+    `keys`; the queue is closed after."""
     from coordinator.labelling.desk import LabellingDesk
     from protocol.mqtt import MqttSession
     from protocol.reassembly import ChunkLimits
@@ -104,7 +110,7 @@ def desk_running(
     )
     try:
         session.connect()
-        desk = LabellingDesk(fleet, session, queue, resend_seconds, health).start()
+        desk = LabellingDesk(fleet, session, queue, resend_seconds, health, keys).start()
         try:
             yield desk
         finally:
@@ -119,13 +125,15 @@ def with_labelling(
 ) -> Callable[[BrokerAddress], None]:
     """`fl-coordinator run --labelling`: the run's rounds with the desk beside them on the same broker (a secured
     fleet's desk logs in with the provisioned labelling.json) and the labelling page on the run's dashboard."""
+    from coordinator.fleet.provision import labelling_keys
     from coordinator.labelling.queue import LabelQueue
 
     def serving(address: BrokerAddress) -> None:
         secure = settings.secure_dir
         login = desk_login(address, None if secure is None else secure / LABELLING_CREDENTIALS, settings.fleet)
         queue = LabelQueue(settings.run_dir, tuple(settings.spec.class_names))
-        with desk_running(settings.fleet, login, queue, dashboard.server.health) as desk:
+        keys = None if secure is None else labelling_keys(secure)
+        with desk_running(settings.fleet, login, queue, dashboard.server.health, keys) as desk:
             dashboard.server.labelling = desk
             print(f"labelling page at {dashboard.url}label (the dashboard's token)", file=sys.stderr, flush=True)
             serve(address)
@@ -148,6 +156,7 @@ def desk_login(broker: BrokerAddress, credentials_file: Path | None, fleet: str)
 def serve(args: argparse.Namespace) -> int:
     """Runs the desk and the labelling page until SIGTERM or Ctrl-C."""
     from coordinator.dashboard.server import Dashboard, dashboard_token, parse_listen_address
+    from coordinator.fleet.provision import labelling_keys
     from protocol.mqtt import parse_broker_url
 
     if args.resend_seconds <= 0:
@@ -156,11 +165,12 @@ def serve(args: argparse.Namespace) -> int:
     queue = open_queue(args, args.answers_per_query)
     broker = desk_login(parse_broker_url(args.broker), args.credentials, args.fleet)
     token = dashboard_token(address, args.dashboard_token, args.run_dir)
+    keys = None if args.credentials is None else labelling_keys(args.credentials.parent)
     health = Health()
     raise_on_sigterm()
     try:
         with (
-            desk_running(args.fleet, broker, queue, health, args.resend_seconds) as desk,
+            desk_running(args.fleet, broker, queue, health, keys, args.resend_seconds) as desk,
             Dashboard(address, args.run_dir, None, token, desk, health) as dashboard,
         ):
             shown = f"#token={token}" if token and args.dashboard_token is None else ""

@@ -16,12 +16,14 @@ from protocol import topics, wire
 from protocol.credentials import Credentials, load_credentials, save_credentials
 from protocol.errors import UsageError
 from protocol.files import atomic_write_bytes
+from protocol.label_signing import labelling_key
 
 COORDINATOR_USERNAME = "coordinator"
 LABELLING_USERNAME = "labelling"  # the labelling desk's own login (`fl-coordinator labelling serve --credentials`)
 SERVICE_USERNAMES = (COORDINATOR_USERNAME, LABELLING_USERNAME)
 PASSWORD_ITERATIONS = 101  # what mosquitto_passwd 2.0 writes for its $7$ (PBKDF2-SHA512) hashes
 DEFAULT_TLS_HOSTS = ("localhost", "127.0.0.1")
+LABELLING_KEYS = "labelling-keys.json"  # the labelling desk's keys, beside its labelling.json
 CERT_DAYS = 825
 
 
@@ -126,7 +128,8 @@ def provision(
     prefix: str = "dev",
     tls_hosts: tuple[str, ...] = DEFAULT_TLS_HOSTS,
 ) -> SecureFleet:
-    """Writes passwd, acl, keys.json, coordinator.json, devices/<id>.json, broker.conf and (with tls) tls/ into out.
+    """Writes passwd, acl, keys.json, labelling-keys.json (the desk's: each device's labelling key, which signs no
+    update), coordinator.json, devices/<id>.json, broker.conf and (with tls) tls/ into out.
 
     Refuses a folder that already holds a provisioned fleet: re-provisioning would silently lock every device out.
     """
@@ -142,6 +145,8 @@ def provision(
     write_secret(out / "passwd", "".join(f"{user}:{password_hash(pw)}\n" for user, pw in passwords.items()))
     write_public(out / "acl", acl_text(fleet))
     write_secret(out / "keys.json", json.dumps({name: key.hex() for name, key in keys.items()}, indent=2) + "\n")
+    labelling = {name: labelling_key(key).hex() for name, key in keys.items()}
+    write_secret(out / LABELLING_KEYS, json.dumps(labelling, indent=2) + "\n")
     write_credentials(out, fleet, names, passwords, keys, tls_files)
     secure = load_secure_fleet(out)
     write_public(
@@ -173,6 +178,25 @@ def write_credentials(
         )
 
 
+def labelling_keys(folder: Path) -> dict[str, bytes]:
+    """The labelling desk's keys of a provisioned folder (labelling-keys.json; derived from keys.json in a folder
+    provisioned before that file existed); a UsageError when the folder holds neither or a damaged one."""
+    folder = Path(folder)
+    if not (folder / LABELLING_KEYS).is_file():
+        return {device: labelling_key(key) for device, key in device_keys(folder, "keys.json").items()}
+    return device_keys(folder, LABELLING_KEYS)
+
+
+def device_keys(folder: Path, name: str) -> dict[str, bytes]:
+    """A provisioned map of device ids to hex keys; a UsageError naming the file when it is missing or damaged."""
+    try:
+        raw_keys = json.loads((folder / name).read_text())
+        return {wire.check_identifier("device id", device): bytes.fromhex(key) for device, key in raw_keys.items()}
+    # a missing file (OSError); json and bytes.fromhex raise ValueError for a damaged one: the operator's to fix
+    except (OSError, ValueError, AttributeError, TypeError) as error:
+        raise UsageError(f"{folder / name}: not a provisioned map of device ids to hex keys ({error})") from None
+
+
 def load_secure_fleet(folder: Path) -> SecureFleet:
     """The coordinator's view of a provisioned folder; ValueError naming what is missing or malformed."""
     folder = Path(folder)
@@ -182,12 +206,7 @@ def load_secure_fleet(folder: Path) -> SecureFleet:
                 f"{folder} is not a provisioned fleet: {name} is missing "
                 f"(run `fl-coordinator provision --out {folder}` first)"
             )
-    try:
-        raw_keys = json.loads((folder / "keys.json").read_text())
-        keys = {wire.check_identifier("device id", device): bytes.fromhex(key) for device, key in raw_keys.items()}
-    # json and bytes.fromhex raise ValueError for a damaged keys.json: the operator's file to fix
-    except (ValueError, AttributeError, TypeError) as error:
-        raise UsageError(f"{folder / 'keys.json'}: not a map of device ids to hex keys ({error})") from None
+    keys = device_keys(folder, "keys.json")
     coordinator = load_credentials(folder / "coordinator.json")
     return SecureFleet(folder, coordinator.fleet, coordinator, keys)
 

@@ -7,9 +7,11 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 
-from coordinator.labelling.queue import Decided, LabelQueue
+from coordinator.labelling.queue import Decided, LabelQueue, QueueRefusal
 from protocol import label_messages, topics, wire
+from protocol.label_signing import sign, signature_valid
 from protocol.mqtt import IncomingMessage, MqttSession
 from protocol.resend import ResendSchedule
 from protocol.supervision import MAX_SENDERS, OTHER_SENDERS, SET_ASIDE, Health, MessageGuard, SupervisedThread
@@ -25,7 +27,9 @@ class LabellingDesk:
     """Runs on a background thread: queries in (each acknowledged to the broker only once queued or refused),
     receipts in, answers out (QoS 1). An undelivered answer is sent when decided, at every start (so a coordinator
     killed before a receipt sends it again) and again after `resend_seconds`, doubling up to an hour, for as long as
-    its device stays away; the device stores an answer once however often it comes."""
+    its device stays away; the device stores an answer once however often it comes. With `keys` (a secured fleet:
+    each device's labelling key, protocol.label_signing) answers and query receipts go out signed, and a receipt or
+    local answer that is not signed with its device's key is refused (`bad_signature`, naming the sender)."""
 
     def __init__(
         self,
@@ -34,8 +38,10 @@ class LabellingDesk:
         queue: LabelQueue,
         resend_seconds: float = RESEND_SECONDS,
         health: Health | None = None,
+        keys: Mapping[str, bytes] | None = None,
     ) -> None:
         self.fleet = fleet
+        self.keys = None if keys is None else dict(keys)
         self.session = session
         self.queue = queue
         self.health = health or Health()
@@ -66,8 +72,7 @@ class LabellingDesk:
         key = (decided.device, decided.query_id)
         with self._lock:
             self.resends.sent(key)
-        topic = topics.LABEL_ANSWERS.build(fleet=self.fleet, device=decided.device)
-        self.session.publish(topic, wire.encode(answer))
+        self._publish(decided.device, answer)
         log.info("answer sent device=%s query=%s label=%d", decided.device, decided.query_id, decided.label)
 
     def on_query(self, message: IncomingMessage, device: str) -> None:
@@ -80,7 +85,8 @@ class LabellingDesk:
         except wire.WireError as error:
             self._refuse(device, "bad_message", str(error))
             return
-        refusal = self.queue.add(query, device)
+        known = self.keys is None or device in self.keys
+        refusal = self.queue.add(query, device) if known else QueueRefusal.UNKNOWN_DEVICE
         if refusal is not None:
             self._refuse(device, refusal.value, wire.shown(query.query_id))
         else:
@@ -89,7 +95,7 @@ class LabellingDesk:
             receipt = label_messages.QueryReceipt(
                 query.query_id, refusal is None, "" if refusal is None else refusal.value
             )
-            self.session.publish(topics.LABEL_ANSWERS.build(fleet=self.fleet, device=device), wire.encode(receipt))
+            self._publish(device, receipt)
 
     def on_receipt(self, message: IncomingMessage, device: str) -> None:
         """Settles an answer the device says it stored (or refused), or closes a query the device answered itself."""
@@ -97,6 +103,9 @@ class LabellingDesk:
             receipt = wire.decode_any(message.payload, (label_messages.AnswerReceipt, label_messages.LocalAnswer))
         except wire.WireError as error:
             self._refuse(device, "bad_message", str(error))
+            return
+        if self.keys is not None and not signature_valid(receipt, self.keys.get(device, b""), self.fleet, device):
+            self._refuse(device, "bad_signature", f"{receipt.KIND} of query {wire.shown(receipt.query_id)}")
             return
         if isinstance(receipt, label_messages.LocalAnswer):
             if receipt.device_id == device and self.queue.answered_on_device(
@@ -108,6 +117,13 @@ class LabellingDesk:
             with self._lock:
                 self.resends.settle((device, receipt.query_id))
             log.info("answer stored on device=%s query=%s stored=%s", device, receipt.query_id, receipt.stored)
+
+    def _publish(self, device: str, message: label_messages.LabelAnswer | label_messages.QueryReceipt) -> None:
+        """Publishes an answer or a query receipt on the device's answers topic, signed with the device's labelling
+        key in a secured fleet (a device the desk holds no key of gets it unsigned, and ignores it)."""
+        key = None if self.keys is None else self.keys.get(device)
+        signed = message if key is None else sign(message, key, self.fleet, device)
+        self.session.publish(topics.LABEL_ANSWERS.build(fleet=self.fleet, device=device), wire.encode(signed))
 
     def resend_due(self) -> None:
         """Sends every undelivered answer whose time has come (all of them at the first call)."""

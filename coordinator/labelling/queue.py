@@ -45,6 +45,7 @@ class QueueRefusal(StrEnum):
     TOO_LARGE = "too_large"
     UNDECODABLE = "undecodable"
     BAD_QUERY = "bad_query"
+    UNKNOWN_DEVICE = "unknown_device"  # a secured fleet's desk holds no key of the device
     DEVICE_FULL = "device_full"
     QUEUE_FULL = "queue_full"
 

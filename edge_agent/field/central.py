@@ -18,6 +18,7 @@ from edge_agent.data.oracle import Guess
 from edge_agent.field.folder_oracle import FolderOracle, Query
 from protocol import label_messages, topics, wire
 from protocol.bounds import SCORE_RANGE, UNIT_RANGE, clamped
+from protocol.label_signing import sign, signature_valid
 from protocol.mqtt import IncomingMessage, MqttSession, PayloadTooLargeError
 from protocol.resend import ResendSchedule
 from protocol.supervision import Health, MessageGuard, SupervisedThread
@@ -55,7 +56,10 @@ class CentralLabelling:
     queries topic at QoS 1, chunked by the session like an update, and again after `resend_seconds` (RESEND_SECONDS), doubling up to
     an hour, until the queue's receipt comes (a queue that was not listening yet gets it later). An answer from the
     queue is delivered to the answer book (durable) before its receipt goes back, so the queue sends it again until
-    the device has stored it (a device killed in between gets it again), and a repeated one changes nothing."""
+    the device has stored it (a device killed in between gets it again), and a repeated one changes nothing.
+
+    With `key` (a secured fleet: the device's labelling key, protocol.label_signing) an answer or query receipt
+    counts only with the desk's signature (`forged` counts the others), and the device signs what it sends back."""
 
     def __init__(
         self,
@@ -65,6 +69,7 @@ class CentralLabelling:
         max_side: int | None,
         resend_seconds: float = RESEND_SECONDS,
         health: Health | None = None,
+        key: bytes | None = None,
     ) -> None:
         self.fleet = fleet
         self.device_id = device_id
@@ -72,6 +77,8 @@ class CentralLabelling:
         self.oracle = oracle
         self.max_side = max_side
         self.resends: ResendSchedule[str] = ResendSchedule(resend_seconds)
+        self.key = key
+        self.forged = 0
         self.health = health or Health()
         self.guard = MessageGuard(PART, self.health, None)
         self._inbox: queue.Queue[IncomingMessage] = queue.Queue()
@@ -112,8 +119,7 @@ class CentralLabelling:
         for stored in store.answers():
             if stored.road != Road.CENTRAL and stored.query_id in queued and stored.query_id not in reported:
                 local = label_messages.LocalAnswer(self.device_id, stored.query_id, stored.label, stored.road)
-                topic = topics.LABEL_RECEIPTS.build(fleet=self.fleet, device=self.device_id)
-                session.publish(topic, wire.encode(local))
+                self._publish_receipt(session, local)
                 store.note_reported(stored.query_id)
         now = time.monotonic()
         for query in self.oracle.book.queries():
@@ -149,6 +155,8 @@ class CentralLabelling:
         except wire.WireError as error:
             log.warning("ignored bad labelling message topic=%s error=%s", message.topic[:200], error)
             received = None
+        if received is not None and self.key is not None and not self._from_desk(received):
+            received = None
         if isinstance(received, label_messages.QueryReceipt) and received.refusal in label_messages.RETRIED_REFUSALS:
             log.info("query waits for room in the queue query=%s", wire.shown(received.query_id))
         elif isinstance(received, label_messages.QueryReceipt):
@@ -174,7 +182,27 @@ class CentralLabelling:
         if delivery is Delivery.CONFLICT:
             log.warning("central answer differs from the one stored first query=%s", answer.query_id)
         receipt = label_messages.AnswerReceipt(self.device_id, answer.query_id, delivery is not None)
-        session.publish(topics.LABEL_RECEIPTS.build(fleet=self.fleet, device=self.device_id), wire.encode(receipt))
+        self._publish_receipt(session, receipt)
+
+    def _from_desk(self, message: label_messages.LabelAnswer | label_messages.QueryReceipt) -> bool:
+        """Whether an answer or query receipt carries the desk's signature under this device's labelling key (a
+        secured fleet's); one that does not is logged (bounded) and ignored: it did not come from the desk."""
+        if signature_valid(message, self.key or b"", self.fleet, self.device_id):
+            return True
+        self.forged += 1
+        log.warning(
+            "labelling message without the desk's signature ignored kind=%s query=%s",
+            message.KIND,
+            wire.shown(message.query_id),
+        )
+        return False
+
+    def _publish_receipt(
+        self, session: MqttSession, message: label_messages.AnswerReceipt | label_messages.LocalAnswer
+    ) -> None:
+        """Publishes a receipt or local answer to the desk, signed with this device's labelling key when it has one."""
+        signed = message if self.key is None else sign(message, self.key, self.fleet, self.device_id)
+        session.publish(topics.LABEL_RECEIPTS.build(fleet=self.fleet, device=self.device_id), wire.encode(signed))
 
     def _serve(self, stop: threading.Event) -> None:
         """The link's thread: messages from the queue as they come (one whose handling failed first, when the loop

@@ -30,6 +30,7 @@ from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.profile import DEFAULT_PREDICTIONS_LOG_MB, DeviceProfile
 from edge_agent.loop.round_inputs import RoundModels, mc_probabilities
 from protocol import messages
+from protocol.label_signing import labelling_key
 from protocol.model_spec import DEFAULT_SPEC, load_model_spec
 from protocol.prediction_messages import PredictionBatch
 from protocol.tensors import Weights
@@ -219,7 +220,8 @@ def open_field(
     features = PoolFeatures(settings, data) if settings.trainer == "head" else None
     central = None
     if field.labelling == "central":
-        central = CentralLabelling(settings.fleet, settings.device_id, oracle, field.query_image_side)
+        key = labelling_key(settings.signing_key) if settings.signing_key else None
+        central = CentralLabelling(settings.fleet, settings.device_id, oracle, field.query_image_side, key=key)
     log_mb = profile.predictions_log_mb if profile else DEFAULT_PREDICTIONS_LOG_MB
     predictions_log = PredictionLog(state_dir / PREDICTIONS_FOLDER, log_mb << 20)
     predictions = PoolPredictions(
