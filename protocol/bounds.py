@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+
+from protocol.recipe_flags import FLAG_KEY
 
 BOUNDS_KEY = "wire_bounds"  # the field metadata key protocol.wire reads
 # Every integer field fits SQLite's INTEGER and numpy's int64 (msgpack also carries uint64).
@@ -23,9 +26,14 @@ def within(low: float, high: float) -> dict[str, tuple[float, float]]:
 
 
 def bounds_of(field: dataclasses.Field) -> tuple[float, float] | None:
-    """The range a field declares, or None."""
+    """The range a field declares (`within`, or a recipe field's flag range, both ends taken as included), or None."""
     within = field.metadata.get(BOUNDS_KEY)
-    return None if within is None else (within[0], within[1])
+    if within is not None:
+        return within[0], within[1]
+    flag = field.metadata.get(FLAG_KEY)
+    if flag is None or (flag.low is None and flag.high is None):
+        return None
+    return (-math.inf if flag.low is None else flag.low), (math.inf if flag.high is None else flag.high)
 
 
 def clamped(value: float, within: tuple[float, float], fallback: float = 0.0) -> float:

@@ -9,7 +9,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from protocol import messages, wire
+from protocol import label_messages, messages, wire
 from protocol.model_spec import DEFAULT_SPEC
 
 KEY = b"fleet-secret-key"
@@ -306,6 +306,49 @@ def test_decode_error_in_nested_recipe_names_the_field():
     raw["recipe"]["options"] = {"a": "b"}
     with pytest.raises(wire.WireError, match="options must be a map of names to finite numbers"):
         wire.decode(pack(raw), messages.RoundAnnouncement)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "fragment"),
+    [
+        ("momentum", 5.0, "recipe.momentum must be within [0, 1]"),
+        ("learning_rate", -1.0, "recipe.learning_rate must be within [0, inf]"),
+        ("learning_rate", float("nan"), "recipe.learning_rate must be a finite number"),
+    ],
+)
+def test_a_recipe_out_of_its_flags_range_is_refused_on_the_wire(field, value, fragment):
+    """A device takes no recipe the coordinator's own flags would refuse (a retained announcement anyone could put
+    on an open broker), and no error text grows with the value."""
+    raw = msgpack.unpackb(wire.encode(messages.RoundAnnouncement("r", 1, "h", messages.Recipe(), 1.0)))
+    raw["recipe"][field] = value
+    with pytest.raises(wire.WireError, match=re.escape(fragment)):
+        wire.decode(pack(raw), messages.RoundAnnouncement)
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields", "fragment"),
+    [
+        (
+            label_messages.LabelQuery,
+            {"asked_at": float("nan")},
+            "label_query.asked_at must be a finite number, got nan",
+        ),
+        (label_messages.LabelQuery, {"score": 1e300}, "label_query.score must be within [-1e+09, 1e+09]"),
+        (label_messages.LabelQuery, {"guess": 2**64 - 1}, "label_query.guess must be an integer"),
+        (label_messages.LabelAnswer, {"answered_at": float("inf")}, "label_answer.answered_at must be a finite"),
+        (messages.Status, {"timestamp": -1.0}, "status.timestamp must be within [0, 8.58993e+09]"),
+    ],
+)
+def test_every_number_is_checked_finite_and_in_its_range_once_at_decoding(kind, fields, fragment):
+    valid = {
+        label_messages.LabelQuery: label_messages.LabelQuery("d", "q", b"x", "image/png", 1.7e9),
+        label_messages.LabelAnswer: label_messages.LabelAnswer("q", 1, "ana", 1.7e9),
+        messages.Status: messages.Status("d", "online", 1.7e9),
+    }[kind]
+    raw = msgpack.unpackb(wire.encode(valid))
+    raw.update(fields)
+    with pytest.raises(wire.WireError, match=re.escape(fragment)):
+        wire.decode(pack(raw), kind)
 
 
 def test_decode_error_in_update_lists():
