@@ -308,7 +308,9 @@ class Ack:
 
 @dataclass(frozen=True)
 class Status:
-    """A device's retained presence and progress; the broker publishes the 'offline' one as its last will."""
+    """A device's retained presence and progress; the broker publishes the 'offline' one as its last will.
+    `part_restarts` and `set_aside` are its supervised parts' health (how often they restarted, how many messages
+    they set aside), left out while both are 0."""
 
     KIND: ClassVar[str] = "status"
     device_id: str
@@ -318,6 +320,8 @@ class Status:
     labelled: int = field(default=0, metadata=within(0, INT_RANGE[1]))
     profile: str = ""
     peak_rss_mb: float = field(default=0.0, metadata=within(0.0, 1e9))
+    part_restarts: int = field(default=0, metadata={**OMITTED_AT_DEFAULT, **within(0, INT_RANGE[1])})
+    set_aside: int = field(default=0, metadata={**OMITTED_AT_DEFAULT, **within(0, INT_RANGE[1])})
 
 
 @dataclass(frozen=True)

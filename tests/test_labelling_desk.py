@@ -28,7 +28,7 @@ from edge_agent.learning.learner_choice import make_learner
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.learning.sampling import make_sampler
 from edge_agent.loop.acquisition import Acquirer
-from edge_agent.loop.agent import LatestModel
+from edge_agent.loop.agent import LatestModel, health_counts
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.footprint import PhaseMeter
 from edge_agent.loop.round_inputs import RoundModels
@@ -266,3 +266,24 @@ def test_a_query_far_over_the_bound_is_dropped_in_its_chunks(tmp_path: Path, bro
         fine = label_messages.LabelQuery("cam-big", "fine", small.getvalue(), "image/png", 1.0)
         sender.publish(topics.LABEL_QUERIES.build(fleet=FLEET, device="cam-big"), wire.encode(fine))
         wait_until(lambda: [q.query_id for q in queue.all()] == ["fine"], "the desk going on")
+
+
+def test_a_link_whose_store_fails_restarts_sets_the_answer_aside_and_says_so(tmp_path: Path, broker, sessions) -> None:
+    """The device's answer book closed under the link (as a failed disk would leave it): storing an answer raises,
+    the link logs it and restarts (after 1 s, then 2 s), sets the answer aside at the third failure and keeps
+    running; its health counts both, which the device's status reports (its agent's `health_counts`)."""
+    device = Device(tmp_path, broker)
+    try:
+        device.oracle.ask(np.array([0]))
+        query_id = device.oracle.book.queries()[0].query_id
+        device.oracle.book.store._conn.close()
+        desk = sessions(broker.address, "labelling-desk")
+        answer = label_messages.LabelAnswer(query_id, 3, "ana", 1.7e9)
+        desk.publish(topics.LABEL_ANSWERS.build(fleet=FLEET, device=DEVICE), wire.encode(answer))
+        wait_until(lambda: health_counts(device.central.health)[1] == 1, "the answer set aside after three tries")
+        assert health_counts(device.central.health)[0] >= 2, "each failure restarted the link (its scans fail too)"
+        assert device.central._thread.alive, "the link goes on"
+        [part], _ = device.central.health.snapshot()
+        assert part.last_error.startswith("ProgrammingError: Cannot operate on a closed database")
+    finally:
+        device.close()

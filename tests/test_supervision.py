@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.dashboard.live import LiveState
+from coordinator.dashboard.metrics import render_metrics
+from coordinator.dashboard.views import RunSnapshot, devices_view
+from protocol import messages, wire
 from protocol.supervision import MAX_SENDERS, OTHER_SENDERS, Health, MessageGuard, SupervisedThread
 
 
@@ -86,3 +90,29 @@ def test_a_set_aside_folder_that_cannot_be_written_loses_only_the_copy(tmp_path:
 
     assert guard.handle("t", b"p", "queue", handler) is None
     assert health.snapshot()[1] == {("link", "queue"): 1}
+
+
+def test_a_devices_reported_health_reaches_metrics_and_the_device_table(tmp_path: Path) -> None:
+    """A device's status says its link restarted twice and set one message aside: the coordinator's /metrics body
+    and its device table show both; a healthy device adds no sample and its status keeps its old bytes."""
+    live = LiveState(total_rounds=1)
+    live.device_status("cam-1", messages.Status("cam-1", "online", 1.7e9, part_restarts=2, set_aside=1))
+    live.device_status("cam-2", messages.Status("cam-2", "online", 1.7e9))
+    health = Health()
+    health.note_set_aside("labelling-desk", "cam-9")
+    body = render_metrics(
+        live.counters(),
+        2,
+        0,
+        health=health,
+        device_health={d: (p["part_restarts"], p["set_aside"]) for d, p in live.devices().items()},
+    )
+    assert (
+        'fl_device_part_restarts{device="cam-1"} 2' in body and 'fl_device_messages_set_aside{device="cam-1"} 1' in body
+    )
+    assert 'device="cam-2"' not in body
+    assert 'fl_messages_set_aside_total{part="labelling-desk",sender="cam-9"} 1' in body
+    rows = {row["device_id"]: row for row in devices_view(RunSnapshot(), live)}
+    assert (rows["cam-1"]["part_restarts"], rows["cam-1"]["set_aside"]) == (2, 1)
+    healthy = wire.encode(messages.Status("cam-2", "online", 1.7e9))
+    assert b"part_restarts" not in healthy and b"set_aside" not in healthy

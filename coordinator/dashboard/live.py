@@ -24,6 +24,8 @@ class DevicePresence:
     labelled: int = 0
     status_round: int = 0
     peak_rss_mb: float = 0.0
+    part_restarts: int = 0
+    set_aside: int = 0
 
 
 @dataclass
@@ -79,6 +81,7 @@ class LiveState(RoundObserver):
             presence.profile = status.profile or presence.profile
             presence.labelled, presence.status_round = status.labelled, status.round_id
             presence.peak_rss_mb = status.peak_rss_mb or presence.peak_rss_mb
+            presence.part_restarts, presence.set_aside = status.part_restarts, status.set_aside
 
     def update_answered(self, device_id: str, round_id: int, size: int, rejection: Rejection | None) -> None:
         """Keeps the device's last answer and counts the update by outcome (rejections by kind) and its bytes."""

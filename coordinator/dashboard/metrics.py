@@ -102,10 +102,12 @@ def labelling_metrics(status: QueueStatus, refused: dict[tuple[str, str], int]) 
     )
 
 
-def health_metrics(health: Health) -> list[str]:
+def health_metrics(health: Health, devices: dict[str, tuple[int, int]]) -> list[str]:
     """The supervised parts' families: whether each is up, how often it restarted, and the messages each set aside
-    after failing to handle them, by sender."""
+    after failing to handle them, by sender; and what devices report of their own parts (restarts, set aside),
+    for the devices whose parts restarted or set a message aside."""
     parts, set_aside = health.snapshot()
+    troubled = sorted((device, counts) for device, counts in devices.items() if any(counts))
     return (
         metric("fl_part_up", "gauge", "1 while a supervised part runs, 0 while it restarts.", _by_part(parts, "up"))
         + metric(
@@ -122,6 +124,18 @@ def health_metrics(health: Health) -> list[str]:
                 (f'{{part="{escape_label(part)}",sender="{escape_label(sender)}"}}', count)
                 for (part, sender), count in sorted(set_aside.items())
             ],
+        )
+        + metric(
+            "fl_device_part_restarts",
+            "gauge",
+            "Times a device's supervised parts restarted, as its status last said.",
+            [(f'{{device="{escape_label(device)}"}}', restarts) for device, (restarts, _) in troubled],
+        )
+        + metric(
+            "fl_device_messages_set_aside",
+            "gauge",
+            "Messages a device's parts set aside, as its status last said.",
+            [(f'{{device="{escape_label(device)}"}}', aside) for device, (_, aside) in troubled],
         )
     )
 
@@ -141,6 +155,7 @@ def render_metrics(
     labelling: QueueStatus | None = None,
     labelling_refused: dict[tuple[str, str], int] | None = None,
     health: Health | None = None,
+    device_health: dict[str, tuple[int, int]] | None = None,
 ) -> str:
     """The /metrics body: the rounds' metrics, the devices' predictions once any came in (a fleet whose serving
     message does not ask for them has none), the labelling queue when the coordinator keeps one, the supervised
@@ -151,7 +166,7 @@ def render_metrics(
     if labelling is not None:
         lines += labelling_metrics(labelling, labelling_refused or {})
     if health is not None:
-        lines += health_metrics(health)
+        lines += health_metrics(health, device_health or {})
     if counters.dp_epsilon is not None:
         lines += metric(
             "fl_dp_epsilon_spent",

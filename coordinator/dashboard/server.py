@@ -245,6 +245,10 @@ class DashboardHandler(BaseHTTPRequestHandler):
             labelling=self.queue_status(),
             labelling_refused=None if self.server.labelling is None else dict(self.server.labelling.refusals),
             health=self.server.health,
+            device_health={
+                device: (presence.get("part_restarts", 0), presence.get("set_aside", 0))
+                for device, presence in live.devices().items()
+            },
         )
 
     def queue_status(self) -> QueueStatus | None:

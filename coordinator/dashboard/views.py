@@ -260,6 +260,8 @@ def devices_view(snapshot: RunSnapshot, live: LiveState | None, queue: QueueStat
                 "last_seen": presence.get("last_seen") or (latest.received_at if latest else None),
                 "profile": presence.get("profile", ""),
                 "peak_rss_mb": presence.get("peak_rss_mb") or None,
+                "part_restarts": presence.get("part_restarts", 0),
+                "set_aside": presence.get("set_aside", 0),
                 "rounds_joined": len(records),
                 "labelled": presence.get("labelled") or (latest.num_samples if latest else 0),
                 "acquired_labels": latest.acquired_labels if latest else 0,

@@ -33,6 +33,7 @@ from protocol import messages
 from protocol.label_signing import labelling_key
 from protocol.model_spec import DEFAULT_SPEC, load_model_spec
 from protocol.prediction_messages import PredictionBatch
+from protocol.supervision import Health
 from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)
@@ -154,8 +155,10 @@ class FieldWork:
         features: PoolFeatures | None = None,
         central: CentralLabelling | None = None,
         predictions: PoolPredictions | None = None,
+        health: Health | None = None,
     ) -> None:
         self.data = data
+        self.health = health or Health()
         self.scan_interval = scan_interval
         self.stream = stream
         self.features = features
@@ -219,13 +222,16 @@ def open_field(
     server = LabelServer(book, *listen).start() if listen else None
     features = PoolFeatures(settings, data) if settings.trainer == "head" else None
     central = None
+    health = Health()
     if field.labelling == "central":
         key = labelling_key(settings.signing_key) if settings.signing_key else None
-        central = CentralLabelling(settings.fleet, settings.device_id, oracle, field.query_image_side, key=key)
+        central = CentralLabelling(
+            settings.fleet, settings.device_id, oracle, field.query_image_side, health=health, key=key
+        )
     log_mb = profile.predictions_log_mb if profile else DEFAULT_PREDICTIONS_LOG_MB
     predictions_log = PredictionLog(state_dir / PREDICTIONS_FOLDER, log_mb << 20)
     predictions = PoolPredictions(
         data, folder_pool_of(data), settings, predictions_log, tuple(spec.class_names), field.repredict
     )
-    work = FieldWork(data, field.scan_interval, stream, features, central, predictions)
+    work = FieldWork(data, field.scan_interval, stream, features, central, predictions, health)
     return FieldParts(data, oracle, work, server, central)

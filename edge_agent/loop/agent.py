@@ -90,7 +90,10 @@ class UpdateHold:
 
 
 class BackgroundWork(Protocol):
-    """Work the main loop does between messages (a field device's folder scans, stream scoring and predictions)."""
+    """Work the main loop does between messages (a field device's folder scans, stream scoring and predictions);
+    `health` is its supervised parts' (the central labelling link's), which the device's status reports."""
+
+    health: Health
 
     def tick(self, latest: LatestModel | None, round_id: int, serving: ServingModel | None) -> PredictionBatch | None:
         """Called every loop turn with the newest global model (None before the first), the round worked toward and
@@ -104,9 +107,16 @@ def last_will(settings: AgentSettings) -> LastWill:
 
 
 def publish_status(
-    session: MqttSession, settings: AgentSettings, state: str, round_id: int, labelled: int, peak_mb: float
+    session: MqttSession,
+    settings: AgentSettings,
+    state: str,
+    round_id: int,
+    labelled: int,
+    peak_mb: float,
+    health: tuple[int, int] = (0, 0),
 ) -> None:
-    """Retains a device's presence and progress (state, round, labels, peak memory) on its status topic."""
+    """Retains a device's presence and progress (state, round, labels, peak memory, its parts' restarts and set-aside
+    messages) on its status topic."""
     status = messages.Status(
         device_id=settings.device_id,
         state=state,
@@ -115,10 +125,18 @@ def publish_status(
         labelled=labelled,
         profile=settings.profile,
         peak_rss_mb=round(peak_mb, 1),
+        part_restarts=health[0],
+        set_aside=health[1],
     )
     session.publish(
         topics.STATUS.build(fleet=settings.fleet, device=settings.device_id), wire.encode(status), retain=True
     )
+
+
+def health_counts(health: Health) -> tuple[int, int]:
+    """A device's parts' restarts and set-aside messages, as its status reports them."""
+    parts, set_aside = health.snapshot()
+    return sum(part.restarts for part in parts), sum(set_aside.values())
 
 
 def log_footprint(meter: PhaseMeter, round_id: int, budget_mb: int | None) -> None:
@@ -159,8 +177,10 @@ class Agent:
         self.secure = SecureRounds(settings.fleet, settings.device_id, session, data.state_dir, data.journal)
         self.predictions = PredictionPublisher(settings.fleet, settings.device_id, session)
         self.router = agent_router(self)
+        self.health = background.health if background is not None else Health()
+        self._state, self._reported = "online", (0, 0)
         aside = state_dir / SET_ASIDE
-        self.guard = MessageGuard("agent", Health(), aside, ledger=aside / LEDGER)
+        self.guard = MessageGuard("agent", self.health, aside, ledger=aside / LEDGER)
 
     @property
     def last_finished_round(self) -> int:
@@ -209,6 +229,8 @@ class Agent:
             if made is not None and serving is not None and serving.publish_predictions:
                 self.predictions.publish(made)
         self.maybe_run_round()
+        if health_counts(self.health) != self._reported:
+            self.publish_status(self._state)
         return False
 
     def finish(self) -> None:
@@ -289,7 +311,9 @@ class Agent:
     def publish_status(self, state: str, round_id: int | None = None) -> None:
         """Retained presence and progress for the coordinator and its dashboard."""
         round_id = self.last_finished_round if round_id is None else round_id
-        publish_status(self.session, self.settings, state, round_id, self.data.num_labelled, self.meter.overall)
+        self._state, self._reported = state, health_counts(self.health)
+        labelled, peak = self.data.num_labelled, self.meter.overall
+        publish_status(self.session, self.settings, state, round_id, labelled, peak, self._reported)
 
 
 def agent_router(agent: Agent) -> topics.Router:

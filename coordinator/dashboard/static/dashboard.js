@@ -74,7 +74,9 @@ function drawDevices(devices) {
   for (const device of devices) {
     const row = element("tr", {"data-device": device.device_id});
     cell(row, device.device_id);
-    cell(row, device.state, device.online ? "online" : "offline");
+    const troubled = device.part_restarts || device.set_aside;
+    const health = troubled ? ` (${device.part_restarts} restarts, ${device.set_aside} set aside)` : "";
+    cell(row, device.state + health, device.online ? "online" : "offline");
     cell(row, ago(device.last_seen));
     cell(row, device.profile || "-");
     cell(row, device.peak_rss_mb ? `${device.peak_rss_mb.toFixed(0)} MB` : "-");
