@@ -42,6 +42,10 @@ BUSY_REPLY = (
     + BUSY_BODY
 )
 REFUSAL_LOG_SECONDS = 60.0
+HOST_HELP = (
+    "a name the page answers to (repeatable), beside loopback and the bound address: the DNS name people type, "
+    "e.g. a reverse proxy's; any other Host is refused (421), against DNS rebinding"
+)
 
 
 class HttpRefusal(FalError):

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from protocol.errors import UsageError
+from protocol.http_edge import HOST_HELP
 from protocol.model_spec import load_model_spec
 from protocol.shutdown import Terminated, raise_on_sigterm
 
@@ -42,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--model-spec", type=Path, help="the fleet's TOML model spec (its class names)")
     serve.add_argument("--dashboard", required=True, metavar="[HOST:]PORT", help="where the labelling page listens")
     serve.add_argument("--dashboard-token", help="the page's bearer token (default: generated off loopback)")
+    serve.add_argument("--dashboard-host", action="append", metavar="NAME", help=HOST_HELP)
     serve.add_argument("--answers-per-query", type=int, default=1, help="people per query; a majority decides")
     serve.add_argument("--max-queries-per-device", type=int, default=500, help="open queries kept per device")
     serve.add_argument("--max-queries", type=int, default=10000, help="open queries kept in all")
@@ -146,7 +148,7 @@ def desk_login(broker: BrokerAddress, credentials_file: Path | None, fleet: str)
 
 def serve(args: argparse.Namespace) -> int:
     """Runs the desk and the labelling page until SIGTERM or Ctrl-C."""
-    from coordinator.dashboard.server import Dashboard, dashboard_token, parse_listen_address
+    from coordinator.dashboard.server import Dashboard, dashboard_token, parse_listen_address, served_names
     from protocol.mqtt import parse_broker_url
 
     if args.resend_seconds <= 0:
@@ -159,7 +161,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         with (
             desk_running(args.fleet, broker, queue, args.resend_seconds) as desk,
-            Dashboard(address, args.run_dir, None, token, desk) as dashboard,
+            Dashboard(address, args.run_dir, None, token, desk, served_names(args.dashboard_host)) as dashboard,
         ):
             shown = f"#token={token}" if token and args.dashboard_token is None else ""
             print(f"labelling page at {dashboard.url}label{shown}", file=sys.stderr, flush=True)
@@ -193,7 +195,12 @@ def import_answers(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.tasks}: not a JSON file of tasks ({str(error)[:200]})") from None
     if not isinstance(tasks, list):
         raise UsageError(f"{args.tasks}: expected a JSON list of Label Studio tasks")
-    counts = import_tasks(open_queue(args, args.answers_per_query), tasks)
+    queue = open_queue(args, args.answers_per_query)
+    try:
+        counts = import_tasks(queue, tasks)
+    # a task of the wrong shape refuses the whole file before any vote is recorded
+    except UsageError as error:
+        raise UsageError(f"{args.tasks}: {error}; nothing imported") from None
     print(
         f"{len(counts.decided)} answers decided, {counts.votes} votes waiting for others, "
         f"{counts.unanswered} tasks unanswered, {counts.refused} refused"

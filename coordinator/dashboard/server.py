@@ -64,6 +64,7 @@ LABEL_API = "/api/label/"
 SAME_ORIGIN_HEADER = ("X-Requested-With", "edge-fal")
 ROUND_PATH = re.compile(r"/api/rounds/([0-9]{1,9})/(divergence|class-accuracy)")
 TOKEN_FILE = "dashboard-token"
+SERVED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,252}|\[[0-9A-Fa-f:.]{2,45}\]")
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,15 @@ def parse_listen_address(text: str, flag: str = "--dashboard") -> ListenAddress:
     if match is None or int(match["port"]) > 65535:
         raise UsageError(f"{flag} must look like [HOST:]PORT (e.g. 8080 or 0.0.0.0:8080), got {text!r}")
     return ListenAddress(match["v6"] or match["host"] or "127.0.0.1", int(match["port"]))
+
+
+def served_names(names: list[str] | None) -> tuple[str, ...]:
+    """The --dashboard-host names checked (DNS names or addresses, no port): the names the dashboard answers to
+    beside its bound address and loopback; UsageError for anything else."""
+    for name in names or []:
+        if not SERVED_NAME.fullmatch(name):
+            raise UsageError(f"--dashboard-host must be a host name or address without a port, got {wire.shown(name)}")
+    return tuple(name.lower().strip("[]") for name in names or [])
 
 
 def dashboard_token(address: ListenAddress, given: str | None, run_dir: Path) -> str | None:
