@@ -262,6 +262,7 @@ class EdgeServer(ThreadingHTTPServer):
 
     daemon_threads = True
     block_on_close = False
+    request_queue_size = 128  # the listen backlog: a burst of connections waits for the accept loop, not for SYN retries
 
     def __init__(
         self,
@@ -427,8 +428,10 @@ class EdgeHandler(BaseHTTPRequestHandler):
         return False
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        """The stdlib's refusals (a malformed request line or headers) as a bounded refusal."""
+        """The stdlib's refusals (a malformed request line or headers) as a bounded refusal, with a status line
+        (a line the stdlib took for HTTP/0.9 would get none)."""
         self.close_connection = True
+        self.request_version = self.protocol_version
         self.refuse(HttpRefusal(HTTPStatus(code), message or HTTPStatus(code).phrase))
 
     def refuse(self, refusal: HttpRefusal) -> None:

@@ -154,6 +154,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.resend_seconds <= 0:
         raise UsageError(f"--resend-seconds must be positive, got {args.resend_seconds}")
     address = parse_listen_address(args.dashboard)
+    hosts = served_names(args.dashboard_host)
     queue = open_queue(args, args.answers_per_query)
     broker = desk_login(parse_broker_url(args.broker), args.credentials, args.fleet)
     token = dashboard_token(address, args.dashboard_token, args.run_dir)
@@ -161,7 +162,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         with (
             desk_running(args.fleet, broker, queue, args.resend_seconds) as desk,
-            Dashboard(address, args.run_dir, None, token, desk, served_names(args.dashboard_host)) as dashboard,
+            Dashboard(address, args.run_dir, None, token, desk, hosts) as dashboard,
         ):
             shown = f"#token={token}" if token and args.dashboard_token is None else ""
             print(f"labelling page at {dashboard.url}label{shown}", file=sys.stderr, flush=True)
