@@ -42,6 +42,8 @@ BUSY_REPLY = (
     + BUSY_BODY
 )
 REFUSAL_LOG_SECONDS = 60.0
+LINGER_SECONDS = 1.0
+LINGER_BYTES = 256 * 1024
 HOST_HELP = (
     "a name the page answers to (repeatable), beside loopback and the bound address: the DNS name people type, "
     "e.g. a reverse proxy's; any other Host is refused (421), against DNS rebinding"
@@ -338,7 +340,7 @@ class EdgeServer(ThreadingHTTPServer):
         # the client's buffer full or the connection gone: it is closed either way
         except OSError:
             pass
-        self.shutdown_request(request)
+        request.close()
         now = time.monotonic()
         with self._lock:
             if now - self._refusals_logged.get(client, -REFUSAL_LOG_SECONDS) < REFUSAL_LOG_SECONDS:
@@ -355,6 +357,24 @@ class EdgeServer(ThreadingHTTPServer):
             self.limits.connections,
             self.limits.per_client,
         )
+
+    def shutdown_request(self, request: Any) -> None:
+        """Closes a served connection gracefully: what the client sent and the handler did not read (a refused
+        body) is drained for up to a second, so closing sends no reset that would destroy the answer in flight."""
+        try:
+            request.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + LINGER_SECONDS
+            drained = 0
+            while drained < LINGER_BYTES and (remaining := deadline - time.monotonic()) > 0:
+                request.settimeout(remaining)
+                chunk = request.recv(65536)
+                if not chunk:
+                    break
+                drained += len(chunk)
+        # the client gone, or still sending past the linger: close it now
+        except OSError:
+            pass
+        self.close_request(request)
 
     def count_timeout(self) -> None:
         """Counts a request cut off by its deadline."""

@@ -7,6 +7,7 @@ import logging
 import re
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,24 @@ def device_page(root: Path, limits: EdgeLimits) -> Iterator[Page]:
         yield Page("device page", server.server, "/label", FORM_POST)
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def served_page(kind: str, request, root: Path, limits: EdgeLimits) -> Iterator[Page]:
+    """A page of the kind a test is parametrised with: the dashboard (its desk on the module's broker) or the
+    device's label page."""
+    if kind == "device page":
+        with device_page(root, limits) as served:
+            yield served
+        return
+    broker = request.getfixturevalue("module_broker")
+    session = request.getfixturevalue("sessions")(broker.address, f"desk-{time.monotonic_ns()}", manual_ack=True)
+    desk = labelling_desk(root / "run", session)
+    try:
+        with dashboard_page(root / "run", desk, limits) as served:
+            yield served
+    finally:
+        desk.stop()
 
 
 def connect(port: int, source: str = "127.0.0.1", timeout: float = 5.0) -> socket.socket:

@@ -24,11 +24,9 @@ from http_pages import (
     Page,
     body_of,
     connect,
-    dashboard_page,
-    device_page,
     exchange,
-    labelling_desk,
     request,
+    served_page,
     tracebacks,
 )
 from test_labelling_api import png
@@ -56,18 +54,8 @@ SMALL = EdgeLimits(read_seconds=1.0, request_seconds=2.0, write_seconds=5.0, con
 @pytest.fixture(params=["dashboard", "device page"])
 def page(request, tmp_path: Path) -> Iterator[Page]:
     """Each page the project serves, with small limits: the dashboard with a desk on a real broker, the device's."""
-    if request.param == "dashboard":
-        broker = request.getfixturevalue("module_broker")
-        session = request.getfixturevalue("sessions")(broker.address, f"desk-{time.monotonic_ns()}", manual_ack=True)
-        desk = labelling_desk(tmp_path / "run", session)
-        try:
-            with dashboard_page(tmp_path / "run", desk, SMALL) as served:
-                yield served
-        finally:
-            desk.stop()
-    else:
-        with device_page(tmp_path, SMALL) as served:
-            yield served
+    with served_page(request.param, request, tmp_path, SMALL) as served:
+        yield served
 
 
 def get(page: Page, source: str = "127.0.0.1", path: str = "/") -> int:
