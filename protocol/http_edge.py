@@ -264,7 +264,9 @@ class EdgeServer(ThreadingHTTPServer):
 
     daemon_threads = True
     block_on_close = False
-    request_queue_size = 128  # the listen backlog: a burst of connections waits for the accept loop, not for SYN retries
+    request_queue_size = (
+        128  # the listen backlog: a burst of connections waits for the accept loop, not for SYN retries
+    )
 
     def __init__(
         self,
@@ -358,24 +360,6 @@ class EdgeServer(ThreadingHTTPServer):
             self.limits.per_client,
         )
 
-    def shutdown_request(self, request: Any) -> None:
-        """Closes a served connection gracefully: what the client sent and the handler did not read (a refused
-        body) is drained for up to a second, so closing sends no reset that would destroy the answer in flight."""
-        try:
-            request.shutdown(socket.SHUT_WR)
-            deadline = time.monotonic() + LINGER_SECONDS
-            drained = 0
-            while drained < LINGER_BYTES and (remaining := deadline - time.monotonic()) > 0:
-                request.settimeout(remaining)
-                chunk = request.recv(65536)
-                if not chunk:
-                    break
-                drained += len(chunk)
-        # the client gone, or still sending past the linger: close it now
-        except OSError:
-            pass
-        self.close_request(request)
-
     def count_timeout(self) -> None:
         """Counts a request cut off by its deadline."""
         with self._lock:
@@ -390,6 +374,23 @@ class EdgeServer(ThreadingHTTPServer):
             log.info("http connection lost server=%s client=%s (%s)", self.name, client, shown(str(error)))
         else:
             log.exception("http handler failed server=%s client=%s", self.name, client)
+
+
+def linger(connection: socket.socket) -> None:
+    """Half-closes a connection and reads what is still coming, up to LINGER_BYTES and LINGER_SECONDS."""
+    try:
+        connection.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + LINGER_SECONDS
+        drained = 0
+        while drained < LINGER_BYTES and (remaining := deadline - time.monotonic()) > 0:
+            connection.settimeout(remaining)
+            chunk = connection.recv(65536)
+            if not chunk:
+                break
+            drained += len(chunk)
+    # the client gone, or still sending past the linger: the server closes it now
+    except OSError:
+        pass
 
 
 class EdgeHandler(BaseHTTPRequestHandler):
@@ -411,6 +412,13 @@ class EdgeHandler(BaseHTTPRequestHandler):
             self.server.count_timeout,
         )
         self.rfile = io.BufferedReader(reader)
+
+    def finish(self) -> None:
+        """Flushes the answer; after one, drains what the client sent and the handler did not read (a refused body)
+        for up to a second, so closing sends no reset that would destroy the answer in flight."""
+        super().finish()
+        if self.responded:
+            linger(self.connection)
 
     def handle_one_request(self) -> None:
         """One request; a refusal gets its status, a bug its traceback in the log and a 500 if nothing was sent."""

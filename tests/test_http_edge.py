@@ -270,7 +270,7 @@ def test_dashboard_host_needs_a_dashboard_and_a_name_without_a_port(tmp_path: Pa
 
     run = ["run", "--run-dir", str(tmp_path / "run"), "--rounds", "1"]
     assert main([*run, "--dashboard-host", "fal.example"]) == 2
-    assert "--dashboard-host need --dashboard" in capsys.readouterr().err
+    assert "--dashboard-host needs --dashboard" in capsys.readouterr().err
     serve = ["labelling", "serve", str(tmp_path / "run"), "--broker", "mqtt://127.0.0.1:1", "--dashboard", "0"]
     assert main([*serve, "--dashboard-host", "fal.example:80"]) == 2
     assert "--dashboard-host must be a host name" in capsys.readouterr().err

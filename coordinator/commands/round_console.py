@@ -119,8 +119,10 @@ def dashboard_for(args: argparse.Namespace, settings: ServerSettings) -> Iterato
 def dashboard_of(args: argparse.Namespace, settings: ServerSettings) -> Iterator[Dashboard | None]:
     """The dashboard served for the run's duration (with its live state) if --dashboard asks for one, else None."""
     if args.dashboard is None:
-        if args.dashboard_token is not None or args.dashboard_host:
-            raise UsageError("--dashboard-token and --dashboard-host need --dashboard")
+        if args.dashboard_token is not None:
+            raise UsageError("--dashboard-token needs --dashboard")
+        if args.dashboard_host:
+            raise UsageError("--dashboard-host needs --dashboard")
         yield None
         return
     address = parse_listen_address(args.dashboard)
