@@ -36,6 +36,8 @@ from coordinator.fleet.broker import free_loopback_port
 from protocol import topics, wire
 from protocol.errors import UsageError
 from protocol.http_edge import (
+    DEFAULT_LIMITS,
+    MAX_JSON_DEPTH,
     EdgeHandler,
     EdgeLimits,
     EdgeServer,
@@ -70,6 +72,12 @@ def wait_for(condition, seconds: float) -> float:
         assert time.monotonic() - start < seconds, "the condition did not hold in time"
         time.sleep(0.05)
     return time.monotonic() - start
+
+
+def test_the_default_bounds_are_the_ones_the_guides_state() -> None:
+    stated = (DEFAULT_LIMITS.read_seconds, DEFAULT_LIMITS.request_seconds, DEFAULT_LIMITS.write_seconds)
+    assert stated == (5.0, 10.0, 30.0)
+    assert (DEFAULT_LIMITS.connections, DEFAULT_LIMITS.per_client, MAX_JSON_DEPTH) == (64, 16, 32)
 
 
 def test_parsing_helpers_turn_every_malformed_value_into_a_bounded_refusal() -> None:
