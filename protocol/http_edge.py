@@ -51,7 +51,8 @@ HOST_HELP = (
 
 
 class HttpRefusal(FalError):
-    """A request refused with its 4xx status and a bounded reason: the sender's mistake, never a traceback."""
+    """A request refused with its status and a bounded reason: a 4xx for the sender's mistake (never a traceback),
+    a 500 only for the server's own bug (logged with its traceback before)."""
 
     def __init__(self, status: HTTPStatus, reason: str) -> None:
         super().__init__(reason[:REASON_CHARS])
@@ -264,9 +265,8 @@ class EdgeServer(ThreadingHTTPServer):
 
     daemon_threads = True
     block_on_close = False
-    request_queue_size = (
-        128  # the listen backlog: a burst of connections waits for the accept loop, not for SYN retries
-    )
+    # the listen backlog: a burst of connections waits for the accept loop, not for SYN retries
+    request_queue_size = 128
 
     def __init__(
         self,
@@ -323,16 +323,25 @@ class EdgeServer(ThreadingHTTPServer):
         thread = threading.Thread(
             target=self.process_request_thread, args=(request, client_address), name=f"{self.name}-http", daemon=True
         )
-        thread.start()
+        try:
+            thread.start()
+        # the process has no thread left to give (RuntimeError): refuse the connection, keep its place free
+        except RuntimeError:
+            self.release(client)
+            self.refuse_connection(request, client)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         """Handles the connection, then frees its place."""
         try:
             super().process_request_thread(request, client_address)
         finally:
-            with self._lock:
-                self._open[str(client_address[0])] -= 1
-                self._open += Counter()
+            self.release(str(client_address[0]))
+
+    def release(self, client: str) -> None:
+        """Frees a connection's place."""
+        with self._lock:
+            self._open[client] -= 1
+            self._open += Counter()
 
     def refuse_connection(self, request: socket.socket, client: str) -> None:
         """503 without reading or waiting, then close; one log line per client a minute names it."""
@@ -427,6 +436,7 @@ class EdgeHandler(BaseHTTPRequestHandler):
         except HttpRefusal as refusal:
             self.close_connection = True
             self.refuse(refusal)
+        # the client gone mid-request is no bug: the server's handle_error logs it as one line
         except OSError:
             raise
         except Exception:
