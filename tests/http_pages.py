@@ -133,7 +133,13 @@ def request(
     """A raw HTTP/1.1 request: a Host header unless host is None, the headers as given, the body as given."""
     lines = [f"{method} {path} HTTP/1.1"] + ([f"Host: {host}"] if host is not None else [])
     lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape") + body
+    return on_the_wire("\r\n".join(lines) + "\r\n\r\n") + body
+
+
+def on_the_wire(text: str) -> bytes:
+    """A request's head as bytes: characters up to U+00FF as their one Latin-1 byte (as http.server reads them, so
+    "²" arrives as "²"), others in UTF-8."""
+    return b"".join(char.encode("latin-1") if ord(char) < 256 else char.encode("utf-8") for char in text)
 
 
 def body_of(response: bytes) -> bytes:
