@@ -32,12 +32,14 @@ FORM_POST = {"Content-Type": "application/x-www-form-urlencoded"}
 
 @dataclass(frozen=True)
 class Page:
-    """A served page: its edge server, the path a post goes to and the headers the page's own posts carry."""
+    """A served page: its edge server, the path a post goes to, the headers the page's own posts carry and the
+    names of the queries it holds."""
 
     name: str
     server: EdgeServer
     post_path: str
     post_headers: dict[str, str]
+    queries: tuple[str, ...]
 
     @property
     def port(self) -> int:
@@ -58,7 +60,7 @@ class Page:
 def dashboard_page(run_dir: Path, desk: LabellingDesk | None, limits: EdgeLimits) -> Iterator[Page]:
     """An open loopback dashboard (no token) with the desk's labelling API."""
     with Dashboard(ListenAddress("127.0.0.1", 0), run_dir, None, None, desk, limits=limits) as dashboard:
-        yield Page("dashboard", dashboard.server, "/api/label/answer", JSON_POST)
+        yield Page("dashboard", dashboard.server, "/api/label/answer", JSON_POST, ("q1", "q2"))
 
 
 def labelling_desk(run_dir: Path, session) -> LabellingDesk:
@@ -77,7 +79,8 @@ def device_page(root: Path, limits: EdgeLimits) -> Iterator[Page]:
     oracle.ask(np.arange(3))
     server = LabelServer(oracle.book, limits=limits).start()
     try:
-        yield Page("device page", server.server, "/label", FORM_POST)
+        names = tuple(query.name for query in oracle.book.queries())
+        yield Page("device page", server.server, "/label", FORM_POST, names)
     finally:
         server.stop()
 
