@@ -137,7 +137,7 @@ def test_idle_connections_beyond_the_bounds_cost_no_thread_and_the_page_comes_ba
     assert get(page) in (503, 0), "beyond the bound a new connection is refused at once"
     assert page.server.health().refused_connections >= 2 * SMALL.per_client
     took = wait_for(lambda: get(page) == 200, SMALL.request_seconds + 3)
-    assert took <= SMALL.read_seconds + 0.5, "a silent connection is cut at its read timeout"
+    assert took <= SMALL.read_seconds + 1, "a silent connection is cut at its read timeout"
     wait_for(lambda: select.select(held, [], [], 0)[0] == held, SMALL.read_seconds + 1)  # each one closed
     for sock in held:
         sock.close()
@@ -156,7 +156,7 @@ def test_a_slowloris_is_cut_off_by_the_request_deadline_not_the_per_read_timeout
                 break
             closed = bool(select.select([sock], [], [], SMALL.read_seconds * 0.6)[0])
         took = time.monotonic() - start
-    assert SMALL.request_seconds - 0.2 <= took <= SMALL.request_seconds + 1
+    assert SMALL.request_seconds - 0.2 <= took <= SMALL.request_seconds + 1.5
     assert page.server.health().timed_out_requests >= 1
 
 
