@@ -106,9 +106,12 @@ class SupervisedThread:
         self._thread.start()
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Asks the loop to end and waits for it."""
+    def stop(self, timeout: float = 10.0, wake: Callable[[], None] | None = None) -> None:
+        """Asks the loop to end (`wake` unblocks a loop that does not watch the event, as a server's
+        `shutdown`) and waits for it."""
         self._stop.set()
+        if wake is not None and self._thread.is_alive():
+            wake()
         if self._thread.is_alive():
             self._thread.join(timeout=timeout)
         self.health.stopped(self.name)

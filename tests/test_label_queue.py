@@ -167,7 +167,7 @@ def test_label_studio_tasks_go_out_and_their_annotations_come_back(tmp_path: Pat
     annotated[2]["annotations"] = [
         {"result": [{"type": "choices", "value": {"choices": [NONE_CHOICE]}}], "completed_by": 7}
     ]
-    counts = import_tasks(queue, [*annotated, {"data": {}}, "junk"])
+    counts = import_tasks(queue, [*annotated, {"data": {}}, {"data": {}, "annotations": []}])
     assert [(d.query_id, d.label, d.answered_by) for d in counts.decided] == [
         ("q1", 2, "label-studio:7"),
         ("q3", NONE_OF_THESE, "label-studio:7"),
@@ -208,6 +208,43 @@ def test_the_labelling_command_exports_imports_and_refuses_bad_input_in_one_line
         assert main(["labelling", *arguments]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("fl-coordinator: "), lines
+
+
+WRONG_SHAPES = [
+    ({"annotations": 5}, "task 2 (id 2): annotations must be a list, got 5"),
+    (
+        {"annotations": [{"result": [{"value": "bird"}]}]},
+        "annotations[0].result[0].value must be an object, got 'bird'",
+    ),
+    ({"annotations": ["x" * 500]}, "annotations[0] must be an object, got 'xxxx"),
+    ({"annotations": [{"result": 7}]}, "annotations[0].result must be a list, got 7"),
+    ({"annotations": [{"result": [{"value": {"choices": "bird"}}]}]}, ".value.choices must be a list, got 'bird'"),
+    ({"annotations": [{"result": [{"value": {"choices": [3]}}]}]}, ".value.choices[0] must be a string, got 3"),
+    ({"data": {"device": 7, "query_id": "q2"}}, "data.device must be a string, got 7"),
+    ({"data": [1]}, "task 2 (id 2): data must be an object, got [1]"),
+]
+
+
+@pytest.mark.parametrize(("change", "message"), WRONG_SHAPES)
+def test_label_studio_tasks_of_the_wrong_shape_refuse_the_file_in_one_line_and_import_nothing(
+    tmp_path: Path, capsys, change: dict, message: str
+) -> None:
+    from coordinator.cli import main
+
+    queue = LabelQueue(tmp_path / "run", CLASS_NAMES_OF_SPEC)
+    for query_id in ("q1", "q2"):
+        queue.add(query("a", query_id), "a")
+    tasks = export_tasks(queue, tmp_path / "ls", "", only_open=False)
+    vote = {"result": [{"type": "choices", "value": {"choices": ["Bag"]}}], "completed_by": 3}
+    tasks[0]["annotations"] = [vote]
+    tasks[1]["annotations"] = [vote]
+    tasks[1].update(change)
+    (tmp_path / "done.json").write_text(json.dumps(tasks))
+    assert main(["labelling", "import", str(tmp_path / "run"), str(tmp_path / "done.json")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and lines[0].endswith("; nothing imported"), lines
+    assert len(lines[0]) < 300 and "Traceback" not in lines[0]
+    assert [q.label for q in queue.all()] == [None, None], "the task before the bad one is not imported either"
 
 
 def test_the_status_counts_open_queries_their_age_and_each_persons_last_hour(queue: LabelQueue) -> None:

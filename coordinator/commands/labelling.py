@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from protocol.errors import UsageError
+from protocol.http_edge import HOST_HELP
 from protocol.model_spec import load_model_spec
 from protocol.shutdown import Terminated, raise_on_sigterm
 from protocol.supervision import Health
@@ -43,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--model-spec", type=Path, help="the fleet's TOML model spec (its class names)")
     serve.add_argument("--dashboard", required=True, metavar="[HOST:]PORT", help="where the labelling page listens")
     serve.add_argument("--dashboard-token", help="the page's bearer token (default: generated off loopback)")
+    serve.add_argument("--dashboard-host", action="append", metavar="NAME", help=HOST_HELP)
     serve.add_argument("--answers-per-query", type=int, default=1, help="people per query; a majority decides")
     serve.add_argument("--max-queries-per-device", type=int, default=500, help="open queries kept per device")
     serve.add_argument("--max-queries", type=int, default=10000, help="open queries kept in all")
@@ -133,7 +135,7 @@ def with_labelling(
         login = desk_login(address, None if secure is None else secure / LABELLING_CREDENTIALS, settings.fleet)
         queue = LabelQueue(settings.run_dir, tuple(settings.spec.class_names))
         keys = None if secure is None else labelling_keys(secure)
-        with desk_running(settings.fleet, login, queue, dashboard.server.health, keys) as desk:
+        with desk_running(settings.fleet, login, queue, dashboard.server.parts_health, keys) as desk:
             dashboard.server.labelling = desk
             print(f"labelling page at {dashboard.url}label (the dashboard's token)", file=sys.stderr, flush=True)
             serve(address)
@@ -155,13 +157,14 @@ def desk_login(broker: BrokerAddress, credentials_file: Path | None, fleet: str)
 
 def serve(args: argparse.Namespace) -> int:
     """Runs the desk and the labelling page until SIGTERM or Ctrl-C."""
-    from coordinator.dashboard.server import Dashboard, dashboard_token, parse_listen_address
+    from coordinator.dashboard.server import Dashboard, dashboard_token, parse_listen_address, served_names
     from coordinator.fleet.provision import labelling_keys
     from protocol.mqtt import parse_broker_url
 
     if args.resend_seconds <= 0:
         raise UsageError(f"--resend-seconds must be positive, got {args.resend_seconds}")
     address = parse_listen_address(args.dashboard)
+    hosts = served_names(args.dashboard_host)
     queue = open_queue(args, args.answers_per_query)
     broker = desk_login(parse_broker_url(args.broker), args.credentials, args.fleet)
     token = dashboard_token(address, args.dashboard_token, args.run_dir)
@@ -171,7 +174,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         with (
             desk_running(args.fleet, broker, queue, health, keys, args.resend_seconds) as desk,
-            Dashboard(address, args.run_dir, None, token, desk, health) as dashboard,
+            Dashboard(address, args.run_dir, None, token, desk, hosts, health=health) as dashboard,
         ):
             shown = f"#token={token}" if token and args.dashboard_token is None else ""
             print(f"labelling page at {dashboard.url}label{shown}", file=sys.stderr, flush=True)
@@ -205,7 +208,12 @@ def import_answers(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.tasks}: not a JSON file of tasks ({str(error)[:200]})") from None
     if not isinstance(tasks, list):
         raise UsageError(f"{args.tasks}: expected a JSON list of Label Studio tasks")
-    counts = import_tasks(open_queue(args, args.answers_per_query), tasks)
+    queue = open_queue(args, args.answers_per_query)
+    try:
+        counts = import_tasks(queue, tasks)
+    # a task of the wrong shape refuses the whole file before any vote is recorded
+    except UsageError as error:
+        raise UsageError(f"{args.tasks}: {error}; nothing imported") from None
     print(
         f"{len(counts.decided)} answers decided, {counts.votes} votes waiting for others, "
         f"{counts.unanswered} tasks unanswered, {counts.refused} refused"

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from coordinator.dashboard.live import LiveState
-from coordinator.dashboard.server import Dashboard, dashboard_token, parse_listen_address
+from coordinator.dashboard.server import Dashboard, dashboard_token, parse_listen_address, served_names
 from coordinator.intake.observer import RoundResult
 from coordinator.setup.settings import ServerSettings
 from protocol.errors import UsageError
@@ -121,12 +121,14 @@ def dashboard_of(args: argparse.Namespace, settings: ServerSettings) -> Iterator
     if args.dashboard is None:
         if args.dashboard_token is not None:
             raise UsageError("--dashboard-token needs --dashboard")
+        if args.dashboard_host:
+            raise UsageError("--dashboard-host needs --dashboard")
         yield None
         return
     address = parse_listen_address(args.dashboard)
     token = dashboard_token(address, args.dashboard_token, settings.run_dir)
     live = LiveState(settings.policy.rounds)
-    with Dashboard(address, settings.run_dir, live, token) as dashboard:
+    with Dashboard(address, settings.run_dir, live, token, hosts=served_names(args.dashboard_host)) as dashboard:
         where = f"{dashboard.url}#token={token}" if token and args.dashboard_token is None else dashboard.url
         print(f"dashboard at {where}", file=sys.stderr, flush=True)
         yield dashboard

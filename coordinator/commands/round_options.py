@@ -14,6 +14,7 @@ from coordinator.rounds.rules import DEFAULT_BATCH
 from coordinator.setup.settings import InitSettings, ServerSettings
 from coordinator.strategies.aggregate import DEFAULT_MAX_SAMPLE_SHARE
 from edge_agent.learning.training import OPTIMIZERS
+from protocol.http_edge import HOST_HELP
 
 DEFAULT_MAX_STALENESS = 4
 
@@ -64,6 +65,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
         "--dashboard-token",
         help="bearer token the API requires (default: none on loopback, else generated into RUN_DIR/dashboard-token)",
     )
+    run.add_argument("--dashboard-host", action="append", metavar="NAME", help=HOST_HELP)
 
 
 def add_serving_options(parser: argparse.ArgumentParser) -> None:

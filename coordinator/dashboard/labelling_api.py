@@ -2,7 +2,6 @@
 # device is told); every refusal a bounded JSON error with its own status.
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -11,9 +10,13 @@ from typing import Any
 from coordinator.labelling.desk import LabellingDesk
 from coordinator.labelling.queue import AnswerError, QueuedQuery
 from protocol import wire
+from protocol.http_edge import HttpRefusal, json_body
 
 MAX_BODY_BYTES = 4096
 PERSON = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
+ANSWER_PATH = "/api/label/answer"
+SKIP_PATH = "/api/label/skip"
+POST_PATHS = (ANSWER_PATH, SKIP_PATH)
 IMAGE_PATH = re.compile(r"/api/label/image/([A-Za-z0-9_.-]{1,64})/([A-Za-z0-9_.-]{1,64})")
 
 
@@ -85,19 +88,22 @@ def get(desk: LabellingDesk, path: str, parameters: dict[str, list[str]]) -> Rep
 def post(desk: LabellingDesk, path: str, body: bytes) -> Reply:
     """POST /api/label/answer {device, query_id, label, person} or /api/label/skip {device, query_id, person}:
     the answer stored (and sent to its device when it decides the query), then the person's next query."""
+    if path not in POST_PATHS:
+        return error(HTTPStatus.NOT_FOUND, f"no such path {wire.shown(path)}")
     try:
-        form = json.loads(body)
-    # json.loads raises ValueError (JSONDecodeError) for a body that is not JSON: the client's mistake
-    except ValueError:
-        return error(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
-    fields = {"device", "query_id", "person"} | ({"label"} if path == "/api/label/answer" else set())
+        form = json_body(body)
+    except HttpRefusal as refused:
+        return error(refused.status, refused.reason)
+    fields = {"device", "query_id", "person"} | ({"label"} if path == ANSWER_PATH else set())
     if not isinstance(form, dict) or set(form) != fields:
         return error(HTTPStatus.BAD_REQUEST, f"the body must hold exactly {', '.join(sorted(fields))}")
     device, query_id, person = form["device"], form["query_id"], form["person"]
-    if not all(isinstance(value, str) for value in (device, query_id, person)) or not PERSON.fullmatch(person):
-        return error(HTTPStatus.BAD_REQUEST, "device and query_id must be strings, person 1-64 letters or _.@-")
+    if not all(isinstance(value, str) and wire.IDENTIFIER.fullmatch(value) for value in (device, query_id)):
+        return error(HTTPStatus.BAD_REQUEST, "device and query_id must be 1-64 letters, digits or _.-")
+    if not isinstance(person, str) or not PERSON.fullmatch(person):
+        return error(HTTPStatus.BAD_REQUEST, "person must be 1-64 letters, digits or _.@-")
     try:
-        if path == "/api/label/skip":
+        if path == SKIP_PATH:
             desk.queue.skip(device, query_id, person)
             decided = None
         else:

@@ -5,6 +5,7 @@ from collections.abc import Sequence
 
 from coordinator.dashboard.live import Counters
 from coordinator.labelling.queue import QueueStatus
+from protocol.http_edge import EdgeHealth
 from protocol.supervision import Health
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -140,6 +141,32 @@ def health_metrics(health: Health, devices: dict[str, tuple[int, int]]) -> list[
     )
 
 
+def page_metrics(pages: dict[str, EdgeHealth]) -> list[str]:
+    """The HTTP edges' families, by server: open connections, connections refused at the bounds, and requests cut
+    off by their deadlines (what an idle-connection flood or a slow client shows as)."""
+    by_server = sorted(pages.items())
+    return (
+        metric(
+            "fl_http_open_connections",
+            "gauge",
+            "Connections a page server holds open.",
+            [(f'{{server="{escape_label(name)}"}}', edge.open_connections) for name, edge in by_server],
+        )
+        + metric(
+            "fl_http_connections_refused_total",
+            "counter",
+            "Connections a page server refused at its bounds (503, no thread).",
+            [(f'{{server="{escape_label(name)}"}}', edge.refused_connections) for name, edge in by_server],
+        )
+        + metric(
+            "fl_http_requests_timed_out_total",
+            "counter",
+            "Requests a page server cut off at their read timeout or deadline.",
+            [(f'{{server="{escape_label(name)}"}}', edge.timed_out_requests) for name, edge in by_server],
+        )
+    )
+
+
 def _by_part(parts: Sequence, attribute: str) -> list[tuple[str, float]]:
     """One sample per part of one of its health's attributes."""
     return [(f'{{part="{escape_label(part.name)}"}}', int(getattr(part, attribute))) for part in parts]
@@ -156,6 +183,7 @@ def render_metrics(
     labelling_refused: dict[tuple[str, str], int] | None = None,
     health: Health | None = None,
     device_health: dict[str, tuple[int, int]] | None = None,
+    pages: dict[str, EdgeHealth] | None = None,
 ) -> str:
     """The /metrics body: the rounds' metrics, the devices' predictions once any came in (a fleet whose serving
     message does not ask for them has none), the labelling queue when the coordinator keeps one, the supervised
@@ -167,6 +195,8 @@ def render_metrics(
         lines += labelling_metrics(labelling, labelling_refused or {})
     if health is not None:
         lines += health_metrics(health, device_health or {})
+    if pages:
+        lines += page_metrics(pages)
     if counters.dp_epsilon is not None:
         lines += metric(
             "fl_dp_epsilon_spent",

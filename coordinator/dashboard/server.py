@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import logging
 import os
 import re
 import secrets
-import socket
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -38,9 +34,20 @@ from coordinator.dashboard.views import (
 from coordinator.labelling.desk import LabellingDesk
 from coordinator.labelling.queue import QueueStatus
 from coordinator.storage.serving_history import serving_stack
+from protocol import wire
 from protocol.errors import UsageError
 from protocol.files import atomic_write_bytes
-from protocol.supervision import Health
+from protocol.http_edge import (
+    DEFAULT_LIMITS,
+    EdgeHandler,
+    EdgeLimits,
+    EdgeServer,
+    HostRule,
+    HttpRefusal,
+    is_loopback,
+    same_origin,
+)
+from protocol.supervision import Health, SupervisedThread
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +63,9 @@ LABEL_API = "/api/label/"
 # Without a bearer token (loopback) a POST must carry this header: a cross-site page cannot send it without a CORS
 # preflight, which this server never grants, so no other site can post answers through a person's browser.
 SAME_ORIGIN_HEADER = ("X-Requested-With", "edge-fal")
-ROUND_PATH = re.compile(r"/api/rounds/(\d+)/(divergence|class-accuracy)")
+ROUND_PATH = re.compile(r"/api/rounds/([0-9]{1,9})/(divergence|class-accuracy)")
 TOKEN_FILE = "dashboard-token"
-LOOPBACK_NAMES = {"localhost"}
+SERVED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,252}|\[[0-9A-Fa-f:.]{2,45}\]")
 
 
 @dataclass(frozen=True)
@@ -71,13 +78,7 @@ class ListenAddress:
     @property
     def loopback(self) -> bool:
         """True for localhost, 127.0.0.0/8 and ::1."""
-        if self.host in LOOPBACK_NAMES:
-            return True
-        try:
-            return ipaddress.ip_address(self.host).is_loopback
-        # ipaddress raises ValueError for a host name that is no address: not a loopback literal
-        except ValueError:
-            return False
+        return is_loopback(self.host)
 
 
 def parse_listen_address(text: str, flag: str = "--dashboard") -> ListenAddress:
@@ -87,6 +88,15 @@ def parse_listen_address(text: str, flag: str = "--dashboard") -> ListenAddress:
     if match is None or int(match["port"]) > 65535:
         raise UsageError(f"{flag} must look like [HOST:]PORT (e.g. 8080 or 0.0.0.0:8080), got {text!r}")
     return ListenAddress(match["v6"] or match["host"] or "127.0.0.1", int(match["port"]))
+
+
+def served_names(names: list[str] | None) -> tuple[str, ...]:
+    """The --dashboard-host names checked (DNS names or addresses, no port): the names the dashboard answers to
+    beside its bound address and loopback; UsageError for anything else."""
+    for name in names or []:
+        if not SERVED_NAME.fullmatch(name):
+            raise UsageError(f"--dashboard-host must be a host name or address without a port, got {wire.shown(name)}")
+    return tuple(name.lower().strip("[]") for name in names or [])
 
 
 def dashboard_token(address: ListenAddress, given: str | None, run_dir: Path) -> str | None:
@@ -105,10 +115,8 @@ def dashboard_token(address: ListenAddress, given: str | None, run_dir: Path) ->
     return token
 
 
-class DashboardHTTPServer(ThreadingHTTPServer):
-    """A threading HTTP server that knows the run directory, the live state and the token its handlers check."""
-
-    daemon_threads = True
+class DashboardHTTPServer(EdgeServer):
+    """The dashboard's edge server, knowing the run directory, the live state and the token its handlers check."""
 
     def __init__(
         self,
@@ -117,11 +125,18 @@ class DashboardHTTPServer(ThreadingHTTPServer):
         live: LiveState | None,
         token: str | None,
         labelling: LabellingDesk | None = None,
+        hosts: tuple[str, ...] = (),
+        limits: EdgeLimits = DEFAULT_LIMITS,
         health: Health | None = None,
     ) -> None:
-        self.address_family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
         try:
-            super().__init__((address.host, address.port), DashboardHandler)
+            super().__init__(
+                (address.host, address.port),
+                DashboardHandler,
+                "dashboard",
+                HostRule.serving(address.host, hosts),
+                limits,
+            )
         except OSError as error:
             raise UsageError(
                 f"--dashboard {address.host}:{address.port}: cannot listen ({error.strerror or error})"
@@ -130,10 +145,10 @@ class DashboardHTTPServer(ThreadingHTTPServer):
         self.live = live
         self.token = token
         self.labelling = labelling
-        self.health = health or (live.health if live is not None else Health())
+        self.parts_health = health or (live.health if live is not None else Health())
 
 
-class DashboardHandler(BaseHTTPRequestHandler):
+class DashboardHandler(EdgeHandler):
     """Serves the page and its assets to anyone who can reach it, and the data only with the token."""
 
     server: DashboardHTTPServer
@@ -164,11 +179,8 @@ class DashboardHandler(BaseHTTPRequestHandler):
         """The labelling API's answers and skips: JSON, with the token (or, on an open loopback dashboard, the
         same-origin header), from this page's origin only."""
         path = self.path.split("?", 1)[0]
-        length = self.headers.get("Content-Length", "")
         if not path.startswith(LABEL_API):
-            self.send_reply(labelling_api.error(HTTPStatus.NOT_FOUND, f"no such path {path[:100]!r}"))
-        elif not length.isdigit() or int(length) > labelling_api.MAX_BODY_BYTES:
-            self.send_reply(labelling_api.error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "a body of at most 4096 bytes"))
+            self.send_reply(labelling_api.error(HTTPStatus.NOT_FOUND, f"no such path {wire.shown(path)}"))
         elif self.server.token is not None and not self.authorised():
             self.send_json(
                 HTTPStatus.UNAUTHORIZED, {"error": "a bearer token is required"}, {"WWW-Authenticate": "Bearer"}
@@ -178,17 +190,18 @@ class DashboardHandler(BaseHTTPRequestHandler):
         elif self.headers.get("Content-Type", "").split(";")[0].strip() != "application/json":
             self.send_reply(labelling_api.error(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "the body must be application/json"))
         else:
-            body = self.rfile.read(int(length))
+            body = self.read_body(labelling_api.MAX_BODY_BYTES)
             self.send_reply(self.label_reply(lambda desk: labelling_api.post(desk, path, body)))
 
     def same_origin(self) -> bool:
-        """Whether a POST comes from this server's own page: an Origin header, when sent, naming this host, and
-        (with no token to prove it) the same-origin header."""
-        origin = self.headers.get("Origin")
-        if origin is not None and urlsplit(origin).netloc != self.headers.get("Host", ""):
-            return False
+        """Whether a POST comes from this server's own page: an Origin header, when sent, naming the (allowed) Host,
+        and (with no token to prove it) the same-origin header."""
         name, value = SAME_ORIGIN_HEADER
-        return self.server.token is not None or self.headers.get(name) == value
+        return same_origin(self.headers) and (self.server.token is not None or self.headers.get(name) == value)
+
+    def send_refusal(self, refusal: HttpRefusal) -> None:
+        """A refusal as the API's JSON error."""
+        self.send_reply(labelling_api.error(refusal.status, refusal.reason))
 
     def label_reply(self, answer: Callable[[LabellingDesk], Reply]) -> Reply:
         """The labelling API's reply, or 404 when this coordinator keeps no labelling queue."""
@@ -215,7 +228,7 @@ class DashboardHandler(BaseHTTPRequestHandler):
         """(status, body) of a JSON API path, read from a fresh store snapshot and the live state."""
         live, snapshot = self.server.live, self.server.snapshots.get()
         if path == "/api/run":
-            return HTTPStatus.OK, {**run_view(snapshot, live), "health": health_view(self.server.health)}
+            return HTTPStatus.OK, {**run_view(snapshot, live), "health": health_view(self.server.parts_health)}
         if path == "/api/devices":
             status = self.queue_status()
             return HTTPStatus.OK, {"devices": devices_view(snapshot, live, status), "labelling": labelling_view(status)}
@@ -223,7 +236,7 @@ class DashboardHandler(BaseHTTPRequestHandler):
             return HTTPStatus.OK, {"rounds": rounds_view(snapshot)}
         match = ROUND_PATH.fullmatch(path)
         if match is None:
-            return HTTPStatus.NOT_FOUND, {"error": f"no such path {path!r}"}
+            return HTTPStatus.NOT_FOUND, {"error": f"no such path {wire.shown(path)}"}
         round_id, what = int(match[1]), match[2]
         view = divergence_view if what == "divergence" else class_accuracy_view
         body = view(snapshot, round_id)
@@ -244,11 +257,12 @@ class DashboardHandler(BaseHTTPRequestHandler):
             predictions=live.predictions(),
             labelling=self.queue_status(),
             labelling_refused=None if self.server.labelling is None else dict(self.server.labelling.refusals),
-            health=self.server.health,
+            health=self.server.parts_health,
             device_health={
                 device: (presence.get("part_restarts", 0), presence.get("set_aside", 0))
                 for device, presence in live.devices().items()
             },
+            pages={self.server.name: self.server.health()},
         )
 
     def queue_status(self) -> QueueStatus | None:
@@ -261,23 +275,6 @@ class DashboardHandler(BaseHTTPRequestHandler):
         data = json.dumps(json_safe(body), allow_nan=False).encode()
         self.send_body(status, data, "application/json", headers)
 
-    def send_body(
-        self, status: HTTPStatus, data: bytes, content_type: str, headers: dict[str, str] | None = None
-    ) -> None:
-        """Sends a complete response, never cached (the data changes every round)."""
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        self.send_header("Cache-Control", "no-store")
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, format: str, *args: object) -> None:
-        """Request lines go to the debug log, not to stderr."""
-        log.debug("dashboard request %s", format % args)
-
 
 class Dashboard:
     """The dashboard server running on a background thread for the duration of a with-block."""
@@ -289,10 +286,12 @@ class Dashboard:
         live: LiveState | None,
         token: str | None,
         labelling: LabellingDesk | None = None,
+        hosts: tuple[str, ...] = (),
+        limits: EdgeLimits = DEFAULT_LIMITS,
         health: Health | None = None,
     ) -> None:
-        self.server = DashboardHTTPServer(address, run_dir, live, token, labelling, health)
-        self.thread = threading.Thread(target=self.server.serve_forever, name="dashboard", daemon=True)
+        self.server = DashboardHTTPServer(address, run_dir, live, token, labelling, hosts, limits, health)
+        self.thread = SupervisedThread("dashboard", lambda stop: self.server.serve_forever(), self.server.parts_health)
 
     @property
     def url(self) -> str:
@@ -308,6 +307,5 @@ class Dashboard:
 
     def __exit__(self, *exc_info: object) -> None:
         """Stops serving and closes the socket."""
-        self.server.shutdown()
+        self.thread.stop(timeout=5, wake=self.server.shutdown)
         self.server.server_close()
-        self.thread.join(timeout=5)

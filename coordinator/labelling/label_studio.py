@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.labelling.queue import AnswerError, Decided, LabelQueue, QueuedQuery
+from protocol import wire
+from protocol.errors import UsageError
 from protocol.label_messages import NONE_OF_THESE
 
 FROM_NAME = "label"
@@ -81,35 +83,83 @@ class ImportCounts:
     refused: int = 0
 
 
-def chosen(task: dict[str, Any]) -> tuple[str, str] | None:
-    """(choice, who) of a task's first annotation that was not cancelled, or None."""
-    for annotation in task.get("annotations") or []:
-        if not isinstance(annotation, dict) or annotation.get("was_cancelled"):
+@dataclass(frozen=True)
+class TaskAnswer:
+    """One annotated task's answer as the file holds it: the query it names, the choice and who chose it."""
+
+    device: str
+    query_id: str
+    choice: str
+    who: str
+
+
+def expect(value: Any, kind: type, task: str, field: str, expected: str) -> Any:
+    """`value` if it is a `kind` (a bool is no number); else a UsageError naming the task and the field."""
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise UsageError(f"{task}: {field} must be {expected}, got {wire.shown(value, 40)}")
+    return value
+
+
+def task_name(position: int, task: Any) -> str:
+    """A task as an error names it: its place in the file and its Label Studio id."""
+    ident = task.get("id") if isinstance(task, dict) else None
+    return f"task {position}" + ("" if ident is None else f" (id {wire.shown(ident, 24)})")
+
+
+def chosen(task: dict[str, Any], name: str) -> tuple[str, str] | None:
+    """(choice, who) of a task's first annotation that was not cancelled and holds one choice, or None; UsageError
+    for a wrong shape on the way."""
+    annotations = expect(task.get("annotations") or [], list, name, "annotations", "a list")
+    for number, annotation in enumerate(annotations):
+        where = f"annotations[{number}]"
+        expect(annotation, dict, name, where, "an object")
+        if annotation.get("was_cancelled"):
             continue
-        for result in annotation.get("result") or []:
-            choices = result.get("value", {}).get("choices") if isinstance(result, dict) else None
-            if isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], str):
-                return choices[0], str(annotation.get("completed_by", "label-studio"))
+        results = expect(annotation.get("result") or [], list, name, f"{where}.result", "a list")
+        for place, result in enumerate(results):
+            at = f"{where}.result[{place}]"
+            value = expect(
+                expect(result, dict, name, at, "an object").get("value", {}), dict, name, f"{at}.value", "an object"
+            )
+            choices = expect(value.get("choices", []), list, name, f"{at}.value.choices", "a list")
+            if len(choices) == 1:
+                choice = expect(choices[0], str, name, f"{at}.value.choices[0]", "a string")
+                return choice, str(annotation.get("completed_by", "label-studio"))
     return None
+
+
+def task_answer(position: int, task: Any) -> TaskAnswer | None:
+    """A task's answer, None when it holds none; UsageError naming the task and field for a wrong shape."""
+    name = task_name(position, task)
+    expect(task, dict, name, "the task", "an object")
+    data = expect(task.get("data"), dict, name, "data", "an object")
+    answer = chosen(task, name)
+    if answer is None:
+        return None
+    device = expect(data.get("device"), str, name, "data.device", "a string")
+    query_id = expect(data.get("query_id"), str, name, "data.query_id", "a string")
+    return TaskAnswer(device, query_id, *answer)
 
 
 def import_tasks(queue: LabelQueue, tasks: list[Any]) -> ImportCounts:
     """Answers from Label Studio tasks (the ones an export wrote, annotated): each a person's vote in the queue,
-    by `label-studio:<who>`; an unknown query, a choice not in the spec, or a query answered already is refused."""
+    by `label-studio:<who>`. A file with a task of the wrong shape is refused whole (UsageError naming the task and
+    the field) before any vote is recorded; an unknown query, a choice not in the spec, or a query answered already
+    is refused per task."""
+    answers = [task_answer(position, task) for position, task in enumerate(tasks, 1)]
     counts = ImportCounts([])
     names = {name: number for number, name in enumerate(queue.class_names)} | {NONE_CHOICE: NONE_OF_THESE}
-    for task in tasks:
-        data = task.get("data") if isinstance(task, dict) else None
-        answer = chosen(task) if isinstance(data, dict) else None
-        if answer is None or not isinstance(data, dict):
+    for answer in answers:
+        if answer is None:
             counts.unanswered += 1
             continue
-        device, query_id, (choice, who) = data.get("device"), data.get("query_id"), answer
-        if not isinstance(device, str) or not isinstance(query_id, str) or choice not in names:
+        if answer.choice not in names:
             counts.refused += 1
             continue
         try:
-            decided = queue.answer(device, query_id, names[choice], f"label-studio:{who}"[:64])
+            decided = queue.answer(
+                answer.device, answer.query_id, names[answer.choice], f"label-studio:{answer.who}"[:64]
+            )
         except AnswerError:
             counts.refused += 1
             continue

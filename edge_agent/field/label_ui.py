@@ -3,19 +3,32 @@ from __future__ import annotations
 
 import html
 import logging
-import threading
+import re
 import urllib.parse
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
 from edge_agent.field.folder_oracle import QueryBook
 from protocol.errors import UsageError
+from protocol.http_edge import (
+    DEFAULT_LIMITS,
+    EdgeHandler,
+    EdgeLimits,
+    EdgeServer,
+    HostRule,
+    HttpRefusal,
+    ascii_int,
+    form_body,
+    same_origin,
+)
+from protocol.supervision import Health, SupervisedThread
+from protocol.wire import shown
 
 log = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 MAX_FORM_BYTES = 4096
+PORT = re.compile(r"[0-9]{1,5}")
 IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}
 PAGE_STYLE = (
     "body{font-family:sans-serif;margin:1em}.query{display:inline-block;border:1px solid #ccc;"
@@ -27,9 +40,9 @@ PAGE_STYLE = (
 def parse_listen_address(value: str) -> tuple[str, int]:
     """`[HOST:]PORT` -> (host, port); loopback when no host is given; UsageError for anything else."""
     host, _, port = value.rpartition(":")
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise UsageError(f"--label-ui expects [HOST:]PORT, got {value!r}")
-    return host or DEFAULT_HOST, int(port)
+    if not PORT.fullmatch(port) or int(port) > 65535:
+        raise UsageError(f"--label-ui expects [HOST:]PORT, got {shown(value)}")
+    return host.removeprefix("[").removesuffix("]") or DEFAULT_HOST, int(port)
 
 
 def render_page(book: QueryBook) -> str:
@@ -53,7 +66,7 @@ def render_page(book: QueryBook) -> str:
     )
 
 
-class LabelHandler(BaseHTTPRequestHandler):
+class LabelHandler(EdgeHandler):
     """GET / (the page), GET /image/<name> (a query's copy), POST /label (query, label) -> 303 back to /."""
 
     book: ClassVar[QueryBook]
@@ -62,63 +75,64 @@ class LabelHandler(BaseHTTPRequestHandler):
         """Serves the page or one query image; nothing else on the device is reachable."""
         path = urllib.parse.urlsplit(self.path).path
         if path == "/":
-            self._send(HTTPStatus.OK, "text/html; charset=utf-8", render_page(self.book).encode())
+            self.send_body(HTTPStatus.OK, render_page(self.book).encode(), "text/html; charset=utf-8")
             return
         if path.startswith("/image/"):
             name = urllib.parse.unquote(path[len("/image/") :])
             query = next((q for q in self.book.queries() if q.name == name), None)
             kind = IMAGE_TYPES.get(self.book.image_path(query).suffix.lower()) if query else None
             if query is not None and kind is not None and self.book.image_path(query).is_file():
-                self._send(HTTPStatus.OK, kind, self.book.image_path(query).read_bytes())
+                self.send_body(HTTPStatus.OK, self.book.image_path(query).read_bytes(), kind)
                 return
-        self._send(HTTPStatus.NOT_FOUND, "text/plain", b"not found\n")
+        self.send_body(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain")
 
     def do_POST(self) -> None:
-        """Stores one answer in the answer book (durable before the redirect), then sends the browser back."""
-        length = int(self.headers.get("Content-Length") or 0)
-        if urllib.parse.urlsplit(self.path).path != "/label" or not 0 < length <= MAX_FORM_BYTES:
-            self._send(HTTPStatus.BAD_REQUEST, "text/plain", b"expected a small form posted to /label\n")
-            return
-        form = urllib.parse.parse_qs(self.rfile.read(length).decode(errors="replace"))
+        """Stores one answer in the answer book (durable before the redirect), then sends the browser back; a post
+        from another site's page (its Origin) is refused."""
+        if urllib.parse.urlsplit(self.path).path != "/label":
+            raise HttpRefusal(HTTPStatus.NOT_FOUND, "answers are posted to /label")
+        if not same_origin(self.headers):
+            raise HttpRefusal(HTTPStatus.FORBIDDEN, "answers come from this page only")
+        form = form_body(self.read_body(MAX_FORM_BYTES))
+        if "query" not in form or "label" not in form:
+            raise HttpRefusal(HTTPStatus.BAD_REQUEST, "label not saved: the form needs query and label")
+        name, label = form["query"], ascii_int(form["label"], "label")
         try:
-            name, label = form["query"][0], int(form["label"][0])
             self.book.record_answer(name, label)
-        # int() of the form's label and record_answer's refusals (no such query, a label out of range): the person's input
+        # record_answer's refusals (no such query, a label out of range): the person's input
         except (KeyError, ValueError) as error:
-            self._send(HTTPStatus.BAD_REQUEST, "text/plain", f"label not saved: {str(error)[:200]}\n".encode())
-            return
-        log.info("label saved query=%s label=%d", name[:200], label)
+            raise HttpRefusal(HTTPStatus.BAD_REQUEST, f"label not saved: {str(error)[:200]}") from None
+        log.info("label saved query=%s label=%d", shown(name, 200), label)
         self.send_response(HTTPStatus.SEE_OTHER)
         self.send_header("Location", "/")
         self.send_header("Content-Length", "0")
         self.end_headers()
 
-    def _send(self, status: HTTPStatus, kind: str, body: bytes) -> None:
-        """One complete response."""
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        self.end_headers()
-        self.wfile.write(body)
 
-    def log_message(self, format: str, *args: object) -> None:
-        """Requests go to the debug log, not stderr."""
-        log.debug("http %s", format % args)
-
-
-def make_handler(book: QueryBook) -> type[BaseHTTPRequestHandler]:
+def make_handler(book: QueryBook) -> type[LabelHandler]:
     """The request handler class bound to one QueryBook."""
     return type("BoundLabelHandler", (LabelHandler,), {"book": book})
 
 
 class LabelServer:
-    """The labelling page served by http.server on a background thread (loopback unless a host is given)."""
+    """The labelling page on an edge server on a background thread (loopback unless a host is given; it answers to
+    the names of HostRule.serving, and its connections and requests are bounded by `limits`)."""
 
-    def __init__(self, book: QueryBook, host: str = DEFAULT_HOST, port: int = 0) -> None:
-        self._server = ThreadingHTTPServer((host, port), make_handler(book))
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="label-ui", daemon=True)
+    def __init__(
+        self,
+        book: QueryBook,
+        host: str = DEFAULT_HOST,
+        port: int = 0,
+        limits: EdgeLimits = DEFAULT_LIMITS,
+        health: Health | None = None,
+    ) -> None:
+        self._server = EdgeServer((host, port), make_handler(book), "label-ui", HostRule.serving(host), limits)
+        self._thread = SupervisedThread("label-ui", lambda stop: self._server.serve_forever(), health or Health())
+
+    @property
+    def server(self) -> EdgeServer:
+        """The edge server (its `serving` flag and health)."""
+        return self._server
 
     @property
     def url(self) -> str:
@@ -134,6 +148,5 @@ class LabelServer:
 
     def stop(self) -> None:
         """Stops serving and closes the socket."""
-        self._server.shutdown()
+        self._thread.stop(timeout=5, wake=self._server.shutdown)
         self._server.server_close()
-        self._thread.join(timeout=5)
