@@ -141,6 +141,11 @@ def test_metrics_in_prometheus_text_format(served: str) -> None:
         "fl_aggregation_seconds_sum": 0.25,
         "fl_aggregation_seconds_count": 1,
         "fl_update_bytes_received_total": 1000 + 1001 + 1002 + 77 + 5,
+        'fl_part_up{part="dashboard"}': 1,
+        'fl_part_restarts_total{part="dashboard"}': 0,
+        'fl_http_open_connections{server="dashboard"}': 1,
+        'fl_http_connections_refused_total{server="dashboard"}': 0,
+        'fl_http_requests_timed_out_total{server="dashboard"}': 0,
     }
     for family in ("fl_rounds_completed_total", "fl_updates_rejected_total", "fl_aggregation_seconds"):
         assert f"# HELP {family} " in body and f"# TYPE {family} " in body

@@ -330,6 +330,10 @@ def test_a_flood_of_idle_connections_leaves_a_real_desk_its_descriptors_and_it_s
             sock.close()
         held.clear()
         wait_for(lambda: next_query(url) == "q9", 15)
+        with urllib.request.urlopen(url + "metrics", timeout=5) as response:
+            metrics = response.read().decode()
+        refused = next(line for line in metrics.splitlines() if line.startswith("fl_http_connections_refused_total"))
+        assert float(refused.split()[-1]) >= 400 - 64, "the refusals at the bound show in /metrics"
     finally:
         for sock in held:
             sock.close()
