@@ -205,6 +205,28 @@ def test_a_cache_forged_with_another_width_and_valid_tags_is_rebuilt_with_one_wa
     assert scored(bundle, pool.folder, cache) == (pool.plain, []) and OnDisk(cache).meta["dim"] == 256
 
 
+@pytest.mark.parametrize(
+    "forged",
+    [
+        lambda meta: b"[" * 100_000,
+        lambda meta: json.dumps({**meta, "padding": " " * 1_000_000}).encode(),
+    ],
+    ids=["nested-100000-deep", "1-MB-long"],
+)
+def test_a_meta_forged_nested_too_deep_or_too_long_is_one_warning_and_a_rebuild(
+    tmp_path: Path, bundle: Path, pool: Pool, forged: Callable[[dict], bytes]
+) -> None:
+    """A meta of 100000 '[' (json.loads raised RecursionError, a traceback on every run) or one of 1 MB (read
+    whole): the meta is read up to 4 KiB and refused with one bounded warning; the cache is rebuilt."""
+    cache = pool.cache(tmp_path)
+    disk = OnDisk(cache)
+    disk.meta_path.write_bytes(forged(disk.meta))
+    selected, warnings = scored(bundle, pool.folder, cache)
+    assert selected == pool.plain and len(warnings) == 1 and len(warnings[0]) < 400, warnings
+    assert "feature cache meta unreadable, rebuilding" in warnings[0]
+    assert scored(bundle, pool.folder, cache) == (pool.plain, [])
+
+
 def huge_rows_forged(pool: Pool, cache: Path, value: float) -> OnDisk:
     """The cache as float32 with rows 3 and 17 set to +value and -value, every tag valid."""
     disk = OnDisk(cache)

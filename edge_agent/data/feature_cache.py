@@ -31,6 +31,7 @@ MAX_DIM = 1 << 22  # values in a row, far above any prefix's (a meta claiming mo
 # inside (ReLU6 backbones: 6; the float32 cache exists for outputs beyond float16's 65504); a row beyond it, finite
 # or not, is never used, as one failing its tag is not.
 ROW_LIMIT = 2.0**40
+META_BYTES = 4096  # what a meta may take: it holds about 200 (a longer one is not read past this)
 READ_RECORDS = 1024  # records read per pread batch (1024 rows of 1280 float16: 2.7 MB)
 _UNWRITABLE: set[Path] = set()  # folders this process has already warned cannot be written
 
@@ -181,17 +182,21 @@ class FeatureCache:
             )
 
     def _load_meta(self) -> CacheMeta | None:
-        """The meta on disk, or None when there is none; a meta that does not parse drops the cache, with a warning."""
+        """The meta on disk, or None when there is none; a meta that does not parse (one longer than META_BYTES, or
+        nested too deep for the parser, included) drops the cache, with a warning."""
         try:
             if not self.meta_path.is_file():
                 return None
-            raw = self.meta_path.read_bytes()
+            with open(self.meta_path, "rb") as handle:
+                raw = handle.read(META_BYTES + 1)
         except OSError as error:
             self._read_only(error)
             return None
         try:
+            if len(raw) > META_BYTES:
+                raise ValueError(f"longer than {META_BYTES} bytes")
             meta = CacheMeta.from_json(json.loads(raw), self.key)
-        except (ValueError, UnicodeDecodeError) as error:
+        except (ValueError, UnicodeDecodeError, RecursionError) as error:
             log.warning("feature cache meta unreadable, rebuilding key=%s error=%s", self.key[:12], str(error)[:200])
             self._drop()
             return None
