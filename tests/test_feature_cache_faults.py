@@ -1,6 +1,7 @@
 # The feature cache attacked as a person with shell access would: forged, foreign, NaN rows, huge outputs, no writes.
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -332,11 +333,11 @@ def test_a_backbone_beyond_float16s_range_is_cached_in_float32_and_selects_as_wi
 PAGE = 4096
 
 
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs (RAM-backed, as on a board with a read-only root), unmounted at the end."""
-    folder = tmp_path / "tmpfs"
-    folder.mkdir()
+@contextlib.contextmanager
+def mounted_tmpfs(folder: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs (RAM-backed, as on a board with a read-only root) at this new folder, unmounted at the end
+    (the test is skipped where mounting is not permitted)."""
+    folder.mkdir(parents=True)
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True)
     if mounted.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode()[:120]}")
@@ -344,6 +345,13 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
         yield folder
     finally:
         subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs for one test."""
+    with mounted_tmpfs(tmp_path / "tmpfs") as folder:
+        yield folder
 
 
 def free_bytes(folder: Path) -> int:

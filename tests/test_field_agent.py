@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from browser import wait_for
 from test_agent import FLEET, FakeCoordinator
-from test_feature_cache_faults import OnDisk
+from test_feature_cache_faults import OnDisk, fill_leaving, mounted_tmpfs
 from test_folder_pool import write_png
 
 from coordinator.fleet.broker import EmbeddedBroker
@@ -320,6 +320,28 @@ def test_a_head_only_field_agent_whose_feature_cache_cannot_be_written_keeps_run
     log = (tmp_path / "agent.log").read_text()
     warned = [line for line in log.splitlines() if "feature cache folder cannot be written" in line]
     assert len(warned) == 1 and str(tmp_path / "state" / "features") in warned[0] and "Traceback" not in log
+
+
+def test_a_head_only_field_agent_with_its_feature_cache_on_a_full_tmpfs_answers_across_a_restart(
+    tmp_path, camera
+) -> None:
+    """`features/` on a tmpfs with six pages left: room for the first scan batch's rows (4 of 3232 bytes) and the
+    meta, not for the cache's first block. The cache grew its file sparse, claimed the block in its meta, hit
+    ENOSPC on the next batch, and the restarted agent memory-mapped the holes: SIGBUS, a crash loop. Now the block
+    is allocated before a meta claims it: each process warns once that the folder cannot be written (no space),
+    computes its features without keeping them, and answers its round."""
+    pool_dir, _ = camera
+    with mounted_tmpfs(tmp_path / "state" / "features") as features:
+        fill_leaving(features, 6)
+        with field_run(tmp_path, pool_dir) as (coordinator, launch, _):
+            for round_id in (1, 2):
+                agent = launch_head_agent(tmp_path, coordinator, launch)
+                head_round(tmp_path, coordinator, round_id)
+                assert agent.poll() is None
+                stop(agent)
+    log = (tmp_path / "agent.log").read_text()
+    warned = [line for line in log.splitlines() if "feature cache folder cannot be written" in line]
+    assert len(warned) == 2 and all("No space left on device" in line for line in warned) and "Traceback" not in log
 
 
 def forge_rows(disk: OnDisk, digests: np.ndarray, forged: list[int], forgery: str) -> None:
