@@ -431,8 +431,8 @@ def _usable_rows(rows: np.ndarray) -> np.ndarray:
     """Which rows (n, D) hold values within +-ROW_LIMIT only (NaN and inf are not); for float16, whose finite
     values all are, by their magnitude bits (below 0x7C00, the all-ones exponent of inf and NaN): numpy's isfinite
     on float16 is several times slower on a round's 10000 x 1280."""
-    if rows.dtype != HALF:
-        return (np.abs(rows) <= ROW_LIMIT).all(axis=1)
+    if rows.dtype != HALF:  # reductions, not an elementwise copy of a round's rows (NaN propagates: not usable)
+        return (rows.max(axis=1, initial=-np.inf) <= ROW_LIMIT) & (rows.min(axis=1, initial=np.inf) >= -ROW_LIMIT)
     return (np.ascontiguousarray(rows).view(np.uint16) & 0x7FFF).max(axis=1, initial=0) < 0x7C00
 
 
