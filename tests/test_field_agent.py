@@ -329,19 +329,30 @@ def test_a_head_only_field_agent_with_its_feature_cache_on_a_full_tmpfs_answers_
     meta, not for the cache's first block. The cache grew its file sparse, claimed the block in its meta, hit
     ENOSPC on the next batch, and the restarted agent memory-mapped the holes: SIGBUS, a crash loop. Now the block
     is allocated before a meta claims it: each process warns once that the folder cannot be written (no space),
-    computes its features without keeping them, and answers its round."""
+    computes its features without keeping them, and answers its round; once space is freed, the next agent keeps
+    them again, quietly."""
     pool_dir, _ = camera
     with mounted_tmpfs(tmp_path / "state" / "features") as features:
-        fill_leaving(features, 6)
+        filler = fill_leaving(features, 6)
         with field_run(tmp_path, pool_dir) as (coordinator, launch, _):
-            for round_id in (1, 2):
+
+            def answered(round_id: int) -> None:
+                """A fresh agent answers this round and stops cleanly."""
                 agent = launch_head_agent(tmp_path, coordinator, launch)
                 head_round(tmp_path, coordinator, round_id)
                 assert agent.poll() is None
                 stop(agent)
+
+            answered(1)
+            answered(2)
+            filler.unlink()
+            freed = (tmp_path / "agent.log").stat().st_size
+            answered(3)
+        assert OnDisk(features).meta["capacity"] == 256
     log = (tmp_path / "agent.log").read_text()
     warned = [line for line in log.splitlines() if "feature cache folder cannot be written" in line]
     assert len(warned) == 2 and all("No space left on device" in line for line in warned) and "Traceback" not in log
+    assert "feature cache" not in "".join(line for line in log[freed:].splitlines() if "WARNING" in line)
 
 
 def forge_rows(disk: OnDisk, digests: np.ndarray, forged: list[int], forgery: str) -> None:
