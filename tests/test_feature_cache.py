@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from test_imports import imported_packages
@@ -17,9 +18,11 @@ from edge_agent.data.feature_cache import FEATURES_FOLDER, FeatureCache, content
 from edge_agent.field.parts import PoolFeatures
 from edge_agent.learning.batch_samplers import BalancedMargin, TypicalitySampler
 from edge_agent.learning.bundle import Bundle, load_bundle
+from edge_agent.learning.cached_prefix import CachedPrefix, prefix_width
 from edge_agent.learning.learner_choice import make_learner
 from edge_agent.learning.local_data import training_view
 from edge_agent.learning.models import build_model, get_weights
+from edge_agent.learning.onnx_initializers import OnnxGraphError, output_shape
 from edge_agent.learning.ort_scorer import OrtMCDropout
 from edge_agent.learning.sampling import make_sampler
 from edge_agent.loop.acquisition import Acquirer
@@ -303,6 +306,24 @@ def test_the_cache_refuses_a_bad_key_bad_digests_and_rows_of_another_width_withi
         cache.rows(np.array([-1]), digests[:1], lambda indices: np.ones((1, 3), np.float32))
     with pytest.raises(ValueError, match=r"content digests must be \(2, 32\) uint8"):
         cache.rows(np.array([0, 1]), digests[:1], lambda indices: np.ones((2, 3), np.float32))
+
+
+def test_the_prefix_width_is_what_the_prefix_graph_declares_read_without_onnx(tmp_path: Path) -> None:
+    """prefix_width reads the fp32 prefix graph's output shape from its bytes (16x4x4 for SPEC: 256 values a row,
+    what the prefix computes); a graph whose axis past the batch is dynamic gives no width to check against, and
+    bytes holding no graph are refused."""
+    bundle = export(get_weights(build_model(SPEC, seed=0)), tmp_path / "bundle")
+    rows = CachedPrefix(bundle, tmp_path / "cache", get_weights(build_model(SPEC, seed=0)), 8).extract(
+        np.zeros((2, 16, 16, 3), np.uint8)
+    )
+    assert prefix_width(bundle) == rows.shape[1] == 256
+    path = bundle.graph_path("fp32", "prefix")
+    model = onnx.load(str(path))
+    model.graph.output[0].type.tensor_type.shape.dim[1].dim_param = "channels"
+    onnx.save(model, str(path))
+    assert prefix_width(bundle) is None
+    with pytest.raises(OnnxGraphError, match="the bytes hold no graph"):
+        output_shape(b"")
 
 
 def test_the_cache_itself_needs_numpy_only() -> None:

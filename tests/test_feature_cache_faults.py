@@ -1,6 +1,7 @@
 # The feature cache attacked as a person with shell access would: forged, foreign, NaN rows, huge outputs, no writes.
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -16,7 +17,7 @@ from PIL import Image
 from test_feature_cache import HEAD, SPEC, backbone_rows, export
 from test_folder_score import run_score
 
-from edge_agent.data.feature_cache import FeatureCache
+from edge_agent.data.feature_cache import ROW_LIMIT, FeatureCache
 from edge_agent.data.image_files import InputSpec
 from edge_agent.field.folder_pool import folder_pool_of, open_folder_data
 from edge_agent.field.parts import PoolFeatures
@@ -63,11 +64,18 @@ def scored(bundle: Path, pool: Path, cache: Path | None = None) -> tuple[list[in
     return json.loads(done.stdout)["indices"], [line for line in done.stderr.splitlines() if "WARNING" in line]
 
 
+def pixels(images: np.ndarray) -> np.ndarray:
+    """The model inputs `edge-agent score` decodes a folder's images to, (N, C, H, W) float32 in [0, 1]: what it
+    hashes into each image's content digest (an attacker computes them with numpy alone)."""
+    return images.transpose(0, 3, 1, 2).astype(np.float32) / 255
+
+
 class Pool:
     """A pool folder scored once without a cache and once into a clean cache (shared by a module's tests)."""
 
     def __init__(self, folder: Path, bundle: Path) -> None:
         self.images = pool_folder(folder / "pool")
+        self.digests = [hashlib.sha256(image.tobytes()).digest() for image in pixels(self.images)]
         self.folder, self.plain, warnings = folder / "pool", *scored(bundle, folder / "pool")
         self.clean = folder / "clean-cache"
         assert warnings == [] and scored(bundle, self.folder, self.clean) == (self.plain, [])
@@ -103,9 +111,25 @@ class OnDisk:
 
     def tag(self, image: np.ndarray, row: np.ndarray) -> np.ndarray:
         """The tag the attacker computes for a row claimed for this image."""
-        pixels = hashlib.sha256(np.ascontiguousarray(image).tobytes()).digest()
-        tag = hashlib.sha256(self.meta["key"].encode() + pixels + np.ascontiguousarray(row).tobytes()).digest()
+        return self.digest_tag(hashlib.sha256(np.ascontiguousarray(image).tobytes()).digest(), row)
+
+    def digest_tag(self, digest: bytes, row: np.ndarray) -> np.ndarray:
+        """The tag of a row claimed for the image of this content digest (a device's `pool/digests.bin` holds them)."""
+        tag = hashlib.sha256(self.meta["key"].encode() + digest + np.ascontiguousarray(row).tobytes()).digest()
         return np.frombuffer(tag, np.uint8)
+
+    def forge(self, rows: np.ndarray, digests: list[bytes]) -> None:
+        """Replaces the cache with these rows (their width and type in the meta), each with the valid tag of its
+        image's digest: a cache the device could have written, for another prefix."""
+        kind = "f2" if rows.dtype == np.float16 else "f4"
+        record = np.dtype([("tag", np.uint8, (32,)), ("row", rows.dtype, (rows.shape[1],))])
+        records = np.zeros(self.meta["capacity"], dtype=record)
+        records["row"][: len(rows)] = rows
+        for index, digest in enumerate(digests):
+            records["tag"][index] = self.digest_tag(digest, rows[index])
+        self.write(records)
+        self.meta = {**self.meta, "dim": rows.shape[1], "dtype": kind}
+        self.meta_path.write_text(json.dumps(self.meta))
 
 
 def nan_rows_retagged(disk: OnDisk, images: np.ndarray) -> None:
@@ -113,7 +137,7 @@ def nan_rows_retagged(disk: OnDisk, images: np.ndarray) -> None:
     records = disk.records()
     for index, value in ((3, np.nan), (17, np.inf)):
         records["row"][index] = value
-        records["tag"][index] = disk.tag(images[index], records["row"][index])
+        records["tag"][index] = disk.tag(pixels(images)[index], records["row"][index])
     disk.write(records)
 
 
@@ -154,6 +178,90 @@ def test_score_with_a_tampered_cache_recomputes_those_rows_warns_once_and_select
     assert scored(bundle, pool.folder, cache) == (pool.plain, []), "the rows were rewritten"
 
 
+def test_nan_and_inf_rows_with_valid_tags_are_named_not_finite(tmp_path: Path, bundle: Path, pool: Pool) -> None:
+    cache = pool.cache(tmp_path)
+    nan_rows_retagged(OnDisk(cache), pool.images)
+    selected, warnings = scored(bundle, pool.folder, cache)
+    assert selected == pool.plain and "rows=2 not_theirs=0 not_finite=2 beyond_limit=0 indices=[3, 17]" in warnings[0]
+
+
+@pytest.mark.parametrize("change", [-128, 8], ids=["narrower", "wider"])
+def test_a_cache_forged_with_another_width_and_valid_tags_is_rebuilt_with_one_warning(
+    tmp_path: Path, bundle: Path, pool: Pool, change: int
+) -> None:
+    """Rows of another width, each with the tag its image and row give under this key, the meta saying that
+    width (what a cache of another backbone, or a person with the layout, leaves): `edge-agent score` crashed
+    reshaping them for the tail. Now the width is checked against the prefix graph's output: one warning, every
+    row computed again, the selection of no cache; the next run is quiet."""
+    cache = pool.cache(tmp_path)
+    disk = OnDisk(cache)
+    width = disk.meta["dim"] + change
+    disk.forge(np.random.default_rng(1).normal(size=(POOL, width)).astype(np.float16), pool.digests)
+    selected, warnings = scored(bundle, pool.folder, cache)
+    assert selected == pool.plain and len(warnings) == 1 and len(warnings[0]) < 300, warnings
+    assert (
+        f"rows are not of the prefix's width, rebuilding key={disk.meta['key'][:12]} width={width} prefix=256"
+        in (warnings[0])
+    )
+    assert scored(bundle, pool.folder, cache) == (pool.plain, []) and OnDisk(cache).meta["dim"] == 256
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [
+        lambda meta: b"[" * 100_000,
+        lambda meta: json.dumps({**meta, "padding": " " * 1_000_000}).encode(),
+    ],
+    ids=["nested-100000-deep", "1-MB-long"],
+)
+def test_a_meta_forged_nested_too_deep_or_too_long_is_one_warning_and_a_rebuild(
+    tmp_path: Path, bundle: Path, pool: Pool, forged: Callable[[dict], bytes]
+) -> None:
+    """A meta of 100000 '[' (json.loads raised RecursionError, a traceback on every run) or one of 1 MB (read
+    whole): the meta is read up to 4 KiB and refused with one bounded warning; the cache is rebuilt."""
+    cache = pool.cache(tmp_path)
+    disk = OnDisk(cache)
+    disk.meta_path.write_bytes(forged(disk.meta))
+    selected, warnings = scored(bundle, pool.folder, cache)
+    assert selected == pool.plain and len(warnings) == 1 and len(warnings[0]) < 400, warnings
+    assert "feature cache meta unreadable, rebuilding" in warnings[0]
+    assert scored(bundle, pool.folder, cache) == (pool.plain, [])
+
+
+def huge_rows_forged(pool: Pool, cache: Path, value: float) -> OnDisk:
+    """The cache as float32 with rows 3 and 17 set to +value and -value, every tag valid."""
+    disk = OnDisk(cache)
+    rows = disk.records()["row"][:POOL].astype(np.float32)
+    rows[3], rows[17] = value, -value
+    disk.forge(rows, pool.digests)
+    return disk
+
+
+@pytest.mark.parametrize("value", [3e38, 2.0**41], ids=["3e38", "2^41"])
+def test_finite_rows_beyond_the_limit_with_valid_tags_are_recomputed_not_scored(
+    tmp_path: Path, bundle: Path, pool: Pool, value: float
+) -> None:
+    """Finite float32 rows of 3e38 (and just past the limit, 2^41) with valid tags: the tail's softmax turned them
+    into NaN and `edge-agent score` died on every run. Now they fail their check like a bad tag: one bounded
+    warning naming them, recomputed, the selection of no cache, the next run quiet."""
+    cache = pool.cache(tmp_path)
+    huge_rows_forged(pool, cache, value)
+    selected, warnings = scored(bundle, pool.folder, cache)
+    assert selected == pool.plain and len(warnings) == 1 and len(warnings[0]) < 300, warnings
+    assert "rows=2 not_theirs=0 not_finite=0 beyond_limit=2 indices=[3, 17]" in warnings[0]
+    assert scored(bundle, pool.folder, cache) == (pool.plain, [])
+
+
+def test_rows_at_the_limit_with_valid_tags_are_used_and_only_mislead(tmp_path: Path, bundle: Path, pool: Pool) -> None:
+    """Rows of +-2^40 (the limit) with valid tags pass their check: the score runs on them without a warning or a
+    traceback, and image 3, the most uncertain without a cache, is now confidently scored and left out (misled,
+    as by an edited label)."""
+    cache = pool.cache(tmp_path)
+    huge_rows_forged(pool, cache, ROW_LIMIT)
+    selected, warnings = scored(bundle, pool.folder, cache)
+    assert warnings == [] and pool.plain[0] == 3 and 3 not in selected
+
+
 def test_another_backbones_rows_under_this_key_with_the_meta_edited_are_all_recomputed(
     tmp_path: Path, bundle: Path, pool: Pool
 ) -> None:
@@ -185,7 +293,11 @@ def test_an_image_replaced_with_the_same_name_size_and_mtime_gets_its_own_featur
     assert (target.stat().st_size, target.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
     plain, _ = scored(bundle, tmp_path / "pool")
     selected, warnings = scored(bundle, tmp_path / "pool", tmp_path / "cache")
-    assert selected == plain and len(warnings) == 1 and "rows=1 not_theirs=1 not_finite=0 indices=[7]" in warnings[0]
+    assert (
+        selected == plain
+        and len(warnings) == 1
+        and "rows=1 not_theirs=1 not_finite=0 beyond_limit=0 indices=[7]" in warnings[0]
+    )
 
 
 @pytest.fixture
@@ -216,6 +328,87 @@ def test_a_backbone_beyond_float16s_range_is_cached_in_float32_and_selects_as_wi
     assert selected == plain and len(warnings) == 2, warnings
     assert "rows failed their check" in warnings[0] and "starting again" in warnings[1] and "float32" in warnings[1]
     assert OnDisk(tmp_path / "cache").meta["dtype"] == "f4"
+
+
+PAGE = 4096
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(folder: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs (RAM-backed, as on a board with a read-only root) at this new folder, unmounted at the end
+    (the test is skipped where mounting is not permitted)."""
+    folder.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode()[:120]}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs for one test."""
+    with mounted_tmpfs(tmp_path / "tmpfs") as folder:
+        yield folder
+
+
+def free_bytes(folder: Path) -> int:
+    """The bytes a file system still has for its files."""
+    stats = os.statvfs(folder)
+    return stats.f_bavail * stats.f_frsize
+
+
+def fill_leaving(folder: Path, pages: int) -> Path:
+    """A filler file taking all but `pages` pages of the file system's free space (blocks really written)."""
+    filler = folder / "filler"
+    with open(filler, "ab") as handle:
+        handle.write(b"\1" * (free_bytes(folder) - pages * PAGE))
+    assert free_bytes(folder) == pages * PAGE
+    return filler
+
+
+def test_a_full_tmpfs_costs_the_cache_not_the_device_and_the_cache_comes_back_when_space_does(
+    tmp_path: Path, bundle: Path, pool: Pool, tmpfs: Path
+) -> None:
+    """A tmpfs with five pages left: room for the meta and the first batch of rows, not for the cache's first block
+    of 256. The cache grew its file sparse, wrote the meta claiming the block, hit ENOSPC on the next batch, and
+    the next process memory-mapped the holes: SIGBUS on every start. Now the block is allocated before a meta
+    claims it: no space, no meta, what was allocated given back; each run scores as without a cache with one
+    warning naming the disk full, and once space is freed the cache is written and read again."""
+    cache, batch = tmpfs / "cache", ("--batch", "16")
+    filler = fill_leaving(tmpfs, 5)
+    for _ in range(2):  # the second run is a fresh process over what the first left
+        done = run_score(bundle, pool.folder, *SCORE, *batch, "--cache-dir", str(cache))
+        warnings = [line for line in done.stderr.splitlines() if "WARNING" in line]
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+        assert json.loads(done.stdout)["indices"] == pool.plain and len(warnings) == 1 and len(warnings[0]) < 500
+        assert "feature cache folder cannot be written" in warnings[0] and "No space left on device" in warnings[0]
+    assert free_bytes(tmpfs) >= 4 * PAGE, "the cache gave back what it allocated"
+    filler.unlink()
+    assert scored(bundle, pool.folder, cache) == (pool.plain, [])
+    assert OnDisk(cache).meta["capacity"] == 256 and scored(bundle, pool.folder, cache) == (pool.plain, [])
+
+
+def test_a_cache_with_holes_on_a_full_tmpfs_is_read_without_a_fault(
+    tmp_path: Path, bundle: Path, pool: Pool, tmpfs: Path
+) -> None:
+    """What an older version left: a meta claiming 256 rows over a sparse file holding the first 16, on a tmpfs
+    filled to the last page (a mapped read of a hole there needs a page: SIGBUS). The holes read as unwritten rows,
+    are computed (rewriting them fails: one warning), and the run scores as without a cache."""
+    cache = Path(shutil.copytree(pool.clean, tmpfs / "cache"))
+    disk = OnDisk(cache)
+    first = disk.records()[:16]
+    with open(disk.rows_path, "r+b") as handle:
+        handle.truncate(0)
+        handle.truncate(disk.meta["capacity"] * disk.record.itemsize)
+    with open(disk.rows_path, "r+b") as handle:
+        handle.write(first.tobytes())
+    assert os.stat(disk.rows_path).st_blocks * 512 < os.stat(disk.rows_path).st_size, "the file has holes"
+    fill_leaving(tmpfs, 0)
+    selected, warnings = scored(bundle, pool.folder, cache)
+    assert selected == pool.plain and len(warnings) == 1 and "No space left on device" in warnings[0], warnings
 
 
 @pytest.fixture

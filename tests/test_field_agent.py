@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
-import hashlib
 import json
 import signal
 import subprocess
@@ -16,11 +15,12 @@ import numpy as np
 import pytest
 from browser import wait_for
 from test_agent import FLEET, FakeCoordinator
-from test_feature_cache_faults import OnDisk
+from test_feature_cache_faults import OnDisk, fill_leaving, mounted_tmpfs
 from test_folder_pool import write_png
 
 from coordinator.fleet.broker import EmbeddedBroker
 from edge_agent.data.fashion_mnist import load_fashion_mnist
+from edge_agent.data.feature_cache import ROW_LIMIT
 from edge_agent.field.folder_oracle import FolderOracle, QueryBook
 from edge_agent.field.folder_pool import folder_pool_of, open_folder_data
 from edge_agent.field.parts import StreamAcquirer
@@ -322,32 +322,86 @@ def test_a_head_only_field_agent_whose_feature_cache_cannot_be_written_keeps_run
     assert len(warned) == 1 and str(tmp_path / "state" / "features") in warned[0] and "Traceback" not in log
 
 
-def test_a_head_only_field_agent_restarted_on_nan_rows_with_forged_tags_recomputes_them_and_answers(
+def test_a_head_only_field_agent_with_its_feature_cache_on_a_full_tmpfs_answers_across_a_restart(
     tmp_path, camera
 ) -> None:
-    """The crash loop of issue 33: after a round, five cached rows are made NaN and their tags recomputed from
-    `pool/digests.bin` (a person with shell access and the layout). The restarted agent answers the next round,
-    with one warning naming the rows as not finite, and the rows on disk are finite again. The forged rows are of
-    images not asked in round 1 (those round 2 scores)."""
+    """`features/` on a tmpfs with six pages left: room for the first scan batch's rows (4 of 3232 bytes) and the
+    meta, not for the cache's first block. The cache grew its file sparse, claimed the block in its meta, hit
+    ENOSPC on the next batch, and the restarted agent memory-mapped the holes: SIGBUS, a crash loop. Now the block
+    is allocated before a meta claims it: each process warns once that the folder cannot be written (no space),
+    computes its features without keeping them, and answers its round; once space is freed, the next agent keeps
+    them again, quietly."""
+    pool_dir, _ = camera
+    with mounted_tmpfs(tmp_path / "state" / "features") as features:
+        filler = fill_leaving(features, 6)
+        with field_run(tmp_path, pool_dir) as (coordinator, launch, _):
+
+            def answered(round_id: int) -> None:
+                """A fresh agent answers this round and stops cleanly."""
+                agent = launch_head_agent(tmp_path, coordinator, launch)
+                head_round(tmp_path, coordinator, round_id)
+                assert agent.poll() is None
+                stop(agent)
+
+            answered(1)
+            answered(2)
+            filler.unlink()
+            freed = (tmp_path / "agent.log").stat().st_size
+            answered(3)
+        assert OnDisk(features).meta["capacity"] == 256
+    log = (tmp_path / "agent.log").read_text()
+    warned = [line for line in log.splitlines() if "feature cache folder cannot be written" in line]
+    assert len(warned) == 2 and all("No space left on device" in line for line in warned) and "Traceback" not in log
+    assert "feature cache" not in "".join(line for line in log[freed:].splitlines() if "WARNING" in line)
+
+
+def forge_rows(disk: OnDisk, digests: np.ndarray, forged: list[int], forgery: str) -> None:
+    """Rewrites the cache with valid tags (computed from `pool/digests.bin`): the forged rows NaN, or 3e38 in a
+    float32 cache, or every row of another width."""
+    rows = disk.records()["row"][:30].astype(np.float32)
+    if forgery == "wider":
+        rows = np.random.default_rng(0).normal(size=(30, rows.shape[1] + 8)).astype(np.float32)
+    else:
+        rows[forged] = np.nan if forgery == "nan" else 3e38
+    rows = rows.astype(np.float16 if forgery != "huge" else np.float32)
+    disk.forge(rows, [digest.tobytes() for digest in digests[:30]])
+
+
+@pytest.mark.parametrize(
+    ("forgery", "warned"),
+    [
+        ("nan", "rows failed their check, recomputing key={key} rows=5 not_theirs=0 not_finite=5 beyond_limit=0"),
+        ("huge", "rows failed their check, recomputing key={key} rows=5 not_theirs=0 not_finite=0 beyond_limit=5"),
+        ("wider", "rows are not of the prefix's width, rebuilding key={key} width={width} prefix={dim}"),
+    ],
+    ids=["nan", "3e38", "wider"],
+)
+def test_a_head_only_field_agent_restarted_on_forged_rows_with_valid_tags_recomputes_them_and_answers(
+    tmp_path, camera, forgery: str, warned: str
+) -> None:
+    """The crash loops of issues 33 and 43: after a round, cached rows are forged with tags recomputed from
+    `pool/digests.bin` (a person with shell access and the layout): five rows NaN, or five finite rows of 3e38 in
+    a float32 cache (the tail's softmax made them NaN), or every row of another width (the tail could not take
+    them). The restarted agent answers the next round, with one bounded warning naming the fault, and the rows on
+    disk are the prefix's again. The forged rows are of images not asked in round 1 (those round 2 scores)."""
     pool_dir, _ = camera
     with field_run(tmp_path, pool_dir) as (coordinator, launch, book):
         first = launch_head_agent(tmp_path, coordinator, launch)
         head_round(tmp_path, coordinator, 1)
         stop(first)
         disk = OnDisk(tmp_path / "state" / "features")
+        dim = disk.meta["dim"]
         digests = np.fromfile(tmp_path / "state" / "pool" / "digests.bin", np.uint8).reshape(-1, 32)
-        records, asked = disk.records(), {query.index for query in book.queries()}
+        asked = {query.index for query in book.queries()}
         forged = [index for index in range(30) if index not in asked][:5]  # rows round 2 scores
-        records["row"][forged] = np.nan
-        for index in forged:
-            tag = disk.meta["key"].encode() + digests[index].tobytes() + records["row"][index].tobytes()
-            records["tag"][index] = np.frombuffer(hashlib.sha256(tag).digest(), np.uint8)
-        disk.write(records)
+        forge_rows(disk, digests, forged, forgery)
         restarted = (tmp_path / "agent.log").stat().st_size
         agent = launch_head_agent(tmp_path, coordinator, launch)
         head_round(tmp_path, coordinator, 2)
         stop(agent)
     log = (tmp_path / "agent.log").read_text()[restarted:]
-    failed = [line for line in log.splitlines() if "feature cache rows failed their check" in line]
-    assert len(failed) == 1 and "rows=5 not_theirs=0 not_finite=5" in failed[0] and "Traceback" not in log
-    assert np.isfinite(OnDisk(tmp_path / "state" / "features").records()["row"][:30]).all()
+    failed = [line for line in log.splitlines() if "feature cache rows" in line and "WARNING" in line]
+    expected = warned.format(key=disk.meta["key"][:12], width=dim + 8, dim=dim)
+    assert len(failed) == 1 and expected in failed[0] and len(failed[0]) < 400 and "Traceback" not in log, failed
+    again = OnDisk(tmp_path / "state" / "features")
+    assert again.meta["dim"] == dim and (np.abs(again.records()["row"][:30].astype(np.float32)) <= ROW_LIMIT).all()

@@ -25,6 +25,14 @@ HALF, SINGLE = np.dtype("<f2"), np.dtype("<f4")
 ROW_DTYPES: dict[str, np.dtype] = {"f2": HALF, "f4": SINGLE}
 REPORTED_INDICES = 10
 MAX_DIM = 1 << 22  # values in a row, far above any prefix's (a meta claiming more is not read)
+# The largest magnitude a stored value may have: its square times the widest row (MAX_DIM, 2^22) is 2^102, 2^26
+# below float32's largest (2^128), so a head's dot product of a row with weights or another row, a squared
+# distance between rows, or a softmax regression step's logits stay finite. A legitimate prefix's outputs are far
+# inside (ReLU6 backbones: 6; the float32 cache exists for outputs beyond float16's 65504); a row beyond it, finite
+# or not, is never used, as one failing its tag is not.
+ROW_LIMIT = 2.0**40
+META_BYTES = 4096  # what a meta may take: it holds about 200 (a longer one is not read past this)
+READ_RECORDS = 1024  # records read per pread batch (1024 rows of 1280 float16: 2.7 MB)
 _UNWRITABLE: set[Path] = set()  # folders this process has already warned cannot be written
 
 Extractor = Callable[[np.ndarray], np.ndarray]
@@ -99,18 +107,22 @@ class FeatureCache:
     Each record is a 32-byte tag and the row (float16; float32 for a prefix whose finite outputs leave float16's
     range): the tag is sha256(key, the image's content digest, the row's bytes), so a row counts only for the image
     and prefix it was computed from, intact. Every row a read returns was checked against its tag and found
-    finite; one that fails (flipped bytes, rows swapped or copied from another image, pool or backbone, NaN or
-    inf) is computed again and rewritten, with one warning per read. A folder that cannot be written leaves the
-    cache read-only for this process (one warning naming it): missing rows are then computed and not kept.
-    A cache of another key in the folder is removed on opening.
+    within +-ROW_LIMIT; one that fails (flipped bytes, rows swapped or copied from another image, pool or backbone,
+    NaN, inf, or finite values no head survives) is computed again and rewritten, with one warning per read. With
+    `width` (the prefix's declared row width), a cache of rows of another width is dropped with one warning.
+    Records are read with pread, never memory-mapped (a hole or a file cut short reads as zeros, an unwritten
+    record, where a mapping would raise SIGBUS), and the file is grown with posix_fallocate before a meta claims
+    the space. A folder that cannot be written (a full disk included) leaves the cache read-only for this process
+    (one warning naming it): missing rows are then computed and not kept. A cache of another key in the folder is
+    removed on opening.
     """
 
-    def __init__(self, folder: Path, key: str, batch_size: int = 64) -> None:
+    def __init__(self, folder: Path, key: str, batch_size: int = 64, width: int | None = None) -> None:
         if not key or not all(character in "0123456789abcdef" for character in key):
             raise ValueError(f"a feature cache key is a hex digest, got {key[:80]!r}")
         if batch_size < 1:
             raise ValueError(f"feature batch size must be at least 1, got {batch_size}")
-        self.folder, self.key, self.batch_size = Path(folder), key, batch_size
+        self.folder, self.key, self.batch_size, self.width = Path(folder), key, batch_size, width
         self.data_path, self.meta_path = self.folder / f"{key}.rows", self.folder / f"{key}.json"
         self.writable = True
         self._tag_prefix = hashlib.sha256(key.encode())
@@ -170,18 +182,29 @@ class FeatureCache:
             )
 
     def _load_meta(self) -> CacheMeta | None:
-        """The meta on disk, or None when there is none; a meta that does not parse drops the cache, with a warning."""
+        """The meta on disk, or None when there is none; a meta that does not parse (one longer than META_BYTES, or
+        nested too deep for the parser, included) drops the cache, with a warning."""
         try:
             if not self.meta_path.is_file():
                 return None
-            raw = self.meta_path.read_bytes()
+            with open(self.meta_path, "rb") as handle:
+                raw = handle.read(META_BYTES + 1)
         except OSError as error:
             self._read_only(error)
             return None
         try:
+            if len(raw) > META_BYTES:
+                raise ValueError(f"longer than {META_BYTES} bytes")
             meta = CacheMeta.from_json(json.loads(raw), self.key)
-        except (ValueError, UnicodeDecodeError) as error:
+        except (ValueError, UnicodeDecodeError, RecursionError) as error:
             log.warning("feature cache meta unreadable, rebuilding key=%s error=%s", self.key[:12], str(error)[:200])
+            self._drop()
+            return None
+        if self.width is not None and meta.dim != self.width:
+            log.warning(
+                "feature cache rows are not of the prefix's width, rebuilding key=%s width=%d prefix=%d",
+                *(self.key[:12], meta.dim, self.width),
+            )
             self._drop()
             return None
         return self._as_stored(meta)
@@ -208,34 +231,41 @@ class FeatureCache:
             except OSError as error:
                 self._read_only(error)
 
-    def _stored(self, meta: CacheMeta) -> np.ndarray:
-        """The rows file's records up to the meta's capacity as a read-only memory map (none when it has none)."""
-        if not meta.capacity:
-            return np.zeros(0, dtype=meta.record)
-        return np.memmap(self.data_path, dtype=meta.record, mode="r", shape=(meta.capacity,))
+    def _read(self, meta: CacheMeta, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The tags (n, 32) and rows (n, D) stored at these ascending unique indices, read with pread a batch of
+        records at a time (memory: the result and one batch). A record past the file's end or in a hole reads as
+        zeros (an unwritten record); no read can fault, whatever the file's state."""
+        tags = np.zeros((len(indices), TAG_BYTES), dtype=np.uint8)
+        rows = np.zeros((len(indices), meta.dim), dtype=meta.dtype)
+        with open(self.data_path, "rb") as handle:
+            for start in range(0, len(indices), READ_RECORDS):
+                batch = indices[start : start + READ_RECORDS]
+                records = np.zeros(len(batch), dtype=meta.record)
+                _pread_runs(handle.fileno(), batch, records)
+                tags[start : start + len(batch)], rows[start : start + len(batch)] = records["tag"], records["row"]
+        return tags, rows
 
     def _check(self, meta: CacheMeta | None, indices: np.ndarray, digests: np.ndarray) -> Checked:
         """Which indices' stored rows are theirs (the tag of this key, their image's digest and the row), whole and
-        finite; one warning for those that are stored but fail. Each stored record is read once (memory bounded by
-        the file, whatever the meta claims)."""
+        within +-ROW_LIMIT; one warning for those that are stored but fail. Each stored record is read once (memory
+        bounded by the file, whatever the meta claims: `_as_stored` caps its capacity at the file's size)."""
         if meta is None or not len(indices):
             return Checked.nothing(len(indices))
-        try:
-            stored = self._stored(meta)
-        except OSError as error:
-            self._read_only(error)
-            return Checked.nothing(len(indices))
-        inside = np.flatnonzero(indices < len(stored))
+        inside = np.flatnonzero(indices < meta.capacity)
         if not len(inside):
             return Checked.nothing(len(indices))
         wanted, first, back = np.unique(indices[inside], return_index=True, return_inverse=True)
-        tags, values = np.asarray(stored["tag"][wanted]), np.asarray(stored["row"][wanted])
+        try:
+            tags, values = self._read(meta, wanted)
+        except OSError as error:
+            self._read_only(error)
+            return Checked.nothing(len(indices))
         written = np.asarray(tags.any(axis=1))
         tied = written & self._tags_match(tags, values, digests[inside][first], written)
-        finite = _finite_rows(values)
-        self._report(wanted, written & ~tied, tied & ~finite)
+        usable = _usable_rows(values)
+        self._report(wanted, values, written & ~tied, tied & ~usable)
         good = np.zeros(len(indices), dtype=bool)
-        good[inside] = (tied & finite)[back]
+        good[inside] = (tied & usable)[back]
         if not good.any():
             return Checked.nothing(len(indices))
         if np.array_equal(wanted, indices):  # a round's ascending indices: the rows as read
@@ -244,14 +274,22 @@ class FeatureCache:
         rows[inside] = values[back]
         return Checked(good, rows)
 
-    def _report(self, indices: np.ndarray, not_theirs: np.ndarray, not_finite: np.ndarray) -> None:
-        """One warning for the stored rows that failed their check: how many, why, and the first indices."""
-        failed = not_theirs | not_finite
+    def _report(self, indices: np.ndarray, rows: np.ndarray, not_theirs: np.ndarray, unusable: np.ndarray) -> None:
+        """One warning for the stored rows that failed their check: how many, why (not their tag; theirs but NaN or
+        inf; theirs, finite, but beyond +-ROW_LIMIT), and the first indices."""
+        failed = not_theirs | unusable
         if failed.any():
+            not_finite = int((~np.isfinite(rows[unusable]).all(axis=1)).sum())
             log.warning(
                 "feature cache rows failed their check, recomputing key=%s rows=%d not_theirs=%d not_finite=%d "
-                "indices=%s",
-                *(self.key[:12], int(failed.sum()), int(not_theirs.sum()), int(not_finite.sum())),
+                "beyond_limit=%d indices=%s",
+                *(
+                    self.key[:12],
+                    int(failed.sum()),
+                    int(not_theirs.sum()),
+                    not_finite,
+                    int(unusable.sum()) - not_finite,
+                ),
                 indices[failed][:REPORTED_INDICES].tolist(),
             )
 
@@ -317,22 +355,23 @@ class FeatureCache:
         return fresh
 
     def _store(self, meta: CacheMeta, indices: np.ndarray, digests: np.ndarray, rows: np.ndarray) -> CacheMeta:
-        """Writes the finite rows with their tags at their indices (growing the file by whole blocks, then its
-        meta), synced; returns the meta. Rows that are not finite are not kept (a warning)."""
-        finite = _finite_rows(rows)
-        if not finite.all():
+        """Writes the rows within +-ROW_LIMIT with their tags at their indices (growing the file by whole blocks,
+        then its meta), synced; returns the meta. Other rows (NaN, inf, beyond the limit) are not kept (a
+        warning)."""
+        usable = _usable_rows(rows)
+        if not usable.all():
             log.warning(
-                "feature cache prefix gave rows that are not finite, not kept key=%s rows=%d indices=%s",
-                *(self.key[:12], int((~finite).sum()), indices[~finite][:REPORTED_INDICES].tolist()),
+                "feature cache prefix gave rows out of range, not kept key=%s rows=%d indices=%s",
+                *(self.key[:12], int((~usable).sum()), indices[~usable][:REPORTED_INDICES].tolist()),
             )
-        if not self.writable or not finite.any():
+        if not self.writable or not usable.any():
             return meta
-        records = np.zeros(int(finite.sum()), dtype=meta.record)
-        records["row"] = rows[finite]
-        for position, digest in enumerate(digests[finite]):
+        records = np.zeros(int(usable.sum()), dtype=meta.record)
+        records["row"] = rows[usable]
+        for position, digest in enumerate(digests[usable]):
             records["tag"][position] = np.frombuffer(self._tag(digest, records["row"][position]), np.uint8)
         try:
-            grown = self._write_records(meta, indices[finite], records)
+            grown = self._write_records(meta, indices[usable], records)
         except OSError as error:
             self._read_only(error)
             return meta
@@ -340,12 +379,13 @@ class FeatureCache:
         return grown
 
     def _write_records(self, meta: CacheMeta, indices: np.ndarray, records: np.ndarray) -> CacheMeta:
-        """pwrites the records at their indices and syncs; a file grown past the meta's capacity gets a new meta."""
+        """pwrites the records at their indices and syncs; a file grown past the meta's capacity has its space
+        allocated first (`_reserve`) and then gets a new meta, so a meta never claims space the disk lacks."""
         capacity = max(meta.capacity, (int(indices.max()) // GROW_ROWS + 1) * GROW_ROWS)
         size = meta.record.itemsize
         with open(self.data_path, "r+b" if self.data_path.exists() else "w+b") as handle:
-            if os.fstat(handle.fileno()).st_size < capacity * size:
-                os.ftruncate(handle.fileno(), capacity * size)
+            if capacity > meta.capacity:
+                _reserve(handle.fileno(), meta.capacity * size, capacity * size)
             for index, record in zip(indices.tolist(), records):
                 os.pwrite(handle.fileno(), record.tobytes(), index * size)
             os.fsync(handle.fileno())
@@ -387,9 +427,36 @@ def _fits_half(rows: np.ndarray) -> bool:
         return bool(np.isfinite(rows.astype(HALF))[np.isfinite(rows)].all())
 
 
-def _finite_rows(rows: np.ndarray) -> np.ndarray:
-    """Which rows (n, D) hold finite values only; for float16, by their magnitude bits (below 0x7C00, the all-ones
-    exponent of inf and NaN): numpy's isfinite on float16 is several times slower on a round's 10000 x 1280."""
-    if rows.dtype != HALF:
-        return np.isfinite(rows).all(axis=1)
+def _usable_rows(rows: np.ndarray) -> np.ndarray:
+    """Which rows (n, D) hold values within +-ROW_LIMIT only (NaN and inf are not); for float16, whose finite
+    values all are, by their magnitude bits (below 0x7C00, the all-ones exponent of inf and NaN): numpy's isfinite
+    on float16 is several times slower on a round's 10000 x 1280."""
+    if rows.dtype != HALF:  # reductions, not an elementwise copy of a round's rows (NaN propagates: not usable)
+        return (rows.max(axis=1, initial=-np.inf) <= ROW_LIMIT) & (rows.min(axis=1, initial=np.inf) >= -ROW_LIMIT)
     return (np.ascontiguousarray(rows).view(np.uint16) & 0x7FFF).max(axis=1, initial=0) < 0x7C00
+
+
+def _pread_runs(descriptor: int, indices: np.ndarray, records: np.ndarray) -> None:
+    """Reads the records at these ascending indices into `records`, one pread per run of consecutive indices; what
+    lies past the file's end is left as it is (zeros)."""
+    size = records.dtype.itemsize
+    breaks = np.flatnonzero(np.diff(indices) != 1) + 1
+    for start, stop in zip([0, *breaks.tolist()], [*breaks.tolist(), len(indices)]):
+        view, offset = records[start:stop].data.cast("B"), int(indices[start]) * size
+        while len(view):
+            count = os.preadv(descriptor, [view], offset)
+            if not count:
+                break
+            view, offset = view[count:], offset + count
+
+
+def _reserve(descriptor: int, claimed: int, wanted: int) -> None:
+    """Allocates the rows file's blocks up to `wanted` bytes from its start (holes an older version left included),
+    so no write or read of the rows a grown meta claims can meet a block the disk lacks. When the disk cannot hold
+    them (ENOSPC), the file is cut back to the `claimed` bytes the meta already claims, giving back what was
+    allocated, and the error is raised: the cache stays at its old capacity."""
+    try:
+        os.posix_fallocate(descriptor, 0, wanted)
+    except OSError:
+        os.ftruncate(descriptor, claimed)
+        raise

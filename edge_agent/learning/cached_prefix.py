@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import numpy as np
 from edge_agent.data.device_data import Samples
 from edge_agent.data.feature_cache import FeatureCache
 from edge_agent.learning.bundle import Bundle
+from edge_agent.learning.onnx_initializers import output_shape
 from edge_agent.learning.ort_scorer import CPU_PROVIDER, prefix_session
 from protocol.model_spec import trainable_names
 from protocol.tensors import weights_hash
@@ -44,9 +46,18 @@ def prefix_key(bundle: Bundle, weights: Mapping[str, np.ndarray]) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
+def prefix_width(bundle: Bundle) -> int | None:
+    """The values in one flattened output row of the bundle's fp32 prefix graph, as the graph declares its output
+    shape (read from its bytes, no session opened): the width a cached row must have to be this prefix's; None when
+    the graph declares no shape or an axis past the batch is dynamic."""
+    sides = [side or 0 for side in output_shape(bundle.graph_path("fp32", "prefix").read_bytes())[1:]]
+    return math.prod(sides) if sides and all(sides) else None
+
+
 class CachedPrefix:
     """The prefix outputs of a device's samples, each computed once with the bundle's fp32 prefix graph and kept in
-    the feature cache under `folder` (keyed by `prefix_key`); the graph opens only when a row is missing."""
+    the feature cache under `folder` (keyed by `prefix_key`, its rows' width the graph's declared output); the graph
+    opens only when a row is missing."""
 
     def __init__(
         self,
@@ -63,7 +74,7 @@ class CachedPrefix:
         self.bundle, self.threads, self.providers = bundle, threads, tuple(providers)
         key = prefix_key(bundle, weights)
         key = hashlib.sha256(f"{key}|{scope}".encode()).hexdigest() if scope else key
-        self.cache = FeatureCache(folder, key, batch_size)
+        self.cache = FeatureCache(folder, key, batch_size, prefix_width(bundle))
         self._prefix: Callable[[np.ndarray], np.ndarray] | None = None
 
     def rows(self, samples: Samples) -> np.ndarray:

@@ -10,8 +10,10 @@ from protocol.errors import FalError
 from protocol.manifest import weight_of_initializer
 from protocol.tensors import Weights
 
-# Protobuf field numbers (onnx.proto): ModelProto.graph, GraphProto.initializer, and TensorProto's fields.
-MODEL_GRAPH, GRAPH_INITIALIZER = 7, 5
+# Protobuf field numbers (onnx.proto): ModelProto.graph, GraphProto.initializer and .output, and TensorProto's fields.
+MODEL_GRAPH, GRAPH_INITIALIZER, GRAPH_OUTPUT = 7, 5, 12
+# ValueInfoProto.type, TypeProto.tensor_type, TypeProto.Tensor.shape, TensorShapeProto.dim, Dimension.dim_value.
+VALUE_TYPE, TYPE_TENSOR, TENSOR_SHAPE, SHAPE_DIM, DIM_VALUE = 2, 1, 2, 1, 1
 TENSOR_DIMS, TENSOR_DATA_TYPE, TENSOR_NAME, TENSOR_RAW_DATA, TENSOR_DATA_LOCATION = 1, 2, 8, 9, 14
 FLOAT, EXTERNAL = 1, 1
 VARINT, FIXED64, LENGTH, FIXED32 = 0, 1, 2, 5
@@ -90,9 +92,7 @@ def graph_weights(data: bytes) -> Weights:
     """The model weights an exported fp32 graph holds as initializers (named by the exporter's convention), as
     read-only views of `data`: how a device completes a model from its frozen backbone without the onnx package."""
     weights: Weights = {}
-    for number, _, graph in _fields(memoryview(data)):
-        if number != MODEL_GRAPH or not isinstance(graph, memoryview):
-            continue
+    for graph in _graphs(data):
         for field, _, tensor in _fields(graph):
             if field == GRAPH_INITIALIZER and isinstance(tensor, memoryview):
                 name, array = _tensor(tensor)
@@ -100,3 +100,36 @@ def graph_weights(data: bytes) -> Weights:
                 if weight is not None:
                     weights[weight] = array
     return weights
+
+
+def _graphs(data: bytes) -> Iterator[memoryview]:
+    """The graph field of an ONNX model's bytes (the ModelProto)."""
+    for number, _, graph in _fields(memoryview(data)):
+        if number == MODEL_GRAPH and isinstance(graph, memoryview):
+            yield graph
+
+
+def _field(data: memoryview, wanted: int) -> memoryview:
+    """The bytes of a message's first length-delimited field `wanted` (empty when it has none)."""
+    for number, _, value in _fields(data):
+        if number == wanted and isinstance(value, memoryview):
+            return value
+    return memoryview(b"")
+
+
+def _dimension(data: memoryview) -> int | None:
+    """One Dimension's fixed size, or None for a named (dynamic) or unset one."""
+    for number, _, value in _fields(data):
+        if number == DIM_VALUE and isinstance(value, int):
+            return value
+    return None
+
+
+def output_shape(data: bytes) -> list[int | None]:
+    """The first output's shape an ONNX graph declares (None for each dynamic axis, such as the batch), read from
+    its bytes without the onnx package: what a device checks a frozen prefix's cached rows against."""
+    graph = next(_graphs(data), None)
+    if graph is None:
+        raise OnnxGraphError("ONNX graph: the bytes hold no graph")
+    shape = _field(_field(_field(_field(graph, GRAPH_OUTPUT), VALUE_TYPE), TYPE_TENSOR), TENSOR_SHAPE)
+    return [_dimension(dim) for number, _, dim in _fields(shape) if number == SHAPE_DIM and isinstance(dim, memoryview)]
