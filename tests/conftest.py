@@ -1,4 +1,5 @@
-# Shared fixtures: a private mosquitto per test (or per module), Fashion-MNIST once per module, process cleanup.
+# Shared fixtures: a private mosquitto per test (or per module), a tmpfs, Fashion-MNIST once per module, process
+# cleanup.
 from __future__ import annotations
 
 import logging
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from fleet import WAIT, stop_all
+from tmpfs import mounted_tmpfs
 
 from coordinator.fleet.broker import EmbeddedBroker, free_loopback_port
 from edge_agent.data.fashion_mnist import load_fashion_mnist
@@ -27,6 +29,13 @@ def restored_logging() -> Iterator[None]:
     handlers, level = list(root.handlers), root.level
     yield
     root.handlers, root.level = handlers, level
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs for one test (skipped where mounting is not permitted)."""
+    with mounted_tmpfs(tmp_path / "tmpfs") as folder:
+        yield folder
 
 
 @pytest.fixture

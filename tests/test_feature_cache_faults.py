@@ -1,7 +1,6 @@
 # The feature cache attacked as a person with shell access would: forged, foreign, NaN rows, huge outputs, no writes.
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -16,6 +15,7 @@ import pytest
 from PIL import Image
 from test_feature_cache import HEAD, SPEC, backbone_rows, export
 from test_folder_score import run_score
+from tmpfs import PAGE, fill_leaving, free_bytes
 
 from edge_agent.data.feature_cache import ROW_LIMIT, FeatureCache
 from edge_agent.data.image_files import InputSpec
@@ -328,45 +328,6 @@ def test_a_backbone_beyond_float16s_range_is_cached_in_float32_and_selects_as_wi
     assert selected == plain and len(warnings) == 2, warnings
     assert "rows failed their check" in warnings[0] and "starting again" in warnings[1] and "float32" in warnings[1]
     assert OnDisk(tmp_path / "cache").meta["dtype"] == "f4"
-
-
-PAGE = 4096
-
-
-@contextlib.contextmanager
-def mounted_tmpfs(folder: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs (RAM-backed, as on a board with a read-only root) at this new folder, unmounted at the end
-    (the test is skipped where mounting is not permitted)."""
-    folder.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode()[:120]}")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
-
-
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs for one test."""
-    with mounted_tmpfs(tmp_path / "tmpfs") as folder:
-        yield folder
-
-
-def free_bytes(folder: Path) -> int:
-    """The bytes a file system still has for its files."""
-    stats = os.statvfs(folder)
-    return stats.f_bavail * stats.f_frsize
-
-
-def fill_leaving(folder: Path, pages: int) -> Path:
-    """A filler file taking all but `pages` pages of the file system's free space (blocks really written)."""
-    filler = folder / "filler"
-    with open(filler, "ab") as handle:
-        handle.write(b"\1" * (free_bytes(folder) - pages * PAGE))
-    assert free_bytes(folder) == pages * PAGE
-    return filler
 
 
 def test_a_full_tmpfs_costs_the_cache_not_the_device_and_the_cache_comes_back_when_space_does(

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from browser import wait_for
 from test_agent import FLEET, FakeCoordinator
-from test_feature_cache_faults import OnDisk, fill_leaving, mounted_tmpfs
+from test_feature_cache_faults import OnDisk
 from test_folder_pool import write_png
+from tmpfs import fill_leaving, mounted_tmpfs
 
 from coordinator.fleet.broker import EmbeddedBroker
 from edge_agent.data.fashion_mnist import load_fashion_mnist

@@ -229,8 +229,8 @@ FMLU_EXPECTATION = Expectation(
     ("metrics", "reason"),
     [
         ({}, "missing metric 'meme_entropy'"),
-        ({"meme_entropy": float("nan")}, "metric 'meme_entropy' is not finite"),
-        ({"meme_entropy": float("inf")}, "metric 'meme_entropy' is not finite"),
+        ({"meme_entropy": float("nan")}, "undecodable: update.metrics must be a map of names to finite numbers"),
+        ({"meme_entropy": float("inf")}, "undecodable: update.metrics must be a map of names to finite numbers"),
         ({"meme_entropy": -3.0}, "metric 'meme_entropy' = -3.0 lies outside [0, 2.30259]"),
         ({"meme_entropy": 9.0}, "lies outside"),
     ],

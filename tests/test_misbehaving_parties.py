@@ -22,6 +22,7 @@ import pytest
 from browser import free_port, wait_for
 from PIL import Image
 from test_central_labelling import FLEET, TOKEN, asked_queries, desk, device, index_of, labelled, open_count, start
+from tmpfs import fill_leaving, mounted_tmpfs
 
 from coordinator.fleet.broker import EmbeddedBroker
 from coordinator.fleet.provision import LABELLING_KEYS, broker_config_lines, load_secure_fleet, provision
@@ -85,11 +86,21 @@ class PlainClient:
         self.client.disconnect()
 
 
+def queued_receipt(query_id: str) -> dict:
+    """The desk's receipt of a queued query, as the plain client unpacks it."""
+    return {"v": 2, "kind": "query_receipt", "query_id": query_id, "queued": True, "refusal": ""}
+
+
 def metrics(url: str) -> str:
     """The desk's /metrics body."""
     request = urllib.request.Request(url + "metrics", headers={"Authorization": f"Bearer {TOKEN}"})
     with urllib.request.urlopen(request, timeout=5) as response:
         return response.read().decode()
+
+
+def metrics_when(url: str, name_and_labels: str, value: float, what: str, timeout: float = 30) -> str:
+    """The /metrics body once one sample holds `value`."""
+    return wait_for(lambda: (body := metrics(url)) and sample(body, name_and_labels) == value and body, timeout, what)
 
 
 def sample(text: str, name_and_labels: str) -> float:
@@ -122,112 +133,78 @@ def _up(url: str) -> bool:
         return False
 
 
-def test_non_finite_out_of_range_and_out_of_folder_queries_are_refused_and_never_redelivered(tmp_path: Path) -> None:
+@pytest.fixture()
+def attacked(tmp_path: Path) -> Iterator[tuple[EmbeddedBroker, PlainClient]]:
+    """A broker and the attacker's plain client on it, reading what the desk sends the device it claims to be."""
     with EmbeddedBroker(tmp_path / "broker") as broker:
         attacker = PlainClient(broker.port, SENDER)
         attacker.client.subscribe(f"fl/{FLEET}/devices/{SENDER}/answers", qos=1)
         try:
-            with running_desk(tmp_path, broker) as (url, _):
-                topic = f"fl/{FLEET}/devices/{SENDER}/queries"
-                for bad in (
-                    query("nan", asked_at=float("nan")),
-                    query("inf", probability=float("inf")),
-                    query("huge", score=1e300),
-                    query("wide", guess=2**64 - 1),
-                ):
-                    attacker.send(topic, bad)
-                attacker.send(f"fl/{FLEET}/devices/../queries", query("escape", device_id=".."))
-                attacker.send(topic, query("good"))
-                assert attacker.receipt() == {
-                    "v": 2,
-                    "kind": "query_receipt",
-                    "query_id": "good",
-                    "queued": True,
-                    "refusal": "",
-                }
-                body = wait_for(
-                    lambda: (
-                        (text := metrics(url))
-                        and sample(text, f'fl_labelling_refused_total{{device="{SENDER}",kind="bad_message"}}') == 4
-                        and text
-                    ),
-                    20,
-                    "four refusals naming the sender",
-                )
-                assert sample(body, 'fl_labelling_refused_total{device="(topic)",kind="bad_topic"}') == 1
-                assert sample(body, 'fl_part_up{part="labelling-desk"}') == 1
-                assert open_count(url) == 1
-            assert not list(tmp_path.rglob("escape*")), "no image written for the '..' device, inside the folder or out"
-            log = (tmp_path / "desk.log").read_text()
-            assert "Traceback" not in log and "must be a finite number" in log
-            assert max(len(line) for line in log.splitlines()) < 600, "no log line grows with the input"
-
-            with running_desk(tmp_path, broker) as (url, _):
-                attacker.send(f"fl/{FLEET}/devices/{SENDER}/queries", query("after"))
-                assert attacker.receipt()["query_id"] == "after"
-                assert (
-                    sample(metrics(url), f'fl_labelling_refused_total{{device="{SENDER}",kind="bad_message"}}') == 0
-                ), "the refused messages were acknowledged: a restarted desk does not get them again"
+            yield broker, attacker
         finally:
             attacker.close()
+
+
+def test_non_finite_out_of_range_and_out_of_folder_queries_are_refused_and_never_redelivered(
+    tmp_path: Path, attacked: tuple[EmbeddedBroker, PlainClient]
+) -> None:
+    broker, attacker = attacked
+    with running_desk(tmp_path, broker) as (url, _):
+        topic = f"fl/{FLEET}/devices/{SENDER}/queries"
+        for bad in (
+            query("nan", asked_at=float("nan")),
+            query("inf", probability=float("inf")),
+            query("huge", score=1e300),
+            query("wide", guess=2**64 - 1),
+        ):
+            attacker.send(topic, bad)
+        attacker.send(f"fl/{FLEET}/devices/../queries", query("escape", device_id=".."))
+        attacker.send(topic, query("good"))
+        assert attacker.receipt() == queued_receipt("good")
+        refused = f'fl_labelling_refused_total{{device="{SENDER}",kind="bad_message"}}'
+        body = metrics_when(url, refused, 4, "four refusals naming the sender")
+        assert sample(body, 'fl_labelling_refused_total{device="(topic)",kind="bad_topic"}') == 1
+        assert sample(body, 'fl_part_up{part="labelling-desk"}') == 1
+        assert open_count(url) == 1
+    assert not list(tmp_path.rglob("escape*")), "no image written for the '..' device, inside the folder or out"
+    log = (tmp_path / "desk.log").read_text()
+    assert "Traceback" not in log and "must be a finite number" in log
+    assert max(len(line) for line in log.splitlines()) < 600, "no log line grows with the input"
+
+    with running_desk(tmp_path, broker) as (url, _):
+        attacker.send(f"fl/{FLEET}/devices/{SENDER}/queries", query("after"))
+        assert attacker.receipt()["query_id"] == "after"
+        assert sample(metrics(url), f'fl_labelling_refused_total{{device="{SENDER}",kind="bad_message"}}') == 0, (
+            "the refused messages were acknowledged: a restarted desk does not get them again"
+        )
 
 
 @pytest.fixture()
 def full_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """The queue's image folder on a 64 KiB tmpfs, filled to the last byte."""
-    images = tmp_path / "run" / QUEUE_FOLDER / IMAGES
-    images.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(images)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode()[:120]}")
-    try:
-        filler = images / "filler"
-        with open(filler, "wb", buffering=0) as handle:
-            try:
-                while True:
-                    handle.write(b"\0" * 4096)
-            except OSError:
-                pass
-        yield filler
-    finally:
-        subprocess.run(["umount", "-l", str(images)], check=False)
+    """The queue's image folder on a tmpfs filled to the last page: the filler, to delete once space should come back."""
+    with mounted_tmpfs(tmp_path / "run" / QUEUE_FOLDER / IMAGES) as images:
+        yield fill_leaving(images, 0)
 
 
-def test_a_full_disk_sets_the_query_aside_and_the_desk_comes_back(tmp_path: Path, full_tmpfs: Path) -> None:
-    with EmbeddedBroker(tmp_path / "broker") as broker:
-        attacker = PlainClient(broker.port, SENDER)
-        attacker.client.subscribe(f"fl/{FLEET}/devices/{SENDER}/answers", qos=1)
-        try:
-            with running_desk(tmp_path, broker) as (url, process):
-                topic = f"fl/{FLEET}/devices/{SENDER}/queries"
-                attacker.send(topic, query("q1"))
-                text = wait_for(
-                    lambda: (
-                        (body := metrics(url))
-                        and sample(body, f'fl_messages_set_aside_total{{part="labelling-desk",sender="{SENDER}"}}') == 1
-                        and body
-                    ),
-                    30,
-                    "the query set aside after three failures",
-                )
-                assert sample(text, 'fl_part_restarts_total{part="labelling-desk"}') == 2
-                wait_for(lambda: sample(metrics(url), 'fl_part_up{part="labelling-desk"}') == 1, 10, "the desk up")
-                full_tmpfs.unlink()
-                attacker.send(topic, query("q1"))  # the device's resend, once there is room
-                assert attacker.receipt() == {
-                    "v": 2,
-                    "kind": "query_receipt",
-                    "query_id": "q1",
-                    "queued": True,
-                    "refusal": "",
-                }
-                assert open_count(url) == 1 and process.poll() is None
-            log = (tmp_path / "desk.log").read_text()
-            assert "No space left on device" in log and "message set aside" in log
-            kept = list((tmp_path / "run" / QUEUE_FOLDER / "set-aside").glob("*.payload"))
-            assert [path.read_bytes() for path in kept] == [query("q1")]
-        finally:
-            attacker.close()
+def test_a_full_disk_sets_the_query_aside_and_the_desk_comes_back(
+    tmp_path: Path, full_tmpfs: Path, attacked: tuple[EmbeddedBroker, PlainClient]
+) -> None:
+    broker, attacker = attacked
+    with running_desk(tmp_path, broker) as (url, process):
+        topic = f"fl/{FLEET}/devices/{SENDER}/queries"
+        attacker.send(topic, query("q1"))
+        aside = f'fl_messages_set_aside_total{{part="labelling-desk",sender="{SENDER}"}}'
+        text = metrics_when(url, aside, 1, "the query set aside after three failures")
+        assert sample(text, 'fl_part_restarts_total{part="labelling-desk"}') == 2
+        wait_for(lambda: sample(metrics(url), 'fl_part_up{part="labelling-desk"}') == 1, 10, "the desk up")
+        full_tmpfs.unlink()
+        attacker.send(topic, query("q1"))  # the device's resend, once there is room
+        assert attacker.receipt() == queued_receipt("q1")
+        assert open_count(url) == 1 and process.poll() is None
+    log = (tmp_path / "desk.log").read_text()
+    assert "No space left on device" in log and "message set aside" in log
+    kept = list((tmp_path / "run" / QUEUE_FOLDER / "set-aside").glob("*.payload"))
+    assert [path.read_bytes() for path in kept] == [query("q1")]
 
 
 def test_a_forged_answer_with_a_non_finite_time_leaves_the_device_link_working(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import uuid
@@ -167,8 +168,9 @@ class RoundRunner:
         base: Weights,
     ) -> messages.Update:
         """The round's update: the tensors the spec trains (`trained_set`; a frozen backbone never travels), as
-        weights or their delta from the base as the recipe encodes them, with the counts and metrics strategies need;
-        under --dp device, clipped and noised here (fresh entropy) first."""
+        weights or their delta from the base as the recipe encodes them, with the counts and the metrics strategies
+        need (a metric that is no number, as a loss over no batch, is left out: the wire carries finite numbers
+        only); under --dp device, clipped and noised here (fresh entropy) first."""
         codec = UpdateCodec.of(announcement.recipe)
         trained, trained_base = trained_set(spec, models.learner.weights()), trained_set(spec, base)
         if announcement.recipe.dp == DP_DEVICE:
@@ -184,7 +186,7 @@ class RoundRunner:
             num_samples=self.data.num_labelled,
             class_counts=[int(c) for c in self.data.class_counts()],
             acquired_labels=self.data.count_labels("oracle"),
-            metrics=metrics,
+            metrics={name: value for name, value in metrics.items() if math.isfinite(value)},
             tensors=encoded.tensors,
             nonce=os.urandom(16),
             encoding=encoded.encoding,
