@@ -1,7 +1,7 @@
 # Secure aggregation's wire messages (SecAgg+'s stages, both ways); `messages` lists them among the wire's kinds.
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from protocol.tensors import Weights
@@ -10,20 +10,23 @@ from protocol.tensors import Weights
 @dataclass(frozen=True)
 class KeyAdvert:
     """Secure aggregation, stage 1, device to coordinator: the device's two X25519 public keys for this round, one
-    that seals the shares it sends and one that agrees its pairwise masks."""
+    that seals the shares it sends and one that agrees its pairwise masks, and on a provisioned fleet its identity
+    key's Ed25519 signature over the run, round, device id and both keys (empty on an open fleet)."""
 
     KIND: ClassVar[str] = "secagg_keys"
     device_id: str
     round_id: int
     cipher_key: bytes
     mask_key: bytes
+    signature: bytes = b""
 
 
 @dataclass(frozen=True)
 class KeyRoster:
     """Stage 1's answer, coordinator to one device: the round's secure-aggregation settings and its neighbours' public
     keys (the neighbour graph is drawn from `graph_seed` over the `advertised` devices that advertised keys; a device
-    checks its neighbour count is what the recipe's dropout gives for that many)."""
+    checks its neighbour count is what the recipe's dropout gives for that many), each with the neighbour's own
+    signature of its advert (a device on a provisioned fleet checks each against the fleet's identity roster)."""
 
     KIND: ClassVar[str] = "secagg_roster"
     run_id: str
@@ -38,6 +41,7 @@ class KeyRoster:
     neighbours: list[str]
     cipher_keys: list[bytes]
     mask_keys: list[bytes]
+    signatures: list[bytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,17 @@ from protocol.tensors import weights_hash
 
 pytestmark = pytest.mark.integration
 
-SECURE = ("--secure-aggregation", "secagg", "--strategy", "fedavg", "--rounds", "1", "--quorum", "4")
+SECURE = (
+    "--secure-aggregation",
+    "secagg",
+    "--secagg-open-fleet-unsafe",
+    "--strategy",
+    "fedavg",
+    "--rounds",
+    "1",
+    "--quorum",
+    "4",
+)
 OPTIONS = (*SECURE, "--min-devices", "4", "--round-timeout", "60")
 
 

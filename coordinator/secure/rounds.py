@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -336,12 +336,19 @@ class SentMessages:
 
 
 def start_secure(
-    run_id: str, round_id: int, selected: list[str], base: Weights, spec: ModelSpec, recipe: messages.Recipe
+    run_id: str,
+    round_id: int,
+    selected: list[str],
+    base: Weights,
+    spec: ModelSpec,
+    recipe: messages.Recipe,
+    identities: Mapping[str, bytes] | None = None,
 ) -> SecAggServer:
     """A new secure round over the selected devices, masking the spec's trainable tensors and the weight, its graph
-    drawn from a seed anyone can recompute (the run and round)."""
+    drawn from a seed anyone can recompute (the run and round); on a provisioned fleet, `identities` check every
+    key advert's signature."""
     seed = hashlib.sha256(keys.round_context(run_id, round_id)).digest()
-    settings = SecAggSettings(recipe.secagg_clip, 2, seed, recipe.secagg_dropout)
+    settings = SecAggSettings(recipe.secagg_clip, 2, seed, recipe.secagg_dropout, dict(identities or {}))
     return SecAggServer.start(run_id, round_id, selected, mask_layout(base, trainable_names(spec, base)), settings)
 
 

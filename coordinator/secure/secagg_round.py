@@ -2,6 +2,7 @@
 # checks on a device's message, and abandoning the round without revealing anything.
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import ClassVar, NoReturn
@@ -24,13 +25,15 @@ SECRETS = ("share_ciphertexts", "seed_owners", "seed_holders", "seed_shares", "p
 @dataclass
 class SecAggSettings:
     """A secure round's public settings: the clip of the fixed-point range, the fewest survivors whose sum may be
-    revealed, the seed the neighbour graph is drawn from (public: anyone can redraw the graph), and the dropout
-    fraction the graph's degree is chosen to survive."""
+    revealed, the seed the neighbour graph is drawn from (public: anyone can redraw the graph), the dropout
+    fraction the graph's degree is chosen to survive, and the fleet's identity public keys by device id (a
+    provisioned fleet's: each key advert must carry its device's signature; empty: adverts go unchecked)."""
 
     clip: float = 1.0
     min_survivors: int = 2
     graph_seed: bytes = b""
     dropout: float = 0.3
+    identities: Mapping[str, bytes] = field(default_factory=dict)
 
 
 @dataclass
@@ -38,7 +41,8 @@ class ServerSecAggState:
     """All a coordinator holds in a secure round, saved with the round: public keys, sealed shares it routes and
     cannot open, who holds whose record, complaints and the devices they excluded (with why), the devices that
     mask, the running masked sum (never one device's input), the survivors' confirmations it routes, the pairwise
-    seeds survivors revealed with dropped partners, and the seed shares sent back."""
+    seeds survivors revealed with dropped partners, and the seed shares sent back. `identities` holds the identity
+    public key of each selected device in its order (empty on an open fleet), `signatures` each advert's."""
 
     KIND: ClassVar[str] = "secagg_server_state"
     run_id: str
@@ -53,6 +57,8 @@ class ServerSecAggState:
     advertised: list[str] = field(default_factory=list)
     cipher_keys: list[bytes] = field(default_factory=list)
     mask_keys: list[bytes] = field(default_factory=list)
+    identities: list[bytes] = field(default_factory=list)
+    signatures: list[bytes] = field(default_factory=list)
     sharers: list[str] = field(default_factory=list)
     commitments: list[bytes] = field(default_factory=list)
     share_senders: list[str] = field(default_factory=list)
