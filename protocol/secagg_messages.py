@@ -167,10 +167,12 @@ class UnmaskRequest:
 
 @dataclass(frozen=True)
 class UnmaskResponse:
-    """Stage 4b's answer, device to coordinator: the seed shares it was asked for and agreed to give."""
+    """Stage 4b's answer, device to coordinator: the seed shares it was asked for and agreed to give, and the senders
+    whose confirmation did not check (their shares withheld: only they are left out)."""
 
     KIND: ClassVar[str] = "secagg_reveal"
     device_id: str
     round_id: int
     seed_owners: list[str]
     seed_shares: list[bytes]
+    refused: list[str] = field(default_factory=list)

@@ -219,8 +219,9 @@ def rejected(outcome: Outcome, kind: str) -> str:
     [
         (4.0, 4.0, "refused: the summed weight 6.35 lies outside (0, 4], the survivors' count"),
         (1.0, None, "refused: a coordinate of "),
+        (1.66, 1.0, "refused: the summed weight 4.01 lies outside (0, 4], the survivors' count"),
     ],
-    ids=["weight-4x-cap", "beyond-the-clip"],
+    ids=["weight-4x-cap", "beyond-the-clip", "just-past-the-1.65-the-survivors-leave"],
 )
 def test_a_device_beyond_the_weight_cap_or_the_clip_gets_the_round_refused(
     broker, tmp_path: Path, weight: float, scale: float | None, reason: str
@@ -251,10 +252,10 @@ def test_a_device_beyond_the_weight_cap_or_the_clip_gets_the_round_refused(
 
 def test_a_device_inside_the_bounds_moves_the_round_no_further_than_the_docs_say(broker, tmp_path: Path) -> None:
     """What the checks leave a malicious device (ALGORITHMS.md section 14): with the honest weights summing to 2.35 of
-    4 survivors it may claim weight 1.6 (41% of the round, where an honest device at the cap weighs 25%) and a delta
-    of +clip on every coordinate; the round commits, and the committed step is the bounded one: (honest sum +
-    1.6 clip) / 3.95 per coordinate, never beyond the clip."""
-    weight = SURVIVORS - HONEST_WEIGHT - 0.05
+    4 survivors it may claim weight 1.65, all the survivors' count leaves (41.25% of the round, where an honest device
+    at the cap weighs 25%), and a delta of +clip on every coordinate; the round commits, and the committed step is
+    the bounded one: (honest sum + 1.65 clip) / 4 per coordinate, never beyond the clip."""
+    weight = SURVIVORS - HONEST_WEIGHT
     outcome = attacked_round(
         broker, tmp_path, Setup(attack=lambda base: attack_values(base, weight, lambda a: np.full(a.shape, CLIP)))
     )
@@ -264,7 +265,7 @@ def test_a_device_inside_the_bounds_moves_the_round_no_further_than_the_docs_say
         metrics = store.rounds()[0].metrics
         assert metrics["secure_aggregation"] == "committed" and store.rejection_kinds() == {}
     assert metrics["secagg_weight"] == pytest.approx(total, abs=TOLERANCE)
-    assert weight / total == pytest.approx(0.405, abs=1e-3)
+    assert (weight, weight / total) == (pytest.approx(1.65), pytest.approx(0.4125))
     for name, base in outcome.base.items():
         step = outcome.committed[name] - base
         np.testing.assert_allclose(step, (honest[name] + weight * CLIP) / total, rtol=0, atol=TOLERANCE)

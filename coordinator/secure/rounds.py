@@ -193,6 +193,7 @@ class LiveSecureRound:
                 self.record_forgers(result.forgers)
             self.check_sum(result)
         except SecAggAbandoned as abandoned:
+            self.record_exclusions()
             self.reason = str(abandoned)[:300]
             log.warning("secure round abandoned round=%d reason=%s", self.server.state.round_id, self.reason)
             self.save()
@@ -235,12 +236,12 @@ class LiveSecureRound:
         )
 
     def record_exclusions(self) -> None:
-        """Each device a settled complaint excluded, named in a forged_share rejection (once)."""
-        state = self.server.state
-        for device, reason in zip(state.excluded, state.exclusion_reasons):
+        """Each device the round excluded (a settled complaint: forged_share; confirmations that did not check:
+        bad_signature), named in a rejection of its kind (once)."""
+        for device, reason, kind in self.server.exclusions():
             if device not in self.recorded:
                 log.warning("secure round excluded device=%s reason=%s", device, reason)
-                self.record(device, Rejection(RejectionKind.FORGED_SHARE, reason), 0)
+                self.record(device, Rejection(kind, reason), 0)
                 self.recorded.add(device)
 
     def send(self, payloads: list[bytes], save: bool = False) -> None:

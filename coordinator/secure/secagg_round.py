@@ -41,7 +41,8 @@ class ServerSecAggState:
     """All a coordinator holds in a secure round, saved with the round: public keys, sealed shares it routes and
     cannot open, who holds whose record, complaints and the devices they excluded (with why), the devices that
     mask, the running masked sum (never one device's input), the survivors' confirmations it routes, the pairwise
-    seeds survivors revealed with dropped partners, and the seed shares sent back. `identities` holds the identity
+    seeds survivors revealed with dropped partners, the seed shares sent back, and whose confirmation each holder
+    said did not check (`refused_owners`, by `refusing_holders`). `identities` holds the identity
     public key of each selected device in its order (empty on an open fleet), `signatures` each advert's."""
 
     KIND: ClassVar[str] = "secagg_server_state"
@@ -73,6 +74,7 @@ class ServerSecAggState:
     revealers: list[str] = field(default_factory=list)
     excluded: list[str] = field(default_factory=list)
     exclusion_reasons: list[str] = field(default_factory=list)
+    exclusion_kinds: list[str] = field(default_factory=list)
     maskers: list[str] = field(default_factory=list)
     masked_from: list[str] = field(default_factory=list)
     viewers: list[str] = field(default_factory=list)
@@ -86,6 +88,8 @@ class ServerSecAggState:
     seed_owners: list[str] = field(default_factory=list)
     seed_holders: list[str] = field(default_factory=list)
     seed_shares: list[bytes] = field(default_factory=list)
+    refused_owners: list[str] = field(default_factory=list)
+    refusing_holders: list[str] = field(default_factory=list)
 
 
 class SecAggRound:
@@ -155,6 +159,20 @@ class SecAggRound:
     def _enough(self, devices: list[str], what: str) -> None:
         if len(devices) < self.state.min_survivors:
             self._abandon(f"{len(devices)} devices {what}, at least {self.state.min_survivors} must")
+
+    def _exclude(self, device: str, reason: str, kind: RejectionKind = RejectionKind.FORGED_SHARE) -> None:
+        """Takes a device out of the round (once), with a bounded reason naming what it did and its rejection kind."""
+        state = self.state
+        if device not in state.excluded:
+            state.excluded.append(device)
+            state.exclusion_reasons.append(f"{wire.shown(device)} {reason}"[:300])
+            state.exclusion_kinds.append(kind)
+
+    def exclusions(self) -> list[tuple[str, str, RejectionKind]]:
+        """Each excluded device with its reason and rejection kind (forged_share where a saved round predates kinds)."""
+        state = self.state
+        kinds = [*state.exclusion_kinds, *[RejectionKind.FORGED_SHARE] * len(state.excluded)]
+        return [(d, r, RejectionKind(k)) for d, r, k in zip(state.excluded, state.exclusion_reasons, kinds)]
 
     def refuse(self, reason: str) -> NoReturn:
         """Ends a finished round unrevealed after all (its unmasked sum failed a check): abandoned, with `reason`."""

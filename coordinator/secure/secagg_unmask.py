@@ -2,6 +2,7 @@
 # neighbours), the seed shares that view allows, secrets rebuilt (telling forged shares), masks stripped, sum decoded.
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ from coordinator.secure.secagg_round import DONE, MASKED, UNMASK, VIEW, SecAggRo
 from protocol import wire
 from protocol.messages import RejectionKind, SurvivorView, UnmaskRequest, UnmaskResponse, ViewConfirmation
 from protocol.secagg import keys, masks, shamir
-from protocol.secagg.checks import check_pairs, check_stage, check_within
+from protocol.secagg.checks import check_pairs, check_stage, check_unique, check_within
 from protocol.secagg.errors import SecAggAbandoned, SecAggRefusal
 from protocol.secagg.fixed_point import flat, layout_of, shaped
 from protocol.tensors import Weights
@@ -134,19 +135,26 @@ class UnmaskStage(SecAggRound):
         return [UnmaskRequest(device, state.round_id, *inbox[device]) for device in state.masked_from]
 
     def on_reveal(self, response: UnmaskResponse) -> None:
-        """Stage 4b: a survivor's seed shares, only of its surviving neighbours."""
+        """Stage 4b: a survivor's seed shares, only of its surviving neighbours, and those of them whose confirmation
+        it says did not check."""
         state = self.state
         self._check(response.device_id, response.round_id, UNMASK, "an unmask response", state.masked_from)
         self._once(response.device_id, state.responders, "an unmask response")
         check_pairs(response.seed_owners, response.seed_shares, "the seed shares")
         surviving = self._surviving(response.device_id)
         check_within(response.seed_owners, surviving, RejectionKind.WRONG_RECIPIENT, "seed shares nobody asked for:")
+        check_within(
+            response.refused, surviving, RejectionKind.WRONG_RECIPIENT, "refuses confirmations of non-partners"
+        )
+        check_unique([*response.seed_owners, *response.refused], "the unmask response")
         for share in response.seed_shares:
             shamir.Share.from_bytes(share)
         state.responders.append(response.device_id)
         state.seed_owners += response.seed_owners
         state.seed_holders += [response.device_id] * len(response.seed_owners)
         state.seed_shares += response.seed_shares
+        state.refused_owners += response.refused
+        state.refusing_holders += [response.device_id] * len(response.refused)
 
     def finish(self) -> SecAggResult:
         """Closes stage 4b: rebuilds the survivors' seeds (each checked against its commitment), strips the self masks
@@ -156,6 +164,7 @@ class UnmaskStage(SecAggRound):
         if state.stage != DONE:
             check_stage(state.stage, UNMASK, "the close of the unmask stage")
         survivors = sorted(state.masked_from)
+        self._check_confirmed()
         try:
             seeds = self._rebuilt(state.seed_owners, state.seed_holders, state.seed_shares)
         except SecAggAbandoned as error:
@@ -174,6 +183,27 @@ class UnmaskStage(SecAggRound):
         return SecAggResult(
             shaped(total, layout_of(state.masked_sum)), survivors, fixed.error_bound(len(survivors)), forgers
         )
+
+    def _check_confirmed(self) -> None:
+        """A survivor whose confirmations did not check at its holders, so that fewer than t gave a share of its seed:
+        it alone is to blame (excluded, bad_signature, naming the holders that refused it), and as its self mask
+        cannot be taken out of the sum the round is abandoned with a reason naming it, not the honest devices."""
+        state = self.state
+        returned = Counter(state.seed_owners)
+        refused: dict[str, list[str]] = {}
+        for owner, holder in zip(state.refused_owners, state.refusing_holders):
+            refused.setdefault(owner, []).append(holder)
+        blamed = sorted(owner for owner in refused if returned[owner] < self.threshold)
+        for owner in blamed:
+            holders = wire.shown_names(sorted(refused[owner]))
+            self._exclude(
+                owner, f"sent view confirmations that did not check at {holders}", RejectionKind.BAD_SIGNATURE
+            )
+        if blamed:
+            self._abandon(
+                f"{wire.shown_names(blamed)} sent view confirmations that did not check, so fewer than "
+                f"{self.threshold} holders gave shares of their seeds: their self masks cannot be taken out of the sum"
+            )
 
     def _surviving(self, device: str) -> list[str]:
         """The device's partners that sent a masked input (sorted)."""

@@ -268,26 +268,22 @@ class SecAggDevice:
 
     def on_unmask(self, request: UnmaskRequest) -> UnmaskResponse:
         """Stage 4b: the seed share of each named neighbour that this device's view calls a survivor and that
-        confirmed it saw this device survive (so it revealed no pairwise seed with this device); anything else is
-        refused. The same request again gets the same answer."""
+        confirmed it saw this device survive (so it revealed no pairwise seed with this device); a neighbour whose
+        confirmation does not check gets no share and is named in the answer (it alone is left out); a request
+        outside the view or the records held is refused. The same request again gets the same answer."""
         state = self.state
         self._check(request.device_id, request.round_id, VIEWED, "an unmask request")
         check_pairs(request.senders, request.tags, "the unmask request")
         check_within(request.senders, state.view, RejectionKind.UNSAFE_REQUEST, "asks for shares of non-survivors")
         check_within(request.senders, state.held_from, RejectionKind.UNSAFE_REQUEST, "asks for shares not held:")
-        forged = sorted(
+        confirmed = [
             sender
             for sender, tag in zip(request.senders, request.tags)
-            if not keys.tag_valid(
-                self._pair_key(sender, keys.CONFIRM_PURPOSE), state.context, sender, state.device_id, tag
-            )
-        )
-        if forged:
-            raise SecAggRefusal(
-                RejectionKind.UNSAFE_REQUEST, f"no valid confirmation from {wire.shown_names(forged)} that it saw"
-            )
-        shares = [state.held_records[state.held_from.index(sender)] for sender in request.senders]
-        return UnmaskResponse(state.device_id, state.round_id, list(request.senders), shares)
+            if keys.tag_valid(self._pair_key(sender, keys.CONFIRM_PURPOSE), state.context, sender, state.device_id, tag)
+        ]
+        refused = sorted(set(request.senders) - set(confirmed))
+        shares = [state.held_records[state.held_from.index(sender)] for sender in confirmed]
+        return UnmaskResponse(state.device_id, state.round_id, confirmed, shares, refused)
 
     def _check_signed(self, roster: KeyRoster) -> None:
         """On a provisioned fleet, every neighbour in the roster with its own identity's signature over the keys
