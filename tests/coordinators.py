@@ -43,9 +43,11 @@ def local_coordinator(
     policy: RoundPolicy,
     recipe: messages.Recipe | None = None,
     observer: RoundObserver | None = None,
+    identities: dict[str, bytes] | None = None,
 ) -> Coordinator:
     """A coordinator with no bundles, no encoder, no device evaluation and an observer that hears nothing (unless
-    one is given: the dashboard's LiveState, to read /metrics)."""
+    one is given: the dashboard's LiveState, to read /metrics); a secure one checks key adverts against
+    `identities` (a provisioned fleet's identity public keys) when given."""
     observer = observer or RoundObserver()
     intake = UpdateIntake(fleet, session, store, observer)
     parts = RoundParts(
@@ -54,7 +56,7 @@ def local_coordinator(
         publisher=RetainedPublisher(session, fleet, "run", Artefacts()),
         closer=RoundCloser(store, strategy, evaluator, evaluate_devices=False, base_labels=0),
         observer=observer,
-        mode=SecureMode(RoundMode(), session, fleet, intake)
+        mode=SecureMode(RoundMode(), session, fleet, intake, identities)
         if recipe and recipe.secure_aggregation != "off"
         else RoundMode(),
     )

@@ -171,14 +171,16 @@ class PlainDevice:
     """A device's side of a secure round, written from the message layouts: `answer` takes a coordinator's stage
     message and returns the device's answer, the transport left to whoever drives it. It follows the protocol but
     where told otherwise: `victims` picks the neighbours whose record it seals with no share in it, `inputs` is
-    what it masks by tensor name (already weighted, never clipped: any value the fixed point's 32 bits hold), and
-    `forge` alters the first seed share it reveals at unmasking."""
+    what it masks by tensor name (already weighted, never clipped: any value the fixed point's 32 bits hold),
+    `forge` alters the first seed share it reveals at unmasking, and `bad_tags` sends every partner a view
+    confirmation of random bytes."""
 
     device_id: str
     keys: Party = field(default_factory=Party.fresh)
     victims: Callable[[list[str]], list[str]] = no_one
     inputs: dict[str, np.ndarray] = field(default_factory=dict)
     forge: bool = False
+    bad_tags: bool = False
     seed: bytes = field(default_factory=lambda: os.urandom(32))
     roster: dict[str, Any] = field(default_factory=dict)
     ephemeral: dict[str, bytes] = field(default_factory=dict)
@@ -277,6 +279,8 @@ class PlainDevice:
             for p in survivors
         ]
         tags = [confirmation(key, self.context, self.device_id, peer) for key, peer in zip(keys, survivors)]
+        if self.bad_tags:
+            tags = [os.urandom(len(tag)) for tag in tags]
         return {
             "recipients": survivors,
             "tags": tags,

@@ -78,8 +78,8 @@ def attack_values(base: Weights, weight: float, delta: Callable[[np.ndarray], np
 @dataclass(frozen=True)
 class Setup:
     """A secure round to attack: its recipe and strategy, the honest devices and their samples, the attacker's input
-    (None: no attacker), whether it forges a share at unmasking, and the size of the stage message it claims once the
-    round is open (0: none). Under --dp device the honest devices clip and noise their delta first, as an agent does."""
+    (None: no attacker), whether it forges a share at unmasking, the size of the stage message it claims once the
+    round is open (0: none), and whether its view confirmations are random bytes. Under --dp device the honest devices clip and noise their delta first, as an agent does."""
 
     recipe: messages.Recipe = RECIPE
     strategy: str = "fedavg"
@@ -87,6 +87,7 @@ class Setup:
     attack: Attack | None = None
     forge: bool = False
     claim: int = 0
+    bad_tags: bool = False
 
     @property
     def devices(self) -> list[str]:
@@ -135,7 +136,9 @@ def attacked_round(broker, tmp_path: Path, setup: Setup) -> Outcome:
     session = MqttSession(broker.address, client_id="coordinator")
     sessions, participants = honest_devices(broker, tmp_path, setup)
     values = setup.attack(base) if setup.attack else {}
-    attacker = SecAggAttacker(broker.address, FLEET, ATTACKER, values, setup.forge) if setup.attack else None
+    attacker = (
+        SecAggAttacker(broker.address, FLEET, ATTACKER, values, setup.forge, setup.bad_tags) if setup.attack else None
+    )
     recipe = setup.recipe
     try:
         policy = RoundPolicy(rounds=1, round_timeout=10.0)
@@ -395,3 +398,24 @@ def test_the_sum_checks_pass_every_honest_extreme_and_name_what_failed(
     fixed = FixedPoint(CLIP, 3)
     found = sum_refusal(honest_total(weights, labels, fixed), 3, fixed, SumLimits(equal))
     assert (found, refusal) == (None, None) or (found and refusal and found.startswith(refusal))
+
+
+def test_a_device_whose_view_confirmations_do_not_check_is_the_one_named(broker, tmp_path: Path) -> None:
+    """Issue 43: the attacker masks an honest-looking input and sends every partner a view confirmation of random
+    bytes. Each honest holder still gives the honest devices' seed shares and withholds only the attacker's, naming
+    it; its self mask cannot be taken out of the sum, so the round is abandoned, and its reason names dev9 and no
+    honest device (before, every holder refused the whole request and the reason named the honest devices); dev9
+    is excluded in a bad_signature rejection in the store and /metrics."""
+    outcome = attacked_round(broker, tmp_path, Setup(attack=honest_looking, bad_tags=True))
+    with outcome.store as store:
+        metrics = store.rounds()[0].metrics
+        kinds = store.rejection_kinds()
+        [(_, device, stored, _, _)] = store.rejections()
+    reason = metrics["secagg_reason"]
+    assert metrics["secure_aggregation"] == "abandoned"
+    assert reason.startswith("['dev9'] sent view confirmations that did not check") and len(reason) <= 300
+    assert not any(repr(honest) in reason for honest in HONEST)
+    assert (device, kinds, list(metrics["secagg_excluded"])) == (ATTACKER, {"bad_signature": 1}, [ATTACKER])
+    assert stored.startswith("'dev9' sent view confirmations that did not check at ['dev0', 'dev1', 'dev2']")
+    assert rejected(outcome, "bad_signature").endswith(" 1")
+    assert all(np.array_equal(outcome.committed[name], outcome.base[name]) for name in outcome.base)
