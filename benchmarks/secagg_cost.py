@@ -14,6 +14,16 @@ float32 `Update` of its head and the coordinator sums the decoded tensors. Per f
   max_error, error_bound         the unmasked sum against the plain sum, and the fixed point's stated bound
   peak_rss_mb                    the process's peak RSS (all devices and the coordinator share it)
 
+and, in the same run over the same updates and graph, the round again on a provisioned fleet (issue 43: each key
+advert signed by its device's Ed25519 identity key, checked by the coordinator and by every device whose roster
+lists it):
+
+  signed_device_bytes_sent/received, signed_device_seconds, signed_server_seconds, signed_server_state_bytes:
+                                 as above, signed
+  sign_seconds                   mean per device: signing its advert (Ed25519)
+  roster_check_seconds           mean per device: checking its roster's k neighbour signatures
+  server_check_seconds           the coordinator: checking every advert's signature
+
 Usage: python benchmarks/secagg_cost.py [--devices 10 100 500] [--seeds 0 1 2] [--features 1280]
        [--dropout 0.1] [--drop-before 0.05] [--drop-after 0.05]
        python benchmarks/secagg_cost.py mqtt [--devices 10 100] [--rounds 2] [--out DIR] [--trees NAME=DIR ...]
@@ -42,6 +52,7 @@ from bench.secagg_fleet import SecureRound, head_updates, largest_error, plain_s
 from coordinator.fleet.broker import DEFAULT_MAX_PACKET_BYTES, EmbeddedBroker
 from protocol import wire
 from protocol.messages import Update
+from protocol.secagg.identity import advert_signed, sign_advert, unsigned
 from protocol.tensors import Weights
 
 
@@ -58,12 +69,12 @@ def plain_round(updates: dict[str, Weights]) -> tuple[float, float]:
     return statistics.fmean(len(m) for m in messages), time.perf_counter() - start
 
 
-def secure_round(updates: dict[str, Weights], args: argparse.Namespace) -> dict[str, Any]:
-    """One secure round with the asked dropouts, and what it cost."""
+def secure_round(updates: dict[str, Weights], args: argparse.Namespace, signed: bool = False) -> dict[str, Any]:
+    """One secure round with the asked dropouts (`signed`: on a provisioned fleet), and what it cost."""
     ids = sorted(updates)
     before = ids[: round(args.drop_before * len(ids))]
     after = ids[len(before) : len(before) + round(args.drop_after * len(ids))]
-    secure = SecureRound.started(updates, dropout=args.dropout, min_survivors=2)
+    secure = SecureRound.started(updates, signed, dropout=args.dropout, min_survivors=2)
     secure.send_shares()
     state_bytes = len(secure.server.snapshot())
     secure.deliver()
@@ -83,7 +94,37 @@ def secure_round(updates: dict[str, Weights], args: argparse.Namespace) -> dict[
         "server_state_bytes": state_bytes,
         "max_error": largest_error(result.total, plain_sum(updates, masked)),
         "error_bound": result.error_bound,
+    } | (signing_seconds(secure) if signed else {})
+
+
+def signing_seconds(secure: SecureRound) -> dict[str, float]:
+    """The signatures' own compute in a signed round, timed apart from the rest: each device signing its advert and
+    checking the k signatures of its roster, the coordinator checking every advert."""
+    state = secure.server.state
+    context = secure.server.context
+    adverts = list(zip(state.advertised, state.cipher_keys, state.mask_keys, state.signatures))
+    by_device = {advert[0]: advert for advert in adverts}
+    signing, checking = [], []
+    for device, cipher, mask, _ in adverts:
+        identity = secure.devices[device].identity
+        start = time.perf_counter()
+        sign_advert(identity.secret, context, device, cipher, mask)
+        signing.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        unsigned(identity.roster, context, [by_device[peer] for peer in secure.server.graph[device]])
+        checking.append(time.perf_counter() - start)
+    roster = secure.devices[state.advertised[0]].identity.roster
+    start = time.perf_counter()
+    for device, cipher, mask, signature in adverts:
+        advert_signed(roster[device], signature, context, device, cipher, mask)
+    return {
+        "sign_seconds": statistics.fmean(signing),
+        "roster_check_seconds": statistics.fmean(checking),
+        "server_check_seconds": time.perf_counter() - start,
     }
+
+
+SIGNED = ("device_bytes_sent", "device_bytes_received", "device_seconds", "server_seconds", "server_state_bytes")
 
 
 def over_mqtt(argv: list[str]) -> None:
@@ -127,6 +168,10 @@ def main() -> None:
             updates = head_updates(devices, seed=seed, features=args.features)
             plain_bytes, plain_seconds = plain_round(updates)
             row = {"devices": devices, "seed": seed, "floats": 10 * args.features + 10, **secure_round(updates, args)}
+            signed = secure_round(updates, args, signed=True)
+            row |= {f"signed_{key}": signed[key] for key in SIGNED} | {
+                key: signed[key] for key in ("sign_seconds", "roster_check_seconds", "server_check_seconds")
+            }
             row |= {"plain_device_bytes_sent": plain_bytes, "plain_server_seconds": plain_seconds}
             print(json.dumps(row), flush=True)
             rows.append(row)

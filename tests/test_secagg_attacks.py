@@ -28,6 +28,7 @@ from secagg_attacker import (
     unseal,
 )
 
+from bench.secagg_fleet import provisioned
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.metrics import render_metrics
 from coordinator.rounds.evaluation import Evaluator, LabelledSplit
@@ -42,7 +43,6 @@ from protocol.credentials import DeviceIdentity
 from protocol.model_spec import DEFAULT_SPEC, trainable_names
 from protocol.mqtt import MqttSession
 from protocol.secagg.fixed_point import FixedPoint, flat
-from protocol.secagg.identity import new_identity
 from protocol.secagg.weighting import device_weight, in_fixed_units, weighted_delta
 from protocol.tensors import Weights, weights_hash
 
@@ -402,14 +402,6 @@ def test_a_forged_record_over_mqtt_excludes_the_forger_and_commits_the_honest_me
     assert ("does not open" in reason) == answers and ("did not reveal" in reason) == (not answers)
     assert kinds == {"forged_share": 1}
     assert 'fl_updates_rejected_total{reason="forged_share"} 1' in render_metrics(live.counters(), 0, 1)
-
-
-def provisioned(names: list[str]) -> dict[str, DeviceIdentity]:
-    """Each device's identity as `provision` writes it: its own Ed25519 secret, and the fleet's roster of every
-    device's public key."""
-    pairs = {name: new_identity() for name in names}
-    roster = {name: public for name, (_, public) in pairs.items()}
-    return {name: DeviceIdentity(secret, roster) for name, (secret, _) in pairs.items()}
 
 
 def roster_fields(device: str, adverts: dict[str, dict[str, Any]], keys: dict[str, Party]) -> dict:
