@@ -142,7 +142,9 @@ class SurvivorView:
 class ViewConfirmation:
     """Stage 4a's answer, device to coordinator: for each neighbour its view calls a survivor, a MAC (under a key
     only the two share) saying so, for the coordinator to route to it; for each other neighbour, the pairwise mask
-    seed the device masked with, so the coordinator can take that mask out of the sum."""
+    seed the device masked with, so the coordinator can take that mask out of the sum. On a provisioned fleet each
+    confirmation carries the device's identity signature over it (`signatures`, one per recipient): the coordinator
+    checks them, and a recipient holds a confirmation that does not check under a valid one as proof."""
 
     KIND: ClassVar[str] = "secagg_confirm"
     device_id: str
@@ -151,24 +153,29 @@ class ViewConfirmation:
     tags: list[bytes]
     dropped: list[str]
     pair_seeds: list[bytes]
+    signatures: list[bytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class UnmaskRequest:
     """Stage 4b, coordinator to one surviving device: the surviving neighbours whose self-mask seed shares are asked,
-    each with its confirmation that it saw this device survive."""
+    each with its confirmation that it saw this device survive (and, on a provisioned fleet, that neighbour's
+    identity signature over the confirmation)."""
 
     KIND: ClassVar[str] = "secagg_unmask"
     device_id: str
     round_id: int
     senders: list[str]
     tags: list[bytes]
+    signatures: list[bytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class UnmaskResponse:
-    """Stage 4b's answer, device to coordinator: the seed shares it was asked for and agreed to give, and the senders
-    whose confirmation did not check (their shares withheld: only they are left out)."""
+    """Stage 4b's answer, device to coordinator: the seed shares it was asked for and agreed to give, the senders
+    whose confirmation did not check (their shares withheld: only they are left out), and of those the ones whose
+    confirmation came under their own valid identity signature (`proven`: they cheated, and know the pairwise seed
+    anyway), each with this device's pairwise seed with it, so the coordinator can take it out of the sum."""
 
     KIND: ClassVar[str] = "secagg_reveal"
     device_id: str
@@ -176,3 +183,5 @@ class UnmaskResponse:
     seed_owners: list[str]
     seed_shares: list[bytes]
     refused: list[str] = field(default_factory=list)
+    proven: list[str] = field(default_factory=list)
+    pair_seeds: list[bytes] = field(default_factory=list)

@@ -19,8 +19,8 @@ from protocol.mqtt import BrokerAddress
 class SecAggAttacker:
     """One malicious participant of a secure round on `fleet`: `values` is what it masks, by tensor name (the round's
     layout: the trained tensors, `secagg.weight` and `secagg.labels`, already weighted, never clipped); `forge`
-    makes it return one altered seed share when asked to unmask, `bad_tags` send random view confirmations. It
-    answers the coordinator's stage messages on paho's thread; an error there is raised by `close`."""
+    makes it return one altered seed share when asked to unmask, `bad_tags` send random view confirmations, and
+    `identity` (a provisioned fleet's secret) signs what it sends. It answers the coordinator's stage messages on paho's thread; an error there is raised by `close`."""
 
     def __init__(
         self,
@@ -30,9 +30,10 @@ class SecAggAttacker:
         values: dict[str, np.ndarray],
         forge: bool = False,
         bad_tags: bool = False,
+        identity: bytes = b"",
     ) -> None:
         self.fleet, self.device_id = fleet, device_id
-        self.device = PlainDevice(device_id, inputs=values, forge=forge, bad_tags=bad_tags)
+        self.device = PlainDevice(device_id, inputs=values, forge=forge, bad_tags=bad_tags, identity=identity)
         self.errors: queue.Queue[Exception] = queue.Queue()
         subscribed = threading.Event()
         self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=device_id, protocol=paho.MQTTv5)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -17,6 +18,7 @@ import pytest
 from coordinators import blank_evaluator, local_coordinator
 from secagg_cheat import SecAggAttacker
 
+from bench.secagg_fleet import provisioned
 from coordinator.cli import main
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.metrics import render_metrics
@@ -32,6 +34,7 @@ from edge_agent.data.journal import Journal
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.loop.secagg_participant import SecAggParticipant
 from protocol import messages, topics, wire
+from protocol.credentials import DeviceIdentity
 from protocol.dp import DpRound, privatised
 from protocol.dp_accountant import SampledGaussian, epsilon_of
 from protocol.model_spec import DEFAULT_SPEC
@@ -79,7 +82,8 @@ def attack_values(base: Weights, weight: float, delta: Callable[[np.ndarray], np
 class Setup:
     """A secure round to attack: its recipe and strategy, the honest devices and their samples, the attacker's input
     (None: no attacker), whether it forges a share at unmasking, the size of the stage message it claims once the
-    round is open (0: none), and whether its view confirmations are random bytes. Under --dp device the honest devices clip and noise their delta first, as an agent does."""
+    round is open (0: none), whether its view confirmations are random bytes, and whether the fleet is provisioned
+    (every device, the attacker too, with an identity key: adverts and confirmations signed and checked). Under --dp device the honest devices clip and noise their delta first, as an agent does."""
 
     recipe: messages.Recipe = RECIPE
     strategy: str = "fedavg"
@@ -88,6 +92,12 @@ class Setup:
     forge: bool = False
     claim: int = 0
     bad_tags: bool = False
+    provisioned: bool = False
+
+    @functools.cached_property
+    def identities(self) -> dict[str, DeviceIdentity]:
+        """Each device's identity on a provisioned fleet (none on an open one)."""
+        return provisioned(self.devices) if self.provisioned else {}
 
     @property
     def devices(self) -> list[str]:
@@ -110,7 +120,8 @@ def honest_devices(broker, tmp_path: Path, setup: Setup) -> tuple[dict[str, Mqtt
         (tmp_path / device).mkdir()
         journal = Journal(tmp_path / device / "state.json")
         sessions[device] = session
-        participants[device] = SecAggParticipant(FLEET, device, session, tmp_path / device, journal)
+        identity = setup.identities.get(device)
+        participants[device] = SecAggParticipant(FLEET, device, session, tmp_path / device, journal, identity)
     return sessions, participants
 
 
@@ -136,14 +147,20 @@ def attacked_round(broker, tmp_path: Path, setup: Setup) -> Outcome:
     session = MqttSession(broker.address, client_id="coordinator")
     sessions, participants = honest_devices(broker, tmp_path, setup)
     values = setup.attack(base) if setup.attack else {}
+    secret = setup.identities[ATTACKER].secret if setup.provisioned else b""
     attacker = (
-        SecAggAttacker(broker.address, FLEET, ATTACKER, values, setup.forge, setup.bad_tags) if setup.attack else None
+        SecAggAttacker(broker.address, FLEET, ATTACKER, values, setup.forge, setup.bad_tags, secret)
+        if setup.attack
+        else None
     )
     recipe = setup.recipe
     try:
         policy = RoundPolicy(rounds=1, round_timeout=10.0)
         strategy = make_strategy(setup.strategy)
-        coordinator = local_coordinator(FLEET, session, store, strategy, blank_evaluator(), policy, recipe, live)
+        roster = {device: identity.roster[device] for device, identity in setup.identities.items()}
+        coordinator = local_coordinator(
+            FLEET, session, store, strategy, blank_evaluator(), policy, recipe, live, roster
+        )
         if recipe.dp != "off":
             private = PrivateMode(PrivateRounds(recipe, 1.0, DpSettings(), []))
             mode = SecureMode(private, session, FLEET, coordinator.parts.intake)
@@ -400,22 +417,36 @@ def test_the_sum_checks_pass_every_honest_extreme_and_name_what_failed(
     assert (found, refusal) == (None, None) or (found and refusal and found.startswith(refusal))
 
 
-def test_a_device_whose_view_confirmations_do_not_check_is_the_one_named(broker, tmp_path: Path) -> None:
+@pytest.mark.parametrize("provisioned", [True, False], ids=["provisioned", "open-fleet"])
+def test_a_device_whose_view_confirmations_do_not_check_is_the_one_left_out(
+    broker, tmp_path: Path, provisioned: bool
+) -> None:
     """Issue 43: the attacker masks an honest-looking input and sends every partner a view confirmation of random
     bytes. Each honest holder still gives the honest devices' seed shares and withholds only the attacker's, naming
-    it; its self mask cannot be taken out of the sum, so the round is abandoned, and its reason names dev9 and no
-    honest device (before, every holder refused the whole request and the reason named the honest devices); dev9
-    is excluded in a bad_signature rejection in the store and /metrics."""
-    outcome = attacked_round(broker, tmp_path, Setup(attack=honest_looking, bad_tags=True))
+    it (before, every holder refused the whole request and the round's reason named the honest devices). On a
+    provisioned fleet the attacker signed those confirmations, which proves it sent them: each holder also gives its
+    pairwise seed with it, the coordinator subtracts its masked input, and the round commits FedAvg of the three
+    honest devices. On an open fleet nothing proves it: its self mask cannot come out of the sum, and the round is
+    abandoned with a reason naming dev9 and no honest device. Either way dev9 is excluded in one bad_signature
+    rejection (the store, the round's metrics, /metrics)."""
+    outcome = attacked_round(broker, tmp_path, Setup(attack=honest_looking, bad_tags=True, provisioned=provisioned))
     with outcome.store as store:
         metrics = store.rounds()[0].metrics
         kinds = store.rejection_kinds()
         [(_, device, stored, _, _)] = store.rejections()
+    assert (device, kinds, list(metrics["secagg_excluded"])) == (ATTACKER, {"bad_signature": 1}, [ATTACKER])
+    assert stored.startswith("'dev9' sent view confirmations that did not check at ['dev0', 'dev1', 'dev2']")
+    assert rejected(outcome, "bad_signature").endswith(" 1") and len(stored) <= 300
+    if provisioned:
+        assert (metrics["secure_aggregation"], metrics["secagg_survivors"]) == ("committed", 3)
+        assert metrics["secagg_weight"] == pytest.approx(HONEST_WEIGHT, abs=TOLERANCE)
+        honest = honest_sum(outcome)
+        for name, base in outcome.base.items():
+            expected = honest[name] / HONEST_WEIGHT
+            np.testing.assert_allclose(outcome.committed[name] - base, expected, rtol=0, atol=TOLERANCE)
+        return
     reason = metrics["secagg_reason"]
     assert metrics["secure_aggregation"] == "abandoned"
     assert reason.startswith("['dev9'] sent view confirmations that did not check") and len(reason) <= 300
     assert not any(repr(honest) in reason for honest in HONEST)
-    assert (device, kinds, list(metrics["secagg_excluded"])) == (ATTACKER, {"bad_signature": 1}, [ATTACKER])
-    assert stored.startswith("'dev9' sent view confirmations that did not check at ['dev0', 'dev1', 'dev2']")
-    assert rejected(outcome, "bad_signature").endswith(" 1")
     assert all(np.array_equal(outcome.committed[name], outcome.base[name]) for name in outcome.base)

@@ -189,6 +189,7 @@ class LiveSecureRound:
             if unmasking:
                 self.wait(handle_next, stage_timeout)
             result = self.server.finish()
+            self.record_exclusions()
             if unmasking:
                 self.record_forgers(result.forgers)
             self.check_sum(result)
@@ -283,7 +284,7 @@ class LiveSecureRound:
         outcome = "committed" if state.stage == DONE else "abandoned" if state.stage == ABANDONED else state.stage
         return {
             "secure_aggregation": outcome,
-            "secagg_survivors": len(state.masked_from) if state.stage == DONE else 0,
+            "secagg_survivors": len(set(state.masked_from) - set(state.excluded)) if state.stage == DONE else 0,
             "secagg_reason": self.reason,
             "secagg_excluded": dict(zip(state.excluded, state.exclusion_reasons)),
             SECURE_LABELS: self.labels,

@@ -19,7 +19,10 @@ from protocol.secagg.fixed_point import FixedPoint
 KEYS, SHARES, CHECK, RESOLVE, MASKED = "keys", "shares", "check", "resolve", "masked"
 VIEW, UNMASK = "view", "unmask"
 DONE, ABANDONED = "done", "abandoned"
-SECRETS = ("share_ciphertexts", "seed_owners", "seed_holders", "seed_shares", "pair_owners", "pair_peers", "pair_seeds")
+SECRETS = (
+    *("share_ciphertexts", "seed_owners", "seed_holders", "seed_shares"),
+    *("pair_owners", "pair_peers", "pair_seeds", "proven_seeds", "inputs"),
+)
 
 
 @dataclass
@@ -42,7 +45,10 @@ class ServerSecAggState:
     cannot open, who holds whose record, complaints and the devices they excluded (with why), the devices that
     mask, the running masked sum (never one device's input), the survivors' confirmations it routes, the pairwise
     seeds survivors revealed with dropped partners, the seed shares sent back, and whose confirmation each holder
-    said did not check (`refused_owners`, by `refusing_holders`). `identities` holds the identity
+    said did not check (`refused_owners`, by `refusing_holders`). On a provisioned fleet it also keeps each masked
+    input apart (`inputs`, flat, by device: hidden by its self mask, which a cheat's seed never loses) and the
+    pairwise seeds holders gave with a sender whose signed confirmation did not check (`proven_*`), so that sender
+    can be taken back out of the sum. `identities` holds the identity
     public key of each selected device in its order (empty on an open fleet), `signatures` each advert's."""
 
     KIND: ClassVar[str] = "secagg_server_state"
@@ -81,6 +87,7 @@ class ServerSecAggState:
     tag_senders: list[str] = field(default_factory=list)
     tag_recipients: list[str] = field(default_factory=list)
     tags: list[bytes] = field(default_factory=list)
+    tag_signatures: list[bytes] = field(default_factory=list)
     pair_owners: list[str] = field(default_factory=list)
     pair_peers: list[str] = field(default_factory=list)
     pair_seeds: list[bytes] = field(default_factory=list)
@@ -90,6 +97,10 @@ class ServerSecAggState:
     seed_shares: list[bytes] = field(default_factory=list)
     refused_owners: list[str] = field(default_factory=list)
     refusing_holders: list[str] = field(default_factory=list)
+    proven_owners: list[str] = field(default_factory=list)
+    proven_holders: list[str] = field(default_factory=list)
+    proven_seeds: list[bytes] = field(default_factory=list)
+    inputs: Tensors = field(default_factory=dict)
 
 
 class SecAggRound:
@@ -184,5 +195,5 @@ class SecAggRound:
         state.stage = ABANDONED
         state.masked_sum = {name: np.zeros_like(array) for name, array in state.masked_sum.items()}
         for name in SECRETS:
-            setattr(state, name, [])
+            setattr(state, name, {} if name == "inputs" else [])
         raise SecAggAbandoned(reason)

@@ -12,7 +12,7 @@ from protocol.messages import KeyAdvert, KeyRoster, MaskedInput, RejectionKind, 
 from protocol.secagg import graph, keys, shamir
 from protocol.secagg.checks import check_pairs, check_stage, check_within
 from protocol.secagg.errors import SecAggRefusal
-from protocol.secagg.fixed_point import FixedPoint, layout_of
+from protocol.secagg.fixed_point import FixedPoint, flat, layout_of
 from protocol.secagg.identity import advert_signed
 from protocol.tensors import Weights
 
@@ -149,7 +149,8 @@ class SecAggServer(ComplaintStage, UnmaskStage):
         return [ShareDelivery(d, state.round_id, list(inbox), list(inbox.values())) for d, inbox in inboxes.items()]
 
     def on_masked(self, message: MaskedInput) -> None:
-        """Stage 3: one masked input per device asked to mask, added to the running sum at once (nothing else kept)."""
+        """Stage 3: one masked input per device asked to mask, added to the running sum at once (on a provisioned
+        fleet also kept apart, still masked, so a proven cheat can be taken back out)."""
         state = self.state
         self._check(message.device_id, message.round_id, MASKED, "a masked input", state.maskers)
         self._once(message.device_id, state.masked_from, "a masked input")
@@ -158,4 +159,6 @@ class SecAggServer(ComplaintStage, UnmaskStage):
             raise SecAggRefusal(RejectionKind.TENSOR_MISMATCH, "masked tensors differ from the round's uint32 layout")
         for name, array in message.masked.items():
             state.masked_sum[name] = state.masked_sum[name] + array
+        if state.identities:
+            state.inputs[message.device_id] = flat(message.masked)
         state.masked_from.append(message.device_id)

@@ -38,7 +38,7 @@ from protocol.secagg.checks import (
 )
 from protocol.secagg.errors import SecAggRefusal
 from protocol.secagg.fixed_point import FixedPoint, flat, layout_of, shaped
-from protocol.secagg.identity import sign_advert, unsigned
+from protocol.secagg.identity import confirmation_body, sign, sign_advert, signed, unsigned
 from protocol.tensors import Weights
 
 ADVERTISED, SHARED, DELIVERED, PARTNERED = "advertised", "shared", "delivered", "partnered"
@@ -263,27 +263,58 @@ class SecAggDevice:
             for peer in survivors
         ]
         seeds = [self._mask_seed(peer) for peer in dropped]
+        secret = self.identity.secret
+        signatures = [
+            sign(secret, confirmation_body(state.context, state.device_id, peer, tag))
+            for peer, tag in zip(survivors, tags)
+            if secret
+        ]
         self.state = dataclasses.replace(state, view=survivors, survivor_count=view.survivor_count, stage=VIEWED)
-        return ViewConfirmation(state.device_id, state.round_id, survivors, tags, dropped, seeds)
+        return ViewConfirmation(state.device_id, state.round_id, survivors, tags, dropped, seeds, signatures)
 
     def on_unmask(self, request: UnmaskRequest) -> UnmaskResponse:
         """Stage 4b: the seed share of each named neighbour that this device's view calls a survivor and that
         confirmed it saw this device survive (so it revealed no pairwise seed with this device); a neighbour whose
-        confirmation does not check gets no share and is named in the answer (it alone is left out); a request
-        outside the view or the records held is refused. The same request again gets the same answer."""
+        confirmation does not check gets no share and is named in the answer (it alone is left out), with this
+        device's pairwise seed with it where its own signature proves it sent that confirmation; a request outside
+        the view or the records held is refused. The same request again gets the same answer."""
         state = self.state
         self._check(request.device_id, request.round_id, VIEWED, "an unmask request")
         check_pairs(request.senders, request.tags, "the unmask request")
         check_within(request.senders, state.view, RejectionKind.UNSAFE_REQUEST, "asks for shares of non-survivors")
         check_within(request.senders, state.held_from, RejectionKind.UNSAFE_REQUEST, "asks for shares not held:")
+        if request.signatures:
+            check_pairs(request.senders, request.signatures, "the unmask request's signatures")
         confirmed = [
             sender
             for sender, tag in zip(request.senders, request.tags)
             if keys.tag_valid(self._pair_key(sender, keys.CONFIRM_PURPOSE), state.context, sender, state.device_id, tag)
         ]
         refused = sorted(set(request.senders) - set(confirmed))
+        proven = self._proven(request, refused)
         shares = [state.held_records[state.held_from.index(sender)] for sender in confirmed]
-        return UnmaskResponse(state.device_id, state.round_id, confirmed, shares, refused)
+        seeds = [self._mask_seed(sender) for sender in proven]
+        return UnmaskResponse(state.device_id, state.round_id, confirmed, shares, refused, proven, seeds)
+
+    def _proven(self, request: UnmaskRequest, refused: list[str]) -> list[str]:
+        """The refused senders whose confirmation that did not check came under their own valid identity signature:
+        proof that they cheated (nobody else can sign for them), so this device's pairwise seed with each, which the
+        cheat knows anyway, can go to the coordinator to take it out of the sum. Empty on an open fleet."""
+        known, state = self.identity.roster, self.state
+        if not known or not request.signatures:
+            return []
+        signatures = dict(zip(request.senders, request.signatures))
+        tags = dict(zip(request.senders, request.tags))
+        return [
+            sender
+            for sender in refused
+            if sender in known
+            and signed(
+                known[sender],
+                signatures[sender],
+                confirmation_body(state.context, sender, state.device_id, tags[sender]),
+            )
+        ]
 
     def _check_signed(self, roster: KeyRoster) -> None:
         """On a provisioned fleet, every neighbour in the roster with its own identity's signature over the keys

@@ -1,5 +1,6 @@
-# Device identity keys (Ed25519 through `cryptography`): a device signs its key advert, and anyone holding the fleet's
-# roster of identity public keys checks it, so neither an impostor nor the coordinator can advertise keys in its name.
+# Device identity keys (Ed25519 through `cryptography`): a device signs its key advert and its view confirmations, and
+# anyone holding the fleet's roster of identity public keys checks them: nobody can advertise keys in its name, and a
+# confirmation that does not check under its valid signature proves its sender cheated.
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -10,6 +11,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from protocol.secagg import keys
 
 ADVERT_PURPOSE = b"secagg-key-advert"
+CONFIRMATION_PURPOSE = b"secagg-signed-confirmation"
 SIGNATURE_BYTES = 64
 
 
@@ -30,24 +32,38 @@ def advert_body(context: bytes, device_id: str, cipher_key: bytes, mask_key: byt
     return b"|".join((ADVERT_PURPOSE, context, device_id.encode(), cipher_key, mask_key))
 
 
+def confirmation_body(context: bytes, sender: str, recipient: str, tag: bytes) -> bytes:
+    """What a view confirmation's signature covers: its purpose, the run and round, who sent it to whom, and the tag
+    (so a tag that does not check, under a valid signature, is its sender's own doing)."""
+    return b"|".join((CONFIRMATION_PURPOSE, context, sender.encode(), recipient.encode(), tag))
+
+
+def sign(secret: bytes, body: bytes) -> bytes:
+    """The Ed25519 signature of an identity secret over a body (advert_body, confirmation_body)."""
+    return Ed25519PrivateKey.from_private_bytes(secret).sign(body)
+
+
+def signed(public: bytes, signature: bytes, body: bytes) -> bool:
+    """Whether `signature` is the identity key `public`'s over `body` (False for any malformed part)."""
+    if len(public) != keys.KEY_BYTES or len(signature) != SIGNATURE_BYTES:
+        return False
+    try:
+        Ed25519PublicKey.from_public_bytes(public).verify(signature, body)
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
 def sign_advert(secret: bytes, context: bytes, device_id: str, cipher_key: bytes, mask_key: bytes) -> bytes:
-    """The device's Ed25519 signature of its advert for this round."""
-    return Ed25519PrivateKey.from_private_bytes(secret).sign(advert_body(context, device_id, cipher_key, mask_key))
+    """The device's signature of its advert for this round."""
+    return sign(secret, advert_body(context, device_id, cipher_key, mask_key))
 
 
 def advert_signed(
     public: bytes, signature: bytes, context: bytes, device_id: str, cipher_key: bytes, mask_key: bytes
 ) -> bool:
-    """Whether `signature` is the identity key `public`'s over this advert (False for any malformed part)."""
-    if len(public) != keys.KEY_BYTES or len(signature) != SIGNATURE_BYTES:
-        return False
-    try:
-        Ed25519PublicKey.from_public_bytes(public).verify(
-            signature, advert_body(context, device_id, cipher_key, mask_key)
-        )
-    except (InvalidSignature, ValueError):
-        return False
-    return True
+    """Whether `signature` is the identity key `public`'s over this advert."""
+    return signed(public, signature, advert_body(context, device_id, cipher_key, mask_key))
 
 
 def unsigned(
