@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from protocol.credentials import load_credentials
 from protocol.errors import UsageError
 from protocol.messages import RejectionKind
 from protocol.secagg.errors import SecAggRefusal
+from protocol.secagg.identity import confirmation_body, sign
 
 FLEET = "ids"
 SECURE = messages.Recipe(secure_aggregation="secagg")
@@ -145,3 +147,43 @@ def test_a_signed_round_unmasks_the_same_sum_and_costs_64_bytes_per_signature() 
     (sent, received, degree), (signed_sent, signed_received, _) = costs[False], costs[True]
     assert signed_sent - sent == 64 + 66 * degree
     assert 2 * 64 * degree <= signed_received - received <= 2 * 66 * degree
+
+
+def test_only_a_cheat_own_signature_takes_it_out_of_the_sum() -> None:
+    """Five devices on a provisioned fleet; dev004 sends every partner a random confirmation under its own valid
+    signature. The coordinator refuses confirmations that are not signed; a holder given a garbled confirmation of
+    an honest device (whose signature covers the real one: what a coordinator could fake) withholds that share but
+    proves nothing; with dev004's own signed garbage each holder gives its pairwise seed with dev004, and the round
+    finishes with the four honest devices' sum, dev004 excluded as bad_signature."""
+    updates = head_updates(5, features=4)
+    secure = SecureRound.started(updates, True, dropout=0.1)
+    secure.share()
+    secure.mask(sorted(updates))
+    cheat = "dev004"
+    secret = secure.devices[cheat].identity.secret
+    for view in secure.server.view_requests():
+        confirmation = secure.devices[view.device_id].on_view(view)
+        if view.device_id == cheat:
+            tags = [os.urandom(32) for _ in confirmation.tags]
+            bodies = [
+                confirmation_body(secure.server.context, cheat, r, t) for r, t in zip(confirmation.recipients, tags)
+            ]
+            confirmation = dataclasses.replace(confirmation, tags=tags, signatures=[sign(secret, b) for b in bodies])
+        with pytest.raises(SecAggRefusal) as refused:
+            secure.server.on_confirm(dataclasses.replace(confirmation, signatures=[bytes(64)] * len(confirmation.tags)))
+        assert refused.value.kind == RejectionKind.BAD_SIGNATURE
+        secure.server.on_confirm(confirmation)
+    requests = {request.device_id: request for request in secure.server.unmask_requests()}
+    holder = secure.devices["dev000"]
+    request = requests["dev000"]
+    garbled = [os.urandom(32) if sender == "dev001" else tag for sender, tag in zip(request.senders, request.tags)]
+    faked = holder.on_unmask(dataclasses.replace(request, tags=garbled))
+    assert (faked.refused, faked.proven) == (["dev001", cheat], [cheat])
+    for device, request in requests.items():
+        if device != cheat:
+            secure.server.on_reveal(secure.devices[device].on_unmask(request))
+    result = secure.server.finish()
+    honest = sorted(set(updates) - {cheat})
+    assert result.survivors == honest and secure.server.state.excluded == [cheat]
+    assert largest_error(result.total, plain_sum(updates, honest)) <= result.error_bound
+    assert secure.server.exclusions()[0][2] == RejectionKind.BAD_SIGNATURE
