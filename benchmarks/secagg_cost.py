@@ -11,18 +11,19 @@ float32 `Update` of its head and the coordinator sums the decoded tensors. Per f
   server_seconds                 the coordinator's compute over every stage
   plain_server_seconds           decoding and summing the plain updates
   server_state_bytes             the largest saved state of the round (the sealed shares it routes, the sum)
+  server_state_masked_bytes      its saved state once the masked inputs are in
   max_error, error_bound         the unmasked sum against the plain sum, and the fixed point's stated bound
   peak_rss_mb                    the process's peak RSS (all devices and the coordinator share it)
 
 and, in the same run over the same updates and graph, the round again on a provisioned fleet (issue 43: each key
-advert signed by its device's Ed25519 identity key, checked by the coordinator and by every device whose roster
-lists it):
+advert and view confirmation signed by its device's Ed25519 identity key, checked by the coordinator and (adverts)
+by every device whose roster lists it; the coordinator also keeps each masked input apart):
 
-  signed_device_bytes_sent/received, signed_device_seconds, signed_server_seconds, signed_server_state_bytes:
-                                 as above, signed
-  sign_seconds                   mean per device: signing its advert (Ed25519)
+  signed_device_bytes_sent/received, signed_device_seconds, signed_server_seconds, signed_server_state_bytes,
+  signed_server_state_masked_bytes: as above, signed
+  sign_seconds                   mean per device: signing its advert and its k view confirmations (Ed25519)
   roster_check_seconds           mean per device: checking its roster's k neighbour signatures
-  server_check_seconds           the coordinator: checking every advert's signature
+  server_check_seconds           the coordinator: checking every advert's and every confirmation's signature
 
 Usage: python benchmarks/secagg_cost.py [--devices 10 100 500] [--seeds 0 1 2] [--features 1280]
        [--dropout 0.1] [--drop-before 0.05] [--drop-after 0.05]
@@ -52,7 +53,8 @@ from bench.secagg_fleet import SecureRound, head_updates, largest_error, plain_s
 from coordinator.fleet.broker import DEFAULT_MAX_PACKET_BYTES, EmbeddedBroker
 from protocol import wire
 from protocol.messages import Update
-from protocol.secagg.identity import advert_signed, sign_advert, unsigned
+from protocol.secagg import keys
+from protocol.secagg.identity import advert_body, confirmation_body, sign, sign_advert, signed, unsigned
 from protocol.tensors import Weights
 
 
@@ -81,6 +83,7 @@ def secure_round(updates: dict[str, Weights], args: argparse.Namespace, signed: 
     secure.partner()
     masked = [d for d in ids if d not in before]
     secure.mask(masked)
+    masked_state_bytes = len(secure.server.snapshot())
     result = secure.unmask([d for d in masked if d not in after])
     costs = secure.costs
     return {
@@ -92,6 +95,7 @@ def secure_round(updates: dict[str, Weights], args: argparse.Namespace, signed: 
         "device_seconds_max": max(costs.device_seconds.values()),
         "server_seconds": costs.server_seconds,
         "server_state_bytes": state_bytes,
+        "server_state_masked_bytes": masked_state_bytes,
         "max_error": largest_error(result.total, plain_sum(updates, masked)),
         "error_bound": result.error_bound,
     } | (signing_seconds(secure) if signed else {})
@@ -99,24 +103,29 @@ def secure_round(updates: dict[str, Weights], args: argparse.Namespace, signed: 
 
 def signing_seconds(secure: SecureRound) -> dict[str, float]:
     """The signatures' own compute in a signed round, timed apart from the rest: each device signing its advert and
-    checking the k signatures of its roster, the coordinator checking every advert."""
-    state = secure.server.state
-    context = secure.server.context
-    adverts = list(zip(state.advertised, state.cipher_keys, state.mask_keys, state.signatures))
-    by_device = {advert[0]: advert for advert in adverts}
-    signing, checking = [], []
-    for device, cipher, mask, _ in adverts:
-        identity = secure.devices[device].identity
+    one confirmation per neighbour (a 32-byte tag, as in the round) and checking the k signatures of its roster; the
+    coordinator checking every advert and every confirmation."""
+    state, context = secure.server.state, secure.server.context
+    adverts = {advert[0]: advert for advert in zip(*(state.advertised, state.cipher_keys, state.mask_keys))}
+    tag = bytes(keys.TAG_BYTES)
+    signing, checking, checks = [], [], []
+    for device, cipher, mask in adverts.values():
+        identity, peers = secure.devices[device].identity, secure.server.graph[device]
         start = time.perf_counter()
-        sign_advert(identity.secret, context, device, cipher, mask)
+        signature = sign_advert(identity.secret, context, device, cipher, mask)
+        confirmations = [sign(identity.secret, confirmation_body(context, device, peer, tag)) for peer in peers]
         signing.append(time.perf_counter() - start)
+        checks += [(identity.roster[device], signature, advert_body(context, device, cipher, mask))]
+        checks += [
+            (identity.roster[device], signed_tag, confirmation_body(context, device, peer, tag))
+            for peer, signed_tag in zip(peers, confirmations)
+        ]
+        listed = [(*adverts[peer], state.signatures[state.advertised.index(peer)]) for peer in peers]
         start = time.perf_counter()
-        unsigned(identity.roster, context, [by_device[peer] for peer in secure.server.graph[device]])
+        unsigned(identity.roster, context, listed)
         checking.append(time.perf_counter() - start)
-    roster = secure.devices[state.advertised[0]].identity.roster
     start = time.perf_counter()
-    for device, cipher, mask, signature in adverts:
-        advert_signed(roster[device], signature, context, device, cipher, mask)
+    assert all(signed(public, signature, body) for public, signature, body in checks)
     return {
         "sign_seconds": statistics.fmean(signing),
         "roster_check_seconds": statistics.fmean(checking),
@@ -124,7 +133,10 @@ def signing_seconds(secure: SecureRound) -> dict[str, float]:
     }
 
 
-SIGNED = ("device_bytes_sent", "device_bytes_received", "device_seconds", "server_seconds", "server_state_bytes")
+SIGNED = (
+    *("device_bytes_sent", "device_bytes_received", "device_seconds"),
+    *("server_seconds", "server_state_bytes", "server_state_masked_bytes"),
+)
 
 
 def over_mqtt(argv: list[str]) -> None:
