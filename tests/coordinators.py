@@ -1,8 +1,12 @@
 # Test helpers: a coordinator assembled from its parts around a given session, store, strategy and evaluator; a fake
-# session (no broker) for in-process rounds; what a secure run's folders must not hold.
+# session (no broker) for in-process rounds; a round run on its own thread against a live broker; what a secure run's
+# folders must not hold.
 from __future__ import annotations
 
 import queue
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +28,7 @@ from coordinator.rounds.serving import ServingKeeper
 from coordinator.secure.mode import SecureMode
 from coordinator.storage.store import RoundRecord, RunStore
 from coordinator.strategies.contract import Strategy
+from coordinator.strategies.registry import make_strategy
 from edge_agent.learning.models import build_model, weight_spec
 from protocol import messages, topics, wire
 from protocol.model_spec import DEFAULT_SPEC
@@ -61,6 +66,50 @@ def local_coordinator(
         else RoundMode(),
     )
     return Coordinator(fleet, session, RoundRules(recipe or messages.Recipe(), policy), parts)
+
+
+@dataclass
+class RoundThread:
+    """A FedAvg coordinator (`local_coordinator`: a secure one for a secure recipe, checking adverts against
+    `identities` when given) on a live broker session, running one round on its own thread."""
+
+    fleet: str
+    session: MqttSession
+    store: RunStore
+    evaluator: Evaluator
+    recipe: messages.Recipe
+    observer: RoundObserver | None = None
+    identities: dict[str, bytes] | None = None
+
+    def start(self, devices: list[str], base: Weights) -> tuple[threading.Thread, list]:
+        """Connects, marks `devices` online and runs round 1 from `base` on a thread: the thread, and the list its
+        result joins."""
+        strategy, policy = make_strategy("fedavg"), RoundPolicy(rounds=1, round_timeout=3.0)
+        coordinator = local_coordinator(
+            self.fleet,
+            self.session,
+            self.store,
+            strategy,
+            self.evaluator,
+            policy,
+            self.recipe,
+            self.observer,
+            self.identities,
+        )
+        self.session.connect(timeout=10)
+        coordinator.start()
+        for device in devices:
+            coordinator.parts.presence.statuses[device] = messages.Status(device, "online", time.time())
+        outcome: list = []
+        thread = threading.Thread(target=lambda: outcome.append(coordinator.run_round(1, base)))
+        thread.start()
+        return thread, outcome
+
+
+def evaluator_of(fashion: Any) -> Evaluator:
+    """An evaluator over Fashion-MNIST's first 20 test images (validation and test alike)."""
+    split = LabelledSplit.from_uint8(fashion.test_images[:20], fashion.test_labels[:20])
+    return Evaluator(DEFAULT_SPEC, split, split, 1, 0)
 
 
 def blank_evaluator() -> Evaluator:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from coordinators import local_coordinator
+from coordinators import RoundThread, evaluator_of
 from secagg_attacker import (
     MASK_PURPOSE,
     MaliciousCoordinator,
@@ -31,10 +31,7 @@ from secagg_attacker import (
 from bench.secagg_fleet import provisioned
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.metrics import render_metrics
-from coordinator.rounds.evaluation import Evaluator, LabelledSplit
-from coordinator.rounds.rules import RoundPolicy
 from coordinator.storage.store import RunStore
-from coordinator.strategies.registry import make_strategy
 from edge_agent.data.journal import Journal
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.loop.secagg_participant import SecAggParticipant
@@ -368,20 +365,11 @@ def test_a_forged_record_over_mqtt_excludes_the_forger_and_commits_the_honest_me
     forger = PlainForger(mal, victims, answers)
     session = MqttSession(broker.address, client_id="coordinator")
     store = RunStore(tmp_path / "run")
+    live = LiveState(1)
     try:
-        split = LabelledSplit.from_uint8(fashion.test_images[:20], fashion.test_labels[:20])
-        evaluator = Evaluator(DEFAULT_SPEC, split, split, 1, 0)
-        policy = RoundPolicy(rounds=1, round_timeout=3.0)
-        live = LiveState(1)
-        strategy = make_strategy("fedavg")
-        coordinator = local_coordinator(FLEET, session, store, strategy, evaluator, policy, RECIPE, live)
-        session.connect(timeout=10)
-        coordinator.start()
-        for device in [*HONEST, mal.me]:
-            coordinator.parts.presence.statuses[device] = messages.Status(device, "online", time.time())
-        outcome: list = []
-        thread = threading.Thread(target=lambda: outcome.append(coordinator.run_round(1, base)))
-        thread.start()
+        thread, outcome = RoundThread(FLEET, session, store, evaluator_of(fashion), RECIPE, live).start(
+            [*HONEST, mal.me], base
+        )
         fleet.begin(1)
         fleet.train(1, HONEST)
         forger.play(1)
@@ -471,21 +459,10 @@ def test_an_impostor_advert_recovers_nothing_on_a_provisioned_fleet(broker, tmp_
     session = MqttSession(broker.address, client_id="coordinator")
     store = RunStore(tmp_path / "run")
     roster = {d: identity.roster[d] for d, identity in identities.items()}
+    live = LiveState(1)
     try:
-        split = LabelledSplit.from_uint8(fashion.test_images[:20], fashion.test_labels[:20])
-        evaluator = Evaluator(DEFAULT_SPEC, split, split, 1, 0)
-        policy = RoundPolicy(rounds=1, round_timeout=3.0)
-        live = LiveState(1)
-        coordinator = local_coordinator(
-            FLEET, session, store, make_strategy("fedavg"), evaluator, policy, RECIPE, live, roster
-        )
-        session.connect(timeout=10)
-        coordinator.start()
-        for device in HONEST:
-            coordinator.parts.presence.statuses[device] = messages.Status(device, "online", time.time())
-        outcome: list = []
-        thread = threading.Thread(target=lambda: outcome.append(coordinator.run_round(1, base)))
-        thread.start()
+        rounds = RoundThread(FLEET, session, store, evaluator_of(fashion), RECIPE, live, roster)
+        thread, outcome = rounds.start(HONEST, base)
         up = f"fl/{FLEET}/devices/{TARGET}/secagg"
         impostor.client.publish(up, seat.advert(1), qos=1).wait_for_publish(30)
         time.sleep(0.5)
