@@ -82,7 +82,8 @@ class RoundThread:
     identities: dict[str, bytes] | None = None
 
     def start(self, devices: list[str], base: Weights) -> tuple[threading.Thread, list]:
-        """Connects, marks `devices` online and runs round 1 from `base` on a thread: the thread, and the list its
+        """Connects, marks `devices` online and runs round 1 from `base` on a thread, returning once the secure round
+        is open (its state saved: the coordinator reads stage messages from then on): the thread, and the list its
         result joins."""
         strategy, policy = make_strategy("fedavg"), RoundPolicy(rounds=1, round_timeout=3.0)
         coordinator = local_coordinator(
@@ -103,6 +104,9 @@ class RoundThread:
         outcome: list = []
         thread = threading.Thread(target=lambda: outcome.append(coordinator.run_round(1, base)))
         thread.start()
+        opened, deadline = self.store.spool.folder / "secagg-1.rec", time.monotonic() + 30
+        while not opened.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
         return thread, outcome
 
 

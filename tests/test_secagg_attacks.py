@@ -465,7 +465,7 @@ def test_an_impostor_advert_recovers_nothing_on_a_provisioned_fleet(broker, tmp_
         thread, outcome = rounds.start(HONEST, base)
         up = f"fl/{FLEET}/devices/{TARGET}/secagg"
         impostor.client.publish(up, seat.advert(1), qos=1).wait_for_publish(30)
-        time.sleep(0.5)
+        time.sleep(0.5)  # the impostor's advert in before dev0's
         fleet.begin(1)
         fleet.train(1, HONEST)
         if not signed:

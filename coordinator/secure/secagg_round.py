@@ -21,7 +21,7 @@ VIEW, UNMASK = "view", "unmask"
 DONE, ABANDONED = "done", "abandoned"
 SECRETS = (
     *("share_ciphertexts", "seed_owners", "seed_holders", "seed_shares"),
-    *("pair_owners", "pair_peers", "pair_seeds", "proven_seeds", "inputs"),
+    *("pair_owners", "pair_peers", "pair_seeds", "proven_seeds"),
 )
 
 
@@ -45,10 +45,8 @@ class ServerSecAggState:
     cannot open, who holds whose record, complaints and the devices they excluded (with why), the devices that
     mask, the running masked sum (never one device's input), the survivors' confirmations it routes, the pairwise
     seeds survivors revealed with dropped partners, the seed shares sent back, and whose confirmation each holder
-    said did not check (`refused_owners`, by `refusing_holders`). On a provisioned fleet it also keeps each masked
-    input apart (`inputs`, flat, by device: hidden by its self mask, which a cheat's seed never loses) and the
-    pairwise seeds holders gave with a sender whose signed confirmation did not check (`proven_*`), so that sender
-    can be taken back out of the sum. `identities` holds the identity
+    said did not check (`refused_owners`, by `refusing_holders`), and the pairwise seeds holders gave with a sender
+    whose signed confirmation did not check (`proven_*`), so that sender can be taken back out of the sum. `identities` holds the identity
     public key of each selected device in its order (empty on an open fleet), `signatures` each advert's."""
 
     KIND: ClassVar[str] = "secagg_server_state"
@@ -100,14 +98,17 @@ class ServerSecAggState:
     proven_owners: list[str] = field(default_factory=list)
     proven_holders: list[str] = field(default_factory=list)
     proven_seeds: list[bytes] = field(default_factory=list)
-    inputs: Tensors = field(default_factory=dict)
 
 
 class SecAggRound:
-    """The state of one secure round and what all its stages need (the stages themselves are SecAggServer's)."""
+    """The state of one secure round and what all its stages need (the stages themselves are SecAggServer's). On a
+    provisioned fleet `inputs` keeps each masked input apart (flat, by device; in memory only, never saved: hidden
+    by its self mask, which a proven cheat's seed never loses), to take a proven cheat back out of the sum; a
+    process restarted after the masked inputs has none, and abandons a round that would need them."""
 
     def __init__(self, state: ServerSecAggState) -> None:
         self.state = state
+        self.inputs: dict[str, np.ndarray] = {}
 
     def snapshot(self) -> bytes:
         """The state as bytes, for the run's store."""
@@ -195,5 +196,6 @@ class SecAggRound:
         state.stage = ABANDONED
         state.masked_sum = {name: np.zeros_like(array) for name, array in state.masked_sum.items()}
         for name in SECRETS:
-            setattr(state, name, {} if name == "inputs" else [])
+            setattr(state, name, [])
+        self.inputs = {}
         raise SecAggAbandoned(reason)

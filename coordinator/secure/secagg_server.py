@@ -150,7 +150,7 @@ class SecAggServer(ComplaintStage, UnmaskStage):
 
     def on_masked(self, message: MaskedInput) -> None:
         """Stage 3: one masked input per device asked to mask, added to the running sum at once (on a provisioned
-        fleet also kept apart, still masked, so a proven cheat can be taken back out)."""
+        fleet also kept apart in memory, still masked, so a proven cheat can be taken back out)."""
         state = self.state
         self._check(message.device_id, message.round_id, MASKED, "a masked input", state.maskers)
         self._once(message.device_id, state.masked_from, "a masked input")
@@ -160,5 +160,5 @@ class SecAggServer(ComplaintStage, UnmaskStage):
         for name, array in message.masked.items():
             state.masked_sum[name] = state.masked_sum[name] + array
         if state.identities:
-            state.inputs[message.device_id] = flat(message.masked)
+            self.inputs[message.device_id] = flat(message.masked)
         state.masked_from.append(message.device_id)
