@@ -143,8 +143,8 @@ class ViewConfirmation:
     """Stage 4a's answer, device to coordinator: for each neighbour its view calls a survivor, a MAC (under a key
     only the two share) saying so, for the coordinator to route to it; for each other neighbour, the pairwise mask
     seed the device masked with, so the coordinator can take that mask out of the sum. On a provisioned fleet each
-    confirmation carries the device's identity signature over it (`signatures`, one per recipient): the coordinator
-    checks them, and a recipient holds a confirmation that does not check under a valid one as proof."""
+    confirmation carries the device's identity signature over it (`signatures`, one per recipient), routed with it:
+    a recipient holds a confirmation that does not check under a valid one as proof of who sent it."""
 
     KIND: ClassVar[str] = "secagg_confirm"
     device_id: str

@@ -22,7 +22,7 @@ from protocol import messages
 from protocol.credentials import load_credentials
 from protocol.errors import UsageError
 from protocol.messages import RejectionKind
-from protocol.secagg.errors import SecAggRefusal
+from protocol.secagg.errors import SecAggAbandoned, SecAggRefusal
 from protocol.secagg.identity import confirmation_body, sign
 
 FLEET = "ids"
@@ -149,12 +149,14 @@ def test_a_signed_round_unmasks_the_same_sum_and_costs_64_bytes_per_signature() 
     assert 2 * 64 * degree <= signed_received - received <= 2 * 66 * degree
 
 
-def test_only_a_cheat_own_signature_takes_it_out_of_the_sum() -> None:
+@pytest.mark.parametrize("restarted", [False, True], ids=["running", "restarted-before-finishing"])
+def test_only_a_cheat_own_signature_takes_it_out_of_the_sum(restarted: bool) -> None:
     """Five devices on a provisioned fleet; dev004 sends every partner a random confirmation under its own valid
     signature. The coordinator refuses confirmations without a signature each; a holder given a garbled confirmation of
     an honest device (whose signature covers the real one: what a coordinator could fake) withholds that share but
     proves nothing; with dev004's own signed garbage each holder gives its pairwise seed with dev004, and the round
-    finishes with the four honest devices' sum, dev004 excluded as bad_signature."""
+    finishes with the four honest devices' sum, dev004 excluded as bad_signature. A coordinator restarted before
+    finishing has lost the masked inputs it kept apart (memory only): it abandons the round, naming dev004."""
     updates = head_updates(5, features=4)
     secure = SecureRound.started(updates, True, dropout=0.1)
     secure.share()
@@ -182,6 +184,12 @@ def test_only_a_cheat_own_signature_takes_it_out_of_the_sum() -> None:
     for device, request in requests.items():
         if device != cheat:
             secure.server.on_reveal(secure.devices[device].on_unmask(request))
+    if restarted:
+        server = SecAggServer.restored(secure.server.snapshot())
+        with pytest.raises(SecAggAbandoned, match=r"^\['dev004'\] sent view confirmations that did not check"):
+            server.finish()
+        assert server.state.excluded == [cheat]
+        return
     result = secure.server.finish()
     honest = sorted(set(updates) - {cheat})
     assert result.survivors == honest and secure.server.state.excluded == [cheat]

@@ -185,7 +185,8 @@ class UnmaskStage(SecAggRound):
     def finish(self) -> SecAggResult:
         """Closes stage 4b: rebuilds the survivors' seeds (each checked against its commitment), strips the self masks
         and the pairwise masks with dropped neighbours, and decodes the sum; too few good shares abandons the round.
-        A finished round (saved by a process that died before committing it) gives the same sum again."""
+        A finished round (saved by a process that died before committing it) gives the same sum again, unless it took
+        a proven cheat out of the sum: that needs the masked inputs kept in memory, so it is abandoned instead."""
         state = self.state
         if state.stage != DONE:
             check_stage(state.stage, UNMASK, "the close of the unmask stage")
@@ -222,9 +223,10 @@ class UnmaskStage(SecAggRound):
         """Survivors whose confirmations did not check at their holders, so that fewer than t gave a share of their
         seed: each alone is to blame (excluded, bad_signature, naming the holders that refused it). Where every
         surviving partner of such a device proved it (its own signature on a confirmation that did not check) and
-        gave its pairwise seed with it, it is taken back out of the sum: its masked input, kept apart (`inputs`), is
-        subtracted and those pairwise masks stripped, so the round commits without it. Otherwise its self mask cannot come out
-        of the sum, and the round is abandoned with a reason naming it, not the honest devices."""
+        gave its pairwise seed with it, it is taken back out of the sum: its masked input, kept apart (`inputs`),
+        is subtracted and those pairwise masks stripped, so the round commits without it. Otherwise (no proof, or
+        no kept input: a restarted process, a finished round finished again) its self mask cannot come out of the
+        sum, and the round is abandoned with a reason naming it, not the honest devices."""
         state = self.state
         returned = Counter(state.seed_owners)
         refused: dict[str, list[str]] = {}

@@ -243,8 +243,9 @@ class SecAggDevice:
 
     def on_view(self, view: SurvivorView) -> ViewConfirmation:
         """Stage 4a: takes the coordinator's one view of which partners survived (the same view again gets the same
-        answer; another is refused), confirms it to each surviving partner with a MAC only that partner can check,
-        and reveals the pairwise mask seed of each other partner."""
+        answer; another is refused), confirms it to each surviving partner with a MAC only that partner can check
+        (signed by its identity key on a provisioned fleet), and reveals the pairwise mask seed of each other
+        partner."""
         state = self.state
         check_addressed(state.device_id, view.device_id)
         check_round(state.round_id, view.round_id)
