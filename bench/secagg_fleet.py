@@ -15,10 +15,13 @@ from coordinator.secure.secagg_server import SecAggServer
 from coordinator.secure.secagg_unmask import SecAggResult
 from edge_agent.loop.secagg_device import SecAggDevice
 from protocol import wire
+from protocol.credentials import DeviceIdentity
 from protocol.messages import DeliveryAck, ShareBundle
+from protocol.secagg.identity import new_identity
 from protocol.tensors import Weights
 
 ROUND = 7
+RUN = "run-a"
 T = TypeVar("T")
 
 
@@ -44,6 +47,14 @@ def head_updates(count: int, seed: int = 0, scale: float = 0.5, features: int = 
     }
 
 
+def provisioned(devices: Iterable[str]) -> dict[str, DeviceIdentity]:
+    """Each device's identity as `provision` writes it: its own Ed25519 secret and the fleet's roster of every
+    device's public key."""
+    pairs = {device: new_identity() for device in devices}
+    roster = {device: public for device, (_, public) in pairs.items()}
+    return {device: DeviceIdentity(secret, roster) for device, (secret, _) in pairs.items()}
+
+
 @dataclass
 class SecureRound:
     """A coordinator and its devices in one secure round, with the updates each device will mask."""
@@ -54,17 +65,21 @@ class SecureRound:
     costs: Costs = field(default_factory=Costs)
 
     @classmethod
-    def started(cls, updates: dict[str, Weights], **settings: Any) -> SecureRound:
-        """Stage 1 done: every device advertised its keys."""
+    def started(cls, updates: dict[str, Weights], signed: bool = False, **settings: Any) -> SecureRound:
+        """Stage 1 done: every device advertised its keys (`signed`: a provisioned fleet's, each advert signed by
+        its device's identity key and checked by the coordinator and by every device that gets it in a roster)."""
         ids = sorted(updates)
-        config = SecAggSettings(graph_seed=b"public", **settings)
-        server = SecAggServer.start("run-a", ROUND, ids, updates[ids[0]], config)
+        identities = provisioned(ids) if signed else {}
+        roster = {device: identity.roster[device] for device, identity in identities.items()}
+        config = SecAggSettings(graph_seed=b"public", identities=roster, **settings)
+        server = SecAggServer.start(RUN, ROUND, ids, updates[ids[0]], config)
         secure = cls(server, {}, updates)
-        start = SecAggDevice.start
-        secure.devices = {
-            device: secure.on_device(device, lambda d=device: start(d, ROUND, config.clip, config.dropout))
-            for device in ids
-        }
+
+        def start(device: str) -> SecAggDevice:
+            identity = identities.get(device)
+            return SecAggDevice.start(device, ROUND, config.clip, config.dropout, run_id=RUN, identity=identity)
+
+        secure.devices = {device: secure.on_device(device, start, device) for device in ids}
         for device, agent in secure.devices.items():
             secure.on_server(secure.server.on_keys, secure.sent(device, secure.on_device(device, agent.advert)))
         return secure

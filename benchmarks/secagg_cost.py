@@ -11,8 +11,20 @@ float32 `Update` of its head and the coordinator sums the decoded tensors. Per f
   server_seconds                 the coordinator's compute over every stage
   plain_server_seconds           decoding and summing the plain updates
   server_state_bytes             the largest saved state of the round (the sealed shares it routes, the sum)
+  server_state_masked_bytes      its saved state once the masked inputs are in
+  server_kept_inputs_bytes       the masked inputs it keeps apart in memory (a provisioned fleet's only)
   max_error, error_bound         the unmasked sum against the plain sum, and the fixed point's stated bound
   peak_rss_mb                    the process's peak RSS (all devices and the coordinator share it)
+
+and, in the same run over the same updates and graph, the round again on a provisioned fleet (issue 43: each key
+advert and view confirmation signed by its device's Ed25519 identity key, each advert checked by the coordinator and
+by every device whose roster lists it; the coordinator also keeps each masked input apart, in memory):
+
+  signed_device_bytes_sent/received, signed_device_seconds, signed_server_seconds, signed_server_state_bytes,
+  signed_server_state_masked_bytes, signed_server_kept_inputs_bytes: as above, signed
+  sign_seconds                   mean per device: signing its advert and its k view confirmations (Ed25519)
+  roster_check_seconds           mean per device: checking its roster's k neighbour signatures
+  server_check_seconds           the coordinator: checking every advert's signature
 
 Usage: python benchmarks/secagg_cost.py [--devices 10 100 500] [--seeds 0 1 2] [--features 1280]
        [--dropout 0.1] [--drop-before 0.05] [--drop-after 0.05]
@@ -42,6 +54,8 @@ from bench.secagg_fleet import SecureRound, head_updates, largest_error, plain_s
 from coordinator.fleet.broker import DEFAULT_MAX_PACKET_BYTES, EmbeddedBroker
 from protocol import wire
 from protocol.messages import Update
+from protocol.secagg import keys
+from protocol.secagg.identity import confirmation_body, sign, sign_advert, unsigned
 from protocol.tensors import Weights
 
 
@@ -58,18 +72,20 @@ def plain_round(updates: dict[str, Weights]) -> tuple[float, float]:
     return statistics.fmean(len(m) for m in messages), time.perf_counter() - start
 
 
-def secure_round(updates: dict[str, Weights], args: argparse.Namespace) -> dict[str, Any]:
-    """One secure round with the asked dropouts, and what it cost."""
+def secure_round(updates: dict[str, Weights], args: argparse.Namespace, signed: bool = False) -> dict[str, Any]:
+    """One secure round with the asked dropouts (`signed`: on a provisioned fleet), and what it cost."""
     ids = sorted(updates)
     before = ids[: round(args.drop_before * len(ids))]
     after = ids[len(before) : len(before) + round(args.drop_after * len(ids))]
-    secure = SecureRound.started(updates, dropout=args.dropout, min_survivors=2)
+    secure = SecureRound.started(updates, signed, dropout=args.dropout, min_survivors=2)
     secure.send_shares()
     state_bytes = len(secure.server.snapshot())
     secure.deliver()
     secure.partner()
     masked = [d for d in ids if d not in before]
     secure.mask(masked)
+    masked_state_bytes = len(secure.server.snapshot())
+    kept_bytes = sum(array.nbytes for array in secure.server.inputs.values())
     result = secure.unmask([d for d in masked if d not in after])
     costs = secure.costs
     return {
@@ -81,9 +97,47 @@ def secure_round(updates: dict[str, Weights], args: argparse.Namespace) -> dict[
         "device_seconds_max": max(costs.device_seconds.values()),
         "server_seconds": costs.server_seconds,
         "server_state_bytes": state_bytes,
+        "server_state_masked_bytes": masked_state_bytes,
+        "server_kept_inputs_bytes": kept_bytes,
         "max_error": largest_error(result.total, plain_sum(updates, masked)),
         "error_bound": result.error_bound,
+    } | (signing_seconds(secure) if signed else {})
+
+
+def signing_seconds(secure: SecureRound) -> dict[str, float]:
+    """The signatures' own compute in a signed round, timed apart from the rest: each device signing its advert and
+    one confirmation per neighbour (a 32-byte tag, as in the round) and checking the k advert signatures of its
+    roster; the coordinator checking every advert (confirmation signatures are checked only by a recipient whose
+    confirmation does not check, against its sender)."""
+    state, context = secure.server.state, secure.server.context
+    adverts = list(zip(state.advertised, state.cipher_keys, state.mask_keys, state.signatures))
+    by_device = {advert[0]: advert for advert in adverts}
+    tag = bytes(keys.TAG_BYTES)
+    signing, checking = [], []
+    for device, cipher, mask, _ in adverts:
+        identity, peers = secure.devices[device].identity, secure.server.graph[device]
+        start = time.perf_counter()
+        sign_advert(identity.secret, context, device, cipher, mask)
+        for peer in peers:
+            sign(identity.secret, confirmation_body(context, device, peer, tag))
+        signing.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        unsigned(identity.roster, context, [by_device[peer] for peer in peers])
+        checking.append(time.perf_counter() - start)
+    roster = secure.devices[state.advertised[0]].identity.roster
+    start = time.perf_counter()
+    assert not any(unsigned(roster, context, adverts))
+    return {
+        "sign_seconds": statistics.fmean(signing),
+        "roster_check_seconds": statistics.fmean(checking),
+        "server_check_seconds": time.perf_counter() - start,
     }
+
+
+SIGNED = (
+    *("device_bytes_sent", "device_bytes_received", "device_seconds"),
+    *("server_seconds", "server_state_bytes", "server_state_masked_bytes", "server_kept_inputs_bytes"),
+)
 
 
 def over_mqtt(argv: list[str]) -> None:
@@ -127,6 +181,10 @@ def main() -> None:
             updates = head_updates(devices, seed=seed, features=args.features)
             plain_bytes, plain_seconds = plain_round(updates)
             row = {"devices": devices, "seed": seed, "floats": 10 * args.features + 10, **secure_round(updates, args)}
+            signed = secure_round(updates, args, signed=True)
+            row |= {f"signed_{key}": signed[key] for key in SIGNED} | {
+                key: signed[key] for key in ("sign_seconds", "roster_check_seconds", "server_check_seconds")
+            }
             row |= {"plain_device_bytes_sent": plain_bytes, "plain_server_seconds": plain_seconds}
             print(json.dumps(row), flush=True)
             rows.append(row)

@@ -68,7 +68,7 @@ def fleet_run(
     the simulate run is that checkout's code: run in it, with it on PYTHONPATH for every process it starts."""
     prefix, cwd = tree if tree else ("", None)
     fleet = f"{prefix}{'secure' if secure else 'plain'}{devices}"
-    mode = ["--secure-aggregation", "secagg"] if secure else []
+    mode = ["--secure-aggregation", "secagg", "--secagg-open-fleet-unsafe"] if secure else []
     extra = ["--broker", address.url, "--fleet", fleet, "--strategy", "fedavg", *mode]
     counter = ByteCounter(address, fleet)
     watcher = threading.Thread(target=counter.run, daemon=True)

@@ -7,8 +7,9 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from coordinator.fleet.provision import load_secure_fleet
 from coordinator.intake.observer import RoundObserver
 from coordinator.intake.update_intake import UpdateIntake
 from coordinator.rounds.closing import RoundCloser
@@ -31,6 +32,7 @@ from edge_agent.loop.inbound import device_router, handle_inbound
 from edge_agent.loop.outbox import OUTBOX_FOLDER, UpdateSender
 from edge_agent.loop.secure_rounds import SecureRounds
 from protocol import messages, topics, wire
+from protocol.credentials import DeviceIdentity
 from protocol.dp import DP_CENTRAL, DP_DEVICE
 from protocol.errors import UsageError
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec, spec_hash
@@ -57,6 +59,7 @@ class RelaySettings:
     fleet: str
     site: ServerSettings
     signing_key: bytes = b""
+    identity: DeviceIdentity = field(default_factory=DeviceIdentity)  # upstream: signs its secure-round adverts
 
     def __post_init__(self) -> None:
         wire.check_identifier("relay id", self.relay_id)
@@ -67,7 +70,9 @@ class RelaySettings:
     @property
     def device(self) -> AgentSettings:
         """The relay as a device of the central fleet (its outbox and last will are a device's)."""
-        return AgentSettings(self.fleet, self.relay_id, profile=RELAY_PROFILE, signing_key=self.signing_key)
+        return AgentSettings(
+            self.fleet, self.relay_id, profile=RELAY_PROFILE, signing_key=self.signing_key, identity=self.identity
+        )
 
 
 class NoEvaluation:
@@ -156,7 +161,9 @@ class SiteRounds:
         rules = dataclasses.replace(self.rules, recipe=recipe, spec=spec)
         mode = RoundMode()
         if recipe.secure_aggregation != "off":
-            mode = SecureMode(mode, self.session, self.settings.fleet, self.parts.intake)
+            site = self.settings.secure_dir
+            identities = load_secure_fleet(site).identities if site is not None else {}
+            mode = SecureMode(mode, self.session, self.settings.fleet, self.parts.intake, identities)
         return Coordinator(self.settings.fleet, self.session, rules, dataclasses.replace(self.parts, mode=mode))
 
     def start(self) -> None:
@@ -193,7 +200,7 @@ def upstream_secure_rounds(settings: RelaySettings, session: MqttSession) -> Sec
     state_dir = settings.site.run_dir / UPSTREAM_SECAGG
     state_dir.mkdir(parents=True, exist_ok=True)
     journal = Journal(state_dir / "journal.json")
-    return SecureRounds(settings.fleet, settings.relay_id, session, state_dir, journal)
+    return SecureRounds(settings.fleet, settings.relay_id, session, state_dir, journal, settings.identity)
 
 
 class Relay:

@@ -23,7 +23,7 @@ from coordinator.rounds.serving import ServingKeeper
 from coordinator.setup.encoder import round_encoder
 from coordinator.setup.resume import starting_point
 from coordinator.setup.server_data import ServerData, build_evaluator, load_server_data, w0_accuracy, w0_line
-from coordinator.setup.settings import ServerSettings
+from coordinator.setup.settings import ServerSettings, fleet_identities
 from coordinator.storage.store import RunStore
 from coordinator.strategies.registry import make_strategy
 from edge_agent.learning.encoder import encoder_hash
@@ -188,7 +188,7 @@ def round_mode(settings: ServerSettings, intake: UpdateIntake, session: MqttSess
         return mode
     from coordinator.secure.mode import SecureMode
 
-    return SecureMode(mode, session, settings.fleet, intake)
+    return SecureMode(mode, session, settings.fleet, intake, fleet_identities(settings))
 
 
 def bundle_exporter(settings: ServerSettings) -> Callable[[Weights, str], dict[str, bytes]]:

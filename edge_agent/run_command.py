@@ -12,7 +12,7 @@ from edge_agent.loop.memory_budget import fit_to_budget
 from edge_agent.loop.profile import DeviceProfile, load_profile
 from protocol import wire
 from protocol.chunks import given_packet_limit
-from protocol.credentials import Credentials, load_credentials
+from protocol.credentials import Credentials, DeviceIdentity, load_credentials
 from protocol.errors import UsageError
 from protocol.mqtt import DEFAULT_KEEPALIVE_SECONDS, BrokerAddress, MqttSession, parse_broker_url
 from protocol.shutdown import raise_on_sigterm
@@ -108,6 +108,7 @@ def agent_settings(
         "exit_on_final": args.exit_on_final,
         "stream": args.stream,
         "signing_key": credentials.hmac_key if credentials else b"",
+        "identity": credentials.identity if credentials else DeviceIdentity(),
         "slowdown": args.slowdown,
     }
     if profile is None:

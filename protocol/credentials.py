@@ -1,10 +1,12 @@
-# A device's (or the coordinator's) credential file: who it is on the broker, its HMAC key, its TLS files.
+# A device's (or the coordinator's) credential file: who it is on the broker, its HMAC key, its TLS files, its identity
+# signing key and the fleet's roster of identity public keys (secure aggregation's signed key adverts).
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from protocol import wire
@@ -14,6 +16,16 @@ from protocol.mqtt import BrokerAddress
 
 CREDENTIALS_VERSION = 1
 TLS_FIELDS = ("ca_file", "cert_file", "key_file")
+
+
+@dataclass(frozen=True)
+class DeviceIdentity:
+    """Who a device is to secure aggregation: its Ed25519 identity secret (raw, 32 bytes; empty for the coordinator
+    and on an open fleet) and the fleet's roster of identity public keys by device id (empty on an open fleet: then
+    key adverts go unsigned and unchecked)."""
+
+    secret: bytes = field(default=b"", repr=False)
+    roster: Mapping[str, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -28,6 +40,13 @@ class Credentials:
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
+    identity_key: bytes = b""
+    identities: dict[str, bytes] = field(default_factory=dict)
+
+    @property
+    def identity(self) -> DeviceIdentity:
+        """This client's identity key and the fleet's roster, as secure aggregation takes them."""
+        return DeviceIdentity(self.identity_key, dict(self.identities))
 
     def apply_to(self, address: BrokerAddress) -> BrokerAddress:
         """The broker address with this client's username, password and TLS files filled in."""
@@ -43,7 +62,13 @@ class Credentials:
 
 def save_credentials(path: Path, credentials: Credentials) -> None:
     """Writes the file with 0600 permissions; TLS paths are stored relative to its folder so it can be copied."""
-    body = {"version": CREDENTIALS_VERSION, **dataclasses.asdict(credentials), "hmac_key": credentials.hmac_key.hex()}
+    body = {
+        "version": CREDENTIALS_VERSION,
+        **dataclasses.asdict(credentials),
+        "hmac_key": credentials.hmac_key.hex(),
+        "identity_key": credentials.identity_key.hex(),
+        "identities": {device: key.hex() for device, key in sorted(credentials.identities.items())},
+    }
     for name in TLS_FIELDS:
         if body[name] is not None:
             body[name] = os.path.relpath(Path(body[name]).resolve(), path.parent.resolve())
@@ -66,6 +91,8 @@ def load_credentials(path: Path) -> Credentials:
             password=_string(body["password"], "password"),
             device_id=_optional_identifier(body.get("device_id", ""), "device id"),
             hmac_key=bytes.fromhex(_string(body.get("hmac_key", ""), "hmac_key")),
+            identity_key=bytes.fromhex(_string(body.get("identity_key", ""), "identity_key")),
+            identities=_identities(body.get("identities", {})),
             **{name: _tls_path(path, body.get(name), name) for name in TLS_FIELDS},
         )
     # bytes.fromhex and the field checks raise ValueError for a bad credential file: the person's to fix
@@ -78,6 +105,19 @@ def _string(value: object, name: str) -> str:
     if not isinstance(value, str):
         raise UsageError(f"{name} must be a string")
     return value
+
+
+def _identities(value: object) -> dict[str, bytes]:
+    """The fleet's roster of identity public keys: device id -> 32-byte key, written as hex."""
+    if not isinstance(value, dict):
+        raise UsageError("identities must map device ids to hex keys")
+    roster = {
+        wire.check_identifier("device id", device): bytes.fromhex(_string(key, "identity"))
+        for device, key in value.items()
+    }
+    if any(len(key) != 32 for key in roster.values()):
+        raise UsageError("an identity public key is not 32 bytes")
+    return roster
 
 
 def _optional_identifier(value: object, kind: str) -> str:

@@ -1,8 +1,12 @@
 # Test helpers: a coordinator assembled from its parts around a given session, store, strategy and evaluator; a fake
-# session (no broker) for in-process rounds; what a secure run's folders must not hold.
+# session (no broker) for in-process rounds; a round run on its own thread against a live broker; what a secure run's
+# folders must not hold.
 from __future__ import annotations
 
 import queue
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +28,7 @@ from coordinator.rounds.serving import ServingKeeper
 from coordinator.secure.mode import SecureMode
 from coordinator.storage.store import RoundRecord, RunStore
 from coordinator.strategies.contract import Strategy
+from coordinator.strategies.registry import make_strategy
 from edge_agent.learning.models import build_model, weight_spec
 from protocol import messages, topics, wire
 from protocol.model_spec import DEFAULT_SPEC
@@ -43,9 +48,11 @@ def local_coordinator(
     policy: RoundPolicy,
     recipe: messages.Recipe | None = None,
     observer: RoundObserver | None = None,
+    identities: dict[str, bytes] | None = None,
 ) -> Coordinator:
     """A coordinator with no bundles, no encoder, no device evaluation and an observer that hears nothing (unless
-    one is given: the dashboard's LiveState, to read /metrics)."""
+    one is given: the dashboard's LiveState, to read /metrics); a secure one checks key adverts against
+    `identities` (a provisioned fleet's identity public keys) when given."""
     observer = observer or RoundObserver()
     intake = UpdateIntake(fleet, session, store, observer)
     parts = RoundParts(
@@ -54,11 +61,59 @@ def local_coordinator(
         publisher=RetainedPublisher(session, fleet, "run", Artefacts()),
         closer=RoundCloser(store, strategy, evaluator, evaluate_devices=False, base_labels=0),
         observer=observer,
-        mode=SecureMode(RoundMode(), session, fleet, intake)
+        mode=SecureMode(RoundMode(), session, fleet, intake, identities)
         if recipe and recipe.secure_aggregation != "off"
         else RoundMode(),
     )
     return Coordinator(fleet, session, RoundRules(recipe or messages.Recipe(), policy), parts)
+
+
+@dataclass
+class RoundThread:
+    """A FedAvg coordinator (`local_coordinator`: a secure one for a secure recipe, checking adverts against
+    `identities` when given) on a live broker session, running one round on its own thread."""
+
+    fleet: str
+    session: MqttSession
+    store: RunStore
+    evaluator: Evaluator
+    recipe: messages.Recipe
+    observer: RoundObserver | None = None
+    identities: dict[str, bytes] | None = None
+
+    def start(self, devices: list[str], base: Weights) -> tuple[threading.Thread, list]:
+        """Connects, marks `devices` online and runs round 1 from `base` on a thread, returning once the secure round
+        is open (its state saved: the coordinator reads stage messages from then on): the thread, and the list its
+        result joins."""
+        strategy, policy = make_strategy("fedavg"), RoundPolicy(rounds=1, round_timeout=3.0)
+        coordinator = local_coordinator(
+            self.fleet,
+            self.session,
+            self.store,
+            strategy,
+            self.evaluator,
+            policy,
+            self.recipe,
+            self.observer,
+            self.identities,
+        )
+        self.session.connect(timeout=10)
+        coordinator.start()
+        for device in devices:
+            coordinator.parts.presence.statuses[device] = messages.Status(device, "online", time.time())
+        outcome: list = []
+        thread = threading.Thread(target=lambda: outcome.append(coordinator.run_round(1, base)))
+        thread.start()
+        opened, deadline = self.store.spool.folder / "secagg-1.rec", time.monotonic() + 30
+        while not opened.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return thread, outcome
+
+
+def evaluator_of(fashion: Any) -> Evaluator:
+    """An evaluator over Fashion-MNIST's first 20 test images (validation and test alike)."""
+    split = LabelledSplit.from_uint8(fashion.test_images[:20], fashion.test_labels[:20])
+    return Evaluator(DEFAULT_SPEC, split, split, 1, 0)
 
 
 def blank_evaluator() -> Evaluator:

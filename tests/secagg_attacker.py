@@ -18,6 +18,7 @@ import numpy as np
 import paho.mqtt.client as paho
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes, hmac, serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -171,14 +172,20 @@ class PlainDevice:
     """A device's side of a secure round, written from the message layouts: `answer` takes a coordinator's stage
     message and returns the device's answer, the transport left to whoever drives it. It follows the protocol but
     where told otherwise: `victims` picks the neighbours whose record it seals with no share in it, `inputs` is
-    what it masks by tensor name (already weighted, never clipped: any value the fixed point's 32 bits hold), and
-    `forge` alters the first seed share it reveals at unmasking."""
+    what it masks by tensor name (already weighted, never clipped: any value the fixed point's 32 bits hold),
+    `forge` alters the first seed share it reveals at unmasking, and `bad_tags` sends every partner a view
+    confirmation of random bytes. With an `identity` (a provisioned fleet's Ed25519 secret, raw) it signs its advert
+    (over "secagg-key-advert" | run/round | id | both keys) and each confirmation (over "secagg-signed-confirmation"
+    | run/round | id | recipient | tag), random ones included."""
 
     device_id: str
     keys: Party = field(default_factory=Party.fresh)
     victims: Callable[[list[str]], list[str]] = no_one
     inputs: dict[str, np.ndarray] = field(default_factory=dict)
     forge: bool = False
+    bad_tags: bool = False
+    identity: bytes = b""
+    run_id: str = "run"
     seed: bytes = field(default_factory=lambda: os.urandom(32))
     roster: dict[str, Any] = field(default_factory=dict)
     ephemeral: dict[str, bytes] = field(default_factory=dict)
@@ -188,13 +195,19 @@ class PlainDevice:
     def advert(self, round_id: int) -> bytes:
         """Stage 1: its two public keys."""
         keys = self.keys
+        body = (f"{self.run_id}/{round_id}".encode(), self.device_id.encode(), keys.cipher_public, keys.mask_public)
         return envelope(
             "secagg_keys",
             device_id=self.device_id,
             round_id=round_id,
             cipher_key=keys.cipher_public,
             mask_key=keys.mask_public,
+            signature=self.signed(b"secagg-key-advert", *body),
         )
+
+    def signed(self, *parts: bytes) -> bytes:
+        """Its identity's Ed25519 signature over the parts joined by "|" (empty without an identity)."""
+        return Ed25519PrivateKey.from_private_bytes(self.identity).sign(b"|".join(parts)) if self.identity else b""
 
     def answer(self, message: dict[str, Any]) -> bytes:
         """Its answer to one of the coordinator's stage messages, as the wire's envelope."""
@@ -277,11 +290,19 @@ class PlainDevice:
             for p in survivors
         ]
         tags = [confirmation(key, self.context, self.device_id, peer) for key, peer in zip(keys, survivors)]
+        if self.bad_tags:
+            tags = [os.urandom(len(tag)) for tag in tags]
+        purpose, me = b"secagg-signed-confirmation", self.device_id.encode()
         return {
             "recipients": survivors,
             "tags": tags,
             "dropped": dropped,
             "pair_seeds": [self.mask_seed(peer) for peer in dropped],
+            "signatures": [
+                self.signed(purpose, self.context, me, peer.encode(), tag) for peer, tag in zip(survivors, tags)
+            ]
+            if self.identity
+            else [],
         }
 
     def reveal(self, request: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 # A cheating secure-aggregation device on its own MQTT connection: the plain device of tests/secagg_attacker.py
 # (paho-mqtt + msgpack + `cryptography`, written from the message layouts) answering every stage as it comes, masking
-# whatever it is given (no clip, any weight), optionally forging a seed share at unmasking, and able to claim a
-# 17 MiB chunked stage message.
+# whatever it is given (no clip, any weight), optionally forging a seed share at unmasking or its view confirmations,
+# and able to claim a 17 MiB chunked stage message.
 from __future__ import annotations
 
 import hashlib
@@ -19,14 +19,21 @@ from protocol.mqtt import BrokerAddress
 class SecAggAttacker:
     """One malicious participant of a secure round on `fleet`: `values` is what it masks, by tensor name (the round's
     layout: the trained tensors, `secagg.weight` and `secagg.labels`, already weighted, never clipped); `forge`
-    makes it return one altered seed share when asked to unmask. It answers the coordinator's stage messages on
-    paho's thread; an error there is raised by `close`."""
+    makes it return one altered seed share when asked to unmask, `bad_tags` send random view confirmations, and
+    `identity` (a provisioned fleet's secret) signs what it sends. It answers the coordinator's stage messages on paho's thread; an error there is raised by `close`."""
 
     def __init__(
-        self, address: BrokerAddress, fleet: str, device_id: str, values: dict[str, np.ndarray], forge: bool = False
+        self,
+        address: BrokerAddress,
+        fleet: str,
+        device_id: str,
+        values: dict[str, np.ndarray],
+        forge: bool = False,
+        bad_tags: bool = False,
+        identity: bytes = b"",
     ) -> None:
         self.fleet, self.device_id = fleet, device_id
-        self.device = PlainDevice(device_id, inputs=values, forge=forge)
+        self.device = PlainDevice(device_id, inputs=values, forge=forge, bad_tags=bad_tags, identity=identity)
         self.errors: queue.Queue[Exception] = queue.Queue()
         subscribed = threading.Event()
         self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=device_id, protocol=paho.MQTTv5)

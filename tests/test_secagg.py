@@ -22,6 +22,7 @@ from protocol.messages import (
     ShareDelivery,
     SurvivorView,
     UnmaskRequest,
+    UnmaskResponse,
 )
 from protocol.secagg import keys
 from protocol.secagg.errors import SecAggAbandoned, SecAggRefusal
@@ -250,14 +251,15 @@ def test_an_honest_device_keeps_one_view_and_reveals_only_what_it_allows() -> No
     request = requests["dev000"]
     assert len(device.on_unmask(request).seed_shares) == 5
     wrong_tag = dataclasses.replace(request, tags=[request.tags[1], request.tags[0], *request.tags[2:]])
-    refused(RejectionKind.UNSAFE_REQUEST, device.on_unmask, wrong_tag)
+    swapped = device.on_unmask(wrong_tag)  # the two swapped confirmations check for neither: only they get no share
+    assert (swapped.refused, swapped.seed_owners) == (request.senders[:2], request.senders[2:])
     untagged = UnmaskRequest("dev000", request.round_id, request.senders[:1], [bytes(32)])
-    refused(RejectionKind.UNSAFE_REQUEST, device.on_unmask, untagged)
+    assert device.on_unmask(untagged) == UnmaskResponse("dev000", request.round_id, [], [], request.senders[:1])
     elsewhere = requests["dev002"]  # dev001's confirmation to dev002, replayed to dev000
     replayed = UnmaskRequest(
         "dev000", request.round_id, ["dev001"], [elsewhere.tags[elsewhere.senders.index("dev001")]]
     )
-    refused(RejectionKind.UNSAFE_REQUEST, device.on_unmask, replayed)
+    assert device.on_unmask(replayed).refused == ["dev001"]
 
 
 def test_a_device_told_its_neighbours_dropped_gives_no_seed_share_without_their_confirmation() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from coordinators import local_coordinator
+from coordinators import RoundThread, evaluator_of
 from secagg_attacker import (
     MASK_PURPOSE,
     MaliciousCoordinator,
@@ -28,16 +28,15 @@ from secagg_attacker import (
     unseal,
 )
 
+from bench.secagg_fleet import provisioned
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.metrics import render_metrics
-from coordinator.rounds.evaluation import Evaluator, LabelledSplit
-from coordinator.rounds.rules import RoundPolicy
 from coordinator.storage.store import RunStore
-from coordinator.strategies.registry import make_strategy
 from edge_agent.data.journal import Journal
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.loop.secagg_participant import SecAggParticipant
 from protocol import messages, topics
+from protocol.credentials import DeviceIdentity
 from protocol.model_spec import DEFAULT_SPEC, trainable_names
 from protocol.mqtt import MqttSession
 from protocol.secagg.fixed_point import FixedPoint, flat
@@ -53,10 +52,13 @@ SAMPLES, LABELS = 150, 4
 
 
 class HonestFleet:
-    """The three honest devices (the project's participants, each on its own MQTT session), run by one thread that
-    hands them their messages and the test's actions in turn."""
+    """The three honest devices (the project's participants, each on its own MQTT session, with their identity keys
+    and the fleet's roster where `identities` gives them), run by one thread that hands them their messages and the
+    test's actions in turn."""
 
-    def __init__(self, address, tmp_path: Path, base: Weights) -> None:
+    def __init__(
+        self, address, tmp_path: Path, base: Weights, identities: dict[str, DeviceIdentity] | None = None
+    ) -> None:
         self.base = base
         self.actions: queue.Queue = queue.Queue()
         self.sessions, self.participants = {}, {}
@@ -71,7 +73,8 @@ class HonestFleet:
             (tmp_path / device).mkdir()
             journal = Journal(tmp_path / device / "state.json")
             self.sessions[device] = session
-            self.participants[device] = SecAggParticipant(FLEET, device, session, tmp_path / device, journal)
+            identity = (identities or {}).get(device)
+            self.participants[device] = SecAggParticipant(FLEET, device, session, tmp_path / device, journal, identity)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.pump, daemon=True)
         self.thread.start()
@@ -362,20 +365,11 @@ def test_a_forged_record_over_mqtt_excludes_the_forger_and_commits_the_honest_me
     forger = PlainForger(mal, victims, answers)
     session = MqttSession(broker.address, client_id="coordinator")
     store = RunStore(tmp_path / "run")
+    live = LiveState(1)
     try:
-        split = LabelledSplit.from_uint8(fashion.test_images[:20], fashion.test_labels[:20])
-        evaluator = Evaluator(DEFAULT_SPEC, split, split, 1, 0)
-        policy = RoundPolicy(rounds=1, round_timeout=3.0)
-        live = LiveState(1)
-        strategy = make_strategy("fedavg")
-        coordinator = local_coordinator(FLEET, session, store, strategy, evaluator, policy, RECIPE, live)
-        session.connect(timeout=10)
-        coordinator.start()
-        for device in [*HONEST, mal.me]:
-            coordinator.parts.presence.statuses[device] = messages.Status(device, "online", time.time())
-        outcome: list = []
-        thread = threading.Thread(target=lambda: outcome.append(coordinator.run_round(1, base)))
-        thread.start()
+        thread, outcome = RoundThread(FLEET, session, store, evaluator_of(fashion), RECIPE, live).start(
+            [*HONEST, mal.me], base
+        )
         fleet.begin(1)
         fleet.train(1, HONEST)
         forger.play(1)
@@ -396,3 +390,108 @@ def test_a_forged_record_over_mqtt_excludes_the_forger_and_commits_the_honest_me
     assert ("does not open" in reason) == answers and ("did not reveal" in reason) == (not answers)
     assert kinds == {"forged_share": 1}
     assert 'fl_updates_rejected_total{reason="forged_share"} 1' in render_metrics(live.counters(), 0, 1)
+
+
+def roster_fields(device: str, adverts: dict[str, dict[str, Any]], keys: dict[str, Party]) -> dict:
+    """A round 1 roster for `device` listing `keys`' neighbours (the coordinator's choice of keys for each) with each
+    neighbour's advert signature (empty for a neighbour that sent none): the graph of that many devices."""
+    peers = sorted(keys)
+    return {
+        "run_id": RUN,
+        "device_id": device,
+        "round_id": 1,
+        "graph_seed": b"any",
+        "threshold": len(peers) // 2 + 1,
+        "min_survivors": 2,
+        "clip": RECIPE.secagg_clip,
+        "max_summands": len(peers) + 1,
+        "advertised": len(peers) + 1,
+        "neighbours": peers,
+        "cipher_keys": [keys[p].cipher_public for p in peers],
+        "mask_keys": [keys[p].mask_public for p in peers],
+        "signatures": [adverts.get(p, {}).get("signature", b"") for p in peers],
+    }
+
+
+@pytest.mark.parametrize("invented", ["ghost", "impostor"])
+def test_a_coordinator_cannot_invent_a_neighbour_on_a_provisioned_fleet(broker, tmp_path, invented) -> None:
+    """Issue 43: on a provisioned fleet each device checks every neighbour's key advert against the fleet's identity
+    roster. The malicious coordinator lists a neighbour it made up ("mal", no identity in the fleet) or puts keys it
+    made under an honest device's name (its advert signature then covers other keys): every device it told so sends
+    no shares (nothing is sealed for the coordinator's keys), and stays where it was; the same device answers a
+    roster of the neighbours' own signed adverts."""
+    base = get_weights(build_model(seed=0))
+    fleet = HonestFleet(broker.address, tmp_path, base, provisioned(HONEST))
+    mal = MaliciousCoordinator(broker.address.host, broker.address.port, FLEET)
+    try:
+        fleet.begin(1)
+        adverts = mal.collect("secagg_keys", len(HONEST))
+        assert all(len(advert["signature"]) == 64 for advert in adverts.values())
+        own = {d: Party(a["cipher_key"], a["mask_key"]) for d, a in adverts.items()}
+        for device in HONEST:
+            others = {d: own[d] for d in HONEST if d != device}
+            lied = {**others, mal.me: mal.keys} if invented == "ghost" else {**others, min(others): mal.keys}
+            mal.send(device, "secagg_roster", **roster_fields(device, adverts, lied))
+        assert [m for m in mal.quiet(2.0) if m.get("kind") == "secagg_shares"] == []
+        assert {fleet.stage(device) for device in HONEST} == {"advertised"}
+        for device in HONEST:
+            others = {d: own[d] for d in HONEST if d != device}
+            mal.send(device, "secagg_roster", **roster_fields(device, adverts, others))
+        assert sorted(mal.collect("secagg_shares", len(HONEST))) == HONEST
+    finally:
+        mal.close()
+        fleet.close()
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["provisioned", "open-fleet"])
+def test_an_impostor_advert_recovers_nothing_on_a_provisioned_fleet(broker, tmp_path, fashion, signed) -> None:
+    """Issue 43, against a real coordinator: a plain client advertises its own keys under dev0's id before dev0
+    does, then reads what the coordinator sends dev0. On a provisioned fleet the coordinator refuses the unsigned
+    advert (a bad_signature rejection naming dev0's seat), takes dev0's own, and the round commits the three honest
+    devices' FedAvg; none of the records sealed for dev0 opens with the impostor's keys. On an open fleet (what
+    --secagg-open-fleet-unsafe accepts) the impostor's advert takes dev0's seat (dev0's own is a duplicate) and it
+    opens a share of each other device's seed: what the privacy guide says that flag gives up."""
+    base = get_weights(build_model(seed=0))
+    identities = provisioned(HONEST) if signed else {}
+    fleet = HonestFleet(broker.address, tmp_path, base, identities)
+    impostor = MaliciousCoordinator(broker.address.host, broker.address.port, FLEET, me=TARGET, listen="dev0/secagg_in")
+    seat = PlainDevice(TARGET, impostor.keys)
+    session = MqttSession(broker.address, client_id="coordinator")
+    store = RunStore(tmp_path / "run")
+    roster = {d: identity.roster[d] for d, identity in identities.items()}
+    live = LiveState(1)
+    try:
+        rounds = RoundThread(FLEET, session, store, evaluator_of(fashion), RECIPE, live, roster)
+        thread, outcome = rounds.start(HONEST, base)
+        up = f"fl/{FLEET}/devices/{TARGET}/secagg"
+        impostor.client.publish(up, seat.advert(1), qos=1).wait_for_publish(30)
+        time.sleep(0.5)  # the impostor's advert in before dev0's
+        fleet.begin(1)
+        fleet.train(1, HONEST)
+        if not signed:
+            impostor.client.publish(up, seat.answer(impostor.collect("secagg_roster", 1)[TARGET]), qos=1)
+        delivery = impostor.collect("secagg_delivery", 1)[TARGET]
+        thread.join(timeout=60)
+        record = store.rounds()[0]
+        kinds = store.rejection_kinds()
+        refused = [(device, reason) for _, device, reason, _, _ in store.rejections()]
+    finally:
+        impostor.close()
+        fleet.close()
+        session.close()
+        store.close()
+    context = f"{RUN}/1".encode()
+    opened = [
+        unseal(impostor.keys, sealed, context, (sender, TARGET)) is not None
+        for sender, sealed in zip(delivery["senders"], delivery["ciphertexts"])
+    ]
+    assert len(opened) == 2
+    if not signed:
+        assert opened == [True, True] and (TARGET, "'dev0' already advertised its keys this round") in refused
+        return
+    assert opened == [False, False]
+    assert kinds == {"bad_signature": 1}
+    assert record.metrics["secure_aggregation"] == "committed" and record.metrics["secagg_survivors"] == 3
+    expected = {n: np.average([fleet.trained[d][n] for d in HONEST], axis=0) for n in base}
+    assert max(float(np.abs(outcome[0][0][n] - expected[n]).max()) for n in base) < 1e-5
+    assert 'fl_updates_rejected_total{reason="bad_signature"} 1' in render_metrics(live.counters(), 0, 1)

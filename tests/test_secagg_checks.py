@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -17,6 +18,7 @@ import pytest
 from coordinators import blank_evaluator, local_coordinator
 from secagg_cheat import SecAggAttacker
 
+from bench.secagg_fleet import provisioned
 from coordinator.cli import main
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.metrics import render_metrics
@@ -32,6 +34,7 @@ from edge_agent.data.journal import Journal
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.loop.secagg_participant import SecAggParticipant
 from protocol import messages, topics, wire
+from protocol.credentials import DeviceIdentity
 from protocol.dp import DpRound, privatised
 from protocol.dp_accountant import SampledGaussian, epsilon_of
 from protocol.model_spec import DEFAULT_SPEC
@@ -78,8 +81,9 @@ def attack_values(base: Weights, weight: float, delta: Callable[[np.ndarray], np
 @dataclass(frozen=True)
 class Setup:
     """A secure round to attack: its recipe and strategy, the honest devices and their samples, the attacker's input
-    (None: no attacker), whether it forges a share at unmasking, and the size of the stage message it claims once the
-    round is open (0: none). Under --dp device the honest devices clip and noise their delta first, as an agent does."""
+    (None: no attacker), whether it forges a share at unmasking, the size of the stage message it claims once the
+    round is open (0: none), whether its view confirmations are random bytes, and whether the fleet is provisioned
+    (every device, the attacker too, with an identity key: adverts and confirmations signed and checked). Under --dp device the honest devices clip and noise their delta first, as an agent does."""
 
     recipe: messages.Recipe = RECIPE
     strategy: str = "fedavg"
@@ -87,6 +91,13 @@ class Setup:
     attack: Attack | None = None
     forge: bool = False
     claim: int = 0
+    bad_tags: bool = False
+    provisioned: bool = False
+
+    @functools.cached_property
+    def identities(self) -> dict[str, DeviceIdentity]:
+        """Each device's identity on a provisioned fleet (none on an open one)."""
+        return provisioned(self.devices) if self.provisioned else {}
 
     @property
     def devices(self) -> list[str]:
@@ -109,7 +120,8 @@ def honest_devices(broker, tmp_path: Path, setup: Setup) -> tuple[dict[str, Mqtt
         (tmp_path / device).mkdir()
         journal = Journal(tmp_path / device / "state.json")
         sessions[device] = session
-        participants[device] = SecAggParticipant(FLEET, device, session, tmp_path / device, journal)
+        identity = setup.identities.get(device)
+        participants[device] = SecAggParticipant(FLEET, device, session, tmp_path / device, journal, identity)
     return sessions, participants
 
 
@@ -135,12 +147,20 @@ def attacked_round(broker, tmp_path: Path, setup: Setup) -> Outcome:
     session = MqttSession(broker.address, client_id="coordinator")
     sessions, participants = honest_devices(broker, tmp_path, setup)
     values = setup.attack(base) if setup.attack else {}
-    attacker = SecAggAttacker(broker.address, FLEET, ATTACKER, values, setup.forge) if setup.attack else None
+    secret = setup.identities[ATTACKER].secret if setup.provisioned else b""
+    attacker = (
+        SecAggAttacker(broker.address, FLEET, ATTACKER, values, setup.forge, setup.bad_tags, secret)
+        if setup.attack
+        else None
+    )
     recipe = setup.recipe
     try:
         policy = RoundPolicy(rounds=1, round_timeout=10.0)
         strategy = make_strategy(setup.strategy)
-        coordinator = local_coordinator(FLEET, session, store, strategy, blank_evaluator(), policy, recipe, live)
+        roster = {device: identity.roster[device] for device, identity in setup.identities.items()}
+        coordinator = local_coordinator(
+            FLEET, session, store, strategy, blank_evaluator(), policy, recipe, live, roster
+        )
         if recipe.dp != "off":
             private = PrivateMode(PrivateRounds(recipe, 1.0, DpSettings(), []))
             mode = SecureMode(private, session, FLEET, coordinator.parts.intake)
@@ -219,8 +239,9 @@ def rejected(outcome: Outcome, kind: str) -> str:
     [
         (4.0, 4.0, "refused: the summed weight 6.35 lies outside (0, 4], the survivors' count"),
         (1.0, None, "refused: a coordinate of "),
+        (1.66, 1.0, "refused: the summed weight 4.01 lies outside (0, 4], the survivors' count"),
     ],
-    ids=["weight-4x-cap", "beyond-the-clip"],
+    ids=["weight-4x-cap", "beyond-the-clip", "just-past-the-1.65-the-survivors-leave"],
 )
 def test_a_device_beyond_the_weight_cap_or_the_clip_gets_the_round_refused(
     broker, tmp_path: Path, weight: float, scale: float | None, reason: str
@@ -251,10 +272,10 @@ def test_a_device_beyond_the_weight_cap_or_the_clip_gets_the_round_refused(
 
 def test_a_device_inside_the_bounds_moves_the_round_no_further_than_the_docs_say(broker, tmp_path: Path) -> None:
     """What the checks leave a malicious device (ALGORITHMS.md section 14): with the honest weights summing to 2.35 of
-    4 survivors it may claim weight 1.6 (41% of the round, where an honest device at the cap weighs 25%) and a delta
-    of +clip on every coordinate; the round commits, and the committed step is the bounded one: (honest sum +
-    1.6 clip) / 3.95 per coordinate, never beyond the clip."""
-    weight = SURVIVORS - HONEST_WEIGHT - 0.05
+    4 survivors it may claim weight 1.65, all the survivors' count leaves (41.25% of the round, where an honest device
+    at the cap weighs 25%), and a delta of +clip on every coordinate; the round commits, and the committed step is
+    the bounded one: (honest sum + 1.65 clip) / 4 per coordinate, never beyond the clip."""
+    weight = SURVIVORS - HONEST_WEIGHT
     outcome = attacked_round(
         broker, tmp_path, Setup(attack=lambda base: attack_values(base, weight, lambda a: np.full(a.shape, CLIP)))
     )
@@ -264,7 +285,7 @@ def test_a_device_inside_the_bounds_moves_the_round_no_further_than_the_docs_say
         metrics = store.rounds()[0].metrics
         assert metrics["secure_aggregation"] == "committed" and store.rejection_kinds() == {}
     assert metrics["secagg_weight"] == pytest.approx(total, abs=TOLERANCE)
-    assert weight / total == pytest.approx(0.405, abs=1e-3)
+    assert (weight, weight / total) == (pytest.approx(1.65), pytest.approx(0.4125))
     for name, base in outcome.base.items():
         step = outcome.committed[name] - base
         np.testing.assert_allclose(step, (honest[name] + weight * CLIP) / total, rtol=0, atol=TOLERANCE)
@@ -394,3 +415,38 @@ def test_the_sum_checks_pass_every_honest_extreme_and_name_what_failed(
     fixed = FixedPoint(CLIP, 3)
     found = sum_refusal(honest_total(weights, labels, fixed), 3, fixed, SumLimits(equal))
     assert (found, refusal) == (None, None) or (found and refusal and found.startswith(refusal))
+
+
+@pytest.mark.parametrize("provisioned", [True, False], ids=["provisioned", "open-fleet"])
+def test_a_device_whose_view_confirmations_do_not_check_is_the_one_left_out(
+    broker, tmp_path: Path, provisioned: bool
+) -> None:
+    """Issue 43: the attacker masks an honest-looking input and sends every partner a view confirmation of random
+    bytes. Each honest holder still gives the honest devices' seed shares and withholds only the attacker's, naming
+    it (before, every holder refused the whole request and the round's reason named the honest devices). On a
+    provisioned fleet the attacker signed those confirmations, which proves it sent them: each holder also gives its
+    pairwise seed with it, the coordinator subtracts its masked input, and the round commits FedAvg of the three
+    honest devices. On an open fleet nothing proves it: its self mask cannot come out of the sum, and the round is
+    abandoned with a reason naming dev9 and no honest device. Either way dev9 is excluded in one bad_signature
+    rejection (the store, the round's metrics, /metrics)."""
+    outcome = attacked_round(broker, tmp_path, Setup(attack=honest_looking, bad_tags=True, provisioned=provisioned))
+    with outcome.store as store:
+        metrics = store.rounds()[0].metrics
+        kinds = store.rejection_kinds()
+        [(_, device, stored, _, _)] = store.rejections()
+    assert (device, kinds, list(metrics["secagg_excluded"])) == (ATTACKER, {"bad_signature": 1}, [ATTACKER])
+    assert stored.startswith("'dev9' sent view confirmations that did not check at ['dev0', 'dev1', 'dev2']")
+    assert rejected(outcome, "bad_signature").endswith(" 1") and len(stored) <= 300
+    if provisioned:
+        assert (metrics["secure_aggregation"], metrics["secagg_survivors"]) == ("committed", 3)
+        assert metrics["secagg_weight"] == pytest.approx(HONEST_WEIGHT, abs=TOLERANCE)
+        honest = honest_sum(outcome)
+        for name, base in outcome.base.items():
+            expected = honest[name] / HONEST_WEIGHT
+            np.testing.assert_allclose(outcome.committed[name] - base, expected, rtol=0, atol=TOLERANCE)
+        return
+    reason = metrics["secagg_reason"]
+    assert metrics["secure_aggregation"] == "abandoned"
+    assert reason.startswith("['dev9'] sent view confirmations that did not check") and len(reason) <= 300
+    assert not any(repr(honest) in reason for honest in HONEST)
+    assert all(np.array_equal(outcome.committed[name], outcome.base[name]) for name in outcome.base)

@@ -1,5 +1,6 @@
 # Secure aggregation with real processes (mosquitto, `python -m coordinator run`, `python -m bench device`): a secure
-# round of four devices, and a coordinator SIGKILLed after masked inputs arrived that a restart finishes exactly.
+# round of four devices, a coordinator SIGKILLed after masked inputs arrived that a restart finishes exactly, and a
+# provisioned fleet's round whose every key advert is signed by its device's identity key.
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,15 +8,27 @@ from pathlib import Path
 import pytest
 from fleet import LABELS, committed_rounds, fleet_shards, kill, start_agent, start_coordinator, wait_exit, wait_until
 
+from bench.simulate import with_credentials
+from coordinator.fleet.provision import provision
 from coordinator.secure.secagg_round import ServerSecAggState
 from coordinator.storage.store import RunStore
 from protocol import wire
+from protocol.secagg.identity import advert_signed
 from protocol.tensors import weights_hash
 
 pytestmark = pytest.mark.integration
 
-SECURE = ("--secure-aggregation", "secagg", "--strategy", "fedavg", "--rounds", "1", "--quorum", "4")
-OPTIONS = (*SECURE, "--min-devices", "4", "--round-timeout", "60")
+SECURE = (
+    "--secure-aggregation",
+    "secagg",
+    "--strategy",
+    "fedavg",
+    "--rounds",
+    "1",
+    "--quorum",
+    "4",
+)
+OPTIONS = (*SECURE, "--min-devices", "4", "--round-timeout", "60", "--secagg-open-fleet-unsafe")
 
 
 def secure_state(run_dir: Path) -> ServerSecAggState | None:
@@ -69,3 +82,25 @@ def test_a_coordinator_killed_after_masked_inputs_commits_what_an_uninterrupted_
         assert record["secagg_labels"] == 4 * LABELS
     assert model == expected, f"killed in stage {killed.stage}"
     assert "secure round resumed round=1" in (resumed / "coordinator.log").read_text()
+
+
+def test_a_provisioned_fleet_signs_every_key_advert_with_real_processes(tmp_path: Path, broker, processes) -> None:
+    """`fl-coordinator run --secure DIR` and four `bench device` agents with their credential files from `provision`
+    (no --secagg-open-fleet-unsafe): each agent signs its advert with the identity key its file holds, the
+    coordinator checks each against the roster in its own (and every device each neighbour's), and the round
+    commits with all four devices; the saved round holds each advert's valid signature."""
+    secure = provision("secure", 4, tmp_path / "secure")
+    run_dir = tmp_path / "run"
+    options = (*SECURE, "--min-devices", "4", "--round-timeout", "60", "--secure", str(secure.folder))
+    coordinator = start_coordinator(broker.address, run_dir, "secure", *options)
+    launches = with_credentials(fleet_shards(run_dir, 4), secure)
+    agents = [start_agent(launch, broker.address, "secure") for launch in launches]
+    processes.extend([coordinator, *agents])
+    assert [wait_exit(process, "fleet process") for process in [coordinator, *agents]] == [0] * 5
+    _, metrics = round_one(run_dir)
+    assert metrics["secure_aggregation"] == "committed" and metrics["secagg_survivors"] == 4
+    state = secure_state(run_dir)
+    assert state is not None and sorted(state.advertised) == sorted(secure.identities)
+    context = f"{state.run_id}/1".encode()
+    adverts = zip(state.advertised, state.cipher_keys, state.mask_keys, state.signatures)
+    assert all(advert_signed(secure.identities[d], s, context, d, c, m) for d, c, m, s in adverts)

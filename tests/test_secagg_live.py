@@ -9,16 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from coordinators import FakeSession, gate_decisions, local_coordinator, plain_bytes_in
+from coordinators import FakeSession, RoundThread, evaluator_of, gate_decisions, plain_bytes_in
 
 from coordinator.dashboard.views import RunSnapshot, divergence_view, secure_view
 from coordinator.intake.round_aggregator import SuspectPolicy
-from coordinator.rounds.evaluation import Evaluator, LabelledSplit
-from coordinator.rounds.loop import Coordinator
-from coordinator.rounds.rules import RoundPolicy
 from coordinator.secure.rounds import check_secure_settings
 from coordinator.storage.store import RunStore
-from coordinator.strategies.registry import make_strategy
 from edge_agent.data.journal import Journal
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.loop.secagg_participant import SecAggParticipant
@@ -98,23 +94,11 @@ def fedavg(trained: dict[str, Weights], base: Weights) -> Weights:
 def secure_round(broker, tmp_path: Path, fashion, unmasking: list[str], masking: list[str]) -> tuple:
     """Runs round 1 of a secure run: `masking` devices send masked inputs, `unmasking` answer the unmask."""
     base = get_weights(build_model(seed=0))
-    split = LabelledSplit.from_uint8(fashion.test_images[:20], fashion.test_labels[:20])
     session = MqttSession(broker.address, client_id="coordinator")
     fleet = Fleet(broker.address, tmp_path, base)
     store = RunStore(tmp_path / "run")
     try:
-        policy = RoundPolicy(rounds=1, round_timeout=3.0)
-        evaluator = Evaluator(DEFAULT_SPEC, split, split, 1, 0)
-        coordinator: Coordinator = local_coordinator(
-            FLEET, session, store, make_strategy("fedavg"), evaluator, policy, RECIPE
-        )
-        session.connect(timeout=10)
-        coordinator.start()
-        for device in DEVICES:
-            coordinator.parts.presence.statuses[device] = messages.Status(device, "online", time.time())
-        outcome: list = []
-        thread = threading.Thread(target=lambda: outcome.append(coordinator.run_round(1, base)))
-        thread.start()
+        thread, outcome = RoundThread(FLEET, session, store, evaluator_of(fashion), RECIPE).start(DEVICES, base)
         fleet.begin(base, masking)
         fleet.pump(unmasking, thread)
         thread.join(timeout=30)

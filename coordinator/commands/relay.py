@@ -70,7 +70,9 @@ def relay_settings(args: argparse.Namespace, credentials: Credentials | None) ->
         keep_updates=args.keep_updates,
         broker_max_packet_bytes=given_packet_limit(args.max_message_bytes),
     )
-    return RelaySettings(relay_id, fleet, site, credentials.hmac_key if credentials else b"")
+    if credentials is None:
+        return RelaySettings(relay_id, fleet, site)
+    return RelaySettings(relay_id, fleet, site, credentials.hmac_key, credentials.identity)
 
 
 def run(args: argparse.Namespace) -> int:

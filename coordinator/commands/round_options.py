@@ -45,6 +45,12 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     )
     run.add_argument("--exclude-suspects", action="store_true", help="leave flagged updates out of the aggregate")
     run.add_argument(
+        "--secagg-open-fleet-unsafe",
+        action="store_true",
+        help="run --secure-aggregation on a fleet without per-device logins and identity keys (no --secure): any "
+        "client may then advertise keys under an honest device's id and rebuild that device's update",
+    )
+    run.add_argument(
         "--max-sample-share",
         type=float,
         default=DEFAULT_MAX_SAMPLE_SHARE,

@@ -16,6 +16,7 @@ from coordinator.fleet.broker import LOCAL_CLIENT_HOSTS, EmbeddedBroker, embedde
 from coordinator.fleet.provision import load_secure_fleet
 from coordinator.server import run_server
 from coordinator.setup.server_data import evaluation_line, load_server_data, split_line
+from coordinator.setup.settings import check_fleet_logins
 from protocol.errors import UsageError
 from protocol.mqtt import BrokerAddress, parse_broker_url
 
@@ -60,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     before any broker starts, so a start that fails on it leaves nothing behind."""
     settings = dataclasses.replace(server_settings(args, default_fleet="fleet"), secure_dir=args.secure)
     validate_recipe_names(settings)
+    check_fleet_logins(settings)
     if args.broker and args.broker_listen:
         raise UsageError("--broker-listen sets up the embedded broker; with --broker HOST the run uses that one")
     listen = parse_listen_address(args.broker_listen, "--broker-listen") if args.broker_listen else None

@@ -93,6 +93,7 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
         dp=DpSettings(args.dp_delta, args.dp_epsilon_budget),
         promotion=PromotionGate(args.promotion_tolerance, args.promotion_max_class_drop),
         publish_predictions=args.publish_predictions,
+        secagg_open_fleet_unsafe=getattr(args, "secagg_open_fleet_unsafe", False),
     )
 
 

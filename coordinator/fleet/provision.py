@@ -1,4 +1,4 @@
-# Who may talk: writes a fleet's broker passwords, ACL, per-device credentials and HMAC keys, and optional TLS files.
+# Who may talk: writes a fleet's broker passwords, ACL, per-device credentials, HMAC and identity keys, optional TLS.
 from __future__ import annotations
 
 import base64
@@ -29,12 +29,18 @@ CERT_DAYS = 825
 
 @dataclass(frozen=True)
 class SecureFleet:
-    """A provisioned folder as the coordinator and its broker use it: the files and the device keys."""
+    """A provisioned folder as the coordinator and its broker use it: the files, the device keys, and the roster of
+    device identity public keys (empty for a folder provisioned before identity keys existed)."""
 
     folder: Path
     fleet: str
     coordinator: Credentials
     device_keys: dict[str, bytes]
+
+    @property
+    def identities(self) -> dict[str, bytes]:
+        """Device id -> Ed25519 identity public key: what checks each device's signed key advert."""
+        return dict(self.coordinator.identities)
 
     @property
     def password_file(self) -> Path:
@@ -141,13 +147,14 @@ def provision(
     out.mkdir(parents=True, exist_ok=True)
     passwords = {name: secrets.token_urlsafe(24) for name in [*SERVICE_USERNAMES, *names]}
     keys = {name: secrets.token_bytes(32) for name in names}
+    identities = {name: identity_secret() for name in names}
     tls_files = write_tls_files(out / "tls", names, tls_hosts) if tls else {}
     write_secret(out / "passwd", "".join(f"{user}:{password_hash(pw)}\n" for user, pw in passwords.items()))
     write_public(out / "acl", acl_text(fleet))
     write_secret(out / "keys.json", json.dumps({name: key.hex() for name, key in keys.items()}, indent=2) + "\n")
     labelling = {name: labelling_key(key).hex() for name, key in keys.items()}
     write_secret(out / LABELLING_KEYS, json.dumps(labelling, indent=2) + "\n")
-    write_credentials(out, fleet, names, passwords, keys, tls_files)
+    write_credentials(out, fleet, names, passwords, keys, identities, tls_files)
     secure = load_secure_fleet(out)
     write_public(
         out / "broker.conf",
@@ -164,17 +171,35 @@ def write_credentials(
     names: list[str],
     passwords: dict[str, str],
     keys: dict[str, bytes],
+    identities: dict[str, bytes],
     tls_files: dict[str, TlsPaths],
 ) -> None:
     """coordinator.json, labelling.json (the labelling desk's) and one devices/<id>.json per device: login, signing
-    key (devices) and TLS files."""
+    key (devices), identity key (devices) and TLS files; the coordinator's and every device's carry the fleet's
+    roster of identity public keys (a device checks its neighbours' key adverts with it, trusting no coordinator)."""
+    from protocol.secagg.identity import public_of
+
+    roster = {name: public_of(secret) for name, secret in identities.items()}
     tls_of = {name: tls_files.get(name, TlsPaths()) for name in [*SERVICE_USERNAMES, *names]}
     for service in SERVICE_USERNAMES:
-        save_credentials(out / f"{service}.json", Credentials(fleet, service, passwords[service], **tls_of[service]))
+        known = roster if service == COORDINATOR_USERNAME else {}
+        save_credentials(
+            out / f"{service}.json",
+            Credentials(fleet, service, passwords[service], identities=known, **tls_of[service]),
+        )
     for name in names:
         save_credentials(
             out / "devices" / f"{name}.json",
-            Credentials(fleet, name, passwords[name], device_id=name, hmac_key=keys[name], **tls_of[name]),
+            Credentials(
+                fleet,
+                name,
+                passwords[name],
+                device_id=name,
+                hmac_key=keys[name],
+                identity_key=identities[name],
+                identities=roster,
+                **tls_of[name],
+            ),
         )
 
 
@@ -195,6 +220,13 @@ def device_keys(folder: Path, name: str) -> dict[str, bytes]:
     # a missing file (OSError); json and bytes.fromhex raise ValueError for a damaged one: the operator's to fix
     except (OSError, ValueError, AttributeError, TypeError) as error:
         raise UsageError(f"{folder / name}: not a provisioned map of device ids to hex keys ({error})") from None
+
+
+def identity_secret() -> bytes:
+    """A device's new Ed25519 identity secret (raw bytes; only its own credential file holds it)."""
+    from protocol.secagg.identity import new_identity
+
+    return new_identity()[0]
 
 
 def load_secure_fleet(folder: Path) -> SecureFleet:

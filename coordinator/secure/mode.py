@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 from coordinator.intake.update_intake import UpdateIntake
@@ -18,11 +19,21 @@ class SecureMode(RoundMode):
     """Secure rounds: every round runs SecAgg+'s stages over the devices it selected (fixed when it opens, so it
     waits for --min-devices and at least two), resumed if a previous process saved it; its sample, aggregator and
     budget are those of the mode it wraps (plain, or private: DP noise on the secure sum). Stage messages that come
-    while no round is open are held for the next one."""
+    while no round is open are held for the next one. `identities` (a provisioned fleet's identity public keys)
+    check each key advert's signature; empty, adverts go unchecked (an open fleet, run only when its operator said
+    so: see coordinator.setup.settings.check_fleet_logins)."""
 
-    def __init__(self, planned: RoundMode, session: MqttSession, fleet: str, intake: UpdateIntake) -> None:
+    def __init__(
+        self,
+        planned: RoundMode,
+        session: MqttSession,
+        fleet: str,
+        intake: UpdateIntake,
+        identities: Mapping[str, bytes] | None = None,
+    ) -> None:
         self.planned = planned
         self.session, self.fleet, self.intake = session, fleet, intake
+        self.identities = dict(identities or {})
         self.held = HeldMessages()
 
     def exhausted(self, round_id: int) -> bool:
@@ -41,7 +52,9 @@ class SecureMode(RoundMode):
         self, rules: RoundRules, run_id: str, round_id: int, model: Weights, selected: list[str]
     ) -> StagedRound | None:
         """The round's secure part over the `selected` devices (resumed if saved), with what was held for it."""
-        start = functools.partial(start_secure, run_id, round_id, selected, model, rules.spec, rules.recipe)
+        start = functools.partial(
+            start_secure, run_id, round_id, selected, model, rules.spec, rules.recipe, self.identities
+        )
         parts = LiveParts(self.session, self.fleet, self.intake, sum_limits(rules.recipe, len(selected)))
         live = LiveSecureRound.opened(parts, start, round_id)
         self.held.release(live)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -189,10 +189,12 @@ class LiveSecureRound:
             if unmasking:
                 self.wait(handle_next, stage_timeout)
             result = self.server.finish()
+            self.record_exclusions()
             if unmasking:
                 self.record_forgers(result.forgers)
             self.check_sum(result)
         except SecAggAbandoned as abandoned:
+            self.record_exclusions()
             self.reason = str(abandoned)[:300]
             log.warning("secure round abandoned round=%d reason=%s", self.server.state.round_id, self.reason)
             self.save()
@@ -235,12 +237,12 @@ class LiveSecureRound:
         )
 
     def record_exclusions(self) -> None:
-        """Each device a settled complaint excluded, named in a forged_share rejection (once)."""
-        state = self.server.state
-        for device, reason in zip(state.excluded, state.exclusion_reasons):
+        """Each device the round excluded (a settled complaint: forged_share; confirmations that did not check:
+        bad_signature), named in a rejection of its kind (once)."""
+        for device, reason, kind in self.server.exclusions():
             if device not in self.recorded:
                 log.warning("secure round excluded device=%s reason=%s", device, reason)
-                self.record(device, Rejection(RejectionKind.FORGED_SHARE, reason), 0)
+                self.record(device, Rejection(kind, reason), 0)
                 self.recorded.add(device)
 
     def send(self, payloads: list[bytes], save: bool = False) -> None:
@@ -282,7 +284,7 @@ class LiveSecureRound:
         outcome = "committed" if state.stage == DONE else "abandoned" if state.stage == ABANDONED else state.stage
         return {
             "secure_aggregation": outcome,
-            "secagg_survivors": len(state.masked_from) if state.stage == DONE else 0,
+            "secagg_survivors": len(set(state.masked_from) - set(state.excluded)) if state.stage == DONE else 0,
             "secagg_reason": self.reason,
             "secagg_excluded": dict(zip(state.excluded, state.exclusion_reasons)),
             SECURE_LABELS: self.labels,
@@ -336,12 +338,19 @@ class SentMessages:
 
 
 def start_secure(
-    run_id: str, round_id: int, selected: list[str], base: Weights, spec: ModelSpec, recipe: messages.Recipe
+    run_id: str,
+    round_id: int,
+    selected: list[str],
+    base: Weights,
+    spec: ModelSpec,
+    recipe: messages.Recipe,
+    identities: Mapping[str, bytes] | None = None,
 ) -> SecAggServer:
     """A new secure round over the selected devices, masking the spec's trainable tensors and the weight, its graph
-    drawn from a seed anyone can recompute (the run and round)."""
+    drawn from a seed anyone can recompute (the run and round); on a provisioned fleet, `identities` check every
+    key advert's signature."""
     seed = hashlib.sha256(keys.round_context(run_id, round_id)).digest()
-    settings = SecAggSettings(recipe.secagg_clip, 2, seed, recipe.secagg_dropout)
+    settings = SecAggSettings(recipe.secagg_clip, 2, seed, recipe.secagg_dropout, dict(identities or {}))
     return SecAggServer.start(run_id, round_id, selected, mask_layout(base, trainable_names(spec, base)), settings)
 
 

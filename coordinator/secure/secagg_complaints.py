@@ -119,9 +119,3 @@ class ComplaintStage(SecAggRound):
         except SecAggRefusal:
             return False
         return True
-
-    def _exclude(self, device: str, reason: str) -> None:
-        """Takes a device out of the round (once), with a bounded reason naming what it did."""
-        if device not in self.state.excluded:
-            self.state.excluded.append(device)
-            self.state.exclusion_reasons.append(f"{wire.shown(device)} {reason}"[:300])

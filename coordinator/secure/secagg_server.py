@@ -12,7 +12,8 @@ from protocol.messages import KeyAdvert, KeyRoster, MaskedInput, RejectionKind, 
 from protocol.secagg import graph, keys, shamir
 from protocol.secagg.checks import check_pairs, check_stage, check_within
 from protocol.secagg.errors import SecAggRefusal
-from protocol.secagg.fixed_point import FixedPoint, layout_of
+from protocol.secagg.fixed_point import FixedPoint, flat, layout_of
+from protocol.secagg.identity import advert_signed
 from protocol.tensors import Weights
 
 # the ephemeral public key, the nonce, the seed share, the GCM tag, the pair's MAC
@@ -34,6 +35,7 @@ class SecAggServer(ComplaintStage, UnmaskStage):
         zeros = {name: np.zeros(shape, np.uint32) for name, shape in layout_of(layout).items()}
         FixedPoint(settings.clip, max(len(selected), 1))
         graph.degree_for(len(selected), settings.dropout)
+        known = settings.identities
         state = ServerSecAggState(
             run_id,
             round_id,
@@ -44,6 +46,7 @@ class SecAggServer(ComplaintStage, UnmaskStage):
             settings.dropout,
             sorted(selected),
             zeros,
+            identities=[known.get(device, b"") for device in sorted(selected)] if known else [],
         )
         return cls(state)
 
@@ -53,7 +56,8 @@ class SecAggServer(ComplaintStage, UnmaskStage):
         return cls(wire.decode_record(snapshot, ServerSecAggState))
 
     def on_keys(self, advert: KeyAdvert) -> None:
-        """Stage 1: a selected device's public keys, once (the same message again is a replay)."""
+        """Stage 1: a selected device's public keys, once (the same message again is a replay), signed by its
+        identity key on a provisioned fleet (an unsigned or badly signed advert is refused, naming its sender)."""
         state = self.state
         self._check(advert.device_id, advert.round_id, KEYS, "a key advert", state.selected)
         if advert.device_id in state.advertised:
@@ -63,9 +67,29 @@ class SecAggServer(ComplaintStage, UnmaskStage):
             raise SecAggRefusal(kind, f"{wire.shown(advert.device_id)} already advertised its keys this round")
         if {len(advert.cipher_key), len(advert.mask_key)} != {keys.KEY_BYTES}:
             raise SecAggRefusal(RejectionKind.UNDECODABLE, f"public keys have {keys.KEY_BYTES} bytes")
+        self._check_signed(advert)
         state.advertised.append(advert.device_id)
         state.cipher_keys.append(advert.cipher_key)
         state.mask_keys.append(advert.mask_key)
+        state.signatures.append(advert.signature)
+
+    def _check_signed(self, advert: KeyAdvert) -> None:
+        """On a provisioned fleet, the advert carries its device's identity signature over this round and its keys."""
+        state = self.state
+        if not state.identities:
+            return
+        public = state.identities[state.selected.index(advert.device_id)]
+        if not public:
+            raise SecAggRefusal(
+                RejectionKind.UNKNOWN_DEVICE, f"{wire.shown(advert.device_id)} has no identity key in this fleet"
+            )
+        if not advert_signed(
+            public, advert.signature, self.context, advert.device_id, advert.cipher_key, advert.mask_key
+        ):
+            raise SecAggRefusal(
+                RejectionKind.BAD_SIGNATURE,
+                f"the key advert of {wire.shown(advert.device_id)} is not signed by its identity key",
+            )
 
     def rosters(self) -> list[KeyRoster]:
         """Closes stage 1: each advertising device's neighbours and their keys."""
@@ -91,6 +115,7 @@ class SecAggServer(ComplaintStage, UnmaskStage):
                     peers,
                     [state.cipher_keys[index[p]] for p in peers],
                     [state.mask_keys[index[p]] for p in peers],
+                    [state.signatures[index[p]] for p in peers] if state.signatures else [],
                 )
             )
         return rosters
@@ -124,7 +149,8 @@ class SecAggServer(ComplaintStage, UnmaskStage):
         return [ShareDelivery(d, state.round_id, list(inbox), list(inbox.values())) for d, inbox in inboxes.items()]
 
     def on_masked(self, message: MaskedInput) -> None:
-        """Stage 3: one masked input per device asked to mask, added to the running sum at once (nothing else kept)."""
+        """Stage 3: one masked input per device asked to mask, added to the running sum at once (on a provisioned
+        fleet also kept apart in memory, still masked, so a proven cheat can be taken back out)."""
         state = self.state
         self._check(message.device_id, message.round_id, MASKED, "a masked input", state.maskers)
         self._once(message.device_id, state.masked_from, "a masked input")
@@ -133,4 +159,6 @@ class SecAggServer(ComplaintStage, UnmaskStage):
             raise SecAggRefusal(RejectionKind.TENSOR_MISMATCH, "masked tensors differ from the round's uint32 layout")
         for name, array in message.masked.items():
             state.masked_sum[name] = state.masked_sum[name] + array
+        if state.identities:
+            self.inputs[message.device_id] = flat(message.masked)
         state.masked_from.append(message.device_id)

@@ -6,12 +6,14 @@ from pathlib import Path
 
 from coordinator.asynchronous.intake import AsyncPolicy
 from coordinator.asynchronous.rounds import check_async_settings
+from coordinator.fleet.provision import load_secure_fleet
 from coordinator.intake.round_aggregator import SuspectPolicy
 from coordinator.privacy.rounds import DpSettings, check_dp_settings
 from coordinator.rounds.promotion import PromotionGate
 from coordinator.rounds.rules import RoundPolicy
 from coordinator.strategies.aggregate import DEFAULT_MAX_SAMPLE_SHARE
 from protocol import messages
+from protocol.errors import UsageError
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec
 
 
@@ -64,6 +66,7 @@ class ServerSettings:
     dp: DpSettings = field(default_factory=DpSettings)
     promotion: PromotionGate = field(default_factory=PromotionGate)
     publish_predictions: bool = False
+    secagg_open_fleet_unsafe: bool = False  # secure aggregation without per-device logins: see check_fleet_logins
 
     def __post_init__(self) -> None:
         check_dp_settings(self.recipe, self.strategy, self.suspects, self.asynchronous is not None, self.dp)
@@ -74,6 +77,40 @@ class ServerSettings:
             from coordinator.secure.rounds import check_secure_settings  # cryptography: loaded by secure runs only
 
             check_secure_settings(self.strategy, self.recipe, self.suspects, self.asynchronous is not None)
+
+
+OPEN_FLEET_FLAG = "--secagg-open-fleet-unsafe"
+
+
+def check_fleet_logins(settings: ServerSettings) -> None:
+    """UsageError (one line) for secure aggregation on a fleet without per-device logins and identity keys (no
+    --secure), unless the operator passed OPEN_FLEET_FLAG: there any client may advertise keys under an honest
+    device's id before it does and rebuild that device's update from the shares it is sent, which the signed key
+    adverts of a provisioned fleet prevent."""
+    if settings.recipe.secure_aggregation == "off" or settings.secure_dir is not None:
+        return
+    if not settings.secagg_open_fleet_unsafe:
+        raise UsageError(
+            "--secure-aggregation needs per-device logins and identity keys (--secure DIR from `fl-coordinator "
+            f"provision`): on an open fleet an impostor's key advert recovers honest updates ({OPEN_FLEET_FLAG} "
+            "accepts that)"
+        )
+
+
+def fleet_identities(settings: ServerSettings) -> dict[str, bytes]:
+    """The identity public keys a secure run checks key adverts with: its provisioned fleet's. A run without per-device
+    logins, or on a fleet provisioned before identity keys, is refused (one line) unless its operator passed
+    OPEN_FLEET_FLAG: then adverts go unchecked."""
+    check_fleet_logins(settings)
+    if settings.secure_dir is None:
+        return {}
+    identities = load_secure_fleet(settings.secure_dir).identities
+    if not identities and not settings.secagg_open_fleet_unsafe:
+        raise UsageError(
+            f"{settings.secure_dir} holds no device identity keys (provisioned before them): provision the fleet "
+            f"again for --secure-aggregation, or pass {OPEN_FLEET_FLAG}"
+        )
+    return identities
 
 
 def check_sample_settings(seed_labels: int | None, max_sample_share: float) -> None:

@@ -174,7 +174,9 @@ class Agent:
         self._pending: messages.RoundAnnouncement | None = None
         self._recipe: messages.Recipe | None = None
         self.hold = UpdateHold(settings.slowdown)
-        self.secure = SecureRounds(settings.fleet, settings.device_id, session, data.state_dir, data.journal)
+        self.secure = SecureRounds(
+            settings.fleet, settings.device_id, session, data.state_dir, data.journal, settings.identity
+        )
         self.predictions = PredictionPublisher(settings.fleet, settings.device_id, session)
         self.router = agent_router(self)
         self.health = background.health if background is not None else Health()

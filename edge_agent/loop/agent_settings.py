@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from edge_agent.learning.compute import ComputeSettings
 from protocol import wire
+from protocol.credentials import DeviceIdentity
 from protocol.errors import UsageError
 
 
@@ -28,6 +29,7 @@ class AgentSettings:
     mc_passes_cap: int | None = None
     stream: bool = False
     signing_key: bytes = b""
+    identity: DeviceIdentity = field(default_factory=DeviceIdentity)  # secure aggregation's signed key adverts
     slowdown: float = 1.0  # a bench knob: each round takes this many times its own compute time (see Agent)
 
     def __post_init__(self) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from protocol import wire
+from protocol.credentials import DeviceIdentity
 from protocol.errors import UsageError
 from protocol.messages import (
     DeliveryAck,
@@ -37,6 +38,7 @@ from protocol.secagg.checks import (
 )
 from protocol.secagg.errors import SecAggRefusal
 from protocol.secagg.fixed_point import FixedPoint, flat, layout_of, shaped
+from protocol.secagg.identity import confirmation_body, sign, sign_advert, signed, unsigned
 from protocol.tensors import Weights
 
 ADVERTISED, SHARED, DELIVERED, PARTNERED = "advertised", "shared", "delivered", "partnered"
@@ -86,40 +88,59 @@ class DeviceSecAggState:
 
 class SecAggDevice:
     """One device in one secure round. Each stage method checks the coordinator's message, moves the state on and
-    returns the device's answer; a refused message raises SecAggRefusal and leaves the state as it was."""
+    returns the device's answer; a refused message raises SecAggRefusal and leaves the state as it was. With an
+    identity (a provisioned fleet's) it signs its advert and takes only neighbours whose adverts the fleet's roster
+    of identity keys checks; without one (an open fleet) neither."""
 
-    def __init__(self, state: DeviceSecAggState) -> None:
+    def __init__(self, state: DeviceSecAggState, identity: DeviceIdentity | None = None) -> None:
         self.state = state
+        self.identity = identity or DeviceIdentity()
 
     @classmethod
-    def start(cls, device_id: str, round_id: int, clip: float, dropout: float) -> SecAggDevice:
-        """A device with fresh key pairs and a fresh self-mask seed for this round, expecting a roster with the
-        recipe's clip and a neighbour graph sized for its dropout."""
+    def start(
+        cls,
+        device_id: str,
+        round_id: int,
+        clip: float,
+        dropout: float,
+        run_id: str = "",
+        identity: DeviceIdentity | None = None,
+    ) -> SecAggDevice:
+        """A device with fresh key pairs and a fresh self-mask seed for round `round_id` of run `run_id`, expecting a
+        roster of that run with the recipe's clip and a neighbour graph sized for its dropout."""
         secrets = (keys.KeyPair.generate().secret, keys.KeyPair.generate().secret, os.urandom(masks.SEED_BYTES))
-        return cls(DeviceSecAggState(device_id, round_id, ADVERTISED, *secrets, clip=clip, dropout=dropout))
+        state = DeviceSecAggState(device_id, round_id, ADVERTISED, *secrets, run_id=run_id, clip=clip, dropout=dropout)
+        return cls(state, identity)
 
     @classmethod
-    def restored(cls, snapshot: bytes) -> SecAggDevice:
+    def restored(cls, snapshot: bytes, identity: DeviceIdentity | None = None) -> SecAggDevice:
         """The device a snapshot saved."""
-        return cls(wire.decode_record(snapshot, DeviceSecAggState))
+        return cls(wire.decode_record(snapshot, DeviceSecAggState), identity)
 
     def snapshot(self) -> bytes:
         """The state as bytes, for the device's state directory (written atomically by its owner)."""
         return wire.encode_record(self.state)
 
     def advert(self) -> KeyAdvert:
-        """Stage 1: the two public keys (the same ones again after a restart)."""
+        """Stage 1: the two public keys (the same ones again after a restart), signed by the identity key if the
+        device has one."""
         state = self.state
-        public = keys.KeyPair.from_secret
-        return KeyAdvert(
-            state.device_id, state.round_id, public(state.cipher_secret).public, public(state.mask_secret).public
+        cipher, mask = (
+            keys.KeyPair.from_secret(state.cipher_secret).public,
+            keys.KeyPair.from_secret(state.mask_secret).public,
         )
+        secret = self.identity.secret
+        signature = sign_advert(secret, state.context, state.device_id, cipher, mask) if secret else b""
+        return KeyAdvert(state.device_id, state.round_id, cipher, mask, signature)
 
     def on_roster(self, roster: KeyRoster) -> ShareBundle:
         """Stage 2: split the self-mask seed among the neighbours and seal each one's share."""
         self._check(roster.device_id, roster.round_id, ADVERTISED, "a key roster")
         check_pairs(roster.neighbours, roster.cipher_keys, "the roster's cipher keys")
         check_pairs(roster.neighbours, roster.mask_keys, "the roster's mask keys")
+        if self.state.run_id and roster.run_id != self.state.run_id:
+            raise SecAggRefusal(RejectionKind.UNSAFE_REQUEST, f"a roster of run {wire.shown(roster.run_id)}")
+        self._check_signed(roster)
         _check_settings(roster, self.state.device_id)
         _check_recipe(roster, self.state)
         state = dataclasses.replace(
@@ -222,8 +243,9 @@ class SecAggDevice:
 
     def on_view(self, view: SurvivorView) -> ViewConfirmation:
         """Stage 4a: takes the coordinator's one view of which partners survived (the same view again gets the same
-        answer; another is refused), confirms it to each surviving partner with a MAC only that partner can check,
-        and reveals the pairwise mask seed of each other partner."""
+        answer; another is refused), confirms it to each surviving partner with a MAC only that partner can check
+        (signed by its identity key on a provisioned fleet), and reveals the pairwise mask seed of each other
+        partner."""
         state = self.state
         check_addressed(state.device_id, view.device_id)
         check_round(state.round_id, view.round_id)
@@ -242,31 +264,79 @@ class SecAggDevice:
             for peer in survivors
         ]
         seeds = [self._mask_seed(peer) for peer in dropped]
+        secret = self.identity.secret
+        signatures = [
+            sign(secret, confirmation_body(state.context, state.device_id, peer, tag))
+            for peer, tag in zip(survivors, tags)
+            if secret
+        ]
         self.state = dataclasses.replace(state, view=survivors, survivor_count=view.survivor_count, stage=VIEWED)
-        return ViewConfirmation(state.device_id, state.round_id, survivors, tags, dropped, seeds)
+        return ViewConfirmation(state.device_id, state.round_id, survivors, tags, dropped, seeds, signatures)
 
     def on_unmask(self, request: UnmaskRequest) -> UnmaskResponse:
         """Stage 4b: the seed share of each named neighbour that this device's view calls a survivor and that
-        confirmed it saw this device survive (so it revealed no pairwise seed with this device); anything else is
-        refused. The same request again gets the same answer."""
+        confirmed it saw this device survive (so it revealed no pairwise seed with this device); a neighbour whose
+        confirmation does not check gets no share and is named in the answer (it alone is left out), with this
+        device's pairwise seed with it where its own signature proves it sent that confirmation; a request outside
+        the view or the records held is refused. The same request again gets the same answer."""
         state = self.state
         self._check(request.device_id, request.round_id, VIEWED, "an unmask request")
         check_pairs(request.senders, request.tags, "the unmask request")
         check_within(request.senders, state.view, RejectionKind.UNSAFE_REQUEST, "asks for shares of non-survivors")
         check_within(request.senders, state.held_from, RejectionKind.UNSAFE_REQUEST, "asks for shares not held:")
-        forged = sorted(
+        if request.signatures:
+            check_pairs(request.senders, request.signatures, "the unmask request's signatures")
+        confirmed = [
             sender
             for sender, tag in zip(request.senders, request.tags)
-            if not keys.tag_valid(
-                self._pair_key(sender, keys.CONFIRM_PURPOSE), state.context, sender, state.device_id, tag
+            if keys.tag_valid(self._pair_key(sender, keys.CONFIRM_PURPOSE), state.context, sender, state.device_id, tag)
+        ]
+        refused = sorted(set(request.senders) - set(confirmed))
+        proven = self._proven(request, refused)
+        shares = [state.held_records[state.held_from.index(sender)] for sender in confirmed]
+        seeds = [self._mask_seed(sender) for sender in proven]
+        return UnmaskResponse(state.device_id, state.round_id, confirmed, shares, refused, proven, seeds)
+
+    def _proven(self, request: UnmaskRequest, refused: list[str]) -> list[str]:
+        """The refused senders whose confirmation that did not check came under their own valid identity signature:
+        proof that they cheated (nobody else can sign for them), so this device's pairwise seed with each, which the
+        cheat knows anyway, can go to the coordinator to take it out of the sum. Empty on an open fleet."""
+        known, state = self.identity.roster, self.state
+        if not known or not request.signatures:
+            return []
+        signatures = dict(zip(request.senders, request.signatures))
+        tags = dict(zip(request.senders, request.tags))
+        return [
+            sender
+            for sender in refused
+            if sender in known
+            and signed(
+                known[sender],
+                signatures[sender],
+                confirmation_body(state.context, sender, state.device_id, tags[sender]),
             )
-        )
+        ]
+
+    def _check_signed(self, roster: KeyRoster) -> None:
+        """On a provisioned fleet, every neighbour in the roster with its own identity's signature over the keys
+        given for it in this run and round: an unknown device or a bad signature (the coordinator inventing a
+        neighbour, or an impostor's keys) is refused, naming it."""
+        known = self.identity.roster
+        if not known:
+            return
+        check_pairs(roster.neighbours, roster.signatures, "the roster's signatures")
+        context = keys.round_context(roster.run_id, roster.round_id)
+        adverts = list(zip(roster.neighbours, roster.cipher_keys, roster.mask_keys, roster.signatures))
+        unknown, forged = unsigned(known, context, adverts)
+        if unknown:
+            raise SecAggRefusal(
+                RejectionKind.UNKNOWN_DEVICE, f"neighbours {wire.shown_names(unknown)} have no identity in this fleet"
+            )
         if forged:
             raise SecAggRefusal(
-                RejectionKind.UNSAFE_REQUEST, f"no valid confirmation from {wire.shown_names(forged)} that it saw"
+                RejectionKind.BAD_SIGNATURE,
+                f"the keys of neighbours {wire.shown_names(forged)} are not signed by their identity keys",
             )
-        shares = [state.held_records[state.held_from.index(sender)] for sender in request.senders]
-        return UnmaskResponse(state.device_id, state.round_id, list(request.senders), shares)
 
     def _check(self, addressee: str, round_id: int, stage: str, what: str) -> None:
         check_addressed(self.state.device_id, addressee)

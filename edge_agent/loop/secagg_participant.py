@@ -8,6 +8,7 @@ from pathlib import Path
 from edge_agent.data.journal import Journal
 from edge_agent.loop.secagg_device import PARTNERED, SecAggDevice
 from protocol import messages, topics, wire
+from protocol.credentials import DeviceIdentity
 from protocol.files import atomic_write_bytes, load_arrays, save_arrays
 from protocol.messages import (
     DeliveryAck,
@@ -41,23 +42,40 @@ REPORTED_KEY = "secagg_reported_labels"  # the journal's count of the labels thi
 
 
 class SecAggParticipant:
-    """One device's part in the secure rounds of its fleet: `begin` a round (keys advertised), `on_message` for each
-    stage message, `send_update` for the round's trained update (masked once the shares have arrived)."""
+    """One device's part in the secure rounds of its fleet: `begin` a round (keys advertised, signed by its identity
+    key on a provisioned fleet), `on_message` for each stage message, `send_update` for the round's trained update
+    (masked once the shares have arrived)."""
 
-    def __init__(self, fleet: str, device_id: str, session: MqttSession, state_dir: Path, journal: Journal) -> None:
+    def __init__(
+        self,
+        fleet: str,
+        device_id: str,
+        session: MqttSession,
+        state_dir: Path,
+        journal: Journal,
+        identity: DeviceIdentity | None = None,
+    ) -> None:
         self.device_id = device_id
         self.session = session
         self.journal = journal
+        self.identity = identity or DeviceIdentity()
         self.path, self.pending_path = state_dir / STATE_FILE, state_dir / PENDING_FILE
         self.topic = topics.SECAGG_UP.build(fleet=fleet, device=device_id)
-        self.device = SecAggDevice.restored(self.path.read_bytes()) if self.path.exists() else None
+        self.device = SecAggDevice.restored(self.path.read_bytes(), self.identity) if self.path.exists() else None
 
     def begin(self, announcement: messages.RoundAnnouncement) -> None:
         """Stage 1: fresh keys for a new round (the saved ones for the round a restart interrupted), advertised once
         per round (the journal says which round's keys went out: a retained announcement seen again sends nothing)."""
         round_id, recipe = announcement.round_id, announcement.recipe
         if self.device is None or self.device.state.round_id != round_id:
-            self.device = SecAggDevice.start(self.device_id, round_id, recipe.secagg_clip, recipe.secagg_dropout)
+            self.device = SecAggDevice.start(
+                self.device_id,
+                round_id,
+                recipe.secagg_clip,
+                recipe.secagg_dropout,
+                run_id=announcement.run_id,
+                identity=self.identity,
+            )
             self.pending_path.unlink(missing_ok=True)
             self.save()
         if self.journal.get(ADVERTISED_KEY) == round_id:

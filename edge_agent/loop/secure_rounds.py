@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from edge_agent.data.journal import Journal
 from edge_agent.loop.artefacts import RoundArtefacts
 from protocol import messages
+from protocol.credentials import DeviceIdentity
 from protocol.mqtt import IncomingMessage, MqttSession
 
 if TYPE_CHECKING:
@@ -25,11 +26,21 @@ def takes_part(announcement: messages.RoundAnnouncement, device_id: str) -> bool
 
 class SecureRounds:
     """What the agent does differently in a secure round: advertise keys on its announcement, answer the stage
-    messages, and hand the trained update to the participant to be masked (its plain form never leaves)."""
+    messages, and hand the trained update to the participant to be masked (its plain form never leaves). `identity`
+    is the device's identity key and its fleet's roster (from its credential file; empty on an open fleet)."""
 
-    def __init__(self, fleet: str, device_id: str, session: MqttSession, state_dir: Path, journal: Journal) -> None:
+    def __init__(
+        self,
+        fleet: str,
+        device_id: str,
+        session: MqttSession,
+        state_dir: Path,
+        journal: Journal,
+        identity: DeviceIdentity | None = None,
+    ) -> None:
         self.fleet, self.device_id, self.session = fleet, device_id, session
         self.state_dir, self.journal = state_dir, journal
+        self.identity = identity or DeviceIdentity()
         self._participant: SecAggParticipant | None = None
         self.unable = False
 
@@ -43,7 +54,7 @@ class SecureRounds:
                 self.unable = True
                 return None
             self._participant = SecAggParticipant(
-                self.fleet, self.device_id, self.session, self.state_dir, self.journal
+                self.fleet, self.device_id, self.session, self.state_dir, self.journal, self.identity
             )
         return self._participant
 
