@@ -280,20 +280,22 @@ def test_in_a_secured_fleet_only_the_desks_signed_answers_count(tmp_path: Path, 
             ],
             tmp_path / "desk.log",
         )
-        agent = start(
-            [
-                *("edge_agent", "run", "--broker", broker.address.url, "--fleet", FLEET),
-                *("--credentials", str(secured_fleet / "devices/cam-00.json")),
-                *("--pool-dir", str(tmp_path / "cam-00" / "camera"), "--state-dir", str(state)),
-                *("--labelling", "central", "--scan-interval", "0.3", "--settle-seconds", "0"),
-            ],
-            tmp_path / "cam-00.log",
-        )
         login = load_credentials(secured_fleet / "labelling.json")
         forger = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id="forger", protocol=paho.MQTTv5)
         forger.username_pw_set(login.username, login.password)
+        agent: subprocess.Popen | None = None
         try:
-            wait_for(lambda: _up(url) and open_count(url) == 2, 60, "the device's queries in the secured queue")
+            wait_for(lambda: _up(url), 60, "the desk's page (its desk subscribed before it)")
+            agent = start(
+                [
+                    *("edge_agent", "run", "--broker", broker.address.url, "--fleet", FLEET),
+                    *("--credentials", str(secured_fleet / "devices/cam-00.json")),
+                    *("--pool-dir", str(tmp_path / "cam-00" / "camera"), "--state-dir", str(state)),
+                    *("--labelling", "central", "--scan-interval", "0.3", "--settle-seconds", "0"),
+                ],
+                tmp_path / "cam-00.log",
+            )
+            wait_for(lambda: open_count(url) == 2, 60, "the device's queries in the secured queue")
             asked = [query.query_id for query in QueryBook(state / "labelling").queries()]
             assert forger.connect("127.0.0.1", broker.port) == 0
             forger.loop_start()
@@ -316,8 +318,9 @@ def test_in_a_secured_fleet_only_the_desks_signed_answers_count(tmp_path: Path, 
             forger.loop_stop()
             forger.disconnect()
             for process in (agent, served):
-                process.send_signal(signal.SIGTERM)
-                process.wait(timeout=30)
+                if process is not None:
+                    process.send_signal(signal.SIGTERM)
+                    process.wait(timeout=30)
     device_log = (tmp_path / "cam-00.log").read_text()
     assert device_log.count("labelling message without the desk's signature ignored kind=label_answer") == 2
     assert [(a.label, a.answered_by) for a in AnswerBook(state / "labelling" / "answers.sqlite").answers()] == [
