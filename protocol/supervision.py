@@ -183,7 +183,8 @@ class MessageGuard:
     def handle(self, topic: str, payload: bytes, sender: str, handler: Callable[[], R]) -> R | None:
         """What `handler` returns for the message; None when it failed for the last time and the message was set
         aside (the same message sent again later is a new one). Re-raises a failure below the limit."""
-        key = message_key(topic, payload)
+        # hashed only while some message has failed, or when this one does (a model message is megabytes)
+        key = message_key(topic, payload) if self._failures else ""
         if self._failures.get(key, 0) >= self.attempts:
             self._forget(key)
             log.warning(
@@ -194,6 +195,7 @@ class MessageGuard:
         try:
             result = handler()
         except Exception as error:
+            key = key or message_key(topic, payload)
             self._failures[key] = failures = self._failures.get(key, 0) + 1
             if failures < self.attempts:
                 self._save()
