@@ -219,10 +219,10 @@ def open_field(
     if field.stream:
         budget = BudgetSettings(field.labels_per_hour, field.label_burst or default_burst(field.labels_per_hour))
         stream = StreamAcquirer(data, oracle, budget, settings, STREAM_PASSES)
-    server = LabelServer(book, *listen).start() if listen else None
+    health = Health()  # the device's supervised parts (its page, its labelling link), which its status reports
+    server = LabelServer(book, *listen, health=health).start() if listen else None
     features = PoolFeatures(settings, data) if settings.trainer == "head" else None
     central = None
-    health = Health()
     if field.labelling == "central":
         key = labelling_key(settings.signing_key) if settings.signing_key else None
         central = CentralLabelling(
