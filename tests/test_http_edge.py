@@ -35,19 +35,8 @@ from coordinator.dashboard.server import Dashboard, ListenAddress, served_names
 from coordinator.fleet.broker import free_loopback_port
 from protocol import topics, wire
 from protocol.errors import UsageError
-from protocol.http_edge import (
-    DEFAULT_LIMITS,
-    MAX_JSON_DEPTH,
-    EdgeHandler,
-    EdgeLimits,
-    EdgeServer,
-    HostRule,
-    HttpRefusal,
-    ascii_int,
-    content_length,
-    form_body,
-    json_body,
-)
+from protocol.http_edge import DEFAULT_LIMITS, EdgeHandler, EdgeLimits, EdgeServer, HostRule
+from protocol.http_requests import MAX_JSON_DEPTH, HttpRefusal, ascii_int, content_length, form_body, json_body
 from protocol.label_messages import LabelQuery, QueryReceipt
 
 SMALL = EdgeLimits(read_seconds=1.0, request_seconds=2.0, write_seconds=5.0, connections=8, per_client=4)

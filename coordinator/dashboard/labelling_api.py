@@ -10,7 +10,7 @@ from typing import Any
 from coordinator.labelling.desk import LabellingDesk
 from coordinator.labelling.queue import AnswerError, QueuedQuery
 from protocol import wire
-from protocol.http_edge import HttpRefusal, json_body
+from protocol.http_requests import HttpRefusal, json_body
 
 MAX_BODY_BYTES = 4096
 PERSON = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")

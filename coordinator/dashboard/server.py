@@ -37,16 +37,8 @@ from coordinator.storage.serving_history import serving_stack
 from protocol import wire
 from protocol.errors import UsageError
 from protocol.files import atomic_write_bytes
-from protocol.http_edge import (
-    DEFAULT_LIMITS,
-    EdgeHandler,
-    EdgeLimits,
-    EdgeServer,
-    HostRule,
-    HttpRefusal,
-    is_loopback,
-    same_origin,
-)
+from protocol.http_edge import DEFAULT_LIMITS, EdgeHandler, EdgeLimits, EdgeServer, HostRule, is_loopback, same_origin
+from protocol.http_requests import HttpRefusal
 from protocol.supervision import Health, SupervisedThread
 
 log = logging.getLogger(__name__)

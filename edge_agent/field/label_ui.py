@@ -10,17 +10,8 @@ from typing import ClassVar
 
 from edge_agent.field.folder_oracle import QueryBook
 from protocol.errors import UsageError
-from protocol.http_edge import (
-    DEFAULT_LIMITS,
-    EdgeHandler,
-    EdgeLimits,
-    EdgeServer,
-    HostRule,
-    HttpRefusal,
-    ascii_int,
-    form_body,
-    same_origin,
-)
+from protocol.http_edge import DEFAULT_LIMITS, EdgeHandler, EdgeLimits, EdgeServer, HostRule, same_origin
+from protocol.http_requests import HttpRefusal, ascii_int, form_body
 from protocol.supervision import Health, SupervisedThread
 from protocol.wire import shown
 
