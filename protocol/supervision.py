@@ -72,15 +72,19 @@ class Health:
     def note_set_aside(self, part: str, sender: str) -> None:
         """Counts one message set aside, by its sender (named while fewer than MAX_SENDERS are)."""
         with self._lock:
-            named = {who for _, who in self.set_aside}
-            who = sender if sender in named or len(named) < MAX_SENDERS else OTHER_SENDERS
-            self.set_aside[(part, who)] += 1
+            self.set_aside[(part, bounded_name({who for _, who in self.set_aside}, sender))] += 1
 
     def snapshot(self) -> tuple[list[PartHealth], dict[tuple[str, str], int]]:
         """Copies of the parts' health and the set-aside counts, for a page."""
         with self._lock:
             parts = [PartHealth(p.name, p.up, p.restarts, p.last_error, p.failed_at) for p in self.parts.values()]
             return parts, dict(self.set_aside)
+
+
+def bounded_name(named: set[str], sender: str) -> str:
+    """The name a count by sender keeps `sender` under: its own while it is named already or fewer than
+    MAX_SENDERS are, else OTHER_SENDERS (so a page of counts stays bounded however many ids a sender invents)."""
+    return sender if sender in named or len(named) < MAX_SENDERS else OTHER_SENDERS
 
 
 def described(error: BaseException) -> str:

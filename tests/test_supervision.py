@@ -105,7 +105,7 @@ def test_a_devices_reported_health_reaches_metrics_and_the_device_table(tmp_path
         2,
         0,
         health=health,
-        device_health={d: (p["part_restarts"], p["set_aside"]) for d, p in live.devices().items()},
+        device_health=live.device_health(),
     )
     assert (
         'fl_device_part_restarts{device="cam-1"} 2' in body and 'fl_device_messages_set_aside{device="cam-1"} 1' in body

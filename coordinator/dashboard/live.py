@@ -135,6 +135,11 @@ class LiveState(RoundObserver):
                 self._counters.dp_epsilon = float(result.report["dp"]["epsilon"])
             self._phase = "finished" if result.round_id >= self.total_rounds else "closed"
 
+    def device_health(self) -> dict[str, tuple[int, int]]:
+        """Device id -> its parts' restarts and set-aside messages, as its status last said."""
+        with self._lock:
+            return {device: (p.part_restarts, p.set_aside) for device, p in self._devices.items()}
+
     def devices(self) -> dict[str, dict]:
         """Device id -> presence, last answer and predictions' summary, as plain data."""
         predictions = self.predictions()

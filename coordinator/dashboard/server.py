@@ -250,10 +250,7 @@ class DashboardHandler(EdgeHandler):
             labelling=self.queue_status(),
             labelling_refused=None if self.server.labelling is None else dict(self.server.labelling.refusals),
             health=self.server.parts_health,
-            device_health={
-                device: (presence.get("part_restarts", 0), presence.get("set_aside", 0))
-                for device, presence in live.devices().items()
-            },
+            device_health=live.device_health(),
             pages={self.server.name: self.server.health()},
         )
 

@@ -14,7 +14,7 @@ from protocol import label_messages, topics, wire
 from protocol.label_signing import sign, signature_valid
 from protocol.mqtt import IncomingMessage, MqttSession
 from protocol.resend import ResendSchedule
-from protocol.supervision import MAX_SENDERS, OTHER_SENDERS, SET_ASIDE, Health, MessageGuard, SupervisedThread
+from protocol.supervision import SET_ASIDE, Health, MessageGuard, SupervisedThread, bounded_name
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,5 @@ class LabellingDesk:
 
     def _refuse(self, device: str, kind: str, detail: str) -> None:
         """Counts (by sender, bounded like the health's) and logs one refused message (its detail cut short)."""
-        named = {who for who, _ in self.refusals}
-        who = device if device in named or len(named) < MAX_SENDERS else OTHER_SENDERS
-        self.refusals[(who, kind)] += 1
+        self.refusals[(bounded_name({who for who, _ in self.refusals}, device), kind)] += 1
         log.warning("labelling message refused device=%s kind=%s detail=%s", device, kind, detail[:200])

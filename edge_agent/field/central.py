@@ -59,7 +59,8 @@ class CentralLabelling:
     the device has stored it (a device killed in between gets it again), and a repeated one changes nothing.
 
     With `key` (a secured fleet: the device's labelling key, protocol.label_signing) an answer or query receipt
-    counts only with the desk's signature (`forged` counts the others), and the device signs what it sends back."""
+    counts only with the desk's signature (the others are logged and ignored), and the device signs what it sends
+    back."""
 
     def __init__(
         self,
@@ -78,7 +79,6 @@ class CentralLabelling:
         self.max_side = max_side
         self.resends: ResendSchedule[str] = ResendSchedule(resend_seconds)
         self.key = key
-        self.forged = 0
         self.health = health or Health()
         self.guard = MessageGuard(PART, self.health, None)
         self._inbox: queue.Queue[IncomingMessage] = queue.Queue()
@@ -189,7 +189,6 @@ class CentralLabelling:
         secured fleet's); one that does not is logged (bounded) and ignored: it did not come from the desk."""
         if signature_valid(message, self.key or b"", self.fleet, self.device_id):
             return True
-        self.forged += 1
         log.warning(
             "labelling message without the desk's signature ignored kind=%s query=%s",
             message.KIND,
