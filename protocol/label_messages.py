@@ -1,11 +1,12 @@
 # The central labelling queue on the wire: a device's query (its image and the model's guess), the queue's receipt of
-# it, a person's answer, the device's receipt that the answer is stored, and an answer given on the device itself.
+# it, a person's answer and a correction of it, the device's receipts that each is stored, and an answer given on the
+# device itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from protocol.bounds import LABEL_RANGE, SCORE_RANGE, TIME_RANGE, UNIT_RANGE, within
+from protocol.bounds import INT_RANGE, LABEL_RANGE, SCORE_RANGE, TIME_RANGE, UNIT_RANGE, within
 from protocol.recipe_flags import OMITTED_KEY
 
 # An answer's label when the person saw none of the spec's classes in the image.
@@ -69,6 +70,35 @@ class LabelAnswer:
     label: int = field(metadata=within(*LABEL_RANGE))
     answered_by: str
     answered_at: float = field(metadata=within(*TIME_RANGE))
+    signature: bytes = signature_field()
+
+
+@dataclass(frozen=True)
+class LabelCorrection:
+    """A person's change of an answer the desk sent already, to its device (QoS 1, resent until the device's
+    CorrectionReceipt): the query's new label (a class index, or NONE_OF_THESE), the correction's revision (1 for the
+    first correction of the query, counting up, so a late copy of an older one changes nothing), who corrected it
+    and when. The device's answer book and its next training use the corrected label in place of the old one."""
+
+    KIND: ClassVar[str] = "label_correction"
+    query_id: str
+    label: int = field(metadata=within(*LABEL_RANGE))
+    revision: int = field(metadata=within(1, INT_RANGE[1]))
+    corrected_by: str
+    corrected_at: float = field(metadata=within(*TIME_RANGE))
+    signature: bytes = signature_field()
+
+
+@dataclass(frozen=True)
+class CorrectionReceipt:
+    """A device's word that a correction's revision is stored in its answer book (or a newer one was: a stale
+    revision is receipted all the same); `stored` is False when the device refused it (an unknown query)."""
+
+    KIND: ClassVar[str] = "correction_receipt"
+    device_id: str
+    query_id: str
+    revision: int = field(metadata=within(1, INT_RANGE[1]))
+    stored: bool = True
     signature: bytes = signature_field()
 
 

@@ -9,7 +9,15 @@ from typing import ClassVar, Protocol, TypeVar
 import numpy as np
 
 from protocol.bounds import INT_RANGE, TIME_RANGE, within
-from protocol.label_messages import AnswerReceipt, LabelAnswer, LabelQuery, LocalAnswer, QueryReceipt
+from protocol.label_messages import (
+    AnswerReceipt,
+    CorrectionReceipt,
+    LabelAnswer,
+    LabelCorrection,
+    LabelQuery,
+    LocalAnswer,
+    QueryReceipt,
+)
 from protocol.model_spec import ModelSpec
 from protocol.prediction_messages import PredictionBatch
 from protocol.recipe_flags import OMITTED_KEY, recipe_field
@@ -306,6 +314,10 @@ class Ack:
     rejection: str = ""
 
 
+# A device's state while a round waits for people's answers to its queries (not training yet).
+WAITING_FOR_ANSWERS = "waiting for answers"
+
+
 @dataclass(frozen=True)
 class Status:
     """A device's retained presence and progress; the broker publishes the 'offline' one as its last will.
@@ -394,6 +406,8 @@ WIRE_TYPES: tuple[type[Message], ...] = (
     LabelAnswer,
     AnswerReceipt,
     LocalAnswer,
+    LabelCorrection,
+    CorrectionReceipt,
     *SECAGG_TYPES,
 )
 MESSAGE_TYPES: dict[str, type[Message]] = {cls.KIND: cls for cls in WIRE_TYPES}

@@ -43,7 +43,7 @@ def test_queries_are_kept_once_and_bounded_per_device_and_in_all(queue: LabelQue
     assert queue.add(query("a", "q3"), "a") is QueueRefusal.DEVICE_FULL
     assert [queue.add(query("b", f"q{i}"), "b") for i in range(3)] == [None, None, QueueRefusal.QUEUE_FULL]
     assert queue.depth() == {"a": 3, "b": 2}
-    queue.answer("a", "q0", 1, "ana")
+    queue.record("a", "q0", 1, "ana")
     assert queue.add(query("a", "q3"), "a") is None, "an answered query frees its place"
     assert queue.image_path("a", "q3", "image/png").read_bytes() == png()
 
@@ -78,7 +78,7 @@ def test_the_rarest_predicted_class_comes_first_then_the_score(tmp_path: Path) -
     seen = []
     while (shown := queue.next_for("ana")) is not None:
         seen.append(shown.query_id)
-        queue.answer(shown.device, shown.query_id, shown.guess, "ana")
+        queue.record(shown.device, shown.query_id, shown.guess, "ana")
     assert seen == ["q1", "q3", "q2", "q4"], "after a cat, the dogs (now rarer) come first, by score"
 
 
@@ -87,28 +87,28 @@ def test_answers_are_refused_clearly_and_skips_are_per_person(queue: LabelQueue)
     statuses = []
     for device, query_id, label in (("a", "nope", 1), ("x", "q1", 1), ("a", "q1", 3), ("a", "q1", -2)):
         with pytest.raises(AnswerError) as refused:
-            queue.answer(device, query_id, label, "ana")
+            queue.record(device, query_id, label, "ana")
         statuses.append(refused.value.status)
     assert statuses == [404, 404, 400, 400]
     queue.skip("a", "q1", "ana")
     assert queue.next_for("ana") is None and queue.next_for("bo") is not None
-    decided = queue.answer("a", "q1", NONE_OF_THESE, "bo")
+    decided = queue.record("a", "q1", NONE_OF_THESE, "bo").decided
     assert decided is not None and (decided.label, decided.answered_by) == (NONE_OF_THESE, "bo")
     with pytest.raises(AnswerError) as refused:
-        queue.answer("a", "q1", 1, "cy")
+        queue.record("a", "q1", 1, "cy")
     assert refused.value.status == 409
 
 
 def test_k_people_decide_by_majority_and_one_person_votes_once(tmp_path: Path) -> None:
     queue = LabelQueue(tmp_path, CLASSES, voters=3)
     queue.add(query("a", "q1"), "a")
-    assert queue.answer("a", "q1", 1, "ana") is None
+    assert queue.record("a", "q1", 1, "ana").decided is None
     with pytest.raises(AnswerError) as refused:
-        queue.answer("a", "q1", 1, "ana")
+        queue.record("a", "q1", 1, "ana")
     assert refused.value.status == 409
-    assert queue.answer("a", "q1", 2, "bo") is None
+    assert queue.record("a", "q1", 2, "bo").decided is None
     assert queue.next_for("ana") is None and queue.next_for("cy") is not None
-    decided = queue.answer("a", "q1", 1, "cy")
+    decided = queue.record("a", "q1", 1, "cy").decided
     assert decided is not None and (decided.label, decided.answered_by) == (1, "ana,cy")
 
 
@@ -117,16 +117,16 @@ def test_a_device_closes_a_query_it_answered_itself_once_and_only_with_a_class(q
     assert not queue.answered_on_device("a", "q1", 3, "page"), "not a class of the spec"
     assert queue.answered_on_device("a", "q1", 2, "<script>")
     assert (queue.get("a", "q1").label, queue.get("a", "q1").answered_by) == (2, "a:device")
-    assert not queue.answered_on_device("a", "q1", 1, "page") and queue.undelivered() == []
+    assert not queue.answered_on_device("a", "q1", 2, "page") and queue.undelivered() == [], "the same label again"
     with pytest.raises(AnswerError):
-        queue.answer("a", "q1", 1, "ana")
+        queue.record("a", "q1", 1, "ana")
 
 
 def test_answered_queries_beyond_the_kept_number_leave_the_disk(tmp_path: Path) -> None:
     queue = LabelQueue(tmp_path, CLASSES, QueueLimits(kept_answered=2))
     for number in range(4):
         queue.add(query("a", f"q{number}"), "a")
-        queue.answer("a", f"q{number}", 1, "ana")
+        queue.record("a", f"q{number}", 1, "ana")
         queue.delivered("a", f"q{number}")
     assert [q.query_id for q in queue.all()] == ["q2", "q3"]
     assert sorted(path.name for path in (queue.folder / "images" / "a").iterdir()) == ["q2.png", "q3.png"]
@@ -139,7 +139,7 @@ def test_the_refusal_kinds_are_the_wires() -> None:
 def test_an_answer_waits_for_its_device_across_a_reopen(tmp_path: Path) -> None:
     queue = LabelQueue(tmp_path, CLASSES)
     queue.add(query("a", "q1"), "a")
-    queue.answer("a", "q1", 2, "ana")
+    queue.record("a", "q1", 2, "ana")
     queue.close()
     reopened = LabelQueue(tmp_path, CLASSES)
     assert [(d.device, d.query_id, d.label) for d in reopened.undelivered()] == [("a", "q1", 2)]
@@ -151,7 +151,7 @@ def test_label_studio_tasks_go_out_and_their_annotations_come_back(tmp_path: Pat
     queue = LabelQueue(tmp_path / "run", CLASSES)
     for query_id in ("q1", "q2", "q3", "q4"):
         queue.add(query("a", query_id, guess=1), "a")
-    queue.answer("a", "q4", 0, "ana")
+    queue.record("a", "q4", 0, "ana")
     tasks = export_tasks(queue, tmp_path / "out", "/data/local-files/?d=", only_open=False)
     assert len(tasks) == 4 and (tmp_path / "out" / "images" / "a" / "q1.png").read_bytes() == png()
     first = tasks[0]
@@ -173,7 +173,8 @@ def test_label_studio_tasks_go_out_and_their_annotations_come_back(tmp_path: Pat
         ("q3", NONE_OF_THESE, "label-studio:7"),
     ]
     assert (counts.refused, counts.unanswered) == (1, 2)
-    assert import_tasks(queue, annotated[:1]).refused == 1, "an answered query is not answered again"
+    again = import_tasks(queue, annotated[:1])
+    assert (again.unchanged, again.refused, again.decided, again.corrections) == (1, 0, [], [])
 
 
 def test_the_labelling_command_exports_imports_and_refuses_bad_input_in_one_line(tmp_path: Path, capsys) -> None:
@@ -250,7 +251,7 @@ def test_label_studio_tasks_of_the_wrong_shape_refuse_the_file_in_one_line_and_i
 def test_the_status_counts_open_queries_their_age_and_each_persons_last_hour(queue: LabelQueue) -> None:
     for device, query_id in (("cam-1", "a"), ("cam-1", "b"), ("cam-2", "c")):
         queue.add(query(device, query_id), device)
-    queue.answer("cam-2", "c", 1, "ana")
+    queue.record("cam-2", "c", 1, "ana")
     now = time.time()
     status = queue.status(now + 30)
     assert {device: count for device, (count, _) in status.open_by_device.items()} == {"cam-1": 2}
@@ -272,6 +273,6 @@ def test_one_device_claims_cannot_starve_another(tmp_path: Path) -> None:
         shown = queue.next_for("ana")
         assert shown is not None
         seen.append(shown.device)
-        queue.answer(shown.device, shown.query_id, shown.guess, "ana")
+        queue.record(shown.device, shown.query_id, shown.guess, "ana")
     assert seen[:2] == ["spam", "honest"] and seen[:4].count("honest") == 2, seen
     assert seen[4:] == ["spam", "spam"], "once the honest device has nothing open, the insider's queries follow"

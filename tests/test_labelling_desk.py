@@ -170,7 +170,7 @@ def test_an_answer_waits_for_a_device_whose_session_expired_and_a_stray_one_is_s
     device.close()
     time.sleep(1.5)  # the broker forgets the device's session: only the desk's resends can reach it now
     first = desk.queue.all()[0]
-    desk.send(desk.queue.answer(DEVICE, first.query_id, 4, "ana"))
+    desk.send(desk.queue.record(DEVICE, first.query_id, 4, "ana").decided)
     time.sleep(1.0)
     device.connect()
     wait_until(lambda: desk.queue.undelivered() == [], "the answer's receipt", step=device.step)
@@ -204,7 +204,7 @@ def test_a_round_waiting_for_answers_gets_the_queues_answer_meanwhile(tmp_path: 
 
     def person() -> None:
         wait_until(lambda: len(desk.queue.all()) == 1, "the round's query in the queue")
-        desk.send(desk.queue.answer(DEVICE, desk.queue.all()[0].query_id, 6, "ana"))
+        desk.send(desk.queue.record(DEVICE, desk.queue.all()[0].query_id, 6, "ana").decided)
 
     answering = threading.Thread(target=person)
     answering.start()
@@ -242,7 +242,7 @@ def test_a_query_refused_for_a_full_queue_is_sent_again_when_there_is_room(tmp_p
         wait_until(lambda: len(device.oracle.book.store.queued()) == 1, "the first query's receipt")
         time.sleep(0.3)
         assert len(device.oracle.book.store.queued()) == 1, "the refused one is not settled"
-        small.send(queue.answer(DEVICE, queue.all()[0].query_id, 2, "ana"))
+        small.send(queue.record(DEVICE, queue.all()[0].query_id, 2, "ana").decided)
         wait_until(lambda: len(queue.all()) == 2, "the second query queued once there is room", step=device.step)
         wait_until(lambda: len(device.oracle.book.store.queued()) == 2, "its receipt back at the device")
     finally:

@@ -198,7 +198,7 @@ def export(args: argparse.Namespace) -> int:
 
 
 def import_answers(args: argparse.Namespace) -> int:
-    """Records Label Studio's annotations as answers (sent to the devices by the next `serve`)."""
+    """Records Label Studio's annotations as answers and corrections (sent to the devices by the next `serve`)."""
     from coordinator.labelling.label_studio import import_tasks
 
     try:
@@ -215,8 +215,8 @@ def import_answers(args: argparse.Namespace) -> int:
     except UsageError as error:
         raise UsageError(f"{args.tasks}: {error}; nothing imported") from None
     print(
-        f"{len(counts.decided)} answers decided, {counts.votes} votes waiting for others, "
-        f"{counts.unanswered} tasks unanswered, {counts.refused} refused"
+        f"{len(counts.decided)} answers decided, {len(counts.corrections)} corrected, {counts.votes} votes waiting "
+        f"for others, {counts.unanswered} tasks unanswered, {counts.unchanged} unchanged, {counts.refused} refused"
     )
     return 0
 

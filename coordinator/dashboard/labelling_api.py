@@ -1,23 +1,35 @@
-# The labelling page's JSON API: the next query for a person, its image, an answer or a skip (stored before the
-# device is told); every refusal a bounded JSON error with its own status.
+# The labelling page's JSON API: the next query for a person (or a grid of one guessed class), its image, an answer, a
+# grid's answers, a correction, an undo or a skip (stored before the device is told); every refusal a bounded JSON
+# error with its own status.
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
 from coordinator.labelling.desk import LabellingDesk
-from coordinator.labelling.queue import AnswerError, QueuedQuery
+from coordinator.labelling.queue import AnswerError, Given, QueuedQuery, Recorded
 from protocol import wire
-from protocol.http_requests import HttpRefusal, json_body
+from protocol.http_requests import HttpRefusal, ascii_int, json_body
 
 MAX_BODY_BYTES = 4096
+GRID_BODY_BYTES = 16384  # a grid's post names up to GRID_MAX queries
 PERSON = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
 ANSWER_PATH = "/api/label/answer"
+CORRECT_PATH = "/api/label/correct"
+GRID_PATH = "/api/label/grid"
 SKIP_PATH = "/api/label/skip"
-POST_PATHS = (ANSWER_PATH, SKIP_PATH)
+UNDO_PATH = "/api/label/undo"
+POST_PATHS = (ANSWER_PATH, CORRECT_PATH, GRID_PATH, SKIP_PATH, UNDO_PATH)
 IMAGE_PATH = re.compile(r"/api/label/image/([A-Za-z0-9_.-]{1,64})/([A-Za-z0-9_.-]{1,64})")
+HISTORY = 20  # a person's latest answers the page lists (to correct one, or see where it stands)
+GRID_SIZE = 24
+GRID_MAX = 48
+PERSON_RULE = "person must be 1-64 letters, digits or _.@-"
+IDS_RULE = "device and query_id must be 1-64 letters, digits or _.-"
+LABEL_RULE = "label must be an integer class number (-1: none of these)"
 
 
 @dataclass(frozen=True)
@@ -35,44 +47,100 @@ def error(status: HTTPStatus, reason: str) -> Reply:
     return Reply(status, {"error": reason[:300]})
 
 
+def body_limit(path: str) -> int:
+    """The largest body a POST to `path` may carry."""
+    return GRID_BODY_BYTES if path == GRID_PATH else MAX_BODY_BYTES
+
+
+def image_of(device: str, query_id: str) -> str:
+    """The address of a query's image."""
+    return f"/api/label/image/{device}/{query_id}"
+
+
+def class_name(desk: LabellingDesk, label: int | None) -> str | None:
+    """A class's name, or None for no guess, no answer or none of these."""
+    names = desk.queue.class_names
+    return names[label] if label is not None and 0 <= label < len(names) else None
+
+
 def query_view(desk: LabellingDesk, query: QueuedQuery | None) -> dict[str, Any] | None:
-    """A query as the page shows it: its device, id, image address, the model's guess and uncertainty."""
+    """A query as the page shows it: its device, id, image address, the model's guess and uncertainty, and the label
+    it holds (None while open)."""
     if query is None:
         return None
-    names = desk.queue.class_names
     return {
         "device": query.device,
         "query_id": query.query_id,
-        "image": f"/api/label/image/{query.device}/{query.query_id}",
+        "image": image_of(query.device, query.query_id),
         "image_bytes": query.image_bytes,
         "guess": query.guess,
-        "guess_name": names[query.guess] if 0 <= query.guess < len(names) else None,
+        "guess_name": class_name(desk, query.guess),
         "probability": query.probability,
         "uncertainty": query.uncertainty,
         "score": query.score,
         "asked_at": query.asked_at,
+        "label": query.label,
+    }
+
+
+def given_view(desk: LabellingDesk, given: Given) -> dict[str, Any]:
+    """One of a person's answers as their history shows it."""
+    return {
+        "device": given.device,
+        "query_id": given.query_id,
+        "image": image_of(given.device, given.query_id),
+        "given": given.given,
+        "label": given.label,
+        "label_name": class_name(desk, given.label),
+        "state": given.state,
     }
 
 
 def next_reply(desk: LabellingDesk, person: str) -> Reply:
-    """The next query for a person, the class names and the queue's depth."""
+    """The next query for a person, the class names, the queue's depth, the person's latest answers and their count
+    today, and the fleet's corrections."""
+    return Reply(HTTPStatus.OK, {"query": query_view(desk, desk.queue.next_for(person)), **page_state(desk, person)})
+
+
+def page_state(desk: LabellingDesk, person: str) -> dict[str, Any]:
+    """What every reply to the page carries beside its query or grid."""
     depth = desk.queue.depth()
-    body = {
-        "query": query_view(desk, desk.queue.next_for(person)),
+    status = desk.queue.status(time.time())
+    return {
         "classes": list(desk.queue.class_names),
         "open": sum(depth.values()),
         "devices": len(depth),
+        "history": [given_view(desk, given) for given in desk.queue.history(person, HISTORY)],
+        "today": status.answers_today.get(person, 0),
+        "corrections": status.corrections,
+        "undo_answers": desk.queue.undo_window.answers,
+        "undo_seconds": desk.queue.undo_window.seconds,
     }
-    return Reply(HTTPStatus.OK, body)
+
+
+def grid_reply(desk: LabellingDesk, person: str, parameters: dict[str, list[str]]) -> Reply:
+    """A page of open queries of one guessed class (`class`, or the class with the most), at most `size`."""
+    try:
+        size = ascii_int((parameters.get("size") or [str(GRID_SIZE)])[0], "size")
+        chosen = parameters.get("class")
+        guess = None if not chosen else ascii_int(chosen[0], "class")
+    except HttpRefusal as refused:
+        return error(refused.status, refused.reason)
+    if not 1 <= size <= GRID_MAX or (guess is not None and not 0 <= guess < len(desk.queue.class_names)):
+        return error(HTTPStatus.BAD_REQUEST, f"size must be 1..{GRID_MAX} and class a class number of the spec")
+    queries = desk.queue.grid_for(person, size, guess)
+    label = queries[0].guess if queries else guess
+    body = {"class": label, "class_name": class_name(desk, label), "queries": [query_view(desk, q) for q in queries]}
+    return Reply(HTTPStatus.OK, {**body, **page_state(desk, person)})
 
 
 def get(desk: LabellingDesk, path: str, parameters: dict[str, list[str]]) -> Reply:
-    """GET /api/label/next?person=P, GET /api/label/image/DEVICE/QUERY."""
-    if path == "/api/label/next":
+    """GET /api/label/next?person=P, /api/label/grid?person=P[&class=K][&size=N], /api/label/image/DEVICE/QUERY."""
+    if path in ("/api/label/next", GRID_PATH):
         person = (parameters.get("person") or [""])[0]
         if not PERSON.fullmatch(person):
-            return error(HTTPStatus.BAD_REQUEST, "person must be 1-64 letters, digits or _.@-")
-        return next_reply(desk, person)
+            return error(HTTPStatus.BAD_REQUEST, PERSON_RULE)
+        return next_reply(desk, person) if path == "/api/label/next" else grid_reply(desk, person, parameters)
     match = IMAGE_PATH.fullmatch(path)
     query = desk.queue.get(match[1], match[2]) if match else None
     if query is None:
@@ -85,35 +153,94 @@ def get(desk: LabellingDesk, path: str, parameters: dict[str, list[str]]) -> Rep
     return Reply(HTTPStatus.OK, data=image, content_type=query.media_type)
 
 
+def fields_of(path: str) -> tuple[set[str], set[str]]:
+    """(required, optional) fields of a POST body to `path`."""
+    if path == UNDO_PATH:
+        return {"person"}, set()
+    if path == GRID_PATH:
+        return {"person", "label", "queries"}, {"hold"}
+    if path == SKIP_PATH:
+        return {"device", "query_id", "person"}, set()
+    return {"device", "query_id", "person", "label"}, ({"hold"} if path == ANSWER_PATH else set())
+
+
+def checked_form(path: str, body: bytes) -> dict[str, Any]:
+    """A POST body parsed and checked field by field; HttpRefusal (400) naming the first bad field."""
+    form = json_body(body)
+    required, optional = fields_of(path)
+    if not isinstance(form, dict) or not required <= set(form) <= required | optional:
+        names = ", ".join(sorted(required)) + (f" (and optionally {', '.join(sorted(optional))})" if optional else "")
+        raise HttpRefusal(HTTPStatus.BAD_REQUEST, f"the body must hold exactly {names}")
+    if not isinstance(form["person"], str) or not PERSON.fullmatch(form["person"]):
+        raise HttpRefusal(HTTPStatus.BAD_REQUEST, PERSON_RULE)
+    pairs = [[form["device"], form["query_id"]]] if "device" in form else form.get("queries", [])
+    if not isinstance(pairs, list) or (path == GRID_PATH and not 1 <= len(pairs) <= GRID_MAX):
+        raise HttpRefusal(HTTPStatus.BAD_REQUEST, f"queries must be a list of 1..{GRID_MAX} [device, query_id] pairs")
+    form["keys"] = [checked_ids(pair) for pair in pairs]  # checked (device, query id) pairs
+    if "label" in form and (not isinstance(form["label"], int) or isinstance(form["label"], bool)):
+        raise HttpRefusal(HTTPStatus.BAD_REQUEST, LABEL_RULE)
+    if not isinstance(form.get("hold", False), bool):
+        raise HttpRefusal(HTTPStatus.BAD_REQUEST, "hold must be true or false")
+    return form
+
+
+def checked_ids(pair: Any) -> tuple[str, str]:
+    """A (device, query id) pair from a body; HttpRefusal (400) unless both are identifiers."""
+    if not isinstance(pair, list) or len(pair) != 2:
+        raise HttpRefusal(HTTPStatus.BAD_REQUEST, IDS_RULE)
+    if not all(isinstance(value, str) and wire.IDENTIFIER.fullmatch(value) for value in pair):
+        raise HttpRefusal(HTTPStatus.BAD_REQUEST, IDS_RULE)
+    return pair[0], pair[1]
+
+
 def post(desk: LabellingDesk, path: str, body: bytes) -> Reply:
-    """POST /api/label/answer {device, query_id, label, person} or /api/label/skip {device, query_id, person}:
-    the answer stored (and sent to its device when it decides the query), then the person's next query."""
+    """POST /api/label/answer {device, query_id, label, person[, hold]}: an answer to an open query (with `hold`, as
+    the page sends, it waits for an undo before it goes to its device); /api/label/correct {device, query_id, label,
+    person}: a new label for an answered query (a correction once it was sent); /api/label/grid {person, label,
+    queries: [[device, query_id], ...][, hold]}: one label for a grid's queries, all or none; /api/label/skip
+    {device, query_id, person}; /api/label/undo {person}: the person's latest answer taken back while it is not sent
+    (its query comes back as `query`), else returned to be corrected. Then the person's next query."""
     if path not in POST_PATHS:
         return error(HTTPStatus.NOT_FOUND, f"no such path {wire.shown(path)}")
     try:
-        form = json_body(body)
+        form = checked_form(path, body)
     except HttpRefusal as refused:
         return error(refused.status, refused.reason)
-    fields = {"device", "query_id", "person"} | ({"label"} if path == ANSWER_PATH else set())
-    if not isinstance(form, dict) or set(form) != fields:
-        return error(HTTPStatus.BAD_REQUEST, f"the body must hold exactly {', '.join(sorted(fields))}")
-    device, query_id, person = form["device"], form["query_id"], form["person"]
-    if not all(isinstance(value, str) and wire.IDENTIFIER.fullmatch(value) for value in (device, query_id)):
-        return error(HTTPStatus.BAD_REQUEST, "device and query_id must be 1-64 letters, digits or _.-")
-    if not isinstance(person, str) or not PERSON.fullmatch(person):
-        return error(HTTPStatus.BAD_REQUEST, "person must be 1-64 letters, digits or _.@-")
+    person, keys = form["person"], form["keys"]
     try:
+        if path == UNDO_PATH:
+            return undo_reply(desk, person)
         if path == SKIP_PATH:
+            device, query_id = keys[0]
             desk.queue.skip(device, query_id, person)
-            decided = None
+            recorded: list[Recorded] = []
         else:
-            label = form["label"]
-            if not isinstance(label, int) or isinstance(label, bool):
-                return error(HTTPStatus.BAD_REQUEST, "label must be an integer class number (-1: none of these)")
-            decided = desk.queue.answer(device, query_id, label, person)
+            change, hold = path == CORRECT_PATH, bool(form.get("hold", False))
+            recorded = desk.queue.record_all(keys, form["label"], person, change, hold)
     except AnswerError as refused:
         return error(HTTPStatus(refused.status), refused.reason)
-    if decided is not None:
-        desk.send(decided)
+    send(desk, recorded)
     reply = next_reply(desk, person)
-    return Reply(HTTPStatus.OK, {**(reply.body or {}), "stored": True, "decided": decided is not None})
+    outcomes = [item.outcome.value for item in recorded]
+    decided = any(item.decided is not None for item in recorded)
+    return Reply(HTTPStatus.OK, {**(reply.body or {}), "stored": True, "decided": decided, "outcomes": outcomes})
+
+
+def send(desk: LabellingDesk, recorded: list[Recorded]) -> None:
+    """Sends what the person's word made: corrections at once, decisions once their hold is over (at once when they
+    were not held)."""
+    for item in recorded:
+        if item.correction is not None:
+            desk.send_correction(item.correction)
+        if item.decided is not None and not item.held:
+            desk.send(item.decided)
+    desk.release_due()
+
+
+def undo_reply(desk: LabellingDesk, person: str) -> Reply:
+    """The undo's reply: the query taken back (now open: answer it again) or sent already (correct it), or 404."""
+    undone = desk.queue.undo(person)
+    if undone is None:
+        return error(HTTPStatus.NOT_FOUND, f"{wire.shown(person)} has no answer left to undo")
+    query, state = undone
+    return Reply(HTTPStatus.OK, {"query": query_view(desk, query), "undone": state.value, **page_state(desk, person)})

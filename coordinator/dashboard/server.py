@@ -168,7 +168,7 @@ class DashboardHandler(EdgeHandler):
             self.send_json(status, body)
 
     def do_POST(self) -> None:
-        """The labelling API's answers and skips: JSON, with the token (or, on an open loopback dashboard, the
+        """The labelling API's answers, corrections, undos and skips: JSON, with the token (or, on an open loopback dashboard, the
         same-origin header), from this page's origin only."""
         path = self.path.split("?", 1)[0]
         if not path.startswith(LABEL_API):
@@ -182,7 +182,7 @@ class DashboardHandler(EdgeHandler):
         elif self.headers.get("Content-Type", "").split(";")[0].strip() != "application/json":
             self.send_reply(labelling_api.error(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "the body must be application/json"))
         else:
-            body = self.read_body(labelling_api.MAX_BODY_BYTES)
+            body = self.read_body(labelling_api.body_limit(path))
             self.send_reply(self.label_reply(lambda desk: labelling_api.post(desk, path, body)))
 
     def same_origin(self) -> bool:

@@ -1,6 +1,6 @@
 # The labelling desk: its own MQTT session takes devices' queries into the queue (stored before the broker is acked
-# and the device gets its receipt) and sends each decided answer to its device until the device's receipt says it is
-# stored; a supervised part (protocol.supervision).
+# and the device gets its receipt) and sends each decided answer (once its undo hold is over) and each correction to
+# its device until the device's receipt says it is stored; a supervised part (protocol.supervision).
 from __future__ import annotations
 
 import logging
@@ -9,7 +9,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 
-from coordinator.labelling.queue import Decided, LabelQueue, QueueRefusal
+from coordinator.labelling.queue import Correction, Decided, LabelQueue, QueueRefusal
 from protocol import label_messages, topics, wire
 from protocol.label_signing import sign, signature_valid
 from protocol.mqtt import IncomingMessage, MqttSession
@@ -21,15 +21,19 @@ log = logging.getLogger(__name__)
 RESEND_SECONDS = 30.0
 PART = "labelling-desk"
 OTHER_TOPIC = "(topic)"  # the sender of a message on a topic that names no device
+FROM_DEVICE = (label_messages.AnswerReceipt, label_messages.CorrectionReceipt, label_messages.LocalAnswer)
+ToDevice = label_messages.LabelAnswer | label_messages.LabelCorrection | label_messages.QueryReceipt
 
 
 class LabellingDesk:
     """Runs on a background thread: queries in (each acknowledged to the broker only once queued or refused),
-    receipts in, answers out (QoS 1). An undelivered answer is sent when decided, at every start (so a coordinator
-    killed before a receipt sends it again) and again after `resend_seconds`, doubling up to an hour, for as long as
-    its device stays away; the device stores an answer once however often it comes. With `keys` (a secured fleet:
-    each device's labelling key, protocol.label_signing) answers and query receipts go out signed, and a receipt or
-    local answer that is not signed with its device's key is refused (`bad_signature`, naming the sender)."""
+    receipts in, answers and corrections out (QoS 1). An undelivered answer is sent when decided (a page's answer
+    once its undo hold is over), at every start (so a coordinator killed before a receipt sends it again) and again
+    after `resend_seconds`, doubling up to an hour, for as long as its device stays away; the device stores an answer
+    once however often it comes. A correction goes the same way, settled by the receipt of its revision. With `keys`
+    (a secured fleet: each device's labelling key, protocol.label_signing) answers, corrections and query receipts go
+    out signed, and a receipt or local answer that is not signed with its device's key is refused (`bad_signature`,
+    naming the sender)."""
 
     def __init__(
         self,
@@ -47,6 +51,7 @@ class LabellingDesk:
         self.health = health or Health()
         self.refusals: Counter[tuple[str, str]] = Counter()
         self.resends: ResendSchedule[tuple[str, str]] = ResendSchedule(resend_seconds)
+        self.correction_resends: ResendSchedule[tuple[str, str, int]] = ResendSchedule(resend_seconds)
         self.guard = MessageGuard(PART, self.health, queue.folder / SET_ASIDE)
         self._lock = threading.Lock()
         self._pending: IncomingMessage | None = None
@@ -75,6 +80,20 @@ class LabellingDesk:
         self._publish(decided.device, answer)
         log.info("answer sent device=%s query=%s label=%d", decided.device, decided.query_id, decided.label)
 
+    def send_correction(self, correction: Correction) -> None:
+        """Publishes a correction to its device (QoS 1) and schedules its resend."""
+        message = label_messages.LabelCorrection(
+            correction.query_id, correction.label, correction.revision, correction.corrected_by, correction.corrected_at
+        )
+        with self._lock:
+            self.correction_resends.settle((correction.device, correction.query_id, correction.revision - 1))
+            self.correction_resends.sent((correction.device, correction.query_id, correction.revision))
+        self._publish(correction.device, message)
+        log.info(
+            "correction sent device=%s query=%s label=%d revision=%d",
+            *(correction.device, correction.query_id, correction.label, correction.revision),
+        )
+
     def on_query(self, message: IncomingMessage, device: str) -> None:
         """Queues one device's query (a refused or malformed one is counted and logged, never raised)."""
         if message.dropped or not message.payload:
@@ -98,45 +117,62 @@ class LabellingDesk:
             self._publish(device, receipt)
 
     def on_receipt(self, message: IncomingMessage, device: str) -> None:
-        """Settles an answer the device says it stored (or refused), or closes a query the device answered itself."""
+        """Settles an answer or correction the device says it stored (or refused), or takes a query's answer or
+        correction the device got by another road."""
         try:
-            receipt = wire.decode_any(message.payload, (label_messages.AnswerReceipt, label_messages.LocalAnswer))
+            receipt = wire.decode_any(message.payload, FROM_DEVICE)
         except wire.WireError as error:
             self._refuse(device, "bad_message", str(error))
             return
         if self.keys is not None and not signature_valid(receipt, self.keys.get(device, b""), self.fleet, device):
             self._refuse(device, "bad_signature", f"{receipt.KIND} of query {wire.shown(receipt.query_id)}")
             return
-        if isinstance(receipt, label_messages.LocalAnswer):
-            if receipt.device_id == device and self.queue.answered_on_device(
-                device, receipt.query_id, receipt.label, receipt.road
-            ):
-                log.info("query answered on its device device=%s query=%s", device, receipt.query_id)
+        if receipt.device_id != device:
             return
-        if receipt.device_id == device and self.queue.delivered(device, receipt.query_id):
+        if isinstance(receipt, label_messages.LocalAnswer):
+            if self.queue.answered_on_device(device, receipt.query_id, receipt.label, receipt.road):
+                log.info("query answered on its device device=%s query=%s", device, receipt.query_id)
+        elif isinstance(receipt, label_messages.CorrectionReceipt):
+            if self.queue.correction_delivered(device, receipt.query_id, receipt.revision):
+                with self._lock:
+                    self.correction_resends.settle((device, receipt.query_id, receipt.revision))
+                log.info("correction stored on device=%s query=%s", device, receipt.query_id)
+        elif self.queue.delivered(device, receipt.query_id):
             with self._lock:
                 self.resends.settle((device, receipt.query_id))
             log.info("answer stored on device=%s query=%s stored=%s", device, receipt.query_id, receipt.stored)
 
-    def _publish(self, device: str, message: label_messages.LabelAnswer | label_messages.QueryReceipt) -> None:
-        """Publishes an answer or a query receipt on the device's answers topic, signed with the device's labelling
-        key in a secured fleet (a device the desk holds no key of gets it unsigned, and ignores it)."""
+    def _publish(self, device: str, message: ToDevice) -> None:
+        """Publishes an answer, a correction or a query receipt on the device's answers topic, signed with the
+        device's labelling key in a secured fleet (a device the desk holds no key of gets it unsigned, and ignores
+        it)."""
         key = None if self.keys is None else self.keys.get(device)
         signed = message if key is None else sign(message, key, self.fleet, device)
         self.session.publish(topics.LABEL_ANSWERS.build(fleet=self.fleet, device=device), wire.encode(signed))
 
     def resend_due(self) -> None:
-        """Sends every undelivered answer whose time has come (all of them at the first call)."""
+        """Sends every undelivered answer and correction whose time has come (all of them at the first call, and an
+        answer whose hold just ended at once)."""
         now = time.monotonic()
         for decided in self.queue.undelivered():
             with self._lock:
                 due = self.resends.due((decided.device, decided.query_id), now)
             if due:
                 self.send(decided)
+        for correction in self.queue.undelivered_corrections():
+            with self._lock:
+                due = self.correction_resends.due((correction.device, correction.query_id, correction.revision), now)
+            if due:
+                self.send_correction(correction)
+
+    def release_due(self) -> None:
+        """Sends the answers whose undo hold is over, each at once."""
+        for decided in self.queue.release(time.time()):
+            self.send(decided)
 
     def _serve(self, stop: threading.Event) -> None:
         """The desk's loop: messages as they come (a message whose handler failed first, when the loop restarts),
-        resends once a second."""
+        answers whose hold ended as they end, resends once a second."""
         next_resend = 0.0
         while not stop.is_set():
             message = self._pending or self.session.next_message(timeout=0.2)
@@ -144,6 +180,7 @@ class LabellingDesk:
                 self._pending = message
                 self._handle(message)
                 self._pending = None
+            self.release_due()
             if time.monotonic() >= next_resend:
                 next_resend = time.monotonic() + 1.0
                 self.resend_due()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.labelling.queue import AnswerError, Decided, LabelQueue, QueuedQuery
+from coordinator.labelling.queue import AnswerError, Correction, Decided, LabelQueue, Outcome, QueuedQuery
 from protocol import wire
 from protocol.errors import UsageError
 from protocol.label_messages import NONE_OF_THESE
@@ -75,12 +75,15 @@ def export_tasks(queue: LabelQueue, out_dir: Path, url_prefix: str, only_open: b
 
 @dataclass
 class ImportCounts:
-    """What an import did: answers decided, votes recorded that decide nothing yet, and tasks passed over."""
+    """What an import did: answers decided, corrections of answered queries, votes recorded that decide nothing yet,
+    and tasks passed over (unanswered, refused, or holding the answer the queue holds)."""
 
     decided: list[Decided]
+    corrections: list[Correction]
     votes: int = 0
     unanswered: int = 0
     refused: int = 0
+    unchanged: int = 0
 
 
 @dataclass(frozen=True)
@@ -142,12 +145,13 @@ def task_answer(position: int, task: Any) -> TaskAnswer | None:
 
 
 def import_tasks(queue: LabelQueue, tasks: list[Any]) -> ImportCounts:
-    """Answers from Label Studio tasks (the ones an export wrote, annotated): each a person's vote in the queue,
-    by `label-studio:<who>`. A file with a task of the wrong shape is refused whole (UsageError naming the task and
-    the field) before any vote is recorded; an unknown query, a choice not in the spec, or a query answered already
-    is refused per task."""
+    """Answers from Label Studio tasks (the ones an export wrote, annotated): each recorded by `label-studio:<who>`
+    as the page records a person's word: a vote on an open query, and a correction of an answered one whose
+    annotation was changed (sent to its device; the same answer again changes nothing). A file with a task of the
+    wrong shape is refused whole (UsageError naming the task and the field) before any vote is recorded; an unknown
+    query or a choice not in the spec is refused per task."""
     answers = [task_answer(position, task) for position, task in enumerate(tasks, 1)]
-    counts = ImportCounts([])
+    counts = ImportCounts([], [])
     names = {name: number for number, name in enumerate(queue.class_names)} | {NONE_CHOICE: NONE_OF_THESE}
     for answer in answers:
         if answer is None:
@@ -157,14 +161,18 @@ def import_tasks(queue: LabelQueue, tasks: list[Any]) -> ImportCounts:
             counts.refused += 1
             continue
         try:
-            decided = queue.answer(
-                answer.device, answer.query_id, names[answer.choice], f"label-studio:{answer.who}"[:64]
+            recorded = queue.record(
+                answer.device, answer.query_id, names[answer.choice], f"label-studio:{answer.who}"[:64], change=True
             )
         except AnswerError:
             counts.refused += 1
             continue
-        if decided is None:
+        if recorded.decided is not None:
+            counts.decided.append(recorded.decided)
+        elif recorded.correction is not None:
+            counts.corrections.append(recorded.correction)
+        elif recorded.outcome is Outcome.VOTED:
             counts.votes += 1
         else:
-            counts.decided.append(decided)
+            counts.unchanged += 1
     return counts

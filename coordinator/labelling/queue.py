@@ -1,11 +1,14 @@
-# The labelling queue on disk: queries (SQLite rows, image files), people's votes and answers, and what was delivered.
+# The labelling queue on disk: queries (SQLite rows, image files), people's votes, answers and corrections, the
+# answers held for an undo, and what was delivered.
 from __future__ import annotations
 
 import io
 import sqlite3
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
 
@@ -33,10 +36,30 @@ SCHEMA = (
     "label INTEGER NOT NULL, voted_at REAL NOT NULL, PRIMARY KEY (device, query_id, person))",
     "CREATE TABLE IF NOT EXISTS skips (device TEXT NOT NULL, query_id TEXT NOT NULL, person TEXT NOT NULL, "
     "PRIMARY KEY (device, query_id, person))",
+    # a page's decided answer that is not sent yet, so its person may still undo it
+    "CREATE TABLE IF NOT EXISTS held (device TEXT NOT NULL, query_id TEXT NOT NULL, person TEXT NOT NULL, "
+    "until REAL NOT NULL, PRIMARY KEY (device, query_id))",
+    # a query's latest correction after its answer was sent: its revision counts the corrections
+    "CREATE TABLE IF NOT EXISTS corrections (device TEXT NOT NULL, query_id TEXT NOT NULL, label INTEGER NOT NULL, "
+    "revision INTEGER NOT NULL, corrected_by TEXT NOT NULL, corrected_at REAL NOT NULL, delivered_at REAL, "
+    "PRIMARY KEY (device, query_id))",
 )
 QUERY_COLUMNS = (
     "device, query_id, media_type, image_bytes, guess, probability, uncertainty, score, asked_at, label, answered_by"
 )
+# The open queries a person has neither answered nor skipped, each with its place in the page's order: a device's
+# queries ranked among themselves (rarest guessed class by answers so far, then score, then age) after its answered
+# ones (`turn`), and the rarity of its guessed class.
+RANKED = (
+    "SELECT q.*, COALESCE(c.answered, 0) AS rarity, COALESCE(d.answered, 0) + ROW_NUMBER() OVER (PARTITION BY "
+    "q.device ORDER BY COALESCE(c.answered, 0), q.score DESC, q.received_at) AS turn FROM queries q LEFT JOIN "
+    "(SELECT label AS class, COUNT(*) AS answered FROM queries WHERE label IS NOT NULL GROUP BY label) c ON c.class "
+    "= q.guess LEFT JOIN (SELECT device AS asker, COUNT(*) AS answered FROM queries WHERE label IS NOT NULL GROUP BY "
+    "device) d ON d.asker = q.device WHERE q.label IS NULL AND NOT EXISTS (SELECT 1 FROM votes v WHERE v.device = "
+    "q.device AND v.query_id = q.query_id AND v.person = :person) AND NOT EXISTS (SELECT 1 FROM skips s WHERE "
+    "s.device = q.device AND s.query_id = q.query_id AND s.person = :person)"
+)
+NOT_HELD = "NOT EXISTS (SELECT 1 FROM held h WHERE h.device = q.device AND h.query_id = q.query_id)"
 
 
 class QueueRefusal(StrEnum):
@@ -99,6 +122,70 @@ class Decided:
     answered_at: float
 
 
+@dataclass(frozen=True)
+class Correction:
+    """A change of an answer after it was sent, to be delivered to its device: the query, its new label, the
+    correction's revision (counting the query's corrections), who made it and when."""
+
+    device: str
+    query_id: str
+    label: int
+    revision: int
+    corrected_by: str
+    corrected_at: float
+
+
+class Outcome(StrEnum):
+    """What recording a person's word did to a query."""
+
+    VOTED = "voted"  # a vote that decides nothing yet (more people are asked)
+    DECIDED = "decided"  # decided the query: the answer goes to its device (after its hold, if held)
+    REPLACED = "replaced"  # changed an answer not sent yet: nothing goes out but the new answer, later
+    CORRECTED = "corrected"  # changed an answer sent already: a correction goes to the device
+    UNCHANGED = "unchanged"  # the query holds this label already
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What `record` did, with the decision or correction it made (the desk sends them)."""
+
+    outcome: Outcome
+    decided: Decided | None = None
+    correction: Correction | None = None
+    held: bool = False
+
+
+@dataclass(frozen=True)
+class UndoWindow:
+    """How long a page's answer waits before it goes to its device, so its person can take it back: while it is
+    among the person's `answers` newest held answers, for at most `seconds`."""
+
+    seconds: float = 30.0
+    answers: int = 10
+
+
+class Undone(StrEnum):
+    """What an undo found: the person's latest answer taken back (the query is open again), or sent already (it can
+    only be corrected now)."""
+
+    WITHDRAWN = "withdrawn"
+    SENT = "sent"
+
+
+@dataclass(frozen=True)
+class Given:
+    """One answer of a person as their history shows it: the query, the label the person gave and the one the query
+    holds now, and where it stands (`waiting` for more votes, `held` for an undo, `sent`, `delivered`, and for a
+    corrected query `correction sent` or `corrected`)."""
+
+    device: str
+    query_id: str
+    given: int
+    label: int | None
+    state: str
+    voted_at: float
+
+
 def image_refusal(image: bytes, media_type: str, limits: QueueLimits) -> QueueRefusal | None:
     """Why an image cannot be queued (too large, or not a decodable image of its declared type), or None."""
     if len(image) > limits.image_bytes:
@@ -120,19 +207,30 @@ def image_refusal(image: bytes, media_type: str, limits: QueueLimits) -> QueueRe
 @dataclass(frozen=True)
 class QueueStatus:
     """The queue at a glance: per device its open queries and the oldest one's age (seconds since the queue received
-    it), and per person the answers they gave in the last hour (the fleet's labelling rate)."""
+    it), per person the answers they gave in the last hour (the fleet's labelling rate) and today (since local
+    midnight), and how many corrections were made (and how many of them wait for their device)."""
 
     open_by_device: dict[str, tuple[int, float]]
     answers_last_hour: dict[str, int]
+    answers_today: dict[str, int]
+    corrections: int
+    corrections_undelivered: int
 
 
 class LabelQueue:
-    """RUN_DIR/labelling/: queue.sqlite (queries, votes, skips; every write one durable transaction) and
-    images/<device>/<query id>.<ext>. A query is decided when one label holds a majority of `voters` votes (1: the
-    first answer decides); the decision is committed before anyone may send it to the device."""
+    """RUN_DIR/labelling/: queue.sqlite (queries, votes, skips, held answers, corrections; every write one durable
+    transaction) and images/<device>/<query id>.<ext>. A query is decided when one label holds a majority of
+    `voters` votes (1: the first answer decides); the decision is committed before anyone may send it to the device.
+    A decision from the page waits as `undo` says before it may be sent; a change after it was sent is a
+    correction, sent to the device in its turn. `record` is the one way in for every answer and correction."""
 
     def __init__(
-        self, run_dir: Path, class_names: tuple[str, ...], limits: QueueLimits | None = None, voters: int = 1
+        self,
+        run_dir: Path,
+        class_names: tuple[str, ...],
+        limits: QueueLimits | None = None,
+        voters: int = 1,
+        undo: UndoWindow | None = None,
     ) -> None:
         if voters < 1:
             raise ValueError(f"voters must be at least 1, got {voters}")
@@ -141,6 +239,7 @@ class LabelQueue:
         self.class_names = class_names
         self.limits = limits or QueueLimits()
         self.voters = voters
+        self.undo_window = undo or UndoWindow()
         self._lock = threading.Lock()
         self._conn = sqlite3.connect(self.folder / DATABASE, check_same_thread=False, isolation_level=None, timeout=30)
         self._conn.execute("PRAGMA journal_mode=WAL")
@@ -186,21 +285,33 @@ class LabelQueue:
         device's n-th comes before any device's (n+1)-th (ties: rarest class, then age). So what a device claims (its
         guesses, its scores) orders only its own queries: one device's hundred queries take one place in each turn,
         never the page."""
+        found = self._ranked(person, None, 1)
+        return found[0] if found else None
+
+    def grid_for(self, person: str, size: int, guess: int | None = None) -> list[QueuedQuery]:
+        """A page of up to `size` open queries of this person whose model guess is one class (`guess`, or the class
+        with the most such queries, the rarest by answers on a tie), in the order `next_for` would show them."""
+        if guess is None:
+            with self._lock:
+                row = self._conn.execute(
+                    f"SELECT guess FROM ({RANKED}) WHERE guess >= 0 GROUP BY guess ORDER BY COUNT(*) DESC, "
+                    "MIN(rarity), guess LIMIT 1",
+                    {"person": person},
+                ).fetchone()
+            if row is None:
+                return []
+            guess = int(row[0])
+        return self._ranked(person, guess, size)
+
+    def _ranked(self, person: str, guess: int | None, limit: int) -> list[QueuedQuery]:
+        """The first `limit` open queries of a person in the page's order, of one guessed class or any."""
+        where = "" if guess is None else "WHERE guess = :guess"
         with self._lock:
-            row = self._conn.execute(
-                f"SELECT {QUERY_COLUMNS} FROM (SELECT q.*, COALESCE(c.answered, 0) AS rarity, COALESCE(d.answered, 0) "
-                "+ ROW_NUMBER() OVER (PARTITION BY q.device ORDER BY COALESCE(c.answered, 0), q.score DESC, "
-                "q.received_at) AS turn FROM queries q LEFT JOIN (SELECT label AS class, COUNT(*) AS answered "
-                "FROM queries WHERE label IS NOT NULL GROUP BY label) c ON c.class = q.guess LEFT JOIN (SELECT "
-                "device AS asker, COUNT(*) AS answered FROM queries WHERE label IS NOT NULL GROUP BY device) d "
-                "ON d.asker = q.device "
-                "WHERE q.label IS NULL AND NOT EXISTS (SELECT 1 FROM votes v WHERE v.device = q.device AND "
-                "v.query_id = q.query_id AND v.person = ?) AND NOT EXISTS (SELECT 1 FROM skips s WHERE "
-                "s.device = q.device AND s.query_id = q.query_id AND s.person = ?)) "
-                "ORDER BY turn, rarity, received_at LIMIT 1",
-                (person, person),
-            ).fetchone()
-        return None if row is None else QueuedQuery(*row)
+            rows = self._conn.execute(
+                f"SELECT {QUERY_COLUMNS} FROM ({RANKED}) {where} ORDER BY turn, rarity, received_at LIMIT :limit",
+                {"person": person, "guess": guess, "limit": limit},
+            ).fetchall()
+        return [QueuedQuery(*row) for row in rows]
 
     def get(self, device: str, query_id: str) -> QueuedQuery | None:
         """One query, or None."""
@@ -216,38 +327,75 @@ class LabelQueue:
             rows = self._conn.execute(f"SELECT {QUERY_COLUMNS} FROM queries ORDER BY received_at, rowid").fetchall()
         return [QueuedQuery(*row) for row in rows]
 
-    def answer(self, device: str, query_id: str, label: int, person: str) -> Decided | None:
-        """Records one person's vote; returns the decision when it decided the query (None: more votes needed).
-        AnswerError for an unknown query, one decided already, a second vote of the same person, a bad label."""
+    def record(
+        self, device: str, query_id: str, label: int, person: str, change: bool = False, hold: bool = False
+    ) -> Recorded:
+        """The one way a person's word enters the queue (the page, its grid, an import): a vote on an open query
+        (deciding it when a majority holds; with `hold`, the decision waits for an undo as `undo_window` says), or
+        with `change` a new label for a decided query (in place while its answer is not sent yet, else a
+        correction). AnswerError for an unknown query, a label outside the spec, a second answer without `change`."""
+        return self.record_all([(device, query_id)], label, person, change, hold)[0]
+
+    def record_all(
+        self, queries: Sequence[tuple[str, str]], label: int, person: str, change: bool = False, hold: bool = False
+    ) -> list[Recorded]:
+        """`record` for several queries (a grid's) in one transaction: all of them, or (AnswerError) none."""
+        self._check_label(label)
+        now = time.time()
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                recorded = [
+                    self._record(device, query_id, label, person, change, hold, now) for device, query_id in queries
+                ]
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+        return recorded
+
+    def _check_label(self, label: int) -> None:
+        """AnswerError(400) for a label that is neither a class of the spec nor NONE_OF_THESE."""
         if not (0 <= label < len(self.class_names) or label == NONE_OF_THESE):
             raise AnswerError(
                 400,
                 f"label {wire.shown(label)} is not a class of the spec (0..{len(self.class_names) - 1}, or -1: none)",
             )
-        now = time.time()
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                decided = self._vote(device, query_id, label, person, now)
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
-        return decided
 
-    def _vote(self, device: str, query_id: str, label: int, person: str, now: float) -> Decided | None:
-        """The vote inside answer's transaction."""
+    def _record(
+        self, device: str, query_id: str, label: int, person: str, change: bool, hold: bool, now: float
+    ) -> Recorded:
+        """One query's part of record_all, inside its transaction."""
         row = self._conn.execute(
             "SELECT label FROM queries WHERE device = ? AND query_id = ?", (device, query_id)
         ).fetchone()
         if row is None:
             raise AnswerError(404, f"no query {wire.shown(query_id)} of device {wire.shown(device)}")
-        if row[0] is not None:
+        if row[0] is None:
+            return self._vote(device, query_id, label, person, change, hold, now)
+        if not change:
             raise AnswerError(409, f"query {wire.shown(query_id)} is answered already")
-        try:
-            self._conn.execute("INSERT INTO votes VALUES (?, ?, ?, ?, ?)", (device, query_id, person, label, now))
-        except sqlite3.IntegrityError:
-            raise AnswerError(409, f"{wire.shown(person)} answered query {wire.shown(query_id)} already") from None
+        if int(row[0]) == label:
+            return Recorded(Outcome.UNCHANGED)
+        self._upsert_vote(device, query_id, label, person, now)
+        self._conn.execute("UPDATE queries SET label = ? WHERE device = ? AND query_id = ?", (label, device, query_id))
+        if self._one("SELECT COUNT(*) FROM held WHERE device = ? AND query_id = ?", device, query_id):
+            self._conn.execute(
+                "UPDATE queries SET answered_by = ? WHERE device = ? AND query_id = ?", (person, device, query_id)
+            )
+            return Recorded(Outcome.REPLACED)
+        return Recorded(Outcome.CORRECTED, correction=self._correct(device, query_id, label, person, now, None))
+
+    def _vote(
+        self, device: str, query_id: str, label: int, person: str, change: bool, hold: bool, now: float
+    ) -> Recorded:
+        """A person's vote on an open query (a second vote of the same person only with `change`, replacing the
+        first), and the decision when a majority holds."""
+        if not change and self._one(
+            "SELECT COUNT(*) FROM votes WHERE device = ? AND query_id = ? AND person = ?", device, query_id, person
+        ):
+            raise AnswerError(409, f"{wire.shown(person)} answered query {wire.shown(query_id)} already")
+        self._upsert_vote(device, query_id, label, person, now)
         voters = [
             str(voter)
             for (voter,) in self._conn.execute(
@@ -256,13 +404,119 @@ class LabelQueue:
             )
         ]
         if len(voters) < self.voters // 2 + 1:
-            return None
+            return Recorded(Outcome.VOTED)
         answered_by = ",".join(voters)[:200]
         self._conn.execute(
             "UPDATE queries SET label = ?, answered_by = ?, answered_at = ? WHERE device = ? AND query_id = ?",
             (label, answered_by, now, device, query_id),
         )
-        return Decided(device, query_id, label, answered_by, now)
+        if hold:
+            self._conn.execute(
+                "INSERT OR REPLACE INTO held VALUES (?, ?, ?, ?)",
+                (device, query_id, person, now + self.undo_window.seconds),
+            )
+        return Recorded(Outcome.DECIDED, decided=Decided(device, query_id, label, answered_by, now), held=hold)
+
+    def _upsert_vote(self, device: str, query_id: str, label: int, person: str, now: float) -> None:
+        """A person's vote on a query, replacing theirs if they gave one."""
+        self._conn.execute(
+            "INSERT INTO votes VALUES (?, ?, ?, ?, ?) ON CONFLICT (device, query_id, person) DO UPDATE SET "
+            "label = excluded.label, voted_at = excluded.voted_at",
+            (device, query_id, person, label, now),
+        )
+
+    def _correct(
+        self, device: str, query_id: str, label: int, who: str, now: float, delivered_at: float | None
+    ) -> Correction:
+        """Notes a correction of a sent answer (its revision one past the query's last), undelivered unless its
+        device made it (`delivered_at`)."""
+        revision = 1 + self._one(
+            "SELECT COALESCE(MAX(revision), 0) FROM corrections WHERE device = ? AND query_id = ?", device, query_id
+        )
+        self._conn.execute(
+            "INSERT OR REPLACE INTO corrections VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (device, query_id, label, revision, who, now, delivered_at),
+        )
+        return Correction(device, query_id, label, revision, who, now)
+
+    def undo(self, person: str) -> tuple[QueuedQuery, Undone] | None:
+        """Takes back this person's latest answer while it is not sent (held for an undo, or a vote that decided
+        nothing yet): the query is open again. An answer sent already is returned as it is (`SENT`: it can only be
+        corrected now); None when the person has no answer left."""
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                found = self._undo(person)
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+        if found is None:
+            return None
+        query = self.get(*found[:2])
+        return None if query is None else (query, found[2])
+
+    def _undo(self, person: str) -> tuple[str, str, Undone] | None:
+        """undo's reads and writes inside its transaction."""
+        row = self._conn.execute(
+            "SELECT v.device, v.query_id, q.label IS NULL, EXISTS (SELECT 1 FROM held h WHERE h.device = v.device "
+            "AND h.query_id = v.query_id) FROM votes v JOIN queries q ON q.device = v.device AND q.query_id = "
+            "v.query_id WHERE v.person = ? ORDER BY v.voted_at DESC, v.rowid DESC LIMIT 1",
+            (person,),
+        ).fetchone()
+        if row is None:
+            return None
+        device, query_id, still_open, held = str(row[0]), str(row[1]), bool(row[2]), bool(row[3])
+        if not (still_open or held):
+            return device, query_id, Undone.SENT
+        key = (device, query_id)
+        self._conn.execute("DELETE FROM votes WHERE device = ? AND query_id = ? AND person = ?", (*key, person))
+        self._conn.execute("DELETE FROM held WHERE device = ? AND query_id = ?", key)
+        self._conn.execute(
+            "UPDATE queries SET label = NULL, answered_by = NULL, answered_at = NULL WHERE device = ? AND query_id = ?",
+            key,
+        )
+        return device, query_id, Undone.WITHDRAWN
+
+    def release(self, now: float) -> list[Decided]:
+        """Lets held answers go to their devices once their hold is over (its time passed, or the person gave
+        `undo_window.answers` newer ones); the answers let go."""
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                due = self._conn.execute(
+                    "SELECT q.device, q.query_id, q.label, q.answered_by, q.answered_at FROM (SELECT device, query_id, "
+                    "until, ROW_NUMBER() OVER (PARTITION BY person ORDER BY until DESC, rowid DESC) AS newest FROM "
+                    "held) h JOIN queries q ON q.device = h.device AND q.query_id = h.query_id "
+                    "WHERE h.until <= ? OR h.newest > ?",
+                    (now, self.undo_window.answers),
+                ).fetchall()
+                self._conn.executemany(
+                    "DELETE FROM held WHERE device = ? AND query_id = ?", [(row[0], row[1]) for row in due]
+                )
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+        return [Decided(*row) for row in due]
+
+    def history(self, person: str, limit: int) -> list[Given]:
+        """This person's latest `limit` answers, newest first, with where each stands."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT v.device, v.query_id, v.label, q.label, v.voted_at, CASE WHEN q.label IS NULL THEN 'waiting' "
+                "WHEN h.until IS NOT NULL THEN 'held' WHEN c.revision IS NOT NULL AND c.delivered_at IS NULL THEN "
+                "'correction sent' WHEN c.revision IS NOT NULL THEN 'corrected' WHEN q.delivered_at IS NULL THEN "
+                "'sent' ELSE 'delivered' END FROM votes v JOIN queries q ON q.device = v.device AND q.query_id = "
+                "v.query_id LEFT JOIN held h ON h.device = v.device AND h.query_id = v.query_id LEFT JOIN corrections "
+                "c ON c.device = v.device AND c.query_id = v.query_id WHERE v.person = ? "
+                "ORDER BY v.voted_at DESC, v.rowid DESC LIMIT ?",
+                (person, limit),
+            ).fetchall()
+        return [
+            Given(str(device), str(query_id), int(given), None if label is None else int(label), str(state), float(at))
+            for device, query_id, given, label, at, state in rows
+        ]
 
     def skip(self, device: str, query_id: str, person: str) -> None:
         """Notes that a person skipped a query (it is not shown to them again); AnswerError(404) if unknown."""
@@ -272,29 +526,59 @@ class LabelQueue:
             self._conn.execute("INSERT OR IGNORE INTO skips VALUES (?, ?, ?)", (device, query_id, person))
 
     def answered_on_device(self, device: str, query_id: str, label: int, road: str) -> bool:
-        """Closes an open query its device answered by another road (delivered already: it is the device's own
-        answer); False for no such open query or a label outside the spec."""
+        """Takes an answer its device got by another road (delivered already: it is the device's own word): an open
+        query is closed with it, a decided one corrected to it; False for no such query, a label outside the spec or
+        the label the query holds."""
         if not (0 <= label < len(self.class_names) or label == NONE_OF_THESE):
             return False
         who = f"{device}:{road if road in DEVICE_ROADS else 'device'}"
         now = time.time()
         with self._lock:
-            cursor = self._conn.execute(
-                "UPDATE queries SET label = ?, answered_by = ?, answered_at = ?, delivered_at = ? "
-                "WHERE device = ? AND query_id = ? AND label IS NULL",
-                (label, who, now, now, device, query_id),
-            )
-            self._prune()
-        return cursor.rowcount > 0
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                taken = self._device_word(device, query_id, label, who, now)
+                self._prune()
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+        return taken
+
+    def _device_word(self, device: str, query_id: str, label: int, who: str, now: float) -> bool:
+        """answered_on_device's writes inside its transaction."""
+        row = self._conn.execute(
+            "SELECT label FROM queries WHERE device = ? AND query_id = ?", (device, query_id)
+        ).fetchone()
+        if row is None or row[0] == label:
+            return False
+        self._conn.execute(
+            "UPDATE queries SET label = ?, answered_by = COALESCE(answered_by, ?), answered_at = COALESCE(answered_at, "
+            "?), delivered_at = COALESCE(delivered_at, ?) WHERE device = ? AND query_id = ?",
+            (label, who, now, now, device, query_id),
+        )
+        self._conn.execute("DELETE FROM held WHERE device = ? AND query_id = ?", (device, query_id))
+        if row[0] is not None:
+            self._correct(device, query_id, label, who, now, now)
+        return True
 
     def undelivered(self) -> list[Decided]:
-        """Decided answers the device has not confirmed storing yet, oldest first."""
+        """Decided answers, no longer held for an undo, that the device has not confirmed storing yet, oldest
+        first."""
         with self._lock:
             rows = self._conn.execute(
-                "SELECT device, query_id, label, answered_by, answered_at FROM queries "
-                "WHERE label IS NOT NULL AND delivered_at IS NULL ORDER BY answered_at"
+                "SELECT device, query_id, label, answered_by, answered_at FROM queries q "
+                f"WHERE label IS NOT NULL AND delivered_at IS NULL AND {NOT_HELD} ORDER BY answered_at"
             ).fetchall()
         return [Decided(*row) for row in rows]
+
+    def undelivered_corrections(self) -> list[Correction]:
+        """Corrections whose devices have not confirmed storing them yet, oldest first."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT device, query_id, label, revision, corrected_by, corrected_at FROM corrections "
+                "WHERE delivered_at IS NULL ORDER BY corrected_at"
+            ).fetchall()
+        return [Correction(*row) for row in rows]
 
     def delivered(self, device: str, query_id: str) -> bool:
         """Notes a device's receipt of an answer; False when there was no such undelivered answer."""
@@ -307,16 +591,30 @@ class LabelQueue:
             self._prune()
         return cursor.rowcount > 0
 
+    def correction_delivered(self, device: str, query_id: str, revision: int) -> bool:
+        """Notes a device's receipt of a correction's revision; False when it is not the query's undelivered one (an
+        older revision's receipt does not settle a newer one)."""
+        with self._lock:
+            cursor = self._conn.execute(
+                "UPDATE corrections SET delivered_at = ? WHERE device = ? AND query_id = ? AND revision = ? "
+                "AND delivered_at IS NULL",
+                (time.time(), device, query_id, revision),
+            )
+            self._prune()
+        return cursor.rowcount > 0
+
     def _prune(self) -> None:
-        """Removes the answered, delivered queries beyond the newest `kept_answered`: rows, votes, skips, images."""
+        """Removes the answered, delivered (and corrections delivered) queries beyond the newest `kept_answered`:
+        rows, votes, skips, corrections, images."""
         old = self._conn.execute(
-            "SELECT device, query_id, media_type FROM queries WHERE delivered_at IS NOT NULL "
-            "ORDER BY answered_at DESC, rowid DESC LIMIT -1 OFFSET ?",
+            "SELECT device, query_id, media_type FROM queries q WHERE delivered_at IS NOT NULL AND NOT EXISTS "
+            "(SELECT 1 FROM corrections c WHERE c.device = q.device AND c.query_id = q.query_id AND c.delivered_at "
+            "IS NULL) ORDER BY answered_at DESC, rowid DESC LIMIT -1 OFFSET ?",
             (self.limits.kept_answered,),
         ).fetchall()
         for device, query_id, media_type in old:
             self.image_path(device, query_id, media_type).unlink(missing_ok=True)
-            for table in ("queries", "votes", "skips"):
+            for table in ("queries", "votes", "skips", "corrections"):
                 self._conn.execute(f"DELETE FROM {table} WHERE device = ? AND query_id = ?", (device, query_id))
 
     def depth(self) -> dict[str, int]:
@@ -326,17 +624,28 @@ class LabelQueue:
             return {str(device): int(count) for device, count in rows}
 
     def status(self, now: float) -> QueueStatus:
-        """Open queries and the oldest one's age per device, and answers per person in the hour before `now`."""
+        """Open queries and the oldest one's age per device, answers per person in the hour before `now` and since
+        that day's local midnight, and the corrections made (and undelivered)."""
+        midnight = datetime.fromtimestamp(now).replace(hour=0, minute=0, second=0, microsecond=0).timestamp()
         with self._lock:
             open_rows = self._conn.execute(
                 "SELECT device, COUNT(*), MIN(received_at) FROM queries WHERE label IS NULL GROUP BY device"
             ).fetchall()
-            people = self._conn.execute(
-                "SELECT person, COUNT(*) FROM votes WHERE voted_at > ? GROUP BY person", (now - 3600.0,)
-            ).fetchall()
+            hour, today = (
+                self._conn.execute(
+                    "SELECT person, COUNT(*) FROM votes WHERE voted_at > ? GROUP BY person", (since,)
+                ).fetchall()
+                for since in (now - 3600.0, midnight)
+            )
+            corrections, undelivered = self._conn.execute(
+                "SELECT COALESCE(SUM(revision), 0), COUNT(*) - COUNT(delivered_at) FROM corrections"
+            ).fetchone()
         return QueueStatus(
             {str(device): (int(count), max(0.0, now - float(oldest))) for device, count, oldest in open_rows},
-            {str(person): int(count) for person, count in people},
+            {str(person): int(count) for person, count in hour},
+            {str(person): int(count) for person, count in today},
+            int(corrections),
+            int(undelivered),
         )
 
     def close(self) -> None:

@@ -251,6 +251,18 @@ class DeviceData:
         self._adopt(self.record.with_human_labels(indices, labels, source))
         self._label_at[indices] = labels
 
+    def correct_labels(self, indices: np.ndarray, labels: np.ndarray) -> None:
+        """Sets these samples' human labels to a person's corrections (-1: none of these, the sample returns to the
+        pool), all or nothing; a sample keeps one label, so a corrected label counts once."""
+        indices = checked_indices(indices, self.num_samples)
+        labels = as_index_array(labels, "labels")
+        if len(labels) != len(indices) or len(np.unique(indices)) != len(indices):
+            raise ValueError(f"correct_labels needs one label per distinct index, got {len(indices)} and {len(labels)}")
+        if labels.size and (labels.min() < -1 or labels.max() >= self.num_classes):
+            raise ValueError(f"corrected labels must lie in -1..{self.num_classes - 1}")
+        self._adopt(self.record.with_corrections(indices, labels))
+        self._label_at[indices] = labels
+
     def set_weak_labels(self, indices: np.ndarray, labels: np.ndarray) -> None:
         """Replaces every weak label by these (atomically); weak labels never overwrite a human label."""
         indices, labels = checked_new_labels(indices, labels, self._label_at, self.num_classes, "set_weak_labels")

@@ -1,7 +1,7 @@
 # A device's labelled record: which samples carry which label from which source, and the replay set; one atomic file.
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -9,8 +9,8 @@ import numpy as np
 from edge_agent.data.image_arrays import check_labels
 from protocol.files import load_arrays, save_arrays
 
-LABEL_SOURCES = ("oracle", "seed", "weak")
-HUMAN_SOURCES = ("oracle", "seed")
+LABEL_SOURCES = ("oracle", "seed", "weak", "correction")  # the stored codes are the positions: append only
+HUMAN_SOURCES = ("oracle", "seed", "correction")
 RECORD_ARRAYS = {"indices", "labels", "sources", "replay", "num_classes", "replay_per_class"}
 
 
@@ -85,6 +85,22 @@ class LabelledRecord:
             self.num_classes,
             self.replay_per_class,
         )
+
+    def with_corrections(self, indices: np.ndarray, labels: np.ndarray) -> LabelledRecord:
+        """The record with these samples' labels corrected by a person (tagged `correction`, at the end of the
+        labelling order; -1, none of these, takes a sample out), each sample once, and the replay set kept in line:
+        a corrected sample leaves it and joins again under its new class if that class has room."""
+        keep, taken = ~np.isin(self.indices, indices), labels >= 0
+        codes = np.full(int(taken.sum()), source_code("correction"), dtype=np.int8)
+        base = LabelledRecord(
+            np.concatenate([self.indices[keep], indices[taken]]),
+            np.concatenate([self.labels[keep], labels[taken]]),
+            np.concatenate([self.sources[keep], codes]),
+            self.replay[~np.isin(self.replay, indices)],
+            self.num_classes,
+            self.replay_per_class,
+        )
+        return replace(base, replay=np.concatenate([base.replay, base.replay_additions(indices[taken], labels[taken])]))
 
     def with_weak_labels(self, indices: np.ndarray, labels: np.ndarray) -> LabelledRecord:
         """The record with every weak label replaced by these."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,11 @@ class Oracle(ABC):
 
     def stop_with(self, event: threading.Event) -> None:
         """Told the event that stops its agent, so a wait for answers ends with it; an immediate oracle never waits."""
+        return None
+
+    def notify_wait(self, waiting: Callable[[bool], None]) -> None:
+        """Told whom to call when a wait for a person's answers starts (True) and ends (False), so the device's
+        status can say it waits for answers; an immediate oracle never waits."""
         return None
 
     def pending(self) -> np.ndarray:

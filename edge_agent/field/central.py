@@ -1,5 +1,6 @@
 # --labelling central: a field device sends each query's image and the model's guess to its fleet's labelling queue
-# and takes the people's answers back into its answer book (the one answer path), acknowledging each once stored.
+# and takes the people's answers and corrections back into its answer book (the one answer path), acknowledging each
+# once stored.
 from __future__ import annotations
 
 import functools
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from edge_agent.data.answers import Delivery, Road
+from edge_agent.data.answers import Delivery, LabelKind, Road
 from edge_agent.data.device_data import DeviceData
 from edge_agent.data.oracle import Guess
 from edge_agent.field.folder_oracle import FolderOracle, Query
@@ -29,6 +30,8 @@ SCAN_SECONDS = 1.0
 RESEND_SECONDS = 30.0
 MEDIA_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}
 PART = "labelling-link"
+FROM_DESK = (label_messages.LabelAnswer, label_messages.LabelCorrection, label_messages.QueryReceipt)
+DeskMessage = label_messages.LabelAnswer | label_messages.LabelCorrection | label_messages.QueryReceipt
 QUEUE = "labelling-queue"  # who the link's messages come from, as its set-aside counts name them
 
 
@@ -56,7 +59,8 @@ class CentralLabelling:
     queries topic at QoS 1, chunked by the session like an update, and again after `resend_seconds` (RESEND_SECONDS), doubling up to
     an hour, until the queue's receipt comes (a queue that was not listening yet gets it later). An answer from the
     queue is delivered to the answer book (durable) before its receipt goes back, so the queue sends it again until
-    the device has stored it (a device killed in between gets it again), and a repeated one changes nothing.
+    the device has stored it (a device killed in between gets it again), and a repeated one changes nothing; a
+    correction the same way (its revision receipted), replacing the label held unless a newer one came first.
 
     With `key` (a secured fleet: the device's labelling key, protocol.label_signing) an answer or query receipt
     counts only with the desk's signature (the others are logged and ignored), and the device signs what it sends
@@ -103,7 +107,8 @@ class CentralLabelling:
         self._thread.stop()
 
     def tick(self) -> None:
-        """On the agent's thread: moves the answers stored since into the labelled store."""
+        """On the agent's thread: moves the answers and corrections stored since into the labelled store."""
+        self.oracle.correct()
         indices, labels = self.oracle.collect()
         if len(indices):
             self.data.add_labels(indices, labels)
@@ -111,7 +116,8 @@ class CentralLabelling:
 
     def send_due(self, session: MqttSession) -> None:
         """Sends each query the queue has not confirmed and nobody answered, when its time has come; tells the
-        queue of its queries answered on the device (its page, labels.csv), so nobody labels them twice."""
+        queue of its queries answered or corrected on the device (its page, labels.csv), so nobody labels them twice
+        and the queue holds the label the device does."""
         store = self.oracle.book.store
         queued = store.queued()
         answered = self.oracle.book.stored_answers()
@@ -121,6 +127,11 @@ class CentralLabelling:
                 local = label_messages.LocalAnswer(self.device_id, stored.query_id, stored.label, stored.road)
                 self._publish_receipt(session, local)
                 store.note_reported(stored.query_id)
+        for fixed in store.unreported_corrections():
+            if fixed.query_id in queued:
+                local = label_messages.LocalAnswer(self.device_id, fixed.query_id, fixed.label, fixed.road)
+                self._publish_receipt(session, local)
+            store.note_correction_reported(fixed.query_id, fixed.label)
         now = time.monotonic()
         for query in self.oracle.book.queries():
             if query.query_id not in queued and query.name not in answered and self.resends.due(query.query_id, now):
@@ -149,9 +160,9 @@ class CentralLabelling:
 
     def handle(self, session: MqttSession, message: IncomingMessage) -> None:
         """One message from the queue: a query's receipt settles the query (unless the queue was full: its resends
-        go on); an answer is stored, then receipted. A malformed message is logged (bounded) and dropped."""
+        go on); an answer or a correction is stored, then receipted. A malformed message is logged (bounded) and dropped."""
         try:
-            received = wire.decode_any(message.payload, (label_messages.LabelAnswer, label_messages.QueryReceipt))
+            received = wire.decode_any(message.payload, FROM_DESK)
         except wire.WireError as error:
             log.warning("ignored bad labelling message topic=%s error=%s", message.topic[:200], error)
             received = None
@@ -166,25 +177,26 @@ class CentralLabelling:
                 log.warning(
                     "query refused by the queue query=%s kind=%s", wire.shown(received.query_id), received.refusal[:32]
                 )
-        elif isinstance(received, label_messages.LabelAnswer):
+        elif received is not None:
             self.store(session, received)
 
-    def store(self, session: MqttSession, answer: label_messages.LabelAnswer) -> None:
-        """Stores one answer from the queue in the answer book, then sends its receipt."""
+    def store(self, session: MqttSession, word: label_messages.LabelAnswer | label_messages.LabelCorrection) -> None:
+        """Stores one answer or correction from the queue in the answer book, then sends its receipt."""
         try:
             delivery: Delivery | None = self.oracle.book.record_answer(
-                answer.query_id, answer.label, Road.CENTRAL, answer.answered_by, answer.answered_at
+                word.query_id, word.label, Road.CENTRAL, *recorded_fields(word)
             )
         # record_answer's refusals (no such query here, a label outside the spec): settled as refused, not stored
         except ValueError as error:
-            log.warning("central answer refused query=%s error=%s", wire.shown(answer.query_id), error)
+            log.warning("central %s refused query=%s error=%s", word.KIND, wire.shown(word.query_id), error)
             delivery = None
         if delivery is Delivery.CONFLICT:
-            log.warning("central answer differs from the one stored first query=%s", answer.query_id)
-        receipt = label_messages.AnswerReceipt(self.device_id, answer.query_id, delivery is not None)
-        self._publish_receipt(session, receipt)
+            log.warning("central answer differs from the one stored first query=%s", word.query_id)
+        elif delivery is Delivery.CORRECTED:
+            log.info("answer corrected device=%s query=%s label=%d", self.device_id, word.query_id, word.label)
+        self._publish_receipt(session, receipt_of(self.device_id, word, delivery is not None))
 
-    def _from_desk(self, message: label_messages.LabelAnswer | label_messages.QueryReceipt) -> bool:
+    def _from_desk(self, message: DeskMessage) -> bool:
         """Whether an answer or query receipt carries the desk's signature under this device's labelling key (a
         secured fleet's); one that does not is logged (bounded) and ignored: it did not come from the desk."""
         if signature_valid(message, self.key or b"", self.fleet, self.device_id):
@@ -197,7 +209,9 @@ class CentralLabelling:
         return False
 
     def _publish_receipt(
-        self, session: MqttSession, message: label_messages.AnswerReceipt | label_messages.LocalAnswer
+        self,
+        session: MqttSession,
+        message: label_messages.AnswerReceipt | label_messages.CorrectionReceipt | label_messages.LocalAnswer,
     ) -> None:
         """Publishes a receipt or local answer to the desk, signed with this device's labelling key when it has one."""
         signed = message if self.key is None else sign(message, self.key, self.fleet, self.device_id)
@@ -226,6 +240,24 @@ class CentralLabelling:
             return self._inbox.get(timeout=0.2)
         except queue.Empty:
             return None
+
+
+def recorded_fields(
+    word: label_messages.LabelAnswer | label_messages.LabelCorrection,
+) -> tuple[str, float, LabelKind, int]:
+    """(who, when, kind, revision) of an answer or correction from the queue, as the answer book records them."""
+    if isinstance(word, label_messages.LabelCorrection):
+        return word.corrected_by, word.corrected_at, LabelKind.CORRECTION, word.revision
+    return word.answered_by, word.answered_at, LabelKind.ANSWER, 0
+
+
+def receipt_of(
+    device: str, word: label_messages.LabelAnswer | label_messages.LabelCorrection, stored: bool
+) -> label_messages.AnswerReceipt | label_messages.CorrectionReceipt:
+    """The receipt that settles an answer (or a correction's revision) at the desk."""
+    if isinstance(word, label_messages.LabelCorrection):
+        return label_messages.CorrectionReceipt(device, word.query_id, word.revision, stored)
+    return label_messages.AnswerReceipt(device, word.query_id, stored)
 
 
 def _guess_fields(guess: Guess) -> tuple[int, float, float, float]:

@@ -1,5 +1,5 @@
-# The folder oracle: queries are copied to DIR/queries/<round>/ with an index; answers, by any road, are stored in
-# DIR/answers.sqlite (labels.csv's rows delivered there as they are read).
+# The folder oracle: queries are copied to DIR/queries/<round>/ with an index; answers and corrections, by any road, are
+# stored in DIR/answers.sqlite (labels.csv's rows delivered there as they are read).
 from __future__ import annotations
 
 import csv
@@ -8,13 +8,14 @@ import io
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from edge_agent.data.answers import ANSWERS_FILE, DECLINED, AnswerBook, Delivery, Road
+from edge_agent.data.answers import ANSWERS_FILE, DECLINED, AnswerBook, Delivery, LabelKind, Road
 from edge_agent.data.device_data import DeviceData
 from edge_agent.data.oracle import Guess, Oracle
 from edge_agent.field.folder_pool import folder_pool_of
@@ -81,7 +82,9 @@ class QueryBook:
 
     labels.csv has rows `file,label` (file: the copy's name or path under queries/; label: class number or name);
     of the rows one read finds for a file the last wins, and it is delivered to the answer book, where the first
-    answer stored for a query stays. Bad rows are logged once and skipped. Index writes are atomic.
+    answer stored for a query stays; a row changed after labels.csv's answer was stored corrects it (while the label
+    the query carries is still labels.csv's: another road's later word is not undone by an old row). Bad rows are
+    logged once and skipped. Index writes are atomic.
     """
 
     def __init__(self, oracle_dir: Path | str, class_names: tuple[str, ...] = CLASS_NAMES) -> None:
@@ -130,16 +133,20 @@ class QueryBook:
         return {name: label for name, label in self.stored_answers().items() if label != DECLINED}
 
     def stored_answers(self) -> dict[str, int]:
-        """Query name -> stored label (DECLINED included), after delivering labels.csv's rows to the answer book."""
+        """Query name -> the label it carries (DECLINED included), after delivering labels.csv's new and changed
+        rows to the answer book."""
         by_id = {query.query_id: query for query in self.queries()}
-        stored = self.store.labels()
+        current = self.store.current()
         for name, label in self.csv_answers().items():
             query = by_id.get(Path(name).stem)
-            if query is not None and query.name == name and query.query_id not in stored:
-                if self.store.deliver(query.query_id, label, Road.LABELS_CSV) is Delivery.STORED:
-                    stored[query.query_id] = label
-                else:  # another road stored its answer meanwhile
-                    stored = self.store.labels()
+            if query is None or query.name != name:
+                continue
+            held = current.get(query.query_id)
+            if held is None:
+                self.store.deliver(query.query_id, label, Road.LABELS_CSV)
+            elif held[1] == Road.LABELS_CSV and held[0] != label:
+                self.store.deliver(query.query_id, label, Road.LABELS_CSV, kind=LabelKind.CORRECTION)
+        stored = self.store.labels()
         return {query.name: stored[query_id] for query_id, query in by_id.items() if query_id in stored}
 
     def csv_answers(self) -> dict[str, int]:
@@ -177,17 +184,24 @@ class QueryBook:
         return {query.index for query in self.queries() if stored.get(query.query_id) == DECLINED}
 
     def record_answer(
-        self, name: str, label: int, road: Road = Road.PAGE, answered_by: str = "", answered_at: float = 0.0
+        self,
+        name: str,
+        label: int,
+        road: Road = Road.PAGE,
+        answered_by: str = "",
+        answered_at: float = 0.0,
+        kind: LabelKind = LabelKind.ANSWER,
+        revision: int = 0,
     ) -> Delivery:
-        """Delivers one answer to the answer book (durable when it returns; a repeated delivery changes nothing);
-        `name` is the query's copy name or its id; ValueError for an unknown query or a label outside the classes
-        (DECLINED: none of these)."""
+        """Delivers one answer or correction to the answer book (durable when it returns; a repeated delivery changes
+        nothing); `name` is the query's copy name or its id; ValueError for an unknown query or a label outside the
+        classes (DECLINED: none of these)."""
         query = next((q for q in self.queries() if name in (q.name, q.query_id)), None)
         if query is None:
             raise ValueError(f"no query named {name[:80]!r}")
         if not (0 <= label < len(self.class_names) or label == DECLINED):
             raise ValueError(f"label {label} is outside 0..{len(self.class_names) - 1}")
-        return self.store.deliver(query.query_id, label, road, answered_by, answered_at)
+        return self.store.deliver(query.query_id, label, road, answered_by, answered_at, kind, revision)
 
     def _report_once(self, message: str, key: tuple[str, ...]) -> None:
         """Logs a bad labels.csv row the first time it is seen."""
@@ -227,6 +241,7 @@ class FolderOracle(Oracle):
         self.round_id = 0
         self.keeps_guesses = False  # set by the central labelling queue, which sends each query with its guess
         self.guesses: dict[int, Guess] = {}
+        self.waiting: Callable[[bool], None] = lambda waits: None
 
     def wants_guesses(self) -> bool:
         """Whether queries go to the fleet's labelling queue with the model's guess."""
@@ -235,6 +250,10 @@ class FolderOracle(Oracle):
     def note_guesses(self, indices: np.ndarray, guesses: list[Guess]) -> None:
         """Keeps the model's guess of each sample about to be asked, for the query it becomes."""
         self.guesses.update(zip(indices.tolist(), guesses))
+
+    def notify_wait(self, waiting: Callable[[bool], None]) -> None:
+        """`waiting(True)` is called when a wait for a person's answers starts, `waiting(False)` when it ends."""
+        self.waiting = waiting
 
     def stop_with(self, event: threading.Event) -> None:
         """A wait for answers ends when `event` (its agent's stop) is set."""
@@ -265,20 +284,50 @@ class FolderOracle(Oracle):
         return np.array(sorted(asked - labelled - self.book.declined()), dtype=np.int64)
 
     def collect(self) -> tuple[np.ndarray, np.ndarray]:
-        """(indices, labels) of answered queries not yet in the labelled store."""
+        """(indices, labels) of answered queries not yet in the labelled store whose label no correction set (those
+        `correct` takes in)."""
         answers = self.book.answers()
+        corrected = self.book.store.corrected()
         labelled = set(self.data.labelled()[0].tolist())
-        found = {q.index: answers[q.name] for q in self.book.queries() if q.name in answers and q.index not in labelled}
+        found = {
+            q.index: answers[q.name]
+            for q in self.book.queries()
+            if q.name in answers and q.index not in labelled and q.query_id not in corrected
+        }
         indices = np.array(sorted(found), dtype=np.int64)
         return indices, np.array([found[i] for i in indices.tolist()], dtype=np.int64)
 
+    def correct(self) -> int:
+        """Brings the labelled store in line with the answer book's corrections: a corrected label replaces the one
+        held or joins the store (tagged `correction`), a correction to 'none of these' takes the sample out, so the
+        next training uses the corrected label and a corrected label counts once; how many samples changed."""
+        corrected = self.book.store.corrected()
+        if not corrected:
+            return 0
+        current = self.book.store.labels()
+        queries = [query for query in self.book.queries() if query.query_id in corrected]
+        indices = np.array([query.index for query in queries], dtype=np.int64)
+        wanted = np.array([current[query.query_id] for query in queries], dtype=np.int64)
+        changed = self.data.labels_at(indices) != wanted
+        if changed.any():
+            self.data.correct_labels(indices[changed], wanted[changed])
+            log.info("corrections applied labels=%d", int(changed.sum()))
+        return int(changed.sum())
+
     def label(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Asks for indices, waits up to wait_seconds for their answers, returns everything answered so far."""
+        """Asks for indices, waits up to wait_seconds for their answers (saying so through `waiting`), takes in the
+        corrections stored meanwhile, returns everything newly answered."""
         waiting = {query.name for query in self.ask(np.asarray(indices, dtype=np.int64))}
         deadline = time.monotonic() + self.wait_seconds
+        waits = bool(waiting - set(self.book.stored_answers())) and self.wait_seconds > 0
+        if waits:
+            self.waiting(True)
         while waiting - set(self.book.stored_answers()) and time.monotonic() < deadline:
             if self.stop_event.wait(self.poll_seconds):
                 break
+        if waits:
+            self.waiting(False)
+        self.correct()
         answered = self.collect()
         log.info(
             "answers collected round=%d answered=%d pending=%d",

@@ -1,4 +1,5 @@
-# The on-device labelling page: pending queries with one button per class; a click stores the answer at once.
+# The on-device labelling page: pending queries with one button per class, a click stores the answer at once; the
+# latest answered ones below it, where a click corrects the label.
 from __future__ import annotations
 
 import html
@@ -8,7 +9,8 @@ import urllib.parse
 from http import HTTPStatus
 from typing import ClassVar
 
-from edge_agent.field.folder_oracle import QueryBook
+from edge_agent.data.answers import DECLINED, LabelKind, Road
+from edge_agent.field.folder_oracle import Query, QueryBook
 from protocol.errors import UsageError
 from protocol.http_edge import DEFAULT_LIMITS, EdgeHandler, EdgeLimits, EdgeServer, HostRule, same_origin
 from protocol.http_requests import HttpRefusal, ascii_int, form_body
@@ -24,8 +26,10 @@ IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}
 PAGE_STYLE = (
     "body{font-family:sans-serif;margin:1em}.query{display:inline-block;border:1px solid #ccc;"
     "margin:.5em;padding:.5em;width:15em;vertical-align:top}.query img{width:112px;height:112px;"
-    "image-rendering:pixelated;display:block;margin-bottom:.5em}button{margin:.1em}"
+    "image-rendering:pixelated;display:block;margin-bottom:.5em}button{margin:.1em}.answered{background:#f4f6f8}"
+    "button[aria-pressed=true]{font-weight:bold;border:2px solid #1d2330}"
 )
+ANSWERED_SHOWN = 12  # the latest answered queries the page offers to correct
 
 
 def parse_listen_address(value: str) -> tuple[str, int]:
@@ -36,29 +40,49 @@ def parse_listen_address(value: str) -> tuple[str, int]:
     return host.removeprefix("[").removesuffix("]") or DEFAULT_HOST, int(port)
 
 
+def query_card(query: Query, class_names: tuple[str, ...], held: int | None) -> str:
+    """One query's card: its image and one form button per class; an answered one (`held`: the label it carries)
+    posts a correction and marks the label held."""
+    name = html.escape(query.name, quote=True)
+    mark = "data-query" if held is None else "data-answered"
+    buttons = "".join(
+        f'<button type="submit" name="label" value="{number}" {mark}="{name}"'
+        f"{' aria-pressed=true' if number == held else ''}>{html.escape(label)}</button>"
+        for number, label in enumerate(class_names)
+    )
+    change = "" if held is None else '<input type="hidden" name="change" value="1">'
+    now = (
+        ""
+        if held is None
+        else f" &middot; now {'none of these' if held == DECLINED else html.escape(class_names[held])}"
+    )
+    return (
+        f'<div class="{"query" if held is None else "answered"}" id="q-{name}"><img src="/image/'
+        f'{urllib.parse.quote(query.name)}" alt="{name}"><form method="post" action="/label"><input type="hidden" '
+        f'name="query" value="{name}">{change}{buttons}</form><small>round {query.round_id} &middot; {name}{now}'
+        "</small></div>"
+    )
+
+
 def render_page(book: QueryBook) -> str:
-    """The HTML of the page: every pending query's image and one form button per class (no scripts, no CDN)."""
-    cards = []
-    for query in book.pending():
-        name = html.escape(query.name, quote=True)
-        buttons = "".join(
-            f'<button type="submit" name="label" value="{number}" data-query="{name}">{html.escape(label)}</button>'
-            for number, label in enumerate(book.class_names)
-        )
-        cards.append(
-            f'<div class="query" id="q-{name}"><img src="/image/{urllib.parse.quote(query.name)}" '
-            f'alt="{name}"><form method="post" action="/label"><input type="hidden" name="query" '
-            f'value="{name}">{buttons}</form><small>round {query.round_id} &middot; {name}</small></div>'
-        )
+    """The HTML of the page: every pending query's card, then the latest answered ones' to correct (no scripts, no
+    CDN)."""
+    stored = book.stored_answers()
+    queries = book.queries()
+    cards = [query_card(query, book.class_names, None) for query in queries if query.name not in stored]
+    answered = [query for query in queries if query.name in stored][-ANSWERED_SHOWN:]
+    corrections = "".join(query_card(query, book.class_names, stored[query.name]) for query in reversed(answered))
     body = "".join(cards) or '<p id="empty">Nothing to label.</p>'
+    below = f"<h2>Answered: click another class to correct it</h2>{corrections}" if corrections else ""
     return (
         f'<!doctype html><html><head><meta charset="utf-8"><title>Label queries</title>'
-        f"<style>{PAGE_STYLE}</style></head><body><h1>Pending queries: {len(cards)}</h1>{body}</body></html>"
+        f"<style>{PAGE_STYLE}</style></head><body><h1>Pending queries: {len(cards)}</h1>{body}{below}</body></html>"
     )
 
 
 class LabelHandler(EdgeHandler):
-    """GET / (the page), GET /image/<name> (a query's copy), POST /label (query, label) -> 303 back to /."""
+    """GET / (the page), GET /image/<name> (a query's copy), POST /label (query, label, and change=1 for a
+    correction) -> 303 back to /."""
 
     book: ClassVar[QueryBook]
 
@@ -78,8 +102,8 @@ class LabelHandler(EdgeHandler):
         self.send_body(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain")
 
     def do_POST(self) -> None:
-        """Stores one answer in the answer book (durable before the redirect), then sends the browser back; a post
-        from another site's page (its Origin) is refused."""
+        """Stores one answer or correction in the answer book (durable before the redirect), then sends the browser
+        back; a post from another site's page (its Origin) is refused."""
         if urllib.parse.urlsplit(self.path).path != "/label":
             raise HttpRefusal(HTTPStatus.NOT_FOUND, "answers are posted to /label")
         if not same_origin(self.headers):
@@ -88,12 +112,13 @@ class LabelHandler(EdgeHandler):
         if "query" not in form or "label" not in form:
             raise HttpRefusal(HTTPStatus.BAD_REQUEST, "label not saved: the form needs query and label")
         name, label = form["query"], ascii_int(form["label"], "label")
+        kind = LabelKind.CORRECTION if form.get("change") == "1" else LabelKind.ANSWER
         try:
-            self.book.record_answer(name, label)
+            self.book.record_answer(name, label, Road.PAGE, kind=kind)
         # record_answer's refusals (no such query, a label out of range): the person's input
         except (KeyError, ValueError) as error:
             raise HttpRefusal(HTTPStatus.BAD_REQUEST, f"label not saved: {str(error)[:200]}") from None
-        log.info("label saved query=%s label=%d", shown(name, 200), label)
+        log.info("label saved query=%s label=%d kind=%s", shown(name, 200), label, kind)
         self.send_response(HTTPStatus.SEE_OTHER)
         self.send_header("Location", "/")
         self.send_header("Content-Length", "0")

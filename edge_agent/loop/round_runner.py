@@ -116,9 +116,11 @@ class RoundRunner:
             log.error("round refused device=%s round=%d reason=%s", self.settings.device_id, round_id, problem)
             self.report("error", round_id)
             return None
-        self.report("training" if participating else "acquiring", round_id)
+        state = "training" if participating else "acquiring"
+        self.report(state, round_id)
         models = self.round_models(announcement, spec, global_weights)
         self.oracle.start_round(round_id)
+        self.oracle.notify_wait(lambda waits: self.report(messages.WAITING_FOR_ANSWERS if waits else state, round_id))
         self.acquirer.take_initial_labels(recipe)
         acquisitions = recipe.acquisitions_per_round if acquires_in_round(round_id, recipe) else 0
         metrics: dict[str, float] = {}
@@ -185,7 +187,7 @@ class RoundRunner:
             base_hash=announcement.model_hash,
             num_samples=self.data.num_labelled,
             class_counts=[int(c) for c in self.data.class_counts()],
-            acquired_labels=self.data.count_labels("oracle"),
+            acquired_labels=self.data.count_labels("oracle") + self.data.count_labels("correction"),
             metrics={name: value for name, value in metrics.items() if math.isfinite(value)},
             tensors=encoded.tensors,
             nonce=os.urandom(16),
