@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -11,22 +12,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from browser import ARTIFACTS, WebDriver, headless_chromium, needs_chromium, wait_for
 from PIL import Image
 
 from coordinator.dashboard.server import Dashboard, ListenAddress
 from coordinator.labelling.desk import LabellingDesk
-from coordinator.labelling.queue import LabelQueue
+from coordinator.labelling.queue import LabelQueue, UndoWindow
 from protocol import topics, wire
-from protocol.label_messages import LabelAnswer, LabelQuery, QueryReceipt
+from protocol.label_messages import LabelAnswer, LabelCorrection, LabelQuery, QueryReceipt
+from protocol.mqtt import MqttSession
 
 FLEET = "lab"
 TOKEN = "a-token-of-sixteen-chars"
 CLASSES = ("cat", "dog", "bird")
 
 
-def png() -> bytes:
+def png(value: int = 0) -> bytes:
     buffer = io.BytesIO()
-    Image.fromarray(np.zeros((8, 8), dtype=np.uint8)).save(buffer, format="PNG")
+    Image.fromarray(np.full((8, 8), value, dtype=np.uint8)).save(buffer, format="PNG")
     return buffer.getvalue()
 
 
@@ -174,3 +177,120 @@ def test_the_dashboard_and_metrics_show_the_queue_per_device_and_the_people(serv
     assert 'fl_labelling_open_queries{device="cam-1"} 1' in text
     assert 'fl_labelling_oldest_open_seconds{device="cam-1"} ' in text
     assert 'fl_labelling_answers_last_hour{person="ana"} 1' in text
+
+
+def press(page: WebDriver, key: str) -> None:
+    """A key pressed on the page (not in a field)."""
+    page.evaluate(f"document.dispatchEvent(new KeyboardEvent('keydown', {{key: {json.dumps(key)}}})); return 1;")
+
+
+def after(page: WebDriver, action) -> str:
+    """Runs `action` and waits until the page has shown what came of it; the query (or grid) then shown."""
+    before = page.evaluate("return document.body.dataset.shown || '0'")
+    action()
+    wait_for(lambda: page.evaluate("return document.body.dataset.shown || '0'") != before, 20, "the page's next view")
+    return page.evaluate("return document.body.dataset.query")
+
+
+def sent_to(device: MqttSession, count: int) -> list[LabelAnswer | LabelCorrection]:
+    """The next `count` answers and corrections a device's session receives (query receipts passed over)."""
+    heard: list[LabelAnswer | LabelCorrection] = []
+    while len(heard) < count:
+        message = device.next_message(timeout=20)
+        assert message is not None, f"only {heard} reached the device"
+        received = wire.decode_any(message.payload, (QueryReceipt, LabelAnswer, LabelCorrection))
+        if not isinstance(received, QueryReceipt):
+            heard.append(received)
+    return heard
+
+
+@needs_chromium
+def test_a_person_labels_by_enter_undo_search_grid_and_correction_on_the_page(tmp_path: Path, broker, sessions) -> None:
+    """One person in headless chromium: Enter takes the guess, a slip is undone before it is sent (the device never
+    hears of it), a class is found by search among more classes than keys, a grid of one guessed class is accepted
+    but for its marked exceptions (answered one by one after it), and an answer sent already is corrected from the
+    history: the device gets the correction."""
+    classes = tuple(f"class-{number:02d}" for number in range(39)) + ("zebra",)
+    queue = LabelQueue(tmp_path / "run", classes, undo=UndoWindow(seconds=3.0, answers=10))
+    for number in range(8):
+        queue.add(LabelQuery("cam-1", f"g{number}", png(number * 20), "image/png", 1.0, 7, 0.9, 0.1, 0.1), "cam-1")
+    queue.add(LabelQuery("cam-2", "h1", png(7), "image/png", 1.0, 2, 0.8, 0.2, 0.9), "cam-2")
+    queue.add(LabelQuery("cam-2", "h2", png(9), "image/png", 1.0, 4, 0.8, 0.2, 0.8), "cam-2")
+    devices = {}
+    for name in ("cam-1", "cam-2"):
+        devices[name] = sessions(broker.address, name)
+        devices[name].subscribe(topics.LABEL_ANSWERS.build(fleet=FLEET, device=name))
+    desk = LabellingDesk(FLEET, sessions(broker.address, "desk", manual_ack=True), queue).start()
+    try:
+        with (
+            Dashboard(ListenAddress("127.0.0.1", 0), tmp_path / "run", None, TOKEN, desk) as dashboard,
+            headless_chromium(tmp_path / "chromium") as page,
+        ):
+            page.open(dashboard.url + f"label#token={TOKEN}")
+            wait_for(lambda: page.evaluate("return document.body.dataset.shown"), 20, "the first query")
+            after(
+                page,
+                lambda: page.evaluate(
+                    "const f = document.getElementById('person'); f.value = 'ana';"
+                    "f.dispatchEvent(new Event('change')); return 1;"
+                ),
+            )
+            assert not page.evaluate("return document.getElementById('search-box').hidden"), "40 classes, 34 keys"
+            first = page.evaluate("return document.body.dataset.query").split("/")
+            guess = queue.get(*first).guess
+            second = after(page, lambda: press(page, "Enter")).split("/")
+            assert queue.get(*first).label == guess, "Enter took the model's guess"
+
+            after(page, lambda: press(page, "1"))  # a slip
+            assert queue.get(*second).label == 0, "key 1 is the first class"
+            assert after(page, lambda: press(page, "Backspace")) == "/".join(second), "the slip's query again"
+            assert queue.get(*second).label is None, "taken back before it was sent"
+            after(
+                page,
+                lambda: page.evaluate(
+                    "const f = document.getElementById('class-search'); f.focus(); f.value = 'zeb';"
+                    "f.dispatchEvent(new Event('input'));"
+                    "f.dispatchEvent(new KeyboardEvent('keydown', {key: 'Enter', bubbles: true})); return 1;"
+                ),
+            )
+            assert queue.get(*second).label == classes.index("zebra")
+            page.screenshot(ARTIFACTS / "labelling-undo.png")
+
+            grid = after(page, lambda: press(page, "G"))
+            shown = grid.removeprefix("grid:").split(",")
+            assert shown == [f"cam-1/g{number}" for number in range(1, 8)], "the class with the most open queries"
+            press(page, "2")  # marks the grid's second and fifth thumbnails as exceptions
+            press(page, "5")
+            assert page.evaluate("return document.querySelectorAll('.thumb.exception').length") == 2
+            page.screenshot(ARTIFACTS / "labelling-grid.png")
+            assert after(page, lambda: press(page, "Enter")) == "cam-1/g2", "the first exception, after the rest"
+            accepted = [f"cam-1/g{number}" for number in (1, 3, 4, 6, 7)]
+            assert [queue.get("cam-1", f"g{n}").label for n in range(1, 8)] == [7, None, 7, 7, None, 7, 7]
+            assert after(page, lambda: press(page, "3")) == "cam-1/g5"
+            assert after(page, lambda: press(page, "s")) == "grid:cam-2/h2", "the exceptions done, the next grid"
+            assert (queue.get("cam-1", "g2").label, queue.get("cam-1", "g5").label) == (2, None), "key 3: class 2"
+
+            heard = sent_to(devices["cam-1"], 1 + len(accepted) + 1)
+            expected = {(first[1], guess), ("g2", 2)} | {(key.split("/")[1], 7) for key in accepted}
+            assert {(m.query_id, m.label) for m in heard} == expected, "once held out their undo window"
+            assert [(m.query_id, m.label) for m in sent_to(devices["cam-2"], 1)] == [("h1", classes.index("zebra"))]
+            corrected = accepted[0]
+            item = f'#history button.given[data-query="{corrected}"]'
+            wait_for(lambda: page.evaluate(f"return document.querySelector('{item}') !== null"), 20, "the history")
+            after(page, lambda: page.evaluate(f"document.querySelector('{item}').click(); return 1;"))
+            after(page, lambda: press(page, "5"))
+            correction = sent_to(devices["cam-1"], 1)[0]
+            assert isinstance(correction, LabelCorrection)
+            assert (correction.query_id, correction.label, correction.revision) == (corrected.split("/")[1], 4, 1)
+            assert queue.status(time.time()).corrections == 1
+            before = page.evaluate("return document.getElementById('query-image').getBoundingClientRect().width")
+            press(page, "+")
+            assert (
+                page.evaluate("return document.getElementById('query-image').getBoundingClientRect().width")
+                == 2 * before
+            )
+            assert page.evaluate("return document.getElementById('today-count').textContent") == str(
+                queue.status(time.time()).answers_today["ana"]
+            )
+    finally:
+        desk.stop()

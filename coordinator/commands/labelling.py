@@ -50,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-queries", type=int, default=10000, help="open queries kept in all")
     serve.add_argument("--max-image-mb", type=float, default=2.0, help="the largest query image accepted")
     serve.add_argument("--resend-seconds", type=float, default=30.0, help="first wait before an answer is resent")
+    serve.add_argument(
+        "--undo-seconds", type=float, default=30.0, help="how long a page's answer waits for an undo before it is sent"
+    )
+    serve.add_argument(
+        "--undo-answers", type=int, default=10, help="how many of a person's latest answers wait for an undo at most"
+    )
     export = commands.add_parser("export", help="write the queue as Label Studio JSON tasks")
     export.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     export.add_argument("--out", type=Path, required=True, help="a folder: tasks.json, config.xml and images/")
@@ -75,16 +81,19 @@ def class_names(spec: Path | None) -> tuple[str, ...]:
 
 def open_queue(args: argparse.Namespace, voters: int = 1) -> LabelQueue:
     """The run directory's queue with the command's limits."""
-    from coordinator.labelling.queue import LabelQueue, QueueLimits
+    from coordinator.labelling.queue import LabelQueue, QueueLimits, UndoWindow
 
     if voters < 1:
         raise UsageError(f"--answers-per-query must be at least 1, got {voters}")
-    limits = QueueLimits()
+    limits, undo = QueueLimits(), UndoWindow()
     if args.action == "serve":
         if min(args.max_queries_per_device, args.max_queries) < 1 or not 0 < args.max_image_mb <= 64:
             raise UsageError("--max-queries(-per-device) must be positive and --max-image-mb in (0, 64]")
+        if not 0 <= args.undo_seconds <= 3600 or not 0 <= args.undo_answers <= 100:
+            raise UsageError("--undo-seconds must be in [0, 3600] and --undo-answers in [0, 100]")
         limits = QueueLimits(args.max_queries_per_device, args.max_queries, int(args.max_image_mb * MIB))
-    return LabelQueue(args.run_dir, class_names(args.model_spec), limits, voters)
+        undo = UndoWindow(args.undo_seconds, args.undo_answers)
+    return LabelQueue(args.run_dir, class_names(args.model_spec), limits, voters, undo)
 
 
 @contextlib.contextmanager

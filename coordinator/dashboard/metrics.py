@@ -78,7 +78,8 @@ def prediction_metrics(counters: Counters, predictions: dict[str, dict]) -> list
 
 def labelling_metrics(status: QueueStatus, refused: dict[tuple[str, str], int]) -> list[str]:
     """The labelling queue's families: per device its open queries and the oldest one's age, per person the answers
-    given in the last hour, and the desk's refusals by sender and kind."""
+    given in the last hour, the corrections made (and those waiting for their devices), and the desk's refusals by
+    sender and kind."""
     devices = [(f'{{device="{escape_label(device)}"}}', value) for device, value in status.open_by_device.items()]
     people = [(f'{{person="{escape_label(person)}"}}', count) for person, count in status.answers_last_hour.items()]
     refusals = [
@@ -99,6 +100,15 @@ def labelling_metrics(status: QueueStatus, refused: dict[tuple[str, str], int]) 
             [(label, float(age)) for label, (_, age) in devices],
         )
         + metric("fl_labelling_answers_last_hour", "gauge", "Answers a person gave in the last hour.", people)
+        + metric(
+            "fl_labelling_corrections_total", "counter", "Corrections of sent answers.", [("", status.corrections)]
+        )
+        + metric(
+            "fl_labelling_corrections_undelivered",
+            "gauge",
+            "Corrections their devices have not confirmed storing yet.",
+            [("", status.corrections_undelivered)],
+        )
         + metric("fl_labelling_refused_total", "counter", "Messages the labelling desk refused, by sender.", refusals)
     )
 

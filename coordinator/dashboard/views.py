@@ -282,14 +282,23 @@ def label_queue_view(open_queries: int, oldest_age: float) -> dict:
 
 
 def labelling_view(queue: QueueStatus | None) -> dict | None:
-    """The fleet's labelling queue at a glance: open queries in all, and each person's answers in the last hour
-    (most first); None when the coordinator keeps no queue."""
+    """The fleet's labelling queue at a glance: open queries in all, each person's answers in the last hour and
+    today (most today first), and the corrections made; None when the coordinator keeps no queue."""
     if queue is None:
         return None
-    people = sorted(queue.answers_last_hour.items(), key=lambda item: (-item[1], item[0]))
+    names = set(queue.answers_today) | set(queue.answers_last_hour)
+    people = sorted(names, key=lambda name: (-queue.answers_today.get(name, 0), name))
     return {
         "open": sum(count for count, _ in queue.open_by_device.values()),
-        "people": [{"person": person, "answers_last_hour": count} for person, count in people],
+        "people": [
+            {
+                "person": person,
+                "answers_last_hour": queue.answers_last_hour.get(person, 0),
+                "answers_today": queue.answers_today.get(person, 0),
+            }
+            for person in people
+        ],
+        "corrections": queue.corrections,
     }
 
 

@@ -95,20 +95,30 @@ function drawDevices(devices) {
   }
 }
 
-// A device's open queries in the fleet's labelling queue and how long the oldest has waited ("-" without a queue).
+// A device's open queries in the fleet's labelling queue and how long the oldest has waited, linked to the labelling
+// page ("-" without a queue).
 function drawQueue(row, queue) {
-  if (!queue) cell(row, "-");
-  else if (!queue.open) cell(row, "0 open");
-  else cell(row, `${queue.open} open, oldest ${ago(Date.now() / 1000 - queue.oldest_age_seconds)}`);
+  if (!queue) {
+    cell(row, "-");
+    return;
+  }
+  const text = queue.open ? `${queue.open} open, oldest ${ago(Date.now() / 1000 - queue.oldest_age_seconds)}` : "0 open";
+  cell(row, "").appendChild(element("a", {href: "/label" + location.hash, class: "label-queue"}, text));
 }
 
-// Who labels the fleet: each person's answers in the last hour (hidden when the coordinator keeps no queue).
+// Who labels the fleet: each person's answers today and in the last hour, the corrections made, and the link to the
+// labelling page (all hidden when the coordinator keeps no queue).
 function drawLabellers(labelling) {
   const note = document.getElementById("labellers");
   note.hidden = !labelling;
+  document.getElementById("label-link").hidden = !labelling;
   if (!labelling) return;
-  const people = labelling.people.map(person => `${person.person} ${person.answers_last_hour}`).join(", ");
-  note.textContent = `labelling queue: ${labelling.open} open; answers in the last hour: ${people || "none"}`;
+  document.getElementById("label-link").href = "/label" + location.hash;
+  const people = labelling.people
+    .map(person => `${person.person} ${person.answers_today} (${person.answers_last_hour} in the last hour)`)
+    .join(", ");
+  note.textContent = `labelling queue: ${labelling.open} open; answers today: ${people || "none"}; ` +
+    `corrections: ${labelling.corrections}`;
 }
 
 // The supervised parts: hidden while every part is up and none restarted or set a message aside; else each part's

@@ -1,11 +1,23 @@
-// The labelling page's behaviour: shows the next query, posts each answer with the token, shows the next at once.
+// The labelling page's behaviour: shows the next query (or a grid of one guessed class), posts each answer with the
+// token, undoes and corrects the person's latest answers, and shows what comes next at once.
 "use strict";
 
 const TOKEN = new URLSearchParams(location.hash.slice(1)).get("token");
 const KEYS = "1234567890qwertyuiopadfghjklzxcvbm";
-let current = null;
-let classes = [];
-let busy = false;
+const ZOOMS = [1, 2, 4];
+const CACHED_IMAGES = 200;
+const page = {
+  mode: "single",     // "single": one image; "grid": thumbnails of one guessed class
+  current: null,      // the query shown in single mode
+  correcting: null,   // the answer being changed (from an undo of a sent answer, or the history), else null
+  exceptions: [],     // a grid's marked queries, answered one by one before the next grid
+  grid: null,         // the grid shown: {class, class_name, queries, marked: Set}
+  classes: [],
+  zoom: 0,
+  busy: false,
+  shown: 0,           // counts what the page finished showing (a scripted person waits on it)
+};
+const images = new Map();  // image address -> object URL, the newest CACHED_IMAGES
 
 function headers(extra = {}) {
   // the token when there is one; on an open loopback dashboard the same-origin header the server asks for
@@ -23,23 +35,46 @@ function status(text, isError = false) {
   node.className = isError ? "error" : "";
 }
 
-async function showImage(query) {
-  const response = await fetch(query.image, {headers: headers(), cache: "no-store"});
+function byId(id) {
+  return document.getElementById(id);
+}
+
+// A query's image as an object URL, fetched once with the token and kept among the newest CACHED_IMAGES.
+async function imageUrl(address) {
+  if (images.has(address)) return images.get(address);
+  const response = await fetch(address, {headers: headers(), cache: "no-store"});
   if (!response.ok) throw new Error("image: HTTP " + response.status);
-  const image = document.getElementById("query-image");
-  if (image.src.startsWith("blob:")) URL.revokeObjectURL(image.src);
-  image.src = URL.createObjectURL(await response.blob());
+  const url = URL.createObjectURL(await response.blob());
+  images.set(address, url);
+  if (images.size > CACHED_IMAGES) {
+    const [oldest, stale] = images.entries().next().value;
+    images.delete(oldest);
+    URL.revokeObjectURL(stale);
+  }
+  return url;
+}
+
+async function showImage(node, address) {
+  node.src = await imageUrl(address);
+  await node.decode();
+}
+
+// Tells a waiting script (and a person's eye) that what was asked for is on screen.
+function shownNow() {
+  page.shown += 1;
+  document.body.dataset.shown = String(page.shown);
 }
 
 function drawButtons() {
-  const box = document.getElementById("classes");
-  if (box.childElementCount === classes.length) return;
+  const box = byId("classes");
+  if (box.childElementCount === page.classes.length) return;
   box.replaceChildren();
-  classes.forEach((name, number) => {
+  page.classes.forEach((name, number) => {
     const button = document.createElement("button");
     button.type = "button";
     button.className = "class-button";
     button.dataset.label = String(number);
+    button.dataset.name = name.toLowerCase();
     button.textContent = name;
     if (number < KEYS.length) {
       const key = document.createElement("kbd");
@@ -49,74 +84,356 @@ function drawButtons() {
     button.addEventListener("click", () => answer(number));
     box.appendChild(button);
   });
+  byId("search-box").hidden = page.classes.length <= KEYS.length;
 }
 
-async function show(reply) {
-  classes = reply.classes;
+// The class buttons whose name holds the search text; Enter in the search answers the first of them.
+function searchClasses() {
+  const text = byId("class-search").value.trim().toLowerCase();
+  const matching = [];
+  for (const button of byId("classes").children) {
+    button.hidden = text !== "" && !button.dataset.name.includes(text);
+    if (!button.hidden) matching.push(Number(button.dataset.label));
+  }
+  return matching;
+}
+
+function drawCounts(reply) {
+  page.classes = reply.classes;
   drawButtons();
-  document.getElementById("open-count").textContent = reply.open;
-  document.getElementById("device-count").textContent = reply.devices;
-  current = reply.query;
-  document.getElementById("empty").hidden = current !== null;
-  document.body.dataset.query = current ? current.device + "/" + current.query_id : "";
-  if (current === null) {
-    document.getElementById("query-image").removeAttribute("src");
+  byId("open-count").textContent = reply.open;
+  byId("device-count").textContent = reply.devices;
+  byId("today-count").textContent = reply.today;
+  byId("correction-count").textContent = reply.corrections;
+  drawHistory(reply.history);
+}
+
+function drawHistory(history) {
+  const box = byId("history");
+  box.replaceChildren();
+  for (const given of history) {
+    const item = document.createElement("button");
+    item.type = "button";
+    item.className = "given " + given.state.replace(" ", "-");
+    item.dataset.query = given.device + "/" + given.query_id;
+    const picture = document.createElement("img");
+    picture.alt = given.query_id;
+    imageUrl(given.image).then(url => { picture.src = url; }).catch(() => {});
+    const label = given.label === null ? "-" : given.label === -1 ? "none" : given.label_name;
+    item.append(picture, `${label} · ${given.state}`);
+    item.addEventListener("click", () => correct(given));
+    box.appendChild(item);
+  }
+}
+
+function drawCorrecting() {
+  const note = byId("correcting");
+  note.hidden = page.correcting === null;
+  if (page.correcting === null) return;
+  const held = page.correcting.label === null ? "not decided yet" : page.correcting.label === -1
+    ? "none of these" : page.classes[page.correcting.label];
+  note.textContent = `changing ${page.correcting.device}/${page.correcting.query_id}, now ${held} ` +
+    `(${page.correcting.state}): your answer replaces it (Esc: leave it as it is)`;
+}
+
+async function showQuery(query) {
+  page.current = query;
+  page.zoom = 0;
+  applyZoom();
+  byId("empty").hidden = query !== null;
+  document.body.dataset.query = query ? query.device + "/" + query.query_id : "";
+  drawCorrecting();
+  if (query === null) {
+    byId("query-image").removeAttribute("src");
+    shownNow();
     return;
   }
-  document.getElementById("query-device").textContent = current.device;
-  document.getElementById("query-id").textContent = current.query_id;
-  const guessed = current.guess_name !== null;
-  document.getElementById("query-guess").textContent = guessed ? current.guess_name : "no guess yet";
-  document.getElementById("query-probability").textContent = guessed ? current.probability.toFixed(2) : "-";
-  document.getElementById("query-uncertainty").textContent = guessed ? current.uncertainty.toFixed(2) : "-";
-  await showImage(current);
+  byId("query-device").textContent = query.device;
+  byId("query-id").textContent = query.query_id;
+  const guessed = query.guess_name !== null;
+  byId("query-guess").textContent = guessed ? query.guess_name : "no guess yet";
+  byId("query-probability").textContent = guessed ? query.probability.toFixed(2) : "-";
+  byId("query-uncertainty").textContent = guessed ? query.uncertainty.toFixed(2) : "-";
+  byId("accept").disabled = !guessed;
+  await showImage(byId("query-image"), query.image);
+  shownNow();
 }
 
-async function next() {
-  const response = await fetch("/api/label/next?person=" + encodeURIComponent(person()), {headers: headers(), cache: "no-store"});
+function applyZoom() {
+  const side = 320 * ZOOMS[page.zoom] + "px";
+  const image = byId("query-image");
+  image.style.width = side;
+  image.style.height = side;
+}
+
+function zoom(step) {
+  page.zoom = Math.max(0, Math.min(ZOOMS.length - 1, page.zoom + step));
+  applyZoom();
+}
+
+async function getJson(path) {
+  const response = await fetch(path, {headers: headers(), cache: "no-store"});
   const reply = await response.json();
   if (!response.ok) throw new Error(reply.error || "HTTP " + response.status);
-  await show(reply);
+  return reply;
 }
 
-async function post(path, body) {
-  if (current === null || busy) return;
-  busy = true;
+async function postJson(path, body) {
+  const response = await fetch(path, {
+    method: "POST",
+    headers: headers({"Content-Type": "application/json"}),
+    body: JSON.stringify(Object.assign({person: person()}, body)),
+  });
+  return {ok: response.ok, reply: await response.json()};
+}
+
+// What comes after an answer: the next exception of a grid, a new grid, or the server's next query.
+async function showNext(reply) {
+  drawCounts(reply);
+  if (page.exceptions.length) return showQuery(page.exceptions.shift());
+  if (page.mode === "grid") return loadGrid();
+  return showQuery(reply.query);
+}
+
+// Runs one step at a time (a second key while a post is on its way is dropped), showing any failure.
+async function exclusive(step) {
+  if (page.busy) return;
+  page.busy = true;
   try {
-    const response = await fetch(path, {
-      method: "POST",
-      headers: headers({"Content-Type": "application/json"}),
-      body: JSON.stringify(Object.assign({device: current.device, query_id: current.query_id, person: person()}, body)),
-    });
-    const reply = await response.json();
-    if (!response.ok) {
-      status(reply.error || "HTTP " + response.status, true);
-      await next();
-      return;
-    }
-    status(reply.decided ? "answer stored and sent to " + current.device : "answer stored");
-    await show(reply);
+    await step();
   } catch (error) {
     status(String(error), true);
   } finally {
-    busy = false;
+    page.busy = false;
   }
 }
 
 function answer(label) {
-  return post("/api/label/answer", {label});
+  return exclusive(async () => {
+    const query = page.correcting || page.current;
+    if (query === null) return;
+    const path = page.correcting ? "/api/label/correct" : "/api/label/answer";
+    const body = {device: query.device, query_id: query.query_id, label};
+    const {ok, reply} = await postJson(path, page.correcting ? body : Object.assign(body, {hold: true}));
+    if (!ok) {
+      status(reply.error, true);
+      page.correcting = null;
+      return showNext(await nextQuery());
+    }
+    const outcome = reply.outcomes[0];
+    status(outcome === "corrected" ? `correction sent to ${query.device}` : outcome === "decided"
+      ? `answer stored; it goes to ${query.device} once it can no longer be undone` : `answer ${outcome}`);
+    page.correcting = null;
+    await showNext(reply);
+  });
 }
 
-document.getElementById("none").addEventListener("click", () => answer(-1));
-document.getElementById("skip").addEventListener("click", () => post("/api/label/skip", {}));
-document.addEventListener("keydown", (event) => {
+function skip() {
+  return exclusive(async () => {
+    if (page.current === null || page.correcting) return;
+    const {ok, reply} = await postJson("/api/label/skip", {device: page.current.device, query_id: page.current.query_id});
+    if (!ok) status(reply.error, true);
+    await showNext(ok ? reply : await nextQuery());
+  });
+}
+
+function undo() {
+  return exclusive(async () => {
+    const {ok, reply} = await postJson("/api/label/undo", {});
+    if (!ok) return status(reply.error, true);
+    drawCounts(reply);
+    setMode("single");
+    page.exceptions = [];
+    if (reply.undone === "sent") {
+      page.correcting = Object.assign({}, reply.query, {state: "sent"});
+      status("that answer was sent already: answer again to correct it");
+    } else {
+      page.correcting = null;
+      status("answer taken back: answer it again");
+    }
+    await showQuery(reply.query);
+  });
+}
+
+// Shows one of the person's answers (from the history) to change it.
+function correct(given) {
+  return exclusive(async () => {
+    setMode("single");
+    page.correcting = given;
+    await showQuery({
+      device: given.device, query_id: given.query_id, image: given.image, guess: -1, guess_name: null,
+      probability: 0, uncertainty: 0,
+    });
+  });
+}
+
+function nextQuery() {
+  return getJson("/api/label/next?person=" + encodeURIComponent(person()));
+}
+
+function leaveCorrection() {
+  return exclusive(async () => {
+    if (page.correcting === null) return;
+    page.correcting = null;
+    await showNext(await nextQuery());
+  });
+}
+
+function setMode(mode) {
+  page.mode = mode;
+  byId("grid-view").hidden = mode !== "grid";
+  byId("label-view").hidden = mode === "grid";
+  byId("mode").firstChild.textContent = mode === "grid" ? "one image at a time" : "grid of one class";
+}
+
+async function loadGrid() {
+  const reply = await getJson("/api/label/grid?person=" + encodeURIComponent(person()));
+  drawCounts(reply);
+  if (!reply.queries.length) {
+    byId("grid-empty").hidden = false;
+    setMode("single");
+    return showQuery((await nextQuery()).query);
+  }
+  byId("grid-empty").hidden = true;
+  page.grid = {label: reply.class, queries: reply.queries, marked: new Set()};
+  byId("grid-class").textContent = reply.class_name;
+  byId("grid-accept-class").textContent = reply.class_name;
+  const box = byId("grid");
+  box.replaceChildren();
+  const loads = reply.queries.map((query, position) => {
+    const thumb = document.createElement("button");
+    thumb.type = "button";
+    thumb.className = "thumb";
+    thumb.dataset.query = query.device + "/" + query.query_id;
+    const picture = document.createElement("img");
+    picture.alt = query.query_id;
+    thumb.appendChild(picture);
+    if (position < KEYS.length) {
+      const key = document.createElement("kbd");
+      key.textContent = KEYS[position];
+      thumb.appendChild(key);
+    }
+    thumb.addEventListener("click", () => mark(position));
+    box.appendChild(thumb);
+    return showImage(picture, query.image);
+  });
+  await Promise.all(loads);
+  document.body.dataset.query = "grid:" + reply.queries.map(q => q.device + "/" + q.query_id).join(",");
+  shownNow();
+}
+
+function mark(position) {
+  const grid = page.grid;
+  if (grid === null || position >= grid.queries.length) return;
+  if (grid.marked.has(position)) grid.marked.delete(position);
+  else grid.marked.add(position);
+  byId("grid").children[position].classList.toggle("exception", grid.marked.has(position));
+}
+
+// Accepts the grid's unmarked queries as its class in one post; the marked ones are shown one by one after it.
+function acceptGrid() {
+  return exclusive(async () => {
+    const grid = page.grid;
+    if (grid === null) return;
+    const accepted = grid.queries.filter((_, position) => !grid.marked.has(position));
+    page.exceptions = grid.queries.filter((_, position) => grid.marked.has(position));
+    page.grid = null;
+    let reply = null;
+    if (accepted.length) {
+      const queries = accepted.map(q => [q.device, q.query_id]);
+      const posted = await postJson("/api/label/grid", {label: grid.label, queries, hold: true});
+      if (!posted.ok) {
+        page.exceptions = [];
+        status(posted.reply.error, true);
+        return loadGrid();
+      }
+      reply = posted.reply;
+      status(`${accepted.length} answers stored` + (page.exceptions.length ? `; now the ${page.exceptions.length} exceptions` : ""));
+    }
+    if (page.exceptions.length) {
+      byId("label-view").hidden = false;
+      byId("grid-view").hidden = true;
+      if (reply !== null) drawCounts(reply);
+      return showQuery(page.exceptions.shift());
+    }
+    return loadGrid();
+  });
+}
+
+function toggleMode() {
+  return exclusive(async () => {
+    if (page.correcting !== null) return;
+    page.exceptions = [];
+    setMode(page.mode === "grid" ? "single" : "grid");
+    if (page.mode === "grid") return loadGrid();
+    const reply = await nextQuery();
+    drawCounts(reply);
+    await showQuery(reply.query);
+  });
+}
+
+function inGrid() {
+  return page.mode === "grid" && byId("label-view").hidden;
+}
+
+function onKey(event) {
   if (event.target.tagName === "INPUT") return;
+  if (event.key === "Backspace" || (event.key === "z" && (event.ctrlKey || event.metaKey))) {
+    event.preventDefault();
+    undo();
+  } else if (event.key === "G") toggleMode();
+  else if (event.key === "+" || event.key === "=") zoom(1);
+  else if (event.key === "-") zoom(-1);
+  else if (event.key === "Escape") leaveCorrection();
+  else if (inGrid()) onGridKey(event);
+  else onSingleKey(event);
+}
+
+function onGridKey(event) {
+  if (event.key === "Enter") acceptGrid();
+  else if (KEYS.includes(event.key)) mark(KEYS.indexOf(event.key));
+}
+
+function onSingleKey(event) {
   const number = KEYS.indexOf(event.key);
-  if (number >= 0 && number < classes.length) answer(number);
+  if (event.key === "/") {
+    event.preventDefault();
+    byId("class-search").focus();
+  } else if (event.key === "Enter" && page.current && page.current.guess >= 0 && !page.correcting) answer(page.current.guess);
+  else if (number >= 0 && number < page.classes.length) answer(number);
   else if (event.key === "n") answer(-1);
-  else if (event.key === "s") post("/api/label/skip", {});
+  else if (event.key === "s") skip();
+}
+
+byId("none").addEventListener("click", () => answer(-1));
+byId("skip").addEventListener("click", skip);
+byId("accept").addEventListener("click", () => page.current && page.current.guess >= 0 && answer(page.current.guess));
+byId("undo").addEventListener("click", undo);
+byId("mode").addEventListener("click", toggleMode);
+byId("zoom-in").addEventListener("click", () => zoom(1));
+byId("zoom-out").addEventListener("click", () => zoom(-1));
+byId("grid-accept").addEventListener("click", acceptGrid);
+byId("query-image").addEventListener("click", () => zoom(page.zoom + 1 < ZOOMS.length ? 1 : -ZOOMS.length));
+byId("dashboard-link").href = "/" + location.hash;
+byId("class-search").addEventListener("input", searchClasses);
+byId("class-search").addEventListener("keydown", (event) => {
+  if (event.key === "Enter") {
+    const matching = searchClasses();
+    if (matching.length) answer(matching[0]);
+    event.target.value = "";
+    searchClasses();
+    event.target.blur();
+  } else if (event.key === "Escape") {
+    event.target.value = "";
+    searchClasses();
+    event.target.blur();
+  }
 });
-const field = document.getElementById("person");
+document.addEventListener("keydown", onKey);
+const field = byId("person");
 field.value = localStorage.getItem("edge-fal-person") || "";
-field.addEventListener("change", () => { localStorage.setItem("edge-fal-person", field.value.trim()); next(); });
-next().catch((error) => status(String(error), true));
+field.addEventListener("change", () => {
+  localStorage.setItem("edge-fal-person", field.value.trim());
+  exclusive(async () => showNext(await nextQuery()));
+});
+exclusive(async () => showNext(await nextQuery()));
