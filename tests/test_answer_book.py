@@ -1,5 +1,6 @@
 # The one answer path on a device: the page, labels.csv and the central queue deliver to one answer book, keyed by
-# query; the labelled store takes each answer once, whichever roads brought it and however often.
+# query; the labelled store takes each answer once, whichever roads brought it and however often, and a correction
+# replaces the label it holds (a late older word changes nothing).
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,8 +9,8 @@ import numpy as np
 import pytest
 from test_folder_pool import camera_oracle
 
-from edge_agent.data.answers import DECLINED, AnswerBook, Delivery, Road
-from edge_agent.data.labelled_record import LabelledRecord
+from edge_agent.data.answers import DECLINED, AnswerBook, Delivery, LabelKind, Road
+from edge_agent.data.labelled_record import LABEL_SOURCES, LabelledRecord
 from edge_agent.field.folder_oracle import FolderOracle
 
 
@@ -76,3 +77,68 @@ def test_a_stored_answer_survives_reopening(tmp_path: Path) -> None:
         ("q1", 4, "central", "ana", 5.0)
     ]
     assert again.deliver("q1", 4, Road.PAGE) is Delivery.SAME
+
+
+def record_of(oracle: FolderOracle) -> dict[int, tuple[int, str]]:
+    """The labelled store on disk: index -> (label, source)."""
+    record = LabelledRecord.load(oracle.data.state_dir / "labels.npz", oracle.data.num_samples)
+    assert len(set(record.indices.tolist())) == len(record.indices), "a sample labelled twice"
+    assert set(record.replay.tolist()) <= set(record.indices.tolist()) and len(set(record.replay.tolist())) == len(
+        record.replay
+    )
+    return {
+        i: (label, LABEL_SOURCES[s])
+        for i, label, s in zip(*(a.tolist() for a in (record.indices, record.labels, record.sources)))
+    }
+
+
+def test_a_correction_replaces_the_label_once_and_a_late_older_word_changes_nothing(oracle: FolderOracle) -> None:
+    first, second = oracle.book.queries()[:2]
+    book = oracle.book
+    assert book.record_answer(first.query_id, 2, Road.CENTRAL, "ana") is Delivery.STORED
+    assert book.record_answer(second.query_id, 4, Road.CENTRAL, "ana") is Delivery.STORED
+    assert apply(oracle) == 2
+    fix = LabelKind.CORRECTION
+    assert book.record_answer(first.query_id, 5, Road.CENTRAL, "bo", 2.0, fix, 1) is Delivery.CORRECTED
+    assert oracle.correct() == 1 and apply(oracle) == 0
+    assert record_of(oracle) == {first.index: (5, "correction"), second.index: (4, "oracle")}
+    assert oracle.data.num_labelled == 2 and oracle.data.class_counts().sum() == 2, "a corrected label counts once"
+    assert book.record_answer(first.query_id, 2, Road.CENTRAL, "ana") is Delivery.STALE, "the answer resent late"
+    assert book.record_answer(first.query_id, 5, Road.CENTRAL, "bo", 2.0, fix, 1) is Delivery.SAME
+    assert book.record_answer(first.query_id, 7, Road.CENTRAL, "bo", 2.0, fix, 1) is Delivery.STALE
+    assert book.record_answer(first.query_id, DECLINED, Road.CENTRAL, "cy", 3.0, fix, 2) is Delivery.CORRECTED
+    assert oracle.correct() == 1 and record_of(oracle) == {second.index: (4, "oracle")}
+    assert first.index in oracle.data.pool_indices() and first.index not in oracle.pending(), "none of these"
+    assert [(a.query_id, a.label) for a in book.store.answers()] == [(first.query_id, 2), (second.query_id, 4)]
+    assert oracle.correct() == 0, "applying again changes nothing"
+
+
+def test_a_correction_that_comes_before_its_answer_stands_for_it(oracle: FolderOracle) -> None:
+    query = oracle.book.queries()[0]
+    fix = LabelKind.CORRECTION
+    assert oracle.book.record_answer(query.query_id, 6, Road.CENTRAL, "bo", 2.0, fix, 1) is Delivery.STORED
+    assert oracle.book.record_answer(query.query_id, 3, Road.CENTRAL, "ana") is Delivery.STALE
+    assert apply(oracle) == 0 and oracle.correct() == 1
+    assert record_of(oracle) == {query.index: (6, "correction")}
+
+
+def test_labels_csv_and_the_device_page_correct_through_the_same_path(oracle: FolderOracle) -> None:
+    first, second = oracle.book.queries()[:2]
+    book = oracle.book
+    book.labels_path.write_text(f"file,label\n{first.name},1\n")
+    assert book.answers() == {first.name: 1}
+    book.labels_path.write_text(f"file,label\n{first.name},Dress\n")  # the person edits the row
+    assert book.answers() == {first.name: 3}
+    assert [(c.query_id, c.label, c.road) for c in book.store.unreported_corrections()] == [
+        (first.query_id, 3, "labels.csv")
+    ]
+    fix = LabelKind.CORRECTION
+    assert book.record_answer(first.query_id, 4, Road.CENTRAL, "ana", 5.0, fix, 1) is Delivery.CORRECTED
+    assert book.answers() == {first.name: 4}, "labels.csv's old row does not undo a later word"
+    assert book.record_answer(second.name, 2) is Delivery.STORED  # the device's page
+    assert book.record_answer(second.name, 8, Road.PAGE, kind=fix) is Delivery.CORRECTED
+    assert book.record_answer(second.name, 1) is Delivery.STALE, "a plain answer never changes an answered query"
+    book.store.note_correction_reported(second.query_id, 8)
+    assert [c.query_id for c in book.store.unreported_corrections()] == []
+    assert apply(oracle) == 0 and oracle.correct() == 2
+    assert record_of(oracle) == {first.index: (4, "correction"), second.index: (8, "correction")}

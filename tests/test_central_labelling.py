@@ -1,7 +1,8 @@
 # The must-hold of the central labelling queue, with real processes: a person answers two devices' queries on the
 # real page in headless chromium; each answer lands in its device's labelled store exactly once, also when the
 # coordinator's desk is killed between storing an answer and the device's receipt, and when a device is killed
-# between receiving an answer and storing it.
+# between receiving an answer and storing it; a slip undone before delivery never reaches its device, and an answer
+# corrected after delivery is replaced in the device's store.
 from __future__ import annotations
 
 import json
@@ -21,7 +22,7 @@ from test_folder_pool import write_png
 from coordinator.fleet.broker import EmbeddedBroker
 from edge_agent.data.answers import AnswerBook
 from edge_agent.data.fashion_mnist import load_fashion_mnist
-from edge_agent.data.labelled_record import LabelledRecord
+from edge_agent.data.labelled_record import LABEL_SOURCES, LabelledRecord
 from edge_agent.field.folder_oracle import FolderOracle, QueryBook
 from edge_agent.field.folder_pool import open_folder_data
 
@@ -30,6 +31,7 @@ TOKEN = "central-labelling-token"
 DEVICES = ("cam-a", "cam-b")
 IMAGES = 3
 QUERIES = 2
+UNDO_SECONDS = 2  # how long the page's answers wait for an undo before the desk sends them
 
 
 def asked_queries(root: Path, device: str, first_image: int) -> Path:
@@ -62,7 +64,8 @@ def device(broker: EmbeddedBroker, root: Path, name: str) -> subprocess.Popen:
 def desk(broker: EmbeddedBroker, root: Path, port: int) -> subprocess.Popen:
     """`fl-coordinator labelling serve`: the queue's desk and its page."""
     arguments = ["--broker", f"mqtt://127.0.0.1:{broker.port}", "--fleet", FLEET, "--dashboard", str(port)]
-    options = ["--dashboard-token", TOKEN, "--resend-seconds", "1", "--log-level", "info"]
+    options = ["--dashboard-token", TOKEN, "--resend-seconds", "1", "--undo-seconds", str(UNDO_SECONDS)]
+    options += ["--log-level", "info"]
     return start(["coordinator", "labelling", "serve", str(root / "run"), *arguments, *options], root / "desk.log")
 
 
@@ -117,8 +120,21 @@ def index_of(state: Path, query_id: str) -> int:
 
 
 def undelivered(root: Path) -> int:
+    """Answers and corrections the devices have not receipted yet."""
     with sqlite3.connect(root / "run" / "labelling" / "queue.sqlite") as db:
-        return db.execute("SELECT COUNT(*) FROM queries WHERE label IS NOT NULL AND delivered_at IS NULL").fetchone()[0]
+        answers = db.execute("SELECT COUNT(*) FROM queries WHERE label IS NOT NULL AND delivered_at IS NULL")
+        corrections = db.execute("SELECT COUNT(*) FROM corrections WHERE delivered_at IS NULL")
+        return answers.fetchone()[0] + corrections.fetchone()[0]
+
+
+def held(root: Path) -> int:
+    """Answers the desk still holds for an undo."""
+    with sqlite3.connect(root / "run" / "labelling" / "queue.sqlite") as db:
+        return db.execute("SELECT COUNT(*) FROM held").fetchone()[0]
+
+
+def press(page: WebDriver, key: str) -> None:
+    page.evaluate(f"document.dispatchEvent(new KeyboardEvent('keydown', {{key: '{key}'}})); return 1;")
 
 
 @needs_chromium
@@ -137,6 +153,9 @@ def test_answers_from_the_page_land_once_in_each_device_also_across_kills(tmp_pa
             expected: dict[str, dict[int, int]] = {name: {} for name in DEVICES}
             with headless_chromium(tmp_path / "chromium") as page:
                 page.open(url + f"label#token={TOKEN}")
+                slipped = answer_on_page(page, 8, by_key=True)  # a slip, undone before the desk sends it
+                press(page, "Backspace")
+                wait_for(lambda: page.evaluate("return document.body.dataset.query") == "/".join(slipped), 30, "undo")
                 for label, by_key in ((3, False), (4, True)):
                     device_id, query_id = answer_on_page(page, label, by_key)
                     expected[device_id][index_of(states[device_id], query_id)] = label
@@ -165,7 +184,8 @@ def test_answers_from_the_page_land_once_in_each_device_also_across_kills(tmp_pa
                 devices[device_id].send_signal(signal.SIGSTOP)
                 _, query_id = answer_on_page(page, 1, by_key=True)
                 expected[device_id][index_of(states[device_id], query_id)] = 1
-                time.sleep(0.5)  # the broker sends it into the stopped device's socket
+                wait_for(lambda: held(tmp_path) == 0, 30, "the answer's undo window over")
+                time.sleep(0.5)  # the desk sends it, the broker into the stopped device's socket
                 devices[device_id].kill()
                 devices[device_id].wait(timeout=10)
                 assert labelled(states[device_id]) != expected[device_id], "the killed device had not stored it"
@@ -175,12 +195,27 @@ def test_answers_from_the_page_land_once_in_each_device_also_across_kills(tmp_pa
                     30,
                     "the answer stored after a device kill",
                 )
+                wait_for(lambda: undelivered(tmp_path) == 0, 30, "every receipt back at the desk")
+
+                # An answer corrected after its device stored it: from the page's history, one key.
+                device_id, query_id = slipped
+                given = f'#history button.given[data-query="{device_id}/{query_id}"]'
+                page.evaluate(f"document.querySelector('{given}').click(); return 1;")
+                wait_for(lambda: not page.evaluate("return document.getElementById('correcting').hidden"), 30, "fix")
+                press(page, "6")
+                index = index_of(states[device_id], query_id)
+                expected[device_id][index] = 5
+                wait_for(lambda: labelled(states[device_id]) == expected[device_id], 30, "the correction stored")
+                page.screenshot(ARTIFACTS / "labelling-correction.png")
             wait_for(lambda: undelivered(tmp_path) == 0, 30, "every receipt back at the desk")
             for name in DEVICES:
                 assert labelled(states[name]) == expected[name]
                 stored = AnswerBook(states[name] / "labelling" / "answers.sqlite").answers()
                 assert len(stored) == QUERIES and {a.road for a in stored} == {"central"}
-                assert all(a.answered_by == "anonymous" for a in stored)
+                assert all(a.answered_by == "anonymous" and a.label != 8 for a in stored), "the slip never arrived"
+            record = LabelledRecord.load(states[device_id] / "labels.npz", IMAGES)
+            kinds = dict(zip(record.indices.tolist(), record.sources.tolist()))
+            assert kinds[index] == LABEL_SOURCES.index("correction") and len(record.indices) == QUERIES
         finally:
             for process in processes:
                 if process.poll() is None:

@@ -1,5 +1,6 @@
 # The coordinator's labelling queue on disk: bounded intake of devices' queries (refusals for images too large or not
-# images), the order people see them in, answers and majorities, delivery, and Label Studio's task format both ways.
+# images), the order people see them in, answers and majorities, undo and corrections, grids, delivery, and Label
+# Studio's task format both ways.
 from __future__ import annotations
 
 import io
@@ -12,7 +13,7 @@ import pytest
 from PIL import Image
 
 from coordinator.labelling.label_studio import NONE_CHOICE, export_tasks, import_tasks, labelling_config
-from coordinator.labelling.queue import AnswerError, LabelQueue, QueueLimits, QueueRefusal
+from coordinator.labelling.queue import AnswerError, LabelQueue, Outcome, QueueLimits, QueueRefusal, Undone, UndoWindow
 from protocol.label_messages import NONE_OF_THESE, QUERY_REFUSALS, LabelQuery
 from protocol.model_spec import CLASS_NAMES
 
@@ -276,3 +277,65 @@ def test_one_device_claims_cannot_starve_another(tmp_path: Path) -> None:
         queue.record(shown.device, shown.query_id, shown.guess, "ana")
     assert seen[:2] == ["spam", "honest"] and seen[:4].count("honest") == 2, seen
     assert seen[4:] == ["spam", "spam"], "once the honest device has nothing open, the insider's queries follow"
+
+
+def test_an_undo_takes_back_a_held_answer_and_a_sent_one_is_corrected_with_a_revision(tmp_path: Path) -> None:
+    queue = LabelQueue(tmp_path, CLASSES, undo=UndoWindow(seconds=60.0, answers=10))
+    for query_id in ("q1", "q2"):
+        queue.add(query("a", query_id), "a")
+    assert queue.record("a", "q1", 1, "ana", hold=True).held
+    assert queue.undelivered() == [], "held for an undo, not sent"
+    taken, state = queue.undo("ana") or (None, None)
+    assert taken is not None and (taken.query_id, taken.label, state) == ("q1", None, Undone.WITHDRAWN)
+    assert queue.undo("ana") is None and queue.next_for("ana").query_id == "q1", "open again, nothing left"
+    queue.record("a", "q1", 2, "ana")  # not held: sent at once
+    sent, state = queue.undo("ana") or (None, None)
+    assert sent is not None and (sent.label, state) == (2, Undone.SENT), "sent: it can only be corrected now"
+    with pytest.raises(AnswerError) as refused:
+        queue.record("a", "q1", 0, "bo")
+    assert refused.value.status == 409, "a second answer is no correction"
+    assert queue.record("a", "q1", 2, "bo", change=True).outcome is Outcome.UNCHANGED
+    first = queue.record("a", "q1", 0, "bo", change=True).correction
+    second = queue.record("a", "q1", NONE_OF_THESE, "ana", change=True).correction
+    assert first is not None and second is not None and (first.revision, second.revision) == (1, 2)
+    assert [(c.query_id, c.label, c.revision) for c in queue.undelivered_corrections()] == [("q1", NONE_OF_THESE, 2)]
+    assert not queue.correction_delivered("a", "q1", 1), "an older revision's receipt settles nothing"
+    assert queue.correction_delivered("a", "q1", 2) and queue.undelivered_corrections() == []
+    assert queue.get("a", "q1").label == NONE_OF_THESE
+    status = queue.status(time.time())
+    assert (status.corrections, status.corrections_undelivered, status.answers_today) == (2, 0, {"ana": 1, "bo": 1})
+    assert [(g.query_id, g.given, g.label, g.state) for g in queue.history("ana", 5)] == [
+        ("q1", NONE_OF_THESE, NONE_OF_THESE, "corrected")
+    ]
+
+
+def test_a_held_answer_goes_when_its_time_is_over_or_its_person_has_answered_more(tmp_path: Path) -> None:
+    queue = LabelQueue(tmp_path, CLASSES, undo=UndoWindow(seconds=60.0, answers=2))
+    for number in range(4):
+        queue.add(query("a", f"q{number}"), "a")
+    for number in range(3):
+        queue.record("a", f"q{number}", 1, "ana", hold=True)
+    queue.record("a", "q3", 2, "bo", hold=True)
+    now = time.time()
+    assert [d.query_id for d in queue.release(now)] == ["q0"], "ana's third answer lets her first go"
+    assert queue.record("a", "q1", 0, "ana", change=True).outcome is Outcome.REPLACED, "held: changed in place"
+    assert queue.undelivered_corrections() == []
+    assert sorted(d.query_id for d in queue.release(now + 61)) == ["q1", "q2", "q3"]
+    assert [(d.query_id, d.label) for d in queue.undelivered()] == [("q0", 1), ("q1", 0), ("q2", 1), ("q3", 2)]
+
+
+def test_a_grid_shows_one_guessed_class_and_is_recorded_all_or_nothing(tmp_path: Path) -> None:
+    queue = LabelQueue(tmp_path, CLASSES)
+    for number in range(5):
+        queue.add(query("a" if number % 2 else "b", f"q{number}", guess=2), "a" if number % 2 else "b")
+    queue.add(query("a", "other", guess=1), "a")
+    grid = queue.grid_for("ana", 10)
+    assert sorted(q.query_id for q in grid) == [f"q{n}" for n in range(5)] and {q.guess for q in grid} == {2}
+    assert [q.query_id for q in queue.grid_for("ana", 10, guess=1)] == ["other"]
+    keys = [(q.device, q.query_id) for q in grid]
+    with pytest.raises(AnswerError) as refused:
+        queue.record_all([*keys[:2], ("a", "nope")], 2, "ana")
+    assert refused.value.status == 404 and all(q.label is None for q in queue.all()), "nothing recorded"
+    recorded = queue.record_all(keys[:3], 2, "ana", hold=True)
+    assert [r.outcome for r in recorded] == [Outcome.DECIDED] * 3
+    assert len(queue.grid_for("ana", 10)) == 2

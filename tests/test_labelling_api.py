@@ -113,6 +113,37 @@ def test_bad_requests_get_their_own_bounded_status(served) -> None:
     assert call(url + "label")[0] == 200, "the page itself is public; its data is not"
 
 
+def test_corrections_grids_and_undos_refuse_bad_input_in_one_bounded_line_and_lose_nothing(served) -> None:
+    url, queue, _ = served
+    assert call(url + "api/label/answer", "POST", answer(), authorised())[0] == 200
+    pair = ["cam-1", "q2"]
+    cases = [
+        ("correct", answer(query_id="nope"), 404),  # a correction for a query the queue never held
+        ("correct", answer(label=3), 400),  # not a class of the spec
+        ("correct", answer(label=True), 400),
+        ("correct", {**answer(), "hold": True}, 400),
+        ("grid", {"person": "ana", "label": 1, "queries": "q2"}, 400),
+        ("grid", {"person": "ana", "label": 1, "queries": [pair] * 49}, 400),
+        ("grid", {"person": "ana", "label": 1, "queries": [["cam-1", "../q2"]]}, 400),
+        ("grid", {"person": "ana", "label": 1, "queries": [pair], "hold": "yes"}, 400),
+        ("grid", {"person": "ana", "label": 7, "queries": [pair]}, 400),
+        ("grid", {"person": "ana", "label": 1, "queries": [pair, ["cam-1", "gone"]]}, 404),  # all or nothing
+        ("grid", {"person": "ana", "label": 1, "queries": [pair], "extra": 1}, 400),
+        ("grid", b"[" * 20000, 413),
+        ("undo", {"person": "bo"}, 404),  # nothing to undo
+        ("undo", {"person": "bo b"}, 400),
+    ]
+    for path, body, expected in cases:
+        status, reply = call(url + f"api/label/{path}", "POST", body, authorised())
+        assert status == expected, (path, body if isinstance(body, dict) else body[:20], reply)
+        assert len(reply) < 500 and "error" in json.loads(reply)
+    for query in ("size=0", "size=49", "class=3", "class=x", "size=" + "9" * 400):
+        status, reply = call(url + f"api/label/grid?person=ana&{query}", headers=authorised())
+        assert status == 400 and len(reply) < 500, (query, reply)
+    assert [(q.query_id, q.label) for q in queue.all()] == [("q1", 2), ("q2", None)], "nothing refused was stored"
+    assert queue.undelivered_corrections() == [] and queue.history("ana", 5)[0].query_id == "q1"
+
+
 def test_an_open_loopback_dashboard_takes_posts_only_with_the_same_origin_header(
     tmp_path: Path, broker, sessions
 ) -> None:
@@ -171,7 +202,8 @@ def test_the_dashboard_and_metrics_show_the_queue_per_device_and_the_people(serv
     view = json.loads(body)
     row = next(row for row in view["devices"] if row["device_id"] == "cam-1")
     assert status == 200 and row["label_queue"]["open"] == 1 and row["label_queue"]["oldest_age_seconds"] >= 0
-    assert view["labelling"] == {"open": 1, "people": [{"person": "ana", "answers_last_hour": 1}]}
+    people = [{"person": "ana", "answers_last_hour": 1, "answers_today": 1}]
+    assert view["labelling"] == {"open": 1, "people": people, "corrections": 0}
     status, body = call(url + "metrics", headers=authorised())
     text = body.decode()
     assert 'fl_labelling_open_queries{device="cam-1"} 1' in text

@@ -1,7 +1,7 @@
 # The queue's desk and a device's central labelling over a real broker, in one process: an acquisition's queries go
 # out with the model's guess; bad queries get bounded refusals and nothing crashes; an answer waits for a device
 # whose broker session has expired and reaches it by the desk's resends; an answer for a query the device never
-# asked is refused by the device and settled.
+# asked is refused by the device and settled; a correction replaces the device's label once, by any road.
 from __future__ import annotations
 
 import io
@@ -17,6 +17,7 @@ from test_folder_pool import camera_oracle, write_png
 
 from coordinator.labelling.desk import LabellingDesk
 from coordinator.labelling.queue import LabelQueue, QueueLimits
+from edge_agent.data.answers import LabelKind
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.oracle import guesses_of
 from edge_agent.field.central import CentralLabelling, query_image
@@ -209,9 +210,45 @@ def test_a_round_waiting_for_answers_gets_the_queues_answer_meanwhile(tmp_path: 
     answering = threading.Thread(target=person)
     answering.start()
     started = time.monotonic()
+    waits: list[bool] = []
+    device.oracle.notify_wait(waits.append)  # the round runner's: the device's status says it waits for answers
     indices, labels = device.oracle.label(np.array([2]))
     answering.join()
     assert (indices.tolist(), labels.tolist()) == ([2], [6]) and time.monotonic() - started < 20
+    assert waits == [True, False]
+    device.close()
+
+
+def test_a_correction_reaches_the_device_store_once_and_its_receipt_settles_it(
+    tmp_path: Path, broker, desk, sessions
+) -> None:
+    device = Device(tmp_path, broker)
+    device.oracle.ask(np.array([0, 1]))
+    wait_until(lambda: len(desk.queue.all()) == 2, "the queries queued", step=device.step)
+    first, second = device.oracle.book.queries()
+    for query, label in ((first, 4), (second, 1)):
+        desk.send(desk.queue.record(DEVICE, query.query_id, label, "ana").decided)
+    wait_until(lambda: desk.queue.undelivered() == [], "the answers' receipts", step=device.step)
+    device.step()
+    correction = desk.queue.record(DEVICE, first.query_id, 7, "bo", change=True).correction
+    assert correction is not None and correction.revision == 1
+    desk.send_correction(correction)
+    wait_until(lambda: desk.queue.undelivered_corrections() == [], "the correction's receipt", step=device.step)
+    device.step()
+    labelled = dict(zip(*(array.tolist() for array in device.data.labelled())))
+    assert labelled == {first.index: 7, second.index: 1} and device.data.count_labels("correction") == 1
+    device.oracle.book.record_answer(second.name, 3, kind=LabelKind.CORRECTION)  # on the device's own page
+    wait_until(lambda: desk.queue.get(DEVICE, second.query_id).label == 3, "the queue told of it")
+    assert desk.queue.undelivered_corrections() == [] and desk.queue.status(time.time()).corrections == 2
+    receipts = sessions(broker.address, "receipts")
+    receipts.subscribe(topics.LABEL_RECEIPTS.build(fleet=FLEET, device=DEVICE))
+    stray = label_messages.LabelCorrection("never-asked", 1, 3, "mallory", 1.0)
+    receipts.publish(topics.LABEL_ANSWERS.build(fleet=FLEET, device=DEVICE), wire.encode(stray))
+    receipt = wire.decode(receipts.next_message(timeout=10).payload, label_messages.CorrectionReceipt)
+    assert (receipt.query_id, receipt.revision, receipt.stored) == ("never-asked", 3, False), "refused, settled"
+    assert not desk.queue.correction_delivered(DEVICE, "never-asked", 3), "the desk knows no such correction"
+    device.step()
+    assert dict(zip(*(array.tolist() for array in device.data.labelled()))) == {first.index: 7, second.index: 3}
     device.close()
 
 

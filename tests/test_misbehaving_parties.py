@@ -31,7 +31,7 @@ from edge_agent.data.answers import AnswerBook
 from edge_agent.field.folder_oracle import QueryBook
 from protocol import wire
 from protocol.credentials import load_credentials
-from protocol.label_messages import LabelAnswer
+from protocol.label_messages import LabelAnswer, LabelCorrection
 from protocol.label_signing import labelling_key, sign
 
 pytestmark = pytest.mark.integration
@@ -258,9 +258,9 @@ def secured_fleet(tmp_path_factory) -> Path:
 
 def test_in_a_secured_fleet_only_the_desks_signed_answers_count(tmp_path: Path, secured_fleet: Path) -> None:
     """A party holding the desk's broker login but not its keys (a leaked labelling.json, the broker's operator)
-    sends the device an unsigned answer and one signed with a key of its own; with the coordinator's login it sends
-    the desk a receipt for the device: the device stores only the person's answer, and the desk refuses the
-    receipt, naming the device it claims."""
+    sends the device an unsigned answer and correction and ones signed with a key of its own; with the coordinator's
+    login it sends the desk a receipt for the device: the device stores only the person's answer, and the desk
+    refuses the receipt, naming the device it claims."""
     state = asked_queries(tmp_path, "cam-00", 0)
     keys = json.loads((secured_fleet / LABELLING_KEYS).read_text())
     assert bytes.fromhex(keys["cam-00"]) == labelling_key(
@@ -302,7 +302,13 @@ def test_in_a_secured_fleet_only_the_desks_signed_answers_count(tmp_path: Path, 
             fields = {"query_id": asked[0], "label": 1, "answered_by": "mallory", "answered_at": 1.7e9}
             own_key = labelling_key(b"\1" * 32)
             forged = LabelAnswer(**fields)
-            for payload in (packed("label_answer", **fields), wire.encode(sign(forged, own_key, FLEET, "cam-00"))):
+            change = {"query_id": asked[0], "label": 2, "revision": 7, "corrected_by": "mallory", "corrected_at": 1.7e9}
+            for payload in (
+                packed("label_answer", **fields),
+                wire.encode(sign(forged, own_key, FLEET, "cam-00")),
+                packed("label_correction", **change),
+                wire.encode(sign(LabelCorrection(**change), own_key, FLEET, "cam-00")),
+            ):
                 forger.publish(f"fl/{FLEET}/devices/cam-00/answers", payload, qos=1).wait_for_publish(10)
             receipt = packed("answer_receipt", device_id="cam-00", query_id=asked[0], stored=True)
             other = load_credentials(secured_fleet / "coordinator.json")  # the one other login that writes receipts
@@ -323,6 +329,7 @@ def test_in_a_secured_fleet_only_the_desks_signed_answers_count(tmp_path: Path, 
                     process.wait(timeout=30)
     device_log = (tmp_path / "cam-00.log").read_text()
     assert device_log.count("labelling message without the desk's signature ignored kind=label_answer") == 2
+    assert device_log.count("labelling message without the desk's signature ignored kind=label_correction") == 2
     assert [(a.label, a.answered_by) for a in AnswerBook(state / "labelling" / "answers.sqlite").answers()] == [
         (5, "anonymous")
     ]

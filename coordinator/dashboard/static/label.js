@@ -143,18 +143,19 @@ async function showQuery(query) {
   byId("empty").hidden = query !== null;
   document.body.dataset.query = query ? query.device + "/" + query.query_id : "";
   drawCorrecting();
+  byId("image-frame").hidden = query === null;
+  byId("query-device").textContent = query ? query.device : "-";
+  byId("query-id").textContent = query ? query.query_id : "-";
+  const guessed = query !== null && query.guess_name !== null;
+  byId("query-guess").textContent = guessed ? query.guess_name : "no guess yet";
+  byId("query-probability").textContent = guessed ? query.probability.toFixed(2) : "-";
+  byId("query-uncertainty").textContent = guessed ? query.uncertainty.toFixed(2) : "-";
+  byId("accept").disabled = !guessed;
   if (query === null) {
     byId("query-image").removeAttribute("src");
     shownNow();
     return;
   }
-  byId("query-device").textContent = query.device;
-  byId("query-id").textContent = query.query_id;
-  const guessed = query.guess_name !== null;
-  byId("query-guess").textContent = guessed ? query.guess_name : "no guess yet";
-  byId("query-probability").textContent = guessed ? query.probability.toFixed(2) : "-";
-  byId("query-uncertainty").textContent = guessed ? query.uncertainty.toFixed(2) : "-";
-  byId("accept").disabled = !guessed;
   await showImage(byId("query-image"), query.image);
   shownNow();
 }
