@@ -1,43 +1,22 @@
-# Test helper: a headless chromium driven through chromedriver's W3C WebDriver HTTP API (urllib only, no selenium).
+# Test helper: the headless chromium of bench.browser, skipped without Debian's chromium, waits that fail the test.
 from __future__ import annotations
 
-import base64
-import contextlib
-import json
-import socket
-import subprocess
 import time
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
+from bench.browser import CHROMEDRIVER, CHROMIUM, WebDriver, answers, free_port, headless_chromium
+
+__all__ = ["ARTIFACTS", "WebDriver", "answers", "free_port", "headless_chromium", "needs_chromium", "wait_for"]
+
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--window-size=1400,1800",
-]
 needs_chromium = pytest.mark.skipif(
     not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
     reason="needs Debian's chromium and chromium-driver (make system-deps installs them)",
 )
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on right now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
@@ -49,78 +28,3 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
             return value
         time.sleep(0.2)
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-class WebDriver:
-    """Just enough of the W3C WebDriver protocol: a session, navigation, script evaluation and screenshots."""
-
-    def __init__(self, port: int) -> None:
-        self.base = f"http://127.0.0.1:{port}"
-        self.session = ""
-
-    def call(self, method: str, path: str, body: dict | None = None) -> Any:
-        """One WebDriver command; returns its 'value'."""
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.base + path, data=data, method=method, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return json.loads(response.read())["value"]
-
-    def start(self, user_data_dir: Path, extra_flags: list[str]) -> None:
-        """Opens a headless chromium with a fresh profile and any extra command-line flags."""
-        options = {"binary": str(CHROMIUM), "args": CHROMIUM_FLAGS + extra_flags + [f"--user-data-dir={user_data_dir}"]}
-        value = self.call(
-            "POST",
-            "/session",
-            {"capabilities": {"alwaysMatch": {"browserName": "chrome", "goog:chromeOptions": options}}},
-        )
-        self.session = value["sessionId"]
-
-    def open(self, url: str) -> None:
-        """Navigates to url."""
-        self.call("POST", f"/session/{self.session}/url", {"url": url})
-
-    def evaluate(self, script: str) -> Any:
-        """The value of a script's `return` in the page."""
-        return self.call("POST", f"/session/{self.session}/execute/sync", {"script": script, "args": []})
-
-    def screenshot(self, path: Path) -> Path:
-        """Saves the viewport as a PNG."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(base64.b64decode(self.call("GET", f"/session/{self.session}/screenshot")))
-        return path
-
-    def quit(self) -> None:
-        """Closes the browser."""
-        if self.session:
-            self.call("DELETE", f"/session/{self.session}")
-
-
-def answers(url: str) -> bool:
-    """True once an HTTP server answers at url."""
-    try:
-        with urllib.request.urlopen(url, timeout=2):
-            return True
-    except OSError:
-        return False
-
-
-@contextlib.contextmanager
-def headless_chromium(user_data_dir: Path, extra_flags: list[str] | None = None) -> Iterator[WebDriver]:
-    """A chromedriver on a free port with one headless chromium session; both are closed on leaving."""
-    port = free_port()
-    chromedriver = subprocess.Popen(
-        [str(CHROMEDRIVER), f"--port={port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    browser = WebDriver(port)
-    try:
-        wait_for(lambda: answers(browser.base + "/status"), 30, "chromedriver")
-        browser.start(user_data_dir, extra_flags or [])
-        yield browser
-    finally:
-        try:
-            browser.quit()
-        finally:
-            chromedriver.terminate()
-            chromedriver.wait(timeout=30)

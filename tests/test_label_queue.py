@@ -313,11 +313,13 @@ def test_a_held_answer_goes_when_its_time_is_over_or_its_person_has_answered_mor
     queue = LabelQueue(tmp_path, CLASSES, undo=UndoWindow(seconds=60.0, answers=2))
     for number in range(4):
         queue.add(query("a", f"q{number}"), "a")
-    for number in range(3):
+    for number in range(2):
         queue.record("a", f"q{number}", 1, "ana", hold=True)
+    pushed = queue.record_all([("a", "q2")], 1, "ana", hold=True).released
+    assert [d.query_id for d in pushed] == ["q0"], "ana's third answer lets her first go"
     queue.record("a", "q3", 2, "bo", hold=True)
     now = time.time()
-    assert [d.query_id for d in queue.release(now)] == ["q0"], "ana's third answer lets her first go"
+    assert queue.release(now) == [], "the others are within their window"
     assert queue.record("a", "q1", 0, "ana", change=True).outcome is Outcome.REPLACED, "held: changed in place"
     assert queue.undelivered_corrections() == []
     assert sorted(d.query_id for d in queue.release(now + 61)) == ["q1", "q2", "q3"]
@@ -336,6 +338,6 @@ def test_a_grid_shows_one_guessed_class_and_is_recorded_all_or_nothing(tmp_path:
     with pytest.raises(AnswerError) as refused:
         queue.record_all([*keys[:2], ("a", "nope")], 2, "ana")
     assert refused.value.status == 404 and all(q.label is None for q in queue.all()), "nothing recorded"
-    recorded = queue.record_all(keys[:3], 2, "ana", hold=True)
+    recorded = queue.record_all(keys[:3], 2, "ana", hold=True).recorded
     assert [r.outcome for r in recorded] == [Outcome.DECIDED] * 3
     assert len(queue.grid_for("ana", 10)) == 2

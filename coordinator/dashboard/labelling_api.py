@@ -3,6 +3,7 @@
 # error with its own status.
 from __future__ import annotations
 
+import base64
 import re
 import time
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from http import HTTPStatus
 from typing import Any
 
 from coordinator.labelling.desk import LabellingDesk
-from coordinator.labelling.queue import AnswerError, Given, QueuedQuery, Recorded
+from coordinator.labelling.queue import AnswerError, Given, QueuedQuery, Recording
 from protocol import wire
 from protocol.http_requests import HttpRefusal, ascii_int, json_body
 
@@ -24,9 +25,10 @@ SKIP_PATH = "/api/label/skip"
 UNDO_PATH = "/api/label/undo"
 POST_PATHS = (ANSWER_PATH, CORRECT_PATH, GRID_PATH, SKIP_PATH, UNDO_PATH)
 IMAGE_PATH = re.compile(r"/api/label/image/([A-Za-z0-9_.-]{1,64})/([A-Za-z0-9_.-]{1,64})")
-HISTORY = 20  # a person's latest answers the page lists (to correct one, or see where it stands)
-GRID_SIZE = 24
+HISTORY = 40  # a person's latest answers the page lists (to correct one, or see where it stands)
+GRID_SIZE = 32  # a page of thumbnails every one of which a key can mark (8 x 4)
 GRID_MAX = 48
+INLINE_IMAGE_BYTES = 32 * 1024  # a grid's images up to this size come inside its reply (one request, not 48)
 PERSON_RULE = "person must be 1-64 letters, digits or _.@-"
 IDS_RULE = "device and query_id must be 1-64 letters, digits or _.-"
 LABEL_RULE = "label must be an integer class number (-1: none of these)"
@@ -130,8 +132,21 @@ def grid_reply(desk: LabellingDesk, person: str, parameters: dict[str, list[str]
         return error(HTTPStatus.BAD_REQUEST, f"size must be 1..{GRID_MAX} and class a class number of the spec")
     queries = desk.queue.grid_for(person, size, guess)
     label = queries[0].guess if queries else guess
-    body = {"class": label, "class_name": class_name(desk, label), "queries": [query_view(desk, q) for q in queries]}
+    views = [{**(query_view(desk, query) or {}), "data": inline_image(desk, query)} for query in queries]
+    body = {"class": label, "class_name": class_name(desk, label), "queries": views}
     return Reply(HTTPStatus.OK, {**body, **page_state(desk, person)})
+
+
+def inline_image(desk: LabellingDesk, query: QueuedQuery) -> str | None:
+    """A small query image as a data: URL (None for a large one, or one gone from disk: the page fetches those)."""
+    if query.image_bytes > INLINE_IMAGE_BYTES:
+        return None
+    try:
+        image = desk.queue.image_path(query.device, query.query_id, query.media_type).read_bytes()
+    # the file removed or unreadable under the queue: the page's own fetch of it says so (410)
+    except OSError:
+        return None
+    return f"data:{query.media_type};base64,{base64.b64encode(image[:INLINE_IMAGE_BYTES]).decode()}"
 
 
 def get(desk: LabellingDesk, path: str, parameters: dict[str, list[str]]) -> Reply:
@@ -213,28 +228,29 @@ def post(desk: LabellingDesk, path: str, body: bytes) -> Reply:
         if path == SKIP_PATH:
             device, query_id = keys[0]
             desk.queue.skip(device, query_id, person)
-            recorded: list[Recorded] = []
+            recording = Recording([], [])
         else:
             change, hold = path == CORRECT_PATH, bool(form.get("hold", False))
-            recorded = desk.queue.record_all(keys, form["label"], person, change, hold)
+            recording = desk.queue.record_all(keys, form["label"], person, change, hold)
     except AnswerError as refused:
         return error(HTTPStatus(refused.status), refused.reason)
-    send(desk, recorded)
+    send(desk, recording)
     reply = next_reply(desk, person)
-    outcomes = [item.outcome.value for item in recorded]
-    decided = any(item.decided is not None for item in recorded)
+    outcomes = [item.outcome.value for item in recording.recorded]
+    decided = any(item.decided is not None for item in recording.recorded)
     return Reply(HTTPStatus.OK, {**(reply.body or {}), "stored": True, "decided": decided, "outcomes": outcomes})
 
 
-def send(desk: LabellingDesk, recorded: list[Recorded]) -> None:
+def send(desk: LabellingDesk, recording: Recording) -> None:
     """Sends what the person's word made: corrections at once, decisions once their hold is over (at once when they
-    were not held)."""
-    for item in recorded:
+    were not held), and the held answers it pushed out of their undo window."""
+    for item in recording.recorded:
         if item.correction is not None:
             desk.send_correction(item.correction)
         if item.decided is not None and not item.held:
             desk.send(item.decided)
-    desk.release_due()
+    for decided in recording.released:
+        desk.send(decided)
 
 
 def undo_reply(desk: LabellingDesk, person: str) -> Reply:

@@ -59,6 +59,11 @@ RANKED = (
     "q.device AND v.query_id = q.query_id AND v.person = :person) AND NOT EXISTS (SELECT 1 FROM skips s WHERE "
     "s.device = q.device AND s.query_id = q.query_id AND s.person = :person)"
 )
+# The held answers whose hold is over: their time passed, or their person gave `answers` newer held ones.
+DUE_HELD = (
+    "SELECT device, query_id FROM (SELECT device, query_id, until, ROW_NUMBER() OVER (PARTITION BY person ORDER BY "
+    "until DESC, rowid DESC) AS newest FROM held) WHERE until <= :now OR newest > :answers"
+)
 NOT_HELD = "NOT EXISTS (SELECT 1 FROM held h WHERE h.device = q.device AND h.query_id = q.query_id)"
 
 
@@ -156,6 +161,15 @@ class Recorded:
 
 
 @dataclass(frozen=True)
+class Recording:
+    """What `record_all` did: each query's outcome, and the held answers it pushed out of the undo window (they go
+    to their devices now)."""
+
+    recorded: list[Recorded]
+    released: list[Decided]
+
+
+@dataclass(frozen=True)
 class UndoWindow:
     """How long a page's answer waits before it goes to its device, so its person can take it back: while it is
     among the person's `answers` newest held answers, for at most `seconds`."""
@@ -208,11 +222,13 @@ def image_refusal(image: bytes, media_type: str, limits: QueueLimits) -> QueueRe
 class QueueStatus:
     """The queue at a glance: per device its open queries and the oldest one's age (seconds since the queue received
     it), per person the answers they gave in the last hour (the fleet's labelling rate) and today (since local
-    midnight), and how many corrections were made (and how many of them wait for their device)."""
+    midnight), how many answers are held for an undo, and how many corrections were made (and how many of them wait
+    for their device)."""
 
     open_by_device: dict[str, tuple[int, float]]
     answers_last_hour: dict[str, int]
     answers_today: dict[str, int]
+    held: int
     corrections: int
     corrections_undelivered: int
 
@@ -334,12 +350,13 @@ class LabelQueue:
         (deciding it when a majority holds; with `hold`, the decision waits for an undo as `undo_window` says), or
         with `change` a new label for a decided query (in place while its answer is not sent yet, else a
         correction). AnswerError for an unknown query, a label outside the spec, a second answer without `change`."""
-        return self.record_all([(device, query_id)], label, person, change, hold)[0]
+        return self.record_all([(device, query_id)], label, person, change, hold).recorded[0]
 
     def record_all(
         self, queries: Sequence[tuple[str, str]], label: int, person: str, change: bool = False, hold: bool = False
-    ) -> list[Recorded]:
-        """`record` for several queries (a grid's) in one transaction: all of them, or (AnswerError) none."""
+    ) -> Recording:
+        """`record` for several queries (a grid's) in one transaction: all of them, or (AnswerError) none; held
+        answers it pushes out of their undo window are let go in the same transaction."""
         self._check_label(label)
         now = time.time()
         with self._lock:
@@ -348,11 +365,12 @@ class LabelQueue:
                 recorded = [
                     self._record(device, query_id, label, person, change, hold, now) for device, query_id in queries
                 ]
+                released = self._release(now) if hold else []
             except BaseException:
                 self._conn.execute("ROLLBACK")
                 raise
             self._conn.execute("COMMIT")
-        return recorded
+        return Recording(recorded, released)
 
     def _check_label(self, label: int) -> None:
         """AnswerError(400) for a label that is neither a class of the spec nor NONE_OF_THESE."""
@@ -374,7 +392,7 @@ class LabelQueue:
         if row[0] is None:
             return self._vote(device, query_id, label, person, change, hold, now)
         if not change:
-            raise AnswerError(409, f"query {wire.shown(query_id)} is answered already")
+            raise AnswerError(409, f"query {wire.shown(query_id)} of device {wire.shown(device)} is answered already")
         if int(row[0]) == label:
             return Recorded(Outcome.UNCHANGED)
         self._upsert_vote(device, query_id, label, person, now)
@@ -480,25 +498,32 @@ class LabelQueue:
 
     def release(self, now: float) -> list[Decided]:
         """Lets held answers go to their devices once their hold is over (its time passed, or the person gave
-        `undo_window.answers` newer ones); the answers let go."""
+        `undo_window.answers` newer ones); the answers let go (a look that finds none writes nothing)."""
         with self._lock:
+            if not self._conn.execute(f"SELECT 1 FROM ({DUE_HELD}) LIMIT 1", self._due_parameters(now)).fetchone():
+                return []
             self._conn.execute("BEGIN IMMEDIATE")
             try:
-                due = self._conn.execute(
-                    "SELECT q.device, q.query_id, q.label, q.answered_by, q.answered_at FROM (SELECT device, query_id, "
-                    "until, ROW_NUMBER() OVER (PARTITION BY person ORDER BY until DESC, rowid DESC) AS newest FROM "
-                    "held) h JOIN queries q ON q.device = h.device AND q.query_id = h.query_id "
-                    "WHERE h.until <= ? OR h.newest > ?",
-                    (now, self.undo_window.answers),
-                ).fetchall()
-                self._conn.executemany(
-                    "DELETE FROM held WHERE device = ? AND query_id = ?", [(row[0], row[1]) for row in due]
-                )
+                released = self._release(now)
             except BaseException:
                 self._conn.execute("ROLLBACK")
                 raise
             self._conn.execute("COMMIT")
+        return released
+
+    def _release(self, now: float) -> list[Decided]:
+        """release's reads and writes inside a transaction."""
+        due = self._conn.execute(
+            "SELECT q.device, q.query_id, q.label, q.answered_by, q.answered_at FROM queries q JOIN "
+            f"({DUE_HELD}) h ON q.device = h.device AND q.query_id = h.query_id",
+            self._due_parameters(now),
+        ).fetchall()
+        self._conn.executemany("DELETE FROM held WHERE device = ? AND query_id = ?", [(row[0], row[1]) for row in due])
         return [Decided(*row) for row in due]
+
+    def _due_parameters(self, now: float) -> dict[str, float]:
+        """The parameters of DUE_HELD."""
+        return {"now": now, "answers": self.undo_window.answers}
 
     def history(self, person: str, limit: int) -> list[Given]:
         """This person's latest `limit` answers, newest first, with where each stands."""
@@ -625,7 +650,7 @@ class LabelQueue:
 
     def status(self, now: float) -> QueueStatus:
         """Open queries and the oldest one's age per device, answers per person in the hour before `now` and since
-        that day's local midnight, and the corrections made (and undelivered)."""
+        that day's local midnight, the answers held for an undo, and the corrections made (and undelivered)."""
         midnight = datetime.fromtimestamp(now).replace(hour=0, minute=0, second=0, microsecond=0).timestamp()
         with self._lock:
             open_rows = self._conn.execute(
@@ -640,10 +665,12 @@ class LabelQueue:
             corrections, undelivered = self._conn.execute(
                 "SELECT COALESCE(SUM(revision), 0), COUNT(*) - COUNT(delivered_at) FROM corrections"
             ).fetchone()
+            held = self._one("SELECT COUNT(*) FROM held")
         return QueueStatus(
             {str(device): (int(count), max(0.0, now - float(oldest))) for device, count, oldest in open_rows},
             {str(person): int(count) for person, count in hour},
             {str(person): int(count) for person, count in today},
+            held,
             int(corrections),
             int(undelivered),
         )

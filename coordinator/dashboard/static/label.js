@@ -18,6 +18,7 @@ const page = {
   shown: 0,           // counts what the page finished showing (a scripted person waits on it)
 };
 const images = new Map();  // image address -> object URL, the newest CACHED_IMAGES
+const historyItems = new Map();  // "device/query" -> its item in the history
 
 function headers(extra = {}) {
   // the token when there is one; on an open loopback dashboard the same-origin header the server asks for
@@ -45,11 +46,16 @@ async function imageUrl(address) {
   const response = await fetch(address, {headers: headers(), cache: "no-store"});
   if (!response.ok) throw new Error("image: HTTP " + response.status);
   const url = URL.createObjectURL(await response.blob());
+  return keepImage(address, url);
+}
+
+// Keeps an image's URL (an object URL, or a grid's data: URL) among the newest CACHED_IMAGES.
+function keepImage(address, url) {
   images.set(address, url);
   if (images.size > CACHED_IMAGES) {
     const [oldest, stale] = images.entries().next().value;
     images.delete(oldest);
-    URL.revokeObjectURL(stale);
+    if (stale.startsWith("blob:")) URL.revokeObjectURL(stale);
   }
   return url;
 }
@@ -59,7 +65,7 @@ async function showImage(node, address) {
   await node.decode();
 }
 
-// Tells a waiting script (and a person's eye) that what was asked for is on screen.
+// Tells a waiting script (and a person's eye) that what was asked for is on screen and the page takes the next key.
 function shownNow() {
   page.shown += 1;
   document.body.dataset.shown = String(page.shown);
@@ -108,22 +114,30 @@ function drawCounts(reply) {
   drawHistory(reply.history);
 }
 
+// The person's latest answers, each item made once and then only updated (its picture is not decoded again).
 function drawHistory(history) {
-  const box = byId("history");
-  box.replaceChildren();
-  for (const given of history) {
-    const item = document.createElement("button");
-    item.type = "button";
-    item.className = "given " + given.state.replace(" ", "-");
-    item.dataset.query = given.device + "/" + given.query_id;
-    const picture = document.createElement("img");
-    picture.alt = given.query_id;
-    imageUrl(given.image).then(url => { picture.src = url; }).catch(() => {});
+  const nodes = history.map(given => {
+    const key = given.device + "/" + given.query_id;
+    let item = historyItems.get(key);
+    if (item === undefined) {
+      item = document.createElement("button");
+      item.type = "button";
+      item.dataset.query = key;
+      const picture = document.createElement("img");
+      picture.alt = given.query_id;
+      imageUrl(given.image).then(url => { picture.src = url; }).catch(() => {});
+      item.append(picture, document.createElement("span"));
+      historyItems.set(key, item);
+    }
     const label = given.label === null ? "-" : given.label === -1 ? "none" : given.label_name;
-    item.append(picture, `${label} · ${given.state}`);
-    item.addEventListener("click", () => correct(given));
-    box.appendChild(item);
-  }
+    item.className = "given " + given.state.replace(" ", "-");
+    item.lastChild.textContent = `${label} · ${given.state}`;
+    item.onclick = () => correct(given);
+    return item;
+  });
+  const kept = new Set(nodes);
+  for (const [key, item] of historyItems) if (!kept.has(item)) historyItems.delete(key);
+  byId("history").replaceChildren(...nodes);
 }
 
 function drawCorrecting() {
@@ -153,11 +167,9 @@ async function showQuery(query) {
   byId("accept").disabled = !guessed;
   if (query === null) {
     byId("query-image").removeAttribute("src");
-    shownNow();
     return;
   }
   await showImage(byId("query-image"), query.image);
-  shownNow();
 }
 
 function applyZoom() {
@@ -196,7 +208,8 @@ async function showNext(reply) {
   return showQuery(reply.query);
 }
 
-// Runs one step at a time (a second key while a post is on its way is dropped), showing any failure.
+// Runs one step at a time (a second key while a post is on its way is dropped), showing any failure; then says the
+// page is ready for the next key.
 async function exclusive(step) {
   if (page.busy) return;
   page.busy = true;
@@ -206,6 +219,7 @@ async function exclusive(step) {
     status(String(error), true);
   } finally {
     page.busy = false;
+    shownNow();
   }
 }
 
@@ -243,8 +257,7 @@ function undo() {
     const {ok, reply} = await postJson("/api/label/undo", {});
     if (!ok) return status(reply.error, true);
     drawCounts(reply);
-    setMode("single");
-    page.exceptions = [];
+    showView("single");  // a grid's flow goes on after the query taken back is answered
     if (reply.undone === "sent") {
       page.correcting = Object.assign({}, reply.query, {state: "sent"});
       status("that answer was sent already: answer again to correct it");
@@ -259,7 +272,7 @@ function undo() {
 // Shows one of the person's answers (from the history) to change it.
 function correct(given) {
   return exclusive(async () => {
-    setMode("single");
+    showView("single");
     page.correcting = given;
     await showQuery({
       device: given.device, query_id: given.query_id, image: given.image, guess: -1, guess_name: null,
@@ -280,10 +293,15 @@ function leaveCorrection() {
   });
 }
 
+// Shows the grid ("grid") or one image ("single"), whichever mode the page is in.
+function showView(view) {
+  byId("grid-view").hidden = view !== "grid";
+  byId("label-view").hidden = view === "grid";
+}
+
 function setMode(mode) {
   page.mode = mode;
-  byId("grid-view").hidden = mode !== "grid";
-  byId("label-view").hidden = mode === "grid";
+  showView(mode);
   byId("mode").firstChild.textContent = mode === "grid" ? "one image at a time" : "grid of one class";
 }
 
@@ -296,12 +314,14 @@ async function loadGrid() {
     return showQuery((await nextQuery()).query);
   }
   byId("grid-empty").hidden = true;
+  showView("grid");
   page.grid = {label: reply.class, queries: reply.queries, marked: new Set()};
   byId("grid-class").textContent = reply.class_name;
   byId("grid-accept-class").textContent = reply.class_name;
   const box = byId("grid");
   box.replaceChildren();
   const loads = reply.queries.map((query, position) => {
+    if (query.data) keepImage(query.image, query.data);
     const thumb = document.createElement("button");
     thumb.type = "button";
     thumb.className = "thumb";
@@ -320,7 +340,6 @@ async function loadGrid() {
   });
   await Promise.all(loads);
   document.body.dataset.query = "grid:" + reply.queries.map(q => q.device + "/" + q.query_id).join(",");
-  shownNow();
 }
 
 function mark(position) {
@@ -352,8 +371,7 @@ function acceptGrid() {
       status(`${accepted.length} answers stored` + (page.exceptions.length ? `; now the ${page.exceptions.length} exceptions` : ""));
     }
     if (page.exceptions.length) {
-      byId("label-view").hidden = false;
-      byId("grid-view").hidden = true;
+      showView("single");
       if (reply !== null) drawCounts(reply);
       return showQuery(page.exceptions.shift());
     }
