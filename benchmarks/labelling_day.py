@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.browser import WebDriver, headless_chromium
+from bench.browser import WebDriver, headless_chromium, wait_until
 from bench.camera_scenes import render_scene
 from coordinator.dashboard.labelling_api import GRID_SIZE
 from coordinator.dashboard.server import Dashboard, ListenAddress
@@ -60,6 +60,7 @@ TOKEN = "labelling-day-token"
 PERSON = "ana"
 PERSON_SCRIPT = Path(__file__).with_name("labelling_person.js")
 SINGLE_STEPS = 50  # answers per call into the page (between calls: a screenshot at most)
+MODES = ("single", "grid")
 TICK_SECONDS = 0.5  # an agent's loop turn, which moves stored answers into the labelled store
 
 
@@ -128,15 +129,6 @@ def ticking(devices: list[SimulatedDevice]) -> Iterator[None]:
     finally:
         stop.set()
         thread.join(timeout=30)
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    """Polls until `condition()` holds; RuntimeError naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.2)
 
 
 def store_check(device: SimulatedDevice) -> dict[str, int]:
@@ -307,8 +299,14 @@ def labelling_mode(work: Path, mode: str, args: argparse.Namespace, screenshots:
     }
 
 
+def median_run(results: list[dict]) -> dict:
+    """The run of the median rate (the middle one of an odd count, the lower middle of an even one)."""
+    return sorted(results, key=lambda result: result["answers_per_minute"])[(len(results) - 1) // 2]
+
+
 def main() -> None:
-    """Runs both modes and prints one JSON object."""
+    """Runs both modes `--runs` times, interleaved (the machine's load moves), and prints one JSON object: each run's
+    rates, each mode's median run in full, and the median and lowest paired ratio."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=20)
     parser.add_argument("--queries", type=int, default=400, help="in all, shared evenly among the devices")
@@ -318,11 +316,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--screenshots", type=Path, help="write the docs' grid and undo screenshots here")
     parser.add_argument("--work", type=Path, help="keep the fleets' folders here (default: a temporary folder)")
+    parser.add_argument("--runs", type=int, default=3, help="pairs of runs, one image then grids each time")
     args = parser.parse_args()
+    runs: list[dict[str, dict]] = []
     with tempfile.TemporaryDirectory() as folder:
         work = args.work or Path(folder)
-        single = labelling_mode(work / "single", "single", args, args.screenshots)
-        grid = labelling_mode(work / "grid", "grid", args, args.screenshots)
+        for number in range(args.runs):
+            shots = args.screenshots if number == 0 else None
+            runs.append({mode: labelling_mode(work / f"{mode}-{number}", mode, args, shots) for mode in MODES})
+    ratios = [run["grid"]["answers_per_minute"] / run["single"]["answers_per_minute"] for run in runs]
     result = {
         "benchmark": "labelling_day",
         "cpus": os.cpu_count(),
@@ -331,11 +333,18 @@ def main() -> None:
         "model_right": args.right,
         "grid_size": GRID_SIZE,
         "undo_window": {"seconds": args.undo_seconds, "answers": args.undo_answers},
-        "single": single,
-        "grid": grid,
-        "grid_over_single_rate": round(grid["answers_per_minute"] / single["answers_per_minute"], 2),
-        "grid_over_single_clicks_per_answer": round(grid["clicks_per_answer"] / single["clicks_per_answer"], 3),
-        "stores_match_final_answers": single["stores_match_final_answers"] and grid["stores_match_final_answers"],
+        "runs": [
+            {f"{mode}_answers_per_minute": run[mode]["answers_per_minute"] for mode in MODES}
+            | {"grid_over_single_rate": round(ratio, 2)}
+            for run, ratio in zip(runs, ratios)
+        ],
+        **{mode: median_run([run[mode] for run in runs]) for mode in MODES},
+        "grid_over_single_rate": round(statistics.median(ratios), 2),
+        "grid_over_single_rate_lowest": round(min(ratios), 2),
+        "grid_over_single_clicks_per_answer": round(
+            statistics.median(run["grid"]["clicks_per_answer"] / run["single"]["clicks_per_answer"] for run in runs), 3
+        ),
+        "stores_match_final_answers": all(run[mode]["stores_match_final_answers"] for run in runs for mode in MODES),
     }
     print(json.dumps(result, indent=1))
 

@@ -104,8 +104,8 @@ window.labellingPerson = (() => {
       return {more: onScreen() !== "", paused};
     },
 
-    // Marks a grid's exceptions (every 4th page leaves one unmarked: a mistake corrected later); true when a grid is
-    // on screen.
+    // Marks a grid's exceptions (every 4th page leaves one unmarked: a mistake corrected once delivered); true when a
+    // grid is on screen.
     markGrid() {
       const started = performance.now();
       const view = onScreen();
@@ -113,7 +113,10 @@ window.labellingPerson = (() => {
       const keys = view.slice(5).split(",");
       const label = classes().indexOf(document.getElementById("grid-class").textContent);
       const wrong = keys.map((key, position) => [key, position]).filter(([key]) => state.truth[key] !== label);
-      const missed = state.pages % 4 === 1 && wrong.length ? wrong[wrong.length - 1] : null;
+      // the mistake: an exception left unmarked, one the page sends at once (older than the 10 answers it holds for
+      // an undo) on a page with another exception after it (whose answer brings the history with its delivery)
+      const early = wrong.filter(([, position]) => position < keys.length - 10);
+      const missed = state.pages % 4 === 1 && early.length && wrong.length >= 2 ? early[0] : null;
       for (const [key, position] of wrong) {
         if (missed !== null && key === missed[0]) continue;
         press(KEYS[position]);

@@ -13,20 +13,10 @@ import numpy as np
 import pytest
 from test_folder_pool import camera_oracle
 
+from bench.browser import CHROMEDRIVER, CHROMIUM, CHROMIUM_FLAGS
 from edge_agent.field.folder_oracle import QueryBook
 from edge_agent.field.label_ui import LabelServer, parse_listen_address
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
-CHROME_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 ELEMENT_KEY = "element-6066-11e4-a52e-4f735466cecf"
 
 
@@ -70,7 +60,7 @@ class WebDriver:
     def __init__(self, profile_dir: Path) -> None:
         self.port = free_port()
         self.process = subprocess.Popen(
-            [CHROMEDRIVER, f"--port={self.port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            [str(CHROMEDRIVER), f"--port={self.port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         self.base = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 20
@@ -78,7 +68,7 @@ class WebDriver:
             if time.monotonic() > deadline:
                 raise RuntimeError("chromedriver did not start")
             time.sleep(0.1)
-        options = {"binary": CHROMIUM, "args": CHROME_FLAGS + [f"--user-data-dir={profile_dir}"]}
+        options = {"binary": str(CHROMIUM), "args": CHROMIUM_FLAGS + [f"--user-data-dir={profile_dir}"]}
         created = self.call(
             "POST",
             "/session",

@@ -2,11 +2,12 @@
 # answers held for an undo, and what was delivered.
 from __future__ import annotations
 
+import contextlib
 import io
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -263,6 +264,19 @@ class LabelQueue:
         for statement in SCHEMA:
             self._conn.execute(statement)
 
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One durable write transaction under the queue's lock: committed when the block ends, rolled back when it
+        raises."""
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
     def image_path(self, device: str, query_id: str, media_type: str) -> Path:
         """Where a query's image is kept."""
         return self.folder / IMAGES / device / f"{query_id}{SUFFIXES[media_type]}"
@@ -359,17 +373,11 @@ class LabelQueue:
         answers it pushes out of their undo window are let go in the same transaction."""
         self._check_label(label)
         now = time.time()
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                recorded = [
-                    self._record(device, query_id, label, person, change, hold, now) for device, query_id in queries
-                ]
-                released = self._release(now) if hold else []
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
+        with self._transaction():
+            recorded = [
+                self._record(device, query_id, label, person, change, hold, now) for device, query_id in queries
+            ]
+            released = self._release(now) if hold else []
         return Recording(recorded, released)
 
     def _check_label(self, label: int) -> None:
@@ -461,14 +469,8 @@ class LabelQueue:
         """Takes back this person's latest answer while it is not sent (held for an undo, or a vote that decided
         nothing yet): the query is open again. An answer sent already is returned as it is (`SENT`: it can only be
         corrected now); None when the person has no answer left."""
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                found = self._undo(person)
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
+        with self._transaction():
+            found = self._undo(person)
         if found is None:
             return None
         query = self.get(*found[:2])
@@ -500,16 +502,11 @@ class LabelQueue:
         """Lets held answers go to their devices once their hold is over (its time passed, or the person gave
         `undo_window.answers` newer ones); the answers let go (a look that finds none writes nothing)."""
         with self._lock:
-            if not self._conn.execute(f"SELECT 1 FROM ({DUE_HELD}) LIMIT 1", self._due_parameters(now)).fetchone():
-                return []
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                released = self._release(now)
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
-        return released
+            due = self._conn.execute(f"SELECT 1 FROM ({DUE_HELD}) LIMIT 1", self._due_parameters(now)).fetchone()
+        if due is None:
+            return []
+        with self._transaction():
+            return self._release(now)
 
     def _release(self, now: float) -> list[Decided]:
         """release's reads and writes inside a transaction."""
@@ -558,15 +555,9 @@ class LabelQueue:
             return False
         who = f"{device}:{road if road in DEVICE_ROADS else 'device'}"
         now = time.time()
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                taken = self._device_word(device, query_id, label, who, now)
-                self._prune()
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
+        with self._transaction():
+            taken = self._device_word(device, query_id, label, who, now)
+            self._prune()
         return taken
 
     def _device_word(self, device: str, query_id: str, label: int, who: str, now: float) -> bool:

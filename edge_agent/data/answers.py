@@ -67,6 +67,11 @@ class StoredAnswer:
     answered_at: float
 
 
+def stored_answers(rows: list[tuple]) -> list[StoredAnswer]:
+    """Rows of (query id, label, road, who, when) as StoredAnswers."""
+    return [StoredAnswer(str(q), int(label), str(road), str(who), float(at)) for q, label, road, who, at in rows]
+
+
 @dataclass(frozen=True)
 class Held:
     """What the book holds of one query inside a delivery's transaction: its first answer's label and its latest
@@ -184,7 +189,7 @@ class AnswerBook:
             rows = self._conn.execute(
                 "SELECT query_id, label, road, answered_by, answered_at FROM answers ORDER BY stored_at, rowid"
             ).fetchall()
-        return [StoredAnswer(str(q), int(label), str(road), str(who), float(at)) for q, label, road, who, at in rows]
+        return stored_answers(rows)
 
     def unreported_corrections(self) -> list[StoredAnswer]:
         """The corrections made on the device (its page, labels.csv) that the queue was not told of yet."""
@@ -193,7 +198,7 @@ class AnswerBook:
                 "SELECT query_id, label, road, corrected_by, corrected_at FROM corrections WHERE reported = 0 "
                 "ORDER BY stored_at"
             ).fetchall()
-        return [StoredAnswer(str(q), int(label), str(road), str(who), float(at)) for q, label, road, who, at in rows]
+        return stored_answers(rows)
 
     def note_correction_reported(self, query_id: str, label: int) -> None:
         """Notes that the queue was told of a correction made on the device (unless it changed again since)."""

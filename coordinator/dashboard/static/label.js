@@ -71,6 +71,14 @@ function shownNow() {
   document.body.dataset.shown = String(page.shown);
 }
 
+// Shows the key that presses a button (the n-th of KEYS), when there is one.
+function showKey(button, position) {
+  if (position >= KEYS.length) return;
+  const key = document.createElement("kbd");
+  key.textContent = KEYS[position];
+  button.appendChild(key);
+}
+
 function drawButtons() {
   const box = byId("classes");
   if (box.childElementCount === page.classes.length) return;
@@ -82,11 +90,7 @@ function drawButtons() {
     button.dataset.label = String(number);
     button.dataset.name = name.toLowerCase();
     button.textContent = name;
-    if (number < KEYS.length) {
-      const key = document.createElement("kbd");
-      key.textContent = KEYS[number];
-      button.appendChild(key);
-    }
+    showKey(button, number);
     button.addEventListener("click", () => answer(number));
     box.appendChild(button);
   });
@@ -329,11 +333,7 @@ async function loadGrid() {
     const picture = document.createElement("img");
     picture.alt = query.query_id;
     thumb.appendChild(picture);
-    if (position < KEYS.length) {
-      const key = document.createElement("kbd");
-      key.textContent = KEYS[position];
-      thumb.appendChild(key);
-    }
+    showKey(thumb, position);
     thumb.addEventListener("click", () => mark(position));
     box.appendChild(thumb);
     return showImage(picture, query.image);
