@@ -61,7 +61,8 @@ PERSON = "ana"
 PERSON_SCRIPT = Path(__file__).with_name("labelling_person.js")
 SINGLE_STEPS = 50  # answers per call into the page (between calls: a screenshot at most)
 MODES = ("single", "grid")
-TICK_SECONDS = 0.5  # an agent's loop turn, which moves stored answers into the labelled store
+TICK_SECONDS = 0.5
+SHOT_PAGE = 3  # the docs' grid is a page after the first two (the history beside it filled)  # an agent's loop turn, which moves stored answers into the labelled store
 
 
 @dataclass
@@ -204,12 +205,13 @@ def person_runs(page: WebDriver, mode: str, screenshots: Path | None) -> dict:
                 break
     else:
         page.evaluate("return labellingPerson.toGrid()", timeout=60)
-        shot = screenshots is not None
+        pages = 0
         while page.evaluate("return labellingPerson.markGrid()"):
             marked = page.evaluate("return document.querySelectorAll('.thumb.exception').length")
-            if shot and marked >= 2 and screenshots is not None:
+            pages += 1
+            if screenshots is not None and pages >= SHOT_PAGE and marked >= 2:
                 page.screenshot(screenshots / "labelling-grid.png")
-                shot = False
+                screenshots = None
             if not page.evaluate("return labellingPerson.acceptGrid()", timeout=600):
                 break
     left = page.evaluate("return labellingPerson.finish(90000)", timeout=120)
@@ -237,7 +239,7 @@ def labelling_mode(work: Path, mode: str, args: argparse.Namespace, screenshots:
             wait_until(lambda: len(queue.all()) == len(truth), 120, "every device's queries in the queue")
             with (
                 Dashboard(ListenAddress("127.0.0.1", 0), work / "run", None, TOKEN, desk) as dashboard,
-                headless_chromium(work / "chromium", ["--window-size=1100,1000"]) as page,
+                headless_chromium(work / "chromium", ["--window-size=1100,1150"]) as page,
             ):
                 page.open(dashboard.url + f"label#token={TOKEN}")
                 wait_until(lambda: page.evaluate("return document.body.dataset.shown"), 30, "the page")

@@ -7,7 +7,7 @@
 window.labellingPerson = (() => {
   const KEYS = "1234567890qwertyuiopadfghjklzxcvbm";
   const state = {
-    truth: {}, answered: new Set(), pending: [], latencies: [], kinds: {}, clicks: 0, marks: 0, undos: 0, corrections: 0,
+    truth: {}, slipped: "", answered: new Set(), pending: [], latencies: [], kinds: {}, clicks: 0, marks: 0, undos: 0, corrections: 0,
     pages: 0, exceptions: 0, busy: 0,
   };
 
@@ -65,17 +65,21 @@ window.labellingPerson = (() => {
     }
   }
 
-  // Answers the query on screen: Enter when the guess is right, its class's key otherwise; every 40th answer a slip
-  // undone at once, every 50th a wrong class corrected later (after its device stored it).
-  async function answerShown(slip, mistake) {
+  // A slip on the query on screen (a wrong class's key) undone at once with Backspace: the same query is back.
+  async function slipAndUndo() {
+    const key = onScreen();
+    await click("slip", () => press(KEYS[wrongFor(state.truth[key])]));
+    await click("undo", () => press("Backspace"));
+    state.undos += 1;
+    state.slipped = key;
+    if (onScreen() !== key) throw new Error(`the undo showed ${onScreen()}, not ${key}`);
+  }
+
+  // Answers the query on screen: Enter when the guess is right, its class's key otherwise; a `mistake` is a wrong
+  // class, corrected later (once its device stored it).
+  async function answerShown(mistake) {
     const key = onScreen();
     const right = state.truth[key];
-    if (slip) {
-      await click("slip", () => press(KEYS[wrongFor(right)]));
-      await click("undo", () => press("Backspace"));
-      state.undos += 1;
-      if (onScreen() !== key) throw new Error(`the undo showed ${onScreen()}, not ${key}`);
-    }
     const guess = classes().indexOf(document.getElementById("query-guess").textContent);
     const label = mistake ? wrongFor(right) : right;
     await click(label === guess ? "Enter: the guess" : "class key", () => press(label === guess ? "Enter" : KEYS[label]));
@@ -89,16 +93,20 @@ window.labellingPerson = (() => {
       return true;
     },
 
-    // Up to `steps` answers one image at a time; stops early after an undo when `pauseAfterUndo` (a screenshot).
+    // Up to `steps` answers one image at a time (every 40th after a slip undone at once, every 50th a mistake
+    // corrected later); stops right after an undo when `pauseAfterUndo` (a screenshot).
     async single(steps, pauseAfterUndo) {
       const started = performance.now();
       let paused = false;
-      for (let step = 0; step < steps && onScreen() && !paused; step++) {
+      for (let step = 0; step < steps && onScreen(); step++) {
         const number = state.answered.size;
-        const slip = number % 40 === 39;
-        await answerShown(slip, number % 50 === 24);
+        if (number % 40 === 39 && state.slipped !== onScreen()) {
+          await slipAndUndo();
+          paused = pauseAfterUndo;
+          if (paused) break;
+        }
+        await answerShown(number % 50 === 24);
         await correctDelivered();
-        paused = slip && pauseAfterUndo;
       }
       state.busy += performance.now() - started;
       return {more: onScreen() !== "", paused};
@@ -138,9 +146,9 @@ window.labellingPerson = (() => {
       }
       state.pages += 1;
       while (onScreen() && !onScreen().startsWith("grid:")) {
-        const slip = state.exceptions % 7 === 3;
+        if (state.exceptions % 7 === 3) await slipAndUndo();
         state.exceptions += 1;
-        await answerShown(slip, false);
+        await answerShown(false);
         if (onScreen() && !onScreen().startsWith("grid:")) await correctDelivered();
       }
       await correctDelivered();
