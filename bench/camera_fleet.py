@@ -235,8 +235,9 @@ class PeopleAtThePage(BenchPeople):
     """One person at the fleet's labelling page (the coordinator's dashboard at `url`, `/label`): through the page's
     own HTTP API and with the dashboard's token, as the page's script in a browser calls it, they take the next
     query, look at its image, answer its scene's class (or skip an image they do not know), until none is open.
-    Each poll also keeps the coordinator's device table (`/api/devices`: the predictions devices published), and
-    the last refusal it met (for a run that went wrong: a wrong token's 401 would otherwise only show as no labels)."""
+    Each poll also keeps the coordinator's device table (`/api/devices`: the predictions devices published) and
+    every device state it showed, and the last refusal it met (for a run that went wrong: a wrong token's 401 would
+    otherwise only show as no labels)."""
 
     def __init__(self, fleet_dir: Path, devices: int, class_names: tuple[str, ...], url: str, token: str):
         super().__init__()
@@ -244,6 +245,7 @@ class PeopleAtThePage(BenchPeople):
         self.url, self.token = url.rstrip("/"), token
         self.person = "bench-person"
         self.devices: list[dict[str, Any]] = []
+        self.states: set[str] = set()
         self.last_refusal = ""
 
     def call(self, path: str, body: dict[str, Any] | None = None) -> bytes:
@@ -263,6 +265,7 @@ class PeopleAtThePage(BenchPeople):
         answered = 0
         try:
             self.devices = json.loads(self.call("/api/devices"))["devices"]
+            self.states |= {row["state"] for row in self.devices}
             shown = json.loads(self.call(f"/api/label/next?person={self.person}"))["query"]
             while shown is not None and not self.stopped.is_set():
                 label = self.key.get(hashlib.sha256(self.call(shown["image"])).hexdigest())

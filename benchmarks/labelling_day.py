@@ -4,8 +4,10 @@
 For each mode (one image at a time, then grids of one guessed class), a fresh fleet: a real mosquitto on a free
 port, the coordinator's labelling desk and dashboard (this process), and `devices` simulated devices, each a real
 camera folder of camera-like JPEGs with the device's own store, folder oracle and central labelling link on its own
-MQTT session (the parts `edge-agent run --labelling central` runs; a thread does the agent loop's tick). Each device
-asks for all of its images; the model's guess is right for a seeded `right` share of them.
+MQTT session (the parts `edge-agent run --labelling central` runs; a thread does the agent loop's tick), all in one
+process of their own at nice 10 (on a fleet they are other machines). Each device asks for all of its images; the
+model's guess is right for a seeded `right` share of them. Both modes run `--runs` times, interleaved, since the
+machine's other load moves.
 
 A scripted person (benchmarks/labelling_person.js, run inside the real page in headless chromium) knows each image's
 class and acts only through the page: one image at a time it presses Enter when the guess is right and the class's
@@ -38,6 +40,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from bench.browser import WebDriver, headless_chromium, wait_until
 from bench.camera_scenes import render_scene
@@ -61,8 +64,8 @@ PERSON = "ana"
 PERSON_SCRIPT = Path(__file__).with_name("labelling_person.js")
 SINGLE_STEPS = 50  # answers per call into the page (between calls: a screenshot at most)
 MODES = ("single", "grid")
-TICK_SECONDS = 0.5
-SHOT_PAGE = 3  # the docs' grid is a page after the first two (the history beside it filled)  # an agent's loop turn, which moves stored answers into the labelled store
+TICK_SECONDS = 0.5  # an agent's loop turn, which moves stored answers into the labelled store
+SHOT_PAGE = 3  # the docs' grid is a page after the first two (the history beside it filled)
 
 
 @dataclass
@@ -158,7 +161,9 @@ def store_check(device: SimulatedDevice) -> dict[str, int]:
 def device_fleet(work: Path, broker_url: str, args: argparse.Namespace, pipe: Connection) -> None:
     """The simulated devices' own process (as a fleet's devices are other machines than the desk's): builds them,
     sends the queries' true classes, runs the agents' ticks until the parent asks for the check, then sends each
-    device's store check."""
+    device's store check. It runs at nice 10: on a real fleet the devices' work (storing a grid's answers at once)
+    takes no CPU from the desk's machine or the person's browser."""
+    os.nice(10)
     fashion = load_fashion_mnist()
     per_device = args.queries // args.devices
     fleet = [
@@ -190,16 +195,29 @@ def percentile(values: list[float], share: float) -> float:
     return round(ordered[min(len(ordered) - 1, int(share * len(ordered)))], 1)
 
 
+def palette_png(path: Path) -> None:
+    """A screenshot rewritten with a palette of its 256 most used colours (the camera scenes' noise makes a full-colour
+    one near 1 MB; the page itself keeps its colours), the empty page below its content cut off."""
+    with Image.open(path) as shot:
+        pixels = np.asarray(shot.convert("RGB"))
+    busy = np.flatnonzero((pixels != pixels[-1:, :1]).any(axis=(1, 2)))
+    height = min(len(pixels), int(busy[-1]) + 17) if busy.size else len(pixels)
+    reduced = Image.fromarray(pixels[:height]).quantize(256, Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+    reduced.save(path, optimize=True)
+
+
 def person_runs(page: WebDriver, mode: str, screenshots: Path | None) -> dict:
     """The scripted person's whole labelling in one mode (and the screenshots the docs show); its report."""
     if mode == "single":
+        if screenshots is not None:
+            palette_png(page.screenshot(screenshots / "labelling-page.png"))
         first_undo = True
         while True:
             step = page.evaluate(
                 f"return labellingPerson.single({SINGLE_STEPS}, {json.dumps(first_undo)})", timeout=600
             )
             if step["paused"] and screenshots is not None:
-                page.screenshot(screenshots / "labelling-undo.png")
+                palette_png(page.screenshot(screenshots / "labelling-undo.png"))
                 first_undo = False
             if not step["more"]:
                 break
@@ -210,7 +228,7 @@ def person_runs(page: WebDriver, mode: str, screenshots: Path | None) -> dict:
             marked = page.evaluate("return document.querySelectorAll('.thumb.exception').length")
             pages += 1
             if screenshots is not None and pages >= SHOT_PAGE and marked >= 2:
-                page.screenshot(screenshots / "labelling-grid.png")
+                palette_png(page.screenshot(screenshots / "labelling-grid.png"))
                 screenshots = None
             if not page.evaluate("return labellingPerson.acceptGrid()", timeout=600):
                 break
@@ -316,7 +334,7 @@ def main() -> None:
     parser.add_argument("--undo-seconds", type=float, default=30.0, help="the desk's undo window (its default)")
     parser.add_argument("--undo-answers", type=int, default=10, help="answers held per person (the default)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--screenshots", type=Path, help="write the docs' grid and undo screenshots here")
+    parser.add_argument("--screenshots", type=Path, help="write the docs' page, grid and undo screenshots here")
     parser.add_argument("--work", type=Path, help="keep the fleets' folders here (default: a temporary folder)")
     parser.add_argument("--runs", type=int, default=3, help="pairs of runs, one image then grids each time")
     args = parser.parse_args()

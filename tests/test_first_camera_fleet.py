@@ -15,6 +15,7 @@ from bench.camera_scenes import parse_classes
 from coordinator.fleet.broker import free_loopback_port
 from coordinator.storage.store import RunStore
 from edge_agent.data.image_arrays import ImageDataset
+from protocol.messages import WAITING_FOR_ANSWERS
 
 CLASSES = "sneaker=Sneaker,sandal=Sandal,coat=Coat,pullover=Pullover,shirt=Shirt"
 DEVICES = 4
@@ -79,7 +80,8 @@ def test_the_guides_commands_train_a_fleet_of_other_classes(tmp_path: Path, fash
 @pytest.mark.integration
 def test_the_field_loop_labels_through_the_page_and_serves_a_version(tmp_path: Path, fashion: ImageDataset) -> None:
     """The guide's commands with the field loop's flags: devices label centrally and predict, the bench's person
-    answers every query through the dashboard's labelling API with its token, and each round's gate decides."""
+    answers every query through the dashboard's labelling API with its token (the devices' status saying they wait
+    for their answers meanwhile), and each round's gate decides."""
     fleet_dir, devices = tmp_path / "fleet", 2
     settings = FleetSettings(
         devices, parse_classes(CLASSES), per_class=6, test_per_class=10, size=64, seed=3, server_per_class=8
@@ -94,6 +96,7 @@ def test_the_field_loop_labels_through_the_page_and_serves_a_version(tmp_path: P
     out = (tmp_path / "coordinator.out").read_text()
     assert codes == [0] * (devices + 1), out + (tmp_path / "coordinator.log").read_text()[-3000:]
     assert people.answered == devices * 5 * ROUNDS, people.last_refusal
+    assert WAITING_FOR_ANSWERS in people.states, f"a round waiting for its answers says so: {people.states}"
     with RunStore(site.run_dir, read_only=True) as store:
         decisions = [event for event in store.serving.events() if event.who == "gate"]
         assert [event.round_id for event in decisions] == list(range(1, ROUNDS + 1))

@@ -15,8 +15,10 @@ from PIL import Image
 from run_records import fill_store
 
 from coordinator.dashboard.report import write_report
+from coordinator.labelling.queue import LabelQueue
 from coordinator.rounds.evaluation import class_accuracies
 from coordinator.storage.store import RunStore
+from protocol.label_messages import LabelQuery
 
 CHARTS = 5  # accuracy per round, accuracy against labels, divergence heatmap, per-class accuracy, timeline
 
@@ -42,6 +44,22 @@ def test_report_is_self_contained(tmp_path: Path) -> None:
     assert len(images) == CHARTS
     assert all(image.format == "PNG" and image.width >= 400 and image.height >= 100 for image in images)
     assert "intruder: stale round" in page and "dev-02" in page and "run-x" in page
+
+
+def test_report_counts_the_labelling_queues_answers_and_corrections(tmp_path: Path) -> None:
+    fill_store(tmp_path / "run")
+    assert "<h2>Labelling</h2>" not in write_report(tmp_path / "run").read_text(), "no queue, no section"
+    queue = LabelQueue(tmp_path / "run", ("cat", "dog"))
+    buffer = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8), dtype=np.uint8)).save(buffer, format="PNG")
+    for query_id in ("q1", "q2"):
+        queue.add(LabelQuery("cam-1", query_id, buffer.getvalue(), "image/png", 1.0), "cam-1")
+    queue.record("cam-1", "q1", 0, "ana")
+    queue.record("cam-1", "q1", 1, "ana", change=True)
+    queue.close()
+    page = write_report(tmp_path / "run").read_text()
+    assert "1 open queries; 1 corrections of answers already sent (1 not yet stored by their devices)" in page
+    assert "<td>ana</td><td>1</td><td>1</td>" in page
 
 
 def test_report_of_a_run_without_rounds_says_so(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from coordinator.dashboard.views import (
     rounds_view,
     run_view,
 )
+from coordinator.labelling.queue import DATABASE, QUEUE_FOLDER, LabelQueue
 from protocol.errors import UsageError
 from protocol.files import atomic_write_bytes
 
@@ -57,8 +58,9 @@ def last_update_text(update: dict | None) -> str:
     return f"round {update['round_id']}, {update['size']} bytes, {outcome}"
 
 
-def report_html(snapshot: RunSnapshot, sweep: list[str] | None = None) -> str:
-    """The whole report page for a run's snapshot, with the label-efficiency sweep's section when it has one."""
+def report_html(snapshot: RunSnapshot, sweep: list[str] | None = None, labelling: list[str] | None = None) -> str:
+    """The whole report page for a run's snapshot, with the label-efficiency sweep's section and the labelling
+    queue's when it has them."""
     run = run_view(snapshot, None)
     rounds = rounds_view(snapshot)
     title = f"edge-fal run {run['run_id'] or '(unnamed)'}"
@@ -67,6 +69,7 @@ def report_html(snapshot: RunSnapshot, sweep: list[str] | None = None) -> str:
         run_table(run, rounds),
         model_table(run["model"]),
         *devices_section(devices_view(snapshot, None)),
+        *(labelling or []),
     ]
     if not rounds:
         return page(title, [*parts, "<p>No round has been committed yet.</p>"])
@@ -221,6 +224,27 @@ def serving_section(serving: dict) -> list[str]:
     return ["<h2>Serving version</h2>", lead, table(headers, rows) if rows else "<p>No decision yet: W0 serves.</p>"]
 
 
+def labelling_section(run_dir: Path) -> list[str]:
+    """The run's labelling queue, when it kept one: open queries, answers by person today, and the corrections of
+    answers already sent (and how many wait for their devices)."""
+    if not (run_dir / QUEUE_FOLDER / DATABASE).is_file():
+        return []
+    queue = LabelQueue(run_dir, ())
+    try:
+        status = queue.status(time.time())
+    finally:
+        queue.close()
+    open_queries = sum(count for count, _ in status.open_by_device.values())
+    rows = [[person, count, status.answers_last_hour.get(person, 0)] for person, count in status.answers_today.items()]
+    lead = (
+        f"<p>{open_queries} open queries; {status.corrections} corrections of answers already sent "
+        f"({status.corrections_undelivered} not yet stored by their devices); {status.held} answers held for an "
+        "undo.</p>"
+    )
+    people = table(["person", "answers today", "in the last hour"], rows) if rows else "<p>No answer today.</p>"
+    return ["<h2>Labelling</h2>", lead, people]
+
+
 def page(title: str, parts: list[str]) -> str:
     """The HTML document around the report's parts, with its style inline."""
     return (
@@ -234,6 +258,7 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
     if not (Path(run_dir) / "run.sqlite").is_file():
         raise UsageError(f"{run_dir} holds no run (no run.sqlite)")
     path = out or Path(run_dir) / REPORT_NAME
-    page = report_html(load_snapshot(Path(run_dir)), sweep_section(Path(run_dir).resolve()))
+    run_dir = Path(run_dir)
+    page = report_html(load_snapshot(run_dir), sweep_section(run_dir.resolve()), labelling_section(run_dir))
     atomic_write_bytes(path, page.encode())
     return path

@@ -168,8 +168,8 @@ class DashboardHandler(EdgeHandler):
             self.send_json(status, body)
 
     def do_POST(self) -> None:
-        """The labelling API's answers, corrections, undos and skips: JSON, with the token (or, on an open loopback dashboard, the
-        same-origin header), from this page's origin only."""
+        """The labelling API's answers, corrections, undos and skips: JSON, with the token (or, on an open loopback
+        dashboard, the same-origin header), from this page's origin only."""
         path = self.path.split("?", 1)[0]
         if not path.startswith(LABEL_API):
             self.send_reply(labelling_api.error(HTTPStatus.NOT_FOUND, f"no such path {wire.shown(path)}"))

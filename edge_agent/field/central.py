@@ -62,9 +62,9 @@ class CentralLabelling:
     the device has stored it (a device killed in between gets it again), and a repeated one changes nothing; a
     correction the same way (its revision receipted), replacing the label held unless a newer one came first.
 
-    With `key` (a secured fleet: the device's labelling key, protocol.label_signing) an answer or query receipt
-    counts only with the desk's signature (the others are logged and ignored), and the device signs what it sends
-    back."""
+    With `key` (a secured fleet: the device's labelling key, protocol.label_signing) an answer, correction or query
+    receipt counts only with the desk's signature (the others are logged and ignored), and the device signs what it
+    sends back."""
 
     def __init__(
         self,
@@ -160,7 +160,8 @@ class CentralLabelling:
 
     def handle(self, session: MqttSession, message: IncomingMessage) -> None:
         """One message from the queue: a query's receipt settles the query (unless the queue was full: its resends
-        go on); an answer or a correction is stored, then receipted. A malformed message is logged (bounded) and dropped."""
+        go on); an answer or a correction is stored, then receipted. A malformed message is logged (bounded) and
+        dropped."""
         try:
             received = wire.decode_any(message.payload, FROM_DESK)
         except wire.WireError as error:
