@@ -15,6 +15,7 @@ from protocol import wire
 from protocol.errors import FalError
 from protocol.files import atomic_write_bytes
 from protocol.label_messages import DEFAULT_MAX_IMAGE_BYTES, NONE_OF_THESE, QUERY_MEDIA_TYPES, LabelQuery
+from protocol.sqlite_store import Schema, open_store, statements, transaction
 
 QUEUE_FOLDER = "labelling"
 DATABASE = "queue.sqlite"
@@ -34,6 +35,7 @@ SCHEMA = (
     "CREATE TABLE IF NOT EXISTS skips (device TEXT NOT NULL, query_id TEXT NOT NULL, person TEXT NOT NULL, "
     "PRIMARY KEY (device, query_id, person))",
 )
+QUEUE_SCHEMA = Schema("label queue", (statements("the tables of release 0.1.0", *SCHEMA),))
 QUERY_COLUMNS = (
     "device, query_id, media_type, image_bytes, guess, probability, uncertainty, score, asked_at, label, answered_by"
 )
@@ -142,11 +144,7 @@ class LabelQueue:
         self.limits = limits or QueueLimits()
         self.voters = voters
         self._lock = threading.Lock()
-        self._conn = sqlite3.connect(self.folder / DATABASE, check_same_thread=False, isolation_level=None, timeout=30)
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=FULL")
-        for statement in SCHEMA:
-            self._conn.execute(statement)
+        self._conn = open_store(self.folder / DATABASE, QUEUE_SCHEMA)
 
     def image_path(self, device: str, query_id: str, media_type: str) -> Path:
         """Where a query's image is kept."""
@@ -160,7 +158,7 @@ class LabelQueue:
         refusal = image_refusal(query.image, query.media_type, self.limits)
         if refusal is not None:
             return refusal
-        with self._lock:
+        with self._lock, transaction(self._conn):
             if self._one("SELECT COUNT(*) FROM queries WHERE device = ? AND query_id = ?", device, query.query_id):
                 return None
             if self._one("SELECT COUNT(*) FROM queries WHERE label IS NULL AND device = ?", device) >= (
@@ -225,15 +223,8 @@ class LabelQueue:
                 f"label {wire.shown(label)} is not a class of the spec (0..{len(self.class_names) - 1}, or -1: none)",
             )
         now = time.time()
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                decided = self._vote(device, query_id, label, person, now)
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
-        return decided
+        with self._lock, transaction(self._conn):
+            return self._vote(device, query_id, label, person, now)
 
     def _vote(self, device: str, query_id: str, label: int, person: str, now: float) -> Decided | None:
         """The vote inside answer's transaction."""
@@ -268,7 +259,7 @@ class LabelQueue:
         """Notes that a person skipped a query (it is not shown to them again); AnswerError(404) if unknown."""
         if self.get(device, query_id) is None:
             raise AnswerError(404, f"no query {wire.shown(query_id)} of device {wire.shown(device)}")
-        with self._lock:
+        with self._lock, transaction(self._conn):
             self._conn.execute("INSERT OR IGNORE INTO skips VALUES (?, ?, ?)", (device, query_id, person))
 
     def answered_on_device(self, device: str, query_id: str, label: int, road: str) -> bool:
@@ -278,7 +269,7 @@ class LabelQueue:
             return False
         who = f"{device}:{road if road in DEVICE_ROADS else 'device'}"
         now = time.time()
-        with self._lock:
+        with self._lock, transaction(self._conn):
             cursor = self._conn.execute(
                 "UPDATE queries SET label = ?, answered_by = ?, answered_at = ?, delivered_at = ? "
                 "WHERE device = ? AND query_id = ? AND label IS NULL",
@@ -298,7 +289,7 @@ class LabelQueue:
 
     def delivered(self, device: str, query_id: str) -> bool:
         """Notes a device's receipt of an answer; False when there was no such undelivered answer."""
-        with self._lock:
+        with self._lock, transaction(self._conn):
             cursor = self._conn.execute(
                 "UPDATE queries SET delivered_at = ? WHERE device = ? AND query_id = ? AND label IS NOT NULL "
                 "AND delivered_at IS NULL",

@@ -1,12 +1,13 @@
 # The one answer path of a device: every answer to a query, by whatever road it came, stored once by query id.
 from __future__ import annotations
 
-import sqlite3
 import threading
 import time
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+
+from protocol.sqlite_store import Schema, open_store, statements, transaction
 
 ANSWERS_FILE = "answers.sqlite"
 # An answer's label when the person saw none of the classes (the wire's protocol.label_messages.NONE_OF_THESE).
@@ -17,6 +18,7 @@ SCHEMA = (
     "CREATE TABLE IF NOT EXISTS queued (query_id TEXT PRIMARY KEY)",
     "CREATE TABLE IF NOT EXISTS reported (query_id TEXT PRIMARY KEY)",
 )
+ANSWERS_SCHEMA = Schema("answer book", (statements("the tables of release 0.1.0", *SCHEMA),))
 
 
 class Road(StrEnum):
@@ -58,28 +60,20 @@ class AnswerBook:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._lock = threading.Lock()
-        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=FULL")
-        for statement in SCHEMA:
-            self._conn.execute(statement)
+        self._conn = open_store(path, ANSWERS_SCHEMA)
 
     def deliver(
         self, query_id: str, label: int, road: Road, answered_by: str = "", answered_at: float = 0.0
     ) -> Delivery:
         """Stores an answer for a query unless one is stored already; durable when it returns."""
         now = time.time()
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                row = self._conn.execute("SELECT label FROM answers WHERE query_id = ?", (query_id,)).fetchone()
-                if row is None:
-                    self._conn.execute(
-                        "INSERT INTO answers VALUES (?, ?, ?, ?, ?, ?)",
-                        (query_id, int(label), road.value, answered_by[:64], answered_at or now, now),
-                    )
-            finally:
-                self._conn.execute("COMMIT")
+        with self._lock, transaction(self._conn):
+            row = self._conn.execute("SELECT label FROM answers WHERE query_id = ?", (query_id,)).fetchone()
+            if row is None:
+                self._conn.execute(
+                    "INSERT INTO answers VALUES (?, ?, ?, ?, ?, ?)",
+                    (query_id, int(label), road.value, answered_by[:64], answered_at or now, now),
+                )
         if row is None:
             return Delivery.STORED
         return Delivery.SAME if int(row[0]) == int(label) else Delivery.CONFLICT
@@ -101,7 +95,7 @@ class AnswerBook:
 
     def note_queued(self, query_id: str) -> None:
         """Notes that the fleet's labelling queue holds (or refused for good) a query: it is not sent again."""
-        with self._lock:
+        with self._lock, transaction(self._conn):
             self._conn.execute("INSERT OR IGNORE INTO queued VALUES (?)", (query_id,))
 
     def queued(self) -> set[str]:
@@ -111,7 +105,7 @@ class AnswerBook:
 
     def note_reported(self, query_id: str) -> None:
         """Notes that the queue was told of an answer given on the device (it is not told again)."""
-        with self._lock:
+        with self._lock, transaction(self._conn):
             self._conn.execute("INSERT OR IGNORE INTO reported VALUES (?)", (query_id,))
 
     def reported(self) -> set[str]:
