@@ -128,6 +128,8 @@ def _migrate(connection: sqlite3.Connection, schema: Schema, version: int, path:
     with transaction(connection):
         if schema_version(connection) >= version:
             return
+        upgraded = connection.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0] > 0
         step.apply(connection)
         connection.execute(f"PRAGMA user_version = {version:d}")
-    log.info("store migrated store=%s version=%d step=%r path=%s", schema.store, version, step.name, path)
+    level = logging.INFO if upgraded else logging.DEBUG  # a new store's first steps are its creation, said quietly
+    log.log(level, "store migrated store=%s version=%d step=%r path=%s", schema.store, version, step.name, path)

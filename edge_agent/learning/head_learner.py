@@ -17,10 +17,20 @@ from edge_agent.learning.dp_sgd import LEDGER_FILE, PrivateSteps
 from edge_agent.learning.head_training import HeadSettings, SgdSteps, train_classifier
 from edge_agent.learning.learner import Learner, bundle_scorer
 from edge_agent.learning.local_data import LocalData
-from edge_agent.learning.local_rules import CLASSIFIER_ONLY, DpSgd, RuleBodies, SupervisedRule, make_local_rule
+from edge_agent.learning.local_rules import (
+    CLASSIFIER_ONLY,
+    ClassStatistics,
+    DpSgd,
+    RuleBodies,
+    SupervisedRule,
+    make_local_rule,
+)
 from edge_agent.learning.ort_scorer import penultimate_features
 from protocol import messages
+from protocol.head_statistics import HeadStatistics, calibration_sums
+from protocol.model_spec import ModelSpec
 from protocol.tensors import Weights
+from protocol.trained_set import trained_set
 
 
 @dataclass(frozen=True)
@@ -69,10 +79,15 @@ class HeadLearner(Learner):
         self.bundle = bundle
         self._weights = dict(global_weights)
         self.prefix = device_prefix(settings, state_dir, global_weights, bundle)
+        self.statistics: Weights | None = None
 
     def weights(self) -> Weights:
         """The global weights with this round's classifier."""
         return dict(self._weights)
+
+    def update(self, spec: ModelSpec) -> Weights:
+        """The class-statistics rule's statistics when it ran this round, else the spec's trained set of weights()."""
+        return self.statistics if self.statistics is not None else trained_set(spec, self.weights())
 
     def probabilities(self, bundle: Bundle | None, samples: Samples, passes: int, seed: int) -> np.ndarray:
         """MC-dropout outputs under the bundle's graphs as shipped: the tail alone over cached prefix outputs when
@@ -92,6 +107,8 @@ class HeadLearner(Learner):
         assert head is not None  # checked in the constructor
         weight = self._weights[head.weight]
         rule = make_local_rule(recipe.local_rule)
+        if isinstance(rule, ClassStatistics):
+            return self.summarise(data, weight, self._weights[head.bias])
         problem = HEAD_BODIES.body(rule)(rule, data, recipe, seed, len(weight))
         features = self.penultimate(problem.rows)
         options = HeadSettings(
@@ -110,6 +127,18 @@ class HeadLearner(Learner):
         self._weights[head.weight], self._weights[head.bias] = weight, bias
         spent = problem.steps.spent(len(problem.rows), options)
         return {"train_loss": loss, "train_samples": float(len(problem.rows)), **spent}
+
+    def summarise(self, data: LocalData, weight: np.ndarray, bias: np.ndarray) -> dict[str, float]:
+        """The class-statistics rule: the statistics of every human label (never a weak label), with the calibration
+        sums of this acquisition's new labels under the round's head (held out from it: they were chosen with it)."""
+        if len(data.labelled_labels) == 0:
+            raise ValueError("class-statistics needs at least one human label, and this device holds none")
+        new = self.penultimate(data.new_images).astype(np.float64) if len(data.new_labels) else None
+        calibration = None if new is None else calibration_sums(new @ weight.T + bias, data.new_labels)
+        features = self.penultimate(data.labelled_images)
+        statistics = HeadStatistics.of_labels(features, data.labelled_labels, len(weight), calibration)
+        self.statistics = statistics.tensors()
+        return {"train_samples": float(len(data.labelled_labels))}
 
     def features(self, samples: Samples) -> np.ndarray:
         """Penultimate features of the samples under the bundle's graphs as shipped (what scores the pool)."""
