@@ -47,7 +47,9 @@ def aulc_gain(runs: list[dict[str, Any]], sampler: str, baseline: str) -> dict[s
     """The paired 90% t-interval of sampler's AULC minus baseline's (points), over the seeds both ran."""
     federated = keyed(runs, "federated")
     seeds = sorted(seed for name, seed in federated if name == sampler and (baseline, seed) in federated)
-    gains = [100 * (np.mean(federated[sampler, s]["accuracy"]) - np.mean(federated[baseline, s]["accuracy"])) for s in seeds]
+    gains = [
+        100 * (np.mean(federated[sampler, s]["accuracy"]) - np.mean(federated[baseline, s]["accuracy"])) for s in seeds
+    ]
     return t_interval(gains)
 
 

@@ -139,7 +139,8 @@ class Coordinator:
                 break
             global_weights, result = self.run_round(round_id, global_weights)
             on_round(result)
-        self.parts.publisher.announce_final(last, weights_hash(global_weights), self.rules.recipe)
+        shares = label_shares(self.parts.closer.store)
+        self.parts.publisher.announce_final(last, weights_hash(global_weights), self.rules.recipe, shares)
         return global_weights
 
     def run_round(self, round_id: int, global_weights: Weights) -> tuple[Weights, RoundResult]:

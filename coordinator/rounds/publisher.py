@@ -132,11 +132,15 @@ class RetainedPublisher:
             )
         )
 
-    def announce_final(self, round_id: int, model_hash: str, recipe: messages.Recipe) -> None:
-        """Retains the final announcement: the run is over, devices may stop."""
+    def announce_final(
+        self, round_id: int, model_hash: str, recipe: messages.Recipe, label_shares: list[float] | None = None
+    ) -> None:
+        """Retains the final announcement: the run is over, devices may stop (those that go on serving keep the
+        fleet's last label shares)."""
         spec = spec_hash(self.artefacts.spec)
+        shares = list(label_shares or [])
         self._announce(
-            messages.RoundAnnouncement(self.run_id, round_id, model_hash, recipe, time.time(), True, [], spec)
+            messages.RoundAnnouncement(self.run_id, round_id, model_hash, recipe, time.time(), True, [], spec, shares)
         )
 
     def _announce(self, announcement: messages.RoundAnnouncement) -> None:

@@ -267,6 +267,8 @@ class Agent:
     def on_announcement(self, announcement: messages.RoundAnnouncement) -> bool:
         """Remembers the newest unfinished round and the fleet's label shares (which the predictions it serves are
         adapted against) and asks for its model; True on the final announcement."""
+        if announcement.label_shares:
+            self.data.set_state(LABEL_SHARES_KEY, announcement.label_shares)
         if announcement.final:
             log.info("run finished run=%s round=%d", announcement.run_id, announcement.round_id)
             return self.settings.exit_on_final
@@ -274,8 +276,6 @@ class Agent:
             log.debug("ignoring finished round %d", announcement.round_id)
             return False
         self._pending, self._recipe = announcement, announcement.recipe
-        if announcement.label_shares:
-            self.data.set_state(LABEL_SHARES_KEY, announcement.label_shares)
         self.artefacts.follow_round(announcement, self.settings.scores_with_onnxruntime)
         self.secure.on_announcement(announcement)
         return False
