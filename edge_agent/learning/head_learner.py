@@ -36,12 +36,14 @@ from protocol.trained_set import trained_set
 @dataclass(frozen=True)
 class Problem:
     """What a rule has the classifier train on: rows, their labels, a fixed logit bias (or None), and how the SGD
-    steps are taken (plain, or DP-SGD's)."""
+    steps are taken (plain, or DP-SGD's); or, with `held_out` (rows and labels the round's head did not see), that
+    the rows are summed into head statistics and nothing trains."""
 
     rows: np.ndarray
     labels: np.ndarray
     logit_bias: np.ndarray | None = None
     steps: SgdSteps = field(default_factory=SgdSteps)
+    held_out: tuple[np.ndarray, np.ndarray] | None = None
 
 
 HeadBody = Callable[[Any, LocalData, messages.Recipe, int, int], Problem]
@@ -107,9 +109,9 @@ class HeadLearner(Learner):
         assert head is not None  # checked in the constructor
         weight = self._weights[head.weight]
         rule = make_local_rule(recipe.local_rule)
-        if isinstance(rule, ClassStatistics):
-            return self.summarise(data, weight, self._weights[head.bias])
         problem = HEAD_BODIES.body(rule)(rule, data, recipe, seed, len(weight))
+        if problem.held_out is not None:
+            return self.summarise(problem, problem.held_out, weight, self._weights[head.bias])
         features = self.penultimate(problem.rows)
         options = HeadSettings(
             recipe.epochs,
@@ -128,17 +130,19 @@ class HeadLearner(Learner):
         spent = problem.steps.spent(len(problem.rows), options)
         return {"train_loss": loss, "train_samples": float(len(problem.rows)), **spent}
 
-    def summarise(self, data: LocalData, weight: np.ndarray, bias: np.ndarray) -> dict[str, float]:
-        """The class-statistics rule: the statistics of every human label (never a weak label), with the calibration
-        sums of this acquisition's new labels under the round's head (held out from it: they were chosen with it)."""
-        if len(data.labelled_labels) == 0:
+    def summarise(
+        self, problem: Problem, held_out: tuple[np.ndarray, np.ndarray], weight: np.ndarray, bias: np.ndarray
+    ) -> dict[str, float]:
+        """The problem's rows summed into head statistics, with the calibration sums of the held-out rows under the
+        round's head (the update then carries them: `update`)."""
+        if len(problem.labels) == 0:
             raise ValueError("class-statistics needs at least one human label, and this device holds none")
-        new = self.penultimate(data.new_images).astype(np.float64) if len(data.new_labels) else None
-        calibration = None if new is None else calibration_sums(new @ weight.T + bias, data.new_labels)
-        features = self.penultimate(data.labelled_images)
-        statistics = HeadStatistics.of_labels(features, data.labelled_labels, len(weight), calibration)
-        self.statistics = statistics.tensors()
-        return {"train_samples": float(len(data.labelled_labels))}
+        rows, labels = held_out
+        logits = self.penultimate(rows).astype(np.float64) @ weight.T + bias if len(labels) else None
+        calibration = None if logits is None else calibration_sums(logits, labels)
+        features = self.penultimate(problem.rows)
+        self.statistics = HeadStatistics.of_labels(features, problem.labels, len(weight), calibration).tensors()
+        return {"train_samples": float(len(problem.labels))}
 
     def features(self, samples: Samples) -> np.ndarray:
         """Penultimate features of the samples under the bundle's graphs as shipped (what scores the pool)."""
@@ -166,6 +170,15 @@ def supervised_problem(
     """What the classifier trains on under a supervised rule: its training set and its logit bias (or None)."""
     images, labels = rule.training_set(data, recipe, seed)
     return Problem(images, labels, rule.logit_bias(labels, num_classes, recipe))
+
+
+@HEAD_BODIES.attach(ClassStatistics)
+def statistics_problem(
+    rule: ClassStatistics, data: LocalData, recipe: messages.Recipe, seed: int, num_classes: int
+) -> Problem:
+    """class-statistics: every human label (never a weak one) to be summed, no training; this acquisition's new
+    labels held out to calibrate the head they were chosen with."""
+    return Problem(data.labelled_images, data.labelled_labels, held_out=(data.new_images, data.new_labels))
 
 
 @HEAD_BODIES.attach(DpSgd)
