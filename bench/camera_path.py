@@ -89,6 +89,7 @@ class CameraSite:
     rounds: int
     labels: int
     coordinator_flags: tuple[str, ...] = ()
+    coordinator_values: tuple[tuple[str, str | None], ...] = ()  # the guide's flags given other values (None: left out)
     agent_flags: tuple[str, ...] = field(default=("--settle-seconds", "0", "--scan-interval", "0.5"))
     profile: Path | None = PROFILE  # None: no board profile (a from-scratch model's devices train it all in torch)
     central: CentralLabelling | None = None  # None: each device's person answers at its folder oracle
@@ -117,6 +118,7 @@ class CameraSite:
             **{"--run-dir": str(self.run_dir), "--broker-listen": f"127.0.0.1:{self.port}"},
             **{"--wait-devices": count, "--min-devices": count, "--rounds": str(self.rounds)},
             "--labels-per-acquisition": str(self.labels),
+            **dict(self.coordinator_values),
         }
         loop = () if self.central is None else self.central.coordinator_flags()
         return [*with_values(guide_command("coordinator"), values), *self.coordinator_flags, *loop]

@@ -77,6 +77,7 @@ from curves import sampler_and_options, summarise
 
 from bench.camera_scenes import parse_classes
 from coordinator.strategies.aggregate import ClientUpdate
+from coordinator.strategies.pooled_head import PooledHead
 from coordinator.strategies.registry import make_strategy
 from edge_agent.learning.batch_samplers import PhasedSampler, TypicalitySampler
 from edge_agent.learning.batch_selection import level_quotas
@@ -87,11 +88,14 @@ from edge_agent.learning.local_rules import KeptLabels
 from edge_agent.learning.mc_scorer import DropoutSpec, mc_probabilities
 from edge_agent.learning.ort_scorer import DEFAULT_BATCH, TAIL_ROWS
 from edge_agent.learning.pretrained_backbone import initial_model
+from edge_agent.learning.prior_shift import prior_weights, reweighted
 from edge_agent.learning.sampling import make_sampler
 from protocol import messages
+from protocol.head_statistics import HeadStatistics, calibration_sums
 
 CAMERA_DEFAULT = DEFAULT
 FLEET_LEVEL = "fleet:"  # a spelling's prefix: its sampler reads the fleet's class counts (what the coordinator sees)
+POOLED = "pooled:"  # a spelling's prefix: the devices send class statistics and pooled-head fits the classifier
 SAMPLERS = ("random", "margin", CAMERA_DEFAULT, "typical-then-margin", "typiclust", "balanced-margin", "power-margin")
 HEAD = ("classifier_fc.weight", "classifier_fc.bias")
 RECIPE = messages.Recipe()
@@ -157,6 +161,50 @@ class Head:
     def weights(self) -> dict[str, np.ndarray]:
         """As an update carries them."""
         return dict(zip(HEAD, (self.weight, self.bias)))
+
+    def posteriors(self, features: np.ndarray) -> np.ndarray:
+        """Softmax probabilities with dropout off (what a device serves before its prior is adapted)."""
+        return softmax(features.astype(np.float64) @ self.weight.T + self.bias)
+
+
+def mix_accuracy(predicted: np.ndarray, truth: np.ndarray, mix: np.ndarray) -> float:
+    """Accuracy on a test set dealt like a pool of class mix `mix`: the per-class recall on the (balanced) test set,
+    weighted by the mix (the expected accuracy of a test split drawn with the pool's class shares)."""
+    classes = len(mix)
+    right = np.bincount(truth[predicted == truth], minlength=classes) / np.maximum(
+        np.bincount(truth, minlength=classes), 1
+    )
+    return float(np.sum(right * mix))
+
+
+def saerens_em(posteriors: np.ndarray, iterations: int = 200) -> np.ndarray:
+    """The class weights of a pool by plain EM over the head's posteriors (Saerens, Latinne and Decaestecker 2002;
+    the head fitted for equal priors): the estimate the issue names, measured beside the device's rule."""
+    prior = np.full(posteriors.shape[1], 1.0 / posteriors.shape[1])
+    for _ in range(iterations):
+        following = np.mean(reweighted(posteriors, prior), axis=0)
+        if np.max(np.abs(following - prior)) < 1e-6:
+            break
+        prior = following
+    return prior * len(prior)
+
+
+def served_accuracies(devices: list[Device], head: Head, test: tuple[np.ndarray, np.ndarray]) -> dict[str, float]:
+    """Each device's accuracy on test images dealt like its pool (mix_accuracy), the mean over devices: of the global
+    head, of the head its device serves (prior_shift: its labels against the fleet's), and of the head re-weighed by
+    plain EM over its pool's posteriors."""
+    test_posteriors = head.posteriors(test[0])
+    counts = [np.bincount(device.truth[device.labelled], minlength=head.classes) for device in devices]
+    fleet = np.sum(counts, axis=0)
+    found: dict[str, list[float]] = {"global": [], "served": [], "em": []}
+    for device, own in zip(devices, counts):
+        mix = np.bincount(device.truth, minlength=head.classes) / len(device.truth)
+        found["global"].append(mix_accuracy(np.argmax(test_posteriors, 1), test[1], mix))
+        served = reweighted(test_posteriors, prior_weights(own, fleet))
+        found["served"].append(mix_accuracy(np.argmax(served, 1), test[1], mix))
+        em = reweighted(test_posteriors, saerens_em(head.posteriors(device.features[device.pool()])))
+        found["em"].append(mix_accuracy(np.argmax(em, 1), test[1], mix))
+    return {name: round(float(np.mean(values)), 4) for name, values in found.items()}
 
 
 def no_logits() -> np.ndarray:
@@ -299,6 +347,30 @@ def federated_round(devices: list[Device], sampler: str, head: Head, args: argpa
     return Head(*(weights[name] for name in HEAD))
 
 
+def pooled_round(
+    devices: list[Device], sampler: str, head: Head, args: argparse.Namespace, step: int, fit: PooledHead
+) -> Head:
+    """Every device acquires, then sends its labels' class statistics (the class-statistics rule) with the calibration
+    sums of this round's new labels under the global head; pooled-head fits the classifier from their mean weighted
+    by label count, as the round aggregator's FedAvg gives it."""
+    updates = []
+    fleet = np.sum([np.bincount(d.truth[d.labelled], minlength=head.classes) for d in devices], axis=0)
+    for number, device in enumerate(devices):
+        held = len(device.labelled)
+        acquire(device, sampler, head, args.labels, args.passes, step + number, fleet)
+        new = device.labelled[held:]
+        calibration = calibration_sums(
+            device.features[new].astype(np.float64) @ head.weight.T + head.bias, device.truth[new]
+        )
+        statistics = HeadStatistics.of_labels(
+            device.features[device.labelled], device.truth[device.labelled], head.classes, calibration
+        )
+        updates.append(ClientUpdate(f"cam-{number}", statistics.tensors(), float(len(device.labelled))))
+    mean, _ = make_strategy("fedavg").aggregate({}, updates, None)
+    fitted, _ = fit.fitted(mean, head.weights())
+    return Head(*(fitted[name] for name in HEAD))
+
+
 def pooled(devices: list[Device]) -> tuple[np.ndarray, np.ndarray]:
     """Every device's human-labelled features and labels together (what a central learner would hold)."""
     return (
@@ -319,9 +391,15 @@ def run(fleet: dict[str, np.ndarray], sampler: str, seed: int, args: argparse.Na
     test = test_set(fleet, args.devices)
     classifier = initial_model(lite0_spec(args.size, args.classes), seed).classifier()
     head = Head(classifier.weight.detach().numpy(), classifier.bias.detach().numpy())
-    labels, federated, central = [], [], []
+    labels, federated, central, served = [], [], [], []
+    fit = PooledHead()
     for round_id in range(1, args.rounds + 1):
-        head = federated_round(devices, sampler, head, args, (seed * 1000 + round_id) * 100)
+        step = (seed * 1000 + round_id) * 100
+        if sampler.startswith(POOLED):
+            head = pooled_round(devices, sampler.removeprefix(POOLED), head, args, step, fit)
+        else:
+            head = federated_round(devices, sampler, head, args, step)
+        served.append(served_accuracies(devices, head, test))
         features, truth = pooled(devices)
         labels.append(len(truth))
         federated.append(round(head.accuracy(*test), 4))
@@ -333,7 +411,7 @@ def run(fleet: dict[str, np.ndarray], sampler: str, seed: int, args: argparse.Na
     fast = {"weak_label_accuracy": round(float(np.mean(weak)), 4)} if weak else {}
     recall = {"final_class_recall": head.class_recall(*test)}
     return [
-        {**base, **fast, **recall, "partition": "federated", "accuracy": federated},
+        {**base, **fast, **recall, "partition": "federated", "accuracy": federated, "served": served},
         {**base, "partition": "centralised", "accuracy": central},
     ]
 
@@ -428,7 +506,7 @@ def parse_args() -> argparse.Namespace:
     args.rule_recipe = messages.Recipe(options={"logit_adjustment": args.logit_adjustment})
     for spelling in (spelling for spelling in args.samplers if spelling != ORACLE):
         try:
-            recipe_options(spelling.removeprefix(FLEET_LEVEL), args.labels)
+            recipe_options(spelling.removeprefix(POOLED).removeprefix(FLEET_LEVEL), args.labels)
         except (KeyError, ValueError) as error:
             parser.error(f"--samplers {spelling[:60]!r}: {str(error)[:200]}")
     return args

@@ -14,7 +14,7 @@ from edge_agent.learning.models import build_model, get_weights, weight_spec
 from edge_agent.learning.pretrained_backbone import initial_model
 from export.bundle_writer import Int8Data, write_bundle
 from export.graph_names import DEFAULT_OPSET
-from protocol.commands import reported
+from protocol.commands import add_version, reported
 from protocol.errors import UsageError
 from protocol.files import load_arrays
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec, load_model_spec
@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fl-export", description="Export a model as an ONNX bundle that keeps MC dropout (explicit mask inputs)."
     )
+    add_version(parser)
     parser.add_argument(
         "--weights",
         type=Path,

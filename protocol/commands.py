@@ -10,6 +10,7 @@ from typing import Protocol, cast
 
 from protocol.errors import UsageError
 from protocol.logs import configure_logging
+from protocol.release import VERSION
 from protocol.shutdown import Terminated, raise_on_sigterm
 
 
@@ -45,8 +46,10 @@ class CommandLine:
     commands: tuple[Command, ...]
 
     def parser(self, chosen: str | None) -> argparse.ArgumentParser:
-        """Every command listed; only the chosen one's module loaded and its arguments added."""
+        """Every command listed (and `--version`, the release); only the chosen one's module loaded and its arguments
+        added."""
         parser = argparse.ArgumentParser(prog=self.prog, description=self.description)
+        add_version(parser)
         subparsers = parser.add_subparsers(dest="command", required=True)
         for command in self.commands:
             sub = subparsers.add_parser(command.name, help=command.help)
@@ -66,6 +69,12 @@ class CommandLine:
         if chosen.sigterm_exit is not None:
             raise_on_sigterm()
         return reported(self.prog, lambda: chosen.load().run(args), chosen.sigterm_exit or 0)
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    """`--version`: prints the program and the release (protocol.release) and exits, so an operator can tell which
+    release a board or a server runs before and after an upgrade."""
+    parser.add_argument("--version", action="version", version=f"%(prog)s {VERSION}")
 
 
 def reported(prog: str, action: Callable[[], int], sigterm_exit: int = 0) -> int:

@@ -210,7 +210,9 @@ class Recipe:
 
 @dataclass(frozen=True)
 class RoundAnnouncement:
-    """Published retained on the round topic: the current round, its base model and recipe."""
+    """Published retained on the round topic: the current round, its base model and recipe, and the fleet's human
+    labels per class as shares (empty: unknown), which a device weighs its own labels against to adapt the head it
+    serves to its class mix (edge_agent.learning.prior_shift)."""
 
     KIND: ClassVar[str] = "round"
     run_id: str
@@ -221,6 +223,7 @@ class RoundAnnouncement:
     final: bool = False
     participants: list[str] = field(default_factory=list)
     spec_hash: str = ""
+    label_shares: list[float] = field(default_factory=list, metadata=OMITTED_AT_DEFAULT)
 
 
 @dataclass(frozen=True)

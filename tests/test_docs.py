@@ -14,8 +14,10 @@ from protocol.messages import RejectionKind
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+CHANGELOG = ROOT / "CHANGELOG.md"
+SITE_PAGES_OF_ROOT = {"README.md": "index.md", "CHANGELOG.md": "changelog.md"}  # docs/hooks/home_page.py's ROOT_PAGES
 PAGES = sorted((ROOT / "docs").rglob("*.md"))
-DOCS = [README, *PAGES, *sorted((ROOT / "examples").glob("*.md"))]
+DOCS = [README, CHANGELOG, *PAGES, *sorted((ROOT / "examples").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 CITED_FILE = re.compile(
     r"`((?:docs|examples|benchmarks|tests|protocol|edge_agent|coordinator|export|bench|firmware_configs)/[\w./-]+\.(?:md|py|toml|sh))`"
@@ -44,12 +46,13 @@ def test_every_relative_link_and_cited_file_resolves() -> None:
 
 
 def test_the_readme_is_a_front_page_whose_links_stay_in_the_site() -> None:
-    """Under 250 lines, and every relative link goes into docs/ (the site's home page, docs/hooks/home_page.py's
-    index.md, rewrites exactly those)."""
+    """Under 250 lines, and every relative link goes into docs/ or to the CHANGELOG (the site's home page,
+    docs/hooks/home_page.py's index.md, rewrites exactly those)."""
     text = README.read_text()
     assert len(text.splitlines()) < README_MOST_LINES
     relative = [target for target in LINK.findall(text) if not re.match(r"[a-z]+://", target)]
-    assert relative and [target for target in relative if not target.startswith("docs/")] == []
+    outside = [target for target in relative if not target.startswith("docs/") and target not in SITE_PAGES_OF_ROOT]
+    assert relative and outside == []
 
 
 def nav_pages(entries: list) -> list[str]:
@@ -62,10 +65,11 @@ def nav_pages(entries: list) -> list[str]:
 
 
 def test_every_docs_page_is_in_the_nav() -> None:
-    """The nav names each page once (and the home page, the README): no page is an orphan, none is listed twice."""
+    """The nav names each page once (and the README's and the CHANGELOG's pages): no page is an orphan, none is
+    listed twice."""
     config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=yaml.SafeLoader)
     listed = nav_pages(config["nav"])
-    on_disk = ["index.md", *(str(path.relative_to(ROOT / "docs")) for path in PAGES)]
+    on_disk = [*SITE_PAGES_OF_ROOT.values(), *(str(path.relative_to(ROOT / "docs")) for path in PAGES)]
     assert sorted(listed) == sorted(on_disk)
 
 
@@ -84,6 +88,11 @@ def test_the_site_builds_in_strict_mode(tmp_path: Path) -> None:
     assert 'href="camera.html"' in home and 'href="docs/' not in home
     guide = (tmp_path / "site" / "camera.html").read_text()
     assert 'href="index.html#the-camera-path-in-ten-lines"' in guide and "README.md" not in guide
+    changelog = (tmp_path / "site" / "changelog.html").read_text()
+    assert 'href="deployment.html#upgrading-to-a-new-release"' in changelog and 'href="docs/' not in changelog
+    upgrading = (tmp_path / "site" / "deployment.html").read_text()
+    assert 'href="changelog.html"' in upgrading and "CHANGELOG.md" not in upgrading
+    assert 'href="changelog.html"' in home
 
 
 def test_the_protocol_page_names_every_rejection_kind() -> None:

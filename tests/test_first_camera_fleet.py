@@ -1,11 +1,13 @@
 # The guide docs/first-camera-fleet.md run as written (and with the field loop's flags) on a generated fleet.
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bench.camera_console import logged_predictions
@@ -108,3 +110,43 @@ def test_the_field_loop_labels_through_the_page_and_serves_a_version(tmp_path: P
         assert {row["serving_version"] for row in rows} <= {0, *range(1, ROUNDS + 1)}
     published = {row["device_id"]: (row["predictions"] or {}).get("total", 0) for row in people.devices}
     assert published == {f"cam-{n}": settings.per_class * len(settings.classes) for n in range(devices)}
+
+
+def pooled_site(tmp_path: Path, fleet_dir: Path, flags: tuple[str, ...]) -> CameraSite:
+    """The guide's site with the pooled head (its kept-labels option left out) and `flags`, one round to the end."""
+    pooled = ("--strategy", "pooled-head", "--local-rule", "class-statistics", *flags)
+    unused = (("--logit-adjustment", None),)  # an option of kept-labels, the rule class-statistics replaces
+    site = CameraSite(fleet_dir, tmp_path, free_loopback_port(), 2, 1, 6, pooled, unused)
+    codes = run_camera_site(site, timeout=300)
+    out = (tmp_path / "coordinator.out").read_text()
+    assert codes == [0, 0, 0], out + (tmp_path / "coordinator.log").read_text()[-3000:]
+    return site
+
+
+@pytest.mark.integration
+def test_a_fleet_fits_its_head_from_class_statistics_plainly_and_securely_alike(
+    tmp_path: Path, fashion: ImageDataset
+) -> None:
+    fleet_dir = tmp_path / "fleet"
+    build_fleet(
+        fleet_dir, FleetSettings(2, parse_classes(CLASSES), per_class=8, test_per_class=6, size=64, seed=3), fashion
+    )
+    plain = pooled_site(tmp_path / "plain", fleet_dir, ())
+    secure = pooled_site(
+        tmp_path / "secure", fleet_dir, ("--secure-aggregation", "secagg", "--secagg-open-fleet-unsafe")
+    )
+    heads = []
+    for site in (plain, secure):
+        with RunStore(site.run_dir, read_only=True) as store:
+            rounds, records = store.rounds(), [record for record in store.device_rounds() if record.accepted]
+            heads.append({name: array for name, array in store.checkpoints.load(1).items() if "classifier" in name})
+        assert [record.round_id for record in rounds] == [1]
+        assert all(record.report["classes_seen"] >= 2 for record in rounds)
+        assert all(record.update_bytes == 0 for record in records) == (site is secure), "secure: no plain update"
+        shares = rounds[0].report["class_shares"]
+        assert len(shares) == 5 and abs(sum(shares) - 1.0) < 1e-4, shares
+        journal = json.loads((site.state_dir(0) / "state.json").read_text())
+        assert journal["fleet_label_shares"] == pytest.approx(shares, abs=1e-6), "the final announcement carried them"
+    for name, array in heads[0].items():
+        scale = float(np.max(np.abs(array)))
+        assert float(np.max(np.abs(heads[1][name] - array))) <= 1e-3 * scale, f"{name}: the secure sum's fit differs"

@@ -1,4 +1,4 @@
-# Packaging for devices: the '.[agent]' extra has no torch, and `edge-agent score` runs with torch unimportable.
+# Packaging: the '.[agent]' extra has no torch, `edge-agent score` runs with torch unimportable, and one release number.
 from __future__ import annotations
 
 import json
@@ -7,11 +7,17 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 from fleet import WITHOUT_TORCH
 
+from bench.cli import main as bench_main
+from coordinator.cli import main as coordinator_main
+from edge_agent.cli import main as edge_agent_main
 from edge_agent.data.fashion_mnist import DEFAULT_DATA_DIR
 from edge_agent.learning.models import build_model, get_weights
 from export.bundle_writer import ensure_bundle_files
+from export.cli import main as export_main
+from protocol.release import VERSION
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,3 +57,18 @@ def test_edge_agent_score_runs_with_torch_unimportable(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
     assert result["backend"] == "onnxruntime" and result["images"] == 300 and len(set(result["indices"])) == 7
+
+
+@pytest.mark.parametrize("main", [edge_agent_main, coordinator_main, bench_main, export_main])
+def test_every_command_prints_the_release(main, capsys) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.split()[1] == VERSION
+
+
+def test_the_release_is_written_once_and_the_changelog_says_what_to_do_for_it() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and project["project"]["dynamic"] == ["version"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "protocol.release.VERSION"}
+    releases = [line[3:] for line in (ROOT / "CHANGELOG.md").read_text().splitlines() if line.startswith("## ")]
+    assert releases[0] == VERSION and releases[-1] == "0.1.0"

@@ -238,8 +238,9 @@ def test_the_serving_model_stays_retained_while_the_latest_moves_on() -> None:
 
 def test_a_store_from_before_serving_versions_reads_and_catches_up(tmp_path: Path) -> None:
     filled_run(tmp_path)
-    with sqlite3.connect(tmp_path / "run.sqlite") as connection:
+    with sqlite3.connect(tmp_path / "run.sqlite") as connection:  # as an unversioned store of release 0.1.0 was
         connection.execute("DROP TABLE serving")
+        connection.execute("PRAGMA user_version = 0")
     with RunStore(tmp_path, read_only=True) as store:  # a report of an old run: nothing to create, nothing served
         assert store.serving.events() == [] and store.revision()[3] is None
     assert run_view(load_snapshot(tmp_path), None)["serving"]["version"] == 0

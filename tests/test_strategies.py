@@ -226,14 +226,14 @@ def test_duplicate_devices_are_rejected() -> None:
 def test_registry_names_and_unknown_name() -> None:
     assert sorted(STRATEGIES) == [
         *("avefl", "cadis", "fedadagrad", "fedadam", "fedavg", "fedavgm", "fedyogi", "fmlu"),
-        *("median", "mixfl", "optfl", "trimmed-mean"),
+        *("median", "mixfl", "optfl", "pooled-head", "trimmed-mean"),
     ]
     assert all(isinstance(make_strategy(n), STRATEGIES[n]) and make_strategy(n).name == n for n in STRATEGIES)
     assert not AveFL.needs_evaluation and not FedAvg.needs_evaluation
     assert OptFL.needs_evaluation and MixFL.needs_evaluation
     with pytest.raises(
         ValueError,
-        match="'krum'; known: avefl, cadis, fedadagrad, fedadam, fedavg, fedavgm, fedyogi, fmlu, median, mixfl, optfl, trimmed-mean$",
+        match="'krum'; known: avefl, cadis, fedadagrad, fedadam, fedavg, fedavgm, fedyogi, fmlu, median, mixfl, optfl, pooled-head, trimmed-mean$",
     ):
         make_strategy("krum")
     with pytest.raises(ValueError, match="'avefl' does not take option\\(s\\) \\['trim'\\]; it takes: no options"):

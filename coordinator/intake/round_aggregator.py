@@ -68,10 +68,12 @@ class RoundAggregator(ABC):
         max_share: float = 1.0,
         *,
         model: Weights | None = None,
+        head: Weights | None = None,
     ) -> None:
         self.strategy = strategy
         self.base = base
         self.model = base if model is None else model
+        self.head = base if head is None else head
         self.policy = policy
         self.max_share = max_share
         self.from_base: dict[str, dict[str, float]] = {}
@@ -82,7 +84,8 @@ class RoundAggregator(ABC):
         """Takes an accepted update; ValueError (nothing kept) when it cannot be aggregated."""
         check_magnitude(update.weights)
         self.keep(update)
-        self.from_base[update.device_id] = suspicion_divergence(update.weights, self.base)
+        if not self.strategy.statistics:
+            self.from_base[update.device_id] = suspicion_divergence(update.weights, self.base)
         self.claims[update.device_id] = (update.num_samples, update.devices)
 
     def clipped_samples(self) -> dict[str, float]:
@@ -108,11 +111,13 @@ class RoundAggregator(ABC):
         whole model once more (e.g. to score it) in device order."""
         suspects = suspects_by_divergence(dict(sorted(self.from_base.items())), self.policy)
         self.clipped = self.clipped_samples()
-        trained, report = self.combine(suspects, self.completing(evaluate))
+        aggregate, report = self.combine(suspects, self.completing(evaluate))
+        trained, fit = self.strategy.fitted(aggregate, self.head)
+        report = {**report, **fit}
         if self.clipped:
             report = {**report, "samples_clipped": {device: self.claims[device][0] for device in self.clipped}}
         divergence = {}
-        for update in self.models():
+        for update in [] if self.strategy.statistics else self.models():  # statistics are no model to measure
             divergence[update.device_id] = layer_divergence(update.weights, trained)
             if visit is not None:
                 visit(dataclasses.replace(update, weights=with_trained(self.model, update.weights)))
@@ -151,8 +156,9 @@ class BatchAggregator(RoundAggregator):
         max_share: float = 1.0,
         *,
         model: Weights | None = None,
+        head: Weights | None = None,
     ) -> None:
-        super().__init__(strategy, base, policy, max_share, model=model)
+        super().__init__(strategy, base, policy, max_share, model=model, head=head)
         self.updates: dict[str, ClientUpdate] = {}
 
     def keep(self, update: ClientUpdate) -> None:
@@ -189,8 +195,9 @@ class StreamingAggregator(RoundAggregator):
         max_share: float = 1.0,
         *,
         model: Weights | None = None,
+        head: Weights | None = None,
     ) -> None:
-        super().__init__(strategy, base, policy, max_share, model=model)
+        super().__init__(strategy, base, policy, max_share, model=model, head=head)
         self.streaming = strategy
         self.running = strategy.begin()
         self.scratch = scratch
@@ -228,11 +235,12 @@ def make_aggregator(
     max_share: float = 1.0,
     *,
     model: Weights | None = None,
+    head: Weights | None = None,
 ) -> RoundAggregator:
     """Streaming (keeping weights in `scratch`) when the strategy declares it folds updates as they arrive and no
     suspect is to be left out (that needs every update at the close), else batch; either caps one update's share
     of a sample-weighted round at max_share per device it sums, and aggregates the trained set `base` of the
-    round's whole `model`."""
+    round's whole `model` (`head`: that model's trained set, which a statistics strategy fits; None: `base`)."""
     if streams(strategy) and not policy.exclude:
-        return StreamingAggregator(strategy, base, policy, scratch, max_share, model=model)
-    return BatchAggregator(strategy, base, policy, max_share, model=model)
+        return StreamingAggregator(strategy, base, policy, scratch, max_share, model=model, head=head)
+    return BatchAggregator(strategy, base, policy, max_share, model=model, head=head)

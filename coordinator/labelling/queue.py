@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import sqlite3
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -19,6 +18,7 @@ from protocol import wire
 from protocol.errors import FalError
 from protocol.files import atomic_write_bytes
 from protocol.label_messages import DEFAULT_MAX_IMAGE_BYTES, NONE_OF_THESE, QUERY_MEDIA_TYPES, LabelQuery
+from protocol.sqlite_store import Schema, open_store, statements, transaction
 
 QUEUE_FOLDER = "labelling"
 DATABASE = "queue.sqlite"
@@ -37,6 +37,8 @@ SCHEMA = (
     "label INTEGER NOT NULL, voted_at REAL NOT NULL, PRIMARY KEY (device, query_id, person))",
     "CREATE TABLE IF NOT EXISTS skips (device TEXT NOT NULL, query_id TEXT NOT NULL, person TEXT NOT NULL, "
     "PRIMARY KEY (device, query_id, person))",
+)
+UNDO_AND_CORRECTIONS = (
     # a page's decided answer that is not sent yet, so its person may still undo it
     "CREATE TABLE IF NOT EXISTS held (device TEXT NOT NULL, query_id TEXT NOT NULL, person TEXT NOT NULL, "
     "until REAL NOT NULL, PRIMARY KEY (device, query_id))",
@@ -44,6 +46,13 @@ SCHEMA = (
     "CREATE TABLE IF NOT EXISTS corrections (device TEXT NOT NULL, query_id TEXT NOT NULL, label INTEGER NOT NULL, "
     "revision INTEGER NOT NULL, corrected_by TEXT NOT NULL, corrected_at REAL NOT NULL, delivered_at REAL, "
     "PRIMARY KEY (device, query_id))",
+)
+QUEUE_SCHEMA = Schema(
+    "label queue",
+    (
+        statements("the tables of release 0.1.0", *SCHEMA),
+        statements("answers held for an undo, and corrections (0.5.0)", *UNDO_AND_CORRECTIONS),
+    ),
 )
 QUERY_COLUMNS = (
     "device, query_id, media_type, image_bytes, guess, probability, uncertainty, score, asked_at, label, answered_by"
@@ -258,24 +267,14 @@ class LabelQueue:
         self.voters = voters
         self.undo_window = undo or UndoWindow()
         self._lock = threading.Lock()
-        self._conn = sqlite3.connect(self.folder / DATABASE, check_same_thread=False, isolation_level=None, timeout=30)
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=FULL")
-        for statement in SCHEMA:
-            self._conn.execute(statement)
+        self._conn = open_store(self.folder / DATABASE, QUEUE_SCHEMA)
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
         """One durable write transaction under the queue's lock: committed when the block ends, rolled back when it
         raises."""
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
+        with self._lock, transaction(self._conn):
+            yield
 
     def image_path(self, device: str, query_id: str, media_type: str) -> Path:
         """Where a query's image is kept."""
@@ -289,7 +288,7 @@ class LabelQueue:
         refusal = image_refusal(query.image, query.media_type, self.limits)
         if refusal is not None:
             return refusal
-        with self._lock:
+        with self._lock, transaction(self._conn):
             if self._one("SELECT COUNT(*) FROM queries WHERE device = ? AND query_id = ?", device, query.query_id):
                 return None
             if self._one("SELECT COUNT(*) FROM queries WHERE label IS NULL AND device = ?", device) >= (
@@ -544,7 +543,7 @@ class LabelQueue:
         """Notes that a person skipped a query (it is not shown to them again); AnswerError(404) if unknown."""
         if self.get(device, query_id) is None:
             raise AnswerError(404, f"no query {wire.shown(query_id)} of device {wire.shown(device)}")
-        with self._lock:
+        with self._lock, transaction(self._conn):
             self._conn.execute("INSERT OR IGNORE INTO skips VALUES (?, ?, ?)", (device, query_id, person))
 
     def answered_on_device(self, device: str, query_id: str, label: int, road: str) -> bool:
@@ -598,7 +597,7 @@ class LabelQueue:
 
     def delivered(self, device: str, query_id: str) -> bool:
         """Notes a device's receipt of an answer; False when there was no such undelivered answer."""
-        with self._lock:
+        with self._lock, transaction(self._conn):
             cursor = self._conn.execute(
                 "UPDATE queries SET delivered_at = ? WHERE device = ? AND query_id = ? AND label IS NOT NULL "
                 "AND delivered_at IS NULL",

@@ -59,8 +59,9 @@ class DpAggregator(StreamingAggregator):
         plan: DpPlan,
         *,
         model: Weights,
+        head: Weights | None = None,
     ) -> None:
-        super().__init__(strategy, base, policy, scratch, model=model)
+        super().__init__(strategy, base, policy, scratch, model=model, head=head)
         self.plan = plan
         self.within: dict[str, float] = {}
         self.reported = 0

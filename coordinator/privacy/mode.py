@@ -37,7 +37,9 @@ class PrivateMode(RoundMode):
         participants = self.privacy.participants(opening.online, rules.recipe.seed, opening.round_id)
         sampled = (len(opening.online), len(participants))
         base, scratch = opening.base, opening.scratch
-        aggregator = self.privacy.aggregator(strategy, base, rules.suspects, scratch, sampled, model=opening.model)
+        aggregator = self.privacy.aggregator(
+            strategy, base, rules.suspects, scratch, sampled, model=opening.model, head=opening.head
+        )
         return RoundPlan(aggregator, participants, self.privacy.round_recipe(rules.recipe))
 
     def committed(self, report: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ from coordinator.intake.scratch import TensorScratch
 from coordinator.privacy.dp_aggregator import DpAggregator, DpPlan
 from coordinator.storage.store import RunStore
 from coordinator.strategies.contract import Strategy, streams
+from coordinator.strategies.registry import STRATEGIES
 from protocol import messages
 from protocol.dp import DP_CENTRAL, DP_DEVICE, DP_OFF, DpRound
 from protocol.dp_accountant import SampledGaussian, epsilon_of
@@ -23,7 +24,8 @@ from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)
 
-DP_STRATEGY = "avefl"  # DP-FedAvg's uniform mean of clipped deltas; every other strategy is refused (docs say why)
+DP_STRATEGY = "avefl"  # DP-FedAvg's uniform mean of clipped deltas; besides statistics strategies (the uniform mean of
+# clipped statistics, then their fit), every other strategy is refused (docs say why)
 POISSON_STREAM = 0xD9  # the sampling draw's own stream of the run seed, apart from choose_participants'
 
 
@@ -45,10 +47,11 @@ def check_dp_settings(
             raise UsageError("--dp-epsilon-budget needs --dp central or --dp device")
         return
     where = f"--dp {recipe.dp}"
-    if strategy != DP_STRATEGY:
+    if strategy != DP_STRATEGY and not (strategy in STRATEGIES and STRATEGIES.get(strategy).statistics):
         raise UsageError(
             f"{where} cannot run with --strategy {strategy}: DP-FedAvg is the uniform mean of clipped deltas "
-            f"(--strategy {DP_STRATEGY}); a strategy that picks, weighs, ranks or steps on single updates breaks it"
+            f"(--strategy {DP_STRATEGY}, or pooled-head over clipped statistics); a strategy that picks, weighs, ranks "
+            "or steps on single updates breaks it"
         )
     if suspects.exclude:
         raise UsageError(f"{where} cannot run with --exclude-suspects: leaving one device out depends on the others")
@@ -136,6 +139,7 @@ class PrivateRounds:
         sampled: tuple[int, int],
         *,
         model: Weights,
+        head: Weights | None = None,
     ) -> DpAggregator:
         """The round's DP aggregator over the trained set `base` of the round's `model`: `sampled` = (online devices
         sampled at the run's rate, devices drawn)."""
@@ -151,7 +155,7 @@ class PrivateRounds:
         plan = DpPlan(
             self.recipe.dp, round_dp, expected, self.rate, self.recipe.dp_clip_lr, self.rng, self.epsilon_after, secure
         )
-        return DpAggregator(strategy, base, policy, scratch, plan, model=model)
+        return DpAggregator(strategy, base, policy, scratch, plan, model=model, head=head)
 
     def committed(self, report: dict[str, Any]) -> None:
         """Takes in a committed round's DP report: its event for the accountant, the next round's clip."""

@@ -15,6 +15,7 @@ from coordinator.rounds.evaluation import TestScores
 from coordinator.storage.store import SECURE_LABELS, DeviceRoundRecord, RoundRecord, RunStore, StrategyState
 from coordinator.strategies.aggregate import ClientUpdate
 from coordinator.strategies.contract import Strategy
+from coordinator.strategies.pooled_head import CLASS_SHARES
 from protocol.dp import DP_SGD_EPSILON_METRIC
 from protocol.tensors import Weights
 
@@ -43,6 +44,22 @@ class RoundEvaluator(Protocol):
 def latest_device_labels(store: RunStore) -> dict[str, int]:
     """Each device's oracle-label count as of its last accepted update, so a resumed run counts labels right."""
     return {record.device_id: record.acquired_labels for record in store.device_rounds() if record.accepted}
+
+
+def label_shares(store: RunStore) -> list[float]:
+    """The fleet's human labels per class as shares after the last committed round: the shares a statistics fit
+    reports (exact, and the only ones a secure round gives), else the devices' counts in that round's accepted
+    updates summed; [] before any round or without counts."""
+    rounds = store.rounds()
+    if not rounds:
+        return []
+    reported = rounds[-1].report.get(CLASS_SHARES)
+    if isinstance(reported, list):
+        return [float(share) for share in reported]
+    counts = [record.class_counts for record in store.device_rounds(rounds[-1].round_id) if record.accepted]
+    totals = [float(sum(column)) for column in zip(*(count for count in counts if count))]
+    total = sum(totals)
+    return [value / total for value in totals] if total > 0 else []
 
 
 def device_epsilons(collector: RoundCollector) -> dict[str, dict[str, float]]:

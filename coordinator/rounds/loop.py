@@ -12,7 +12,7 @@ from coordinator.intake.round_aggregator import RoundAggregator
 from coordinator.intake.scratch import TensorScratch
 from coordinator.intake.update_intake import RoundCollector, UpdateIntake
 from coordinator.intake.validation import Expectation, Rejection
-from coordinator.rounds.closing import RoundCloser, RoundTiming
+from coordinator.rounds.closing import RoundCloser, RoundTiming, label_shares
 from coordinator.rounds.mode import Opening, RoundMode, StagedRound
 from coordinator.rounds.presence import Presence
 from coordinator.rounds.publisher import RetainedPublisher
@@ -24,7 +24,7 @@ from protocol.messages import RejectionKind
 from protocol.mqtt import IncomingMessage, MqttSession
 from protocol.supervision import MessageGuard
 from protocol.tensors import Weights, spec_of, weights_hash
-from protocol.trained_set import trained_set
+from protocol.trained_set import trained_set, update_base
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +79,10 @@ def device_routes(
 
 def round_expectation(rules: RoundRules, strategy: Strategy, round_id: int, global_weights: Weights) -> Expectation:
     """What a valid update of this round looks like: the one place the expected layout is derived, as the tensors
-    the model spec trains (`trained_set`): what updates carry, validation checks and the round aggregates."""
+    the model spec trains or the class-statistics rule's statistics (`update_base`): what updates carry, validation
+    checks and the round aggregates."""
     authenticator = rules.authenticator
-    trained = trained_set(rules.spec, global_weights)
+    trained = update_base(rules.spec, global_weights, rules.recipe.local_rule)
     return Expectation(
         round_id,
         weights_hash(global_weights),
@@ -138,7 +139,8 @@ class Coordinator:
                 break
             global_weights, result = self.run_round(round_id, global_weights)
             on_round(result)
-        self.parts.publisher.announce_final(last, weights_hash(global_weights), self.rules.recipe)
+        shares = label_shares(self.parts.closer.store)
+        self.parts.publisher.announce_final(last, weights_hash(global_weights), self.rules.recipe, shares)
         return global_weights
 
     def run_round(self, round_id: int, global_weights: Weights) -> tuple[Weights, RoundResult]:
@@ -168,7 +170,8 @@ class Coordinator:
         expected = round_expectation(rules, strategy, round_id, global_weights)
         base_hash = expected.base_hash
         mode = self.parts.mode
-        plan = mode.plan(rules, strategy, Opening(round_id, expected.base, global_weights, scratch, online))
+        head = trained_set(rules.spec, global_weights)
+        plan = mode.plan(rules, strategy, Opening(round_id, expected.base, global_weights, scratch, online, head))
         collector = RoundCollector(expected, plan.aggregator.absorb)
         run_id, selected = self.parts.publisher.run_id, plan.participants or online
         staged = mode.staged(rules, run_id, round_id, global_weights, selected)
@@ -177,7 +180,8 @@ class Coordinator:
         self.parts.publisher.publish_model(global_weights, base_hash)
         self.parts.publisher.publish_encoder(rules.recipe.encoder)
         deadline = time.time() + rules.policy.round_timeout
-        self.parts.publisher.announce(round_id, base_hash, plan.recipe, deadline, plan.participants)
+        shares = label_shares(self.parts.closer.store)
+        self.parts.publisher.announce(round_id, base_hash, plan.recipe, deadline, plan.participants, shares)
         self.parts.observer.round_opened(round_id, self.needed(opened))
         return opened
 

@@ -44,14 +44,16 @@ class StagedRound(Protocol):
 
 @dataclass(frozen=True)
 class Opening:
-    """What the loop knows as a round opens: its id, the trained set `base` of the round's `model`, the scratch its
-    updates' weights wait in until it closes, and the devices online (sorted)."""
+    """What the loop knows as a round opens: its id, what its updates carry at no change (`base`: the trained set of
+    the round's `model`, or zero statistics), the scratch its updates' weights wait in until it closes, the devices
+    online (sorted) and the model's trained set (`head`, which a statistics strategy fits; None: `base` is it)."""
 
     round_id: int
     base: Weights
     model: Weights
     scratch: TensorScratch
     online: list[str]
+    head: Weights | None = None
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ class RoundMode:
         round_id = opening.round_id
         share = rules.max_sample_share if sample_bounds(rules, strategy, round_id)[1] is None else 1.0
         aggregator = make_aggregator(
-            strategy, opening.base, rules.suspects, opening.scratch, share, model=opening.model
+            strategy, opening.base, rules.suspects, opening.scratch, share, model=opening.model, head=opening.head
         )
         participants = choose_participants(opening.online, rules.policy.participation, rules.recipe.seed, round_id)
         return RoundPlan(aggregator, participants, rules.recipe)

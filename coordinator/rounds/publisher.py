@@ -114,19 +114,33 @@ class RetainedPublisher:
         self._retained[kind] = topic
 
     def announce(
-        self, round_id: int, model_hash: str, recipe: messages.Recipe, deadline: float, participants: list[str]
+        self,
+        round_id: int,
+        model_hash: str,
+        recipe: messages.Recipe,
+        deadline: float,
+        participants: list[str],
+        label_shares: list[float] | None = None,
     ) -> None:
-        """Retains the round announcement: round id, base model hash, recipe, deadline, participants, spec hash."""
+        """Retains the round announcement: round id, base model hash, recipe, deadline, participants, spec hash and the
+        fleet's label shares (None: unknown)."""
         spec = spec_hash(self.artefacts.spec)
+        shares = list(label_shares or [])
         self._announce(
-            messages.RoundAnnouncement(self.run_id, round_id, model_hash, recipe, deadline, False, participants, spec)
+            messages.RoundAnnouncement(
+                self.run_id, round_id, model_hash, recipe, deadline, False, participants, spec, shares
+            )
         )
 
-    def announce_final(self, round_id: int, model_hash: str, recipe: messages.Recipe) -> None:
-        """Retains the final announcement: the run is over, devices may stop."""
+    def announce_final(
+        self, round_id: int, model_hash: str, recipe: messages.Recipe, label_shares: list[float] | None = None
+    ) -> None:
+        """Retains the final announcement: the run is over, devices may stop (those that go on serving keep the
+        fleet's last label shares)."""
         spec = spec_hash(self.artefacts.spec)
+        shares = list(label_shares or [])
         self._announce(
-            messages.RoundAnnouncement(self.run_id, round_id, model_hash, recipe, time.time(), True, [], spec)
+            messages.RoundAnnouncement(self.run_id, round_id, model_hash, recipe, time.time(), True, [], spec, shares)
         )
 
     def _announce(self, announcement: messages.RoundAnnouncement) -> None:

@@ -47,12 +47,13 @@ from protocol.messages import (
     UnmaskResponse,
     ViewConfirmation,
 )
-from protocol.model_spec import ModelSpec, trainable_names
+from protocol.model_spec import ModelSpec
 from protocol.mqtt import MqttSession
 from protocol.secagg import keys
 from protocol.secagg.errors import SecAggAbandoned, SecAggRefusal
 from protocol.secagg.weighting import label_count, mask_layout, secure_mean
 from protocol.tensors import Weights
+from protocol.trained_set import update_base
 
 log = logging.getLogger(__name__)
 
@@ -273,10 +274,10 @@ class LiveSecureRound:
         survivors' summed weight and counts their new labels (a relay sends both upstream), and measures the
         aggregate's per-layer change (divergence's stand-in: no device's own update is seen)."""
         expectation, base = collector.expectation, collector.expectation.base
-        mean, self.weight = conclude(result, base, spec, self.server.state.clip, aggregator)
+        mean, self.weight = conclude(result, base, self.server.state.clip, aggregator)
         collector.accepted.update(survivor_records(result, expectation.round_id, expectation.base_hash))
         self.labels = label_count(result.total, self.server.fixed_point) if result is not None else 0
-        self.change = {name: relative_divergence(base[name], mean[name]) for name in trainable_names(spec, base)}
+        self.change = {name: relative_divergence(base[name], mean[name]) for name in base}
 
     def metrics(self) -> dict[str, Any]:
         """What the round's record says of the secure round (the dashboard shows it)."""
@@ -351,11 +352,12 @@ def start_secure(
     key advert's signature."""
     seed = hashlib.sha256(keys.round_context(run_id, round_id)).digest()
     settings = SecAggSettings(recipe.secagg_clip, 2, seed, recipe.secagg_dropout, dict(identities or {}))
-    return SecAggServer.start(run_id, round_id, selected, mask_layout(base, trainable_names(spec, base)), settings)
+    carried = update_base(spec, base, recipe.local_rule)
+    return SecAggServer.start(run_id, round_id, selected, mask_layout(carried, list(carried)), settings)
 
 
 def conclude(
-    result: SecAggResult | None, base: Weights, spec: ModelSpec, clip: float, aggregator: RoundAggregator
+    result: SecAggResult | None, base: Weights, clip: float, aggregator: RoundAggregator
 ) -> tuple[Weights, float]:
     """Gives the aggregator the round's one update, and returns it with the survivors' summed weight: their
     weighted mean (the summed weight as its samples), or the round's own model and no weight when the round was
@@ -363,7 +365,7 @@ def conclude(
     if result is None:
         aggregator.absorb(ClientUpdate(SECURE_SUM, base, 1.0))
         return base, 0.0
-    mean, weight_sum = secure_mean(result.total, base, trainable_names(spec, base), clip)
+    mean, weight_sum = secure_mean(result.total, base, list(base), clip)
     aggregator.absorb(ClientUpdate(SECURE_SUM, mean, weight_sum, {}, len(result.survivors)))
     return mean, weight_sum
 

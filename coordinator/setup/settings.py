@@ -12,9 +12,11 @@ from coordinator.privacy.rounds import DpSettings, check_dp_settings
 from coordinator.rounds.promotion import PromotionGate
 from coordinator.rounds.rules import RoundPolicy
 from coordinator.strategies.aggregate import DEFAULT_MAX_SAMPLE_SHARE
+from coordinator.strategies.registry import STRATEGIES
 from protocol import messages
 from protocol.errors import UsageError
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec
+from protocol.trained_set import STATISTICS_RULE
 
 
 @dataclass(frozen=True)
@@ -73,10 +75,27 @@ class ServerSettings:
         if self.asynchronous is not None:
             check_async_settings(self.strategy, self.suspects, self.policy.participation)
         check_sample_settings(self.seed_labels, self.max_sample_share)
+        check_statistics_settings(self.strategy, self.recipe.local_rule, self.spec.trainable, self.relays)
         if self.recipe.secure_aggregation != "off":
             from coordinator.secure.rounds import check_secure_settings  # cryptography: loaded by secure runs only
 
             check_secure_settings(self.strategy, self.recipe, self.suspects, self.asynchronous is not None)
+
+
+def check_statistics_settings(strategy: str, local_rule: str, trainable: str, relays: tuple[str, ...]) -> None:
+    """UsageError (one line) unless a statistics strategy and the class-statistics rule come together, on a spec that
+    trains the classifier alone, without relays (a relay forwards its site's model, not its statistics)."""
+    statistics = strategy in STRATEGIES and STRATEGIES.get(strategy).statistics
+    if statistics != (local_rule == STATISTICS_RULE):
+        fitting = ", ".join(STRATEGIES.select(lambda known: known.statistics))
+        raise UsageError(
+            f"--strategy {fitting} and --local-rule {STATISTICS_RULE} go together: one fits the head from the "
+            "statistics the other sends"
+        )
+    if statistics and trainable != "head":
+        raise UsageError(f"--strategy {strategy} fits a linear head: the model spec must train the head alone")
+    if statistics and relays:
+        raise UsageError(f"--strategy {strategy} takes devices' statistics directly: drop --relay")
 
 
 OPEN_FLEET_FLAG = "--secagg-open-fleet-unsafe"

@@ -46,6 +46,7 @@ class Strategy(Method):
     streaming: ClassVar[bool] = False
     weighs_by_samples: ClassVar[bool] = False  # the claimed sample counts set the weights (so they are bounded)
     asynchronous: ClassVar[bool] = False
+    statistics: ClassVar[bool] = False  # its updates carry head statistics (protocol.head_statistics), not models
     required_metrics: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -60,6 +61,11 @@ class Strategy(Method):
         self, global_weights: Weights, updates: Sequence[ClientUpdate], evaluate: Evaluate | None
     ) -> tuple[Weights, dict[str, Any]]:
         """The new global weights and a report; `evaluate` scores a candidate's accuracy on the server's split."""
+
+    def fitted(self, aggregate: Weights, head: Weights) -> tuple[Weights, dict[str, Any]]:
+        """The round's new trained set from what the round aggregated (`head`: the round's model's trained set) and
+        what to add to the report: the aggregate itself for a strategy over models; a statistics strategy fits it."""
+        return aggregate, {}
 
     def metric_bounds(self, num_classes: int) -> Mapping[str, tuple[float, float]]:
         """[low, high] of every metric in required_metrics, for a model with num_classes classes."""

@@ -6,6 +6,7 @@ from typing import Any
 from coordinator.strategies.contract import Strategy
 from coordinator.strategies.means import CADIS, FMLU, AveFL, FedAvg, MixFL, OptFL
 from coordinator.strategies.optimizers import FedAdagrad, FedAdam, FedAvgM, FedYogi
+from coordinator.strategies.pooled_head import PooledHead
 from coordinator.strategies.robust import Median, TrimmedMean
 from protocol.options import Registry
 
@@ -24,6 +25,7 @@ for registered in (
     FedAdam,
     FedYogi,
     FedAdagrad,
+    PooledHead,
 ):
     STRATEGIES.register(registered)
 

@@ -2,12 +2,13 @@
 # recorded once by query id.
 from __future__ import annotations
 
-import sqlite3
 import threading
 import time
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+
+from protocol.sqlite_store import Schema, open_store, statements, transaction
 
 ANSWERS_FILE = "answers.sqlite"
 # An answer's label when the person saw none of the classes (the wire's protocol.label_messages.NONE_OF_THESE).
@@ -17,6 +18,8 @@ SCHEMA = (
     "answered_by TEXT NOT NULL, answered_at REAL NOT NULL, stored_at REAL NOT NULL)",
     "CREATE TABLE IF NOT EXISTS queued (query_id TEXT PRIMARY KEY)",
     "CREATE TABLE IF NOT EXISTS reported (query_id TEXT PRIMARY KEY)",
+)
+CORRECTIONS = (
     # a query's latest correction: its label, the newest central revision seen, and whether the queue was told of
     # one made on the device
     "CREATE TABLE IF NOT EXISTS corrections (query_id TEXT PRIMARY KEY, label INTEGER NOT NULL, "
@@ -26,6 +29,10 @@ SCHEMA = (
 CURRENT_LABELS = (
     "SELECT a.query_id, COALESCE(c.label, a.label), COALESCE(c.road, a.road) FROM answers a "
     "LEFT JOIN corrections c ON c.query_id = a.query_id"
+)
+ANSWERS_SCHEMA = Schema(
+    "answer book",
+    (statements("the tables of release 0.1.0", *SCHEMA), statements("corrections (0.5.0)", *CORRECTIONS)),
 )
 
 
@@ -112,11 +119,7 @@ class AnswerBook:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._lock = threading.Lock()
-        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=FULL")
-        for statement in SCHEMA:
-            self._conn.execute(statement)
+        self._conn = open_store(path, ANSWERS_SCHEMA)
 
     def deliver(
         self,
@@ -131,16 +134,8 @@ class AnswerBook:
         """Records an answer or a correction of a query (the one function every road calls); durable when it
         returns. `revision` is a central correction's (0 for an answer or a correction made on the device)."""
         now = time.time()
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                delivery = self._record(
-                    query_id, int(label), road, answered_by[:64], answered_at or now, kind, revision
-                )
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
+        with self._lock, transaction(self._conn):
+            delivery = self._record(query_id, int(label), road, answered_by[:64], answered_at or now, kind, revision)
         return delivery
 
     def _record(
@@ -209,7 +204,7 @@ class AnswerBook:
 
     def note_queued(self, query_id: str) -> None:
         """Notes that the fleet's labelling queue holds (or refused for good) a query: it is not sent again."""
-        with self._lock:
+        with self._lock, transaction(self._conn):
             self._conn.execute("INSERT OR IGNORE INTO queued VALUES (?)", (query_id,))
 
     def queued(self) -> set[str]:
@@ -219,7 +214,7 @@ class AnswerBook:
 
     def note_reported(self, query_id: str) -> None:
         """Notes that the queue was told of an answer given on the device (it is not told again)."""
-        with self._lock:
+        with self._lock, transaction(self._conn):
             self._conn.execute("INSERT OR IGNORE INTO reported VALUES (?)", (query_id,))
 
     def reported(self) -> set[str]:

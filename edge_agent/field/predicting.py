@@ -16,6 +16,7 @@ from edge_agent.learning.head_learner import device_prefix
 from edge_agent.learning.learner import bundle_scorer
 from edge_agent.learning.ort_scorer import OrtMCDropout
 from edge_agent.learning.predict import ServingModel, verdicts
+from edge_agent.learning.prior_shift import LABEL_SHARES_KEY, prior_weights, reweighted
 from edge_agent.loop.agent_settings import AgentSettings
 from protocol.prediction_messages import PredictionBatch
 from protocol.tensors import Weights
@@ -167,7 +168,8 @@ class PoolPredictions:
     def predict(
         self, serving: ServingModel, samples: Samples, passes: int, known: Known | None = None
     ) -> PredictionBatch:
-        """The serving model's predictions of these samples (MC dropout, `passes` passes over the tail)."""
+        """The serving model's predictions of these samples (MC dropout, `passes` passes over the tail), each pass's
+        posteriors adapted to the device's class mix (class_weights)."""
         scoring = self.scorer(serving, known)
         seed = serving.version
         if scoring.prefix is None:
@@ -175,7 +177,7 @@ class PoolPredictions:
         else:
             probabilities = scoring.scorer.feature_probabilities(scoring.prefix.rows(samples), passes, seed)
             scoring.prefix.close()  # rows the scan had not cached opened it: a round's own prefix must not meet it
-        found = verdicts(probabilities)
+        found = verdicts(reweighted(probabilities, self.class_weights()))
         classes = found.classes.tolist()
         now = time.time()
         return PredictionBatch(
@@ -190,6 +192,12 @@ class PoolPredictions:
             uncertainties=[round(value, 6) for value in found.uncertainties.tolist()],
             times=[round(now, 3)] * len(classes),
         )
+
+    def class_weights(self) -> np.ndarray:
+        """The weights the serving head's posteriors are multiplied by for this device's class mix: its human labels
+        against the fleet's label shares of the last announcement (all ones where they do not differ, or no shares
+        came yet)."""
+        return prior_weights(self.data.class_counts(), np.asarray(self.data.get_state(LABEL_SHARES_KEY, [])))
 
     def class_name(self, index: int) -> str:
         """The spec's name of a class index (its number where the spec names fewer classes)."""

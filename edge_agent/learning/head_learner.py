@@ -17,21 +17,33 @@ from edge_agent.learning.dp_sgd import LEDGER_FILE, PrivateSteps
 from edge_agent.learning.head_training import HeadSettings, SgdSteps, train_classifier
 from edge_agent.learning.learner import Learner, bundle_scorer
 from edge_agent.learning.local_data import LocalData
-from edge_agent.learning.local_rules import CLASSIFIER_ONLY, DpSgd, RuleBodies, SupervisedRule, make_local_rule
+from edge_agent.learning.local_rules import (
+    CLASSIFIER_ONLY,
+    ClassStatistics,
+    DpSgd,
+    RuleBodies,
+    SupervisedRule,
+    make_local_rule,
+)
 from edge_agent.learning.ort_scorer import penultimate_features
 from protocol import messages
+from protocol.head_statistics import HeadStatistics, calibration_sums
+from protocol.model_spec import ModelSpec
 from protocol.tensors import Weights
+from protocol.trained_set import trained_set
 
 
 @dataclass(frozen=True)
 class Problem:
     """What a rule has the classifier train on: rows, their labels, a fixed logit bias (or None), and how the SGD
-    steps are taken (plain, or DP-SGD's)."""
+    steps are taken (plain, or DP-SGD's); or, with `held_out` (rows and labels the round's head did not see), that
+    the rows are summed into head statistics and nothing trains."""
 
     rows: np.ndarray
     labels: np.ndarray
     logit_bias: np.ndarray | None = None
     steps: SgdSteps = field(default_factory=SgdSteps)
+    held_out: tuple[np.ndarray, np.ndarray] | None = None
 
 
 HeadBody = Callable[[Any, LocalData, messages.Recipe, int, int], Problem]
@@ -69,10 +81,15 @@ class HeadLearner(Learner):
         self.bundle = bundle
         self._weights = dict(global_weights)
         self.prefix = device_prefix(settings, state_dir, global_weights, bundle)
+        self.statistics: Weights | None = None
 
     def weights(self) -> Weights:
         """The global weights with this round's classifier."""
         return dict(self._weights)
+
+    def update(self, spec: ModelSpec) -> Weights:
+        """The class-statistics rule's statistics when it ran this round, else the spec's trained set of weights()."""
+        return self.statistics if self.statistics is not None else trained_set(spec, self.weights())
 
     def probabilities(self, bundle: Bundle | None, samples: Samples, passes: int, seed: int) -> np.ndarray:
         """MC-dropout outputs under the bundle's graphs as shipped: the tail alone over cached prefix outputs when
@@ -93,6 +110,8 @@ class HeadLearner(Learner):
         weight = self._weights[head.weight]
         rule = make_local_rule(recipe.local_rule)
         problem = HEAD_BODIES.body(rule)(rule, data, recipe, seed, len(weight))
+        if problem.held_out is not None:
+            return self.summarise(problem, problem.held_out, weight, self._weights[head.bias])
         features = self.penultimate(problem.rows)
         options = HeadSettings(
             recipe.epochs,
@@ -110,6 +129,20 @@ class HeadLearner(Learner):
         self._weights[head.weight], self._weights[head.bias] = weight, bias
         spent = problem.steps.spent(len(problem.rows), options)
         return {"train_loss": loss, "train_samples": float(len(problem.rows)), **spent}
+
+    def summarise(
+        self, problem: Problem, held_out: tuple[np.ndarray, np.ndarray], weight: np.ndarray, bias: np.ndarray
+    ) -> dict[str, float]:
+        """The problem's rows summed into head statistics, with the calibration sums of the held-out rows under the
+        round's head (the update then carries them: `update`)."""
+        if len(problem.labels) == 0:
+            raise ValueError("class-statistics needs at least one human label, and this device holds none")
+        rows, labels = held_out
+        logits = self.penultimate(rows).astype(np.float64) @ weight.T + bias if len(labels) else None
+        calibration = None if logits is None else calibration_sums(logits, labels)
+        features = self.penultimate(problem.rows)
+        self.statistics = HeadStatistics.of_labels(features, problem.labels, len(weight), calibration).tensors()
+        return {"train_samples": float(len(problem.labels))}
 
     def features(self, samples: Samples) -> np.ndarray:
         """Penultimate features of the samples under the bundle's graphs as shipped (what scores the pool)."""
@@ -137,6 +170,15 @@ def supervised_problem(
     """What the classifier trains on under a supervised rule: its training set and its logit bias (or None)."""
     images, labels = rule.training_set(data, recipe, seed)
     return Problem(images, labels, rule.logit_bias(labels, num_classes, recipe))
+
+
+@HEAD_BODIES.attach(ClassStatistics)
+def statistics_problem(
+    rule: ClassStatistics, data: LocalData, recipe: messages.Recipe, seed: int, num_classes: int
+) -> Problem:
+    """class-statistics: every human label (never a weak one) to be summed, no training; this acquisition's new
+    labels held out to calibrate the head they were chosen with."""
+    return Problem(data.labelled_images, data.labelled_labels, held_out=(data.new_images, data.new_labels))
 
 
 @HEAD_BODIES.attach(DpSgd)

@@ -10,6 +10,7 @@ from edge_agent.learning.bundle import Bundle
 from edge_agent.learning.compute import ComputeSettings
 from edge_agent.learning.local_data import LocalData
 from protocol import messages
+from protocol.model_spec import ModelSpec
 from protocol.tensors import Weights
 
 if TYPE_CHECKING:
@@ -21,6 +22,9 @@ class Learner(Protocol):
 
     def weights(self) -> Weights:
         """The model's weights now (after any training this round)."""
+
+    def update(self, spec: ModelSpec) -> Weights:
+        """What this round's update carries: the spec's trained set of weights(), or a rule's statistics."""
 
     def probabilities(self, bundle: Bundle | None, samples: Samples, passes: int, seed: int) -> np.ndarray:
         """MC-dropout softmax outputs (passes, N, C) of the samples on the profile's back end over this model."""

@@ -12,6 +12,7 @@ from edge_agent.learning.local_data import LocalData
 from protocol.dp import DP_SGD_EPSILON_METRIC
 from protocol.messages import METRIC_MEME_ENTROPY, Recipe
 from protocol.options import Method, Option, Registry
+from protocol.trained_set import STATISTICS_RULE
 
 FULL_MODEL = "full"
 CLASSIFIER_ONLY = "head"
@@ -158,6 +159,17 @@ class DpSgd(LocalRule):
         ),
     )
     reported_metrics = (DP_SGD_EPSILON_METRIC,)
+    trainers = frozenset({CLASSIFIER_ONLY})
+
+
+@LOCAL_RULES.register
+class ClassStatistics(LocalRule):
+    """No training: the device sends its human labels' class counts, class feature sums and second moment, and the
+    calibration sums of this round's new labels under the round's head (protocol.head_statistics), for the
+    pooled-head strategy to fit the classifier the fleet's pooled labels give (head-only devices)."""
+
+    name = STATISTICS_RULE
+    summary = "sends its labels' class statistics instead of a trained head, for --strategy pooled-head (head-only)"
     trainers = frozenset({CLASSIFIER_ONLY})
 
 

@@ -23,6 +23,7 @@ from protocol import messages
 from protocol.files import load_arrays, save_arrays
 from protocol.model_spec import ModelSpec
 from protocol.tensors import Weights
+from protocol.trained_set import trained_set
 
 OWN_MODEL_FILE = "own_model.npz"
 
@@ -52,6 +53,10 @@ class TorchLearner(Learner):
     def weights(self) -> Weights:
         """The current model's weights."""
         return get_weights(self.current)
+
+    def update(self, spec: ModelSpec) -> Weights:
+        """The spec's trained set of the current model."""
+        return trained_set(spec, self.weights())
 
     def probabilities(self, bundle: Bundle | None, samples: Samples, passes: int, seed: int) -> np.ndarray:
         """MC-dropout outputs of the samples' images under the current model: the bundle's graphs with the current

@@ -11,6 +11,7 @@ from edge_agent.data.device_data import DeviceData
 from edge_agent.data.oracle import Oracle
 from edge_agent.learning.bundle import Bundle
 from edge_agent.learning.predict import ServingModel
+from edge_agent.learning.prior_shift import LABEL_SHARES_KEY
 from edge_agent.loop.agent_settings import AgentSettings
 from edge_agent.loop.artefacts import BUNDLES_FOLDER, RoundArtefacts
 from edge_agent.loop.backbone_store import BACKBONE_FOLDER
@@ -264,7 +265,10 @@ class Agent:
         self.serving.settle()
 
     def on_announcement(self, announcement: messages.RoundAnnouncement) -> bool:
-        """Remembers the newest unfinished round and asks for its model; True on the final announcement."""
+        """Remembers the newest unfinished round and the fleet's label shares (which the predictions it serves are
+        adapted against) and asks for its model; True on the final announcement."""
+        if announcement.label_shares:
+            self.data.set_state(LABEL_SHARES_KEY, announcement.label_shares)
         if announcement.final:
             log.info("run finished run=%s round=%d", announcement.run_id, announcement.round_id)
             return self.settings.exit_on_final

@@ -27,7 +27,7 @@ from protocol.dp import DP_DEVICE, WITHIN_CLIP_METRIC, DpRound, privatised
 from protocol.errors import UsageError
 from protocol.model_spec import ModelSpec, spec_hash
 from protocol.tensors import Weights
-from protocol.trained_set import trained_set
+from protocol.trained_set import update_base
 from protocol.update_codec import ResidualStore, UpdateCodec, encode_update
 from protocol.wire import shown_names
 
@@ -169,12 +169,14 @@ class RoundRunner:
         metrics: dict[str, float],
         base: Weights,
     ) -> messages.Update:
-        """The round's update: the tensors the spec trains (`trained_set`; a frozen backbone never travels), as
+        """The round's update: the tensors the spec trains (`trained_set`; a frozen backbone never travels) or the
+        class-statistics rule's statistics (`update_base` is their zero), as
         weights or their delta from the base as the recipe encodes them, with the counts and the metrics strategies
         need (a metric that is no number, as a loss over no batch, is left out: the wire carries finite numbers
         only); under --dp device, clipped and noised here (fresh entropy) first."""
         codec = UpdateCodec.of(announcement.recipe)
-        trained, trained_base = trained_set(spec, models.learner.weights()), trained_set(spec, base)
+        trained = models.learner.update(spec)
+        trained_base = update_base(spec, base, announcement.recipe.local_rule)
         if announcement.recipe.dp == DP_DEVICE:
             round_dp = DpRound.announced(announcement)
             trained, within = privatised(trained, trained_base, round_dp, np.random.default_rng())

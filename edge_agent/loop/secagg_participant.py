@@ -23,12 +23,13 @@ from protocol.messages import (
     UnmaskResponse,
     ViewConfirmation,
 )
-from protocol.model_spec import ModelSpec, trainable_names
+from protocol.model_spec import ModelSpec
 from protocol.mqtt import IncomingMessage, MqttSession
 from protocol.secagg.errors import SecAggRefusal
 from protocol.secagg.fixed_point import FixedPoint
 from protocol.secagg.weighting import LABELS, device_weight, in_fixed_units, weighted_delta
 from protocol.tensors import Weights
+from protocol.trained_set import update_base
 
 log = logging.getLogger(__name__)
 
@@ -118,13 +119,13 @@ class SecAggParticipant:
         return device.on_unmask(incoming)
 
     def send_update(self, update: messages.Update, base: Weights, spec: ModelSpec, recipe: messages.Recipe) -> None:
-        """The round's update as its weighted delta of the trainable tensors and the labels acquired since the last
+        """The round's update as its weighted delta of the trainable tensors (or statistics) and the labels acquired since the last
         masked input, kept (atomically) until it is masked; masked at once if its partners are already known. The
         plain update never leaves the device."""
-        names = trainable_names(spec, base)
+        base = update_base(spec, base, recipe.local_rule)
         weight = device_weight(update.num_samples, recipe.secagg_sample_cap)
         labels = update.acquired_labels - int(self.journal.get(REPORTED_KEY, 0))
-        pending = weighted_delta(update.tensors, base, names, weight, recipe.secagg_clip, labels)
+        pending = weighted_delta(update.tensors, base, list(base), weight, recipe.secagg_clip, labels)
         save_arrays(self.pending_path, pending)
         self.mask_pending()
 

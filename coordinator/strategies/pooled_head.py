@@ -1,0 +1,126 @@
+# The pooled head: a linear classifier fitted from the fleet's summed class statistics (shrunk LDA), not averaged.
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from coordinator.strategies.aggregate import ClientUpdate
+from coordinator.strategies.contract import StreamingWeightedAverage
+from protocol.head_statistics import SCALE, TEMPERATURES, HeadStatistics
+from protocol.options import Option
+from protocol.tensors import Weights
+from protocol.trained_set import head_shape
+
+CLASS_SHARES = "class_shares"  # the fit's report: the fleet's human labels per class as shares
+UNSEEN_BIAS = -1e4  # the bias of a class no label holds yet: its mean is unknown, so the head never predicts it
+
+
+def class_means(statistics: HeadStatistics) -> tuple[np.ndarray, np.ndarray]:
+    """(means (C, D) of the scaled features, a mask of the classes that hold a label); an unseen class's row is 0."""
+    seen = statistics.class_counts > 0
+    means = np.zeros_like(statistics.class_sums)
+    means[seen] = statistics.class_sums[seen] / statistics.class_counts[seen, None]
+    return means, seen
+
+
+def shared_covariance(statistics: HeadStatistics, means: np.ndarray, shrinkage: float) -> np.ndarray:
+    """The within-class covariance of the labelled rows, E[x x^T] - sum_c p_c mu_c mu_c^T, its eigenvalues floored at
+    0 (noise from device DP can make it indefinite), shrunk towards its mean variance times the identity:
+    (1 - shrinkage) S + shrinkage tr(S) / D I (Friedman's regularised discriminant analysis)."""
+    weighted = means * statistics.class_counts[:, None]
+    within = statistics.second_moment - means.T @ weighted
+    values, vectors = np.linalg.eigh((within + within.T) / 2)
+    values = np.maximum(values, 0.0)
+    floor = shrinkage * float(np.mean(values))
+    if not floor > 0.0:
+        floor = 1e-6
+    return (vectors * ((1.0 - shrinkage) * values + floor)) @ vectors.T
+
+
+def lda_head(statistics: HeadStatistics, shrinkage: float) -> tuple[np.ndarray, np.ndarray]:
+    """Linear discriminant analysis over the statistics with equal class priors (the balanced head a logit-adjusted
+    loss aims at): w_c = S^-1 mu_c and b_c = -mu_c^T S^-1 mu_c / 2, on unscaled features; a class no label holds
+    gets a zero row and UNSEEN_BIAS."""
+    means, seen = class_means(statistics)
+    covariance = shared_covariance(statistics, means, shrinkage)
+    projected = np.linalg.solve(covariance, means.T).T
+    bias = -0.5 * np.sum(projected * means, axis=1)
+    projected[~seen], bias[~seen] = 0.0, UNSEEN_BIAS
+    return projected / SCALE, bias
+
+
+def relative_temperature(calibration: np.ndarray) -> float | None:
+    """How much hotter than the head the devices scored with the head fitted now should run: the temperature T of
+    TEMPERATURES that gives the labels held out from the old head (each device's new labels) the lowest summed
+    negative log-likelihood, damped to sqrt(T), times the square of the share of labels the old head was fitted
+    on. A shrunk LDA head's overconfidence falls faster than 1 / labels at first and about as 1 / labels later; the
+    damped, squared carry errs towards a head too sure of itself, which makes a device's prior adaptation weaker,
+    never wrong-footed (measured: ALGORITHMS.md section 7.10). None when no label was held out."""
+    losses, new_share = calibration[:-1], float(calibration[-1])
+    if not 0.0 < new_share < 1.0 or not np.all(np.isfinite(losses)):
+        return None
+    return math.sqrt(float(TEMPERATURES[int(np.argmin(losses))])) * (1.0 - new_share) ** 2
+
+
+def head_names(trained: Weights) -> tuple[str, str]:
+    """(weight, bias) of a trained set that is one linear classifier; UsageError otherwise."""
+    head_shape(trained)
+    weight = next(name for name, array in trained.items() if array.ndim == 2)
+    return weight, next(name for name in trained if name != weight)
+
+
+class PooledHead(StreamingWeightedAverage):
+    """The classifier the fleet's pooled labels give, fitted from summed statistics, whatever the labels' spread.
+
+    Devices send their class counts, class feature sums and second moment (the class-statistics local rule); FedAvg
+    of those means by label count is the fleet's pooled statistics, exactly (in plain, secure and device-DP rounds
+    alike: they are sums). From them: shrunk LDA (lda_head), then a temperature chosen on the labels each device
+    acquired this round, held out from the head that chose them (Fed3R and FedNCM's closed form, with LDA's shared
+    covariance; ALGORITHMS.md section 7.10). The temperature is this strategy's state: each round's is relative to
+    the head the devices scored with."""
+
+    name = "pooled-head"
+    summary = "fits the classifier from the fleet's summed class statistics (shrunk LDA); devices run class-statistics"
+    weighs_by_samples = True
+    statistics = True
+    options = (Option("shrinkage", float, 0.8, "pooled-head: LDA covariance shrinkage towards the identity", 0.0, 1.0),)
+
+    def __init__(self, shrinkage: float = 0.8) -> None:
+        self.shrinkage = self.option("shrinkage").check(shrinkage)
+        self.temperature: float | None = None
+
+    def update_weight(self, update: ClientUpdate) -> float:
+        """a_i = n_i: each device's statistics are its sums over its n_i labels, so the weighted mean is the pool's."""
+        return float(update.num_samples)
+
+    def fitted(self, aggregate: Weights, head: Weights) -> tuple[Weights, dict[str, Any]]:
+        """The classifier (in the layout of `head`, the round's model's trained set) fitted from the round's mean
+        statistics, and the fit's report: the classes seen, the temperature and the relative one the held-out labels
+        chose; the round's head unchanged when no label was summed."""
+        statistics = HeadStatistics.of_tensors(aggregate)
+        if not np.any(statistics.class_counts > 0):  # an abandoned secure round, or no device held a label
+            return dict(head), {"classes_seen": 0, "temperature": self.temperature}
+        weight, bias = lda_head(statistics, self.shrinkage)
+        relative = relative_temperature(statistics.calibration) if self.temperature is not None else None
+        self.temperature = (self.temperature or 1.0) * (relative or 1.0)
+        names = head_names(head)
+        fitted = {names[0]: weight / self.temperature, names[1]: bias / self.temperature}
+        shares = np.maximum(statistics.class_counts, 0.0)
+        report = {
+            CLASS_SHARES: (shares / shares.sum()).round(6).tolist(),
+            "classes_seen": int(np.count_nonzero(statistics.class_counts > 0)),
+            "temperature": self.temperature,
+            "relative_temperature": relative,
+        }
+        return {name: fitted[name].astype(head[name].dtype) for name in names}, report
+
+    def state(self) -> dict[str, Any] | None:
+        """The temperature so far (None before the first fit)."""
+        return {"temperature": self.temperature}
+
+    def load_state(self, state: dict[str, Any], tensors: Weights) -> None:
+        """Restores the temperature a restarted run had reached."""
+        value = state.get("temperature")
+        self.temperature = None if value is None or not math.isfinite(float(value)) else float(value)

@@ -1,0 +1,162 @@
+# The pooled head: statistics summed over devices fit the head the pooled labels give, however the labels are spread.
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.intake.round_aggregator import SuspectPolicy, make_aggregator
+from coordinator.intake.scratch import TensorScratch
+from coordinator.privacy.rounds import DpSettings, PrivateRounds
+from coordinator.setup.settings import ServerSettings
+from coordinator.strategies.aggregate import ClientUpdate
+from coordinator.strategies.pooled_head import UNSEEN_BIAS, PooledHead, lda_head, relative_temperature
+from coordinator.strategies.registry import make_strategy
+from protocol import head_statistics, messages
+from protocol.dp import WITHIN_CLIP_METRIC, DpRound, privatised
+from protocol.errors import UsageError
+from protocol.head_statistics import TEMPERATURES, HeadStatistics, calibration_sums
+from protocol.model_spec import DEFAULT_SPEC
+from protocol.trained_set import STATISTICS_RULE
+
+CLASSES, FEATURES = 4, 12
+HEAD = {
+    "classifier_fc.weight": np.zeros((CLASSES, FEATURES), np.float32),
+    "classifier_fc.bias": np.zeros(CLASSES, np.float32),
+}
+
+
+def gaussian_classes(rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Non-negative features (as a ReLU6 backbone gives) of CLASSES Gaussian classes with a shared covariance."""
+    rng = np.random.default_rng(seed)
+    centres = np.random.default_rng(99).uniform(1.0, 4.0, size=(CLASSES, FEATURES))
+    labels = rng.integers(CLASSES, size=rows)
+    return np.clip(centres[labels] + rng.normal(0.0, 0.6, size=(rows, FEATURES)), 0.0, 6.0), labels
+
+
+def device_updates(features: np.ndarray, labels: np.ndarray, owners: np.ndarray) -> list[ClientUpdate]:
+    """Each owner's statistics as its update would carry them, weighed by its label count."""
+    updates = []
+    for owner in np.unique(owners):
+        mine = owners == owner
+        tensors = HeadStatistics.of_labels(features[mine], labels[mine], CLASSES).tensors()
+        updates.append(ClientUpdate(f"dev-{owner}", tensors, float(np.count_nonzero(mine))))
+    return updates
+
+
+def fitted_head(updates: list[ClientUpdate], scratch: Path) -> dict[str, np.ndarray]:
+    """The head a plain round of pooled-head commits from these updates (the round aggregator, streamed)."""
+    base = head_statistics.layout(CLASSES, FEATURES)
+    aggregator = make_aggregator(PooledHead(), base, SuspectPolicy(), TensorScratch(scratch), model=HEAD, head=HEAD)
+    for update in updates:
+        aggregator.absorb(update)
+    return aggregator.finish(None).weights
+
+
+def test_the_fleet_fits_the_head_the_pooled_labels_give_however_they_are_spread(tmp_path: Path) -> None:
+    features, labels = gaussian_classes(400, seed=1)
+    pooled = fitted_head(device_updates(features, labels, np.zeros(len(labels), np.int64)), tmp_path)
+    by_class = fitted_head(device_updates(features, labels, labels), tmp_path)  # each device holds one class only
+    spread = np.random.default_rng(2).integers(7, size=len(labels))
+    uneven = fitted_head(device_updates(features, labels, spread), tmp_path)
+    for name in HEAD:
+        np.testing.assert_allclose(by_class[name], pooled[name], rtol=2e-4, atol=2e-4)
+        np.testing.assert_allclose(uneven[name], pooled[name], rtol=2e-4, atol=2e-4)
+    test, truth = gaussian_classes(400, seed=3)
+    logits = test @ pooled["classifier_fc.weight"].T + pooled["classifier_fc.bias"]
+    assert np.mean(np.argmax(logits, 1) == truth) > 0.95
+
+
+def test_a_class_no_label_holds_is_never_predicted_and_an_empty_round_keeps_the_head() -> None:
+    features, labels = gaussian_classes(200, seed=4)
+    held = labels != 2
+    weight, bias = lda_head(HeadStatistics.of_labels(features[held], labels[held], CLASSES), 0.8)
+    assert np.all(weight[2] == 0.0) and bias[2] == UNSEEN_BIAS
+    assert 2 not in np.argmax(features @ weight.T + bias, 1)
+    empty = {name: np.zeros_like(array) for name, array in head_statistics.layout(CLASSES, FEATURES).items()}
+    kept = {name: array + 1.0 for name, array in HEAD.items()}
+    head, report = PooledHead().fitted(empty, kept)
+    assert report["classes_seen"] == 0 and all(np.array_equal(head[name], kept[name]) for name in HEAD)
+
+
+def test_the_temperature_is_chosen_on_held_out_labels_and_carried_to_more_labels() -> None:
+    rng = np.random.default_rng(5)
+    true_logits = rng.normal(0.0, 2.0, size=(2000, CLASSES))  # calibrated: each label is drawn from their softmax
+    chances = np.exp(true_logits) / np.exp(true_logits).sum(1, keepdims=True)
+    labels = np.array([rng.choice(CLASSES, p=row) for row in chances])
+    sums = calibration_sums(true_logits * 10.0, labels)  # a head ten times too sure of itself
+    losses = sums[:-1]
+    assert sums[-1] == 2000 and TEMPERATURES[int(np.argmin(losses))] == pytest.approx(10.0, rel=0.3)
+    chosen = TEMPERATURES[np.argmin(losses)]
+    assert relative_temperature(np.array([*losses, 0.25])) == pytest.approx(0.75**2 * np.sqrt(chosen))
+    assert relative_temperature(np.array([*losses, 0.0])) is None
+    strategy = PooledHead()
+    features, labels = gaussian_classes(200, seed=6)
+    statistics = HeadStatistics.of_labels(features, labels, CLASSES, np.array([*losses, 50.0])).tensors()
+    strategy.fitted(statistics, HEAD)
+    assert strategy.temperature == 1.0, "the first fit has no head of its own to calibrate against"
+    _, report = strategy.fitted(statistics, HEAD)
+    assert report["temperature"] == pytest.approx(relative_temperature(np.array([*losses, 50.0]) / 200))
+    restarted = PooledHead()
+    restarted.load_state(strategy.state() or {}, {})
+    assert restarted.temperature == strategy.temperature
+
+
+def test_statistics_and_their_layout_round_trip_as_an_update_carries_them() -> None:
+    features, labels = gaussian_classes(50, seed=7)
+    statistics = HeadStatistics.of_labels(features, labels, CLASSES)
+    back = HeadStatistics.of_tensors(statistics.tensors())
+    np.testing.assert_allclose(back.second_moment, statistics.second_moment, rtol=1e-6)
+    layout = head_statistics.layout(CLASSES, FEATURES)
+    assert {name: array.shape for name, array in statistics.tensors().items()} == {
+        name: array.shape for name, array in layout.items()
+    }
+    assert max(float(np.max(np.abs(array))) for array in statistics.tensors().values()) <= 1.0
+    with pytest.raises(ValueError, match="at least one labelled row"):
+        HeadStatistics.of_labels(features[:0], labels[:0], CLASSES)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "rule", "trainable", "relays", "message"),
+    [
+        ("pooled-head", "kept-labels", "head", (), "go together"),
+        ("fedavg", STATISTICS_RULE, "head", (), "go together"),
+        ("pooled-head", STATISTICS_RULE, "all", (), "train the head alone"),
+        ("pooled-head", STATISTICS_RULE, "head", ("relay-1",), "drop --relay"),
+    ],
+)
+def test_conflicting_settings_are_refused_in_one_line(strategy, rule, trainable, relays, message, tmp_path) -> None:
+    spec = dataclasses.replace(DEFAULT_SPEC, trainable=trainable)
+    with pytest.raises(UsageError, match=message) as refused:
+        ServerSettings(tmp_path, strategy=strategy, recipe=messages.Recipe(local_rule=rule), spec=spec, relays=relays)
+    assert "\n" not in str(refused.value) and len(str(refused.value)) < 200
+
+
+def test_pooled_head_is_in_the_registry_with_its_option() -> None:
+    strategy = make_strategy("pooled-head", shrinkage=0.5)
+    assert isinstance(strategy, PooledHead) and strategy.shrinkage == 0.5 and strategy.statistics
+
+
+def test_device_dp_noises_each_devices_statistics_and_the_round_accounts_epsilon(tmp_path: Path) -> None:
+    features, labels = gaussian_classes(2000, seed=8)
+    owners = np.random.default_rng(9).integers(200, size=len(labels))  # 10 labels a device
+    recipe = messages.Recipe(dp="device", dp_clip=3.0, dp_noise_multiplier=0.5, local_rule=STATISTICS_RULE)
+    privacy = PrivateRounds(recipe, 1.0, DpSettings(), [])
+    base = head_statistics.layout(CLASSES, FEATURES)
+    nearest_mean = PooledHead(shrinkage=1.0)  # the noised second moment swamps a covariance: its scale alone is kept
+    aggregator = privacy.aggregator(
+        nearest_mean, base, SuspectPolicy(), TensorScratch(tmp_path), (200, 200), model=HEAD, head=HEAD
+    )
+    round_dp = DpRound(recipe.dp_clip, recipe.dp_noise_multiplier, 0.0, 200)
+    rng = np.random.default_rng(10)
+    for update in device_updates(features, labels, owners):
+        private, within = privatised(update.weights, base, round_dp, rng)
+        assert not np.allclose(private[head_statistics.CLASS_SUMS], update.weights[head_statistics.CLASS_SUMS])
+        aggregator.absorb(dataclasses.replace(update, weights=private, metrics={WITHIN_CLIP_METRIC: within}))
+    result = aggregator.finish(None)
+    assert result.report["dp"]["epsilon"] > 0 and result.report["classes_seen"] == CLASSES
+    test, truth = gaussian_classes(400, seed=11)
+    logits = test @ result.weights["classifier_fc.weight"].T + result.weights["classifier_fc.bias"]
+    assert np.mean(np.argmax(logits, 1) == truth) > 0.8, "200 devices' noised statistics still fit the head"
