@@ -97,8 +97,9 @@ def open_store(path: Path, schema: Schema, read_only: bool = False) -> sqlite3.C
         if not read_only:
             for pragma in PRAGMAS:
                 connection.execute(pragma)
+            fresh = connection.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0] == 0
             for version in range(schema_version(connection) + 1, schema.version + 1):
-                _migrate(connection, schema, version, path)
+                _migrate(connection, schema, version, path, fresh)
     except BaseException:
         connection.close()
         raise
@@ -121,15 +122,15 @@ def _refuse_newer(connection: sqlite3.Connection, schema: Schema, path: Path) ->
         )
 
 
-def _migrate(connection: sqlite3.Connection, schema: Schema, version: int, path: Path) -> None:
+def _migrate(connection: sqlite3.Connection, schema: Schema, version: int, path: Path, fresh: bool) -> None:
     """Runs the step that makes the store `version` and stamps it, in one transaction; nothing when another
-    process ran it first (the version is read again under the write lock)."""
+    process ran it first (the version is read again under the write lock). A `fresh` store's steps are its creation,
+    logged at debug; an existing store's, its upgrade, at info."""
     step = schema.migrations[version - 1]
     with transaction(connection):
         if schema_version(connection) >= version:
             return
-        upgraded = connection.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0] > 0
         step.apply(connection)
         connection.execute(f"PRAGMA user_version = {version:d}")
-    level = logging.INFO if upgraded else logging.DEBUG  # a new store's first steps are its creation, said quietly
+    level = logging.DEBUG if fresh else logging.INFO
     log.log(level, "store migrated store=%s version=%d step=%r path=%s", schema.store, version, step.name, path)
