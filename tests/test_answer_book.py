@@ -12,6 +12,7 @@ from test_folder_pool import camera_oracle
 from edge_agent.data.answers import DECLINED, AnswerBook, Delivery, LabelKind, Road
 from edge_agent.data.labelled_record import LABEL_SOURCES, LabelledRecord
 from edge_agent.field.folder_oracle import FolderOracle
+from edge_agent.field.parts import FieldWork
 
 
 @pytest.fixture()
@@ -142,3 +143,14 @@ def test_labels_csv_and_the_device_page_correct_through_the_same_path(oracle: Fo
     assert [c.query_id for c in book.store.unreported_corrections()] == []
     assert apply(oracle) == 0 and oracle.correct() == 2
     assert record_of(oracle) == {first.index: (4, "correction"), second.index: (8, "correction")}
+
+
+def test_a_field_devices_scan_applies_its_own_pages_correction_before_the_next_acquisition(
+    oracle: FolderOracle,
+) -> None:
+    query = oracle.book.queries()[0]
+    oracle.book.record_answer(query.name, 2)
+    assert apply(oracle) == 1
+    oracle.book.record_answer(query.name, 6, kind=LabelKind.CORRECTION)
+    FieldWork(oracle.data, 0.0, oracle=oracle).tick(None, 1, None)  # the agent's loop, between rounds
+    assert record_of(oracle) == {query.index: (6, "correction")}

@@ -107,14 +107,14 @@ def next_reply(desk: LabellingDesk, person: str) -> Reply:
 def page_state(desk: LabellingDesk, person: str) -> dict[str, Any]:
     """What every reply to the page carries beside its query or grid."""
     depth = desk.queue.depth()
-    status = desk.queue.status(time.time())
+    tally = desk.queue.tally(person, time.time())
     return {
         "classes": list(desk.queue.class_names),
         "open": sum(depth.values()),
         "devices": len(depth),
         "history": [given_view(desk, given) for given in desk.queue.history(person, HISTORY)],
-        "today": status.answers_today.get(person, 0),
-        "corrections": status.corrections,
+        "today": tally.today,
+        "corrections": tally.corrections,
         "undo_answers": desk.queue.undo_window.answers,
         "undo_seconds": desk.queue.undo_window.seconds,
     }

@@ -39,6 +39,7 @@ SCHEMA = (
     "PRIMARY KEY (device, query_id, person))",
 )
 UNDO_AND_CORRECTIONS = (
+    "CREATE INDEX IF NOT EXISTS votes_by_person ON votes (person, voted_at)",  # a person's history and count today
     # a page's decided answer that is not sent yet, so its person may still undo it
     "CREATE TABLE IF NOT EXISTS held (device TEXT NOT NULL, query_id TEXT NOT NULL, person TEXT NOT NULL, "
     "until REAL NOT NULL, PRIMARY KEY (device, query_id))",
@@ -241,6 +242,19 @@ class QueueStatus:
     held: int
     corrections: int
     corrections_undelivered: int
+
+
+@dataclass(frozen=True)
+class Tally:
+    """What the page counts for its person: their answers today, and the corrections made in all."""
+
+    today: int
+    corrections: int
+
+
+def midnight(now: float) -> float:
+    """The local midnight that began `now`'s day (a person's day, as the queue's machine keeps it)."""
+    return datetime.fromtimestamp(now).replace(hour=0, minute=0, second=0, microsecond=0).timestamp()
 
 
 class LabelQueue:
@@ -638,10 +652,16 @@ class LabelQueue:
             rows = self._conn.execute("SELECT device, COUNT(*) FROM queries WHERE label IS NULL GROUP BY device")
             return {str(device): int(count) for device, count in rows}
 
+    def tally(self, person: str, now: float) -> Tally:
+        """A person's answers since `now`'s local midnight, and the corrections made in all (the page's counts)."""
+        with self._lock:
+            today = self._one("SELECT COUNT(*) FROM votes WHERE person = ? AND voted_at > ?", person, midnight(now))
+            corrections = self._one("SELECT COALESCE(SUM(revision), 0) FROM corrections")
+        return Tally(today, corrections)
+
     def status(self, now: float) -> QueueStatus:
         """Open queries and the oldest one's age per device, answers per person in the hour before `now` and since
         that day's local midnight, the answers held for an undo, and the corrections made (and undelivered)."""
-        midnight = datetime.fromtimestamp(now).replace(hour=0, minute=0, second=0, microsecond=0).timestamp()
         with self._lock:
             open_rows = self._conn.execute(
                 "SELECT device, COUNT(*), MIN(received_at) FROM queries WHERE label IS NULL GROUP BY device"
@@ -650,7 +670,7 @@ class LabelQueue:
                 self._conn.execute(
                     "SELECT person, COUNT(*) FROM votes WHERE voted_at > ? GROUP BY person", (since,)
                 ).fetchall()
-                for since in (now - 3600.0, midnight)
+                for since in (now - 3600.0, midnight(now))
             )
             corrections, undelivered = self._conn.execute(
                 "SELECT COALESCE(SUM(revision), 0), COUNT(*) - COUNT(delivered_at) FROM corrections"

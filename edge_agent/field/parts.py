@@ -145,7 +145,8 @@ class PoolFeatures:
 class FieldWork:
     """Rescans the pool folder every scan_interval seconds, computes the features of what arrived (a head-only
     device with a frozen backbone), with a stream scores it, with the central queue sends its queries and applies its
-    answers, and predicts it with the serving model."""
+    answers (without it, applies the corrections given on the device's own page or in labels.csv to the labelled
+    store, so a round's training uses them before its next acquisition), and predicts it with the serving model."""
 
     def __init__(
         self,
@@ -156,8 +157,10 @@ class FieldWork:
         central: CentralLabelling | None = None,
         predictions: PoolPredictions | None = None,
         health: Health | None = None,
+        oracle: FolderOracle | None = None,
     ) -> None:
         self.data = data
+        self.oracle = oracle
         self.health = health or Health()
         self.scan_interval = scan_interval
         self.stream = stream
@@ -183,6 +186,8 @@ class FieldWork:
             self.stream.score_new(latest, round_id)
         if self.central is not None:
             self.central.tick()
+        elif self.oracle is not None:
+            self.oracle.correct()
         if self.predictions is None:
             return None
         passes = latest.recipe.mc_passes if latest is not None else messages.Recipe().mc_passes
@@ -233,5 +238,5 @@ def open_field(
     predictions = PoolPredictions(
         data, folder_pool_of(data), settings, predictions_log, tuple(spec.class_names), field.repredict
     )
-    work = FieldWork(data, field.scan_interval, stream, features, central, predictions, health)
+    work = FieldWork(data, field.scan_interval, stream, features, central, predictions, health, oracle)
     return FieldParts(data, oracle, work, server, central)
