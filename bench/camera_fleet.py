@@ -91,7 +91,7 @@ def read_answer_key(path: Path, class_names: tuple[str, ...]) -> dict[str, int]:
 
 def answer_queries(book: QueryBook, key: Mapping[str, int]) -> int:
     """The bench's person at a folder oracle: answers each pending query whose source file is in the answer key,
-    into the device's answer book as its label page would; returns how many were answered."""
+    into the device's query store as its label page would; returns how many were answered."""
     answered = 0
     for query in book.pending():
         if query.source in key:

@@ -19,7 +19,7 @@ to the next view on screen); marking a thumbnail is a click that asks nothing. A
 busy time only: the scripted person has no thinking time, so these are the system's rates, and clicks per answer is
 what a person's own time scales with.
 
-After each mode every device's labelled store (labels.npz) and answer book must hold exactly the person's final
+After each mode every device's labelled store (labels.npz) and query store must hold exactly the person's final
 answers: every query once, with its true class, corrected ones tagged `correction`. Prints one JSON object.
 """
 
@@ -136,7 +136,7 @@ def ticking(devices: list[SimulatedDevice]) -> Iterator[None]:
 
 
 def store_check(device: SimulatedDevice) -> dict[str, int]:
-    """How a device's labelled store on disk and its answer book compare with the person's final answers (each
+    """How a device's labelled store on disk and its query store compare with the person's final answers (each
     query once, with its true class; the corrected ones tagged `correction`)."""
     data = device.oracle.data
     fixed = device.oracle.book.store.corrected()

@@ -11,6 +11,8 @@ from protocol.recipe_flags import OMITTED_KEY
 
 # An answer's label when the person saw none of the spec's classes in the image.
 NONE_OF_THESE = -1
+# A query's guess when the device had no model's guess for it (another field, another meaning: never a label).
+NO_GUESS = -1
 # The image types a query may carry (what the device's camera folder holds, or a downscaled PNG).
 QUERY_MEDIA_TYPES = ("image/png", "image/jpeg")
 # Why a queue refuses a query (a QueryReceipt's `refusal`); a device sends one refused for a full queue again later.
@@ -32,7 +34,7 @@ DEFAULT_MAX_IMAGE_BYTES = 2 * 1024 * 1024
 class LabelQuery:
     """One image a device asks its fleet's people to label, on the device's queries topic (chunked like updates):
     the query's id on the device, the image as captured (or downscaled), and the model's current view of it: its
-    guess (a class index, -1 when the device had no model yet), that class's probability, the MC-dropout
+    guess (a class index, NO_GUESS when the device had none), that class's probability, the MC-dropout
     uncertainty and the sampler's score (what the queue orders by)."""
 
     KIND: ClassVar[str] = "label_query"
@@ -41,7 +43,7 @@ class LabelQuery:
     image: bytes
     media_type: str
     asked_at: float = field(metadata=within(*TIME_RANGE))
-    guess: int = field(default=-1, metadata=within(*LABEL_RANGE))
+    guess: int = field(default=NO_GUESS, metadata=within(*LABEL_RANGE))
     probability: float = field(default=0.0, metadata=within(*UNIT_RANGE))
     uncertainty: float = field(default=0.0, metadata=within(*UNIT_RANGE))
     score: float = field(default=0.0, metadata=within(*SCORE_RANGE))
@@ -78,7 +80,7 @@ class LabelCorrection:
     """A person's change of an answer the desk sent already, to its device (QoS 1, resent until the device's
     CorrectionReceipt): the query's new label (a class index, or NONE_OF_THESE), the correction's revision (1 for the
     first correction of the query, counting up, so a late copy of an older one changes nothing), who corrected it
-    and when. The device's answer book and its next training use the corrected label in place of the old one."""
+    and when. The device's query store and its next training use the corrected label in place of the old one."""
 
     KIND: ClassVar[str] = "label_correction"
     query_id: str
@@ -91,7 +93,7 @@ class LabelCorrection:
 
 @dataclass(frozen=True)
 class CorrectionReceipt:
-    """A device's word that a correction's revision is stored in its answer book (or a newer one was: a stale
+    """A device's word that a correction's revision is stored in its query store (or a newer one was: a stale
     revision is receipted all the same); `stored` is False when the device refused it (an unknown query)."""
 
     KIND: ClassVar[str] = "correction_receipt"
@@ -104,7 +106,7 @@ class CorrectionReceipt:
 
 @dataclass(frozen=True)
 class AnswerReceipt:
-    """A device's word that an answer is stored in its answer book (sent only after the store is durable);
+    """A device's word that an answer is stored in its query store (sent only after the store is durable);
     `stored` is False when the device refused it (an unknown query), which settles it all the same."""
 
     KIND: ClassVar[str] = "answer_receipt"

@@ -34,6 +34,10 @@ class ResendSchedule(Generic[K]):
         """Whether `key`'s message should go out again at `now` (time.monotonic())."""
         return now >= self._next.get(key, (now, 0.0))[0]
 
+    def next_due(self) -> float:
+        """When (time.monotonic()) the first message it schedules goes out again (infinity: none scheduled)."""
+        return min((due for due, _ in self._next.values()), default=float("inf"))
+
     def settle(self, key: K) -> None:
         """Forgets `key`: its answer came."""
         self._next.pop(key, None)

@@ -20,9 +20,9 @@ from browser import ARTIFACTS, WebDriver, answers, free_port, headless_chromium,
 from test_folder_pool import write_png
 
 from coordinator.fleet.broker import EmbeddedBroker
-from edge_agent.data.answers import AnswerBook
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.labelled_record import LABEL_SOURCES, LabelledRecord
+from edge_agent.data.query_store import QueryStore
 from edge_agent.field.folder_oracle import FolderOracle, QueryBook
 from edge_agent.field.folder_pool import open_folder_data
 
@@ -210,7 +210,7 @@ def test_answers_from_the_page_land_once_in_each_device_also_across_kills(tmp_pa
             wait_for(lambda: undelivered(tmp_path) == 0, 30, "every receipt back at the desk")
             for name in DEVICES:
                 assert labelled(states[name]) == expected[name]
-                stored = AnswerBook(states[name] / "labelling" / "answers.sqlite").answers()
+                stored = QueryStore(states[name] / "labelling" / "answers.sqlite").answers()
                 assert len(stored) == QUERIES and {a.road for a in stored} == {"central"}
                 assert all(a.answered_by == "anonymous" and a.label != 8 for a in stored), "the slip never arrived"
             record = LabelledRecord.load(states[device_id] / "labels.npz", IMAGES)

@@ -121,7 +121,7 @@ def test_a_click_in_headless_chromium_labels_a_query_and_the_label_is_on_disk(tm
             time.sleep(0.1)
         assert book.answers() == {target.name: 3}
         stored = [(answer.query_id, answer.label, answer.road) for answer in book.store.answers()]
-        assert stored == [(target.query_id, 3, "page")], "the page delivers to the answer book, nothing else"
+        assert stored == [(target.query_id, 3, "page")], "the page delivers to the query store, nothing else"
         assert not book.labels_path.exists()
         deadline = time.monotonic() + 20
         while len(driver.find_all("div.query")) != 2 and time.monotonic() < deadline:

@@ -17,9 +17,9 @@ from test_folder_pool import camera_oracle, write_png
 
 from coordinator.labelling.desk import LabellingDesk
 from coordinator.labelling.queue import LabelQueue, QueueLimits
-from edge_agent.data.answers import LabelKind
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.oracle import guesses_of
+from edge_agent.data.query_store import LabelKind
 from edge_agent.field.central import CentralLabelling, query_image
 from edge_agent.field.folder_oracle import FolderOracle, QueryBook
 from edge_agent.field.folder_pool import open_folder_data
@@ -115,7 +115,8 @@ def test_an_acquisition_sends_its_queries_with_the_model_guess(tmp_path: Path, b
     assert set(queued) == {query.query_id for query in asked}
     for query in asked:
         shown = queued[query.query_id]
-        guess = device.oracle.guesses[query.index]
+        guess = query.guess
+        assert guess is not None, "the query's record holds the guess it went out with"
         assert (shown.guess, shown.probability, shown.score) == (guess.label, guess.probability, guess.score)
         assert 0 <= shown.guess < 10 and 0 < shown.probability <= 1 and 0 <= shown.uncertainty <= 1
     image = desk.queue.image_path(DEVICE, asked[0].query_id, "image/png").read_bytes()
@@ -194,9 +195,26 @@ def test_a_stream_notes_the_guess_of_each_image_it_asks_for(tmp_path: Path) -> N
     stream = StreamAcquirer(oracle.data, oracle, BudgetSettings(3600.0, 2.0), AgentSettings(FLEET, DEVICE), 2)
     weights = get_weights(build_model(DEFAULT_SPEC, seed=9))
     stream.score_new(LatestModel(DEFAULT_SPEC, weights, messages.Recipe(sampler="margin"), None, ""), round_id=1)
-    asked = {query.index for query in oracle.book.queries()}
-    assert asked and set(oracle.guesses) == asked
-    assert all(0 <= guess.label < 10 and 0 < guess.probability <= 1 for guess in oracle.guesses.values())
+    asked = QueryBook(oracle.book.oracle_dir).queries()  # the store as another process reads it
+    guesses = [query.guess for query in asked]
+    assert asked and None not in guesses
+    assert all(0 <= guess.label < 10 and 0 < guess.probability <= 1 for guess in guesses if guess is not None)
+
+
+def test_an_idle_link_looks_at_nothing_and_wakes_when_a_query_is_stored(tmp_path: Path, broker, desk) -> None:
+    device = Device(tmp_path, broker)
+    device.oracle.ask(np.array([0, 1]))
+    wait_until(lambda: len(device.oracle.book.store.queued()) == 2, "the queries queued", step=device.step)
+    device.step()
+    statements: list[str] = []
+    device.oracle.book.store._conn.set_trace_callback(statements.append)
+    time.sleep(2.5)  # two looks at labels.csv's size and time and about twelve empty waits for the queue's messages
+    device.step()  # the agent's tick: no news, nothing read
+    assert statements == [], "an idle link and tick read nothing from the store"
+    device.oracle.ask(np.array([2]))
+    wait_until(lambda: len(desk.queue.all()) == 3, "the new query in the queue")
+    assert any("FROM queries" in statement for statement in statements), "the store's news woke the link"
+    device.close()
 
 
 def test_a_round_waiting_for_answers_gets_the_queues_answer_meanwhile(tmp_path: Path, broker, desk) -> None:
@@ -306,7 +324,7 @@ def test_a_query_far_over_the_bound_is_dropped_in_its_chunks(tmp_path: Path, bro
 
 
 def test_a_link_whose_store_fails_restarts_sets_the_answer_aside_and_says_so(tmp_path: Path, broker, sessions) -> None:
-    """The device's answer book closed under the link (as a failed disk would leave it): storing an answer raises,
+    """The device's query store closed under the link (as a failed disk would leave it): storing an answer raises,
     the link logs it and restarts (after 1 s, then 2 s), sets the answer aside at the third failure and keeps
     running; its health counts both, which the device's status reports (its agent's `health_counts`)."""
     device = Device(tmp_path, broker)

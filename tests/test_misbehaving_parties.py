@@ -27,7 +27,7 @@ from tmpfs import fill_leaving, mounted_tmpfs
 from coordinator.fleet.broker import EmbeddedBroker
 from coordinator.fleet.provision import LABELLING_KEYS, broker_config_lines, load_secure_fleet, provision
 from coordinator.labelling.queue import IMAGES, QUEUE_FOLDER
-from edge_agent.data.answers import AnswerBook
+from edge_agent.data.query_store import QueryStore
 from edge_agent.field.folder_oracle import QueryBook
 from protocol import wire
 from protocol.credentials import load_credentials
@@ -224,7 +224,7 @@ def test_a_forged_answer_with_a_non_finite_time_leaves_the_device_link_working(t
                 _answer(url, "cam-a", asked[0], 5)
                 wait_for(lambda: labelled(state) == {index_of(state, asked[0]): 5}, 30, "the person's answer stored")
                 assert processes[0].poll() is None
-            stored = AnswerBook(state / "labelling" / "answers.sqlite").answers()
+            stored = QueryStore(state / "labelling" / "answers.sqlite").answers()
             assert [(a.label, a.answered_by) for a in stored] == [(5, "anonymous")]
             log = (tmp_path / "cam-a.log").read_text()
             assert "Traceback" not in log and "must be a finite number" in log
@@ -330,7 +330,7 @@ def test_in_a_secured_fleet_only_the_desks_signed_answers_count(tmp_path: Path, 
     device_log = (tmp_path / "cam-00.log").read_text()
     assert device_log.count("labelling message without the desk's signature ignored kind=label_answer") == 2
     assert device_log.count("labelling message without the desk's signature ignored kind=label_correction") == 2
-    assert [(a.label, a.answered_by) for a in AnswerBook(state / "labelling" / "answers.sqlite").answers()] == [
+    assert [(a.label, a.answered_by) for a in QueryStore(state / "labelling" / "answers.sqlite").answers()] == [
         (5, "anonymous")
     ]
     assert "labelling message refused device=cam-00 kind=bad_signature" in (tmp_path / "desk.log").read_text()

@@ -19,10 +19,10 @@ import pytest
 from coordinator.labelling.queue import QUEUE_SCHEMA, LabelQueue
 from coordinator.storage.database import RUN_SCHEMA
 from coordinator.storage.store import RunStore
-from edge_agent.data.answers import ANSWERS_SCHEMA
 from edge_agent.data.device_data import STATE_FILE
 from edge_agent.data.journal import Journal
 from edge_agent.data.labelled_record import LabelledRecord
+from edge_agent.data.query_store import QUERY_SCHEMA
 from edge_agent.field.folder_oracle import QueryBook
 from protocol.model_spec import CLASS_NAMES
 from protocol.sqlite_store import StoreVersionError, schema_version
@@ -35,7 +35,7 @@ FIELD_DEVICES = ("cam-a", "cam-b")
 STORES = {
     "run database": "run/run.sqlite",
     "label queue": "run/labelling/queue.sqlite",
-    **{f"answer book of {name}": f"devices/{name}/state/labelling/answers.sqlite" for name in FIELD_DEVICES},
+    **{f"query store of {name}": f"devices/{name}/state/labelling/answers.sqlite" for name in FIELD_DEVICES},
 }
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
 
@@ -125,16 +125,17 @@ def device_reads(state: Path, pool: int) -> dict:
 
 def test_the_fixtures_are_the_ones_release_0_1_0_wrote(old: Path) -> None:
     assert EXPECTED["commit"] == WRITTEN_AT
-    assert (old / f"{STORES['answer book of cam-b']}-wal").stat().st_size > 0, "a store whose pages are in its WAL"
+    assert (old / f"{STORES['query store of cam-b']}-wal").stat().st_size > 0, "a store whose pages are in its WAL"
     assert {name: version(old / path) for name, path in STORES.items()} == dict.fromkeys(STORES, 0)
 
 
 def test_every_store_of_0_1_0_opens_with_nothing_lost(old: Path) -> None:
     open_every_store(old)
     now = {"run database": RUN_SCHEMA.version, "label queue": QUEUE_SCHEMA.version}
-    now |= {name: ANSWERS_SCHEMA.version for name in STORES if name.startswith("answer book")}
+    now |= {name: QUERY_SCHEMA.version for name in STORES if name.startswith("query store")}
     assert {name: version(old / path) for name, path in STORES.items()} == now
-    assert QUEUE_SCHEMA.version == ANSWERS_SCHEMA.version == 2, "undo holds and corrections came as migration 2"
+    assert QUEUE_SCHEMA.version == 2, "undo holds and corrections came as migration 2"
+    assert QUERY_SCHEMA.version == 3, "a device's corrections came as migration 2, its queries' records as 3"
     assert run_reads(old) == EXPECTED["run"]
     assert queue_reads(old) == EXPECTED["labelling"]
     queue = LabelQueue(old / "run", CLASS_NAMES)
@@ -167,7 +168,7 @@ def test_a_second_open_changes_no_byte(old: Path) -> None:
 REFUSING_COMMANDS = {
     "run database": ["coordinator", "rollback", "{root}/run"],
     "label queue": ["coordinator", "labelling", "export", "{root}/run", "--out", "{root}/tasks"],
-    "answer book of cam-a": [
+    "query store of cam-a": [
         *("edge_agent", "run", "--broker", "mqtt://127.0.0.1:9", "--fleet", "f", "--device-id", "cam-a"),
         *("--pool-dir", "{root}/devices/cam-a/camera", "--state-dir", "{root}/devices/cam-a/state"),
         *("--labelling", "central"),
@@ -186,7 +187,7 @@ def test_a_store_of_a_newer_release_is_refused_in_one_line_and_left_as_it_is(old
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert f"this {store.split(' of ')[0]} has schema version 7" in done.stderr
-    known = {"run database": RUN_SCHEMA, "label queue": QUEUE_SCHEMA}.get(store, ANSWERS_SCHEMA).version
+    known = {"run database": RUN_SCHEMA, "label queue": QUEUE_SCHEMA}.get(store, QUERY_SCHEMA).version
     assert f"knows versions up to {known}); a downgrade is refused" in done.stderr
     with pytest.raises(StoreVersionError):
         open_every_store(old)

@@ -10,7 +10,7 @@ from typing import Any
 from coordinator.labelling.queue import AnswerError, Correction, Decided, LabelQueue, Outcome, QueuedQuery
 from protocol import wire
 from protocol.errors import UsageError
-from protocol.label_messages import NONE_OF_THESE
+from protocol.label_messages import NO_GUESS, NONE_OF_THESE
 
 FROM_NAME = "label"
 TO_NAME = "image"
@@ -43,7 +43,7 @@ def task_of(queue: LabelQueue, query: QueuedQuery, image_url: str, number: int) 
         "id": number,
         "data": {"image": image_url, "device": query.device, "query_id": query.query_id},
     }
-    if query.guess >= 0:
+    if query.guess != NO_GUESS:
         task["predictions"] = [
             {
                 "model_version": "edge-fal",

@@ -17,7 +17,7 @@ from PIL import Image
 from protocol import wire
 from protocol.errors import FalError
 from protocol.files import atomic_write_bytes
-from protocol.label_messages import DEFAULT_MAX_IMAGE_BYTES, NONE_OF_THESE, QUERY_MEDIA_TYPES, LabelQuery
+from protocol.label_messages import DEFAULT_MAX_IMAGE_BYTES, NO_GUESS, NONE_OF_THESE, QUERY_MEDIA_TYPES, LabelQuery
 from protocol.sqlite_store import Schema, open_store, statements, transaction
 
 QUEUE_FOLDER = "labelling"
@@ -26,7 +26,7 @@ IMAGES = "images"
 FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG"}
 SUFFIXES = {"image/png": ".png", "image/jpeg": ".jpg"}
 MAX_PIXELS = 4096 * 4096
-DEVICE_ROADS = ("page", "labels.csv")  # the roads a device answers by besides the queue (edge_agent.data.answers)
+DEVICE_ROADS = ("page", "labels.csv")  # the roads a device answers by besides the queue (edge_agent.data.query_store)
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS queries (device TEXT NOT NULL, query_id TEXT NOT NULL, media_type TEXT NOT NULL, "
     "image_bytes INTEGER NOT NULL, guess INTEGER NOT NULL, probability REAL NOT NULL, uncertainty REAL NOT NULL, "
@@ -297,7 +297,7 @@ class LabelQueue:
     def add(self, query: LabelQuery, device: str) -> QueueRefusal | None:
         """Queues a device's query (its image written first, then its row); None when queued or already there."""
         valid_ids = wire.IDENTIFIER.fullmatch(query.query_id) and query.device_id == device
-        if not valid_ids or not -1 <= query.guess < len(self.class_names):
+        if not valid_ids or not (query.guess == NO_GUESS or 0 <= query.guess < len(self.class_names)):
             return QueueRefusal.BAD_QUERY
         refusal = image_refusal(query.image, query.media_type, self.limits)
         if refusal is not None:

@@ -1,5 +1,5 @@
 # --labelling central: a field device sends each query's image and the model's guess to its fleet's labelling queue
-# and takes the people's answers and corrections back into its answer book (the one answer path), acknowledging each
+# and takes the people's answers and corrections back into its query store (the one answer path), acknowledging each
 # once stored.
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from pathlib import Path
 
 from PIL import Image
 
-from edge_agent.data.answers import Delivery, LabelKind, Road
 from edge_agent.data.device_data import DeviceData
 from edge_agent.data.oracle import Guess
-from edge_agent.field.folder_oracle import FolderOracle, Query
+from edge_agent.data.query_store import Delivery, LabelKind, Query, Road
+from edge_agent.field.folder_oracle import FolderOracle
 from protocol import label_messages, topics, wire
 from protocol.bounds import SCORE_RANGE, UNIT_RANGE, clamped
 from protocol.label_signing import sign, signature_valid
@@ -26,7 +26,8 @@ from protocol.supervision import Health, MessageGuard, SupervisedThread
 
 log = logging.getLogger(__name__)
 
-SCAN_SECONDS = 1.0
+LABELS_CSV_SECONDS = 1.0  # how often labels.csv's size and time are looked at (it is read when they change)
+NO_GUESS = Guess(label_messages.NO_GUESS, 0.0, 0.0, 0.0)  # what a query asked without the model's guess carries
 RESEND_SECONDS = 30.0
 MEDIA_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}
 PART = "labelling-link"
@@ -52,13 +53,15 @@ def query_image(path: Path, max_side: int | None) -> tuple[bytes, str]:
 
 class CentralLabelling:
     """The device's side of the fleet's labelling queue, on its own thread over the agent's session (one login, one
-    session), so a round's queries go out and their answers reach the answer book while the agent's loop waits in
+    session), so a round's queries go out and their answers reach the query store while the agent's loop waits in
     the round.
 
-    Each query the queue has not confirmed (the answer book lists those it did) is published on the device's
-    queries topic at QoS 1, chunked by the session like an update, and again after `resend_seconds` (RESEND_SECONDS), doubling up to
-    an hour, until the queue's receipt comes (a queue that was not listening yet gets it later). An answer from the
-    queue is delivered to the answer book (durable) before its receipt goes back, so the queue sends it again until
+    Each query the queue has not confirmed (its record in the query store says) is published on the device's
+    queries topic at QoS 1, chunked by the session like an update, and again after `resend_seconds`
+    (RESEND_SECONDS), doubling up to an hour, until the queue's receipt comes (a queue that was not listening yet
+    gets it later). The link looks at the store when the store says something new was stored (a query asked, an
+    answer or correction given on any road) and when a resend falls due, never on a timer. An answer from the
+    queue is delivered to the query store (durable) before its receipt goes back, so the queue sends it again until
     the device has stored it (a device killed in between gets it again), and a repeated one changes nothing; a
     correction the same way (its revision receipted), replacing the label held unless a newer one came first.
 
@@ -87,6 +90,11 @@ class CentralLabelling:
         self.guard = MessageGuard(PART, self.health, None)
         self._inbox: queue.Queue[IncomingMessage] = queue.Queue()
         self._pending: IncomingMessage | None = None
+        self._news = threading.Event()  # the link's: something was stored since it last looked
+        self._untaken = threading.Event()  # the agent's: an answer or correction may wait for the labelled store
+        self._untaken.set()
+        oracle.book.store.listen(self._news.set)
+        oracle.book.store.listen(self._untaken.set)
         self._thread = SupervisedThread(PART, self._serve, self.health)
         oracle.keeps_guesses = True
 
@@ -107,7 +115,11 @@ class CentralLabelling:
         self._thread.stop()
 
     def tick(self) -> None:
-        """On the agent's thread: moves the answers and corrections stored since into the labelled store."""
+        """On the agent's thread: moves the answers and corrections stored since into the labelled store (nothing to
+        read when the store has no news)."""
+        if not self._untaken.is_set():
+            return
+        self._untaken.clear()
         self.oracle.correct()
         indices, labels = self.oracle.collect()
         if len(indices):
@@ -119,29 +131,28 @@ class CentralLabelling:
         queue of its queries answered or corrected on the device (its page, labels.csv), so nobody labels them twice
         and the queue holds the label the device does."""
         store = self.oracle.book.store
-        queued = store.queued()
-        answered = self.oracle.book.stored_answers()
-        reported = store.reported()
-        for stored in store.answers():
-            if stored.road != Road.CENTRAL and stored.query_id in queued and stored.query_id not in reported:
-                local = label_messages.LocalAnswer(self.device_id, stored.query_id, stored.label, stored.road)
-                self._publish_receipt(session, local)
-                store.note_reported(stored.query_id)
-        for fixed in store.unreported_corrections():
+        for stored in store.unreported_local_answers():
+            local = label_messages.LocalAnswer(self.device_id, stored.query_id, stored.label, stored.road)
+            self._publish_receipt(session, local)
+            store.note_reported(stored.query_id)
+        corrections = store.unreported_corrections()
+        queued = store.queued() if corrections else set()
+        for fixed in corrections:
             if fixed.query_id in queued:
                 local = label_messages.LocalAnswer(self.device_id, fixed.query_id, fixed.label, fixed.road)
                 self._publish_receipt(session, local)
             store.note_correction_reported(fixed.query_id, fixed.label)
         now = time.monotonic()
-        for query in self.oracle.book.queries():
-            if query.query_id not in queued and query.name not in answered and self.resends.due(query.query_id, now):
+        for query in store.to_send():
+            if self.resends.due(query.query_id, now):
                 self.send(session, query)
 
     def send(self, session: MqttSession, query: Query) -> None:
         """Publishes one query and schedules its resend; a query that cannot be sent (its copy gone or unreadable,
         its image beyond the queue's bound) is logged and settled: it stays answerable on the device's own roads."""
         self.resends.sent(query.query_id)
-        guess = self.oracle.guesses.get(query.index, Guess(-1, 0.0, 0.0, 0.0))
+        self.oracle.book.store.note_sent(query.query_id)
+        guess = query.guess or NO_GUESS
         try:
             image, media_type = query_image(self.oracle.book.image_path(query), self.max_side)
             if len(image) > label_messages.DEFAULT_MAX_IMAGE_BYTES:
@@ -182,7 +193,7 @@ class CentralLabelling:
             self.store(session, received)
 
     def store(self, session: MqttSession, word: label_messages.LabelAnswer | label_messages.LabelCorrection) -> None:
-        """Stores one answer or correction from the queue in the answer book, then sends its receipt."""
+        """Stores one answer or correction from the queue in the query store, then sends its receipt."""
         try:
             delivery: Delivery | None = self.oracle.book.record_answer(
                 word.query_id, word.label, Road.CENTRAL, *recorded_fields(word)
@@ -220,9 +231,11 @@ class CentralLabelling:
 
     def _serve(self, stop: threading.Event) -> None:
         """The link's thread: messages from the queue as they come (one whose handling failed first, when the loop
-        restarts; the broker redelivers nothing while the session lives), new and due queries once a second (so a
-        round that waits for its answers has its queries out and its answers in meanwhile)."""
-        session, next_scan = self.session, 0.0
+        restarts; the broker redelivers nothing while the session lives), the store's news (new queries, answers
+        given on the device) and due resends as they come (so a round that waits for its answers has its queries
+        out and its answers in meanwhile), labels.csv looked at once a second."""
+        session, next_look = self.session, 0.0
+        self._news.set()  # (a start sends whatever waits)
         while session is not None and not stop.is_set():
             message = self._pending or self._next_message()
             if message is not None:
@@ -231,8 +244,11 @@ class CentralLabelling:
                     message.topic, message.payload, QUEUE, functools.partial(self.handle, session, message)
                 )
                 self._pending = None
-            if time.monotonic() >= next_scan:
-                next_scan = time.monotonic() + SCAN_SECONDS
+            if time.monotonic() >= next_look:
+                next_look = time.monotonic() + LABELS_CSV_SECONDS
+                self.oracle.book.read_labels_csv()
+            if self._news.is_set() or time.monotonic() >= self.resends.next_due():
+                self._news.clear()
                 self.send_due(session)
 
     def _next_message(self) -> IncomingMessage | None:
@@ -246,7 +262,7 @@ class CentralLabelling:
 def recorded_fields(
     word: label_messages.LabelAnswer | label_messages.LabelCorrection,
 ) -> tuple[str, float, LabelKind, int]:
-    """(who, when, kind, revision) of an answer or correction from the queue, as the answer book records them."""
+    """(who, when, kind, revision) of an answer or correction from the queue, as the query store records them."""
     if isinstance(word, label_messages.LabelCorrection):
         return word.corrected_by, word.corrected_at, LabelKind.CORRECTION, word.revision
     return word.answered_by, word.answered_at, LabelKind.ANSWER, 0

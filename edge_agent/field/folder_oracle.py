@@ -1,23 +1,32 @@
-# The folder oracle: queries are copied to DIR/queries/<round>/ with an index; answers and corrections, by any road, are
-# stored in DIR/answers.sqlite (labels.csv's rows delivered there as they are read).
+# The folder oracle: queries are copied to DIR/queries/<round>/ and recorded in the device's query store
+# (DIR/answers.sqlite), where answers and corrections arrive by any road (labels.csv's rows delivered as they change).
 from __future__ import annotations
 
 import csv
-import dataclasses
 import io
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from edge_agent.data.answers import ANSWERS_FILE, DECLINED, AnswerBook, Delivery, LabelKind, Road
 from edge_agent.data.device_data import DeviceData
 from edge_agent.data.oracle import Guess, Oracle
+from edge_agent.data.query_store import (
+    DECLINED,
+    INDEX_FILE,
+    INDEX_HEADER,
+    QUERIES_DIR,
+    STORE_FILE,
+    Delivery,
+    LabelKind,
+    Query,
+    QueryStore,
+    Road,
+)
 from edge_agent.field.folder_pool import folder_pool_of
 from edge_agent.learning.bundle import file_sha256
 from protocol.files import atomic_write_bytes
@@ -25,43 +34,18 @@ from protocol.model_spec import CLASS_NAMES
 
 log = logging.getLogger(__name__)
 
-QUERIES_DIR = "queries"
-INDEX_FILE = "index.csv"
 LABELS_FILE = "labels.csv"
 LABELS_HEADER = ("file", "label")
+RACY_SECONDS = 2.0  # a labels.csv changed this recently is read again even when its size and time look unchanged
 
 
-@dataclass(frozen=True)
-class Query:
-    """One image shown to a person: its copy (`<round>/<name>` under queries/), round, pool index and origin."""
-
-    file: str
-    round_id: int
-    index: int
-    sha256: str
-    source: str
-    asked_at: float
-
-    @property
-    def name(self) -> str:
-        """The copy's file name, unique across rounds: what labels.csv refers to."""
-        return Path(self.file).name
-
-    @property
-    def query_id(self) -> str:
-        """The query's key in the answer book and on the wire: its copy's name without the suffix."""
-        return Path(self.file).stem
-
-
-INDEX_FIELDS = tuple(field.name for field in dataclasses.fields(Query))
-
-
-def _csv_bytes(header: tuple[str, ...], rows: list[tuple]) -> bytes:
-    """CSV text of a header and rows."""
+def index_lines(queries: list[Query], header: bool) -> bytes:
+    """queries/index.csv's lines for these queries (its header first when `header`)."""
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(header)
-    writer.writerows(rows)
+    if header:
+        writer.writerow(INDEX_HEADER)
+    writer.writerows(query.row()[:6] for query in queries)
     return buffer.getvalue().encode()
 
 
@@ -77,14 +61,16 @@ def parse_label(value: str, class_names: tuple[str, ...]) -> int:
 
 
 class QueryBook:
-    """The files a person or labelling tool shares with the agent: queries/index.csv, the copies, labels.csv, and
-    the answer book every answer is stored in (answers.sqlite), whichever road it came by.
+    """The files a person or labelling tool shares with the agent (the copies under queries/, the list of them in
+    queries/index.csv, labels.csv) over the device's query store (answers.sqlite), which holds each query's record
+    and every answer, whichever road it came by.
 
     labels.csv has rows `file,label` (file: the copy's name or path under queries/; label: class number or name);
-    of the rows one read finds for a file the last wins, and it is delivered to the answer book, where the first
-    answer stored for a query stays; a row changed after labels.csv's answer was stored corrects it (while the label
-    the query carries is still labels.csv's: another road's later word is not undone by an old row). Bad rows are
-    logged once and skipped. Index writes are atomic.
+    of the rows one read finds for a file the last wins, and it is delivered to the store, where the first answer
+    stored for a query stays; a row changed after labels.csv's answer was stored corrects it (while the label the
+    query carries is still labels.csv's: another road's later word is not undone by an old row). The file is read
+    again only when it changed (its size or time; RACY_SECONDS after a change, each time). Bad rows are logged once
+    and skipped. index.csv is written for people and tools (a line appended per query) and never read back.
     """
 
     def __init__(self, oracle_dir: Path | str, class_names: tuple[str, ...] = CLASS_NAMES) -> None:
@@ -93,35 +79,20 @@ class QueryBook:
         self.queries_dir = self.oracle_dir / QUERIES_DIR
         self.labels_path = self.oracle_dir / LABELS_FILE
         self._reported: set[tuple[str, ...]] = set()
-        self.store = AnswerBook(self.oracle_dir / ANSWERS_FILE)
+        self._labels_seen: tuple[int, int] | None = None
+        self.store = QueryStore(self.oracle_dir / STORE_FILE)
 
     def queries(self) -> list[Query]:
         """Every query ever asked, in the order asked."""
-        path = self.queries_dir / INDEX_FILE
-        if not path.is_file():
-            return []
-        rows = list(csv.DictReader(io.StringIO(path.read_text())))
-        try:
-            return [
-                Query(
-                    row["file"],
-                    int(row["round_id"]),
-                    int(row["index"]),
-                    row["sha256"],
-                    row["source"],
-                    float(row["asked_at"]),
-                )
-                for row in rows
-            ]
-        # float() raises ValueError for a damaged query index: the file's damage, named
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}: not a query index ({exc})") from exc
+        return self.store.queries()
 
     def add(self, new_queries: list[Query]) -> None:
-        """Appends queries to the index (their copies must already be in place)."""
+        """Records queries in the store (their copies must already be in place) and lists them in index.csv."""
         if new_queries:
-            rows = [dataclasses.astuple(query) for query in self.queries() + new_queries]
-            atomic_write_bytes(self.queries_dir / INDEX_FILE, _csv_bytes(INDEX_FIELDS, rows))
+            self.store.add(new_queries)
+            index = self.queries_dir / INDEX_FILE
+            with index.open("ab") as listing:
+                listing.write(index_lines(new_queries, header=listing.tell() == 0))
 
     def image_path(self, query: Query) -> Path:
         """Where the query's copy lives."""
@@ -134,11 +105,20 @@ class QueryBook:
 
     def stored_answers(self) -> dict[str, int]:
         """Query name -> the label it carries (DECLINED included), after delivering labels.csv's new and changed
-        rows to the answer book."""
-        by_id = {query.query_id: query for query in self.queries()}
+        rows to the store."""
+        self.read_labels_csv()
+        stored = self.store.labels()
+        return {query.name: stored[query.query_id] for query in self.queries() if query.query_id in stored}
+
+    def read_labels_csv(self) -> None:
+        """Delivers labels.csv's new and changed rows to the store, when the file changed since it was last read."""
+        seen = self._labels_signature()
+        if seen is not None and seen == self._labels_seen:
+            return
+        self._labels_seen = seen
         current = self.store.current()
         for name, label in self.csv_answers().items():
-            query = by_id.get(Path(name).stem)
+            query = self.store.query(name)
             if query is None or query.name != name:
                 continue
             held = current.get(query.query_id)
@@ -146,8 +126,17 @@ class QueryBook:
                 self.store.deliver(query.query_id, label, Road.LABELS_CSV)
             elif held[1] == Road.LABELS_CSV and held[0] != label:
                 self.store.deliver(query.query_id, label, Road.LABELS_CSV, kind=LabelKind.CORRECTION)
-        stored = self.store.labels()
-        return {query.name: stored[query_id] for query_id, query in by_id.items() if query_id in stored}
+
+    def _labels_signature(self) -> tuple[int, int] | None:
+        """labels.csv's (size, time of change), or None when it must be read whatever it looks like (changed in the
+        last RACY_SECONDS: a second write in the same clock tick leaves size and time alike) or is missing."""
+        try:
+            status = self.labels_path.stat()
+        except FileNotFoundError:
+            return (-1, -1)
+        if time.time() - status.st_mtime < RACY_SECONDS:
+            return None
+        return status.st_size, status.st_mtime_ns
 
     def csv_answers(self) -> dict[str, int]:
         """Query name -> class number, from labels.csv (absent file: no answers)."""
@@ -175,8 +164,8 @@ class QueryBook:
 
     def pending(self) -> list[Query]:
         """Queries with no stored answer yet."""
-        answered = self.stored_answers()
-        return [query for query in self.queries() if query.name not in answered]
+        self.read_labels_csv()
+        return self.store.unanswered()
 
     def declined(self) -> set[int]:
         """Pool indices of the queries answered 'none of these' (never labelled, never asked again)."""
@@ -193,10 +182,10 @@ class QueryBook:
         kind: LabelKind = LabelKind.ANSWER,
         revision: int = 0,
     ) -> Delivery:
-        """Delivers one answer or correction to the answer book (durable when it returns; a repeated delivery changes
+        """Delivers one answer or correction to the store (durable when it returns; a repeated delivery changes
         nothing); `name` is the query's copy name or its id; ValueError for an unknown query or a label outside the
         classes (DECLINED: none of these)."""
-        query = next((q for q in self.queries() if name in (q.name, q.query_id)), None)
+        query = self.store.query(name)
         if query is None:
             raise ValueError(f"no query named {name[:80]!r}")
         if not (0 <= label < len(self.class_names) or label == DECLINED):
@@ -240,7 +229,7 @@ class FolderOracle(Oracle):
         self.poll_seconds = poll_seconds
         self.round_id = 0
         self.keeps_guesses = False  # set by the central labelling queue, which sends each query with its guess
-        self.guesses: dict[int, Guess] = {}
+        self._guesses: dict[int, Guess] = {}  # the guesses noted for the samples about to be asked
         self.waiting: Callable[[bool], None] = lambda waits: None
 
     def wants_guesses(self) -> bool:
@@ -248,8 +237,8 @@ class FolderOracle(Oracle):
         return self.keeps_guesses
 
     def note_guesses(self, indices: np.ndarray, guesses: list[Guess]) -> None:
-        """Keeps the model's guess of each sample about to be asked, for the query it becomes."""
-        self.guesses.update(zip(indices.tolist(), guesses))
+        """Keeps the model's guess of each sample about to be asked, for the query record it becomes."""
+        self._guesses.update(zip(indices.tolist(), guesses))
 
     def notify_wait(self, waiting: Callable[[bool], None]) -> None:
         """`waiting(True)` is called when a wait for a person's answers starts, `waiting(False)` when it ends."""
@@ -264,10 +253,12 @@ class FolderOracle(Oracle):
         self.round_id = round_id
 
     def ask(self, indices: np.ndarray) -> list[Query]:
-        """Copies the images of indices never asked before into this round's folder and indexes them."""
-        asked = {query.index for query in self.book.queries()}
+        """Copies the images of indices never asked before into this round's folder and records them (with the
+        guesses noted for them)."""
+        asked = self.book.store.asked_indices()
         new_queries = [self._copy(int(index)) for index in indices if int(index) not in asked]
         self.book.add(new_queries)
+        self._guesses.clear()
         if new_queries:
             log.info(
                 "queries written round=%d new=%d folder=%s",
@@ -280,12 +271,12 @@ class FolderOracle(Oracle):
     def pending(self) -> np.ndarray:
         """Indices asked but neither in the labelled store nor answered 'none of these'."""
         labelled = set(self.data.labelled()[0].tolist())
-        asked = {q.index for q in self.book.queries()}
+        asked = self.book.store.asked_indices()
         return np.array(sorted(asked - labelled - self.book.declined()), dtype=np.int64)
 
     def collect(self) -> tuple[np.ndarray, np.ndarray]:
         """(indices, labels) of answered queries not yet in the labelled store whose label no correction set (those
-        `correct` takes in)."""
+        `correct` takes in), noted in the store as taken."""
         answers = self.book.answers()
         corrected = self.book.store.corrected()
         labelled = set(self.data.labelled()[0].tolist())
@@ -295,10 +286,11 @@ class FolderOracle(Oracle):
             if q.name in answers and q.index not in labelled and q.query_id not in corrected
         }
         indices = np.array(sorted(found), dtype=np.int64)
+        self.book.store.note_taken(indices.tolist())
         return indices, np.array([found[i] for i in indices.tolist()], dtype=np.int64)
 
     def correct(self) -> int:
-        """Brings the labelled store in line with the answer book's corrections: a corrected label replaces the one
+        """Brings the labelled store in line with the query store's corrections: a corrected label replaces the one
         held or joins the store (tagged `correction`), a correction to 'none of these' takes the sample out, so the
         next training uses the corrected label and a corrected label counts once; how many samples changed."""
         corrected = self.book.store.corrected()
@@ -311,6 +303,7 @@ class FolderOracle(Oracle):
         changed = self.data.labels_at(indices) != wanted
         if changed.any():
             self.data.correct_labels(indices[changed], wanted[changed])
+            self.book.store.note_taken(indices[changed].tolist())
             log.info("corrections applied labels=%d", int(changed.sum()))
         return int(changed.sum())
 
@@ -319,10 +312,10 @@ class FolderOracle(Oracle):
         corrections stored meanwhile, returns everything newly answered."""
         waiting = {query.name for query in self.ask(np.asarray(indices, dtype=np.int64))}
         deadline = time.monotonic() + self.wait_seconds
-        waits = bool(waiting - set(self.book.stored_answers())) and self.wait_seconds > 0
+        waits = self._unanswered(waiting) and self.wait_seconds > 0
         if waits:
             self.waiting(True)
-        while waiting - set(self.book.stored_answers()) and time.monotonic() < deadline:
+        while self._unanswered(waiting) and time.monotonic() < deadline:
             if self.stop_event.wait(self.poll_seconds):
                 break
         if waits:
@@ -336,6 +329,10 @@ class FolderOracle(Oracle):
             len(self.pending()) - len(answered[0]),
         )
         return answered
+
+    def _unanswered(self, names: set[str]) -> bool:
+        """Whether any of these queries (by copy name) has no answer yet."""
+        return any(query.name in names for query in self.book.pending())
 
     def _copy(self, index: int) -> Query:
         """Copies the original file of a pool item (or, if it changed or vanished, its decoded image as PNG)."""
@@ -351,4 +348,4 @@ class FolderOracle(Oracle):
             buffer = io.BytesIO()
             Image.fromarray(self.data.images(np.array([index]))[0]).save(buffer, format="PNG")
             atomic_write_bytes(target, buffer.getvalue())
-        return Query(file, self.round_id, index, item.sha256, item.path, time.time())
+        return Query(file, self.round_id, index, item.sha256, item.path, time.time(), self._guesses.get(index))

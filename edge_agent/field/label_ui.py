@@ -9,8 +9,8 @@ import urllib.parse
 from http import HTTPStatus
 from typing import ClassVar
 
-from edge_agent.data.answers import DECLINED, LabelKind, Road
-from edge_agent.field.folder_oracle import Query, QueryBook
+from edge_agent.data.query_store import DECLINED, LabelKind, Query, Road
+from edge_agent.field.folder_oracle import QueryBook
 from protocol.errors import UsageError
 from protocol.http_edge import DEFAULT_LIMITS, EdgeHandler, EdgeLimits, EdgeServer, HostRule, same_origin
 from protocol.http_requests import HttpRefusal, ascii_int, form_body
@@ -94,7 +94,7 @@ class LabelHandler(EdgeHandler):
             return
         if path.startswith("/image/"):
             name = urllib.parse.unquote(path[len("/image/") :])
-            query = next((q for q in self.book.queries() if q.name == name), None)
+            query = self.book.store.query(name)
             kind = IMAGE_TYPES.get(self.book.image_path(query).suffix.lower()) if query else None
             if query is not None and kind is not None and self.book.image_path(query).is_file():
                 self.send_body(HTTPStatus.OK, self.book.image_path(query).read_bytes(), kind)
@@ -102,7 +102,7 @@ class LabelHandler(EdgeHandler):
         self.send_body(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain")
 
     def do_POST(self) -> None:
-        """Stores one answer or correction in the answer book (durable before the redirect), then sends the browser
+        """Stores one answer or correction in the query store (durable before the redirect), then sends the browser
         back; a post from another site's page (its Origin) is refused."""
         if urllib.parse.urlsplit(self.path).path != "/label":
             raise HttpRefusal(HTTPStatus.NOT_FOUND, "answers are posted to /label")

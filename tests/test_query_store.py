@@ -1,18 +1,25 @@
-# The one answer path on a device: the page, labels.csv and the central queue deliver to one answer book, keyed by
+# The one answer path on a device: the page, labels.csv and the central queue deliver to one query store, keyed by
 # query; the labelled store takes each answer once, whichever roads brought it and however often, and a correction
 # replaces the label it holds (a late older word changes nothing).
 from __future__ import annotations
 
+import os
+import sqlite3
+import time
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
 import pytest
 from test_folder_pool import camera_oracle
 
-from edge_agent.data.answers import DECLINED, AnswerBook, Delivery, LabelKind, Road
 from edge_agent.data.labelled_record import LABEL_SOURCES, LabelledRecord
-from edge_agent.field.folder_oracle import FolderOracle
+from edge_agent.data.oracle import Guess
+from edge_agent.data.query_store import DECLINED, Delivery, LabelKind, QueryStore, Road
+from edge_agent.field.folder_oracle import FolderOracle, QueryBook
 from edge_agent.field.parts import FieldWork
+from protocol.errors import UsageError
+from protocol.sqlite_store import schema_version
 
 
 @pytest.fixture()
@@ -70,10 +77,10 @@ def test_bad_answers_are_refused_and_store_nothing(oracle: FolderOracle) -> None
 
 
 def test_a_stored_answer_survives_reopening(tmp_path: Path) -> None:
-    book = AnswerBook(tmp_path / "answers.sqlite")
+    book = QueryStore(tmp_path / "answers.sqlite")
     assert book.deliver("q1", 4, Road.CENTRAL, "ana", 5.0) is Delivery.STORED
     book.close()
-    again = AnswerBook(tmp_path / "answers.sqlite")
+    again = QueryStore(tmp_path / "answers.sqlite")
     assert [(a.query_id, a.label, a.road, a.answered_by, a.answered_at) for a in again.answers()] == [
         ("q1", 4, "central", "ana", 5.0)
     ]
@@ -154,3 +161,66 @@ def test_a_field_devices_scan_applies_its_own_pages_correction_before_the_next_a
     oracle.book.record_answer(query.name, 6, kind=LabelKind.CORRECTION)
     FieldWork(oracle.data, 0.0, oracle=oracle).tick(None, 1, None)  # the agent's loop, between rounds
     assert record_of(oracle) == {query.index: (6, "correction")}
+
+
+def test_a_query_keeps_its_guess_and_its_life_in_one_record_across_a_restart(tmp_path: Path) -> None:
+    oracle = camera_oracle(tmp_path, 4)
+    oracle.start_round(1)
+    oracle.note_guesses(np.array([1]), [Guess(7, 0.625, 0.25, 0.5)])
+    first, second = oracle.ask(np.array([0, 1]))
+    oracle.book.store.note_sent(second.query_id)
+    oracle.book.store.note_queued(second.query_id)
+    oracle.book.record_answer(second.name, 7)
+    oracle.data.add_labels(*oracle.collect())
+    oracle.book.store.close()
+    again = QueryBook(tmp_path / "labelling")  # the agent started again
+    assert [query.guess for query in again.queries()] == [None, Guess(7, 0.625, 0.25, 0.5)]
+    assert again.store.queued() == {second.query_id} and [q.name for q in again.pending()] == [first.name]
+    with closing(sqlite3.connect(again.store.path)) as connection:
+        sent, taken = connection.execute(
+            "SELECT sent_at, taken_at FROM queries WHERE query_id = ?", (second.query_id,)
+        ).fetchone()
+    assert sent is not None and taken is not None, "sent and taken into the labelled store: on the same record"
+
+
+def test_index_csv_lists_the_queries_for_people_and_is_never_read_back(tmp_path: Path) -> None:
+    oracle = camera_oracle(tmp_path, 5)
+    oracle.start_round(1)
+    oracle.ask(np.arange(4))
+    index = oracle.book.queries_dir / "index.csv"
+    lines = index.read_text().splitlines()
+    assert lines[0] == "file,round_id,index,sha256,source,asked_at" and len(lines) == 5
+    oracle.start_round(2)
+    oracle.ask(np.array([4]))
+    assert index.read_text().splitlines()[:5] == lines and len(index.read_text().splitlines()) == 6, "appended"
+    index.write_text("damaged\n")
+    assert len(oracle.book.queries()) == 5 and oracle.pending().tolist() == [0, 1, 2, 3, 4]
+
+
+def test_labels_csv_rewritten_within_one_clock_tick_is_read_again(oracle: FolderOracle) -> None:
+    query = oracle.book.queries()[0]
+    oracle.book.labels_path.write_text(f"{query.name},1\n")
+    assert oracle.book.answers() == {query.name: 1}
+    oracle.book.labels_path.write_text(f"{query.name},2\n")  # same size, likely the same mtime
+    assert oracle.book.answers() == {query.name: 2}
+    stamp = time.time() - 60
+    os.utime(oracle.book.labels_path, (stamp, stamp))
+    assert oracle.book.answers() == {query.name: 2}
+
+
+def test_a_damaged_index_of_0_1_0_stops_the_upgrade_in_one_line_and_changes_nothing(tmp_path: Path) -> None:
+    folder = tmp_path / "labelling"
+    (folder / "queries").mkdir(parents=True)
+    (folder / "queries" / "index.csv").write_text("file,round_id,index,sha256,source,asked_at\n1/a.png,x,0,s,a.png,1\n")
+    with closing(sqlite3.connect(folder / "answers.sqlite")) as connection:  # a 0.1.0 store, stamped by nothing
+        connection.execute(
+            "CREATE TABLE answers (query_id TEXT PRIMARY KEY, label INTEGER NOT NULL, road TEXT NOT "
+            "NULL, answered_by TEXT NOT NULL, answered_at REAL NOT NULL, stored_at REAL NOT NULL)"
+        )
+    with pytest.raises(UsageError, match=r"index.csv: not a query index .*was not upgraded") as refused:
+        QueryBook(folder)
+    assert len(str(refused.value).splitlines()) == 1
+    with closing(sqlite3.connect(folder / "answers.sqlite")) as connection:
+        assert schema_version(connection) == 2, "the steps before the damaged one stand; the queries step did not"
+        names = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert "queries" not in names and {"queued", "reported"} <= names
