@@ -79,7 +79,7 @@ def fill_queue(broker: EmbeddedBroker, images: list[bytes], devices: int) -> lis
     for number in range(devices):
         session = MqttSession(broker.address, client_id=f"cam-{number:02d}")
         session.connect()
-        session.subscribe(topics.LABEL_ANSWERS.build(fleet=FLEET, device=f"cam-{number:02d}"))
+        session.subscribe(topics.LABELLING_DOWN.build(fleet=FLEET, device=f"cam-{number:02d}"))
         sessions.append(session)
     for position, image in enumerate(images):
         device = f"cam-{position % devices:02d}"
@@ -101,7 +101,7 @@ def receipts(sessions: list[MqttSession]) -> int:
             if isinstance(received, label_messages.LabelAnswer):
                 receipt = label_messages.AnswerReceipt(f"cam-{number:02d}", received.query_id)
                 session.publish(
-                    topics.LABEL_RECEIPTS.build(fleet=FLEET, device=f"cam-{number:02d}"), wire.encode(receipt)
+                    topics.LABELLING_UP.build(fleet=FLEET, device=f"cam-{number:02d}"), wire.encode(receipt)
                 )
                 sent += 1
     return sent

@@ -118,10 +118,11 @@ SECAGG_UP = Topic("fl/{fleet}/devices/{device}/secagg")  # a device's secure-agg
 SECAGG_DOWN = Topic("fl/{fleet}/devices/{device}/secagg_in")  # the coordinator's stage messages to one device
 PREDICTIONS = Topic("fl/{fleet}/devices/{device}/predictions")  # a device's predictions, batched, when the fleet asks
 LABEL_QUERIES = Topic("fl/{fleet}/devices/{device}/queries")  # central labelling: a device's query images, chunked
-LABEL_RECEIPTS = Topic("fl/{fleet}/devices/{device}/answered")  # central labelling: a device's receipts of answers
-LABEL_ANSWERS = Topic(
-    "fl/{fleet}/devices/{device}/answers"
-)  # central labelling: answers and query receipts to one device
+# central labelling's two conversations beside the queries, named as secure aggregation's are: what a device says to
+# the desk (its receipts of answers and corrections, answers given on the device) and what the desk says to one
+# device (its receipts of queries, people's answers and corrections)
+LABELLING_UP = Topic("fl/{fleet}/devices/{device}/labelling")
+LABELLING_DOWN = Topic("fl/{fleet}/devices/{device}/labelling_in")
 DEVICE_OWN = Topic("fl/{fleet}/devices/{device}/{leaf}")  # any topic of one device: what it may write
 FLEET_ALL = Topic("fl/{fleet}/{rest}")  # any topic of one fleet: what its coordinator may read and write
 
@@ -160,19 +161,20 @@ CHUNKS = ChunkTopic()
 def device_acl(fleet: str) -> list[str]:
     """The mosquitto ACL lines of a fleet's devices: each writes only under its own topics and reads only the
     round, the serving version, the models, their bundles and backbones, the encoders, its own acks, its own
-    secure-aggregation messages and its own label answers (each with the chunks a large message takes)."""
-    readable = (ACK, SECAGG_DOWN, LABEL_ANSWERS, ROUND, SERVING, MODEL, BUNDLE, BACKBONE, ENCODER)
+    secure-aggregation messages and the labelling desk's word to it (each with the chunks a large message takes)."""
+    readable = (ACK, SECAGG_DOWN, LABELLING_DOWN, ROUND, SERVING, MODEL, BUNDLE, BACKBONE, ENCODER)
     reads = [name for pattern in readable for name in CHUNKS.with_chunks(pattern.acl(fleet=fleet))]
     return [f"pattern write {DEVICE_OWN.acl(fleet=fleet)}", *(f"pattern read {name}" for name in reads)]
 
 
 def labelling_acl(fleet: str) -> list[str]:
     """The mosquitto ACL topic lines of a fleet's labelling desk (its own login: least privilege): it reads every
-    device's queries and answer receipts and writes every device's answers (each with its chunks), nothing else."""
-    reads = (LABEL_QUERIES, LABEL_RECEIPTS)
+    device's queries and its word to the desk, and writes the desk's word to every device (each with its chunks),
+    nothing else."""
+    reads = (LABEL_QUERIES, LABELLING_UP)
     return [
         *(f"topic read {pattern.filter(fleet=fleet)}/{MULTI_LEVEL}" for pattern in reads),
-        f"topic write {LABEL_ANSWERS.filter(fleet=fleet)}/{MULTI_LEVEL}",
+        f"topic write {LABELLING_DOWN.filter(fleet=fleet)}/{MULTI_LEVEL}",
     ]
 
 

@@ -120,8 +120,8 @@ def _example(kind: type, rng: random.Random) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
-DEVICE_TOPICS = ("update", "status", "predictions", "secagg", "queries", "answered")  # what a device may write
-DEVICE_READS = ("devices/cam-a/answers", "devices/cam-a/ack", "devices/cam-a/secagg_in", "round", "serving")
+DEVICE_TOPICS = ("update", "status", "predictions", "secagg", "queries", "labelling")  # what a device may write
+DEVICE_READS = ("devices/cam-a/labelling_in", "devices/cam-a/ack", "devices/cam-a/secagg_in", "round", "serving")
 
 
 @pytest.mark.integration

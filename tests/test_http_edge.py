@@ -306,7 +306,7 @@ def test_a_flood_of_idle_connections_leaves_a_real_desk_its_descriptors_and_it_s
         fds, threads = fds_and_threads(desk.pid)
         assert fds <= before[0] + 64 + 4 and threads <= before[1] + 64 + 2, (before, fds, threads)
         device = sessions(module_broker.address, "cam-9")
-        device.subscribe(topics.LABEL_ANSWERS.build(fleet=FLEET, device="cam-9"))
+        device.subscribe(topics.LABELLING_DOWN.build(fleet=FLEET, device="cam-9"))
         query = LabelQuery("cam-9", "q9", png(), "image/png", 1.0, 1, 0.7, 0.3, 0.5)
         receipt = None
         for _ in range(10):

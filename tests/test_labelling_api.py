@@ -40,7 +40,7 @@ def served(tmp_path: Path, broker, sessions) -> Iterator[tuple[str, LabelQueue, 
     for query_id in ("q1", "q2"):
         queue.add(LabelQuery("cam-1", query_id, png(), "image/png", 1.0, 1, 0.7, 0.3, 0.5), "cam-1")
     device = sessions(broker.address, "cam-1")
-    device.subscribe(topics.LABEL_ANSWERS.build(fleet=FLEET, device="cam-1"))
+    device.subscribe(topics.LABELLING_DOWN.build(fleet=FLEET, device="cam-1"))
     desk = LabellingDesk(FLEET, sessions(broker.address, "desk", manual_ack=True), queue).start()
     with Dashboard(ListenAddress("127.0.0.1", 0), tmp_path / "run", None, TOKEN, desk) as dashboard:
         yield dashboard.url, queue, device
@@ -168,7 +168,7 @@ def test_a_run_serves_the_labelling_page_on_its_dashboard_beside_its_rounds(tmp_
 
     settings = ServerSettings(run_dir=tmp_path / "run", fleet=FLEET)
     device = sessions(broker.address, "cam-1")
-    device.subscribe(topics.LABEL_ANSWERS.build(fleet=FLEET, device="cam-1"))
+    device.subscribe(topics.LABELLING_DOWN.build(fleet=FLEET, device="cam-1"))
     heard: list[tuple[str, object]] = []
 
     def rounds(address) -> None:
@@ -251,7 +251,7 @@ def test_a_person_labels_by_enter_undo_search_grid_and_correction_on_the_page(tm
     devices = {}
     for name in ("cam-1", "cam-2"):
         devices[name] = sessions(broker.address, name)
-        devices[name].subscribe(topics.LABEL_ANSWERS.build(fleet=FLEET, device=name))
+        devices[name].subscribe(topics.LABELLING_DOWN.build(fleet=FLEET, device=name))
     desk = LabellingDesk(FLEET, sessions(broker.address, "desk", manual_ack=True), queue).start()
     try:
         with (

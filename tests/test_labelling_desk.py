@@ -18,7 +18,6 @@ from test_folder_pool import camera_oracle, write_png
 from coordinator.labelling.desk import LabellingDesk
 from coordinator.labelling.queue import LabelQueue, QueueLimits
 from edge_agent.data.fashion_mnist import load_fashion_mnist
-from edge_agent.data.oracle import guesses_of
 from edge_agent.data.query_store import LabelKind
 from edge_agent.field.central import CentralLabelling, query_image
 from edge_agent.field.folder_oracle import FolderOracle, QueryBook
@@ -27,6 +26,7 @@ from edge_agent.field.parts import StreamAcquirer
 from edge_agent.field.stream import BudgetSettings
 from edge_agent.learning.learner_choice import make_learner
 from edge_agent.learning.models import build_model, get_weights
+from edge_agent.learning.predict import guesses_of
 from edge_agent.learning.sampling import make_sampler
 from edge_agent.loop.acquisition import Acquirer
 from edge_agent.loop.agent import LatestModel, health_counts
@@ -134,7 +134,7 @@ def test_a_downscaled_query_image_is_a_png_within_its_side(tmp_path: Path) -> No
 
 def test_bad_queries_get_bounded_refusals_and_the_desk_goes_on(tmp_path: Path, broker, desk, sessions) -> None:
     attacker = sessions(broker.address, "cam-x")
-    attacker.subscribe(topics.LABEL_ANSWERS.build(fleet=FLEET, device="cam-x"))
+    attacker.subscribe(topics.LABELLING_DOWN.build(fleet=FLEET, device="cam-x"))
     topic = topics.LABEL_QUERIES.build(fleet=FLEET, device="cam-x")
     good = io.BytesIO()
     Image.fromarray(np.zeros((8, 8), dtype=np.uint8)).save(good, format="PNG")
@@ -180,9 +180,9 @@ def test_an_answer_waits_for_a_device_whose_session_expired_and_a_stray_one_is_s
     device.step()  # the agent's next tick applies it
     assert device.data.labelled()[0].tolist() == [device.oracle.book.queries()[0].index]
     receipts = sessions(broker.address, "receipts")
-    receipts.subscribe(topics.LABEL_RECEIPTS.build(fleet=FLEET, device=DEVICE))
+    receipts.subscribe(topics.LABELLING_UP.build(fleet=FLEET, device=DEVICE))
     stray = label_messages.LabelAnswer("never-asked", 1, "ana", 1.0)
-    receipts.publish(topics.LABEL_ANSWERS.build(fleet=FLEET, device=DEVICE), wire.encode(stray))
+    receipts.publish(topics.LABELLING_DOWN.build(fleet=FLEET, device=DEVICE), wire.encode(stray))
     receipt = wire.decode(receipts.next_message(timeout=10).payload, label_messages.AnswerReceipt)
     assert (receipt.query_id, receipt.stored) == ("never-asked", False), "refused, and settled all the same"
     assert len(device.oracle.book.store.answers()) == 1
@@ -259,9 +259,9 @@ def test_a_correction_reaches_the_device_store_once_and_its_receipt_settles_it(
     wait_until(lambda: desk.queue.get(DEVICE, second.query_id).label == 3, "the queue told of it")
     assert desk.queue.undelivered_corrections() == [] and desk.queue.status(time.time()).corrections == 2
     receipts = sessions(broker.address, "receipts")
-    receipts.subscribe(topics.LABEL_RECEIPTS.build(fleet=FLEET, device=DEVICE))
+    receipts.subscribe(topics.LABELLING_UP.build(fleet=FLEET, device=DEVICE))
     stray = label_messages.LabelCorrection("never-asked", 1, 3, "mallory", 1.0)
-    receipts.publish(topics.LABEL_ANSWERS.build(fleet=FLEET, device=DEVICE), wire.encode(stray))
+    receipts.publish(topics.LABELLING_DOWN.build(fleet=FLEET, device=DEVICE), wire.encode(stray))
     receipt = wire.decode(receipts.next_message(timeout=10).payload, label_messages.CorrectionReceipt)
     assert (receipt.query_id, receipt.revision, receipt.stored) == ("never-asked", 3, False), "refused, settled"
     assert not desk.queue.correction_delivered(DEVICE, "never-asked", 3), "the desk knows no such correction"
@@ -334,7 +334,7 @@ def test_a_link_whose_store_fails_restarts_sets_the_answer_aside_and_says_so(tmp
         device.oracle.book.store._conn.close()
         desk = sessions(broker.address, "labelling-desk")
         answer = label_messages.LabelAnswer(query_id, 3, "ana", 1.7e9)
-        desk.publish(topics.LABEL_ANSWERS.build(fleet=FLEET, device=DEVICE), wire.encode(answer))
+        desk.publish(topics.LABELLING_DOWN.build(fleet=FLEET, device=DEVICE), wire.encode(answer))
         wait_until(lambda: health_counts(device.central.health)[1] == 1, "the answer set aside after three tries")
         assert health_counts(device.central.health)[0] >= 2, "each failure restarted the link (its scans fail too)"
         assert device.central._thread.alive, "the link goes on"
@@ -342,3 +342,8 @@ def test_a_link_whose_store_fails_restarts_sets_the_answer_aside_and_says_so(tmp
         assert part.last_error.startswith("ProgrammingError: Cannot operate on a closed database")
     finally:
         device.close()
+
+
+def test_a_one_class_spec_guesses_without_dividing_by_log_one() -> None:
+    (guess,) = guesses_of(np.ones((3, 1, 1)), None)
+    assert (guess.label, guess.probability, guess.uncertainty, guess.score) == (0, 1.0, 0.0, 0.0)

@@ -138,7 +138,7 @@ def attacked(tmp_path: Path) -> Iterator[tuple[EmbeddedBroker, PlainClient]]:
     """A broker and the attacker's plain client on it, reading what the desk sends the device it claims to be."""
     with EmbeddedBroker(tmp_path / "broker") as broker:
         attacker = PlainClient(broker.port, SENDER)
-        attacker.client.subscribe(f"fl/{FLEET}/devices/{SENDER}/answers", qos=1)
+        attacker.client.subscribe(f"fl/{FLEET}/devices/{SENDER}/labelling_in", qos=1)
         try:
             yield broker, attacker
         finally:
@@ -220,7 +220,7 @@ def test_a_forged_answer_with_a_non_finite_time_leaves_the_device_link_working(t
                 forged = packed(
                     "label_answer", query_id=asked[0], label=1, answered_by="mallory", answered_at=float("nan")
                 )
-                forger.send(f"fl/{FLEET}/devices/cam-a/answers", forged)
+                forger.send(f"fl/{FLEET}/devices/cam-a/labelling_in", forged)
                 _answer(url, "cam-a", asked[0], 5)
                 wait_for(lambda: labelled(state) == {index_of(state, asked[0]): 5}, 30, "the person's answer stored")
                 assert processes[0].poll() is None
@@ -309,13 +309,13 @@ def test_in_a_secured_fleet_only_the_desks_signed_answers_count(tmp_path: Path, 
                 packed("label_correction", **change),
                 wire.encode(sign(LabelCorrection(**change), own_key, FLEET, "cam-00")),
             ):
-                forger.publish(f"fl/{FLEET}/devices/cam-00/answers", payload, qos=1).wait_for_publish(10)
+                forger.publish(f"fl/{FLEET}/devices/cam-00/labelling_in", payload, qos=1).wait_for_publish(10)
             receipt = packed("answer_receipt", device_id="cam-00", query_id=asked[0], stored=True)
             other = load_credentials(secured_fleet / "coordinator.json")  # the one other login that writes receipts
             forger.disconnect()
             forger.username_pw_set(other.username, other.password)
             assert forger.reconnect() == 0
-            forger.publish(f"fl/{FLEET}/devices/cam-00/answered", receipt, qos=1).wait_for_publish(10)
+            forger.publish(f"fl/{FLEET}/devices/cam-00/labelling", receipt, qos=1).wait_for_publish(10)
             _answer(url, "cam-00", asked[0], 5)
             wait_for(lambda: labelled(state) == {index_of(state, asked[0]): 5}, 30, "the person's answer stored")
             refused = 'fl_labelling_refused_total{device="cam-00",kind="bad_signature"}'

@@ -225,19 +225,19 @@ def test_a_device_reads_its_own_acks_and_the_round_but_not_another_device_acks(p
 
 def test_the_labelling_login_reads_queries_and_receipts_and_writes_answers_only(plain_broker, fleet_dir) -> None:
     desk = login(plain_broker.address, fleet_dir, "labelling")
-    for topic in (topics.LABEL_QUERIES, topics.LABEL_RECEIPTS, topics.UPDATE):
+    for topic in (topics.LABEL_QUERIES, topics.LABELLING_UP, topics.UPDATE):
         desk.client.subscribe(topic.filter(fleet=FLEET), qos=1)
         assert desk.expect("suback")[1] == 1
     device = login(plain_broker.address, fleet_dir, "dev-00")
-    for topic in (topics.LABEL_QUERIES, topics.LABEL_RECEIPTS, topics.UPDATE):
+    for topic in (topics.LABEL_QUERIES, topics.LABELLING_UP, topics.UPDATE):
         device.client.publish(topic.build(fleet=FLEET, device="dev-00"), topic.template.encode(), qos=1)
         assert device.expect("puback")[1] == 0
     assert sorted(m[2] for m in desk.messages()) == sorted(
-        [topics.LABEL_QUERIES.template.encode(), topics.LABEL_RECEIPTS.template.encode()]
+        [topics.LABEL_QUERIES.template.encode(), topics.LABELLING_UP.template.encode()]
     ), "no update reaches the labelling desk"
-    device.client.subscribe(topics.LABEL_ANSWERS.build(fleet=FLEET, device="dev-00"), qos=1)
+    device.client.subscribe(topics.LABELLING_DOWN.build(fleet=FLEET, device="dev-00"), qos=1)
     assert device.expect("suback")[1] == 1
-    desk.client.publish(topics.LABEL_ANSWERS.build(fleet=FLEET, device="dev-00"), b"answer", qos=1)
+    desk.client.publish(topics.LABELLING_DOWN.build(fleet=FLEET, device="dev-00"), b"answer", qos=1)
     assert desk.expect("puback")[1] == 0
     for forbidden in (topics.ROUND.build(fleet=FLEET), topics.UPDATE.build(fleet=FLEET, device="dev-00")):
         desk.client.publish(forbidden, b"forged", qos=1)

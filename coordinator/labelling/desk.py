@@ -58,7 +58,7 @@ class LabellingDesk:
         self._thread = SupervisedThread(PART, self._serve, self.health)
         self.router: topics.Router = topics.Router()
         self.router.add(topics.LABEL_QUERIES.bind(fleet=fleet), self.on_query)
-        self.router.add(topics.LABEL_RECEIPTS.bind(fleet=fleet), self.on_receipt)
+        self.router.add(topics.LABELLING_UP.bind(fleet=fleet), self.on_receipt)
 
     def start(self) -> LabellingDesk:
         """Subscribes and starts the thread."""
@@ -148,7 +148,7 @@ class LabellingDesk:
         it)."""
         key = None if self.keys is None else self.keys.get(device)
         signed = message if key is None else sign(message, key, self.fleet, device)
-        self.session.publish(topics.LABEL_ANSWERS.build(fleet=self.fleet, device=device), wire.encode(signed))
+        self.session.publish(topics.LABELLING_DOWN.build(fleet=self.fleet, device=device), wire.encode(signed))
 
     def resend_due(self) -> None:
         """Sends every undelivered answer and correction whose time has come (all of them at the first call, and an

@@ -58,16 +58,3 @@ class Guess:
     probability: float
     uncertainty: float
     score: float
-
-
-def guesses_of(probs: np.ndarray, scores: np.ndarray | None) -> list[Guess]:
-    """One Guess per sample of MC-dropout probabilities (passes, samples, classes); the uncertainty stands in for
-    a score the sampler did not give."""
-    mean = probs.mean(axis=0)
-    entropy = -(mean * np.log(np.clip(mean, 1e-12, 1.0))).sum(axis=1) / np.log(mean.shape[1])
-    labels = mean.argmax(axis=1)
-    worth = entropy if scores is None else scores
-    return [
-        Guess(int(label), float(mean[row, label]), float(entropy[row]), float(worth[row]))
-        for row, label in enumerate(labels)
-    ]

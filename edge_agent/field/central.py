@@ -107,7 +107,7 @@ class CentralLabelling:
         """Reads the device's answers topic of the agent's session (diverted to this link's thread, before the
         session connects) and starts the thread."""
         self.session = session
-        session.divert(topics.LABEL_ANSWERS.build(fleet=self.fleet, device=self.device_id), self._inbox.put)
+        session.divert(topics.LABELLING_DOWN.build(fleet=self.fleet, device=self.device_id), self._inbox.put)
         self._thread.start()
 
     def close(self) -> None:
@@ -227,7 +227,7 @@ class CentralLabelling:
     ) -> None:
         """Publishes a receipt or local answer to the desk, signed with this device's labelling key when it has one."""
         signed = message if self.key is None else sign(message, self.key, self.fleet, self.device_id)
-        session.publish(topics.LABEL_RECEIPTS.build(fleet=self.fleet, device=self.device_id), wire.encode(signed))
+        session.publish(topics.LABELLING_UP.build(fleet=self.fleet, device=self.device_id), wire.encode(signed))
 
     def _serve(self, stop: threading.Event) -> None:
         """The link's thread: messages from the queue as they come (one whose handling failed first, when the loop

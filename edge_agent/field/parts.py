@@ -10,7 +10,6 @@ import numpy as np
 
 from edge_agent.data.device_data import DeviceData
 from edge_agent.data.image_files import InputSpec
-from edge_agent.data.oracle import guesses_of
 from edge_agent.data.predictions_log import PREDICTIONS_FOLDER, PredictionLog
 from edge_agent.field.central import CentralLabelling
 from edge_agent.field.field_options import FieldSettings
@@ -23,7 +22,7 @@ from edge_agent.learning.head_learner import device_prefix
 from edge_agent.learning.heuristics import Heuristic
 from edge_agent.learning.learner import Learner
 from edge_agent.learning.learner_choice import make_learner
-from edge_agent.learning.predict import ServingModel
+from edge_agent.learning.predict import ServingModel, guesses_of
 from edge_agent.learning.sampling import make_sampler
 from edge_agent.loop.agent import LatestModel
 from edge_agent.loop.agent_settings import AgentSettings

@@ -6,6 +6,7 @@ from typing import Protocol
 
 import numpy as np
 
+from edge_agent.data.oracle import Guess
 from edge_agent.learning.bundle import Bundle
 
 
@@ -47,3 +48,16 @@ def verdicts(probabilities: np.ndarray) -> Verdicts:
     entropy = -(mean * np.log(np.clip(mean, 1e-12, 1.0))).sum(axis=1)
     scale = np.log(mean.shape[1]) if mean.ndim == 2 and mean.shape[1] > 1 else 1.0
     return Verdicts(classes.astype(np.int64), np.clip(chosen, 0.0, 1.0), np.clip(entropy / scale, 0.0, 1.0))
+
+
+def guesses_of(probabilities: np.ndarray, scores: np.ndarray | None) -> list[Guess]:
+    """The model's guess of each sample asked (its verdict) from MC-dropout outputs (passes, N, C), with the
+    sampler's score where it scores each sample, else the uncertainty in its place."""
+    seen = verdicts(probabilities)
+    worth = seen.uncertainties if scores is None else scores
+    return [
+        Guess(int(label), float(probability), float(uncertainty), float(score))
+        for label, probability, uncertainty, score in zip(
+            seen.classes, seen.probabilities, seen.uncertainties, worth, strict=True
+        )
+    ]

@@ -7,10 +7,11 @@ from functools import cache
 import numpy as np
 
 from edge_agent.data.device_data import DeviceData
-from edge_agent.data.oracle import Guess, Oracle, guesses_of
+from edge_agent.data.oracle import Guess, Oracle
 from edge_agent.learning.encoder import OnnxEncoder
 from edge_agent.learning.heuristics import AcquisitionContext, Embeddings, Heuristic, Sampler
 from edge_agent.learning.learner import Learner
+from edge_agent.learning.predict import guesses_of
 from edge_agent.loop.agent_settings import AgentSettings, device_seed
 from edge_agent.loop.footprint import PhaseMeter
 from edge_agent.loop.round_inputs import RoundModels, mc_probabilities
