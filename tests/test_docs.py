@@ -98,3 +98,68 @@ def test_the_site_builds_in_strict_mode(tmp_path: Path) -> None:
 def test_the_protocol_page_names_every_rejection_kind() -> None:
     protocol = (ROOT / "docs" / "protocol.md").read_text()
     assert [kind.value for kind in RejectionKind if f"`{kind.value}`" not in protocol] == []
+
+
+ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
+RUNTIME_ROOMS = ("protocol", "edge_agent", "export", "coordinator", "bench")
+ROOM_HEADING = re.compile(r"^### `(\w+)/`$")
+MODULE_ROW = re.compile(r"^\| `([\w/]+)` \|")
+LONGEST_CELL = 300
+
+
+def runtime_modules() -> list[str]:
+    """Every module of the runtime rooms, dotted (a package's `__init__` is the package, not a module of its own)."""
+    return sorted(
+        ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        for room in RUNTIME_ROOMS
+        for path in (ROOT / room).rglob("*.py")
+        if path.stem != "__init__"
+    )
+
+
+def module_rows(page: str) -> list[str]:
+    """The module each row of a page's room tables names, dotted: the room from the `### `room/`` heading above it."""
+    rows, room = [], None
+    for line in page.splitlines():
+        heading = ROOM_HEADING.match(line)
+        if heading or line.startswith("## "):
+            room = heading.group(1) if heading else None
+        row = MODULE_ROW.match(line)
+        if room and row:
+            rows.append(f"{room}.{row.group(1).replace('/', '.')}")
+    return rows
+
+
+def test_the_architecture_page_has_exactly_one_row_per_runtime_module() -> None:
+    modules, rows = runtime_modules(), module_rows(ARCHITECTURE.read_text())
+    assert {"without a row": sorted(set(modules) - set(rows)), "not a module": sorted(set(rows) - set(modules))} == {
+        "without a row": [],
+        "not a module": [],
+    }
+    assert sorted({row for row in rows if rows.count(row) > 1}) == []
+
+
+def test_the_row_reader_sees_rooms_rows_and_the_end_of_a_room() -> None:
+    page = "### `edge_agent/`\n| module | job |\n| `loop/agent` | x |\n## Decisions\n| `loop/outbox` | y |\n"
+    assert module_rows(page) == ["edge_agent.loop.agent"]
+
+
+def test_no_table_cell_of_the_architecture_page_runs_long() -> None:
+    cells = [
+        cell.strip()
+        for line in ARCHITECTURE.read_text().splitlines()
+        if line.startswith("|")
+        for cell in re.split(r"(?<!\\)\|", line.strip("|"))
+    ]
+    assert [cell[:80] for cell in cells if len(cell) > LONGEST_CELL] == []
+
+
+def test_the_readme_layout_names_every_room_and_inner_room() -> None:
+    layout = README.read_text().split("## Layout", 1)[1].split("```")[1]
+    rooms = [f"{room}/" for room in RUNTIME_ROOMS] + [
+        f"{path.name}/"
+        for room in ("protocol", "edge_agent", "coordinator")
+        for path in sorted((ROOT / room).iterdir())
+        if (path / "__init__.py").exists()
+    ]
+    assert [room for room in rooms if not re.search(rf"(?<![\w/]){room}", layout)] == []
