@@ -146,8 +146,13 @@ def test_a_corrupt_or_non_image_file_is_dropped_with_its_reason(tmp_path: Path, 
 def test_a_class_the_spec_does_not_name_is_refused_by_name_unless_ignored(tmp_path: Path, spec: ModelSpec) -> None:
     tree = photo_tree(tmp_path / "photos")
     photo_tree(tree, 3, ["dgo"])
-    with pytest.raises(UsageError, match=r"class 'dgo' \(3 files\) is not a class of site.toml \['cat', 'dog', "):
+    with pytest.raises(
+        UsageError, match=r"class 'dgo' \(3 files\) is not a class of site.toml \['cat', 'dog', "
+    ) as refused:
         build(tree, spec)
+    assert str(refused.value).endswith(
+        "rename it, or leave it out with `fl-coordinator dataset --ignore-unknown-classes`"
+    )
     site = build(tree, spec, ignore_unknown=True)
     assert outcomes(site)["dgo/00.png"] == ("dropped", "class 'dgo' is not in site.toml")
     assert len(site.dataset.train_labels) + len(site.dataset.test_labels) == PER_CLASS * 5

@@ -69,7 +69,8 @@ def known_classes(
         count = sum(listed.class_name == first for listed in unknown)
         raise UsageError(
             f"{where}: class {shown(first)} ({count} files){more} is not a class of {spec_name} "
-            f"{shown_names(list(class_names), 5)}; rename it, or give --ignore-unknown-classes to leave it out"
+            f"{shown_names(list(class_names), 5)}; rename it, or leave it out with "
+            "`fl-coordinator dataset --ignore-unknown-classes`"
         )
     rows = [dropped(listed, f"class {shown(listed.class_name)} is not in {spec_name}") for listed in unknown]
     return [listed for listed in files if listed.class_name in names], rows
