@@ -56,6 +56,12 @@ FL_COORDINATOR = CommandLine(
             STOPS,
         ),
         Command(
+            "dataset",
+            "build the server's labelled images (--dataset's .npz) from photo folders or a CSV, with a report",
+            "coordinator.commands.dataset",
+            STOPS,
+        ),
+        Command(
             "encoder",
             "fit FAST's frozen encoder (PCA) on unlabelled images and write its ONNX",
             "coordinator.commands.encoder",

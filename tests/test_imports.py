@@ -93,6 +93,8 @@ TORCH_FREE = (
     "edge_agent.score_command",
     "edge_agent.predict_command",
     "edge_agent.data.image_files",
+    # `fl-coordinator dataset`: a team's photos into the server's data set, decoded as a device decodes them
+    "coordinator.commands.dataset",
 )
 
 

@@ -170,7 +170,8 @@ def add_server_data_options(parser: argparse.ArgumentParser) -> None:
         "--dataset",
         type=Path,
         help="the fleet's own labelled images as .npz (train_images, train_labels, test_images, test_labels), "
-        "shaped as the model spec says; W0, selection and test accuracy come from it",
+        "shaped as the model spec says, or a folder of class folders or a CSV of path,class, built as "
+        "`fl-coordinator dataset` builds it by default; W0, selection and test accuracy come from it",
     )
     server.add_argument(
         "--init-samples",

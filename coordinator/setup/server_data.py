@@ -1,7 +1,9 @@
 # The server's data: its labelled images split into W0's samples, the selection split and the rest; W0; the evaluator.
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -10,6 +12,8 @@ from coordinator.rounds.evaluation import Evaluator, LabelledSplit
 from coordinator.rounds.holdout import server_holdout, split_sizes
 from coordinator.rounds.serving import W0_ACCURACY, W0_CLASS_ACCURACY
 from coordinator.setup.settings import ServerSettings
+from coordinator.setup.site_images import DEFAULT_SEED, DEFAULT_TEST_SHARE, build_site_dataset, is_image_source
+from coordinator.setup.site_report import headline
 from coordinator.storage.pretrained import merge_initial_weights, read_weight_file
 from coordinator.storage.store import RunStore
 from coordinator.strategies.registry import make_strategy
@@ -19,8 +23,10 @@ from edge_agent.learning.models import get_weights, set_weights
 from edge_agent.learning.pretrained_backbone import initial_model
 from edge_agent.learning.training import TrainSettings, train_supervised
 from protocol.errors import UsageError
-from protocol.model_spec import CLASS_NAMES
+from protocol.model_spec import CLASS_NAMES, ModelSpec
 from protocol.tensors import Weights
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -37,10 +43,14 @@ def load_server_data(settings: ServerSettings) -> ServerData:
     """Loads the data set (a fleet's own .npz, else Fashion-MNIST) and reserves the server's init and validation
     samples from its training split."""
     spec = settings.spec
-    if settings.dataset is not None:
+    if settings.dataset is not None and is_image_source(settings.dataset):
+        dataset = photos_dataset(settings.dataset, spec)
+    elif settings.dataset is not None:
         dataset = load_npz_dataset(settings.dataset, spec.image_shape, spec.num_classes)
     elif spec.image_shape != (28, 28) or spec.num_classes != len(CLASS_NAMES):
-        raise UsageError("a model spec other than 28x28 grey with 10 classes needs --dataset FILE.npz")
+        raise UsageError(
+            "a model spec other than 28x28 grey with 10 classes needs --dataset (an .npz, a photo folder or a CSV)"
+        )
     else:
         dataset = load_fashion_mnist(settings.data_dir)
     selects = make_strategy(settings.strategy, **settings.strategy_options).needs_evaluation
@@ -54,6 +64,23 @@ def load_server_data(settings: ServerSettings) -> ServerData:
     rng = np.random.default_rng(settings.init.seed)
     init, validation, rest = server_holdout(dataset.train_labels, sizes.init, sizes.validation, rng, spec.num_classes)
     return ServerData(dataset, init, validation, rest)
+
+
+def photos_dataset(source: Path, spec: ModelSpec) -> ImageDataset:
+    """A folder tree or CSV given as --dataset, built in memory as `fl-coordinator dataset` builds it with its
+    default split; what was left out is logged (that command writes the per-file report)."""
+    site = build_site_dataset(source, spec, "the model spec", DEFAULT_TEST_SHARE, DEFAULT_SEED)
+    log.info("dataset built source=%s %s", source, headline(site))
+    left_out = site.left_out()
+    if left_out:
+        log.warning(
+            "dataset files left out source=%s count=%d first=%s reason=%s (fl-coordinator dataset reports each)",
+            source,
+            len(left_out),
+            left_out[0].file[:80],
+            left_out[0].reason,
+        )
+    return site.dataset
 
 
 def split_line(settings: ServerSettings, data: ServerData) -> str:

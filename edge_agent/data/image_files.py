@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from edge_agent.data.image_arrays import IMAGE_SHAPE, model_input
 from protocol.errors import FalError, UsageError
@@ -23,6 +23,8 @@ MAX_PIXELS = 50_000_000
 MAX_INPUT_SIDE = 4096
 REASON_CHARS = 160
 SHOWN_SKIPPED = 10
+ORIENTATION_TAG = 0x0112  # EXIF: how the camera held the sensor; 5..8 turn the picture a quarter
+SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I")  # a 16-bit grey PNG's modes (0..65535)
 
 
 class UnreadableImageError(FalError, ValueError):
@@ -126,8 +128,24 @@ def _refusal(image: Image.Image) -> str | None:
     return None
 
 
+def _upright(image: Image.Image) -> Image.Image:
+    """The image as the camera's EXIF orientation says it was held (2..8: mirrored or turned); else as it is,
+    without a copy. (A PNG's EXIF is read with its pixels: call it only past the pixel guard.)"""
+    return ImageOps.exif_transpose(image) if image.getexif().get(ORIENTATION_TAG) in range(2, 9) else image
+
+
+def _eight_bit(image: Image.Image) -> Image.Image:
+    """A 16-bit grey image scaled to 8-bit grey (65535 -> 255; Pillow's own conversion clips at 255); any other
+    image as it is."""
+    if image.mode not in SIXTEEN_BIT_MODES:
+        return image
+    return image.convert("I").point(lambda value: value / 257 + 0.5).convert("L")
+
+
 def decode_image(path: Path, spec: InputSpec) -> np.ndarray:
-    """A JPEG or PNG file -> uint8 array of spec.record_shape (converted to L or RGB, resized bilinearly).
+    """A JPEG or PNG file -> uint8 array of spec.record_shape: turned upright by its EXIF orientation, a 16-bit
+    grey image scaled to 8 bits, converted to L or RGB (CMYK, palette, grey and alpha images alike; alpha is
+    dropped), resized bilinearly. Devices and the server's data set decode with it, so both see a photo alike.
 
     A JPEG is decoded at the smallest draft scale that still covers the target size, so a camera's photo costs
     a fraction of its full resolution; the pixel guard is applied to what would actually be decoded.
@@ -136,11 +154,13 @@ def decode_image(path: Path, spec: InputSpec) -> np.ndarray:
         with Image.open(path) as image:
             mode = "L" if spec.channels == 1 else "RGB"
             if image.format == "JPEG":
-                image.draft(mode, (spec.width, spec.height))
+                turned = image.getexif().get(ORIENTATION_TAG) in range(5, 9)
+                image.draft(mode, (spec.height, spec.width) if turned else (spec.width, spec.height))
             problem = _refusal(image)
             if problem is not None:
                 raise UnreadableImageError(path, problem)
-            converted = image.convert(mode).resize((spec.width, spec.height), Image.Resampling.BILINEAR)
+            upright = _eight_bit(_upright(image))
+            converted = upright.convert(mode).resize((spec.width, spec.height), Image.Resampling.BILINEAR)
             return np.asarray(converted, dtype=np.uint8)
     except UnreadableImageError:
         raise
