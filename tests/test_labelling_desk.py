@@ -132,6 +132,15 @@ def test_a_downscaled_query_image_is_a_png_within_its_side(tmp_path: Path) -> No
     assert query_image(path, None) == (path.read_bytes(), "image/jpeg")
 
 
+def test_a_downscaled_query_image_is_upright_as_its_exif_orientation_says(tmp_path: Path) -> None:
+    path = tmp_path / "rotated.jpg"
+    exif = Image.Exif()
+    exif[0x0112] = 6  # the camera was turned: the stored 300x200 picture shows as 200x300
+    Image.fromarray(np.zeros((200, 300, 3), dtype=np.uint8)).save(path, format="JPEG", exif=exif)
+    data, _ = query_image(path, 150)
+    assert Image.open(io.BytesIO(data)).size == (100, 150)
+
+
 def test_bad_queries_get_bounded_refusals_and_the_desk_goes_on(tmp_path: Path, broker, desk, sessions) -> None:
     attacker = sessions(broker.address, "cam-x")
     attacker.subscribe(topics.LABELLING_DOWN.build(fleet=FLEET, device="cam-x"))

@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from PIL import Image
+from PIL import Image, ImageOps
 
 from edge_agent.data.device_data import DeviceData
 from edge_agent.data.oracle import Guess
@@ -38,12 +38,12 @@ QUEUE = "labelling-queue"  # who the link's messages come from, as its set-aside
 
 def query_image(path: Path, max_side: int | None) -> tuple[bytes, str]:
     """A query's image as sent: the file as captured, or (with `max_side`, or a type the queue does not take) a PNG
-    no larger than max_side on either side."""
+    no larger than max_side on either side, turned upright by its EXIF orientation."""
     media_type = MEDIA_TYPES.get(path.suffix.lower())
     if max_side is None and media_type is not None:
         return path.read_bytes(), media_type
-    with Image.open(path) as image:
-        image.load()
+    with Image.open(path) as opened:
+        image = ImageOps.exif_transpose(opened)  # upright, as the file shows (the PNG carries no orientation)
         if max_side is not None:
             image.thumbnail((max_side, max_side))
         buffer = io.BytesIO()
