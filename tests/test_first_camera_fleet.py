@@ -9,15 +9,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from bench.camera_console import logged_predictions
-from bench.camera_fleet import FleetSettings, PeopleAtThePage, build_fleet
+from bench.camera_fleet import SERVER_FILE, SPEC_FILE, FleetSettings, PeopleAtThePage, build_fleet
 from bench.camera_path import CameraSite, CentralLabelling, guide_command, run_camera_site, with_values
 from bench.camera_scenes import parse_classes
 from coordinator.fleet.broker import free_loopback_port
 from coordinator.storage.store import RunStore
 from edge_agent.data.image_arrays import ImageDataset
 from protocol.messages import WAITING_FOR_ANSWERS
+from protocol.model_spec import load_model_spec
 
 CLASSES = "sneaker=Sneaker,sandal=Sandal,coat=Coat,pullover=Pullover,shirt=Shirt"
 DEVICES = 4
@@ -50,25 +52,48 @@ def test_a_site_changes_only_values_of_flags_the_guide_has() -> None:
         with_values(guide_command("coordinator"), {"--quorum": "3"})
 
 
+def labelled_photo_folders(server: Path, spec: Path, out: Path) -> Path:
+    """The server's labelled images as a team has them: one folder of PNG photos per class name."""
+    class_names = load_model_spec(spec).spec.class_names
+    with np.load(server) as data:
+        images = np.concatenate([data["train_images"], data["test_images"]])
+        labels = np.concatenate([data["train_labels"], data["test_labels"]])
+    for number, (image, label) in enumerate(zip(images, labels, strict=True)):
+        folder = out / class_names[int(label)]
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image).save(folder / f"photo-{number:03d}.png")
+    return out
+
+
 @pytest.mark.integration
-def test_the_guides_commands_train_a_fleet_of_other_classes(tmp_path: Path, fashion: ImageDataset) -> None:
+def test_the_guides_commands_train_a_fleet_of_other_classes_from_a_folder_of_photos(
+    tmp_path: Path, fashion: ImageDataset
+) -> None:
     fleet_dir = tmp_path / "fleet"
     settings = FleetSettings(
         DEVICES, parse_classes(CLASSES), per_class=10, test_per_class=10, size=64, seed=7, server_per_class=8
     )
     build_fleet(fleet_dir, settings, fashion)
+    photos = labelled_photo_folders(fleet_dir / SERVER_FILE, fleet_dir / SPEC_FILE, tmp_path / "labelled")
+    values = {
+        "--images": str(photos),
+        "--model-spec": str(fleet_dir / SPEC_FILE),
+        "--out": str(fleet_dir / SERVER_FILE),
+    }
+    built = subprocess.run(with_values(guide_command("dataset"), values), capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0 and "Traceback" not in built.stderr, built.stdout + built.stderr
     site = CameraSite(fleet_dir, tmp_path, free_loopback_port(), DEVICES, ROUNDS, labels=10)
     codes = run_camera_site(site, timeout=300)
     out = (tmp_path / "coordinator.out").read_text()
     assert codes == [0] * (DEVICES + 1), out + (tmp_path / "coordinator.log").read_text()[-3000:]
-    assert "server data: W0 trains on 40 of server.npz's 40 labelled images, none kept for selection" in out
-    assert "after each round the global model is measured on 50 test images; devices' own models are not" in out
-    assert re.search(r"W0 test accuracy 0\.\d{4} \(trained on the server's 40 labelled images\)", out)
+    assert "server data: W0 trains on 70 of server.npz's 70 labelled images, none kept for selection" in out
+    assert "after each round the global model is measured on 20 test images; devices' own models are not" in out
+    assert re.search(r"W0 test accuracy 0\.\d{4} \(trained on the server's 70 labelled images\)", out)
     assert f"embedded broker listening at mqtt://127.0.0.1:{site.port}" in out
     for round_id in range(1, ROUNDS + 1):
         line = next(line for line in out.splitlines() if line.startswith(f"round {round_id:>3}/{ROUNDS}"))
         assert re.search(r"global acc 0\.\d{4}", line), line
-        assert f"(server 40 + devices {DEVICES * 10 * round_id})" in line, line
+        assert f"(server 70 + devices {DEVICES * 10 * round_id})" in line, line
         assert re.search(r"peak RSS \d+ MB \(cam-\d\)", line), line
     agent_log = (tmp_path / "cam-0.log").read_text()
     assert "the profile's storage_path /var/lib/edge-agent is not used" in agent_log
