@@ -13,7 +13,7 @@ H = TypeVar("H")
 
 PARAMETER = re.compile(r"^\{([a-z_]+)\}$")
 # What an identifier check calls each parameter in its error.
-LABELS = {"fleet": "fleet", "device": "device id", "hash": "hash", "leaf": "leaf"}
+LABELS = {"fleet": "fleet", "device": "device id", "hash": "hash", "leaf": "leaf", "prefix": "discovery prefix"}
 SINGLE_LEVEL = "+"
 MULTI_LEVEL = "#"
 # mosquitto's ACL stand-in for the connected client's username (a device's login is its device id).
@@ -124,6 +124,11 @@ LABEL_ANSWERS = Topic(
 )  # central labelling: answers and query receipts to one device
 DEVICE_OWN = Topic("fl/{fleet}/devices/{device}/{leaf}")  # any topic of one device: what it may write
 FLEET_ALL = Topic("fl/{fleet}/{rest}")  # any topic of one fleet: what its coordinator may read and write
+# The Home Assistant bridge (fl-coordinator ha-bridge), outside the fleet's fl/ tree: JSON for tools that read JSON.
+HA_DISCOVERY = Topic("{prefix}/sensor/{node}/{object}/config")  # retained: one camera's HA MQTT discovery config
+HA_STATE = Topic("edge-fal/{fleet}/{device}/state")  # retained: a device's latest prediction as JSON
+HA_AVAILABILITY = Topic("edge-fal/{fleet}/{device}/availability")  # retained: "online" or "offline", from its status
+HA_BRIDGE = Topic("edge-fal/{fleet}/bridge")  # retained: the bridge's own "online", "offline" its last will
 
 
 @dataclass(frozen=True)
