@@ -26,9 +26,12 @@ from coordinator.bridge.home_assistant import (
     prediction_state,
 )
 from coordinator.cli import main
+from coordinator.fleet.broker import EmbeddedBroker
+from coordinator.fleet.provision import broker_config_lines, provision
 from edge_agent.loop.agent import last_will
 from edge_agent.loop.agent_settings import AgentSettings
 from protocol import messages, topics, wire
+from protocol.credentials import Credentials, load_credentials
 from protocol.prediction_messages import BatchError, PredictionBatch, check_batch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,6 +40,7 @@ CLASSES = ("empty", "person", "forklift", "pallet")
 FLEET = "plant"
 WAIT = 20.0
 HA_ID = re.compile(r"^[a-zA-Z0-9_-]+$")
+VIEWED = ("homeassistant/#", "edge-fal/#")
 CONFIG_KEYS = {
     "name",
     "unique_id",
@@ -69,10 +73,13 @@ class HomeAssistantView:
     """A plain paho client that reads what Home Assistant reads: subscribed to `homeassistant/#` and the bridge's
     `edge-fal/#` (retain flags as published), keeping each topic's latest payload and retain flag."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, login: Credentials | None = None, filters: tuple[str, ...] = VIEWED) -> None:
         self.seen: dict[str, tuple[bytes, bool]] = {}
         self.lock = threading.Lock()
+        self.filters = filters
         self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id="home-assistant", protocol=paho.MQTTv5)
+        if login is not None:
+            self.client.username_pw_set(login.username, login.password)
         self.client.on_connect = self.on_connect
         self.client.on_message = self.on_message
         self.client.connect("127.0.0.1", port)
@@ -80,7 +87,7 @@ class HomeAssistantView:
 
     def on_connect(self, client, userdata, flags, reason_code, properties) -> None:
         options = SubscribeOptions(qos=1, retainAsPublished=True)
-        client.subscribe([("homeassistant/#", options), ("edge-fal/#", options)])
+        client.subscribe([(name, options) for name in self.filters])
 
     def on_message(self, client, userdata, message) -> None:
         with self.lock:
@@ -124,21 +131,23 @@ def home_assistant(broker):
 
 
 def start_bridge(broker, log_file: Path, processes: list, *options: str) -> subprocess.Popen:
-    """`fl-coordinator ha-bridge` on the test's broker, logging at info to `log_file`."""
-    command = [sys.executable, "-m", "coordinator", "ha-bridge", "--broker", broker.address.url, "--fleet", FLEET]
+    """`fl-coordinator ha-bridge` on the test's broker, logging at info to `log_file` (the fleet: FLEET, unless the
+    options name a credential file)."""
+    fleet = [] if "--credentials" in options else ["--fleet", FLEET]
+    command = [sys.executable, "-m", "coordinator", "ha-bridge", "--broker", broker.address.url, *fleet]
     with open(log_file, "ab") as stream:
         process = subprocess.Popen([*command, "--log-level", "info", *options], stdout=stream, stderr=subprocess.STDOUT)
     processes.append(process)
     return process
 
 
-def publish_status(session, device: str, state: str, profile: str = "") -> None:
+def publish_status(session, device: str, state: str, profile: str = "", fleet: str = FLEET) -> None:
     status = messages.Status(device, state, 1.0, profile=profile)
-    session.publish(topics.STATUS.build(fleet=FLEET, device=device), wire.encode(status), retain=True)
+    session.publish(topics.STATUS.build(fleet=fleet, device=device), wire.encode(status), retain=True)
 
 
-def publish_batch(session, device: str, payload: bytes) -> None:
-    session.publish(topics.PREDICTIONS.build(fleet=FLEET, device=device), payload)
+def publish_batch(session, device: str, payload: bytes, fleet: str = FLEET) -> None:
+    session.publish(topics.PREDICTIONS.build(fleet=fleet, device=device), payload)
 
 
 def expected_state(batch: PredictionBatch) -> dict[str, Any]:
@@ -304,3 +313,62 @@ def test_the_bridge_publishes_its_sensors_again_after_a_broker_restart_that_lost
     publish_batch(devices, "cam-1", wire.encode(later))
     wait_until(lambda: again.state(where.state("cam-1"))["class_name"] == "forklift", "a prediction after", WAIT)
     assert "republished=3" in log_file.read_text()
+
+
+def test_on_a_provisioned_fleet_the_bridge_and_home_assistant_log_in_with_their_own_acl(
+    tmp_path: Path, processes, sessions
+) -> None:
+    """`provision` writes ha-bridge.json and home-assistant.json: with the fleet's passwords and ACL on mosquitto the
+    bridge (its fleet from its credential file) reads a device's status and predictions and publishes the sensor,
+    Home Assistant's login reads it, and a device's login cannot write a discovery config."""
+    secure = provision("site", 1, tmp_path / "secure", prefix="cam")
+    lines = tuple(line for line in broker_config_lines(secure) if not line.startswith(("cafile", "certfile")))
+    with EmbeddedBroker(tmp_path / "broker", extra_config=lines) as broker:
+        device_login = load_credentials(secure.device_credentials("cam-00"))
+        device = sessions(device_login.apply_to(broker.address), "cam-00")
+        publish_status(device, "cam-00", "idle", fleet="site")
+        bridge_file = secure.folder / "ha-bridge.json"
+        bridge = start_bridge(broker, tmp_path / "bridge.log", processes, "--credentials", str(bridge_file))
+        view = HomeAssistantView(
+            broker.port, load_credentials(secure.folder / "home-assistant.json"), ("homeassistant/#", "edge-fal/site/#")
+        )
+        try:
+            where = SensorTopics("site")
+            wait_until(lambda: where.discovery("cam-00") in view.configs(), "the camera's config", WAIT)
+            device.publish(where.discovery("cam-01"), b"{}", retain=True)  # refused by the ACL: never seen
+            publish_batch(device, "cam-00", wire.encode(predictions("cam-00", [(1, 0.9, 0.1, 1.0)])), fleet="site")
+            wait_until(lambda: view.state(where.state("cam-00")) is not None, "the camera's state", WAIT)
+            assert view.state(where.state("cam-00"))["class_name"] == "person"
+            assert list(view.configs()) == [where.discovery("cam-00")]  # the forgery came before the batch
+        finally:
+            view.close()
+        bridge.send_signal(signal.SIGTERM)
+        assert wait_exit(bridge, "the bridge", WAIT) == 0
+
+
+NODE_RED_FLOW = re.compile(r"\*\*Node-RED\.\*\*.*?```json\n(.*?)```", re.DOTALL)
+
+
+def test_the_node_red_flow_in_the_docs_imports_and_reads_the_state_topics_the_bridge_publishes() -> None:
+    """docs/inference.md's flow parses as a Node-RED export: an `mqtt in` node whose topic matches every camera's
+    state topic, wired to a `json` node, then a `switch` and a `debug` node, every wire naming a node of the flow;
+    and the page names each topic the bridge publishes."""
+    page = (ROOT / "docs" / "inference.md").read_text()
+    found = NODE_RED_FLOW.search(page)
+    assert found is not None
+    nodes = {node["id"]: node for node in json.loads(found.group(1))}
+    by_type = {node["type"]: node for node in nodes.values()}
+    assert {"mqtt in", "mqtt-broker", "json", "switch", "debug"} <= set(by_type)
+    reader = by_type["mqtt in"]
+    where = SensorTopics("plant-a")
+    assert all(paho.topic_matches_sub(reader["topic"], where.state(device)) for device in ("cam-07", "cam.2"))
+    assert not paho.topic_matches_sub(reader["topic"], where.availability("cam-07"))
+    assert reader["broker"] == by_type["mqtt-broker"]["id"]
+    assert all(target in nodes for node in nodes.values() for output in node.get("wires", []) for target in output)
+    assert reader["wires"] == [[by_type["json"]["id"]]] and by_type["json"]["wires"] == [[by_type["switch"]["id"]]]
+    assert by_type["switch"]["wires"] == [[by_type["debug"]["id"]]]
+    assert by_type["switch"]["property"] == "payload.class_name"
+    for pattern in (topics.HA_DISCOVERY, topics.HA_STATE, topics.HA_AVAILABILITY, topics.HA_BRIDGE):
+        shown = pattern.template.replace("{prefix}", "homeassistant").replace("{node}", "edge-fal_{fleet}")
+        shown = shown.replace("{object}", "{device}").replace("{", "<").replace("}", ">")
+        assert f"`{shown}`" in page, shown

@@ -13,7 +13,7 @@ from protocol.bounds import TIME_RANGE
 from protocol.prediction_messages import UNCERTAIN, PredictionBatch
 from protocol.release import VERSION
 
-DEFAULT_DISCOVERY_PREFIX = "homeassistant"
+DEFAULT_DISCOVERY_PREFIX = topics.HA_DISCOVERY_PREFIX
 ONLINE = "online"
 OFFLINE = "offline"  # a device's state in its last will, and what its availability then says
 MANUFACTURER = "edge-fal"
