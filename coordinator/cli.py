@@ -19,6 +19,12 @@ FL_COORDINATOR = CommandLine(
             STOPS,
         ),
         Command(
+            "ha-bridge",
+            "republish the fleet's predictions as Home Assistant sensors (MQTT discovery, JSON states)",
+            "coordinator.commands.ha_bridge",
+            STOPS,
+        ),
+        Command(
             "provision",
             "write a fleet's broker passwords, ACL, device credentials, HMAC keys (and TLS files)",
             "coordinator.commands.provision",

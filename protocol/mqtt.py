@@ -269,6 +269,7 @@ class MqttSession:
         self._session_expiry = session_expiry
         self._subscriptions = Subscriptions()
         self._connected = threading.Event()
+        self._connections = 0
         window = ack_window if manual_ack else None  # (see protocol.backlog: the broker may not hold to it)
         self.backlog: Backlog[IncomingMessage] = Backlog(window, hold_seconds=keepalive / 3)
         self._client = paho_client(address, client_id, manual_ack, last_will)
@@ -300,6 +301,12 @@ class MqttSession:
     def connected(self) -> bool:
         """Whether the session is connected right now."""
         return self._connected.is_set()
+
+    @property
+    def connections(self) -> int:
+        """How many times the session has connected (each reconnect adds one): an owner that keeps retained messages
+        on the broker watches it to publish them again where a broker restarted without its store."""
+        return self._connections
 
     def subscribe(self, topic: str, qos: int = 1) -> None:
         """Subscribes (to the topic and its chunks) now and again after every reconnect."""
@@ -378,6 +385,7 @@ class MqttSession:
             "mqtt connected client=%s broker=%s session_present=%s max_packet_bytes=%s",
             *(self.client_id, self.address.url, flags.session_present, self.chunking.announced),
         )
+        self._connections += 1
         self._connected.set()
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:

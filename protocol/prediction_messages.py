@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -47,9 +48,10 @@ class PredictionBatch:
         return [{**head, **dict(zip(keys, values))} for values in zip(*columns)]
 
 
-def check_batch(batch: PredictionBatch) -> PredictionBatch:
+def check_batch(batch: PredictionBatch, class_names: Sequence[str] = ()) -> PredictionBatch:
     """The batch if its columns have one length (at most MAX_BATCH), indices are non-negative and probabilities and
-    uncertainties lie in [0, 1]; else BatchError with a bounded reason."""
+    uncertainties lie in [0, 1], and, given the fleet's `class_names`, each index names one of them by its name;
+    else BatchError with a bounded reason."""
     lengths = {len(getattr(batch, name)) for name in COLUMNS}
     if len(lengths) != 1:
         raise BatchError(f"prediction columns differ in length: {sorted(lengths)[:5]}")
@@ -59,7 +61,18 @@ def check_batch(batch: PredictionBatch) -> PredictionBatch:
         raise BatchError("a serving version or class index is negative")
     if not all(_unit(value) for value in (*batch.probabilities, *batch.uncertainties)):
         raise BatchError("a probability or uncertainty lies outside [0, 1]")
+    if class_names:
+        check_classes(batch, class_names)
     return batch
+
+
+def check_classes(batch: PredictionBatch, class_names: Sequence[str]) -> None:
+    """BatchError unless every class index is below len(class_names) and its name is the one the fleet gives it."""
+    for index, name in zip(batch.class_indices, batch.class_names):
+        if index >= len(class_names):
+            raise BatchError(f"class index {index} is not below the fleet's {len(class_names)} classes")
+        if name != class_names[index]:
+            raise BatchError(f"class {index} is named {str(name)[:40]!r}, not {class_names[index][:40]!r}")
 
 
 def _unit(value: float) -> bool:

@@ -13,7 +13,7 @@ H = TypeVar("H")
 
 PARAMETER = re.compile(r"^\{([a-z_]+)\}$")
 # What an identifier check calls each parameter in its error.
-LABELS = {"fleet": "fleet", "device": "device id", "hash": "hash", "leaf": "leaf"}
+LABELS = {"fleet": "fleet", "device": "device id", "hash": "hash", "leaf": "leaf", "prefix": "discovery prefix"}
 SINGLE_LEVEL = "+"
 MULTI_LEVEL = "#"
 # mosquitto's ACL stand-in for the connected client's username (a device's login is its device id).
@@ -125,6 +125,13 @@ LABELLING_UP = Topic("fl/{fleet}/devices/{device}/labelling")
 LABELLING_DOWN = Topic("fl/{fleet}/devices/{device}/labelling_in")
 DEVICE_OWN = Topic("fl/{fleet}/devices/{device}/{leaf}")  # any topic of one device: what it may write
 FLEET_ALL = Topic("fl/{fleet}/{rest}")  # any topic of one fleet: what its coordinator may read and write
+# The Home Assistant bridge (fl-coordinator ha-bridge), outside the fleet's fl/ tree: JSON for tools that read JSON.
+HA_DISCOVERY_PREFIX = "homeassistant"  # Home Assistant's default MQTT discovery prefix
+HA_DISCOVERY = Topic("{prefix}/sensor/{node}/{object}/config")  # retained: one camera's HA MQTT discovery config
+HA_STATE = Topic("edge-fal/{fleet}/{device}/state")  # retained: a device's latest prediction as JSON
+HA_AVAILABILITY = Topic("edge-fal/{fleet}/{device}/availability")  # retained: "online" or "offline", from its status
+HA_BRIDGE = Topic("edge-fal/{fleet}/bridge")  # retained: the bridge's own "online", "offline" its last will
+HA_FLEET_ALL = Topic("edge-fal/{fleet}/{rest}")  # everything the bridge publishes for one fleet: what its readers read
 
 
 @dataclass(frozen=True)
@@ -176,6 +183,34 @@ def labelling_acl(fleet: str) -> list[str]:
         *(f"topic read {pattern.filter(fleet=fleet)}/{MULTI_LEVEL}" for pattern in reads),
         f"topic write {LABELLING_DOWN.filter(fleet=fleet)}/{MULTI_LEVEL}",
     ]
+
+
+def ha_bridge_acl(fleet: str, discovery_prefix: str = HA_DISCOVERY_PREFIX) -> list[str]:
+    """The mosquitto ACL topic lines of a fleet's Home Assistant bridge (its own login): it reads every device's
+    status and predictions (each with its chunks) and writes the cameras' discovery configs, states and availability
+    and its own availability, nothing else."""
+    reads = [name for pattern in (STATUS, PREDICTIONS) for name in CHUNKS.with_chunks(pattern.filter(fleet=fleet))]
+    return [
+        *(f"topic read {name}" for name in reads),
+        *(f"topic write {name}" for name in _ha_topics(fleet, discovery_prefix)),
+    ]
+
+
+def home_assistant_acl(fleet: str, discovery_prefix: str = HA_DISCOVERY_PREFIX) -> list[str]:
+    """The mosquitto ACL topic lines of Home Assistant's (or Node-RED's) login on a fleet's broker: it reads its
+    discovery prefix (it subscribes to all of it) and everything the bridge publishes for the fleet, and writes its
+    birth message (<prefix>/status); nothing of the fleet's own topics."""
+    return [
+        f"topic read {discovery_prefix}/{MULTI_LEVEL}",
+        f"topic read {HA_FLEET_ALL.acl(fleet=fleet)}",
+        f"topic write {discovery_prefix}/status",
+    ]
+
+
+def _ha_topics(fleet: str, discovery_prefix: str) -> list[str]:
+    """The filters of every topic the Home Assistant bridge publishes for a fleet."""
+    discovery = HA_DISCOVERY.filter(prefix=discovery_prefix)
+    return [discovery, HA_STATE.filter(fleet=fleet), HA_AVAILABILITY.filter(fleet=fleet), HA_BRIDGE.build(fleet=fleet)]
 
 
 class Router(Generic[H]):

@@ -234,7 +234,7 @@ COORDINATOR_LEVELS = (
     ("strategies", "storage", "fleet"),
     ("intake",),
     ("rounds", "labelling"),
-    ("privacy", "secure", "asynchronous", "dashboard"),
+    ("privacy", "secure", "asynchronous", "dashboard", "bridge"),
     ("setup",),
     ("server",),
     ("relay",),

@@ -139,13 +139,15 @@ def test_provision_writes_private_secrets_and_mosquitto_compatible_hashes(fleet_
         "labelling-keys.json",
         "coordinator.json",
         "labelling.json",
+        "ha-bridge.json",
+        "home-assistant.json",
         "devices/dev-01.json",
     ]
     secrets.append("tls/ca.key")
     for secret in [*secrets, "tls/broker.key"]:
         assert stat.S_IMODE((fleet_dir / secret).stat().st_mode) == 0o600, secret
     users = [line.split(":")[0] for line in (fleet_dir / "passwd").read_text().splitlines()]
-    assert users == ["coordinator", "labelling", "dev-00", "dev-01", "dev-02"]
+    assert users == ["coordinator", "labelling", "ha-bridge", "home-assistant", "dev-00", "dev-01", "dev-02"]
     keys = json.loads((fleet_dir / "keys.json").read_text())
     credentials = load_credentials(fleet_dir / "devices" / "dev-01.json")
     assert credentials.hmac_key.hex() == keys["dev-01"] and len(credentials.hmac_key) == 32

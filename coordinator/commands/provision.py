@@ -43,4 +43,9 @@ def run(args: argparse.Namespace) -> int:
         f"--credentials {secure.folder / 'labelling.json'} ...",
         file=sys.stderr,
     )
+    print(
+        f"home assistant bridge: fl-coordinator ha-bridge --broker URL --credentials {secure.folder / 'ha-bridge.json'}"
+        f" (Home Assistant's own login: {secure.folder / 'home-assistant.json'})",
+        file=sys.stderr,
+    )
     return 0

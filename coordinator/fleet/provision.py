@@ -20,7 +20,9 @@ from protocol.label_signing import labelling_key
 
 COORDINATOR_USERNAME = "coordinator"
 LABELLING_USERNAME = "labelling"  # the labelling desk's own login (`fl-coordinator labelling serve --credentials`)
-SERVICE_USERNAMES = (COORDINATOR_USERNAME, LABELLING_USERNAME)
+HA_BRIDGE_USERNAME = "ha-bridge"  # the Home Assistant bridge's own login (`fl-coordinator ha-bridge --credentials`)
+HOME_ASSISTANT_USERNAME = "home-assistant"  # Home Assistant's or Node-RED's login: reads what the bridge writes
+SERVICE_USERNAMES = (COORDINATOR_USERNAME, LABELLING_USERNAME, HA_BRIDGE_USERNAME, HOME_ASSISTANT_USERNAME)
 PASSWORD_ITERATIONS = 101  # what mosquitto_passwd 2.0 writes for its $7$ (PBKDF2-SHA512) hashes
 DEFAULT_TLS_HOSTS = ("localhost", "127.0.0.1")
 LABELLING_KEYS = "labelling-keys.json"  # the labelling desk's keys, beside its labelling.json
@@ -95,12 +97,16 @@ def password_hash(password: str, salt: bytes | None = None) -> str:
 
 def acl_text(fleet: str) -> str:
     """The coordinator may do anything in the fleet; the labelling desk reads the devices' queries and receipts and
-    writes their answers; a device writes only under its own topics (by username, %u, never the spoofable client
+    writes their answers; the Home Assistant bridge reads their status and predictions and writes its sensors'
+    topics, which Home Assistant's login reads (under the default discovery prefix); a device writes only under its own topics (by username, %u, never the spoofable client
     id) and reads only the round, the models, their ONNX bundles, the FAST encoder and its own acks and answers,
     each with its chunks (protocol.topics writes the lines from the topic patterns)."""
     coordinator = [f"user {COORDINATOR_USERNAME}", f"topic readwrite {topics.FLEET_ALL.acl(fleet=fleet)}"]
     labelling = [f"user {LABELLING_USERNAME}", *topics.labelling_acl(fleet)]
-    return "\n".join([*coordinator, "", *labelling, "", *topics.device_acl(fleet), ""])
+    bridge = [f"user {HA_BRIDGE_USERNAME}", *topics.ha_bridge_acl(fleet)]
+    home_assistant = [f"user {HOME_ASSISTANT_USERNAME}", *topics.home_assistant_acl(fleet)]
+    services = [*coordinator, "", *labelling, "", *bridge, "", *home_assistant]
+    return "\n".join([*services, "", *topics.device_acl(fleet), ""])
 
 
 def broker_config_lines(secure: SecureFleet) -> tuple[str, ...]:
@@ -174,7 +180,8 @@ def write_credentials(
     identities: dict[str, bytes],
     tls_files: dict[str, TlsPaths],
 ) -> None:
-    """coordinator.json, labelling.json (the labelling desk's) and one devices/<id>.json per device: login, signing
+    """coordinator.json, labelling.json (the labelling desk's), ha-bridge.json and home-assistant.json (the Home
+    Assistant bridge's and Home Assistant's) and one devices/<id>.json per device: login, signing
     key (devices), identity key (devices) and TLS files; the coordinator's and every device's carry the fleet's
     roster of identity public keys (a device checks its neighbours' key adverts with it, trusting no coordinator)."""
     from protocol.secagg.identity import public_of

@@ -5,6 +5,7 @@ import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,10 +110,12 @@ def share(counts: HourCounts) -> float | None:
 class PredictionIntake:
     """Takes devices' prediction batches off their predictions topics: each decoded within MAX_BATCH_BYTES,
     checked (`check_batch`) and bound to the device its topic names, then handed to the observer. A refused batch is
-    counted and logged (at most once a minute per device, its reason bounded); nothing a device sends raises."""
+    counted and logged (at most once a minute per device, its reason bounded); nothing a device sends raises.
+    Given the fleet's `class_names`, a batch whose class is not one of them is refused too."""
 
-    def __init__(self, observer: RoundObserver) -> None:
+    def __init__(self, observer: RoundObserver, class_names: Sequence[str] = ()) -> None:
         self.observer = observer
+        self.class_names = tuple(class_names)
         self._logged: dict[str, float] = {}
 
     def on_predictions(self, device_id: str, payload: bytes, dropped: Dropped | None) -> None:
@@ -121,7 +124,7 @@ class PredictionIntake:
             self.refuse(device_id, f"dropped in chunks: {dropped.reason}")
             return
         try:
-            batch = check_batch(wire.decode(payload, PredictionBatch, MAX_BATCH_BYTES))
+            batch = check_batch(wire.decode(payload, PredictionBatch, MAX_BATCH_BYTES), self.class_names)
         except (wire.WireError, BatchError) as error:
             self.refuse(device_id, str(error))
             return
