@@ -95,12 +95,14 @@ def test_batches_are_checked_bound_to_their_device_and_counted_for_the_dashboard
     assert "fl_prediction_batches_refused_total 5" in text
 
 
-def test_the_coordinator_routes_a_devices_predictions_topic_to_the_intake() -> None:
-    heard = []
-    router = device_routes("plant", *(lambda *a: None,) * 3, lambda device, message, opened: heard.append(device))
+def test_the_coordinator_routes_a_devices_predictions_and_a_relays_relayed_ones_to_their_handlers() -> None:
+    router = device_routes("plant", *(lambda *a: None,) * 3, "direct", "relayed")  # handlers stand in as names
     found = router.route(topics.PREDICTIONS.build(fleet="plant", device="cam-7"))
-    assert found is not None and found[1] == {"device": "cam-7"}
-    assert topics.PREDICTIONS.filter(fleet="plant") in router.filters()
+    assert found == ("direct", {"device": "cam-7"})
+    found = router.route(topics.RELAYED_PREDICTIONS.build(fleet="plant", device="relay-00"))
+    assert found == ("relayed", {"device": "relay-00"})
+    filters = router.filters()
+    assert {topics.PREDICTIONS.filter(fleet="plant"), topics.RELAYED_PREDICTIONS.filter(fleet="plant")} <= set(filters)
 
 
 @needs_chromium

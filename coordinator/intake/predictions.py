@@ -13,7 +13,7 @@ from typing import Any
 
 from coordinator.intake.observer import RoundObserver
 from coordinator.storage.prediction_counts import PredictionTable, StoredDevice, StoredHour
-from protocol import wire
+from protocol import topics, wire
 from protocol.prediction_messages import UNCERTAIN, BatchError, PredictionBatch, check_batch
 from protocol.reassembly import Dropped
 from protocol.supervision import Health, SupervisedThread
@@ -235,31 +235,60 @@ class PredictionKeeper:
             self.write()
 
 
+def relayed_device(relay_id: str, device_id: str) -> str:
+    """The name a relay's site device is counted under: the relay's id, then the device's (site fleets name their
+    devices independently, so one site's dev-00 is not another's, nor a direct device of the same name)."""
+    return f"{relay_id}/{device_id}"
+
+
 class PredictionIntake:
     """Takes devices' prediction batches off their predictions topics: each decoded within MAX_BATCH_BYTES,
     checked (`check_batch`) and bound to the device its topic names, then handed to the observer. A refused batch is
     counted and logged (at most once a minute per device, its reason bounded); nothing a device sends raises.
-    Given the fleet's `class_names`, a batch whose class is not one of them is refused too."""
+    Given the fleet's `class_names`, a batch whose class is not one of them is refused too. The devices named as
+    `relays` may pass on their site devices' batches (`on_relayed`)."""
 
-    def __init__(self, observer: RoundObserver, class_names: Sequence[str] = ()) -> None:
+    def __init__(self, observer: RoundObserver, class_names: Sequence[str] = (), relays: Sequence[str] = ()) -> None:
         self.observer = observer
         self.class_names = tuple(class_names)
+        self.relays = frozenset(relays)
         self._logged: dict[str, float] = {}
 
     def on_predictions(self, device_id: str, payload: bytes, dropped: Dropped | None) -> None:
         """One message of a device's predictions topic."""
-        if dropped is not None:
-            self.refuse(device_id, f"dropped in chunks: {dropped.reason}")
-            return
-        try:
-            batch = check_batch(wire.decode(payload, PredictionBatch, MAX_BATCH_BYTES), self.class_names)
-        except (wire.WireError, BatchError) as error:
-            self.refuse(device_id, str(error))
+        batch = self.checked(device_id, payload, dropped)
+        if batch is None:
             return
         if batch.device_id != device_id:
             self.refuse(device_id, f"batch names device {wire.shown(batch.device_id)}")
             return
         self.observer.predictions_received(device_id, batch)
+
+    def on_relayed(self, relay_id: str, payload: bytes, dropped: Dropped | None) -> None:
+        """One message of a relay's relayed predictions topic: a batch of one of its site devices, counted under
+        `relayed_device` (the relay checked it against the site device's topic). Refused from a device not named
+        as a relay (`--relay`), as from any device a relay may not speak for."""
+        if relay_id not in self.relays:
+            self.refuse(relay_id, "relayed predictions from a device not named as a relay (--relay)")
+            return
+        batch = self.checked(relay_id, payload, dropped)
+        if batch is None:
+            return
+        if not topics.is_identifier(batch.device_id):
+            self.refuse(relay_id, f"relayed batch names device {wire.shown(batch.device_id)}, not an identifier")
+            return
+        self.observer.predictions_received(relayed_device(relay_id, batch.device_id), batch)
+
+    def checked(self, sender: str, payload: bytes, dropped: Dropped | None) -> PredictionBatch | None:
+        """The batch a message carries, decoded and checked; None (the sender's batch refused) if it is not one."""
+        if dropped is not None:
+            self.refuse(sender, f"dropped in chunks: {dropped.reason}")
+            return None
+        try:
+            return check_batch(wire.decode(payload, PredictionBatch, MAX_BATCH_BYTES), self.class_names)
+        except (wire.WireError, BatchError) as error:
+            self.refuse(sender, str(error))
+            return None
 
     def refuse(self, device_id: str, reason: str) -> None:
         """Counts a refused batch and logs it unless this device's last refusal was logged under a minute ago."""
