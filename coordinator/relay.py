@@ -58,7 +58,7 @@ RELAY_STRATEGY = "fedavg"
 RELAY_PROFILE = "relay"
 ANSWERED_KEY = "answered_round"
 UPSTREAM_SECAGG = "upstream-secagg"  # the run directory's folder of the relay's upstream secure-round state
-FORWARD_QUEUE = 256  # site prediction batches waiting to go upstream (each at most 1 MiB); more are dropped
+FORWARD_QUEUE = 64  # site prediction batches waiting to go upstream (each at most 1 MiB); more are dropped
 FORWARDER = "prediction-forwarder"  # the part that passes site predictions upstream, as health names it
 
 
