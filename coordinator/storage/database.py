@@ -102,10 +102,11 @@ def adopt_release_0_1_0(connection: sqlite3.Connection) -> None:
         connection.execute("ALTER TABLE rejections ADD COLUMN kind TEXT NOT NULL DEFAULT ''")
 
 
-# Schema version 2: the devices' prediction counts (storage/prediction_counts.py), so a restart keeps the hour's.
+# Schema version 2: the devices' prediction counts (storage/prediction_counts.py), so a restart keeps the hour's
+# (created where missing, as version 1's tables are: a step run again changes nothing).
 PREDICTION_TABLES = (
     """
-    CREATE TABLE prediction_hours (
+    CREATE TABLE IF NOT EXISTS prediction_hours (
         device_id TEXT NOT NULL,
         hour INTEGER NOT NULL,
         predictions INTEGER NOT NULL,
@@ -115,7 +116,7 @@ PREDICTION_TABLES = (
     )
     """,
     """
-    CREATE TABLE prediction_devices (
+    CREATE TABLE IF NOT EXISTS prediction_devices (
         device_id TEXT PRIMARY KEY,
         total INTEGER NOT NULL,
         serving_version INTEGER NOT NULL
