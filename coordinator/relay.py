@@ -1,16 +1,22 @@
 # A relay: runs its site's rounds on the site broker and answers each central round upstream as one signed device
-# (under secure aggregation: a secure site round, and the site's mean as the relay's one masked input upstream).
+# (under secure aggregation: a secure site round, and the site's mean as the relay's one masked input upstream); it
+# passes the central serving version down to its site and its site devices' predictions up.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import math
 import os
+import queue
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from coordinator.fleet.provision import load_secure_fleet
 from coordinator.intake.observer import RoundObserver
+from coordinator.intake.predictions import REFUSAL_LOG_SECONDS, PredictionIntake
 from coordinator.intake.update_intake import UpdateIntake
 from coordinator.rounds.closing import RoundCloser
 from coordinator.rounds.evaluation import TestScores
@@ -27,17 +33,21 @@ from coordinator.strategies.registry import make_strategy
 from edge_agent.data.journal import Journal
 from edge_agent.loop.agent import last_will
 from edge_agent.loop.agent_settings import AgentSettings
-from edge_agent.loop.artefacts import RoundArtefacts
+from edge_agent.loop.artefacts import SERVING_MODEL, RoundArtefacts
 from edge_agent.loop.inbound import device_router, handle_inbound
 from edge_agent.loop.outbox import OUTBOX_FOLDER, UpdateSender
 from edge_agent.loop.secure_rounds import SecureRounds
 from protocol import messages, topics, wire
+from protocol.backbone import SHA256_HEX
 from protocol.credentials import DeviceIdentity
 from protocol.dp import DP_CENTRAL, DP_DEVICE
 from protocol.errors import UsageError
 from protocol.model_spec import DEFAULT_SPEC, ModelSpec, spec_hash
 from protocol.mqtt import BrokerAddress, IncomingMessage, MqttSession
+from protocol.prediction_messages import PredictionBatch
 from protocol.secagg.weighting import weighted_samples
+from protocol.serving_messages import ServingMessage
+from protocol.supervision import Health, MessageGuard, SupervisedThread
 from protocol.tensors import Weights
 from protocol.trained_set import trained_set
 
@@ -48,6 +58,8 @@ RELAY_STRATEGY = "fedavg"
 RELAY_PROFILE = "relay"
 ANSWERED_KEY = "answered_round"
 UPSTREAM_SECAGG = "upstream-secagg"  # the run directory's folder of the relay's upstream secure-round state
+FORWARD_QUEUE = 64  # site prediction batches waiting to go upstream (each at most 1 MiB); more are dropped
+FORWARDER = "prediction-forwarder"  # the part that passes site predictions upstream, as health names it
 
 
 @dataclass(frozen=True)
@@ -188,10 +200,117 @@ class SiteRounds:
         bundles = bundle_exporter(dataclasses.replace(self.settings, spec=spec)) if self.settings.ship_bundles else None
         return Artefacts(spec, bundles, encoder)
 
+    def serve(self, message: ServingMessage, spec: ModelSpec, weights: Weights) -> None:
+        """Passes the central serving version on to the site's devices: its model and the site's own bundle export
+        of it retained on the site broker as the serving version's (a frozen backbone's graphs apart, as a
+        coordinator's), then the serving message as the centre sent it (its `publish_predictions` included)."""
+        publisher = self.parts.publisher
+        publisher.artefacts = self.artefacts(spec, publisher.artefacts.encoder)
+        if publisher.artefacts.bundle_files is None:
+            log.warning("serving version passed on without a bundle (--no-bundles): the site's devices cannot predict")
+        publisher.publish_serving(message, weights)
+        log.info("serving version passed on version=%d model=%s", message.version, message.model_hash[:12])
+
     def finish(self, announcement: messages.RoundAnnouncement) -> None:
         """Passes the central run's end on to the site devices."""
         self.parts.publisher.run_id = announcement.run_id
         self.parts.publisher.announce_final(announcement.round_id, announcement.model_hash, announcement.recipe)
+
+
+class PredictionForwarder(RoundObserver):
+    """The site devices' prediction batches passed on upstream, on a supervised thread of its own (a site round does
+    not hold them up). The site session's predictions topics are diverted to a queue of at most FORWARD_QUEUE
+    batches (a batch beyond it is dropped); each is checked as the central coordinator checks a device's
+    (`PredictionIntake`: decoded within its bound, its columns, bound to the site device its topic names) and
+    published on the relay's own relayed-predictions topic upstream (which the device ACL lets the relay write),
+    naming its site device, while the upstream session is connected (else dropped: paho would hold it without
+    bound). Each site message is acknowledged once it is passed on or dropped. Drops are counted and logged at most
+    once a minute; each device's own predictions log keeps every prediction."""
+
+    def __init__(self, fleet: str, relay_id: str, site: MqttSession, upstream: MqttSession, health: Health) -> None:
+        super().__init__()
+        self.topic = topics.RELAYED_PREDICTIONS.build(fleet=fleet, device=relay_id)
+        self.site = site
+        self.upstream = upstream
+        self.intake = PredictionIntake(self)
+        self.guard = MessageGuard(FORWARDER, health, None)
+        self.forwarded = 0  # predictions passed on
+        self.dropped = 0  # batches dropped
+        self._queue: queue.Queue[IncomingMessage] = queue.Queue(maxsize=FORWARD_QUEUE)
+        self._pending: IncomingMessage | None = None
+        self._lock = threading.Lock()
+        self._logged = -math.inf
+        self._thread = SupervisedThread(FORWARDER, self._serve, health)
+
+    def open(self, site_fleet: str) -> None:
+        """Diverts the site devices' predictions topics to the queue (call it before the site session connects)."""
+        self.site.divert(topics.PREDICTIONS.filter(fleet=site_fleet), self.take)
+
+    def start(self) -> None:
+        """Starts passing batches on."""
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stops the thread (the sessions are the relay's)."""
+        self._thread.stop()
+
+    def take(self, message: IncomingMessage) -> None:
+        """On the site session's network thread: queues a batch, or drops (and acknowledges) it when the queue is
+        full."""
+        try:
+            self._queue.put_nowait(message)
+        except queue.Full:
+            self.site.acknowledge(message)
+            self.drop("the queue to upstream is full")
+
+    def forward(self, device_id: str | None, message: IncomingMessage) -> None:
+        """Checks one site message of a device's predictions topic (None: its topic names no device); its batch
+        goes upstream through `predictions_received`."""
+        if device_id is None:
+            self.drop(f"topic {wire.shown(message.topic)} names no device")
+            return
+        self.intake.on_predictions(device_id, message.payload, message.dropped)
+
+    def predictions_received(self, device_id: str, batch: PredictionBatch) -> None:
+        """Publishes a checked batch of a site device upstream (dropped while the upstream broker is away)."""
+        if not self.upstream.connected:
+            self.drop("the upstream broker is away")
+            return
+        self.upstream.publish(self.topic, wire.encode(batch))
+        with self._lock:
+            self.forwarded += len(batch)
+
+    def drop(self, reason: str) -> None:
+        """Counts a dropped batch; logs it unless a drop was logged under a minute ago."""
+        now = time.monotonic()
+        with self._lock:
+            self.dropped += 1
+            if now - self._logged < REFUSAL_LOG_SECONDS:
+                return
+            self._logged = now
+        log.warning("site predictions dropped batches=%d reason=%s", self.dropped, reason[:200])
+
+    def _serve(self, stop: threading.Event) -> None:
+        """The forwarder's thread: each queued message passed on under the guard (one whose handling failed is taken
+        again when the loop restarts, and set aside after the guard's attempts), then acknowledged."""
+        while not stop.is_set():
+            message = self._pending or self._next()
+            if message is None:
+                continue
+            self._pending = message
+            found = topics.PREDICTIONS.match(message.topic)
+            device = None if found is None else found["device"]
+            forward = functools.partial(self.forward, device, message)
+            self.guard.handle(message.topic, message.payload, device or "(no device)", forward)
+            self._pending = None
+            self.site.acknowledge(message)
+
+    def _next(self) -> IncomingMessage | None:
+        """The next queued message, or None after a short wait."""
+        try:
+            return self._queue.get(timeout=0.2)
+        except queue.Empty:
+            return None
 
 
 def upstream_secure_rounds(settings: RelaySettings, session: MqttSession) -> SecureRounds:
@@ -232,6 +351,9 @@ class Relay:
             self.sender.on_ack,
         )
         self.router.add(topics.SECAGG_DOWN.bind(fleet=settings.fleet, device=settings.relay_id), self.secure.on_message)
+        self.router.add(topics.SERVING.bind(fleet=settings.fleet), self.on_serving)
+        self.serving: ServingMessage | None = None  # the central serving version whose model is awaited
+        self.served: ServingMessage | None = None  # the one passed on to the site last
 
     @property
     def last_answered_round(self) -> int:
@@ -263,6 +385,7 @@ class Relay:
             if final:
                 return True
         self.maybe_answer()
+        self.maybe_serve()
         return False
 
     def handle(self, message: IncomingMessage) -> bool:
@@ -290,6 +413,29 @@ class Relay:
                 "encoder", topics.ENCODER.build(fleet=self.settings.fleet, hash=announcement.recipe.encoder)
             )
         return False
+
+    def on_serving(self, message: IncomingMessage) -> bool:
+        """The central serving version (WireError if malformed): its model followed, to be passed on to the site
+        once it is in; one the site has already been given, or whose hash is no sha256, is ignored."""
+        serving = wire.decode(message.payload, ServingMessage)
+        if not SHA256_HEX.fullmatch(serving.model_hash):
+            log.warning("ignored serving message model=%s: not a sha256", wire.shown(serving.model_hash))
+            return False
+        if self.served is not None and same_version(serving, self.served):
+            return False
+        self.serving = serving
+        self.artefacts.follow(SERVING_MODEL, topics.MODEL.build(fleet=self.settings.fleet, hash=serving.model_hash))
+        return False
+
+    def maybe_serve(self) -> None:
+        """Passes the awaited serving version on to the site once its model arrived."""
+        serving = self.serving
+        held = None if serving is None else self.artefacts.serving_models.get(serving.model_hash)
+        if serving is None or held is None:
+            return
+        self.serving = None
+        self.site.serve(serving, *held)
+        self.served = serving
 
     def maybe_answer(self) -> None:
         """Answers the pending central round once its model (and encoder) arrived."""
@@ -339,6 +485,15 @@ class Relay:
         self.session.publish(topic, wire.encode(status), retain=True)
 
 
+def same_version(one: ServingMessage, other: ServingMessage) -> bool:
+    """Whether two serving messages name the same version, model and request for predictions."""
+    return (one.version, one.model_hash, one.publish_predictions) == (
+        other.version,
+        other.model_hash,
+        other.publish_predictions,
+    )
+
+
 def upstream_session(settings: RelaySettings, address: BrokerAddress) -> MqttSession:
     """The relay's session on the central broker, as its device's (its last will), with manual acks: the central
     coordinator sends a secure round's roster and share delivery once, and they reach the relay while its site round
@@ -353,14 +508,18 @@ def run_relay(settings: RelaySettings, upstream: BrokerAddress, site: BrokerAddr
     site_address, authenticator = secured(settings.site, site, store)
     site_session = coordinator_session(settings.site, site_address)
     central_session = upstream_session(settings, upstream)
+    forwarder = PredictionForwarder(settings.fleet, settings.relay_id, site_session, central_session, Health())
     try:
         rules = RoundRules(messages.Recipe(), settings.site.policy, authenticator=authenticator)
         site_rounds = SiteRounds(settings.site, site_session, store, rules)
+        forwarder.open(settings.site.fleet)
         site_session.connect()
         central_session.connect()
         site_rounds.start()
+        forwarder.start()
         Relay(settings, central_session, site_rounds, store).run()
     finally:
+        forwarder.close()
         central_session.close()
         site_session.close()
         store.close()

@@ -51,7 +51,8 @@ def run_server(
 ) -> Weights:
     """Runs (or resumes) the whole run against the broker at `address`; returns the final global model.
 
-    `observer` (e.g. the dashboard's live state) hears presence, acks and round boundaries as they happen.
+    `observer` (e.g. the dashboard's live state) hears presence, acks and round boundaries as they happen, and keeps
+    what it keeps (the predictions' counts) in the run's store.
     `dead_devices` names devices known to be gone for good (the bench's crashed agents): no round waits for them.
     `say` hears the start-up lines a person reads (W0's test accuracy, measured once and kept in the store; logged
     when no one reads them).
@@ -59,14 +60,16 @@ def run_server(
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     data = data or load_server_data(settings)
+    observer = observer or RoundObserver()
     store = RunStore(settings.run_dir, keep_updates=settings.keep_updates)
     address, authenticator = secured(settings, address, store)
     session = coordinator_session(settings, address)
     try:
+        observer.keep_in(store)
         weights, first_round, run_id = starting_point(store, settings, data)
         encoder = round_encoder(settings, store)
         rules = round_rules(settings, authenticator, encoder)
-        parts = round_parts(settings, data, store, session, run_id, encoder, observer or RoundObserver(), dead_devices)
+        parts = round_parts(settings, data, store, session, run_id, encoder, observer, dead_devices)
         coordinator = make_coordinator(settings, session, rules, parts)
         say(w0_line(w0_accuracy(store, parts.closer.evaluator, weights, first_round), len(data.init_indices)))
         session.connect()
@@ -77,6 +80,7 @@ def run_server(
         return coordinator.run(weights, first_round, on_round)
     finally:
         session.close()
+        observer.close()
         store.close()
 
 

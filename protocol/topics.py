@@ -117,6 +117,8 @@ STATUS = Topic("fl/{fleet}/devices/{device}/status")  # retained: a device's pre
 SECAGG_UP = Topic("fl/{fleet}/devices/{device}/secagg")  # a device's secure-aggregation stage messages
 SECAGG_DOWN = Topic("fl/{fleet}/devices/{device}/secagg_in")  # the coordinator's stage messages to one device
 PREDICTIONS = Topic("fl/{fleet}/devices/{device}/predictions")  # a device's predictions, batched, when the fleet asks
+# a relay's site devices' prediction batches, passed on upstream under the relay's own topics (each names its device)
+RELAYED_PREDICTIONS = Topic("fl/{fleet}/devices/{device}/relayed_predictions")
 LABEL_QUERIES = Topic("fl/{fleet}/devices/{device}/queries")  # central labelling: a device's query images, chunked
 # central labelling's two conversations beside the queries, named as secure aggregation's are: what a device says to
 # the desk (its receipts of answers and corrections, answers given on the device) and what the desk says to one

@@ -196,7 +196,7 @@ def test_a_store_of_a_newer_release_is_refused_in_one_line_and_left_as_it_is(old
 
 # A subprocess that migrates the run database with a step injected through the helper's API, which halts half way:
 # argv: the database, the file it touches once the step has changed the store, and where the step goes ("first":
-# inside migration 1, after its own work; "later": a step 2 after migration 1 committed).
+# inside migration 1, after its own work; "later": a step after every migration committed).
 HALTED_MIGRATION = """
 import sys, time
 from pathlib import Path
@@ -216,7 +216,7 @@ open_store(Path(sys.argv[1]), Schema(RUN_SCHEMA.store, (*steps, Migration("halte
 """
 
 
-@pytest.mark.parametrize(("position", "version_left"), [("first", 0), ("later", 1)])
+@pytest.mark.parametrize(("position", "version_left"), [("first", 0), ("later", RUN_SCHEMA.version)])
 def test_a_migration_killed_half_way_leaves_the_store_it_began_with(
     old: Path, tmp_path: Path, position: str, version_left: int
 ) -> None:

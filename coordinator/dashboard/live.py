@@ -6,12 +6,11 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from coordinator.intake.observer import RoundObserver, RoundResult
-from coordinator.intake.predictions import DevicePredictions
+from coordinator.intake.predictions import FleetPredictions, PredictionKeeper
 from coordinator.intake.validation import Rejection
+from coordinator.storage.store import RunStore
 from protocol import messages
 from protocol.prediction_messages import PredictionBatch
-
-MAX_PREDICTING_DEVICES = 10000  # devices whose predictions are counted (a fleet's; more are not)
 
 
 @dataclass
@@ -68,7 +67,8 @@ class LiveState(RoundObserver):
         self._phase = "starting"
         self._round_opened_at = 0.0
         self._needed = 0
-        self._predictions: dict[str, DevicePredictions] = {}
+        self._predictions = FleetPredictions()
+        self._keeper: PredictionKeeper | None = None
 
     def device_status(self, device_id: str, status: messages.Status | None) -> None:
         """Records presence: 'offline' comes from the device or from its last will; None forgets the device."""
@@ -103,11 +103,7 @@ class LiveState(RoundObserver):
         counted in the total)."""
         with self._lock:
             self._counters.predictions_received += len(batch)
-            known = self._predictions.get(device_id)
-            if known is None and len(self._predictions) < MAX_PREDICTING_DEVICES:
-                known = self._predictions[device_id] = DevicePredictions()
-            if known is not None:
-                known.add(batch, time.time())
+        self._predictions.add(device_id, batch, time.time())
 
     def predictions_refused(self, device_id: str) -> None:
         """Counts a refused batch."""
@@ -116,9 +112,18 @@ class LiveState(RoundObserver):
 
     def predictions(self) -> dict[str, dict]:
         """Device id -> its predictions' summary (per hour, class mix, uncertain shares, drift), now."""
-        with self._lock:
-            now = time.time()
-            return {device: counts.summary(now) for device, counts in sorted(self._predictions.items())}
+        return self._predictions.summaries(time.time())
+
+    def keep_in(self, store: RunStore) -> None:
+        """Takes back the prediction counts the run's store kept and keeps them there (PredictionKeeper)."""
+        self._keeper = PredictionKeeper(self._predictions, store.predictions, self.health)
+        self._keeper.start()
+
+    def close(self) -> None:
+        """Writes the prediction counts a last time."""
+        if self._keeper is not None:
+            self._keeper.close()
+            self._keeper = None
 
     def round_opened(self, round_id: int, needed: int) -> None:
         """The round now collecting updates and how many close it."""

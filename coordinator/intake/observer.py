@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coordinator.intake.validation import Rejection
+from coordinator.storage.store import RunStore
 from protocol import messages
 from protocol.prediction_messages import PredictionBatch
 from protocol.supervision import Health
@@ -56,3 +57,10 @@ class RoundObserver:
 
     def round_closed(self, result: RoundResult) -> None:
         """A round was aggregated, evaluated and committed."""
+
+    def keep_in(self, store: RunStore) -> None:
+        """The run's store is open: what the observer keeps across restarts is taken back from it and kept there
+        from now on, until `close` (this base keeps nothing)."""
+
+    def close(self) -> None:
+        """The run ends: what the observer keeps is written a last time."""

@@ -66,14 +66,16 @@ def device_routes(
     on_status: DeviceHandler,
     on_stage: DeviceHandler,
     on_predictions: DeviceHandler,
+    on_relayed: DeviceHandler,
 ) -> topics.Router[DeviceHandler]:
     """What a coordinator takes from its fleet's devices, by topic: their updates, their status, their
-    secure-round stage messages and their predictions."""
+    secure-round stage messages, their predictions and those relays pass on from their sites' devices."""
     router: topics.Router[DeviceHandler] = topics.Router()
     router.add(topics.UPDATE.bind(fleet=fleet), on_update)
     router.add(topics.STATUS.bind(fleet=fleet), on_status)
     router.add(topics.SECAGG_UP.bind(fleet=fleet), on_stage)
     router.add(topics.PREDICTIONS.bind(fleet=fleet), on_predictions)
+    router.add(topics.RELAYED_PREDICTIONS.bind(fleet=fleet), on_relayed)
     return router
 
 
@@ -105,8 +107,10 @@ class Coordinator:
         self.session = session
         self.rules = rules
         self.parts = parts
-        self.predictions = PredictionIntake(parts.observer)
-        self.router = device_routes(fleet, self.on_update, self.on_status, self.on_stage, self.on_predictions)
+        self.predictions = PredictionIntake(parts.observer, relays=rules.relays)
+        self.router = device_routes(
+            fleet, self.on_update, self.on_status, self.on_stage, self.on_predictions, self.on_relayed
+        )
 
     def start(self) -> None:
         """Subscribes to every device's updates, status, stage messages and predictions, and publishes the serving
@@ -265,6 +269,10 @@ class Coordinator:
     def on_predictions(self, device_id: str, message: IncomingMessage, opened: OpenRound | None) -> None:
         """A device's batch of predictions (checked, then counted for the dashboard and /metrics)."""
         self.predictions.on_predictions(device_id, message.payload, message.dropped)
+
+    def on_relayed(self, device_id: str, message: IncomingMessage, opened: OpenRound | None) -> None:
+        """A relay's batch of one of its site devices' predictions (checked, then counted as that device's)."""
+        self.predictions.on_relayed(device_id, message.payload, message.dropped)
 
     def on_stage(self, device_id: str, message: IncomingMessage, opened: OpenRound | None) -> None:
         """A device's stage message, for the open round's stages; held by the mode for the next round while no round

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from protocol.sqlite_store import Migration, Schema, execute_all, open_store, transaction
+from protocol.sqlite_store import Migration, Schema, execute_all, open_store, statements, transaction
 
 TABLES = (
     """
@@ -102,7 +102,35 @@ def adopt_release_0_1_0(connection: sqlite3.Connection) -> None:
         connection.execute("ALTER TABLE rejections ADD COLUMN kind TEXT NOT NULL DEFAULT ''")
 
 
-RUN_SCHEMA = Schema("run database", (Migration("the tables of release 0.1.0", adopt_release_0_1_0),))
+# Schema version 2: the devices' prediction counts (storage/prediction_counts.py), so a restart keeps the hour's
+# (created where missing, as version 1's tables are: a step run again changes nothing).
+PREDICTION_TABLES = (
+    """
+    CREATE TABLE IF NOT EXISTS prediction_hours (
+        device_id TEXT NOT NULL,
+        hour INTEGER NOT NULL,
+        predictions INTEGER NOT NULL,
+        uncertain INTEGER NOT NULL,
+        classes TEXT NOT NULL,
+        PRIMARY KEY (device_id, hour)
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS prediction_devices (
+        device_id TEXT PRIMARY KEY,
+        total INTEGER NOT NULL,
+        serving_version INTEGER NOT NULL
+    )
+    """,
+)
+
+RUN_SCHEMA = Schema(
+    "run database",
+    (
+        Migration("the tables of release 0.1.0", adopt_release_0_1_0),
+        statements("the devices' prediction counts by hour", *PREDICTION_TABLES),
+    ),
+)
 
 
 class Database:

@@ -12,6 +12,7 @@ from typing import Any
 
 from coordinator.storage.checkpoints import Checkpoints
 from coordinator.storage.database import Database
+from coordinator.storage.prediction_counts import PredictionTable
 from coordinator.storage.serving_history import ServingHistory
 from coordinator.storage.spool import Spool, check_device_id, check_round_id
 from protocol.errors import UsageError
@@ -163,6 +164,7 @@ class RunStore:
         self.database = Database(self.run_dir / "run.sqlite", read_only)
         self.checkpoints = Checkpoints(self.run_dir / "checkpoints", self.database)
         self.serving = ServingHistory(self.database)
+        self.predictions = PredictionTable(self.database)
 
     def __enter__(self) -> RunStore:
         """The store itself; closed on leaving the with-block."""

@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 BUNDLES_FOLDER = "bundles"  # the latest model's bundle (the one a round trains from)
 SERVING_FOLDER = "serving"  # the serving version's bundle (the one the device predicts with)
+SERVING_MODEL = "serving model"  # the serving version's weights: what a relay passes on to its site (devices do not)
 
 
 def content_matches(kind: str, announced: str, actual: str) -> bool:
@@ -30,9 +31,9 @@ def content_matches(kind: str, announced: str, actual: str) -> bool:
 
 
 class RoundArtefacts:
-    """The current model, bundle and encoder, and the serving version's bundle, each kept only once its content
-    matches its hash, and the retained topics followed for them (one per kind: following a new one leaves the
-    previous, unless another kind follows it too). A model or bundle that references backbone graphs the store
+    """The current model, bundle and encoder, and the serving version's bundle (a relay's: its model), each kept only
+    once its content matches its hash, and the retained topics followed for them (one per kind: following a new one
+    leaves the previous, unless another kind follows it too). A model or bundle that references backbone graphs the store
     lacks waits while their topics are followed."""
 
     def __init__(
@@ -45,13 +46,14 @@ class RoundArtefacts:
         self.fetch = BackboneFetch(session, fleet, BackboneStore(backbone_dir))
         self.models: dict[str, Weights] = {}
         self.specs: dict[str, ModelSpec] = {}
+        self.serving_models: dict[str, tuple[ModelSpec, Weights]] = {}
         self.bundles: dict[str, Bundle] = {}
         self.serving_bundles: dict[str, Bundle] = {}
         self.encoders: dict[str, bytes] = {}
         self.followed: dict[str, str] = {}
 
     def follow(self, kind: str, topic: str) -> None:
-        """Subscribes to the current topic of a kind (model, bundle, serving, encoder), leaving the kind's previous
+        """Subscribes to the current topic of a kind (model, bundle, serving, serving model, encoder), leaving the kind's previous
         one unless another kind follows it (and whatever of the kind waited for a backbone). A topic another kind
         follows is subscribed again, so its retained message comes again for this kind."""
         previous = self.followed.get(kind)
@@ -79,8 +81,8 @@ class RoundArtefacts:
 
     def receive(self, kind: str, payload: bytes) -> None:
         """Decodes and keeps a model, bundle, backbone or encoder of a followed topic (WireError if malformed)."""
-        if kind == "model":
-            self.on_model(wire.decode(payload, messages.ModelMessage))
+        if kind in ("model", SERVING_MODEL):
+            self.on_model(wire.decode(payload, messages.ModelMessage), kind)
         elif kind in ("bundle", "serving"):
             self.on_bundle(wire.decode(payload, messages.BundleMessage), kind)
         elif kind == "backbone":
@@ -88,11 +90,15 @@ class RoundArtefacts:
         else:
             self.on_encoder(wire.decode(payload, messages.EncoderMessage))
 
-    def on_model(self, message: messages.ModelMessage) -> None:
-        """Keeps the announced model (and the spec it is built from) once its content, completed from the stored
-        backbone it references, matches its hash."""
-        tensors = self.fetch.model(message)
-        if tensors is not None and content_matches("model", message.model_hash, weights_hash(tensors)):
+    def on_model(self, message: messages.ModelMessage, kind: str = "model") -> None:
+        """Keeps the announced model (kind "model") or the serving version's (SERVING_MODEL), with the spec it is
+        built from, once its content, completed from the stored backbone it references, matches its hash."""
+        tensors = self.fetch.model(message, kind)
+        if tensors is None or not content_matches(kind, message.model_hash, weights_hash(tensors)):
+            return
+        if kind == SERVING_MODEL:
+            self.serving_models = {message.model_hash: (message.spec, tensors)}
+        else:
             self.models = {message.model_hash: tensors}
             self.specs = {message.model_hash: message.spec}
 
@@ -101,7 +107,7 @@ class RoundArtefacts:
         waited = self.fetch.arrived(message)
         for kind, referencing in waited:
             if isinstance(referencing, messages.ModelMessage):
-                self.on_model(referencing)
+                self.on_model(referencing, kind)
             else:
                 self.on_bundle(referencing, kind)
         if waited:

@@ -28,15 +28,16 @@ class BackboneFetch:
         self.in_use: dict[str, set[str]] = {}
         self.topics: set[str] = set()
 
-    def model(self, message: messages.ModelMessage) -> Weights | None:
-        """The whole model: the message's tensors and those its backbone holds (None: waiting for the backbone)."""
+    def model(self, message: messages.ModelMessage, kind: str = "model") -> Weights | None:
+        """The whole model: the message's tensors and those its backbone holds (None: waiting, as `kind`, for the
+        backbone)."""
         if not message.backbone:
             return message.tensors
         frozen = self.store.weights(message.backbone)
         if frozen is None:
-            self.wait("model", message, {message.backbone})
+            self.wait(kind, message, {message.backbone})
             return None
-        self.in_use["model"] = {message.backbone}
+        self.in_use[kind] = {message.backbone}
         return {**frozen, **message.tensors}
 
     def bundle(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from edge_agent.loop.artefacts import RoundArtefacts
+from edge_agent.loop.artefacts import SERVING_MODEL, RoundArtefacts
 from protocol import messages, topics, wire
 from protocol.mqtt import IncomingMessage
 
@@ -13,10 +13,10 @@ log = logging.getLogger(__name__)
 
 # A route's handler: True when the run is over for the device.
 Handler = Callable[[IncomingMessage], bool]
-# The artefact topics and the kinds that follow them: a bundle topic is the latest model's, the serving version's, or
-# both (the same content-addressed topic).
+# The artefact topics and the kinds that follow them: a model or bundle topic is the latest model's, the serving
+# version's, or both (the same content-addressed topic).
 ARTEFACT_TOPICS = (
-    (topics.MODEL, ("model",)),
+    (topics.MODEL, ("model", SERVING_MODEL)),
     (topics.BUNDLE, ("bundle", "serving")),
     (topics.BACKBONE, ("backbone",)),
     (topics.ENCODER, ("encoder",)),
