@@ -21,6 +21,21 @@ from protocol.mqtt import BrokerAddress, MqttSession
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
+REAL_PARTS = {"broker", "module_broker", "processes"}  # the fixtures of tests that run brokers and processes
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules with tests of real processes and brokers (the long ones) first, each module's tests together and
+    in order: two workers then share out the long tests early and end on short ones, instead of one worker finishing
+    a long test while the other waits."""
+    heavy = {
+        getattr(item, "module", None)
+        for item in items
+        if item.get_closest_marker("integration") is not None or REAL_PARTS & set(getattr(item, "fixturenames", ()))
+    }
+    items.sort(key=lambda item: getattr(item, "module", None) not in heavy)
+
+
 @pytest.fixture(autouse=True)
 def restored_logging() -> Iterator[None]:
     """A command line run in-process (`main([...])`) points the root logger at that test's captured stderr and sets
