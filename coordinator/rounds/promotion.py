@@ -170,4 +170,6 @@ def verdict(gate: PromotionGate, evidence: GateEvidence, class_names: Sequence[s
                 f"its {images} images of {name}: at least {100 * bound:.1f}, beyond the "
                 f"{gate.max_class_drop_points:g}-point tolerance ({gate.confidence:g} confidence)",
             )
-    return Verdict(True, f"accuracy {after:.4f} against the serving model's {before:.4f} {where}: no fall beyond its tolerance")
+    return Verdict(
+        True, f"accuracy {after:.4f} against the serving model's {before:.4f} {where}: no fall beyond its tolerance"
+    )
