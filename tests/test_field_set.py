@@ -16,11 +16,15 @@ from test_labelling_desk import DEVICE, FLEET, Device, wait_until
 
 from coordinator.cli import main
 from coordinator.commands.round_console import RoundPrinter
+from coordinator.dashboard.report import write_report
+from coordinator.dashboard.views import load_snapshot, rounds_view
 from coordinator.intake.observer import RoundResult
 from coordinator.labelling.desk import LabellingDesk
 from coordinator.labelling.queue import FIELD_TEST, LABEL, LabelQueue, Outcome, query_kind, read_field_set
+from coordinator.rounds.closing import FIELD_ACCURACY, FIELD_IMAGES, TEST_IMAGES
 from coordinator.rounds.evaluation import Evaluator, LabelledSplit
 from coordinator.setup.server_data import FieldSet
+from coordinator.storage.store import RoundRecord, RunStore
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.image_arrays import model_input
 from edge_agent.data.image_files import InputSpec
@@ -171,6 +175,18 @@ def test_each_round_is_scored_on_both_test_sets_and_its_line_says_their_sizes(
     RoundPrinter(True, 5)(result)
     line = json.loads(capsys.readouterr().out)
     assert (line["accuracy"], line["test_images"], line["field_accuracy"], line["field_images"]) == (0.8123, 30, 0.5, 4)
+
+
+def test_the_store_dashboard_and_report_keep_both_accuracies_with_their_sizes(tmp_path: Path) -> None:
+    metrics = {"class_accuracy": [], TEST_IMAGES: 1000, FIELD_ACCURACY: 0.74, FIELD_IMAGES: 212}
+    with RunStore(tmp_path) as store:
+        store.set_config({"run_id": "r"})
+        store.commit_round(RoundRecord(1, 1.0, 2.0, "ab" * 32, 0.802, 10, 1, 0, {}, metrics), [])
+    row = rounds_view(load_snapshot(tmp_path))[0]
+    assert (row["accuracy"], row["test_images"], row["field_accuracy"], row["field_images"]) == (0.802, 1000, 0.74, 212)
+    page = write_report(tmp_path).read_text()
+    assert "<th>test images</th><th>field accuracy</th><th>field images</th>" in page
+    assert "<td>0.8020</td><td>1000</td><td>0.7400</td><td>212</td>" in page
 
 
 def test_a_field_test_share_out_of_range_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
