@@ -59,6 +59,7 @@ class CentralLabelling:
 
     port: int
     token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    field_test_share: float = 0.0  # the queue's --field-test-share (0: every answer goes to its device)
 
     @property
     def url(self) -> str:
@@ -66,13 +67,16 @@ class CentralLabelling:
         return f"http://127.0.0.1:{self.port}"
 
     def coordinator_flags(self) -> tuple[str, ...]:
-        """What the coordinator adds: the dashboard with its token, the labelling queue, predictions published."""
+        """What the coordinator adds: the dashboard with its token, the labelling queue (with its share of field
+        test queries), predictions published."""
         return (
             "--dashboard",
             f"127.0.0.1:{self.port}",
             "--dashboard-token",
             self.token,
             "--labelling",
+            "--field-test-share",
+            str(self.field_test_share),
             "--publish-predictions",
         )
 

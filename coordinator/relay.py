@@ -19,7 +19,7 @@ from coordinator.intake.observer import RoundObserver
 from coordinator.intake.predictions import REFUSAL_LOG_SECONDS, PredictionIntake
 from coordinator.intake.update_intake import UpdateIntake
 from coordinator.rounds.closing import RoundCloser
-from coordinator.rounds.evaluation import TestScores
+from coordinator.rounds.evaluation import RoundScores, TestScores
 from coordinator.rounds.loop import Coordinator, RoundParts
 from coordinator.rounds.mode import RoundMode
 from coordinator.rounds.presence import Presence
@@ -93,6 +93,10 @@ class NoEvaluation:
     def test_scores(self, weights: Weights) -> TestScores:
         """No test split: NaN accuracy."""
         return TestScores(float("nan"))
+
+    def round_scores(self, version: int, weights: Weights) -> RoundScores:
+        """No test split and no field set: NaN accuracies on no images."""
+        return RoundScores(TestScores(float("nan")), TestScores(float("nan")))
 
     def selection_accuracy(self, weights: Weights) -> float:
         """Never asked: the relay's strategy (FedAvg) chooses no model."""

@@ -175,7 +175,14 @@ def round_parts(
         closer=RoundCloser(store, strategy, evaluator, settings.evaluate_devices, len(data.init_indices)),
         observer=observer,
         mode=round_mode(settings, intake, session),
-        serving=ServingKeeper(store, publisher, settings.promotion, names, settings.publish_predictions),
+        serving=ServingKeeper(
+            store,
+            publisher,
+            settings.promotion,
+            names,
+            lambda candidate, serving: evaluator.evidence(candidate, serving, store.checkpoints.load),
+            settings.publish_predictions,
+        ),
         guard=MessageGuard(
             "coordinator", observer.health, settings.run_dir / SET_ASIDE, ledger=settings.run_dir / SET_ASIDE / LEDGER
         ),

@@ -53,13 +53,16 @@ class LabelQuery:
 class QueryReceipt:
     """The queue's word to a device that a query is on disk (`queued`), or refused (`refusal`, one of
     QUERY_REFUSALS): for good, which settles the query's resends, or for now (RETRIED_REFUSALS: the queue is full),
-    which leaves them running."""
+    which leaves them running. `field_test`: the queue chose the query for the field's test set when it queued it,
+    so it closes without a label for the device (its answer judges models and is never sent): the device stops
+    waiting for it and never asks it again."""
 
     KIND: ClassVar[str] = "query_receipt"
     query_id: str
     queued: bool
     refusal: str = ""
     signature: bytes = signature_field()
+    field_test: bool = field(default=False, metadata={OMITTED_KEY: True})
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from coordinator.rounds.evaluation import Evaluator, LabelledSplit
 from coordinator.rounds.loop import Coordinator, RoundParts
 from coordinator.rounds.mode import RoundMode
 from coordinator.rounds.presence import Presence
-from coordinator.rounds.promotion import PromotionGate
+from coordinator.rounds.promotion import GateEvidence, PromotionGate
 from coordinator.rounds.publisher import Artefacts, RetainedPublisher
 from coordinator.rounds.rules import RoundPolicy, RoundRules
 from coordinator.rounds.serving import ServingKeeper
@@ -194,9 +194,13 @@ class ServingRecorder:
         self.published.append(wire.decode(wire.encode(message), ServingMessage))
 
 
-def gate_decisions(store: RunStore) -> tuple[list[tuple[int, str, int]], ServingRecorder]:
-    """Runs the serving keeper (default gate) over a store: its (round, decision, serving) events and what it
-    published."""
+def gate_decisions(store: RunStore, evaluator: Evaluator) -> tuple[list[tuple[int, str, int]], ServingRecorder]:
+    """Runs the serving keeper (default gate, judging with the evaluator's test images) over a store: its
+    (round, decision, serving) events and what it published."""
     recorder = ServingRecorder()
-    ServingKeeper(store, recorder, PromotionGate(), DEFAULT_SPEC.class_names).refresh()  # type: ignore[arg-type]
+
+    def judge(candidate: int, serving: int) -> GateEvidence:
+        return evaluator.evidence(candidate, serving, store.checkpoints.load)
+
+    ServingKeeper(store, recorder, PromotionGate(), DEFAULT_SPEC.class_names, judge).refresh()  # type: ignore[arg-type]
     return [(event.round_id, event.decision, event.serving) for event in store.serving.events()], recorder

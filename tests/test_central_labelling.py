@@ -65,7 +65,7 @@ def desk(broker: EmbeddedBroker, root: Path, port: int) -> subprocess.Popen:
     """`fl-coordinator labelling serve`: the queue's desk and its page."""
     arguments = ["--broker", f"mqtt://127.0.0.1:{broker.port}", "--fleet", FLEET, "--dashboard", str(port)]
     options = ["--dashboard-token", TOKEN, "--resend-seconds", "1", "--undo-seconds", str(UNDO_SECONDS)]
-    options += ["--log-level", "info"]
+    options += ["--field-test-share", "0", "--log-level", "info"]
     return start(["coordinator", "labelling", "serve", str(root / "run"), *arguments, *options], root / "desk.log")
 
 

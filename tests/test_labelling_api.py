@@ -191,7 +191,7 @@ def test_a_run_serves_the_labelling_page_on_its_dashboard_beside_its_rounds(tmp_
         heard.append(("sent", sent.label))
 
     with Dashboard(ListenAddress("127.0.0.1", 0), settings.run_dir, None, TOKEN) as dashboard:
-        with_labelling(rounds, settings, dashboard)(broker.address)
+        with_labelling(rounds, settings, dashboard, 0.0)(broker.address)
     assert heard == [("receipt", True), ("answer", 200), ("sent", 1)]
 
 

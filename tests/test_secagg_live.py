@@ -124,7 +124,8 @@ def test_a_secure_round_commits_fedavg_and_the_run_holds_no_plain_update(broker,
     divergence = divergence_view(snapshot, 1)
     assert divergence is not None and divergence["devices"] == ["aggregate"]
     assert divergence["layers"] == sorted(base) and all(0 < value < 1 for value in divergence["values"][0])
-    decided, published = gate_decisions(store)  # the gate reads the committed aggregate's scores only
+    store.checkpoints.save(0, base)
+    decided, published = gate_decisions(store, evaluator_of(fashion))  # it pairs the aggregate with W0 only
     assert decided == [(1, "promoted", 1)] and published.published[-1].model_hash == weights_hash(weights)
     store.close()
     assert plain_bytes_in(tmp_path / "run", trained, base) == []
@@ -146,7 +147,7 @@ def test_too_many_gone_abandons_the_round_and_reveals_nothing(broker, tmp_path, 
     assert metrics["secure_aggregation"] == "abandoned" and metrics["secagg_reason"]
     assert metrics["secagg_labels"] == 0 and store.rounds()[0].labels == 0
     store.checkpoints.save(0, base)
-    assert gate_decisions(store)[0] == [(1, "held", 0)]
+    assert gate_decisions(store, evaluator_of(fashion))[0] == [(1, "held", 0)]
     saved = (tmp_path / "run").rglob("secagg-1.rec")
     store.close()
     assert next(saved).exists()

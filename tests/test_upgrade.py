@@ -134,8 +134,10 @@ def test_every_store_of_0_1_0_opens_with_nothing_lost(old: Path) -> None:
     now = {"run database": RUN_SCHEMA.version, "label queue": QUEUE_SCHEMA.version}
     now |= {name: QUERY_SCHEMA.version for name in STORES if name.startswith("query store")}
     assert {name: version(old / path) for name, path in STORES.items()} == now
-    assert QUEUE_SCHEMA.version == 2, "undo holds and corrections came as migration 2"
-    assert QUERY_SCHEMA.version == 3, "a device's corrections came as migration 2, its queries' records as 3"
+    assert QUEUE_SCHEMA.version == 3, "undo holds and corrections came as migration 2, query kinds as 3"
+    assert QUERY_SCHEMA.version == 4, (
+        "a device's corrections came as migration 2, its queries' records as 3, closing as 4"
+    )
     assert run_reads(old) == EXPECTED["run"]
     assert queue_reads(old) == EXPECTED["labelling"]
     queue = LabelQueue(old / "run", CLASS_NAMES)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # the queue loads PIL and sqlite only when an action runs
     from protocol.mqtt import BrokerAddress
 
 MIB = 1024 * 1024
+DEFAULT_FIELD_TEST_SHARE = 0.1
 LABELLING_CREDENTIALS = "labelling.json"  # the desk's login in a provisioned folder
 
 
@@ -56,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--undo-answers", type=int, default=10, help="how many of a person's latest answers wait for an undo at most"
     )
+    add_field_test_share(serve)
     export = commands.add_parser("export", help="write the queue as Label Studio JSON tasks")
     export.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     export.add_argument("--out", type=Path, required=True, help="a folder: tasks.json, config.xml and images/")
@@ -72,6 +74,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(log_level="info")
 
 
+def add_field_test_share(parser: argparse.ArgumentParser) -> None:
+    """--field-test-share: the share of queries whose answers become the field's test set."""
+    parser.add_argument(
+        "--field-test-share",
+        type=float,
+        default=DEFAULT_FIELD_TEST_SHARE,
+        metavar="SHARE",
+        help="the share of queries marked, when queued, as field test queries: their answers judge each round's "
+        "model (the field set) and never reach a device as labels (0: none)",
+    )
+
+
+def checked_share(share: float) -> float:
+    """--field-test-share, a UsageError when it is outside [0, 1)."""
+    if not 0.0 <= share < 1.0:
+        raise UsageError(f"--field-test-share must lie in [0, 1), got {share}")
+    return share
+
+
 def class_names(spec: Path | None) -> tuple[str, ...]:
     """The class names of the fleet's model spec (the default spec's without one)."""
     from protocol.model_spec import DEFAULT_SPEC
@@ -85,15 +106,16 @@ def open_queue(args: argparse.Namespace, voters: int = 1) -> LabelQueue:
 
     if voters < 1:
         raise UsageError(f"--answers-per-query must be at least 1, got {voters}")
-    limits, undo = QueueLimits(), UndoWindow()
+    limits, undo, share = QueueLimits(), UndoWindow(), 0.0
     if args.action == "serve":
+        share = checked_share(args.field_test_share)
         if min(args.max_queries_per_device, args.max_queries) < 1 or not 0 < args.max_image_mb <= 64:
             raise UsageError("--max-queries(-per-device) must be positive and --max-image-mb in (0, 64]")
         if not 0 <= args.undo_seconds <= 3600 or not 0 <= args.undo_answers <= 100:
             raise UsageError("--undo-seconds must be in [0, 3600] and --undo-answers in [0, 100]")
         limits = QueueLimits(args.max_queries_per_device, args.max_queries, int(args.max_image_mb * MIB))
         undo = UndoWindow(args.undo_seconds, args.undo_answers)
-    return LabelQueue(args.run_dir, class_names(args.model_spec), limits, voters, undo)
+    return LabelQueue(args.run_dir, class_names(args.model_spec), limits, voters, undo, share)
 
 
 @contextlib.contextmanager
@@ -132,17 +154,18 @@ def desk_running(
 
 
 def with_labelling(
-    serve: Callable[[BrokerAddress], object], settings: ServerSettings, dashboard: Dashboard
+    serve: Callable[[BrokerAddress], object], settings: ServerSettings, dashboard: Dashboard, field_test_share: float
 ) -> Callable[[BrokerAddress], None]:
     """`fl-coordinator run --labelling`: the run's rounds with the desk beside them on the same broker (a secured
-    fleet's desk logs in with the provisioned labelling.json) and the labelling page on the run's dashboard."""
+    fleet's desk logs in with the provisioned labelling.json), marking `field_test_share` of the queries as field
+    test queries, and the labelling page on the run's dashboard."""
     from coordinator.fleet.provision import labelling_keys
     from coordinator.labelling.queue import LabelQueue
 
     def serving(address: BrokerAddress) -> None:
         secure = settings.secure_dir
         login = desk_login(address, None if secure is None else secure / LABELLING_CREDENTIALS, settings.fleet)
-        queue = LabelQueue(settings.run_dir, tuple(settings.spec.class_names))
+        queue = LabelQueue(settings.run_dir, tuple(settings.spec.class_names), field_test_share=field_test_share)
         keys = None if secure is None else labelling_keys(secure)
         with desk_running(settings.fleet, login, queue, dashboard.server.parts_health, keys) as desk:
             dashboard.server.labelling = desk

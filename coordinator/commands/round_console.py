@@ -34,6 +34,9 @@ class RoundPrinter:
                     {
                         "round": result.round_id,
                         "accuracy": result.accuracy,
+                        "test_images": result.test_images,
+                        "field_accuracy": result.field_accuracy if result.field_images else None,
+                        "field_images": result.field_images,
                         "device_accuracy": [result.device_accuracy[d] for d in devices],
                         "devices": devices,
                         "labels": result.labels,
@@ -51,8 +54,8 @@ class RoundPrinter:
         else:
             local = " ".join(f"{result.device_accuracy[d]:.3f}" for d in devices)
             print(
-                f"round {result.round_id:>3}/{self.total_rounds}  global acc {result.accuracy:.4f}  "
-                f"devices [{local}]  labels {labels_words(result)}  {result.seconds:.1f}s"
+                f"round {result.round_id:>3}/{self.total_rounds}  global acc {result.accuracy:.4f}"
+                f"{test_set_words(result)}  devices [{local}]  labels {labels_words(result)}  {result.seconds:.1f}s"
                 + peak_words(result.peak_rss_mb)
                 + (f"  rejected {len(result.rejected)}" if result.rejected else "")
                 + (f"  suspects {','.join(sorted(result.suspects))}" if result.suspects else "")
@@ -93,6 +96,13 @@ class RoundPrinter:
         )
         if report is not None:
             print(f"report: {report}")
+
+
+def test_set_words(result: RoundResult) -> str:
+    """The sizes of the test sets the round's model was measured on: the server's test images, and the field set's
+    accuracy and images once it holds any."""
+    field = f"  field acc {result.field_accuracy:.4f} ({result.field_images} images)" if result.field_images else ""
+    return f" ({result.test_images} test images){field}"
 
 
 def labels_words(result: RoundResult) -> str:

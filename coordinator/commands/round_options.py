@@ -82,15 +82,31 @@ def add_serving_options(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=PromotionGate.tolerance_points,
         metavar="POINTS",
-        help="a committed round serves when its held-out accuracy is at least the serving model's less this many "
-        "percentage points (and no class falls by more than --promotion-max-class-drop)",
+        help="a committed round is held when its accuracy fell from the serving model's by more than this many "
+        "percentage points beyond doubt (its fall's lower bound at --promotion-confidence, both models scored on "
+        "the same test images)",
     )
     serving.add_argument(
         "--promotion-max-class-drop",
         type=float,
         default=PromotionGate.max_class_drop_points,
         metavar="POINTS",
-        help="the most percentage points one class's held-out recall may fall for a round to serve",
+        help="... or one class's recall fell by more than this many percentage points beyond doubt",
+    )
+    serving.add_argument(
+        "--promotion-confidence",
+        type=float,
+        default=PromotionGate.confidence,
+        help="how sure the gate must be of a fall before it holds a round, over the overall and per-class tests "
+        "together",
+    )
+    serving.add_argument(
+        "--promotion-field-images",
+        type=int,
+        default=PromotionGate.field_images,
+        metavar="N",
+        help="the field set (answered field test queries, --field-test-share) decides once it holds N images; the "
+        "server's test set decides before",
     )
     serving.add_argument(
         "--publish-predictions",

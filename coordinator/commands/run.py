@@ -7,7 +7,7 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 
-from coordinator.commands.labelling import with_labelling
+from coordinator.commands.labelling import add_field_test_share, checked_share, with_labelling
 from coordinator.commands.round_console import RoundPrinter, dashboard_of
 from coordinator.commands.round_options import add_round_options
 from coordinator.commands.run_settings import server_settings, validate_recipe_names
@@ -48,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep the fleet's labelling queue (RUN_DIR/labelling) and serve its page at /label on the dashboard: "
         "devices run with --labelling central send their queried images there",
     )
+    add_field_test_share(parser)
     parser.add_argument(
         "--broker-listen",
         metavar="[HOST:]PORT",
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             say=printer.say,
         )
         if args.labelling and dashboard is not None:
-            serve = with_labelling(serve, settings, dashboard)
+            serve = with_labelling(serve, settings, dashboard, checked_share(args.field_test_share))
         if args.broker:
             serve(parse_broker_url(args.broker))
         else:

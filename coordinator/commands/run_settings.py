@@ -91,7 +91,12 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
         max_sample_share=args.max_sample_share,
         relays=tuple(wire.given_identifier("--relay", name) for name in getattr(args, "relay", [])),
         dp=DpSettings(args.dp_delta, args.dp_epsilon_budget),
-        promotion=PromotionGate(args.promotion_tolerance, args.promotion_max_class_drop),
+        promotion=PromotionGate(
+            args.promotion_tolerance,
+            args.promotion_max_class_drop,
+            args.promotion_confidence,
+            args.promotion_field_images,
+        ),
         publish_predictions=args.publish_predictions,
         secagg_open_fleet_unsafe=getattr(args, "secagg_open_fleet_unsafe", False),
     )

@@ -186,8 +186,12 @@ def sweep_section(run_dir: Path) -> list[str]:
 
 
 def timeline_section(rounds: list[dict]) -> list[str]:
-    """The round timeline chart and table: duration, quorum, accepted, stragglers, rejections, suspects."""
-    header = ["round", "seconds", "quorum", "accepted", "stragglers", "rejected", "suspects", "accuracy", "labels"]
+    """The round timeline chart and table: duration, quorum, accepted, stragglers, rejections, suspects, accuracy on
+    both test sets with their sizes."""
+    header = [
+        *("round", "seconds", "quorum", "accepted", "stragglers", "rejected", "suspects"),
+        *("accuracy", "test images", "field accuracy", "field images", "labels"),
+    ]
     rows = [
         [
             r["round"],
@@ -198,6 +202,9 @@ def timeline_section(rounds: list[dict]) -> list[str]:
             "; ".join(f"{x['device_id']}: {x['reason']}" for x in r["rejections"]) or "-",
             ", ".join(sorted(r["suspects"])) or "-",
             number(r["accuracy"]),
+            r["test_images"] if r["test_images"] is not None else "-",
+            number(r["field_accuracy"]) if r["field_images"] else "-",
+            r["field_images"],
             r["labels"],
         ]
         for r in rounds

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from coordinator.dashboard.live import LiveState
 from coordinator.labelling.queue import QueueStatus
-from coordinator.rounds.closing import DEVICE_EPSILON
+from coordinator.rounds.closing import DEVICE_EPSILON, FIELD_ACCURACY, FIELD_IMAGES, TEST_IMAGES
 from coordinator.storage.serving_history import HELD, ServingEvent, serving_stack
 from coordinator.storage.store import AGGREGATE_CHANGE, DeviceRoundRecord, RoundRecord, RunStore, stored_spec
 from coordinator.strategies.method_kinds import method_kinds
@@ -318,8 +318,9 @@ def health_view(health: Health) -> dict:
 
 
 def rounds_view(snapshot: RunSnapshot) -> list[dict]:
-    """One row per committed round: timing, accuracy, labels, quorum, stragglers, rejections, suspects, each
-    device's local accuracy and the promotion gate's decision on it."""
+    """One row per committed round: timing, accuracy (on the server's test images, and on the field set, each with
+    its size), labels, quorum, stragglers, rejections, suspects, each device's local accuracy and the promotion
+    gate's decision on it."""
     devices_by_round = grouped(snapshot.device_rounds, lambda r: r.round_id)
     rejections_by_round = grouped(snapshot.rejections, lambda rejection: rejection[0])
     gate = {event.round_id: event for event in snapshot.serving if event.who == "gate"}
@@ -333,6 +334,9 @@ def rounds_view(snapshot: RunSnapshot) -> list[dict]:
                 "closed_at": record.closed_at,
                 "seconds": record.closed_at - record.started_at,
                 "accuracy": record.accuracy,
+                "test_images": record.metrics.get(TEST_IMAGES),
+                "field_accuracy": record.metrics.get(FIELD_ACCURACY),
+                "field_images": record.metrics.get(FIELD_IMAGES, 0),
                 "labels": record.labels,
                 "accepted": record.accepted,
                 "rejected": record.rejected,

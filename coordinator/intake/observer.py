@@ -27,6 +27,9 @@ class RoundResult:
     suspects: dict[str, list[str]] = field(default_factory=dict)
     server_labels: int = 0  # of `labels`, the server's own (W0's); the rest are the devices'
     peak_rss_mb: dict[str, float] = field(default_factory=dict)  # each device's peak RSS as its last status said
+    test_images: int = 0  # how many of the server's test images `accuracy` is measured on
+    field_accuracy: float = float("nan")  # the model's accuracy on the field set (NaN: it holds no image yet)
+    field_images: int = 0  # how many answered field test images the field set holds
 
 
 class RoundObserver:

@@ -72,7 +72,10 @@ class LabellingDesk:
         self._thread.stop()
 
     def send(self, decided: Decided) -> None:
-        """Publishes a decided answer to its device (QoS 1) and schedules its resend."""
+        """Publishes a decided answer to its device (QoS 1) and schedules its resend; a field test query's answer
+        is never sent (the device was told at queueing that it closes without a label)."""
+        if decided.field_test:
+            return
         answer = label_messages.LabelAnswer(decided.query_id, decided.label, decided.answered_by, decided.answered_at)
         key = (decided.device, decided.query_id)
         with self._lock:
@@ -111,8 +114,9 @@ class LabellingDesk:
         else:
             log.info("query queued device=%s query=%s bytes=%d", device, query.query_id, len(query.image))
         if wire.IDENTIFIER.fullmatch(query.query_id):
+            field_test = refusal is None and self.queue.is_field_test(device, query.query_id)
             receipt = label_messages.QueryReceipt(
-                query.query_id, refusal is None, "" if refusal is None else refusal.value
+                query.query_id, refusal is None, "" if refusal is None else refusal.value, field_test=field_test
             )
             self._publish(device, receipt)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import threading
 import time
@@ -18,7 +19,7 @@ from protocol import wire
 from protocol.errors import FalError
 from protocol.files import atomic_write_bytes
 from protocol.label_messages import DEFAULT_MAX_IMAGE_BYTES, NO_GUESS, NONE_OF_THESE, QUERY_MEDIA_TYPES, LabelQuery
-from protocol.sqlite_store import Schema, open_store, statements, transaction
+from protocol.sqlite_store import Schema, open_store, schema_version, statements, transaction
 
 QUEUE_FOLDER = "labelling"
 DATABASE = "queue.sqlite"
@@ -48,12 +49,28 @@ UNDO_AND_CORRECTIONS = (
     "revision INTEGER NOT NULL, corrected_by TEXT NOT NULL, corrected_at REAL NOT NULL, delivered_at REAL, "
     "PRIMARY KEY (device, query_id))",
 )
+LABEL, FIELD_TEST = "label", "field_test"  # a query's kind: its answer trains its device, or judges models
+KINDS = (
+    # what a query's answer is for, decided when it is queued: a label sent to its device, or a field test label
+    # kept by the coordinator (never sent, never trained on)
+    f"ALTER TABLE queries ADD COLUMN kind TEXT NOT NULL DEFAULT '{LABEL}'",
+    # whether its device labelled it by its own road (its page, labels.csv): that label trains there
+    "ALTER TABLE queries ADD COLUMN device_word INTEGER NOT NULL DEFAULT 0",
+)
 QUEUE_SCHEMA = Schema(
     "label queue",
     (
         statements("the tables of release 0.1.0", *SCHEMA),
         statements("answers held for an undo, and corrections (0.5.0)", *UNDO_AND_CORRECTIONS),
+        statements("each query's kind: field test queries (0.5.0)", *KINDS),
     ),
+)
+# The field's test set: field test queries answered with a class by the queue's people (not by their device's own
+# road), whose answer is out of its undo hold.
+FIELD_SET = (
+    f"SELECT device, query_id, media_type, label FROM queries q WHERE kind = '{FIELD_TEST}' AND label >= 0 AND "
+    "device_word = 0 AND NOT EXISTS (SELECT 1 FROM held h WHERE h.device = q.device AND h.query_id = q.query_id) "
+    "ORDER BY answered_at, rowid"
 )
 QUERY_COLUMNS = (
     "device, query_id, media_type, image_bytes, guess, probability, uncertainty, score, asked_at, label, answered_by"
@@ -129,13 +146,15 @@ class QueuedQuery:
 
 @dataclass(frozen=True)
 class Decided:
-    """An answer decided by a vote: the query, its label and who gave it (the majority's voters)."""
+    """An answer decided by a vote: the query, its label and who gave it (the majority's voters); a field test
+    query's answer is kept by the coordinator and never sent."""
 
     device: str
     query_id: str
     label: int
     answered_by: str
     answered_at: float
+    field_test: bool = False
 
 
 @dataclass(frozen=True)
@@ -252,6 +271,56 @@ class Tally:
     corrections: int
 
 
+@dataclass(frozen=True)
+class FieldAnswer:
+    """One image of the field's test set: its query, its image file and the class people gave it."""
+
+    device: str
+    query_id: str
+    path: Path
+    label: int
+
+    @property
+    def key(self) -> str:
+        """The image's key, unique in the queue."""
+        return f"{self.device}/{self.query_id}"
+
+
+def image_file(folder: Path, device: str, query_id: str, media_type: str) -> Path:
+    """Where a query's image is kept under the queue's folder."""
+    return folder / IMAGES / device / f"{query_id}{SUFFIXES[media_type]}"
+
+
+def field_answers(folder: Path, rows: list[tuple]) -> list[FieldAnswer]:
+    """FIELD_SET's rows as FieldAnswers."""
+    return [
+        FieldAnswer(str(device), str(query_id), image_file(folder, device, query_id, media_type), int(label))
+        for device, query_id, media_type, label in rows
+    ]
+
+
+def read_field_set(run_dir: Path) -> list[FieldAnswer]:
+    """The field's test set of a run's queue, read beside the desk that writes it (nothing is created or changed):
+    none while the run keeps no queue, or keeps one its desk has not brought up to this schema yet."""
+    path = Path(run_dir) / QUEUE_FOLDER / DATABASE
+    if not path.is_file():
+        return []
+    connection = open_store(path, QUEUE_SCHEMA, read_only=True)
+    try:
+        rows = connection.execute(FIELD_SET).fetchall() if schema_version(connection) == QUEUE_SCHEMA.version else []
+    finally:
+        connection.close()
+    return field_answers(path.parent, rows)
+
+
+def query_kind(device: str, query_id: str, field_test_share: float) -> str:
+    """A query's kind, from its ids alone (so the choice is made before anyone answers and cannot depend on the
+    answer): FIELD_TEST for a share `field_test_share` of queries, by a hash of the device and query ids (uniform
+    in [0, 1) below the share)."""
+    digest = hashlib.sha256(f"{device}/{query_id}".encode()).digest()
+    return FIELD_TEST if int.from_bytes(digest[:8], "big") / 2**64 < field_test_share else LABEL
+
+
 def midnight(now: float) -> float:
     """The local midnight that began `now`'s day (a person's day, as the queue's machine keeps it)."""
     return datetime.fromtimestamp(now).replace(hour=0, minute=0, second=0, microsecond=0).timestamp()
@@ -262,7 +331,10 @@ class LabelQueue:
     transaction) and images/<device>/<query id>.<ext>. A query is decided when one label holds a majority of
     `voters` votes (1: the first answer decides); the decision is committed before anyone may send it to the device.
     A decision from the page waits as `undo` says before it may be sent; a change after it was sent is a
-    correction, sent to the device in its turn. `record` is the one way in for every answer and correction."""
+    correction, sent to the device in its turn. `record` is the one way in for every answer and correction.
+
+    A share `field_test_share` of the queries (`query_kind`) is marked FIELD_TEST when queued, for good: its
+    answer is the field's test set (`field_set`), never sent to its device (a change of it stays in place)."""
 
     def __init__(
         self,
@@ -271,15 +343,19 @@ class LabelQueue:
         limits: QueueLimits | None = None,
         voters: int = 1,
         undo: UndoWindow | None = None,
+        field_test_share: float = 0.0,
     ) -> None:
         if voters < 1:
             raise ValueError(f"voters must be at least 1, got {voters}")
+        if not 0.0 <= field_test_share < 1.0:
+            raise ValueError(f"field_test_share must lie in [0, 1), got {field_test_share}")
         self.folder = Path(run_dir) / QUEUE_FOLDER
         self.folder.mkdir(parents=True, exist_ok=True)
         self.class_names = class_names
         self.limits = limits or QueueLimits()
         self.voters = voters
         self.undo_window = undo or UndoWindow()
+        self.field_test_share = field_test_share
         self._lock = threading.Lock()
         self._conn = open_store(self.folder / DATABASE, QUEUE_SCHEMA)
 
@@ -292,10 +368,11 @@ class LabelQueue:
 
     def image_path(self, device: str, query_id: str, media_type: str) -> Path:
         """Where a query's image is kept."""
-        return self.folder / IMAGES / device / f"{query_id}{SUFFIXES[media_type]}"
+        return image_file(self.folder, device, query_id, media_type)
 
     def add(self, query: LabelQuery, device: str) -> QueueRefusal | None:
-        """Queues a device's query (its image written first, then its row); None when queued or already there."""
+        """Queues a device's query (its image written first, then its row, with its kind); None when queued or
+        already there (its kind as it was decided then)."""
         valid_ids = wire.IDENTIFIER.fullmatch(query.query_id) and query.device_id == device
         if not valid_ids or not (query.guess == NO_GUESS or 0 <= query.guess < len(self.class_names)):
             return QueueRefusal.BAD_QUERY
@@ -312,14 +389,34 @@ class LabelQueue:
             if self._one("SELECT COUNT(*) FROM queries WHERE label IS NULL") >= self.limits.total:
                 return QueueRefusal.QUEUE_FULL
             atomic_write_bytes(self.image_path(device, query.query_id, query.media_type), query.image)
+            kind = query_kind(device, query.query_id, self.field_test_share)
             self._conn.execute(
-                "INSERT INTO queries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL, NULL, NULL)",
+                "INSERT INTO queries (device, query_id, media_type, image_bytes, guess, probability, uncertainty, "
+                "score, asked_at, received_at, kind) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     *(device, query.query_id, query.media_type, len(query.image), query.guess),
-                    *(query.probability, query.uncertainty, query.score, query.asked_at, time.time()),
+                    *(query.probability, query.uncertainty, query.score, query.asked_at, time.time(), kind),
                 ),
             )
         return None
+
+    def is_field_test(self, device: str, query_id: str) -> bool:
+        """Whether a queued query is a field test query (False for one not queued)."""
+        with self._lock:
+            return bool(
+                self._one(
+                    "SELECT COUNT(*) FROM queries WHERE device = ? AND query_id = ? AND kind = ?",
+                    device,
+                    query_id,
+                    FIELD_TEST,
+                )
+            )
+
+    def field_set(self) -> list[FieldAnswer]:
+        """The field's test set as it stands (FIELD_SET), oldest answer first."""
+        with self._lock:
+            rows = self._conn.execute(FIELD_SET).fetchall()
+        return field_answers(self.folder, rows)
 
     def next_for(self, person: str) -> QueuedQuery | None:
         """The open query worth most to the fleet that this person has neither answered nor skipped, each device
@@ -406,19 +503,20 @@ class LabelQueue:
     ) -> Recorded:
         """One query's part of record_all, inside its transaction."""
         row = self._conn.execute(
-            "SELECT label FROM queries WHERE device = ? AND query_id = ?", (device, query_id)
+            "SELECT label, kind FROM queries WHERE device = ? AND query_id = ?", (device, query_id)
         ).fetchone()
         if row is None:
             raise AnswerError(404, f"no query {wire.shown(query_id)} of device {wire.shown(device)}")
+        field_test = row[1] == FIELD_TEST
         if row[0] is None:
-            return self._vote(device, query_id, label, person, change, hold, now)
+            return self._vote(device, query_id, label, person, change, hold, now, field_test)
         if not change:
             raise AnswerError(409, f"query {wire.shown(query_id)} of device {wire.shown(device)} is answered already")
         if int(row[0]) == label:
             return Recorded(Outcome.UNCHANGED)
         self._upsert_vote(device, query_id, label, person, now)
         self._conn.execute("UPDATE queries SET label = ? WHERE device = ? AND query_id = ?", (label, device, query_id))
-        if self._one("SELECT COUNT(*) FROM held WHERE device = ? AND query_id = ?", device, query_id):
+        if field_test or self._one("SELECT COUNT(*) FROM held WHERE device = ? AND query_id = ?", device, query_id):
             self._conn.execute(
                 "UPDATE queries SET answered_by = ? WHERE device = ? AND query_id = ?", (person, device, query_id)
             )
@@ -426,7 +524,15 @@ class LabelQueue:
         return Recorded(Outcome.CORRECTED, correction=self._correct(device, query_id, label, person, now, None))
 
     def _vote(
-        self, device: str, query_id: str, label: int, person: str, change: bool, hold: bool, now: float
+        self,
+        device: str,
+        query_id: str,
+        label: int,
+        person: str,
+        change: bool,
+        hold: bool,
+        now: float,
+        field_test: bool,
     ) -> Recorded:
         """A person's vote on an open query (a second vote of the same person only with `change`, replacing the
         first), and the decision when a majority holds."""
@@ -454,7 +560,8 @@ class LabelQueue:
                 "INSERT OR REPLACE INTO held VALUES (?, ?, ?, ?)",
                 (device, query_id, person, now + self.undo_window.seconds),
             )
-        return Recorded(Outcome.DECIDED, decided=Decided(device, query_id, label, answered_by, now), held=hold)
+        decided = Decided(device, query_id, label, answered_by, now, field_test)
+        return Recorded(Outcome.DECIDED, decided=decided, held=hold)
 
     def _upsert_vote(self, device: str, query_id: str, label: int, person: str, now: float) -> None:
         """A person's vote on a query, replacing theirs if they gave one."""
@@ -524,12 +631,12 @@ class LabelQueue:
     def _release(self, now: float) -> list[Decided]:
         """release's reads and writes inside a transaction."""
         due = self._conn.execute(
-            "SELECT q.device, q.query_id, q.label, q.answered_by, q.answered_at FROM queries q JOIN "
+            "SELECT q.device, q.query_id, q.label, q.answered_by, q.answered_at, q.kind FROM queries q JOIN "
             f"({DUE_HELD}) h ON q.device = h.device AND q.query_id = h.query_id",
             self._due_parameters(now),
         ).fetchall()
         self._conn.executemany("DELETE FROM held WHERE device = ? AND query_id = ?", [(row[0], row[1]) for row in due])
-        return [Decided(*row) for row in due]
+        return [Decided(*row[:5]) for row in due if row[5] == LABEL]
 
     def _due_parameters(self, now: float) -> dict[str, float]:
         """The parameters of DUE_HELD."""
@@ -574,7 +681,7 @@ class LabelQueue:
         return taken
 
     def _device_word(self, device: str, query_id: str, label: int, who: str, now: float) -> bool:
-        """answered_on_device's writes inside its transaction."""
+        """answered_on_device's writes inside its transaction (the query noted as labelled by its device)."""
         row = self._conn.execute(
             "SELECT label FROM queries WHERE device = ? AND query_id = ?", (device, query_id)
         ).fetchone()
@@ -582,7 +689,7 @@ class LabelQueue:
             return False
         self._conn.execute(
             "UPDATE queries SET label = ?, answered_by = COALESCE(answered_by, ?), answered_at = COALESCE(answered_at, "
-            "?), delivered_at = COALESCE(delivered_at, ?) WHERE device = ? AND query_id = ?",
+            "?), delivered_at = COALESCE(delivered_at, ?), device_word = 1 WHERE device = ? AND query_id = ?",
             (label, who, now, now, device, query_id),
         )
         self._conn.execute("DELETE FROM held WHERE device = ? AND query_id = ?", (device, query_id))
@@ -591,12 +698,12 @@ class LabelQueue:
         return True
 
     def undelivered(self) -> list[Decided]:
-        """Decided answers, no longer held for an undo, that the device has not confirmed storing yet, oldest
-        first."""
+        """Decided answers of label queries (a field test query's is never sent), no longer held for an undo, that
+        the device has not confirmed storing yet, oldest first."""
         with self._lock:
             rows = self._conn.execute(
-                "SELECT device, query_id, label, answered_by, answered_at FROM queries q "
-                f"WHERE label IS NOT NULL AND delivered_at IS NULL AND {NOT_HELD} ORDER BY answered_at"
+                "SELECT device, query_id, label, answered_by, answered_at FROM queries q WHERE label IS NOT NULL "
+                f"AND delivered_at IS NULL AND kind = '{LABEL}' AND {NOT_HELD} ORDER BY answered_at"
             ).fetchall()
         return [Decided(*row) for row in rows]
 
@@ -633,12 +740,13 @@ class LabelQueue:
         return cursor.rowcount > 0
 
     def _prune(self) -> None:
-        """Removes the answered, delivered (and corrections delivered) queries beyond the newest `kept_answered`:
-        rows, votes, skips, corrections, images."""
+        """Removes the answered, delivered (and corrections delivered) queries and the answered field test queries
+        out of their hold beyond the newest `kept_answered`: rows, votes, skips, corrections, images."""
         old = self._conn.execute(
-            "SELECT device, query_id, media_type FROM queries q WHERE delivered_at IS NOT NULL AND NOT EXISTS "
-            "(SELECT 1 FROM corrections c WHERE c.device = q.device AND c.query_id = q.query_id AND c.delivered_at "
-            "IS NULL) ORDER BY answered_at DESC, rowid DESC LIMIT -1 OFFSET ?",
+            f"SELECT device, query_id, media_type FROM queries q WHERE (delivered_at IS NOT NULL OR (kind = "
+            f"'{FIELD_TEST}' AND label IS NOT NULL AND {NOT_HELD})) AND NOT EXISTS (SELECT 1 FROM corrections c "
+            "WHERE c.device = q.device AND c.query_id = q.query_id AND c.delivered_at IS NULL) "
+            "ORDER BY answered_at DESC, rowid DESC LIMIT -1 OFFSET ?",
             (self.limits.kept_answered,),
         ).fetchall()
         for device, query_id, media_type in old:

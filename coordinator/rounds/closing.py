@@ -11,7 +11,7 @@ from typing import Any, Protocol
 from coordinator.intake.observer import PEAK_RSS, RoundResult
 from coordinator.intake.round_aggregator import Aggregate, RoundAggregator
 from coordinator.intake.update_intake import RoundCollector
-from coordinator.rounds.evaluation import TestScores
+from coordinator.rounds.evaluation import RoundScores, TestScores
 from coordinator.storage.store import SECURE_LABELS, DeviceRoundRecord, RoundRecord, RunStore, StrategyState
 from coordinator.strategies.aggregate import ClientUpdate
 from coordinator.strategies.contract import Strategy
@@ -21,6 +21,13 @@ from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)
 DEVICE_EPSILON = "device_dp_sgd_epsilon"  # round metrics: each DP-SGD device's example-level epsilon, as it reported
+# Round metrics: the server's test set's size, and the round's model on the field set (accuracy, per class, size).
+TEST_IMAGES, FIELD_ACCURACY, FIELD_CLASS_ACCURACY, FIELD_IMAGES = (
+    "test_images",
+    "field_accuracy",
+    "field_class_accuracy",
+    "field_images",
+)
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,9 @@ class RoundEvaluator(Protocol):
 
     def test_scores(self, weights: Weights) -> TestScores:
         """A model's test accuracy, overall and per class."""
+
+    def round_scores(self, version: int, weights: Weights) -> RoundScores:
+        """A committed version's scores on the server's test set and on the field set."""
 
     def selection_accuracy(self, weights: Weights) -> float:
         """A model's BNN accuracy on the selection split (strategies that choose among models)."""
@@ -118,14 +128,15 @@ class RoundCloser:
         report["aggregation_seconds"] = time.monotonic() - aggregation_started
         for device, layers in aggregate.suspects.items():
             log.warning("suspect update round=%d device=%s layers=%s", collector.round_id, device, ",".join(layers))
-        scores = self.evaluator.test_scores(aggregate.weights)
+        scores = self.evaluator.round_scores(collector.round_id, aggregate.weights)
         record = self.round_record(collector, timing, scores, report, dict(presence), device_scores)
         device_accuracy = {device: score.accuracy for device, score in device_scores.items()}
         self.commit(collector, aggregate, record, device_accuracy)
         seconds = time.monotonic() - timing.monotonic
         result = RoundResult(
-            *(collector.round_id, scores.accuracy, device_accuracy, record.labels, aggregate.divergence, seconds),
+            *(collector.round_id, scores.test.accuracy, device_accuracy, record.labels, aggregate.divergence, seconds),
             *(dict(collector.rejected), report, aggregate.suspects, self.base_labels, dict(presence.get(PEAK_RSS, {}))),
+            *(scores.test.images, scores.field.accuracy, scores.field.images),
         )
         return aggregate.weights, result
 
@@ -142,23 +153,28 @@ class RoundCloser:
         self,
         collector: RoundCollector,
         timing: RoundTiming,
-        scores: TestScores,
+        scores: RoundScores,
         report: dict[str, Any],
         metrics: dict[str, Any],
         device_scores: dict[str, TestScores],
     ) -> RoundRecord:
         """The round's record (its checkpoint hash is filled in at commit), counting every label used so far (a
-        secure round's devices report their new labels only as a sum, in its metrics)."""
+        secure round's devices report their new labels only as a sum, in its metrics), with its scores on both test
+        sets and their sizes (the field set's accuracy None while it holds no image)."""
         for update in collector.accepted.values():
             self.device_labels[update.device_id] = update.acquired_labels
         self.secure_labels += int(metrics.get(SECURE_LABELS, 0))
-        metrics["class_accuracy"] = scores.per_class
+        metrics["class_accuracy"] = scores.test.per_class
+        metrics[TEST_IMAGES] = scores.test.images
+        metrics[FIELD_IMAGES] = scores.field.images
+        metrics[FIELD_ACCURACY] = scores.field.accuracy if scores.field.images else None
+        metrics[FIELD_CLASS_ACCURACY] = scores.field.per_class if scores.field.images else []
         metrics["device_class_accuracy"] = {device: score.per_class for device, score in device_scores.items()}
         metrics.update(device_epsilons(collector))
         labels = self.base_labels + sum(self.device_labels.values()) + self.secure_labels
         accepted, rejected = len(collector.accepted), collector.rejection_count
         return RoundRecord(
-            *(collector.round_id, timing.wall, time.time(), "", scores.accuracy, labels, accepted, rejected),
+            *(collector.round_id, timing.wall, time.time(), "", scores.test.accuracy, labels, accepted, rejected),
             *(report, metrics),
         )
 

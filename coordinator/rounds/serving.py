@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from coordinator.rounds.promotion import ABANDONED, ModelScores, PromotionGate, verdict
+from coordinator.rounds.promotion import ABANDONED, GateEvidence, PromotionGate, Verdict, verdict
 from coordinator.rounds.publisher import RetainedPublisher
 from coordinator.storage.serving_history import (
     GATE,
@@ -26,23 +26,18 @@ log = logging.getLogger(__name__)
 W0_ACCURACY = "w0_accuracy"  # the run config's key of W0's test accuracy
 W0_CLASS_ACCURACY = "w0_class_accuracy"  # ... and of its accuracy on each class
 POLL_SECONDS = 1.0  # how often a running coordinator looks for a person's promote or rollback in the store
+# What the gate reads of a round: the paired tables of (candidate version, serving version) on both test sets.
+Judge = Callable[[int, int], GateEvidence]
 
 
-def round_scores(record: RoundRecord) -> ModelScores:
-    """A committed round's held-out scores as its record keeps them (a secure round refused: abandoned)."""
-    abandoned = record.metrics.get("secure_aggregation") == ABANDONED
-    return ModelScores(record.accuracy, list(record.metrics.get("class_accuracy", [])), abandoned)
-
-
-def w0_scores(store: RunStore) -> ModelScores:
-    """W0's held-out scores, kept in the run's config before round 1 (unmeasured in a store from before that)."""
-    config = store.config() or {}
-    return ModelScores(config.get(W0_ACCURACY), list(config.get(W0_CLASS_ACCURACY, [])))
+def abandoned(record: RoundRecord) -> bool:
+    """Whether a committed round was a secure round whose sum was refused (its model is the one it started from)."""
+    return bool(record.metrics.get("secure_aggregation") == ABANDONED)
 
 
 class ServingKeeper:
     """Keeps the serving version apart from the latest round's model: after each commit the gate decides the round
-    (stored with its reason), and whatever the store says serves (the gate's promotions, a person's promote or
+    from what `judge` says of it and the version serving (stored with its reason), and whatever the store says serves (the gate's promotions, a person's promote or
     rollback from another process) is published: its model and bundle retained on their hash topics for as long
     as it serves, then one retained `ServingMessage`. A restarted coordinator publishes the stored version."""
 
@@ -52,11 +47,13 @@ class ServingKeeper:
         publisher: RetainedPublisher,
         gate: PromotionGate,
         class_names: Sequence[str],
+        judge: Judge,
         publish_predictions: bool = False,
     ) -> None:
         self.store = store
         self.publisher = publisher
         self.gate = gate
+        self.judge = judge
         self.class_names = tuple(class_names)
         self.publish_predictions = publish_predictions
         self.published: int | None = None
@@ -76,16 +73,18 @@ class ServingKeeper:
             self.refresh()
 
     def decide(self, round_id: int) -> None:
-        """The gate's decision on one committed round against the version serving when it is stored."""
-        records = {record.round_id: record for record in self.store.rounds()}
-        candidate = round_scores(records[round_id])
-        scores = {version: round_scores(record) for version, record in records.items()}
-        scores[0] = w0_scores(self.store)
+        """The gate's decision on one committed round against the version serving, judged outside the store's
+        transaction; stored only if that version still serves then (a person's promote or rollback in between
+        leaves the round for the next refresh to judge again)."""
+        record = next(each for each in self.store.rounds() if each.round_id == round_id)
+        serving = self.store.serving.serving_version()
+        judged = None if serving == round_id else self.verdict_on(record, serving)
 
-        def decision(stack: list[int]) -> ServingDecision:
+        def decision(stack: list[int]) -> ServingDecision | None:
             if stack[-1] == round_id:
                 return ServingDecision(round_id, HELD, "it serves already", GATE)
-            judged = verdict(self.gate, candidate, scores.get(stack[-1], ModelScores(None)), self.class_names)
+            if stack[-1] != serving or judged is None:
+                return None
             return ServingDecision(round_id, PROMOTED if judged.promote else HELD, judged.reason, GATE)
 
         event = self.store.serving.record(decision)
@@ -94,6 +93,12 @@ class ServingKeeper:
                 "serving decision round=%d decision=%s serving=%d reason=%s",
                 *(event.round_id, event.decision, event.serving, event.reason),
             )
+
+    def verdict_on(self, record: RoundRecord, serving: int) -> Verdict:
+        """The gate's verdict on a committed round against the serving version (an abandoned round: held)."""
+        if abandoned(record):
+            return Verdict(False, "the round was abandoned: its model is the one it started from")
+        return verdict(self.gate, self.judge(record.round_id, serving), self.class_names)
 
     def publish_current(self) -> None:
         """Publishes the store's serving version unless it is the one published last."""
@@ -123,7 +128,7 @@ def promote_round(store: RunStore, round_id: int) -> ServingEvent:
         last = store.last_committed_round()
         committed = "none yet" if last is None else f"rounds 1 to {last}"
         raise UsageError(f"--round {round_id}: no such committed round (the run has committed {committed})")
-    if record is not None and round_scores(record).abandoned:
+    if record is not None and abandoned(record):
         raise UsageError(f"--round {round_id}: the round was abandoned, its model is the one it started from")
 
     def decision(stack: list[int]) -> ServingDecision:

@@ -1,4 +1,5 @@
-# The server's data: its labelled images split into W0's samples, the selection split and the rest; W0; the evaluator.
+# The server's data: its labelled images split into W0's samples, the selection split and the rest; W0; the field's
+# test set; the evaluator.
 from __future__ import annotations
 
 import logging
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from coordinator.labelling.queue import read_field_set
 from coordinator.rounds.closing import RoundEvaluator
 from coordinator.rounds.evaluation import Evaluator, LabelledSplit
 from coordinator.rounds.holdout import server_holdout, split_sizes
@@ -19,6 +21,7 @@ from coordinator.storage.store import RunStore
 from coordinator.strategies.registry import make_strategy
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.image_arrays import ImageDataset, load_npz_dataset
+from edge_agent.data.image_files import InputSpec, UnreadableImageError, decode_image
 from edge_agent.learning.models import get_weights, set_weights
 from edge_agent.learning.pretrained_backbone import initial_model
 from edge_agent.learning.training import TrainSettings, train_supervised
@@ -143,19 +146,51 @@ def initial_weights(settings: ServerSettings, data: ServerData) -> Weights:
     return get_weights(model)
 
 
+class FieldSet:
+    """The field's test set of a run's labelling queue (RUN_DIR/labelling), read as it stands at each call: each
+    image decoded as the server's own images are (`decode_image` at the spec's input) once, and kept by its key for
+    as long as it stays in the set. An image that cannot be read (its query pruned meanwhile) is left out."""
+
+    def __init__(self, run_dir: Path, spec: InputSpec) -> None:
+        self.run_dir = Path(run_dir)
+        self.spec = spec
+        self.images: dict[str, np.ndarray] = {}
+
+    def __call__(self) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """(keys, uint8 images at the spec's input, labels) of the field set now, oldest answer first."""
+        answers = read_field_set(self.run_dir)
+        kept: dict[str, np.ndarray] = {}
+        labels: list[int] = []
+        for answer in answers:
+            image = self.images.get(answer.key)
+            if image is None:
+                try:
+                    image = decode_image(answer.path, self.spec)
+                except UnreadableImageError as error:
+                    log.debug("field image left out key=%s reason=%s", answer.key[:120], error)
+                    continue
+            kept[answer.key] = image
+            labels.append(answer.label)
+        self.images = kept
+        stacked = np.stack(list(kept.values())) if kept else np.zeros((0, *self.spec.record_shape), dtype=np.uint8)
+        return list(kept), stacked, np.array(labels, dtype=np.int64)
+
+
 def build_evaluator(settings: ServerSettings, data: ServerData) -> Evaluator:
-    """Test split (all of it unless test_samples says otherwise) and the BNN selection split."""
+    """Test split (all of it unless test_samples says otherwise), the BNN selection split, and the field set of the
+    run's labelling queue (empty while the run keeps none)."""
     test_count = evaluated_count(settings, data)
     test = LabelledSplit.from_uint8(data.dataset.test_images[:test_count], data.dataset.test_labels[:test_count])
     selection = LabelledSplit.from_uint8(
         data.dataset.train_images[data.validation_indices], data.dataset.train_labels[data.validation_indices]
     )
-    return Evaluator(settings.spec, test, selection, settings.selection_passes, settings.init.seed)
+    spec = settings.spec
+    field = FieldSet(settings.run_dir, InputSpec(spec.channels, spec.height, spec.width))
+    return Evaluator(spec, test, selection, settings.selection_passes, settings.init.seed, field)
 
 
 def w0_accuracy(store: RunStore, evaluator: RoundEvaluator, weights: Weights, first_round: int) -> float | None:
-    """W0's test accuracy: measured (with each class's, which the promotion gate compares round 1 with) and kept in
-    the run's config before round 1, read back when a run resumes (None for a run stored before it was kept)."""
+    """W0's test accuracy: measured (with each class's) and kept in the run's config before round 1, read back when a run resumes (None for a run stored before it was kept)."""
     config = store.config() or {}
     if W0_ACCURACY not in config and first_round == 1:
         scores = evaluator.test_scores(weights)

@@ -135,12 +135,16 @@ def move_queries_in(connection: sqlite3.Connection) -> None:
         connection.execute(statement)
 
 
+# When the fleet's queue closed a query without a label (it chose it for the field's test set): nobody waits for it,
+# it is not sent again, and it is never asked again.
+CLOSED = ("ALTER TABLE queries ADD COLUMN closed_at REAL",)
 QUERY_SCHEMA = Schema(
     "query store",
     (
         statements("the tables of release 0.1.0", *SCHEMA),
         statements("corrections (0.5.0)", *CORRECTIONS),
         Migration("queries, with the queue's flags (0.5.0)", move_queries_in),
+        statements("queries closed without a label (0.5.0)", *CLOSED),
     ),
 )
 
@@ -269,12 +273,14 @@ class QueryStore:
             return {int(index) for (index,) in self._conn.execute("SELECT pool_index FROM queries")}
 
     def unanswered(self) -> list[Query]:
-        """The queries no road answered yet, in the order asked."""
-        return self._queries("WHERE query_id NOT IN (SELECT query_id FROM answers)")
+        """The queries no road answered yet and the queue did not close without a label, in the order asked."""
+        return self._queries("WHERE closed_at IS NULL AND query_id NOT IN (SELECT query_id FROM answers)")
 
     def to_send(self) -> list[Query]:
         """The queries the fleet's queue does not hold and nobody answered: those the central link sends."""
-        return self._queries("WHERE queued = 0 AND query_id NOT IN (SELECT query_id FROM answers)")
+        return self._queries(
+            "WHERE queued = 0 AND closed_at IS NULL AND query_id NOT IN (SELECT query_id FROM answers)"
+        )
 
     def _queries(self, where: str, parameters: tuple = ()) -> list[Query]:
         """The queries a WHERE clause picks, in the order asked."""
@@ -375,6 +381,15 @@ class QueryStore:
     def note_queued(self, query_id: str) -> None:
         """Notes that the fleet's labelling queue holds (or refused for good) a query: it is not sent again."""
         self._update("UPDATE queries SET queued = 1 WHERE query_id = ?", (query_id,))
+
+    def note_closed(self, query_id: str) -> None:
+        """Notes that the fleet's queue holds a query and closed it without a label for this device (a field test
+        query): nothing waits for it and it is not sent again (its pool index stays asked, so it is never asked
+        again)."""
+        self._update(
+            "UPDATE queries SET queued = 1, closed_at = COALESCE(closed_at, ?) WHERE query_id = ?",
+            (time.time(), query_id),
+        )
 
     def queued(self) -> set[str]:
         """The query ids the fleet's labelling queue holds or refused."""

@@ -171,7 +171,7 @@ class CentralLabelling:
 
     def handle(self, session: MqttSession, message: IncomingMessage) -> None:
         """One message from the queue: a query's receipt settles the query (unless the queue was full: its resends
-        go on); an answer or a correction is stored, then receipted. A malformed message is logged (bounded) and
+        go on; a field test query's closes it without a label); an answer or a correction is stored, then receipted. A malformed message is logged (bounded) and
         dropped."""
         try:
             received = wire.decode_any(message.payload, FROM_DESK)
@@ -182,6 +182,10 @@ class CentralLabelling:
             received = None
         if isinstance(received, label_messages.QueryReceipt) and received.refusal in label_messages.RETRIED_REFUSALS:
             log.info("query waits for room in the queue query=%s", wire.shown(received.query_id))
+        elif isinstance(received, label_messages.QueryReceipt) and received.field_test:
+            self.oracle.book.store.note_closed(received.query_id)
+            self.resends.settle(received.query_id)
+            log.info("query closed without a label (field test) query=%s", wire.shown(received.query_id))
         elif isinstance(received, label_messages.QueryReceipt):
             self.oracle.book.store.note_queued(received.query_id)
             self.resends.settle(received.query_id)

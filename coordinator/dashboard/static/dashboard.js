@@ -174,7 +174,10 @@ function drawAccuracy(rounds) {
     name: device, colour: COLOURS[index % COLOURS.length], dashed: true,
     points: rounds.filter(r => device in r.device_accuracy).map(r => [r.round, r.device_accuracy[device]]),
   }));
-  lineChart(document.getElementById("accuracy-chart"), [global, ...local], "round", "test accuracy");
+  const field = {name: "field set", colour: "#b5179e", width: 2,
+                 points: rounds.filter(r => r.field_images > 0).map(r => [r.round, r.field_accuracy])};
+  const series = field.points.length ? [global, field, ...local] : [global, ...local];
+  lineChart(document.getElementById("accuracy-chart"), series, "round", "test accuracy");
   lineChart(document.getElementById("labels-chart"),
             [{name: "global", colour: "#111", width: 2.5,
               points: rounds.filter(r => r.accuracy !== null).map(r => [r.labels, r.accuracy])}],
@@ -198,7 +201,8 @@ function drawTimeline(rounds) {
     cell(row, r.rejections.length ? r.rejections.map(x => `${x.device_id}: ${x.reason}`).join("; ") : "-",
          r.rejections.length ? "rejected" : null);
     cell(row, Object.keys(r.suspects).length ? Object.keys(r.suspects).join(", ") : "-");
-    cell(row, fixed(r.accuracy, 4));
+    cell(row, r.test_images ? `${fixed(r.accuracy, 4)} (${r.test_images})` : fixed(r.accuracy, 4));
+    cell(row, r.field_images > 0 ? `${fixed(r.field_accuracy, 4)} (${r.field_images})` : "-");
     const gate = r.serving;
     cell(row, gate === null ? "-" : gate.decision === "held" ? `not promoted: ${gate.reason}` : gate.decision,
          gate !== null && gate.decision === "held" ? "held" : null);
