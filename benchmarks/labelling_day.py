@@ -48,7 +48,8 @@ from coordinator.dashboard.labelling_api import GRID_SIZE
 from coordinator.dashboard.server import Dashboard, ListenAddress
 from coordinator.fleet.broker import EmbeddedBroker
 from coordinator.labelling.desk import LabellingDesk
-from coordinator.labelling.queue import LabelQueue, UndoWindow
+from coordinator.labelling.queue import LabelQueue
+from coordinator.labelling.queue_records import UndoWindow
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.labelled_record import LABEL_SOURCES, LabelledRecord
 from edge_agent.data.oracle import Guess

@@ -20,7 +20,10 @@ from coordinator.dashboard.report import write_report
 from coordinator.dashboard.views import load_snapshot, rounds_view
 from coordinator.intake.observer import RoundResult
 from coordinator.labelling.desk import LabellingDesk
-from coordinator.labelling.queue import FIELD_TEST, LABEL, LabelQueue, Outcome, query_kind, read_field_set
+from coordinator.labelling.field_set import read_field_set
+from coordinator.labelling.queue import LabelQueue
+from coordinator.labelling.queue_records import Outcome, query_kind
+from coordinator.labelling.queue_schema import FIELD_TEST, LABEL
 from coordinator.rounds.closing import FIELD_ACCURACY, FIELD_IMAGES, TEST_IMAGES
 from coordinator.rounds.evaluation import Evaluator, LabelledSplit
 from coordinator.setup.server_data import FieldSet

@@ -13,7 +13,8 @@ import pytest
 from PIL import Image
 
 from coordinator.labelling.label_studio import NONE_CHOICE, export_tasks, import_tasks, labelling_config
-from coordinator.labelling.queue import AnswerError, LabelQueue, Outcome, QueueLimits, QueueRefusal, Undone, UndoWindow
+from coordinator.labelling.queue import LabelQueue
+from coordinator.labelling.queue_records import AnswerError, Outcome, QueueLimits, QueueRefusal, Undone, UndoWindow
 from protocol.label_messages import NONE_OF_THESE, QUERY_REFUSALS, LabelQuery
 from protocol.model_spec import CLASS_NAMES
 

@@ -17,7 +17,8 @@ from PIL import Image
 
 from coordinator.dashboard.server import Dashboard, ListenAddress
 from coordinator.labelling.desk import LabellingDesk
-from coordinator.labelling.queue import LabelQueue, UndoWindow
+from coordinator.labelling.queue import LabelQueue
+from coordinator.labelling.queue_records import UndoWindow
 from protocol import topics, wire
 from protocol.label_messages import LabelAnswer, LabelCorrection, LabelQuery, QueryReceipt
 from protocol.mqtt import MqttSession

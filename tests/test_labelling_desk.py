@@ -16,7 +16,8 @@ from PIL import Image
 from test_folder_pool import camera_oracle, write_png
 
 from coordinator.labelling.desk import LabellingDesk
-from coordinator.labelling.queue import LabelQueue, QueueLimits
+from coordinator.labelling.queue import LabelQueue
+from coordinator.labelling.queue_records import QueueLimits
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.query_store import LabelKind
 from edge_agent.field.central import CentralLabelling, query_image

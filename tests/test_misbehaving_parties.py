@@ -26,7 +26,7 @@ from tmpfs import fill_leaving, mounted_tmpfs
 
 from coordinator.fleet.broker import EmbeddedBroker
 from coordinator.fleet.provision import LABELLING_KEYS, broker_config_lines, load_secure_fleet, provision
-from coordinator.labelling.queue import IMAGES, QUEUE_FOLDER
+from coordinator.labelling.queue_schema import IMAGES, QUEUE_FOLDER
 from edge_agent.data.query_store import QueryStore
 from edge_agent.field.folder_oracle import QueryBook
 from protocol import wire

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.labelling.queue import QUEUE_SCHEMA, LabelQueue
+from coordinator.labelling.queue import LabelQueue
+from coordinator.labelling.queue_schema import QUEUE_SCHEMA
 from coordinator.storage.database import RUN_SCHEMA
 from coordinator.storage.store import RunStore
 from edge_agent.data.device_data import STATE_FILE

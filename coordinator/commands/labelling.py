@@ -102,7 +102,8 @@ def class_names(spec: Path | None) -> tuple[str, ...]:
 
 def open_queue(args: argparse.Namespace, voters: int = 1) -> LabelQueue:
     """The run directory's queue with the command's limits."""
-    from coordinator.labelling.queue import LabelQueue, QueueLimits, UndoWindow
+    from coordinator.labelling.queue import LabelQueue
+    from coordinator.labelling.queue_records import QueueLimits, UndoWindow
 
     if voters < 1:
         raise UsageError(f"--answers-per-query must be at least 1, got {voters}")

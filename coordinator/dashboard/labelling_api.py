@@ -11,7 +11,7 @@ from http import HTTPStatus
 from typing import Any
 
 from coordinator.labelling.desk import LabellingDesk
-from coordinator.labelling.queue import AnswerError, Given, QueuedQuery, Recording
+from coordinator.labelling.queue_records import AnswerError, Given, QueuedQuery, Recording
 from protocol import wire
 from protocol.http_requests import HttpRefusal, ascii_int, json_body
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from coordinator.dashboard.live import Counters
-from coordinator.labelling.queue import QueueStatus
+from coordinator.labelling.queue_records import QueueStatus
 from protocol.http_edge import EdgeHealth
 from protocol.supervision import Health
 

@@ -17,7 +17,8 @@ from coordinator.dashboard.views import (
     rounds_view,
     run_view,
 )
-from coordinator.labelling.queue import DATABASE, QUEUE_FOLDER, LabelQueue
+from coordinator.labelling.queue import LabelQueue
+from coordinator.labelling.queue_schema import DATABASE, QUEUE_FOLDER
 from protocol.errors import UsageError
 from protocol.files import atomic_write_bytes
 

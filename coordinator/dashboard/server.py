@@ -32,7 +32,7 @@ from coordinator.dashboard.views import (
     run_view,
 )
 from coordinator.labelling.desk import LabellingDesk
-from coordinator.labelling.queue import QueueStatus
+from coordinator.labelling.queue_records import QueueStatus
 from coordinator.storage.serving_history import serving_stack
 from protocol import wire
 from protocol.errors import UsageError

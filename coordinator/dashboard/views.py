@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from coordinator.dashboard.live import LiveState
-from coordinator.labelling.queue import QueueStatus
+from coordinator.labelling.queue_records import QueueStatus
 from coordinator.rounds.closing import DEVICE_EPSILON, FIELD_ACCURACY, FIELD_IMAGES, TEST_IMAGES
 from coordinator.storage.serving_history import HELD, ServingEvent, serving_stack
 from coordinator.storage.store import AGGREGATE_CHANGE, DeviceRoundRecord, RoundRecord, RunStore, stored_spec

@@ -9,7 +9,8 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 
-from coordinator.labelling.queue import Correction, Decided, LabelQueue, QueueRefusal
+from coordinator.labelling.queue import LabelQueue
+from coordinator.labelling.queue_records import Correction, Decided, QueueRefusal
 from protocol import label_messages, topics, wire
 from protocol.label_signing import sign, signature_valid
 from protocol.mqtt import IncomingMessage, MqttSession

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.labelling.queue import AnswerError, Correction, Decided, LabelQueue, Outcome, QueuedQuery
+from coordinator.labelling.queue import LabelQueue
+from coordinator.labelling.queue_records import AnswerError, Correction, Decided, Outcome, QueuedQuery
 from protocol import wire
 from protocol.errors import UsageError
 from protocol.label_messages import NO_GUESS, NONE_OF_THESE

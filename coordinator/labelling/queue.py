@@ -3,327 +3,48 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import io
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from datetime import datetime
-from enum import StrEnum
 from pathlib import Path
 
-from PIL import Image
-
+from coordinator.labelling.field_set import FieldAnswer, field_answers, image_file
+from coordinator.labelling.queue_records import (
+    AnswerError,
+    Correction,
+    Decided,
+    Given,
+    Outcome,
+    QueuedQuery,
+    QueueLimits,
+    QueueRefusal,
+    QueueStatus,
+    Recorded,
+    Recording,
+    Tally,
+    Undone,
+    UndoWindow,
+    image_refusal,
+    midnight,
+    query_kind,
+)
+from coordinator.labelling.queue_schema import (
+    DATABASE,
+    DEVICE_ROADS,
+    DUE_HELD,
+    FIELD_SET,
+    FIELD_TEST,
+    LABEL,
+    NOT_HELD,
+    QUERY_COLUMNS,
+    QUEUE_FOLDER,
+    QUEUE_SCHEMA,
+    RANKED,
+)
 from protocol import wire
-from protocol.errors import FalError
 from protocol.files import atomic_write_bytes
-from protocol.label_messages import DEFAULT_MAX_IMAGE_BYTES, NO_GUESS, NONE_OF_THESE, QUERY_MEDIA_TYPES, LabelQuery
-from protocol.sqlite_store import Schema, open_store, schema_version, statements, transaction
-
-QUEUE_FOLDER = "labelling"
-DATABASE = "queue.sqlite"
-IMAGES = "images"
-FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG"}
-SUFFIXES = {"image/png": ".png", "image/jpeg": ".jpg"}
-MAX_PIXELS = 4096 * 4096
-DEVICE_ROADS = ("page", "labels.csv")  # the roads a device answers by besides the queue (edge_agent.data.query_store)
-SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS queries (device TEXT NOT NULL, query_id TEXT NOT NULL, media_type TEXT NOT NULL, "
-    "image_bytes INTEGER NOT NULL, guess INTEGER NOT NULL, probability REAL NOT NULL, uncertainty REAL NOT NULL, "
-    "score REAL NOT NULL, asked_at REAL NOT NULL, received_at REAL NOT NULL, label INTEGER, answered_by TEXT, "
-    "answered_at REAL, delivered_at REAL, PRIMARY KEY (device, query_id))",
-    "CREATE INDEX IF NOT EXISTS open_queries ON queries (label, guess)",
-    "CREATE TABLE IF NOT EXISTS votes (device TEXT NOT NULL, query_id TEXT NOT NULL, person TEXT NOT NULL, "
-    "label INTEGER NOT NULL, voted_at REAL NOT NULL, PRIMARY KEY (device, query_id, person))",
-    "CREATE TABLE IF NOT EXISTS skips (device TEXT NOT NULL, query_id TEXT NOT NULL, person TEXT NOT NULL, "
-    "PRIMARY KEY (device, query_id, person))",
-)
-UNDO_AND_CORRECTIONS = (
-    "CREATE INDEX IF NOT EXISTS votes_by_person ON votes (person, voted_at)",  # a person's history and count today
-    # a page's decided answer that is not sent yet, so its person may still undo it
-    "CREATE TABLE IF NOT EXISTS held (device TEXT NOT NULL, query_id TEXT NOT NULL, person TEXT NOT NULL, "
-    "until REAL NOT NULL, PRIMARY KEY (device, query_id))",
-    # a query's latest correction after its answer was sent: its revision counts the corrections
-    "CREATE TABLE IF NOT EXISTS corrections (device TEXT NOT NULL, query_id TEXT NOT NULL, label INTEGER NOT NULL, "
-    "revision INTEGER NOT NULL, corrected_by TEXT NOT NULL, corrected_at REAL NOT NULL, delivered_at REAL, "
-    "PRIMARY KEY (device, query_id))",
-)
-LABEL, FIELD_TEST = "label", "field_test"  # a query's kind: its answer trains its device, or judges models
-KINDS = (
-    # what a query's answer is for, decided when it is queued: a label sent to its device, or a field test label
-    # kept by the coordinator (never sent, never trained on)
-    f"ALTER TABLE queries ADD COLUMN kind TEXT NOT NULL DEFAULT '{LABEL}'",
-    # whether its device labelled it by its own road (its page, labels.csv): that label trains there
-    "ALTER TABLE queries ADD COLUMN device_word INTEGER NOT NULL DEFAULT 0",
-)
-QUEUE_SCHEMA = Schema(
-    "label queue",
-    (
-        statements("the tables of release 0.1.0", *SCHEMA),
-        statements("answers held for an undo, and corrections (0.5.0)", *UNDO_AND_CORRECTIONS),
-        statements("each query's kind: field test queries (0.5.0)", *KINDS),
-    ),
-)
-# The field's test set: field test queries answered with a class by the queue's people (not by their device's own
-# road), whose answer is out of its undo hold.
-FIELD_SET = (
-    f"SELECT device, query_id, media_type, label FROM queries q WHERE kind = '{FIELD_TEST}' AND label >= 0 AND "
-    "device_word = 0 AND NOT EXISTS (SELECT 1 FROM held h WHERE h.device = q.device AND h.query_id = q.query_id) "
-    "ORDER BY answered_at, rowid"
-)
-QUERY_COLUMNS = (
-    "device, query_id, media_type, image_bytes, guess, probability, uncertainty, score, asked_at, label, answered_by"
-)
-# The open queries a person has neither answered nor skipped, each with its place in the page's order: a device's
-# queries ranked among themselves (rarest guessed class by answers so far, then score, then age) after its answered
-# ones (`turn`), and the rarity of its guessed class.
-RANKED = (
-    "SELECT q.*, COALESCE(c.answered, 0) AS rarity, COALESCE(d.answered, 0) + ROW_NUMBER() OVER (PARTITION BY "
-    "q.device ORDER BY COALESCE(c.answered, 0), q.score DESC, q.received_at) AS turn FROM queries q LEFT JOIN "
-    "(SELECT label AS class, COUNT(*) AS answered FROM queries WHERE label IS NOT NULL GROUP BY label) c ON c.class "
-    "= q.guess LEFT JOIN (SELECT device AS asker, COUNT(*) AS answered FROM queries WHERE label IS NOT NULL GROUP BY "
-    "device) d ON d.asker = q.device WHERE q.label IS NULL AND NOT EXISTS (SELECT 1 FROM votes v WHERE v.device = "
-    "q.device AND v.query_id = q.query_id AND v.person = :person) AND NOT EXISTS (SELECT 1 FROM skips s WHERE "
-    "s.device = q.device AND s.query_id = q.query_id AND s.person = :person)"
-)
-# The held answers whose hold is over: their time passed, or their person gave `answers` newer held ones.
-DUE_HELD = (
-    "SELECT device, query_id FROM (SELECT device, query_id, until, ROW_NUMBER() OVER (PARTITION BY person ORDER BY "
-    "until DESC, rowid DESC) AS newest FROM held) WHERE until <= :now OR newest > :answers"
-)
-NOT_HELD = "NOT EXISTS (SELECT 1 FROM held h WHERE h.device = q.device AND h.query_id = q.query_id)"
-
-
-class QueueRefusal(StrEnum):
-    """Why a device's query was not queued (a stable label for logs and counters)."""
-
-    TOO_LARGE = "too_large"
-    UNDECODABLE = "undecodable"
-    BAD_QUERY = "bad_query"
-    UNKNOWN_DEVICE = "unknown_device"  # a secured fleet's desk holds no key of the device
-    DEVICE_FULL = "device_full"
-    QUEUE_FULL = "queue_full"
-
-
-class AnswerError(FalError):
-    """A person's answer the queue refuses, with the HTTP status that says why (404 unknown query, 409 answered
-    already or voted already, 400 a label not in the spec)."""
-
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
-
-
-@dataclass(frozen=True)
-class QueueLimits:
-    """How much the queue keeps: open queries per device and in all, the largest image accepted, and how many
-    answered queries its devices have stored stay on disk (the newest; older ones' rows and images are removed)."""
-
-    per_device: int = 500
-    total: int = 10000
-    image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
-    kept_answered: int = 10000
-
-
-@dataclass(frozen=True)
-class QueuedQuery:
-    """One query as the labelling page shows it."""
-
-    device: str
-    query_id: str
-    media_type: str
-    image_bytes: int
-    guess: int
-    probability: float
-    uncertainty: float
-    score: float
-    asked_at: float
-    label: int | None
-    answered_by: str | None
-
-
-@dataclass(frozen=True)
-class Decided:
-    """An answer decided by a vote: the query, its label and who gave it (the majority's voters); a field test
-    query's answer is kept by the coordinator and never sent."""
-
-    device: str
-    query_id: str
-    label: int
-    answered_by: str
-    answered_at: float
-    field_test: bool = False
-
-
-@dataclass(frozen=True)
-class Correction:
-    """A change of an answer after it was sent, to be delivered to its device: the query, its new label, the
-    correction's revision (counting the query's corrections), who made it and when."""
-
-    device: str
-    query_id: str
-    label: int
-    revision: int
-    corrected_by: str
-    corrected_at: float
-
-
-class Outcome(StrEnum):
-    """What recording a person's word did to a query."""
-
-    VOTED = "voted"  # a vote that decides nothing yet (more people are asked)
-    DECIDED = "decided"  # decided the query: the answer goes to its device (after its hold, if held)
-    REPLACED = "replaced"  # changed an answer not sent yet: nothing goes out but the new answer, later
-    CORRECTED = "corrected"  # changed an answer sent already: a correction goes to the device
-    UNCHANGED = "unchanged"  # the query holds this label already
-
-
-@dataclass(frozen=True)
-class Recorded:
-    """What `record` did, with the decision or correction it made (the desk sends them)."""
-
-    outcome: Outcome
-    decided: Decided | None = None
-    correction: Correction | None = None
-    held: bool = False
-
-
-@dataclass(frozen=True)
-class Recording:
-    """What `record_all` did: each query's outcome, and the held answers it pushed out of the undo window (they go
-    to their devices now)."""
-
-    recorded: list[Recorded]
-    released: list[Decided]
-
-
-@dataclass(frozen=True)
-class UndoWindow:
-    """How long a page's answer waits before it goes to its device, so its person can take it back: while it is
-    among the person's `answers` newest held answers, for at most `seconds`."""
-
-    seconds: float = 30.0
-    answers: int = 10
-
-
-class Undone(StrEnum):
-    """What an undo found: the person's latest answer taken back (the query is open again), or sent already (it can
-    only be corrected now)."""
-
-    WITHDRAWN = "withdrawn"
-    SENT = "sent"
-
-
-@dataclass(frozen=True)
-class Given:
-    """One answer of a person as their history shows it: the query, the label the person gave and the one the query
-    holds now, and where it stands (`waiting` for more votes, `held` for an undo, `sent`, `delivered`, and for a
-    corrected query `correction sent` or `corrected`)."""
-
-    device: str
-    query_id: str
-    given: int
-    label: int | None
-    state: str
-    voted_at: float
-
-
-def image_refusal(image: bytes, media_type: str, limits: QueueLimits) -> QueueRefusal | None:
-    """Why an image cannot be queued (too large, or not a decodable image of its declared type), or None."""
-    if len(image) > limits.image_bytes:
-        return QueueRefusal.TOO_LARGE
-    if media_type not in QUERY_MEDIA_TYPES:
-        return QueueRefusal.UNDECODABLE
-    try:
-        with Image.open(io.BytesIO(image)) as opened:
-            width, height = opened.size
-            if opened.format != FORMATS[media_type] or width * height > MAX_PIXELS:
-                return QueueRefusal.UNDECODABLE
-            opened.load()
-    # PIL raises OSError (and ValueError, DecompressionBombError) for bytes it cannot decode: the sender's image
-    except (OSError, ValueError, Image.DecompressionBombError):
-        return QueueRefusal.UNDECODABLE
-    return None
-
-
-@dataclass(frozen=True)
-class QueueStatus:
-    """The queue at a glance: per device its open queries and the oldest one's age (seconds since the queue received
-    it), per person the answers they gave in the last hour (the fleet's labelling rate) and today (since local
-    midnight), how many answers are held for an undo, and how many corrections were made (and how many of them wait
-    for their device)."""
-
-    open_by_device: dict[str, tuple[int, float]]
-    answers_last_hour: dict[str, int]
-    answers_today: dict[str, int]
-    held: int
-    corrections: int
-    corrections_undelivered: int
-
-
-@dataclass(frozen=True)
-class Tally:
-    """What the page counts for its person: their answers today, and the corrections made in all."""
-
-    today: int
-    corrections: int
-
-
-@dataclass(frozen=True)
-class FieldAnswer:
-    """One image of the field's test set: its query, its image file and the class people gave it."""
-
-    device: str
-    query_id: str
-    path: Path
-    label: int
-
-    @property
-    def key(self) -> str:
-        """The image's key, unique in the queue."""
-        return f"{self.device}/{self.query_id}"
-
-
-def image_file(folder: Path, device: str, query_id: str, media_type: str) -> Path:
-    """Where a query's image is kept under the queue's folder."""
-    return folder / IMAGES / device / f"{query_id}{SUFFIXES[media_type]}"
-
-
-def field_answers(folder: Path, rows: list[tuple]) -> list[FieldAnswer]:
-    """FIELD_SET's rows as FieldAnswers."""
-    return [
-        FieldAnswer(str(device), str(query_id), image_file(folder, device, query_id, media_type), int(label))
-        for device, query_id, media_type, label in rows
-    ]
-
-
-def read_field_set(run_dir: Path) -> list[FieldAnswer]:
-    """The field's test set of a run's queue, read beside the desk that writes it (nothing is created or changed):
-    none while the run keeps no queue, or keeps one its desk has not brought up to this schema yet."""
-    path = Path(run_dir) / QUEUE_FOLDER / DATABASE
-    if not path.is_file():
-        return []
-    connection = open_store(path, QUEUE_SCHEMA, read_only=True)
-    try:
-        rows = connection.execute(FIELD_SET).fetchall() if schema_version(connection) == QUEUE_SCHEMA.version else []
-    finally:
-        connection.close()
-    return field_answers(path.parent, rows)
-
-
-def query_kind(device: str, query_id: str, field_test_share: float) -> str:
-    """A query's kind, from its ids alone (so the choice is made before anyone answers and cannot depend on the
-    answer): FIELD_TEST for a share `field_test_share` of queries, by a hash of the device and query ids (uniform
-    in [0, 1) below the share)."""
-    digest = hashlib.sha256(f"{device}/{query_id}".encode()).digest()
-    return FIELD_TEST if int.from_bytes(digest[:8], "big") / 2**64 < field_test_share else LABEL
-
-
-def midnight(now: float) -> float:
-    """The local midnight that began `now`'s day (a person's day, as the queue's machine keeps it)."""
-    return datetime.fromtimestamp(now).replace(hour=0, minute=0, second=0, microsecond=0).timestamp()
+from protocol.label_messages import NO_GUESS, NONE_OF_THESE, LabelQuery
+from protocol.sqlite_store import open_store, transaction
 
 
 class LabelQueue:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.labelling.queue import read_field_set
+from coordinator.labelling.field_set import read_field_set
 from coordinator.rounds.closing import RoundEvaluator
 from coordinator.rounds.evaluation import Evaluator, LabelledSplit
 from coordinator.rounds.holdout import server_holdout, split_sizes
