@@ -19,7 +19,7 @@ from coordinator.labelling.desk import LabellingDesk
 from coordinator.labelling.queue import LabelQueue
 from coordinator.labelling.queue_records import QueueLimits
 from edge_agent.data.fashion_mnist import load_fashion_mnist
-from edge_agent.data.query_store import LabelKind
+from edge_agent.data.query_records import LabelKind
 from edge_agent.field.central import CentralLabelling, query_image
 from edge_agent.field.folder_oracle import FolderOracle, QueryBook
 from edge_agent.field.folder_pool import open_folder_data

@@ -15,7 +15,8 @@ from test_folder_pool import camera_oracle
 
 from edge_agent.data.labelled_record import LABEL_SOURCES, LabelledRecord
 from edge_agent.data.oracle import Guess
-from edge_agent.data.query_store import DECLINED, Delivery, LabelKind, QueryStore, Road
+from edge_agent.data.query_records import DECLINED, Delivery, LabelKind, Road
+from edge_agent.data.query_store import QueryStore
 from edge_agent.field.folder_oracle import FolderOracle, QueryBook
 from edge_agent.field.parts import FieldWork
 from protocol.errors import UsageError

@@ -23,7 +23,7 @@ from coordinator.storage.store import RunStore
 from edge_agent.data.device_data import STATE_FILE
 from edge_agent.data.journal import Journal
 from edge_agent.data.labelled_record import LabelledRecord
-from edge_agent.data.query_store import QUERY_SCHEMA
+from edge_agent.data.query_schema import QUERY_SCHEMA
 from edge_agent.field.folder_oracle import QueryBook
 from protocol.model_spec import CLASS_NAMES
 from protocol.sqlite_store import StoreVersionError, schema_version

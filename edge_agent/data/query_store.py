@@ -2,222 +2,24 @@
 # queued, answered and corrected by whatever road, taken into the labelled store.
 from __future__ import annotations
 
-import csv
-import io
-import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 
-from edge_agent.data.oracle import Guess
-from protocol.errors import UsageError
-from protocol.sqlite_store import Migration, Schema, open_store, statements, transaction
-
-STORE_FILE = "answers.sqlite"  # (its name since release 0.1.0, when it held the answers alone)
-QUERIES_DIR = "queries"
-INDEX_FILE = "index.csv"  # queries/index.csv: the queries listed for people and tools, written, never read back
-# An answer's label when the person saw none of the classes (the wire's protocol.label_messages.NONE_OF_THESE).
-DECLINED = -1
-SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS answers (query_id TEXT PRIMARY KEY, label INTEGER NOT NULL, road TEXT NOT NULL, "
-    "answered_by TEXT NOT NULL, answered_at REAL NOT NULL, stored_at REAL NOT NULL)",
-    "CREATE TABLE IF NOT EXISTS queued (query_id TEXT PRIMARY KEY)",
-    "CREATE TABLE IF NOT EXISTS reported (query_id TEXT PRIMARY KEY)",
+from edge_agent.data.query_records import (
+    Delivery,
+    Held,
+    LabelKind,
+    Query,
+    Road,
+    StoredAnswer,
+    delivery_of,
+    query_of,
+    stored_answers,
 )
-CORRECTIONS = (
-    # a query's latest correction: its label, the newest central revision seen, and whether the queue was told of
-    # one made on the device
-    "CREATE TABLE IF NOT EXISTS corrections (query_id TEXT PRIMARY KEY, label INTEGER NOT NULL, "
-    "revision INTEGER NOT NULL, road TEXT NOT NULL, corrected_by TEXT NOT NULL, corrected_at REAL NOT NULL, "
-    "stored_at REAL NOT NULL, reported INTEGER NOT NULL)",
-)
-# One row per query asked: where its copy is, what it shows, the model's guess when asked (NULL: none), when it
-# was last sent to the fleet's queue, whether the queue holds it, whether the queue was told of an answer given on
-# the device, when its label was taken into the labelled store. (Release 0.1.0 kept the rows in queries/index.csv
-# and the two flags in tables of their own: the step moves both in.)
-QUERIES = (
-    "CREATE TABLE queries (query_id TEXT PRIMARY KEY, file TEXT NOT NULL, round_id INTEGER NOT NULL, "
-    "pool_index INTEGER NOT NULL, sha256 TEXT NOT NULL, source TEXT NOT NULL, asked_at REAL NOT NULL, "
-    "guess INTEGER, probability REAL, uncertainty REAL, score REAL, sent_at REAL, "
-    "queued INTEGER NOT NULL DEFAULT 0, answer_reported INTEGER NOT NULL DEFAULT 0, taken_at REAL)",
-    "CREATE INDEX queries_by_pool_index ON queries (pool_index)",
-)
-FLAGS_MOVED_IN = (
-    "UPDATE queries SET queued = 1 WHERE query_id IN (SELECT query_id FROM queued)",
-    "UPDATE queries SET answer_reported = 1 WHERE query_id IN (SELECT query_id FROM reported)",
-    "DROP TABLE queued",
-    "DROP TABLE reported",
-)
-CURRENT_LABELS = (
-    "SELECT a.query_id, COALESCE(c.label, a.label), COALESCE(c.road, a.road) FROM answers a "
-    "LEFT JOIN corrections c ON c.query_id = a.query_id"
-)
-QUERY_COLUMNS = "file, round_id, pool_index, sha256, source, asked_at, guess, probability, uncertainty, score"
-INDEX_HEADER = ("file", "round_id", "index", "sha256", "source", "asked_at")
-
-
-@dataclass(frozen=True)
-class Query:
-    """One image shown to a person: its copy (`<round>/<name>` under queries/), round, pool index, origin, when it
-    was asked and the model's guess then (None: the device had none, or the query predates guesses being kept)."""
-
-    file: str
-    round_id: int
-    index: int
-    sha256: str
-    source: str
-    asked_at: float
-    guess: Guess | None = None
-
-    @property
-    def name(self) -> str:
-        """The copy's file name, unique across rounds: what labels.csv refers to."""
-        return Path(self.file).name
-
-    @property
-    def query_id(self) -> str:
-        """The query's key in the store and on the wire: its copy's name without the suffix."""
-        return Path(self.file).stem
-
-    def row(self) -> tuple:
-        """The query as the store's columns (QUERY_COLUMNS)."""
-        guess = (None, None, None, None) if self.guess is None else tuple(vars(self.guess).values())
-        return (self.file, self.round_id, self.index, self.sha256, self.source, self.asked_at, *guess)
-
-
-def query_of(row: tuple) -> Query:
-    """A Query from the store's columns (QUERY_COLUMNS)."""
-    file, round_id, index, sha256, source, asked_at, *guess = row
-    held = None if guess[0] is None else Guess(int(guess[0]), float(guess[1]), float(guess[2]), float(guess[3]))
-    return Query(str(file), int(round_id), int(index), str(sha256), str(source), float(asked_at), held)
-
-
-def index_rows(text: str, path: Path) -> list[Query]:
-    """The queries of a 0.1.0 queries/index.csv; a UsageError naming the file when it is damaged (the upgrade stops
-    with the store as it was)."""
-    try:
-        return [
-            Query(
-                row["file"],
-                int(row["round_id"]),
-                int(row["index"]),
-                row["sha256"],
-                row["source"],
-                float(row["asked_at"]),
-            )
-            for row in csv.DictReader(io.StringIO(text))
-        ]
-    # float() and int() raise ValueError, a missing column KeyError, a short row TypeError: the file's damage, named
-    except (KeyError, TypeError, ValueError) as exc:
-        raise UsageError(
-            f"{path}: not a query index ({str(exc)[:100]}); the query store was not upgraded: restore the file "
-            "from the copy taken before the upgrade"
-        ) from exc
-
-
-def move_queries_in(connection: sqlite3.Connection) -> None:
-    """The queries step: the queries table, filled from the 0.1.0 index beside the store (queries/index.csv, left
-    in place for people and tools), with the queue's two flags moved in."""
-    database = Path(connection.execute("PRAGMA database_list").fetchone()[2])
-    index = database.parent / QUERIES_DIR / INDEX_FILE
-    for statement in QUERIES:
-        connection.execute(statement)
-    if index.is_file():
-        queries = index_rows(index.read_text(), index)
-        connection.executemany(
-            f"INSERT INTO queries ({QUERY_COLUMNS}, query_id) VALUES ({', '.join('?' * 11)})",
-            [(*query.row(), query.query_id) for query in queries],
-        )
-    for statement in FLAGS_MOVED_IN:
-        connection.execute(statement)
-
-
-# When the fleet's queue closed a query without a label (it chose it for the field's test set): nobody waits for it,
-# it is not sent again, and it is never asked again.
-CLOSED = ("ALTER TABLE queries ADD COLUMN closed_at REAL",)
-QUERY_SCHEMA = Schema(
-    "query store",
-    (
-        statements("the tables of release 0.1.0", *SCHEMA),
-        statements("corrections (0.5.0)", *CORRECTIONS),
-        Migration("queries, with the queue's flags (0.5.0)", move_queries_in),
-        statements("queries closed without a label (0.5.0)", *CLOSED),
-    ),
-)
-
-
-class Road(StrEnum):
-    """The roads an answer reaches a device by; each only delivers to the query store."""
-
-    PAGE = "page"  # the device's own label page
-    LABELS_CSV = "labels.csv"  # a person's or a labelling tool's file in the oracle folder
-    CENTRAL = "central"  # the coordinator's labelling queue
-
-
-class LabelKind(StrEnum):
-    """What a person's word on a query is: its first answer, or a correction of the answer it holds."""
-
-    ANSWER = "answer"
-    CORRECTION = "correction"
-
-
-class Delivery(StrEnum):
-    """What a delivery did: stored the first answer, found the same label held, found another answer held (the
-    first answer stays: a second answer is never applied), corrected the label held, or found a newer correction
-    held (a late copy of an older revision changes nothing)."""
-
-    STORED = "stored"
-    SAME = "same"
-    CONFLICT = "conflict"
-    CORRECTED = "corrected"
-    STALE = "stale"
-
-
-@dataclass(frozen=True)
-class StoredAnswer:
-    """One answer as the book keeps it."""
-
-    query_id: str
-    label: int
-    road: str
-    answered_by: str
-    answered_at: float
-
-
-def stored_answers(rows: list[tuple]) -> list[StoredAnswer]:
-    """Rows of (query id, label, road, who, when) as StoredAnswers."""
-    return [StoredAnswer(str(q), int(label), str(road), str(who), float(at)) for q, label, road, who, at in rows]
-
-
-@dataclass(frozen=True)
-class Held:
-    """What the book holds of one query inside a delivery's transaction: its first answer's label and its latest
-    correction's label and central revision (None where there is none)."""
-
-    answer: int | None
-    correction: int | None
-    revision: int
-
-    @property
-    def current(self) -> int | None:
-        """The label the query carries now (its correction's, else its answer's)."""
-        return self.correction if self.correction is not None else self.answer
-
-
-def delivery_of(held: Held, label: int, kind: LabelKind, road: Road, revision: int) -> Delivery:
-    """What delivering `label` does to a query holding `held` (pure): the first answer is stored and stays; a
-    correction replaces the label held unless it is a central revision no newer than one seen."""
-    if held.current is None:
-        return Delivery.STORED
-    stale_revision = road is Road.CENTRAL and held.correction is not None and revision <= held.revision
-    if held.current == label:
-        return Delivery.SAME
-    if kind is LabelKind.ANSWER or stale_revision:
-        return Delivery.STALE if held.correction is not None else Delivery.CONFLICT
-    return Delivery.CORRECTED
+from edge_agent.data.query_schema import CURRENT_LABELS, QUERY_COLUMNS, QUERY_SCHEMA
+from protocol.sqlite_store import open_store, transaction
 
 
 class QueryStore:

@@ -15,7 +15,7 @@ from PIL import Image, ImageOps
 
 from edge_agent.data.device_data import DeviceData
 from edge_agent.data.oracle import Guess
-from edge_agent.data.query_store import Delivery, LabelKind, Query, Road
+from edge_agent.data.query_records import Delivery, LabelKind, Query, Road
 from edge_agent.field.folder_oracle import FolderOracle
 from protocol import label_messages, topics, wire
 from protocol.bounds import SCORE_RANGE, UNIT_RANGE, clamped

@@ -15,18 +15,9 @@ from PIL import Image
 
 from edge_agent.data.device_data import DeviceData
 from edge_agent.data.oracle import Guess, Oracle
-from edge_agent.data.query_store import (
-    DECLINED,
-    INDEX_FILE,
-    INDEX_HEADER,
-    QUERIES_DIR,
-    STORE_FILE,
-    Delivery,
-    LabelKind,
-    Query,
-    QueryStore,
-    Road,
-)
+from edge_agent.data.query_records import DECLINED, Delivery, LabelKind, Query, Road
+from edge_agent.data.query_schema import INDEX_FILE, INDEX_HEADER, QUERIES_DIR, STORE_FILE
+from edge_agent.data.query_store import QueryStore
 from edge_agent.field.folder_pool import folder_pool_of
 from edge_agent.learning.bundle import file_sha256
 from protocol.files import atomic_write_bytes

@@ -9,7 +9,7 @@ import urllib.parse
 from http import HTTPStatus
 from typing import ClassVar
 
-from edge_agent.data.query_store import DECLINED, LabelKind, Query, Road
+from edge_agent.data.query_records import DECLINED, LabelKind, Query, Road
 from edge_agent.field.folder_oracle import QueryBook
 from protocol.errors import UsageError
 from protocol.http_edge import DEFAULT_LIMITS, EdgeHandler, EdgeLimits, EdgeServer, HostRule, same_origin
