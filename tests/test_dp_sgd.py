@@ -217,6 +217,9 @@ def test_dp_sgd_still_learns_a_separable_problem_at_noise_one(tmp_path: Path) ->
     assert np.mean(np.argmax(features @ weight.T + bias, axis=1) == labels) > 0.95
 
 
+SCORES = evaluation.RoundScores(evaluation.TestScores(0.5), evaluation.TestScores(float("nan")))
+
+
 def reported(device: str, metrics: dict[str, float]) -> messages.Update:
     """An accepted update of round 1 carrying these metrics (its tensors do not matter to the record)."""
     return messages.Update(device, 1, device, "base", 4, [4], 4, metrics, {})
@@ -228,7 +231,7 @@ def test_the_round_record_keeps_each_dp_sgd_devices_epsilon_and_a_plain_round_ke
         {"b": reported("b", {DP_SGD_EPSILON_METRIC: 2.5}), "a": reported("a", {DP_SGD_EPSILON_METRIC: 1.25})}
     )
     closer = RoundCloser(RunStore(tmp_path / "run"), make_strategy("avefl"), None, False, 0)  # type: ignore[arg-type]
-    record = closer.round_record(collector, RoundTiming(0.0, 0.0), evaluation.TestScores(0.5), {}, {}, {})
+    record = closer.round_record(collector, RoundTiming(0.0, 0.0), SCORES, {}, {}, {})
     assert record.metrics[DEVICE_EPSILON] == {"a": 1.25, "b": 2.5}
     later = dataclasses.replace(record, round_id=2, metrics={DEVICE_EPSILON: {"a": 1.75}})
     privacy = privacy_view(RunSnapshot(rounds=[record, later]))
@@ -237,7 +240,4 @@ def test_the_round_record_keeps_each_dp_sgd_devices_epsilon_and_a_plain_round_ke
     assert privacy_view(RunSnapshot(rounds=[dataclasses.replace(record, metrics={})]))["summary"] == "off"
     plain = RoundCollector(Expectation(1, "base", {}, 10, 1 << 20))
     plain.accepted["a"] = reported("a", {"train_loss": 0.5})
-    assert (
-        DEVICE_EPSILON
-        not in closer.round_record(plain, RoundTiming(0.0, 0.0), evaluation.TestScores(0.5), {}, {}, {}).metrics
-    )
+    assert DEVICE_EPSILON not in closer.round_record(plain, RoundTiming(0.0, 0.0), SCORES, {}, {}, {}).metrics
