@@ -55,7 +55,7 @@ class KeptLabels(SupervisedRule):
 
     name = "kept-labels"
     summary = "every label the device holds (or a class-balanced reservoir of them), E epochs from the global model"
-    options = (
+    options: ClassVar[tuple[Option, ...]] = (
         Option("reservoir", int, 0, "most labels trained on per round, class-balanced (0: all)", low=0.0),
         Option(
             "logit_adjustment",
