@@ -71,6 +71,8 @@ def test_pseudo_labels_are_kept_only_where_head_and_propagation_agree_in_equal_q
     assert np.array_equal(pseudo.positions, np.arange(10, 98)) and np.array_equal(pseudo.labels, truth[pool][10:])
     capped = pseudo_labels(features[labelled], truth[labelled], features[pool], logits, Propagation(most=20))
     assert np.bincount(capped.labels).tolist() == [10, 10]
+    one_class = pseudo_labels(features[:2], truth[:2], features[pool], logits, Propagation())
+    assert len(one_class.labels) == 0  # labels of one class alone tell no pool rows apart
 
 
 def test_the_knn_search_is_blocked_and_finds_the_exact_neighbours() -> None:

@@ -166,11 +166,12 @@ def pseudo_labels(
     """The pool rows where the round's head (its `logits` over the pool, restricted to the classes the device
     holds a human label of) and the propagation of the human labels (propagate) give the same class, each weighted
     by the head's probability of it; at most settings.most, in equal quotas per held class, the most confident
-    first. A class the device holds no human label of is never given."""
+    first. A class the device holds no human label of is never given, and a device holding labels of one class
+    alone gives none (nothing would tell its pool's rows apart)."""
     labels = np.asarray(labels, dtype=np.int64)
-    if len(pool) == 0 or len(labels) == 0 or settings.most == 0:
-        return PseudoLabels(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
     held = np.unique(labels)
+    if len(pool) == 0 or len(held) < 2 or settings.most == 0:
+        return PseudoLabels(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
     predicted, confidence = held_predictions(np.asarray(logits, dtype=np.float64), held)
     agreed = np.flatnonzero(propagate(labelled, labels, pool, settings) == predicted)
     kept = agreed[quota_rows(predicted[agreed], confidence[agreed], settings.most // len(held))]
