@@ -19,8 +19,11 @@ recipe options after a colon (NAME:key=value,...), each spelling its own curve. 
 "fleet:NAME" runs NAME with the fleet's label counts per class (the sum over the devices, what the coordinator sees
 in the updates) in place of the device's, scaled to the device's total, to measure fleet-level selection; and
 "oracle-balanced", not a sampler (it reads the answers), gives each device the labels that level its class counts,
-drawn uniformly within each class: the most that class balancing alone could buy. --jobs runs seeds and samplers in
-that many processes.
+drawn uniformly within each class: the most that class balancing alone could buy. "semi:NAME" runs NAME with the
+devices training under the pseudo-labels rule (edge_agent.learning.propagation: a teacher on the labels, its
+predictions on the device's pool where label propagation over the cached rows agrees, the teacher trained on with
+them; FedAvg still weighs by human labels), its options in the spelling beside the sampler's
+(semi:NAME:pseudo_labels=500). --jobs runs seeds and samplers in that many processes.
 
 Reported per sampler (over the seeds; the summary of curves.py):
   aulc      area under the learning curve: the mean test accuracy over the rounds; each round adds the same
@@ -84,7 +87,7 @@ from edge_agent.learning.batch_selection import level_quotas
 from edge_agent.learning.efficientnet import FEATURES, EfficientNetLite0
 from edge_agent.learning.head_training import HeadSettings, softmax, train_classifier
 from edge_agent.learning.heuristics import COLD_START, AcquisitionContext, Embeddings
-from edge_agent.learning.local_rules import KeptLabels
+from edge_agent.learning.local_rules import KeptLabels, PseudoLabelled
 from edge_agent.learning.mc_scorer import DropoutSpec, mc_probabilities
 from edge_agent.learning.ort_scorer import DEFAULT_BATCH, TAIL_ROWS
 from edge_agent.learning.pretrained_backbone import initial_model
@@ -96,6 +99,7 @@ from protocol.head_statistics import HeadStatistics, calibration_sums
 CAMERA_DEFAULT = DEFAULT
 FLEET_LEVEL = "fleet:"  # a spelling's prefix: its sampler reads the fleet's class counts (what the coordinator sees)
 POOLED = "pooled:"  # a spelling's prefix: the devices send class statistics and pooled-head fits the classifier
+SEMI = "semi:"  # a spelling's prefix: the devices train with the pseudo-labels rule (pseudo-labels on their own pools)
 SAMPLERS = ("random", "margin", CAMERA_DEFAULT, "typical-then-margin", "typiclust", "balanced-margin", "power-margin")
 HEAD = ("classifier_fc.weight", "classifier_fc.bias")
 RECIPE = messages.Recipe()
@@ -107,6 +111,7 @@ HEAD_EPOCHS = (
 )
 SELECTION_ROWS = 10000
 KEPT_LABELS = KeptLabels()
+PSEUDO_LABELS = PseudoLabelled()
 
 
 class Head:
@@ -157,6 +162,10 @@ class Head:
         """A new head: train_classifier from this one (on the logit-adjusted loss when a logit_bias is given)."""
         weight, bias, _ = train_classifier(features, labels, self.weight, self.bias, settings, logit_bias)
         return Head(weight, bias)
+
+    def weights_pair(self) -> tuple[np.ndarray, np.ndarray]:
+        """(weight, bias), as the numpy trainers take them."""
+        return self.weight, self.bias
 
     def weights(self) -> dict[str, np.ndarray]:
         """As an update carries them."""
@@ -331,20 +340,39 @@ def head_settings(epochs: int, dropout: float, seed: int) -> HeadSettings:
     )
 
 
-def federated_round(devices: list[Device], sampler: str, head: Head, args: argparse.Namespace, step: int) -> Head:
+def federated_round(devices: list[Device], spelling: str, head: Head, args: argparse.Namespace, step: int) -> Head:
     """Every device acquires and trains from the global head on all it holds (kept-labels: the recipe's epochs, at
-    least --min-steps SGD steps, the loss adjusted by --logit-adjustment); FedAvg by labelled-sample count."""
+    least --min-steps SGD steps, the loss adjusted by --logit-adjustment; with the "semi:" prefix, the pseudo-labels
+    rule's pseudo-labels on its pool too); FedAvg by labelled-sample count (pseudo-labels never count)."""
+    semi, sampler = spelling.startswith(SEMI), spelling.removeprefix(SEMI)
+    sampler, recipe = rule_spelling(sampler, args.rule_recipe) if semi else (sampler, args.rule_recipe)
     updates = []
     fleet = np.sum([np.bincount(d.truth[d.labelled], minlength=head.classes) for d in devices], axis=0)
     for number, device in enumerate(devices):
         acquire(device, sampler, head, args.labels, args.passes, step + number, fleet)
         features, labels = device.training_set()
+        logit_bias = KEPT_LABELS.logit_bias(labels, head.classes, recipe)
         epochs = local_epochs(args.epochs, args.min_steps, len(labels), RECIPE.batch_size)
-        logit_bias = KEPT_LABELS.logit_bias(labels, head.classes, args.rule_recipe)
-        trained = head.trained(features, labels, head_settings(epochs, DROPOUT, step + number), logit_bias)
+        settings = head_settings(epochs, DROPOUT, step + number)
+        if semi:
+            pool = device.features[device.pool()]
+            semi_problem = PSEUDO_LABELS.semi_supervised(pool, recipe)
+            trained = Head(*semi_problem.trained(features, labels, pool, head.weights_pair(), settings, logit_bias)[:2])
+        else:
+            trained = head.trained(features, labels, settings, logit_bias)
         updates.append(ClientUpdate(f"cam-{number}", trained.weights(), float(len(labels))))
     weights, _ = make_strategy("fedavg").aggregate(head.weights(), updates, None)
     return Head(*(weights[name] for name in HEAD))
+
+
+def rule_spelling(spelling: str, recipe: messages.Recipe) -> tuple[str, messages.Recipe]:
+    """A "semi:" spelling's sampler spelling without the pseudo-labels rule's options, and the rule's recipe with
+    them (NAME:pseudo_labels=500,... sets the rule's pseudo_labels)."""
+    name, options = sampler_and_options(spelling)
+    declared = {option.key for option in PSEUDO_LABELS.options}
+    rule = {key: value for key, value in options.items() if key in declared}
+    rest = ",".join(f"{key}={value:g}" for key, value in options.items() if key not in declared)
+    return name + (f":{rest}" if rest else ""), messages.Recipe(options={**recipe.options, **rule})
 
 
 def pooled_round(
@@ -506,7 +534,11 @@ def parse_args() -> argparse.Namespace:
     args.rule_recipe = messages.Recipe(options={"logit_adjustment": args.logit_adjustment})
     for spelling in (spelling for spelling in args.samplers if spelling != ORACLE):
         try:
-            recipe_options(spelling.removeprefix(POOLED).removeprefix(FLEET_LEVEL), args.labels)
+            semi = spelling.startswith(SEMI)
+            plain, recipe = rule_spelling(spelling.removeprefix(SEMI), args.rule_recipe) if semi else (spelling, None)
+            if recipe is not None:
+                PSEUDO_LABELS.semi_supervised(np.zeros((0, FEATURES)), recipe)
+            recipe_options(plain.removeprefix(POOLED).removeprefix(FLEET_LEVEL), args.labels)
         except (KeyError, ValueError) as error:
             parser.error(f"--samplers {spelling[:60]!r}: {str(error)[:200]}")
     return args

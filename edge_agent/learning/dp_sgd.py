@@ -39,11 +39,17 @@ class PrivateSteps(SgdSteps):
         return min(1.0, self.expected_batch / size) if size else 1.0
 
     def gradients(
-        self, features: np.ndarray, labels: np.ndarray, parameters: list[np.ndarray], logit_bias: np.ndarray | None
+        self,
+        features: np.ndarray,
+        labels: np.ndarray,
+        parameters: list[np.ndarray],
+        logit_bias: np.ndarray | None,
+        row_weights: np.ndarray | None = None,
     ) -> tuple[float, np.ndarray, np.ndarray]:
         """(the batch's mean loss, the noised weight gradient, the noised bias gradient): the per-example gradients'
-        norms are ||p_i - y_i|| sqrt(||x_i||^2 + 1) (an outer product's), so no per-example gradient is built."""
-        loss, errors = example_errors(features, labels, parameters[0], parameters[1], logit_bias)
+        norms are ||p_i - y_i|| sqrt(||x_i||^2 + 1) (an outer product's), so no per-example gradient is built; a
+        row's weight scales its gradient before the clip."""
+        loss, errors = example_errors(features, labels, parameters[0], parameters[1], logit_bias, row_weights)
         norms = np.linalg.norm(errors, axis=1) * np.sqrt(np.sum(np.square(features), axis=1) + 1.0)
         errors /= self.expected_batch
         errors *= np.minimum(1.0, self.clip / np.maximum(norms, np.finfo(np.float64).tiny))[:, None]

@@ -21,11 +21,13 @@ from edge_agent.learning.local_rules import (
     CLASSIFIER_ONLY,
     ClassStatistics,
     DpSgd,
+    PseudoLabelled,
     RuleBodies,
     SupervisedRule,
     make_local_rule,
 )
 from edge_agent.learning.ort_scorer import penultimate_features
+from edge_agent.learning.propagation import SemiSupervised
 from protocol import messages
 from protocol.head_statistics import HeadStatistics, calibration_sums
 from protocol.model_spec import ModelSpec
@@ -44,6 +46,7 @@ class Problem:
     logit_bias: np.ndarray | None = None
     steps: SgdSteps = field(default_factory=SgdSteps)
     held_out: tuple[np.ndarray, np.ndarray] | None = None
+    semi: SemiSupervised | None = None
 
 
 HeadBody = Callable[[Any, LocalData, messages.Recipe, int, int], Problem]
@@ -104,7 +107,8 @@ class HeadLearner(Learner):
         return samples.images() if self.prefix is None else self.prefix.rows(samples)
 
     def train(self, data: LocalData, recipe: messages.Recipe, seed: int) -> dict[str, float]:
-        """Softmax regression of the classifier on the recipe's rule's problem (its rows, labels, logit bias)."""
+        """Softmax regression of the classifier on the recipe's rule's problem (its rows, labels, logit bias, and
+        pseudo-labels where the rule propagates them); train_samples counts the labelled rows alone."""
         head = self.bundle.manifest.head
         assert head is not None  # checked in the constructor
         weight = self._weights[head.weight]
@@ -123,9 +127,16 @@ class HeadLearner(Learner):
             seed,
             recipe.lr_schedule,
         )
-        weight, bias, loss = train_classifier(
-            features, problem.labels, weight, self._weights[head.bias], options, problem.logit_bias, problem.steps
-        )
+        start = weight, self._weights[head.bias]
+        if problem.semi is not None:
+            pool = self.penultimate(problem.semi.pool)
+            weight, bias, loss = problem.semi.trained(
+                features, problem.labels, pool, start, options, problem.logit_bias
+            )
+        else:
+            weight, bias, loss = train_classifier(
+                features, problem.labels, *start, options, problem.logit_bias, problem.steps
+            )
         self._weights[head.weight], self._weights[head.bias] = weight, bias
         spent = problem.steps.spent(len(problem.rows), options)
         return {"train_loss": loss, "train_samples": float(len(problem.rows)), **spent}
@@ -170,6 +181,17 @@ def supervised_problem(
     """What the classifier trains on under a supervised rule: its training set and its logit bias (or None)."""
     images, labels = rule.training_set(data, recipe, seed)
     return Problem(images, labels, rule.logit_bias(labels, num_classes, recipe))
+
+
+@HEAD_BODIES.attach(PseudoLabelled)
+def propagated_problem(
+    rule: PseudoLabelled, data: LocalData, recipe: messages.Recipe, seed: int, num_classes: int
+) -> Problem:
+    """pseudo-labels: kept-labels' training set and logit bias (the teacher's), and the pool's rows to pseudo-label
+    for this training alone (SemiSupervised.trained)."""
+    images, labels = rule.training_set(data, recipe, seed)
+    semi = rule.semi_supervised(data.unlabelled(), recipe)
+    return Problem(images, labels, rule.logit_bias(labels, num_classes, recipe), semi=semi)
 
 
 @HEAD_BODIES.attach(ClassStatistics)

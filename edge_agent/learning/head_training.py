@@ -31,24 +31,37 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def example_errors(
-    features: np.ndarray, labels: np.ndarray, weight: np.ndarray, bias: np.ndarray, logit_bias: np.ndarray | None = None
+    features: np.ndarray,
+    labels: np.ndarray,
+    weight: np.ndarray,
+    bias: np.ndarray,
+    logit_bias: np.ndarray | None = None,
+    row_weights: np.ndarray | None = None,
 ) -> tuple[float, np.ndarray]:
     """(mean cross-entropy, 0 for no rows; p_i - y_i per row) of logits = features @ weight.T + bias, plus a fixed
     per-class logit_bias when given (the logit adjustment tau ln n_c; -inf for a class without labels): row i's
-    gradient is (p_i - y_i) [x_i, 1]^T for the weight and bias together."""
+    gradient is (p_i - y_i) [x_i, 1]^T for the weight and bias together. With row_weights, row i's loss and error
+    are scaled by its weight (a pseudo-label's confidence)."""
     logits = features @ weight.T + bias
     probabilities = softmax(logits if logit_bias is None else logits + logit_bias)
     rows = np.arange(len(labels))
-    loss = float(-np.mean(np.log(np.maximum(probabilities[rows, labels], 1e-12)))) if len(labels) else 0.0
+    losses = -np.log(np.maximum(probabilities[rows, labels], 1e-12))
     probabilities[rows, labels] -= 1.0
-    return loss, probabilities
+    if row_weights is not None:
+        losses, probabilities = losses * row_weights, probabilities * row_weights[:, None]
+    return (float(np.mean(losses)) if len(labels) else 0.0), probabilities
 
 
 def cross_entropy_gradients(
-    features: np.ndarray, labels: np.ndarray, weight: np.ndarray, bias: np.ndarray, logit_bias: np.ndarray | None = None
+    features: np.ndarray,
+    labels: np.ndarray,
+    weight: np.ndarray,
+    bias: np.ndarray,
+    logit_bias: np.ndarray | None = None,
+    row_weights: np.ndarray | None = None,
 ) -> tuple[float, np.ndarray, np.ndarray]:
     """(mean cross-entropy, d loss / d weight, d loss / d bias) of the batch (see example_errors)."""
-    loss, delta = example_errors(features, labels, weight, bias, logit_bias)
+    loss, delta = example_errors(features, labels, weight, bias, logit_bias, row_weights)
     delta /= len(labels)
     return loss, delta.T @ features, delta.sum(axis=0)
 
@@ -64,10 +77,16 @@ class SgdSteps:
         return [order[start : start + batch_size] for start in range(0, size, batch_size)]
 
     def gradients(
-        self, features: np.ndarray, labels: np.ndarray, parameters: list[np.ndarray], logit_bias: np.ndarray | None
+        self,
+        features: np.ndarray,
+        labels: np.ndarray,
+        parameters: list[np.ndarray],
+        logit_bias: np.ndarray | None,
+        row_weights: np.ndarray | None = None,
     ) -> tuple[float, np.ndarray, np.ndarray]:
-        """(the batch's mean loss, the weight's gradient, the bias's gradient)."""
-        return cross_entropy_gradients(features, labels, parameters[0], parameters[1], logit_bias)
+        """(the batch's mean loss, the weight's gradient, the bias's gradient), each row's term scaled by its weight
+        when row_weights are given."""
+        return cross_entropy_gradients(features, labels, parameters[0], parameters[1], logit_bias, row_weights)
 
     def spent(self, size: int, settings: HeadSettings) -> dict[str, float]:
         """What the update reports about the privacy this training spent: nothing, for plain SGD."""
@@ -90,9 +109,11 @@ def train_classifier(
     settings: HeadSettings,
     logit_bias: np.ndarray | None = None,
     steps: SgdSteps | None = None,
+    row_weights: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """(new weight, new bias, last epoch's mean loss): E seeded epochs of mini-batches of SGD, on the logit-adjusted
-    loss when a logit_bias is given; `steps` draws the batches and takes the gradients (plain SGD by default)."""
+    loss when a logit_bias is given, each row's loss scaled by its weight when row_weights are given (pseudo-labels);
+    `steps` draws the batches and takes the gradients (plain SGD by default)."""
     if len(features) != len(labels):
         raise ValueError(f"{len(features)} feature rows but {len(labels)} labels")
     steps = steps or SgdSteps()
@@ -104,8 +125,9 @@ def train_classifier(
     for epoch in range(settings.epochs):
         total, seen = 0.0, 0
         for step, batch in enumerate(steps.batches(len(inputs), settings.batch_size, rng), start=epoch * per_epoch):
+            weights = None if row_weights is None else row_weights[batch]
             loss, *gradients = steps.gradients(
-                dropped(inputs[batch], settings.dropout, rng), targets[batch], parameters, logit_bias
+                dropped(inputs[batch], settings.dropout, rng), targets[batch], parameters, logit_bias, weights
             )
             rate = settings.learning_rate * lr_factor(settings.lr_schedule, step, settings.epochs * per_epoch)
             sgd_step(parameters, gradients, velocity, rate, settings)

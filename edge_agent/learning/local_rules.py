@@ -9,6 +9,7 @@ import numpy as np
 
 from edge_agent.learning.acquisition_scores import class_prior_bias
 from edge_agent.learning.local_data import LocalData
+from edge_agent.learning.propagation import Propagation, SemiSupervised
 from protocol.dp import DP_SGD_EPSILON_METRIC
 from protocol.messages import METRIC_MEME_ENTROPY, Recipe
 from protocol.options import Method, Option, Registry
@@ -54,7 +55,7 @@ class KeptLabels(SupervisedRule):
 
     name = "kept-labels"
     summary = "every label the device holds (or a class-balanced reservoir of them), E epochs from the global model"
-    options = (
+    options: ClassVar[tuple[Option, ...]] = (
         Option("reservoir", int, 0, "most labels trained on per round, class-balanced (0: all)", low=0.0),
         Option(
             "logit_adjustment",
@@ -75,6 +76,58 @@ class KeptLabels(SupervisedRule):
         if tau == 0.0:
             return None
         return class_prior_bias(np.bincount(np.asarray(labels, dtype=np.int64), minlength=num_classes), tau)
+
+
+@LOCAL_RULES.register
+class PseudoLabelled(KeptLabels):
+    """kept-labels, plus pseudo-labels on the device's unlabelled pool: the round's head's prediction where the
+    propagation of the device's human labels over the kNN graph of its cached feature rows agrees with it (Iscen et
+    al. 2019; edge_agent.learning.propagation). The pseudo-labels live only in the round's training: never in the
+    labelled store, the label counts or the update, and never of a class the device holds no human label of."""
+
+    name = "pseudo-labels"
+    summary = (
+        "kept-labels plus the head's predictions on the device's pool where label propagation over its cached "
+        "rows agrees (never stored, counted or sent; head-only devices)"
+    )
+    options = (
+        *KeptLabels.options,
+        Option("propagation_neighbours", int, 10, "pseudo-labels: neighbours per row of the kNN graph", low=1.0),
+        Option(
+            "propagation_alpha",
+            float,
+            0.9,
+            "pseudo-labels: alpha of the diffusion (I - alpha W)^-1 Y",
+            0.0,
+            1.0,
+            high_open=True,
+        ),
+        Option(
+            "pseudo_labels",
+            int,
+            300,
+            "pseudo-labels: most pseudo-labels a round trains on, in equal quotas per class held (0: none)",
+            low=0.0,
+        ),
+        Option(
+            "pseudo_weight",
+            float,
+            1.0,
+            "pseudo-labels: a pseudo-label's weight (times the head's confidence) in the loss",
+            low=0.0,
+        ),
+    )
+    trainers = frozenset({CLASSIFIER_ONLY})
+
+    def semi_supervised(self, pool: np.ndarray, recipe: Recipe) -> SemiSupervised:
+        """The round's semi-supervised problem over the pool rows, from the recipe's options."""
+        settings = Propagation(
+            neighbours=int(self.option_value(recipe.options, "propagation_neighbours")),
+            alpha=self.option_value(recipe.options, "propagation_alpha"),
+            most=int(self.option_value(recipe.options, "pseudo_labels")),
+        )
+        weight = self.option_value(recipe.options, "pseudo_weight")
+        return SemiSupervised(pool, settings, weight, self.option_value(recipe.options, "logit_adjustment"))
 
 
 @LOCAL_RULES.register
