@@ -6,15 +6,17 @@ server gate) over the rounds after the drift, with a 90% t-interval over seeds.
 
 Each run is the field loop of docs/first-camera-fleet.md (bench.camera_path: a real coordinator with its labelling
 queue and page, real field agents labelling centrally, the bench's person answering on the page), with a share of
-the queries marked as field test queries (`--field-test-share`). After round `--drift-after` commits, the lighting
-at every camera changes: each device's camera folder receives as many new scenes again, darkened and tinted blue
-(`drifted`), which its agent takes into its pool, asks about and predicts. The devices' post-drift images are a
-held-out set of such scenes from the test items, never in any pool. The two arms differ only in which set decides
+the queries marked as field test queries (`--field-test-share`). After round `--drift-after` commits, the field
+changes at every camera, and each device's camera folder receives the new scenes, which its agent takes into its
+pool, asks about and predicts: `--drift lighting` (as many scenes again, darkened and tinted blue) or `--drift mix`
+(the class mix changes: two classes twice as many scenes each, the others a fifth, under the same light: what the
+server's balanced test set cannot see). The devices' post-drift images are a held-out set of such scenes from the
+test items, never in any pool. The two arms differ only in which set decides
 the gate: `server` (`--promotion-field-images` beyond reach) and `field` (the field set once it holds
 `--field-images`); both fleets are built alike from the seed.
 
 Usage: python benchmarks/field_gate.py [--seeds 0 1 2 3 4] [--devices 2] [--per-class 20] [--rounds 6]
-       [--labels 6] [--drift-after 3] [--field-test-share 0.3] [--field-images 20] [--out DIR]
+       [--labels 6] [--drift-after 3] [--drift lighting|mix] [--field-test-share 0.3] [--field-images 20] [--out DIR]
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from protocol.model_spec import ModelSpec, load_model_spec
 
 WAIT_SECONDS = 3600
 NEVER = 10**9  # --promotion-field-images the field set never reaches: the server's test set decides
-DARKER, BLUE = 0.45, np.array([0.8, 0.9, 1.25])  # the drift: a darker scene under bluer light
+DARKER, BLUE = 0.45, np.array([0.8, 0.9, 1.25])  # the lighting drift: a darker scene under bluer light
+MIX_CLASSES, MIX_MAJOR, MIX_MINOR = 2, 2, 0.2  # the mix drift: two classes twice as many, the rest a fifth
 
 
 def drifted(scenes: SceneSet) -> SceneSet:
@@ -69,12 +72,26 @@ def drift_scenes(
     size: int,
     seed: int,
     stream: int,
+    drift: str = "lighting",
 ) -> SceneSet:
-    """Drifted scenes of `per_class` of the (images, labels) items of each class (a stream of its own, so each set
-    differs)."""
+    """The scenes a drift brings, from the (images, labels) items (a stream of its own, so each set differs):
+    `lighting`, `per_class` items of each class under the changed lighting; `mix`, the field's class mix changed
+    (MIX_CLASSES classes, the same for every camera of a seed, MIX_MAJOR times `per_class` items each, the others a
+    MIX_MINOR share of it), under the same light as before: a change the server's balanced test set cannot see."""
     rng = np.random.default_rng([seed, stream])
-    indices, labels = pick_items(items[1], classes, per_class, rng)
-    return drifted(render_set(items[0][indices], labels, size, seed, stream))
+    if drift == "lighting":
+        indices, labels = pick_items(items[1], classes, per_class, rng)
+        return drifted(render_set(items[0][indices], labels, size, seed, stream))
+    major = set(np.random.default_rng([seed, 7]).permutation(len(classes))[:MIX_CLASSES].tolist())
+    chosen, numbers = [], []
+    for number, scene_class in enumerate(classes):
+        count = per_class * MIX_MAJOR if number in major else max(1, round(per_class * MIX_MINOR))
+        found, _ = pick_items(items[1], (scene_class,), count, rng)
+        chosen.append(found)
+        numbers.append(np.full(count, number, dtype=np.int64))
+    order = rng.permutation(sum(len(found) for found in chosen))
+    indices, labels = np.concatenate(chosen)[order], np.concatenate(numbers)[order]
+    return render_set(items[0][indices], labels, size, seed, stream)
 
 
 def drift_when_committed(run_dir: Path, after: int, pools: list[tuple[Path, SceneSet]], stop: threading.Event) -> None:
@@ -121,10 +138,15 @@ def run_arm(args: argparse.Namespace, seed: int, arm: str, dataset: ImageDataset
         settings.size,
     )
     pools = [
-        (device_dir(fleet_dir, n) / POOL_DIR, drift_scenes(train, args.classes, args.per_class, size, seed, 100 + n))
+        (
+            device_dir(fleet_dir, n) / POOL_DIR,
+            drift_scenes(train, args.classes, args.per_class, size, seed, 100 + n, args.drift),
+        )
         for n in range(args.devices)
     ]
-    held_out = decoded(drift_scenes(test, args.classes, args.test_per_class, size, seed, 900), spec, work / "drift")
+    held_out = decoded(
+        drift_scenes(test, args.classes, args.test_per_class, size, seed, 900, args.drift), spec, work / "drift"
+    )
     field_images = NEVER if arm == "server" else args.field_images
     flags = (
         *("--init-samples", str(len(args.classes) * args.init_per_class), "--epochs", str(args.epochs)),
@@ -215,7 +237,10 @@ def main() -> None:
         parser.add_argument(f"--{flag}", type=int, default=default)
     parser.add_argument("--init-per-class", type=int, default=10, help="the server's labelled scenes per class (W0)")
     parser.add_argument("--test-per-class", type=int, default=30, help="the server's and the post-drift test scenes")
-    parser.add_argument("--drift-after", type=int, default=3, help="the round after whose commit the lighting changes")
+    parser.add_argument("--drift-after", type=int, default=3, help="the round after whose commit the field changes")
+    parser.add_argument(
+        "--drift", choices=("lighting", "mix"), default="lighting", help="the lighting changes, or the class mix"
+    )
     parser.add_argument("--field-test-share", type=float, default=0.3)
     parser.add_argument("--field-images", type=int, default=20, help="the field arm's --promotion-field-images")
     parser.add_argument("--classes", type=parse_classes, default=DEFAULT_CLASSES)
