@@ -58,7 +58,7 @@ class CentralLabelling:
     the fleet's labelling page, devices send their queries there and publish their predictions."""
 
     port: int
-    token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    token: str = field(default_factory=lambda: secrets.token_hex(24))  # (never '-' first: argparse's flag)
     field_test_share: float = 0.0  # the queue's --field-test-share (0: every answer goes to its device)
 
     @property

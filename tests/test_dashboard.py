@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import stat
 import subprocess
@@ -271,3 +272,10 @@ def test_read_only_store_cannot_write_or_create(tmp_path: Path) -> None:
         assert [r.round_id for r in reader.rounds()] == [1, 2]
         with pytest.raises(Exception, match="readonly"):
             reader.record_rejection(3, "dev-00", "x", 1)
+
+
+def test_a_generated_token_can_be_given_back_on_a_command_line(tmp_path: Path) -> None:
+    """A token generated off loopback is what a person passes to `labelling serve --dashboard-token TOKEN` or curl:
+    it must never start with '-', which argparse takes for a flag (a base64 token did so once in 64)."""
+    tokens = [dashboard_token(ListenAddress("0.0.0.0", 0), None, tmp_path) for _ in range(300)]
+    assert all(token is not None and re.fullmatch(r"[0-9a-f]{48}", token) for token in tokens)

@@ -100,7 +100,7 @@ def dashboard_token(address: ListenAddress, given: str | None, run_dir: Path) ->
         return given
     if address.loopback:
         return None
-    token = secrets.token_urlsafe(24)
+    token = secrets.token_hex(24)  # (hex: a token never starts with '-', which a command line would take for a flag)
     path = run_dir / TOKEN_FILE
     atomic_write_bytes(path, token.encode())
     os.chmod(path, 0o600)
