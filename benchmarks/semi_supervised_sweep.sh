@@ -13,14 +13,7 @@ export PYTHONPATH="$PWD/..${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 OPENBLA
 read -r -a extra <<<"${CAMERA_AL_EXTRA:-}"
 work=$(realpath -m "${CAMERA_AL_WORK:-$out/work}")
 mkdir -p "$work"
-declare -A flags=(
-  [balanced-96]="--size 96"
-  [imbalanced20-96]="--size 96 --imbalance 20"
-  [imbalanced20-160]="--size 160 --imbalance 20"
-  [longtail-96]="--size 96 --long-tail 1.5"
-  [dirichlet-96]="--size 96 --dirichlet 0.3"
-  [dirichlet-imbalanced20-96]="--size 96 --imbalance 20 --dirichlet 0.3"
-)
+source ./camera_al_settings.sh  # flags: each setting's camera_al.py flags
 for name in "${settings[@]}"; do
   [[ -n "${flags[$name]:-}" ]] || { echo "unknown setting $name; known: ${!flags[*]}" >&2; exit 2; }
   mkdir -p "$out/$name"
