@@ -27,7 +27,7 @@ from protocol.supervision import Health, MessageGuard, SupervisedThread
 log = logging.getLogger(__name__)
 
 LABELS_CSV_SECONDS = 1.0  # how often labels.csv's size and time are looked at (it is read when they change)
-NO_GUESS = Guess(label_messages.NO_GUESS, 0.0, 0.0, 0.0)  # what a query asked without the model's guess carries
+GUESS_UNKNOWN = Guess(label_messages.NO_GUESS, 0.0, 0.0, 0.0)  # what a query asked without the model's guess carries
 RESEND_SECONDS = 30.0
 MEDIA_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}
 PART = "labelling-link"
@@ -152,7 +152,7 @@ class CentralLabelling:
         its image beyond the queue's bound) is logged and settled: it stays answerable on the device's own roads."""
         self.resends.sent(query.query_id)
         self.oracle.book.store.note_sent(query.query_id)
-        guess = query.guess or NO_GUESS
+        guess = query.guess or GUESS_UNKNOWN
         try:
             image, media_type = query_image(self.oracle.book.image_path(query), self.max_side)
             if len(image) > label_messages.DEFAULT_MAX_IMAGE_BYTES:

@@ -108,9 +108,10 @@ class QueryBook:
             return
         self._labels_seen = seen
         current = self.store.current()
+        by_name = {query.name: query for query in self.queries()}
         for name, label in self.csv_answers().items():
-            query = self.store.query(name)
-            if query is None or query.name != name:
+            query = by_name.get(name)
+            if query is None:
                 continue
             held = current.get(query.query_id)
             if held is None:
