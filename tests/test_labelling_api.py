@@ -193,6 +193,10 @@ def test_a_run_serves_the_labelling_page_on_its_dashboard_beside_its_rounds(tmp_
 
     with Dashboard(ListenAddress("127.0.0.1", 0), settings.run_dir, None, TOKEN) as dashboard:
         with_labelling(rounds, settings, dashboard, 0.0)(broker.address)
+        # the rounds are over and the queue closed: the page still answers (it once met the closed database)
+        status, body = call(dashboard.url + "api/devices", headers=authorised())
+        assert status == 200 and json.loads(body)["labelling"] is None
+        assert call(dashboard.url + "api/label/next", headers=authorised())[0] == 404
     assert heard == [("receipt", True), ("answer", 200), ("sent", 1)]
 
 

@@ -171,7 +171,10 @@ def with_labelling(
         with desk_running(settings.fleet, login, queue, dashboard.server.parts_health, keys) as desk:
             dashboard.server.labelling = desk
             print(f"labelling page at {dashboard.url}label (the dashboard's token)", file=sys.stderr, flush=True)
-            serve(address)
+            try:
+                serve(address)
+            finally:  # the page lets go of the desk before its queue closes (a late request met a closed database)
+                dashboard.server.labelling = None
 
     return serving
 
