@@ -1,8 +1,8 @@
 # The gate on a drifting camera fleet: the server's test set deciding against the field set deciding, paired by seed.
 """Prints one JSON object: per seed and arm, each round's accuracy on the server's test set and on the field set
 (with their sizes), the gate's decision, the version serving after it and that version's accuracy on the devices'
-post-drift images; and per seed the paired difference of the served model's post-drift accuracy (field gate less
-server gate) over the rounds after the drift, with a 90% t-interval over seeds.
+post-drift images; and for each arm after the first, per seed the paired difference of the served model's
+post-drift accuracy (that arm less the first) over the rounds after the drift, with a 90% t-interval over seeds.
 
 Each run is the field loop of docs/first-camera-fleet.md (bench.camera_path: a real coordinator with its labelling
 queue and page, real field agents labelling centrally, the bench's person answering on the page), with a share of
@@ -11,21 +11,22 @@ changes at every camera, and each device's camera folder receives the new scenes
 pool, asks about and predicts: `--drift lighting` (as many scenes again, darkened and tinted blue) or `--drift mix`
 (the class mix changes: two classes twice as many scenes each, the others a fifth, under the same light: what the
 server's balanced test set cannot see). The devices' post-drift images are a held-out set of such scenes from the
-test items, never in any pool. The two arms differ only in which set decides
-the gate: `server` (`--promotion-field-images` beyond reach) and `field` (the field set once it holds
-`--field-images`); both fleets are built alike from the seed.
+test items, never in any pool. The arms (`--arms`, the first the baseline) differ only in which set decides the
+gate and in the devices' drift watch: `server` (the server's test set: `--promotion-field-images` beyond reach),
+`field` (the field set once it holds `--field-images`) and `drift-watch` (the field set deciding, and the devices
+asking only about their new images for `--drift-acquisitions` acquisitions once they see them drift); every arm's
+fleet is built alike from the seed.
 
 Usage: python benchmarks/field_gate.py [--seeds 0 1 2 3 4] [--devices 2] [--per-class 20] [--rounds 6]
-       [--labels 6] [--drift-after 3] [--drift lighting|mix] [--field-test-share 0.3] [--field-images 20] [--out DIR]
+       [--labels 6] [--drift-after 3] [--drift lighting|mix] [--field-test-share 0.3] [--field-images 20]
+       [--arms server field drift-watch] [--drift-acquisitions 3] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
-import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -33,11 +34,11 @@ from typing import Any
 
 import numpy as np
 from camera_al_stats import t_interval
-from PIL import Image
 
+from bench.camera_drift import DRIFTS, drift_scenes, drift_when_committed
 from bench.camera_fleet import POOL_DIR, SPEC_FILE, FleetSettings, PeopleAtThePage, build_fleet, device_dir
 from bench.camera_path import CameraSite, CentralLabelling, run_camera_site
-from bench.camera_scenes import DEFAULT_CLASSES, SceneClass, SceneSet, parse_classes, pick_items, render_set
+from bench.camera_scenes import DEFAULT_CLASSES, SceneSet, parse_classes
 from coordinator.fleet.broker import free_loopback_port
 from coordinator.rounds.closing import FIELD_ACCURACY, FIELD_IMAGES, TEST_IMAGES
 from coordinator.rounds.evaluation import Evaluator, LabelledSplit
@@ -45,70 +46,11 @@ from coordinator.storage.store import RunStore
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.image_arrays import ImageDataset
 from edge_agent.data.image_files import InputSpec, decode_image
-from protocol.files import atomic_write_bytes
 from protocol.model_spec import ModelSpec, load_model_spec
 
 WAIT_SECONDS = 3600
 NEVER = 10**9  # --promotion-field-images the field set never reaches: the server's test set decides
-DARKER, BLUE = 0.45, np.array([0.8, 0.9, 1.25])  # the lighting drift: a darker scene under bluer light
-MIX_CLASSES, MIX_MAJOR, MIX_MINOR = 2, 2, 0.2  # the mix drift: two classes twice as many, the rest a fifth
-
-
-def drifted(scenes: SceneSet) -> SceneSet:
-    """The same scenes under the changed lighting (darker, bluer), as JPEGs."""
-    jpegs = []
-    for jpeg in scenes.jpegs:
-        pixels = np.asarray(Image.open(io.BytesIO(jpeg)).convert("RGB"), dtype=np.float32)
-        buffer = io.BytesIO()
-        Image.fromarray(np.clip(pixels * DARKER * BLUE, 0, 255).astype(np.uint8)).save(buffer, format="JPEG")
-        jpegs.append(buffer.getvalue())
-    return SceneSet(jpegs, scenes.labels)
-
-
-def drift_scenes(
-    items: tuple[np.ndarray, np.ndarray],
-    classes: tuple[SceneClass, ...],
-    per_class: int,
-    size: int,
-    seed: int,
-    stream: int,
-    drift: str = "lighting",
-) -> SceneSet:
-    """The scenes a drift brings, from the (images, labels) items (a stream of its own, so each set differs):
-    `lighting`, `per_class` items of each class under the changed lighting; `mix`, the field's class mix changed
-    (MIX_CLASSES classes, the same for every camera of a seed, MIX_MAJOR times `per_class` items each, the others a
-    MIX_MINOR share of it), under the same light as before: a change the server's balanced test set cannot see."""
-    rng = np.random.default_rng([seed, stream])
-    if drift == "lighting":
-        indices, labels = pick_items(items[1], classes, per_class, rng)
-        return drifted(render_set(items[0][indices], labels, size, seed, stream))
-    major = set(np.random.default_rng([seed, 7]).permutation(len(classes))[:MIX_CLASSES].tolist())
-    chosen, numbers = [], []
-    for number, scene_class in enumerate(classes):
-        count = per_class * MIX_MAJOR if number in major else max(1, round(per_class * MIX_MINOR))
-        found, _ = pick_items(items[1], (scene_class,), count, rng)
-        chosen.append(found)
-        numbers.append(np.full(count, number, dtype=np.int64))
-    order = rng.permutation(sum(len(found) for found in chosen))
-    indices, labels = np.concatenate(chosen)[order], np.concatenate(numbers)[order]
-    return render_set(items[0][indices], labels, size, seed, stream)
-
-
-def drift_when_committed(run_dir: Path, after: int, pools: list[tuple[Path, SceneSet]], stop: threading.Event) -> None:
-    """Once round `after` is committed, writes each device's drifted scenes into its camera folder (dated now, so
-    its agent takes them in as new images)."""
-    while not stop.wait(1.0):
-        try:
-            with RunStore(run_dir, read_only=True) as store:
-                committed = store.last_committed_round() or 0
-        # the coordinator has not created its store yet (no file, or its tables not yet there)
-        except (OSError, sqlite3.Error):
-            continue
-        if committed >= after:
-            for pool, scenes in pools:
-                for number, jpeg in enumerate(scenes.jpegs):
-                    atomic_write_bytes(pool / f"drift-{number:05d}.jpg", jpeg)
-            return
+ARMS = ("server", "field", "drift-watch")
 
 
 def decoded(scenes: SceneSet, spec: ModelSpec, folder: Path) -> LabelledSplit:
@@ -152,6 +94,7 @@ def run_arm(args: argparse.Namespace, seed: int, arm: str, dataset: ImageDataset
         *("--init-samples", str(len(args.classes) * args.init_per_class), "--epochs", str(args.epochs)),
         *("--validation-samples", "0", "--sampler", "random", "--seed", str(seed)),
         *("--promotion-field-images", str(field_images)),
+        *(("--drift-acquisitions", str(args.drift_acquisitions)) if arm == "drift-watch" else ()),
     )
     central = CentralLabelling(free_loopback_port(), field_test_share=args.field_test_share)
     site = CameraSite(
@@ -211,21 +154,21 @@ def round_table(run_dir: Path, spec: ModelSpec, held_out: LabelledSplit) -> list
     return rows
 
 
-def paired(runs: list[dict[str, Any]], drift_after: int) -> dict[str, Any]:
-    """Per seed, the field gate's served post-drift accuracy less the server gate's, averaged over the rounds
-    after the drift and at the last round; their means with 90% t-intervals over seeds."""
+def paired(runs: list[dict[str, Any]], drift_after: int, arm: str, baseline: str) -> dict[str, Any]:
+    """Per seed, `arm`'s served post-drift accuracy less `baseline`'s, averaged over the rounds after the drift and
+    at the last round; their means with 90% t-intervals over seeds."""
     by_key = {(run["seed"], run["arm"]): run for run in runs}
-    seeds = sorted({seed for seed, _ in by_key if (seed, "server") in by_key and (seed, "field") in by_key})
+    seeds = sorted({seed for seed, _ in by_key if (seed, arm) in by_key and (seed, baseline) in by_key})
     after, last = [], []
     for seed in seeds:
-        field, server = (
-            [row["served_post_drift_accuracy"] for row in by_key[(seed, arm)]["rounds"] if row["round"] > drift_after]
-            for arm in ("field", "server")
+        ours, theirs = (
+            [row["served_post_drift_accuracy"] for row in by_key[(seed, name)]["rounds"] if row["round"] > drift_after]
+            for name in (arm, baseline)
         )
-        count = min(len(field), len(server))
+        count = min(len(ours), len(theirs))
         if count:
-            after.append(float(np.mean(field[:count]) - np.mean(server[:count])))
-            last.append(field[count - 1] - server[count - 1])
+            after.append(float(np.mean(ours[:count]) - np.mean(theirs[:count])))
+            last.append(ours[count - 1] - theirs[count - 1])
     return {"seeds": seeds, "after_drift": t_interval(after), "last_round": t_interval(last)}
 
 
@@ -238,17 +181,19 @@ def main() -> None:
     parser.add_argument("--init-per-class", type=int, default=10, help="the server's labelled scenes per class (W0)")
     parser.add_argument("--test-per-class", type=int, default=30, help="the server's and the post-drift test scenes")
     parser.add_argument("--drift-after", type=int, default=3, help="the round after whose commit the field changes")
-    parser.add_argument(
-        "--drift", choices=("lighting", "mix"), default="lighting", help="the lighting changes, or the class mix"
-    )
+    parser.add_argument("--drift", choices=DRIFTS, default="lighting", help="the lighting changes, or the class mix")
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=["server", "field"], help="the first: the baseline")
+    parser.add_argument("--drift-acquisitions", type=int, default=3, help="the drift-watch arm's recipe value")
     parser.add_argument("--field-test-share", type=float, default=0.3)
     parser.add_argument("--field-images", type=int, default=20, help="the field arm's --promotion-field-images")
     parser.add_argument("--classes", type=parse_classes, default=DEFAULT_CLASSES)
     parser.add_argument("--out", type=Path, default=Path("runs") / f"field-gate-{time.strftime('%Y%m%d-%H%M%S')}")
     args = parser.parse_args()
     dataset = load_fashion_mnist()
-    runs = [run_arm(args, seed, arm, dataset) for seed in args.seeds for arm in ("server", "field")]
-    result = {"out": str(args.out), "runs": runs, "paired": paired(runs, args.drift_after)}
+    runs = [run_arm(args, seed, arm, dataset) for seed in args.seeds for arm in args.arms]
+    baseline = args.arms[0]
+    comparisons = {f"{arm} less {baseline}": paired(runs, args.drift_after, arm, baseline) for arm in args.arms[1:]}
+    result = {"out": str(args.out), "arms": args.arms, "runs": runs, "paired": comparisons}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "field_gate.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))

@@ -206,6 +206,13 @@ class Recipe:
         omitted_at_default=True,
         low=0,
     )
+    drift_acquisitions: int = recipe_field(
+        0,
+        "after a device's newly arrived images drift from its older ones (their uncertain share jumped, or their "
+        "predicted class mix moved), this many acquisitions ask only about images that arrived since (0: off)",
+        omitted_at_default=True,
+        low=0,
+    )
 
 
 @dataclass(frozen=True)

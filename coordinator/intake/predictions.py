@@ -13,6 +13,7 @@ from typing import Any
 
 from coordinator.intake.observer import RoundObserver
 from coordinator.storage.prediction_counts import PredictionTable, StoredDevice, StoredHour
+from edge_agent.learning.drift import uncertain_jump
 from protocol import topics, wire
 from protocol.prediction_messages import UNCERTAIN, BatchError, PredictionBatch, check_batch
 from protocol.reassembly import Dropped
@@ -26,9 +27,6 @@ MAX_PREDICTING_DEVICES = 10000  # devices whose predictions are counted (a fleet
 FLUSH_SECONDS = 5.0  # how often the counts changed since are written to the run's store (and once more at the end)
 KEEPER = "prediction-counts"  # the keeper's part, as health names it
 MAX_CLASSES = 64  # class names counted per device (more are summed under "other")
-DRIFT_JUMP = 0.2  # the last hour's uncertain share this far above the hours before flags the device
-DRIFT_MIN_RECENT = 20  # predictions the last hour needs before its share is trusted
-DRIFT_MIN_BASELINE = 50  # predictions the hours before need
 REFUSAL_LOG_SECONDS = 60.0  # a device's refused batches are logged at most once a minute
 
 
@@ -41,12 +39,10 @@ class HourCounts:
     classes: Counter[str] = field(default_factory=Counter)
 
 
-def uncertain_jump(recent: HourCounts, baseline: HourCounts) -> bool:
-    """Whether the uncertain share of the last hour jumped DRIFT_JUMP above the share of the hours before (the
-    camera moved, the light changed), each with enough predictions to be trusted."""
-    if recent.predictions < DRIFT_MIN_RECENT or baseline.predictions < DRIFT_MIN_BASELINE:
-        return False
-    return recent.uncertain / recent.predictions - baseline.uncertain / baseline.predictions >= DRIFT_JUMP
+def hour_drifted(recent: HourCounts, baseline: HourCounts) -> bool:
+    """Whether the uncertain share of the last hour jumped above the share of the hours before (the camera moved,
+    the light changed): the drift test devices apply too (edge_agent.learning.drift.uncertain_jump)."""
+    return uncertain_jump(recent.uncertain, recent.predictions, baseline.uncertain, baseline.predictions)
 
 
 def summed(hours: list[HourCounts]) -> HourCounts:
@@ -120,7 +116,7 @@ class DevicePredictions:
             "uncertain_share": share(every),
             "uncertain_share_last_hour": share(recent),
             "uncertain_share_before": share(baseline),
-            "drift": uncertain_jump(recent, baseline),
+            "drift": hour_drifted(recent, baseline),
             "hours": [
                 {"hour": hour * 3600, "predictions": counts.predictions, "uncertain_share": share(counts)}
                 for hour, counts in sorted(self.hours.items())

@@ -11,8 +11,9 @@ from edge_agent.data.oracle import Guess, Oracle
 from edge_agent.learning.encoder import OnnxEncoder
 from edge_agent.learning.heuristics import AcquisitionContext, Embeddings, Heuristic, Sampler
 from edge_agent.learning.learner import Learner
-from edge_agent.learning.predict import guesses_of
+from edge_agent.learning.predict import guesses_of, verdicts
 from edge_agent.loop.agent_settings import AgentSettings, device_seed
+from edge_agent.loop.drift_watch import DriftWatch, FocusRule
 from edge_agent.loop.footprint import PhaseMeter
 from edge_agent.loop.round_inputs import RoundModels, mc_probabilities
 from edge_agent.loop.schedule import initial_label_count, labels_per_acquisition
@@ -33,6 +34,7 @@ class Acquirer:
         self.data = data
         self.oracle = oracle
         self.meter = meter
+        self.drift = DriftWatch(data, settings.device_id)
 
     @property
     def own_samples(self) -> int:
@@ -69,6 +71,11 @@ class Acquirer:
             if len(pool) and not self.settings.stream:
                 context = self.context(models, pool, seed)
                 budget = labels_per_acquisition(models.recipe, self.own_samples)
+                rule = FocusRule(models.recipe.drift_acquisitions, budget)
+                focus = self.drift.focus(pool, lambda: verdicts(context.probabilities()), rule)
+                if focus is not None:
+                    pool = pool[focus]
+                    context = self.context(models, pool, seed)
                 with self.meter.phase("score"):
                     chosen = sampler.choose(context, budget)
                     queried = pool[chosen]
