@@ -189,9 +189,10 @@ def labelling_acl(fleet: str) -> list[str]:
 
 def ha_bridge_acl(fleet: str, discovery_prefix: str = HA_DISCOVERY_PREFIX) -> list[str]:
     """The mosquitto ACL topic lines of a fleet's Home Assistant bridge (its own login): it reads every device's
-    status and predictions (each with its chunks) and writes the cameras' discovery configs, states and availability
+    status and predictions and every relay's relayed predictions (each with its chunks) and writes the cameras' discovery configs, states and availability
     and its own availability, nothing else."""
-    reads = [name for pattern in (STATUS, PREDICTIONS) for name in CHUNKS.with_chunks(pattern.filter(fleet=fleet))]
+    heard = (STATUS, PREDICTIONS, RELAYED_PREDICTIONS)
+    reads = [name for pattern in heard for name in CHUNKS.with_chunks(pattern.filter(fleet=fleet))]
     return [
         *(f"topic read {name}" for name in reads),
         *(f"topic write {name}" for name in _ha_topics(fleet, discovery_prefix)),

@@ -282,6 +282,40 @@ def test_home_assistant_reads_a_sensor_per_camera_its_latest_prediction_and_its_
     assert "refused_batches=5" in log and "cameras=3" in log and "Traceback" not in log
 
 
+def test_a_relays_site_devices_are_cameras_of_their_own_available_while_their_relay_is(
+    broker, tmp_path: Path, processes, sessions, home_assistant
+) -> None:
+    """`--relay relay-1`: a batch of its site device dev-00 on its relayed predictions topic becomes camera
+    relay-1/dev-00 (its topics' level an HA id); the same from a device not named as a relay is refused; the
+    relay's last will takes its site cameras offline with it."""
+    devices = sessions(broker.address, "devices")
+    publish_status(devices, "relay-1", "idle")
+    log_file = tmp_path / "bridge.log"
+    bridge = start_bridge(broker, log_file, processes, "--model-spec", str(SPEC), "--relay", "relay-1")
+    view = home_assistant()
+    where = SensorTopics(FLEET)
+    wait_until(lambda: view.payload(where.availability("relay-1")) == b"online", "the relay online", WAIT)
+    site = predictions("dev-00", [(2, 0.88, 0.1, 1_780_000_000.0)])
+    for sender in ("cam-9", "relay-1"):
+        devices.publish(topics.RELAYED_PREDICTIONS.build(fleet=FLEET, device=sender), wire.encode(site))
+    camera = "relay-1/dev-00"
+    wait_until(lambda: view.state(where.state(camera)) is not None, "the site device's state", WAIT)
+    assert where.state(camera) == f"edge-fal/{FLEET}/{ha_id(camera)}/state" and HA_ID.match(ha_id(camera))
+    state = view.state(where.state(camera))
+    assert {key: state[key] for key in expected_state(site)} == expected_state(site)
+    config = view.configs()[where.discovery(camera)]
+    assert config["device"]["name"] == camera and config["unique_id"] == f"edge-fal:{FLEET}:{camera}"
+    assert view.payload(where.availability(camera)) == b"online"
+    assert where.discovery("cam-9/dev-00") not in view.configs()  # cam-9 is no relay: its batch refused
+    will = last_will(AgentSettings(FLEET, "relay-1"))
+    devices.publish(will.topic, will.payload, retain=will.retain)
+    wait_until(lambda: view.payload(where.availability(camera)) == b"offline", "the site camera offline", WAIT)
+    bridge.send_signal(signal.SIGTERM)
+    assert wait_exit(bridge, "the bridge", WAIT) == 0
+    log = log_file.read_text()
+    assert "device=cam-9" in log and "not named as a relay" in log and "Traceback" not in log
+
+
 def test_the_bridge_publishes_its_sensors_again_after_a_broker_restart_that_lost_them(
     broker, tmp_path: Path, processes, sessions, home_assistant
 ) -> None:

@@ -48,18 +48,27 @@ class HaBridge(RoundObserver):
     discovery config per camera, its latest prediction as JSON, its availability. Everything it published is kept
     (one payload per topic) and published again after every reconnect, so a broker that restarted without its store
     shows the same sensors. Runs on a SupervisedThread; each message is handled under a MessageGuard (a handler that
-    fails is retried when the loop restarts; the third failure sets the message aside, named and counted)."""
+    fails is retried when the loop restarts; the third failure sets the message aside, named and counted).
 
-    def __init__(self, session: MqttSession, where: SensorTopics, class_names: Sequence[str] = ()) -> None:
+    The devices named as `relays` pass on their site devices' batches: each site device is a camera of its own,
+    `relay/device` as the coordinator counts it, available while its relay is (a site device's status stays on its
+    site's broker)."""
+
+    def __init__(
+        self, session: MqttSession, where: SensorTopics, class_names: Sequence[str] = (), relays: Sequence[str] = ()
+    ) -> None:
         super().__init__()
         self.session = session
         self.where = where
         self.presence = Presence(self)
-        self.intake = PredictionIntake(self, class_names)
+        self.intake = PredictionIntake(self, class_names, relays)
         self.guard = MessageGuard(PART, self.health, None)
         self.router: topics.Router[Handler] = topics.Router()
         self.router.add(topics.STATUS.bind(fleet=where.fleet), self.on_status)
         self.router.add(topics.PREDICTIONS.bind(fleet=where.fleet), self.on_predictions)
+        if relays:
+            self.router.add(topics.RELAYED_PREDICTIONS.bind(fleet=where.fleet), self.on_relayed)
+        self.relays = frozenset(relays)
         self.cameras: dict[str, Camera] = {}
         self.retained: dict[str, bytes] = {}
         self.refused: Counter[str] = Counter()
@@ -94,15 +103,20 @@ class HaBridge(RoundObserver):
             return
         if self.admit(device_id, profile=None if status is None else status.profile):
             self.publish(self.where.availability(device_id), availability(status).encode())
+        if device_id in self.relays:
+            for site_device in [name for name in self.cameras if name.startswith(f"{device_id}/")]:
+                self.publish(self.where.availability(site_device), availability(status).encode())
 
     def predictions_received(self, device_id: str, batch: PredictionBatch) -> None:
         """A checked batch: its newest prediction becomes the camera's state (and its serving version the camera's
-        software); a camera heard of only through its predictions is online."""
+        software); a camera heard of only through its predictions is online (a relay's site device: as its relay)."""
         state = prediction_state(batch)
         if state is None or not self.admit(device_id, serving_version=batch.serving_version):
             return
         if self.where.availability(device_id) not in self.retained:
-            self.publish(self.where.availability(device_id), ONLINE.encode())
+            relay = device_id.partition("/")[0] if "/" in device_id else None
+            said = None if relay is None else self.retained.get(self.where.availability(relay))
+            self.publish(self.where.availability(device_id), said or ONLINE.encode())
         self.publish(self.where.state(device_id), encoded(state))
 
     def predictions_refused(self, device_id: str) -> None:
@@ -151,6 +165,10 @@ class HaBridge(RoundObserver):
     def on_predictions(self, device_id: str, message: IncomingMessage) -> None:
         """A device's batch of predictions, through the intake's checks."""
         self.intake.on_predictions(device_id, message.payload, message.dropped)
+
+    def on_relayed(self, relay_id: str, message: IncomingMessage) -> None:
+        """A relay's batch of one of its site devices' predictions, through the intake's checks."""
+        self.intake.on_relayed(relay_id, message.payload, message.dropped)
 
     def _serve(self, stop: threading.Event) -> None:
         """The bridge's loop: after each (re)connect everything republished, then messages as they come (one whose

@@ -21,16 +21,24 @@ ORIGIN = "edge-fal ha-bridge"
 DEFAULT_MODEL = "edge-agent"  # a camera whose status names no profile
 NOT_HA_ID = re.compile(r"[^A-Za-z0-9_-]")  # HA's node and object ids are [a-zA-Z0-9_-] only
 STATE_CHARACTERS = 255  # Home Assistant refuses a longer state
+ID_CHARACTERS = 64  # the longest id kept as it is (a topic level holds at most 64)
 TEXT_CHARACTERS = 1024  # any other text a device put in its messages, as an attribute or a model name
 
 
 def ha_id(value: str) -> str:
-    """`value` as a Home Assistant node or object id: every character outside [a-zA-Z0-9_-] becomes '_', and a value
-    that had any gets the first 8 hex digits of its sha256 after a '-', so 'cam.1' and 'cam_1' stay two ids."""
+    """`value` as a Home Assistant node or object id (and a topic level): every character outside [a-zA-Z0-9_-]
+    becomes '_', and a value that had any (or is longer than 64 characters) is cut to 55 and gets the first 8 hex
+    digits of its sha256 after a '-', so 'cam.1' and 'cam_1' stay two ids, as do two long ones."""
     cleaned = NOT_HA_ID.sub("_", value)
-    if cleaned == value:
+    if cleaned == value and len(value) <= ID_CHARACTERS:
         return value
-    return f"{cleaned}-{hashlib.sha256(value.encode()).hexdigest()[:8]}"
+    return f"{cleaned[: ID_CHARACTERS - 9]}-{hashlib.sha256(value.encode()).hexdigest()[:8]}"
+
+
+def state_level(device_id: str) -> str:
+    """The camera's level in its state and availability topics: its device id, or for a relay's site device
+    (`relay/device`, not one topic level) its HA id."""
+    return device_id if topics.is_identifier(device_id) else ha_id(device_id)
 
 
 def unique_id(fleet: str, device_id: str) -> str:
@@ -55,11 +63,11 @@ class SensorTopics:
 
     def state(self, device_id: str) -> str:
         """The camera's JSON state topic (its latest prediction)."""
-        return topics.HA_STATE.build(fleet=self.fleet, device=device_id)
+        return topics.HA_STATE.build(fleet=self.fleet, device=state_level(device_id))
 
     def availability(self, device_id: str) -> str:
         """The camera's availability topic ("online" or "offline")."""
-        return topics.HA_AVAILABILITY.build(fleet=self.fleet, device=device_id)
+        return topics.HA_AVAILABILITY.build(fleet=self.fleet, device=state_level(device_id))
 
     @property
     def bridge(self) -> str:

@@ -35,6 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model-spec", type=Path, help="the fleet's TOML model spec: a batch naming a class it lacks is refused"
     )
+    parser.add_argument(
+        "--relay",
+        action="append",
+        default=[],
+        metavar="DEVICE_ID",
+        help="a device of this fleet that is a relay (as `run --relay`), once per relay: its site devices' "
+        "predictions become cameras of their own, named RELAY/DEVICE",
+    )
     parser.add_argument("--log-level", default="warning")
 
 
@@ -58,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     session = bridge_session(address, where)
     try:
         session.connect()
-        bridge = HaBridge(session, where, class_names).start()
+        relays = tuple(wire.given_identifier("--relay", name) for name in args.relay)
+        bridge = HaBridge(session, where, class_names, relays).start()
         print(
             f"bridging fleet {fleet} to Home Assistant: discovery under {where.discovery_prefix}/sensor/, "
             f"states under edge-fal/{fleet}/",
