@@ -13,13 +13,15 @@ pool, asks about and predicts: `--drift lighting` (as many scenes again, darkene
 server's balanced test set cannot see). The devices' post-drift images are a held-out set of such scenes from the
 test items, never in any pool. The arms (`--arms`, the first the baseline) differ only in which set decides the
 gate and in the devices' drift watch: `server` (the server's test set: `--promotion-field-images` beyond reach),
-`field` (the field set once it holds `--field-images`) and `drift-watch` (the field set deciding, and the devices
-asking only about their new images for `--drift-acquisitions` acquisitions once they see them drift); every arm's
-fleet is built alike from the seed.
+`field` (the field set once it holds `--field-images`), `field-window` (the same, the field set the newest
+`--field-window` answers) and `drift-watch` (the field set deciding, and the devices asking only about their new
+images for `--drift-acquisitions` acquisitions once they see them drift); every arm's fleet is built alike from the
+seed. Each arm's tracking: over its promoted rounds after the drift, how far the field set's accuracy and the server
+test set's were from the promoted model's accuracy on the post-drift images (mean absolute gap, points).
 
 Usage: python benchmarks/field_gate.py [--seeds 0 1 2 3 4] [--devices 2] [--per-class 20] [--rounds 6]
        [--labels 6] [--drift-after 3] [--drift lighting|mix] [--field-test-share 0.3] [--field-images 20]
-       [--arms server field drift-watch] [--drift-acquisitions 3] [--out DIR]
+       [--arms server field field-window drift-watch] [--field-window 60] [--drift-acquisitions 3] [--out DIR]
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from protocol.model_spec import ModelSpec, load_model_spec
 
 WAIT_SECONDS = 3600
 NEVER = 10**9  # --promotion-field-images the field set never reaches: the server's test set decides
-ARMS = ("server", "field", "drift-watch")
+ARMS = ("server", "field", "field-window", "drift-watch")
 
 
 def decoded(scenes: SceneSet, spec: ModelSpec, folder: Path) -> LabelledSplit:
@@ -95,6 +97,7 @@ def run_arm(args: argparse.Namespace, seed: int, arm: str, dataset: ImageDataset
         *("--validation-samples", "0", "--sampler", "random", "--seed", str(seed)),
         *("--promotion-field-images", str(field_images)),
         *(("--drift-acquisitions", str(args.drift_acquisitions)) if arm == "drift-watch" else ()),
+        *(("--field-test-window", str(args.field_window)) if arm == "field-window" else ()),
     )
     central = CentralLabelling(free_loopback_port(), field_test_share=args.field_test_share)
     site = CameraSite(
@@ -172,6 +175,24 @@ def paired(runs: list[dict[str, Any]], drift_after: int, arm: str, baseline: str
     return {"seeds": seeds, "after_drift": t_interval(after), "last_round": t_interval(last)}
 
 
+def tracking(runs: list[dict[str, Any]], drift_after: int, arm: str) -> dict[str, Any]:
+    """How far each test set's accuracy was from the post-drift accuracy of the model it judged, over `arm`'s
+    promoted rounds after the drift (the promoted model serves, so its post-drift accuracy is the served one):
+    per seed the mean absolute gap, in points, of the field set and of the server's test set, with 90% intervals."""
+    field, server = [], []
+    for run in (run for run in runs if run["arm"] == arm):
+        rows = [
+            row
+            for row in run["rounds"]
+            if row["round"] > drift_after and row["decision"] == "promoted" and row["field_accuracy"] is not None
+        ]
+        if rows:
+            truth = np.array([row["served_post_drift_accuracy"] for row in rows])
+            field.append(float(np.mean(np.abs(np.array([row["field_accuracy"] for row in rows]) - truth))) * 100)
+            server.append(float(np.mean(np.abs(np.array([row["test_accuracy"] for row in rows]) - truth))) * 100)
+    return {"field_set_gap": t_interval(field), "server_test_gap": t_interval(server)}
+
+
 def main() -> None:
     """Runs both arms for each seed, one after another, and prints the JSON."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -184,6 +205,7 @@ def main() -> None:
     parser.add_argument("--drift", choices=DRIFTS, default="lighting", help="the lighting changes, or the class mix")
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=["server", "field"], help="the first: the baseline")
     parser.add_argument("--drift-acquisitions", type=int, default=3, help="the drift-watch arm's recipe value")
+    parser.add_argument("--field-window", type=int, default=60, help="the field-window arm's --field-test-window")
     parser.add_argument("--field-test-share", type=float, default=0.3)
     parser.add_argument("--field-images", type=int, default=20, help="the field arm's --promotion-field-images")
     parser.add_argument("--classes", type=parse_classes, default=DEFAULT_CLASSES)
@@ -193,7 +215,8 @@ def main() -> None:
     runs = [run_arm(args, seed, arm, dataset) for seed in args.seeds for arm in args.arms]
     baseline = args.arms[0]
     comparisons = {f"{arm} less {baseline}": paired(runs, args.drift_after, arm, baseline) for arm in args.arms[1:]}
-    result = {"out": str(args.out), "arms": args.arms, "runs": runs, "paired": comparisons}
+    tracked = {arm: tracking(runs, args.drift_after, arm) for arm in args.arms if arm != "server"}
+    result = {"out": str(args.out), "arms": args.arms, "runs": runs, "paired": comparisons, "tracking": tracked}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "field_gate.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))

@@ -104,6 +104,23 @@ def test_a_field_test_answer_stays_with_the_queue_and_forms_the_field_set(tmp_pa
     assert read_field_set(tmp_path / "nothing") == []
 
 
+def test_a_field_window_keeps_the_newest_answers_so_the_set_follows_the_field(tmp_path: Path) -> None:
+    images = load_fashion_mnist().test_images
+    queue = LabelQueue(tmp_path, tuple(CLASS_NAMES), field_test_share=0.5)
+    for index in range(30):
+        queue.add(query("cam", f"q{index}", images[index]), "cam")
+    field = [index for index in range(30) if queue.is_field_test("cam", f"q{index}")][:5]
+    order = [field[3], field[0], field[4], field[1], field[2]]
+    for index in order:  # answered in this order
+        queue.record("cam", f"q{index}", index % 10, "ana")
+    spec = InputSpec(DEFAULT_SPEC.channels, DEFAULT_SPEC.height, DEFAULT_SPEC.width)
+    keys, pixels, labels = FieldSet(tmp_path, spec, window=3)()
+    assert keys == [f"cam/q{index}" for index in order[2:]] and len(pixels) == 3
+    assert labels.tolist() == [index % 10 for index in order[2:]]
+    assert FieldSet(tmp_path, spec)()[0] == [f"cam/q{index}" for index in order]
+    queue.close()
+
+
 def test_a_field_test_answer_never_reaches_the_device_which_stops_waiting(tmp_path: Path, broker, sessions) -> None:
     queue = LabelQueue(tmp_path / "run", tuple(CLASS_NAMES), field_test_share=0.5)
     session = MqttSession(broker.address, client_id="desk", manual_ack=True)

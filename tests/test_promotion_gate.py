@@ -108,6 +108,8 @@ def test_a_set_without_images_judges_nothing() -> None:
         ({"confidence": 1.0}, "--promotion-confidence"),
         ({"confidence": 0.2}, "--promotion-confidence"),
         ({"field_images": 0}, "--promotion-field-images"),
+        ({"field_window": -1}, "--field-test-window must be 0"),
+        ({"field_images": 50, "field_window": 40}, "--field-test-window 40 is below --promotion-field-images 50"),
     ],
 )
 def test_the_gate_refuses_settings_out_of_range(bad: dict, flag: str) -> None:

@@ -109,6 +109,13 @@ def add_serving_options(parser: argparse.ArgumentParser) -> None:
         "server's test set decides before",
     )
     serving.add_argument(
+        "--field-test-window",
+        type=int,
+        default=PromotionGate.field_window,
+        metavar="N",
+        help="the field set is the newest N answered field test images, so it follows a field that drifts (0: all)",
+    )
+    serving.add_argument(
         "--publish-predictions",
         action="store_true",
         help="ask devices (in the serving message) to publish their predictions on their predictions topic",

@@ -96,6 +96,7 @@ def server_settings(args: argparse.Namespace, default_fleet: str) -> ServerSetti
             args.promotion_max_class_drop,
             args.promotion_confidence,
             args.promotion_field_images,
+            args.field_test_window,
         ),
         publish_predictions=args.publish_predictions,
         secagg_open_fleet_unsafe=getattr(args, "secagg_open_fleet_unsafe", False),

@@ -27,12 +27,14 @@ class PromotionGate:
     `max_class_drop_points`, each beyond doubt at `confidence`: the fall's one-sided lower confidence bound (a
     paired interval: both models answer the same images) lies above the tolerance. The confidence holds for the
     round's tests together (Bonferroni over the overall test and one per class). The field set decides once it
-    holds at least `field_images` images, the server's test set before."""
+    holds at least `field_images` images, the server's test set before; with `field_window` N > 0 the field set is
+    the newest N answered field test images (so it follows a field that drifts), else all of them."""
 
     tolerance_points: float = DEFAULT_TOLERANCE_POINTS
     max_class_drop_points: float = DEFAULT_MAX_CLASS_DROP_POINTS
     confidence: float = DEFAULT_CONFIDENCE
     field_images: int = DEFAULT_FIELD_IMAGES
+    field_window: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.tolerance_points <= 100.0:
@@ -45,6 +47,13 @@ class PromotionGate:
             raise UsageError(f"--promotion-confidence must lie in [0.5, 1), got {self.confidence}")
         if self.field_images < 1:
             raise UsageError(f"--promotion-field-images must be at least 1, got {self.field_images}")
+        if self.field_window < 0:
+            raise UsageError(f"--field-test-window must be 0 (every image) or more, got {self.field_window}")
+        if 0 < self.field_window < self.field_images:
+            raise UsageError(
+                f"--field-test-window {self.field_window} is below --promotion-field-images {self.field_images}: "
+                "the field set would never decide"
+            )
 
 
 @dataclass(frozen=True)

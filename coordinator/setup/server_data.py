@@ -149,16 +149,19 @@ def initial_weights(settings: ServerSettings, data: ServerData) -> Weights:
 class FieldSet:
     """The field's test set of a run's labelling queue (RUN_DIR/labelling), read as it stands at each call: each
     image decoded as the server's own images are (`decode_image` at the spec's input) once, and kept by its key for
-    as long as it stays in the set. An image that cannot be read (its query pruned meanwhile) is left out."""
+    as long as it stays in the set. An image that cannot be read (its query pruned meanwhile) is left out. With
+    `window` N > 0 the set is the newest N answers (by when they were answered)."""
 
-    def __init__(self, run_dir: Path, spec: InputSpec) -> None:
+    def __init__(self, run_dir: Path, spec: InputSpec, window: int = 0) -> None:
         self.run_dir = Path(run_dir)
         self.spec = spec
+        self.window = window
         self.images: dict[str, np.ndarray] = {}
 
     def __call__(self) -> tuple[list[str], np.ndarray, np.ndarray]:
         """(keys, uint8 images at the spec's input, labels) of the field set now, oldest answer first."""
         answers = read_field_set(self.run_dir)
+        answers = answers[-self.window :] if self.window else answers
         kept: dict[str, np.ndarray] = {}
         labels: list[int] = []
         for answer in answers:
@@ -185,7 +188,9 @@ def build_evaluator(settings: ServerSettings, data: ServerData) -> Evaluator:
         data.dataset.train_images[data.validation_indices], data.dataset.train_labels[data.validation_indices]
     )
     spec = settings.spec
-    field = FieldSet(settings.run_dir, InputSpec(spec.channels, spec.height, spec.width))
+    field = FieldSet(
+        settings.run_dir, InputSpec(spec.channels, spec.height, spec.width), settings.promotion.field_window
+    )
     return Evaluator(spec, test, selection, settings.selection_passes, settings.init.seed, field)
 
 
