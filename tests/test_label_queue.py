@@ -182,15 +182,21 @@ def test_label_studio_tasks_go_out_and_their_annotations_come_back(tmp_path: Pat
 def test_the_labelling_command_exports_imports_and_refuses_bad_input_in_one_line(tmp_path: Path, capsys) -> None:
     from coordinator.cli import main
 
-    queue = LabelQueue(tmp_path / "run", CLASS_NAMES_OF_SPEC)
-    queue.add(query("a", "q1"), "a")
+    queue = LabelQueue(tmp_path / "run", CLASS_NAMES_OF_SPEC, field_test_share=0.5)
+    ids = [f"q{index}" for index in range(1, 20)]
+    for query_id in ids:
+        queue.add(query("a", query_id), "a")
+    field = next(query_id for query_id in ids if queue.is_field_test("a", query_id))
+    label = next(query_id for query_id in ids if not queue.is_field_test("a", query_id))
     assert main(["labelling", "export", str(tmp_path / "run"), "--out", str(tmp_path / "ls")]) == 0
     tasks = json.loads((tmp_path / "ls" / "tasks.json").read_text())
-    tasks[0]["annotations"] = [{"result": [{"type": "choices", "value": {"choices": ["Bag"]}}], "completed_by": 3}]
+    for task in tasks:
+        if task["data"]["query_id"] in (field, label):
+            task["annotations"] = [{"result": [{"type": "choices", "value": {"choices": ["Bag"]}}], "completed_by": 3}]
     (tmp_path / "done.json").write_text(json.dumps(tasks))
     assert main(["labelling", "import", str(tmp_path / "run"), str(tmp_path / "done.json")]) == 0
-    assert "1 answers decided" in capsys.readouterr().out
-    assert queue.get("a", "q1").label == CLASS_NAMES_OF_SPEC.index("Bag")
+    assert "1 answers decided, 1 field test answers kept, 0 corrected" in capsys.readouterr().out
+    assert queue.get("a", label).label == queue.get("a", field).label == CLASS_NAMES_OF_SPEC.index("Bag")
     (tmp_path / "bad.json").write_text("{not json")
     bad = [
         ["import", str(tmp_path / "run"), str(tmp_path / "bad.json")],

@@ -250,9 +250,11 @@ def import_answers(args: argparse.Namespace) -> int:
     # a task of the wrong shape refuses the whole file before any vote is recorded
     except UsageError as error:
         raise UsageError(f"{args.tasks}: {error}; nothing imported") from None
+    kept = sum(decided.field_test for decided in counts.decided)  # field test answers: never sent to a device
     print(
-        f"{len(counts.decided)} answers decided, {len(counts.corrections)} corrected, {counts.votes} votes waiting "
-        f"for others, {counts.unanswered} tasks unanswered, {counts.unchanged} unchanged, {counts.refused} refused"
+        f"{len(counts.decided) - kept} answers decided, {kept} field test answers kept, {len(counts.corrections)} "
+        f"corrected, {counts.votes} votes waiting for others, {counts.unanswered} tasks unanswered, "
+        f"{counts.unchanged} unchanged, {counts.refused} refused"
     )
     return 0
 
