@@ -356,7 +356,7 @@ def federated_round(devices: list[Device], spelling: str, head: Head, args: argp
         settings = head_settings(epochs, DROPOUT, step + number)
         if semi:
             pool = device.features[device.pool()]
-            semi_problem = PSEUDO_LABELS.semi_supervised(pool, recipe)
+            semi_problem = PSEUDO_LABELS.semi_supervised(pool, recipe, fleet / max(fleet.sum(), 1))
             trained = Head(*semi_problem.trained(features, labels, pool, head.weights_pair(), settings, logit_bias)[:2])
         else:
             trained = head.trained(features, labels, settings, logit_bias)
