@@ -14,6 +14,7 @@ from edge_agent.learning.learner_choice import make_learner
 from edge_agent.learning.local_data import training_view
 from edge_agent.learning.local_rules import CLASSIFIER_ONLY, make_local_rule, runs_on
 from edge_agent.learning.models import build_model, get_weights
+from edge_agent.learning.prior_shift import LABEL_SHARES_KEY
 from edge_agent.learning.propagation import (
     FLEET_SHARES,
     NO_ALIGNMENT,
@@ -178,3 +179,6 @@ def test_pseudo_labels_train_the_head_but_never_reach_the_store_or_the_counts(tm
     assert not np.allclose(trained["kept-labels"], trained["pseudo-labels"])
     assert data.num_labelled == 6 and np.array_equal(data.class_counts(), counts) and counts.sum() == 6
     assert np.array_equal(data.labelled()[0], labelled) and len(data.pool_indices()) == 54
+    assert training_view(data, new, labels, 1).fleet_label_shares == ()  # no announcement has carried them yet
+    data.set_state(LABEL_SHARES_KEY, [0.5, 0.5])  # what the agent keeps from a round announcement
+    assert training_view(data, new, labels, 1).fleet_label_shares == (0.5, 0.5)
