@@ -54,11 +54,12 @@ def device_dir(out: Path, number: int) -> Path:
 
 
 def write_pool(folder: Path, scenes: SceneSet, prefix: str) -> list[str]:
-    """Writes the scenes as PREFIX-00000.jpg, ... into a flat folder of unlabelled images, dated in that order an
-    hour ago (a field agent takes them at once, oldest first); returns the file names."""
+    """Writes the scenes as PREFIX-00000.jpg, ... into a flat folder of unlabelled images, dated a second apart in
+    that order, the newest an hour ago (a field agent takes them at once, oldest first; a pool of more than 3600
+    files no longer has its last ones dated in the future); returns the file names."""
     folder.mkdir(parents=True, exist_ok=True)
     names = [f"{prefix}-{number:05d}.jpg" for number in range(len(scenes.jpegs))]
-    start = time.time() - AGE_SECONDS
+    start = time.time() - AGE_SECONDS - len(names)
     for number, (name, jpeg) in enumerate(zip(names, scenes.jpegs)):
         atomic_write_bytes(folder / name, jpeg)
         os.utime(folder / name, (start + number, start + number))

@@ -343,7 +343,8 @@ def head_settings(epochs: int, dropout: float, seed: int) -> HeadSettings:
 def federated_round(devices: list[Device], spelling: str, head: Head, args: argparse.Namespace, step: int) -> Head:
     """Every device acquires and trains from the global head on all it holds (kept-labels: the recipe's epochs, at
     least --min-steps SGD steps, the loss adjusted by --logit-adjustment; with the "semi:" prefix, the pseudo-labels
-    rule's pseudo-labels on its pool too); FedAvg by labelled-sample count (pseudo-labels never count)."""
+    rule's pseudo-labels on its pool too, the fleet's label shares at the round's start standing for the round
+    announcement's); FedAvg by labelled-sample count (pseudo-labels never count)."""
     semi, sampler = spelling.startswith(SEMI), spelling.removeprefix(SEMI)
     sampler, recipe = rule_spelling(sampler, args.rule_recipe) if semi else (sampler, args.rule_recipe)
     updates = []
@@ -356,7 +357,7 @@ def federated_round(devices: list[Device], spelling: str, head: Head, args: argp
         settings = head_settings(epochs, DROPOUT, step + number)
         if semi:
             pool = device.features[device.pool()]
-            semi_problem = PSEUDO_LABELS.semi_supervised(pool, recipe)
+            semi_problem = PSEUDO_LABELS.semi_supervised(pool, recipe, fleet / max(fleet.sum(), 1))
             trained = Head(*semi_problem.trained(features, labels, pool, head.weights_pair(), settings, logit_bias)[:2])
         else:
             trained = head.trained(features, labels, settings, logit_bias)

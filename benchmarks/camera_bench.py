@@ -24,7 +24,7 @@ each device's predictions and the answers given on the page.
 
 Usage: python benchmarks/camera_bench.py [--backbones efficientnet-lite0 mobilenet] [--samplers random typical-then-balanced-margin]
        [--seeds 0] [--devices 4] [--per-class 50] [--rounds 5] [--labels 20] [--epochs 20] [--init-epochs 30]
-       [--max-message-bytes 262144] [--classes boot=9,bag=8,shirt=0,trouser=1,dress=3] [--out DIR] [--json] [--loop]
+       [--local-rule pseudo-labels] [--max-message-bytes 262144] [--classes boot=9,bag=8,shirt=0,trouser=1,dress=3] [--out DIR] [--json] [--loop]
 """
 
 from __future__ import annotations
@@ -66,9 +66,10 @@ WAIT_SECONDS = 3600
 
 
 def sweep_flags(args: argparse.Namespace, sampler: str, seed: int) -> tuple[str, ...]:
-    """What a bench run adds to the guide's coordinator command: the sweep's recipe, W0's set (the probe's labels)
-    and the broker's packet limit."""
+    """What a bench run adds to the guide's coordinator command: the sweep's recipe (the local rule where
+    --local-rule names one), W0's set (the probe's labels) and the broker's packet limit."""
     return (
+        *(("--local-rule", args.local_rule) if args.local_rule else ()),
         *("--init-samples", str(len(args.classes) * args.init_per_class), "--init-epochs", str(args.init_epochs)),
         *(
             "--validation-samples",
@@ -183,6 +184,7 @@ def main() -> None:
         parser.add_argument(f"--{flag}", type=int, default=default)
     parser.add_argument("--init-per-class", type=int, default=40, help="the server's labelled scenes per class (W0)")
     parser.add_argument("--init-epochs", type=int, default=30)
+    parser.add_argument("--local-rule", help="the devices' local rule (default: the guide's, kept-labels)")
     parser.add_argument("--max-message-bytes", type=int, default=256 * 1024)
     parser.add_argument(
         "--classes",

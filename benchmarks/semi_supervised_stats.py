@@ -1,7 +1,8 @@
 # The semi-supervised sweep's statistics: each "semi:NAME" curve against NAME's, paired by seed, and the rare classes.
 """Reads camera_al's JSON of settings run with "semi:NAME" spellings (semi_supervised_sweep.sh) and, per setting,
 pairs each semi curve (the pseudo-labels rule) by seed with the supervised camera default's and with NAME's
-supervised curve where it ran: the AULC gain over every round and over the rounds at 40-120 labels (points, 90%
+supervised curve where it ran (and a semi spelling with rule options, e.g. semi:NAME:pseudo_alignment=1, with the
+same spelling without them where it ran): the AULC gain over every round and over the rounds at 40-120 labels (points, 90%
 t-intervals, camera_al_stats.t_interval), the mean gain per round; beside them each curve's gain over random and
 the share of random's labels it needs to reach random's final accuracy (camera_al's intervals), and the final
 recall of three watched classes: the pools' rarest (imbalanced; the fewest of random's labels) or the hardest
@@ -20,15 +21,17 @@ from typing import Any
 
 import numpy as np
 from camera_al_stats import DEFAULT, by_seed, shown, t_interval
+from curves import sampler_and_options
 
 SEMI = "semi:"
 EARLY = (40, 120)  # the label counts the issue's must-hold reads the gain at
 RARE = 3
 TABLE_HEAD = (
     "| setting | curve | AULC gain over the supervised camera default, 40-120 labels | the same, all rounds |"
-    " gain over its own sampler supervised, 40-120 labels | AULC gain over random | share of random's labels to"
-    " reach its final | final recall of the rarest (imbalanced) or hardest (balanced) classes |\n"
-    "| --- | --- | --- | --- | --- | --- | --- | --- |"
+    " gain over its own sampler supervised, 40-120 labels | gain over the rule without its options, 40-120 labels /"
+    " all rounds | AULC gain over random | share of random's labels to reach its final | final recall of the rarest"
+    " (imbalanced) or hardest (balanced) classes |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 )
 
 
@@ -66,15 +69,32 @@ def watched_classes(result: dict[str, Any]) -> list[int]:
     return [int(c) for c in np.argsort(counts, kind="stable")[:RARE]]
 
 
+def fewer_options(sampler: str, curves: list[str]) -> str | None:
+    """Among `curves`, the semi spelling of the same sampler whose options are a strict part of `sampler`'s (the
+    most of them; None where `sampler` is not semi or none ran): the same rule without the options it adds."""
+    if not sampler.startswith(SEMI):
+        return None
+    name, options = sampler_and_options(sampler.removeprefix(SEMI))
+    within = []
+    for curve in curves:
+        other, others = sampler_and_options(curve.removeprefix(SEMI)) if curve.startswith(SEMI) else ("", {})
+        if curve != sampler and curve.startswith(SEMI) and other == name and others.items() < options.items():
+            within.append((len(others), curve))
+    return max(within)[1] if within else None
+
+
 def curve_summary(result: dict[str, Any], sampler: str, watched: list[int]) -> dict[str, Any]:
-    """One curve: against the supervised camera default and (a semi spelling) its own sampler supervised, against
-    random (camera_al's intervals), its final per-class recall and that of the watched classes."""
+    """One curve: against the supervised camera default, (a semi spelling) its own sampler supervised and the rule
+    without the options the spelling adds (fewer_options), against random (camera_al's intervals), its final
+    per-class recall and that of the watched classes."""
     runs, found = result["runs"], result["intervals"][sampler]["federated"]
     base = sampler.removeprefix(SEMI)
     recall = result["final_class_recall"][sampler]
+    plainer = fewer_options(sampler, list(result["summary"]["federated"]))
     return {
         "vs_camera_default": paired(runs, sampler, DEFAULT) if sampler != DEFAULT else None,
         "vs_own_sampler": paired(runs, sampler, base) if sampler.startswith(SEMI) else None,
+        "vs_rule_without_options": paired(runs, sampler, plainer) if plainer is not None else None,
         "vs_random": {
             "aulc_gain_interval": found["aulc_gain_interval"],
             "reach_share_interval": found["reach_share_interval"],
@@ -124,6 +144,8 @@ def table_rows(summary: dict[str, Any]) -> list[str]:
             f"| {summary['setting']} | `{sampler}` | {gain(found['vs_camera_default'], 'early_gain_interval')} |"
             f" {gain(found['vs_camera_default'], 'aulc_gain_interval')} |"
             f" {gain(found['vs_own_sampler'], 'early_gain_interval')} |"
+            f" {gain(found['vs_rule_without_options'], 'early_gain_interval')} /"
+            f" {gain(found['vs_rule_without_options'], 'aulc_gain_interval')} |"
             f" {shown(found['vs_random']['aulc_gain_interval'])} | {reach(found['vs_random'])} | {recall} |"
         )
     return rows

@@ -2,12 +2,13 @@
 # The semi-supervised camera sweep: supervised-only against the pseudo-labels rule, the camera default and random, 5 seeds.
 # Usage: bash benchmarks/semi_supervised_sweep.sh OUT [SETTING...]   (default: balanced-96 imbalanced20-96; the others:
 #        longtail-96 dirichlet-96 dirichlet-imbalanced20-96 imbalanced20-160). CAMERA_AL_WORK=DIR: the feature cache
-#        (default OUT/work); CAMERA_AL_EXTRA="--per-class 20 --rounds 3": a smoke run. One setting at a time, one
+#        (default OUT/work); CAMERA_AL_EXTRA="--per-class 20 --rounds 3": a smoke run; SEMI_SAMPLERS="random ...": the
+#        curves (default: random, the camera default, both under the rule). One setting at a time, one
 #        process, niced (a shared machine); then semi_supervised_stats.py writes OUT/summary.json and OUT/table.md.
 set -euo pipefail
 out=$(realpath -m "${1:?usage: semi_supervised_sweep.sh OUT [SETTING...]}")
 if (($# > 1)); then settings=("${@:2}"); else settings=(balanced-96 imbalanced20-96); fi
-samplers=(random typical-then-balanced-margin semi:typical-then-balanced-margin semi:random)
+read -r -a samplers <<<"${SEMI_SAMPLERS:-random typical-then-balanced-margin semi:typical-then-balanced-margin semi:random}"
 cd "$(dirname "$0")"
 export PYTHONPATH="$PWD/..${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 read -r -a extra <<<"${CAMERA_AL_EXTRA:-}"

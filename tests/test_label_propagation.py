@@ -14,9 +14,15 @@ from edge_agent.learning.learner_choice import make_learner
 from edge_agent.learning.local_data import training_view
 from edge_agent.learning.local_rules import CLASSIFIER_ONLY, make_local_rule, runs_on
 from edge_agent.learning.models import build_model, get_weights
+from edge_agent.learning.prior_shift import LABEL_SHARES_KEY
 from edge_agent.learning.propagation import (
+    FLEET_SHARES,
+    NO_ALIGNMENT,
+    OWN_SHARES,
     Propagation,
     SemiSupervised,
+    aligned,
+    alignment_target,
     nearest_neighbours,
     propagate,
     pseudo_labels,
@@ -75,6 +81,44 @@ def test_pseudo_labels_are_kept_only_where_head_and_propagation_agree_in_equal_q
     assert len(one_class.labels) == 0  # labels of one class alone tell no pool rows apart
 
 
+def test_alignment_moves_the_pools_mean_posterior_to_the_target_and_never_gives_a_class_not_held() -> None:
+    skewed = np.tile([0.7, 0.2, 0.1], (5, 1))
+    target = np.array([1.0, 1.0, 2.0])
+    assert np.allclose(aligned(skewed, target).mean(axis=0), [0.25, 0.25, 0.5])  # alike rows: exact in one step
+    rng = np.random.default_rng(3)
+    mixed = rng.dirichlet([4.0, 1.0, 0.5], size=200)
+    before = np.abs(mixed.mean(axis=0) - target / 4).sum()
+    after = aligned(mixed, target)
+    assert np.allclose(after.sum(axis=1), 1.0) and np.abs(after.mean(axis=0) - target / 4).sum() < before / 3
+    labels = np.array([0, 0, 0, 1])  # a device holding classes 0 and 1 of 4
+    assert alignment_target(labels, 4, NO_ALIGNMENT) is None
+    assert np.allclose(alignment_target(labels, 4, OWN_SHARES), [2 / 3, 1 / 3, 0, 0])
+    fleet = np.array([0.1, 0.3, 0.2, 0.4])
+    assert np.allclose(alignment_target(labels, 4, FLEET_SHARES, fleet), fleet)
+    for unknown in (np.zeros(0), np.array([0.0, 0.5, 0.5, 0.0]), fleet[:3]):  # the device's own where unusable
+        assert np.allclose(alignment_target(labels, 4, FLEET_SHARES, unknown), [2 / 3, 1 / 3, 0, 0])
+    features, truth = clusters(30, 3)
+    held = np.array([0, 1, 30, 31])
+    pool = np.setdiff1d(np.arange(90), held)
+    logits = 5.0 * np.eye(3)[truth[pool]]  # the head knows class 2, which the device holds no label of
+    settings = Propagation(alignment=FLEET_SHARES)
+    semi = SemiSupervised(features[pool], settings, 1.0, 1.0, np.array([0.1, 0.1, 0.8]))
+    _, given, _, _ = semi.training_set(features[held], truth[held], features[pool], logits, 3)
+    assert np.count_nonzero(given == 2) == 0 and set(given[4:].tolist()) == {0, 1}
+
+
+def test_alignment_changes_which_pool_rows_the_head_gives_a_class() -> None:
+    features, truth = clusters(40, 2)
+    labelled = np.array([0, 1, 40, 41])
+    pool = np.setdiff1d(np.arange(80), labelled)
+    logits = np.where(truth[pool] == 0, 2.0, 0.4)[:, None] * np.array([[1.0, -1.0]])  # class 1's rows: 69% class 0
+    plain = pseudo_labels(features[labelled], truth[labelled], features[pool], logits, Propagation(most=1000))
+    assert np.count_nonzero(plain.labels == 1) == 0  # the head calls every row class 0; propagation agrees on half
+    balanced = np.array([0.5, 0.5])
+    fixed = pseudo_labels(features[labelled], truth[labelled], features[pool], logits, Propagation(most=1000), balanced)
+    assert np.array_equal(fixed.labels, truth[pool][fixed.positions]) and len(fixed.labels) == 76
+
+
 def test_the_knn_search_is_blocked_and_finds_the_exact_neighbours() -> None:
     rng = np.random.default_rng(1)
     features = rng.normal(size=(300, 64)).astype(np.float32)
@@ -109,6 +153,10 @@ def test_pseudo_labels_runs_on_the_head_only_trainer_alone_and_checks_its_option
     assert runs_on("pseudo-labels", CLASSIFIER_ONLY) and not runs_on("pseudo-labels", "full")
     with pytest.raises(UsageError, match="--propagation-alpha must lie in"):
         rule.semi_supervised(np.zeros((0, 4)), messages.Recipe(options={"propagation_alpha": 1.0}))
+    with pytest.raises(UsageError, match="--pseudo-alignment must lie in"):
+        rule.semi_supervised(np.zeros((0, 4)), messages.Recipe(options={"pseudo_alignment": 3}))
+    fleet = rule.semi_supervised(np.zeros((0, 4)), messages.Recipe(options={"pseudo_alignment": 2}), [0.5, 0.5])
+    assert fleet.settings.alignment == FLEET_SHARES and fleet.fleet_shares.tolist() == [0.5, 0.5]
 
 
 def test_pseudo_labels_train_the_head_but_never_reach_the_store_or_the_counts(tmp_path: Path) -> None:
@@ -131,3 +179,6 @@ def test_pseudo_labels_train_the_head_but_never_reach_the_store_or_the_counts(tm
     assert not np.allclose(trained["kept-labels"], trained["pseudo-labels"])
     assert data.num_labelled == 6 and np.array_equal(data.class_counts(), counts) and counts.sum() == 6
     assert np.array_equal(data.labelled()[0], labelled) and len(data.pool_indices()) == 54
+    assert training_view(data, new, labels, 1).fleet_label_shares == ()  # no announcement has carried them yet
+    data.set_state(LABEL_SHARES_KEY, [0.5, 0.5])  # what the agent keeps from a round announcement
+    assert training_view(data, new, labels, 1).fleet_label_shares == (0.5, 0.5)

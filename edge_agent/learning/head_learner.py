@@ -188,9 +188,9 @@ def propagated_problem(
     rule: PseudoLabelled, data: LocalData, recipe: messages.Recipe, seed: int, num_classes: int
 ) -> Problem:
     """pseudo-labels: kept-labels' training set and logit bias (the teacher's), and the pool's rows to pseudo-label
-    for this training alone (SemiSupervised.trained)."""
+    for this training alone (SemiSupervised.trained), with the fleet's label shares the device last heard."""
     images, labels = rule.training_set(data, recipe, seed)
-    semi = rule.semi_supervised(data.unlabelled(), recipe)
+    semi = rule.semi_supervised(data.unlabelled(), recipe, data.fleet_label_shares)
     return Problem(images, labels, rule.logit_bias(labels, num_classes, recipe), semi=semi)
 
 

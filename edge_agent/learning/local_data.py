@@ -10,6 +10,7 @@ import numpy as np
 
 from edge_agent.data.device_data import DeviceData, Samples
 from edge_agent.data.image_arrays import IMAGE_SHAPE
+from edge_agent.learning.prior_shift import LABEL_SHARES_KEY
 from protocol.model_spec import CLASS_NAMES
 
 
@@ -24,7 +25,8 @@ class LocalData:
     (read on demand: only KCFU asks for it), the weak (machine) labels a sampler proposed, and which communication
     round of the active round this is.
 
-    state_dir is the device's private folder, for rules that keep state between rounds (DMLU's personalised model).
+    state_dir is the device's private folder, for rules that keep state between rounds (DMLU's personalised model);
+    fleet_label_shares the last round announcement's label shares of the fleet (empty: none announced).
     The images fields hold the learner's rows of those samples (`Learner.rows`): raw images, or a head learner's
     cached prefix outputs; the rules only select and join rows.
     """
@@ -41,6 +43,7 @@ class LocalData:
     weak_labels: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     round_in_active_round: int = 1
     num_classes: int = len(CLASS_NAMES)
+    fleet_label_shares: tuple[float, ...] = ()
 
     def training_set(self) -> tuple[np.ndarray, np.ndarray]:
         """Human labels followed by weak labels: what a rule that trains on 'the labelled set' uses."""
@@ -112,4 +115,5 @@ def training_view(
         weak_labels=weak_labels,
         round_in_active_round=round_in_active,
         num_classes=data.num_classes,
+        fleet_label_shares=tuple(data.get_state(LABEL_SHARES_KEY, [])),
     )

@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import ClassVar, Generic, TypeVar
 
 import numpy as np
 
 from edge_agent.learning.acquisition_scores import class_prior_bias
 from edge_agent.learning.local_data import LocalData
-from edge_agent.learning.propagation import Propagation, SemiSupervised
+from edge_agent.learning.propagation import FLEET_SHARES, NO_ALIGNMENT, Propagation, SemiSupervised
 from protocol.dp import DP_SGD_EPSILON_METRIC
 from protocol.messages import METRIC_MEME_ENTROPY, Recipe
 from protocol.options import Method, Option, Registry
@@ -116,18 +116,30 @@ class PseudoLabelled(KeptLabels):
             "pseudo-labels: a pseudo-label's weight (times the head's confidence) in the loss",
             low=0.0,
         ),
+        Option(
+            "pseudo_alignment",
+            int,
+            NO_ALIGNMENT,
+            "pseudo-labels: align the head's pool posteriors to class shares first (0: no; 1: the device's "
+            "human labels'; 2: the fleet's of the announcement, else the device's)",
+            NO_ALIGNMENT,
+            FLEET_SHARES,
+        ),
     )
     trainers = frozenset({CLASSIFIER_ONLY})
 
-    def semi_supervised(self, pool: np.ndarray, recipe: Recipe) -> SemiSupervised:
-        """The round's semi-supervised problem over the pool rows, from the recipe's options."""
+    def semi_supervised(self, pool: np.ndarray, recipe: Recipe, fleet_shares: Sequence[float] = ()) -> SemiSupervised:
+        """The round's semi-supervised problem over the pool rows, from the recipe's options and the fleet's label
+        shares of the round's announcement (empty: unknown)."""
         settings = Propagation(
             neighbours=int(self.option_value(recipe.options, "propagation_neighbours")),
             alpha=self.option_value(recipe.options, "propagation_alpha"),
             most=int(self.option_value(recipe.options, "pseudo_labels")),
+            alignment=int(self.option_value(recipe.options, "pseudo_alignment")),
         )
         weight = self.option_value(recipe.options, "pseudo_weight")
-        return SemiSupervised(pool, settings, weight, self.option_value(recipe.options, "logit_adjustment"))
+        tau = self.option_value(recipe.options, "logit_adjustment")
+        return SemiSupervised(pool, settings, weight, tau, np.asarray(fleet_shares, dtype=np.float64))
 
 
 @LOCAL_RULES.register

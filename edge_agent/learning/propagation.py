@@ -1,7 +1,7 @@
 # Label propagation over the kNN graph of a device's cached feature rows (Iscen et al. 2019): device-only pseudo-labels.
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -9,6 +9,7 @@ from edge_agent.learning.acquisition_scores import class_prior_bias
 from edge_agent.learning.head_training import HeadSettings, train_classifier
 
 BLOCK_ROWS = 256  # rows of the similarity matrix held at once: 256 x 4000 float32 is 4 MB
+NO_ALIGNMENT, OWN_SHARES, FLEET_SHARES = 0, 1, 2  # what the teacher's pool posteriors are aligned to (alignment)
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,9 @@ class Propagation:
     projection up to a small error, and the search is a fifth of the cost at 1280 features), edge weights
     max(cos, 0)^`power`, the diffusion (I - alpha W)^-1 Y solved by `iterations` conjugate-gradient steps; a pool row
     keeps the round's head's prediction where the diffusion agrees with it, at most `most` in equal quotas per class
-    the device holds a human label of, the most confident first."""
+    the device holds a human label of, the most confident first. `alignment` (alignment_target) says what the
+    head's pool posteriors are aligned to before (aligned): nothing, the device's human-label shares or the
+    fleet's."""
 
     neighbours: int = 10
     alpha: float = 0.9
@@ -26,6 +29,7 @@ class Propagation:
     iterations: int = 20
     most: int = 300
     projection: int = 256
+    alignment: int = NO_ALIGNMENT
 
 
 @dataclass(frozen=True)
@@ -153,26 +157,61 @@ def propagate(labelled: np.ndarray, labels: np.ndarray, pool: np.ndarray, settin
     return np.where(mass.sum(axis=1) > 0, held[np.argmax(mass, axis=1)], -1)
 
 
-def held_predictions(logits: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(class, probability) of each row under the head's softmax over the held classes alone (the others masked)."""
+def held_posteriors(logits: np.ndarray, held: np.ndarray) -> np.ndarray:
+    """(N, len(held)) the head's softmax over the held classes alone (the others masked), column j class held[j]."""
     shifted = logits[:, held] - logits[:, held].max(axis=1, keepdims=True)
-    probabilities = np.exp(shifted) / np.exp(shifted).sum(axis=1, keepdims=True)
-    return held[np.argmax(probabilities, axis=1)], probabilities.max(axis=1)
+    return np.exp(shifted) / np.exp(shifted).sum(axis=1, keepdims=True)
+
+
+def aligned(probabilities: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Distribution alignment (ReMixMatch, Berthelot et al. 2020): each row's posteriors times target_c over the
+    mean posterior of class c over the rows, renormalised per row, so the rows' mean class shares move to `target`
+    (normalised here; one step: exact where the rows are alike). A class of mean posterior 0 keeps 0."""
+    shares = probabilities.mean(axis=0)
+    ratio = np.divide(target / target.sum(), shares, out=np.zeros_like(shares), where=shares > 0)
+    shifted = probabilities * ratio
+    return shifted / np.maximum(shifted.sum(axis=1, keepdims=True), np.finfo(np.float64).tiny)
+
+
+def alignment_target(
+    labels: np.ndarray, classes: int, alignment: int, fleet_shares: np.ndarray | None = None
+) -> np.ndarray | None:
+    """The class shares (classes,) the head's pool posteriors are aligned to: None for NO_ALIGNMENT; for
+    OWN_SHARES the device's human-label counts plus one per class it holds (0 for a class it holds none of); for
+    FLEET_SHARES the fleet's label shares (the round announcement's), the device's own where those are unknown
+    (empty, another length, negative, or 0 on a class the device holds a label of)."""
+    if alignment == NO_ALIGNMENT:
+        return None
+    counts = np.bincount(np.asarray(labels, dtype=np.int64), minlength=classes).astype(np.float64)
+    own = np.where(counts > 0, counts + 1.0, 0.0)
+    fleet = np.zeros(0) if fleet_shares is None else np.asarray(fleet_shares, dtype=np.float64)
+    usable = len(fleet) == classes and np.all(fleet >= 0) and np.all(fleet[counts > 0] > 0)
+    chosen = fleet if alignment == FLEET_SHARES and usable else own
+    return chosen / chosen.sum()
 
 
 def pseudo_labels(
-    labelled: np.ndarray, labels: np.ndarray, pool: np.ndarray, logits: np.ndarray, settings: Propagation
+    labelled: np.ndarray,
+    labels: np.ndarray,
+    pool: np.ndarray,
+    logits: np.ndarray,
+    settings: Propagation,
+    target: np.ndarray | None = None,
 ) -> PseudoLabels:
     """The pool rows where the round's head (its `logits` over the pool, restricted to the classes the device
-    holds a human label of) and the propagation of the human labels (propagate) give the same class, each weighted
-    by the head's probability of it; at most settings.most, in equal quotas per held class, the most confident
-    first. A class the device holds no human label of is never given, and a device holding labels of one class
-    alone gives none (nothing would tell its pool's rows apart)."""
+    holds a human label of; its posteriors aligned to the class shares `target` first where given) and the
+    propagation of the human labels (propagate) give the same class, each weighted by the head's probability of
+    it; at most settings.most, in equal quotas per held class, the most confident first. A class the device holds
+    no human label of is never given, and a device holding labels of one class alone gives none (nothing would
+    tell its pool's rows apart)."""
     labels = np.asarray(labels, dtype=np.int64)
     held = np.unique(labels)
     if len(pool) == 0 or len(held) < 2 or settings.most == 0:
         return PseudoLabels(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
-    predicted, confidence = held_predictions(np.asarray(logits, dtype=np.float64), held)
+    probabilities = held_posteriors(np.asarray(logits, dtype=np.float64), held)
+    if target is not None:
+        probabilities = aligned(probabilities, target[held])
+    predicted, confidence = held[np.argmax(probabilities, axis=1)], probabilities.max(axis=1)
     agreed = np.flatnonzero(propagate(labelled, labels, pool, settings) == predicted)
     kept = agreed[quota_rows(predicted[agreed], confidence[agreed], settings.most // len(held))]
     return PseudoLabels(kept, predicted[kept], confidence[kept])
@@ -188,12 +227,14 @@ def quota_rows(labels: np.ndarray, weights: np.ndarray, quota: int) -> np.ndarra
 @dataclass(frozen=True)
 class SemiSupervised:
     """A round's semi-supervised problem beside the labelled one: the device's pool rows (unlabelled), how they are
-    pseudo-labelled, the pseudo-labels' weight in the loss and the logit adjustment's tau (0: plain CE)."""
+    pseudo-labelled, the pseudo-labels' weight in the loss, the logit adjustment's tau (0: plain CE) and the
+    fleet's label shares of the round's announcement (empty: unknown), for settings.alignment FLEET_SHARES."""
 
     pool: np.ndarray
     settings: Propagation
     weight: float
     logit_adjustment: float
+    fleet_shares: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     def training_set(
         self, features: np.ndarray, labels: np.ndarray, pool: np.ndarray, logits: np.ndarray, classes: int
@@ -202,7 +243,8 @@ class SemiSupervised:
         of `pool` (the pool's features; `logits` the round's head's over them) at `weight` times their confidence;
         the logit bias tau ln n_c over the weighted class counts of both (-inf for a class the device holds no
         label of, as kept-labels masks it), None for tau 0."""
-        pseudo = pseudo_labels(features, labels, pool, logits, self.settings)
+        target = alignment_target(labels, classes, self.settings.alignment, self.fleet_shares)
+        pseudo = pseudo_labels(features, labels, pool, logits, self.settings, target)
         rows = np.concatenate([features, pool[pseudo.positions]])
         joined = np.concatenate([labels, pseudo.labels]).astype(np.int64)
         weights = np.concatenate([np.ones(len(labels)), self.weight * pseudo.weights])

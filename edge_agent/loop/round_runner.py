@@ -149,15 +149,16 @@ class RoundRunner:
                 if step > 0:
                     return None
         metrics: dict[str, float] = {}
+        training = time.monotonic()
         if trains:
             with self.meter.phase("train"):
                 active = round_in_active_round(round_id, recipe)
                 data = training_view(self.data, new_indices, new_labels, active, models.learner.rows)
                 metrics = models.learner.train(data, recipe, seed)
         log.info(
-            "step done device=%s round=%d step=%d new=%d labelled=%d trained=%s seconds=%.1f",
+            "step done device=%s round=%d step=%d new=%d labelled=%d trained=%s seconds=%.1f train_seconds=%.2f",
             *(self.settings.device_id, round_id, step + 1, len(new_indices), self.data.num_labelled, trains),
-            time.monotonic() - started,
+            *(time.monotonic() - started, time.monotonic() - training),
         )
         return metrics
 
