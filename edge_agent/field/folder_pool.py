@@ -31,6 +31,7 @@ from protocol.model_spec import CLASS_NAMES
 log = logging.getLogger(__name__)
 
 DEFAULT_SETTLE_SECONDS = 2.0
+SCAN_BATCH = 128  # decoded images a scan holds before it appends them (a first scan of 4000 files held them all)
 
 
 @dataclass(frozen=True)
@@ -127,8 +128,10 @@ class FolderPool:
         return self.items[index]
 
     def scan(self, now: float | None = None) -> int:
-        """Adds the folder's new, settled JPEG/PNG files to the store (oldest first); returns how many joined."""
+        """Adds the folder's new, settled JPEG/PNG files to the store (oldest first), SCAN_BATCH at a time, so a scan
+        holds at most that many decoded images; returns how many joined."""
         now = time.time() if now is None else now
+        joined = 0
         new_items: list[PoolItem] = []
         records: list[np.ndarray] = []
         for path, rel, stat in self._candidates():
@@ -150,10 +153,13 @@ class FolderPool:
             self._hashes.add(digest)
             new_items.append(PoolItem(rel, digest, *signature))
             records.append(record)
-        if new_items:
-            self._append(new_items, records)
-            log.info("pool grew new=%d items=%d", len(new_items), len(self.items))
-        return len(new_items)
+            if len(records) == SCAN_BATCH:
+                joined += self._append(new_items, records)
+                new_items, records = [], []
+        joined += self._append(new_items, records)
+        if joined:
+            log.info("pool grew new=%d items=%d", joined, len(self.items))
+        return joined
 
     def _candidates(self) -> Iterator[tuple[Path, str, os.stat_result]]:
         """(path, relative POSIX path, stat) of every visible regular file, oldest modification first."""
@@ -175,8 +181,11 @@ class FolderPool:
             return
         log.warning("quarantined file=%s to=%s reason=%s", rel, target, error)
 
-    def _append(self, items: list[PoolItem], records: list[np.ndarray]) -> None:
-        """Appends images and their digests, then their index lines, each synced, and remaps the store."""
+    def _append(self, items: list[PoolItem], records: list[np.ndarray]) -> int:
+        """Appends images and their digests, then their index lines, each synced, and remaps the store; returns how
+        many joined (none: nothing written)."""
+        if not items:
+            return 0
         _append_synced(self.store_dir / self.IMAGES_FILE, b"".join(record.tobytes() for record in records))
         digests = content_digests(np.stack(records))
         _append_synced(self.store_dir / self.DIGESTS_FILE, digests.tobytes())
@@ -185,6 +194,7 @@ class FolderPool:
         self.items.extend(items)
         self._images = self._map_images()
         self._digests = np.concatenate([self._digests, digests])
+        return len(items)
 
     def _load_items(self) -> list[PoolItem]:
         """The stored items; an unfinished last line (a crash mid-append) is cut off."""
