@@ -175,3 +175,25 @@ def test_a_fleet_fits_its_head_from_class_statistics_plainly_and_securely_alike(
     for name, array in heads[0].items():
         scale = float(np.max(np.abs(array)))
         assert float(np.max(np.abs(heads[1][name] - array))) <= 1e-3 * scale, f"{name}: the secure sum's fit differs"
+
+
+@pytest.mark.integration
+def test_the_guides_pseudo_labels_variant_trains_on_the_pool_and_counts_human_labels_only(
+    tmp_path: Path, fashion: ImageDataset
+) -> None:
+    """The guide's command with `--local-rule pseudo-labels`: real cameras train on their unlabelled pool (their log
+    says on how many rows), and every count the coordinator keeps (the round's labels, each update's samples) is of
+    human answers alone."""
+    fleet_dir, devices, labels = tmp_path / "fleet", 2, 6
+    classes = parse_classes(CLASSES)
+    build_fleet(fleet_dir, FleetSettings(devices, classes, 12, 6, size=64, seed=3), fashion)
+    site = CameraSite(fleet_dir, tmp_path, free_loopback_port(), devices, 2, labels, ("--local-rule", "pseudo-labels"))
+    codes = run_camera_site(site, timeout=300)
+    assert codes == [0] * (devices + 1), (tmp_path / "coordinator.log").read_text()[-3000:]
+    with RunStore(site.run_dir, read_only=True) as store:
+        rounds = store.rounds()
+        samples = {(record.device_id, record.round_id): record.num_samples for record in store.device_rounds()}
+    assert [record.labels - rounds[0].labels for record in rounds] == [0, devices * labels]
+    assert samples == {(f"cam-{n}", r): r * labels for n in range(devices) for r in (1, 2)}
+    trained = re.findall(r"pseudo-labels trained on=(\d+) pool=(\d+)", (tmp_path / "cam-0.log").read_text())
+    assert len(trained) == 2 and all(0 < int(rows) <= int(pool) for rows, pool in trained), trained

@@ -1,6 +1,7 @@
 # A device that trains only the classifier: onnxruntime features of the frozen backbone, softmax regression in numpy.
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,8 @@ from protocol.head_statistics import HeadStatistics, calibration_sums
 from protocol.model_spec import ModelSpec
 from protocol.tensors import Weights
 from protocol.trained_set import trained_set
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -130,9 +133,10 @@ class HeadLearner(Learner):
         start = weight, self._weights[head.bias]
         if problem.semi is not None:
             pool = self.penultimate(problem.semi.pool)
-            weight, bias, loss = problem.semi.trained(
+            weight, bias, loss, pseudo = problem.semi.trained(
                 features, problem.labels, pool, start, options, problem.logit_bias
             )
+            log.info("pseudo-labels trained on=%d pool=%d labels=%d", pseudo, len(pool), len(problem.labels))
         else:
             weight, bias, loss = train_classifier(
                 features, problem.labels, *start, options, problem.logit_bias, problem.steps

@@ -261,11 +261,15 @@ class SemiSupervised:
         head: tuple[np.ndarray, np.ndarray],
         settings: HeadSettings,
         logit_bias: np.ndarray | None,
-    ) -> tuple[np.ndarray, np.ndarray, float]:
-        """(weight, bias, last epoch's loss): a teacher trained from the round's `head` on the labelled features
-        (with `logit_bias`, as kept-labels trains), its predictions over `pool` (the pool's features) as the
-        pseudo-labels' source (training_set), then the teacher trained on, on both (the round's SGD twice)."""
+    ) -> tuple[np.ndarray, np.ndarray, float, int]:
+        """(weight, bias, last epoch's loss, pseudo-labels trained on): a teacher trained from the round's `head` on
+        the labelled features (with `logit_bias`, as kept-labels trains), its predictions over `pool` (the pool's
+        features) as the pseudo-labels' source (training_set), then the teacher trained on, on both (the round's SGD
+        twice)."""
         weight, bias, _ = train_classifier(features, labels, *head, settings, logit_bias)
         logits = (pool @ weight.T).astype(np.float64) + bias  # float32 rows: no float64 copy of the pool
         rows, joined, weights, adjusted = self.training_set(features, labels, pool, logits, len(bias))
-        return train_classifier(rows, joined, weight, bias, settings, adjusted, None, weights)
+        return (
+            *train_classifier(rows, joined, weight, bias, settings, adjusted, None, weights),
+            len(rows) - len(labels),
+        )
