@@ -52,6 +52,7 @@ from protocol.model_spec import ModelSpec, load_model_spec
 
 WAIT_SECONDS = 3600
 NEVER = 10**9  # --promotion-field-images the field set never reaches: the server's test set decides
+DRIFT_STREAM = 900  # the held-out post-drift scenes' stream of the test items
 ARMS = ("server", "field", "field-window", "drift-watch")
 
 
@@ -89,7 +90,9 @@ def run_arm(args: argparse.Namespace, seed: int, arm: str, dataset: ImageDataset
         for n in range(args.devices)
     ]
     held_out = decoded(
-        drift_scenes(test, args.classes, args.test_per_class, size, seed, 900, args.drift), spec, work / "drift"
+        drift_scenes(test, args.classes, args.test_per_class, size, seed, DRIFT_STREAM, args.drift),
+        spec,
+        work / "drift",
     )
     field_images = NEVER if arm == "server" else args.field_images
     flags = (

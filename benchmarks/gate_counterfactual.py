@@ -3,10 +3,10 @@
 decision is judged again on the server's test images: the same candidate against the same serving model, from the
 checkpoints the run kept, by the same rule (`coordinator.rounds.promotion.verdict`). Prints one JSON object: per run
 the rounds where the two sets part (the field set held what the server's set would promote, or promoted what it
-would hold), each with both reasons and the candidate's accuracy on the post-drift scenes when field_gate.py's JSON
-is given; and the counts over all runs.
+would hold), each with both reasons and, given `--drift` (the run's), both models' accuracy on the run's held-out
+post-drift scenes (rendered again from the seed, as field_gate.py renders them); and the counts over all runs.
 
-Usage: python benchmarks/gate_counterfactual.py WORK_DIR... [--runs field_gate.json]
+Usage: python benchmarks/gate_counterfactual.py WORK_DIR... [--drift lighting|mix] [--test-per-class 30]
 """
 
 from __future__ import annotations
@@ -17,67 +17,72 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from field_gate import DRIFT_STREAM, decoded
 
+from bench.camera_drift import DRIFTS, drift_scenes
 from bench.camera_fleet import SERVER_FILE, SPEC_FILE
+from bench.camera_scenes import DEFAULT_CLASSES
 from coordinator.rounds.evaluation import Evaluator, LabelledSplit
 from coordinator.rounds.promotion import PromotionGate, verdict
 from coordinator.storage.store import RunStore
-from protocol.model_spec import load_model_spec
+from edge_agent.data.fashion_mnist import load_fashion_mnist
+from protocol.model_spec import ModelSpec, load_model_spec
 
 PROMOTED = "promoted"
 
 
-def judged_again(work: Path) -> list[dict[str, Any]]:
-    """Each gate decision of the run in `work` beside the server's test set's verdict on the same two models."""
+def judged_again(work: Path, post_drift: LabelledSplit | None) -> list[dict[str, Any]]:
+    """Each gate decision of the run in `work` beside the server's test set's verdict on the same two models, and
+    both models' accuracy on the post-drift scenes where given."""
     spec = load_model_spec(work / "fleet" / SPEC_FILE).spec
     with np.load(work / "fleet" / SERVER_FILE) as arrays:
         test = LabelledSplit.from_uint8(arrays["test_images"], arrays["test_labels"])
     evaluator = Evaluator(spec, test, test, 1, 0)
+    drifted = None if post_drift is None else Evaluator(spec, post_drift, post_drift, 1, 0)
     rows, serving = [], 0
     with RunStore(work / "run", read_only=True) as store:
         for event in (event for event in store.serving.events() if event.who == "gate"):
             evidence = evaluator.evidence(event.round_id, serving, store.checkpoints.load)
             server = verdict(PromotionGate(), evidence, spec.class_names)
-            rows.append(
-                {
-                    "round": event.round_id,
-                    "serving_before": serving,
-                    "taken": event.decision,
-                    "taken_reason": event.reason,
-                    "server_set": PROMOTED if server.promote else "held",
-                    "server_reason": server.reason,
-                }
-            )
+            row: dict[str, Any] = {
+                "round": event.round_id,
+                "serving_before": serving,
+                "taken": event.decision,
+                "taken_reason": event.reason,
+                "server_set": PROMOTED if server.promote else "held",
+                "server_reason": server.reason,
+            }
+            if drifted is not None and row["taken"] != row["server_set"]:
+                for name, version in (("candidate", event.round_id), ("serving", serving)):
+                    accuracy = drifted.test_scores(store.checkpoints.load(version)).accuracy
+                    row[f"{name}_post_drift_accuracy"] = round(accuracy, 4)
+            rows.append(row)
             serving = event.serving
     return rows
 
 
-def post_drift(runs_file: Path | None) -> dict[tuple[str, int], float]:
-    """(run folder name, round) -> that round's candidate accuracy on the post-drift scenes where it served (from
-    field_gate.py's JSON); empty without one."""
-    if runs_file is None:
-        return {}
-    found = {}
-    for run in json.loads(runs_file.read_text())["runs"]:
-        for row in run["rounds"]:
-            if row["serving"] == row["round"]:
-                found[(f"seed{run['seed']}-{run['arm']}", row["round"])] = row["served_post_drift_accuracy"]
-    return found
+def post_drift_scenes(work: Path, spec: ModelSpec, drift: str, per_class: int) -> LabelledSplit:
+    """The run's held-out post-drift scenes, rendered again from its seed (the folder's `seedN-...` name)."""
+    seed = int(work.name.removeprefix("seed").split("-")[0])
+    dataset = load_fashion_mnist()
+    items = (dataset.test_images, dataset.test_labels)
+    scenes = drift_scenes(items, DEFAULT_CLASSES, per_class, spec.height, seed, DRIFT_STREAM, drift)
+    return decoded(scenes, spec, work / "drift-again")
 
 
 def main() -> None:
     """Judges every given run again and prints the JSON."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("works", nargs="+", type=Path)
-    parser.add_argument("--runs", type=Path, help="field_gate.py's JSON of these runs (post-drift accuracies)")
+    parser.add_argument("--drift", choices=DRIFTS, help="the runs' drift: score the parted rounds on its scenes")
+    parser.add_argument("--test-per-class", type=int, default=30, help="the runs' --test-per-class")
     args = parser.parse_args()
-    accuracy = post_drift(args.runs)
     runs, counts = {}, {"decisions": 0, "field_held_server_would_promote": 0, "field_promoted_server_would_hold": 0}
     for work in args.works:
-        rows = judged_again(work)
+        spec = load_model_spec(work / "fleet" / SPEC_FILE).spec
+        scenes = None if args.drift is None else post_drift_scenes(work, spec, args.drift, args.test_per_class)
+        rows = judged_again(work, scenes)
         parted = [row for row in rows if row["taken"] != row["server_set"]]
-        for row in parted:
-            row["post_drift_accuracy"] = accuracy.get((work.name, row["round"]))
         counts["decisions"] += len(rows)
         counts["field_held_server_would_promote"] += sum(row["taken"] == "held" for row in parted)
         counts["field_promoted_server_would_hold"] += sum(row["taken"] == PROMOTED for row in parted)
