@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from edge_agent.loop.memory_budget import keep_large_frees_returnable
 from protocol.commands import Command, CommandLine
 
 EDGE_AGENT = CommandLine(
@@ -30,5 +31,6 @@ EDGE_AGENT = CommandLine(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the edge-agent console script."""
+    """Entry point of the edge-agent console script (a board's memory: freed arrays go back to the system)."""
+    keep_large_frees_returnable()
     return EDGE_AGENT.main(argv)

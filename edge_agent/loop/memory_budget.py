@@ -1,6 +1,7 @@
 # The profile's memory budget: an agent fits its scoring batch to it, or refuses to start with a one-line reason.
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 
@@ -16,6 +17,23 @@ RUNTIME_FLOOR_MB = {"full": 380.0, "head": 92.0}
 MB_PER_BATCH_IMAGE = 0.33  # onnxruntime scoring: prefix activations and masks per image of the batch
 MIN_INFERENCE_BATCH = 1  # a profile's own smaller batch is kept: the Pi Zero scores 4 camera images at a time
 IMAGE_BYTES = 28 * 28
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's own starting value, held there
+
+
+def keep_large_frees_returnable() -> bool:
+    """Holds glibc's mmap threshold at 128 KiB, so every block of that size or more (each numpy array a round makes
+    of a pool) is a mapping of its own, given back to the system when freed. Left to itself glibc raises the
+    threshold after each large free (up to 32 MiB), and a round's arrays then come from the heap and stay in the
+    agent's resident set: on the Pi Zero 2 W profile at its 4000-image pool cap, peaks of 211 MB scoring and 192-227 MB
+    training against 162 and 140-199 MB held (docs/benchmarks/semi_supervised). False where the C library has no
+    mallopt (not glibc: nothing is changed)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # no C library to load, or one without mallopt (macOS, musl's stub aside)
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
 
 
 class MemoryBudgetError(UsageError):
