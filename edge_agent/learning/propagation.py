@@ -8,7 +8,7 @@ import numpy as np
 from edge_agent.learning.acquisition_scores import class_prior_bias
 from edge_agent.learning.head_training import HeadSettings, train_classifier
 
-BLOCK_ROWS = 256  # rows of the similarity matrix held at once: 256 x 4000 float32 is 4 MB
+BLOCK_ROWS = 128  # rows of the similarity matrix held at once: 128 x 4000 float32 is 2 MB (its partition's indices 4)
 NO_ALIGNMENT, OWN_SHARES, FLEET_SHARES = 0, 1, 2  # what the teacher's pool posteriors are aligned to (alignment)
 
 
@@ -78,7 +78,7 @@ def nearest_neighbours(features: np.ndarray, neighbours: int, block: int = BLOCK
         rows = np.arange(start, min(start + block, count))
         block_similarities = unit[rows] @ unit.T
         block_similarities[np.arange(len(rows)), rows] = -np.inf
-        top = np.argpartition(-block_similarities, k - 1, axis=1)[:, :k]
+        top = np.argpartition(block_similarities, -k, axis=1)[:, -k:]  # the k largest, without a negated copy
         indices[rows] = top
         similarities[rows] = np.take_along_axis(block_similarities, top, axis=1)
     return indices, similarities
