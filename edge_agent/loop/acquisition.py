@@ -72,11 +72,11 @@ class Acquirer:
                 context = self.context(models, pool, seed)
                 budget = labels_per_acquisition(models.recipe, self.own_samples)
                 rule = FocusRule(models.recipe.drift_acquisitions, budget)
-                focus = self.drift.focus(pool, lambda: verdicts(context.probabilities()), rule)
-                if focus is not None:
-                    pool = pool[focus]
-                    context = self.context(models, pool, seed)
-                with self.meter.phase("score"):
+                with self.meter.phase("score"):  # the watch's scoring of the pool is the phase's too
+                    focus = self.drift.focus(pool, lambda: verdicts(context.probabilities()), rule)
+                    if focus is not None:
+                        pool = pool[focus]
+                        context = self.context(models, pool, seed)
                     chosen = sampler.choose(context, budget)
                     queried = pool[chosen]
                     proposed = sampler.weak_labels(context)
