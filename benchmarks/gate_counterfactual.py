@@ -61,11 +61,12 @@ def judged_again(work: Path, post_drift: LabelledSplit | None) -> list[dict[str,
     return rows
 
 
-def post_drift_scenes(work: Path, spec: ModelSpec, drift: str, per_class: int) -> LabelledSplit:
-    """The run's held-out post-drift scenes, rendered again from its seed (the folder's `seedN-...` name)."""
+def post_drift_scenes(
+    work: Path, spec: ModelSpec, drift: str, per_class: int, items: tuple[np.ndarray, np.ndarray]
+) -> LabelledSplit:
+    """The run's held-out post-drift scenes from the test `items`, rendered again from its seed (the folder's
+    `seedN-...` name)."""
     seed = int(work.name.removeprefix("seed").split("-")[0])
-    dataset = load_fashion_mnist()
-    items = (dataset.test_images, dataset.test_labels)
     scenes = drift_scenes(items, DEFAULT_CLASSES, per_class, spec.height, seed, DRIFT_STREAM, drift)
     return decoded(scenes, spec, work / "drift-again")
 
@@ -77,10 +78,12 @@ def main() -> None:
     parser.add_argument("--drift", choices=DRIFTS, help="the runs' drift: score the parted rounds on its scenes")
     parser.add_argument("--test-per-class", type=int, default=30, help="the runs' --test-per-class")
     args = parser.parse_args()
+    dataset = load_fashion_mnist() if args.drift else None
+    items = None if dataset is None else (dataset.test_images, dataset.test_labels)
     runs, counts = {}, {"decisions": 0, "field_held_server_would_promote": 0, "field_promoted_server_would_hold": 0}
     for work in args.works:
         spec = load_model_spec(work / "fleet" / SPEC_FILE).spec
-        scenes = None if args.drift is None else post_drift_scenes(work, spec, args.drift, args.test_per_class)
+        scenes = None if items is None else post_drift_scenes(work, spec, args.drift, args.test_per_class, items)
         rows = judged_again(work, scenes)
         parted = [row for row in rows if row["taken"] != row["server_set"]]
         counts["decisions"] += len(rows)
