@@ -19,6 +19,7 @@ from protocol.mqtt import BrokerAddress
 log = logging.getLogger(__name__)
 
 PORT_FILE = "port"
+TCP_LISTEN = "0A"  # /proc/net/tcp's state of a listening socket
 # The largest MQTT packet the embedded broker takes (mosquitto's max_packet_size, which MQTT v5 clients learn from
 # the CONNACK's Maximum Packet Size); larger messages travel in chunks (protocol.chunks).
 DEFAULT_MAX_PACKET_BYTES = 1024 * 1024
@@ -113,6 +114,37 @@ def wait_for_port(host: str, port: int, timeout: float) -> bool:
     return False
 
 
+def listening_inodes(port: int) -> set[str]:
+    """The socket inodes of the TCP listeners on `port` (any address, IPv4 and IPv6), from /proc/net."""
+    inodes = set()
+    for table in (Path("/proc/net/tcp"), Path("/proc/net/tcp6")):
+        try:
+            rows = table.read_text().splitlines()[1:]
+        except OSError:  # no IPv6 table, or no /proc at all
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 9 and fields[3] == TCP_LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    return inodes
+
+
+def listener_owned(pid: int, port: int) -> bool | None:
+    """Whether process `pid` holds a listener on `port`; None where /proc cannot tell (not Linux). A connect to the
+    port alone cannot tell: another process (another test's broker) may have taken a free port first."""
+    try:
+        entries = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return None
+    links = set()
+    for entry in entries:
+        try:
+            links.add(os.readlink(entry))
+        except OSError:  # a descriptor closed since the listing
+            continue
+    return any(f"socket:[{inode}]" in links for inode in listening_inodes(port))
+
+
 class EmbeddedBroker:
     """Starts mosquitto in `work_dir` on a loopback port, or on `host` (0.0.0.0: every address, so devices on other
     machines reach it); a context manager that always stops it.
@@ -165,7 +197,7 @@ class EmbeddedBroker:
             stderr=subprocess.PIPE,
             preexec_fn=stop_with_parent,
         )
-        if not wait_for_port(self.address.host, self.port, timeout):
+        if not self._listening(self._process, timeout):
             self.stop()
             raise BrokerError(
                 f"mosquitto did not start on {self.host} port {self.port} (in use, or not this machine's address?); "
@@ -174,6 +206,19 @@ class EmbeddedBroker:
         (self.work_dir / PORT_FILE).write_text(str(self.port))
         log.info("broker started url=%s pid=%s", self.address.url, self._process.pid)
         return self
+
+    def _listening(self, process: subprocess.Popen, timeout: float) -> bool:
+        """Whether this broker's own process listens on its port within `timeout` seconds: a connect that another
+        process's listener answers (it took the port first) does not count."""
+        deadline = time.monotonic() + timeout
+        while wait_for_port(self.address.host, self.port, deadline - time.monotonic()):
+            owned = listener_owned(process.pid, self.port)
+            if owned or (owned is None and process.poll() is None):
+                return True
+            if process.poll() is not None:  # mosquitto exited: the port is someone else's
+                return False
+            time.sleep(0.05)
+        return False
 
     def stop(self) -> None:
         """Terminates mosquitto (it saves its persistence file on a clean exit)."""
