@@ -23,7 +23,10 @@ drawn uniformly within each class: the most that class balancing alone could buy
 devices training under the pseudo-labels rule (edge_agent.learning.propagation: a teacher on the labels, its
 predictions on the device's pool where label propagation over the cached rows agrees, the teacher trained on with
 them; FedAvg still weighs by human labels), its options in the spelling beside the sampler's
-(semi:NAME:pseudo_labels=500). --jobs runs seeds and samplers in that many processes.
+(semi:NAME:pseudo_labels=500). "pooled:NAME": the devices send their labels' class statistics and pooled-head fits
+the classifier; "pooled-em:NAME" the same, each acquisition's round followed by a round without acquisition in which
+the devices send their pools' posterior sums too and pooled-head refines the class means with them (--pool-weight;
+the curve's point is the refined head's). --jobs runs seeds and samplers in that many processes.
 
 Reported per sampler (over the seeds; the summary of curves.py):
   aulc      area under the learning curve: the mean test accuracy over the rounds; each round adds the same
@@ -80,7 +83,7 @@ from curves import sampler_and_options, summarise
 
 from bench.camera_scenes import parse_classes
 from coordinator.strategies.aggregate import ClientUpdate
-from coordinator.strategies.pooled_head import PooledHead
+from coordinator.strategies.pooled_head import POOL_WEIGHT, PooledHead
 from coordinator.strategies.registry import make_strategy
 from edge_agent.learning.batch_samplers import PhasedSampler, TypicalitySampler
 from edge_agent.learning.batch_selection import level_quotas
@@ -94,11 +97,12 @@ from edge_agent.learning.pretrained_backbone import initial_model
 from edge_agent.learning.prior_shift import prior_weights, reweighted
 from edge_agent.learning.sampling import make_sampler
 from protocol import messages
-from protocol.head_statistics import HeadStatistics, calibration_sums
+from protocol.head_statistics import HeadStatistics, calibration_sums, pool_posterior_sums
 
 CAMERA_DEFAULT = DEFAULT
 FLEET_LEVEL = "fleet:"  # a spelling's prefix: its sampler reads the fleet's class counts (what the coordinator sees)
 POOLED = "pooled:"  # a spelling's prefix: the devices send class statistics and pooled-head fits the classifier
+POOLED_EM = "pooled-em:"  # the same, each acquisition's round followed by one refining the means from the pools
 SEMI = "semi:"  # a spelling's prefix: the devices train with the pseudo-labels rule (pseudo-labels on their own pools)
 SAMPLERS = ("random", "margin", CAMERA_DEFAULT, "typical-then-margin", "typiclust", "balanced-margin", "power-margin")
 HEAD = ("classifier_fc.weight", "classifier_fc.bias")
@@ -395,9 +399,31 @@ def pooled_round(
             device.features[device.labelled], device.truth[device.labelled], head.classes, calibration
         )
         updates.append(ClientUpdate(f"cam-{number}", statistics.tensors(), float(len(device.labelled))))
+    return fitted_head(updates, head, fit)
+
+
+def fitted_head(updates: list[ClientUpdate], head: Head, fit: PooledHead) -> Head:
+    """pooled-head's classifier from the devices' statistics, their mean weighted by label count as the round
+    aggregator's FedAvg gives it."""
     mean, _ = make_strategy("fedavg").aggregate({}, updates, None)
     fitted, _ = fit.fitted(mean, head.weights())
     return Head(*(fitted[name] for name in HEAD))
+
+
+def pool_round(devices: list[Device], head: Head, fit: PooledHead) -> Head:
+    """A round without acquisition under class-statistics' pool_statistics: every device sends its labels'
+    statistics and its unlabelled pool's posterior sums under the round's head; pooled-head refines the class means
+    with them (one EM step; ALGORITHMS.md section 7.10)."""
+    updates = []
+    for number, device in enumerate(devices):
+        rows = device.features[device.pool()]
+        pool = pool_posterior_sums(rows, rows.astype(np.float64) @ head.weight.T + head.bias)
+        labelled = device.labelled
+        statistics = HeadStatistics.of_labels(
+            device.features[labelled], device.truth[labelled], head.classes, None, pool
+        )
+        updates.append(ClientUpdate(f"cam-{number}", statistics.tensors(), float(len(labelled))))
+    return fitted_head(updates, head, fit)
 
 
 def pooled(devices: list[Device]) -> tuple[np.ndarray, np.ndarray]:
@@ -421,11 +447,14 @@ def run(fleet: dict[str, np.ndarray], sampler: str, seed: int, args: argparse.Na
     classifier = initial_model(lite0_spec(args.size, args.classes), seed).classifier()
     head = Head(classifier.weight.detach().numpy(), classifier.bias.detach().numpy())
     labels, federated, central, served = [], [], [], []
-    fit = PooledHead()
+    fit = PooledHead(pool_weight=args.pool_weight)
     for round_id in range(1, args.rounds + 1):
         step = (seed * 1000 + round_id) * 100
         if sampler.startswith(POOLED):
             head = pooled_round(devices, sampler.removeprefix(POOLED), head, args, step, fit)
+        elif sampler.startswith(POOLED_EM):
+            head = pooled_round(devices, sampler.removeprefix(POOLED_EM), head, args, step, fit)
+            head = pool_round(devices, head, fit)
         else:
             head = federated_round(devices, sampler, head, args, step)
         served.append(served_accuracies(devices, head, test))
@@ -519,6 +548,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--classes", type=parse_classes, default=TEN_CLASSES, help="NAME=SOURCE,... (default: ten)")
     parser.add_argument("--jobs", type=int, default=1, help="processes running the seeds and samplers")
+    parser.add_argument(
+        "--pool-weight", type=float, default=POOL_WEIGHT, help="pooled-em: the pools' weight against the labels"
+    )
     parser.add_argument("--work", type=Path, default=Path("runs") / "camera-al", help="the feature cache's folder")
     parser.add_argument("--figures", type=Path, help="write curves.png, default_vs_random.png and table.md here")
     parser.add_argument("--setting", help="the setting's name in the table (default: from the mix and size)")
@@ -539,7 +571,7 @@ def parse_args() -> argparse.Namespace:
             plain, recipe = rule_spelling(spelling.removeprefix(SEMI), args.rule_recipe) if semi else (spelling, None)
             if recipe is not None:
                 PSEUDO_LABELS.semi_supervised(np.zeros((0, FEATURES)), recipe)
-            recipe_options(plain.removeprefix(POOLED).removeprefix(FLEET_LEVEL), args.labels)
+            recipe_options(plain.removeprefix(POOLED_EM).removeprefix(POOLED).removeprefix(FLEET_LEVEL), args.labels)
         except (KeyError, ValueError) as error:
             parser.error(f"--samplers {spelling[:60]!r}: {str(error)[:200]}")
     return args

@@ -6,6 +6,10 @@ pooled labels would give however the labels are spread, and secure aggregation a
 weights. Each statistic is the device's sum divided by its label count n (the round aggregator's FedAvg weighs it
 by n back into the fleet's sum over its total), with features divided by SCALE first, so every entry lies in [0, 1]
 for features in [0, SCALE] (the Lite backbones' ReLU6): within secure aggregation's default clip of 1.
+
+Where the fleet asks for it (the class-statistics rule's `pool_statistics`), a device adds its unlabelled pool's
+posterior sums under the round's head, each over its pool's rows: no label, and no row, leaves the device; the fleet's
+weighted mean of them refines the class means in rounds without new labels.
 """
 
 from __future__ import annotations
@@ -23,8 +27,12 @@ SECOND_MOMENT = "statistics.second_moment"  # (D (D + 1) / 2,): the upper triang
 CALIBRATION = (
     "statistics.calibration"  # (K + 1,): NLL of the new labels at each of TEMPERATURES, and their count, over n
 )
+POOL_SUMS = (
+    "statistics.pool_sums"  # (C, D): per class, the round head's posterior-weighted sum of the pool's scaled rows
+)
+POOL_MASS = "statistics.pool_mass"  # (C,): per class, the round head's posterior mass over the pool; both over its rows
 TEMPERATURES = np.geomspace(0.1, 1000.0, 41)  # the grid the temperature is chosen on (x 1.26 a step)
-NAMES = (CLASS_SUMS, CLASS_COUNTS, SECOND_MOMENT, CALIBRATION)
+NAMES = (CLASS_SUMS, CLASS_COUNTS, SECOND_MOMENT, CALIBRATION, POOL_SUMS, POOL_MASS)
 
 
 def triangle_size(features: int) -> int:
@@ -57,6 +65,8 @@ def layout(classes: int, features: int) -> Weights:
         CLASS_COUNTS: np.zeros(classes, np.float32),
         SECOND_MOMENT: np.zeros(triangle_size(features), np.float32),
         CALIBRATION: np.zeros(len(TEMPERATURES) + 1, np.float32),
+        POOL_SUMS: np.zeros((classes, features), np.float32),
+        POOL_MASS: np.zeros(classes, np.float32),
     }
 
 
@@ -75,23 +85,50 @@ def calibration_sums(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
     return np.array([*losses, float(len(labels))], dtype=np.float64)
 
 
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax, stable for large logits."""
+    return np.exp(log_softmax(logits))
+
+
+def pool_posterior_sums(features: np.ndarray, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The unlabelled pool's rows under the round's head: per class, the posterior-weighted sum of the scaled rows,
+    and the posterior mass, each divided by the pool's rows (so every entry lies in [0, 1]); what refines the class
+    means in a round without new labels (one EM step of the shared-covariance Gaussian mixture the LDA head is).
+    Zeros for an empty pool."""
+    classes = logits.shape[1]
+    if len(features) == 0:
+        return np.zeros((classes, features.shape[1])), np.zeros(classes)
+    posteriors = softmax(np.asarray(logits, np.float64))
+    rows = np.asarray(features, np.float32) / np.float32(SCALE)
+    return (posteriors.T @ rows) / len(rows), posteriors.sum(axis=0) / len(rows)
+
+
 @dataclass(frozen=True)
 class HeadStatistics:
     """One device's (or the fleet's mean) statistics: class sums (C, D), class counts (C,), the second moment (D, D;
     float32 on a device, float64 once summed) and the calibration sums (K + 1,), each a sum over n labelled rows
-    divided by n."""
+    divided by n; and the pool's posterior sums (C, D) and mass (C,) under the round's head, each over the pool's
+    rows (zeros unless the fleet asks for them: pool_posterior_sums)."""
 
     class_sums: np.ndarray
     class_counts: np.ndarray
     second_moment: np.ndarray
     calibration: np.ndarray
+    pool_sums: np.ndarray
+    pool_mass: np.ndarray
 
     @classmethod
     def of_labels(
-        cls, features: np.ndarray, labels: np.ndarray, classes: int, calibration: np.ndarray | None = None
+        cls,
+        features: np.ndarray,
+        labels: np.ndarray,
+        classes: int,
+        calibration: np.ndarray | None = None,
+        pool: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> HeadStatistics:
         """The statistics of labelled rows (features unscaled, as the backbone gives them), with the calibration
-        sums of the new labels (none: zeros). ValueError for no rows: there is nothing to divide by."""
+        sums of the new labels (none: zeros) and the pool's posterior sums (pool_posterior_sums; none: zeros).
+        ValueError for no rows: there is nothing to divide by."""
         if len(labels) == 0:
             raise ValueError("head statistics need at least one labelled row")
         rows = np.asarray(features, np.float32) / np.float32(SCALE)  # float32: the second moment in 6.5 MB, not 13
@@ -102,15 +139,18 @@ class HeadStatistics:
         extra = np.zeros(len(TEMPERATURES) + 1) if calibration is None else np.asarray(calibration, np.float64)
         moment = rows.T @ rows
         moment /= np.float32(n)
-        return cls(sums / n, counts / n, moment, extra / n)
+        pool_sums, pool_mass = pool if pool is not None else (np.zeros_like(sums), np.zeros(classes))
+        return cls(sums / n, counts / n, moment, extra / n, pool_sums, pool_mass)
 
     @classmethod
     def of_tensors(cls, tensors: Weights) -> HeadStatistics:
         """The statistics an update (or a round's mean of updates) carries."""
         sums = np.asarray(tensors[CLASS_SUMS], np.float64)
         moment = unpacked(np.asarray(tensors[SECOND_MOMENT], np.float64), sums.shape[1])
-        counts, calibration = (np.asarray(tensors[name], np.float64) for name in (CLASS_COUNTS, CALIBRATION))
-        return cls(sums, counts, moment, calibration)
+        counts, calibration, pool_sums, pool_mass = (
+            np.asarray(tensors[name], np.float64) for name in (CLASS_COUNTS, CALIBRATION, POOL_SUMS, POOL_MASS)
+        )
+        return cls(sums, counts, moment, calibration, pool_sums, pool_mass)
 
     def tensors(self) -> Weights:
         """As an update carries them (float32, the second moment packed)."""
@@ -119,4 +159,6 @@ class HeadStatistics:
             CLASS_COUNTS: self.class_counts.astype(np.float32),
             SECOND_MOMENT: packed(self.second_moment).astype(np.float32),
             CALIBRATION: self.calibration.astype(np.float32),
+            POOL_SUMS: self.pool_sums.astype(np.float32),
+            POOL_MASS: self.pool_mass.astype(np.float32),
         }

@@ -7,6 +7,7 @@ from protocol.model_spec import ModelSpec, trainable_names
 from protocol.tensors import Weights
 
 STATISTICS_RULE = "class-statistics"  # the local rule whose updates carry head statistics instead of trained tensors
+POOL_STATISTICS = "pool_statistics"  # its option: the updates carry the pool's posterior sums too
 
 
 def trained_set(spec: ModelSpec, weights: Weights) -> Weights:

@@ -137,11 +137,11 @@ def test_the_field_loop_labels_through_the_page_and_serves_a_version(tmp_path: P
     assert published == {f"cam-{n}": settings.per_class * len(settings.classes) for n in range(devices)}
 
 
-def pooled_site(tmp_path: Path, fleet_dir: Path, flags: tuple[str, ...]) -> CameraSite:
-    """The guide's site with the pooled head (its kept-labels option left out) and `flags`, one round to the end."""
+def pooled_site(tmp_path: Path, fleet_dir: Path, flags: tuple[str, ...], rounds: int = 1) -> CameraSite:
+    """The guide's site with the pooled head (its kept-labels option left out) and `flags`, to the end."""
     pooled = ("--strategy", "pooled-head", "--local-rule", "class-statistics", *flags)
     unused = (("--logit-adjustment", None),)  # an option of kept-labels, the rule class-statistics replaces
-    site = CameraSite(fleet_dir, tmp_path, free_loopback_port(), 2, 1, 6, pooled, unused)
+    site = CameraSite(fleet_dir, tmp_path, free_loopback_port(), 2, rounds, 6, pooled, unused)
     codes = run_camera_site(site, timeout=300)
     out = (tmp_path / "coordinator.out").read_text()
     assert codes == [0, 0, 0], out + (tmp_path / "coordinator.log").read_text()[-3000:]
@@ -175,6 +175,29 @@ def test_a_fleet_fits_its_head_from_class_statistics_plainly_and_securely_alike(
     for name, array in heads[0].items():
         scale = float(np.max(np.abs(array)))
         assert float(np.max(np.abs(heads[1][name] - array))) <= 1e-3 * scale, f"{name}: the secure sum's fit differs"
+
+
+@pytest.mark.integration
+def test_the_pools_posteriors_refine_the_pooled_head_in_the_round_after_each_acquisition(
+    tmp_path: Path, fashion: ImageDataset
+) -> None:
+    """`--pool-statistics 1 --rounds-per-acquisition 2`: real cameras send their pools' posterior sums with their
+    labels' statistics; the round that acquired fits from the labels alone, the next (no new labels) refines the
+    class means with the pools; every count stays of human answers, and the refined head differs."""
+    fleet_dir = tmp_path / "fleet"
+    build_fleet(
+        fleet_dir, FleetSettings(2, parse_classes(CLASSES), per_class=8, test_per_class=6, size=64, seed=3), fashion
+    )
+    flags = ("--pool-statistics", "1", "--rounds-per-acquisition", "2")
+    site = pooled_site(tmp_path / "pool", fleet_dir, flags, rounds=2)
+    with RunStore(site.run_dir, read_only=True) as store:
+        rounds = store.rounds()
+        samples = {(record.device_id, record.round_id): record.num_samples for record in store.device_rounds()}
+        heads = [store.checkpoints.load(r)["classifier_fc.weight"] for r in (1, 2)]
+    assert [record.report["pool_refined"] for record in rounds] == [False, True]
+    assert rounds[1].labels == rounds[0].labels, "the refining round acquires nothing"
+    assert samples == {(f"cam-{n}", r): 6 for n in range(2) for r in (1, 2)}, "human labels alone are counted"
+    assert not np.allclose(heads[0], heads[1])
 
 
 @pytest.mark.integration

@@ -19,7 +19,7 @@ from protocol.dp import WITHIN_CLIP_METRIC, DpRound, privatised
 from protocol.errors import UsageError
 from protocol.head_statistics import TEMPERATURES, HeadStatistics, calibration_sums
 from protocol.model_spec import DEFAULT_SPEC
-from protocol.trained_set import STATISTICS_RULE
+from protocol.trained_set import POOL_STATISTICS, STATISTICS_RULE
 
 CLASSES, FEATURES = 4, 12
 HEAD = {
@@ -28,12 +28,12 @@ HEAD = {
 }
 
 
-def gaussian_classes(rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def gaussian_classes(rows: int, seed: int, noise: float = 0.6) -> tuple[np.ndarray, np.ndarray]:
     """Non-negative features (as a ReLU6 backbone gives) of CLASSES Gaussian classes with a shared covariance."""
     rng = np.random.default_rng(seed)
     centres = np.random.default_rng(99).uniform(1.0, 4.0, size=(CLASSES, FEATURES))
     labels = rng.integers(CLASSES, size=rows)
-    return np.clip(centres[labels] + rng.normal(0.0, 0.6, size=(rows, FEATURES)), 0.0, 6.0), labels
+    return np.clip(centres[labels] + rng.normal(0.0, noise, size=(rows, FEATURES)), 0.0, 6.0), labels
 
 
 def device_updates(features: np.ndarray, labels: np.ndarray, owners: np.ndarray) -> list[ClientUpdate]:
@@ -118,6 +118,66 @@ def test_statistics_and_their_layout_round_trip_as_an_update_carries_them() -> N
         HeadStatistics.of_labels(features[:0], labels[:0], CLASSES)
 
 
+def pool_statistics(
+    labelled: tuple[np.ndarray, np.ndarray], pool: np.ndarray, head: tuple[np.ndarray, np.ndarray], new: int = 0
+) -> dict[str, np.ndarray]:
+    """One device's statistics with its pool's posterior sums under `head`; `new` labels held out for calibration."""
+    (features, labels), (weight, bias) = labelled, head
+    posteriors = head_statistics.pool_posterior_sums(pool, pool @ weight.T + bias)
+    calibration = calibration_sums(features[:new] @ weight.T + bias, labels[:new]) if new else None
+    return HeadStatistics.of_labels(features, labels, CLASSES, calibration, posteriors).tensors()
+
+
+def test_the_pools_posteriors_refine_the_class_means_only_in_a_round_without_new_labels() -> None:
+    """One EM step from few labels: the pools' posterior sums under a head fitted on 8 labels move the class means
+    towards the pool's, and the refined head is more accurate; an acquiring round's (a step behind) and a first
+    round's (the spec's fresh head) posteriors are not used."""
+    features, labels = gaussian_classes(8, seed=11, noise=1.5)
+    pool, _ = gaussian_classes(2000, seed=12, noise=1.5)
+    test, truth = gaussian_classes(2000, seed=13, noise=1.5)
+    strategy = PooledHead(shrinkage=0.8)
+    fresh = (np.zeros((CLASSES, FEATURES)), np.zeros(CLASSES))
+    first, report = strategy.fitted(pool_statistics((features, labels), pool, fresh), HEAD)
+    assert not report["pool_refined"], "the fresh head's posteriors are noise"
+    head = (first["classifier_fc.weight"], first["classifier_fc.bias"])
+    acquiring, report = strategy.fitted(pool_statistics((features, labels), pool, head, new=4), HEAD)
+    assert not report["pool_refined"]
+    np.testing.assert_allclose(acquiring["classifier_fc.weight"] * strategy.temperature, head[0], rtol=1e-5)
+    refined, report = strategy.fitted(pool_statistics((features, labels), pool, head), HEAD)
+    assert report["pool_refined"] and report["classes_seen"] == len(np.unique(labels))
+
+    def accuracy(fitted: dict[str, np.ndarray]) -> float:
+        return float(
+            np.mean(np.argmax(test @ fitted["classifier_fc.weight"].T + fitted["classifier_fc.bias"], 1) == truth)
+        )
+
+    assert accuracy(refined) > accuracy(first) + 0.03
+    _, report = PooledHead(pool_weight=0.0).fitted(pool_statistics((features, labels), pool, head), HEAD)
+    assert not report["pool_refined"]
+
+
+def test_a_class_no_label_holds_stays_unseen_whatever_the_pools_say() -> None:
+    features, labels = gaussian_classes(40, seed=14)
+    held = labels != 1
+    pool, _ = gaussian_classes(500, seed=15)  # the pool holds class 1's rows
+    head = (np.ones((CLASSES, FEATURES)), np.zeros(CLASSES))  # a head that gives every class the same posterior
+    statistics = HeadStatistics.of_tensors(pool_statistics((features[held], labels[held]), pool, head))
+    assert statistics.pool_mass[1] > 0.2
+    weight, bias = lda_head(statistics, 0.8, pool_weight=10.0)
+    assert np.all(weight[1] == 0.0) and bias[1] == UNSEEN_BIAS
+
+
+def test_pool_posterior_sums_lie_within_the_clip_and_an_empty_pool_gives_zeros() -> None:
+    pool, _ = gaussian_classes(300, seed=16)
+    logits = np.random.default_rng(17).normal(0.0, 30.0, size=(300, CLASSES))
+    sums, mass = head_statistics.pool_posterior_sums(pool, logits)
+    assert sums.shape == (CLASSES, FEATURES) and sums.min() >= 0.0 and sums.max() <= 1.0
+    assert mass.sum() == pytest.approx(1.0) and np.all(mass >= 0)
+    np.testing.assert_allclose(sums.sum(axis=0), pool.mean(axis=0) / head_statistics.SCALE, rtol=1e-5)
+    empty_sums, empty_mass = head_statistics.pool_posterior_sums(pool[:0], logits[:0])
+    assert not empty_sums.any() and not empty_mass.any() and empty_sums.shape == (CLASSES, FEATURES)
+
+
 @pytest.mark.parametrize(
     ("strategy", "rule", "trainable", "relays", "message"),
     [
@@ -132,6 +192,16 @@ def test_conflicting_settings_are_refused_in_one_line(strategy, rule, trainable,
     with pytest.raises(UsageError, match=message) as refused:
         ServerSettings(tmp_path, strategy=strategy, recipe=messages.Recipe(local_rule=rule), spec=spec, relays=relays)
     assert "\n" not in str(refused.value) and len(str(refused.value)) < 200
+
+
+def test_pool_statistics_without_a_round_that_does_not_acquire_is_refused_in_one_line(tmp_path: Path) -> None:
+    options, spec = {POOL_STATISTICS: 1.0}, dataclasses.replace(DEFAULT_SPEC, trainable="head")
+    alone = messages.Recipe(local_rule=STATISTICS_RULE, options=options)
+    with pytest.raises(UsageError, match="--rounds-per-acquisition 2") as refused:
+        ServerSettings(tmp_path, strategy="pooled-head", recipe=alone, spec=spec)
+    assert "\n" not in str(refused.value)
+    paired = messages.Recipe(local_rule=STATISTICS_RULE, options=options, rounds_per_acquisition=2)
+    assert ServerSettings(tmp_path, strategy="pooled-head", recipe=paired, spec=spec).recipe == paired
 
 
 def test_pooled_head_is_in_the_registry_with_its_option() -> None:

@@ -14,6 +14,7 @@ from protocol.tensors import Weights
 from protocol.trained_set import head_shape
 
 CLASS_SHARES = "class_shares"  # the fit's report: the fleet's human labels per class as shares
+POOL_WEIGHT = 10.0  # the pools' posterior sums weigh ten times the fleet's labels (measured: section 7.10)
 UNSEEN_BIAS = -1e4  # the bias of a class no label holds yet: its mean is unknown, so the head never predicts it
 
 
@@ -23,6 +24,18 @@ def class_means(statistics: HeadStatistics) -> tuple[np.ndarray, np.ndarray]:
     means = np.zeros_like(statistics.class_sums)
     means[seen] = statistics.class_sums[seen] / statistics.class_counts[seen, None]
     return means, seen
+
+
+def pool_refined_means(statistics: HeadStatistics, pool_weight: float) -> np.ndarray:
+    """The class means with the pools' posterior sums added at `pool_weight` times the labels' weight (the fleet's
+    pool mean weighs pool_weight as much as all its labels): (sums_c + w P_c) / (counts_c + w M_c), one EM step of
+    the shared-covariance Gaussian mixture from the head that gave the posteriors; a class no label holds stays 0."""
+    seen = statistics.class_counts > 0
+    sums = statistics.class_sums + pool_weight * statistics.pool_sums
+    mass = statistics.class_counts + pool_weight * statistics.pool_mass
+    means = np.zeros_like(statistics.class_sums)
+    means[seen] = sums[seen] / mass[seen, None]
+    return means
 
 
 def shared_covariance(statistics: HeadStatistics, means: np.ndarray, shrinkage: float) -> np.ndarray:
@@ -39,12 +52,15 @@ def shared_covariance(statistics: HeadStatistics, means: np.ndarray, shrinkage: 
     return (vectors * ((1.0 - shrinkage) * values + floor)) @ vectors.T
 
 
-def lda_head(statistics: HeadStatistics, shrinkage: float) -> tuple[np.ndarray, np.ndarray]:
+def lda_head(statistics: HeadStatistics, shrinkage: float, pool_weight: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Linear discriminant analysis over the statistics with equal class priors (the balanced head a logit-adjusted
     loss aims at): w_c = S^-1 mu_c and b_c = -mu_c^T S^-1 mu_c / 2, on unscaled features; a class no label holds
-    gets a zero row and UNSEEN_BIAS."""
+    gets a zero row and UNSEEN_BIAS. With a pool weight the means are pool_refined_means (the covariance stays the
+    labels')."""
     means, seen = class_means(statistics)
     covariance = shared_covariance(statistics, means, shrinkage)
+    if pool_weight > 0:
+        means = pool_refined_means(statistics, pool_weight)
     projected = np.linalg.solve(covariance, means.T).T
     bias = -0.5 * np.sum(projected * means, axis=1)
     projected[~seen], bias[~seen] = 0.0, UNSEEN_BIAS
@@ -85,11 +101,33 @@ class PooledHead(StreamingWeightedAverage):
     summary = "fits the classifier from the fleet's summed class statistics (shrunk LDA); devices run class-statistics"
     weighs_by_samples = True
     statistics = True
-    options = (Option("shrinkage", float, 0.8, "pooled-head: LDA covariance shrinkage towards the identity", 0.0, 1.0),)
+    options = (
+        Option("shrinkage", float, 0.8, "pooled-head: LDA covariance shrinkage towards the identity", 0.0, 1.0),
+        Option(
+            "pool_weight",
+            float,
+            POOL_WEIGHT,
+            "pooled-head: how much the devices' pool posteriors (--pool-statistics 1) weigh against the labels",
+            0.0,
+            100.0,
+        ),
+    )
 
-    def __init__(self, shrinkage: float = 0.8) -> None:
+    def __init__(self, shrinkage: float = 0.8, pool_weight: float = POOL_WEIGHT) -> None:
         self.shrinkage = self.option("shrinkage").check(shrinkage)
+        self.pool_weight = self.option("pool_weight").check(pool_weight)
         self.temperature: float | None = None
+
+    def refines(self, statistics: HeadStatistics) -> bool:
+        """Whether this round's pool posteriors refine the class means: they arrived, they came from a head this
+        strategy fitted (not the spec's fresh one), and no new label arrived with them (an acquiring round's
+        posteriors are the previous labels' head's: a step behind, measured to lose; section 7.10)."""
+        return (
+            self.pool_weight > 0
+            and self.temperature is not None
+            and float(statistics.calibration[-1]) == 0.0
+            and bool(np.any(statistics.pool_mass > 0))
+        )
 
     def update_weight(self, update: ClientUpdate) -> float:
         """a_i = n_i: each device's statistics are its sums over its n_i labels, so the weighted mean is the pool's."""
@@ -102,7 +140,8 @@ class PooledHead(StreamingWeightedAverage):
         statistics = HeadStatistics.of_tensors(aggregate)
         if not np.any(statistics.class_counts > 0):  # an abandoned secure round, or no device held a label
             return dict(head), {"classes_seen": 0, "temperature": self.temperature}
-        weight, bias = lda_head(statistics, self.shrinkage)
+        refined = self.refines(statistics)
+        weight, bias = lda_head(statistics, self.shrinkage, self.pool_weight if refined else 0.0)
         relative = relative_temperature(statistics.calibration) if self.temperature is not None else None
         self.temperature = (self.temperature or 1.0) * (relative or 1.0)
         names = head_names(head)
@@ -113,6 +152,7 @@ class PooledHead(StreamingWeightedAverage):
             "classes_seen": int(np.count_nonzero(statistics.class_counts > 0)),
             "temperature": self.temperature,
             "relative_temperature": relative,
+            "pool_refined": refined,
         }
         return {name: fitted[name].astype(head[name].dtype) for name in names}, report
 

@@ -30,10 +30,10 @@ from edge_agent.learning.local_rules import (
 from edge_agent.learning.ort_scorer import penultimate_features
 from edge_agent.learning.propagation import SemiSupervised
 from protocol import messages
-from protocol.head_statistics import HeadStatistics, calibration_sums
+from protocol.head_statistics import HeadStatistics, calibration_sums, pool_posterior_sums
 from protocol.model_spec import ModelSpec
 from protocol.tensors import Weights
-from protocol.trained_set import trained_set
+from protocol.trained_set import POOL_STATISTICS, trained_set
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 class Problem:
     """What a rule has the classifier train on: rows, their labels, a fixed logit bias (or None), and how the SGD
     steps are taken (plain, or DP-SGD's); or, with `held_out` (rows and labels the round's head did not see), that
-    the rows are summed into head statistics and nothing trains."""
+    the rows are summed into head statistics and nothing trains (with `pool`, the unlabelled rows whose posteriors
+    under the round's head the statistics carry too)."""
 
     rows: np.ndarray
     labels: np.ndarray
@@ -50,6 +51,7 @@ class Problem:
     steps: SgdSteps = field(default_factory=SgdSteps)
     held_out: tuple[np.ndarray, np.ndarray] | None = None
     semi: SemiSupervised | None = None
+    pool: np.ndarray | None = None
 
 
 HeadBody = Callable[[Any, LocalData, messages.Recipe, int, int], Problem]
@@ -155,8 +157,13 @@ class HeadLearner(Learner):
         rows, labels = held_out
         logits = self.penultimate(rows).astype(np.float64) @ weight.T + bias if len(labels) else None
         calibration = None if logits is None else calibration_sums(logits, labels)
+        pool = None
+        if problem.pool is not None:
+            rows = self.penultimate(problem.pool)
+            pool = pool_posterior_sums(rows, rows.astype(np.float64) @ weight.T + bias)
         features = self.penultimate(problem.rows)
-        self.statistics = HeadStatistics.of_labels(features, problem.labels, len(weight), calibration).tensors()
+        statistics = HeadStatistics.of_labels(features, problem.labels, len(weight), calibration, pool)
+        self.statistics = statistics.tensors()
         return {"train_samples": float(len(problem.labels))}
 
     def features(self, samples: Samples) -> np.ndarray:
@@ -203,8 +210,10 @@ def statistics_problem(
     rule: ClassStatistics, data: LocalData, recipe: messages.Recipe, seed: int, num_classes: int
 ) -> Problem:
     """class-statistics: every human label (never a weak one) to be summed, no training; this acquisition's new
-    labels held out to calibrate the head they were chosen with."""
-    return Problem(data.labelled_images, data.labelled_labels, held_out=(data.new_images, data.new_labels))
+    labels held out to calibrate the head they were chosen with; with `pool_statistics`, the unlabelled rows whose
+    posteriors are summed too."""
+    pool = data.unlabelled() if rule.option_value(recipe.options, POOL_STATISTICS) else None
+    return Problem(data.labelled_images, data.labelled_labels, held_out=(data.new_images, data.new_labels), pool=pool)
 
 
 @HEAD_BODIES.attach(DpSgd)

@@ -13,7 +13,7 @@ from edge_agent.learning.propagation import FLEET_SHARES, NO_ALIGNMENT, Propagat
 from protocol.dp import DP_SGD_EPSILON_METRIC
 from protocol.messages import METRIC_MEME_ENTROPY, Recipe
 from protocol.options import Method, Option, Registry
-from protocol.trained_set import STATISTICS_RULE
+from protocol.trained_set import POOL_STATISTICS, STATISTICS_RULE
 
 FULL_MODEL = "full"
 CLASSIFIER_ONLY = "head"
@@ -231,10 +231,22 @@ class DpSgd(LocalRule):
 class ClassStatistics(LocalRule):
     """No training: the device sends its human labels' class counts, class feature sums and second moment, and the
     calibration sums of this round's new labels under the round's head (protocol.head_statistics), for the
-    pooled-head strategy to fit the classifier the fleet's pooled labels give (head-only devices)."""
+    pooled-head strategy to fit the classifier the fleet's pooled labels give (head-only devices); with
+    `pool_statistics`, its unlabelled pool's posterior sums under that head too (no row and no label leaves)."""
 
     name = STATISTICS_RULE
     summary = "sends its labels' class statistics instead of a trained head, for --strategy pooled-head (head-only)"
+    options = (
+        Option(
+            POOL_STATISTICS,
+            int,
+            0,
+            "class-statistics: also send the unlabelled pool's posterior sums under the round's head (1), which refine "
+            "the fleet's class means in rounds without new labels (--rounds-per-acquisition 2)",
+            low=0.0,
+            high=1.0,
+        ),
+    )
     trainers = frozenset({CLASSIFIER_ONLY})
 
 
