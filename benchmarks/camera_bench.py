@@ -24,7 +24,7 @@ each device's predictions and the answers given on the page.
 
 Usage: python benchmarks/camera_bench.py [--backbones efficientnet-lite0 mobilenet] [--samplers random typical-then-balanced-margin]
        [--seeds 0] [--devices 4] [--per-class 50] [--rounds 5] [--labels 20] [--epochs 20] [--init-epochs 30]
-       [--local-rule pseudo-labels] [--max-message-bytes 262144] [--classes boot=9,bag=8,shirt=0,trouser=1,dress=3] [--out DIR] [--json] [--loop]
+       [--local-rule pseudo-labels] [--pooled-head [--pool-statistics]] [--max-message-bytes 262144] [--classes boot=9,bag=8,shirt=0,trouser=1,dress=3] [--out DIR] [--json] [--loop]
 """
 
 from __future__ import annotations
@@ -68,7 +68,11 @@ WAIT_SECONDS = 3600
 def sweep_flags(args: argparse.Namespace, sampler: str, seed: int) -> tuple[str, ...]:
     """What a bench run adds to the guide's coordinator command: the sweep's recipe (the local rule where
     --local-rule names one), W0's set (the probe's labels) and the broker's packet limit."""
+    pooled = ("--strategy", "pooled-head", "--local-rule", "class-statistics") if args.pooled_head else ()
+    pools = ("--pool-statistics", "1", "--rounds-per-acquisition", "2") if args.pool_statistics else ()
     return (
+        *pooled,
+        *pools,
         *(("--local-rule", args.local_rule) if args.local_rule else ()),
         *("--init-samples", str(len(args.classes) * args.init_per_class), "--init-epochs", str(args.init_epochs)),
         *(
@@ -93,8 +97,9 @@ def run_fleet(args: argparse.Namespace, fleet_dir: Path, sampler: str, seed: int
     work.mkdir(parents=True, exist_ok=True)
     flags = sweep_flags(args, sampler, seed)
     central = CentralLabelling(free_loopback_port()) if args.loop else None
+    unused = (("--logit-adjustment", None),) if args.pooled_head else ()  # kept-labels' option, left out
     site = CameraSite(
-        fleet_dir, work, free_loopback_port(), args.devices, args.rounds, args.labels, flags, central=central
+        fleet_dir, work, free_loopback_port(), args.devices, args.rounds, args.labels, flags, unused, central=central
     )
     site = site if spec.pretrained else dataclasses.replace(site, profile=None)
     people = site.people(tuple(spec.class_names))
@@ -185,6 +190,14 @@ def main() -> None:
     parser.add_argument("--init-per-class", type=int, default=40, help="the server's labelled scenes per class (W0)")
     parser.add_argument("--init-epochs", type=int, default=30)
     parser.add_argument("--local-rule", help="the devices' local rule (default: the guide's, kept-labels)")
+    parser.add_argument(
+        "--pooled-head", action="store_true", help="--strategy pooled-head --local-rule class-statistics"
+    )
+    parser.add_argument(
+        "--pool-statistics",
+        action="store_true",
+        help="with --pooled-head: --pool-statistics 1 --rounds-per-acquisition 2 (each acquisition, then a refinement)",
+    )
     parser.add_argument("--max-message-bytes", type=int, default=256 * 1024)
     parser.add_argument(
         "--classes",

@@ -1,7 +1,7 @@
-# The semi-supervised sweep's statistics: each "semi:NAME" curve against NAME's, paired by seed, and the rare classes.
-"""Reads camera_al's JSON of settings run with "semi:NAME" spellings (semi_supervised_sweep.sh) and, per setting,
-pairs each semi curve (the pseudo-labels rule) by seed with the supervised camera default's and with NAME's
-supervised curve where it ran (and a semi spelling with rule options, e.g. semi:NAME:pseudo_alignment=1, with the
+# The semi-supervised sweep's statistics: each semi-supervised curve against the supervised ones, paired by seed, and the rare classes.
+"""Reads camera_al's JSON of settings run with "semi:NAME" or "pooled-em:NAME" spellings (semi_supervised_sweep.sh)
+and, per setting, pairs each such curve (the pseudo-labels rule; the pooled head refined by the pools) by seed with
+the supervised camera default's and with its curve on the labels alone (NAME; pooled:NAME) where it ran (and a semi spelling with rule options, e.g. semi:NAME:pseudo_alignment=1, with the
 same spelling without them where it ran): the AULC gain over every round and over the rounds at 40-120 labels (points, 90%
 t-intervals, camera_al_stats.t_interval), the mean gain per round; beside them each curve's gain over random and
 the share of random's labels it needs to reach random's final accuracy (camera_al's intervals), and the final
@@ -24,6 +24,8 @@ from camera_al_stats import DEFAULT, by_seed, shown, t_interval
 from curves import sampler_and_options
 
 SEMI = "semi:"
+SUPERVISED = {SEMI: "", "pooled-em:": "pooled:"}  # a semi-supervised prefix, and its curve on the labels alone
+SHOWN = (SEMI, "pooled-em:", "pooled:")  # the prefixes of the curves a setting's table shows
 EARLY = (40, 120)  # the label counts the issue's must-hold reads the gain at
 RARE = 3
 TABLE_HEAD = (
@@ -83,17 +85,25 @@ def fewer_options(sampler: str, curves: list[str]) -> str | None:
     return max(within)[1] if within else None
 
 
+def supervised_counterpart(sampler: str) -> str | None:
+    """The same curve on the labels alone: semi:NAME's is NAME, pooled-em:NAME's pooled:NAME; None for others."""
+    for prefix, supervised in SUPERVISED.items():
+        if sampler.startswith(prefix):
+            return supervised + sampler.removeprefix(prefix)
+    return None
+
+
 def curve_summary(result: dict[str, Any], sampler: str, watched: list[int]) -> dict[str, Any]:
-    """One curve: against the supervised camera default, (a semi spelling) its own sampler supervised and the rule
-    without the options the spelling adds (fewer_options), against random (camera_al's intervals), its final
-    per-class recall and that of the watched classes."""
+    """One curve: against the supervised camera default, (a semi-supervised spelling) the same on the labels alone
+    (supervised_counterpart) and the rule without the options the spelling adds (fewer_options), against random
+    (camera_al's intervals), its final per-class recall and that of the watched classes."""
     runs, found = result["runs"], result["intervals"][sampler]["federated"]
-    base = sampler.removeprefix(SEMI)
+    base = supervised_counterpart(sampler)
     recall = result["final_class_recall"][sampler]
     plainer = fewer_options(sampler, list(result["summary"]["federated"]))
     return {
         "vs_camera_default": paired(runs, sampler, DEFAULT) if sampler != DEFAULT else None,
-        "vs_own_sampler": paired(runs, sampler, base) if sampler.startswith(SEMI) else None,
+        "vs_own_sampler": paired(runs, sampler, base) if base is not None else None,
         "vs_rule_without_options": paired(runs, sampler, plainer) if plainer is not None else None,
         "vs_random": {
             "aulc_gain_interval": found["aulc_gain_interval"],
@@ -113,7 +123,7 @@ def setting_summary(result: dict[str, Any]) -> dict[str, Any]:
     """The camera default and every semi spelling of one camera_al run."""
     names = [name for name, _ in result["settings"]["classes"]]
     watched = watched_classes(result)
-    curves = [name for name in result["summary"]["federated"] if name == DEFAULT or name.startswith(SEMI)]
+    curves = [name for name in result["summary"]["federated"] if name == DEFAULT or name.startswith(SHOWN)]
     return {
         "setting": result["settings"]["setting"] or "",
         "watched_classes": [names[c] for c in watched],

@@ -99,8 +99,8 @@ def pool_posterior_sums(features: np.ndarray, logits: np.ndarray) -> tuple[np.nd
     if len(features) == 0:
         return np.zeros((classes, features.shape[1])), np.zeros(classes)
     posteriors = softmax(np.asarray(logits, np.float64))
-    rows = np.asarray(features, np.float32) / np.float32(SCALE)
-    return (posteriors.T @ rows) / len(rows), posteriors.sum(axis=0) / len(rows)
+    weighted = posteriors.T.astype(np.float32) @ np.asarray(features, np.float32)  # no scaled or float64 copy
+    return weighted.astype(np.float64) / (SCALE * len(features)), posteriors.sum(axis=0) / len(features)
 
 
 @dataclass(frozen=True)

@@ -230,3 +230,19 @@ def test_device_dp_noises_each_devices_statistics_and_the_round_accounts_epsilon
     test, truth = gaussian_classes(400, seed=11)
     logits = test @ result.weights["classifier_fc.weight"].T + result.weights["classifier_fc.bias"]
     assert np.mean(np.argmax(logits, 1) == truth) > 0.8, "200 devices' noised statistics still fit the head"
+
+
+def test_a_coordinator_that_crafts_the_head_reads_one_pool_image_from_the_pools_posterior_sums() -> None:
+    """The exposure the privacy guide states for --pool-statistics 1, played by the coordinator: the posteriors come
+    from the head it publishes, so a head whose one class wins only past a threshold on one feature (found by
+    bisection over rounds; here given) makes that class's pool sums one image's features, exactly."""
+    pool, _ = gaussian_classes(500, seed=18)
+    top, second = np.sort(pool[:, 3])[-2:][::-1]
+    weight = np.zeros((CLASSES, FEATURES))
+    weight[0, 3] = 1e4
+    bias = np.zeros(CLASSES)
+    bias[0] = -1e4 * (top + second) / 2
+    sums, mass = head_statistics.pool_posterior_sums(pool, pool @ weight.T + bias)
+    assert mass[0] * len(pool) == pytest.approx(1.0, abs=1e-6), "one pool image in the class"
+    target = pool[np.argmax(pool[:, 3])] / head_statistics.SCALE
+    np.testing.assert_allclose(sums[0] / mass[0], target, rtol=1e-5)

@@ -160,7 +160,7 @@ class HeadLearner(Learner):
         pool = None
         if problem.pool is not None:
             rows = self.penultimate(problem.pool)
-            pool = pool_posterior_sums(rows, rows.astype(np.float64) @ weight.T + bias)
+            pool = pool_posterior_sums(rows, rows @ weight.T.astype(rows.dtype) + bias)
         features = self.penultimate(problem.rows)
         statistics = HeadStatistics.of_labels(features, problem.labels, len(weight), calibration, pool)
         self.statistics = statistics.tensors()
