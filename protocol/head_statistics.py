@@ -8,8 +8,9 @@ by n back into the fleet's sum over its total), with features divided by SCALE f
 for features in [0, SCALE] (the Lite backbones' ReLU6): within secure aggregation's default clip of 1.
 
 Where the fleet asks for it (the class-statistics rule's `pool_statistics`), a device adds its unlabelled pool's
-posterior sums under the round's head, each over its pool's rows: no label, and no row, leaves the device; the fleet's
-weighted mean of them refines the class means in rounds without new labels.
+posterior sums under the round's head, each over its pool's rows (sums: no label and no row is sent as such; the
+privacy guide says what a crafted head reads from them); the fleet's weighted mean of them refines the class means
+in rounds without new labels.
 """
 
 from __future__ import annotations

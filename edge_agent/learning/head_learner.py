@@ -159,8 +159,8 @@ class HeadLearner(Learner):
         calibration = None if logits is None else calibration_sums(logits, labels)
         pool = None
         if problem.pool is not None:
-            rows = self.penultimate(problem.pool)
-            pool = pool_posterior_sums(rows, rows @ weight.T.astype(rows.dtype) + bias)
+            pool_rows = self.penultimate(problem.pool)
+            pool = pool_posterior_sums(pool_rows, pool_rows @ weight.T.astype(pool_rows.dtype) + bias)
         features = self.penultimate(problem.rows)
         statistics = HeadStatistics.of_labels(features, problem.labels, len(weight), calibration, pool)
         self.statistics = statistics.tensors()

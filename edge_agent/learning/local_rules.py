@@ -232,7 +232,8 @@ class ClassStatistics(LocalRule):
     """No training: the device sends its human labels' class counts, class feature sums and second moment, and the
     calibration sums of this round's new labels under the round's head (protocol.head_statistics), for the
     pooled-head strategy to fit the classifier the fleet's pooled labels give (head-only devices); with
-    `pool_statistics`, its unlabelled pool's posterior sums under that head too (no row and no label leaves)."""
+    `pool_statistics`, its unlabelled pool's posterior sums under that head too (sums, never a row or a label; the
+    privacy guide says what a crafted head reads from them)."""
 
     name = STATISTICS_RULE
     summary = "sends its labels' class statistics instead of a trained head, for --strategy pooled-head (head-only)"
