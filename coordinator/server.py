@@ -22,9 +22,17 @@ from coordinator.rounds.rules import RoundRules
 from coordinator.rounds.serving import ServingKeeper
 from coordinator.setup.encoder import round_encoder
 from coordinator.setup.resume import starting_point
-from coordinator.setup.server_data import ServerData, build_evaluator, load_server_data, w0_accuracy, w0_line
+from coordinator.setup.server_data import (
+    ServerData,
+    build_evaluator,
+    load_server_data,
+    server_label_statistics,
+    w0_accuracy,
+    w0_line,
+)
 from coordinator.setup.settings import ServerSettings, fleet_identities
 from coordinator.storage.store import RunStore
+from coordinator.strategies.pooled_head import PooledHead
 from coordinator.strategies.registry import make_strategy
 from edge_agent.learning.encoder import encoder_hash
 from export.bundle_writer import ensure_bundle_files
@@ -69,7 +77,7 @@ def run_server(
         weights, first_round, run_id = starting_point(store, settings, data)
         encoder = round_encoder(settings, store)
         rules = round_rules(settings, authenticator, encoder)
-        parts = round_parts(settings, data, store, session, run_id, encoder, observer, dead_devices)
+        parts = round_parts(settings, data, store, session, run_id, encoder, observer, dead_devices, weights)
         coordinator = make_coordinator(settings, session, rules, parts)
         say(w0_line(w0_accuracy(store, parts.closer.evaluator, weights, first_round), len(data.init_indices)))
         session.connect()
@@ -160,9 +168,16 @@ def round_parts(
     encoder: bytes,
     observer: RoundObserver,
     dead_devices: Callable[[], set[str]],
+    weights: Weights,
 ) -> RoundParts:
-    """The coordinator's collaborators, built from the settings."""
+    """The coordinator's collaborators, built from the settings (a statistics strategy learns the server's labelled
+    images under `weights`, the run's model)."""
     strategy = make_strategy(settings.strategy, **settings.strategy_options)
+    if isinstance(strategy, PooledHead):
+        server = server_label_statistics(settings, data, weights)
+        if server is not None:
+            strategy.learn_server_labels(server, len(data.init_indices))
+            log.info("pooled head fits from the server's labelled images too count=%d", len(data.init_indices))
     evaluator = build_evaluator(settings, data)
     bundles = bundle_exporter(settings) if settings.ship_bundles else None
     intake = UpdateIntake(settings.fleet, session, store, observer)

@@ -246,3 +246,21 @@ def test_a_coordinator_that_crafts_the_head_reads_one_pool_image_from_the_pools_
     assert mass[0] * len(pool) == pytest.approx(1.0, abs=1e-6), "one pool image in the class"
     target = pool[np.argmax(pool[:, 3])] / head_statistics.SCALE
     np.testing.assert_allclose(sums[0] / mass[0], target, rtol=1e-5)
+
+
+def test_the_servers_labelled_images_join_every_fit_as_if_a_device_held_them() -> None:
+    """The server's labelled images (W0's) are summed into the fit, weighed by their count against the devices'
+    labels: the head equals the one fitted from both as one pool; the shares announced stay the devices'."""
+    features, labels = gaussian_classes(300, seed=19)
+    server, devices = slice(0, 100), slice(100, 300)
+    together, _ = PooledHead().fitted(HeadStatistics.of_labels(features, labels, CLASSES).tensors(), HEAD, 300.0)
+    strategy = PooledHead()
+    strategy.learn_server_labels(HeadStatistics.of_labels(features[server], labels[server], CLASSES), 100)
+    fleet = HeadStatistics.of_labels(features[devices], labels[devices], CLASSES).tensors()
+    folded, report = strategy.fitted(fleet, HEAD, 200.0)
+    for name in HEAD:
+        np.testing.assert_allclose(folded[name], together[name], rtol=1e-4, atol=1e-4)
+    device_shares = np.bincount(labels[devices], minlength=CLASSES) / 200
+    np.testing.assert_allclose(report["class_shares"], device_shares, atol=1e-6)
+    alone, _ = PooledHead().fitted(fleet, HEAD, 200.0)
+    assert not np.allclose(alone["classifier_fc.weight"], folded["classifier_fc.weight"])

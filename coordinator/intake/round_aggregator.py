@@ -100,6 +100,10 @@ class RoundAggregator(ABC):
         clipped = capped_weights(claims, caps)
         return {device: float(value) for device, value, claim in zip(devices, clipped, claims) if value != claim}
 
+    def weighed_samples(self) -> float:
+        """The round's sample count as the strategy weighed its updates (a claim the share cap lowered, lowered)."""
+        return float(sum(self.clipped.get(device, claim[0]) for device, claim in self.claims.items()))
+
     def as_weighed(self, update: ClientUpdate) -> ClientUpdate:
         """The update with the sample count the strategy weighs it by (clipped by the share cap where it is)."""
         if update.device_id not in self.clipped:
@@ -112,7 +116,7 @@ class RoundAggregator(ABC):
         suspects = suspects_by_divergence(dict(sorted(self.from_base.items())), self.policy)
         self.clipped = self.clipped_samples()
         aggregate, report = self.combine(suspects, self.completing(evaluate))
-        trained, fit = self.strategy.fitted(aggregate, self.head)
+        trained, fit = self.strategy.fitted(aggregate, self.head, self.weighed_samples())
         report = {**report, **fit}
         if self.clipped:
             report = {**report, "samples_clipped": {device: self.claims[device][0] for device in self.clipped}}

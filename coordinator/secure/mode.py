@@ -55,7 +55,8 @@ class SecureMode(RoundMode):
         start = functools.partial(
             start_secure, run_id, round_id, selected, model, rules.spec, rules.recipe, self.identities
         )
-        parts = LiveParts(self.session, self.fleet, self.intake, sum_limits(rules.recipe, len(selected)))
+        limits = sum_limits(rules.recipe, len(selected))
+        parts = LiveParts(self.session, self.fleet, self.intake, limits, rules.recipe.secagg_sample_cap)
         live = LiveSecureRound.opened(parts, start, round_id)
         self.held.release(live)
         return live

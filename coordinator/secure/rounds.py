@@ -51,7 +51,7 @@ from protocol.model_spec import ModelSpec
 from protocol.mqtt import MqttSession
 from protocol.secagg import keys
 from protocol.secagg.errors import SecAggAbandoned, SecAggRefusal
-from protocol.secagg.weighting import label_count, mask_layout, secure_mean
+from protocol.secagg.weighting import label_count, mask_layout, secure_mean, weighted_samples
 from protocol.tensors import Weights
 from protocol.trained_set import update_base
 
@@ -104,6 +104,7 @@ class LiveParts:
     fleet: str
     intake: UpdateIntake
     limits: SumLimits
+    sample_cap: int = 0  # the recipe's secagg_sample_cap: what a summed weight stands for in samples
 
 
 class LiveSecureRound:
@@ -274,7 +275,7 @@ class LiveSecureRound:
         survivors' summed weight and counts their new labels (a relay sends both upstream), and measures the
         aggregate's per-layer change (divergence's stand-in: no device's own update is seen)."""
         expectation, base = collector.expectation, collector.expectation.base
-        mean, self.weight = conclude(result, base, self.server.state.clip, aggregator)
+        mean, self.weight = conclude(result, base, self.server.state.clip, aggregator, self.parts.sample_cap)
         collector.accepted.update(survivor_records(result, expectation.round_id, expectation.base_hash))
         self.labels = label_count(result.total, self.server.fixed_point) if result is not None else 0
         self.change = {name: relative_divergence(base[name], mean[name]) for name in base}
@@ -357,16 +358,18 @@ def start_secure(
 
 
 def conclude(
-    result: SecAggResult | None, base: Weights, clip: float, aggregator: RoundAggregator
+    result: SecAggResult | None, base: Weights, clip: float, aggregator: RoundAggregator, sample_cap: int = 0
 ) -> tuple[Weights, float]:
     """Gives the aggregator the round's one update, and returns it with the survivors' summed weight: their
-    weighted mean (the summed weight as its samples), or the round's own model and no weight when the round was
-    abandoned (so the next round starts where this began, and a relay's site weighs nothing upstream)."""
+    weighted mean (the samples the summed weight stands for as its samples: weighted_samples), or the round's own
+    model and no weight when the round was abandoned (so the next round starts where this began, and a relay's site
+    weighs nothing upstream)."""
     if result is None:
         aggregator.absorb(ClientUpdate(SECURE_SUM, base, 1.0))
         return base, 0.0
     mean, weight_sum = secure_mean(result.total, base, list(base), clip)
-    aggregator.absorb(ClientUpdate(SECURE_SUM, mean, weight_sum, {}, len(result.survivors)))
+    samples = float(weighted_samples(weight_sum, sample_cap))
+    aggregator.absorb(ClientUpdate(SECURE_SUM, mean, samples, {}, len(result.survivors)))
     return mean, weight_sum
 
 

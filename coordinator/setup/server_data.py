@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from coordinator.labelling.field_set import read_field_set
 from coordinator.rounds.closing import RoundEvaluator
@@ -20,16 +21,19 @@ from coordinator.storage.pretrained import merge_initial_weights, read_weight_fi
 from coordinator.storage.store import RunStore
 from coordinator.strategies.registry import make_strategy
 from edge_agent.data.fashion_mnist import load_fashion_mnist
-from edge_agent.data.image_arrays import ImageDataset, load_npz_dataset
+from edge_agent.data.image_arrays import ImageDataset, load_npz_dataset, model_input
 from edge_agent.data.image_files import InputSpec, UnreadableImageError, decode_image
 from edge_agent.learning.models import get_weights, set_weights
 from edge_agent.learning.pretrained_backbone import initial_model
 from edge_agent.learning.training import TrainSettings, train_supervised
 from protocol.errors import UsageError
+from protocol.head_statistics import HeadStatistics
 from protocol.model_spec import CLASS_NAMES, ModelSpec
 from protocol.tensors import Weights
 
 log = logging.getLogger(__name__)
+
+FEATURE_BATCH = 64  # server images through the backbone at once, for their head statistics
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,25 @@ def initial_weights(settings: ServerSettings, data: ServerData) -> Weights:
             ),
         )
     return get_weights(model)
+
+
+def server_label_statistics(settings: ServerSettings, data: ServerData, weights: Weights) -> HeadStatistics | None:
+    """The head statistics of the server's labelled images (W0's), summed as a device's class-statistics rule sums
+    its labels: the classifier's input features under `weights` (the run's model: its frozen backbone is the
+    devices'); None when the server holds none. A statistics strategy folds them into every fit."""
+    if not len(data.init_indices):
+        return None
+    model = initial_model(settings.spec, seed=settings.init.seed)
+    set_weights(model, weights)
+    model.eval()
+    images = data.dataset.train_images[data.init_indices]
+    batches = []
+    with torch.no_grad():
+        for start in range(0, len(images), FEATURE_BATCH):
+            inputs = torch.from_numpy(model_input(images[start : start + FEATURE_BATCH]))
+            batches.append(model.penultimate(model.prefix(inputs)).numpy())
+    labels = data.dataset.train_labels[data.init_indices]
+    return HeadStatistics.of_labels(np.concatenate(batches), labels, settings.spec.num_classes)
 
 
 class FieldSet:

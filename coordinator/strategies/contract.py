@@ -62,9 +62,10 @@ class Strategy(Method):
     ) -> tuple[Weights, dict[str, Any]]:
         """The new global weights and a report; `evaluate` scores a candidate's accuracy on the server's split."""
 
-    def fitted(self, aggregate: Weights, head: Weights) -> tuple[Weights, dict[str, Any]]:
-        """The round's new trained set from what the round aggregated (`head`: the round's model's trained set) and
-        what to add to the report: the aggregate itself for a strategy over models; a statistics strategy fits it."""
+    def fitted(self, aggregate: Weights, head: Weights, samples: float = 0.0) -> tuple[Weights, dict[str, Any]]:
+        """The round's new trained set from what the round aggregated (`head`: the round's model's trained set;
+        `samples`: the sample count the aggregate's weights summed) and what to add to the report: the aggregate
+        itself for a strategy over models; a statistics strategy fits it."""
         return aggregate, {}
 
     def metric_bounds(self, num_classes: int) -> Mapping[str, tuple[float, float]]:

@@ -1,6 +1,7 @@
 # The pooled head: a linear classifier fitted from the fleet's summed class statistics (shrunk LDA), not averaged.
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -117,6 +118,32 @@ class PooledHead(StreamingWeightedAverage):
         self.shrinkage = self.option("shrinkage").check(shrinkage)
         self.pool_weight = self.option("pool_weight").check(pool_weight)
         self.temperature: float | None = None
+        self.server: tuple[HeadStatistics, float] | None = None
+
+    def learn_server_labels(self, statistics: HeadStatistics, count: int) -> None:
+        """The statistics of the server's `count` labelled images (W0's), folded into every fit from now on."""
+        self.server = (statistics, float(count)) if count > 0 else None
+
+    def with_server_labels(self, statistics: HeadStatistics, samples: float) -> HeadStatistics:
+        """The round's statistics over the devices' `samples` labels with the server's labelled images summed in,
+        each side weighed by its labels; the calibration sums are the devices' new labels' over all of them (what
+        the head they were chosen with was fitted on), and the pools' sums stay the devices' (their weight is
+        pool_weight times every label)."""
+        if self.server is None or not samples > 0:
+            return statistics
+        server, count = self.server
+        total = samples + count
+
+        def mixed(fleet: np.ndarray, own: np.ndarray) -> np.ndarray:
+            return (samples * fleet + count * own) / total
+
+        return dataclasses.replace(
+            statistics,
+            class_sums=mixed(statistics.class_sums, server.class_sums),
+            class_counts=mixed(statistics.class_counts, server.class_counts),
+            second_moment=mixed(statistics.second_moment, server.second_moment),
+            calibration=statistics.calibration * (samples / total),
+        )
 
     def refines(self, statistics: HeadStatistics) -> bool:
         """Whether this round's pool posteriors refine the class means: they arrived, they came from a head this
@@ -133,20 +160,22 @@ class PooledHead(StreamingWeightedAverage):
         """a_i = n_i: each device's statistics are its sums over its n_i labels, so the weighted mean is the pool's."""
         return float(update.num_samples)
 
-    def fitted(self, aggregate: Weights, head: Weights) -> tuple[Weights, dict[str, Any]]:
+    def fitted(self, aggregate: Weights, head: Weights, samples: float = 0.0) -> tuple[Weights, dict[str, Any]]:
         """The classifier (in the layout of `head`, the round's model's trained set) fitted from the round's mean
-        statistics, and the fit's report: the classes seen, the temperature and the relative one the held-out labels
-        chose; the round's head unchanged when no label was summed."""
-        statistics = HeadStatistics.of_tensors(aggregate)
-        if not np.any(statistics.class_counts > 0):  # an abandoned secure round, or no device held a label
+        statistics over the devices' `samples` labels (and the server's labelled images, when it learned them), and
+        the fit's report: the devices' label shares, the classes seen, the temperature and the relative one the
+        held-out labels chose; the round's head unchanged when no device's label was summed."""
+        devices = HeadStatistics.of_tensors(aggregate)
+        if not np.any(devices.class_counts > 0):  # an abandoned secure round, or no device held a label
             return dict(head), {"classes_seen": 0, "temperature": self.temperature}
+        statistics = self.with_server_labels(devices, samples)
         refined = self.refines(statistics)
         weight, bias = lda_head(statistics, self.shrinkage, self.pool_weight if refined else 0.0)
         relative = relative_temperature(statistics.calibration) if self.temperature is not None else None
         self.temperature = (self.temperature or 1.0) * (relative or 1.0)
         names = head_names(head)
         fitted = {names[0]: weight / self.temperature, names[1]: bias / self.temperature}
-        shares = np.maximum(statistics.class_counts, 0.0)
+        shares = np.maximum(devices.class_counts, 0.0)  # the devices' labels: what a device compares its own with
         report = {
             CLASS_SHARES: (shares / shares.sum()).round(6).tolist(),
             "classes_seen": int(np.count_nonzero(statistics.class_counts > 0)),
