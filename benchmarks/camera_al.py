@@ -25,7 +25,7 @@ predictions on the device's pool where label propagation over the cached rows ag
 them; FedAvg still weighs by human labels), its options in the spelling beside the sampler's
 (semi:NAME:pseudo_labels=500). "pooled:NAME": the devices send their labels' class statistics and pooled-head fits
 the classifier; "pooled-em:NAME" the same, each acquisition's round followed by a round without acquisition in which
-the devices send their pools' posterior sums too and pooled-head refines the class means with them (--pool-weight;
+the devices send their pools' posterior sums too and pooled-head refines the class means with them (--pool-labels;
 the curve's point is the refined head's). --jobs runs seeds and samplers in that many processes.
 
 Reported per sampler (over the seeds; the summary of curves.py):
@@ -83,7 +83,7 @@ from curves import sampler_and_options, summarise
 
 from bench.camera_scenes import parse_classes
 from coordinator.strategies.aggregate import ClientUpdate
-from coordinator.strategies.pooled_head import POOL_WEIGHT, PooledHead
+from coordinator.strategies.pooled_head import POOL_LABELS, PooledHead
 from coordinator.strategies.registry import make_strategy
 from edge_agent.learning.batch_samplers import PhasedSampler, TypicalitySampler
 from edge_agent.learning.batch_selection import level_quotas
@@ -406,7 +406,7 @@ def fitted_head(updates: list[ClientUpdate], head: Head, fit: PooledHead) -> Hea
     """pooled-head's classifier from the devices' statistics, their mean weighted by label count as the round
     aggregator's FedAvg gives it."""
     mean, _ = make_strategy("fedavg").aggregate({}, updates, None)
-    fitted, _ = fit.fitted(mean, head.weights())
+    fitted, _ = fit.fitted(mean, head.weights(), sum(update.num_samples for update in updates))
     return Head(*(fitted[name] for name in HEAD))
 
 
@@ -447,7 +447,7 @@ def run(fleet: dict[str, np.ndarray], sampler: str, seed: int, args: argparse.Na
     classifier = initial_model(lite0_spec(args.size, args.classes), seed).classifier()
     head = Head(classifier.weight.detach().numpy(), classifier.bias.detach().numpy())
     labels, federated, central, served = [], [], [], []
-    fit = PooledHead(pool_weight=args.pool_weight)
+    fit = PooledHead(pool_labels=args.pool_labels)
     for round_id in range(1, args.rounds + 1):
         step = (seed * 1000 + round_id) * 100
         if sampler.startswith(POOLED):
@@ -549,7 +549,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--classes", type=parse_classes, default=TEN_CLASSES, help="NAME=SOURCE,... (default: ten)")
     parser.add_argument("--jobs", type=int, default=1, help="processes running the seeds and samplers")
     parser.add_argument(
-        "--pool-weight", type=float, default=POOL_WEIGHT, help="pooled-em: the pools' weight against the labels"
+        "--pool-labels", type=float, default=POOL_LABELS, help="pooled-em: how many labels the pools weigh as, together"
     )
     parser.add_argument("--work", type=Path, default=Path("runs") / "camera-al", help="the feature cache's folder")
     parser.add_argument("--figures", type=Path, help="write curves.png, default_vs_random.png and table.md here")

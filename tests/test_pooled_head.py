@@ -135,16 +135,17 @@ def test_the_pools_posteriors_refine_the_class_means_only_in_a_round_without_new
     features, labels = gaussian_classes(8, seed=11, noise=1.5)
     pool, _ = gaussian_classes(2000, seed=12, noise=1.5)
     test, truth = gaussian_classes(2000, seed=13, noise=1.5)
-    strategy = PooledHead(shrinkage=0.8)
+    strategy = PooledHead(shrinkage=0.8, pool_labels=80.0)  # the pools weigh 10 times the 8 labels
     fresh = (np.zeros((CLASSES, FEATURES)), np.zeros(CLASSES))
-    first, report = strategy.fitted(pool_statistics((features, labels), pool, fresh), HEAD)
+    first, report = strategy.fitted(pool_statistics((features, labels), pool, fresh), HEAD, 8.0)
     assert not report["pool_refined"], "the fresh head's posteriors are noise"
     head = (first["classifier_fc.weight"], first["classifier_fc.bias"])
-    acquiring, report = strategy.fitted(pool_statistics((features, labels), pool, head, new=4), HEAD)
+    acquiring, report = strategy.fitted(pool_statistics((features, labels), pool, head, new=4), HEAD, 8.0)
     assert not report["pool_refined"]
     np.testing.assert_allclose(acquiring["classifier_fc.weight"] * strategy.temperature, head[0], rtol=1e-5)
-    refined, report = strategy.fitted(pool_statistics((features, labels), pool, head), HEAD)
+    refined, report = strategy.fitted(pool_statistics((features, labels), pool, head), HEAD, 8.0)
     assert report["pool_refined"] and report["classes_seen"] == len(np.unique(labels))
+    assert report["pool_weight"] == pytest.approx(10.0)
 
     def accuracy(fitted: dict[str, np.ndarray]) -> float:
         return float(
@@ -152,8 +153,26 @@ def test_the_pools_posteriors_refine_the_class_means_only_in_a_round_without_new
         )
 
     assert accuracy(refined) > accuracy(first) + 0.03
-    _, report = PooledHead(pool_weight=0.0).fitted(pool_statistics((features, labels), pool, head), HEAD)
+    _, report = PooledHead(pool_labels=0.0).fitted(pool_statistics((features, labels), pool, head), HEAD, 8.0)
     assert not report["pool_refined"]
+
+
+def test_the_pools_weigh_a_fixed_number_of_labels_that_the_fleets_labels_outgrow() -> None:
+    """The pools' weight against the labels is pool_labels over every label in the fit, the server's included: ten
+    times 40 labels' weight, once 400; with the server's 200 images beside 80 device labels, 400 / 280."""
+    features, labels = gaussian_classes(40, seed=18)
+    pool, _ = gaussian_classes(500, seed=19)
+    strategy = PooledHead(pool_labels=400.0)
+    assert [strategy.pool_weight(count) for count in (40.0, 400.0, 0.0)] == [10.0, 1.0, 0.0]
+    first, _ = strategy.fitted(
+        pool_statistics((features, labels), pool, (np.zeros_like(HEAD["classifier_fc.weight"]), np.zeros(CLASSES))),
+        HEAD,
+        40.0,
+    )
+    head = (first["classifier_fc.weight"], first["classifier_fc.bias"])
+    strategy.learn_server_labels(HeadStatistics.of_labels(features, labels, CLASSES), 200)
+    _, report = strategy.fitted(pool_statistics((features, labels), pool, head), HEAD, 80.0)
+    assert report["pool_refined"] and report["pool_weight"] == pytest.approx(400.0 / 280.0)
 
 
 def test_a_class_no_label_holds_stays_unseen_whatever_the_pools_say() -> None:

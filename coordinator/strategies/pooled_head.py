@@ -15,7 +15,7 @@ from protocol.tensors import Weights
 from protocol.trained_set import head_shape
 
 CLASS_SHARES = "class_shares"  # the fit's report: the fleet's human labels per class as shares
-POOL_WEIGHT = 10.0  # the pools' posterior sums weigh ten times the fleet's labels (measured: section 7.10)
+POOL_LABELS = 400.0  # the pools' posterior sums weigh as much as 400 labels together (measured: section 7.10)
 UNSEEN_BIAS = -1e4  # the bias of a class no label holds yet: its mean is unknown, so the head never predicts it
 
 
@@ -105,18 +105,18 @@ class PooledHead(StreamingWeightedAverage):
     options = (
         Option("shrinkage", float, 0.8, "pooled-head: LDA covariance shrinkage towards the identity", 0.0, 1.0),
         Option(
-            "pool_weight",
+            "pool_labels",
             float,
-            POOL_WEIGHT,
-            "pooled-head: how much the devices' pool posteriors (--pool-statistics 1) weigh against the labels",
+            POOL_LABELS,
+            "pooled-head: how many labels the devices' pool posteriors (--pool-statistics 1) weigh as, together",
             0.0,
-            100.0,
+            100000.0,
         ),
     )
 
-    def __init__(self, shrinkage: float = 0.8, pool_weight: float = POOL_WEIGHT) -> None:
+    def __init__(self, shrinkage: float = 0.8, pool_labels: float = POOL_LABELS) -> None:
         self.shrinkage = self.option("shrinkage").check(shrinkage)
-        self.pool_weight = self.option("pool_weight").check(pool_weight)
+        self.pool_labels = self.option("pool_labels").check(pool_labels)
         self.temperature: float | None = None
         self.server: tuple[HeadStatistics, float] | None = None
 
@@ -127,8 +127,8 @@ class PooledHead(StreamingWeightedAverage):
     def with_server_labels(self, statistics: HeadStatistics, samples: float) -> HeadStatistics:
         """The round's statistics over the devices' `samples` labels with the server's labelled images summed in,
         each side weighed by its labels; the calibration sums are the devices' new labels' over all of them (what
-        the head they were chosen with was fitted on), and the pools' sums stay the devices' (their weight is
-        pool_weight times every label)."""
+        the head they were chosen with was fitted on), and the pools' sums stay the devices' (pool_weight weighs
+        them against every label)."""
         if self.server is None or not samples > 0:
             return statistics
         server, count = self.server
@@ -145,13 +145,18 @@ class PooledHead(StreamingWeightedAverage):
             calibration=statistics.calibration * (samples / total),
         )
 
+    def pool_weight(self, labels: float) -> float:
+        """How many times the weight of the fit's `labels` labels (the devices' and the server's) the pools' posterior
+        sums carry: pool_labels / labels, so a fixed number of labels' worth that the labels outgrow (each pool
+        image weighs a fixed fraction of a label: Nigam et al.'s EM-lambda). Section 7.10 measured it."""
+        return self.pool_labels / labels if labels > 0 else 0.0
+
     def refines(self, statistics: HeadStatistics) -> bool:
         """Whether this round's pool posteriors refine the class means: they arrived, they came from a head this
         strategy fitted (not the spec's fresh one), and no new label arrived with them (an acquiring round's
         posteriors are the previous labels' head's: a step behind, measured to lose; section 7.10)."""
         return (
-            self.pool_weight > 0
-            and self.temperature is not None
+            self.temperature is not None
             and float(statistics.calibration[-1]) == 0.0
             and bool(np.any(statistics.pool_mass > 0))
         )
@@ -169,8 +174,9 @@ class PooledHead(StreamingWeightedAverage):
         if not np.any(devices.class_counts > 0):  # an abandoned secure round, or no device held a label
             return dict(head), {"classes_seen": 0, "temperature": self.temperature}
         statistics = self.with_server_labels(devices, samples)
-        refined = self.refines(statistics)
-        weight, bias = lda_head(statistics, self.shrinkage, self.pool_weight if refined else 0.0)
+        labels = samples + (self.server[1] if self.server is not None else 0.0)
+        pools = self.pool_weight(labels) if self.refines(statistics) else 0.0
+        weight, bias = lda_head(statistics, self.shrinkage, pools)
         relative = relative_temperature(statistics.calibration) if self.temperature is not None else None
         self.temperature = (self.temperature or 1.0) * (relative or 1.0)
         names = head_names(head)
@@ -181,7 +187,8 @@ class PooledHead(StreamingWeightedAverage):
             "classes_seen": int(np.count_nonzero(statistics.class_counts > 0)),
             "temperature": self.temperature,
             "relative_temperature": relative,
-            "pool_refined": refined,
+            "pool_refined": pools > 0,
+            "pool_weight": round(pools, 6),
         }
         return {name: fitted[name].astype(head[name].dtype) for name in names}, report
 
