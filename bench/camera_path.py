@@ -81,6 +81,9 @@ class CentralLabelling:
         )
 
 
+BENCH_AGENT_FLAGS = ("--settle-seconds", "0", "--scan-interval", "0.5")  # the bench's cameras: no settling, quick scans
+
+
 @dataclass(frozen=True)
 class CameraSite:
     """Where the guide's commands run on one machine: a fleet folder (bench.camera_fleet), a work folder, the
@@ -94,7 +97,7 @@ class CameraSite:
     labels: int
     coordinator_flags: tuple[str, ...] = ()
     coordinator_values: tuple[tuple[str, str | None], ...] = ()  # the guide's flags given other values (None: left out)
-    agent_flags: tuple[str, ...] = field(default=("--settle-seconds", "0", "--scan-interval", "0.5"))
+    agent_flags: tuple[str, ...] = field(default=BENCH_AGENT_FLAGS)
     profile: Path | None = PROFILE  # None: no board profile (a from-scratch model's devices train it all in torch)
     central: CentralLabelling | None = None  # None: each device's person answers at its folder oracle
 

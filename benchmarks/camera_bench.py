@@ -53,7 +53,7 @@ from bench.camera_fleet import (
     build_fleet,
     device_dir,
 )
-from bench.camera_path import CameraSite, CentralLabelling, run_camera_site
+from bench.camera_path import BENCH_AGENT_FLAGS, CameraSite, CentralLabelling, run_camera_site
 from bench.camera_scenes import DEFAULT_CLASSES, parse_classes
 from bench.probe import backbone_features, fit_probe, fleet_label_blocks, leading_rows, probe_accuracy
 from coordinator.fleet.broker import free_loopback_port
@@ -98,8 +98,18 @@ def run_fleet(args: argparse.Namespace, fleet_dir: Path, sampler: str, seed: int
     flags = sweep_flags(args, sampler, seed)
     central = CentralLabelling(free_loopback_port()) if args.loop else None
     unused = (("--logit-adjustment", None),) if args.pooled_head else ()  # kept-labels' option, left out
+    consent = ("--share-pool-statistics",) if args.pool_statistics else ()
     site = CameraSite(
-        fleet_dir, work, free_loopback_port(), args.devices, args.rounds, args.labels, flags, unused, central=central
+        fleet_dir,
+        work,
+        free_loopback_port(),
+        args.devices,
+        args.rounds,
+        args.labels,
+        flags,
+        unused,
+        (*BENCH_AGENT_FLAGS, *consent),
+        central=central,
     )
     site = site if spec.pretrained else dataclasses.replace(site, profile=None)
     people = site.people(tuple(spec.class_names))
@@ -196,7 +206,8 @@ def main() -> None:
     parser.add_argument(
         "--pool-statistics",
         action="store_true",
-        help="with --pooled-head: --pool-statistics 1 --rounds-per-acquisition 2 (each acquisition, then a refinement)",
+        help="with --pooled-head: --pool-statistics 1 --rounds-per-acquisition 2 (each acquisition, then a refinement), "
+        "the cameras started with --share-pool-statistics",
     )
     parser.add_argument("--max-message-bytes", type=int, default=256 * 1024)
     parser.add_argument(

@@ -53,6 +53,12 @@ def add_device_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--inference-batch", type=int, help="images per scoring batch (default: the profile's, else 256)")
     run.add_argument("--exit-on-final", action="store_true", help="exit when the coordinator ends the run")
     run.add_argument(
+        "--share-pool-statistics",
+        action="store_true",
+        help="send the unlabelled images' per-class feature means when a round asks for them (the coordinator's "
+        "--pool-statistics 1; docs/privacy.md says what they reveal); without it they are withheld (zeros)",
+    )
+    run.add_argument(
         "--slowdown",
         type=float,
         default=1.0,
@@ -110,6 +116,7 @@ def agent_settings(
         "signing_key": credentials.hmac_key if credentials else b"",
         "identity": credentials.identity if credentials else DeviceIdentity(),
         "slowdown": args.slowdown,
+        "share_pool_statistics": args.share_pool_statistics,
     }
     if profile is None:
         return AgentSettings(

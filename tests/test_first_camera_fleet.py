@@ -13,12 +13,22 @@ from PIL import Image
 
 from bench.camera_console import logged_predictions
 from bench.camera_fleet import SERVER_FILE, SPEC_FILE, FleetSettings, PeopleAtThePage, build_fleet
-from bench.camera_path import CameraSite, CentralLabelling, guide_command, run_camera_site, with_values
+from bench.camera_path import (
+    BENCH_AGENT_FLAGS,
+    CameraSite,
+    CentralLabelling,
+    guide_command,
+    run_camera_site,
+    with_values,
+)
 from bench.camera_scenes import parse_classes
 from coordinator.fleet.broker import free_loopback_port
+from coordinator.storage.spool import Spool
 from coordinator.storage.store import RunStore
 from edge_agent.data.image_arrays import ImageDataset
-from protocol.messages import WAITING_FOR_ANSWERS
+from protocol import wire
+from protocol.head_statistics import HeadStatistics
+from protocol.messages import WAITING_FOR_ANSWERS, Update
 from protocol.model_spec import load_model_spec
 
 CLASSES = "sneaker=Sneaker,sandal=Sandal,coat=Coat,pullover=Pullover,shirt=Shirt"
@@ -137,11 +147,15 @@ def test_the_field_loop_labels_through_the_page_and_serves_a_version(tmp_path: P
     assert published == {f"cam-{n}": settings.per_class * len(settings.classes) for n in range(devices)}
 
 
-def pooled_site(tmp_path: Path, fleet_dir: Path, flags: tuple[str, ...], rounds: int = 1) -> CameraSite:
-    """The guide's site with the pooled head (its kept-labels option left out) and `flags`, to the end."""
+def pooled_site(
+    tmp_path: Path, fleet_dir: Path, flags: tuple[str, ...], rounds: int = 1, agent_flags: tuple[str, ...] = ()
+) -> CameraSite:
+    """The guide's site with the pooled head (its kept-labels option left out) and `flags` (the cameras'
+    `agent_flags`), to the end."""
     pooled = ("--strategy", "pooled-head", "--local-rule", "class-statistics", *flags)
     unused = (("--logit-adjustment", None),)  # an option of kept-labels, the rule class-statistics replaces
-    site = CameraSite(fleet_dir, tmp_path, free_loopback_port(), 2, rounds, 6, pooled, unused)
+    agents = (*BENCH_AGENT_FLAGS, *agent_flags)
+    site = CameraSite(fleet_dir, tmp_path, free_loopback_port(), 2, rounds, 6, pooled, unused, agents)
     codes = run_camera_site(site, timeout=300)
     out = (tmp_path / "coordinator.out").read_text()
     assert codes == [0, 0, 0], out + (tmp_path / "coordinator.log").read_text()[-3000:]
@@ -181,23 +195,61 @@ def test_a_fleet_fits_its_head_from_class_statistics_plainly_and_securely_alike(
 def test_the_pools_posteriors_refine_the_pooled_head_in_the_round_after_each_acquisition(
     tmp_path: Path, fashion: ImageDataset
 ) -> None:
-    """`--pool-statistics 1 --rounds-per-acquisition 2`: real cameras send their pools' posterior sums with their
-    labels' statistics; the round that acquired fits from the labels alone, the next (no new labels) refines the
-    class means with the pools; every count stays of human answers, and the refined head differs."""
+    """`--pool-statistics 1 --rounds-per-acquisition 2`, cameras started with `--share-pool-statistics`: real cameras
+    send their pools' posterior sums with their labels' statistics; the round that acquired fits from the labels
+    alone, the next (no new labels) refines the class means with the pools; every count stays of human answers,
+    and the refined head differs."""
     fleet_dir = tmp_path / "fleet"
     build_fleet(
         fleet_dir, FleetSettings(2, parse_classes(CLASSES), per_class=8, test_per_class=6, size=64, seed=3), fashion
     )
-    flags = ("--pool-statistics", "1", "--rounds-per-acquisition", "2")
-    site = pooled_site(tmp_path / "pool", fleet_dir, flags, rounds=2)
+    site = pooled_site(tmp_path / "pool", fleet_dir, POOL_FLAGS, rounds=2, agent_flags=("--share-pool-statistics",))
     with RunStore(site.run_dir, read_only=True) as store:
         rounds = store.rounds()
         samples = {(record.device_id, record.round_id): record.num_samples for record in store.device_rounds()}
         heads = [store.checkpoints.load(r)["classifier_fc.weight"] for r in (1, 2)]
     assert [record.report["pool_refined"] for record in rounds] == [False, True]
+    assert rounds[1].report["pool_weight"] > 0
     assert rounds[1].labels == rounds[0].labels, "the refining round acquires nothing"
     assert samples == {(f"cam-{n}", r): 6 for n in range(2) for r in (1, 2)}, "human labels alone are counted"
     assert not np.allclose(heads[0], heads[1])
+    assert all(np.any(pools.pool_mass > 0) for pools in spooled_statistics(site.run_dir, 2).values())
+
+
+POOL_FLAGS = ("--pool-statistics", "1", "--rounds-per-acquisition", "2", "--keep-updates")
+
+
+def spooled_statistics(run_dir: Path, round_id: int) -> dict[str, HeadStatistics]:
+    """Each device's statistics as the coordinator received them in a round (its spool, --keep-updates)."""
+    payloads = Spool(run_dir / "spool").payloads(round_id)
+    return {device: HeadStatistics.of_tensors(wire.decode(raw, Update).tensors) for device, raw in payloads.items()}
+
+
+@pytest.mark.integration
+def test_a_camera_not_started_with_share_pool_statistics_withholds_its_pool_from_a_coordinator_that_asks(
+    tmp_path: Path, fashion: ImageDataset
+) -> None:
+    """The coordinator asks for the pools' sums (`--pool-statistics 1`); cameras started without
+    `--share-pool-statistics` send their labels' statistics and zeros for the pool's, each says so in its log, and
+    the coordinator has nothing to refine with."""
+    fleet_dir = tmp_path / "fleet"
+    build_fleet(
+        fleet_dir, FleetSettings(2, parse_classes(CLASSES), per_class=8, test_per_class=6, size=64, seed=3), fashion
+    )
+    site = pooled_site(tmp_path / "pool", fleet_dir, POOL_FLAGS, rounds=2)
+    with RunStore(site.run_dir, read_only=True) as store:
+        assert [record.report["pool_refined"] for record in store.rounds()] == [False, False]
+    for round_id in (1, 2):
+        received = spooled_statistics(site.run_dir, round_id)
+        assert sorted(received) == ["cam-0", "cam-1"]
+        for statistics in received.values():
+            assert np.any(statistics.class_counts > 0), "the labels' statistics still travel"
+            assert not np.any(statistics.pool_sums) and not np.any(statistics.pool_mass)
+    for number in range(2):
+        withheld = re.findall(
+            r"pool statistics withheld device=cam-\d round=(\d)", (site.work / f"cam-{number}.log").read_text()
+        )
+        assert withheld == ["1", "2"]
 
 
 @pytest.mark.integration

@@ -31,6 +31,7 @@ class AgentSettings:
     signing_key: bytes = b""
     identity: DeviceIdentity = field(default_factory=DeviceIdentity)  # secure aggregation's signed key adverts
     slowdown: float = 1.0  # a bench knob: each round takes this many times its own compute time (see Agent)
+    share_pool_statistics: bool = False  # the operator's consent to send the pool's posterior sums (privacy.md)
 
     def __post_init__(self) -> None:
         if not 1.0 <= self.slowdown <= 1000.0:

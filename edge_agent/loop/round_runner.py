@@ -7,6 +7,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
@@ -27,7 +28,7 @@ from protocol.dp import DP_DEVICE, WITHIN_CLIP_METRIC, DpRound, privatised
 from protocol.errors import UsageError
 from protocol.model_spec import ModelSpec, spec_hash
 from protocol.tensors import Weights
-from protocol.trained_set import update_base
+from protocol.trained_set import POOL_STATISTICS, update_base
 from protocol.update_codec import ResidualStore, UpdateCodec, encode_update
 from protocol.wire import shown_names
 
@@ -102,6 +103,7 @@ class RoundRunner:
     ) -> messages.Update | None:
         """Acquires (when the schedule says so), labels and trains; returns the update, or None when the device
         is not among the round's participants (it then only acquires, as every device does, and never trains)."""
+        announcement = self.within_consent(announcement)
         recipe, round_id = announcement.recipe, announcement.round_id
         participating = not announcement.participants or self.settings.device_id in announcement.participants
         bundle = self.artefacts.bundles.get(announcement.model_hash)
@@ -130,6 +132,20 @@ class RoundRunner:
                 break
             metrics = done
         return self.update_of(announcement, spec, models, metrics, global_weights) if participating else None
+
+    def within_consent(self, announcement: messages.RoundAnnouncement) -> messages.RoundAnnouncement:
+        """The round as this device does it: a coordinator's ask for the pool's posterior sums (POOL_STATISTICS) is
+        dropped, logged, unless this device's operator consented (--share-pool-statistics): its update then carries
+        them as zeros, as when nobody asked (they reveal the unlabelled images' features: docs/privacy.md)."""
+        recipe = announcement.recipe
+        if self.settings.share_pool_statistics or not recipe.options.get(POOL_STATISTICS):
+            return announcement
+        log.warning(
+            "pool statistics withheld device=%s round=%d: this device was not started with --share-pool-statistics",
+            self.settings.device_id,
+            announcement.round_id,
+        )
+        return replace(announcement, recipe=replace(recipe, options={**recipe.options, POOL_STATISTICS: 0.0}))
 
     def run_step(
         self, models: RoundModels, round_id: int, step: int, acquires: bool, trains: bool
