@@ -214,6 +214,9 @@ def test_the_pools_posteriors_refine_the_pooled_head_in_the_round_after_each_acq
     assert samples == {(f"cam-{n}", r): 6 for n in range(2) for r in (1, 2)}, "human labels alone are counted"
     assert not np.allclose(heads[0], heads[1])
     assert all(np.any(pools.pool_mass > 0) for pools in spooled_statistics(site.run_dir, 2).values())
+    out = (site.work / "coordinator.out").read_text()
+    lines = [line for line in out.splitlines() if re.match(r"round +\d+/", line)]
+    assert ["refined by the pools (weight" in line for line in lines] == [False, True], lines
 
 
 POOL_FLAGS = ("--pool-statistics", "1", "--rounds-per-acquisition", "2", "--keep-updates")

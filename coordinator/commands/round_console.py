@@ -47,6 +47,7 @@ class RoundPrinter:
                         "rejected": result.rejected,
                         "suspects": result.suspects,
                         **({"epsilon": result.report["dp"]["epsilon"]} if "dp" in result.report else {}),
+                        **({"pool_weight": result.report["pool_weight"]} if result.report.get("pool_refined") else {}),
                     }
                 ),
                 flush=True,
@@ -59,7 +60,8 @@ class RoundPrinter:
                 + peak_words(result.peak_rss_mb)
                 + (f"  rejected {len(result.rejected)}" if result.rejected else "")
                 + (f"  suspects {','.join(sorted(result.suspects))}" if result.suspects else "")
-                + (f"  epsilon {result.report['dp']['epsilon']:.3g}" if "dp" in result.report else ""),
+                + (f"  epsilon {result.report['dp']['epsilon']:.3g}" if "dp" in result.report else "")
+                + pool_words(result.report),
                 flush=True,
             )
 
@@ -108,6 +110,12 @@ def test_set_words(result: RoundResult) -> str:
 def labels_words(result: RoundResult) -> str:
     """The round's label count, the server's and the devices' shown apart."""
     return f"{result.labels} (server {result.server_labels} + devices {result.labels - result.server_labels})"
+
+
+def pool_words(report: dict) -> str:
+    """'  refined by the pools (weight W)' for a round whose class means the pools' posteriors moved (the pooled
+    head's --pool-statistics 1), W their weight against all the fit's labels; '' otherwise."""
+    return f"  refined by the pools (weight {report['pool_weight']:.2f})" if report.get("pool_refined") else ""
 
 
 def peak_words(peaks: dict[str, float]) -> str:
