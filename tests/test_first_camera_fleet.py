@@ -12,7 +12,15 @@ import pytest
 from PIL import Image
 
 from bench.camera_console import logged_predictions
-from bench.camera_fleet import SERVER_FILE, SPEC_FILE, FleetSettings, PeopleAtThePage, build_fleet
+from bench.camera_fleet import (
+    ANSWERS_FILE,
+    SERVER_FILE,
+    SPEC_FILE,
+    FleetSettings,
+    PeopleAtThePage,
+    build_fleet,
+    device_dir,
+)
 from bench.camera_path import (
     BENCH_AGENT_FLAGS,
     CameraSite,
@@ -23,6 +31,7 @@ from bench.camera_path import (
 )
 from bench.camera_scenes import parse_classes
 from coordinator.fleet.broker import free_loopback_port
+from coordinator.intake.label_agreement import LABEL_MARGIN
 from coordinator.storage.spool import Spool
 from coordinator.storage.store import RunStore
 from edge_agent.data.image_arrays import ImageDataset
@@ -148,17 +157,23 @@ def test_the_field_loop_labels_through_the_page_and_serves_a_version(tmp_path: P
 
 
 def pooled_site(
-    tmp_path: Path, fleet_dir: Path, flags: tuple[str, ...], rounds: int = 1, agent_flags: tuple[str, ...] = ()
+    tmp_path: Path,
+    fleet_dir: Path,
+    flags: tuple[str, ...],
+    rounds: int = 1,
+    agent_flags: tuple[str, ...] = (),
+    devices: int = 2,
+    labels: int = 6,
 ) -> CameraSite:
-    """The guide's site with the pooled head (its kept-labels option left out) and `flags` (the cameras'
-    `agent_flags`), to the end."""
+    """The guide's site of `devices` cameras with the pooled head (its kept-labels option left out) and `flags` (the
+    cameras' `agent_flags`), `labels` a camera and round, to the end."""
     pooled = ("--strategy", "pooled-head", "--local-rule", "class-statistics", *flags)
     unused = (("--logit-adjustment", None),)  # an option of kept-labels, the rule class-statistics replaces
     agents = (*BENCH_AGENT_FLAGS, *agent_flags)
-    site = CameraSite(fleet_dir, tmp_path, free_loopback_port(), 2, rounds, 6, pooled, unused, agents)
+    site = CameraSite(fleet_dir, tmp_path, free_loopback_port(), devices, rounds, labels, pooled, unused, agents)
     codes = run_camera_site(site, timeout=300)
     out = (tmp_path / "coordinator.out").read_text()
-    assert codes == [0, 0, 0], out + (tmp_path / "coordinator.log").read_text()[-3000:]
+    assert codes == [0] * (devices + 1), out + (tmp_path / "coordinator.log").read_text()[-3000:]
     return site
 
 
@@ -226,6 +241,29 @@ def spooled_statistics(run_dir: Path, round_id: int) -> dict[str, HeadStatistics
     """Each device's statistics as the coordinator received them in a round (its spool, --keep-updates)."""
     payloads = Spool(run_dir / "spool").payloads(round_id)
     return {device: HeadStatistics.of_tensors(wire.decode(raw, Update).tensors) for device, raw in payloads.items()}
+
+
+@pytest.mark.integration
+def test_a_camera_whose_person_answers_at_random_is_a_suspect_under_the_pooled_head(
+    tmp_path: Path, fashion: ImageDataset
+) -> None:
+    """Four real cameras on the pooled head; cam-3's person answers from an answer key whose labels are shuffled. Its
+    statistics are judged once it holds 20 labels (round 2): it is the round's suspect, and the honest cameras are
+    not; the console's round line names it."""
+    fleet_dir = tmp_path / "fleet"
+    build_fleet(
+        fleet_dir, FleetSettings(4, parse_classes(CLASSES), per_class=8, test_per_class=6, size=64, seed=3), fashion
+    )
+    key = device_dir(fleet_dir, 3) / ANSWERS_FILE
+    header, *rows = key.read_text().splitlines()
+    names, answers = zip(*(row.split(",") for row in rows))
+    shuffled = np.random.default_rng(0).permutation(answers)
+    key.write_text("\n".join([header, *(f"{name},{answer}" for name, answer in zip(names, shuffled))]) + "\n")
+    site = pooled_site(tmp_path / "pool", fleet_dir, (), rounds=2, devices=4, labels=12)
+    with RunStore(site.run_dir, read_only=True) as store:
+        suspects = [record.report["suspects"] for record in store.rounds()]
+    assert suspects == [{}, {"cam-3": [LABEL_MARGIN]}], "12 labels are too few to judge; 24 are not"
+    assert "suspects cam-3" in (site.work / "coordinator.out").read_text()
 
 
 @pytest.mark.integration

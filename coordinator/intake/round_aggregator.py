@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from coordinator.intake.divergence import flag_suspects, layer_divergence, suspicion_divergence
+from coordinator.intake.label_agreement import statistics_suspects
 from coordinator.intake.scratch import TensorScratch
 from coordinator.strategies.aggregate import ClientUpdate, capped_weights, check_magnitude
 from coordinator.strategies.contract import Evaluate, Strategy, StreamingWeightedAverage, streams
@@ -25,7 +26,9 @@ class SuspectPolicy:
     which nothing sent this round can move), in batch and streamed rounds alike. A device is a suspect when at
     least `min_layer_fraction` of its layers have a robust z-score above `threshold` (single layers of a few
     devices cross it by chance); an update of fewer than divergence.MIN_TENSORS_PER_LAYER tensors (a classifier
-    head) is judged as one whole (divergence.suspicion_divergence).
+    head) is judged as one whole (divergence.suspicion_divergence). A statistics strategy's updates are no model:
+    they are judged on how well their labels agree with the rest of the round's (label_agreement; the threshold
+    and layer fraction do not apply).
     """
 
     threshold: float = 3.5
@@ -100,9 +103,13 @@ class RoundAggregator(ABC):
         clipped = capped_weights(claims, caps)
         return {device: float(value) for device, value, claim in zip(devices, clipped, claims) if value != claim}
 
-    def weighed_samples(self) -> float:
-        """The round's sample count as the strategy weighed its updates (a claim the share cap lowered, lowered)."""
-        return float(sum(self.clipped.get(device, claim[0]) for device, claim in self.claims.items()))
+    def weighed_samples(self, excluded: Iterable[str] = ()) -> float:
+        """The round's sample count as the strategy weighed its updates (a claim the share cap lowered, lowered; the
+        `excluded` suspects' left out)."""
+        left_out = set(excluded)
+        return float(
+            sum(self.clipped.get(device, claim[0]) for device, claim in self.claims.items() if device not in left_out)
+        )
 
     def as_weighed(self, update: ClientUpdate) -> ClientUpdate:
         """The update with the sample count the strategy weighs it by (clipped by the share cap where it is)."""
@@ -113,10 +120,10 @@ class RoundAggregator(ABC):
     def finish(self, evaluate: Evaluate | None, visit: Callable[[ClientUpdate], None] | None = None) -> Aggregate:
         """The round's Aggregate (the round's model with its trained tensors aggregated); `visit` sees every update's
         whole model once more (e.g. to score it) in device order."""
-        suspects = suspects_by_divergence(dict(sorted(self.from_base.items())), self.policy)
+        suspects = self.suspects()
         self.clipped = self.clipped_samples()
         aggregate, report = self.combine(suspects, self.completing(evaluate))
-        trained, fit = self.strategy.fitted(aggregate, self.head, self.weighed_samples())
+        trained, fit = self.strategy.fitted(aggregate, self.head, self.weighed_samples(report.get("excluded", ())))
         report = {**report, **fit}
         if self.clipped:
             report = {**report, "samples_clipped": {device: self.claims[device][0] for device in self.clipped}}
@@ -126,6 +133,14 @@ class RoundAggregator(ABC):
             if visit is not None:
                 visit(dataclasses.replace(update, weights=with_trained(self.model, update.weights)))
         return Aggregate(with_trained(self.model, trained), {**report, "suspects": suspects}, divergence, suspects)
+
+    def suspects(self) -> dict[str, list[str]]:
+        """Device -> why it is a suspect: its divergence from the base model (suspects_by_divergence), or for a
+        statistics strategy's updates (no model to measure) its labels' disagreement with the rest's
+        (label_agreement.statistics_suspects)."""
+        if self.strategy.statistics:
+            return statistics_suspects(self.models())
+        return suspects_by_divergence(dict(sorted(self.from_base.items())), self.policy)
 
     def completing(self, evaluate: Evaluate | None) -> Evaluate | None:
         """`evaluate` of a trained set completed with the round's frozen tensors (a strategy chooses among trained
