@@ -78,6 +78,21 @@ def test_too_few_labels_or_too_few_judged_devices_judge_nobody() -> None:
     assert statistics_suspects([*one, update("dev-9", truth, (truth + 1) % CLASSES, seed=8)]) == {}, "no majority of 2"
 
 
+def test_statistics_noised_under_device_dp_are_not_judged() -> None:
+    """Under --dp device each update's class shares carry noise: they are no distribution, and are not judged."""
+    truth = np.random.default_rng(9).integers(CLASSES, size=40)
+    liar = update("dev-9", truth, (truth + 1) % CLASSES, seed=10)
+    noisy = [*honest_fleet(4, 40), liar]
+    for index, one in enumerate(noisy):
+        rng = np.random.default_rng(index)
+        tensors = {
+            name: array + rng.normal(0.0, 0.3, array.shape).astype(np.float32) for name, array in one.weights.items()
+        }
+        noisy[index] = ClientUpdate(one.device_id, tensors, one.num_samples)
+    assert statistics_suspects([*honest_fleet(4, 40), liar]) == {"dev-9": [LABEL_MARGIN]}
+    assert label_margins(statistics_of(noisy)) == {} and statistics_suspects(noisy) == {}
+
+
 def test_a_class_only_one_camera_holds_is_not_held_against_it() -> None:
     """Each class lives on its own camera (a camera per room): none of them can be judged, and none is flagged;
     a camera whose classes the rest also holds is judged on those alone."""

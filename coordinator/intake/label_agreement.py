@@ -11,6 +11,7 @@ from protocol.head_statistics import CLASS_COUNTS, CLASS_SUMS
 
 LABEL_MARGIN = "label-margin"  # what a statistics update is judged on (the suspect's "layer" in reports and logs)
 MIN_JUDGED_LABELS = 20  # fewer labels (in classes the rest holds) are too few to judge a device by
+SHARES_TOLERANCE = 0.02  # a device's shares sum to 1 within this as sent in float32 or float16
 SUSPECT_FRACTION = 0.25  # a suspect's labels explain at most this share of what the median device's do
 
 
@@ -22,8 +23,11 @@ def label_margin(
     head of the rest (every other device's class means: w_c = mu_c, b_c = -|mu_c|^2 / 2), from its class sums and
     shares `own` (each over its `labels` rows) and the fleet's summed sums and counts. Honest labels score well
     above 0, labels given at random about 0, systematically wrong ones below; None with fewer than
-    MIN_JUDGED_LABELS judged labels."""
+    MIN_JUDGED_LABELS judged labels, or for shares that are no distribution (statistics noised under --dp device:
+    noise would be judged, not labels)."""
     (sums, shares), (fleet_sums, fleet_counts) = own, fleet
+    if np.any(shares < 0) or abs(float(shares.sum()) - 1.0) > SHARES_TOLERANCE:
+        return None
     rest_counts = fleet_counts - labels * shares
     rest = rest_counts > 1e-6
     if labels * float(shares[rest].sum()) < MIN_JUDGED_LABELS - 1e-6:
