@@ -98,6 +98,7 @@ class CameraSite:
     coordinator_flags: tuple[str, ...] = ()
     coordinator_values: tuple[tuple[str, str | None], ...] = ()  # the guide's flags given other values (None: left out)
     agent_flags: tuple[str, ...] = field(default=BENCH_AGENT_FLAGS)
+    own_flags: tuple[tuple[str, ...], ...] = ()  # per camera, by number: flags only it adds (one consents, one not)
     profile: Path | None = PROFILE  # None: no board profile (a from-scratch model's devices train it all in torch)
     central: CentralLabelling | None = None  # None: each device's person answers at its folder oracle
 
@@ -140,7 +141,8 @@ class CameraSite:
             "--profile": None if self.profile is None else str(self.profile),
         }
         loop = () if self.central is None else ("--labelling", "central")
-        return [*with_values(guide_command("device"), values), *self.agent_flags, *loop]
+        own = self.own_flags[number] if number < len(self.own_flags) else ()
+        return [*with_values(guide_command("device"), values), *self.agent_flags, *own, *loop]
 
     def report_command(self) -> list[str]:
         """The guide's `fl-coordinator report` of this site's run."""

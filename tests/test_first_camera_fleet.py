@@ -1,6 +1,7 @@
 # The guide docs/first-camera-fleet.md run as written (and with the field loop's flags) on a generated fleet.
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shlex
@@ -22,7 +23,6 @@ from bench.camera_fleet import (
     device_dir,
 )
 from bench.camera_path import (
-    BENCH_AGENT_FLAGS,
     CameraSite,
     CentralLabelling,
     guide_command,
@@ -161,16 +161,16 @@ def pooled_site(
     fleet_dir: Path,
     flags: tuple[str, ...],
     rounds: int = 1,
-    agent_flags: tuple[str, ...] = (),
+    own_flags: tuple[tuple[str, ...], ...] = (),
     devices: int = 2,
     labels: int = 6,
 ) -> CameraSite:
-    """The guide's site of `devices` cameras with the pooled head (its kept-labels option left out) and `flags` (the
-    cameras' `agent_flags`), `labels` a camera and round, to the end."""
+    """The guide's site of `devices` cameras with the pooled head (its kept-labels option left out) and `flags` (each
+    camera's `own_flags`), `labels` a camera and round, to the end."""
     pooled = ("--strategy", "pooled-head", "--local-rule", "class-statistics", *flags)
     unused = (("--logit-adjustment", None),)  # an option of kept-labels, the rule class-statistics replaces
-    agents = (*BENCH_AGENT_FLAGS, *agent_flags)
-    site = CameraSite(fleet_dir, tmp_path, free_loopback_port(), devices, rounds, labels, pooled, unused, agents)
+    site = CameraSite(fleet_dir, tmp_path, free_loopback_port(), devices, rounds, labels, pooled, unused)
+    site = dataclasses.replace(site, own_flags=own_flags)
     codes = run_camera_site(site, timeout=300)
     out = (tmp_path / "coordinator.out").read_text()
     assert codes == [0] * (devices + 1), out + (tmp_path / "coordinator.log").read_text()[-3000:]
@@ -207,18 +207,19 @@ def test_a_fleet_fits_its_head_from_class_statistics_plainly_and_securely_alike(
 
 
 @pytest.mark.integration
-def test_the_pools_posteriors_refine_the_pooled_head_in_the_round_after_each_acquisition(
+def test_the_pools_posteriors_refine_the_pooled_head_and_a_camera_without_consent_withholds_its_own(
     tmp_path: Path, fashion: ImageDataset
 ) -> None:
-    """`--pool-statistics 1 --rounds-per-acquisition 2`, cameras started with `--share-pool-statistics`: real cameras
-    send their pools' posterior sums with their labels' statistics; the round that acquired fits from the labels
-    alone, the next (no new labels) refines the class means with the pools; every count stays of human answers,
-    and the refined head differs."""
+    """`--pool-statistics 1 --rounds-per-acquisition 2`: cam-0, started with `--share-pool-statistics`, sends its
+    pool's posterior sums with its labels' statistics; cam-1, started without it, sends zeros in their place (as the
+    coordinator's spool holds them) and logs that it withheld them. The round that acquired fits from the labels
+    alone, the next (no new labels) refines the class means with cam-0's pool; every count stays of human answers,
+    the refined head differs, and the console's line says so."""
     fleet_dir = tmp_path / "fleet"
     build_fleet(
         fleet_dir, FleetSettings(2, parse_classes(CLASSES), per_class=8, test_per_class=6, size=64, seed=3), fashion
     )
-    site = pooled_site(tmp_path / "pool", fleet_dir, POOL_FLAGS, rounds=2, agent_flags=("--share-pool-statistics",))
+    site = pooled_site(tmp_path / "pool", fleet_dir, POOL_FLAGS, rounds=2, own_flags=(("--share-pool-statistics",),))
     with RunStore(site.run_dir, read_only=True) as store:
         rounds = store.rounds()
         samples = {(record.device_id, record.round_id): record.num_samples for record in store.device_rounds()}
@@ -228,7 +229,12 @@ def test_the_pools_posteriors_refine_the_pooled_head_in_the_round_after_each_acq
     assert rounds[1].labels == rounds[0].labels, "the refining round acquires nothing"
     assert samples == {(f"cam-{n}", r): 6 for n in range(2) for r in (1, 2)}, "human labels alone are counted"
     assert not np.allclose(heads[0], heads[1])
-    assert all(np.any(pools.pool_mass > 0) for pools in spooled_statistics(site.run_dir, 2).values())
+    received = spooled_statistics(site.run_dir, 2)
+    assert np.any(received["cam-0"].pool_mass > 0) and np.any(received["cam-1"].class_counts > 0)
+    assert not np.any(received["cam-1"].pool_sums) and not np.any(received["cam-1"].pool_mass)
+    withheld = r"pool statistics withheld device=cam-\d round=(\d)"
+    assert re.findall(withheld, (site.work / "cam-1.log").read_text()) == ["1", "2"]
+    assert re.findall(withheld, (site.work / "cam-0.log").read_text()) == []
     out = (site.work / "coordinator.out").read_text()
     lines = [line for line in out.splitlines() if re.match(r"round +\d+/", line)]
     assert ["refined by the pools (weight" in line for line in lines] == [False, True], lines
@@ -264,33 +270,6 @@ def test_a_camera_whose_person_answers_at_random_is_a_suspect_under_the_pooled_h
         suspects = [record.report["suspects"] for record in store.rounds()]
     assert suspects == [{}, {"cam-3": [LABEL_MARGIN]}], "12 labels are too few to judge; 24 are not"
     assert "suspects cam-3" in (site.work / "coordinator.out").read_text()
-
-
-@pytest.mark.integration
-def test_a_camera_not_started_with_share_pool_statistics_withholds_its_pool_from_a_coordinator_that_asks(
-    tmp_path: Path, fashion: ImageDataset
-) -> None:
-    """The coordinator asks for the pools' sums (`--pool-statistics 1`); cameras started without
-    `--share-pool-statistics` send their labels' statistics and zeros for the pool's, each says so in its log, and
-    the coordinator has nothing to refine with."""
-    fleet_dir = tmp_path / "fleet"
-    build_fleet(
-        fleet_dir, FleetSettings(2, parse_classes(CLASSES), per_class=8, test_per_class=6, size=64, seed=3), fashion
-    )
-    site = pooled_site(tmp_path / "pool", fleet_dir, POOL_FLAGS, rounds=2)
-    with RunStore(site.run_dir, read_only=True) as store:
-        assert [record.report["pool_refined"] for record in store.rounds()] == [False, False]
-    for round_id in (1, 2):
-        received = spooled_statistics(site.run_dir, round_id)
-        assert sorted(received) == ["cam-0", "cam-1"]
-        for statistics in received.values():
-            assert np.any(statistics.class_counts > 0), "the labels' statistics still travel"
-            assert not np.any(statistics.pool_sums) and not np.any(statistics.pool_mass)
-    for number in range(2):
-        withheld = re.findall(
-            r"pool statistics withheld device=cam-\d round=(\d)", (site.work / f"cam-{number}.log").read_text()
-        )
-        assert withheld == ["1", "2"]
 
 
 @pytest.mark.integration
