@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from coordinator.labelling.field_set import read_field_set
 from coordinator.rounds.closing import RoundEvaluator
@@ -21,8 +20,9 @@ from coordinator.storage.pretrained import merge_initial_weights, read_weight_fi
 from coordinator.storage.store import RunStore
 from coordinator.strategies.registry import make_strategy
 from edge_agent.data.fashion_mnist import load_fashion_mnist
-from edge_agent.data.image_arrays import ImageDataset, load_npz_dataset, model_input
+from edge_agent.data.image_arrays import ImageDataset, as_model_input, load_npz_dataset
 from edge_agent.data.image_files import InputSpec, UnreadableImageError, decode_image
+from edge_agent.learning.mc_dropout import predict_features
 from edge_agent.learning.models import get_weights, set_weights
 from edge_agent.learning.pretrained_backbone import initial_model
 from edge_agent.learning.training import TrainSettings, train_supervised
@@ -158,15 +158,10 @@ def server_label_statistics(settings: ServerSettings, data: ServerData, weights:
         return None
     model = initial_model(settings.spec, seed=settings.init.seed)
     set_weights(model, weights)
-    model.eval()
-    images = data.dataset.train_images[data.init_indices]
-    batches = []
-    with torch.no_grad():
-        for start in range(0, len(images), FEATURE_BATCH):
-            inputs = torch.from_numpy(model_input(images[start : start + FEATURE_BATCH]))
-            batches.append(model.penultimate(model.prefix(inputs)).numpy())
+    inputs = as_model_input(data.dataset.train_images[data.init_indices])
+    features = predict_features(model, inputs, FEATURE_BATCH)
     labels = data.dataset.train_labels[data.init_indices]
-    return HeadStatistics.of_labels(np.concatenate(batches), labels, settings.spec.num_classes)
+    return HeadStatistics.of_labels(features, labels, settings.spec.num_classes)
 
 
 class FieldSet:
