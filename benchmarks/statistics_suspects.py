@@ -4,8 +4,8 @@ rendered scenes: 4 devices, 10 classes).
 
 Each seed draws every device's labelled rows uniformly from its pool, the same for every budget (LABELS per device,
 each a round's statistics: class sums and shares over those rows); the liar's answers are uniform over the classes
-(or, with --liar shifted, each truth's next class). Every device's statistics go through statistics_suspects, as
-the round aggregator judges a round. Per budget: how many seeds flagged the liar, and how many honest devices were
+(or, with --liar shifted, each truth's next class). Every device's statistics go through label_margins and
+disagreeing_devices, as the round aggregator judges a round. Per budget: how many seeds flagged the liar, and how many honest devices were
 flagged in the runs with a liar and in the runs without one. With --dirichlet the same scenes are dealt non-IID
 (camera_al_fleet.redealt). Prints one JSON object.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from camera_al_fleet import redealt
 
-from coordinator.intake.label_agreement import label_margins, statistics_suspects
+from coordinator.intake.label_agreement import disagreeing_devices, label_margins
 from coordinator.strategies.aggregate import ClientUpdate
 from protocol.head_statistics import HeadStatistics
 
@@ -53,11 +53,10 @@ def measured(fleet: dict[str, np.ndarray], args: argparse.Namespace, liar: str |
             dealt = redealt(fleet, DEVICES, args.dirichlet, seed) if args.dirichlet else fleet
             orders = [np.random.default_rng([seed, n]).permutation(len(dealt[f"labels_{n}"])) for n in range(DEVICES)]
             updates = round_updates(dealt, orders, labels, liar, seed)
-            suspects = statistics_suspects(updates)
+            judged = label_margins(updates)
+            suspects = disagreeing_devices(judged)
             caught += LIAR in suspects
             honest_flagged += len(set(suspects) - {LIAR}) if liar else len(suspects)
-            sums, shares = "statistics.class_sums", "statistics.class_counts"
-            judged = label_margins({u.device_id: (u.weights[sums], u.weights[shares], u.num_samples) for u in updates})
             margins.append([judged.get(f"cam-{n}", np.nan) for n in range(DEVICES)])
         found[str(labels)] = {
             **({"liar_flagged": caught} if liar else {}),

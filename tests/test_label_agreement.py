@@ -40,12 +40,6 @@ def update(device: str, labels: np.ndarray, given: np.ndarray | None = None, see
     return ClientUpdate(device, tensors, float(len(labels)))
 
 
-def statistics_of(updates: list[ClientUpdate]) -> dict[str, tuple[np.ndarray, np.ndarray, float]]:
-    """label_margins' input: each update's class sums and shares and the labels they are over."""
-    sums, counts = head_statistics.CLASS_SUMS, head_statistics.CLASS_COUNTS
-    return {u.device_id: (u.weights[sums], u.weights[counts], u.num_samples) for u in updates}
-
-
 def honest_fleet(devices: int, labels: int, seed: int = 0) -> list[ClientUpdate]:
     rng = np.random.default_rng(seed)
     return [update(f"dev-{n}", rng.integers(CLASSES, size=labels), seed=seed * 100 + n) for n in range(devices)]
@@ -64,7 +58,7 @@ def test_a_person_answering_at_random_is_flagged_and_honest_ones_are_not(seed: i
 def test_labels_systematically_moved_to_the_next_class_score_below_zero() -> None:
     truth = np.random.default_rng(3).integers(CLASSES, size=40)
     moved = update("dev-9", truth, (truth + 1) % CLASSES, seed=4)
-    margins = label_margins(statistics_of([*honest_fleet(3, 40), moved]))
+    margins = label_margins([*honest_fleet(3, 40), moved])
     assert margins["dev-9"] < 0 < min(margins[f"dev-{n}"] for n in range(3))
 
 
@@ -90,14 +84,14 @@ def test_statistics_noised_under_device_dp_are_not_judged() -> None:
         }
         noisy[index] = ClientUpdate(one.device_id, tensors, one.num_samples)
     assert statistics_suspects([*honest_fleet(4, 40), liar]) == {"dev-9": [LABEL_MARGIN]}
-    assert label_margins(statistics_of(noisy)) == {} and statistics_suspects(noisy) == {}
+    assert label_margins(noisy) == {} and statistics_suspects(noisy) == {}
 
 
 def test_a_class_only_one_camera_holds_is_not_held_against_it() -> None:
     """Each class lives on its own camera (a camera per room): none of them can be judged, and none is flagged;
     a camera whose classes the rest also holds is judged on those alone."""
     by_class = [update(f"dev-{c}", np.full(40, c), seed=c) for c in range(CLASSES)]
-    assert label_margins(statistics_of(by_class)) == {}
+    assert label_margins(by_class) == {}
     assert statistics_suspects(by_class) == {}
 
 

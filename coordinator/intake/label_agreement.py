@@ -40,9 +40,17 @@ def label_margin(
     return given - average
 
 
-def label_margins(devices: Mapping[str, tuple[np.ndarray, np.ndarray, float]]) -> dict[str, float]:
-    """Device -> label_margin, for the devices that can be judged; `devices` maps each to its class sums and shares
-    and the labels they are over."""
+def label_margins(updates: Iterable[ClientUpdate]) -> dict[str, float]:
+    """Device -> label_margin, for the devices of a round's statistics updates that can be judged (each update's
+    class sums and shares over its num_samples labels)."""
+    devices = {
+        update.device_id: (
+            np.asarray(update.weights[CLASS_SUMS], np.float64),
+            np.asarray(update.weights[CLASS_COUNTS], np.float64),
+            float(update.num_samples),
+        )
+        for update in updates
+    }
     fleet_sums = sum(labels * sums for sums, _, labels in devices.values())
     fleet_counts = sum(labels * shares for _, shares, labels in devices.values())
     margins = {
@@ -66,12 +74,4 @@ def disagreeing_devices(margins: Mapping[str, float]) -> dict[str, list[str]]:
 def statistics_suspects(updates: Iterable[ClientUpdate]) -> dict[str, list[str]]:
     """The suspects among a round's statistics updates (the class-statistics rule's): devices whose labels disagree
     with the rest's (disagreeing_devices over label_margins). A secure round's one summed update judges nobody."""
-    devices = {
-        update.device_id: (
-            np.asarray(update.weights[CLASS_SUMS], np.float64),
-            np.asarray(update.weights[CLASS_COUNTS], np.float64),
-            float(update.num_samples),
-        )
-        for update in updates
-    }
-    return disagreeing_devices(label_margins(devices))
+    return disagreeing_devices(label_margins(updates))
