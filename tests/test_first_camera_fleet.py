@@ -1,7 +1,6 @@
 # The guide docs/first-camera-fleet.md run as written (and with the field loop's flags) on a generated fleet.
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import shlex
@@ -169,8 +168,9 @@ def pooled_site(
     camera's `own_flags`), `labels` a camera and round, to the end."""
     pooled = ("--strategy", "pooled-head", "--local-rule", "class-statistics", *flags)
     unused = (("--logit-adjustment", None),)  # an option of kept-labels, the rule class-statistics replaces
-    site = CameraSite(fleet_dir, tmp_path, free_loopback_port(), devices, rounds, labels, pooled, unused)
-    site = dataclasses.replace(site, own_flags=own_flags)
+    site = CameraSite(
+        fleet_dir, tmp_path, free_loopback_port(), devices, rounds, labels, pooled, unused, own_flags=own_flags
+    )
     codes = run_camera_site(site, timeout=300)
     out = (tmp_path / "coordinator.out").read_text()
     assert codes == [0] * (devices + 1), out + (tmp_path / "coordinator.log").read_text()[-3000:]
