@@ -32,6 +32,7 @@ from coordinator.setup.server_data import (
 )
 from coordinator.setup.settings import ServerSettings, fleet_identities
 from coordinator.storage.store import RunStore
+from coordinator.strategies.contract import Strategy
 from coordinator.strategies.pooled_head import PooledHead
 from coordinator.strategies.registry import make_strategy
 from edge_agent.learning.encoder import encoder_hash
@@ -170,14 +171,8 @@ def round_parts(
     dead_devices: Callable[[], set[str]],
     weights: Weights,
 ) -> RoundParts:
-    """The coordinator's collaborators, built from the settings (a statistics strategy learns the server's labelled
-    images under `weights`, the run's model)."""
-    strategy = make_strategy(settings.strategy, **settings.strategy_options)
-    if isinstance(strategy, PooledHead):
-        server = server_label_statistics(settings, data, weights)
-        if server is not None:
-            strategy.learn_server_labels(server, len(data.init_indices))
-            log.info("pooled head fits from the server's labelled images too count=%d", len(data.init_indices))
+    """The coordinator's collaborators, built from the settings (the strategy: run_strategy, under `weights`)."""
+    strategy = run_strategy(settings, data, weights)
     evaluator = build_evaluator(settings, data)
     bundles = bundle_exporter(settings) if settings.ship_bundles else None
     intake = UpdateIntake(settings.fleet, session, store, observer)
@@ -202,6 +197,18 @@ def round_parts(
             "coordinator", observer.health, settings.run_dir / SET_ASIDE, ledger=settings.run_dir / SET_ASIDE / LEDGER
         ),
     )
+
+
+def run_strategy(settings: ServerSettings, data: ServerData, weights: Weights) -> Strategy:
+    """The run's strategy with its options; a pooled head also learns the server's labelled images (W0's) under
+    `weights`, the run's model, to fold into every fit."""
+    strategy = make_strategy(settings.strategy, **settings.strategy_options)
+    if isinstance(strategy, PooledHead):
+        server = server_label_statistics(settings, data, weights)
+        if server is not None:
+            strategy.learn_server_labels(server, len(data.init_indices))
+            log.info("pooled head fits from the server's labelled images too count=%d", len(data.init_indices))
+    return strategy
 
 
 def round_mode(settings: ServerSettings, intake: UpdateIntake, session: MqttSession) -> RoundMode:
