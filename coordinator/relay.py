@@ -29,6 +29,8 @@ from coordinator.secure.mode import SecureMode
 from coordinator.server import bundle_exporter, coordinator_session, secured
 from coordinator.setup.settings import ServerSettings
 from coordinator.storage.store import SECURE_WEIGHT, RunStore
+from coordinator.strategies.contract import Strategy
+from coordinator.strategies.pooled_head import SiteStatistics
 from coordinator.strategies.registry import make_strategy
 from edge_agent.data.journal import Journal
 from edge_agent.loop.agent import last_will
@@ -49,7 +51,7 @@ from protocol.secagg.weighting import weighted_samples
 from protocol.serving_messages import ServingMessage
 from protocol.supervision import Health, MessageGuard, SupervisedThread
 from protocol.tensors import Weights
-from protocol.trained_set import trained_set
+from protocol.trained_set import STATISTICS_RULE, trained_set
 
 log = logging.getLogger(__name__)
 
@@ -112,13 +114,19 @@ def upstream_update(
     store: RunStore, relay_id: str, round_id: int, base_hash: str, spec: ModelSpec, sample_cap: int = 0
 ) -> messages.Update:
     """The relay's one update for a central round, from what its site round committed: the site's weighted mean
-    (the trained set of the round's checkpoint: head-sized for a frozen backbone, as a device's), the labels its
+    (the trained set of the round's checkpoint: head-sized for a frozen backbone, as a device's; under a central
+    pooled head, the site's mean class statistics the round committed as its strategy tensors), the labels its
     site acquired so far (cumulative, as a device's), and the devices it sums. A plain site round gives the total
     sample count, the summed class counts and each device with its count (which central validation adds up against
     num_samples). A secure site round knows only sums: its samples are the survivors' summed weight in samples
     (each capped at `sample_cap`, the recipe's --secagg-sample-cap), its survivors are listed with no count of
     their own; such an update is masked upstream (SecureRounds), never sent or validated as it is."""
     record = next(record for record in store.rounds() if record.round_id == round_id)
+    site_state = store.strategy_state(round_id)
+    if site_state is not None and site_state.strategy == SiteStatistics.name:
+        tensors = site_state.tensors
+    else:
+        tensors = trained_set(spec, store.checkpoints.load(round_id))
     devices = [device for device in store.device_rounds(round_id) if device.accepted]
     counts = [device.num_samples for device in devices]
     secure_weight = record.metrics.get(SECURE_WEIGHT)
@@ -132,11 +140,17 @@ def upstream_update(
         class_counts=[sum(column) for column in zip(*(device.class_counts for device in devices))],
         acquired_labels=record.labels,
         metrics={},
-        tensors=trained_set(spec, store.checkpoints.load(round_id)),
+        tensors=tensors,
         nonce=os.urandom(16),
         contributors=[device.device_id for device in devices],
         contributor_samples=counts,
     )
+
+
+def site_strategy(recipe: messages.Recipe) -> Strategy:
+    """A site round's strategy: FedAvg of its devices' models (RELAY_STRATEGY), or under a central pooled head (the
+    class-statistics rule) the mean of their statistics (SiteStatistics)."""
+    return SiteStatistics() if recipe.local_rule == STATISTICS_RULE else make_strategy(RELAY_STRATEGY)
 
 
 def refuse_device_dp(announcement: messages.RoundAnnouncement) -> None:
@@ -152,8 +166,8 @@ def refuse_device_dp(announcement: messages.RoundAnnouncement) -> None:
 
 
 class SiteRounds:
-    """The site half: the coordinator's round machinery (intake, spool, FedAvg closing, retained publishing) on the
-    site broker, one site round per central round with the central model and recipe, committed in the relay's own
+    """The site half: the coordinator's round machinery (intake, spool, closing by site_strategy, retained publishing)
+    on the site broker, one site round per central round with the central model and recipe, committed in the relay's own
     store before anything goes upstream; a restarted relay resumes an open site round from its spool. A recipe that
     asks for secure aggregation makes the site round a secure round among the site's devices (at least two): the
     relay learns only the site's sum."""
@@ -163,14 +177,24 @@ class SiteRounds:
         self.session = session
         self.store = store
         self.rules = rules
+        self.closers: dict[str, RoundCloser] = {}
         observer = RoundObserver()
         self.parts = RoundParts(
             presence=Presence(observer),
             intake=UpdateIntake(settings.fleet, session, store, observer),
             publisher=RetainedPublisher(session, settings.fleet, "", Artefacts()),
-            closer=RoundCloser(store, make_strategy(RELAY_STRATEGY), NoEvaluation(), False, 0),
+            closer=self.closer(messages.Recipe()),
             observer=observer,
         )
+
+    def closer(self, recipe: messages.Recipe) -> RoundCloser:
+        """The closer of the recipe's site strategy (site_strategy), built once; it restores no state (site
+        strategies carry none from round to round)."""
+        strategy = site_strategy(recipe)
+        if strategy.name not in self.closers:
+            closer = RoundCloser(self.store, strategy, NoEvaluation(), False, 0, restore=False)
+            self.closers[strategy.name] = closer
+        return self.closers[strategy.name]
 
     def coordinator(self, recipe: messages.Recipe, spec: ModelSpec) -> Coordinator:
         """A site coordinator following the central round's recipe and model spec."""
@@ -180,7 +204,8 @@ class SiteRounds:
             site = self.settings.secure_dir
             identities = load_secure_fleet(site).identities if site is not None else {}
             mode = SecureMode(mode, self.session, self.settings.fleet, self.parts.intake, identities)
-        return Coordinator(self.settings.fleet, self.session, rules, dataclasses.replace(self.parts, mode=mode))
+        parts = dataclasses.replace(self.parts, mode=mode, closer=self.closer(recipe))
+        return Coordinator(self.settings.fleet, self.session, rules, parts)
 
     def start(self) -> None:
         """Subscribes to the site devices' updates and status."""

@@ -5,6 +5,7 @@ import json
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +25,14 @@ from bench.camera_fleet import (
 from bench.camera_path import (
     CameraSite,
     CentralLabelling,
+    broker_listening,
     guide_command,
     run_camera_site,
+    stop_site,
     with_values,
 )
 from bench.camera_scenes import parse_classes
-from coordinator.fleet.broker import free_loopback_port
+from coordinator.fleet.broker import EmbeddedBroker, free_loopback_port
 from coordinator.intake.label_agreement import LABEL_MARGIN
 from coordinator.storage.spool import Spool
 from coordinator.storage.store import RunStore
@@ -245,8 +248,10 @@ POOL_FLAGS = ("--pool-statistics", "1", "--rounds-per-acquisition", "2", "--keep
 
 def spooled_statistics(run_dir: Path, round_id: int) -> dict[str, HeadStatistics]:
     """Each device's statistics as the coordinator received them in a round (its spool, --keep-updates)."""
-    payloads = Spool(run_dir / "spool").payloads(round_id)
-    return {device: HeadStatistics.of_tensors(wire.decode(raw, Update).tensors) for device, raw in payloads.items()}
+    return {
+        device: HeadStatistics.of_tensors(update.tensors)
+        for device, update in spooled_updates(run_dir, round_id).items()
+    }
 
 
 @pytest.mark.integration
@@ -292,3 +297,75 @@ def test_the_guides_pseudo_labels_variant_trains_on_the_pool_and_counts_human_la
     assert samples == {(f"cam-{n}", r): r * labels for n in range(devices) for r in (1, 2)}
     trained = re.findall(r"pseudo-labels trained on=(\d+) pool=(\d+)", (tmp_path / "cam-0.log").read_text())
     assert len(trained) == 2 and all(0 < int(rows) <= int(pool) for rows, pool in trained), trained
+
+
+def start_relay_site(site: CameraSite, site_port: int, cameras: range) -> list[subprocess.Popen]:
+    """relay-00 of the guide's fleet (`fl-coordinator relay`, following the central recipe) on a site broker at
+    `site_port`, and the guide's agents of `cameras` on that broker as devices of site fleet `hall` (logs in the
+    work folder)."""
+    relay = [
+        *(sys.executable, "-m", "coordinator", "relay", "--upstream", f"mqtt://127.0.0.1:{site.port}"),
+        *("--fleet", "site", "--relay-id", "relay-00", "--site-fleet", "hall"),
+        *("--broker", f"mqtt://127.0.0.1:{site_port}", "--run-dir", str(site.work / "relay")),
+        *("--quorum", str(len(cameras)), "--min-devices", str(len(cameras)), "--round-timeout", "240"),
+        *("--keep-updates", "--log-level", "info"),
+    ]
+    processes = []
+    with open(site.work / "relay.log", "ab") as log:
+        processes.append(subprocess.Popen(relay, stdout=log, stderr=log))
+    for number in cameras:
+        command = site.agent_command(number)
+        for flag, value in (("--broker", f"mqtt://127.0.0.1:{site_port}"), ("--fleet", "hall")):
+            command[command.index(flag) + 1] = value
+        with open(site.work / f"cam-{number}.log", "ab") as log:
+            processes.append(subprocess.Popen(command, stdout=log, stderr=log))
+    return processes
+
+
+@pytest.mark.integration
+def test_a_relay_passes_its_cameras_mean_statistics_up_and_the_centre_counts_every_label(
+    tmp_path: Path, fashion: ImageDataset
+) -> None:
+    """The pooled head with a relay: cam-0 on the central broker, cam-1 and cam-2 behind relay-00 on their site's own
+    broker. The relay's site round averages its cameras' statistics by their labels and sends that mean with their
+    label count as one update; the centre accepts it beside cam-0's, its label shares are the three cameras'
+    summed class counts, and every label counted is a human answer."""
+    fleet_dir, labels = tmp_path / "fleet", 6
+    build_fleet(fleet_dir, FleetSettings(3, parse_classes(CLASSES), 8, 6, size=64, seed=3), fashion)
+    pooled = ("--strategy", "pooled-head", "--local-rule", "class-statistics", "--relay", "relay-00", "--keep-updates")
+    fewer = (("--logit-adjustment", None), ("--wait-devices", "2"), ("--min-devices", "2"))
+    site = CameraSite(fleet_dir, tmp_path, free_loopback_port(), 3, 1, labels, pooled, fewer)
+    names = tuple(load_model_spec(fleet_dir / SPEC_FILE).spec.class_names)
+    people = site.people(names)
+    with EmbeddedBroker(tmp_path / "site-broker", port=free_loopback_port()) as hall:
+        out = tmp_path / "coordinator.out"
+        with open(out, "ab") as stdout, open(tmp_path / "coordinator.log", "ab") as log:
+            processes = [subprocess.Popen(site.coordinator_command(), stdout=stdout, stderr=log)]
+        try:
+            assert broker_listening(out, processes[0], 120), (tmp_path / "coordinator.log").read_text()[-3000:]
+            processes += start_relay_site(site, hall.address.port, range(1, 3))
+            with open(tmp_path / "cam-0.log", "ab") as log:
+                processes.append(subprocess.Popen(site.agent_command(0), stdout=log, stderr=log))
+            people.start()
+            codes = [process.wait(timeout=300) for process in processes]
+        finally:
+            stop_site(people, processes)
+    assert codes == [0] * 5, out.read_text() + (tmp_path / "relay.log").read_text()[-3000:]
+    behind = spooled_updates(tmp_path / "relay", 1)
+    central = spooled_updates(site.run_dir, 1)
+    assert sorted(behind) == ["cam-1", "cam-2"] and sorted(central) == ["cam-0", "relay-00"]
+    relayed = central["relay-00"]
+    assert relayed.contributors == ["cam-1", "cam-2"] and relayed.num_samples == 2 * labels
+    for name, array in relayed.tensors.items():
+        mean = sum(update.num_samples * update.tensors[name].astype(np.float64) for update in behind.values())
+        np.testing.assert_allclose(array, mean / relayed.num_samples, rtol=1e-5, atol=1e-7, err_msg=name)
+    with RunStore(site.run_dir, read_only=True) as store:
+        (record,) = store.rounds()
+    counts = np.sum([update.class_counts for update in [*behind.values(), central["cam-0"]]], axis=0)
+    assert record.report["class_shares"] == pytest.approx(counts / counts.sum(), abs=1e-6)
+    assert re.findall(r"\(server \d+ \+ devices (\d+)\)", out.read_text()) == [str(3 * labels)]
+
+
+def spooled_updates(run_dir: Path, round_id: int) -> dict[str, Update]:
+    """Each device's update as a coordinator (or a relay) received it in a round (its spool, --keep-updates)."""
+    return {device: wire.decode(raw, Update) for device, raw in Spool(run_dir / "spool").payloads(round_id).items()}

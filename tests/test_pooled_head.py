@@ -198,18 +198,17 @@ def test_pool_posterior_sums_lie_within_the_clip_and_an_empty_pool_gives_zeros()
 
 
 @pytest.mark.parametrize(
-    ("strategy", "rule", "trainable", "relays", "message"),
+    ("strategy", "rule", "trainable", "message"),
     [
-        ("pooled-head", "kept-labels", "head", (), "go together"),
-        ("fedavg", STATISTICS_RULE, "head", (), "go together"),
-        ("pooled-head", STATISTICS_RULE, "all", (), "train the head alone"),
-        ("pooled-head", STATISTICS_RULE, "head", ("relay-1",), "drop --relay"),
+        ("pooled-head", "kept-labels", "head", "go together"),
+        ("fedavg", STATISTICS_RULE, "head", "go together"),
+        ("pooled-head", STATISTICS_RULE, "all", "train the head alone"),
     ],
 )
-def test_conflicting_settings_are_refused_in_one_line(strategy, rule, trainable, relays, message, tmp_path) -> None:
+def test_conflicting_settings_are_refused_in_one_line(strategy, rule, trainable, message, tmp_path) -> None:
     spec = dataclasses.replace(DEFAULT_SPEC, trainable=trainable)
     with pytest.raises(UsageError, match=message) as refused:
-        ServerSettings(tmp_path, strategy=strategy, recipe=messages.Recipe(local_rule=rule), spec=spec, relays=relays)
+        ServerSettings(tmp_path, strategy=strategy, recipe=messages.Recipe(local_rule=rule), spec=spec)
     assert "\n" not in str(refused.value) and len(str(refused.value)) < 200
 
 

@@ -15,25 +15,30 @@ import paho.mqtt.client as paho
 import pytest
 from coordinators import blank_evaluator, local_coordinator
 from fleet import FakeDevice, perturbed
+from test_pooled_head import HEAD, device_updates, fitted_head, gaussian_classes
 
 from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.metrics import render_metrics
 from coordinator.fleet.provision import provision
 from coordinator.intake.authentication import UpdateAuthenticator
+from coordinator.intake.round_aggregator import SuspectPolicy, make_aggregator
 from coordinator.intake.scratch import TensorScratch
 from coordinator.intake.validation import MAX_CONTRIBUTORS, MAX_REASON_CHARS, Expectation, Rejection, validate_update
 from coordinator.relay import RELAY_STRATEGY, Relay, RelaySettings, SiteRounds, upstream_update
 from coordinator.rounds.loop import round_expectation
 from coordinator.rounds.rules import RoundPolicy, RoundRules
 from coordinator.setup.settings import ServerSettings
-from coordinator.storage.store import DeviceRoundRecord, RoundRecord, RunStore
+from coordinator.storage.store import DeviceRoundRecord, RoundRecord, RunStore, StrategyState
+from coordinator.strategies.aggregate import ClientUpdate
 from coordinator.strategies.means import FedAvg
+from coordinator.strategies.pooled_head import SiteStatistics
 from edge_agent.learning.models import build_model, get_weights
-from protocol import messages, topics, wire
+from protocol import head_statistics, messages, topics, wire
 from protocol.errors import UsageError
 from protocol.model_spec import DEFAULT_SPEC
 from protocol.mqtt import BrokerAddress, MqttSession
 from protocol.tensors import spec_of, weights_hash
+from protocol.trained_set import STATISTICS_RULE
 
 NUM_CLASSES = DEFAULT_SPEC.num_classes
 BASE = get_weights(build_model(seed=1))
@@ -326,3 +331,41 @@ def test_only_a_device_named_as_a_relay_may_claim_contributors(tmp_path: Path, b
     assert acks["relay-00"]["accepted"] and list(opened.collector.accepted) == ["relay-00"]
     assert kinds == {"not_relay": 1} and [row[:3] for row in rows] == [(1, "dev-07", reason)]
     assert 'fl_updates_rejected_total{reason="not_relay"} 1' in render_metrics(live.counters(), 0, 1)
+
+
+def test_under_a_pooled_head_a_relay_sends_its_sites_mean_statistics_and_the_centre_fits_the_flat_fleets_head(
+    tmp_path: Path,
+) -> None:
+    """A central recipe of class statistics makes the site round SiteStatistics: its model stays the central one, the
+    site's mean statistics are committed as the round's tensors (read back by a relay restarted after the commit:
+    its closer restores nothing, whatever the store holds) and go upstream with the site's label count; the centre's
+    pooled head over the relay and a direct device is the head the four devices give sent directly."""
+    features, labels = gaussian_classes(400, seed=5)
+    updates = device_updates(features, labels, np.random.default_rng(6).integers(4, size=len(labels)))
+    direct, site_devices = updates[0], updates[1:]
+    with RunStore(tmp_path / "relay") as store:
+        closer = relay_on(MqttSession(BrokerAddress("127.0.0.1", 1), "unused"), tmp_path / "relay", store).site.closer(
+            messages.Recipe(local_rule=STATISTICS_RULE)
+        )
+        site = closer.strategy
+        assert isinstance(site, SiteStatistics)
+        base = head_statistics.layout(*HEAD["classifier_fc.weight"].shape)
+        aggregator = make_aggregator(site, base, SuspectPolicy(), TensorScratch(tmp_path), model=HEAD, head=HEAD)
+        for update in site_devices:
+            aggregator.absorb(update)
+        assert all(np.array_equal(array, HEAD[name]) for name, array in aggregator.finish(None).weights.items())
+        records = [
+            DeviceRoundRecord(1, update.device_id, True, "", int(update.num_samples), [], None, {}, 0, 0.0, 0)
+            for update in site_devices
+        ]
+        stored = StrategyState(site.name, site.state() or {}, site.tensors())
+        store.commit_round(RoundRecord(1, 0.0, 1.0, "", None, 300, 3, 0, {}, {}), records, stored)
+        restarted = relay_on(MqttSession(BrokerAddress("127.0.0.1", 1), "unused"), tmp_path / "relay", store)
+        assert restarted.site.closer(messages.Recipe()).strategy.name == RELAY_STRATEGY
+        update = upstream_update(store, "relay-00", 1, weights_hash(BASE), DEFAULT_SPEC)
+    assert update.num_samples == sum(int(device.num_samples) for device in site_devices)
+    relayed = ClientUpdate("relay-00", update.tensors, float(update.num_samples))
+    through_relay = fitted_head([direct, relayed], tmp_path / "central")
+    flat = fitted_head(updates, tmp_path / "flat")
+    for name, array in flat.items():
+        np.testing.assert_allclose(through_relay[name], array, rtol=1e-5, atol=1e-6, err_msg=name)

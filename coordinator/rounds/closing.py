@@ -84,10 +84,18 @@ def device_epsilons(collector: RoundCollector) -> dict[str, dict[str, float]]:
 
 
 class RoundCloser:
-    """Turns a collected round into the next global model: aggregate, evaluate, commit (checkpoint first)."""
+    """Turns a collected round into the next global model: aggregate, evaluate, commit (checkpoint first); a stateful
+    strategy continues from the state committed with the last round (unless `restore` is False)."""
 
     def __init__(
-        self, store: RunStore, strategy: Strategy, evaluator: RoundEvaluator, evaluate_devices: bool, base_labels: int
+        self,
+        store: RunStore,
+        strategy: Strategy,
+        evaluator: RoundEvaluator,
+        evaluate_devices: bool,
+        base_labels: int,
+        *,
+        restore: bool = True,
     ) -> None:
         self.store = store
         self.strategy = strategy
@@ -96,7 +104,8 @@ class RoundCloser:
         self.base_labels = base_labels
         self.device_labels = latest_device_labels(store)
         self.secure_labels = sum(int(record.metrics.get(SECURE_LABELS, 0)) for record in store.rounds())
-        self.restore_strategy_state()
+        if restore:  # a relay's site strategies carry nothing from round to round: it restores none
+            self.restore_strategy_state()
 
     def restore_strategy_state(self) -> None:
         """Gives a stateful strategy the state committed with the last round, so a restart continues it."""

@@ -75,16 +75,16 @@ class ServerSettings:
         if self.asynchronous is not None:
             check_async_settings(self.strategy, self.suspects, self.policy.participation)
         check_sample_settings(self.seed_labels, self.max_sample_share)
-        check_statistics_settings(self.strategy, self.recipe, self.spec.trainable, self.relays)
+        check_statistics_settings(self.strategy, self.recipe, self.spec.trainable)
         if self.recipe.secure_aggregation != "off":
             from coordinator.secure.rounds import check_secure_settings  # cryptography: loaded by secure runs only
 
             check_secure_settings(self.strategy, self.recipe, self.suspects, self.asynchronous is not None)
 
 
-def check_statistics_settings(strategy: str, recipe: messages.Recipe, trainable: str, relays: tuple[str, ...]) -> None:
+def check_statistics_settings(strategy: str, recipe: messages.Recipe, trainable: str) -> None:
     """UsageError (one line) unless a statistics strategy and the class-statistics rule come together, on a spec that
-    trains the classifier alone, without relays (a relay forwards its site's model, not its statistics); and unless
+    trains the classifier alone (a relay then sends its site's mean statistics: pooled_head.SiteStatistics); and unless
     the pools' statistics come with rounds that do not acquire (the only rounds that use them)."""
     statistics = strategy in STRATEGIES and STRATEGIES.get(strategy).statistics
     if statistics != (recipe.local_rule == STATISTICS_RULE):
@@ -95,8 +95,6 @@ def check_statistics_settings(strategy: str, recipe: messages.Recipe, trainable:
         )
     if statistics and trainable != "head":
         raise UsageError(f"--strategy {strategy} fits a linear head: the model spec must train the head alone")
-    if statistics and relays:
-        raise UsageError(f"--strategy {strategy} takes devices' statistics directly: drop --relay")
     if recipe.options.get(POOL_STATISTICS) and recipe.rounds_per_acquisition < 2:
         raise UsageError(
             "--pool-statistics 1 refines the head in rounds without new labels: set --rounds-per-acquisition 2 "

@@ -214,6 +214,15 @@ class RunStore:
     def latest_strategy_state(self) -> StrategyState | None:
         """The strategy state committed with the latest round that has one (with its tensors, if it saved any)."""
         rows = self.database.read("SELECT round_id, strategy, body FROM strategy_state ORDER BY round_id DESC LIMIT 1")
+        return self._strategy_state_from(rows)
+
+    def strategy_state(self, round_id: int) -> StrategyState | None:
+        """The strategy state committed with one round (with its tensors, if it saved any); None if it has none."""
+        rows = self.database.read("SELECT round_id, strategy, body FROM strategy_state WHERE round_id = ?", (round_id,))
+        return self._strategy_state_from(rows)
+
+    def _strategy_state_from(self, rows: list[tuple]) -> StrategyState | None:
+        """The StrategyState of the first of `rows` (round_id, strategy, body), its tensors loaded; None for none."""
         if not rows:
             return None
         round_id, strategy, body = rows[0]

@@ -9,6 +9,7 @@ import numpy as np
 
 from coordinator.strategies.aggregate import ClientUpdate
 from coordinator.strategies.contract import StreamingWeightedAverage
+from coordinator.strategies.means import FedAvg
 from protocol.head_statistics import SCALE, TEMPERATURES, HeadStatistics
 from protocol.options import Option
 from protocol.tensors import Weights
@@ -200,3 +201,36 @@ class PooledHead(StreamingWeightedAverage):
         """Restores the temperature a restarted run had reached."""
         value = state.get("temperature")
         self.temperature = None if value is None or not math.isfinite(float(value)) else float(value)
+
+
+class SiteStatistics(FedAvg):
+    """A relay's site round under a central pooled head: the site devices' statistics averaged by label count, as
+    PooledHead averages the fleet's, so the centre's mean over relays and direct devices (each weighed by its labels)
+    is the fleet's pooled statistics exactly. The site's mean is this round's strategy tensors, committed with the
+    round, for the relay to send upstream (a relay restarted between commit and send reads them back); the site's
+    model stays the central one (the centre fits the head). A relay chooses it for a class-statistics recipe; it is
+    never chosen by name."""
+
+    name = "site-statistics"
+    summary = "a relay's site round under the pooled head: the site's mean statistics, passed upstream"
+    statistics = True
+
+    def __init__(self) -> None:
+        self.mean: Weights = {}
+
+    def fitted(self, aggregate: Weights, head: Weights, samples: float = 0.0) -> tuple[Weights, dict[str, Any]]:
+        """The round's head unchanged; the site's mean statistics kept to be committed as the round's tensors."""
+        self.mean = dict(aggregate)
+        return dict(head), {}
+
+    def state(self) -> dict[str, Any] | None:
+        """Nothing but the tensors (an empty state, so the round commits them)."""
+        return {}
+
+    def tensors(self) -> Weights:
+        """The site's mean statistics of the round just fitted."""
+        return self.mean
+
+    def load_state(self, state: dict[str, Any], tensors: Weights) -> None:
+        """Takes back the last committed round's mean (nothing carries to the next round)."""
+        self.mean = dict(tensors)
