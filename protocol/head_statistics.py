@@ -59,6 +59,12 @@ def unpacked(vector: np.ndarray, features: int) -> np.ndarray:
     return matrix + np.triu(matrix, 1).T
 
 
+def packed_trace(vector: np.ndarray, features: int) -> float:
+    """The trace of the symmetric matrix `vector` packs (the first entry of each packed row is its diagonal's)."""
+    rows = np.arange(features)
+    return float(np.sum(np.asarray(vector, np.float64)[rows * features - rows * (rows - 1) // 2]))
+
+
 def layout(classes: int, features: int) -> Weights:
     """Zeros of every statistic, in float32 as updates carry them: what a statistics round's update must look like."""
     return {
