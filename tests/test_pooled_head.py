@@ -7,9 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from coordinator.asynchronous.intake import AsyncPolicy
 from coordinator.intake.round_aggregator import SuspectPolicy, make_aggregator
 from coordinator.intake.scratch import TensorScratch
 from coordinator.privacy.rounds import DpSettings, PrivateRounds
+from coordinator.setup.server_data import evaluation_line, load_server_data
 from coordinator.setup.settings import ServerSettings
 from coordinator.strategies.aggregate import ClientUpdate
 from coordinator.strategies.pooled_head import UNSEEN_BIAS, PooledHead, lda_head, relative_temperature
@@ -220,6 +222,23 @@ def test_pool_statistics_without_a_round_that_does_not_acquire_is_refused_in_one
     assert "\n" not in str(refused.value)
     paired = messages.Recipe(local_rule=STATISTICS_RULE, options=options, rounds_per_acquisition=2)
     assert ServerSettings(tmp_path, strategy="pooled-head", recipe=paired, spec=spec).recipe == paired
+
+
+def test_async_rounds_are_refused_in_one_line_that_names_both_ways_out(tmp_path: Path) -> None:
+    spec = dataclasses.replace(DEFAULT_SPEC, trainable="head")
+    recipe = messages.Recipe(local_rule=STATISTICS_RULE)
+    with pytest.raises(UsageError, match="drop --mode async, or average trained heads") as refused:
+        ServerSettings(tmp_path, strategy="pooled-head", recipe=recipe, spec=spec, asynchronous=AsyncPolicy(2, 1))
+    assert "--strategy avefl --local-rule kept-labels" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_the_start_up_line_says_devices_send_no_model_to_measure(tmp_path: Path) -> None:
+    spec = dataclasses.replace(DEFAULT_SPEC, trainable="head")
+    settings = ServerSettings(
+        tmp_path, strategy="pooled-head", recipe=messages.Recipe(local_rule=STATISTICS_RULE), spec=spec
+    )
+    line = evaluation_line(settings, load_server_data(settings))
+    assert line.endswith("; devices send class statistics, no model of their own to measure"), line
 
 
 def test_pooled_head_is_in_the_registry_with_its_option() -> None:

@@ -29,6 +29,12 @@ log = logging.getLogger(__name__)
 def check_async_settings(strategy: str, suspects: SuspectPolicy, participation: float) -> None:
     """ValueError for settings asynchronous rounds cannot honour (they fold by FedBuff's rule, not a strategy's)."""
     asynchronous = STRATEGIES.select(lambda known: known.asynchronous)
+    if strategy in STRATEGIES and STRATEGIES.get(strategy).statistics:
+        raise UsageError(
+            f"--mode async folds models, and --strategy {strategy} fits the head from every device's latest "
+            f"statistics: drop --mode async, or average trained heads (--strategy {' or '.join(asynchronous)} "
+            "--local-rule kept-labels)"
+        )
     if strategy not in asynchronous:
         raise UsageError(
             f"--mode async folds by FedBuff's rule (a staleness-weighted plain mean of the updates' changes, avefl's "

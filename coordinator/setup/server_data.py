@@ -18,7 +18,7 @@ from coordinator.setup.site_images import DEFAULT_SEED, DEFAULT_TEST_SHARE, buil
 from coordinator.setup.site_report import headline
 from coordinator.storage.pretrained import merge_initial_weights, read_weight_file
 from coordinator.storage.store import RunStore
-from coordinator.strategies.registry import make_strategy
+from coordinator.strategies.registry import STRATEGIES, make_strategy
 from edge_agent.data.fashion_mnist import load_fashion_mnist
 from edge_agent.data.image_arrays import ImageDataset, as_model_input, load_npz_dataset
 from edge_agent.data.image_files import InputSpec, UnreadableImageError, decode_image
@@ -105,8 +105,11 @@ def split_line(settings: ServerSettings, data: ServerData) -> str:
 
 
 def evaluation_line(settings: ServerSettings, data: ServerData) -> str:
-    """The start-up line saying what the coordinator measures after each round, and what --no-device-eval changes."""
+    """The start-up line saying what the coordinator measures after each round, and what --no-device-eval changes
+    (nothing under a statistics strategy, whose devices send no model)."""
     tested = f"after each round the global model is measured on {evaluated_count(settings, data)} test images"
+    if STRATEGIES.get(settings.strategy).statistics:
+        return f"{tested}; devices send class statistics, no model of their own to measure"
     if settings.evaluate_devices:
         return f"{tested}, and so is each device's model (one more pass a device; --no-device-eval skips them)"
     return f"{tested}; devices' own models are not (--no-device-eval)"
