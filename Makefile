@@ -11,8 +11,8 @@ demo: install
 		--mc-passes 10 --init-samples 100 --pool-size 12000 --seed 0
 
 # The field loop on a camera fleet: 4 devices of rendered scenes, EfficientNet-Lite0 (ImageNet, head-only) on the Pi
-# Zero 2 W profile, predicting with the serving model; the camera path's sampler (the guide's
-# typical-then-balanced-margin); the bench's person answers their queries on the coordinator's labelling page (its
+# Zero 2 W profile, predicting with the serving model; the guide's pooled head and sampler
+# (typical-then-balanced-margin); the bench's person answers their queries on the coordinator's labelling page (its
 # HTTP API, the dashboard's token); 5 rounds of 20 labels, each promoted only if it is no worse; prints each round's
 # gate decision, the serving version, predictions per device and the report's path.
 camera-demo: install

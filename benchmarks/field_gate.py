@@ -21,7 +21,8 @@ test set's were from the promoted model's accuracy on the post-drift images (mea
 
 Usage: python benchmarks/field_gate.py [--seeds 0 1 2 3 4] [--devices 2] [--per-class 20] [--rounds 6]
        [--labels 6] [--drift-after 3] [--drift lighting|mix] [--field-test-share 0.3] [--field-images 20]
-       [--arms server field field-window drift-watch] [--field-window 60] [--drift-acquisitions 3] [--out DIR]
+       [--arms server field field-window drift-watch] [--field-window 60] [--drift-acquisitions 3]
+       [--averaged-heads] [--out DIR]
 """
 
 from __future__ import annotations
@@ -104,7 +105,9 @@ def run_arm(args: argparse.Namespace, seed: int, arm: str, dataset: ImageDataset
     )
     central = CentralLabelling(free_loopback_port(), field_test_share=args.field_test_share)
     site = CameraSite(
-        fleet_dir, work, free_loopback_port(), args.devices, args.rounds, args.labels, flags, central=central
+        *(fleet_dir, work, free_loopback_port(), args.devices, args.rounds, args.labels, flags),
+        central=central,
+        averaged_heads=args.averaged_heads,
     )
     people = site.people(tuple(spec.class_names))
     if not isinstance(people, PeopleAtThePage):
@@ -212,6 +215,11 @@ def main() -> None:
     parser.add_argument("--field-test-share", type=float, default=0.3)
     parser.add_argument("--field-images", type=int, default=20, help="the field arm's --promotion-field-images")
     parser.add_argument("--classes", type=parse_classes, default=DEFAULT_CLASSES)
+    parser.add_argument(
+        "--averaged-heads",
+        action="store_true",
+        help="the guide's averaged heads (its command until 2026-11-28) in place of its pooled head",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs") / f"field-gate-{time.strftime('%Y%m%d-%H%M%S')}")
     args = parser.parse_args()
     dataset = load_fashion_mnist()

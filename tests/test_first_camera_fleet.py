@@ -21,14 +21,15 @@ from bench.camera_fleet import (
     PeopleAtThePage,
     build_fleet,
     device_dir,
+    stop_site,
 )
 from bench.camera_path import (
+    AVERAGED_HEADS,
     CameraSite,
     CentralLabelling,
     broker_listening,
     guide_command,
     run_camera_site,
-    stop_site,
     with_values,
 )
 from bench.camera_scenes import parse_classes
@@ -50,8 +51,9 @@ ROUNDS = 2
 def test_the_guide_has_the_commands_a_fleet_needs_to_start_together() -> None:
     coordinator, device = guide_command("coordinator"), guide_command("device")
     assert coordinator[:2] == ["fl-coordinator", "run"] and device[:2] == ["edge-agent", "run"]
-    for flag in ("--broker-listen", "--wait-devices", "--min-devices", "--round-timeout", "--no-device-eval"):
+    for flag in ("--broker-listen", "--wait-devices", "--min-devices", "--round-timeout", "--strategy", "--local-rule"):
         assert flag in coordinator
+    assert guide_command(AVERAGED_HEADS) == ["--logit-adjustment", "1", "--no-device-eval"]
     assert "--exit-on-final" in device and "--profile" in device
 
 
@@ -108,7 +110,7 @@ def test_the_guides_commands_train_a_fleet_of_other_classes_from_a_folder_of_pho
     out = (tmp_path / "coordinator.out").read_text()
     assert codes == [0] * (DEVICES + 1), out + (tmp_path / "coordinator.log").read_text()[-3000:]
     assert "server data: W0 trains on 70 of server.npz's 70 labelled images, none kept for selection" in out
-    assert "after each round the global model is measured on 20 test images; devices' own models are not" in out
+    assert "measured on 20 test images; devices send class statistics, no model of their own to measure" in out
     assert re.search(r"W0 test accuracy 0\.\d{4} \(trained on the server's 70 labelled images\)", out)
     assert f"embedded broker listening at mqtt://127.0.0.1:{site.port}" in out
     for round_id in range(1, ROUNDS + 1):
@@ -167,13 +169,9 @@ def pooled_site(
     devices: int = 2,
     labels: int = 6,
 ) -> CameraSite:
-    """The guide's site of `devices` cameras with the pooled head (its kept-labels option left out) and `flags` (each
-    camera's `own_flags`), `labels` a camera and round, to the end."""
-    pooled = ("--strategy", "pooled-head", "--local-rule", "class-statistics", *flags)
-    unused = (("--logit-adjustment", None),)  # an option of kept-labels, the rule class-statistics replaces
-    site = CameraSite(
-        fleet_dir, tmp_path, free_loopback_port(), devices, rounds, labels, pooled, unused, own_flags=own_flags
-    )
+    """The guide's site of `devices` cameras (its pooled head) with `flags` (each camera's `own_flags`), `labels` a
+    camera and round, to the end."""
+    site = CameraSite(fleet_dir, tmp_path, free_loopback_port(), devices, rounds, labels, flags, own_flags=own_flags)
     codes = run_camera_site(site, timeout=300)
     out = (tmp_path / "coordinator.out").read_text()
     assert codes == [0] * (devices + 1), out + (tmp_path / "coordinator.log").read_text()[-3000:]
@@ -281,13 +279,14 @@ def test_a_camera_whose_person_answers_at_random_is_a_suspect_under_the_pooled_h
 def test_the_guides_pseudo_labels_variant_trains_on_the_pool_and_counts_human_labels_only(
     tmp_path: Path, fashion: ImageDataset
 ) -> None:
-    """The guide's command with `--local-rule pseudo-labels`: real cameras train on their unlabelled pool (their log
+    """The guide's averaged heads with `--local-rule pseudo-labels`: real cameras train on their unlabelled pool (their log
     says on how many rows), and every count the coordinator keeps (the round's labels, each update's samples) is of
     human answers alone."""
     fleet_dir, devices, labels = tmp_path / "fleet", 2, 6
     classes = parse_classes(CLASSES)
     build_fleet(fleet_dir, FleetSettings(devices, classes, 12, 6, size=64, seed=3), fashion)
-    site = CameraSite(fleet_dir, tmp_path, free_loopback_port(), devices, 2, labels, ("--local-rule", "pseudo-labels"))
+    rule = ("--local-rule", "pseudo-labels")
+    site = CameraSite(fleet_dir, tmp_path, free_loopback_port(), devices, 2, labels, rule, averaged_heads=True)
     codes = run_camera_site(site, timeout=300)
     assert codes == [0] * (devices + 1), (tmp_path / "coordinator.log").read_text()[-3000:]
     with RunStore(site.run_dir, read_only=True) as store:
@@ -332,9 +331,8 @@ def test_a_relay_passes_its_cameras_mean_statistics_up_and_the_centre_counts_eve
     summed class counts, and every label counted is a human answer."""
     fleet_dir, labels = tmp_path / "fleet", 6
     build_fleet(fleet_dir, FleetSettings(3, parse_classes(CLASSES), 8, 6, size=64, seed=3), fashion)
-    pooled = ("--strategy", "pooled-head", "--local-rule", "class-statistics", "--relay", "relay-00", "--keep-updates")
-    fewer = (("--logit-adjustment", None), ("--wait-devices", "2"), ("--min-devices", "2"))
-    site = CameraSite(fleet_dir, tmp_path, free_loopback_port(), 3, 1, labels, pooled, fewer)
+    relay, fewer = ("--relay", "relay-00", "--keep-updates"), (("--wait-devices", "2"), ("--min-devices", "2"))
+    site = CameraSite(fleet_dir, tmp_path, free_loopback_port(), 3, 1, labels, relay, fewer)
     names = tuple(load_model_spec(fleet_dir / SPEC_FILE).spec.class_names)
     people = site.people(names)
     with EmbeddedBroker(tmp_path / "site-broker", port=free_loopback_port()) as hall:

@@ -94,7 +94,10 @@ def check_statistics_settings(strategy: str, recipe: messages.Recipe, trainable:
             "statistics the other sends"
         )
     if statistics and trainable != "head":
-        raise UsageError(f"--strategy {strategy} fits a linear head: the model spec must train the head alone")
+        raise UsageError(
+            f"--strategy {strategy} fits a linear head: the model spec must train the head alone (a spec that trains "
+            "more: average the trained models, --strategy avefl --local-rule kept-labels)"
+        )
     if recipe.options.get(POOL_STATISTICS) and recipe.rounds_per_acquisition < 2:
         raise UsageError(
             "--pool-statistics 1 refines the head in rounds without new labels: set --rounds-per-acquisition 2 "
