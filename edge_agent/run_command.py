@@ -214,9 +214,10 @@ def open_folder_pool(
     from edge_agent.field.field_options import field_settings
     from edge_agent.field.parts import open_field
 
+    options = field_settings(args)
     if profile is not None:
-        settings = fit_to_budget(settings, profile.memory_budget_mb, profile.pool_size_cap)
-    field = open_field(field_settings(args), state_dir, settings, profile)
+        settings = fit_to_budget(settings, profile.memory_budget_mb, profile.pool_size_cap, options.spec())
+    field = open_field(options, state_dir, settings, profile)
     return DevicePool(settings, field.data, field.oracle, field.work, field.label_server, field.central)
 
 

@@ -24,11 +24,12 @@ from edge_agent.learning.local_rules import CLASSIFIER_ONLY, FULL_MODEL, LOCAL_R
 from edge_agent.learning.models import build_model, get_weights
 from edge_agent.learning.torch_rules import TORCH_BODIES
 from edge_agent.loop.agent_settings import AgentSettings
-from edge_agent.loop.memory_budget import MemoryBudgetError, fit_to_budget
+from edge_agent.loop.memory_budget import MemoryBudgetError, estimated_peak_mb, fit_to_budget
 from export.bundle_writer import ensure_bundle_files
 from protocol import messages, topics, wire
 from protocol.dp import DP_SGD_EPSILON_METRIC
 from protocol.dp_accountant import SampledGaussian, epsilon_of
+from protocol.model_spec import load_model_spec
 from protocol.mqtt import BrokerAddress, MqttSession
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,6 +112,20 @@ def test_the_budget_shrinks_the_scoring_batch_or_refuses_with_the_numbers() -> N
         fit_to_budget(AgentSettings("f", "d", profile="small", trainer="full"), 160, 4000)
 
 
+def test_a_camera_backbones_budget_counts_its_session_and_feature_rows() -> None:
+    """EfficientNet-Lite0 on the Pi Zero 2 W profile peaked at 152 MB with 500 pool images and 176 MB with 4000
+    (docs/field.md): the estimate lies at or above both, within the profile's 200 MB at its 4000-image cap, and a
+    160 MB budget, which the 28x28 count (96 MB at 4000) would have passed, is refused with the numbers."""
+    camera = load_model_spec(ROOT / "examples" / "camera-efficientnet.toml").spec
+    assert 152 <= estimated_peak_mb("head", 500, 4, camera) < 160
+    assert 176 <= estimated_peak_mb("head", 4000, 4, camera) <= 200
+    assert estimated_peak_mb("head", 4000, 4) < 100  # the paper CNN's pool, as measured for it
+    settings = AgentSettings("f", "d", profile="pi-zero", trainer="head", inference_batch=4)
+    assert fit_to_budget(settings, 200, 4000, camera).inference_batch == 4
+    with pytest.raises(MemoryBudgetError, match=r"160 of profile 'pi-zero' is below the ~18\d MB a 'head' trainer of "):
+        fit_to_budget(settings, 160, 4000, camera)
+
+
 def test_a_head_only_device_refuses_what_needs_the_whole_model_with_a_reason(tmp_path: Path) -> None:
     head, full = AgentSettings("f", "d", trainer="head").compute, AgentSettings("f", "d").compute
     bundle = store_bundle(
@@ -178,7 +193,7 @@ def test_an_agent_whose_profile_cannot_hold_its_trainer_refuses_to_start_in_one_
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-2000:]
     assert (
         done.stderr.startswith(
-            "fl-bench: memory_budget_mb = 200 of profile 'raspberry-pi-zero-2w' is below the ~381 MB a 'full' trainer needs with a pool of 250 images"
+            "fl-bench: memory_budget_mb = 200 of profile 'raspberry-pi-zero-2w' is below the ~381 MB a 'full' trainer of paper-cnn needs with a pool of 250 images"
         )
         and "(a 'head' trainer needs no torch)" in done.stderr
     )

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from edge_agent.field.folder_pool import DEFAULT_SETTLE_SECONDS
 from protocol.errors import UsageError
+from protocol.model_spec import DEFAULT_SPEC, ModelSpec, load_model_spec
 
 LABELLING_MODES = ("device", "central")
 
@@ -87,6 +88,10 @@ class FieldSettings:
     labelling: str = "device"
     query_image_side: int | None = None
     repredict: bool = False
+
+    def spec(self) -> ModelSpec:
+        """The fleet's model spec from --model-spec (the paper CNN's without it)."""
+        return load_model_spec(self.model_spec).spec if self.model_spec else DEFAULT_SPEC
 
 
 def field_settings(args: argparse.Namespace) -> FieldSettings:

@@ -30,7 +30,6 @@ from edge_agent.loop.profile import DEFAULT_PREDICTIONS_LOG_MB, DeviceProfile
 from edge_agent.loop.round_inputs import RoundModels, mc_probabilities
 from protocol import messages
 from protocol.label_signing import labelling_key
-from protocol.model_spec import DEFAULT_SPEC, load_model_spec
 from protocol.prediction_messages import PredictionBatch
 from protocol.supervision import Health
 from protocol.tensors import Weights
@@ -212,7 +211,7 @@ def open_field(
     pool_cap = profile.pool_size_cap if profile else DEFAULT_POOL_CAP
     oracle_dir = field.oracle_dir or state_dir / "labelling"
     listen = parse_listen_address(field.label_ui) if field.label_ui else None
-    spec = load_model_spec(field.model_spec).spec if field.model_spec else DEFAULT_SPEC
+    spec = field.spec()
     images = InputSpec(spec.channels, spec.height, spec.width)
     data = open_folder_data(
         state_dir, field.pool_dir, pool_cap, images, field.settle_seconds, (oracle_dir,), spec.num_classes
