@@ -28,7 +28,8 @@ each device's predictions and the answers given on the page.
 
 Usage: python benchmarks/camera_bench.py [--backbones efficientnet-lite0 mobilenet] [--samplers random typical-then-balanced-margin]
        [--seeds 0] [--devices 4] [--per-class 50] [--rounds 5] [--labels 20] [--epochs 20] [--init-epochs 30]
-       [--averaged-heads [--local-rule pseudo-labels] | --pool-statistics] [--max-message-bytes 262144] [--classes boot=9,bag=8,shirt=0,trouser=1,dress=3] [--out DIR] [--json] [--loop]
+       [--averaged-heads [--local-rule pseudo-labels] | --pool-statistics] [--max-message-bytes 262144]
+       [--classes boot=9,bag=8,shirt=0,trouser=1,dress=3] [--out DIR] [--json] [--loop]
 """
 
 from __future__ import annotations

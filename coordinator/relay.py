@@ -166,11 +166,11 @@ def refuse_device_dp(announcement: messages.RoundAnnouncement) -> None:
 
 
 class SiteRounds:
-    """The site half: the coordinator's round machinery (intake, spool, closing by site_strategy, retained publishing)
-    on the site broker, one site round per central round with the central model and recipe, committed in the relay's own
-    store before anything goes upstream; a restarted relay resumes an open site round from its spool. A recipe that
-    asks for secure aggregation makes the site round a secure round among the site's devices (at least two): the
-    relay learns only the site's sum."""
+    """The site half: the coordinator's round machinery (intake, spool, closing by site_strategy, retained
+    publishing) on the site broker, one site round per central round with the central model and recipe, committed
+    in the relay's own store before anything goes upstream; a restarted relay resumes an open site round from its
+    spool. A recipe that asks for secure aggregation makes the site round a secure round among the site's devices
+    (at least two): the relay learns only the site's sum."""
 
     def __init__(self, settings: ServerSettings, session: MqttSession, store: RunStore, rules: RoundRules) -> None:
         self.settings = settings

@@ -279,9 +279,9 @@ def test_a_camera_whose_person_answers_at_random_is_a_suspect_under_the_pooled_h
 def test_the_guides_pseudo_labels_variant_trains_on_the_pool_and_counts_human_labels_only(
     tmp_path: Path, fashion: ImageDataset
 ) -> None:
-    """The guide's averaged heads with `--local-rule pseudo-labels`: real cameras train on their unlabelled pool (their log
-    says on how many rows), and every count the coordinator keeps (the round's labels, each update's samples) is of
-    human answers alone."""
+    """The guide's averaged heads with `--local-rule pseudo-labels`: real cameras train on their unlabelled pool
+    (their log says on how many rows), and every count the coordinator keeps (the round's labels, each update's
+    samples) is of human answers alone."""
     fleet_dir, devices, labels = tmp_path / "fleet", 2, 6
     classes = parse_classes(CLASSES)
     build_fleet(fleet_dir, FleetSettings(devices, classes, 12, 6, size=64, seed=3), fashion)

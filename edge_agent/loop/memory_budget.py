@@ -65,7 +65,8 @@ def footprint_of(trainer: str, spec: ModelSpec) -> BackboneFootprint:
 
 
 def estimated_peak_mb(trainer: str, pool_size: int, inference_batch: int, spec: ModelSpec = DEFAULT_SPEC) -> float:
-    """The round's expected peak RSS: the trainer's runtime floor, the backbone's, the pool's rows, the scoring batch."""
+    """The round's expected peak RSS: the trainer's runtime floor, the backbone's, the pool's rows and the scoring
+    batch."""
     footprint = footprint_of(trainer, spec)
     pool_mb = pool_size * footprint.row_bytes / 2**20
     return RUNTIME_FLOOR_MB[trainer] + footprint.extra_mb + pool_mb + inference_batch * MB_PER_BATCH_IMAGE
