@@ -11,12 +11,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from browser import headless_chromium, needs_chromium, wait_for
 from PIL import Image
 from test_labelling_desk import DEVICE, FLEET, Device, wait_until
 
 from coordinator.cli import main
 from coordinator.commands.round_console import RoundPrinter
+from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.report import write_report
+from coordinator.dashboard.server import Dashboard, ListenAddress
 from coordinator.dashboard.views import load_snapshot, rounds_view
 from coordinator.intake.observer import RoundResult
 from coordinator.labelling.desk import LabellingDesk
@@ -207,6 +210,27 @@ def test_the_store_dashboard_and_report_keep_both_accuracies_with_their_sizes(tm
     page = write_report(tmp_path).read_text()
     assert "<th>test images</th><th>field accuracy</th><th>field images</th>" in page
     assert "<td>0.8020</td><td>1000</td><td>0.7400</td><td>212</td>" in page
+
+
+@needs_chromium
+def test_the_dashboard_and_report_say_which_rounds_the_pools_refined(tmp_path: Path) -> None:
+    """A pooled head's round that the pools' posteriors refined carries their weight to the round timeline (the real
+    page in headless chromium, and the report); one fitted from the labels alone does not."""
+    reports = [{"pool_refined": False, "pool_weight": 0.0}, {"pool_refined": True, "pool_weight": 1.428571}]
+    run_dir = tmp_path / "run"
+    with RunStore(run_dir) as store:
+        store.set_config({"run_id": "r"})
+        for round_id, report in enumerate(reports, start=1):
+            store.commit_round(RoundRecord(round_id, 1.0, 2.0, "ab" * 32, 0.8, 10, 1, 0, report, {}), [])
+    assert [row["pool_weight"] for row in rounds_view(load_snapshot(run_dir))] == [None, 1.428571]
+    page = write_report(run_dir).read_text()
+    assert "<td>1</td>" in page and "<td>2 (refined by the pools, weight 1.429)</td>" in page
+    script = "return [...document.querySelectorAll('#timeline tbody tr')].map(r => r.cells[0].textContent)"
+    served = Dashboard(ListenAddress("127.0.0.1", 0), run_dir, LiveState(total_rounds=2), None)
+    with served as dashboard, headless_chromium(tmp_path / "chromium-profile") as browser:
+        browser.open(dashboard.url)
+        cells = wait_for(lambda: browser.evaluate(script) or None, 60, "the round timeline")
+    assert cells == ["1", "2 (refined by the pools, weight 1.429)"]
 
 
 def test_a_field_test_share_out_of_range_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -186,6 +186,12 @@ def sweep_section(run_dir: Path) -> list[str]:
     return [*parts, table(header, rows)]
 
 
+def round_name(row: dict) -> str:
+    """A round's number, with the weight the pools refined it with where they did (a pooled head's round)."""
+    weight = row.get("pool_weight")
+    return str(row["round"]) if weight is None else f"{row['round']} (refined by the pools, weight {weight:.3f})"
+
+
 def timeline_section(rounds: list[dict]) -> list[str]:
     """The round timeline chart and table: duration, quorum, accepted, stragglers, rejections, suspects, accuracy on
     both test sets with their sizes."""
@@ -195,7 +201,7 @@ def timeline_section(rounds: list[dict]) -> list[str]:
     ]
     rows = [
         [
-            r["round"],
+            round_name(r),
             f"{r['seconds']:.1f}",
             r["quorum"],
             r["accepted"],

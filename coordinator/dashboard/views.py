@@ -319,8 +319,8 @@ def health_view(health: Health) -> dict:
 
 def rounds_view(snapshot: RunSnapshot) -> list[dict]:
     """One row per committed round: timing, accuracy (on the server's test images, and on the field set, each with
-    its size), labels, quorum, stragglers, rejections, suspects, each device's local accuracy and the promotion
-    gate's decision on it."""
+    its size), labels, quorum, stragglers, rejections, suspects, the weight the pools refined a pooled head with
+    (None: not refined), each device's local accuracy and the promotion gate's decision on it."""
     devices_by_round = grouped(snapshot.device_rounds, lambda r: r.round_id)
     rejections_by_round = grouped(snapshot.rejections, lambda rejection: rejection[0])
     gate = {event.round_id: event for event in snapshot.serving if event.who == "gate"}
@@ -348,6 +348,7 @@ def rounds_view(snapshot: RunSnapshot) -> list[dict]:
                 ],
                 "suspects": record.report.get("suspects", {}),
                 "excluded": record.report.get("excluded", []),
+                "pool_weight": record.report.get("pool_weight") if record.report.get("pool_refined") else None,
                 "aggregation_seconds": record.report.get("aggregation_seconds"),
                 "dp": record.report.get("dp"),
                 "device_accuracy": {r.device_id: r.local_accuracy for r in devices if r.local_accuracy is not None},

@@ -184,13 +184,18 @@ function drawAccuracy(rounds) {
             "labels", "test accuracy");
 }
 
+function roundName(r) {
+  return r.pool_weight === null || r.pool_weight === undefined ? String(r.round)
+    : `${r.round} (refined by the pools, weight ${fixed(r.pool_weight, 3)})`;
+}
+
 function drawTimeline(rounds) {
   const body = document.querySelector("#timeline tbody");
   body.replaceChildren();
   const longest = Math.max(1, ...rounds.map(r => r.seconds));
   for (const r of rounds) {
     const row = element("tr", {"data-round": r.round});
-    cell(row, String(r.round));
+    cell(row, roundName(r));
     const bar = svg("svg", {width: 160, height: 12});
     bar.appendChild(svg("rect", {x: 0, y: 1, width: (160 * r.seconds) / longest, height: 10, class: "bar"}));
     cell(row, "").appendChild(bar);
