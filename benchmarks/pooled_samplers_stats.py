@@ -12,14 +12,11 @@ Usage: python benchmarks/pooled_samplers_stats.py OUT/*/camera_al.json [--out DI
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from camera_al_stats import DEFAULT, by_seed, reach_share, shown, t_interval
-from semi_supervised_stats import RARE, paired
+from semi_supervised_stats import RARE, paired, tables_main
 
 POOLED = "pooled:"
 RANDOM, CAMERA = POOLED + "random", POOLED + DEFAULT
@@ -101,17 +98,7 @@ def table_rows(summary: dict[str, Any]) -> list[str]:
 
 def main() -> None:
     """Every JSON's summary, the table printed, both written under --out."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", nargs="+", type=Path, help="camera_al.py's JSON, one per setting")
-    parser.add_argument("--out", type=Path, help="write summary.json and table.md here")
-    args = parser.parse_args()
-    summaries = [setting_summary(json.loads(path.read_text())) for path in args.results]
-    table = "\n".join([TABLE_HEAD, *(row for summary in summaries for row in table_rows(summary))])
-    print(table)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "summary.json").write_text(json.dumps(summaries, indent=1) + "\n")
-        (args.out / "table.md").write_text(table + "\n")
+    tables_main(__doc__, setting_summary, table_rows, TABLE_HEAD)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -161,19 +162,30 @@ def table_rows(summary: dict[str, Any]) -> list[str]:
     return rows
 
 
-def main() -> None:
-    """Every JSON's summary, the table printed, both written under --out."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def tables_main(
+    doc: str | None,
+    summarise: Callable[[dict[str, Any]], dict[str, Any]],
+    rows: Callable[[dict[str, Any]], list[str]],
+    head: str,
+) -> None:
+    """The stats scripts' command line: every camera_al JSON summarised, the markdown table (`head`, then each
+    setting's rows) printed, both written under --out."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="+", type=Path, help="camera_al.py's JSON, one per setting")
     parser.add_argument("--out", type=Path, help="write summary.json and table.md here")
     args = parser.parse_args()
-    summaries = [setting_summary(json.loads(path.read_text())) for path in args.results]
-    table = "\n".join([TABLE_HEAD, *(row for summary in summaries for row in table_rows(summary))])
+    summaries = [summarise(json.loads(path.read_text())) for path in args.results]
+    table = "\n".join([head, *(row for summary in summaries for row in rows(summary))])
     print(table)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "summary.json").write_text(json.dumps(summaries, indent=1) + "\n")
         (args.out / "table.md").write_text(table + "\n")
+
+
+def main() -> None:
+    """Every JSON's summary, the table printed, both written under --out."""
+    tables_main(__doc__, setting_summary, table_rows, TABLE_HEAD)
 
 
 if __name__ == "__main__":
