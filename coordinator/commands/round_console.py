@@ -13,6 +13,7 @@ from coordinator.dashboard.live import LiveState
 from coordinator.dashboard.server import Dashboard, dashboard_token, parse_listen_address, served_names
 from coordinator.intake.observer import RoundResult
 from coordinator.setup.settings import ServerSettings
+from coordinator.strategies.pooled_head import pool_refinement
 from protocol.errors import UsageError
 
 
@@ -47,7 +48,7 @@ class RoundPrinter:
                         "rejected": result.rejected,
                         "suspects": result.suspects,
                         **({"epsilon": result.report["dp"]["epsilon"]} if "dp" in result.report else {}),
-                        **({"pool_weight": result.report["pool_weight"]} if result.report.get("pool_refined") else {}),
+                        **({"pool_weight": weight} if (weight := pool_refinement(result.report)) is not None else {}),
                     }
                 ),
                 flush=True,
@@ -115,7 +116,8 @@ def labels_words(result: RoundResult) -> str:
 def pool_words(report: dict) -> str:
     """'  refined by the pools (weight W)' for a round whose class means the pools' posteriors moved (the pooled
     head's --pool-statistics 1), W their weight against all the fit's labels; '' otherwise."""
-    return f"  refined by the pools (weight {report['pool_weight']:.2f})" if report.get("pool_refined") else ""
+    weight = pool_refinement(report)
+    return "" if weight is None else f"  refined by the pools (weight {weight:.2f})"
 
 
 def peak_words(peaks: dict[str, float]) -> str:

@@ -15,6 +15,7 @@ from coordinator.rounds.closing import DEVICE_EPSILON, FIELD_ACCURACY, FIELD_IMA
 from coordinator.storage.serving_history import HELD, ServingEvent, serving_stack
 from coordinator.storage.store import AGGREGATE_CHANGE, DeviceRoundRecord, RoundRecord, RunStore, stored_spec
 from coordinator.strategies.method_kinds import method_kinds
+from coordinator.strategies.pooled_head import pool_refinement
 from protocol.model_spec import spec_hash
 from protocol.supervision import Health
 
@@ -348,7 +349,7 @@ def rounds_view(snapshot: RunSnapshot) -> list[dict]:
                 ],
                 "suspects": record.report.get("suspects", {}),
                 "excluded": record.report.get("excluded", []),
-                "pool_weight": record.report.get("pool_weight") if record.report.get("pool_refined") else None,
+                "pool_weight": pool_refinement(record.report),
                 "aggregation_seconds": record.report.get("aggregation_seconds"),
                 "dp": record.report.get("dp"),
                 "device_accuracy": {r.device_id: r.local_accuracy for r in devices if r.local_accuracy is not None},

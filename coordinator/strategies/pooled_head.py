@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,12 @@ from protocol.trained_set import head_shape
 CLASS_SHARES = "class_shares"  # the fit's report: the fleet's human labels per class as shares
 POOL_LABELS = 400.0  # the pools' posterior sums weigh as much as 400 labels together (measured: section 7.10)
 UNSEEN_BIAS = -1e4  # the bias of a class no label holds yet: its mean is unknown, so the head never predicts it
+
+
+def pool_refinement(report: Mapping[str, Any]) -> float | None:
+    """The weight the pools' posteriors refined a round's fit with, as its report records it; None for a round they
+    did not refine (or a report of another strategy)."""
+    return float(report["pool_weight"]) if report.get("pool_refined") else None
 
 
 def class_means(statistics: HeadStatistics) -> tuple[np.ndarray, np.ndarray]:
